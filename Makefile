@@ -1,0 +1,28 @@
+# Two entry points, each self-contained on a fresh machine with Python 3.11+ and make.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test,examples]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/guess_next_number.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/python -m mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,502 @@
+"""The machine that runs `Do` computations and layer graphs.
+
+One evaluation (one ``train()``, ``predict()`` or ``run()``) owns a table of
+*records*, one per layer or weight it reached. A record is the reference-
+counted wrapper of the paper: the forward value, the backward rules, a count
+of consumers still holding it, and the accumulator of their deltas. Releasing
+the last hold on a record runs its backward once, with the summed delta, and
+then releases its operands; so a diamond is back-propagated once per node and
+the work is linear in the graph.
+
+Everything is iterative. The machine is a single generator with an explicit
+stack of continuation frames; it yields only at real asynchronous effects
+(``Do.from_async``/``Do.resource``) and at forks, so a pure graph runs without
+touching the event loop, and neither a chain of 100,000 operations nor a
+chain of 100,000 ``bind``s grows the Python stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from contextlib import asynccontextmanager
+from typing import Any, Final
+
+import anyio
+import numpy as np
+
+from monadl._settings import current_settings
+from monadl.do import BIND, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
+from monadl.errors import DTypeError, NonFiniteError, ShapeError
+from monadl.layers._layer import Layer, Weight
+from monadl.layers._primitives import unbroadcast
+from monadl.tape import Tape
+
+Machine = Generator[Awaitable[Any], Any, Any]
+
+# Continuation frame tags.
+_K_MAP: Final = 0
+_K_BIND: Final = 1
+_K_BIND_DONE: Final = 2
+_K_ZIP: Final = 3
+_K_SHARED: Final = 4
+_K_GRAPH: Final = 5
+_K_FROM_DO: Final = 6
+_K_ROOT: Final = 7
+
+
+class _Record:
+    """One layer's or weight's state in one evaluation."""
+
+    __slots__ = ("value", "vjps", "inputs", "refcount", "delta", "needs_grad", "node", "tape_backward", "release", "is_weight")
+
+    def __init__(self, value: Any, vjps: Any, inputs: Any, needs_grad: bool, node: Any) -> None:
+        self.value = value
+        self.vjps = vjps
+        self.inputs = inputs
+        self.refcount = 0
+        self.delta: Any = None
+        self.needs_grad = needs_grad
+        self.node = node
+        self.tape_backward: Callable[[Any], None] | None = None
+        self.release: Any = None
+        self.is_weight = False
+
+    def accumulate(self, delta: Any) -> None:
+        """A consumer's delta: summed now, sent upstream at the last release."""
+        self.delta = delta if self.delta is None else self.delta + delta
+
+    def tape(self) -> Tape[Any, Any]:
+        return Tape(self.value, self.accumulate if self.needs_grad else None)
+
+
+class _Shared:
+    __slots__ = ("value", "release", "count")
+
+    def __init__(self, value: Any, release: Any) -> None:
+        self.value = value
+        self.release = release
+        self.count = 1
+
+
+class _UserRelease:
+    __slots__ = ("release", "value", "done")
+
+    def __init__(self, release: Callable[[Any], Awaitable[None]], value: Any) -> None:
+        self.release = release
+        self.value = value
+        self.done = False
+
+
+class Evaluation:
+    """The state of one run: records, shared values, open resources."""
+
+    __slots__ = ("train", "records", "shared", "open", "check_finite")
+
+    def __init__(self, train: bool) -> None:
+        self.train = train
+        self.records: dict[Any, _Record] = {}
+        self.shared: dict[Do[Any], _Shared] = {}
+        self.open: list[_UserRelease] = []
+        self.check_finite = current_settings().check_finite
+
+    def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
+        return {
+            rec.node: rec.delta
+            for rec in self.records.values()
+            if rec.is_weight and rec.delta is not None
+        }
+
+
+# ---- forward -----------------------------------------------------------------------
+def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
+    """Acquire ``root`` in ``ev``: returns ``(value, release token)``."""
+    records = ev.records
+    stack: list[Any] = []
+    cur = root
+    val: Any = None
+    tok: Any = None
+    descending = True
+    while True:
+        if descending:
+            kind = cur._kind
+            if kind == FORWARD:
+                node = cur._a
+                rec = records.get(node)
+                if rec is None:
+                    stack.append((_K_ROOT, node))
+                    stack.append((_K_GRAPH, [node]))
+                    descending = False
+                    continue
+                rec.refcount += 1
+                val, tok = rec.tape(), rec
+                descending = False
+            elif kind == MAP:
+                stack.append((_K_MAP, cur._b))
+                cur = cur._a
+            elif kind == BIND:
+                stack.append((_K_BIND, cur._b))
+                cur = cur._a
+            elif kind == PURE:
+                val, tok = cur._a, None
+                descending = False
+            elif kind == ZIP:
+                dos = cur._a
+                if not dos:
+                    val, tok = (), None
+                    descending = False
+                else:
+                    stack.append([_K_ZIP, dos, 0, [], []])
+                    cur = dos[0]
+            elif kind == SHARED:
+                entry = ev.shared.get(cur)
+                if entry is not None:
+                    entry.count += 1
+                    val, tok = entry.value, entry
+                    descending = False
+                else:
+                    stack.append((_K_SHARED, cur))
+                    cur = cur._a
+            else:  # EFFECT
+                assert kind == EFFECT
+                val = yield cur._a()
+                tok = None
+                if cur._b is not None:
+                    tok = _UserRelease(cur._b, val)
+                    ev.open.append(tok)
+                descending = False
+            continue
+
+        if not stack:
+            return val, tok
+        frame = stack.pop()
+        tag = frame[0]
+        if tag == _K_GRAPH:
+            if _graph(ev, frame, stack):
+                cur = stack[-1][1]._do
+                descending = True
+        elif tag == _K_ROOT:
+            rec = records[frame[1]]
+            rec.refcount += 1
+            val, tok = rec.tape(), rec
+        elif tag == _K_MAP:
+            val = frame[1](val)
+        elif tag == _K_BIND:
+            stack.append((_K_BIND_DONE, tok))
+            cur = frame[1](val)
+            if not isinstance(cur, Do):
+                raise TypeError(f"a function given to bind returned {type(cur).__name__}, not a Do")
+            descending = True
+        elif tag == _K_BIND_DONE:
+            # Released right to left: the inner computation first.
+            tok = (frame[1], tok)
+        elif tag == _K_ZIP:
+            frame[3].append(val)
+            frame[4].append(tok)
+            i = frame[2] + 1
+            if i < len(frame[1]):
+                frame[2] = i
+                stack.append(frame)
+                cur = frame[1][i]
+                descending = True
+            else:
+                val, tok = tuple(frame[3]), tuple(frame[4])
+        elif tag == _K_SHARED:
+            entry = _Shared(val, tok)
+            ev.shared[frame[1]] = entry
+            tok = entry
+        else:  # _K_FROM_DO: a layer built from a Do[Tape] has its tape
+            assert tag == _K_FROM_DO
+            if not isinstance(val, Tape):
+                raise TypeError(f"the Do of {frame[1]!r} yielded {type(val).__name__}, not a Tape")
+            rec = _Record(val.data, None, (), val.backward is not None, frame[1])
+            rec.tape_backward = val.backward
+            rec.release = tok
+            records[frame[1]] = rec
+
+
+def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> bool:
+    """Run the depth-first walk of a layer graph held in ``frame``.
+
+    Returns True when it met a layer built from a ``Do``: then the frames to
+    resume are pushed and the machine must evaluate that layer's ``Do`` first.
+    """
+    records = ev.records
+    todo: list[Any] = frame[1]
+    check_finite = ev.check_finite
+    while todo:
+        node = todo[-1]
+        if node in records:
+            todo.pop()
+            continue
+        op = node._op
+        if op is None:
+            stack.append(frame)
+            stack.append((_K_FROM_DO, node))
+            return True
+        inputs = node._inputs
+        pending = False
+        for x in inputs:
+            kind = type(x)
+            if kind is Layer:
+                if x not in records:
+                    todo.append(x)
+                    pending = True
+            elif kind is Weight and x not in records:
+                rec = _Record(x._data, None, (), ev.train, x)
+                rec.is_weight = True
+                records[x] = rec
+        if pending:
+            continue
+        todo.pop()
+        args: list[Any] = []
+        ins: list[_Record | None] = []
+        needs = False
+        for x in inputs:
+            kind = type(x)
+            if kind is Layer or kind is Weight:
+                rec = records[x]
+                rec.refcount += 1
+                args.append(rec.value)
+                ins.append(rec)
+                needs = needs or rec.needs_grad
+            else:
+                args.append(x)
+                ins.append(None)
+        if op.same_dtype:
+            _check_dtypes(node, args)
+        try:
+            out, vjps = op.rule(*args, *node._params)
+        except ValueError as exc:
+            raise ShapeError(
+                f"{op.name}: operands {_describe(args)} do not fit together ({exc}); layer built at {_where(node)}"
+            ) from exc
+        except Exception as exc:
+            exc.add_note(f"monadl: in {op.name} of {_describe(args)}; layer built at {_where(node)}")
+            raise
+        if check_finite and not np.all(np.isfinite(out)):
+            raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
+        records[node] = _Record(out, vjps if needs else None, ins, needs, node)
+    return False
+
+
+# ---- backward and release -------------------------------------------------------
+def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
+    """Release a token; a record whose last hold goes runs its backward once."""
+    check_finite = ev.check_finite
+    work = [token]
+    while work:
+        t = work.pop()
+        kind = type(t)
+        if kind is _Record:
+            t.refcount -= 1
+            if t.refcount:
+                continue
+            delta = t.delta
+            if backward and delta is not None:
+                if t.vjps is not None:
+                    for r, vjp in zip(t.inputs, t.vjps):
+                        if r is not None and r.needs_grad:
+                            try:
+                                g = vjp(delta)
+                                if getattr(g, "shape", ()) != getattr(r.value, "shape", ()):
+                                    g = unbroadcast(g, np.shape(r.value))
+                            except Exception as exc:
+                                exc.add_note(f"monadl: in the backward of {t.node._op.name}, layer built at {_where(t.node)}")
+                                raise
+                            if check_finite and not np.all(np.isfinite(g)):
+                                raise NonFiniteError(f"the backward of {t.node._op.name} produced a NaN or an infinity; layer built at {_where(t.node)}")
+                            r.delta = g if r.delta is None else r.delta + g
+                elif t.tape_backward is not None:
+                    t.tape_backward(delta)
+            if not t.is_weight:
+                t.delta = None
+                t.vjps = None
+            for r in t.inputs:
+                if r is not None:
+                    work.append(r)
+            if t.release is not None:
+                work.append(t.release)
+        elif kind is tuple:
+            work.extend(t)
+        elif kind is _Shared:
+            t.count -= 1
+            if t.count == 0:
+                work.append(t.release)
+        elif kind is _UserRelease:
+            if not t.done:
+                t.done = True
+                yield t.release(t.value)
+        else:
+            assert t is None, t
+
+
+async def drive(machine: Machine) -> Any:
+    """Run a machine generator on the current event loop."""
+    try:
+        request = machine.send(None)
+        while True:
+            request = machine.send(await request)
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        machine.close()
+
+
+def drive_sync(machine: Machine) -> Any:
+    """Run a machine that needs no event loop (a graph of primitives)."""
+    try:
+        request = machine.send(None)
+    except StopIteration as stop:
+        return stop.value
+    machine.close()
+    if hasattr(request, "close"):
+        request.close()
+    raise RuntimeError("this computation awaits something: run it inside an event loop with await")
+
+
+async def abort(ev: Evaluation) -> None:
+    """After a failure: close every resource still open, newest first."""
+    with anyio.CancelScope(shield=True):
+        for held in reversed(ev.open):
+            if not held.done:
+                held.done = True
+                try:
+                    await held.release(held.value)
+                except Exception:  # the original failure is the one to report
+                    pass
+
+
+# ---- entry points ------------------------------------------------------------------
+def forward_backward(ev: Evaluation, root: Any) -> Machine:
+    """Forward, seed the root's delta with ones, back-propagate; returns the value."""
+    tape, token = yield from evaluate(ev, Do(FORWARD, root))
+    if tape.backward is not None:
+        tape.backward(_ones_like(tape.data))
+    yield from release(ev, token, True)
+    return tape.data
+
+
+def _ones_like(value: Any) -> Any:
+    return value * 0 + 1
+
+
+async def train(root: Any) -> Any:
+    ev = Evaluation(train=True)
+    try:
+        value = await drive(forward_backward(ev, root))
+        grads = ev.weight_gradients()
+        # Compute every step before committing any: a failing update changes nothing.
+        steps = [(w, *_step(w, g)) for w, g in grads.items()]
+    except BaseException:
+        await abort(ev)
+        raise
+    for weight, data, state in steps:
+        weight._data = data
+        weight._state = state
+    return value
+
+
+def _step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
+    old = weight._data
+    update, state = weight._optimizer.update(grad, weight._state, old)
+    new = old + update
+    dtype = old.dtype
+    new = new.astype(dtype, copy=False) if isinstance(new, np.ndarray) else dtype.type(new)
+    return new, state
+
+
+async def predict(root: Any) -> Any:
+    ev = Evaluation(train=False)
+    try:
+        tape, token = await drive(evaluate(ev, Do(FORWARD, root)))
+        await drive(release(ev, token, False))
+    except BaseException:
+        await abort(ev)
+        raise
+    return tape.data
+
+
+async def run(do: Do[Any]) -> Any:
+    ev = Evaluation(train=False)
+    try:
+        value, token = await drive(evaluate(ev, do))
+        await drive(release(ev, token, False))
+    except BaseException:
+        await abort(ev)
+        raise
+    return value
+
+
+@asynccontextmanager
+async def acquire(do: Do[Any]) -> AsyncIterator[Any]:
+    ev = Evaluation(train=False)
+    try:
+        value, token = await drive(evaluate(ev, do))
+    except BaseException:
+        await abort(ev)
+        raise
+    try:
+        yield value
+    except BaseException:
+        await abort(ev)
+        raise
+    try:
+        await drive(release(ev, token, False))
+    except BaseException:
+        await abort(ev)
+        raise
+
+
+def gradients_sync(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """Value and weight gradients of a pure graph, without stepping any weight."""
+    ev = Evaluation(train=True)
+    value = drive_sync(forward_backward(ev, root))
+    return value, ev.weight_gradients()
+
+
+async def gradients(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """Value and weight gradients, without stepping any weight."""
+    ev = Evaluation(train=True)
+    try:
+        value = await drive(forward_backward(ev, root))
+    except BaseException:
+        await abort(ev)
+        raise
+    return value, ev.weight_gradients()
+
+
+def predict_sync(root: Any) -> Any:
+    ev = Evaluation(train=False)
+    tape, token = drive_sync(evaluate(ev, Do(FORWARD, root)))
+    drive_sync(release(ev, token, False))
+    return tape.data
+
+
+# ---- errors ---------------------------------------------------------------------
+def _where(node: Any) -> str:
+    return f"{node._site[0]}:{node._site[1]}"
+
+
+def _describe(args: list[Any]) -> str:
+    parts = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            parts.append(f"{a.dtype}{list(a.shape)}")
+        elif isinstance(a, np.generic):
+            parts.append(f"{a.dtype} scalar")
+        else:
+            parts.append(f"{type(a).__name__} {a!r}")
+    return ", ".join(parts)
+
+
+def _check_dtypes(node: Any, args: list[Any]) -> None:
+    first = None
+    for a in args:
+        if type(a) is np.ndarray and a.ndim and a.dtype.kind == "f":
+            if first is None:
+                first = a.dtype
+            elif a.dtype != first:
+                raise DTypeError(
+                    f"{node._op.name}: operands {_describe(args)} mix {first} and {a.dtype} arrays; "
+                    f"cast one with .astype first; layer built at {_where(node)}"
+                )

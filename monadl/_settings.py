@@ -1,0 +1,80 @@
+"""Runtime settings, scoped with a context variable (no global mutable state).
+
+Context variables follow anyio tasks and worker threads, so a setting made
+around ``await loss.train()`` holds for everything that training runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+
+__all__ = ["Settings", "settings", "current_settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How the runtime evaluates layers.
+
+    Attributes:
+        workers: worker threads available to parallel branches (the paper's
+            "thread pool size"). 1 never forks.
+        fork_threshold_s: a branch forks only when its measured cost on the
+            previous evaluation of the same model code exceeds this (a thread
+            hop costs tens of microseconds; forking must pay for it).
+        check_finite: raise `NonFiniteError` at the first operation whose
+            forward value or backward delta holds a NaN or an infinity.
+    """
+
+    workers: int = 1
+    fork_threshold_s: float = 1e-3
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.fork_threshold_s < 0:
+            raise ValueError(f"fork_threshold_s must be >= 0, got {self.fork_threshold_s}")
+
+
+def _default() -> Settings:
+    workers = int(os.environ.get("MONADL_WORKERS", "1"))
+    return Settings(workers=workers)
+
+
+_current: ContextVar[Settings] = ContextVar("monadl_settings", default=_default())
+
+
+def current_settings() -> Settings:
+    """The settings in force here."""
+    return _current.get()
+
+
+@contextmanager
+def settings(
+    *,
+    workers: int | None = None,
+    fork_threshold_s: float | None = None,
+    check_finite: bool | None = None,
+) -> Iterator[Settings]:
+    """Override settings inside a ``with`` block.
+
+    >>> with settings(check_finite=True) as s:
+    ...     s.check_finite
+    True
+    """
+    old = _current.get()
+    new = replace(
+        old,
+        workers=old.workers if workers is None else workers,
+        fork_threshold_s=old.fork_threshold_s if fork_threshold_s is None else fork_threshold_s,
+        check_finite=old.check_finite if check_finite is None else check_finite,
+    )
+    token = _current.set(new)
+    try:
+        yield new
+    finally:
+        _current.reset(token)

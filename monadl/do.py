@@ -1,0 +1,209 @@
+"""`Do[A]`: a lazy, asynchronous, reference-counted computation.
+
+Building a `Do` computes nothing; it only describes. Running it inside an
+*evaluation* acquires a value together with a release obligation; releasing
+finalises it. The same evaluation memoises `shared()` computations and layer
+forwards, so a node that several consumers acquire runs once and is released
+(and, for a tape, back-propagated) once, when the last consumer lets go.
+
+The constructors are few on purpose, and one iterative machine
+(`monadl._machine`) interprets them all with an explicit stack, so neither a
+long chain of `bind`s nor a deep layer graph grows the Python stack.
+
+>>> import anyio
+>>> d = Do.pure(20).map(lambda x: x + 1).bind(lambda x: Do.pure(x * 2))
+>>> anyio.run(d.run)
+42
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final, overload
+
+if TYPE_CHECKING:
+    from monadl.layers._layer import Layer
+
+A = TypeVar("A", covariant=True)
+B = TypeVar("B")
+C = TypeVar("C")
+D = TypeVar("D")
+E = TypeVar("E")
+T = TypeVar("T")
+
+__all__ = ["Do"]
+
+# Constructor tags. Small ints keep the machine's dispatch cheap.
+PURE: Final = 0
+MAP: Final = 1
+BIND: Final = 2
+ZIP: Final = 3
+SHARED: Final = 4
+EFFECT: Final = 5
+FORWARD: Final = 6
+
+
+@final
+class Do(Generic[A]):
+    """A lazy description of an asynchronous computation yielding an ``A``.
+
+    Use the constructors (`pure`, `from_async`, `resource`, `zip`, `gather`)
+    and combinators (`map`, `bind`, `apply`, `shared`); run with `run` or
+    `acquire`. Layers give ``Do[Tape[Data, Delta]]`` through ``forward()``.
+    """
+
+    __slots__ = ("_kind", "_a", "_b")
+
+    _kind: int
+    _a: Any
+    _b: Any
+
+    def __init__(self, kind: int, a: Any = None, b: Any = None) -> None:
+        self._kind = kind
+        self._a = a
+        self._b = b
+
+    def __repr__(self) -> str:
+        names = ("pure", "map", "bind", "zip", "shared", "effect", "forward")
+        return f"Do.{names[self._kind]}(...)"
+
+    # ---- constructors -------------------------------------------------
+    @staticmethod
+    def pure(value: T) -> Do[T]:
+        """A computation that yields ``value`` and releases nothing.
+
+        >>> import anyio
+        >>> anyio.run(Do.pure(3).run)
+        3
+        """
+        return Do(PURE, value)
+
+    @staticmethod
+    def from_value(value: T) -> Do[T]:
+        """The `returns` name for `pure`."""
+        return Do(PURE, value)
+
+    @staticmethod
+    def from_async(thunk: Callable[[], Awaitable[T]]) -> Do[T]:
+        """Await ``thunk()`` when the computation runs (once per run).
+
+        >>> import anyio
+        >>> async def fetch() -> int:
+        ...     return 7
+        >>> anyio.run(Do.from_async(fetch).run)
+        7
+        """
+        return Do(EFFECT, thunk, None)
+
+    @staticmethod
+    def resource(
+        acquire: Callable[[], Awaitable[T]],
+        release: Callable[[T], Awaitable[None]],
+    ) -> Do[T]:
+        """A value that must be finalised: ``release`` runs exactly once,
+        when the consumer releases it, or when the evaluation fails.
+
+        >>> import anyio
+        >>> log = []
+        >>> async def open_() -> str:
+        ...     log.append("open"); return "handle"
+        >>> async def close(h: str) -> None:
+        ...     log.append("close " + h)
+        >>> anyio.run(Do.resource(open_, close).map(len).run)
+        6
+        >>> log
+        ['open', 'close handle']
+        """
+        return Do(EFFECT, acquire, release)
+
+    @overload
+    @staticmethod
+    def zip(a: Do[B], /) -> Do[tuple[B]]: ...
+    @overload
+    @staticmethod
+    def zip(a: Do[B], b: Do[C], /) -> Do[tuple[B, C]]: ...
+    @overload
+    @staticmethod
+    def zip(a: Do[B], b: Do[C], c: Do[D], /) -> Do[tuple[B, C, D]]: ...
+    @overload
+    @staticmethod
+    def zip(a: Do[B], b: Do[C], c: Do[D], d: Do[E], /) -> Do[tuple[B, C, D, E]]: ...
+    @staticmethod
+    def zip(*dos: Do[Any]) -> Do[tuple[Any, ...]]:
+        """The parallel applicative: independent computations, joined.
+
+        The runtime may run the operands concurrently (it does when they are
+        coarse enough to pay for a fork, see `monadl.settings`).
+
+        >>> import anyio
+        >>> anyio.run(Do.zip(Do.pure(1), Do.pure("a")).run)
+        (1, 'a')
+        """
+        return Do(ZIP, tuple(dos))
+
+    @staticmethod
+    def gather(dos: Iterable[Do[B]]) -> Do[tuple[B, ...]]:
+        """`zip` over any number of computations of one type.
+
+        >>> import anyio
+        >>> anyio.run(Do.gather(Do.pure(i) for i in range(3)).run)
+        (0, 1, 2)
+        """
+        return Do(ZIP, tuple(dos))
+
+    @staticmethod
+    def forward_of(layer: Layer[B, Any]) -> Do[Any]:
+        """Internal: the forward pass of a layer (use ``layer.forward()``)."""
+        return Do(FORWARD, layer)
+
+    # ---- combinators --------------------------------------------------
+    def map(self, function: Callable[[A], B]) -> Do[B]:
+        """Apply a plain function to the value; the release is unchanged."""
+        return Do(MAP, self, function)
+
+    def bind(self, function: Callable[[A], Do[B]]) -> Do[B]:
+        """Run ``function(value)`` next, in the same evaluation.
+
+        The inner computation is released before the outer one, like nested
+        ``async with`` blocks.
+        """
+        return Do(BIND, self, function)
+
+    def apply(self, container: Do[Callable[[A], B]]) -> Do[B]:
+        """Applicative application (`returns`' ``apply``): both sides are
+        independent and may run concurrently."""
+        return Do(ZIP, (container, self)).map(_call_pair)
+
+    def shared(self) -> Do[A]:
+        """A handle that runs this computation at most once per evaluation.
+
+        Every consumer that acquires the returned handle gets the same value;
+        the underlying release runs when the last consumer releases.
+        """
+        if self._kind == SHARED or self._kind == FORWARD:
+            return self
+        return Do(SHARED, self)
+
+    # ---- running ------------------------------------------------------
+    async def run(self) -> A:
+        """Acquire in a fresh evaluation, release, and return the value."""
+        from monadl import _machine
+
+        return await _machine.run(self)  # type: ignore[no-any-return]
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[A]:
+        """Acquire in a fresh evaluation; release on leaving the block.
+
+        Inside the block the value is alive: any resources it holds are open.
+        Gradients are not tracked here (use ``Layer.train`` for that).
+        """
+        from monadl import _machine
+
+        async with _machine.acquire(self) as value:
+            yield value
+
+
+def _call_pair(pair: tuple[Callable[[B], C], B]) -> C:
+    return pair[0](pair[1])

@@ -1,0 +1,111 @@
+"""Gradients without a step, and a finite-difference check for any function.
+
+`check_grads` is the helper every primitive's test uses, and the one to call
+on your own differentiable functions: it compares the backward pass with
+central differences in float64, through a random projection of the output,
+so the whole vector-Jacobian product is checked, not only its sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from monadl import _machine
+from monadl.layers._layer import Layer, Weight, _Expr
+
+__all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
+
+
+async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
+    """The gradient of ``loss`` (summed, if not a scalar) for each weight,
+    without changing any weight. A weight the loss does not reach gets zeros.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]))
+    >>> anyio.run(gradients, ml.sum(w * w), [w])
+    [array([2., 4.])]
+    """
+    _, grads = await _machine.gradients(loss)
+    return [grads.get(w, np.zeros_like(w.data)) for w in weights]
+
+
+def check_grads(
+    function: Callable[..., _Expr[Any, Any]],
+    *args: Any,
+    eps: float = 1e-6,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    seed: int = 0,
+) -> None:
+    """Raise `AssertionError` unless ``function``'s backward pass matches
+    central finite differences at ``args``.
+
+    Args:
+        function: takes one operand per arg (plain arrays, weights or layers:
+            it is called both ways) and returns a layer built only from
+            primitives (no awaited effects).
+        args: the point, as floats or float arrays; they are converted to
+            float64.
+        eps: the finite-difference step.
+        rtol, atol: tolerances of the comparison.
+        seed: seeds the random projection of the output.
+
+    >>> import numpy as np, monadl as ml
+    >>> check_grads(lambda a, b: ml.tanh(a * b), np.array([0.5, -1.0]), 2.0)
+    """
+    point = [np.asarray(a, dtype=np.float64) for a in args]
+    probe = _machine.predict_sync(function(*point))
+    projection = np.random.default_rng(seed).standard_normal(np.shape(probe))
+
+    def scalar(*operands: Any) -> Layer[Any, Any]:
+        out = function(*operands)
+        return (out * projection).sum() if np.ndim(probe) else out * projection
+
+    weights = [Weight(p.copy() if p.ndim else p[()]) for p in point]
+    _, grads = _machine.gradients_sync(scalar(*weights))
+    for i, p in enumerate(point):
+        analytic = np.asarray(grads.get(weights[i], np.zeros_like(p)), dtype=np.float64)
+        numeric = np.zeros_like(p)
+        for j in np.ndindex(p.shape):
+            up, down = [q.copy() for q in point], [q.copy() for q in point]
+            up[i][j] += eps
+            down[i][j] -= eps
+            hi = float(_machine.predict_sync(scalar(*(u if u.ndim else u[()] for u in up))))
+            lo = float(_machine.predict_sync(scalar(*(d if d.ndim else d[()] for d in down))))
+            numeric[j] = (hi - lo) / (2 * eps)
+        if analytic.shape != p.shape or not np.allclose(analytic, numeric, rtol=rtol, atol=atol):
+            raise AssertionError(
+                f"gradient of argument {i} (shape {p.shape}) disagrees with finite differences:\n"
+                f"backward: {analytic}\nnumeric:  {numeric}"
+            )
+
+
+def check_grads_over_shapes(
+    function: Callable[..., _Expr[Any, Any]],
+    shapes: Iterable[Sequence[tuple[int, ...]]],
+    *,
+    low: float = -2.0,
+    high: float = 2.0,
+    seed: int = 0,
+    **tolerances: float,
+) -> int:
+    """`check_grads` at random points for each tuple of argument shapes in a
+    table (include broadcasting pairs); returns how many cases were checked.
+
+    >>> import monadl as ml
+    >>> check_grads_over_shapes(lambda a, b: a * b, [[(3,), (3,)], [(2, 3), (3,)], [(2, 1), ()]])
+    3
+    """
+    rng = np.random.default_rng(seed)
+    count = 0
+    for case in shapes:
+        args = [rng.uniform(low, high, size=s) for s in case]
+        try:
+            check_grads(function, *args, seed=seed, **tolerances)
+        except AssertionError as exc:
+            raise AssertionError(f"shapes {list(case)}: {exc}") from None
+        count += 1
+    return count

@@ -1,0 +1,50 @@
+"""Layers, weights and the differentiable functions over them."""
+
+from monadl.layers._functions import (
+    abs,
+    concatenate,
+    conv2d,
+    cross_entropy,
+    dense,
+    dot,
+    exp,
+    log,
+    log_softmax,
+    logsumexp,
+    matmul,
+    max,
+    max_pool2d,
+    maximum,
+    mean,
+    minimum,
+    relu,
+    reshape,
+    sigmoid,
+    softmax,
+    sqrt,
+    stack,
+    sum,
+    tanh,
+    transpose,
+)
+from monadl.layers._layer import (
+    Array,
+    ArrayLayer,
+    ArrayOperand,
+    ArrayWeight,
+    Layer,
+    Operand,
+    ScalarLayer,
+    ScalarOperand,
+    ScalarWeight,
+    Weight,
+)
+from monadl.layers._primitives import Primitive, unbroadcast
+
+__all__ = [
+    "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "Layer", "Operand", "Primitive",
+    "ScalarLayer", "ScalarOperand", "ScalarWeight", "Weight", "abs", "concatenate", "conv2d",
+    "cross_entropy", "dense", "dot", "exp", "log", "log_softmax", "logsumexp", "matmul", "max",
+    "max_pool2d", "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "sqrt",
+    "stack", "sum", "tanh", "transpose", "unbroadcast",
+]

@@ -1,0 +1,275 @@
+"""Differentiable functions. Each accepts plain data, weights and layers alike.
+
+The ones marked *composed* are built from the primitives in `_primitives`, so
+they need no backward rule of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from monadl.errors import OperandError
+from monadl.layers._layer import (
+    Array,
+    ArrayLayer,
+    ArrayOperand,
+    Layer,
+    Operand,
+    ScalarLayer,
+    ScalarOperand,
+    _operand,
+)
+from monadl.layers._primitives import PRIMITIVES
+
+__all__ = [
+    "abs",
+    "concatenate",
+    "conv2d",
+    "cross_entropy",
+    "dense",
+    "dot",
+    "exp",
+    "log",
+    "log_softmax",
+    "logsumexp",
+    "matmul",
+    "max",
+    "max_pool2d",
+    "maximum",
+    "mean",
+    "minimum",
+    "relu",
+    "reshape",
+    "sigmoid",
+    "softmax",
+    "sqrt",
+    "stack",
+    "sum",
+    "tanh",
+    "transpose",
+]
+
+
+def _apply(name: str, operands: tuple[object, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
+    return Layer._make(PRIMITIVES[name], tuple(_operand(x, name) for x in operands), params)
+
+
+# ---- elementwise ------------------------------------------------------------------------
+@overload
+def exp(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def exp(x: ArrayOperand) -> ArrayLayer: ...
+def exp(x: Operand) -> Layer[Any, Any]:
+    """``e ** x``, elementwise."""
+    return _apply("exp", (x,))
+
+
+@overload
+def log(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def log(x: ArrayOperand) -> ArrayLayer: ...
+def log(x: Operand) -> Layer[Any, Any]:
+    """Natural logarithm, elementwise."""
+    return _apply("log", (x,))
+
+
+@overload
+def sqrt(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def sqrt(x: ArrayOperand) -> ArrayLayer: ...
+def sqrt(x: Operand) -> Layer[Any, Any]:
+    """Square root, elementwise."""
+    return _apply("sqrt", (x,))
+
+
+@overload
+def abs(x: ScalarOperand) -> ScalarLayer: ...  # noqa: A001 - NumPy's name
+@overload
+def abs(x: ArrayOperand) -> ArrayLayer: ...
+def abs(x: Operand) -> Layer[Any, Any]:
+    """Absolute value; its delta at 0 is 0."""
+    return _apply("abs", (x,))
+
+
+@overload
+def tanh(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def tanh(x: ArrayOperand) -> ArrayLayer: ...
+def tanh(x: Operand) -> Layer[Any, Any]:
+    """Hyperbolic tangent, elementwise."""
+    return _apply("tanh", (x,))
+
+
+@overload
+def sigmoid(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def sigmoid(x: ArrayOperand) -> ArrayLayer: ...
+def sigmoid(x: Operand) -> Layer[Any, Any]:
+    """The logistic function ``1 / (1 + e ** -x)``, without overflow."""
+    return _apply("sigmoid", (x,))
+
+
+@overload
+def relu(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def relu(x: ArrayOperand) -> ArrayLayer: ...
+def relu(x: Operand) -> Layer[Any, Any]:
+    """``max(x, 0)``; its delta at 0 is 0.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(relu(np.array([-1.0, 2.0])).predict)
+    array([-0.,  2.])
+    """
+    return _apply("relu", (x,))
+
+
+@overload
+def maximum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
+@overload
+def maximum(a: Operand, b: Operand) -> ArrayLayer: ...
+def maximum(a: Operand, b: Operand) -> Layer[Any, Any]:
+    """Elementwise maximum; at ties each side gets half the delta."""
+    return _apply("maximum", (a, b))
+
+
+@overload
+def minimum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
+@overload
+def minimum(a: Operand, b: Operand) -> ArrayLayer: ...
+def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
+    """Elementwise minimum; at ties each side gets half the delta."""
+    return _apply("minimum", (a, b))
+
+
+# ---- linear algebra ----------------------------------------------------------------------
+def matmul(a: ArrayOperand, b: ArrayOperand) -> Layer[Any, Any]:
+    """Matrix product with NumPy's rules (``a @ b``), batch axes broadcast."""
+    return _apply("matmul", (a, b))
+
+
+def dot(a: ArrayOperand, b: ArrayOperand) -> Layer[Any, Any]:
+    """Dot product of vectors, or matrix product of 1-D and 2-D operands."""
+    return _apply("matmul", (a, b))
+
+
+def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:
+    """``x @ weight + bias``, *composed*."""
+    out: ArrayLayer = _apply("matmul", (x, weight))
+    return out if bias is None else out + bias
+
+
+# ---- reductions --------------------------------------------------------------------------
+@overload
+def sum(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...  # noqa: A001
+@overload
+def sum(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def sum(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    """Sum over ``axis``, or over everything.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(sum(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0).predict)
+    array([4., 6.])
+    """
+    return _apply("sum", (x,), (axis, keepdims))
+
+
+@overload
+def mean(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...
+@overload
+def mean(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def mean(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    """Mean over ``axis``, or over everything."""
+    return _apply("mean", (x,), (axis, keepdims))
+
+
+@overload
+def max(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...  # noqa: A001
+@overload
+def max(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def max(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    """Maximum over ``axis``, or over everything; tied maxima share the delta."""
+    return _apply("max", (x,), (axis, keepdims))
+
+
+@overload
+def logsumexp(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...
+@overload
+def logsumexp(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def logsumexp(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    """``log(sum(exp(x)))`` computed without overflow."""
+    return _apply("logsumexp", (x,), (axis, keepdims))
+
+
+def softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
+    """``exp(x) / sum(exp(x))`` along ``axis``, without overflow."""
+    return _apply("softmax", (x,), (axis,))
+
+
+def log_softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
+    """``log(softmax(x))`` along ``axis``, computed stably."""
+    return _apply("log_softmax", (x,), (axis,))
+
+
+def cross_entropy(logits: ArrayOperand, labels: Array) -> ScalarLayer:
+    """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``,
+    *composed* of log_softmax, indexing and mean.
+
+    Args:
+        logits: scores of shape ``(batch, classes)``.
+        labels: integers of shape ``(batch,)``, plain data.
+
+    >>> import anyio, numpy as np
+    >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
+    >>> round(float(anyio.run(loss.predict)), 6)  # log(4)
+    1.386294
+    """
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu" or labels.ndim != 1:
+        raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {labels.dtype}{list(labels.shape)}")
+    picked: ArrayLayer = log_softmax(logits, axis=-1)[np.arange(labels.shape[0]), labels]
+    return -mean(picked)
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
+    """The same values in another shape."""
+    return _apply("reshape", (x,), (tuple(shape),))
+
+
+def transpose(x: Operand, axes: Sequence[int] | None = None) -> ArrayLayer:
+    """Permute axes (reverse them by default)."""
+    return _apply("transpose", (x,), (None if axes is None else tuple(axes),))
+
+
+def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+    """Join along an existing axis."""
+    if len(xs) == 0:
+        raise OperandError("concatenate: needs at least one operand")
+    return _apply("concatenate", tuple(xs), (axis,))
+
+
+def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+    """Join along a new axis."""
+    if len(xs) == 0:
+        raise OperandError("stack: needs at least one operand")
+    return _apply("stack", tuple(xs), (axis,))
+
+
+# ---- convolution ------------------------------------------------------------------------------
+def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int = 0) -> ArrayLayer:
+    """2-D cross-correlation, NCHW input ``(N, C, H, W)``, kernel ``(O, C, KH, KW)``,
+    zero padding on each side (PyTorch's ``conv2d`` without bias)."""
+    if stride < 1 or padding < 0:
+        raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
+    return _apply("conv2d", (x, kernel), (stride, padding))
+
+
+def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
+    """Max pooling over ``kernel x kernel`` windows of NCHW input."""
+    stride = kernel if stride is None else stride
+    if kernel < 1 or stride < 1:
+        raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")
+    return _apply("max_pool2d", (x,), (kernel, stride))

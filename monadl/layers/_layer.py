@@ -1,0 +1,361 @@
+"""`Layer` (a lazy differentiable expression) and `Weight` (a trainable variable).
+
+Building a layer computes nothing: it records the primitive, its operands and
+the line of user code that built it (for error messages). `forward()` gives the
+paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, final, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from monadl.do import FORWARD, Do
+from monadl.errors import OperandError
+from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.tape import Tape
+
+if TYPE_CHECKING:
+    from monadl.optim import GradientTransformation
+
+__all__ = [
+    "Array",
+    "ArrayLayer",
+    "ArrayWeight",
+    "Layer",
+    "Operand",
+    "ScalarLayer",
+    "ScalarWeight",
+    "Weight",
+]
+
+D = TypeVar("D")
+G = TypeVar("G")
+
+Array: TypeAlias = npt.NDArray[Any]
+"""A NumPy array (any dtype monadl computes with: float32 or float64)."""
+
+
+def _site() -> tuple[str, int]:
+    """File and line of the first caller outside monadl: where the user built this."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "monadl":
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+_NUMERIC_KINDS = frozenset("fiub")
+
+
+def _operand(x: object, op: str) -> Any:
+    """Check an operand early, where the user's line is still on the stack."""
+    if isinstance(x, _Expr):
+        return x
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind not in _NUMERIC_KINDS:
+            raise OperandError(f"{op}: array operand has dtype {x.dtype}; monadl computes with numbers")
+        return x
+    if isinstance(x, (float, int, np.number, np.bool_)):
+        return x
+    hint = " (wrap it with np.asarray first)" if isinstance(x, (list, tuple)) else ""
+    raise OperandError(
+        f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}"
+    )
+
+
+class _Expr(Generic[D, G]):
+    """What layers and weights share: operators that build new layers.
+
+    Abstract: only `Layer` and `Weight` are instantiated.
+    """
+
+    __slots__ = ()
+    # Make NumPy hand `ndarray * layer` to our reflected operators instead of
+    # building an object array.
+    __array_ufunc__ = None
+
+    def forward(self) -> Do[Tape[D, G]]:
+        """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""
+        return Do(FORWARD, self)
+
+    async def train(self) -> D:
+        """One forward and one backward pass; every weight reached takes one
+        optimizer step. Returns the forward value (the loss).
+
+        If anything fails or is cancelled, no weight changes.
+        """
+        from monadl import _machine
+
+        return await _machine.train(self)  # type: ignore[no-any-return]
+
+    async def predict(self) -> D:
+        """The forward pass only; returns the value."""
+        from monadl import _machine
+
+        return await _machine.predict(self)  # type: ignore[no-any-return]
+
+    # ---- arithmetic (typed: scalars stay scalars, arrays win) -----------------
+    @overload
+    def __add__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    @overload
+    def __add__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    @overload
+    def __add__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __add__(self, other: Operand) -> Layer[Any, Any]:
+        return _binary("add", self, other)
+
+    @overload
+    def __radd__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    @overload
+    def __radd__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    @overload
+    def __radd__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __radd__(self, other: Array | float) -> Layer[Any, Any]:
+        return _binary("add", other, self)
+
+    @overload
+    def __sub__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    @overload
+    def __sub__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    @overload
+    def __sub__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __sub__(self, other: Operand) -> Layer[Any, Any]:
+        return _binary("subtract", self, other)
+
+    @overload
+    def __rsub__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    @overload
+    def __rsub__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    @overload
+    def __rsub__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rsub__(self, other: Array | float) -> Layer[Any, Any]:
+        return _binary("subtract", other, self)
+
+    @overload
+    def __mul__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    @overload
+    def __mul__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    @overload
+    def __mul__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __mul__(self, other: Operand) -> Layer[Any, Any]:
+        return _binary("multiply", self, other)
+
+    @overload
+    def __rmul__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    @overload
+    def __rmul__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    @overload
+    def __rmul__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rmul__(self, other: Array | float) -> Layer[Any, Any]:
+        return _binary("multiply", other, self)
+
+    @overload
+    def __truediv__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    @overload
+    def __truediv__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    @overload
+    def __truediv__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __truediv__(self, other: Operand) -> Layer[Any, Any]:
+        return _binary("divide", self, other)
+
+    @overload
+    def __rtruediv__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    @overload
+    def __rtruediv__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    @overload
+    def __rtruediv__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rtruediv__(self, other: Array | float) -> Layer[Any, Any]:
+        return _binary("divide", other, self)
+
+    @overload
+    def __pow__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    @overload
+    def __pow__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    @overload
+    def __pow__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __pow__(self, other: Operand) -> Layer[Any, Any]:
+        return _binary("power", self, other)
+
+    @overload
+    def __rpow__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    @overload
+    def __rpow__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    @overload
+    def __rpow__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
+        return _binary("power", other, self)
+
+    def __matmul__(self, other: ArrayOperand) -> Layer[Any, Any]:
+        return _binary("matmul", self, other)
+
+    def __rmatmul__(self, other: Array) -> Layer[Any, Any]:
+        return _binary("matmul", other, self)
+
+    def __neg__(self) -> Layer[D, G]:
+        return Layer._make(PRIMITIVES["negative"], (self,))
+
+    def __abs__(self) -> Layer[D, G]:
+        return Layer._make(PRIMITIVES["abs"], (self,))
+
+    def __getitem__(self, index: Any) -> Layer[Any, Any]:
+        if isinstance(index, _Expr):
+            raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
+        return Layer._make(PRIMITIVES["getitem"], (self,), (index,))
+
+    # ---- array methods ------------------------------------------------------
+    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+        """Sum over ``axis`` (all axes by default)."""
+        return Layer._make(PRIMITIVES["sum"], (self,), (axis, keepdims))
+
+    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+        """Mean over ``axis`` (all axes by default)."""
+        return Layer._make(PRIMITIVES["mean"], (self,), (axis, keepdims))
+
+    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+        """Maximum over ``axis``; tied maxima share the delta."""
+        return Layer._make(PRIMITIVES["max"], (self,), (axis, keepdims))
+
+    def reshape(self, *shape: int) -> Layer[Array, Array]:
+        """A view of the same values in another shape."""
+        return Layer._make(PRIMITIVES["reshape"], (self,), (shape,))
+
+    def transpose(self, *axes: int) -> Layer[Array, Array]:
+        """Permute axes (reverse them when none are given)."""
+        return Layer._make(PRIMITIVES["transpose"], (self,), (axes or None,))
+
+    @property
+    def T(self) -> Layer[Array, Array]:  # noqa: N802 - NumPy's name
+        """The transpose."""
+        return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
+
+
+ScalarOperand: TypeAlias = "float | _Expr[float, float]"
+ArrayOperand: TypeAlias = "Array | _Expr[Array, Array]"
+Operand: TypeAlias = "Array | float | _Expr[Any, Any]"
+"""Anything a differentiable function accepts: plain data, weights and layers."""
+
+
+def _binary(name: str, a: object, b: object) -> Layer[Any, Any]:
+    return Layer._make(PRIMITIVES[name], (_operand(a, name), _operand(b, name)))
+
+
+@final
+class Layer(_Expr[D, G]):
+    """A lazy differentiable expression whose forward value is a ``D`` and
+    whose delta is a ``G``.
+
+    Layers come from operators and functions on weights, data and other
+    layers, or from any ``Do[Tape[D, G]]`` (the paper's dynamic networks):
+
+    >>> import anyio, numpy as np
+    >>> w = Weight(np.array([1.0, 2.0]))
+    >>> anyio.run((w * 3.0).sum().predict)
+    np.float64(9.0)
+    """
+
+    __slots__ = ("_op", "_inputs", "_params", "_do", "_site")
+
+    _op: Primitive | None
+    _inputs: tuple[Any, ...]
+    _params: tuple[Any, ...]
+    _do: Do[Tape[D, G]] | None
+    _site: tuple[str, int]
+
+    def __init__(self, forward: Do[Tape[D, G]]) -> None:
+        """A layer whose forward pass is ``forward`` (evaluated at most once
+        per evaluation, however many consumers it has)."""
+        if not isinstance(forward, Do):
+            raise OperandError(f"Layer(...) takes a Do[Tape[...]], got {type(forward).__name__}")
+        self._op = None
+        self._inputs = ()
+        self._params = ()
+        self._do = forward
+        self._site = _site()
+
+    @classmethod
+    def _make(cls, op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
+        layer: Layer[Any, Any] = object.__new__(cls)
+        layer._op = op
+        layer._inputs = inputs
+        layer._params = params
+        layer._do = None
+        layer._site = _site()
+        return layer
+
+    def __repr__(self) -> str:
+        what = self._op.name if self._op is not None else "from Do"
+        return f"Layer({what}, built at {self._site[0]}:{self._site[1]})"
+
+
+ScalarLayer: TypeAlias = Layer[float, float]
+ArrayLayer: TypeAlias = Layer[Array, Array]
+
+
+@final
+class Weight(_Expr[D, G]):
+    """A trainable variable: its data, its optimizer and the optimizer's state.
+
+    Each ``train()`` that reaches a weight sums every use's delta and then
+    takes exactly one optimizer step, after the whole backward pass succeeded.
+
+    Args:
+        data: the initial value: a float (a scalar weight) or a float array.
+        optimizer: how to turn a gradient into an update; by default
+            `monadl.optim.default_optimizer()`.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.5))
+    >>> w.data
+    array([0., 0.])
+    """
+
+    __slots__ = ("_data", "_optimizer", "_state", "__weakref__")
+
+    _data: Any
+    _optimizer: GradientTransformation
+    _state: Any
+
+    @overload
+    def __init__(self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None) -> None: ...
+    @overload
+    def __init__(self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None) -> None: ...
+    def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
+        from monadl import optim
+
+        if isinstance(data, _Expr):
+            raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
+        if isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray)):
+            raise OperandError(f"Weight(...) takes a float or a float array, got {type(data).__name__}")
+        if isinstance(data, np.ndarray):
+            if data.dtype.kind != "f":
+                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
+            data = data.copy()
+        elif not isinstance(data, np.floating):
+            data = np.float64(data)
+        if optimizer is None:
+            optimizer = optim.default_optimizer()
+        elif not isinstance(optimizer, optim.GradientTransformation):
+            raise OperandError(f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}")
+        self._data = data
+        self._optimizer = optimizer
+        self._state = optimizer.init(data)
+
+    @property
+    def data(self) -> D:
+        """The current value (replaced, never mutated, by each step)."""
+        return self._data  # type: ignore[no-any-return]
+
+    @property
+    def optimizer(self) -> GradientTransformation:
+        """The optimizer that steps this weight."""
+        return self._optimizer
+
+    def __repr__(self) -> str:
+        return f"Weight({self._data!r})"
+
+
+ScalarWeight: TypeAlias = Weight[float, float]
+ArrayWeight: TypeAlias = Weight[Array, Array]

@@ -1,0 +1,273 @@
+"""Optimizers as pairs of pure functions, composed with `chain` (after optax).
+
+A `GradientTransformation` is ``(init, update)``: ``init(param)`` makes the
+state for one weight; ``update(grad, state, param)`` returns the update to add
+to the parameter and the new state. Nothing is mutated, so a failed step can
+be thrown away whole. ``adam`` is ``chain(scale_by_adam(...),
+scale_by_learning_rate(lr))``.
+
+>>> import numpy as np
+>>> opt = sgd(0.1)
+>>> state = opt.init(np.zeros(2))
+>>> update, state = opt.update(np.array([1.0, -2.0]), state, np.zeros(2))
+>>> update
+array([-0.1,  0.2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NamedTuple, TypeAlias
+
+import numpy as np
+
+__all__ = [
+    "GradientTransformation",
+    "Schedule",
+    "adagrad",
+    "adam",
+    "add_decayed_weights",
+    "add_l1_decay",
+    "chain",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "default_optimizer",
+    "exponential_decay",
+    "momentum",
+    "nesterov",
+    "rmsprop",
+    "scale",
+    "scale_by_adagrad",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_rms",
+    "sgd",
+    "trace",
+    "using_default",
+]
+
+Tensor: TypeAlias = Any  # an ndarray or a NumPy scalar
+State: TypeAlias = Any
+Schedule: TypeAlias = Callable[[int], float]
+"""A learning rate as a function of the step count (0 for the first step)."""
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer: ``init(param) -> state`` and
+    ``update(grad, state, param) -> (update, state)``."""
+
+    init: Callable[[Tensor], State]
+    update: Callable[[Tensor, State, Tensor], tuple[Tensor, State]]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transformations one after another; the state is their tuple.
+
+    >>> opt = chain(trace(0.9), scale_by_learning_rate(0.1))
+    >>> len(opt.init(0.0))
+    2
+    """
+
+    def init(param: Tensor) -> State:
+        return tuple(t.init(param) for t in transforms)
+
+    def update(grad: Tensor, state: State, param: Tensor) -> tuple[Tensor, State]:
+        new_state = []
+        for t, s in zip(transforms, state):
+            grad, s = t.update(grad, s, param)
+            new_state.append(s)
+        return grad, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+# ---- schedules -------------------------------------------------------------------
+def constant_schedule(value: float) -> Schedule:
+    """The same learning rate at every step."""
+    return lambda step: value
+
+
+def exponential_decay(init_value: float, decay_rate: float, transition_steps: int = 1) -> Schedule:
+    """``init_value * decay_rate ** (step / transition_steps)``.
+
+    >>> exponential_decay(1.0, 0.5, 2)(4)
+    0.25
+    """
+    if transition_steps <= 0:
+        raise ValueError("transition_steps must be positive")
+    return lambda step: init_value * decay_rate ** (step / transition_steps)
+
+
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over
+    ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017)."""
+    if decay_steps <= 0:
+        raise ValueError("decay_steps must be positive")
+
+    def schedule(step: int) -> float:
+        t = min(step, decay_steps) / decay_steps
+        return init_value * ((1 - alpha) * 0.5 * (1 + float(np.cos(np.pi * t))) + alpha)
+
+    return schedule
+
+
+# ---- building blocks --------------------------------------------------------------
+def scale(factor: float) -> GradientTransformation:
+    """Multiply the update by a constant."""
+    return GradientTransformation(lambda p: None, lambda g, s, p: (g * factor, s))
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
+    """Multiply by ``-learning_rate`` (descent), a constant or a schedule of the step."""
+    if callable(learning_rate):
+        schedule = learning_rate
+
+        def update(g: Tensor, step: int, p: Tensor) -> tuple[Tensor, int]:
+            return g * -schedule(step), step + 1
+
+        return GradientTransformation(lambda p: 0, update)
+    if learning_rate <= 0:
+        raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+    return scale(-learning_rate)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: a decaying sum of past gradients (Polyak 1964; Nesterov 1983
+    in the form of Sutskever et al. 2013 when ``nesterov``)."""
+
+    def update(g: Tensor, velocity: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+        velocity = g + decay * velocity
+        return (g + decay * velocity if nesterov else velocity), velocity
+
+    return GradientTransformation(lambda p: np.zeros_like(p), update)
+
+
+class AdagradState(NamedTuple):
+    sum_of_squares: Tensor
+
+
+def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
+    """Divide by the root of the summed squared gradients (Duchi et al., 2011)."""
+
+    def update(g: Tensor, state: AdagradState, p: Tensor) -> tuple[Tensor, AdagradState]:
+        total = state.sum_of_squares + g * g
+        return g / (np.sqrt(total) + eps), AdagradState(total)
+
+    return GradientTransformation(lambda p: AdagradState(np.full_like(p, initial_accumulator)), update)
+
+
+class RmsState(NamedTuple):
+    mean_square: Tensor
+
+
+def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
+    """Divide by a moving root mean square of gradients (Tieleman & Hinton, 2012)."""
+
+    def update(g: Tensor, state: RmsState, p: Tensor) -> tuple[Tensor, RmsState]:
+        ms = decay * state.mean_square + (1 - decay) * g * g
+        return g / (np.sqrt(ms) + eps), RmsState(ms)
+
+    return GradientTransformation(lambda p: RmsState(np.zeros_like(p)), update)
+
+
+class AdamState(NamedTuple):
+    count: int
+    mu: Tensor
+    nu: Tensor
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1)."""
+
+    def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
+        count = state.count + 1
+        mu = b1 * state.mu + (1 - b1) * g
+        nu = b2 * state.nu + (1 - b2) * g * g
+        mu_hat = mu / (1 - b1**count)
+        nu_hat = nu / (1 - b2**count)
+        return mu_hat / (np.sqrt(nu_hat) + eps), AdamState(count, mu, nu)
+
+    return GradientTransformation(lambda p: AdamState(0, np.zeros_like(p), np.zeros_like(p)), update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """L2 decay: add ``weight_decay * param`` to the gradient."""
+    return GradientTransformation(lambda p: None, lambda g, s, p: (g + weight_decay * p, s))
+
+
+def add_l1_decay(l1: float) -> GradientTransformation:
+    """L1 decay: add ``l1 * sign(param)`` to the gradient (a subgradient of ``l1 * |param|``)."""
+    return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * np.sign(p), s))
+
+
+# ---- the usual optimizers ------------------------------------------------------------
+def sgd(learning_rate: float | Schedule) -> GradientTransformation:
+    """Plain stochastic gradient descent."""
+    return scale_by_learning_rate(learning_rate)
+
+
+def momentum(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTransformation:
+    """SGD with heavy-ball momentum."""
+    return chain(trace(decay), scale_by_learning_rate(learning_rate))
+
+
+def nesterov(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTransformation:
+    """SGD with Nesterov momentum."""
+    return chain(trace(decay, nesterov=True), scale_by_learning_rate(learning_rate))
+
+
+def adagrad(learning_rate: float | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
+    """Adagrad."""
+    return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
+
+
+def rmsprop(learning_rate: float | Schedule, decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
+    """RMSprop."""
+    return chain(scale_by_rms(decay, eps), scale_by_learning_rate(learning_rate))
+
+
+def adam(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam with bias correction.
+
+    >>> import numpy as np
+    >>> opt = adam(0.1)
+    >>> u, _ = opt.update(np.array([3.0]), opt.init(np.zeros(1)), np.zeros(1))
+    >>> np.round(u, 6)  # the first bias-corrected step has size lr
+    array([-0.1])
+    """
+    return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
+# ---- the default -----------------------------------------------------------------------
+DEFAULT_LEARNING_RATE = 0.0005
+"""The learning rate of the default optimizer, plain SGD (the paper's first listing)."""
+
+_default: ContextVar[GradientTransformation | None] = ContextVar("monadl_default_optimizer", default=None)
+
+
+def default_optimizer() -> GradientTransformation:
+    """What a `Weight` built without ``optimizer=`` gets: ``sgd(0.0005)``,
+    unless `using_default` says otherwise."""
+    chosen = _default.get()
+    return sgd(DEFAULT_LEARNING_RATE) if chosen is None else chosen
+
+
+@contextmanager
+def using_default(optimizer: GradientTransformation) -> Iterator[None]:
+    """Weights built inside the block default to ``optimizer``.
+
+    >>> import numpy as np, monadl as ml
+    >>> with using_default(adam(1e-3)):
+    ...     w = ml.Weight(np.zeros(3))
+    >>> len(w.optimizer.init(np.zeros(3)))  # adam's chain: two states
+    2
+    """
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(f"expected a GradientTransformation, got {type(optimizer).__name__}")
+    token = _default.set(optimizer)
+    try:
+        yield
+    finally:
+        _default.reset(token)
