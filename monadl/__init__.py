@@ -5,7 +5,7 @@ A model is plain Python that builds lazy `Layer`s over trainable `Weight`s;
 weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
-from monadl import optim
+from monadl import _allocator, optim  # noqa: F401 - _allocator tunes malloc on import
 from monadl._settings import Settings, current_settings, settings
 from monadl.do import Do
 from monadl.errors import DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError

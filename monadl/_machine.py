@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import asynccontextmanager
+from operator import attrgetter
 from typing import Any, Final
 
 import anyio
@@ -124,7 +125,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 rec = records.get(node)
                 if rec is None:
                     stack.append((_K_ROOT, node))
-                    stack.append((_K_GRAPH, [node]))
+                    stack.append([_K_GRAPH, node, None, 0])
                     descending = False
                     continue
                 rec.refcount += 1
@@ -215,57 +216,58 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
 
 
 def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> bool:
-    """Run the depth-first walk of a layer graph held in ``frame``.
+    """Compute the records of a layer graph, in construction order.
+
+    A layer is always built after its operands, so sorting the layers not yet
+    evaluated by their construction serial gives a topological order: each is
+    visited once to collect and once to compute, with no recursion.
 
     Returns True when it met a layer built from a ``Do``: then the frames to
     resume are pushed and the machine must evaluate that layer's ``Do`` first.
     """
     records = ev.records
-    todo: list[Any] = frame[1]
+    order: list[Any] | None = frame[2]
+    if order is None:
+        order = _collect(ev, frame[1])
+        frame[2] = order
     check_finite = ev.check_finite
-    while todo:
-        node = todo[-1]
-        if node in records:
-            todo.pop()
+    i = frame[3]
+    n = len(order)
+    while i < n:
+        node = order[i]
+        i += 1
+        if node in records:  # a Do evaluated meanwhile may have computed it
             continue
         op = node._op
         if op is None:
+            frame[3] = i - 1
             stack.append(frame)
             stack.append((_K_FROM_DO, node))
             return True
-        inputs = node._inputs
-        pending = False
-        for x in inputs:
-            kind = type(x)
-            if kind is Layer:
-                if x not in records:
-                    todo.append(x)
-                    pending = True
-            elif kind is Weight and x not in records:
-                rec = _Record(x._data, None, (), ev.train, x)
-                rec.is_weight = True
-                records[x] = rec
-        if pending:
-            continue
-        todo.pop()
         args: list[Any] = []
         ins: list[_Record | None] = []
         needs = False
-        for x in inputs:
+        for x in node._inputs:
             kind = type(x)
             if kind is Layer or kind is Weight:
                 rec = records[x]
                 rec.refcount += 1
                 args.append(rec.value)
                 ins.append(rec)
-                needs = needs or rec.needs_grad
+                if rec.needs_grad:
+                    needs = True
             else:
                 args.append(x)
                 ins.append(None)
-        if op.same_dtype:
+        if op.same_dtype and len(args) == 2:
+            a, b = args
+            if type(a) is np.ndarray and type(b) is np.ndarray and a.dtype is not b.dtype:
+                _check_dtypes(node, args)
+        elif op.same_dtype:
             _check_dtypes(node, args)
+        params = node._params
         try:
-            out, vjps = op.rule(*args, *node._params)
+            out, vjps = op.rule(*args, *params) if params else op.rule(*args)
         except ValueError as exc:
             raise ShapeError(
                 f"{op.name}: operands {_describe(args)} do not fit together ({exc}); layer built at {_where(node)}"
@@ -277,6 +279,35 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> bool:
             raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
         records[node] = _Record(out, vjps if needs else None, ins, needs, node)
     return False
+
+
+def _collect(ev: Evaluation, root: Any) -> list[Any]:
+    """The layers under ``root`` not evaluated yet, in construction order.
+
+    Weights met on the way get their records here. The walk stops at layers
+    built from a ``Do``: what they need is evaluated when their ``Do`` runs.
+    """
+    records = ev.records
+    order = [root]
+    seen = {root}
+    i = 0
+    while i < len(order):
+        for x in order[i]._inputs:
+            kind = type(x)
+            if kind is Layer:
+                if x not in seen and x not in records:
+                    seen.add(x)
+                    order.append(x)
+            elif kind is Weight and x not in records:
+                rec = _Record(x._data, None, (), ev.train, x)
+                rec.is_weight = True
+                records[x] = rec
+        i += 1
+    order.sort(key=_serial)
+    return order
+
+
+_serial = attrgetter("_serial")
 
 
 # ---- backward and release -------------------------------------------------------
@@ -490,6 +521,10 @@ def _describe(args: list[Any]) -> str:
 
 
 def _check_dtypes(node: Any, args: list[Any]) -> None:
+    if len(args) == 2:  # the common case, decided without a loop
+        a, b = args
+        if type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype is b.dtype:
+            return
     first = None
     for a in args:
         if type(a) is np.ndarray and a.ndim and a.dtype.kind == "f":

@@ -7,6 +7,8 @@ paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, final, overload
 
@@ -39,10 +41,14 @@ Array: TypeAlias = npt.NDArray[Any]
 """A NumPy array (any dtype monadl computes with: float32 or float64)."""
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_serials = itertools.count()
+
+
 def _site() -> tuple[str, int]:
     """File and line of the first caller outside monadl: where the user built this."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "monadl":
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno
 
@@ -52,6 +58,9 @@ _NUMERIC_KINDS = frozenset("fiub")
 
 def _operand(x: object, op: str) -> Any:
     """Check an operand early, where the user's line is still on the stack."""
+    kind = type(x)
+    if kind is Layer or kind is float or kind is Weight:
+        return x
     if isinstance(x, _Expr):
         return x
     if isinstance(x, np.ndarray):
@@ -239,7 +248,25 @@ Operand: TypeAlias = "Array | float | _Expr[Any, Any]"
 
 
 def _binary(name: str, a: object, b: object) -> Layer[Any, Any]:
-    return Layer._make(PRIMITIVES[name], (_operand(a, name), _operand(b, name)))
+    # The hot path of model building, so _make and _site are inlined here.
+    op = PRIMITIVES[name]
+    kind = type(a)
+    if kind is not Layer and kind is not float and kind is not Weight:
+        a = _operand(a, name)
+    kind = type(b)
+    if kind is not Layer and kind is not float and kind is not Weight:
+        b = _operand(b, name)
+    layer: Layer[Any, Any] = object.__new__(Layer)
+    layer._op = op
+    layer._inputs = (a, b)
+    layer._params = ()
+    layer._do = None
+    frame = sys._getframe(2)  # the caller of the operator
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    layer._site = (frame.f_code.co_filename, frame.f_lineno)
+    layer._serial = next(_serials)
+    return layer
 
 
 @final
@@ -256,13 +283,14 @@ class Layer(_Expr[D, G]):
     np.float64(9.0)
     """
 
-    __slots__ = ("_op", "_inputs", "_params", "_do", "_site")
+    __slots__ = ("_op", "_inputs", "_params", "_do", "_site", "_serial")
 
     _op: Primitive | None
     _inputs: tuple[Any, ...]
     _params: tuple[Any, ...]
     _do: Do[Tape[D, G]] | None
     _site: tuple[str, int]
+    _serial: int  # construction order: operands always have smaller serials
 
     def __init__(self, forward: Do[Tape[D, G]]) -> None:
         """A layer whose forward pass is ``forward`` (evaluated at most once
@@ -274,6 +302,7 @@ class Layer(_Expr[D, G]):
         self._params = ()
         self._do = forward
         self._site = _site()
+        self._serial = next(_serials)
 
     @classmethod
     def _make(cls, op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
@@ -283,6 +312,7 @@ class Layer(_Expr[D, G]):
         layer._params = params
         layer._do = None
         layer._site = _site()
+        layer._serial = next(_serials)
         return layer
 
     def __repr__(self) -> str:
