@@ -82,6 +82,10 @@ def monadl_chain(x: ml.ArrayWeight) -> ml.ScalarLayer:
     return ml.sum(y)
 
 
+def _tanh_backward(out: Any) -> Callable[[Any], Any]:
+    return lambda g: g * (1 - out * out)
+
+
 def numpy_chain_step(x: Any, lr: float) -> Any:
     """A bare closure tape: a list of backward closures, popped in reverse."""
     tape: list[Callable[[Any], Any]] = []
@@ -97,7 +101,7 @@ def numpy_chain_step(x: Any, lr: float) -> Any:
             tape.append(lambda g: g)
         elif k == 2:
             out = np.tanh(y)
-            tape.append(lambda g, out=out: g * (1 - out * out))
+            tape.append(_tanh_backward(out))
             y = out
         else:
             y = y - 0.01
@@ -163,8 +167,10 @@ async def run_benchmarks(repeats: int) -> list[tuple[str, str, float, float, int
     d = mlp_data()
     w1, b1, w2, b2 = (ml.Weight(d[k], optimizer=ml.optim.sgd(0.01)) for k in ("w1", "b1", "w2", "b2"))
 
+    x_in: ml.Array = d["x"]
+
     def mlp_loss() -> ml.ScalarLayer:
-        hidden = ml.relu(d["x"] @ w1 + b1)
+        hidden: ml.ArrayLayer = ml.relu(x_in @ w1 + b1)
         return ml.cross_entropy(hidden @ w2 + b2, d["y"])
 
     t, f = await _atime(lambda: mlp_loss().train(), repeats * 5)

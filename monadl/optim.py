@@ -173,7 +173,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformatio
 
 
 class AdamState(NamedTuple):
-    count: int
+    step: int
     mu: Tensor
     nu: Tensor
 
@@ -182,7 +182,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1)."""
 
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
-        count = state.count + 1
+        count = state.step + 1
         mu = b1 * state.mu + (1 - b1) * g
         nu = b2 * state.nu + (1 - b2) * g * g
         mu_hat = mu / (1 - b1**count)

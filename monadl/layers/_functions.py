@@ -129,7 +129,9 @@ def relu(x: Operand) -> Layer[Any, Any]:
 @overload
 def maximum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
 @overload
-def maximum(a: Operand, b: Operand) -> ArrayLayer: ...
+def maximum(a: ArrayOperand, b: Operand) -> ArrayLayer: ...
+@overload
+def maximum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def maximum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise maximum; at ties each side gets half the delta."""
     return _apply("maximum", (a, b))
@@ -138,19 +140,21 @@ def maximum(a: Operand, b: Operand) -> Layer[Any, Any]:
 @overload
 def minimum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
 @overload
-def minimum(a: Operand, b: Operand) -> ArrayLayer: ...
+def minimum(a: ArrayOperand, b: Operand) -> ArrayLayer: ...
+@overload
+def minimum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise minimum; at ties each side gets half the delta."""
     return _apply("minimum", (a, b))
 
 
 # ---- linear algebra ----------------------------------------------------------------------
-def matmul(a: ArrayOperand, b: ArrayOperand) -> Layer[Any, Any]:
+def matmul(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
     """Matrix product with NumPy's rules (``a @ b``), batch axes broadcast."""
     return _apply("matmul", (a, b))
 
 
-def dot(a: ArrayOperand, b: ArrayOperand) -> Layer[Any, Any]:
+def dot(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
     """Dot product of vectors, or matrix product of 1-D and 2-D operands."""
     return _apply("matmul", (a, b))
 

@@ -197,10 +197,10 @@ class _Expr(Generic[D, G]):
     def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary("power", other, self)
 
-    def __matmul__(self, other: ArrayOperand) -> Layer[Any, Any]:
+    def __matmul__(self, other: ArrayOperand) -> Layer[Array, Array]:
         return _binary("matmul", self, other)
 
-    def __rmatmul__(self, other: Array) -> Layer[Any, Any]:
+    def __rmatmul__(self, other: Array) -> Layer[Array, Array]:
         return _binary("matmul", other, self)
 
     def __neg__(self) -> Layer[D, G]:
@@ -215,14 +215,26 @@ class _Expr(Generic[D, G]):
         return Layer._make(PRIMITIVES["getitem"], (self,), (index,))
 
     # ---- array methods ------------------------------------------------------
+    @overload
+    def sum(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    @overload
+    def sum(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Sum over ``axis`` (all axes by default)."""
         return Layer._make(PRIMITIVES["sum"], (self,), (axis, keepdims))
 
+    @overload
+    def mean(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    @overload
+    def mean(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
     def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Mean over ``axis`` (all axes by default)."""
         return Layer._make(PRIMITIVES["mean"], (self,), (axis, keepdims))
 
+    @overload
+    def max(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    @overload
+    def max(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
     def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Maximum over ``axis``; tied maxima share the delta."""
         return Layer._make(PRIMITIVES["max"], (self,), (axis, keepdims))

@@ -1,0 +1,187 @@
+"""Every primitive's backward against central finite differences, float64,
+over a table of shapes that includes broadcasting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.gradcheck import check_grads, check_grads_over_shapes
+
+BROADCAST_PAIRS: list[list[tuple[int, ...]]] = [
+    [(), ()],
+    [(3,), (3,)],
+    [(2, 3), (3,)],
+    [(3,), (2, 3)],
+    [(2, 1), (1, 3)],
+    [(2, 3), ()],
+    [(), (2, 3)],
+    [(4, 1, 3), (2, 1)],
+]
+SHAPES: list[list[tuple[int, ...]]] = [[()], [(4,)], [(2, 3)], [(2, 3, 2)]]
+
+Fn = Callable[..., Any]
+
+BINARY: list[tuple[str, Fn, float]] = [
+    ("add", lambda a, b: a + b, -2.0),
+    ("subtract", lambda a, b: a - b, -2.0),
+    ("multiply", lambda a, b: a * b, -2.0),
+    ("divide", lambda a, b: a / b, 0.5),
+    ("power", lambda a, b: a**b, 0.5),
+    ("maximum", ml.maximum, -2.0),
+    ("minimum", ml.minimum, -2.0),
+]
+
+UNARY: list[tuple[str, Fn, float]] = [
+    ("negative", lambda a: -a, -2.0),
+    ("exp", ml.exp, -2.0),
+    ("log", ml.log, 0.5),
+    ("sqrt", ml.sqrt, 0.5),
+    ("abs", ml.abs, -2.0),
+    ("tanh", ml.tanh, -2.0),
+    ("sigmoid", ml.sigmoid, -4.0),
+    ("relu", ml.relu, -2.0),
+    ("sum", lambda a: ml.sum(a), -2.0),
+    ("mean", lambda a: ml.mean(a), -2.0),
+    ("max", lambda a: ml.max(a), -2.0),
+    ("logsumexp", lambda a: ml.logsumexp(a), -2.0),
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "low"), BINARY, ids=[b[0] for b in BINARY])
+def test_binary_primitives_match_finite_differences(name: str, fn: Fn, low: float) -> None:
+    assert check_grads_over_shapes(fn, BROADCAST_PAIRS, low=low, high=2.0) == len(BROADCAST_PAIRS)
+
+
+@pytest.mark.parametrize(("name", "fn", "low"), UNARY, ids=[u[0] for u in UNARY])
+def test_unary_primitives_match_finite_differences(name: str, fn: Fn, low: float) -> None:
+    assert check_grads_over_shapes(fn, SHAPES, low=low, high=2.0) == len(SHAPES)
+
+
+AXIS_CASES: list[tuple[str, Fn, tuple[int, ...]]] = [
+    ("sum axis 0", lambda a: ml.sum(a, axis=0), (3, 4)),
+    ("sum axis -1 keepdims", lambda a: ml.sum(a, axis=-1, keepdims=True), (3, 4)),
+    ("sum axes (0, 2)", lambda a: ml.sum(a, axis=(0, 2)), (2, 3, 4)),
+    ("mean axis 1", lambda a: ml.mean(a, axis=1), (3, 4)),
+    ("mean keepdims", lambda a: ml.mean(a, axis=0, keepdims=True), (3, 4)),
+    ("max axis 1", lambda a: ml.max(a, axis=1), (3, 4)),
+    ("max keepdims", lambda a: ml.max(a, axis=0, keepdims=True), (3, 4)),
+    ("logsumexp axis 1", lambda a: ml.logsumexp(a, axis=1), (3, 4)),
+    ("logsumexp keepdims", lambda a: ml.logsumexp(a, axis=0, keepdims=True), (3, 4)),
+    ("softmax", lambda a: ml.softmax(a, axis=-1), (3, 4)),
+    ("softmax axis 0", lambda a: ml.softmax(a, axis=0), (3, 4)),
+    ("log_softmax", lambda a: ml.log_softmax(a), (3, 4)),
+    ("reshape", lambda a: ml.reshape(a, (4, 3)) * np.arange(12.0).reshape(4, 3), (3, 4)),
+    ("method reshape", lambda a: a.reshape(2, 6), (3, 4)),
+    ("transpose", lambda a: ml.transpose(a, (2, 0, 1)), (2, 3, 4)),
+    (".T", lambda a: a.T, (3, 4)),
+    ("basic index", lambda a: a[1:, ::2], (3, 4)),
+    ("integer index", lambda a: a[1], (3, 4)),
+    ("fancy index with repeats", lambda a: a[np.array([0, 2, 0, 0])], (3, 4)),
+    ("pick", lambda a: a[np.arange(3), np.array([1, 0, 1])], (3, 4)),
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "shape"), AXIS_CASES, ids=[c[0] for c in AXIS_CASES])
+def test_axis_and_shape_primitives(name: str, fn: Fn, shape: tuple[int, ...]) -> None:
+    check_grads(fn, np.random.default_rng(1).standard_normal(shape))
+
+
+MATMUL_SHAPES: list[list[tuple[int, ...]]] = [
+    [(3,), (3,)],
+    [(2, 3), (3,)],
+    [(3,), (3, 4)],
+    [(2, 3), (3, 4)],
+    [(5, 2, 3), (3, 4)],
+    [(2, 3), (5, 3, 4)],
+    [(5, 2, 3), (5, 3, 4)],
+    [(3,), (5, 3, 4)],
+    [(5, 2, 3), (3,)],
+]
+
+
+def test_matmul_over_shapes() -> None:
+    assert check_grads_over_shapes(lambda a, b: a @ b, MATMUL_SHAPES) == len(MATMUL_SHAPES)
+    check_grads(ml.dot, np.arange(3.0), np.ones(3))
+
+
+def test_concatenate_and_stack() -> None:
+    rng = np.random.default_rng(2)
+    a, b, c = rng.standard_normal((2, 3)), rng.standard_normal((1, 3)), rng.standard_normal((4, 3))
+    check_grads(lambda x, y, z: ml.concatenate([x, y, z], axis=0), a, b, c)
+    check_grads(lambda x, y: ml.concatenate([x, y], axis=1), a, rng.standard_normal((2, 2)))
+    check_grads(lambda x, y: ml.stack([x, y], axis=1), a, rng.standard_normal((2, 3)))
+
+
+def test_cross_entropy_against_closed_form_and_differences() -> None:
+    rng = np.random.default_rng(3)
+    logits, labels = rng.standard_normal((4, 5)), np.array([0, 4, 2, 2])
+    check_grads(lambda z: ml.cross_entropy(z, labels), logits)
+    expected = -np.mean([logits[i, k] - np.log(np.exp(logits[i]).sum()) for i, k in enumerate(labels)])
+    got = anyio.run(ml.cross_entropy(logits, labels).predict)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(("stride", "padding"), [(1, 0), (2, 1), (1, 2)])
+def test_conv2d(stride: int, padding: int) -> None:
+    rng = np.random.default_rng(4)
+    x, k = rng.standard_normal((2, 3, 6, 5)), rng.standard_normal((4, 3, 3, 2))
+    check_grads(lambda a, b: ml.conv2d(a, b, stride=stride, padding=padding), x, k)
+
+
+def test_conv2d_matches_direct_loops() -> None:
+    rng = np.random.default_rng(5)
+    x, k = rng.standard_normal((1, 2, 5, 5)), rng.standard_normal((3, 2, 3, 3))
+    got = anyio.run(ml.conv2d(x, k, stride=2, padding=1).predict)
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    want = np.zeros((1, 3, 3, 3))
+    for o in range(3):
+        for p in range(3):
+            for q in range(3):
+                want[0, o, p, q] = np.sum(xp[0, :, 2 * p : 2 * p + 3, 2 * q : 2 * q + 3] * k[o])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("kernel", "stride"), [(2, 2), (3, 1), (2, 1)])
+def test_max_pool2d(kernel: int, stride: int) -> None:
+    x = np.random.default_rng(6).permutation(2 * 2 * 6 * 6).reshape(2, 2, 6, 6) / 7.0  # no ties
+    check_grads(lambda a: ml.max_pool2d(a, kernel, stride), x)
+    out = anyio.run(ml.max_pool2d(x, kernel, stride).predict)
+    assert out[0, 0, 0, 0] == x[0, 0, :kernel, :kernel].max()
+
+
+def test_float32_is_kept_and_close_to_float64() -> None:
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    w = ml.Weight(rng.standard_normal((4, 2)).astype(np.float32))
+    out = anyio.run(ml.tanh(a @ w * 2.0 + 1.0).predict)
+    assert out.dtype == np.float32
+    [grad] = anyio.run(ml.gradients, ml.sum(ml.tanh(a @ w)), [w])
+    assert np.asarray(grad).dtype == np.float32
+    w64 = ml.Weight(w.data.astype(np.float64))
+    [grad64] = anyio.run(ml.gradients, ml.sum(ml.tanh(a.astype(np.float64) @ w64)), [w64])
+    np.testing.assert_allclose(grad, grad64, rtol=1e-5, atol=1e-6)
+
+
+def test_ties_share_the_delta() -> None:
+    w = ml.Weight(np.array([1.0, 3.0, 3.0]))
+    [g] = anyio.run(ml.gradients, ml.max(w), [w])
+    np.testing.assert_array_equal(g, [0.0, 0.5, 0.5])
+    v = ml.Weight(np.array([2.0]))
+    [g] = anyio.run(ml.gradients, ml.sum(ml.maximum(v, np.array([2.0]))), [v])
+    np.testing.assert_array_equal(g, [0.5])
+
+
+def test_check_grads_catches_a_wrong_rule() -> None:
+    from monadl.layers._layer import Layer
+    from monadl.layers._primitives import Primitive
+
+    wrong = Primitive("wrong_square", lambda a: (a * a, (lambda g: g * a,)))  # misses the factor 2
+
+    with pytest.raises(AssertionError, match="disagrees with finite differences"):
+        check_grads(lambda a: Layer._make(wrong, (a,)), np.array([1.0, 2.0]))

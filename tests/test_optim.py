@@ -1,0 +1,89 @@
+"""Every optimizer reduces a quadratic and Rosenbrock's function from the standard start."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl import optim
+
+OPTIMIZERS = {
+    "sgd": lambda: optim.sgd(1e-3),
+    "sgd, decaying rate": lambda: optim.sgd(optim.exponential_decay(1e-3, 0.999)),
+    "sgd, cosine rate": lambda: optim.sgd(optim.cosine_decay_schedule(1e-3, 3000)),
+    "momentum": lambda: optim.momentum(2e-4, 0.9),
+    "nesterov": lambda: optim.nesterov(2e-4, 0.9),
+    "adagrad": lambda: optim.adagrad(0.05),
+    "rmsprop": lambda: optim.rmsprop(1e-2),
+    "adam": lambda: optim.adam(1e-2),
+    "adam + l2": lambda: optim.chain(optim.add_decayed_weights(1e-4), optim.adam(1e-2)),
+    "sgd + l1": lambda: optim.chain(optim.add_l1_decay(1e-4), optim.sgd(1e-3)),
+}
+
+
+def rosenbrock(p: ml.ArrayWeight) -> ml.ScalarLayer:
+    x, y = p[0], p[1]
+    return (1.0 - x) ** 2.0 + 100.0 * (y - x * x) ** 2.0
+
+
+def quadratic(p: ml.ArrayWeight) -> ml.ScalarLayer:
+    return ml.sum(np.array([1.0, 10.0]) * (p - np.array([3.0, -2.0])) ** 2.0)
+
+
+async def minimise(loss_fn: object, make: object, steps: int) -> tuple[float, float]:
+    assert callable(loss_fn) and callable(make)
+    p = ml.Weight(np.array([-1.2, 1.0]), optimizer=make())
+    first = float(await loss_fn(p).predict())
+    for _ in range(steps):
+        await loss_fn(p).train()
+    return first, float(await loss_fn(p).predict())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_reduces_quadratic_and_rosenbrock(name: str) -> None:
+    first, last = anyio.run(minimise, quadratic, OPTIMIZERS[name], 3000)
+    assert last < 0.01 * first, (first, last)
+    first, last = anyio.run(minimise, rosenbrock, OPTIMIZERS[name], 3000)
+    assert last < 0.25 * first, (first, last)
+
+
+def test_adam_first_step_is_learning_rate_in_size() -> None:
+    opt = optim.adam(0.1)
+    update, state = opt.update(np.array([5.0, -0.01]), opt.init(np.zeros(2)), np.zeros(2))
+    np.testing.assert_allclose(update, [-0.1, 0.1], rtol=1e-5)
+
+
+def test_schedules() -> None:
+    assert optim.exponential_decay(1.0, 0.5)(3) == 0.125
+    cosine = optim.cosine_decay_schedule(2.0, 10, alpha=0.1)
+    assert cosine(0) == pytest.approx(2.0)
+    assert cosine(10) == pytest.approx(0.2)
+    assert cosine(99) == pytest.approx(0.2)
+
+
+def test_default_optimizer_is_documented_sgd_and_overridable() -> None:
+    w = ml.Weight(np.zeros(1))
+    update, _ = w.optimizer.update(np.ones(1), w.optimizer.init(w.data), w.data)
+    np.testing.assert_allclose(update, [-optim.DEFAULT_LEARNING_RATE])
+    with optim.using_default(optim.sgd(0.5)):
+        v = ml.Weight(np.zeros(1))
+    update, _ = v.optimizer.update(np.ones(1), v.optimizer.init(v.data), v.data)
+    np.testing.assert_allclose(update, [-0.5])
+
+
+def test_weight_keeps_its_dtype() -> None:
+    w = ml.Weight(np.ones(3, np.float32), optimizer=optim.adam(0.1))
+    anyio.run((ml.sum(w * np.ones(3, np.float32))).train)
+    assert w.data.dtype == np.float32
+    s = ml.Weight(1.0, optimizer=optim.momentum(0.1))
+    anyio.run((s * s).train)
+    assert isinstance(s.data, float) and s.data == pytest.approx(0.8)
+
+
+def test_bad_optimizer_arguments() -> None:
+    with pytest.raises(ValueError, match="learning_rate"):
+        optim.sgd(-1.0)
+    with pytest.raises(ml.OperandError, match="GradientTransformation"):
+        ml.Weight(np.zeros(2), optimizer="adam")  # type: ignore[call-overload]  # the mistake under test

@@ -1,0 +1,283 @@
+"""Training semantics: the paper's listing, diamonds, stack safety, one step
+per train(), and nothing changed by a failed step."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+
+
+def test_guess_next_number_listing_converges() -> None:
+    np.random.seed(0)
+    sys.modules.pop("examples.guess_next_number", None)
+    example = importlib.import_module("examples.guess_next_number")
+    guess = anyio.run(example.main)
+    assert abs(guess - 45.0) < 0.5
+
+
+def probe(layer: ml.ScalarLayer, calls: list[int]) -> ml.ScalarLayer:
+    """The same value as ``layer``; counts how often its backward runs."""
+
+    def wrap(tape: ml.Tape[float, float]) -> ml.Tape[float, float]:
+        inner = tape.backward
+        assert inner is not None
+
+        def backward(delta: float) -> None:
+            calls.append(1)
+            inner(delta)
+
+        return ml.Tape(tape.data, backward)
+
+    return ml.Layer(layer.forward().map(wrap))
+
+
+@pytest.mark.anyio
+async def test_paper_diamond_runs_each_backward_once() -> None:
+    x, w0 = 0.7, 1.3
+    w = ml.Weight(w0, optimizer=ml.optim.sgd(1e-3))
+    calls0: list[int] = []
+    calls1: list[int] = []
+    calls2: list[int] = []
+    y0 = probe(x * w, calls0)
+    y1 = probe(y0 * y0, calls1)
+    y2 = probe(y1 * y1, calls2)
+    [grad] = await ml.gradients(y2, [w])
+    assert (len(calls0), len(calls1), len(calls2)) == (1, 1, 1)
+    assert grad == pytest.approx(4 * x**4 * w0**3, rel=1e-12)
+    await y2.train()
+    assert (len(calls0), len(calls1), len(calls2)) == (2, 2, 2)
+    assert w.data == pytest.approx(w0 - 1e-3 * 4 * x**4 * w0**3, rel=1e-12)
+
+
+def nested_diamond(w: ml.ScalarWeight, depth: int, calls: list[int]) -> ml.ScalarLayer:
+    y: ml.ScalarLayer = probe(w * 1.0, calls)
+    for _ in range(depth):
+        y = probe(y * y, calls)
+    return y
+
+
+@pytest.mark.anyio
+async def test_nested_diamonds_cost_linear_work() -> None:
+    seconds = {}
+    for depth in (10, 20, 40):
+        w = ml.Weight(1.0)
+        calls: list[int] = []
+        [grad] = await ml.gradients(nested_diamond(w, depth, calls), [w])
+        assert grad == 2.0**depth  # d/dw w**(2**depth) at w = 1
+        assert len(calls) == depth + 1  # one backward per node
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            await ml.gradients(nested_diamond(w, depth, []), [w])
+            best = min(best, time.perf_counter() - t0)
+        seconds[depth] = best
+    # Linear: 4x the depth costs about 4x (exponential would be 2**30 x).
+    assert seconds[40] < 12 * seconds[10]
+
+
+@pytest.mark.anyio
+async def test_chain_of_100000_operations_trains() -> None:
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.1))
+    y: ml.ArrayLayer = w * 1.0
+    for _ in range(100_000):
+        y = y * 1.0
+    loss = await ml.sum(y).train()
+    assert loss == 4.0
+    np.testing.assert_allclose(w.data, 0.9)
+
+
+@pytest.mark.anyio
+async def test_chain_of_layers_from_do_and_binds_is_stack_safe() -> None:
+    w = ml.Weight(2.0, optimizer=ml.optim.sgd(0.5))
+    y: ml.ScalarLayer = w * 1.0
+    for _ in range(20_000):
+        y = ml.Layer(y.forward().map(lambda t: t))
+    assert await y.train() == 2.0
+    assert w.data == 1.5
+    d: ml.Do[int] = ml.Do.pure(0)
+    for _ in range(100_000):
+        d = d.bind(lambda v: ml.Do.pure(v + 1))
+    assert await d.run() == 100_000
+
+
+@pytest.mark.anyio
+async def test_weight_used_five_times_takes_one_step() -> None:
+    lr = 0.01
+    w = ml.Weight(np.array([1.0, -2.0]), optimizer=ml.optim.sgd(lr))
+    xs = [np.array([float(i), 1.0 + i]) for i in range(5)]
+    loss = ml.sum(w * xs[0])
+    for x in xs[1:]:
+        loss = loss + ml.sum(w * x)
+    await loss.train()
+    np.testing.assert_allclose(w.data, np.array([1.0, -2.0]) - lr * sum(xs), rtol=1e-15)
+
+
+@pytest.mark.anyio
+async def test_subgraph_without_weights_computes_no_delta() -> None:
+    calls: list[int] = []
+    w = ml.Weight(2.0)
+
+    def counting(tape: ml.Tape[float, float]) -> ml.Tape[float, float]:
+        assert tape.backward is None  # nothing upstream to train
+        return tape
+
+    constant_branch = ml.Layer((ml.exp(ml.Layer(ml.Do.pure(ml.Tape(1.0)))) * 3.0).forward().map(counting))
+    [grad] = await ml.gradients(probe(w * constant_branch, calls), [w])
+    assert grad == pytest.approx(3.0 * np.e)
+
+
+# ---- failures --------------------------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+def own_threads() -> set[str]:
+    """Live threads, less trio's idle thread cache (a worker that trio keeps
+    for reuse; a standalone run of these steps shows none)."""
+    return {t.name for t in threading.enumerate() if not t.name.startswith("Trio thread")}
+
+
+def weights_and_snapshot() -> tuple[list[ml.ArrayWeight], list[Any]]:
+    rng = np.random.default_rng(0)
+    ws = [ml.Weight(rng.standard_normal(3), optimizer=ml.optim.adam(0.1)) for _ in range(3)]
+    return ws, [(w.data.copy(), w._state) for w in ws]
+
+
+def assert_unchanged(ws: list[ml.ArrayWeight], snapshot: list[Any]) -> None:
+    for w, (data, state) in zip(ws, snapshot):
+        assert w.data.tobytes() == data.tobytes()
+        assert w._state is state
+
+
+def tracked_resource(log: list[str], name: str) -> ml.Do[float]:
+    async def acquire() -> float:
+        log.append(f"open {name}")
+        return 1.0
+
+    async def release(value: float) -> None:
+        log.append(f"close {name}")
+
+    return ml.Do.resource(acquire, release)
+
+
+def scalar_layer(do: ml.Do[float]) -> ml.ScalarLayer:
+    return ml.Layer(do.map(lambda v: ml.Tape(v)))
+
+
+@pytest.mark.anyio
+async def test_exception_in_forward_changes_nothing_and_surfaces() -> None:
+    ws, snap = weights_and_snapshot()
+    log: list[str] = []
+    error = Boom("forward")
+
+    def fail(_: object) -> ml.Tape[float, float]:
+        raise error
+
+    good = ml.sum(ws[0] * ws[1]) * scalar_layer(tracked_resource(log, "a"))
+    bad = ml.Layer(ml.Do.pure(0).map(fail))
+    threads = own_threads()
+    with pytest.raises(Boom) as info:
+        await (good + ml.sum(ws[2]) * bad).train()
+    assert info.value is error
+    assert log == ["open a", "close a"]
+    assert_unchanged(ws, snap)
+    assert own_threads() == threads
+
+
+@pytest.mark.anyio
+async def test_exception_in_backward_changes_nothing_and_surfaces() -> None:
+    ws, snap = weights_and_snapshot()
+    log: list[str] = []
+    error = Boom("backward")
+
+    def poison(tape: ml.Tape[Any, Any]) -> ml.Tape[Any, Any]:
+        def backward(delta: Any) -> None:
+            raise error
+
+        return ml.Tape(tape.data, backward)
+
+    poisoned = ml.Layer(ml.sum(ws[2] * 2.0).forward().map(poison))
+    loss = ml.sum(ws[0] * ws[1]) * scalar_layer(tracked_resource(log, "a")) + poisoned
+    with pytest.raises(Boom) as info:
+        await loss.train()
+    assert info.value is error
+    assert log == ["open a", "close a"]
+    assert_unchanged(ws, snap)
+    # The same weights still train normally afterwards.
+    await (ml.sum(ws[0] * ws[1]) + ml.sum(ws[2])).train()
+    assert not np.array_equal(ws[2].data, snap[2][0])
+
+
+@pytest.mark.anyio
+async def test_cancellation_mid_train_changes_nothing() -> None:
+    ws, snap = weights_and_snapshot()
+    log: list[str] = []
+
+    async def slow() -> float:
+        log.append("slow started")
+        await anyio.sleep(10)
+        return 1.0
+
+    loss = ml.sum(ws[0] * ws[1]) * scalar_layer(tracked_resource(log, "a")) * scalar_layer(ml.Do.from_async(slow))
+    threads = own_threads()
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.05):
+            await loss.train()
+    assert log == ["open a", "slow started", "close a"]
+    assert_unchanged(ws, snap)
+    assert own_threads() == threads
+
+
+@pytest.mark.anyio
+async def test_failing_optimizer_update_changes_no_weight() -> None:
+    def update(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
+        raise Boom("update")
+
+    bad = ml.optim.GradientTransformation(lambda p: None, update)
+    ws, snap = weights_and_snapshot()
+    broken = ml.Weight(np.ones(3), optimizer=bad)
+    with pytest.raises(Boom):
+        await (ml.sum(ws[0] * ws[1]) + ml.sum(ws[2] * broken)).train()
+    assert_unchanged(ws, snap)
+
+
+@pytest.mark.anyio
+async def test_predict_changes_nothing() -> None:
+    ws, snap = weights_and_snapshot()
+    value = await ml.sum(ws[0] * ws[1]).predict()
+    assert value == pytest.approx(float(np.dot(snap[0][0], snap[1][0])))
+    assert_unchanged(ws, snap)
+
+
+@pytest.mark.anyio
+async def test_train_returns_the_loss_and_steps_every_weight() -> None:
+    a = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    b = ml.Weight(3.0, optimizer=ml.optim.sgd(0.1))
+    loss = await (ml.sum(a * a) * b).train()
+    assert loss == 15.0
+    np.testing.assert_allclose(a.data, [1.0 - 0.1 * 6.0, 2.0 - 0.1 * 12.0])
+    assert b.data == pytest.approx(3.0 - 0.1 * 5.0)
+
+
+def test_sync_entry_refuses_an_effect() -> None:
+    async def value() -> float:
+        return 1.0
+
+    from monadl import _machine
+
+    layer = scalar_layer(ml.Do.from_async(value))
+    with pytest.raises(RuntimeError, match="inside an event loop"):
+        _machine.predict_sync(layer)
+
+
+Step = Callable[[], Any]
