@@ -17,6 +17,7 @@ chain of 100,000 ``bind``s grows the Python stack.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import asynccontextmanager
 from operator import attrgetter
@@ -25,6 +26,7 @@ from typing import Any, Final
 import anyio
 import numpy as np
 
+from monadl import _parallel
 from monadl._settings import current_settings
 from monadl.do import BIND, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
@@ -43,6 +45,8 @@ _K_SHARED: Final = 4
 _K_GRAPH: Final = 5
 _K_FROM_DO: Final = 6
 _K_ROOT: Final = 7
+_K_ROOTS: Final = 8
+_SUSPENDED: Final = object()
 
 
 class _Record:
@@ -91,14 +95,19 @@ class _UserRelease:
 class Evaluation:
     """The state of one run: records, shared values, open resources."""
 
-    __slots__ = ("train", "records", "shared", "open", "check_finite")
+    __slots__ = ("train", "records", "shared", "open", "check_finite", "workers", "fork_threshold_s", "forked", "effects")
 
-    def __init__(self, train: bool) -> None:
+    def __init__(self, train: bool, may_fork: bool = True) -> None:
+        settings = current_settings()
         self.train = train
         self.records: dict[Any, _Record] = {}
         self.shared: dict[Do[Any], _Shared] = {}
         self.open: list[_UserRelease] = []
-        self.check_finite = current_settings().check_finite
+        self.check_finite = settings.check_finite
+        self.workers = settings.workers if may_fork else 1
+        self.fork_threshold_s = settings.fork_threshold_s
+        self.forked = False  # some graph ran on the worker pool
+        self.effects = False  # something beyond primitives ran: backward stays on this thread
 
     def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
         return {
@@ -125,7 +134,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 rec = records.get(node)
                 if rec is None:
                     stack.append((_K_ROOT, node))
-                    stack.append([_K_GRAPH, node, None, 0])
+                    stack.append([_K_GRAPH, [node], None, 0, 0.0])
                     descending = False
                     continue
                 rec.refcount += 1
@@ -145,6 +154,11 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 if not dos:
                     val, tok = (), None
                     descending = False
+                elif len(dos) > 1 and all(d._kind == FORWARD for d in dos):
+                    # Independent forwards: one graph, so the runtime may fork across them.
+                    stack.append((_K_ROOTS, dos))
+                    stack.append([_K_GRAPH, [d._a for d in dos if d._a not in records], None, 0, 0.0])
+                    descending = False
                 else:
                     stack.append([_K_ZIP, dos, 0, [], []])
                     cur = dos[0]
@@ -155,10 +169,12 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     val, tok = entry.value, entry
                     descending = False
                 else:
+                    ev.effects = True
                     stack.append((_K_SHARED, cur))
                     cur = cur._a
             else:  # EFFECT
                 assert kind == EFFECT
+                ev.effects = True
                 val = yield cur._a()
                 tok = None
                 if cur._b is not None:
@@ -172,9 +188,17 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
         frame = stack.pop()
         tag = frame[0]
         if tag == _K_GRAPH:
-            if _graph(ev, frame, stack):
+            outcome = _graph(ev, frame, stack)
+            if outcome is _SUSPENDED:
                 cur = stack[-1][1]._do
                 descending = True
+            elif outcome is not None:
+                yield outcome  # the graph runs on the worker pool meanwhile
+        elif tag == _K_ROOTS:
+            recs = [records[d._a] for d in frame[1]]
+            for rec in recs:
+                rec.refcount += 1
+            val, tok = tuple(rec.tape() for rec in recs), tuple(recs)
         elif tag == _K_ROOT:
             rec = records[frame[1]]
             rec.refcount += 1
@@ -209,28 +233,35 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             assert tag == _K_FROM_DO
             if not isinstance(val, Tape):
                 raise TypeError(f"the Do of {frame[1]!r} yielded {type(val).__name__}, not a Tape")
+            ev.effects = True
             rec = _Record(val.data, None, (), val.backward is not None, frame[1])
             rec.tape_backward = val.backward
             rec.release = tok
             records[frame[1]] = rec
 
 
-def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> bool:
+def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
     """Compute the records of a layer graph, in construction order.
 
     A layer is always built after its operands, so sorting the layers not yet
     evaluated by their construction serial gives a topological order: each is
     visited once to collect and once to compute, with no recursion.
 
-    Returns True when it met a layer built from a ``Do``: then the frames to
-    resume are pushed and the machine must evaluate that layer's ``Do`` first.
+    Returns None when done; `_SUSPENDED` when it met a layer built from a
+    ``Do`` (the frames to resume are pushed, and the machine evaluates that
+    ``Do`` first); or an awaitable that computes the whole graph on the worker
+    pool, when the graph is coarse enough to pay for forking.
     """
     records = ev.records
     order: list[Any] | None = frame[2]
     if order is None:
         order = _collect(ev, frame[1])
         frame[2] = order
-    check_finite = ev.check_finite
+        if ev.workers > 1 and _parallel.worth_forking(ev, order):
+            ev.forked = True
+            frame[3] = len(order)
+            return _parallel.forward(ev, order)
+        frame[4] = time.perf_counter()
     i = frame[3]
     n = len(order)
     while i < n:
@@ -238,58 +269,72 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> bool:
         i += 1
         if node in records:  # a Do evaluated meanwhile may have computed it
             continue
-        op = node._op
-        if op is None:
+        if node._op is None:
             frame[3] = i - 1
+            frame[4] = 0.0  # timing a graph that awaits measures the wait: don't
             stack.append(frame)
             stack.append((_K_FROM_DO, node))
-            return True
-        args: list[Any] = []
-        ins: list[_Record | None] = []
-        needs = False
-        for x in node._inputs:
-            kind = type(x)
-            if kind is Layer or kind is Weight:
-                rec = records[x]
+            return _SUSPENDED
+        records[node] = compute(ev, node, True)
+    if frame[4]:
+        _parallel.measured(order, time.perf_counter() - frame[4])
+    return None
+
+
+def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
+    """The forward of one primitive layer whose operands are all computed.
+
+    ``count``: take this consumer's hold on each operand here (the worker
+    pool counts holds before it starts instead).
+    """
+    records = ev.records
+    op = node._op
+    args: list[Any] = []
+    ins: list[_Record | None] = []
+    needs = False
+    for x in node._inputs:
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rec = records[x]
+            if count:
                 rec.refcount += 1
-                args.append(rec.value)
-                ins.append(rec)
-                if rec.needs_grad:
-                    needs = True
-            else:
-                args.append(x)
-                ins.append(None)
-        if op.same_dtype and len(args) == 2:
-            a, b = args
-            if type(a) is np.ndarray and type(b) is np.ndarray and a.dtype is not b.dtype:
-                _check_dtypes(node, args)
-        elif op.same_dtype:
+            args.append(rec.value)
+            ins.append(rec)
+            if rec.needs_grad:
+                needs = True
+        else:
+            args.append(x)
+            ins.append(None)
+    if op.same_dtype and len(args) == 2:
+        a, b = args
+        if type(a) is np.ndarray and type(b) is np.ndarray and a.dtype is not b.dtype:
             _check_dtypes(node, args)
-        params = node._params
-        try:
-            out, vjps = op.rule(*args, *params) if params else op.rule(*args)
-        except ValueError as exc:
-            raise ShapeError(
-                f"{op.name}: operands {_describe(args)} do not fit together ({exc}); layer built at {_where(node)}"
-            ) from exc
-        except Exception as exc:
-            exc.add_note(f"monadl: in {op.name} of {_describe(args)}; layer built at {_where(node)}")
-            raise
-        if check_finite and not np.all(np.isfinite(out)):
-            raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
-        records[node] = _Record(out, vjps if needs else None, ins, needs, node)
-    return False
+    elif op.same_dtype:
+        _check_dtypes(node, args)
+    params = node._params
+    try:
+        out, vjps = op.rule(*args, *params) if params else op.rule(*args)
+    except ValueError as exc:
+        raise ShapeError(
+            f"{op.name}: operands {_describe(args)} do not fit together ({exc}); layer built at {_where(node)}"
+        ) from exc
+    except Exception as exc:
+        exc.add_note(f"monadl: in {op.name} of {_describe(args)}; layer built at {_where(node)}")
+        raise
+    if ev.check_finite and not np.all(np.isfinite(out)):
+        raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
+    return _Record(out, vjps if needs else None, ins, needs, node)
 
 
-def _collect(ev: Evaluation, root: Any) -> list[Any]:
-    """The layers under ``root`` not evaluated yet, in construction order.
+def _collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
+    """The layers under ``roots`` not evaluated yet, in construction order.
 
     Weights met on the way get their records here. The walk stops at layers
     built from a ``Do``: what they need is evaluated when their ``Do`` runs.
     """
     records = ev.records
-    order = [root]
-    seen = {root}
+    order = list(dict.fromkeys(roots))
+    seen = set(order)
     i = 0
     while i < len(order):
         for x in order[i]._inputs:
@@ -313,7 +358,9 @@ _serial = attrgetter("_serial")
 # ---- backward and release -------------------------------------------------------
 def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     """Release a token; a record whose last hold goes runs its backward once."""
-    check_finite = ev.check_finite
+    if backward and ev.forked and not ev.effects:
+        yield _parallel.backward(ev, token)
+        return
     work = [token]
     while work:
         t = work.pop()
@@ -322,23 +369,12 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             t.refcount -= 1
             if t.refcount:
                 continue
-            delta = t.delta
-            if backward and delta is not None:
+            if backward and t.delta is not None:
                 if t.vjps is not None:
-                    for r, vjp in zip(t.inputs, t.vjps):
-                        if r is not None and r.needs_grad:
-                            try:
-                                g = vjp(delta)
-                                if getattr(g, "shape", ()) != getattr(r.value, "shape", ()):
-                                    g = unbroadcast(g, np.shape(r.value))
-                            except Exception as exc:
-                                exc.add_note(f"monadl: in the backward of {t.node._op.name}, layer built at {_where(t.node)}")
-                                raise
-                            if check_finite and not np.all(np.isfinite(g)):
-                                raise NonFiniteError(f"the backward of {t.node._op.name} produced a NaN or an infinity; layer built at {_where(t.node)}")
-                            r.delta = g if r.delta is None else r.delta + g
+                    for r, g in input_deltas(ev, t):
+                        r.delta = g if r.delta is None else r.delta + g
                 elif t.tape_backward is not None:
-                    t.tape_backward(delta)
+                    t.tape_backward(t.delta)
             if not t.is_weight:
                 t.delta = None
                 t.vjps = None
@@ -359,6 +395,28 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 yield t.release(t.value)
         else:
             assert t is None, t
+
+
+def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
+    """The backward of one primitive record: each operand's share of its delta,
+    only for operands that lead to a weight, with broadcasting undone."""
+    delta = rec.delta
+    out = []
+    for r, vjp in zip(rec.inputs, rec.vjps):
+        if r is not None and r.needs_grad:
+            try:
+                g = vjp(delta)
+                if getattr(g, "shape", ()) != getattr(r.value, "shape", ()):
+                    g = unbroadcast(g, np.shape(r.value))
+            except Exception as exc:
+                exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {_where(rec.node)}")
+                raise
+            if ev.check_finite and not np.all(np.isfinite(g)):
+                raise NonFiniteError(
+                    f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {_where(rec.node)}"
+                )
+            out.append((r, g))
+    return out
 
 
 async def drive(machine: Machine) -> Any:
@@ -480,7 +538,7 @@ async def acquire(do: Do[Any]) -> AsyncIterator[Any]:
 
 def gradients_sync(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
     """Value and weight gradients of a pure graph, without stepping any weight."""
-    ev = Evaluation(train=True)
+    ev = Evaluation(train=True, may_fork=False)
     value = drive_sync(forward_backward(ev, root))
     return value, ev.weight_gradients()
 
@@ -497,7 +555,7 @@ async def gradients(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
 
 
 def predict_sync(root: Any) -> Any:
-    ev = Evaluation(train=False)
+    ev = Evaluation(train=False, may_fork=False)
     tape, token = drive_sync(evaluate(ev, Do(FORWARD, root)))
     drive_sync(release(ev, token, False))
     return tape.data

@@ -1,0 +1,263 @@
+"""Running a coarse layer graph on a pool of worker threads.
+
+Forking costs tens of microseconds (a thread hop, a lock, a BLAS setting), so
+the runtime forks only where that is small against the work: a graph runs on
+the pool when the previous evaluation of a graph built at the same line of
+user code took at least twice ``fork_threshold_s`` in all and at least
+`MIN_NODE_SECONDS` per node. Everything else runs inline on the event loop's
+thread, which costs nothing extra.
+
+On the pool, scheduling is by dependency counts. A worker that finishes a node
+goes straight on with one consumer it made ready and queues only the others,
+so new work reaches the queue (and another thread) only where the graph
+branches, not once per node. The backward pass runs the same way over the
+reference counts of the paper: a record whose last consumer released it is
+ready. While the pool runs, BLAS gets ``cores // workers`` threads per call, so
+branch threads and BLAS threads never oversubscribe the cores, and the event
+loop stays free (the pool is awaited through a worker thread).
+
+The first exception raised in a branch stops the others from starting new
+nodes and surfaces as itself once every branch has stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio.to_thread
+
+from monadl import _machine
+
+if TYPE_CHECKING:
+    from threadpoolctl import ThreadpoolController
+
+    from monadl._machine import Evaluation
+
+__all__ = ["MIN_NODE_SECONDS", "backward", "forward", "measured", "worth_forking"]
+
+MIN_NODE_SECONDS: Final = 20e-6
+"""Below this mean work per node, per-node scheduling would cost too much."""
+
+_COSTS_LIMIT: Final = 4096
+# Work (seconds, nodes) of the latest evaluation of a graph, by the line that
+# built its root. A bounded cache, not a registry: losing an entry only means
+# one more inline evaluation to measure again.
+_costs: dict[tuple[str, int], tuple[float, int]] = {}
+
+
+def _site(order: list[Any]) -> tuple[str, int]:
+    site: tuple[str, int] = order[-1]._site
+    return site
+
+
+def measured(order: list[Any], seconds: float) -> None:
+    """Remember the work of a graph evaluated inline."""
+    if len(_costs) >= _COSTS_LIMIT:
+        _costs.clear()
+    _costs[_site(order)] = (seconds, len(order))
+
+
+def worth_forking(ev: Evaluation, order: list[Any]) -> bool:
+    cost = _costs.get(_site(order))
+    if cost is None:
+        return False
+    seconds, nodes = cost
+    if seconds < 2 * ev.fork_threshold_s or seconds < MIN_NODE_SECONDS * nodes:
+        return False
+    # Layers built from a Do may await: those graphs stay on the event loop.
+    return all(node._op is not None for node in order)
+
+
+# ---- the pool ---------------------------------------------------------------------------
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _helpers(workers: int) -> ThreadPoolExecutor:
+    """The shared pool of ``workers - 1`` helper threads (the caller is the last worker)."""
+    global _pool, _pool_size  # one pool per process, resized when the setting changes
+    with _pool_lock:
+        if _pool is None or _pool_size != workers - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="monadl-worker")
+            _pool_size = workers - 1
+        return _pool
+
+
+_blas: ThreadpoolController | None = None
+
+
+def _blas_limit(workers: int) -> AbstractContextManager[object]:
+    """A context that gives BLAS ``cores // workers`` threads per call."""
+    global _blas  # the controller scans loaded libraries once; reuse it
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas = ThreadpoolController()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _blas.limit(limits=max(1, cores // workers), user_api="blas")
+
+
+def _run(workers: int, worker: Callable[[], None]) -> None:
+    """Run ``worker`` on this thread and ``workers - 1`` helpers; re-raise the first error."""
+    with _blas_limit(workers):
+        futures = [_helpers(workers).submit(worker) for _ in range(workers - 1)]
+        try:
+            worker()
+        finally:
+            errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+class _Schedule:
+    """A ready queue with dependency counts, shared by the workers of one pass."""
+
+    def __init__(self, ready: list[Any]) -> None:
+        self.cv = threading.Condition()
+        self.ready = deque(ready)
+        self.active = 0  # items taken and not finished
+        self.error: BaseException | None = None
+
+    def take(self) -> Any:
+        """The next ready item, or None when the pass is over (or failed)."""
+        with self.cv:
+            while not self.ready and self.active and self.error is None:
+                self.cv.wait()
+            if self.error is not None or not self.ready:
+                self.cv.notify_all()
+                return None
+            self.active += 1
+            return self.ready.popleft()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = error
+            self.active -= 1
+            self.cv.notify_all()
+
+    def finish(self, newly_ready: list[Any]) -> Any:
+        """Called under ``cv``: one finished item; keep one new item, queue the rest."""
+        self.active -= 1
+        keep = None
+        if newly_ready and self.error is None:
+            keep = newly_ready.pop()
+            self.active += 1
+            if newly_ready:
+                self.ready.extend(newly_ready)
+                self.cv.notify(len(newly_ready))
+        if not self.active and not self.ready:
+            self.cv.notify_all()
+        return keep
+
+    def work(self, step: Callable[[Any], Any]) -> None:
+        """Loop: take an item, run ``step`` on it, continue with what it returns."""
+        item = self.take()
+        while item is not None:
+            try:
+                item = step(item)
+            except BaseException as error:
+                self.fail(error)
+                return
+            if item is None:
+                item = self.take()
+        if self.error is not None:
+            return
+
+
+# ---- forward ------------------------------------------------------------------------------
+def forward(ev: Evaluation, order: list[Any]) -> Awaitable[None]:
+    """Compute every record of ``order`` on the pool (awaited from the event loop)."""
+    return anyio.to_thread.run_sync(partial(_forward, ev, order))
+
+
+def _forward(ev: Evaluation, order: list[Any]) -> None:
+    from monadl.layers._layer import Layer, Weight
+
+    records = ev.records
+    members = set(order)
+    pending = dict.fromkeys(order, 0)
+    holds = dict.fromkeys(order, 0)
+    consumers: dict[Any, list[Any]] = {node: [] for node in order}
+    for node in order:
+        for x in node._inputs:
+            kind = type(x)
+            if kind is Layer and x in members:
+                pending[node] += 1
+                holds[x] += 1
+                consumers[x].append(node)
+            elif kind is Layer or kind is Weight:
+                records[x].refcount += 1  # evaluated before this graph: hold it now
+    schedule = _Schedule([node for node in order if not pending[node]])
+    started = time.perf_counter()
+
+    def step(node: Any) -> Any:
+        rec = _machine.compute(ev, node, False)
+        with schedule.cv:
+            rec.refcount = holds[node]
+            records[node] = rec
+            ready = []
+            for consumer in consumers[node]:
+                pending[consumer] -= 1
+                if not pending[consumer]:
+                    ready.append(consumer)
+            return schedule.finish(ready)
+
+    _run(ev.workers, partial(schedule.work, step))
+    if schedule.error is not None:
+        raise schedule.error
+    # Keep the cost current: the wall time here underestimates the work, so
+    # scale by the workers; a graph that stops paying drops back inline.
+    measured(order, (time.perf_counter() - started) * ev.workers)
+
+
+# ---- backward --------------------------------------------------------------------------------
+def backward(ev: Evaluation, token: Any) -> Awaitable[None]:
+    """Release ``token`` with back-propagation on the pool."""
+    return anyio.to_thread.run_sync(partial(_backward, ev, token))
+
+
+def _backward(ev: Evaluation, token: Any) -> None:
+    roots: list[Any] = []
+    work = [token]
+    while work:  # a token of a forked graph is a record or a tuple of them
+        t = work.pop()
+        if type(t) is tuple:
+            work.extend(t)
+        elif t is not None:
+            t.refcount -= 1
+            if not t.refcount:
+                roots.append(t)
+    schedule = _Schedule(roots)
+
+    def step(rec: Any) -> Any:
+        shares = _machine.input_deltas(ev, rec) if rec.delta is not None and rec.vjps is not None else []
+        with schedule.cv:
+            for r, g in shares:
+                r.delta = g if r.delta is None else r.delta + g
+            if not rec.is_weight:
+                rec.delta = None
+                rec.vjps = None
+            ready = []
+            for r in rec.inputs:
+                if r is not None:
+                    r.refcount -= 1
+                    if not r.refcount:
+                        ready.append(r)
+            return schedule.finish(ready)
+
+    _run(ev.workers, partial(schedule.work, step))
+    if schedule.error is not None:
+        raise schedule.error
