@@ -201,6 +201,28 @@ async def run_benchmarks(repeats: int) -> list[tuple[str, str, float, float, int
     t, f = _time(np_mlp, repeats * 5)
     rows.append(("mlp", "numpy by hand", t, f, 7))
 
+    # branches: four independent 3072 -> 64 -> 64 columns, summed (the paper's
+    # multi-column shape): 1 worker thread against 2.
+    rng = np.random.default_rng(1)
+    xb = rng.standard_normal((16, 3072)).astype(np.float32)
+    yb = rng.integers(0, 64, 16)
+    for workers in (1, 2):
+        cols = [
+            (
+                ml.Weight((rng.standard_normal((3072, 64)) * 0.02).astype(np.float32), optimizer=ml.optim.sgd(1e-3)),
+                ml.Weight((rng.standard_normal((64, 64)) * 0.05).astype(np.float32), optimizer=ml.optim.sgd(1e-3)),
+            )
+            for _ in range(4)
+        ]
+
+        def branches_loss(cols: list[tuple[ml.ArrayWeight, ml.ArrayWeight]] = cols) -> ml.ScalarLayer:
+            outs = [ml.relu(ml.relu(xb @ a) @ b) for a, b in cols]
+            return ml.cross_entropy(outs[0] + outs[1] + outs[2] + outs[3], yb)
+
+        with ml.settings(workers=workers):
+            t, f = await _atime(lambda: branches_loss().train(), repeats * 5)
+        rows.append(("branches", f"monadl {workers} thread{'s' if workers > 1 else ''}", t, f, 21))
+
     try:
         import torch
     except ImportError:
@@ -234,12 +256,15 @@ def main() -> None:
     args = parser.parse_args()
     rows = anyio.run(run_benchmarks, args.repeats)
     peer = {w: t for w, who, t, _, _ in rows if who == "pytorch eager"}
+    peer["branches"] = next(t for w, who, t, _, _ in rows if w == "branches")
     print(f"machine: {platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, "
           f"python {platform.python_version()}, numpy {np.__version__}")
-    print(f"{'workload':8} {'implementation':15} {'us/step':>10} {'us/op':>8} {'vs torch':>9} {'minflt/step':>12}")
+    print(f"{'workload':8} {'implementation':17} {'us/step':>10} {'us/op':>8} {'vs torch':>9} {'minflt/step':>12}")
     for workload, who, t, faults, ops in rows:
         ratio = f"{t / peer[workload]:.2f}x" if workload in peer else "-"
-        print(f"{workload:8} {who:15} {t * 1e6:10.1f} {t * 1e6 / ops:8.2f} {ratio:>9} {faults:12.1f}")
+        if workload == "branches":
+            ratio += " (vs 1 thread)"
+        print(f"{workload:8} {who:17} {t * 1e6:10.1f} {t * 1e6 / ops:8.2f} {ratio:>9} {faults:12.1f}")
 
 
 if __name__ == "__main__":

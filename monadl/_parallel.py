@@ -2,9 +2,10 @@
 
 Forking costs tens of microseconds (a thread hop, a lock, a BLAS setting), so
 the runtime forks only where that is small against the work: a graph runs on
-the pool when the previous evaluation of a graph built at the same line of
-user code took at least twice ``fork_threshold_s`` in all and at least
-`MIN_NODE_SECONDS` per node. Everything else runs inline on the event loop's
+the pool when the last two evaluations of a graph built at the same line of
+user code each did at least twice ``fork_threshold_s`` of work in all, and at
+least `MIN_NODE_SECONDS` per node. (Two, because a first evaluation pays for
+first-touch allocations and would look coarser than it is.) Everything else runs inline on the event loop's
 thread, which costs nothing extra.
 
 On the pool, scheduling is by dependency counts. A worker that finishes a node
@@ -47,10 +48,10 @@ MIN_NODE_SECONDS: Final = 20e-6
 """Below this mean work per node, per-node scheduling would cost too much."""
 
 _COSTS_LIMIT: Final = 4096
-# Work (seconds, nodes) of the latest evaluation of a graph, by the line that
-# built its root. A bounded cache, not a registry: losing an entry only means
-# one more inline evaluation to measure again.
-_costs: dict[tuple[str, int], tuple[float, int]] = {}
+# Work (seconds, nodes) of the last two evaluations of a graph, the smaller
+# kept, by the line that built its root. A bounded cache, not a registry:
+# losing an entry only means measuring again.
+_costs: dict[tuple[str, int], tuple[float, int, float]] = {}
 
 
 def _site(order: list[Any]) -> tuple[str, int]:
@@ -59,17 +60,21 @@ def _site(order: list[Any]) -> tuple[str, int]:
 
 
 def measured(order: list[Any], seconds: float) -> None:
-    """Remember the work of a graph evaluated inline."""
+    """Remember the work (compute time summed over nodes) of one evaluation."""
     if len(_costs) >= _COSTS_LIMIT:
         _costs.clear()
-    _costs[_site(order)] = (seconds, len(order))
+    site = _site(order)
+    previous = _costs.get(site)
+    # (the smaller of the last two measurements, nodes, the latest measurement)
+    smaller = seconds if previous is None else min(seconds, previous[2])
+    _costs[site] = (smaller if previous is not None else 0.0, len(order), seconds)
 
 
 def worth_forking(ev: Evaluation, order: list[Any]) -> bool:
     cost = _costs.get(_site(order))
     if cost is None:
         return False
-    seconds, nodes = cost
+    seconds, nodes, _ = cost
     if seconds < 2 * ev.fork_threshold_s or seconds < MIN_NODE_SECONDS * nodes:
         return False
     # Layers built from a Do may await: those graphs stay on the event loop.
@@ -201,11 +206,14 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
             elif kind is Layer or kind is Weight:
                 records[x].refcount += 1  # evaluated before this graph: hold it now
     schedule = _Schedule([node for node in order if not pending[node]])
-    started = time.perf_counter()
+    work = [0.0]
 
     def step(node: Any) -> Any:
+        started = time.perf_counter()
         rec = _machine.compute(ev, node, False)
+        seconds = time.perf_counter() - started
         with schedule.cv:
+            work[0] += seconds
             rec.refcount = holds[node]
             records[node] = rec
             ready = []
@@ -218,9 +226,7 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
     _run(ev.workers, partial(schedule.work, step))
     if schedule.error is not None:
         raise schedule.error
-    # Keep the cost current: the wall time here underestimates the work, so
-    # scale by the workers; a graph that stops paying drops back inline.
-    measured(order, (time.perf_counter() - started) * ev.workers)
+    measured(order, work[0])  # a graph that stops paying drops back inline
 
 
 # ---- backward --------------------------------------------------------------------------------
