@@ -18,7 +18,7 @@ chain of 100,000 ``bind``s grows the Python stack.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
 from operator import attrgetter
 from typing import Any, Final
@@ -289,28 +289,48 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
     """
     records = ev.records
     op = node._op
-    args: list[Any] = []
-    ins: list[_Record | None] = []
-    needs = False
-    for x in node._inputs:
+    inputs = node._inputs
+    # One and two operands are nearly every node: unrolled, as this is the hot loop.
+    if len(inputs) == 2:
+        x, y = inputs
         kind = type(x)
         if kind is Layer or kind is Weight:
-            rec = records[x]
+            rx = records[x]
             if count:
-                rec.refcount += 1
-            args.append(rec.value)
-            ins.append(rec)
-            if rec.needs_grad:
-                needs = True
+                rx.refcount += 1
+            x = rx.value
+            needs = rx.needs_grad
         else:
-            args.append(x)
-            ins.append(None)
-    if op.same_dtype and len(args) == 2:
-        a, b = args
-        if type(a) is np.ndarray and type(b) is np.ndarray and a.dtype is not b.dtype:
+            rx, needs = None, False
+        kind = type(y)
+        if kind is Layer or kind is Weight:
+            ry = records[y]
+            if count:
+                ry.refcount += 1
+            y = ry.value
+            needs = needs or ry.needs_grad
+        else:
+            ry = None
+        args: tuple[Any, ...] = (x, y)
+        ins: tuple[_Record | None, ...] = (rx, ry)
+        if op.same_dtype and type(x) is np.ndarray and type(y) is np.ndarray and x.dtype is not y.dtype:
             _check_dtypes(node, args)
-    elif op.same_dtype:
-        _check_dtypes(node, args)
+    elif len(inputs) == 1:
+        x = inputs[0]
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rx = records[x]
+            if count:
+                rx.refcount += 1
+            x = rx.value
+            needs = rx.needs_grad
+        else:
+            rx, needs = None, False
+        args, ins = (x,), (rx,)
+    else:
+        args, ins, needs = _operands(records, inputs, count)
+        if op.same_dtype:
+            _check_dtypes(node, args)
     params = node._params
     try:
         out, vjps = op.rule(*args, *params) if params else op.rule(*args)
@@ -324,6 +344,26 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
     if ev.check_finite and not np.all(np.isfinite(out)):
         raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
     return _Record(out, vjps if needs else None, ins, needs, node)
+
+
+def _operands(records: dict[Any, _Record], inputs: tuple[Any, ...], count: bool) -> tuple[tuple[Any, ...], tuple[_Record | None, ...], bool]:
+    """Operand values and records of a node with any number of operands."""
+    args: list[Any] = []
+    ins: list[_Record | None] = []
+    needs = False
+    for x in inputs:
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rec = records[x]
+            if count:
+                rec.refcount += 1
+            args.append(rec.value)
+            ins.append(rec)
+            needs = needs or rec.needs_grad
+        else:
+            args.append(x)
+            ins.append(None)
+    return tuple(args), tuple(ins), needs
 
 
 def _collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
@@ -566,7 +606,7 @@ def _where(node: Any) -> str:
     return f"{node._site[0]}:{node._site[1]}"
 
 
-def _describe(args: list[Any]) -> str:
+def _describe(args: Sequence[Any]) -> str:
     parts = []
     for a in args:
         if isinstance(a, np.ndarray):
@@ -578,7 +618,7 @@ def _describe(args: list[Any]) -> str:
     return ", ".join(parts)
 
 
-def _check_dtypes(node: Any, args: list[Any]) -> None:
+def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
     if len(args) == 2:  # the common case, decided without a loop
         a, b = args
         if type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype is b.dtype:

@@ -114,7 +114,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __add__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __add__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary("add", self, other)
+        return _binary(_ADD, self, other)
 
     @overload
     def __radd__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -123,7 +123,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __radd__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __radd__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary("add", other, self)
+        return _binary(_ADD, other, self)
 
     @overload
     def __sub__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -132,7 +132,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __sub__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __sub__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary("subtract", self, other)
+        return _binary(_SUB, self, other)
 
     @overload
     def __rsub__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -141,7 +141,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __rsub__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rsub__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary("subtract", other, self)
+        return _binary(_SUB, other, self)
 
     @overload
     def __mul__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -150,7 +150,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __mul__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __mul__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary("multiply", self, other)
+        return _binary(_MUL, self, other)
 
     @overload
     def __rmul__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -159,7 +159,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __rmul__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rmul__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary("multiply", other, self)
+        return _binary(_MUL, other, self)
 
     @overload
     def __truediv__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -168,7 +168,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __truediv__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __truediv__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary("divide", self, other)
+        return _binary(_DIV, self, other)
 
     @overload
     def __rtruediv__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -177,7 +177,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __rtruediv__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rtruediv__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary("divide", other, self)
+        return _binary(_DIV, other, self)
 
     @overload
     def __pow__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -186,7 +186,7 @@ class _Expr(Generic[D, G]):
     @overload
     def __pow__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __pow__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary("power", self, other)
+        return _binary(_POW, self, other)
 
     @overload
     def __rpow__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -195,13 +195,13 @@ class _Expr(Generic[D, G]):
     @overload
     def __rpow__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary("power", other, self)
+        return _binary(_POW, other, self)
 
     def __matmul__(self, other: ArrayOperand) -> Layer[Array, Array]:
-        return _binary("matmul", self, other)
+        return _binary(_MATMUL, self, other)
 
     def __rmatmul__(self, other: Array) -> Layer[Array, Array]:
-        return _binary("matmul", other, self)
+        return _binary(_MATMUL, other, self)
 
     def __neg__(self) -> Layer[D, G]:
         return Layer._make(PRIMITIVES["negative"], (self,))
@@ -259,20 +259,24 @@ Operand: TypeAlias = "Array | float | _Expr[Any, Any]"
 """Anything a differentiable function accepts: plain data, weights and layers."""
 
 
-def _binary(name: str, a: object, b: object) -> Layer[Any, Any]:
-    # The hot path of model building, so _make and _site are inlined here.
-    op = PRIMITIVES[name]
+_ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (
+    PRIMITIVES[name] for name in ("add", "subtract", "multiply", "divide", "power", "matmul")
+)
+
+
+def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
+    # The hot path of model building, so _make and _site are inlined here
+    # (and _do, read only when _op is None, is left unset).
     kind = type(a)
     if kind is not Layer and kind is not float and kind is not Weight:
-        a = _operand(a, name)
+        a = _operand(a, op.name)
     kind = type(b)
     if kind is not Layer and kind is not float and kind is not Weight:
-        b = _operand(b, name)
+        b = _operand(b, op.name)
     layer: Layer[Any, Any] = object.__new__(Layer)
     layer._op = op
     layer._inputs = (a, b)
     layer._params = ()
-    layer._do = None
     frame = sys._getframe(2)  # the caller of the operator
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
