@@ -506,7 +506,8 @@ def forward_backward(ev: Evaluation, root: Any) -> Machine:
 
 
 def _ones_like(value: Any) -> Any:
-    return value * 0 + 1
+    # Not value * 0 + 1, which is NaN where the value is infinite.
+    return np.ones_like(value)[()]
 
 
 async def train(root: Any) -> Any:

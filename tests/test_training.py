@@ -269,6 +269,15 @@ async def test_train_returns_the_loss_and_steps_every_weight() -> None:
     assert b.data == pytest.approx(3.0 - 0.1 * 5.0)
 
 
+@pytest.mark.anyio
+async def test_an_infinite_loss_still_seeds_a_finite_delta() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+    with np.errstate(divide="ignore"):
+        loss = ml.sum(w * 0.0 - ml.log(np.array([0.0, 1.0])))  # +inf, from a constant
+        [grad] = await ml.gradients(loss, [w])
+    np.testing.assert_array_equal(grad, [0.0, 0.0])
+
+
 def test_sync_entry_refuses_an_effect() -> None:
     async def value() -> float:
         return 1.0
