@@ -7,6 +7,7 @@ weight it reaches once; ``await layer.predict()`` runs the forward pass.
 
 from monadl import _allocator, optim  # noqa: F401 - _allocator tunes malloc on import
 from monadl._settings import Settings, current_settings, settings
+from monadl.direct import direct, values
 from monadl.do import Do
 from monadl.errors import DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
 from monadl.gradcheck import check_grads, gradients
@@ -55,8 +56,8 @@ __all__ = [
     "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "DTypeError", "Do", "Layer",
     "MonadlError", "NonFiniteError", "Operand", "OperandError", "ScalarLayer", "ScalarOperand",
     "ScalarWeight", "Settings", "ShapeError", "Tape", "Weight", "abs", "check_grads",
-    "concatenate", "conv2d", "cross_entropy", "current_settings", "dense", "dot", "exp",
+    "concatenate", "conv2d", "cross_entropy", "current_settings", "dense", "direct", "dot", "exp",
     "gradients", "log", "log_softmax", "logsumexp", "matmul", "max", "max_pool2d", "maximum",
     "mean", "minimum", "optim", "relu", "reshape", "settings", "sigmoid", "softmax", "sqrt",
-    "stack", "sum", "tanh", "transpose",
+    "stack", "sum", "tanh", "transpose", "values",
 ]

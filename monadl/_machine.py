@@ -28,7 +28,8 @@ import numpy as np
 
 from monadl import _parallel
 from monadl._settings import current_settings
-from monadl.do import BIND, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
+from monadl.direct import AwaitLayers, Passthrough, inside_direct
+from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, Weight
 from monadl.layers._primitives import unbroadcast
@@ -46,6 +47,9 @@ _K_GRAPH: Final = 5
 _K_FROM_DO: Final = 6
 _K_ROOT: Final = 7
 _K_ROOTS: Final = 8
+_K_DIRECT: Final = 9
+_K_DIRECT_DONE: Final = 10
+_START: Final = object()  # what a direct frame receives first: no awaited values yet
 _SUSPENDED: Final = object()
 
 
@@ -95,7 +99,9 @@ class _UserRelease:
 class Evaluation:
     """The state of one run: records, shared values, open resources."""
 
-    __slots__ = ("train", "records", "shared", "open", "check_finite", "workers", "fork_threshold_s", "forked", "effects")
+    __slots__ = (
+        "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects"
+    )
 
     def __init__(self, train: bool, may_fork: bool = True) -> None:
         settings = current_settings()
@@ -103,6 +109,7 @@ class Evaluation:
         self.records: dict[Any, _Record] = {}
         self.shared: dict[Do[Any], _Shared] = {}
         self.open: list[_UserRelease] = []
+        self.coroutines: list[Any] = []  # direct-style coroutines started here
         self.check_finite = settings.check_finite
         self.workers = settings.workers if may_fork else 1
         self.fork_threshold_s = settings.fork_threshold_s
@@ -132,6 +139,8 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             if kind == FORWARD:
                 node = cur._a
                 rec = records.get(node)
+                if rec is None and type(node) is Weight:
+                    rec = _weight_record(ev, node)
                 if rec is None:
                     stack.append((_K_ROOT, node))
                     stack.append([_K_GRAPH, [node], None, 0, 0.0])
@@ -157,7 +166,15 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 elif len(dos) > 1 and all(d._kind == FORWARD for d in dos):
                     # Independent forwards: one graph, so the runtime may fork across them.
                     stack.append((_K_ROOTS, dos))
-                    stack.append([_K_GRAPH, [d._a for d in dos if d._a not in records], None, 0, 0.0])
+                    roots = []
+                    for d in dos:
+                        if d._a in records:
+                            continue
+                        if type(d._a) is Weight:
+                            _weight_record(ev, d._a)
+                        else:
+                            roots.append(d._a)
+                    stack.append([_K_GRAPH, roots, None, 0, 0.0])
                     descending = False
                 else:
                     stack.append([_K_ZIP, dos, 0, [], []])
@@ -172,6 +189,13 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     ev.effects = True
                     stack.append((_K_SHARED, cur))
                     cur = cur._a
+            elif kind == DIRECT:
+                ev.effects = True
+                coroutine = cur._a()
+                ev.coroutines.append(coroutine)
+                stack.append([_K_DIRECT, coroutine, [], False])
+                val, tok = _START, None
+                descending = False
             else:  # EFFECT
                 assert kind == EFFECT
                 ev.effects = True
@@ -194,6 +218,45 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 descending = True
             elif outcome is not None:
                 yield outcome  # the graph runs on the worker pool meanwhile
+        elif tag == _K_DIRECT:
+            # Step a direct-style coroutine: it asks for forward values of
+            # layers (evaluated here, in this evaluation), awaits something
+            # foreign (handed to the event loop), or returns its layer.
+            coroutine, held = frame[1], frame[2]
+            if val is _START:
+                sending: Any = None
+            else:
+                held.append(tok)
+                sending = val.data if frame[3] else tuple(t.data for t in val)
+            failure: BaseException | None = None
+            while True:
+                flag = inside_direct.set(True)
+                try:
+                    request = coroutine.send(sending) if failure is None else coroutine.throw(failure)
+                except StopIteration as stop:
+                    result = stop.value
+                    if not isinstance(result, (Layer, Weight)):
+                        raise TypeError(
+                            f"a direct-style layer function must return a Layer or a Weight, got {type(result).__name__}"
+                        ) from None
+                    stack.append((_K_DIRECT_DONE, tuple(held)))
+                    cur = Do(FORWARD, result)
+                    break
+                finally:
+                    inside_direct.reset(flag)
+                if type(request) is AwaitLayers:
+                    frame[3] = request.single
+                    stack.append(frame)
+                    layers = request.layers
+                    cur = Do(FORWARD, layers[0]) if request.single else Do(ZIP, tuple(Do(FORWARD, x) for x in layers))
+                    break
+                try:
+                    sending, failure = (yield Passthrough(request)), None
+                except BaseException as exc:  # delivered to the coroutine, as the event loop would
+                    sending, failure = None, exc
+            descending = True
+        elif tag == _K_DIRECT_DONE:
+            tok = (frame[1], tok)  # the returned layer is released before the awaited ones
         elif tag == _K_ROOTS:
             recs = [records[d._a] for d in frame[1]]
             for rec in recs:
@@ -257,6 +320,8 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
     if order is None:
         order = _collect(ev, frame[1])
         frame[2] = order
+        if not order:
+            return None
         if ev.workers > 1 and _parallel.worth_forking(ev, order):
             ev.forked = True
             frame[3] = len(order)
@@ -384,15 +449,21 @@ def _collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
                     seen.add(x)
                     order.append(x)
             elif kind is Weight and x not in records:
-                rec = _Record(x._data, None, (), ev.train, x)
-                rec.is_weight = True
-                records[x] = rec
+                _weight_record(ev, x)
         i += 1
     order.sort(key=_serial)
     return order
 
 
 _serial = attrgetter("_serial")
+
+
+def _weight_record(ev: Evaluation, weight: Weight[Any, Any]) -> _Record:
+    """A weight's record: its data as it is now; gradients only when training."""
+    rec = _Record(weight._data, None, (), ev.train, weight)
+    rec.is_weight = True
+    ev.records[weight] = rec
+    return rec
 
 
 # ---- backward and release -------------------------------------------------------
@@ -460,11 +531,20 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
 
 
 async def drive(machine: Machine) -> Any:
-    """Run a machine generator on the current event loop."""
+    """Run a machine generator on the current event loop.
+
+    A failure of what it awaited goes back into the machine, which may hand
+    it to a direct-style coroutine that awaited it.
+    """
     try:
         request = machine.send(None)
         while True:
-            request = machine.send(await request)
+            try:
+                result = await request
+            except BaseException as exc:
+                request = machine.throw(exc)
+            else:
+                request = machine.send(result)
     except StopIteration as stop:
         return stop.value
     finally:
@@ -484,7 +564,10 @@ def drive_sync(machine: Machine) -> Any:
 
 
 async def abort(ev: Evaluation) -> None:
-    """After a failure: close every resource still open, newest first."""
+    """After a failure: close every direct-style coroutine still suspended and
+    every resource still open, newest first."""
+    for coroutine in reversed(ev.coroutines):
+        coroutine.close()
     with anyio.CancelScope(shield=True):
         for held in reversed(ev.open):
             if not held.done:

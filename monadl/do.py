@@ -42,6 +42,7 @@ ZIP: Final = 3
 SHARED: Final = 4
 EFFECT: Final = 5
 FORWARD: Final = 6
+DIRECT: Final = 7
 
 
 @final
@@ -65,7 +66,7 @@ class Do(Generic[A]):
         self._b = b
 
     def __repr__(self) -> str:
-        names = ("pure", "map", "bind", "zip", "shared", "effect", "forward")
+        names = ("pure", "map", "bind", "zip", "shared", "effect", "forward", "direct")
         return f"Do.{names[self._kind]}(...)"
 
     # ---- constructors -------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -99,6 +100,13 @@ class _Expr(Generic[D, G]):
         from monadl import _machine
 
         return await _machine.train(self)  # type: ignore[no-any-return]
+
+    def __await__(self) -> Generator[Any, Any, D]:
+        """``await layer`` inside an `monadl.direct` function: its forward value
+        in the running evaluation."""
+        from monadl.direct import AwaitLayers
+
+        return AwaitLayers((self,), single=True).__await__()
 
     async def predict(self) -> D:
         """The forward pass only; returns the value."""

@@ -1,0 +1,112 @@
+"""Direct style: ``await`` is Python's form of the paper's ``!``-notation.
+
+Decorate an ``async def`` that returns a layer with `direct`, and calling it
+gives a `Layer`. Inside it, ``await layer`` yields that layer's forward value
+*within the evaluation that is running the decorated layer*, and
+``await values(a, b)`` yields several at once, evaluated as one parallel
+applicative. Nothing is evaluated twice: a layer that is awaited and also used
+in the returned expression is computed once and back-propagated once. The
+values are plain data, so ordinary ``if`` and ``for`` may depend on them.
+
+>>> import anyio, numpy as np, monadl as ml
+>>> w = ml.Weight(np.array([1.0, -2.0]))
+>>> @direct
+... async def larger_half(x: ml.ArrayLayer) -> ml.ScalarLayer:
+...     a, b = await values(x[0], x[1])
+...     return x[0] * 2.0 if a > b else x[1] * 2.0
+>>> anyio.run(larger_half(w * 1.0).predict)
+np.float64(2.0)
+
+Any other ``await`` inside (I/O, ``anyio.sleep``, a black-box service) goes to
+the event loop as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from contextvars import ContextVar
+from typing import Any, Final, ParamSpec, TypeVar, final, overload
+
+from monadl.do import DIRECT, Do
+from monadl.layers._layer import Layer, _Expr
+
+__all__ = ["direct", "values"]
+
+P = ParamSpec("P")
+D = TypeVar("D")
+G = TypeVar("G")
+D1 = TypeVar("D1")
+D2 = TypeVar("D2")
+D3 = TypeVar("D3")
+D4 = TypeVar("D4")
+
+# Set by the machine while it steps a direct-style coroutine.
+inside_direct: Final[ContextVar[bool]] = ContextVar("monadl_inside_direct", default=False)
+
+
+@final
+class AwaitLayers:
+    """What a direct-style coroutine yields to ask the machine for forward values."""
+
+    __slots__ = ("layers", "single")
+
+    def __init__(self, layers: tuple[_Expr[Any, Any], ...], single: bool) -> None:
+        for layer in layers:
+            if not isinstance(layer, _Expr):
+                raise TypeError(f"values(...) takes layers and weights, got {type(layer).__name__}")
+        self.layers = layers
+        self.single = single
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        if not inside_direct.get():
+            raise RuntimeError(
+                "a Layer can be awaited only inside an @ml.direct function, during its evaluation; "
+                "elsewhere use `await layer.predict()`"
+            )
+        return (yield self)
+
+
+@final
+class Passthrough:
+    """An awaitable that hands one foreign yield of a coroutine to the event loop."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return (yield self.request)
+
+
+@overload
+def values(a: _Expr[D1, Any], /) -> Awaitable[tuple[D1]]: ...
+@overload
+def values(a: _Expr[D1, Any], b: _Expr[D2, Any], /) -> Awaitable[tuple[D1, D2]]: ...
+@overload
+def values(a: _Expr[D1, Any], b: _Expr[D2, Any], c: _Expr[D3, Any], /) -> Awaitable[tuple[D1, D2, D3]]: ...
+@overload
+def values(
+    a: _Expr[D1, Any], b: _Expr[D2, Any], c: _Expr[D3, Any], d: _Expr[D4, Any], /
+) -> Awaitable[tuple[D1, D2, D3, D4]]: ...
+@overload
+def values(*layers: _Expr[D1, Any]) -> Awaitable[tuple[D1, ...]]: ...
+def values(*layers: _Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
+    """Forward values of several layers at once, evaluated in parallel
+    (use inside a `direct` function)."""
+    return AwaitLayers(layers, single=False)
+
+
+def direct(function: Callable[P, Coroutine[Any, Any, _Expr[D, G]]]) -> Callable[P, Layer[D, G]]:
+    """Turn ``async def f(...) -> Layer`` into ``def f(...) -> Layer``.
+
+    The coroutine runs when (and each time) the returned layer is evaluated,
+    once per evaluation however many consumers the layer has.
+    """
+
+    @functools.wraps(function)
+    def build(*args: P.args, **kwargs: P.kwargs) -> Layer[D, G]:
+        return Layer(Do(DIRECT, functools.partial(function, *args, **kwargs)))
+
+    return build

@@ -1,0 +1,141 @@
+"""Direct style: await inside an @ml.direct function."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_awaited_and_used_layer_is_evaluated_and_backpropagated_once() -> None:
+    forwards: list[int] = []
+    backwards: list[int] = []
+    w = ml.Weight(3.0, optimizer=ml.optim.sgd(0.1))
+
+    def counted(tape: ml.Tape[float, float]) -> ml.Tape[float, float]:
+        forwards.append(1)
+        inner = tape.backward
+        assert inner is not None
+
+        def backward(delta: float) -> None:
+            backwards.append(1)
+            inner(delta)
+
+        return ml.Tape(tape.data, backward)
+
+    shared = ml.Layer((w * w).forward().map(counted))
+
+    @ml.direct
+    async def model(x: ml.ScalarLayer) -> ml.ScalarLayer:
+        value = await x
+        assert value == 9.0
+        return x * 2.0 if value > 0 else x
+
+    loss = await model(shared).train()
+    assert loss == 18.0
+    assert (len(forwards), len(backwards)) == (1, 1)
+    assert w.data == pytest.approx(3.0 - 0.1 * 2.0 * 2 * 3.0)
+
+
+async def test_values_evaluates_several_and_types_them() -> None:
+    a = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        total, first, array = await ml.values(ml.sum(a), a[0], a)
+        assert (total, first) == (3.0, 1.0)
+        assert isinstance(array, np.ndarray)
+        return ml.sum(a) * float(total)
+
+    assert await model().predict() == 9.0
+
+
+async def test_other_awaits_reach_the_event_loop() -> None:
+    w = ml.Weight(2.0)
+    seen: list[str] = []
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        await anyio.sleep(0.001)
+        seen.append("slept")
+        value = await w
+        await anyio.sleep(0)
+        return w * value
+
+    assert await model().predict() == 4.0
+    assert seen == ["slept"]
+
+
+async def test_a_failing_foreign_await_reaches_the_coroutine() -> None:
+    w = ml.Weight(2.0)
+
+    async def flaky() -> float:
+        await anyio.sleep(0)
+        raise ConnectionError("black box down")
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        try:
+            fallback = await flaky()
+        except ConnectionError:
+            fallback = 1.0
+        return w * fallback
+
+    assert await model().predict() == 2.0
+
+
+async def test_errors_are_clear() -> None:
+    w = ml.Weight(1.0)
+    with pytest.raises(RuntimeError, match="only inside an @ml.direct function"):
+        await w
+
+    @ml.direct
+    async def returns_a_number() -> ml.ScalarLayer:
+        return 3.0  # type: ignore[return-value]  # the mistake under test
+
+    with pytest.raises(TypeError, match="must return a Layer"):
+        await returns_a_number().predict()
+
+
+async def test_a_failure_inside_leaves_weights_and_closes_the_coroutine() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    closed: list[bool] = []
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        try:
+            await ml.sum(w + np.ones(3))  # a shape error inside the awaited layer
+        finally:
+            closed.append(True)
+        return ml.sum(w)
+
+    with pytest.raises(ml.ShapeError):
+        await model().train()
+    assert closed == [True]
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
+async def test_cancellation_inside_a_direct_layer() -> None:
+    w = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        await anyio.sleep(10)
+        return ml.sum(w)
+
+    with anyio.move_on_after(0.02) as scope:
+        await model().train()
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(w.data, [1.0])
+
+
+async def test_weights_forward_alone_and_zipped() -> None:
+    w, v = ml.Weight(2.0), ml.Weight(np.array([1.0, 3.0]))
+    tapes = await ml.Do.zip(w.forward(), v.forward()).run()
+    assert tapes[0].data == 2.0
+    np.testing.assert_array_equal(tapes[1].data, [1.0, 3.0])
+    assert (await w.forward().run()).data == 2.0
