@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/guess_next_number.py
+	$(BIN)/python examples/digits.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
