@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/columns.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
