@@ -20,7 +20,7 @@ async def test_concurrent_trains_each_take_their_step() -> None:
         await anyio.sleep(0.01)
         return 1.0
 
-    slow = ml.Layer(ml.Do.from_async(slow_one).map(lambda v: ml.Tape(v)))
+    slow: ml.ScalarLayer = ml.Layer(ml.Do.from_async(slow_one).map(lambda v: ml.Tape(v)))
     fast_loss = ml.sum(w * np.array([1.0, 0.0]))
     slow_loss = ml.sum(w * np.array([0.0, 1.0])) * slow
     async with anyio.create_task_group() as tg:
@@ -40,7 +40,7 @@ async def test_one_layer_evaluated_by_concurrent_predicts() -> None:
         await anyio.sleep(0.005)
         return 2.0
 
-    x = ml.Layer(ml.Do.from_async(value).map(lambda v: ml.Tape(v)))
+    x: ml.ScalarLayer = ml.Layer(ml.Do.from_async(value).map(lambda v: ml.Tape(v)))
     y = x * x + x
     results = []
 
@@ -65,8 +65,8 @@ async def test_shared_resource_in_two_layers_opens_once_per_evaluation() -> None
         log.append("close")
 
     resource = ml.Do.resource(open_, close).shared()
-    a = ml.Layer(resource.map(lambda v: ml.Tape(v)))
-    b = ml.Layer(resource.map(lambda v: ml.Tape(v * 2)))
+    a: ml.ScalarLayer = ml.Layer(resource.map(lambda v: ml.Tape(v)))
+    b: ml.ScalarLayer = ml.Layer(resource.map(lambda v: ml.Tape(v * 2)))
     w = ml.Weight(1.0, optimizer=ml.optim.sgd(0.1))
     assert await (w * a + w * b).train() == 9.0
     assert log == ["open", "close"]
