@@ -1,0 +1,203 @@
+"""Programs mypy must accept (with their inferred types pinned) and programs it
+must reject, each for one reason. All are checked by one call to mypy's API.
+
+The programs live here as strings, not as files under tests/, so the project's
+own mypy run does not see the ones written to fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+mypy_api = pytest.importorskip("mypy.api")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PRELUDE = """\
+from typing import assert_type
+import numpy as np
+import monadl as ml
+
+array = np.ones(3)
+array_weight = ml.Weight(np.ones(3))
+scalar_weight = ml.Weight(1.0)
+array_layer: ml.ArrayLayer = array_weight * 2.0
+scalar_layer: ml.ScalarLayer = scalar_weight * 2.0
+"""
+
+ACCEPT = {
+    "paper_listing": """
+        def guess_next_number(question: ml.Array) -> ml.ScalarLayer:
+            return ml.sum(question * array_weight) + scalar_weight
+        assert_type(guess_next_number(array), ml.ScalarLayer)
+    """,
+    "weight_times_array_plus_layer": """
+        assert_type(array_weight * array + array_layer, ml.ArrayLayer)
+        assert_type(array_weight * array, ml.ArrayLayer)
+    """,
+    "scalars_stay_scalars": """
+        assert_type(scalar_weight * 2.0 + scalar_layer, ml.ScalarLayer)
+        assert_type(2.0 - scalar_weight, ml.ScalarLayer)
+        assert_type(ml.exp(scalar_layer), ml.ScalarLayer)
+    """,
+    "arrays_win": """
+        assert_type(scalar_layer * array_weight, ml.ArrayLayer)
+        assert_type(scalar_weight + array, ml.ArrayLayer)
+    """,
+    "reductions": """
+        assert_type(ml.sum(array_layer), ml.ScalarLayer)
+        assert_type(ml.sum(array_layer, axis=0), ml.ArrayLayer)
+        assert_type(array_layer.mean(), ml.ScalarLayer)
+        assert_type(array_layer.max(axis=1), ml.ArrayLayer)
+        assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
+    """,
+    "polymorphic_function": """
+        def polymorphic(a: ml.ArrayOperand, b: ml.ArrayOperand, c: ml.ArrayOperand, d: ml.ArrayOperand) -> ml.ArrayLayer:
+            return a * b + c * d
+        assert_type(polymorphic(array, array_weight, array_layer, array), ml.ArrayLayer)
+    """,
+    "predict_and_train": """
+        async def run() -> None:
+            assert_type(await scalar_layer.predict(), float)
+            assert_type(await array_layer.train(), ml.Array)
+    """,
+    "do_combinators": """
+        assert_type(ml.Do.pure(1).map(str), ml.Do[str])
+        assert_type(ml.Do.pure(1).bind(lambda v: ml.Do.pure(v * 2.0)), ml.Do[float])
+        assert_type(ml.Do.zip(ml.Do.pure(1), ml.Do.pure("a")), ml.Do[tuple[int, str]])
+        assert_type(ml.Do.gather([ml.Do.pure(1)]), ml.Do[tuple[int, ...]])
+        assert_type(array_layer.forward(), ml.Do[ml.Tape[ml.Array, ml.Array]])
+    """,
+    "monadic_layer": """
+        def gated(x: ml.ArrayLayer) -> ml.ArrayLayer:
+            forward: ml.Do[ml.Tape[ml.Array, ml.Array]] = scalar_layer.forward().bind(
+                lambda t: (x * 2.0).forward() if t.data > 0 else x.forward()
+            )
+            return ml.Layer(forward)
+        assert_type(gated(array_layer), ml.ArrayLayer)
+    """,
+    "direct_style": """
+        @ml.direct
+        async def chosen(x: ml.ArrayLayer, s: ml.ScalarLayer) -> ml.ArrayLayer:
+            value, vector = await ml.values(s, x)
+            assert_type(value, float)
+            assert_type(vector, ml.Array)
+            assert_type(await s, float)
+            return x * s if value > 0 else x
+        assert_type(chosen(array_layer, scalar_layer), ml.ArrayLayer)
+    """,
+    "optimizers": """
+        w = ml.Weight(np.zeros(3), optimizer=ml.optim.chain(ml.optim.add_decayed_weights(1e-4), ml.optim.adam(1e-3)))
+        v = ml.Weight(0.5, optimizer=ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.9)))
+        assert_type(w, ml.ArrayWeight)
+        assert_type(v.data, float)
+    """,
+}
+
+# name: (program, the error code mypy must report)
+REJECT = {
+    "string_operand": ("array_weight + 'one'", "operator"),
+    "list_operand": ("array_weight * [1.0, 2.0, 3.0]", "operator"),
+    "reflected_string_operand": ("'one' * scalar_layer", "operator"),
+    "string_to_function": ("ml.exp('x')", "call-overload"),
+    "list_to_sum": ("ml.sum([1.0, 2.0])", "call-overload"),
+    "string_weight": ("ml.Weight('abc')", "call-overload"),
+    "layer_as_weight_data": ("ml.Weight(array_layer)", "call-overload"),
+    "weight_as_weight_data": ("ml.Weight(array_weight)", "call-overload"),
+    "scalar_where_array_required_softmax": ("ml.softmax(scalar_layer)", "arg-type"),
+    "scalar_where_array_required_matmul": ("ml.matmul(scalar_layer, array)", "arg-type"),
+    "scalar_where_array_required_conv": ("ml.conv2d(scalar_weight, array)", "arg-type"),
+    "scalar_layer_assigned_to_array_layer": ("x: ml.ArrayLayer = scalar_layer * 2.0", "assignment"),
+    "array_layer_assigned_to_scalar_layer": ("x: ml.ScalarLayer = array_weight * 2.0", "assignment"),
+    "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
+    "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
+    "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),
+    "optimizer_factory_not_called": ("ml.Weight(np.zeros(3), optimizer=ml.optim.sgd)", "call-overload"),
+    "string_learning_rate": ("ml.optim.adam('fast')", "arg-type"),
+    "chain_of_non_optimizer": ("ml.optim.chain(ml.optim.sgd(0.1), 0.5)", "arg-type"),
+    "direct_returns_a_number": (
+        "@ml.direct\nasync def f() -> float:\n    return 1.0",
+        "arg-type",
+    ),
+    "direct_on_a_plain_function": (
+        "@ml.direct\ndef f() -> ml.ScalarLayer:\n    return scalar_layer",
+        "arg-type",
+    ),
+    "await_gives_data_not_a_layer": (
+        "@ml.direct\nasync def f() -> ml.ScalarLayer:\n    v: ml.ScalarLayer = await scalar_layer\n    return v",
+        "assignment",
+    ),
+    "values_of_plain_data": (
+        "@ml.direct\nasync def f() -> ml.ScalarLayer:\n    await ml.values(1.0)\n    return scalar_layer",
+        "call-overload",
+    ),
+    "bind_returning_a_plain_value": ("ml.Do.pure(1).bind(lambda v: v + 1)", "return-value"),
+    "map_using_a_missing_method": ("ml.Do.pure(1).map(lambda v: v.upper())", "attr-defined"),
+    "do_of_the_wrong_type": ("d: ml.Do[str] = ml.Do.pure(1)", "arg-type"),  # inferred from the context
+    "zip_of_a_plain_value": ("ml.Do.zip(ml.Do.pure(1), 2)", "call-overload"),
+    "predict_result_misused": (
+        "async def f() -> None:\n    s: str = await scalar_layer.predict()",
+        "assignment",
+    ),
+    "train_with_an_argument": ("scalar_layer.train(1)", "call-arg"),
+    "weight_data_is_read_only": ("array_weight.data = np.zeros(3)", "misc"),
+    "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
+    "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
+    "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
+    "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
+    "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),
+}
+
+_ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: (?P<message>.*?)(?:  \[(?P<code>[\w-]+)\])?$")
+
+
+def _program(body: str) -> str:
+    return PRELUDE + textwrap.dedent(body).strip() + "\n"
+
+
+@pytest.fixture(scope="module")
+def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str, str]]]:
+    """Run mypy once over every program; errors by program name."""
+    folder = tmp_path_factory.mktemp("typing_corpus")
+    names = {**{f"accept_{n}": b for n, b in ACCEPT.items()}, **{f"reject_{n}": p for n, (p, _) in REJECT.items()}}
+    for name, body in names.items():
+        (folder / f"{name}.py").write_text(_program(body))
+    config = folder / "mypy.ini"
+    config.write_text(
+        "[mypy]\nstrict = True\npython_version = 3.11\n"
+        f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\n"
+        f"cache_dir = {folder / '.mypy_cache'}\n"
+    )
+    stdout, stderr, _ = mypy_api.run(["--config-file", str(config), "--no-error-summary", *sorted(str(p) for p in folder.glob("*.py"))])
+    assert not stderr, stderr
+    errors: dict[str, list[tuple[int, str, str]]] = {name: [] for name in names}
+    prelude_lines = PRELUDE.count("\n")
+    for line in stdout.splitlines():
+        match = _ERROR.match(line)
+        if match:
+            name = Path(match["file"]).stem
+            errors[name].append((int(match["line"]) - prelude_lines, match["message"], match["code"] or ""))
+    return errors
+
+
+@pytest.mark.parametrize("name", list(ACCEPT))
+def test_mypy_accepts(name: str, mypy_errors: dict[str, list[tuple[int, str, str]]]) -> None:
+    assert mypy_errors[f"accept_{name}"] == []
+
+
+@pytest.mark.parametrize("name", list(REJECT))
+def test_mypy_rejects(name: str, mypy_errors: dict[str, list[tuple[int, str, str]]]) -> None:
+    errors = mypy_errors[f"reject_{name}"]
+    expected = REJECT[name][1]
+    assert errors, "mypy accepted a program it must reject"
+    assert all(line >= 1 for line, _, _ in errors), f"the prelude itself failed: {errors}"
+    assert expected in {code for _, _, code in errors}, errors
+
+
+def test_the_corpus_is_large_enough() -> None:
+    assert len(REJECT) >= 30
