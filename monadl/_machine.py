@@ -34,6 +34,7 @@ from monadl.errors import DTypeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, Weight
 from monadl.layers._primitives import unbroadcast
 from monadl.tape import Tape
+from monadl.typeclasses.monoid import SparseRows
 
 Machine = Generator[Awaitable[Any], Any, Any]
 
@@ -512,6 +513,8 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
     """The backward of one primitive record: each operand's share of its delta,
     only for operands that lead to a weight, with broadcasting undone."""
     delta = rec.delta
+    if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
+        delta = delta.to_dense()
     out = []
     for r, vjp in zip(rec.inputs, rec.vjps):
         if r is not None and r.needs_grad:
@@ -522,7 +525,7 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
             except Exception as exc:
                 exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {_where(rec.node)}")
                 raise
-            if ev.check_finite and not np.all(np.isfinite(g)):
+            if ev.check_finite and not np.all(np.isfinite(g.rows if type(g) is SparseRows else g)):
                 raise NonFiniteError(
                     f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {_where(rec.node)}"
                 )
@@ -610,12 +613,51 @@ async def train(root: Any) -> Any:
 
 
 def _step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
+    if type(grad) is SparseRows:
+        return _sparse_step(weight, grad)
     old = weight._data
     update, state = weight._optimizer.update(grad, weight._state, old)
     new = old + update
     dtype = old.dtype
     new = new.astype(dtype, copy=False) if isinstance(new, np.ndarray) else dtype.type(new)
     return new, state
+
+
+def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
+    """Step only the rows a sparse delta touches.
+
+    The optimizer sees those rows of the weight and of every state leaf shaped
+    like the weight (moments, velocities), and the other rows keep theirs
+    ("lazy" updates, as TensorFlow's lazy Adam); state that is not per row,
+    such as a step count, is shared.
+    """
+    old = weight._data
+    rows, summed = grad.summed()
+    state_rows = _state_rows(weight._state, old.shape, rows)
+    update, new_state_rows = weight._optimizer.update(summed, state_rows, old[rows])
+    new = old.copy()
+    new[rows] = (old[rows] + update).astype(old.dtype, copy=False)
+    return new, _put_state_rows(weight._state, new_state_rows, old.shape, rows)
+
+
+def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
+    if isinstance(state, np.ndarray) and state.shape == shape:
+        return state[rows]
+    if isinstance(state, tuple):
+        parts = [_state_rows(s, shape, rows) for s in state]
+        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+    return state
+
+
+def _put_state_rows(old: Any, new: Any, shape: tuple[int, ...], rows: Any) -> Any:
+    if isinstance(old, np.ndarray) and old.shape == shape:
+        full = old.copy()
+        full[rows] = new
+        return full
+    if isinstance(old, tuple):
+        parts = [_put_state_rows(o, n, shape, rows) for o, n in zip(old, new)]
+        return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
+    return new
 
 
 async def predict(root: Any) -> Any:

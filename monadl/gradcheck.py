@@ -15,13 +15,15 @@ import numpy as np
 
 from monadl import _machine
 from monadl.layers._layer import Weight, _Expr
+from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
 
 
 async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
     """The gradient of ``loss`` (summed, if not a scalar) for each weight,
-    without changing any weight. A weight the loss does not reach gets zeros.
+    without changing any weight, as a dense array (an embedding table's sparse
+    delta is scattered into one). A weight the loss does not reach gets zeros.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.array([1.0, 2.0]))
@@ -29,7 +31,11 @@ async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) 
     [array([2., 4.])]
     """
     _, grads = await _machine.gradients(loss)
-    return [grads.get(w, np.zeros_like(w.data)) for w in weights]
+    return [_dense(grads.get(w, np.zeros_like(w.data))) for w in weights]
+
+
+def _dense(grad: Any) -> Any:
+    return grad.to_dense() if isinstance(grad, SparseRows) else grad
 
 
 def check_grads(
@@ -67,7 +73,7 @@ def check_grads(
     weights = [Weight(p.copy() if p.ndim else p[()]) for p in point]
     _, grads = _machine.gradients_sync(scalar(*weights))
     for i, p in enumerate(point):
-        analytic = np.asarray(grads.get(weights[i], np.zeros_like(p)), dtype=np.float64)
+        analytic = np.asarray(_dense(grads.get(weights[i], np.zeros_like(p))), dtype=np.float64)
         numeric = np.zeros_like(p)
         for j in np.ndindex(p.shape):
             up, down = [q.copy() for q in point], [q.copy() for q in point]

@@ -7,6 +7,7 @@ from monadl.layers._functions import (
     cross_entropy,
     dense,
     dot,
+    embedding,
     exp,
     log,
     log_softmax,
@@ -44,7 +45,7 @@ from monadl.layers._primitives import Primitive, unbroadcast
 __all__ = [
     "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "Layer", "Operand", "Primitive",
     "ScalarLayer", "ScalarOperand", "ScalarWeight", "Weight", "abs", "concatenate", "conv2d",
-    "cross_entropy", "dense", "dot", "exp", "log", "log_softmax", "logsumexp", "matmul", "max",
+    "cross_entropy", "dense", "dot", "embedding", "exp", "log", "log_softmax", "logsumexp", "matmul", "max",
     "max_pool2d", "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "sqrt",
     "stack", "sum", "tanh", "transpose", "unbroadcast",
 ]

@@ -31,6 +31,7 @@ __all__ = [
     "cross_entropy",
     "dense",
     "dot",
+    "embedding",
     "exp",
     "log",
     "log_softmax",
@@ -235,6 +236,25 @@ def cross_entropy(logits: ArrayOperand, labels: Array) -> ScalarLayer:
         raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {labels.dtype}{list(labels.shape)}")
     picked: ArrayLayer = log_softmax(logits, axis=-1)[np.arange(labels.shape[0]), labels]
     return -mean(picked)
+
+
+def embedding(table: ArrayOperand, indices: Array) -> ArrayLayer:
+    """Rows ``table[indices]`` of an embedding table.
+
+    The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
+    table is a `Weight`, a training step changes only the rows looked up, and
+    the optimizer's per-row state of the other rows stays as it was.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
+    >>> anyio.run(embedding(table, np.array([2, 0])).predict)
+    array([[4., 5.],
+           [0., 1.]])
+    """
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise OperandError(f"embedding: indices must be integers, got {indices.dtype}")
+    return _apply("embedding", (table,), (indices,))
 
 
 # ---- shapes ----------------------------------------------------------------------------------

@@ -243,6 +243,15 @@ def _is_basic(index: Any) -> bool:
     return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
 
 
+def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # The delta of the table is sparse: only the rows looked up (the paper's
+    # Data != Delta example). A weight's step then touches only those rows.
+    from monadl.typeclasses.monoid import SparseRows
+
+    shape = table.shape
+    return table[indices], (lambda g: SparseRows(indices.ravel(), g.reshape(-1, *shape[1:]), shape),)
+
+
 def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
     ends = np.cumsum([np.shape(x)[axis] for x in arrays])
@@ -342,6 +351,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("reshape", _reshape),
         Primitive("transpose", _transpose),
         Primitive("getitem", _getitem),
+        Primitive("embedding", _embedding),
         Primitive("concatenate", _concatenate, same_dtype=True),
         Primitive("stack", _stack, same_dtype=True),
         Primitive("conv2d", _conv2d, same_dtype=True),

@@ -1,0 +1,5 @@
+"""Type classes: one per module, each with its laws beside it."""
+
+from monadl.typeclasses.monoid import DENSE, SPARSE_ROWS, Monoid, SparseRows, associativity_law, identity_law
+
+__all__ = ["DENSE", "SPARSE_ROWS", "Monoid", "SparseRows", "associativity_law", "identity_law"]
