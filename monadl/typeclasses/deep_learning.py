@@ -1,0 +1,62 @@
+"""The paper's ``DeepLearning`` type class: anything with a forward pass.
+
+``forward(x)`` gives the ``Do[Tape[Data, Delta]]`` of any differentiable
+value: plain data (a constant: its tape takes no delta), a `Weight` or a
+`Layer`, for the paper's nine built-in kinds (float32 scalars, float64
+scalars and arrays, each plain, as a weight or as a layer), and for any user
+type that has a ``forward()`` method (the `DeepLearning` protocol).
+
+>>> import anyio, numpy as np
+>>> tape = anyio.run(forward(np.float32(2.0)).run)
+>>> tape.data, tape.backward is None
+(np.float32(2.0), True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar, overload, runtime_checkable
+
+import numpy as np
+
+from monadl.do import FORWARD, Do
+from monadl.errors import OperandError
+from monadl.layers._layer import Array, _Expr
+from monadl.tape import Tape
+
+__all__ = ["DeepLearning", "forward"]
+
+Data_co = TypeVar("Data_co", covariant=True)
+Delta_contra = TypeVar("Delta_contra", contravariant=True)
+D = TypeVar("D")
+G = TypeVar("G")
+
+
+@runtime_checkable
+class DeepLearning(Protocol[Data_co, Delta_contra]):
+    """A differentiable value: its forward pass is a ``Do[Tape[Data, Delta]]``.
+
+    `Layer` and `Weight` are instances; so is any class of yours with such a
+    ``forward`` method, and ``ml.Layer(x.forward())`` makes it a layer.
+    """
+
+    def forward(self) -> Do[Tape[Data_co, Delta_contra]]: ...
+
+
+@overload
+def forward(x: DeepLearning[D, G]) -> Do[Tape[D, G]]: ...
+@overload
+def forward(x: float) -> Do[Tape[float, float]]: ...
+@overload
+def forward(x: Array) -> Do[Tape[Array, Array]]: ...
+def forward(x: Any) -> Do[Tape[Any, Any]]:
+    """The forward pass of any differentiable value (see the module docs)."""
+    if isinstance(x, _Expr):
+        return Do(FORWARD, x)
+    if isinstance(x, DeepLearning):
+        result: Do[Tape[Any, Any]] = x.forward()
+        return result
+    if isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        return Do.pure(Tape(x if isinstance(x, np.generic) else np.float64(x)))
+    if isinstance(x, np.ndarray) and x.dtype.kind in "fiu":
+        return Do.pure(Tape(x))
+    raise OperandError(f"forward: {type(x).__name__} is not differentiable (not data, a Weight, a Layer or a DeepLearning)")

@@ -1,0 +1,52 @@
+"""The DeepLearning type class: forward for the nine built-in kinds and user types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.typeclasses import DeepLearning, forward
+
+pytestmark = pytest.mark.anyio
+
+VALUES: list[Any] = [np.float32(1.5), np.float64(2.5), np.ones(3)]
+
+
+@pytest.mark.parametrize("value", VALUES, ids=["float32", "float64", "array"])
+async def test_nine_built_in_kinds(value: Any) -> None:
+    weight = ml.Weight(value)
+    layer = weight * 1.0
+    plain = await forward(value).run()
+    assert plain.backward is None
+    for kind in (value, weight, layer):
+        tape = await forward(kind).run()
+        np.testing.assert_array_equal(tape.data, value)
+        assert np.asarray(tape.data).dtype == np.asarray(value).dtype
+    assert isinstance(weight, DeepLearning) and isinstance(layer, DeepLearning)
+
+
+class Doubled:
+    """A user type: twice a weight, differentiable through its forward."""
+
+    def __init__(self, weight: ml.ScalarWeight) -> None:
+        self.weight = weight
+
+    def forward(self) -> ml.Do[ml.Tape[float, float]]:
+        return (self.weight * 2.0).forward()
+
+
+async def test_a_user_type_is_an_instance_and_becomes_a_layer() -> None:
+    w = ml.Weight(3.0)
+    user = Doubled(w)
+    assert isinstance(user, DeepLearning)
+    assert (await forward(user).run()).data == 6.0
+    [grad] = await ml.gradients(ml.Layer(forward(user)) * 5.0, [w])
+    assert grad == 10.0
+
+
+def test_non_differentiable_values_are_refused() -> None:
+    with pytest.raises(ml.OperandError, match="not differentiable"):
+        forward("x")  # type: ignore[call-overload]  # the mistake under test
