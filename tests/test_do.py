@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pytest
@@ -10,54 +11,63 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from monadl import Do
+from monadl.typeclasses import monad as laws
 
 ints = st.integers(-1000, 1000)
 functions: st.SearchStrategy[Callable[[int], int]] = st.sampled_from([lambda x: x + 1, lambda x: x * 3, abs, lambda x: -x])
 
 
-def run(d: Do[object]) -> object:
+def run(d: Do[Any]) -> Any:
     return anyio.run(d.run)
 
 
-@given(ints)
-def test_functor_identity(x: int) -> None:
-    assert run(Do.pure(x).map(lambda v: v)) == x
+def computations() -> st.SearchStrategy[Do[int]]:
+    """Pure values, and values behind an await, a bind or a shared handle."""
+
+    def awaited(x: int) -> Do[int]:
+        async def value() -> int:
+            return x
+
+        return Do.from_async(value)
+
+    return ints.flatmap(
+        lambda x: st.sampled_from([Do.pure(x), awaited(x), Do.pure(x - 1).map(lambda v: v + 1), awaited(x).shared()])
+    )
 
 
-@given(ints, functions, functions)
-def test_functor_composition(x: int, f: Callable[[int], int], g: Callable[[int], int]) -> None:
-    assert run(Do.pure(x).map(f).map(g)) == run(Do.pure(x).map(lambda v: g(f(v))))
+def kleisli(f: Callable[[int], int]) -> Callable[[int], Do[int]]:
+    return lambda v: Do.pure(f(v))
+
+
+@given(computations())
+def test_functor_identity(m: Do[int]) -> None:
+    assert laws.functor_identity(m, run)
+
+
+@given(computations(), functions, functions)
+def test_functor_composition(m: Do[int], f: Callable[[int], int], g: Callable[[int], int]) -> None:
+    assert laws.functor_composition(m, f, g, run)
+
+
+@given(computations(), ints, functions)
+def test_applicative_laws(m: Do[int], x: int, f: Callable[[int], int]) -> None:
+    assert laws.applicative_identity(m, run)
+    assert laws.applicative_homomorphism(x, f, run)
 
 
 @given(ints, functions)
 def test_monad_left_identity(x: int, f: Callable[[int], int]) -> None:
-    def k(v: int) -> Do[int]:
-        return Do.pure(f(v))
-
-    assert run(Do.pure(x).bind(k)) == run(k(x))
+    assert laws.monad_left_identity(x, kleisli(f), run)
 
 
-@given(ints)
-def test_monad_right_identity(x: int) -> None:
-    assert run(Do.pure(x).bind(Do.pure)) == x
+@given(computations())
+def test_monad_right_identity(m: Do[int]) -> None:
+    assert laws.monad_right_identity(m, run)
 
 
-@given(ints, functions, functions)
-def test_monad_associativity(x: int, f: Callable[[int], int], g: Callable[[int], int]) -> None:
-    def kf(v: int) -> Do[int]:
-        return Do.pure(f(v))
-
-    def kg(v: int) -> Do[int]:
-        return Do.pure(g(v))
-
-    m = Do.pure(x)
-    assert run(m.bind(kf).bind(kg)) == run(m.bind(lambda v: kf(v).bind(kg)))
-
-
-@given(ints, functions)
-def test_applicative_homomorphism_and_apply(x: int, f: Callable[[int], int]) -> None:
-    assert run(Do.pure(x).apply(Do.pure(f))) == f(x)
-    assert run(Do.pure(x).apply(Do.pure(lambda v: v))) == x
+@given(computations(), functions, functions)
+def test_monad_associativity(m: Do[int], f: Callable[[int], int], g: Callable[[int], int]) -> None:
+    assert laws.monad_associativity(m, kleisli(f), kleisli(g), run)
 
 
 @pytest.mark.anyio
