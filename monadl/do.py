@@ -18,9 +18,14 @@ long chain of `bind`s nor a deep layer graph grows the Python stack.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Final, Never, TypeVar, final, overload
+
+from returns.interfaces.container import Container1
+from returns.interfaces.specific.future import AwaitableFutureN
+from returns.io import IO
+from returns.primitives.hkt import Kind1, SupportsKind1, dekind
 
 if TYPE_CHECKING:
     from monadl.layers._layer import Layer
@@ -46,7 +51,11 @@ DIRECT: Final = 7
 
 
 @final
-class Do(Generic[A]):
+class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, as returns' own Future
+    SupportsKind1["Do[Any]", A],
+    Container1[A],
+    AwaitableFutureN[A, Never, Never],
+):
     """A lazy description of an asynchronous computation yielding an ``A``.
 
     Use the constructors (`pure`, `from_async`, `resource`, `zip`, `gather`)
@@ -80,10 +89,10 @@ class Do(Generic[A]):
         """
         return Do(PURE, value)
 
-    @staticmethod
-    def from_value(value: T) -> Do[T]:
+    @classmethod
+    def from_value(cls, inner_value: T) -> Do[T]:
         """The `returns` name for `pure`."""
-        return Do(PURE, value)
+        return Do(PURE, inner_value)
 
     @staticmethod
     def from_async(thunk: Callable[[], Awaitable[T]]) -> Do[T]:
@@ -163,7 +172,7 @@ class Do(Generic[A]):
         """Apply a plain function to the value; the release is unchanged."""
         return Do(MAP, self, function)
 
-    def bind(self, function: Callable[[A], Do[B]]) -> Do[B]:
+    def bind(self, function: Callable[[A], Kind1[Do[Any], B]]) -> Do[B]:
         """Run ``function(value)`` next, in the same evaluation.
 
         The inner computation is released before the outer one, like nested
@@ -171,10 +180,10 @@ class Do(Generic[A]):
         """
         return Do(BIND, self, function)
 
-    def apply(self, container: Do[Callable[[A], B]]) -> Do[B]:
+    def apply(self, container: Kind1[Do[Any], Callable[[A], B]]) -> Do[B]:
         """Applicative application (`returns`' ``apply``): both sides are
         independent and may run concurrently."""
-        return Do(ZIP, (container, self)).map(_call_pair)
+        return Do(ZIP, (dekind(container), self)).map(_call_pair)
 
     def shared(self) -> Do[A]:
         """A handle that runs this computation at most once per evaluation.
@@ -187,6 +196,15 @@ class Do(Generic[A]):
         return Do(SHARED, self)
 
     # ---- running ------------------------------------------------------
+    async def awaitable(self) -> IO[A]:
+        """Run in a fresh evaluation; the value in `returns`' ``IO``, as
+        `returns`' own futures give it (``run`` gives the plain value)."""
+        return IO(await self.run())
+
+    def __await__(self) -> Generator[Any, Any, IO[A]]:
+        """``await do`` is `awaitable` (the `returns` convention)."""
+        return self.awaitable().__await__()
+
     async def run(self) -> A:
         """Acquire in a fresh evaluation, release, and return the value."""
         from monadl import _machine

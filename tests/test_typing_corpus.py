@@ -73,6 +73,15 @@ ACCEPT = {
         assert_type(ml.Do.gather([ml.Do.pure(1)]), ml.Do[tuple[int, ...]])
         assert_type(array_layer.forward(), ml.Do[ml.Tape[ml.Array, ml.Array]])
     """,
+    "returns_flow_and_pointfree": """
+        from returns.pipeline import flow
+        from returns.pointfree import bind, map_
+        assert_type(flow(ml.Do.pure(1), map_(str)), ml.Do[str])
+        def halve(v: int) -> ml.Do[float]:
+            return ml.Do.pure(v / 2)
+        assert_type(flow(ml.Do.pure(1), bind(halve), map_(round)), ml.Do[int])
+        assert_type(ml.Do.pure(1).apply(ml.Do.pure(str)), ml.Do[str])
+    """,
     "monadic_layer": """
         def gated(x: ml.ArrayLayer) -> ml.ArrayLayer:
             forward: ml.Do[ml.Tape[ml.Array, ml.Array]] = scalar_layer.forward().bind(
@@ -137,6 +146,10 @@ REJECT = {
         "call-overload",
     ),
     "bind_returning_a_plain_value": ("ml.Do.pure(1).bind(lambda v: v + 1)", "return-value"),
+    "flow_binding_a_plain_function": (
+        "from returns.pipeline import flow\nfrom returns.pointfree import bind\nflow(ml.Do.pure(1), bind(str))",
+        "arg-type",
+    ),
     "map_using_a_missing_method": ("ml.Do.pure(1).map(lambda v: v.upper())", "attr-defined"),
     "do_of_the_wrong_type": ("d: ml.Do[str] = ml.Do.pure(1)", "arg-type"),  # inferred from the context
     "zip_of_a_plain_value": ("ml.Do.zip(ml.Do.pure(1), 2)", "call-overload"),
@@ -169,7 +182,7 @@ def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tupl
         (folder / f"{name}.py").write_text(_program(body))
     config = folder / "mypy.ini"
     config.write_text(
-        "[mypy]\nstrict = True\npython_version = 3.11\n"
+        "[mypy]\nstrict = True\npython_version = 3.11\nplugins = returns.contrib.mypy.returns_plugin\n"
         f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\n"
         f"cache_dir = {folder / '.mypy_cache'}\n"
     )
