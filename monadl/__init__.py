@@ -16,6 +16,8 @@ from monadl.layers import (
     ArrayLayer,
     ArrayOperand,
     ArrayWeight,
+    AsArray,
+    AsScalar,
     Layer,
     Operand,
     ScalarLayer,
@@ -50,11 +52,12 @@ from monadl.layers import (
     transpose,
 )
 from monadl.tape import Tape
+from monadl.typeclasses import DeepLearning, as_layer, forward
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "DTypeError", "Do", "Layer",
+    "Array", "ArrayLayer", "DeepLearning", "as_layer", "forward", "ArrayOperand", "ArrayWeight", "AsArray", "AsScalar", "DTypeError", "Do", "Layer",
     "MonadlError", "NonFiniteError", "Operand", "OperandError", "ScalarLayer", "ScalarOperand",
     "ScalarWeight", "Settings", "ShapeError", "Tape", "Weight", "abs", "check_grads",
     "concatenate", "conv2d", "cross_entropy", "current_settings", "dense", "direct", "dot", "embedding", "exp",

@@ -57,9 +57,13 @@ ACCEPT = {
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
     """,
     "polymorphic_function": """
-        def polymorphic(a: ml.ArrayOperand, b: ml.ArrayOperand, c: ml.ArrayOperand, d: ml.ArrayOperand) -> ml.ArrayLayer:
-            return a * b + c * d
+        def polymorphic(a: ml.AsArray, b: ml.AsArray, c: ml.AsArray, d: ml.AsArray) -> ml.ArrayLayer:
+            result = ml.as_layer(a) * b + c * d
+            assert_type(result, ml.ArrayLayer)
+            return result
         assert_type(polymorphic(array, array_weight, array_layer, array), ml.ArrayLayer)
+        assert_type(ml.as_layer(1.0), ml.ScalarLayer)
+        assert_type(ml.as_layer(array_weight), ml.ArrayLayer)
     """,
     "predict_and_train": """
         async def run() -> None:

@@ -28,6 +28,8 @@ __all__ = [
     "Array",
     "ArrayLayer",
     "ArrayWeight",
+    "AsArray",
+    "AsScalar",
     "Layer",
     "Operand",
     "ScalarLayer",
@@ -265,6 +267,10 @@ ScalarOperand: TypeAlias = "float | _Expr[float, float]"
 ArrayOperand: TypeAlias = "Array | _Expr[Array, Array]"
 Operand: TypeAlias = "Array | float | _Expr[Any, Any]"
 """Anything a differentiable function accepts: plain data, weights and layers."""
+AsArray: TypeAlias = ArrayOperand
+"""A plain array, an array weight or an array layer."""
+AsScalar: TypeAlias = ScalarOperand
+"""A plain float, a scalar weight or a scalar layer."""
 
 
 _ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (

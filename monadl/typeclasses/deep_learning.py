@@ -20,10 +20,10 @@ import numpy as np
 
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._layer import Array, _Expr
+from monadl.layers._layer import Array, Layer, _Expr
 from monadl.tape import Tape
 
-__all__ = ["DeepLearning", "forward"]
+__all__ = ["DeepLearning", "as_layer", "forward"]
 
 Data_co = TypeVar("Data_co", covariant=True)
 Delta_contra = TypeVar("Delta_contra", contravariant=True)
@@ -60,3 +60,26 @@ def forward(x: Any) -> Do[Tape[Any, Any]]:
     if isinstance(x, np.ndarray) and x.dtype.kind in "fiu":
         return Do.pure(Tape(x))
     raise OperandError(f"forward: {type(x).__name__} is not differentiable (not data, a Weight, a Layer or a DeepLearning)")
+
+
+@overload
+def as_layer(x: DeepLearning[D, G]) -> Layer[D, G]: ...
+@overload
+def as_layer(x: float) -> Layer[float, float]: ...
+@overload
+def as_layer(x: Array) -> Layer[Array, Array]: ...
+def as_layer(x: Any) -> Layer[Any, Any]:
+    """Any differentiable value as a `Layer` (a layer is returned as it is).
+
+    A polymorphic differentiable function lifts one operand so that its
+    result is a layer whatever mix of data, weights and layers it is given:
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> def polymorphic(a: ml.AsArray, b: ml.AsArray, c: ml.AsArray, d: ml.AsArray) -> ml.ArrayLayer:
+    ...     return as_layer(a) * b + c * d
+    >>> anyio.run(polymorphic(np.ones(2), ml.Weight(np.ones(2)), np.ones(2), np.ones(2)).predict)
+    array([2., 2.])
+    """
+    if isinstance(x, Layer):
+        return x
+    return Layer(forward(x))
