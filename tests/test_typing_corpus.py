@@ -86,6 +86,18 @@ ACCEPT = {
         assert_type(flow(ml.Do.pure(1), bind(halve), map_(round)), ml.Do[int])
         assert_type(ml.Do.pure(1).apply(ml.Do.pure(str)), ml.Do[str])
     """,
+    "cupy_stubs": """
+        import cupy
+        def on_device(x: ml.Array) -> ml.Array:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            with stream:
+                y = cupy.asarray(x) * 2.0 + 1.0
+                done = stream.record()
+            stream.wait_event(done)
+            assert_type(y, cupy.ndarray)
+            assert_type(cupy.get_default_memory_pool().used_bytes(), int)
+            return cupy.asnumpy(y)
+    """,
     "monadic_layer": """
         def gated(x: ml.ArrayLayer) -> ml.ArrayLayer:
             forward: ml.Do[ml.Tape[ml.Array, ml.Array]] = scalar_layer.forward().bind(
@@ -115,6 +127,8 @@ ACCEPT = {
 # name: (program, the error code mypy must report)
 REJECT = {
     "string_operand": ("array_weight + 'one'", "operator"),
+    "cupy_stream_with_a_string_flag": ("import cupy\ncupy.cuda.Stream(non_blocking='yes')", "arg-type"),
+    "cupy_array_is_not_numpy": ("import cupy\nx: ml.Array = cupy.zeros(3)", "assignment"),
     "list_operand": ("array_weight * [1.0, 2.0, 3.0]", "operator"),
     "reflected_string_operand": ("'one' * scalar_layer", "operator"),
     "string_to_function": ("ml.exp('x')", "call-overload"),
