@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from returns.io import IO
+
 from monadl import Do
 from monadl.typeclasses import monad as laws
 
@@ -146,3 +148,28 @@ async def test_building_computes_nothing() -> None:
     assert calls == []
     await d.run()
     assert calls == [1]
+
+
+@pytest.mark.anyio
+async def test_one_do_awaited_from_two_tasks_at_once() -> None:
+    """Unlike returns' Future, a Do is a description: each await runs it anew."""
+    runs = 0
+
+    async def slow() -> int:
+        nonlocal runs
+        runs += 1
+        await anyio.sleep(0.01)
+        return 7
+
+    d = Do.from_async(slow).map(lambda v: v * 6)
+    results: list[object] = []
+
+    async def await_it() -> None:
+        results.append(await d)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(await_it)
+        tg.start_soon(await_it)
+    assert [r == IO(42) for r in results] == [True, True]
+    assert runs == 2
+    assert await d.run() == 42

@@ -176,6 +176,11 @@ REJECT = {
         "assignment",
     ),
     "train_with_an_argument": ("scalar_layer.train(1)", "call-arg"),
+    "await_a_layer_outside_a_coroutine": ("def f() -> float:\n    return await scalar_layer", "await-not-async"),
+    "await_a_forward_expecting_a_tape": (
+        "async def f() -> None:\n    t: ml.Tape[float, float] = await scalar_layer.forward()",
+        "assignment",
+    ),
     "weight_data_is_read_only": ("array_weight.data = np.zeros(3)", "misc"),
     "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
     "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
