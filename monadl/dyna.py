@@ -1,0 +1,372 @@
+"""Differentiable weighted logic programs: forward chaining with an agenda,
+and the backward pass that pops its tape (Eisner, Goldlust & Smith 2005,
+section 4.2 and figure 3 for the forward pass; section 5.2, figure 4 and the
+online appendix for the gradient).
+
+A program is a list of rules ``head += coeff * body_1 * ... * body_k`` over
+items with arguments; upper-case arguments are variables::
+
+    program = Program([
+        Rule(("stop", "I"), [("edgezero", "I"), ("pathto", "I")]),
+        Rule(("pathto", "J"), [("edge", "I", "J"), ("pathto", "I")]),
+    ])
+
+Axioms are ground items with values, plain numbers or rows of a monadl
+`Weight` (``bind_weight("edge", w)`` makes ``edge(i, j)`` the entry
+``w.data[i, j]``). `Program.run` computes the chart; `Program.goal` gives a
+goal item's value as a monadl layer, so the weights bound to axioms train with
+``await loss.train()``.
+
+The semiring is the real one (+, *): the backward pass is exact for the
+computation actually performed, early stopping included. The chart records
+which items exist apart from their values, so an axiom whose value is exactly
+zero still receives its gradient.
+
+>>> p = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
+>>> run = p.run({("r",): 0.3}, max_pops=3)  # r, then a twice
+>>> round(run.chart[("a",)], 6), round(run.gradient(("a",))[("r",)], 6)
+(0.39, 1.6)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from monadl.do import Do
+from monadl.layers._layer import Layer, Weight
+from monadl.tape import Tape
+
+__all__ = ["Item", "Program", "Rule", "Run", "bind_weight"]
+
+Item: TypeAlias = tuple[Any, ...]
+"""A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
+Pattern: TypeAlias = tuple[Any, ...]
+"""An item with variables: arguments that are upper-case strings."""
+
+
+def _is_variable(term: Any) -> bool:
+    return isinstance(term, str) and term[:1].isupper()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``head += coeff * body[0] * ... * body[k-1]``."""
+
+    head: Pattern
+    body: Sequence[Pattern]
+    coeff: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.body:
+            raise ValueError(f"rule {self}: a rule needs at least one body item (write constants as axioms)")
+        bound = {t for b in self.body for t in b[1:] if _is_variable(t)}
+        free = [t for t in self.head[1:] if _is_variable(t) and t not in bound]
+        if free:
+            raise ValueError(
+                f"rule {self}: head variables {free} do not occur in the body; only range-restricted rules are allowed"
+            )
+
+    def __str__(self) -> str:
+        def show(p: Pattern) -> str:
+            return f"{p[0]}({', '.join(map(str, p[1:]))})" if len(p) > 1 else str(p[0])
+
+        coeff = "" if self.coeff == 1.0 else f"{self.coeff} * "
+        return f"{show(self.head)} += {coeff}{' * '.join(show(b) for b in self.body)}"
+
+
+def _match(pattern: Pattern, item: Item, bindings: dict[str, Any]) -> dict[str, Any] | None:
+    """Extend ``bindings`` so that ``pattern`` is ``item``, or None."""
+    if pattern[0] != item[0] or len(pattern) != len(item):
+        return None
+    out = bindings
+    for term, value in zip(pattern[1:], item[1:]):
+        if _is_variable(term):
+            if term in out:
+                if out[term] != value:
+                    return None
+            else:
+                out = {**out, term: value}
+        elif term != value:
+            return None
+    return out
+
+
+def _ground(pattern: Pattern, bindings: Mapping[str, Any]) -> Item:
+    return (pattern[0], *(bindings[t] if _is_variable(t) else t for t in pattern[1:]))
+
+
+@dataclass
+class _Entry:
+    item: Item
+    old_chart: float
+    old_agenda: float
+    first: bool  # the item did not exist before this pop
+
+
+@dataclass
+class Run:
+    """The result of forward chaining: the chart and the tape to differentiate it."""
+
+    program: Program
+    chart: dict[Item, float]
+    tape: list[_Entry]
+    pops: int
+    pending: dict[Item, float] = field(default_factory=dict)
+
+    def gradient(self, goal: Item) -> dict[Item, float]:
+        """d chart[goal] / d value, for every axiom of the run (the backward
+        pass of the appendix, popping the tape)."""
+        return self.program._backward(self, goal)
+
+
+class Program:
+    """Rules, run by forward chaining (see the module docs)."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules = list(rules)
+        # For each functor: the (rule, body position) pairs it can drive.
+        self._drives: dict[Any, list[tuple[Rule, int]]] = {}
+        for rule in self.rules:
+            for i, b in enumerate(rule.body):
+                self._drives.setdefault(b[0], []).append((rule, i))
+
+    # ---- forward ----------------------------------------------------------------------------
+    def run(
+        self,
+        axioms: Mapping[Item, float],
+        *,
+        max_pops: int | None = None,
+        tolerance: float = 0.0,
+        priority: Callable[[Item, float], float] | None = None,
+        stop: Callable[[Run], bool] | None = None,
+    ) -> Run:
+        """Forward chaining from ``axioms``.
+
+        Args:
+            axioms: ground items and their values (zero values included: they
+                exist, and get gradients).
+            max_pops: stop after this many pops (early stopping).
+            tolerance: updates smaller than this in magnitude are not popped
+                (the run stops when only such updates are pending).
+            priority: which pending item pops next (lowest first); FIFO when None.
+            stop: a predicate on the run so far, checked after each pop.
+        """
+        chart: dict[Item, float] = {}
+        index: dict[Any, dict[Item, None]] = {}  # existing items by functor, in order of creation
+        agenda: dict[Item, float] = {}
+        fifo: deque[Item] = deque()
+        tape: list[_Entry] = []
+        run = Run(self, chart, tape, 0, agenda)
+
+        def push(item: Item, value: float) -> None:
+            if item in agenda:
+                agenda[item] += value
+            else:
+                agenda[item] = value
+                fifo.append(item)
+
+        for item, value in axioms.items():
+            push(tuple(item), float(value))
+        while agenda:
+            if max_pops is not None and run.pops >= max_pops:
+                break
+            a = self._choose(agenda, fifo, chart, tolerance, priority)
+            if a is None:
+                break
+            update = agenda.pop(a)
+            first = a not in chart
+            old = chart.get(a, 0.0)
+            tape.append(_Entry(a, old, update, first))
+            run.pops += 1
+            new = old + update
+            chart[a] = new
+            if first:
+                index.setdefault(a[0], {})[a] = None
+            if first or new != old:
+                for c, contribution in self._contributions(a, old, update, first, chart, index):
+                    push(c, contribution)
+            if stop is not None and stop(run):
+                break
+        return run
+
+    @staticmethod
+    def _choose(
+        agenda: dict[Item, float],
+        fifo: deque[Item],
+        chart: dict[Item, float],
+        tolerance: float,
+        priority: Callable[[Item, float], float] | None,
+    ) -> Item | None:
+        def poppable(item: Item) -> bool:
+            return item not in chart or abs(agenda[item]) > tolerance
+
+        if priority is not None:
+            candidates = [i for i in agenda if poppable(i)]
+            return min(candidates, key=lambda i: priority(i, agenda[i])) if candidates else None
+        for _ in range(len(fifo)):
+            item = fifo.popleft()
+            if item not in agenda:
+                continue
+            if poppable(item):
+                return item
+            fifo.append(item)
+        return None
+
+    def _instantiations(
+        self, a: Item, first: bool, chart: dict[Item, float], index: dict[Any, dict[Item, None]]
+    ) -> Iterator[tuple[Rule, int, list[Item]]]:
+        """Each (rule, i, ground body) with a as body i, the other body items
+        existing (at time t for j < i, at t-1 for j > i)."""
+        for rule, i in self._drives.get(a[0], ()):
+            start = _match(rule.body[i], a, {})
+            if start is None:
+                continue
+            yield from self._extend(rule, i, 0, start, [], a, first, chart, index)
+
+    def _extend(
+        self,
+        rule: Rule,
+        i: int,
+        j: int,
+        bindings: dict[str, Any],
+        ground: list[Item],
+        a: Item,
+        first: bool,
+        chart: dict[Item, float],
+        index: dict[Any, dict[Item, None]],
+    ) -> Iterator[tuple[Rule, int, list[Item]]]:
+        if j == len(rule.body):
+            yield rule, i, ground
+            return
+        if j == i:
+            yield from self._extend(rule, i, j + 1, bindings, [*ground, a], a, first, chart, index)
+            return
+        pattern = rule.body[j]
+        if all(not _is_variable(t) or t in bindings for t in pattern[1:]):
+            item = _ground(pattern, bindings)
+            candidates: Sequence[Item] = [item] if item in chart else []
+        else:
+            candidates = list(index.get(pattern[0], ()))
+        for item in candidates:
+            if j > i and item == a and first:
+                continue  # a did not exist at t-1
+            extended = _match(pattern, item, bindings)
+            if extended is not None:
+                yield from self._extend(rule, i, j + 1, extended, [*ground, item], a, first, chart, index)
+
+    def _contributions(
+        self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: dict[Any, dict[Item, None]]
+    ) -> Iterator[tuple[Item, float]]:
+        for rule, i, ground in self._instantiations(a, first, chart, index):
+            product = rule.coeff * update
+            for j, item in enumerate(ground):
+                if j != i:
+                    product *= chart[item] if (j < i or item != a) else old
+            yield _ground(rule.head, _bindings(rule, ground)), product
+
+    # ---- backward ------------------------------------------------------------------------------
+    def _backward(self, run: Run, goal: Item) -> dict[Item, float]:
+        chart = dict(run.chart)
+        index: dict[Any, dict[Item, None]] = {}
+        for item in chart:
+            index.setdefault(item[0], {})[item] = None
+        g_chart: dict[Item, float] = {goal: 1.0} if goal in chart else {}
+        g_agenda: dict[Item, float] = {}
+        for entry in reversed(run.tape):
+            a, old, update = entry.item, entry.old_chart, entry.old_agenda
+            new = chart[a]
+            g_agenda_old = 0.0
+            to_chart_t: dict[Item, float] = {}  # into gchart(t): passes through to gchart(t-1)
+            to_chart_prev: dict[Item, float] = {}  # into gchart(t-1)
+            if entry.first or new != old:
+                for rule, i, ground in self._instantiations(a, entry.first, chart, index):
+                    c = _ground(rule.head, _bindings(rule, ground))
+                    g = g_agenda.get(c, 0.0)
+                    if g == 0.0:
+                        continue
+                    values = [chart[x] if (j < i or x != a) else old for j, x in enumerate(ground)]
+                    others = rule.coeff * float(np.prod([v for j, v in enumerate(values) if j != i]))
+                    g_agenda_old += others * g
+                    for jp, x in enumerate(ground):
+                        if jp == i:
+                            continue
+                        rest = rule.coeff * update * float(np.prod([v for j, v in enumerate(values) if j not in (i, jp)]))
+                        target = to_chart_t if jp < i else to_chart_prev
+                        target[x] = target.get(x, 0.0) + g * rest
+            g_chart_t_a = g_chart.get(a, 0.0) + to_chart_t.get(a, 0.0)
+            for target in (to_chart_t, to_chart_prev):
+                for x, v in target.items():
+                    g_chart[x] = g_chart.get(x, 0.0) + v
+            g_agenda[a] = g_agenda_old + g_chart_t_a
+            chart[a] = old
+            if entry.first:
+                del chart[a]
+                del index[a[0]][a]
+                g_chart.pop(a, None)  # chart(t-1)[a] did not exist: nothing before it
+        return g_agenda
+
+    # ---- as a monadl layer -------------------------------------------------------------------------
+    def goal(
+        self,
+        goal: Item,
+        axioms: Mapping[Item, float] | None = None,
+        weights: Mapping[Any, Weight[Any, Any]] | None = None,
+        **run_options: Any,
+    ) -> Layer[float, float]:
+        """``chart[goal]`` as a differentiable scalar layer.
+
+        ``weights`` binds functors to weights: the axiom ``f(i, j)`` is
+        ``weights[f].data[i, j]`` for every entry of the array (zeros
+        included). Its backward pass runs the tape, only when a delta is wanted.
+        """
+        bound = dict(weights or {})
+        fixed = dict(axioms or {})
+        functors = list(bound)
+
+        def forward(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+            values = dict(fixed)
+            for functor, tape in zip(functors, tapes):
+                data = np.asarray(tape.data)
+                for position in np.ndindex(data.shape):
+                    values[(functor, *position)] = float(data[position])
+            run = self.run(values, **run_options)
+            result = run.chart.get(goal, 0.0)
+            wanted = [t for t in tapes if t.backward is not None]
+            if not wanted:
+                return Tape(result)
+
+            def backward(delta: float) -> None:
+                grads = run.gradient(goal)
+                for functor, tape in zip(functors, tapes):
+                    if tape.backward is None:
+                        continue
+                    data = np.asarray(tape.data)
+                    g = np.zeros(data.shape, dtype=data.dtype)
+                    for position in np.ndindex(data.shape):
+                        g[position] = grads.get((functor, *position), 0.0)
+                    tape.backward(g * delta if data.ndim else (g * delta)[()])
+
+            return Tape(result, backward)
+
+        return Layer(Do.gather(bound[f].forward() for f in functors).map(forward))
+
+
+def _bindings(rule: Rule, ground: list[Item]) -> dict[str, Any]:
+    bindings: dict[str, Any] = {}
+    for pattern, item in zip(rule.body, ground):
+        matched = _match(pattern, item, bindings)
+        assert matched is not None
+        bindings = matched
+    return bindings
+
+
+def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:
+    """``{functor: weight}``: the axioms ``functor(*index)`` are the weight's entries."""
+    return {functor: weight}
+
+

@@ -1,0 +1,173 @@
+"""Weighted logic programs: forward chaining, the tape's backward pass, and
+the program as a monadl layer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.dyna import Item, Program, Rule
+
+SQUARE = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
+PATH = Program(
+    [
+        Rule(("stop", "I"), [("edgezero", "I"), ("pathto", "I")]),
+        Rule(("pathto", "J"), [("edge", "I", "J"), ("pathto", "I")]),
+        Rule(("total",), [("stop", "I")]),
+    ]
+)
+
+
+def finite_difference(program: Program, axioms: Mapping[Item, float], goal: Item, eps: float = 1e-6, **options: Any) -> dict[Item, float]:
+    grads = {}
+    for item in axioms:
+        up, down = dict(axioms), dict(axioms)
+        up[item] += eps
+        down[item] -= eps
+        hi = program.run(up, **options).chart.get(goal, 0.0)
+        lo = program.run(down, **options).chart.get(goal, 0.0)
+        grads[item] = (hi - lo) / (2 * eps)
+    return grads
+
+
+def test_square_after_two_pops_of_a() -> None:
+    run = SQUARE.run({("r",): 0.3}, max_pops=3)
+    assert [e.item for e in run.tape] == [("r",), ("a",), ("a",)]
+    assert run.chart[("a",)] == pytest.approx(0.3 + 0.3**2)
+    assert run.gradient(("a",))[("r",)] == pytest.approx(1 + 2 * 0.3)
+
+
+def test_square_converges_monotonically_to_the_fixed_point() -> None:
+    r = 0.21
+    values, grads = [], []
+    for pops in range(3, 400, 20):
+        run = SQUARE.run({("r",): r}, max_pops=pops)
+        values.append(run.chart[("a",)])
+        grads.append(run.gradient(("a",))[("r",)])
+    assert values[-1] == pytest.approx(0.3, abs=1e-6)  # a = r + a^2
+    assert grads[-1] == pytest.approx(1 / np.sqrt(1 - 4 * r), abs=1e-4)  # 2.5
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert all(b >= a for a, b in zip(grads, grads[1:]))
+
+
+def path_axioms(seed: int, n: int = 4, cyclic: bool = True) -> dict[Item, float]:
+    rng = np.random.default_rng(seed)
+    edges = rng.uniform(0.05, 0.3, (n, n))
+    if not cyclic:
+        edges = np.triu(edges, 1)
+    axioms: dict[Item, float] = {("pathto", 0): 1.0}
+    axioms.update({("edge", i, j): float(edges[i, j]) for i in range(n) for j in range(n) if edges[i, j]})
+    axioms.update({("edgezero", i): float(rng.uniform(0.1, 1.0)) for i in range(n)})
+    return axioms
+
+
+def closed_form(axioms: Mapping[Item, float], n: int = 4) -> tuple[np.ndarray, float]:
+    edges = np.zeros((n, n))
+    for item, value in axioms.items():
+        if item[0] == "edge":
+            edges[item[1], item[2]] = value
+    start = np.zeros(n)
+    start[0] = 1.0
+    path = np.linalg.solve(np.eye(n) - edges.T, start)  # (I - E)^-1, read along the edges
+    zero = np.array([axioms[("edgezero", i)] for i in range(n)])
+    return path, float(zero @ path)
+
+
+@pytest.mark.parametrize("cyclic", [True, False])
+def test_path_values_match_the_closed_form(cyclic: bool) -> None:
+    axioms = path_axioms(0, cyclic=cyclic)
+    run = PATH.run(axioms, tolerance=1e-13, max_pops=100_000)
+    path, total = closed_form(axioms)
+    for i in range(4):
+        assert run.chart[("pathto", i)] == pytest.approx(path[i], rel=1e-9)
+    assert run.chart[("total",)] == pytest.approx(total, rel=1e-9)
+
+
+@pytest.mark.parametrize("pops", [5, 12, 30, None])
+def test_path_gradients_match_finite_differences_after_early_stops(pops: int | None) -> None:
+    axioms = path_axioms(1)
+    options: dict[str, Any] = {"max_pops": pops} if pops else {"tolerance": 1e-12, "max_pops": 100_000}
+    run = PATH.run(axioms, **options)
+    grads = run.gradient(("total",))
+    numeric = finite_difference(PATH, axioms, ("total",), **options)
+    for item, value in numeric.items():
+        assert grads.get(item, 0.0) == pytest.approx(value, rel=1e-5, abs=1e-8), item
+
+
+def test_an_axiom_of_value_zero_still_gets_its_gradient() -> None:
+    axioms = path_axioms(2, cyclic=False)
+    axioms[("edge", 0, 3)] = 0.0
+    run = PATH.run(axioms, tolerance=0.0)
+    grad = run.gradient(("total",))[("edge", 0, 3)]
+    # d total / d edge(0,3) = pathto(0) * d total / d pathto(3) = 1 * edgezero(3) (no edges out of 3)
+    assert grad == pytest.approx(axioms[("edgezero", 3)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_programs_match_finite_differences_and_ignore_pop_order(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    program = Program(
+        [
+            Rule(("b", "X"), [("a", "X"), ("w", "X", "Y"), ("a", "Y")], coeff=0.5),
+            Rule(("a", "Y"), [("b", "X"), ("v", "X", "Y")]),
+            Rule(("goal",), [("b", "X"), ("b", "X")]),
+            Rule(("goal",), [("a", "X")], coeff=float(rng.uniform(0.5, 2))),
+        ]
+    )
+    n = 3
+    axioms: dict[Item, float] = {("a", i): float(rng.uniform(0.1, 0.5)) for i in range(n)}
+    axioms.update({("w", i, j): float(rng.uniform(0.0, 0.2)) for i in range(n) for j in range(n)})
+    axioms.update({("v", i, j): float(rng.uniform(0.0, 0.3)) for i in range(n) for j in range(n)})
+    options: dict[str, Any] = {"tolerance": 1e-14, "max_pops": 200_000}
+    fifo = program.run(axioms, **options)
+    numeric = finite_difference(program, axioms, ("goal",), **options)
+    grads = fifo.gradient(("goal",))
+    for item, value in numeric.items():
+        assert grads.get(item, 0.0) == pytest.approx(value, rel=1e-4, abs=1e-7), item
+    shuffled = program.run(axioms, priority=lambda item, value: hash((seed, item)) % 97, **options)
+    assert shuffled.chart[("goal",)] == pytest.approx(fifo.chart[("goal",)], rel=1e-9)
+    other = shuffled.gradient(("goal",))
+    for item in axioms:
+        assert other.get(item, 0.0) == pytest.approx(grads.get(item, 0.0), rel=1e-6, abs=1e-9), item
+    early = program.run(axioms, max_pops=17)
+    early_numeric = finite_difference(program, axioms, ("goal",), max_pops=17)
+    early_grads = early.gradient(("goal",))
+    for item, value in early_numeric.items():
+        assert early_grads.get(item, 0.0) == pytest.approx(value, rel=1e-5, abs=1e-8), item
+
+
+@pytest.mark.anyio
+async def test_a_goal_is_a_layer_whose_weights_train() -> None:
+    axioms = path_axioms(3)
+    n = 4
+    edges = np.zeros((n, n))
+    for item, value in axioms.items():
+        if item[0] == "edge":
+            edges[item[1], item[2]] = value
+    fixed = {k: v for k, v in axioms.items() if k[0] != "edge"}
+    w = ml.Weight(edges.copy(), optimizer=ml.optim.sgd(0.01))
+    total = PATH.goal(("total",), fixed, {"edge": w}, tolerance=1e-13, max_pops=100_000)
+    assert await total.predict() == pytest.approx(closed_form(axioms)[1], rel=1e-9)
+    [grad] = await ml.gradients(total, [w])
+    run = PATH.run(axioms, tolerance=1e-13, max_pops=100_000)
+    expected = run.gradient(("total",))
+    for i in range(n):
+        for j in range(n):
+            assert grad[i, j] == pytest.approx(expected.get(("edge", i, j), 0.0), rel=1e-9)
+    before = await total.predict()
+    target = before * 0.5
+    for _ in range(20):
+        await ((PATH.goal(("total",), fixed, {"edge": w}, tolerance=1e-13, max_pops=100_000) - target) ** 2.0).train()
+    after = await PATH.goal(("total",), fixed, {"edge": w}, tolerance=1e-13, max_pops=100_000).predict()
+    assert abs(after - target) < abs(before - target)
+
+
+def test_rules_must_be_range_restricted() -> None:
+    with pytest.raises(ValueError, match="range-restricted"):
+        Rule(("path", "X", "Z"), [("edge", "X", "Y")])
+    with pytest.raises(ValueError, match="at least one body item"):
+        Rule(("a",), [])
