@@ -35,18 +35,55 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+import math
+
 import numpy as np
 
 from monadl.do import Do
 from monadl.layers._layer import Layer, Weight
 from monadl.tape import Tape
 
-__all__ = ["Item", "Program", "Rule", "Run", "bind_weight"]
+__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Item", "Program", "Rule", "Run", "Semiring", "bind_weight"]
 
 Item: TypeAlias = tuple[Any, ...]
 """A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
 Pattern: TypeAlias = tuple[Any, ...]
 """An item with variables: arguments that are upper-case strings."""
+
+
+@dataclass(frozen=True)
+class Semiring:
+    """Values combine with ``plus`` across derivations and ``times`` within one.
+
+    ``gradient``: "tape" (the appendix's backward pass, in this semiring's own
+    arithmetic: the real and log-real semirings), "backpointer" (subgradients
+    along the best derivation: max-times, min-plus) or None (forward only).
+    ``better`` orders values for an agenda by value (idempotent semirings).
+    """
+
+    name: str
+    zero: float
+    one: float
+    plus: Callable[[float, float], float]
+    times: Callable[[float, float], float]
+    gradient: str | None = None
+    better: Callable[[float], float] | None = None
+
+    def product(self, values: Iterator[float] | Sequence[float]) -> float:
+        result = self.one
+        for v in values:
+            result = self.times(result, v)
+        return result
+
+
+REAL = Semiring("real", 0.0, 1.0, lambda a, b: a + b, lambda a, b: a * b, gradient="tape")
+LOG_REAL = Semiring("log-real", -math.inf, 0.0, np.logaddexp, lambda a, b: a + b, gradient="tape")
+"""Values are logarithms: plus is log-add-exp, times is +. Coefficients of
+rules are logs too (0.0 for 1)."""
+MAX_TIMES = Semiring("max-times", 0.0, 1.0, max, lambda a, b: a * b, gradient="backpointer", better=lambda v: -v)
+"""Viterbi: the best derivation's product."""
+MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, lambda a, b: a + b, gradient="backpointer", better=lambda v: v)
+"""Shortest paths: the best derivation's sum. Coefficients of rules add (0.0 for none)."""
 
 
 def _is_variable(term: Any) -> bool:
@@ -106,6 +143,7 @@ class _Entry:
     old_chart: float
     old_agenda: float
     first: bool  # the item did not exist before this pop
+    because: tuple[Rule, list[Item]] | None = None  # the derivation that set the update (back-pointer semirings)
 
 
 @dataclass
@@ -117,18 +155,28 @@ class Run:
     tape: list[_Entry]
     pops: int
     pending: dict[Item, float] = field(default_factory=dict)
+    best: dict[Item, tuple[Rule, list[Item]] | None] = field(default_factory=dict)
+    axioms: dict[Item, float] = field(default_factory=dict)
 
     def gradient(self, goal: Item) -> dict[Item, float]:
-        """d chart[goal] / d value, for every axiom of the run (the backward
-        pass of the appendix, popping the tape)."""
-        return self.program._backward(self, goal)
+        """d chart[goal] / d value, for every axiom of the run: the backward
+        pass of the appendix, popping the tape (real and log-real semirings:
+        in log-real, d log-value / d log-value), or the subgradient along the
+        best derivation (max-times, min-plus)."""
+        semiring = self.program.semiring
+        if semiring.gradient == "tape":
+            return self.program._backward(self, goal)
+        if semiring.gradient == "backpointer":
+            return self.program._best_derivation_gradient(self, goal)
+        raise NotImplementedError(f"the {semiring.name} semiring has no gradient here (forward only)")
 
 
 class Program:
     """Rules, run by forward chaining (see the module docs)."""
 
-    def __init__(self, rules: Sequence[Rule]) -> None:
+    def __init__(self, rules: Sequence[Rule], semiring: Semiring = REAL) -> None:
         self.rules = list(rules)
+        self.semiring = semiring
         # For each functor: the (rule, body position) pairs it can drive.
         self._drives: dict[Any, list[tuple[Rule, int]]] = {}
         for rule in self.rules:
@@ -142,7 +190,7 @@ class Program:
         *,
         max_pops: int | None = None,
         tolerance: float = 0.0,
-        priority: Callable[[Item, float], float] | None = None,
+        priority: Callable[[Item, float], float] | str | None = None,
         stop: Callable[[Run], bool] | None = None,
     ) -> Run:
         """Forward chaining from ``axioms``.
@@ -153,25 +201,41 @@ class Program:
             max_pops: stop after this many pops (early stopping).
             tolerance: updates smaller than this in magnitude are not popped
                 (the run stops when only such updates are pending).
-            priority: which pending item pops next (lowest first); FIFO when None.
+            priority: which pending item pops next (lowest first); FIFO when
+                None; "value" pops the best pending value first (idempotent
+                semirings: then each item pops once, as in Dijkstra's algorithm).
             stop: a predicate on the run so far, checked after each pop.
         """
+        semiring = self.semiring
+        if priority == "value":
+            better = semiring.better
+            if better is None:
+                raise ValueError(f"an agenda by value needs an idempotent semiring, not {semiring.name}")
+            priority = lambda item, value: better(value)  # noqa: E731
+        elif isinstance(priority, str):
+            raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
         chart: dict[Item, float] = {}
         index: dict[Any, dict[Item, None]] = {}  # existing items by functor, in order of creation
         agenda: dict[Item, float] = {}
+        because: dict[Item, tuple[Rule, list[Item]] | None] = {}
         fifo: deque[Item] = deque()
         tape: list[_Entry] = []
-        run = Run(self, chart, tape, 0, agenda)
+        run = Run(self, chart, tape, 0, agenda, axioms={tuple(k): float(v) for k, v in axioms.items()})
+        track = semiring.gradient == "backpointer"
 
-        def push(item: Item, value: float) -> None:
+        def push(item: Item, value: float, reason: tuple[Rule, list[Item]] | None) -> None:
             if item in agenda:
-                agenda[item] += value
+                combined = semiring.plus(agenda[item], value)
+                if track and combined != agenda[item]:
+                    because[item] = reason
+                agenda[item] = combined
             else:
                 agenda[item] = value
+                because[item] = reason
                 fifo.append(item)
 
         for item, value in axioms.items():
-            push(tuple(item), float(value))
+            push(tuple(item), float(value), None)
         while agenda:
             if max_pops is not None and run.pops >= max_pops:
                 break
@@ -179,31 +243,42 @@ class Program:
             if a is None:
                 break
             update = agenda.pop(a)
+            reason = because.pop(a, None)
             first = a not in chart
-            old = chart.get(a, 0.0)
-            tape.append(_Entry(a, old, update, first))
+            old = chart.get(a, semiring.zero)
+            new = semiring.plus(old, update)
+            tape.append(_Entry(a, old, update, first, reason))
             run.pops += 1
-            new = old + update
             chart[a] = new
+            if track and (first or new != old):
+                run.best[a] = reason
             if first:
                 index.setdefault(a[0], {})[a] = None
             if first or new != old:
-                for c, contribution in self._contributions(a, old, update, first, chart, index):
-                    push(c, contribution)
+                for c, contribution, ground in self._contributions(a, old, update, first, chart, index):
+                    push(c, contribution, (ground[0], ground[1]) if track else None)
             if stop is not None and stop(run):
                 break
         return run
 
-    @staticmethod
     def _choose(
+        self,
         agenda: dict[Item, float],
         fifo: deque[Item],
         chart: dict[Item, float],
         tolerance: float,
         priority: Callable[[Item, float], float] | None,
     ) -> Item | None:
+        semiring = self.semiring
+
         def poppable(item: Item) -> bool:
-            return item not in chart or abs(agenda[item]) > tolerance
+            if item not in chart:
+                return True
+            if semiring is REAL:
+                return abs(agenda[item]) > tolerance
+            # elsewhere: pop when the update would still change the chart by more than tolerance
+            new = semiring.plus(chart[item], agenda[item])
+            return bool(new != chart[item] and not abs(new - chart[item]) <= tolerance)
 
         if priority is not None:
             candidates = [i for i in agenda if poppable(i)]
@@ -261,13 +336,18 @@ class Program:
 
     def _contributions(
         self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: dict[Any, dict[Item, None]]
-    ) -> Iterator[tuple[Item, float]]:
+    ) -> Iterator[tuple[Item, float, tuple[Rule, list[Item]]]]:
+        times = self.semiring.times
         for rule, i, ground in self._instantiations(a, first, chart, index):
-            product = rule.coeff * update
+            product = times(self._coeff(rule), update)
             for j, item in enumerate(ground):
                 if j != i:
-                    product *= chart[item] if (j < i or item != a) else old
-            yield _ground(rule.head, _bindings(rule, ground)), product
+                    product = times(product, chart[item] if (j < i or item != a) else old)
+            yield _ground(rule.head, _bindings(rule, ground)), product, (rule, ground)
+
+    def _coeff(self, rule: Rule) -> float:
+        # A coefficient is a semiring value; the default 1.0 means "none" in every semiring.
+        return self.semiring.one if rule.coeff == 1.0 else rule.coeff
 
     # ---- backward ------------------------------------------------------------------------------
     def _backward(self, run: Run, goal: Item) -> dict[Item, float]:
@@ -275,40 +355,78 @@ class Program:
         index: dict[Any, dict[Item, None]] = {}
         for item in chart:
             index.setdefault(item[0], {})[item] = None
-        g_chart: dict[Item, float] = {goal: 1.0} if goal in chart else {}
+        # The adjoints are sums of products of the run's (nonnegative) values,
+        # so they are computed in the semiring's own arithmetic: in log-real,
+        # as logarithms, which cannot underflow on long runs.
+        s = self.semiring
+        plus, times, zero = s.plus, s.times, s.zero
+        g_chart: dict[Item, float] = {goal: s.one} if goal in chart else {}
         g_agenda: dict[Item, float] = {}
         for entry in reversed(run.tape):
             a, old, update = entry.item, entry.old_chart, entry.old_agenda
             new = chart[a]
-            g_agenda_old = 0.0
+            g_agenda_old = zero
             to_chart_t: dict[Item, float] = {}  # into gchart(t): passes through to gchart(t-1)
             to_chart_prev: dict[Item, float] = {}  # into gchart(t-1)
             if entry.first or new != old:
                 for rule, i, ground in self._instantiations(a, entry.first, chart, index):
                     c = _ground(rule.head, _bindings(rule, ground))
-                    g = g_agenda.get(c, 0.0)
-                    if g == 0.0:
+                    g = g_agenda.get(c, zero)
+                    if g == zero:
                         continue
+                    coeff = self._coeff(rule)
                     values = [chart[x] if (j < i or x != a) else old for j, x in enumerate(ground)]
-                    others = rule.coeff * float(np.prod([v for j, v in enumerate(values) if j != i]))
-                    g_agenda_old += others * g
+                    others = times(coeff, s.product(v for j, v in enumerate(values) if j != i))
+                    g_agenda_old = plus(g_agenda_old, times(others, g))
                     for jp, x in enumerate(ground):
                         if jp == i:
                             continue
-                        rest = rule.coeff * update * float(np.prod([v for j, v in enumerate(values) if j not in (i, jp)]))
+                        rest = times(times(coeff, update), s.product(v for j, v in enumerate(values) if j not in (i, jp)))
                         target = to_chart_t if jp < i else to_chart_prev
-                        target[x] = target.get(x, 0.0) + g * rest
-            g_chart_t_a = g_chart.get(a, 0.0) + to_chart_t.get(a, 0.0)
+                        target[x] = plus(target.get(x, zero), times(g, rest))
+            g_chart_t_a = plus(g_chart.get(a, zero), to_chart_t.get(a, zero))
             for target in (to_chart_t, to_chart_prev):
                 for x, v in target.items():
-                    g_chart[x] = g_chart.get(x, 0.0) + v
-            g_agenda[a] = g_agenda_old + g_chart_t_a
+                    g_chart[x] = plus(g_chart.get(x, zero), v)
+            g_agenda[a] = plus(g_agenda_old, g_chart_t_a)
             chart[a] = old
             if entry.first:
                 del chart[a]
                 del index[a[0]][a]
                 g_chart.pop(a, None)  # chart(t-1)[a] did not exist: nothing before it
+        if s is LOG_REAL:
+            # g holds log d exp(goal) / d exp(x); an axiom's gradient in log space
+            # is d goal / d x = exp(g + x - goal).
+            value = run.chart.get(goal, zero)
+            return {x: math.exp(g_agenda[x] + v - value) for x, v in run.axioms.items() if g_agenda.get(x, zero) != zero}
         return g_agenda
+
+    def _best_derivation_gradient(self, run: Run, goal: Item) -> dict[Item, float]:
+        """Subgradient of the goal along its best derivation (back-pointers)."""
+        counts: dict[Item, int] = {}
+        coefficients: list[float] = []
+        work = [goal] if goal in run.chart else []
+        steps = 0
+        while work:
+            item = work.pop()
+            steps += 1
+            if steps > 10 * len(run.chart) + 10:
+                raise RuntimeError("the best derivation has a cycle (weights that improve around a loop)")
+            reason = run.best.get(item)
+            if reason is None:
+                counts[item] = counts.get(item, 0) + 1
+                continue
+            rule, ground = reason
+            coefficients.append(self._coeff(rule))
+            work.extend(ground)
+        s = self.semiring
+        if s is MIN_PLUS:
+            return {x: float(n) for x, n in counts.items()}
+        grads = {}
+        for x, n in counts.items():  # max-times: d/dx of x**n times the rest
+            rest = s.product(run.chart[y] ** m for y, m in counts.items() if y != x)
+            grads[x] = n * run.chart[x] ** (n - 1) * rest * s.product(coefficients)
+        return grads
 
     # ---- as a monadl layer -------------------------------------------------------------------------
     def goal(

@@ -1,0 +1,123 @@
+"""The log-real, max-times and min-plus semirings, and forward-only ones."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from monadl.dyna import LOG_REAL, MAX_TIMES, MIN_PLUS, Item, Program, Rule, Semiring
+
+
+def test_log_real_square_program() -> None:
+    program = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])], LOG_REAL)
+    r = 0.21
+    run = program.run({("r",): math.log(r)}, tolerance=1e-15, max_pops=10_000)
+    assert math.exp(run.chart[("a",)]) == pytest.approx(0.3, abs=1e-9)
+    # d log a / d log r = (da/dr) * r / a = 2.5 * 0.21 / 0.3
+    assert run.gradient(("a",))[("r",)] == pytest.approx(2.5 * r / 0.3, rel=1e-6)
+
+
+def test_log_real_hmm_over_a_long_sequence_does_not_underflow() -> None:
+    from examples import dyna_programs as dp
+
+    rng = np.random.default_rng(0)
+    init, trans, emit = rng.dirichlet(np.ones(2)), rng.dirichlet(np.ones(2), size=2), rng.dirichlet(np.ones(3), size=2)
+    observations = list(rng.integers(0, 3, 800))
+    axioms = {k: (math.log(v) if v > 0 else -math.inf) for k, v in dp.hmm_axioms(init, trans, emit, observations).items()}
+    program = Program(dp.HMM.rules, LOG_REAL)
+    run = program.run(axioms)
+    log_likelihood = run.chart[("likelihood",)]
+    # the same by a scaled forward algorithm
+    alpha = init * emit[:, observations[0]]
+    expected = 0.0
+    for o in observations[1:]:
+        expected += math.log(alpha.sum())
+        alpha = (alpha / alpha.sum()) @ trans * emit[:, o]
+    expected += math.log(alpha.sum())
+    assert log_likelihood < -700  # exp() of it underflows float64
+    assert log_likelihood == pytest.approx(expected, rel=1e-10)
+    grads = run.gradient(("likelihood",))
+    # d log L / d log trans summed over transitions = number of transitions
+    assert sum(grads[("trans", a, b)] for a in range(2) for b in range(2)) == pytest.approx(len(observations) - 1, rel=1e-8)
+
+
+SHORTEST = Program(
+    [Rule(("path", "J"), [("path", "I"), ("edge", "I", "J")]), Rule(("goal",), [("path", "T"), ("target", "T")])],
+    MIN_PLUS,
+)
+
+
+def graph(seed: int, n: int = 6) -> dict[Item, float]:
+    rng = np.random.default_rng(seed)
+    axioms: dict[Item, float] = {("path", 0): 0.0, ("target", n - 1): 0.0}
+    for i in range(n):
+        for j in range(n):
+            if i != j and rng.uniform() < 0.6:
+                axioms[("edge", i, j)] = float(rng.uniform(1, 10))
+    return axioms
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shortest_paths_match_floyd_warshall_with_edge_subgradients(seed: int) -> None:
+    axioms = graph(seed)
+    n = 6
+    dist = np.full((n, n), np.inf)
+    np.fill_diagonal(dist, 0)
+    for item, value in axioms.items():
+        if item[0] == "edge":
+            dist[item[1], item[2]] = value
+    for k in range(n):
+        dist = np.minimum(dist, dist[:, [k]] + dist[[k], :])
+    run = SHORTEST.run(axioms, priority="value")
+    for j in range(n):
+        if np.isfinite(dist[0, j]):
+            assert run.chart[("path", j)] == pytest.approx(dist[0, j])
+    assert len({e.item for e in run.tape if e.item[0] == "path"}) == sum(np.isfinite(dist[0]))
+    assert sum(1 for e in run.tape if e.item[0] == "path") == sum(np.isfinite(dist[0]))  # Dijkstra: each pops once
+    if not np.isfinite(dist[0, n - 1]):
+        return
+    grads = run.gradient(("goal",))
+    on_path = [x for x, g in grads.items() if x[0] == "edge"]
+    assert all(grads[x] == 1.0 for x in on_path)
+    assert sum(axioms[x] for x in on_path) == pytest.approx(dist[0, n - 1])
+    fifo = SHORTEST.run(axioms)  # any order reaches the same fixed point
+    assert fifo.chart[("goal",)] == pytest.approx(run.chart[("goal",)])
+
+
+def test_viterbi_matches_brute_force_and_finite_differences() -> None:
+    from examples import dyna_programs as dp
+
+    rng = np.random.default_rng(3)
+    init, trans, emit = rng.dirichlet(np.ones(3)), rng.dirichlet(np.ones(3), size=3), rng.dirichlet(np.ones(2), size=3)
+    observations = [0, 1, 1, 0, 1]
+    axioms = dp.hmm_axioms(init, trans, emit, observations)
+    program = Program(dp.HMM.rules, MAX_TIMES)
+    run = program.run(axioms, priority="value")
+    best = max(
+        init[s[0]] * emit[s[0], observations[0]] * math.prod(trans[s[t - 1], s[t]] * emit[s[t], observations[t]] for t in range(1, len(s)))
+        for s in itertools.product(range(3), repeat=len(observations))
+    )
+    assert run.chart[("likelihood",)] == pytest.approx(best, rel=1e-12)
+    grads = run.gradient(("likelihood",))
+    options: dict[str, Any] = {"priority": "value"}
+    for item in [k for k in axioms if k[0] in ("trans", "emit")]:
+        up, down = dict(axioms), dict(axioms)
+        up[item] += 1e-7
+        down[item] -= 1e-7
+        numeric = (program.run(up, **options).chart[("likelihood",)] - program.run(down, **options).chart[("likelihood",)]) / 2e-7
+        assert grads.get(item, 0.0) == pytest.approx(numeric, rel=1e-4, abs=1e-9), item
+
+
+def test_other_semirings_run_forward_only() -> None:
+    boolean = Semiring("boolean", 0.0, 1.0, max, min)
+    reach = Program([Rule(("reach", "J"), [("reach", "I"), ("edge", "I", "J")])], boolean)
+    run = reach.run({("reach", 0): 1.0, ("edge", 0, 1): 1.0, ("edge", 1, 2): 1.0, ("edge", 3, 0): 1.0})
+    assert {x for x, v in run.chart.items() if x[0] == "reach" and v} == {("reach", 0), ("reach", 1), ("reach", 2)}
+    with pytest.raises(NotImplementedError, match="boolean"):
+        run.gradient(("reach", 2))
+    with pytest.raises(ValueError, match="idempotent"):
+        Program(reach.rules).run({}, priority="value")
