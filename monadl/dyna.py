@@ -137,6 +137,38 @@ def _ground(pattern: Pattern, bindings: Mapping[str, Any]) -> Item:
     return (pattern[0], *(bindings[t] if _is_variable(t) else t for t in pattern[1:]))
 
 
+class _Index:
+    """Existing items by functor and by each (argument position, value), so a
+    join looks only at the items that agree with what is already bound."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[Any, ...], dict[Item, None]] = {}
+
+    def add(self, item: Item) -> None:
+        self._buckets.setdefault((item[0], len(item)), {})[item] = None
+        for position, value in enumerate(item[1:], 1):
+            self._buckets.setdefault((item[0], len(item), position, value), {})[item] = None
+
+    def remove(self, item: Item) -> None:
+        del self._buckets[(item[0], len(item))][item]
+        for position, value in enumerate(item[1:], 1):
+            del self._buckets[(item[0], len(item), position, value)][item]
+
+    def candidates(self, pattern: Pattern, bindings: Mapping[str, Any]) -> list[Item]:
+        best: dict[Item, None] = self._buckets.get((pattern[0], len(pattern)), {})
+        for position, term in enumerate(pattern[1:], 1):
+            value = bindings.get(term, _UNBOUND) if _is_variable(term) else term
+            if value is _UNBOUND:
+                continue
+            bucket = self._buckets.get((pattern[0], len(pattern), position, value), {})
+            if len(bucket) < len(best):
+                best = bucket
+        return list(best)
+
+
+_UNBOUND = object()
+
+
 @dataclass
 class _Entry:
     item: Item
@@ -215,7 +247,7 @@ class Program:
         elif isinstance(priority, str):
             raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
         chart: dict[Item, float] = {}
-        index: dict[Any, dict[Item, None]] = {}  # existing items by functor, in order of creation
+        index = _Index()
         agenda: dict[Item, float] = {}
         because: dict[Item, tuple[Rule, list[Item]] | None] = {}
         fifo: deque[Item] = deque()
@@ -253,7 +285,7 @@ class Program:
             if track and (first or new != old):
                 run.best[a] = reason
             if first:
-                index.setdefault(a[0], {})[a] = None
+                index.add(a)
             if first or new != old:
                 for c, contribution, ground in self._contributions(a, old, update, first, chart, index):
                     push(c, contribution, (ground[0], ground[1]) if track else None)
@@ -293,7 +325,7 @@ class Program:
         return None
 
     def _instantiations(
-        self, a: Item, first: bool, chart: dict[Item, float], index: dict[Any, dict[Item, None]]
+        self, a: Item, first: bool, chart: dict[Item, float], index: _Index
     ) -> Iterator[tuple[Rule, int, list[Item]]]:
         """Each (rule, i, ground body) with a as body i, the other body items
         existing (at time t for j < i, at t-1 for j > i)."""
@@ -313,7 +345,7 @@ class Program:
         a: Item,
         first: bool,
         chart: dict[Item, float],
-        index: dict[Any, dict[Item, None]],
+        index: _Index,
     ) -> Iterator[tuple[Rule, int, list[Item]]]:
         if j == len(rule.body):
             yield rule, i, ground
@@ -326,7 +358,7 @@ class Program:
             item = _ground(pattern, bindings)
             candidates: Sequence[Item] = [item] if item in chart else []
         else:
-            candidates = list(index.get(pattern[0], ()))
+            candidates = index.candidates(pattern, bindings)
         for item in candidates:
             if j > i and item == a and first:
                 continue  # a did not exist at t-1
@@ -335,7 +367,7 @@ class Program:
                 yield from self._extend(rule, i, j + 1, extended, [*ground, item], a, first, chart, index)
 
     def _contributions(
-        self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: dict[Any, dict[Item, None]]
+        self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: _Index
     ) -> Iterator[tuple[Item, float, tuple[Rule, list[Item]]]]:
         times = self.semiring.times
         for rule, i, ground in self._instantiations(a, first, chart, index):
@@ -352,9 +384,9 @@ class Program:
     # ---- backward ------------------------------------------------------------------------------
     def _backward(self, run: Run, goal: Item) -> dict[Item, float]:
         chart = dict(run.chart)
-        index: dict[Any, dict[Item, None]] = {}
+        index = _Index()
         for item in chart:
-            index.setdefault(item[0], {})[item] = None
+            index.add(item)
         # The adjoints are sums of products of the run's (nonnegative) values,
         # so they are computed in the semiring's own arithmetic: in log-real,
         # as logarithms, which cannot underflow on long runs.
@@ -392,7 +424,7 @@ class Program:
             chart[a] = old
             if entry.first:
                 del chart[a]
-                del index[a[0]][a]
+                index.remove(a)
                 g_chart.pop(a, None)  # chart(t-1)[a] did not exist: nothing before it
         if s is LOG_REAL:
             # g holds log d exp(goal) / d exp(x); an axiom's gradient in log space
