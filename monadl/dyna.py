@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import math
+import re
 
 import numpy as np
 
@@ -43,7 +44,9 @@ from monadl.do import Do
 from monadl.layers._layer import Layer, Weight
 from monadl.tape import Tape
 
-__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Item", "Program", "Rule", "Run", "Semiring", "bind_weight"]
+__all__ = [
+    "LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Item", "Program", "Rule", "Run", "Semiring", "bind_weight", "parse",
+]
 
 Item: TypeAlias = tuple[Any, ...]
 """A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
@@ -520,3 +523,72 @@ def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any,
     return {functor: weight}
 
 
+
+
+_TERM = re.compile(r"\s*([a-z_][A-Za-z0-9_]*)\s*(?:\(([^()]*)\))?\s*$")
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*(e[-+]?\d+)?|\.\d+(e[-+]?\d+)?)\s*$", re.IGNORECASE)
+
+
+def parse(text: str, semiring: Semiring = REAL) -> Program:
+    """A program from text, one rule per ``.``::
+
+        stop(I) += edgezero(I) * pathto(I).
+        pathto(J) += edge(I, J) * pathto(I).
+        b(X) += 0.5 * a(X) * w(X, Y) * a(Y).   % a leading number is the coefficient
+
+    Upper-case arguments are variables; integers and lower-case words are
+    constants; ``%`` starts a comment.
+
+    >>> parse("a += a * a. a += r.").rules[0].body
+    [('a',), ('a',)]
+    """
+    rules = []
+    cleaned = "\n".join(line.split("%", 1)[0] for line in text.splitlines())
+    for number, statement in enumerate(s.strip() for s in _split_rules(cleaned)):
+        if not statement:
+            continue
+        if "+=" not in statement:
+            raise ValueError(f"rule {number + 1} ({statement!r}): expected 'head += body'")
+        head_text, body_text = statement.split("+=", 1)
+        factors = _split_top(body_text, "*")
+        coeff = 1.0
+        if factors and _NUMBER.match(factors[0]):
+            coeff = float(factors.pop(0))
+        rules.append(Rule(_term(head_text, statement), [_term(f, statement) for f in factors], coeff))
+    return Program(rules, semiring)
+
+
+def _split_rules(text: str) -> list[str]:
+    """Split at the '.' that ends a rule, not the one inside a number."""
+    out, current = [], ""
+    for i, ch in enumerate(text):
+        if ch == "." and not (i + 1 < len(text) and text[i + 1].isdigit() and current[-1:].isdigit()):
+            out.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        raise ValueError(f"the last rule ({current.strip()!r}) does not end with '.'")
+    return out
+
+
+def _split_top(text: str, separator: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == separator and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p for p in parts if p.strip()]
+
+
+def _term(text: str, statement: str) -> Pattern:
+    match = _TERM.match(text)
+    if match is None:
+        raise ValueError(f"in {statement!r}: {text.strip()!r} is not an item like name(X, 3)")
+    args = [a.strip() for a in match.group(2).split(",")] if match.group(2) else []
+    return (match.group(1), *(int(a) if a.lstrip("-").isdigit() else a for a in args))

@@ -171,3 +171,28 @@ def test_rules_must_be_range_restricted() -> None:
         Rule(("path", "X", "Z"), [("edge", "X", "Y")])
     with pytest.raises(ValueError, match="at least one body item"):
         Rule(("a",), [])
+
+
+def test_text_syntax() -> None:
+    from monadl.dyna import parse
+
+    program = parse(
+        """
+        % the path program of the appendix
+        stop(I) += edgezero(I) * pathto(I).
+        pathto(J) += edge(I, J) * pathto(I).
+        total += stop(I).
+        half(X) += 0.5 * stop(X).
+        """
+    )
+    assert [str(r) for r in program.rules] == [str(r) for r in PATH.rules] + ["half(X) += 0.5 * stop(X)"]
+    axioms = path_axioms(0)
+    assert program.run(axioms, tolerance=1e-13, max_pops=100_000).chart[("total",)] == pytest.approx(
+        PATH.run(axioms, tolerance=1e-13, max_pops=100_000).chart[("total",)]
+    )
+    with pytest.raises(ValueError, match="range-restricted"):
+        parse("path(X, Z) += edge(X, Y).")
+    with pytest.raises(ValueError, match="does not end"):
+        parse("a += b")
+    with pytest.raises(ValueError, match="not an item"):
+        parse("a += 3b.")
