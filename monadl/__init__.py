@@ -47,6 +47,7 @@ from monadl.layers import (
     softmax,
     sqrt,
     stack,
+    stop_gradient,
     sum,
     tanh,
     transpose,
@@ -63,5 +64,5 @@ __all__ = [
     "concatenate", "conv2d", "cross_entropy", "current_settings", "dense", "direct", "dot", "embedding", "exp",
     "gradients", "log", "log_softmax", "logsumexp", "matmul", "max", "max_pool2d", "maximum",
     "mean", "minimum", "optim", "relu", "reshape", "settings", "sigmoid", "softmax", "sqrt",
-    "stack", "sum", "tanh", "transpose", "values",
+    "stack", "stop_gradient", "sum", "tanh", "transpose", "values",
 ]

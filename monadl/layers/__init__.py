@@ -24,6 +24,7 @@ from monadl.layers._functions import (
     softmax,
     sqrt,
     stack,
+    stop_gradient,
     sum,
     tanh,
     transpose,
@@ -49,5 +50,5 @@ __all__ = [
     "ScalarLayer", "ScalarOperand", "ScalarWeight", "Weight", "abs", "concatenate", "conv2d",
     "cross_entropy", "dense", "dot", "embedding", "exp", "log", "log_softmax", "logsumexp", "matmul", "max",
     "max_pool2d", "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "sqrt",
-    "stack", "sum", "tanh", "transpose", "unbroadcast",
+    "stack", "stop_gradient", "sum", "tanh", "transpose", "unbroadcast",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "softmax",
     "sqrt",
     "stack",
+    "stop_gradient",
     "sum",
     "tanh",
     "transpose",
@@ -147,6 +148,21 @@ def minimum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise minimum; at ties each side gets half the delta."""
     return _apply("minimum", (a, b))
+
+
+@overload
+def stop_gradient(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def stop_gradient(x: ArrayOperand) -> ArrayLayer: ...
+def stop_gradient(x: Operand) -> Layer[Any, Any]:
+    """The same value, through which no delta flows back.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]))
+    >>> anyio.run(ml.gradients, ml.sum(w * stop_gradient(w)), [w])
+    [array([1., 2.])]
+    """
+    return _apply("stop_gradient", (x,))
 
 
 # ---- linear algebra ----------------------------------------------------------------------

@@ -319,6 +319,10 @@ def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, .
     return out, (vjp,)
 
 
+def _stop_gradient(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a, ()  # no rule: the operand gets no delta
+
+
 def _identity(g: Value) -> Value:
     return g
 
@@ -334,6 +338,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("maximum", _maximum, same_dtype=True),
         Primitive("minimum", _minimum, same_dtype=True),
         Primitive("negative", _neg),
+        Primitive("stop_gradient", _stop_gradient),
         Primitive("exp", _exp),
         Primitive("log", _log),
         Primitive("sqrt", _sqrt),

@@ -1,0 +1,119 @@
+"""Estimate and replace (Jacobovits et al., "Estimate and Replace", EstiNet):
+train through a differentiable estimator of a black-box function, call the
+real black box at inference.
+
+`estimate_and_replace` is the layer combinator: in training mode it is the
+estimator applied to the arguments (so the argument extractor learns through
+it); in inference mode it awaits the arguments' values (hardened: argmax one-
+hots for discrete arguments), calls the black box, and gives its result as a
+constant. `gumbel_softmax` makes discrete arguments: one-hot in the forward
+pass, the softmax's gradient in the backward pass (straight-through).
+`entropy_penalty` keeps the extractor's distributions confident. The two
+losses of the method, one for the estimator's parameters (fit the black box's
+own outputs) and one for the extractor's (the task), stay on disjoint
+parameter sets: build the task loss with `frozen` estimator weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from monadl.direct import direct, values
+from monadl.layers._functions import log, mean, relu, softmax, stop_gradient, sum
+from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Layer, ScalarLayer, Weight, _Expr
+from monadl.typeclasses.deep_learning import as_layer
+
+__all__ = ["entropy_penalty", "estimate_and_replace", "frozen", "gumbel_softmax", "harden", "label_smoothing"]
+
+
+def gumbel_softmax(
+    logits: ArrayOperand, temperature: float, rng: np.random.Generator, *, hard: bool = True, axis: int = -1
+) -> ArrayLayer:
+    """A sample from the Gumbel-softmax relaxation of ``softmax(logits)``.
+
+    With ``hard``, the forward value is the one-hot argmax of the sample and
+    the backward pass is the relaxed sample's (straight-through).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+
+    @direct
+    async def sample(logits: ArrayLayer) -> ArrayLayer:
+        (scores,) = await values(logits)
+        noise = -np.log(-np.log(rng.uniform(1e-12, 1.0, np.shape(scores))))
+        soft = softmax((logits + noise.astype(np.asarray(scores).dtype)) * (1.0 / temperature), axis=axis)
+        if not hard:
+            return soft
+        (soft_value,) = await values(soft)
+        one_hot = harden(soft_value, axis)
+        return soft - stop_gradient(soft) + one_hot
+
+    return sample(as_layer(logits))
+
+
+def harden(probabilities: Array, axis: int = -1) -> Array:
+    """One-hot of the argmax along ``axis``."""
+    index = np.argmax(probabilities, axis=axis)
+    one_hot: Array = np.moveaxis(np.eye(probabilities.shape[axis], dtype=probabilities.dtype)[index], -1, axis)
+    return one_hot
+
+
+def entropy_penalty(probabilities: ArrayOperand, threshold: float, axis: int = -1) -> ScalarLayer:
+    """Mean of ``max(entropy - threshold, 0)`` over the distributions along ``axis``:
+    a confidence regulariser that leaves already-confident outputs alone."""
+    p = as_layer(probabilities)
+
+    entropy = -sum(p * log(p + 1e-12), axis=axis)
+    return mean(relu(entropy - threshold))
+
+
+def label_smoothing(targets: Array, amount: float, axis: int = -1) -> Array:
+    """Move ``amount`` of each target distribution's mass to the uniform one."""
+    if not 0 <= amount < 1:
+        raise ValueError(f"amount must be in [0, 1), got {amount}")
+    classes = targets.shape[axis]
+    smoothed: Array = targets * (1 - amount) + amount / classes
+    return smoothed
+
+
+def frozen(weights: Sequence[Weight[Any, Any]]) -> list[Layer[Any, Any]]:
+    """The weights' values as layers through which no delta flows: use them to
+    build the task loss, so only the extractor's parameters learn from it."""
+    return [stop_gradient(w) for w in weights]
+
+
+def estimate_and_replace(
+    black_box: Callable[..., Any],
+    estimator: Callable[..., _Expr[Any, Any]],
+    arguments: Sequence[_Expr[Any, Any]],
+    *,
+    training: bool,
+    harden_arguments: bool = True,
+) -> Layer[Any, Any]:
+    """The estimator in training, the black box at inference.
+
+    Args:
+        black_box: a plain function of the arguments' values (arrays).
+        estimator: a differentiable function of the argument layers.
+        arguments: the layers that produce the black box's arguments
+            (probability vectors for discrete arguments).
+        training: which of the two to use.
+        harden_arguments: at inference, turn each argument into the one-hot of
+            its argmax before calling the black box.
+    """
+    if training:
+        return as_layer(estimator(*arguments))
+
+    @direct
+    async def replaced() -> Layer[Any, Any]:
+        given = await values(*arguments)
+        if harden_arguments:
+            given = tuple(harden(np.asarray(v)) for v in given)
+        return as_layer(np.asarray(black_box(*given), dtype=np.float64))
+
+    return replaced()
+
+

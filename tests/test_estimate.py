@@ -1,0 +1,98 @@
+"""Estimate and replace: Gumbel-softmax, the combinator, frozen estimators."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.estimate import entropy_penalty, estimate_and_replace, frozen, gumbel_softmax, harden, label_smoothing
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_hard_gumbel_softmax_is_one_hot_forward_and_soft_backward() -> None:
+    logits = ml.Weight(np.array([[0.5, 1.0, -0.3], [2.0, 0.0, 0.1]]))
+    projection = np.array([[1.0, -2.0, 0.5], [0.3, 0.2, -1.0]])
+    hard = gumbel_softmax(logits, 0.7, np.random.default_rng(0))
+    value = await hard.predict()
+    assert set(np.unique(value)) <= {0.0, 1.0} and np.all(value.sum(axis=1) == 1.0)
+    [g_hard] = await ml.gradients(ml.sum(gumbel_softmax(logits, 0.7, np.random.default_rng(1)) * projection), [logits])
+    [g_soft] = await ml.gradients(
+        ml.sum(gumbel_softmax(logits, 0.7, np.random.default_rng(1), hard=False) * projection), [logits]
+    )
+    np.testing.assert_allclose(g_hard, g_soft, rtol=1e-12)
+    assert np.abs(g_soft).sum() > 0
+
+
+async def test_estimate_in_training_replace_at_inference() -> None:
+    calls: list[Any] = []
+
+    def black_box(choice: ml.Array) -> float:
+        calls.append(choice)
+        return float(np.array([10.0, 20.0, 30.0]) @ choice)
+
+    logits = ml.Weight(np.array([0.1, 2.0, 0.3]))
+    estimator_weight = ml.Weight(np.array([9.0, 21.0, 29.0]))
+
+    def estimator(p: ml.ArrayLayer) -> ml.ScalarLayer:
+        return ml.sum(p * estimator_weight)
+
+    probabilities = ml.softmax(logits)
+    trained = estimate_and_replace(black_box, estimator, [probabilities], training=True)
+    assert await trained.predict() == pytest.approx(float(np.exp([0.1, 2.0, 0.3]) / np.exp([0.1, 2.0, 0.3]).sum() @ [9, 21, 29]))
+    assert calls == []
+    replaced = estimate_and_replace(black_box, estimator, [probabilities], training=False)
+    assert await replaced.predict() == 20.0
+    np.testing.assert_array_equal(calls[0], [0.0, 1.0, 0.0])
+    grads = await ml.gradients(replaced, [logits, estimator_weight])
+    assert all(np.all(g == 0) for g in grads)  # a black box has no gradient
+
+
+async def test_frozen_estimator_weights_get_no_delta_from_the_task_loss() -> None:
+    logits = ml.Weight(np.array([0.0, 0.5]))
+    w = ml.Weight(np.array([1.0, 3.0]))
+    [frozen_w] = frozen([w])
+    task = (ml.sum(ml.softmax(logits) * frozen_w) - 3.0) ** 2.0
+    g_logits, g_w = await ml.gradients(task, [logits, w])
+    assert np.all(g_w == 0) and np.abs(g_logits).sum() > 0
+
+
+async def test_confidence_regularisers() -> None:
+    confident = np.array([[0.98, 0.01, 0.01]])
+    uniform = np.full((1, 3), 1 / 3)
+    assert await entropy_penalty(confident, threshold=0.5).predict() == 0.0
+    assert await entropy_penalty(uniform, threshold=0.5).predict() == pytest.approx(np.log(3) - 0.5)
+    smoothed = label_smoothing(np.eye(3), 0.3)
+    np.testing.assert_allclose(smoothed.sum(axis=1), 1.0)
+    assert smoothed[0, 0] == pytest.approx(0.8)
+    np.testing.assert_array_equal(harden(np.array([[0.2, 0.5, 0.3]])), [[0, 1, 0]])
+    with pytest.raises(ValueError, match="temperature"):
+        gumbel_softmax(np.zeros(3), 0.0, np.random.default_rng(0))
+
+
+async def test_a_tiny_estinet_learns_through_its_estimator() -> None:
+    """Pick which of 4 inputs makes the black box answer 7, knowing it only
+    through an estimator fitted to the black box's own outputs."""
+    table = np.array([3.0, 7.0, 1.0, 5.0])
+
+    def black_box(choice: ml.Array) -> float:
+        return float(table @ choice)
+
+    rng = np.random.default_rng(0)
+    estimator_w = ml.Weight(np.zeros(4), optimizer=ml.optim.sgd(0.1))
+    for _ in range(300):  # offline: fit the estimator on the black box's own outputs
+        sample = np.eye(4)[rng.integers(0, 4)]
+        await ((ml.sum(sample * estimator_w) - black_box(sample)) ** 2.0).train()
+    np.testing.assert_allclose(estimator_w.data, table, atol=1e-3)
+
+    logits = ml.Weight(np.zeros(4), optimizer=ml.optim.sgd(0.05))
+    [fixed] = frozen([estimator_w])
+    for _ in range(200):  # the task, through the frozen estimator only
+        p = ml.softmax(logits)
+        estimate = estimate_and_replace(black_box, lambda q: ml.sum(q * fixed), [p], training=True)
+        await ((estimate - 7.0) ** 2.0 + 0.1 * entropy_penalty(p, threshold=0.1)).train()
+    answer = await estimate_and_replace(black_box, lambda q: ml.sum(q * fixed), [ml.softmax(logits)], training=False).predict()
+    assert answer == 7.0
