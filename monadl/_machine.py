@@ -745,10 +745,6 @@ def _describe(args: Sequence[Any]) -> str:
 
 
 def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
-    if len(args) == 2:  # the common case, decided without a loop
-        a, b = args
-        if type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype is b.dtype:
-            return
     first = None
     for a in args:
         if type(a) is np.ndarray and a.ndim and a.dtype.kind == "f":

@@ -178,8 +178,6 @@ class _Schedule:
                 return
             if item is None:
                 item = self.take()
-        if self.error is not None:
-            return
 
 
 # ---- forward ------------------------------------------------------------------------------

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, Never, TypeVar, final, overload
+from typing import Any, Final, Never, TypeVar, final, overload
 
 from returns.interfaces.container import Container1
 from returns.interfaces.specific.future import AwaitableFutureN
 from returns.io import IO
 from returns.primitives.hkt import Kind1, SupportsKind1, dekind
-
-if TYPE_CHECKING:
-    from monadl.layers._layer import Layer
 
 A = TypeVar("A", covariant=True)
 B = TypeVar("B")
@@ -161,11 +158,6 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         (0, 1, 2)
         """
         return Do(ZIP, tuple(dos))
-
-    @staticmethod
-    def forward_of(layer: Layer[B, Any]) -> Do[Any]:
-        """Internal: the forward pass of a layer (use ``layer.forward()``)."""
-        return Do(FORWARD, layer)
 
     # ---- combinators --------------------------------------------------
     def map(self, function: Callable[[A], B]) -> Do[B]:

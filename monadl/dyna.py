@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+import heapq
+import itertools
 import math
 import re
 
@@ -242,18 +244,25 @@ class Program:
             stop: a predicate on the run so far, checked after each pop.
         """
         semiring = self.semiring
+        rank: Callable[[Item, float], float] | None
         if priority == "value":
             better = semiring.better
             if better is None:
                 raise ValueError(f"an agenda by value needs an idempotent semiring, not {semiring.name}")
-            priority = lambda item, value: better(value)  # noqa: E731
+            rank = lambda item, value: better(value)  # noqa: E731
         elif isinstance(priority, str):
             raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
+        else:
+            rank = priority
         chart: dict[Item, float] = {}
         index = _Index()
         agenda: dict[Item, float] = {}
         because: dict[Item, tuple[Rule, list[Item]] | None] = {}
         fifo: deque[Item] = deque()
+        # With a priority: a heap of (rank, push order, item); an entry whose
+        # rank no longer matches the item's pending value is stale, skipped.
+        heap: list[tuple[float, int, Item]] = []
+        pushes = itertools.count()
         tape: list[_Entry] = []
         run = Run(self, chart, tape, 0, agenda, axioms={tuple(k): float(v) for k, v in axioms.items()})
         track = semiring.gradient == "backpointer"
@@ -267,14 +276,17 @@ class Program:
             else:
                 agenda[item] = value
                 because[item] = reason
-                fifo.append(item)
+                if rank is None:
+                    fifo.append(item)
+            if rank is not None:
+                heapq.heappush(heap, (rank(item, agenda[item]), next(pushes), item))
 
         for item, value in axioms.items():
             push(tuple(item), float(value), None)
         while agenda:
             if max_pops is not None and run.pops >= max_pops:
                 break
-            a = self._choose(agenda, fifo, chart, tolerance, priority)
+            a = self._choose(agenda, fifo, heap, chart, tolerance, rank)
             if a is None:
                 break
             update = agenda.pop(a)
@@ -300,9 +312,10 @@ class Program:
         self,
         agenda: dict[Item, float],
         fifo: deque[Item],
+        heap: list[tuple[float, int, Item]],
         chart: dict[Item, float],
         tolerance: float,
-        priority: Callable[[Item, float], float] | None,
+        rank: Callable[[Item, float], float] | None,
     ) -> Item | None:
         semiring = self.semiring
 
@@ -315,9 +328,13 @@ class Program:
             new = semiring.plus(chart[item], agenda[item])
             return bool(new != chart[item] and not abs(new - chart[item]) <= tolerance)
 
-        if priority is not None:
-            candidates = [i for i in agenda if poppable(i)]
-            return min(candidates, key=lambda i: priority(i, agenda[i])) if candidates else None
+        if rank is not None:
+            while heap:
+                ranked, _, item = heapq.heappop(heap)
+                # An item that is not poppable now gets a fresh entry when its value next changes.
+                if item in agenda and ranked == rank(item, agenda[item]) and poppable(item):
+                    return item
+            return None
         for _ in range(len(fifo)):
             item = fifo.popleft()
             if item not in agenda:

@@ -60,5 +60,11 @@ def test_cky_inside_matches_a_direct_dp_and_finite_differences() -> None:
         assert grads[item] == pytest.approx(numeric, rel=1e-5)
 
 
-def test_examples_program_runs() -> None:
+def test_examples_program_prints_consistent_results(capsys: pytest.CaptureFixture[str]) -> None:
     dp.main()
+    printed = capsys.readouterr().out
+    assert "(sum 3.000 = 3 transitions)" in printed  # expected counts of a 4-step sequence
+    likelihood = float(printed.split("HMM likelihood ")[1].split(";")[0])
+    assert 0 < likelihood < 1
+    inside = float(printed.split("inside probability of the sentence: ")[1])
+    assert 0 < inside < 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, final
+from typing import Any, Protocol, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
