@@ -106,7 +106,7 @@ class MonadlColumns:
         summed = columns[0]
         for column in columns[1:]:
             summed = summed + column
-        labels = np.full(len(fine), coarse)
+        labels = fine * 0 + coarse  # in the library (and on the device) of the data
         coarse_loss = ml.cross_entropy(self.dense("coarse", summed), labels)
         if skip:
             return coarse_loss + ml.cross_entropy(self.fine_logits(coarse, summed), fine)
@@ -181,7 +181,7 @@ class NumpyColumns:
 
 
 # ---- PyTorch eager ------------------------------------------------------------------------------
-def torch_columns(config: Config, weights: dict[str, ml.Array]) -> tuple[Any, Any, Callable[..., Any]]:
+def torch_columns(config: Config, weights: dict[str, ml.Array], device: str = "cpu") -> tuple[Any, Any, Callable[..., Any]]:
     import torch
     from torch import nn
 
@@ -200,7 +200,7 @@ def torch_columns(config: Config, weights: dict[str, ml.Array]) -> tuple[Any, An
 
         def forward(self, x: Any, coarse: int, fine: Any, skip: bool) -> Any:
             summed = sum(column(x) for column in self.columns)
-            labels = torch.full((len(fine),), coarse)
+            labels = torch.full((len(fine),), coarse, device=fine.device)
             loss = nn.functional.cross_entropy(self.coarse(summed), labels)
             if skip:
                 return loss + nn.functional.cross_entropy(self.fine[coarse](summed), fine)
@@ -219,10 +219,14 @@ def torch_columns(config: Config, weights: dict[str, ml.Array]) -> tuple[Any, An
             for i, layer in ((0, head[0]), (1, head[2]), (2, head[4])):
                 layer.weight.copy_(torch.from_numpy(weights[f"fine{f}.{i}.w"].T))
                 layer.bias.copy_(torch.from_numpy(weights[f"fine{f}.{i}.b"]))
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
 
+    def tensor(a: Any) -> Any:  # batches may already be tensors on the device
+        return a if isinstance(a, torch.Tensor) else torch.from_numpy(a).to(device)
+
     def step(x: ml.Array, coarse: int, fine: ml.Array, skip: bool) -> float:
-        loss = model(torch.from_numpy(x), coarse, torch.from_numpy(fine), skip)
+        loss = model(tensor(x), coarse, tensor(fine), skip)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -9,13 +9,14 @@ from monadl import _allocator, optim  # noqa: F401 - _allocator tunes malloc on 
 from monadl._settings import Settings, current_settings, settings
 from monadl.direct import direct, values
 from monadl.do import Do
-from monadl.errors import DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
+from monadl.errors import DeviceError, DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
 from monadl.gradcheck import check_grads, gradients
 from monadl.layers import (
     Array,
     ArrayLayer,
     ArrayOperand,
     ArrayWeight,
+    DeviceArray,
     AsArray,
     AsScalar,
     Layer,
@@ -58,7 +59,7 @@ from monadl.typeclasses import DeepLearning, as_layer, forward
 __version__ = "0.1.0"
 
 __all__ = [
-    "Array", "ArrayLayer", "DeepLearning", "as_layer", "forward", "ArrayOperand", "ArrayWeight", "AsArray", "AsScalar", "DTypeError", "Do", "Layer",
+    "Array", "ArrayLayer", "DeepLearning", "as_layer", "forward", "ArrayOperand", "ArrayWeight", "AsArray", "AsScalar", "DeviceArray", "DeviceError", "DTypeError", "Do", "Layer",
     "MonadlError", "NonFiniteError", "Operand", "OperandError", "ScalarLayer", "ScalarOperand",
     "ScalarWeight", "Settings", "ShapeError", "Tape", "Weight", "abs", "check_grads",
     "concatenate", "conv2d", "cross_entropy", "current_settings", "dense", "direct", "dot", "embedding", "exp",

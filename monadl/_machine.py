@@ -26,7 +26,8 @@ from typing import Any, Final
 import anyio
 import numpy as np
 
-from monadl import _parallel
+from monadl import _cuda, _parallel
+from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, library_name, namespace
 from monadl._settings import current_settings
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
@@ -101,7 +102,8 @@ class Evaluation:
     """The state of one run: records, shared values, open resources."""
 
     __slots__ = (
-        "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects"
+        "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects",
+        "cuda_streams",
     )
 
     def __init__(self, train: bool, may_fork: bool = True) -> None:
@@ -114,6 +116,7 @@ class Evaluation:
         self.check_finite = settings.check_finite
         self.workers = settings.workers if may_fork else 1
         self.fork_threshold_s = settings.fork_threshold_s
+        self.cuda_streams = settings.cuda_streams
         self.forked = False  # some graph ran on the worker pool
         self.effects = False  # something beyond primitives ran: backward stays on this thread
 
@@ -323,6 +326,10 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
         frame[2] = order
         if not order:
             return None
+        if _cuda.loaded() and _cuda.on_device(records, order) and all(node._op is not None for node in order):
+            # On a GPU the host only launches kernels: branches go to CUDA streams, not threads.
+            _cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))
+            return None
         if ev.workers > 1 and _parallel.worth_forking(ev, order):
             ev.forked = True
             frame[3] = len(order)
@@ -379,8 +386,16 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
             ry = None
         args: tuple[Any, ...] = (x, y)
         ins: tuple[_Record | None, ...] = (rx, ry)
-        if op.same_dtype and type(x) is np.ndarray and type(y) is np.ndarray and x.dtype is not y.dtype:
-            _check_dtypes(node, args)
+        kx, ky = type(x), type(y)
+        if kx is ky:
+            if kx is np.ndarray:
+                if op.same_dtype and x.dtype is not y.dtype:
+                    _check_dtypes(node, args)
+            elif kx not in _HOST:  # both from one other library (CuPy ...)
+                if op.same_dtype:
+                    _check_dtypes(node, args)
+        elif kx not in _HOST or ky not in _HOST:
+            args = _foreign_operands(node, args)
     elif len(inputs) == 1:
         x = inputs[0]
         kind = type(x)
@@ -395,6 +410,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         args, ins = (x,), (rx,)
     else:
         args, ins, needs = _operands(records, inputs, count)
+        if not all(type(a) in _HOST for a in args):
+            args = _foreign_operands(node, args)
         if op.same_dtype:
             _check_dtypes(node, args)
     params = node._params
@@ -407,9 +424,21 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {_describe(args)}; layer built at {_where(node)}")
         raise
-    if ev.check_finite and not np.all(np.isfinite(out)):
+    if ev.check_finite and not _all_finite(out):
         raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
     return _Record(out, vjps if needs else None, ins, needs, node)
+
+
+def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
+    scalars as Python numbers, which every array library accepts."""
+    xp = common_namespace(args, node._op.name)
+    return args if xp is np else host_scalars_to_python(args)
+
+
+def _all_finite(x: Any) -> bool:
+    xp = namespace(x)
+    return bool(xp.all(xp.isfinite(x)))
 
 
 def _operands(records: dict[Any, _Record], inputs: tuple[Any, ...], count: bool) -> tuple[tuple[Any, ...], tuple[_Record | None, ...], bool]:
@@ -521,11 +550,11 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
             try:
                 g = vjp(delta)
                 if getattr(g, "shape", ()) != getattr(r.value, "shape", ()):
-                    g = unbroadcast(g, np.shape(r.value))
+                    g = unbroadcast(g, getattr(r.value, "shape", ()))
             except Exception as exc:
                 exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {_where(rec.node)}")
                 raise
-            if ev.check_finite and not np.all(np.isfinite(g.rows if type(g) is SparseRows else g)):
+            if ev.check_finite and not _all_finite(g.rows if type(g) is SparseRows else g):
                 raise NonFiniteError(
                     f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {_where(rec.node)}"
                 )
@@ -593,7 +622,8 @@ def forward_backward(ev: Evaluation, root: Any) -> Machine:
 
 def _ones_like(value: Any) -> Any:
     # Not value * 0 + 1, which is NaN where the value is infinite.
-    return np.ones_like(value)[()]
+    xp = namespace(value)
+    return np.ones_like(value)[()] if xp is np else xp.ones_like(value)
 
 
 async def train(root: Any) -> Any:
@@ -603,6 +633,8 @@ async def train(root: Any) -> Any:
         grads = ev.weight_gradients()
         # Compute every step before committing any: a failing update changes nothing.
         steps = [(w, *_step(w, g)) for w, g in grads.items()]
+        if _cuda.is_device_array(value):
+            await _cuda.ready()
     except BaseException:
         await abort(ev)
         raise
@@ -619,7 +651,12 @@ def _step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     update, state = weight._optimizer.update(grad, weight._state, old)
     new = old + update
     dtype = old.dtype
-    new = new.astype(dtype, copy=False) if isinstance(new, np.ndarray) else dtype.type(new)
+    if isinstance(new, np.ndarray):
+        new = new.astype(dtype, copy=False)
+    elif isinstance(new, (np.generic, float, int)):
+        new = dtype.type(new)
+    else:  # an array of another library
+        new = namespace(new).astype(new, dtype, copy=False)
     return new, state
 
 
@@ -632,16 +669,21 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     such as a step count, is shared.
     """
     old = weight._data
+    xp = namespace(old)
+    if not hasattr(getattr(xp, "add", None), "at"):
+        # No scatter in this library: step densely (every row, every row's state).
+        update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
+        return xp.astype(old + update, old.dtype, copy=False), state
     rows, summed = grad.summed()
     state_rows = _state_rows(weight._state, old.shape, rows)
     update, new_state_rows = weight._optimizer.update(summed, state_rows, old[rows])
-    new = old.copy()
-    new[rows] = (old[rows] + update).astype(old.dtype, copy=False)
+    new = xp.asarray(old, copy=True)
+    new[rows] = xp.astype(old[rows] + update, old.dtype, copy=False)
     return new, _put_state_rows(weight._state, new_state_rows, old.shape, rows)
 
 
 def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
-    if isinstance(state, np.ndarray) and state.shape == shape:
+    if _is_array(state) and state.shape == shape:
         return state[rows]
     if isinstance(state, tuple):
         parts = [_state_rows(s, shape, rows) for s in state]
@@ -649,9 +691,13 @@ def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
     return state
 
 
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "__array_namespace__") and not isinstance(x, np.generic)
+
+
 def _put_state_rows(old: Any, new: Any, shape: tuple[int, ...], rows: Any) -> Any:
-    if isinstance(old, np.ndarray) and old.shape == shape:
-        full = old.copy()
+    if _is_array(old) and old.shape == shape:
+        full = namespace(old).asarray(old, copy=True)
         full[rows] = new
         return full
     if isinstance(old, tuple):
@@ -665,6 +711,8 @@ async def predict(root: Any) -> Any:
     try:
         tape, token = await drive(evaluate(ev, Do(FORWARD, root)))
         await drive(release(ev, token, False))
+        if _cuda.is_device_array(tape.data):
+            await _cuda.ready()
     except BaseException:
         await abort(ev)
         raise
@@ -739,19 +787,25 @@ def _describe(args: Sequence[Any]) -> str:
             parts.append(f"{a.dtype}{list(a.shape)}")
         elif isinstance(a, np.generic):
             parts.append(f"{a.dtype} scalar")
+        elif _is_array(a):
+            parts.append(f"{library_name(a)} {_dtype_name(a.dtype)}{list(a.shape)}")
         else:
             parts.append(f"{type(a).__name__} {a!r}")
     return ", ".join(parts)
 
 
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # array_api_strict.float32 -> float32
+
+
 def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
     first = None
     for a in args:
-        if type(a) is np.ndarray and a.ndim and a.dtype.kind == "f":
+        if _is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
             if first is None:
                 first = a.dtype
             elif a.dtype != first:
                 raise DTypeError(
-                    f"{node._op.name}: operands {_describe(args)} mix {first} and {a.dtype} arrays; "
+                    f"{node._op.name}: operands {_describe(args)} mix {_dtype_name(first)} and {_dtype_name(a.dtype)} arrays; "
                     f"cast one with .astype first; layer built at {_where(node)}"
                 )

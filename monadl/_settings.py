@@ -26,18 +26,25 @@ class Settings:
             previous evaluation of the same model code exceeds this (a thread
             hop costs tens of microseconds; forking must pay for it).
         check_finite: raise `NonFiniteError` at the first operation whose
-            forward value or backward delta holds a NaN or an infinity.
+            forward value or backward delta holds a NaN or an infinity (on a
+            GPU this waits for each value: for debugging).
+        cuda_streams: CUDA streams that the independent branches of a graph
+            of CuPy arrays spread over (see `monadl._cuda`); 1 runs every
+            kernel on the caller's current stream.
     """
 
     workers: int = 1
     fork_threshold_s: float = 1e-3
     check_finite: bool = False
+    cuda_streams: int = 4
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.fork_threshold_s < 0:
             raise ValueError(f"fork_threshold_s must be >= 0, got {self.fork_threshold_s}")
+        if self.cuda_streams < 1:
+            raise ValueError(f"cuda_streams must be at least 1, got {self.cuda_streams}")
 
 
 def _default() -> Settings:
@@ -59,6 +66,7 @@ def settings(
     workers: int | None = None,
     fork_threshold_s: float | None = None,
     check_finite: bool | None = None,
+    cuda_streams: int | None = None,
 ) -> Iterator[Settings]:
     """Override settings inside a ``with`` block.
 
@@ -72,6 +80,7 @@ def settings(
         workers=old.workers if workers is None else workers,
         fork_threshold_s=old.fork_threshold_s if fork_threshold_s is None else fork_threshold_s,
         check_finite=old.check_finite if check_finite is None else check_finite,
+        cuda_streams=old.cuda_streams if cuda_streams is None else cuda_streams,
     )
     token = _current.set(new)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MonadlError", "ShapeError", "DTypeError", "NonFiniteError", "OperandError"]
+__all__ = ["MonadlError", "ShapeError", "DTypeError", "NonFiniteError", "OperandError", "DeviceError"]
 
 
 class MonadlError(Exception):
@@ -23,3 +23,7 @@ class NonFiniteError(MonadlError, FloatingPointError):
 
 class OperandError(MonadlError, TypeError):
     """An operand that is not a layer, a weight or plain numeric data."""
+
+
+class DeviceError(MonadlError, TypeError):
+    """Operands from two array libraries (or devices), such as NumPy and CuPy, in one operation."""

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from monadl import _machine
+from monadl._namespace import namespace
 from monadl.layers._layer import Weight, _Expr
 from monadl.typeclasses.monoid import SparseRows
 
@@ -31,7 +32,7 @@ async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) 
     [array([2., 4.])]
     """
     _, grads = await _machine.gradients(loss)
-    return [_dense(grads.get(w, np.zeros_like(w.data))) for w in weights]
+    return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
 
 
 def _dense(grad: Any) -> Any:

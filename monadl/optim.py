@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 
+from monadl._namespace import namespace
+
 __all__ = [
     "GradientTransformation",
     "Schedule",
@@ -141,7 +143,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         velocity = g + decay * velocity
         return (g + decay * velocity if nesterov else velocity), velocity
 
-    return GradientTransformation(lambda p: np.zeros_like(p), update)
+    return GradientTransformation(lambda p: namespace(p).zeros_like(p), update)
 
 
 class AdagradState(NamedTuple):
@@ -153,9 +155,9 @@ def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> Gra
 
     def update(g: Tensor, state: AdagradState, p: Tensor) -> tuple[Tensor, AdagradState]:
         total = state.sum_of_squares + g * g
-        return g / (np.sqrt(total) + eps), AdagradState(total)
+        return g / (namespace(total).sqrt(total) + eps), AdagradState(total)
 
-    return GradientTransformation(lambda p: AdagradState(np.full_like(p, initial_accumulator)), update)
+    return GradientTransformation(lambda p: AdagradState(namespace(p).full_like(p, initial_accumulator)), update)
 
 
 class RmsState(NamedTuple):
@@ -167,9 +169,9 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformatio
 
     def update(g: Tensor, state: RmsState, p: Tensor) -> tuple[Tensor, RmsState]:
         ms = decay * state.mean_square + (1 - decay) * g * g
-        return g / (np.sqrt(ms) + eps), RmsState(ms)
+        return g / (namespace(ms).sqrt(ms) + eps), RmsState(ms)
 
-    return GradientTransformation(lambda p: RmsState(np.zeros_like(p)), update)
+    return GradientTransformation(lambda p: RmsState(namespace(p).zeros_like(p)), update)
 
 
 class AdamState(NamedTuple):
@@ -187,9 +189,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         nu = b2 * state.nu + (1 - b2) * g * g
         mu_hat = mu / (1 - b1**count)
         nu_hat = nu / (1 - b2**count)
-        return mu_hat / (np.sqrt(nu_hat) + eps), AdamState(count, mu, nu)
+        return mu_hat / (namespace(nu_hat).sqrt(nu_hat) + eps), AdamState(count, mu, nu)
 
-    return GradientTransformation(lambda p: AdamState(0, np.zeros_like(p), np.zeros_like(p)), update)
+    return GradientTransformation(lambda p: AdamState(0, namespace(p).zeros_like(p), namespace(p).zeros_like(p)), update)
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -199,7 +201,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
 
 def add_l1_decay(l1: float) -> GradientTransformation:
     """L1 decay: add ``l1 * sign(param)`` to the gradient (a subgradient of ``l1 * |param|``)."""
-    return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * np.sign(p), s))
+    return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * namespace(p).sign(p), s))
 
 
 # ---- the usual optimizers ------------------------------------------------------------

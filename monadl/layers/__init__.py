@@ -34,6 +34,7 @@ from monadl.layers._layer import (
     ArrayLayer,
     ArrayOperand,
     ArrayWeight,
+    DeviceArray,
     AsArray,
     AsScalar,
     Layer,
@@ -46,7 +47,7 @@ from monadl.layers._layer import (
 from monadl.layers._primitives import Primitive, unbroadcast
 
 __all__ = [
-    "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "AsArray", "AsScalar", "Layer", "Operand", "Primitive",
+    "Array", "ArrayLayer", "ArrayOperand", "ArrayWeight", "DeviceArray", "AsArray", "AsScalar", "Layer", "Operand", "Primitive",
     "ScalarLayer", "ScalarOperand", "ScalarWeight", "Weight", "abs", "concatenate", "conv2d",
     "cross_entropy", "dense", "dot", "embedding", "exp", "log", "log_softmax", "logsumexp", "matmul", "max",
     "max_pool2d", "maximum", "mean", "minimum", "relu", "reshape", "sigmoid", "softmax", "sqrt",

@@ -11,11 +11,13 @@ from typing import Any, overload
 
 import numpy as np
 
+from monadl._namespace import namespace
 from monadl.errors import OperandError
 from monadl.layers._layer import (
     Array,
     ArrayLayer,
     ArrayOperand,
+    DeviceArray,
     Layer,
     Operand,
     ScalarLayer,
@@ -234,7 +236,7 @@ def log_softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
     return _apply("log_softmax", (x,), (axis,))
 
 
-def cross_entropy(logits: ArrayOperand, labels: Array) -> ScalarLayer:
+def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLayer:
     """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``,
     *composed* of log_softmax, indexing and mean.
 
@@ -247,14 +249,15 @@ def cross_entropy(logits: ArrayOperand, labels: Array) -> ScalarLayer:
     >>> round(float(anyio.run(loss.predict)), 6)  # log(4)
     1.386294
     """
-    labels = np.asarray(labels)
-    if labels.dtype.kind not in "iu" or labels.ndim != 1:
-        raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {labels.dtype}{list(labels.shape)}")
-    picked: ArrayLayer = log_softmax(logits, axis=-1)[np.arange(labels.shape[0]), labels]
+    classes = _integers(labels, "cross_entropy: labels")
+    if classes.ndim != 1:
+        raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}")
+    rows = namespace(classes).arange(classes.shape[0], device=classes.device)
+    picked: ArrayLayer = log_softmax(logits, axis=-1)[rows, classes]
     return -mean(picked)
 
 
-def embedding(table: ArrayOperand, indices: Array) -> ArrayLayer:
+def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     """Rows ``table[indices]`` of an embedding table.
 
     The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
@@ -267,10 +270,17 @@ def embedding(table: ArrayOperand, indices: Array) -> ArrayLayer:
     array([[4., 5.],
            [0., 1.]])
     """
-    indices = np.asarray(indices)
-    if indices.dtype.kind not in "iu":
-        raise OperandError(f"embedding: indices must be integers, got {indices.dtype}")
+    indices = _integers(indices, "embedding: indices")
     return _apply("embedding", (table,), (indices,))
+
+
+def _integers(x: Any, what: str) -> Any:
+    """Integer data as an array of its own library (lists become NumPy arrays)."""
+    if not hasattr(x, "__array_namespace__") or isinstance(x, np.generic):
+        x = np.asarray(x)
+    if not namespace(x).isdtype(x.dtype, "integral"):
+        raise OperandError(f"{what} must be integers, got {x.dtype}{list(x.shape)}")
+    return x
 
 
 # ---- shapes ----------------------------------------------------------------------------------

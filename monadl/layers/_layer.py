@@ -11,11 +11,12 @@ import itertools
 import os
 import sys
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
 
+from monadl._namespace import namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
@@ -28,6 +29,7 @@ __all__ = [
     "Array",
     "ArrayLayer",
     "ArrayWeight",
+    "DeviceArray",
     "AsArray",
     "AsScalar",
     "Layer",
@@ -42,6 +44,15 @@ G = TypeVar("G")
 
 Array: TypeAlias = npt.NDArray[Any]
 """A NumPy array (any dtype monadl computes with: float32 or float64)."""
+
+
+class DeviceArray(Protocol):
+    """An array of any library of the Python array API standard: a CuPy array
+    on a GPU, an ``array_api_strict`` array ... Weights and layers of such
+    arrays compute in their own library; their types are not tracked as
+    precisely as NumPy's (a weight of one is a ``Weight[Any, Any]``)."""
+
+    def __array_namespace__(self, /, *, api_version: str | None = None) -> Any: ...
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -71,6 +82,11 @@ def _operand(x: object, op: str) -> Any:
             raise OperandError(f"{op}: array operand has dtype {x.dtype}; monadl computes with numbers")
         return x
     if isinstance(x, (float, int, np.number, np.bool_)):
+        return x
+    if hasattr(x, "__array_namespace__"):  # an array of another library (CuPy, array API ...)
+        dtype = getattr(x, "dtype", None)
+        if not namespace(x).isdtype(dtype, ("numeric", "bool")):
+            raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
         return x
     hint = " (wrap it with np.asarray first)" if isinstance(x, (list, tuple)) else ""
     raise OperandError(
@@ -265,7 +281,7 @@ class _Expr(Generic[D, G]):
 
 ScalarOperand: TypeAlias = "float | _Expr[float, float]"
 ArrayOperand: TypeAlias = "Array | _Expr[Array, Array]"
-Operand: TypeAlias = "Array | float | _Expr[Any, Any]"
+Operand: TypeAlias = "Array | DeviceArray | float | _Expr[Any, Any]"
 """Anything a differentiable function accepts: plain data, weights and layers."""
 AsArray: TypeAlias = ArrayOperand
 """A plain array, an array weight or an array layer."""
@@ -382,14 +398,24 @@ class Weight(_Expr[D, G]):
     def __init__(self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None) -> None: ...
     @overload
     def __init__(self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None) -> None: ...
+    @overload
+    def __init__(self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None) -> None: ...
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
         if isinstance(data, _Expr):
             raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
-        if isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray)):
+        foreign = hasattr(data, "__array_namespace__") and not isinstance(data, (np.ndarray, np.generic))
+        if not foreign and (
+            isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray))
+        ):
             raise OperandError(f"Weight(...) takes a float or a float array, got {type(data).__name__}")
-        if isinstance(data, np.ndarray):
+        if foreign:  # CuPy or another array API library: the weight lives where its data does
+            xp = namespace(data)
+            if not xp.isdtype(data.dtype, "real floating"):
+                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
+            data = xp.asarray(data, copy=True)
+        elif isinstance(data, np.ndarray):
             if data.dtype.kind != "f":
                 raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
             data = data.copy()

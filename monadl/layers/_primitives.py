@@ -7,6 +7,11 @@ closures whose operand leads to a trainable weight, and undoes broadcasting
 afterwards with `unbroadcast`, so no rule handles broadcasting itself. A
 closure captures only what its rule needs, so the rest can be freed early.
 
+Rules compute in the namespace of their operands (`monadl._namespace`): they
+use only names of the Python array API standard, so the same table runs on
+NumPy, CuPy and any standard array library. No rule multiplies by a boolean
+mask or calls a NumPy-only function.
+
 Everything else in monadl (``cross_entropy``, ``dense`` ...) is composed from
 these.
 """
@@ -15,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from typing import Any, Final, final
 
 import numpy as np
 
-__all__ = ["Primitive", "unbroadcast", "PRIMITIVES"]
+from monadl._namespace import namespace
+
+__all__ = ["Primitive", "unbroadcast", "scatter_add", "PRIMITIVES"]
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]
@@ -46,13 +54,25 @@ def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
     >>> float(unbroadcast(np.ones((2, 3)), ()))
     6.0
     """
+    xp = namespace(delta)
     extra = delta.ndim - len(shape)
     if extra:
-        delta = delta.sum(axis=tuple(range(extra)))
+        delta = xp.sum(delta, axis=tuple(range(extra)))
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and delta.shape[i] != 1)
     if stretched:
-        delta = delta.sum(axis=stretched, keepdims=True)
+        delta = xp.sum(delta, axis=stretched, keepdims=True)
     return delta
+
+
+def _either(a: Value, b: Value) -> Any:
+    """The namespace of a binary operation (one operand may be a plain number)."""
+    xp = namespace(a)
+    return namespace(b) if xp is np else xp
+
+
+def _mask(xp: Any, condition: Value, like: Value) -> Value:
+    """A boolean array as 0/1 in the dtype of ``like`` (the standard has no bool arithmetic)."""
+    return xp.astype(condition, like.dtype)
 
 
 # ---- elementwise, binary ----------------------------------------------------
@@ -61,7 +81,7 @@ def _add(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _sub(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return a - b, (_identity, np.negative)
+    return a - b, (_identity, _negative)
 
 
 def _mul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
@@ -75,62 +95,72 @@ def _div(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = a**b
-    return out, (
-        lambda g: g * b * a ** (b - 1),
+
+    def vjp_b(g: Value) -> Value:
         # d(a**b)/db = a**b * log(a); defined as 0 where a == 0 (the limit for b > 0).
-        lambda g: g * out * np.log(np.where(a == 0, 1, a)),
-    )
+        xp = namespace(out)
+        base = xp.asarray(a)
+        return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
+
+    return out, (lambda g: g * b * a ** (b - 1), vjp_b)
 
 
 def _maximum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = _either(a, b)
+    out = xp.maximum(a, b)
     # Ties split the delta evenly, so the rule is symmetric and sums to g.
-    take_a = (a > b) + 0.5 * (a == b)
-    return np.maximum(a, b), (lambda g: g * take_a, lambda g: g * (1 - take_a))
+    take_a = _mask(xp, a > b, out) + 0.5 * _mask(xp, a == b, out)
+    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
 
 
 def _minimum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    take_a = (a < b) + 0.5 * (a == b)
-    return np.minimum(a, b), (lambda g: g * take_a, lambda g: g * (1 - take_a))
+    xp = _either(a, b)
+    out = xp.minimum(a, b)
+    take_a = _mask(xp, a < b, out) + 0.5 * _mask(xp, a == b, out)
+    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
 
 
 # ---- elementwise, unary -----------------------------------------------------
 def _neg(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return -a, (np.negative,)
+    return -a, (_negative,)
 
 
 def _exp(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    out = np.exp(a)
+    out = namespace(a).exp(a)
     return out, (lambda g: g * out,)
 
 
 def _log(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return np.log(a), (lambda g: g / a,)
+    return namespace(a).log(a), (lambda g: g / a,)
 
 
 def _sqrt(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    out = np.sqrt(a)
+    out = namespace(a).sqrt(a)
     return out, (lambda g: g * 0.5 / out,)
 
 
 def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return np.abs(a), (lambda g: g * np.sign(a),)
+    xp = namespace(a)
+    return xp.abs(a), (lambda g: g * xp.sign(a),)
 
 
 def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    out = np.tanh(a)
+    out = namespace(a).tanh(a)
     return out, (lambda g: g * (1 - out * out),)
 
 
 def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # exp(-|a|) never overflows; the two branches are the same function.
-    e = np.exp(-np.abs(a))
-    out = np.where(a >= 0, 1 / (1 + e), e / (1 + e))
+    xp = namespace(a)
+    e = xp.exp(-xp.abs(a))
+    out = xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
     return out, (lambda g: g * out * (1 - out),)
 
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    mask = a > 0
-    return a * mask, (lambda g: g * mask,)
+    xp = namespace(a)
+    keep = _mask(xp, a > 0, a)
+    return a * keep, (lambda g: g * keep,)
 
 
 # ---- linear algebra -----------------------------------------------------------
@@ -138,102 +168,107 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = a @ b
     if a.ndim == 1 and b.ndim == 1:
         return out, (lambda g: g * b, lambda g: g * a)
+    mt = namespace(out).matrix_transpose
     if a.ndim == 1:  # (k,) @ (..., k, n) -> (..., n)
         return out, (
-            lambda g: unbroadcast(g[..., None, :] @ np.swapaxes(b, -1, -2), (1, a.shape[0]))[0],
+            lambda g: unbroadcast(g[..., None, :] @ mt(b), (1, a.shape[0]))[0, ...],
             lambda g: a[:, None] * g[..., None, :],
         )
     if b.ndim == 1:  # (..., m, k) @ (k,) -> (..., m)
         return out, (
             lambda g: g[..., :, None] * b,
-            lambda g: unbroadcast(np.swapaxes(a, -1, -2) @ g[..., :, None], (b.shape[0], 1))[:, 0],
+            lambda g: unbroadcast(mt(a) @ g[..., :, None], (b.shape[0], 1))[:, 0],
         )
-    return out, (
-        lambda g: g @ np.swapaxes(b, -1, -2),
-        lambda g: np.swapaxes(a, -1, -2) @ g,
-    )
+    return out, (lambda g: g @ mt(b), lambda g: mt(a) @ g)
 
 
 # ---- reductions -----------------------------------------------------------------
-def _expand(g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Value:
+def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Value:
     """Give a reduced delta back the reduced axes, ready to broadcast."""
     if axis is None or keepdims:
-        return g if keepdims or axis is not None else np.broadcast_to(g, shape)
+        return g if keepdims or axis is not None else xp.broadcast_to(xp.asarray(g), shape)
     axes = (axis,) if isinstance(axis, int) else axis
-    return np.expand_dims(g, tuple(ax % len(shape) for ax in axes))
+    return xp.expand_dims(g, axis=tuple(ax % len(shape) for ax in axes))
 
 
 def _sum(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
-    shape = np.shape(a)
-    return np.sum(a, axis=axis, keepdims=keepdims), (
-        lambda g: np.broadcast_to(_expand(g, shape, axis, keepdims), shape),
+    xp, shape = namespace(a), a.shape
+    return xp.sum(a, axis=axis, keepdims=keepdims), (
+        lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims), shape),
     )
 
 
 def _mean(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
-    shape = np.shape(a)
-    out = np.mean(a, axis=axis, keepdims=keepdims)
-    scale = np.size(out) / max(np.size(a), 1)
+    xp, shape = namespace(a), a.shape
+    out = xp.mean(a, axis=axis, keepdims=keepdims)
+    scale = prod(out.shape) / max(prod(shape), 1)
     return out, (
-        lambda g: np.broadcast_to(_expand(g, shape, axis, keepdims) * scale, shape),
+        lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims) * scale, shape),
     )
 
 
 def _max(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
-    shape = np.shape(a)
-    out = np.max(a, axis=axis, keepdims=keepdims)
-    full = _expand(out, shape, axis, keepdims)
-    winners = a == full
+    xp, shape = namespace(a), a.shape
+    out = xp.max(a, axis=axis, keepdims=keepdims)
+    winners = _mask(xp, a == _expand(xp, out, shape, axis, keepdims), a)
     # Tied maxima share the delta evenly.
-    share = winners / np.sum(winners, axis=axis, keepdims=True)
-    return out, (lambda g: _expand(g, shape, axis, keepdims) * share,)
+    share = winners / xp.sum(winners, axis=axis, keepdims=True)
+    return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * share,)
 
 
 def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
-    shape = np.shape(a)
-    peak = np.max(a, axis=axis, keepdims=True)
-    peak = np.where(np.isfinite(peak), peak, 0)
-    e = np.exp(a - peak)
-    total = np.sum(e, axis=axis, keepdims=True)
-    out_keep = np.log(total) + peak
-    out = out_keep if keepdims else (np.squeeze(out_keep, axis=axis) if axis is not None else out_keep.reshape(()))
+    xp, shape = namespace(a), a.shape
+    peak = xp.max(a, axis=axis, keepdims=True)
+    peak = xp.where(xp.isfinite(peak), peak, xp.zeros_like(peak))
+    e = xp.exp(a - peak)
+    total = xp.sum(e, axis=axis, keepdims=True)
+    out_keep = xp.log(total) + peak
+    if keepdims:
+        out = out_keep
+    elif axis is None:
+        out = xp.reshape(out_keep, ())
+    else:
+        out = xp.squeeze(out_keep, axis=axis)
     soft = e / total
-    return out, (lambda g: _expand(g, shape, axis, keepdims) * soft,)
+    return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * soft,)
 
 
 def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
-    e = np.exp(a - np.max(a, axis=axis, keepdims=True))
-    out = e / np.sum(e, axis=axis, keepdims=True)
-    return out, (lambda g: out * (g - np.sum(g * out, axis=axis, keepdims=True)),)
+    xp = namespace(a)
+    e = xp.exp(a - xp.max(a, axis=axis, keepdims=True))
+    out = e / xp.sum(e, axis=axis, keepdims=True)
+    return out, (lambda g: out * (g - xp.sum(g * out, axis=axis, keepdims=True)),)
 
 
 def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
-    shifted = a - np.max(a, axis=axis, keepdims=True)
-    out = shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-    return out, (lambda g: g - np.exp(out) * np.sum(g, axis=axis, keepdims=True),)
+    xp = namespace(a)
+    shifted = a - xp.max(a, axis=axis, keepdims=True)
+    out = shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+    return out, (lambda g: g - xp.exp(out) * xp.sum(g, axis=axis, keepdims=True),)
 
 
 # ---- shape and indexing -------------------------------------------------------------
 def _reshape(a: Value, shape: tuple[int, ...]) -> tuple[Value, tuple[Vjp, ...]]:
-    old = np.shape(a)
-    return np.reshape(a, shape), (lambda g: np.reshape(g, old),)
+    xp, old = namespace(a), a.shape
+    return xp.reshape(a, shape), (lambda g: xp.reshape(g, old),)
 
 
 def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp, ...]]:
-    inverse = None if axes is None else tuple(np.argsort(axes))
-    return np.transpose(a, axes), (lambda g: np.transpose(g, inverse),)
+    xp = namespace(a)
+    axes = tuple(range(a.ndim - 1, -1, -1)) if axes is None else tuple(ax % a.ndim for ax in axes)
+    inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
+    return xp.permute_dims(a, axes), (lambda g: xp.permute_dims(g, inverse),)
 
 
 def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
-    shape, dtype = a.shape, a.dtype
+    xp, shape, dtype, device = namespace(a), a.shape, a.dtype, a.device
 
     def vjp(g: Value) -> Value:
-        out = np.zeros(shape, dtype)
+        out = xp.zeros(shape, dtype=dtype, device=device)
         if _is_basic(index):
             out[index] = g
-        else:  # fancy indices may repeat: scatter-add
-            np.add.at(out, index, g)
-        return out
+            return out
+        return scatter_add(xp, out, index, g)  # fancy indices may repeat
 
     return a[index], (vjp,)
 
@@ -243,77 +278,133 @@ def _is_basic(index: Any) -> bool:
     return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
 
 
+def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
+    """``out[index] += values`` where repeated indices add up; returns the result.
+
+    NumPy and CuPy do it in place with ``add.at``. The array API standard has
+    no scatter, so elsewhere a one-hot matrix product adds the values up: over
+    the rows of the first axis for a single index array, else over flat
+    positions, found by indexing an ``arange`` with the same index (memory:
+    rows, or elements, x number of picked ones).
+    """
+    add = getattr(xp, "add", None)
+    if add is not None and hasattr(add, "at"):
+        add.at(out, index, values)
+        return out
+    if not isinstance(index, tuple) and not _is_basic(index):  # rows of the first axis
+        rows, rest = out.shape[0], out.shape[1:]
+        one_hot = xp.astype(xp.arange(rows, device=out.device)[:, None] == xp.reshape(index, (-1,))[None, :], out.dtype)
+        picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
+        return out + xp.reshape(one_hot @ xp.astype(picked, out.dtype), out.shape)
+    index = index if isinstance(index, tuple) else (index,)
+    if all(_is_basic(i) for i in index) and not any(i is Ellipsis for i in index):
+        index = (*index, Ellipsis)  # the standard wants every axis of a basic index named
+    size = prod(out.shape)
+    positions = xp.reshape(xp.reshape(xp.arange(size, device=out.device), out.shape)[index], (-1,))
+    flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1,))
+    one_hot = xp.astype(xp.arange(size, device=out.device)[:, None] == positions[None, :], out.dtype)
+    return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
+
+
 def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # The delta of the table is sparse: only the rows looked up (the paper's
     # Data != Delta example). A weight's step then touches only those rows.
     from monadl.typeclasses.monoid import SparseRows
 
-    shape = table.shape
-    return table[indices], (lambda g: SparseRows(indices.ravel(), g.reshape(-1, *shape[1:]), shape),)
+    xp, shape = namespace(table), table.shape
+    flat = xp.reshape(indices, (-1,))
+    rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
+    return rows, (lambda g: SparseRows(flat, xp.reshape(g, (-1, *shape[1:])), shape),)
+
+
+def _axis_index(ndim: int, axis: int, at: Any) -> tuple[Any, ...]:
+    """The index that takes ``at`` (an int or a slice) along ``axis``."""
+    return (slice(None),) * (axis % ndim) + (at, ...)
 
 
 def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
-    ends = np.cumsum([np.shape(x)[axis] for x in arrays])
-    starts = ends - np.asarray([np.shape(x)[axis] for x in arrays])
+    xp = namespace(arrays[0])
+    ndim, bounds, start = arrays[0].ndim, [], 0
+    for x in arrays:
+        bounds.append((start, start + x.shape[axis]))
+        start += x.shape[axis]
 
     def piece(lo: int, hi: int) -> Vjp:
-        return lambda g: np.take(g, np.arange(lo, hi), axis=axis)
+        return lambda g: g[_axis_index(ndim, axis, slice(lo, hi))]
 
-    return np.concatenate(arrays, axis=axis), tuple(piece(lo, hi) for lo, hi in zip(starts, ends))
+    return xp.concat(arrays, axis=axis), tuple(piece(lo, hi) for lo, hi in bounds)
 
 
 def _stack(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
+    xp = namespace(arrays[0])
+    ndim = arrays[0].ndim + 1
 
     def piece(i: int) -> Vjp:
-        return lambda g: np.take(g, i, axis=axis)
+        return lambda g: g[_axis_index(ndim, axis, i)]
 
-    return np.stack(arrays, axis=axis), tuple(piece(i) for i in range(len(arrays)))
+    return xp.stack(arrays, axis=axis), tuple(piece(i) for i in range(len(arrays)))
 
 
 # ---- convolution and pooling (NCHW, like PyTorch) -------------------------------------------
-def _windows(x: Value, kh: int, kw: int, stride: int) -> Value:
-    """(N, C, H, W) -> (N, C, OH, OW, KH, KW), a view."""
-    view = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))
-    return view[:, :, ::stride, ::stride]
+def _window(x: Value, i: int, j: int, stride: int, oh: int, ow: int) -> Value:
+    """The (N, C, OH, OW) inputs that meet kernel position (i, j): a strided slice."""
+    return x[:, :, i : i + stride * (oh - 1) + 1 : stride, j : j + stride * (ow - 1) + 1 : stride]
 
 
 def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(x)
     n, c, h, wd = x.shape
     o, c2, kh, kw = w.shape
     if c != c2:
         raise ValueError(f"conv2d: input has {c} channels, kernel expects {c2}")
-    xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding))) if padding else x
-    cols = _windows(xp, kh, kw, stride)  # N C OH OW KH KW
-    out = np.einsum("ncpqij,ocij->nopq", cols, w, optimize=True)
-    oh, ow = out.shape[2], out.shape[3]
+    if padding:
+        padded = xp.zeros((n, c, h + 2 * padding, wd + 2 * padding), dtype=x.dtype, device=x.device)
+        padded[:, :, padding : padding + h, padding : padding + wd] = x
+    else:
+        padded = x
+    oh, ow = (padded.shape[2] - kh) // stride + 1, (padded.shape[3] - kw) // stride + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"conv2d: kernel {kh}x{kw} is larger than the padded input {padded.shape[2]}x{padded.shape[3]}")
+    # im2col: (N, C*KH*KW, OH*OW), ordered like the kernel's (O, C*KH*KW).
+    windows = [_window(padded, i, j, stride, oh, ow) for i in range(kh) for j in range(kw)]
+    cols = xp.reshape(xp.stack(windows, axis=2), (n, c * kh * kw, oh * ow))
+    w2 = xp.reshape(w, (o, c * kh * kw))
+    out = xp.reshape(w2 @ cols, (n, o, oh, ow))
 
     def vjp_x(g: Value) -> Value:
-        dxp = np.zeros(xp.shape, dtype=np.result_type(g, w))
-        for i in range(kh):
-            for j in range(kw):
-                dxp[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += np.einsum(
-                    "nopq,oc->ncpq", g, w[:, :, i, j], optimize=True
-                )
-        return dxp[:, :, padding : padding + h, padding : padding + wd] if padding else dxp
+        dcols = xp.reshape(xp.matrix_transpose(w2) @ xp.reshape(g, (n, o, oh * ow)), (n, c, kh * kw, oh, ow))
+        dpadded = xp.zeros(padded.shape, dtype=dcols.dtype, device=x.device)
+        for k in range(kh * kw):
+            i, j = divmod(k, kw)
+            index = (slice(None), slice(None), slice(i, i + stride * (oh - 1) + 1, stride), slice(j, j + stride * (ow - 1) + 1, stride))
+            dpadded[index] = dpadded[index] + dcols[:, :, k, :, :]
+        return dpadded[:, :, padding : padding + h, padding : padding + wd] if padding else dpadded
 
-    return out, (vjp_x, lambda g: np.einsum("nopq,ncpqij->ocij", g, cols, optimize=True))
+    def vjp_w(g: Value) -> Value:
+        per_sample = xp.reshape(g, (n, o, oh * ow)) @ xp.matrix_transpose(cols)
+        return xp.reshape(xp.sum(per_sample, axis=0), w.shape)
+
+    return out, (vjp_x, vjp_w)
 
 
 def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(x)
     n, c, h, w = x.shape
-    cols = _windows(x, kernel, kernel, stride)
-    oh, ow = cols.shape[2], cols.shape[3]
-    flat = cols.reshape(n, c, oh, ow, kernel * kernel)
-    winner = np.argmax(flat, axis=-1)  # the first maximum takes the whole delta, like PyTorch
-    out = np.take_along_axis(flat, winner[..., None], axis=-1)[..., 0]
+    oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"max_pool2d: kernel {kernel} is larger than the input {h}x{w}")
+    cols = xp.stack([_window(x, i, j, stride, oh, ow) for i in range(kernel) for j in range(kernel)], axis=-1)
+    winner = xp.argmax(cols, axis=-1)  # the first maximum takes the whole delta, like PyTorch
+    out = xp.max(cols, axis=-1)
 
     def vjp(g: Value) -> Value:
-        dx = np.zeros(x.shape, dtype=g.dtype)
+        dx = xp.zeros(x.shape, dtype=g.dtype, device=x.device)
         for k in range(kernel * kernel):
             i, j = divmod(k, kernel)
-            dx[:, :, i : i + stride * oh : stride, j : j + stride * ow : stride] += g * (winner == k)
+            index = (slice(None), slice(None), slice(i, i + stride * (oh - 1) + 1, stride), slice(j, j + stride * (ow - 1) + 1, stride))
+            dx[index] = dx[index] + g * _mask(xp, winner == k, g)
         return dx
 
     return out, (vjp,)
@@ -325,6 +416,10 @@ def _stop_gradient(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _identity(g: Value) -> Value:
     return g
+
+
+def _negative(g: Value) -> Value:
+    return -g
 
 
 PRIMITIVES: Final[dict[str, Primitive]] = {

@@ -20,7 +20,8 @@ import numpy as np
 
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._layer import Array, Layer, _Expr
+from monadl.layers._functions import stop_gradient
+from monadl.layers._layer import Array, DeviceArray, Layer, _Expr
 from monadl.tape import Tape
 
 __all__ = ["DeepLearning", "as_layer", "forward"]
@@ -68,6 +69,8 @@ def as_layer(x: DeepLearning[D, G]) -> Layer[D, G]: ...
 def as_layer(x: float) -> Layer[float, float]: ...
 @overload
 def as_layer(x: Array) -> Layer[Array, Array]: ...
+@overload
+def as_layer(x: DeviceArray) -> Layer[Any, Any]: ...
 def as_layer(x: Any) -> Layer[Any, Any]:
     """Any differentiable value as a `Layer` (a layer is returned as it is).
 
@@ -82,4 +85,7 @@ def as_layer(x: Any) -> Layer[Any, Any]:
     """
     if isinstance(x, Layer):
         return x
+    if not isinstance(x, _Expr) and not isinstance(x, DeepLearning):
+        # Plain data: a constant node of the layer graph (it gets no delta).
+        return stop_gradient(x)
     return Layer(forward(x))

@@ -19,6 +19,9 @@ from typing import Any, Protocol, TypeVar, final
 import numpy as np
 import numpy.typing as npt
 
+from monadl._namespace import namespace
+from monadl.layers._primitives import scatter_add
+
 __all__ = ["DENSE", "SPARSE_ROWS", "Monoid", "SparseRows", "associativity_law", "identity_law"]
 
 T = TypeVar("T")
@@ -64,28 +67,28 @@ class SparseRows:
         return self.rows.dtype
 
     def to_dense(self) -> npt.NDArray[Any]:
-        dense = np.zeros(self.table_shape, self.rows.dtype)
-        np.add.at(dense, self.indices, self.rows)
-        return dense
+        xp = namespace(self.rows)
+        dense = xp.zeros(self.table_shape, dtype=self.rows.dtype, device=self.rows.device)
+        return scatter_add(xp, dense, self.indices, self.rows)  # type: ignore[no-any-return]
 
     def summed(self) -> tuple[npt.NDArray[np.integer[Any]], npt.NDArray[Any]]:
         """The distinct rows, each with the sum of its deltas."""
-        unique, inverse = np.unique(self.indices, return_inverse=True)
-        total = np.zeros((len(unique), *self.table_shape[1:]), self.rows.dtype)
-        np.add.at(total, inverse, self.rows)
-        return unique, total
+        xp = namespace(self.rows)
+        unique, inverse = xp.unique_inverse(self.indices)
+        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=self.rows.dtype, device=self.rows.device)
+        return unique, scatter_add(xp, total, xp.reshape(inverse, (-1,)), self.rows)
 
     def __add__(self, other: object) -> Any:
         if isinstance(other, SparseRows):
             if other.table_shape != self.table_shape:
                 raise ValueError(f"sparse deltas of tables {self.table_shape} and {other.table_shape} cannot combine")
+            xp = namespace(self.rows)
             return SparseRows(
-                np.concatenate([self.indices, other.indices]), np.concatenate([self.rows, other.rows]), self.table_shape
+                xp.concat([self.indices, other.indices]), xp.concat([self.rows, other.rows]), self.table_shape
             )
-        if isinstance(other, np.ndarray):
-            dense = other.copy()
-            np.add.at(dense, self.indices, self.rows)
-            return dense
+        if hasattr(other, "__array_namespace__") and not isinstance(other, (np.generic, float, int)):
+            xp = namespace(other)
+            return scatter_add(xp, xp.asarray(other, copy=True), self.indices, self.rows)
         return NotImplemented
 
     __radd__ = __add__

@@ -11,7 +11,7 @@ import numpy.typing as npt
 from cupy import cuda as cuda
 
 _Shape: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
-_DType: TypeAlias = npt.DTypeLike
+_DType: TypeAlias = npt.DTypeLike | None
 _Operand: TypeAlias = ndarray | float | int | np.generic
 
 class ndarray:

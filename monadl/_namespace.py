@@ -1,0 +1,94 @@
+"""Which array library an operation runs in.
+
+Every rule computes in the namespace of its operands: NumPy for NumPy arrays
+and plain numbers, CuPy for CuPy arrays, and ``x.__array_namespace__()`` for
+any other array of the Python array API standard (through `array_api_compat`,
+which also gives CuPy the standard's names). The rules call only names the
+standard defines (NumPy >= 2 has them all in its main namespace), so one
+implementation serves every library. Two arrays of different libraries in one
+operation are refused with `DeviceError`: monadl never copies between host and
+device behind the user's back.
+
+>>> import numpy as np
+>>> namespace(np.ones(2)) is np, namespace(1.5) is np
+(True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+
+from monadl.errors import DeviceError, OperandError
+
+__all__ = ["namespace", "common_namespace", "is_host", "library_name", "host_scalars_to_python"]
+
+Namespace = Any  # a module (or module-like object) of array functions
+
+# Types whose namespace is NumPy without asking: the hot path is one set lookup.
+_HOST: Final[frozenset[type]] = frozenset(
+    {np.ndarray, float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_}
+)
+_BY_TYPE: dict[type, Namespace] = {}
+
+
+def namespace(x: object) -> Namespace:
+    """The array namespace of one value (NumPy for plain numbers)."""
+    kind = type(x)
+    if kind in _HOST:
+        return np
+    found = _BY_TYPE.get(kind)
+    if found is None:
+        found = _BY_TYPE[kind] = _lookup(x)
+    return found
+
+
+def _lookup(x: object) -> Namespace:
+    if isinstance(x, (np.ndarray, np.generic, float, int)):
+        return np
+    import array_api_compat
+
+    try:
+        return array_api_compat.array_namespace(x)
+    except TypeError:
+        raise OperandError(f"{type(x).__module__}.{type(x).__name__} is not an array of a known array library") from None
+
+
+def is_host(x: object) -> bool:
+    """Whether ``x`` is NumPy data or a plain number (lives in host memory)."""
+    return namespace(x) is np
+
+
+def library_name(x: object) -> str:
+    """``numpy``, ``cupy``, ``array_api_strict`` ...: the library an array comes from."""
+    return type(x).__module__.split(".")[0]
+
+
+def common_namespace(values: tuple[Any, ...], op: str) -> Namespace:
+    """The one namespace of ``values`` (scalars fit any); `DeviceError` if two libraries meet."""
+    found: Namespace = None
+    first: Any = None
+    for v in values:
+        if isinstance(v, (float, int, np.generic)):
+            continue  # a scalar goes along with any array
+        xp = namespace(v)
+        if found is None:
+            found, first = xp, v
+        elif xp is not found:
+            raise DeviceError(
+                f"{op}: operands mix a {_where(first)} array and a {_where(v)} array; monadl never copies between "
+                "libraries or devices by itself: move one explicitly (for CuPy: cupy.asarray(x) to the device, "
+                "x.get() to the host)"
+            )
+    return np if found is None else found
+
+
+def host_scalars_to_python(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """NumPy scalars as Python numbers, so that strict array libraries accept them."""
+    return tuple(v.item() if isinstance(v, np.generic) else v for v in values)
+
+
+def _where(x: Any) -> str:
+    name = library_name(x)
+    return f"{name} (host)" if name == "numpy" else f"{name} ({getattr(x, 'device', 'device')})"
