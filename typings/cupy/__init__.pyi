@@ -10,6 +10,8 @@ import numpy.typing as npt
 
 from cupy import cuda as cuda
 
+__version__: str
+
 _Shape: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
 _DType: TypeAlias = npt.DTypeLike | None
 _Operand: TypeAlias = ndarray | float | int | np.generic

@@ -1,0 +1,136 @@
+"""The GPU backend on CuPy. Skipped where CuPy or a CUDA device is absent (CI).
+
+On a machine with a GPU: ``pip install -e '.[cuda,test]'`` and run this file.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+
+cupy = pytest.importorskip("cupy")
+cupyx = pytest.importorskip("cupyx")
+
+
+def _devices() -> int:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device
+        return 0
+
+
+pytestmark = pytest.mark.skipif(_devices() == 0, reason="no CUDA device")
+
+
+def _mlp(xp: Any, steps: int) -> tuple[list[float], list[np.ndarray]]:
+    rng = np.random.default_rng(3)
+    w1 = ml.Weight(xp.asarray(rng.normal(size=(32, 64)).astype(np.float32) * 0.2), optimizer=ml.optim.adam(1e-2))
+    w2 = ml.Weight(xp.asarray(rng.normal(size=(64, 4)).astype(np.float32) * 0.2), optimizer=ml.optim.adam(1e-2))
+    x = xp.asarray(rng.normal(size=(128, 32)).astype(np.float32))
+    labels = xp.asarray(rng.integers(0, 4, 128))
+
+    async def train() -> list[float]:
+        return [float(await ml.cross_entropy(ml.relu(ml.as_layer(x) @ w1) @ w2, labels).train()) for _ in range(steps)]
+
+    losses = anyio.run(train)
+    return losses, [cupy.asnumpy(w.data) if xp is cupy else w.data for w in (w1, w2)]
+
+
+def test_a_model_trains_on_the_gpu_as_on_the_cpu() -> None:
+    gpu_losses, gpu_weights = _mlp(cupy, 20)
+    cpu_losses, cpu_weights = _mlp(np, 20)
+    assert gpu_losses[-1] < 0.8 * gpu_losses[0]
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
+    for g, c in zip(gpu_weights, cpu_weights):
+        np.testing.assert_allclose(g, c, rtol=1e-3, atol=1e-5)
+
+
+def test_weights_stay_on_the_device_and_training_never_synchronises() -> None:
+    w = ml.Weight(cupy.ones((256, 256), cupy.float32), optimizer=ml.optim.momentum(1e-3, 0.9))
+    x = cupy.ones((64, 256), cupy.float32)
+
+    async def steps() -> None:
+        for _ in range(5):
+            # No hidden host <-> device copy: CuPy raises on any synchronising transfer.
+            with cupyx.allow_synchronize(False):
+                await ml.sum(ml.tanh(ml.as_layer(x) @ w)).train()
+
+    anyio.run(steps)
+    assert isinstance(w.data, cupy.ndarray) and w.data.dtype == cupy.float32
+
+
+def test_mixing_host_and_device_arrays_is_an_error_that_says_so() -> None:
+    w = ml.Weight(cupy.ones(3))
+    with pytest.raises(ml.DeviceError, match=r"numpy \(host\) array and a cupy"):
+        anyio.run((w * ml.as_layer(np.ones(3))).predict)
+
+
+def test_device_memory_does_not_grow_over_1000_steps() -> None:
+    w1 = ml.Weight(cupy.asarray(np.random.default_rng(0).normal(size=(128, 128)).astype(np.float32) * 0.1))
+    w2 = ml.Weight(cupy.asarray(np.random.default_rng(1).normal(size=(128, 128)).astype(np.float32) * 0.1))
+    x = cupy.ones((32, 128), cupy.float32)
+    pool = cupy.get_default_memory_pool()
+
+    def loss() -> ml.ScalarLayer:
+        left, right = ml.relu(ml.as_layer(x) @ w1), ml.tanh(ml.as_layer(x) @ w2)  # two branches, two streams
+        return ml.sum((left + right) * (left + right))
+
+    async def train(steps: int) -> None:
+        for _ in range(steps):
+            await loss().train()
+
+    anyio.run(train, 20)
+    after_warm_up = pool.total_bytes()
+    anyio.run(train, 1000)
+    assert pool.total_bytes() <= after_warm_up
+
+
+def test_independent_branches_get_their_own_streams_and_agree_with_one_stream() -> None:
+    rng = np.random.default_rng(0)
+    ws = [ml.Weight(cupy.asarray(rng.normal(size=(256, 256)).astype(np.float32) * 0.05)) for _ in range(4)]
+    x = cupy.asarray(rng.normal(size=(64, 256)).astype(np.float32))
+
+    def loss() -> ml.ScalarLayer:
+        branches = [ml.tanh(ml.tanh(ml.as_layer(x) @ w) @ w) for w in ws]
+        return ml.sum(ml.concatenate(branches, axis=1))
+
+    async def both() -> tuple[Any, Any]:
+        with ml.settings(cuda_streams=1):
+            one = await ml.gradients(loss(), ws)
+        many = await ml.gradients(loss(), ws)
+        return one, many
+
+    one, many = anyio.run(both)
+    for a, b in zip(one, many):
+        np.testing.assert_allclose(cupy.asnumpy(a), cupy.asnumpy(b), rtol=1e-5, atol=1e-6)
+
+
+def test_waiting_for_the_gpu_leaves_the_event_loop_free() -> None:
+    w = ml.Weight(cupy.ones((4096, 4096), cupy.float32) * 1e-4)
+    ticks = []
+
+    def heavy() -> ml.ScalarLayer:
+        h = ml.as_layer(cupy.ones((4096, 4096), cupy.float32))
+        for _ in range(20):
+            h = ml.tanh(h @ w)
+        return ml.sum(h)
+
+    async def main() -> None:
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.perf_counter())
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await heavy().predict()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert len(ticks) > 10  # the ticker ran while predict() waited for the GPU
