@@ -17,6 +17,7 @@ parameter sets: build the task loss with `frozen` estimator weights.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,16 @@ from monadl.layers._functions import log, mean, relu, softmax, stop_gradient, su
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Layer, ScalarLayer, Weight, _Expr
 from monadl.typeclasses.deep_learning import as_layer
 
-__all__ = ["entropy_penalty", "estimate_and_replace", "frozen", "gumbel_softmax", "harden", "label_smoothing"]
+__all__ = [
+    "Sampling",
+    "entropy_penalty",
+    "estimate_and_replace",
+    "estimator_loss",
+    "frozen",
+    "gumbel_softmax",
+    "harden",
+    "label_smoothing",
+]
 
 
 def gumbel_softmax(
@@ -117,3 +127,63 @@ def estimate_and_replace(
     return replaced()
 
 
+
+
+# ---- training the estimator ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Where the black-box estimator's training inputs come from (the paper's
+    three training procedures, section 3.1.2).
+
+    * ``offline``: fit the estimator first on samples of a given input
+      distribution, then freeze it while the argument extractor trains;
+    * ``online``: no pre-training; the estimator learns alongside the
+      extractor, from the extractor's own (hardened) outputs, labelled by the
+      black box (the cold start: early outputs are poor inputs to learn from);
+    * ``hybrid``: offline first, then online, without freezing.
+
+    >>> [(s.pretrain, s.online_updates) for s in (Sampling.offline(), Sampling.online(), Sampling.hybrid())]
+    [(True, False), (False, True), (True, True)]
+    """
+
+    pretrain: bool
+    online_updates: bool
+
+    @classmethod
+    def offline(cls) -> Sampling:
+        return cls(pretrain=True, online_updates=False)
+
+    @classmethod
+    def online(cls) -> Sampling:
+        return cls(pretrain=False, online_updates=True)
+
+    @classmethod
+    def hybrid(cls) -> Sampling:
+        return cls(pretrain=True, online_updates=True)
+
+    @property
+    def name(self) -> str:
+        return {(True, False): "offline", (False, True): "online", (True, True): "hybrid"}.get(
+            (self.pretrain, self.online_updates), "none"
+        )
+
+
+def estimator_loss(
+    black_box: Callable[..., Any], estimator: Callable[..., _Expr[Any, Any]], arguments: Sequence[Array]
+) -> ScalarLayer:
+    """The black-box loss: the estimator's mean squared error against the
+    black box's own outputs on ``arguments`` (plain arrays, batched along the
+    first axis). It reaches only the estimator's weights: the arguments are
+    data, whether sampled offline or taken from the extractor (online).
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(0.5))
+    >>> one_hots = np.eye(3)
+    >>> for _ in range(50):
+    ...     _ = anyio.run(estimator_loss(lambda p: p @ [1.0, 2.0, 3.0], lambda p: p @ w, [one_hots]).train)
+    >>> np.round(w.data, 3)
+    array([1., 2., 3.])
+    """
+    target = np.asarray(black_box(*arguments), dtype=np.float64)
+    difference = as_layer(estimator(*arguments)) - target
+    return mean(difference * difference)
