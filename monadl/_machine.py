@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 from monadl import _cuda, _parallel
-from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, library_name, namespace
+from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, is_array, library_name, namespace
 from monadl._settings import current_settings
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
@@ -392,7 +392,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
                 if op.same_dtype and x.dtype is not y.dtype:
                     _check_dtypes(node, args)
             elif kx not in _HOST:  # both from one other library (CuPy ...)
-                if op.same_dtype:
+                if op.same_dtype and x.dtype != y.dtype:
                     _check_dtypes(node, args)
         elif kx not in _HOST or ky not in _HOST:
             args = _foreign_operands(node, args)
@@ -683,7 +683,7 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
 
 
 def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
-    if _is_array(state) and state.shape == shape:
+    if is_array(state) and state.shape == shape:
         return state[rows]
     if isinstance(state, tuple):
         parts = [_state_rows(s, shape, rows) for s in state]
@@ -691,12 +691,8 @@ def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
     return state
 
 
-def _is_array(x: Any) -> bool:
-    return hasattr(x, "__array_namespace__") and not isinstance(x, np.generic)
-
-
 def _put_state_rows(old: Any, new: Any, shape: tuple[int, ...], rows: Any) -> Any:
-    if _is_array(old) and old.shape == shape:
+    if is_array(old) and old.shape == shape:
         full = namespace(old).asarray(old, copy=True)
         full[rows] = new
         return full
@@ -787,7 +783,7 @@ def _describe(args: Sequence[Any]) -> str:
             parts.append(f"{a.dtype}{list(a.shape)}")
         elif isinstance(a, np.generic):
             parts.append(f"{a.dtype} scalar")
-        elif _is_array(a):
+        elif is_array(a):
             parts.append(f"{library_name(a)} {_dtype_name(a.dtype)}{list(a.shape)}")
         else:
             parts.append(f"{type(a).__name__} {a!r}")
@@ -801,7 +797,7 @@ def _dtype_name(dtype: Any) -> str:
 def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
     first = None
     for a in args:
-        if _is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
+        if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
             if first is None:
                 first = a.dtype
             elif a.dtype != first:

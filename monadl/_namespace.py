@@ -22,7 +22,7 @@ import numpy as np
 
 from monadl.errors import DeviceError, OperandError
 
-__all__ = ["namespace", "common_namespace", "is_host", "library_name", "host_scalars_to_python"]
+__all__ = ["namespace", "common_namespace", "is_array", "library_name", "host_scalars_to_python"]
 
 Namespace = Any  # a module (or module-like object) of array functions
 
@@ -55,9 +55,9 @@ def _lookup(x: object) -> Namespace:
         raise OperandError(f"{type(x).__module__}.{type(x).__name__} is not an array of a known array library") from None
 
 
-def is_host(x: object) -> bool:
-    """Whether ``x`` is NumPy data or a plain number (lives in host memory)."""
-    return namespace(x) is np
+def is_array(x: object) -> bool:
+    """Whether ``x`` is an array of any library (NumPy's included), not a scalar."""
+    return hasattr(x, "__array_namespace__") and not isinstance(x, np.generic)
 
 
 def library_name(x: object) -> str:

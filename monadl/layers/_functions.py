@@ -11,7 +11,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from monadl._namespace import namespace
+from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError
 from monadl.layers._layer import (
     Array,
@@ -276,7 +276,7 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
 
 def _integers(x: Any, what: str) -> Any:
     """Integer data as an array of its own library (lists become NumPy arrays)."""
-    if not hasattr(x, "__array_namespace__") or isinstance(x, np.generic):
+    if not is_array(x):
         x = np.asarray(x)
     if not namespace(x).isdtype(x.dtype, "integral"):
         raise OperandError(f"{what} must be integers, got {x.dtype}{list(x.shape)}")

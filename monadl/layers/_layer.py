@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar, fi
 import numpy as np
 import numpy.typing as npt
 
-from monadl._namespace import namespace
+from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
@@ -83,7 +83,7 @@ def _operand(x: object, op: str) -> Any:
         return x
     if isinstance(x, (float, int, np.number, np.bool_)):
         return x
-    if hasattr(x, "__array_namespace__"):  # an array of another library (CuPy, array API ...)
+    if is_array(x):  # an array of another library (CuPy, array API ...)
         dtype = getattr(x, "dtype", None)
         if not namespace(x).isdtype(dtype, ("numeric", "bool")):
             raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
@@ -405,7 +405,7 @@ class Weight(_Expr[D, G]):
 
         if isinstance(data, _Expr):
             raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
-        foreign = hasattr(data, "__array_namespace__") and not isinstance(data, (np.ndarray, np.generic))
+        foreign = is_array(data) and not isinstance(data, np.ndarray)
         if not foreign and (
             isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray))
         ):

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, final
 import numpy as np
 import numpy.typing as npt
 
-from monadl._namespace import namespace
+from monadl._namespace import is_array, namespace
 from monadl.layers._primitives import scatter_add
 
 __all__ = ["DENSE", "SPARSE_ROWS", "Monoid", "SparseRows", "associativity_law", "identity_law"]
@@ -86,7 +86,7 @@ class SparseRows:
             return SparseRows(
                 xp.concat([self.indices, other.indices]), xp.concat([self.rows, other.rows]), self.table_shape
             )
-        if hasattr(other, "__array_namespace__") and not isinstance(other, (np.generic, float, int)):
+        if is_array(other):
             xp = namespace(other)
             return scatter_add(xp, xp.asarray(other, copy=True), self.indices, self.rows)
         return NotImplemented
