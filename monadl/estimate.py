@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from monadl.direct import direct, values
-from monadl.layers._functions import log, mean, relu, softmax, stop_gradient, sum
+from monadl.layers._functions import _apply, log, mean, relu, softmax, stop_gradient, sum
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Layer, ScalarLayer, Weight, _Expr
 from monadl.typeclasses.deep_learning import as_layer
+
+D = TypeVar("D")
+G = TypeVar("G")
 
 __all__ = [
     "Sampling",
@@ -36,6 +39,7 @@ __all__ = [
     "gumbel_softmax",
     "harden",
     "label_smoothing",
+    "squared_error",
 ]
 
 
@@ -89,10 +93,11 @@ def label_smoothing(targets: Array, amount: float, axis: int = -1) -> Array:
     return smoothed
 
 
-def frozen(weights: Sequence[Weight[Any, Any]]) -> list[Layer[Any, Any]]:
+def frozen(weights: Sequence[Weight[D, G]]) -> list[Layer[D, G]]:
     """The weights' values as layers through which no delta flows: use them to
     build the task loss, so only the extractor's parameters learn from it."""
-    return [stop_gradient(w) for w in weights]
+    layers: list[Layer[D, G]] = [_apply("stop_gradient", (w,)) for w in weights]  # stop_gradient, typed generically
+    return layers
 
 
 def estimate_and_replace(
@@ -168,13 +173,23 @@ class Sampling:
         )
 
 
+def squared_error(prediction: ArrayOperand, target: Array) -> ScalarLayer:
+    """Mean squared difference: the default black-box loss, for regression outputs."""
+    difference = as_layer(prediction) - target
+    return mean(difference * difference)
+
+
 def estimator_loss(
-    black_box: Callable[..., Any], estimator: Callable[..., _Expr[Any, Any]], arguments: Sequence[Array]
+    black_box: Callable[..., Any],
+    estimator: Callable[..., _Expr[Any, Any]],
+    arguments: Sequence[Array],
+    loss: Callable[[Any, Array], ScalarLayer] = squared_error,
 ) -> ScalarLayer:
-    """The black-box loss: the estimator's mean squared error against the
-    black box's own outputs on ``arguments`` (plain arrays, batched along the
-    first axis). It reaches only the estimator's weights: the arguments are
-    data, whether sampled offline or taken from the extractor (online).
+    """The black-box loss: ``loss(estimator(*arguments), black_box(*arguments))``
+    on plain ``arguments`` (batched along the first axis). It reaches only the
+    estimator's weights: the arguments are data, whether sampled offline or
+    taken from the extractor (online). ``loss`` is `squared_error` for a
+    regression, `monadl.cross_entropy` for a black box that gives class labels.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(0.5))
@@ -184,6 +199,4 @@ def estimator_loss(
     >>> np.round(w.data, 3)
     array([1., 2., 3.])
     """
-    target = np.asarray(black_box(*arguments), dtype=np.float64)
-    difference = as_layer(estimator(*arguments)) - target
-    return mean(difference * difference)
+    return loss(estimator(*arguments), np.asarray(black_box(*arguments)))

@@ -8,6 +8,7 @@ paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
 from __future__ import annotations
 
 import itertools
+from types import EllipsisType
 import os
 import sys
 from collections.abc import Generator
@@ -38,6 +39,8 @@ __all__ = [
     "ScalarWeight",
     "Weight",
 ]
+
+_Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -235,7 +238,12 @@ class _Expr(Generic[D, G]):
     def __abs__(self) -> Layer[D, G]:
         return Layer._make(PRIMITIVES["abs"], (self,))
 
+    @overload
+    def __getitem__(self: _Expr[Array, Array], index: _Slicing) -> Layer[Array, Array]: ...
+    @overload
+    def __getitem__(self, index: Any) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
+        """Indexing and slicing; slices alone (with ``...`` and ``None``) keep an array an array."""
         if isinstance(index, _Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
         return Layer._make(PRIMITIVES["getitem"], (self,), (index,))

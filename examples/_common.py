@@ -1,0 +1,58 @@
+"""What the Estimate-and-Replace examples share: the digits, a digit classifier, a progress bar."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import monadl as ml
+
+DIGITS = 10
+
+
+def load_digits_split(seed: int) -> tuple[ml.Array, ml.Array, ml.Array, ml.Array]:
+    """scikit-learn's 8x8 digits (pixels scaled to [0, 1]) split 75/25 into train and test."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float64)
+    y = data.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    cut = len(y) * 3 // 4
+    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+
+
+def dense_weights(
+    rng: np.random.Generator, n_in: int, n_out: int, lr: float | ml.optim.Schedule
+) -> tuple[ml.ArrayWeight, ml.ArrayWeight]:
+    """He-initialised weights and zero biases of a dense layer, each with Adam."""
+    w = ml.Weight(rng.normal(size=(n_in, n_out)) * np.sqrt(2.0 / n_in), optimizer=ml.optim.adam(lr))
+    return w, ml.Weight(np.zeros(n_out), optimizer=ml.optim.adam(lr))
+
+
+class Extractor:
+    """The argument extractor of the image tasks: image -> scores of the 10 digits (64 -> 32 -> 10)."""
+
+    def __init__(self, rng: np.random.Generator, lr: float) -> None:
+        self.w1, self.b1 = dense_weights(rng, 64, 32, lr)
+        self.w2, self.b2 = dense_weights(rng, 32, DIGITS, lr)
+
+    def logits(self, images: ml.Array) -> ml.ArrayLayer:
+        return ml.dense(ml.relu(ml.dense(images, self.w1, self.b1)), self.w2, self.b2)
+
+    async def digits(self, images: ml.Array) -> ml.Array:
+        """The digits it reads (argmax), as plain integers."""
+        digits: ml.Array = np.argmax(await self.logits(images).predict(), axis=-1)
+        return digits
+
+
+def progress(name: str, done: int, total: int, loss: float, width: int = 24) -> None:
+    """A one-line progress bar on stderr, redrawn about a hundred times."""
+    if done % max(1, total // 100) and done != total:
+        return
+    filled = width * done // total
+    sys.stderr.write(f"\r{name:18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {loss:.4f}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
