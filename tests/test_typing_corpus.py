@@ -19,7 +19,7 @@ mypy_api = pytest.importorskip("mypy.api")
 ROOT = Path(__file__).resolve().parent.parent
 
 PRELUDE = """\
-from typing import assert_type
+from typing import Any, assert_type
 import numpy as np
 import monadl as ml
 
@@ -55,6 +55,17 @@ ACCEPT = {
         assert_type(array_layer.mean(), ml.ScalarLayer)
         assert_type(array_layer.max(axis=1), ml.ArrayLayer)
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
+    """,
+    "slices_keep_arrays": """
+        assert_type(array_layer[1:], ml.ArrayLayer)
+        assert_type(array_layer[:, 2:5], ml.ArrayLayer)
+        assert_type(array_layer[..., None], ml.ArrayLayer)
+        assert_type(ml.tanh(array_weight[:2]), ml.ArrayLayer)
+        assert_type(array_layer[0], ml.Layer[Any, Any])  # an element or a row: not known statically
+    """,
+    "frozen_keeps_weight_types": """
+        from monadl.estimate import frozen
+        assert_type(frozen([array_weight]), list[ml.ArrayLayer])
     """,
     "polymorphic_function": """
         def polymorphic(a: ml.AsArray, b: ml.AsArray, c: ml.AsArray, d: ml.AsArray) -> ml.ArrayLayer:
