@@ -32,11 +32,11 @@ def dense_weights(
 
 
 class Extractor:
-    """The argument extractor of the image tasks: image -> scores of the 10 digits (64 -> 32 -> 10)."""
+    """The argument extractor of the image tasks: image -> scores of the 10 digits (64 -> hidden -> 10)."""
 
-    def __init__(self, rng: np.random.Generator, lr: float) -> None:
-        self.w1, self.b1 = dense_weights(rng, 64, 32, lr)
-        self.w2, self.b2 = dense_weights(rng, 32, DIGITS, lr)
+    def __init__(self, rng: np.random.Generator, lr: float, hidden: int = 32) -> None:
+        self.w1, self.b1 = dense_weights(rng, 64, hidden, lr)
+        self.w2, self.b2 = dense_weights(rng, hidden, DIGITS, lr)
 
     def logits(self, images: ml.Array) -> ml.ArrayLayer:
         return ml.dense(ml.relu(ml.dense(images, self.w1, self.b1)), self.w2, self.b2)

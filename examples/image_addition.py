@@ -30,6 +30,7 @@ import monadl as ml
 from examples._common import DIGITS, Extractor, load_digits_split, progress
 from monadl.estimate import Sampling, entropy_penalty, estimator_loss, frozen, gumbel_softmax, harden
 
+HIDDEN = 64  # the extractor's hidden units (digit accuracy over seeds 0-2: 32 units 0.38-0.78, 64 units 0.69-0.78)
 SCALE = 45.0  # sums are regressed as sum / SCALE (the mean sum of 10 digits)
 
 
@@ -123,7 +124,7 @@ async def train_estinet(
     # The estimator's learning rate decays over its pre-training (hybrid: then it goes on learning
     # online at the decayed rate), or over the training when it only learns online.
     decay = args.pretrain_steps if sampling.pretrain else args.steps
-    extractor, adder = Extractor(rng, args.lr), Adder(rng, 3e-3, decay)
+    extractor, adder = Extractor(rng, args.lr, HIDDEN), Adder(rng, 3e-3, decay)
     started = time.perf_counter()
     if sampling.pretrain:
         await pretrain(adder, rng, args.k, args.pretrain_steps, 64)
@@ -155,7 +156,7 @@ async def train_estinet(
 async def train_end_to_end(data: tuple[ml.Array, ml.Array, ml.Array, ml.Array], args: argparse.Namespace, show: bool) -> Result:
     x_train, y_train, x_test, y_test = data
     rng = np.random.default_rng(args.seed)
-    extractor, adder = Extractor(rng, args.lr), Adder(rng, 3e-3, args.steps)
+    extractor, adder = Extractor(rng, args.lr, HIDDEN), Adder(rng, 3e-3, args.steps)
     started = time.perf_counter()
     curve = []
     for step in range(args.steps):
