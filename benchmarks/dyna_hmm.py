@@ -4,8 +4,10 @@ monadl.dyna runs the forward algorithm as a weighted logic program (forward
 chaining on an agenda, item at a time, in the log-real semiring so long
 sequences do not underflow) and its gradient by popping the tape. The peer is
 a vectorised NumPy forward-backward (scaled), which computes the same
-log-likelihood and the same gradients d log L / d log trans. Both are checked
-equal before timing.
+log-likelihood and the same gradients d log L / d log trans. monadl.dyna_arrays
+runs the same program with the states batched into arrays (``alpha(T)`` a
+vector over states, ``trans`` a matrix, a rule instance an einsum). All three
+are checked equal before the times are printed.
 
 Run: ``python -m benchmarks.dyna_hmm --steps 1000 --states 50`` (from the repository root).
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 from examples import dyna_programs as dp
 from monadl.dyna import LOG_REAL, Program
+from monadl.dyna_arrays import ArrayProgram
 
 
 def numpy_forward_backward(init: np.ndarray, trans: np.ndarray, emit: np.ndarray, obs: np.ndarray) -> tuple[float, np.ndarray]:
@@ -68,6 +71,17 @@ def main() -> None:
     grads = run.gradient(("likelihood",))
     dyna_seconds = time.perf_counter() - started
 
+    n = args.states
+    batched = ArrayProgram(dp.HMM.rules, LOG_REAL, arrays={"alpha": {1: n}, "init": {0: n}, "trans": {0: n, 1: n}, "emit": {0: n}})
+    started = time.perf_counter()
+    batched_run = batched.run(axioms)
+    batched_forward_seconds = time.perf_counter() - started
+    batched_grads = batched_run.gradient(("likelihood",))
+    batched_seconds = time.perf_counter() - started
+
+    batched_counts = np.array([[batched_grads[("trans", a, b)] for b in range(n)] for a in range(n)])
+    assert abs(batched_run.value(("likelihood",)) - log_likelihood) < 1e-8 * abs(log_likelihood)
+    assert np.allclose(batched_counts, counts, rtol=1e-6, atol=1e-9)
     dyna_counts = np.array([[grads.get(("trans", a, b), 0.0) for b in range(args.states)] for a in range(args.states)])
     assert abs(run.chart[("likelihood",)] - log_likelihood) < 1e-8 * abs(log_likelihood)
     assert np.allclose(dyna_counts, counts, rtol=1e-6, atol=1e-9)
@@ -77,6 +91,8 @@ def main() -> None:
     print(f"{'numpy forward-backward':28} {numpy_seconds:10.4f} {1.0:9.1f}x")
     print(f"{'monadl.dyna forward':28} {forward_seconds:10.4f} {forward_seconds / numpy_seconds:9.1f}x")
     print(f"{'monadl.dyna forward+gradient':28} {dyna_seconds:10.4f} {dyna_seconds / numpy_seconds:9.1f}x")
+    print(f"{'dyna_arrays forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x")
+    print(f"{'dyna_arrays forward+gradient':28} {batched_seconds:10.4f} {batched_seconds / numpy_seconds:9.1f}x")
 
 
 if __name__ == "__main__":

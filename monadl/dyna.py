@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import heapq
 import itertools
@@ -345,7 +345,7 @@ class Program:
         return None
 
     def _instantiations(
-        self, a: Item, first: bool, chart: dict[Item, float], index: _Index
+        self, a: Item, first: bool, chart: Mapping[Item, object], index: _Index
     ) -> Iterator[tuple[Rule, int, list[Item]]]:
         """Each (rule, i, ground body) with a as body i, the other body items
         existing (at time t for j < i, at t-1 for j > i)."""
@@ -364,7 +364,7 @@ class Program:
         ground: list[Item],
         a: Item,
         first: bool,
-        chart: dict[Item, float],
+        chart: Mapping[Item, object],
         index: _Index,
     ) -> Iterator[tuple[Rule, int, list[Item]]]:
         if j == len(rule.body):
@@ -494,36 +494,55 @@ class Program:
         ``weights[f].data[i, j]`` for every entry of the array (zeros
         included). Its backward pass runs the tape, only when a delta is wanted.
         """
-        bound = dict(weights or {})
-        fixed = dict(axioms or {})
-        functors = list(bound)
+        return _goal_layer(lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, 0.0), goal, axioms, weights)
 
-        def forward(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
-            values = dict(fixed)
+
+class _Differentiable(Protocol):
+    def gradient(self, goal: Item) -> dict[Item, float]: ...
+
+
+R = TypeVar("R", bound=_Differentiable)
+
+
+def _goal_layer(
+    run: Callable[[dict[Item, float]], R],
+    value: Callable[[R], float],
+    goal: Item,
+    axioms: Mapping[Item, float] | None,
+    weights: Mapping[Any, Weight[Any, Any]] | None,
+) -> Layer[float, float]:
+    """A goal's value as a scalar layer over the weights bound to functors
+    (``Program.goal``; shared by the batched programs of `monadl.dyna_arrays`)."""
+    bound = dict(weights or {})
+    fixed = dict(axioms or {})
+    functors = list(bound)
+
+    def forward(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+        values = dict(fixed)
+        for functor, tape in zip(functors, tapes):
+            data = np.asarray(tape.data)
+            for position in np.ndindex(data.shape):
+                values[(functor, *position)] = float(data[position])
+        done = run(values)
+        result = value(done)
+        wanted = [t for t in tapes if t.backward is not None]
+        if not wanted:
+            return Tape(result)
+
+        def backward(delta: float) -> None:
+            grads = done.gradient(goal)
             for functor, tape in zip(functors, tapes):
+                if tape.backward is None:
+                    continue
                 data = np.asarray(tape.data)
+                g = np.zeros(data.shape, dtype=data.dtype)
                 for position in np.ndindex(data.shape):
-                    values[(functor, *position)] = float(data[position])
-            run = self.run(values, **run_options)
-            result = run.chart.get(goal, 0.0)
-            wanted = [t for t in tapes if t.backward is not None]
-            if not wanted:
-                return Tape(result)
+                    g[position] = grads.get((functor, *position), 0.0)
+                tape.backward(g * delta if data.ndim else (g * delta)[()])
 
-            def backward(delta: float) -> None:
-                grads = run.gradient(goal)
-                for functor, tape in zip(functors, tapes):
-                    if tape.backward is None:
-                        continue
-                    data = np.asarray(tape.data)
-                    g = np.zeros(data.shape, dtype=data.dtype)
-                    for position in np.ndindex(data.shape):
-                        g[position] = grads.get((functor, *position), 0.0)
-                    tape.backward(g * delta if data.ndim else (g * delta)[()])
+        return Tape(result, backward)
 
-            return Tape(result, backward)
-
-        return Layer(Do.gather(bound[f].forward() for f in functors).map(forward))
+    return Layer(Do.gather(bound[f].forward() for f in functors).map(forward))
 
 
 def _bindings(rule: Rule, ground: list[Item]) -> dict[str, Any]:
