@@ -126,7 +126,7 @@ def columns(cupy: Any, torch: Any, batch: int) -> dict[str, Step]:
 
 def streams(cupy: Any, size: int, depth: int) -> dict[str, Step]:
     rng = np.random.default_rng(0)
-    ws = [ml.Weight(cupy.asarray(rng.standard_normal((size, size)).astype(np.float32) / np.sqrt(size))) for _ in range(2)]
+    ws = [ml.Weight(cupy.asarray((rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32))) for _ in range(2)]
     x = ml.as_layer(cupy.asarray(rng.standard_normal((size, size)).astype(np.float32)))
 
     def build() -> ml.ScalarLayer:

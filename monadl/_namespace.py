@@ -56,8 +56,18 @@ def _lookup(x: object) -> Namespace:
 
 
 def is_array(x: object) -> bool:
-    """Whether ``x`` is an array of any library (NumPy's included), not a scalar."""
-    return hasattr(x, "__array_namespace__") and not isinstance(x, np.generic)
+    """Whether ``x`` is an array of any library (NumPy's included), not a scalar.
+
+    CuPy's arrays (up to 14 at least) have no ``__array_namespace__``:
+    `array_api_compat` knows them, and the other libraries it wraps, by type.
+    """
+    if isinstance(x, np.generic):
+        return False
+    if hasattr(x, "__array_namespace__"):
+        return True
+    import array_api_compat
+
+    return bool(array_api_compat.is_array_api_obj(x))
 
 
 def library_name(x: object) -> str:
