@@ -134,3 +134,21 @@ def test_waiting_for_the_gpu_leaves_the_event_loop_free() -> None:
 
     anyio.run(main)
     assert len(ticks) > 10  # the ticker ran while predict() waited for the GPU
+
+
+@pytest.mark.parametrize("function", [ml.tanh, ml.sigmoid, ml.relu], ids=lambda f: f.__name__)
+def test_the_fused_kernels_give_what_the_portable_rules_give(function: Any) -> None:
+    # On CuPy, tanh, sigmoid and relu run as single fused kernels; on NumPy as array-API steps.
+    a = np.random.default_rng(5).normal(size=(64, 33)) * 4
+    a[0, :3] = [0.0, 40.0, -40.0]  # relu's kink, sigmoid's saturation on both sides
+
+    def value_and_gradient(xp: Any) -> tuple[np.ndarray, np.ndarray]:
+        w = ml.Weight(xp.asarray(a))
+        value = anyio.run(function(w).predict)
+        (grad,) = anyio.run(ml.gradients, ml.sum(function(w) * xp.asarray(np.cos(a))), [w])
+        return (cupy.asnumpy(value), cupy.asnumpy(grad)) if xp is cupy else (value, grad)
+
+    gpu_value, gpu_grad = value_and_gradient(cupy)
+    cpu_value, cpu_grad = value_and_gradient(np)
+    np.testing.assert_allclose(gpu_value, cpu_value, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(gpu_grad, cpu_grad, rtol=1e-12, atol=1e-15)

@@ -145,13 +145,23 @@ def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    out = namespace(a).tanh(a)
+    xp = namespace(a)
+    out = xp.tanh(a)
+    fused = _fused(xp, "tanh_backward")
+    if fused is not None:
+        return out, (lambda g: fused(g, out),)
     return out, (lambda g: g * (1 - out * out),)
 
 
 def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # exp(-|a|) never overflows; the two branches are the same function.
     xp = namespace(a)
+    fused = _fused(xp, "sigmoid")
+    if fused is not None:
+        out = fused(a)
+        backward = _fused(xp, "sigmoid_backward")
+        assert backward is not None
+        return out, (lambda g: backward(g, out),)
     e = xp.exp(-xp.abs(a))
     out = xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
     return out, (lambda g: g * out * (1 - out),)
@@ -159,8 +169,35 @@ def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
+    fused = _fused(xp, "relu_backward")
+    if fused is not None:
+        return xp.maximum(a, 0), (lambda g: fused(g, a),)
     keep = _mask(xp, a > 0, a)
     return a * keep, (lambda g: g * keep,)
+
+
+# On CuPy, a rule of several elementwise steps is one kernel: the GPU is
+# launch-bound on small arrays, and each step would be a launch of ~15 us.
+_CUPY_KERNELS: Final = {
+    "tanh_backward": ("T g, T out", "T r", "r = g * (1 - out * out)"),
+    "sigmoid": ("T a", "T r", "T e = exp(-fabs(a)); r = a >= 0 ? 1 / (1 + e) : e / (1 + e)"),
+    "sigmoid_backward": ("T g, T out", "T r", "r = g * out * (1 - out)"),
+    "relu_backward": ("T g, T a", "T r", "r = a > 0 ? g : (T)0"),
+}
+_FUSED: dict[str, Callable[..., Value]] = {}
+
+
+def _fused(xp: Any, name: str) -> Callable[..., Value] | None:
+    """The fused CuPy kernel ``name`` when ``xp`` is CuPy's namespace, else None."""
+    if xp is np or getattr(xp, "__name__", "") != "array_api_compat.cupy":
+        return None
+    kernel = _FUSED.get(name)
+    if kernel is None:
+        import cupy
+
+        inputs, outputs, body = _CUPY_KERNELS[name]
+        kernel = _FUSED[name] = cupy.ElementwiseKernel(inputs, outputs, body, f"monadl_{name}")
+    return kernel
 
 
 # ---- linear algebra -----------------------------------------------------------
