@@ -394,8 +394,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
             elif kx not in _HOST:  # both from one other library (CuPy ...)
                 if op.same_dtype and x.dtype != y.dtype:
                     _check_dtypes(node, args)
-        elif kx not in _HOST or ky not in _HOST:
-            args = _foreign_operands(node, args)
+        elif (kx not in _HOST or ky not in _HOST) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
+            args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
     elif len(inputs) == 1:
         x = inputs[0]
         kind = type(x)
@@ -427,6 +427,9 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
     if ev.check_finite and not _all_finite(out):
         raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
     return _Record(out, vjps if needs else None, ins, needs, node)
+
+
+_PYTHON_NUMBERS: Final = frozenset({float, int, bool})
 
 
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
