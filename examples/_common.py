@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
 
 import monadl as ml
+from monadl.estimate import Sampling
 
 DIGITS = 10
 
@@ -56,3 +58,19 @@ def progress(name: str, done: int, total: int, loss: float, width: int = 24) -> 
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+SAMPLINGS = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}
+
+
+def add_estinet_options(p: argparse.ArgumentParser) -> None:
+    """The options every Estimate-and-Replace example takes."""
+    p.add_argument("--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)")
+    p.add_argument("--sampling", choices=[*SAMPLINGS, "all"], default="hybrid", help="how the estimator learns")
+    p.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end baseline")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def chosen_samplings(args: argparse.Namespace) -> list[Sampling]:
+    """The estimator training procedures ``--sampling`` asks for."""
+    return list(SAMPLINGS.values()) if args.sampling == "all" else [SAMPLINGS[args.sampling]]

@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples._common import DIGITS, Extractor, load_digits_split, progress
+from examples._common import DIGITS, Extractor, add_estinet_options, chosen_samplings, load_digits_split, progress
 from monadl.estimate import Sampling, entropy_penalty, estimator_loss, frozen, gumbel_softmax, harden
 
 HIDDEN = 64  # the extractor's hidden units (digit accuracy over seeds 0-2: 32 units 0.38-0.78, 64 units 0.69-0.78)
@@ -187,9 +187,7 @@ def table(results: Sequence[Result], test_k: Sequence[int]) -> str:
 
 async def run(args: argparse.Namespace, show: bool = True) -> list[Result]:
     data = load_digits_split(args.seed)
-    choices = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}
-    names = list(choices) if args.sampling == "all" else [args.sampling]
-    results = [await train_estinet(data, choices[n], args, show) for n in names]
+    results = [await train_estinet(data, sampling, args, show) for sampling in chosen_samplings(args)]
     if not args.no_end_to_end:
         results.append(await train_end_to_end(data, args, show))
     return results
@@ -204,12 +202,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="sequences per mini-batch")
     p.add_argument("--test-count", type=int, default=500, help="test sequences per length")
     p.add_argument("--lr", type=float, default=3e-3, help="the extractor's Adam learning rate")
-    p.add_argument("--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)")
     p.add_argument("--relaxed", action="store_true", help="soft Gumbel-softmax samples in training (no hard selection)")
     p.add_argument("--entropy", type=float, default=0.0, help="weight of the entropy penalty")
-    p.add_argument("--sampling", choices=["offline", "online", "hybrid", "all"], default="hybrid")
-    p.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end baseline")
-    p.add_argument("--seed", type=int, default=0)
+    add_estinet_options(p)
     return p
 
 

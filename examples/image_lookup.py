@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples._common import DIGITS, Extractor, dense_weights, load_digits_split, progress
+from examples._common import DIGITS, Extractor, add_estinet_options, chosen_samplings, dense_weights, load_digits_split, progress
 from monadl.estimate import Sampling, estimator_loss, frozen, gumbel_softmax, harden
 
 
@@ -196,9 +196,7 @@ async def run(args: argparse.Namespace, show: bool = True) -> list[Result]:
     data = load_digits_split(args.seed)
     table_rng = np.random.default_rng(args.seed + 100)
     tables = (random_table(args.k, table_rng), random_table(args.k, table_rng))
-    choices = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}
-    names = list(choices) if args.sampling == "all" else [args.sampling]
-    results = [await train_estinet(data, tables, choices[n], args, show) for n in names]
+    results = [await train_estinet(data, tables, sampling, args, show) for sampling in chosen_samplings(args)]
     if not args.no_end_to_end:
         results.append(await train_end_to_end(data, tables, args, show))
     return results
@@ -212,10 +210,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="sequences per mini-batch (default: 32 for k = 2, 128 beyond)")
     p.add_argument("--test-count", type=int, default=2000, help="test sequences")
     p.add_argument("--lr", type=float, default=3e-3, help="the extractor's Adam learning rate")
-    p.add_argument("--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)")
-    p.add_argument("--sampling", choices=["offline", "online", "hybrid", "all"], default="hybrid")
-    p.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end baseline")
-    p.add_argument("--seed", type=int, default=0)
+    add_estinet_options(p)
     return p
 
 

@@ -32,7 +32,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples._common import dense_weights, progress
+from examples._common import add_estinet_options, chosen_samplings, dense_weights, progress
 from monadl.estimate import Sampling, estimator_loss, frozen, gumbel_softmax, harden
 
 # "X" is the number that must be greater for the answer to be yes, "Y" the other.
@@ -225,12 +225,10 @@ async def run(args: argparse.Namespace, show: bool = True) -> list[Result]:
     data_rng = np.random.default_rng(args.seed + 7)
     test = questions(args.test_count, data_rng)
     pool = questions(max(args.sizes), data_rng)
-    choices = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}
-    names = list(choices) if args.sampling == "all" else [args.sampling]
     results = []
     for size in args.sizes:
         train = pool.take(np.arange(size))
-        results += [await train_estinet(train, test, choices[n], args, show) for n in names]
+        results += [await train_estinet(train, test, sampling, args, show) for sampling in chosen_samplings(args)]
         if not args.no_end_to_end:
             results.append(await train_end_to_end(train, test, args, show))
     return results
@@ -244,10 +242,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--test-count", type=int, default=2000, help="test questions")
     p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate of the extractor and the end-to-end network")
-    p.add_argument("--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)")
-    p.add_argument("--sampling", choices=["offline", "online", "hybrid", "all"], default="hybrid")
-    p.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end baseline")
-    p.add_argument("--seed", type=int, default=0)
+    add_estinet_options(p)
     return p
 
 

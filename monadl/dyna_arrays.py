@@ -195,7 +195,7 @@ class ArrayProgram:
         fifo: deque[Item] = deque(initial)
         index_ = _Index()
         tape: list[_Entry] = []
-        run = ArrayRun(self, chart, tape, 0, {k: v for k, v in located.items()})
+        run = ArrayRun(self, chart, tape, 0, located)
         waiting = 0  # consecutive items put back (updates within tolerance)
         while fifo and waiting < len(fifo):
             if max_pops is not None and run.pops >= max_pops:
@@ -225,11 +225,9 @@ class ArrayProgram:
                 assert all(v is not None for v in values)
                 contribution = self._contract(rule, list(zip(subscripts, values)), out, {})  # type: ignore[arg-type]
                 c = _ground(rule.head, _bindings(rule, ground))
-                if c in agenda:
-                    agenda[c] = np.add(agenda[c], contribution) if self.semiring is REAL else np.logaddexp(agenda[c], contribution)
-                else:
-                    agenda[c] = contribution
+                if c not in agenda:
                     fifo.append(c)
+                agenda[c] = self._plus(agenda.get(c), contribution)  # type: ignore[assignment]
         return run
 
     # ---- backward -----------------------------------------------------------------------------

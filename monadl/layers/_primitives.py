@@ -147,7 +147,7 @@ def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
     out = xp.tanh(a)
-    fused = _fused(xp, "tanh_backward")
+    fused = None if xp is np else _fused(xp, "tanh_backward")
     if fused is not None:
         return out, (lambda g: fused(g, out),)
     return out, (lambda g: g * (1 - out * out),)
@@ -156,7 +156,7 @@ def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # exp(-|a|) never overflows; the two branches are the same function.
     xp = namespace(a)
-    fused = _fused(xp, "sigmoid")
+    fused = None if xp is np else _fused(xp, "sigmoid")
     if fused is not None:
         out = fused(a)
         backward = _fused(xp, "sigmoid_backward")
@@ -169,7 +169,7 @@ def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
-    fused = _fused(xp, "relu_backward")
+    fused = None if xp is np else _fused(xp, "relu_backward")
     if fused is not None:
         return xp.maximum(a, 0), (lambda g: fused(g, a),)
     keep = _mask(xp, a > 0, a)
@@ -188,8 +188,9 @@ _FUSED: dict[str, Callable[..., Value]] = {}
 
 
 def _fused(xp: Any, name: str) -> Callable[..., Value] | None:
-    """The fused CuPy kernel ``name`` when ``xp`` is CuPy's namespace, else None."""
-    if xp is np or getattr(xp, "__name__", "") != "array_api_compat.cupy":
+    """The fused CuPy kernel ``name`` when ``xp`` is CuPy's namespace, else None
+    (callers skip the call for NumPy, the hot path)."""
+    if getattr(xp, "__name__", "") != "array_api_compat.cupy":
         return None
     kernel = _FUSED.get(name)
     if kernel is None:
