@@ -17,6 +17,7 @@ chain of 100,000 ``bind``s grows the Python stack.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
@@ -502,8 +503,11 @@ def _weight_record(ev: Evaluation, weight: Weight[Any, Any]) -> _Record:
 # ---- backward and release -------------------------------------------------------
 def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     """Release a token; a record whose last hold goes runs its backward once."""
-    if backward and ev.forked and not ev.effects:
-        yield _parallel.backward(ev, token)
+    if not ev.effects:  # primitives and weights only: nothing to close
+        if backward and ev.forked:
+            yield _parallel.backward(ev, token)
+        elif backward:
+            _sweep(ev)
         return
     work = [token]
     while work:
@@ -541,6 +545,41 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             assert t is None, t
 
 
+def _sweep(ev: Evaluation) -> None:
+    """Back-propagate a pure evaluation (primitives and weights only) in one pass.
+
+    Records enter ``ev.records`` after their operands, so in reverse insertion
+    order each record comes after all its consumers: its delta is complete when
+    it is reached. This is the reference-counted release of `release` without
+    the counting, which a graph of primitives (no shared ``Do``, no resource,
+    no direct-style code) does not need: each backward still runs once, with the
+    summed delta.
+    """
+    check = ev.check_finite
+    for rec in reversed(ev.records.values()):
+        delta = rec.delta
+        if delta is None or rec.vjps is None:
+            continue
+        if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
+            delta = delta.to_dense()
+        for r, vjp in zip(rec.inputs, rec.vjps):
+            if r is None or not r.needs_grad:
+                continue
+            try:
+                g = vjp(delta)
+                value = r.value
+                if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
+                    g = _fit(g, value)
+            except Exception as exc:
+                _backward_note(exc, rec)
+                raise
+            if check:
+                _check_delta(rec, g)
+            r.delta = g if r.delta is None else r.delta + g
+        rec.delta = None
+        rec.vjps = None
+
+
 def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
     """The backward of one primitive record: each operand's share of its delta,
     only for operands that lead to a weight, with broadcasting undone."""
@@ -551,18 +590,31 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
     for r, vjp in zip(rec.inputs, rec.vjps):
         if r is not None and r.needs_grad:
             try:
-                g = vjp(delta)
-                if getattr(g, "shape", ()) != getattr(r.value, "shape", ()):
-                    g = unbroadcast(g, getattr(r.value, "shape", ()))
+                g = _fit(vjp(delta), r.value)
             except Exception as exc:
-                exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {_where(rec.node)}")
+                _backward_note(exc, rec)
                 raise
-            if ev.check_finite and not _all_finite(g.rows if type(g) is SparseRows else g):
-                raise NonFiniteError(
-                    f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {_where(rec.node)}"
-                )
+            if ev.check_finite:
+                _check_delta(rec, g)
             out.append((r, g))
     return out
+
+
+def _fit(delta: Any, value: Any) -> Any:
+    """``delta`` with broadcasting undone, so that it has the shape of ``value``."""
+    shape = getattr(value, "shape", ())
+    return delta if getattr(delta, "shape", ()) == shape else unbroadcast(delta, shape)
+
+
+def _backward_note(exc: Exception, rec: _Record) -> None:
+    exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {_where(rec.node)}")
+
+
+def _check_delta(rec: _Record, delta: Any) -> None:
+    if not _all_finite(delta.rows if type(delta) is SparseRows else delta):
+        raise NonFiniteError(
+            f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {_where(rec.node)}"
+        )
 
 
 async def drive(machine: Machine) -> Any:
@@ -571,15 +623,16 @@ async def drive(machine: Machine) -> Any:
     A failure of what it awaited goes back into the machine, which may hand
     it to a direct-style coroutine that awaited it.
     """
+    pause = current_settings().pause_gc
     try:
-        request = machine.send(None)
+        request = _advance(machine.send, None, pause)
         while True:
             try:
                 result = await request
             except BaseException as exc:
-                request = machine.throw(exc)
+                request = _advance(machine.throw, exc, pause)
             else:
-                request = machine.send(result)
+                request = _advance(machine.send, result, pause)
     except StopIteration as stop:
         return stop.value
     finally:
@@ -589,13 +642,25 @@ async def drive(machine: Machine) -> Any:
 def drive_sync(machine: Machine) -> Any:
     """Run a machine that needs no event loop (a graph of primitives)."""
     try:
-        request = machine.send(None)
+        request = _advance(machine.send, None, current_settings().pause_gc)
     except StopIteration as stop:
         return stop.value
     machine.close()
     if hasattr(request, "close"):
         request.close()
     raise RuntimeError("this computation awaits something: run it inside an event loop with await")
+
+
+def _advance(step: Callable[[Any], Any], arg: Any, pause_gc: bool) -> Any:
+    """One synchronous stretch of a machine, with the cyclic GC paused if asked
+    (and if it is on: a caller who turned it off keeps it off)."""
+    if not pause_gc or not gc.isenabled():
+        return step(arg)
+    gc.disable()
+    try:
+        return step(arg)
+    finally:
+        gc.enable()
 
 
 async def abort(ev: Evaluation) -> None:

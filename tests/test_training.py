@@ -85,6 +85,66 @@ async def test_nested_diamonds_cost_linear_work() -> None:
     assert seconds[40] < 12 * seconds[10]
 
 
+def random_dag(ws: list[ml.ArrayWeight], rng: np.random.Generator, size: int) -> list[ml.ArrayLayer]:
+    """Layers that each use two earlier ones, picked at random: shared nodes
+    whose consumers sit at many depths."""
+    nodes: list[ml.ArrayLayer] = [w * 1.0 for w in ws]
+    for i in range(size):
+        a, b = (nodes[j] for j in rng.integers(0, len(nodes), 2))
+        nodes.append(ml.tanh(a * b) if i % 3 == 0 else a + 0.5 * b if i % 3 == 1 else ml.sigmoid(a - b))
+    return nodes
+
+
+@pytest.mark.anyio
+async def test_pure_graph_backward_equals_the_reference_counted_release() -> None:
+    # A graph of primitives only is back-propagated in one reverse pass over
+    # its records; a layer built from a Do anywhere in it makes the runtime
+    # release by reference counts instead. Both must give the same gradients.
+    rng = np.random.default_rng(3)
+    ws = [ml.Weight(rng.standard_normal(3)) for _ in range(3)]
+    nodes = random_dag(ws, rng, 60)
+    pure = ml.sum(nodes[-1] + nodes[-7] * nodes[len(ws)])
+    counted = ml.sum(nodes[-1] + nodes[-7] * ml.Layer(nodes[len(ws)].forward().map(lambda t: t)))
+    grads_pure = await ml.gradients(pure, ws)
+    grads_counted = await ml.gradients(counted, ws)
+    for a, b in zip(grads_pure, grads_counted):
+        np.testing.assert_allclose(a, b, rtol=1e-13)  # the deltas may be summed in another order
+    eps = 1e-6  # and the pure pass against central differences, one coordinate
+    original = ws[0].data.copy()
+    values = []
+    for sign in (1, -1):
+        ws[0]._data = original + sign * eps * np.array([1.0, 0.0, 0.0])
+        values.append(await pure.predict())
+    ws[0]._data = original
+    assert grads_pure[0][0] == pytest.approx((values[0] - values[1]) / (2 * eps), rel=1e-6)
+
+
+@pytest.mark.anyio
+async def test_gc_is_paused_while_the_runtime_computes_and_restored_after() -> None:
+    import gc
+
+    seen: list[bool] = []
+    w = ml.Weight(2.0, optimizer=ml.optim.sgd(0.1))
+
+    def look(tape: ml.Tape[float, float]) -> ml.Tape[float, float]:
+        seen.append(gc.isenabled())
+        return tape
+
+    model = ml.Layer((w * w).forward().map(look)) * 3.0
+    assert gc.isenabled()
+    await model.train()
+    assert seen == [False] and gc.isenabled()
+    with ml.settings(pause_gc=False):
+        await model.train()
+    assert seen == [False, True] and gc.isenabled()
+    gc.disable()  # a caller's own choice stands
+    try:
+        await model.train()
+        assert seen == [False, True, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @pytest.mark.anyio
 async def test_chain_of_100000_operations_trains() -> None:
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.1))

@@ -7,7 +7,7 @@ they need no backward rule of their own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import numpy as np
 
@@ -22,6 +22,8 @@ from monadl.layers._layer import (
     Operand,
     ScalarLayer,
     ScalarOperand,
+    Weight,
+    _build,
     _operand,
 )
 from monadl.layers._primitives import PRIMITIVES
@@ -57,8 +59,15 @@ __all__ = [
 ]
 
 
+_CHECKED: Final = frozenset({Layer, Weight, float})  # operands that need no check
+
+
 def _apply(name: str, operands: tuple[object, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
-    return Layer._make(PRIMITIVES[name], tuple(_operand(x, name) for x in operands), params)
+    for x in operands:
+        if type(x) not in _CHECKED:
+            _operand(x, name)  # raises on what monadl cannot compute with
+    # The layer's site: from the caller of the public function that called here.
+    return _build(PRIMITIVES[name], operands, params, 3)
 
 
 # ---- elementwise ------------------------------------------------------------------------

@@ -360,18 +360,27 @@ class Layer(_Expr[D, G]):
 
     @classmethod
     def _make(cls, op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
-        layer: Layer[Any, Any] = object.__new__(cls)
-        layer._op = op
-        layer._inputs = inputs
-        layer._params = params
-        layer._do = None
-        layer._site = _site()
-        layer._serial = next(_serials)
-        return layer
+        return _build(op, inputs, params, 2)
 
     def __repr__(self) -> str:
         what = self._op.name if self._op is not None else "from Do"
         return f"Layer({what}, built at {self._site[0]}:{self._site[1]})"
+
+
+def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], depth: int) -> Layer[Any, Any]:
+    """A primitive layer; its site is found from the frame ``depth`` levels up
+    from here (the first that may be the user's) outwards. ``_do``, read only
+    when ``_op`` is None, is left unset."""
+    layer: Layer[Any, Any] = object.__new__(Layer)
+    layer._op = op
+    layer._inputs = inputs
+    layer._params = params
+    frame = sys._getframe(depth)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    layer._site = (frame.f_code.co_filename, frame.f_lineno)
+    layer._serial = next(_serials)
+    return layer
 
 
 ScalarLayer: TypeAlias = Layer[float, float]
