@@ -59,12 +59,15 @@ _SUSPENDED: Final = object()
 class _Record:
     """One layer's or weight's state in one evaluation."""
 
-    __slots__ = ("value", "vjps", "inputs", "refcount", "delta", "needs_grad", "node", "tape_backward", "release", "is_weight")
+    __slots__ = (
+        "value", "vjps", "inputs", "refcount", "delta", "needs_grad", "node", "tape_backward", "release", "is_weight", "fits"
+    )
 
-    def __init__(self, value: Any, vjps: Any, inputs: Any, needs_grad: bool, node: Any) -> None:
+    def __init__(self, value: Any, vjps: Any, inputs: Any, needs_grad: bool, node: Any, fits: bool = False) -> None:
         self.value = value
         self.vjps = vjps
         self.inputs = inputs
+        self.fits = fits  # the operands' deltas come back in their shapes: no unbroadcasting
         self.refcount = 0
         self.delta: Any = None
         self.needs_grad = needs_grad
@@ -104,7 +107,7 @@ class Evaluation:
 
     __slots__ = (
         "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects",
-        "cuda_streams",
+        "cuda_streams", "gradients",
     )
 
     def __init__(self, train: bool, may_fork: bool = True) -> None:
@@ -120,13 +123,28 @@ class Evaluation:
         self.cuda_streams = settings.cuda_streams
         self.forked = False  # some graph ran on the worker pool
         self.effects = False  # something beyond primitives ran: backward stays on this thread
+        self.gradients: dict[Weight[Any, Any], Any] | None = None  # kept by finish()
 
     def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
+        if self.gradients is not None:
+            return self.gradients
         return {
             rec.node: rec.delta
             for rec in self.records.values()
             if rec.is_weight and rec.delta is not None
         }
+
+    def finish(self) -> None:
+        """After the last release: keep the weights' gradients, drop the records.
+
+        Dropped here, inside the machine's run, the thousands of records,
+        closures and intermediate values die while the cyclic GC is paused;
+        left alive until after it resumes, they would be scanned and promoted
+        to older generations for nothing, and full collections would follow.
+        """
+        if self.train:
+            self.gradients = self.weight_gradients()
+        self.records.clear()
 
 
 # ---- forward -----------------------------------------------------------------------
@@ -388,6 +406,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         args: tuple[Any, ...] = (x, y)
         ins: tuple[_Record | None, ...] = (rx, ry)
         kx, ky = type(x), type(y)
+        fits = op.elementwise and (kx in _PYTHON_NUMBERS or ky in _PYTHON_NUMBERS)
         if kx is ky:
             if kx is np.ndarray:
                 if op.same_dtype and x.dtype is not y.dtype:
@@ -409,8 +428,10 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         else:
             rx, needs = None, False
         args, ins = (x,), (rx,)
+        fits = op.elementwise
     else:
         args, ins, needs = _operands(records, inputs, count)
+        fits = False
         if not all(type(a) in _HOST for a in args):
             args = _foreign_operands(node, args)
         if op.same_dtype:
@@ -427,7 +448,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         raise
     if ev.check_finite and not _all_finite(out):
         raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
-    return _Record(out, vjps if needs else None, ins, needs, node)
+    return _Record(out, vjps if needs else None, ins, needs, node, fits)
 
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
@@ -508,6 +529,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             yield _parallel.backward(ev, token)
         elif backward:
             _sweep(ev)
+        ev.finish()
         return
     work = [token]
     while work:
@@ -543,6 +565,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 yield t.release(t.value)
         else:
             assert t is None, t
+    ev.finish()
 
 
 def _sweep(ev: Evaluation) -> None:
@@ -562,14 +585,16 @@ def _sweep(ev: Evaluation) -> None:
             continue
         if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
             delta = delta.to_dense()
+        fits = rec.fits
         for r, vjp in zip(rec.inputs, rec.vjps):
             if r is None or not r.needs_grad:
                 continue
             try:
                 g = vjp(delta)
-                value = r.value
-                if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
-                    g = _fit(g, value)
+                if not fits:
+                    value = r.value
+                    if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
+                        g = _fit(g, value)
             except Exception as exc:
                 _backward_note(exc, rec)
                 raise
@@ -590,7 +615,7 @@ def input_deltas(ev: Evaluation, rec: _Record) -> list[tuple[_Record, Any]]:
     for r, vjp in zip(rec.inputs, rec.vjps):
         if r is not None and r.needs_grad:
             try:
-                g = _fit(vjp(delta), r.value)
+                g = vjp(delta) if rec.fits else _fit(vjp(delta), r.value)
             except Exception as exc:
                 _backward_note(exc, rec)
                 raise

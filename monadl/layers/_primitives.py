@@ -37,11 +37,15 @@ Rule = Callable[..., tuple[Value, tuple[Vjp, ...]]]
 @final
 @dataclass(frozen=True, slots=True)
 class Primitive:
-    """A named rule. ``same_dtype``: refuse to mix float32 and float64 arrays."""
+    """A named rule. ``same_dtype``: refuse to mix float32 and float64 arrays.
+    ``elementwise``: the value has the broadcast shape of the operands, and
+    each delta comes back in that shape (so a unary rule's delta needs no
+    unbroadcasting, nor an array's beside a plain number)."""
 
     name: str
     rule: Rule
     same_dtype: bool = False
+    elementwise: bool = False
 
 
 def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
@@ -463,22 +467,22 @@ def _negative(g: Value) -> Value:
 PRIMITIVES: Final[dict[str, Primitive]] = {
     p.name: p
     for p in (
-        Primitive("add", _add, same_dtype=True),
-        Primitive("subtract", _sub, same_dtype=True),
-        Primitive("multiply", _mul, same_dtype=True),
-        Primitive("divide", _div, same_dtype=True),
-        Primitive("power", _pow, same_dtype=True),
-        Primitive("maximum", _maximum, same_dtype=True),
-        Primitive("minimum", _minimum, same_dtype=True),
-        Primitive("negative", _neg),
+        Primitive("add", _add, same_dtype=True, elementwise=True),
+        Primitive("subtract", _sub, same_dtype=True, elementwise=True),
+        Primitive("multiply", _mul, same_dtype=True, elementwise=True),
+        Primitive("divide", _div, same_dtype=True, elementwise=True),
+        Primitive("power", _pow, same_dtype=True, elementwise=True),
+        Primitive("maximum", _maximum, same_dtype=True, elementwise=True),
+        Primitive("minimum", _minimum, same_dtype=True, elementwise=True),
+        Primitive("negative", _neg, elementwise=True),
         Primitive("stop_gradient", _stop_gradient),
-        Primitive("exp", _exp),
-        Primitive("log", _log),
-        Primitive("sqrt", _sqrt),
-        Primitive("abs", _abs),
-        Primitive("tanh", _tanh),
-        Primitive("sigmoid", _sigmoid),
-        Primitive("relu", _relu),
+        Primitive("exp", _exp, elementwise=True),
+        Primitive("log", _log, elementwise=True),
+        Primitive("sqrt", _sqrt, elementwise=True),
+        Primitive("abs", _abs, elementwise=True),
+        Primitive("tanh", _tanh, elementwise=True),
+        Primitive("sigmoid", _sigmoid, elementwise=True),
+        Primitive("relu", _relu, elementwise=True),
         Primitive("matmul", _matmul, same_dtype=True),
         Primitive("sum", _sum),
         Primitive("mean", _mean),
