@@ -340,6 +340,7 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
     """
     records = ev.records
     order: list[Any] | None = frame[2]
+    resumed = order is not None
     if order is None:
         order = _collect(ev, frame[1])
         frame[2] = order
@@ -354,15 +355,12 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
             frame[3] = len(order)
             return _parallel.forward(ev, order)
         frame[4] = time.perf_counter()
-    i = frame[3]
-    n = len(order)
-    while i < n:
+    for i in range(frame[3], len(order)):
         node = order[i]
-        i += 1
-        if node in records:  # a Do evaluated meanwhile may have computed it
+        if resumed and node in records:  # a Do evaluated meanwhile may have computed it
             continue
         if node._op is None:
-            frame[3] = i - 1
+            frame[3] = i
             frame[4] = 0.0  # timing a graph that awaits measures the wait: don't
             stack.append(frame)
             stack.append((_K_FROM_DO, node))
@@ -388,8 +386,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         kind = type(x)
         if kind is Layer or kind is Weight:
             rx = records[x]
-            if count:
-                rx.refcount += 1
+            rx.refcount += count
             x = rx.value
             needs = rx.needs_grad
         else:
@@ -397,8 +394,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         kind = type(y)
         if kind is Layer or kind is Weight:
             ry = records[y]
-            if count:
-                ry.refcount += 1
+            ry.refcount += count
             y = ry.value
             needs = needs or ry.needs_grad
         else:
@@ -421,8 +417,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         kind = type(x)
         if kind is Layer or kind is Weight:
             rx = records[x]
-            if count:
-                rx.refcount += 1
+            rx.refcount += count
             x = rx.value
             needs = rx.needs_grad
         else:
@@ -448,6 +443,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         raise
     if ev.check_finite and not _all_finite(out):
         raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
+    if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
+        needs = False
     return _Record(out, vjps if needs else None, ins, needs, node, fits)
 
 
@@ -495,9 +492,8 @@ def _collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
     records = ev.records
     order = list(dict.fromkeys(roots))
     seen = set(order)
-    i = 0
-    while i < len(order):
-        for x in order[i]._inputs:
+    for node in order:  # the list grows while it is walked: breadth first
+        for x in node._inputs:
             kind = type(x)
             if kind is Layer:
                 if x not in seen and x not in records:
@@ -505,7 +501,6 @@ def _collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
                     order.append(x)
             elif kind is Weight and x not in records:
                 _weight_record(ev, x)
-        i += 1
     order.sort(key=_serial)
     return order
 
@@ -581,26 +576,30 @@ def _sweep(ev: Evaluation) -> None:
     check = ev.check_finite
     for rec in reversed(ev.records.values()):
         delta = rec.delta
-        if delta is None or rec.vjps is None:
+        if delta is None:
+            continue
+        vjps = rec.vjps
+        if vjps is None:
             continue
         if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
             delta = delta.to_dense()
         fits = rec.fits
-        for r, vjp in zip(rec.inputs, rec.vjps):
-            if r is None or not r.needs_grad:
-                continue
-            try:
-                g = vjp(delta)
-                if not fits:
-                    value = r.value
-                    if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
-                        g = _fit(g, value)
-            except Exception as exc:
-                _backward_note(exc, rec)
-                raise
-            if check:
-                _check_delta(rec, g)
-            r.delta = g if r.delta is None else r.delta + g
+        i = 0  # (indexing the rules beats zipping them with the operands here)
+        for r in rec.inputs:
+            if r is not None and r.needs_grad:
+                try:
+                    g = vjps[i](delta)
+                    if not fits:
+                        value = r.value
+                        if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
+                            g = _fit(g, value)
+                except Exception as exc:
+                    _backward_note(exc, rec)
+                    raise
+                if check:
+                    _check_delta(rec, g)
+                r.delta = g if r.delta is None else r.delta + g
+            i += 1
         rec.delta = None
         rec.vjps = None
 

@@ -60,6 +60,10 @@ class DeviceArray(Protocol):
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _serials = itertools.count()
+# Bound once: building layers is a hot path of every model.
+_next_serial = _serials.__next__
+_getframe = sys._getframe
+_new = object.__new__
 
 
 def _site() -> tuple[str, int]:
@@ -311,15 +315,15 @@ def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
     kind = type(b)
     if kind is not Layer and kind is not float and kind is not Weight:
         b = _operand(b, op.name)
-    layer: Layer[Any, Any] = object.__new__(Layer)
+    layer: Layer[Any, Any] = _new(Layer)
     layer._op = op
     layer._inputs = (a, b)
     layer._params = ()
-    frame = sys._getframe(2)  # the caller of the operator
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame = _getframe(2)  # the caller of the operator
+    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
     layer._site = (frame.f_code.co_filename, frame.f_lineno)
-    layer._serial = next(_serials)
+    layer._serial = _next_serial()
     return layer
 
 
@@ -371,15 +375,15 @@ def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], dept
     """A primitive layer; its site is found from the frame ``depth`` levels up
     from here (the first that may be the user's) outwards. ``_do``, read only
     when ``_op`` is None, is left unset."""
-    layer: Layer[Any, Any] = object.__new__(Layer)
+    layer: Layer[Any, Any] = _new(Layer)
     layer._op = op
     layer._inputs = inputs
     layer._params = params
-    frame = sys._getframe(depth)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    frame = _getframe(depth)
+    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
     layer._site = (frame.f_code.co_filename, frame.f_lineno)
-    layer._serial = next(_serials)
+    layer._serial = _next_serial()
     return layer
 
 
