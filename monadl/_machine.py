@@ -33,7 +33,7 @@ from monadl._settings import current_settings
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
-from monadl.layers._layer import Layer, Weight
+from monadl.layers._layer import Layer, Weight, site_text
 from monadl.layers._primitives import unbroadcast
 from monadl.tape import Tape
 from monadl.typeclasses.monoid import SparseRows
@@ -865,7 +865,7 @@ def predict_sync(root: Any) -> Any:
 
 # ---- errors ---------------------------------------------------------------------
 def _where(node: Any) -> str:
-    return f"{node._site[0]}:{node._site[1]}"
+    return site_text(node._site)
 
 
 def _describe(args: Sequence[Any]) -> str:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from threadpoolctl import ThreadpoolController
 
     from monadl._machine import Evaluation
+    from monadl.layers._layer import Site
 
 __all__ = ["MIN_NODE_SECONDS", "backward", "forward", "measured", "worth_forking"]
 
@@ -49,13 +50,13 @@ MIN_NODE_SECONDS: Final = 20e-6
 
 _COSTS_LIMIT: Final = 4096
 # Work (seconds, nodes) of the last two evaluations of a graph, the smaller
-# kept, by the line that built its root. A bounded cache, not a registry:
+# kept, by the site (code and instruction) that built its root. A bounded cache, not a registry:
 # losing an entry only means measuring again.
-_costs: dict[tuple[str, int], tuple[float, int, float]] = {}
+_costs: dict[Site, tuple[float, int, float]] = {}
 
 
-def _site(order: list[Any]) -> tuple[str, int]:
-    site: tuple[str, int] = order[-1]._site
+def _site(order: list[Any]) -> Site:
+    site: Site = order[-1]._site
     return site
 
 

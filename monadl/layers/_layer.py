@@ -8,7 +8,7 @@ paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
 from __future__ import annotations
 
 import itertools
-from types import EllipsisType
+from types import CodeType, EllipsisType
 import os
 import sys
 from collections.abc import Generator
@@ -66,12 +66,24 @@ _getframe = sys._getframe
 _new = object.__new__
 
 
-def _site() -> tuple[str, int]:
-    """File and line of the first caller outside monadl: where the user built this."""
+Site: TypeAlias = "tuple[CodeType, int]"
+"""Where a layer was built: the code object and instruction offset of the
+first caller outside monadl. The line is looked up only when a message needs
+it (`site_text`): finding it costs more than building the layer."""
+
+
+def _site() -> Site:
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
-    return frame.f_code.co_filename, frame.f_lineno
+    return frame.f_code, frame.f_lasti
+
+
+def site_text(site: Site) -> str:
+    """``file:line`` of a site."""
+    code, offset = site
+    line = next((n for start, end, n in code.co_lines() if start <= offset < end and n is not None), None)
+    return f"{code.co_filename}:{code.co_firstlineno if line is None else line}"
 
 
 _NUMERIC_KINDS = frozenset("fiub")
@@ -307,7 +319,7 @@ _ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (
 
 
 def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
-    # The hot path of model building, so _make and _site are inlined here
+    # The hot path of model building, so _build and _site are inlined here
     # (and _do, read only when _op is None, is left unset).
     kind = type(a)
     if kind is not Layer and kind is not float and kind is not Weight:
@@ -322,7 +334,7 @@ def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
     frame = _getframe(2)  # the caller of the operator
     while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
-    layer._site = (frame.f_code.co_filename, frame.f_lineno)
+    layer._site = (frame.f_code, frame.f_lasti)
     layer._serial = _next_serial()
     return layer
 
@@ -347,7 +359,7 @@ class Layer(_Expr[D, G]):
     _inputs: tuple[Any, ...]
     _params: tuple[Any, ...]
     _do: Do[Tape[D, G]] | None
-    _site: tuple[str, int]
+    _site: Site
     _serial: int  # construction order: operands always have smaller serials
 
     def __init__(self, forward: Do[Tape[D, G]]) -> None:
@@ -368,7 +380,7 @@ class Layer(_Expr[D, G]):
 
     def __repr__(self) -> str:
         what = self._op.name if self._op is not None else "from Do"
-        return f"Layer({what}, built at {self._site[0]}:{self._site[1]})"
+        return f"Layer({what}, built at {site_text(self._site)})"
 
 
 def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], depth: int) -> Layer[Any, Any]:
@@ -382,7 +394,7 @@ def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], dept
     frame = _getframe(depth)
     while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
-    layer._site = (frame.f_code.co_filename, frame.f_lineno)
+    layer._site = (frame.f_code, frame.f_lasti)
     layer._serial = _next_serial()
     return layer
 
