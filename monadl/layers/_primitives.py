@@ -81,11 +81,11 @@ def _mask(xp: Any, condition: Value, like: Value) -> Value:
 
 # ---- elementwise, binary ----------------------------------------------------
 def _add(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return a + b, (_identity, _identity)
+    return a + b, _PASS_BOTH
 
 
 def _sub(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return a - b, (_identity, _negative)
+    return a - b, _PASS_AND_NEGATE
 
 
 def _mul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
@@ -126,7 +126,7 @@ def _minimum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 # ---- elementwise, unary -----------------------------------------------------
 def _neg(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    return -a, (_negative,)
+    return -a, _NEGATE
 
 
 def _exp(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
@@ -465,6 +465,12 @@ def _identity(g: Value) -> Value:
 
 def _negative(g: Value) -> Value:
     return -g
+
+
+# The delta rules of add, subtract and negative capture nothing: built once.
+_PASS_BOTH: Final = (_identity, _identity)
+_PASS_AND_NEGATE: Final = (_identity, _negative)
+_NEGATE: Final = (_negative,)
 
 
 PRIMITIVES: Final[dict[str, Primitive]] = {
