@@ -402,7 +402,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         args: tuple[Any, ...] = (x, y)
         ins: tuple[_Record | None, ...] = (rx, ry)
         kx, ky = type(x), type(y)
-        fits = op.elementwise and (kx in _PYTHON_NUMBERS or ky in _PYTHON_NUMBERS)
+        # Beside a plain number (not a layer's value), an operand's delta has its shape.
+        fits = op.elementwise and (rx is None and kx in _PYTHON_NUMBERS or ry is None and ky in _PYTHON_NUMBERS)
         if kx is ky:
             if kx is np.ndarray:
                 if op.same_dtype and x.dtype is not y.dtype:

@@ -120,6 +120,16 @@ async def test_pure_graph_backward_equals_the_reference_counted_release() -> Non
 
 
 @pytest.mark.anyio
+async def test_a_layer_whose_value_is_a_python_number_gets_a_summed_delta_from_an_array() -> None:
+    # Beside a plain number an array's delta needs no unbroadcasting; beside
+    # a layer whose value happens to be a Python float, the float's does.
+    w = ml.Weight(2.0)
+    as_float = ml.Layer(w.forward().map(lambda t: ml.Tape(float(t.data), t.backward)))
+    [grad] = await ml.gradients(ml.sum(as_float * np.array([1.0, 3.0]) + 1.5 * as_float), [w])
+    assert np.shape(grad) == () and grad == 7.0  # 1 + 3, and 1.5 for each of the 2 elements
+
+
+@pytest.mark.anyio
 async def test_gc_is_paused_while_the_runtime_computes_and_restored_after() -> None:
     import gc
 
