@@ -18,6 +18,7 @@ chain of 100,000 ``bind``s grows the Python stack.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager
@@ -742,7 +743,10 @@ def _step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         return _sparse_step(weight, grad)
     old = weight._data
     update, state = weight._optimizer.update(grad, weight._state, old)
-    new = old + update
+    if _is_temporary(update, old):
+        new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill
+    else:
+        new = old + update
     dtype = old.dtype
     if isinstance(new, np.ndarray):
         new = new.astype(dtype, copy=False)
@@ -751,6 +755,22 @@ def _step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     else:  # an array of another library
         new = namespace(new).astype(new, dtype, copy=False)
     return new, state
+
+
+def _is_temporary(update: Any, like: Any) -> bool:
+    """Whether ``update`` is a NumPy array that nothing but the caller's name
+    refers to (not optimizer state, not a gradient, not a view), shaped and
+    typed like ``like``: then adding in place is safe. This is NumPy's own
+    test for eliding temporaries, which a name defeats."""
+    return (
+        type(update) is np.ndarray
+        and type(like) is np.ndarray
+        and update.flags.owndata
+        and update.flags.writeable
+        and update.dtype == like.dtype
+        and update.shape == like.shape
+        and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
+    )
 
 
 def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:

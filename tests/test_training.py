@@ -130,6 +130,28 @@ async def test_a_layer_whose_value_is_a_python_number_gets_a_summed_delta_from_a
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("optimizer", [ml.optim.sgd(0.1), ml.optim.momentum(0.1, 0.9), ml.optim.adam(0.1)])
+async def test_a_step_leaves_the_old_weight_array_as_it_was(optimizer: ml.optim.GradientTransformation) -> None:
+    # A step may add the optimizer's fresh update in place (to save an array),
+    # never into the weight's old array, its gradient or the optimizer's state.
+    w = ml.Weight(np.array([1.0, 2.0, 3.0]), optimizer=optimizer)
+    x = np.array([0.5, -1.0, 2.0])
+    before = w.data
+    copies = [before.copy()]
+    for _ in range(3):
+        await ml.sum(w * x).train()
+        np.testing.assert_array_equal(before, copies[0])
+        copies.append(w.data.copy())
+    # and the steps are the optimizer's: compare with its update applied by hand
+    state = optimizer.init(copies[0])
+    expected = copies[0]
+    for step in range(3):
+        update, state = optimizer.update(x.copy(), state, expected)
+        expected = expected + update
+        np.testing.assert_allclose(copies[step + 1], expected, rtol=1e-12)
+
+
+@pytest.mark.anyio
 async def test_gc_is_paused_while_the_runtime_computes_and_restored_after() -> None:
     import gc
 

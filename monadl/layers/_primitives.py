@@ -59,12 +59,14 @@ def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
     6.0
     """
     xp = namespace(delta)
+    # NumPy's add.reduce is np.sum without its Python wrapper (half the time on small arrays).
+    total = np.add.reduce if xp is np else xp.sum
     extra = delta.ndim - len(shape)
     if extra:
-        delta = xp.sum(delta, axis=tuple(range(extra)))
+        delta = total(delta, axis=tuple(range(extra)))
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and delta.shape[i] != 1)
     if stretched:
-        delta = xp.sum(delta, axis=stretched, keepdims=True)
+        delta = total(delta, axis=stretched, keepdims=True)
     return delta
 
 
