@@ -764,13 +764,17 @@ def _is_temporary(update: Any, like: Any) -> bool:
     test for eliding temporaries, which a name defeats."""
     return (
         type(update) is np.ndarray
+        and update.nbytes >= _ELIDE_BYTES
+        and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
         and type(like) is np.ndarray
-        and update.flags.owndata
-        and update.flags.writeable
         and update.dtype == like.dtype
         and update.shape == like.shape
-        and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
+        and update.flags.owndata
+        and update.flags.writeable
     )
+
+
+_ELIDE_BYTES: Final = 1 << 16  # below this, checking costs about what it saves
 
 
 def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:

@@ -134,8 +134,9 @@ async def test_a_layer_whose_value_is_a_python_number_gets_a_summed_delta_from_a
 async def test_a_step_leaves_the_old_weight_array_as_it_was(optimizer: ml.optim.GradientTransformation) -> None:
     # A step may add the optimizer's fresh update in place (to save an array),
     # never into the weight's old array, its gradient or the optimizer's state.
-    w = ml.Weight(np.array([1.0, 2.0, 3.0]), optimizer=optimizer)
-    x = np.array([0.5, -1.0, 2.0])
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((128, 128)), optimizer=optimizer)  # 128 kB: large enough to be stepped in place
+    x = rng.standard_normal((128, 128))
     before = w.data
     copies = [before.copy()]
     for _ in range(3):
