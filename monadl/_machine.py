@@ -763,7 +763,8 @@ def _is_temporary(update: Any, like: Any) -> bool:
     typed like ``like``: then adding in place is safe. This is NumPy's own
     test for eliding temporaries, which a name defeats."""
     return (
-        type(update) is np.ndarray
+        _COUNTS_EVERY_REFERENCE
+        and type(update) is np.ndarray
         and update.nbytes >= _ELIDE_BYTES
         and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
         and type(like) is np.ndarray
@@ -775,6 +776,9 @@ def _is_temporary(update: Any, like: Any) -> bool:
 
 
 _ELIDE_BYTES: Final = 1 << 16  # below this, checking costs about what it saves
+# From CPython 3.14 the interpreter may hold borrowed references that
+# getrefcount does not count, so a count no longer proves an array private.
+_COUNTS_EVERY_REFERENCE: Final = sys.implementation.name == "cpython" and sys.version_info < (3, 14)
 
 
 def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
