@@ -188,9 +188,8 @@ def dot(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
 
 
 def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:
-    """``x @ weight + bias``, *composed*."""
-    out: ArrayLayer = _apply("matmul", (x, weight))
-    return out if bias is None else out + bias
+    """``x @ weight + bias`` (one primitive), or ``x @ weight`` without a bias."""
+    return _apply("matmul", (x, weight)) if bias is None else _apply("dense", (x, weight, bias))
 
 
 # ---- reductions --------------------------------------------------------------------------
@@ -246,8 +245,9 @@ def log_softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
 
 
 def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLayer:
-    """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``,
-    *composed* of log_softmax, indexing and mean.
+    """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``:
+    ``-mean(log_softmax(logits)[rows, labels])`` as one primitive, whose delta
+    is ``(softmax(logits) - one_hot(labels)) / batch``.
 
     Args:
         logits: scores of shape ``(batch, classes)``.
@@ -262,8 +262,7 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
     if classes.ndim != 1:
         raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}")
     rows = namespace(classes).arange(classes.shape[0], device=classes.device)
-    picked: ArrayLayer = log_softmax(logits, axis=-1)[rows, classes]
-    return -mean(picked)
+    return _apply("cross_entropy", (logits,), (rows, classes))
 
 
 def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:

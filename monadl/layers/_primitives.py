@@ -229,6 +229,29 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     return out, (lambda g: g @ mt(b), lambda g: mt(a) @ g)
 
 
+def _dense(x: Value, w: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # x @ w + b as one rule (a layer's most common pair of nodes): the bias's
+    # delta is the output's, summed over the batch by `unbroadcast`.
+    out, (vjp_x, vjp_w) = _matmul(x, w)
+    if _adds_in_place(out, b):
+        out += b  # into the product just made: one array less
+    else:
+        out = out + b
+    return out, (vjp_x, vjp_w, _identity)
+
+
+def _adds_in_place(out: Value, b: Value) -> bool:
+    """Whether ``out += b`` gives what ``out + b`` would: a NumPy array of its
+    own, a bias of its dtype (no promotion) that stretches into its shape."""
+    return (
+        type(out) is np.ndarray
+        and type(b) is np.ndarray
+        and out.base is None
+        and b.dtype == out.dtype
+        and (b.ndim == 0 or (b.ndim <= out.ndim and b.shape == out.shape[out.ndim - b.ndim :]))
+    )
+
+
 # ---- reductions -----------------------------------------------------------------
 def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Value:
     """Give a reduced delta back the reduced axes, ready to broadcast."""
@@ -292,6 +315,23 @@ def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
     shifted = a - xp.max(a, axis=axis, keepdims=True)
     out = shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
     return out, (lambda g: g - xp.exp(out) * xp.sum(g, axis=axis, keepdims=True),)
+
+
+def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # -mean(log_softmax(a)[rows, labels]) as one rule: its delta is
+    # (softmax(a) - one_hot(labels)) / n, with no scatter and a quarter of the nodes.
+    xp = namespace(a)
+    shifted = a - xp.max(a, axis=-1, keepdims=True)
+    log_p = shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+    n = a.shape[0]
+    out = -xp.sum(log_p[rows, labels]) / n
+
+    def vjp(g: Value) -> Value:
+        classes = xp.arange(a.shape[-1], device=a.device)
+        one_hot = xp.astype(labels[:, None] == classes[None, :], a.dtype)
+        return (xp.exp(log_p) - one_hot) * (g / n)
+
+    return out, (vjp,)
 
 
 # ---- shape and indexing -------------------------------------------------------------
@@ -495,12 +535,14 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("sigmoid", _sigmoid, elementwise=True),
         Primitive("relu", _relu, elementwise=True),
         Primitive("matmul", _matmul, same_dtype=True),
+        Primitive("dense", _dense, same_dtype=True),
         Primitive("sum", _sum),
         Primitive("mean", _mean),
         Primitive("max", _max),
         Primitive("logsumexp", _logsumexp),
         Primitive("softmax", _softmax),
         Primitive("log_softmax", _log_softmax),
+        Primitive("cross_entropy", _cross_entropy),
         Primitive("reshape", _reshape),
         Primitive("transpose", _transpose),
         Primitive("getitem", _getitem),

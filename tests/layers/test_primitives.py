@@ -185,3 +185,18 @@ def test_check_grads_catches_a_wrong_rule() -> None:
 
     with pytest.raises(AssertionError, match="disagrees with finite differences"):
         check_grads(lambda a: Layer._make(wrong, (a,)), np.array([1.0, 2.0]))
+
+
+def test_dense_against_matmul_plus_bias_and_differences() -> None:
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((4, 3)), rng.standard_normal((3, 2))
+    for b in (rng.standard_normal(2), rng.standard_normal((1, 2)), rng.standard_normal((4, 2)), np.array(0.5)):
+        check_grads(ml.dense, x, w, b)
+        got = anyio.run(ml.dense(x, w, b).predict)
+        np.testing.assert_array_equal(got, x @ w + b)
+    check_grads(ml.dense, rng.standard_normal(3), w, rng.standard_normal(2))  # a single sample
+    # The output's dtype is what x @ w + b gives, also where adding in place could not promote.
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    assert anyio.run(ml.dense(x32, w32, np.array(0.5, np.float32)).predict).dtype == np.float32
+    assert anyio.run(ml.dense(x32, w32, np.array(0.5)).predict).dtype == (x32 @ w32 + np.array(0.5)).dtype
+    assert anyio.run(ml.dense(x32, w32, np.zeros((3, 4, 2), np.float32)).predict).shape == (3, 4, 2)
