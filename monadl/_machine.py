@@ -429,10 +429,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
     else:
         args, ins, needs = _operands(records, inputs, count)
         fits = False
-        if not all(type(a) in _HOST for a in args):
+        kinds = {type(a) for a in args}
+        if not kinds <= _HOST:
             args = _foreign_operands(node, args)
-        if op.same_dtype:
-            _check_dtypes(node, args)
+        if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
+            _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
     params = node._params
     try:
         out, vjps = op.rule(*args, *params) if params else op.rule(*args)
@@ -451,6 +452,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
 
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
+_ARRAYS_ONLY: Final = {np.ndarray}
 
 
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

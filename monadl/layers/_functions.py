@@ -188,8 +188,9 @@ def dot(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
 
 
 def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:
-    """``x @ weight + bias`` (one primitive), or ``x @ weight`` without a bias."""
-    return _apply("matmul", (x, weight)) if bias is None else _apply("dense", (x, weight, bias))
+    """``x @ weight + bias``, *composed* (one rule for both measured no faster)."""
+    out: ArrayLayer = _apply("matmul", (x, weight))
+    return out if bias is None else out + bias
 
 
 # ---- reductions --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use only names of the Python array API standard, so the same table runs on
 NumPy, CuPy and any standard array library. No rule multiplies by a boolean
 mask or calls a NumPy-only function.
 
-Everything else in monadl (``cross_entropy``, ``dense`` ...) is composed from
+Everything else in monadl (``dense``, ``dot`` ...) is composed from
 these.
 """
 
@@ -227,29 +227,6 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
             lambda g: unbroadcast(mt(a) @ g[..., :, None], (b.shape[0], 1))[:, 0],
         )
     return out, (lambda g: g @ mt(b), lambda g: mt(a) @ g)
-
-
-def _dense(x: Value, w: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    # x @ w + b as one rule (a layer's most common pair of nodes): the bias's
-    # delta is the output's, summed over the batch by `unbroadcast`.
-    out, (vjp_x, vjp_w) = _matmul(x, w)
-    if _adds_in_place(out, b):
-        out += b  # into the product just made: one array less
-    else:
-        out = out + b
-    return out, (vjp_x, vjp_w, _identity)
-
-
-def _adds_in_place(out: Value, b: Value) -> bool:
-    """Whether ``out += b`` gives what ``out + b`` would: a NumPy array of its
-    own, a bias of its dtype (no promotion) that stretches into its shape."""
-    return (
-        type(out) is np.ndarray
-        and type(b) is np.ndarray
-        and out.base is None
-        and b.dtype == out.dtype
-        and (b.ndim == 0 or (b.ndim <= out.ndim and b.shape == out.shape[out.ndim - b.ndim :]))
-    )
 
 
 # ---- reductions -----------------------------------------------------------------
@@ -535,7 +512,6 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("sigmoid", _sigmoid, elementwise=True),
         Primitive("relu", _relu, elementwise=True),
         Primitive("matmul", _matmul, same_dtype=True),
-        Primitive("dense", _dense, same_dtype=True),
         Primitive("sum", _sum),
         Primitive("mean", _mean),
         Primitive("max", _max),

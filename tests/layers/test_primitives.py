@@ -195,7 +195,7 @@ def test_dense_against_matmul_plus_bias_and_differences() -> None:
         got = anyio.run(ml.dense(x, w, b).predict)
         np.testing.assert_array_equal(got, x @ w + b)
     check_grads(ml.dense, rng.standard_normal(3), w, rng.standard_normal(2))  # a single sample
-    # The output's dtype is what x @ w + b gives, also where adding in place could not promote.
+    # The output's dtype and shape are what x @ w + b gives.
     x32, w32 = x.astype(np.float32), w.astype(np.float32)
     assert anyio.run(ml.dense(x32, w32, np.array(0.5, np.float32)).predict).dtype == np.float32
     assert anyio.run(ml.dense(x32, w32, np.array(0.5)).predict).dtype == (x32 @ w32 + np.array(0.5)).dtype
