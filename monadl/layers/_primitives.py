@@ -298,8 +298,7 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     # -mean(log_softmax(a)[rows, labels]) as one rule: its delta is
     # (softmax(a) - one_hot(labels)) / n, with no scatter and a quarter of the nodes.
     xp = namespace(a)
-    shifted = a - xp.max(a, axis=-1, keepdims=True)
-    log_p = shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+    log_p, _ = _log_softmax(a, -1)
     n = a.shape[0]
     out = -xp.sum(log_p[rows, labels]) / n
 
