@@ -1,12 +1,21 @@
 """Running a coarse layer graph on a pool of worker threads.
 
 Forking costs tens of microseconds (a thread hop, a lock, a BLAS setting), so
-the runtime forks only where that is small against the work: a graph runs on
-the pool when the last two evaluations of a graph built at the same line of
+the runtime forks only where that is small against the work: a graph may run
+on the pool when the last two evaluations of a graph built at the same line of
 user code each did at least twice ``fork_threshold_s`` of work in all, and at
 least `MIN_NODE_SECONDS` per node. (Two, because a first evaluation pays for
-first-touch allocations and would look coarser than it is.) Everything else runs inline on the event loop's
-thread, which costs nothing extra.
+first-touch allocations and would look coarser than it is.) Everything else
+runs inline on the event loop's thread, which costs nothing extra.
+
+Coarse is not enough: inline, BLAS has every core for each call; forked, each
+branch's calls get ``cores // workers``, and where the work is large matrix
+products BLAS may use the cores better than branches do (on 2 cores, two
+branches of 256x3072x512 products ran 10% slower than one thread with
+two-thread BLAS). So a coarse graph is timed both ways, the forward's wall
+time on the pool against its time inline, each the smaller of its last two
+measurements, and runs the faster way; every `REPROBE`-th evaluation runs the
+other way, so the choice follows the machine and the data.
 
 On the pool, scheduling is by dependency counts. A worker that finishes a node
 goes straight on with one consumer it made ready and queues only the others,
@@ -43,16 +52,37 @@ if TYPE_CHECKING:
     from monadl._machine import Evaluation
     from monadl.layers._layer import Site
 
-__all__ = ["MIN_NODE_SECONDS", "backward", "forward", "measured", "worth_forking"]
+__all__ = ["MIN_NODE_SECONDS", "REPROBE", "backward", "forward", "measured", "worth_forking"]
 
 MIN_NODE_SECONDS: Final = 20e-6
 """Below this mean work per node, per-node scheduling would cost too much."""
 
+REPROBE: Final = 32
+"""A coarse graph runs the way it did not choose once in this many evaluations."""
+
 _COSTS_LIMIT: Final = 4096
-# Work (seconds, nodes) of the last two evaluations of a graph, the smaller
-# kept, by the site (code and instruction) that built its root. A bounded cache, not a registry:
-# losing an entry only means measuring again.
-_costs: dict[Site, tuple[float, int, float]] = {}
+
+
+class _Cost:
+    """What the evaluations of one graph measured, by the way they ran.
+
+    ``inline`` and ``forked`` hold the last two measurements of each way
+    (forward seconds: the work inline, the wall time on the pool); a way is
+    judged by the smaller, 0.0 standing for "not measured".
+    """
+
+    __slots__ = ("forked", "inline", "nodes", "visits")
+
+    def __init__(self, nodes: int) -> None:
+        self.inline = (0.0, 0.0)
+        self.forked = (0.0, 0.0)
+        self.nodes = nodes
+        self.visits = 0
+
+
+# By the site (code and instruction) that built a graph's root. A bounded
+# cache, not a registry: losing an entry only means measuring again.
+_costs: dict[Site, _Cost] = {}
 
 
 def _site(order: list[Any]) -> Site:
@@ -60,26 +90,43 @@ def _site(order: list[Any]) -> Site:
     return site
 
 
-def measured(order: list[Any], seconds: float) -> None:
-    """Remember the work (compute time summed over nodes) of one evaluation."""
-    if len(_costs) >= _COSTS_LIMIT:
-        _costs.clear()
+def _entry(order: list[Any]) -> _Cost:
     site = _site(order)
-    previous = _costs.get(site)
-    # (the smaller of the last two measurements, nodes, the latest measurement)
-    smaller = seconds if previous is None else min(seconds, previous[2])
-    _costs[site] = (smaller if previous is not None else 0.0, len(order), seconds)
+    cost = _costs.get(site)
+    if cost is None:
+        if len(_costs) >= _COSTS_LIMIT:
+            _costs.clear()
+        cost = _costs[site] = _Cost(len(order))
+    cost.nodes = len(order)
+    return cost
+
+
+def measured(order: list[Any], seconds: float, forked: bool = False) -> None:
+    """Remember one evaluation's forward time: its work inline, or its wall
+    time on the pool when ``forked``."""
+    cost = _entry(order)
+    if forked:
+        cost.forked = (cost.forked[1], seconds)
+    else:
+        cost.inline = (cost.inline[1], seconds)
 
 
 def worth_forking(ev: Evaluation, order: list[Any]) -> bool:
     cost = _costs.get(_site(order))
     if cost is None:
         return False
-    seconds, nodes, _ = cost
-    if seconds < 2 * ev.fork_threshold_s or seconds < MIN_NODE_SECONDS * nodes:
+    inline = min(cost.inline)  # 0.0 until two evaluations were measured
+    if inline < 2 * ev.fork_threshold_s or inline < MIN_NODE_SECONDS * cost.nodes:
         return False
     # Layers built from a Do may await: those graphs stay on the event loop.
-    return all(node._op is not None for node in order)
+    if not all(node._op is not None for node in order):
+        return False
+    forked = min(cost.forked)
+    if not forked:  # coarse, and not yet timed on the pool twice
+        return True
+    cost.visits += 1
+    faster = forked < inline
+    return not faster if cost.visits % REPROBE == 0 else faster
 
 
 # ---- the pool ---------------------------------------------------------------------------
@@ -182,9 +229,12 @@ class _Schedule:
 
 
 # ---- forward ------------------------------------------------------------------------------
-def forward(ev: Evaluation, order: list[Any]) -> Awaitable[None]:
-    """Compute every record of ``order`` on the pool (awaited from the event loop)."""
-    return anyio.to_thread.run_sync(partial(_forward, ev, order))
+async def forward(ev: Evaluation, order: list[Any]) -> None:
+    """Compute every record of ``order`` on the pool (awaited from the event
+    loop), and time it there and back."""
+    started = time.perf_counter()
+    await anyio.to_thread.run_sync(partial(_forward, ev, order))
+    measured(order, time.perf_counter() - started, forked=True)
 
 
 def _forward(ev: Evaluation, order: list[Any]) -> None:
@@ -205,14 +255,10 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
             elif kind is Layer or kind is Weight:
                 records[x].refcount += 1  # evaluated before this graph: hold it now
     schedule = _Schedule([node for node in order if not pending[node]])
-    work = [0.0]
 
     def step(node: Any) -> Any:
-        started = time.perf_counter()
         rec = _machine.compute(ev, node, False)
-        seconds = time.perf_counter() - started
         with schedule.cv:
-            work[0] += seconds
             rec.refcount = holds[node]
             records[node] = rec
             ready = []
@@ -225,7 +271,6 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
     _run(ev.workers, partial(schedule.work, step))
     if schedule.error is not None:
         raise schedule.error
-    measured(order, work[0])  # a graph that stops paying drops back inline
 
 
 # ---- backward --------------------------------------------------------------------------------

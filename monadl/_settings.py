@@ -22,9 +22,11 @@ class Settings:
     Attributes:
         workers: worker threads available to parallel branches (the paper's
             "thread pool size"). 1 never forks.
-        fork_threshold_s: a branch forks only when its measured cost on the
-            previous evaluation of the same model code exceeds this (a thread
-            hop costs tens of microseconds; forking must pay for it).
+        fork_threshold_s: a graph forks only when its measured cost on the
+            last two evaluations of the same model code exceeds twice this (a
+            thread hop costs tens of microseconds; forking must pay for it),
+            and only while its forward measures faster on the pool than
+            inline (see `monadl._parallel`).
         check_finite: raise `NonFiniteError` at the first operation whose
             forward value or backward delta holds a NaN or an infinity (on a
             GPU this waits for each value: for debugging).

@@ -1,19 +1,33 @@
 """Forking: coarse independent branches run on the worker pool, fine ones never
-do, results match one thread, and a branch's exception surfaces as itself."""
+do, a coarse graph runs the faster of the two ways, results match one thread,
+and a branch's exception surfaces as itself."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import monadl as ml
+from monadl import _parallel
+from monadl._machine import Evaluation
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def unmeasured() -> Iterator[None]:
+    """Each test starts with no graph measured (the measurements are kept by
+    the site that built a graph, and these tests reuse their sites)."""
+    _parallel._costs.clear()
+    yield
+    _parallel._costs.clear()
 
 
 class Probe:
@@ -113,3 +127,73 @@ def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="workers"):
         with ml.settings(workers=0):
             pass
+
+
+# ---- the faster way ------------------------------------------------------------------------------
+def test_a_coarse_graph_runs_the_faster_way_and_probes_the_other() -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    order = [w * 2.0]  # one node stands for a graph here
+    ev = Evaluation(train=False)  # fork threshold 1 ms: coarse from 2 ms of work
+    assert not _parallel.worth_forking(ev, order)  # never measured
+    _parallel.measured(order, 0.010)
+    assert not _parallel.worth_forking(ev, order)  # one measurement may be first-touch costs
+    _parallel.measured(order, 0.008)
+    assert _parallel.worth_forking(ev, order)  # coarse: try the pool
+    _parallel.measured(order, 0.012, forked=True)
+    assert _parallel.worth_forking(ev, order)  # and again: a first fork starts threads
+    _parallel.measured(order, 0.009, forked=True)
+    # 9 ms on the pool against 8 inline: inline, except every REPROBE-th time
+    choices = [_parallel.worth_forking(ev, order) for _ in range(2 * _parallel.REPROBE)]
+    assert choices.count(True) == 2
+    assert choices[_parallel.REPROBE - 1] and choices[2 * _parallel.REPROBE - 1]
+    _parallel.measured(order, 0.003, forked=True)  # a probe finds the pool faster now
+    choices = [_parallel.worth_forking(ev, order) for _ in range(_parallel.REPROBE)]
+    assert choices.count(False) == 1
+    _parallel.measured(order, 0.001)
+    _parallel.measured(order, 0.001)  # the graph became fine: inline, probes or not
+    assert not any(_parallel.worth_forking(ev, order) for _ in range(2 * _parallel.REPROBE))
+
+
+class Sleeper:
+    """An identity primitive that sleeps (releasing the GIL, as a black-box
+    call would) for ``seconds_on(thread name)``, and notes where it ran."""
+
+    def __init__(self, seconds_on: Callable[[str], float]) -> None:
+        self.seconds_on = seconds_on
+        self.threads: list[str] = []
+        self.primitive = Primitive("sleeper", self._rule)
+
+    def _rule(self, a: Any) -> tuple[Any, tuple[Any, ...]]:
+        name = threading.current_thread().name
+        self.threads.append(name)
+        time.sleep(self.seconds_on(name))
+        return a, (lambda g: g,)
+
+    def __call__(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return Layer._make(self.primitive, (x,))
+
+
+async def run_branches(sleeper: Sleeper, evaluations: int) -> list[bool]:
+    """Evaluate four sleeping branches; for each evaluation, whether it forked."""
+    w = ml.Weight(np.ones(3))
+    forked = []
+    with ml.settings(workers=2):
+        for _ in range(evaluations):
+            sleeper.threads.clear()
+            total = sleeper(w * 1.0) + sleeper(w * 2.0) + sleeper(w * 3.0) + sleeper(w * 4.0)
+            assert float(await ml.sum(total).predict()) == 30.0
+            forked.append(set(sleeper.threads) != {"MainThread"})
+    return forked
+
+
+async def test_branches_that_wait_keep_forking() -> None:
+    forked = await run_branches(Sleeper(lambda name: 0.005), 12)  # 20 ms inline, about 10 on two workers
+    assert forked[:2] == [False, False]  # measuring inline
+    assert all(forked[2:])  # then on the pool, where it is faster
+
+
+async def test_a_graph_slower_on_the_pool_goes_back_inline() -> None:
+    # Coarse inline (4 x 2.5 ms), slower on the pool (4 x 20 ms over two workers).
+    forked = await run_branches(Sleeper(lambda name: 0.0025 if name == "MainThread" else 0.02), 8)
+    assert forked[:4] == [False, False, True, True]  # inline twice, then the pool twice
+    assert not any(forked[4:])  # then inline
