@@ -108,7 +108,7 @@ class Evaluation:
 
     __slots__ = (
         "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects",
-        "cuda_streams", "gradients",
+        "cuda_streams", "gradients", "timings",
     )
 
     def __init__(self, train: bool, may_fork: bool = True) -> None:
@@ -125,6 +125,7 @@ class Evaluation:
         self.forked = False  # some graph ran on the worker pool
         self.effects = False  # something beyond primitives ran: backward stays on this thread
         self.gradients: dict[Weight[Any, Any], Any] | None = None  # kept by finish()
+        self.timings: list[Any] = []  # graphs timed for the fork rule, recorded at the end (`_parallel.settle`)
 
     def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
         if self.gradients is not None:
@@ -368,7 +369,7 @@ def _graph(ev: Evaluation, frame: Any, stack: list[Any]) -> Any:
             return _SUSPENDED
         records[node] = compute(ev, node, True)
     if frame[4]:
-        _parallel.measured(order, time.perf_counter() - frame[4])
+        _parallel.measured(ev, order, time.perf_counter() - frame[4])
     return None
 
 
@@ -524,10 +525,12 @@ def _weight_record(ev: Evaluation, weight: Weight[Any, Any]) -> _Record:
 def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     """Release a token; a record whose last hold goes runs its backward once."""
     if not ev.effects:  # primitives and weights only: nothing to close
+        started = time.perf_counter()
         if backward and ev.forked:
             yield _parallel.backward(ev, token)
         elif backward:
             _sweep(ev)
+        _parallel.settle(ev, time.perf_counter() - started if backward else 0.0)
         ev.finish()
         return
     work = [token]
@@ -564,6 +567,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 yield t.release(t.value)
         else:
             assert t is None, t
+    _parallel.settle(ev, 0.0)  # the counted release runs here whether the forward forked or not
     ev.finish()
 
 

@@ -10,12 +10,13 @@ runs inline on the event loop's thread, which costs nothing extra.
 
 Coarse is not enough: inline, BLAS has every core for each call; forked, each
 branch's calls get ``cores // workers``, and where the work is large matrix
-products BLAS may use the cores better than branches do (on 2 cores, two
-branches of 256x3072x512 products ran 10% slower than one thread with
-two-thread BLAS). So a coarse graph is timed both ways, the forward's wall
-time on the pool against its time inline, each the smaller of its last two
-measurements, and runs the faster way; every `REPROBE`-th evaluation runs the
-other way, so the choice follows the machine and the data.
+products BLAS may use the cores as well as branches do or better (on 2 cores,
+the columns benchmark at 512 hidden units and batch 256 trained 10% faster
+forked with all 20 classifiers, 5% slower with one). So a coarse graph is
+timed both ways, its wall time on the pool against its time inline (forward,
+and backward when it trains), each the smaller of its last two measurements,
+and runs the faster way; every `REPROBE`-th evaluation runs the other way, so
+the choice follows the machine and the data.
 
 On the pool, scheduling is by dependency counts. A worker that finishes a node
 goes straight on with one consumer it made ready and queues only the others,
@@ -23,8 +24,9 @@ so new work reaches the queue (and another thread) only where the graph
 branches, not once per node. The backward pass runs the same way over the
 reference counts of the paper: a record whose last consumer released it is
 ready. While the pool runs, BLAS gets ``cores // workers`` threads per call, so
-branch threads and BLAS threads never oversubscribe the cores, and the event
-loop stays free (the pool is awaited through a worker thread).
+branch threads and BLAS threads never oversubscribe the cores (the limit is
+set from the event loop's thread: see `_blas_limited`), and the event loop
+stays free (the pool is awaited through a worker thread).
 
 The first exception raised in a branch stops the others from starting new
 nodes and surfaces as itself once every branch has stopped.
@@ -36,8 +38,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
@@ -47,7 +49,7 @@ import anyio.to_thread
 from monadl import _machine
 
 if TYPE_CHECKING:
-    from threadpoolctl import ThreadpoolController
+    from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
 
     from monadl._machine import Evaluation
     from monadl.layers._layer import Site
@@ -66,9 +68,9 @@ _COSTS_LIMIT: Final = 4096
 class _Cost:
     """What the evaluations of one graph measured, by the way they ran.
 
-    ``inline`` and ``forked`` hold the last two measurements of each way
-    (forward seconds: the work inline, the wall time on the pool); a way is
-    judged by the smaller, 0.0 standing for "not measured".
+    ``inline`` and ``forked`` hold the last two measurements of each way, in
+    seconds (the forward, with the backward when trained; see `settle`); a
+    way is judged by the smaller, 0.0 standing for "not measured".
     """
 
     __slots__ = ("forked", "inline", "nodes", "visits")
@@ -80,9 +82,10 @@ class _Cost:
         self.visits = 0
 
 
-# By the site (code and instruction) that built a graph's root. A bounded
-# cache, not a registry: losing an entry only means measuring again.
-_costs: dict[Site, _Cost] = {}
+# By the site (code and instruction) that built a graph's root, and whether
+# it was trained (forward and backward timed) or not. A bounded cache, not a
+# registry: losing an entry only means measuring again.
+_costs: dict[tuple[Site, bool], _Cost] = {}
 
 
 def _site(order: list[Any]) -> Site:
@@ -90,29 +93,43 @@ def _site(order: list[Any]) -> Site:
     return site
 
 
-def _entry(order: list[Any]) -> _Cost:
-    site = _site(order)
-    cost = _costs.get(site)
+def _entry(ev: Evaluation, order: list[Any]) -> _Cost:
+    key = (_site(order), ev.train)
+    cost = _costs.get(key)
     if cost is None:
         if len(_costs) >= _COSTS_LIMIT:
             _costs.clear()
-        cost = _costs[site] = _Cost(len(order))
+        cost = _costs[key] = _Cost(len(order))
     cost.nodes = len(order)
     return cost
 
 
-def measured(order: list[Any], seconds: float, forked: bool = False) -> None:
-    """Remember one evaluation's forward time: its work inline, or its wall
+def measured(ev: Evaluation, order: list[Any], seconds: float, forked: bool = False) -> None:
+    """Note one graph's forward time in ``ev``: its work inline, or its wall
     time on the pool when ``forked``."""
-    cost = _entry(order)
-    if forked:
-        cost.forked = (cost.forked[1], seconds)
-    else:
-        cost.inline = (cost.inline[1], seconds)
+    ev.timings.append((_entry(ev, order), forked, seconds))
+
+
+def settle(ev: Evaluation, backward_seconds: float) -> None:
+    """At the end of an evaluation, record the times its graphs took.
+
+    When it timed one graph, the backward (of the whole evaluation, forked
+    with that graph or not) counts with it: a training graph is judged by its
+    forward and backward together. With more, each is judged by its forward.
+    """
+    timings = ev.timings
+    for cost, forked, seconds in timings:
+        if len(timings) == 1:
+            seconds += backward_seconds
+        if forked:
+            cost.forked = (cost.forked[1], seconds)
+        else:
+            cost.inline = (cost.inline[1], seconds)
+    timings.clear()
 
 
 def worth_forking(ev: Evaluation, order: list[Any]) -> bool:
-    cost = _costs.get(_site(order))
+    cost = _costs.get((_site(order), ev.train))
     if cost is None:
         return False
     inline = min(cost.inline)  # 0.0 until two evaluations were measured
@@ -148,27 +165,53 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
 
 
 _blas: ThreadpoolController | None = None
+_limit_lock = threading.Lock()
+_limited = 0  # graphs on the pool now, in any event loop
+_limiter: _ThreadpoolLimiter | None = None
 
 
-def _blas_limit(workers: int) -> AbstractContextManager[object]:
-    """A context that gives BLAS ``cores // workers`` threads per call."""
-    global _blas  # the controller scans loaded libraries once; reuse it
-    if _blas is None:
-        from threadpoolctl import ThreadpoolController
+@contextmanager
+def _blas_limited(workers: int) -> Iterator[None]:
+    """BLAS at ``cores // workers`` threads per call while a graph is on the pool.
 
-        _blas = ThreadpoolController()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _blas.limit(limits=max(1, cores // workers), user_api="blas")
+    Entered on the event loop's thread, never on a pool thread. OpenBLAS's
+    threads are one process-wide pool, and threadpoolctl (from 3.8) lets only
+    the thread that first set a limit change it, ignoring the others without
+    a word: set from a pool thread, the limit was lost wherever the main
+    thread had set one (a benchmark does), and each branch's products took
+    every core (forking measured 30-40% slower than inline on 2 cores).
+    Graphs on the pool at once share one limit, set by the first.
+    """
+    global _blas, _limited, _limiter
+    with _limit_lock:
+        if not _limited:
+            if _blas is None:  # the controller scans the loaded libraries once
+                from threadpoolctl import ThreadpoolController
+
+                _blas = ThreadpoolController()
+            _limiter = _blas.limit(limits=max(1, _cores() // workers), user_api="blas")
+        _limited += 1
+    try:
+        yield
+    finally:
+        with _limit_lock:
+            _limited -= 1
+            if not _limited and _limiter is not None:
+                _limiter.restore_original_limits()
+                _limiter = None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _run(workers: int, worker: Callable[[], None]) -> None:
     """Run ``worker`` on this thread and ``workers - 1`` helpers; re-raise the first error."""
-    with _blas_limit(workers):
-        futures = [_helpers(workers).submit(worker) for _ in range(workers - 1)]
-        try:
-            worker()
-        finally:
-            errors = [f.exception() for f in futures]
+    futures = [_helpers(workers).submit(worker) for _ in range(workers - 1)]
+    try:
+        worker()
+    finally:
+        errors = [f.exception() for f in futures]
     for error in errors:
         if error is not None:
             raise error
@@ -233,8 +276,9 @@ async def forward(ev: Evaluation, order: list[Any]) -> None:
     """Compute every record of ``order`` on the pool (awaited from the event
     loop), and time it there and back."""
     started = time.perf_counter()
-    await anyio.to_thread.run_sync(partial(_forward, ev, order))
-    measured(order, time.perf_counter() - started, forked=True)
+    with _blas_limited(ev.workers):
+        await anyio.to_thread.run_sync(partial(_forward, ev, order))
+    measured(ev, order, time.perf_counter() - started, forked=True)
 
 
 def _forward(ev: Evaluation, order: list[Any]) -> None:
@@ -274,9 +318,10 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
 
 
 # ---- backward --------------------------------------------------------------------------------
-def backward(ev: Evaluation, token: Any) -> Awaitable[None]:
+async def backward(ev: Evaluation, token: Any) -> None:
     """Release ``token`` with back-propagation on the pool."""
-    return anyio.to_thread.run_sync(partial(_backward, ev, token))
+    with _blas_limited(ev.workers):
+        await anyio.to_thread.run_sync(partial(_backward, ev, token))
 
 
 def _backward(ev: Evaluation, token: Any) -> None:

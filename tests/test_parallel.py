@@ -4,6 +4,7 @@ and a branch's exception surfaces as itself."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +104,36 @@ async def test_fine_graphs_never_fork() -> None:
     assert set(probe.threads) == {"MainThread"}
 
 
+async def test_branches_get_their_share_of_blas_even_where_the_main_thread_set_a_limit() -> None:
+    from threadpoolctl import ThreadpoolController
+
+    controller = ThreadpoolController()
+    if not [info for info in controller.info() if info["user_api"] == "blas"]:
+        pytest.skip("no BLAS library that threadpoolctl can see")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seen: list[tuple[str, list[int]]] = []
+
+    def rule(a: Any) -> tuple[Any, tuple[Any, ...]]:
+        blas = [info["num_threads"] for info in controller.info() if info["user_api"] == "blas"]
+        seen.append((threading.current_thread().name, blas))
+        return a, (lambda g: g,)
+
+    blas_probe = Primitive("blas_probe", rule)
+    x, ws = make(3)
+    # As a benchmark does: the main thread sets a limit first, and so (from
+    # threadpoolctl 3.8) becomes the one thread whose limits OpenBLAS obeys.
+    with controller.limit(limits=cores, user_api="blas"):
+        with ml.settings(workers=2, fork_threshold_s=1e-4):
+            for _ in range(4):  # two evaluations measure inline, the next two fork
+                outs = [Layer._make(blas_probe, (ml.tanh(x @ w),)) for w in ws]
+                await ml.sum(outs[0] + outs[1] + outs[2] + outs[3]).predict()
+        after = [info["num_threads"] for info in controller.info() if info["user_api"] == "blas"]
+    on_pool = [blas for name, blas in seen if name != "MainThread"]
+    assert on_pool, "the graph never forked"
+    assert all(n == max(1, cores // 2) for blas in on_pool for n in blas)
+    assert after == [cores] * len(after)  # restored once the pool is done
+
+
 class Boom(Exception):
     pass
 
@@ -134,24 +165,41 @@ def test_a_coarse_graph_runs_the_faster_way_and_probes_the_other() -> None:
     w = ml.Weight(np.ones((2, 2)))
     order = [w * 2.0]  # one node stands for a graph here
     ev = Evaluation(train=False)  # fork threshold 1 ms: coarse from 2 ms of work
+
+    def took(seconds: float, forked: bool = False) -> None:
+        _parallel.measured(ev, order, seconds, forked)
+        _parallel.settle(ev, 0.0)
+
     assert not _parallel.worth_forking(ev, order)  # never measured
-    _parallel.measured(order, 0.010)
+    took(0.010)
     assert not _parallel.worth_forking(ev, order)  # one measurement may be first-touch costs
-    _parallel.measured(order, 0.008)
+    took(0.008)
     assert _parallel.worth_forking(ev, order)  # coarse: try the pool
-    _parallel.measured(order, 0.012, forked=True)
+    assert not _parallel.worth_forking(Evaluation(train=True), order)  # training is timed apart
+    took(0.012, forked=True)
     assert _parallel.worth_forking(ev, order)  # and again: a first fork starts threads
-    _parallel.measured(order, 0.009, forked=True)
+    took(0.009, forked=True)
     # 9 ms on the pool against 8 inline: inline, except every REPROBE-th time
     choices = [_parallel.worth_forking(ev, order) for _ in range(2 * _parallel.REPROBE)]
     assert choices.count(True) == 2
     assert choices[_parallel.REPROBE - 1] and choices[2 * _parallel.REPROBE - 1]
-    _parallel.measured(order, 0.003, forked=True)  # a probe finds the pool faster now
+    took(0.003, forked=True)  # a probe finds the pool faster now
     choices = [_parallel.worth_forking(ev, order) for _ in range(_parallel.REPROBE)]
     assert choices.count(False) == 1
-    _parallel.measured(order, 0.001)
-    _parallel.measured(order, 0.001)  # the graph became fine: inline, probes or not
+    took(0.001)
+    took(0.001)  # the graph became fine: inline, probes or not
     assert not any(_parallel.worth_forking(ev, order) for _ in range(2 * _parallel.REPROBE))
+
+
+def test_a_trained_graph_is_judged_with_its_backward() -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    order = [w * 2.0]
+    ev = Evaluation(train=True)
+    for forked, forward, backward in ((False, 0.004, 0.006), (False, 0.004, 0.006), (True, 0.003, 0.009), (True, 0.003, 0.009)):
+        _parallel.measured(ev, order, forward, forked)
+        _parallel.settle(ev, backward)
+    # the pool's forward is faster (3 ms against 4), the whole step slower (12 against 10)
+    assert not _parallel.worth_forking(ev, order)
 
 
 class Sleeper:
