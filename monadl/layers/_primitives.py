@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
+from operator import attrgetter
 from typing import Any, Final, final
 
 import numpy as np
@@ -181,6 +182,8 @@ def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     fused = None if xp is np else _fused(xp, "relu_backward")
     if fused is not None:
         return xp.maximum(a, 0), (lambda g: fused(g, a),)
+    if xp is np:  # NumPy multiplies by booleans: one kernel forward
+        return np.maximum(a, 0), (lambda g: g * (a > 0),)
     keep = _mask(xp, a > 0, a)
     return a * keep, (lambda g: g * keep,)
 
@@ -211,11 +214,13 @@ def _fused(xp: Any, name: str) -> Callable[..., Value] | None:
 
 
 # ---- linear algebra -----------------------------------------------------------
+_MT: Final = attrgetter("mT")  # NumPy's matrix transpose without np.matrix_transpose's Python checks
 def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = a @ b
     if a.ndim == 1 and b.ndim == 1:
         return out, (lambda g: g * b, lambda g: g * a)
-    mt = namespace(out).matrix_transpose
+    xp = namespace(out)
+    mt = _MT if xp is np else xp.matrix_transpose
     if a.ndim == 1:  # (k,) @ (..., k, n) -> (..., n)
         return out, (
             lambda g: unbroadcast(g[..., None, :] @ mt(b), (1, a.shape[0]))[0, ...],
