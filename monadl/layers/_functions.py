@@ -134,7 +134,7 @@ def relu(x: Operand) -> Layer[Any, Any]:
 
     >>> import anyio, numpy as np
     >>> anyio.run(relu(np.array([-1.0, 2.0])).predict)
-    array([-0.,  2.])
+    array([0., 2.])
     """
     return _apply("relu", (x,))
 
