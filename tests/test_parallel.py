@@ -235,7 +235,7 @@ async def run_branches(sleeper: Sleeper, evaluations: int) -> list[bool]:
 
 
 async def test_branches_that_wait_keep_forking() -> None:
-    forked = await run_branches(Sleeper(lambda name: 0.005), 12)  # 20 ms inline, about 10 on two workers
+    forked = await run_branches(Sleeper(lambda name: 0.01), 12)  # 40 ms inline, about 20 on two workers
     assert forked[:2] == [False, False]  # measuring inline
     assert all(forked[2:])  # then on the pool, where it is faster
 
