@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from monadl._machine import Evaluation
     from monadl.layers._layer import Site
 
-__all__ = ["MIN_NODE_SECONDS", "REPROBE", "backward", "forward", "measured", "worth_forking"]
+__all__ = ["MIN_NODE_SECONDS", "REPROBE", "backward", "forward", "measured", "settle", "worth_forking"]
 
 MIN_NODE_SECONDS: Final = 20e-6
 """Below this mean work per node, per-node scheduling would cost too much."""
