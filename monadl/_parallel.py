@@ -180,7 +180,11 @@ def _blas_limited(workers: int) -> Iterator[None]:
     a word: set from a pool thread, the limit was lost wherever the main
     thread had set one (a benchmark does), and each branch's products took
     every core (forking measured 30-40% slower than inline on 2 cores).
-    Graphs on the pool at once share one limit, set by the first.
+    Graphs on the pool at once share one limit, set by the first and restored
+    by the last (from its own thread: with event loops in several threads
+    forking at once, a restore from a thread other than threadpoolctl's
+    controlling one is ignored too, and the limit stays until that thread
+    sets one).
     """
     global _blas, _limited, _limiter
     with _limit_lock:
