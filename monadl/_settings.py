@@ -25,8 +25,8 @@ class Settings:
         fork_threshold_s: a graph forks only when its measured cost on the
             last two evaluations of the same model code exceeds twice this (a
             thread hop costs tens of microseconds; forking must pay for it),
-            and only while its forward measures faster on the pool than
-            inline (see `monadl._parallel`).
+            and only while it measures faster on the pool than inline
+            (forward, and backward when trained; see `monadl._parallel`).
         check_finite: raise `NonFiniteError` at the first operation whose
             forward value or backward delta holds a NaN or an infinity (on a
             GPU this waits for each value: for debugging).

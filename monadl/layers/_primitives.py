@@ -179,11 +179,11 @@ def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
-    fused = None if xp is np else _fused(xp, "relu_backward")
-    if fused is not None:
-        return xp.maximum(a, 0), (lambda g: fused(g, a),)
     if xp is np:  # NumPy multiplies by booleans: one kernel forward
         return np.maximum(a, 0), (lambda g: g * (a > 0),)
+    fused = _fused(xp, "relu_backward")
+    if fused is not None:
+        return xp.maximum(a, 0), (lambda g: fused(g, a),)
     keep = _mask(xp, a > 0, a)
     return a * keep, (lambda g: g * keep,)
 
@@ -215,6 +215,8 @@ def _fused(xp: Any, name: str) -> Callable[..., Value] | None:
 
 # ---- linear algebra -----------------------------------------------------------
 _MT: Final = attrgetter("mT")  # NumPy's matrix transpose without np.matrix_transpose's Python checks
+
+
 def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = a @ b
     if a.ndim == 1 and b.ndim == 1:
