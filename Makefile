@@ -17,6 +17,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/digits.py
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m mypy
 

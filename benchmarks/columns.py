@@ -181,7 +181,9 @@ class NumpyColumns:
 
 
 # ---- PyTorch eager ------------------------------------------------------------------------------
-def torch_columns(config: Config, weights: dict[str, ml.Array], device: str = "cpu") -> tuple[Any, Any, Callable[..., Any]]:
+def torch_columns(
+    config: Config, weights: dict[str, ml.Array], device: str = "cpu"
+) -> tuple[Any, Any, Callable[..., Any]]:
     import torch
     from torch import nn
 
@@ -190,7 +192,8 @@ def torch_columns(config: Config, weights: dict[str, ml.Array], device: str = "c
             super().__init__()
             h = config.hidden
             self.columns = nn.ModuleList(
-                nn.Sequential(nn.Linear(FEATURES, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU()) for _ in range(config.columns)
+                nn.Sequential(nn.Linear(FEATURES, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU())
+                for _ in range(config.columns)
             )
             self.coarse = nn.Linear(h, COARSE)
             self.fine = nn.ModuleList(
@@ -273,7 +276,9 @@ def check_equivalence(config: Config, skip: bool, with_torch: bool) -> float:
     return worst
 
 
-async def _race(steps: dict[tuple[str, int], Callable[[], Any]], threads: dict[tuple[str, int], int], seconds: float, rounds: int) -> dict[tuple[str, int], float]:
+async def _race(
+    steps: dict[tuple[str, int], Callable[[], Any]], threads: dict[tuple[str, int], int], seconds: float, rounds: int
+) -> dict[tuple[str, int], float]:
     """Best-of-rounds mini-batches per second. Rounds visit every contender in
     turn (forwards, then backwards) so that all see the same machine noise."""
     controller = ThreadpoolController()
@@ -318,7 +323,9 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                 weights = init_weights(config)
                 cursor = iter(range(10**9))
 
-                def batch(cursor: Iterator[int] = cursor) -> tuple[ml.Array, int, ml.Array]:
+                def batch(
+                    cursor: Iterator[int] = cursor, batches: list[tuple[ml.Array, int, ml.Array]] = batches
+                ) -> tuple[ml.Array, int, ml.Array]:
                     return batches[next(cursor) % len(batches)]
 
                 model = MonadlColumns(config, weights)
@@ -326,11 +333,11 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
                 Batch = Callable[[], tuple[ml.Array, int, ml.Array]]
 
-                def monadl_in(model: MonadlColumns = model, batch: Batch = batch) -> Any:
+                def monadl_in(model: MonadlColumns = model, batch: Batch = batch, skip: bool = skip) -> Any:
                     x, coarse, fine = batch()
                     return model.loss(x, coarse, fine, skip).train()
 
-                def numpy_in(numpy_model: NumpyColumns = numpy_model, batch: Batch = batch) -> float:
+                def numpy_in(numpy_model: NumpyColumns = numpy_model, batch: Batch = batch, skip: bool = skip) -> float:
                     x, coarse, fine = batch()
                     return numpy_model.step(x, coarse, fine, skip)
 
@@ -339,7 +346,9 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if torch is not None:
                     _, torch_step, _ = torch_columns(config, weights)
 
-                    def torch_in(t: int = t, torch_step: Any = torch_step, batch: Any = batch) -> float:
+                    def torch_in(
+                        t: int = t, torch_step: Any = torch_step, batch: Any = batch, skip: bool = skip
+                    ) -> float:
                         torch.set_num_threads(min(t, CORES))
                         return float(torch_step(*batch(), skip))
 
@@ -374,7 +383,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=1.5, help="timing per implementation and cell, over all rounds")
+    parser.add_argument(
+        "--seconds", type=float, default=1.5, help="timing per implementation and cell, over all rounds"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     print(

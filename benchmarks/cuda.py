@@ -112,7 +112,9 @@ def columns(cupy: Any, torch: Any, batch: int) -> dict[str, Step]:
     contenders: dict[str, Step] = {"monadl (cupy)": monadl_step}
     if torch is not None:
         _, step, _ = torch_columns(config, weights, device="cuda")
-        torch_batches = [(torch.from_numpy(x).cuda(), coarse, torch.from_numpy(fine).cuda()) for x, coarse, fine in batches]
+        torch_batches = [
+            (torch.from_numpy(x).cuda(), coarse, torch.from_numpy(fine).cuda()) for x, coarse, fine in batches
+        ]
 
         async def torch_step() -> float:
             x, coarse, fine = torch_batches[cursor[0] % len(torch_batches)]
@@ -126,7 +128,10 @@ def columns(cupy: Any, torch: Any, batch: int) -> dict[str, Step]:
 
 def streams(cupy: Any, size: int, depth: int) -> dict[str, Step]:
     rng = np.random.default_rng(0)
-    ws = [ml.Weight(cupy.asarray((rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32))) for _ in range(2)]
+    ws = [
+        ml.Weight(cupy.asarray((rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)))
+        for _ in range(2)
+    ]
     x = ml.as_layer(cupy.asarray(rng.standard_normal((size, size)).astype(np.float32)))
 
     def build() -> ml.ScalarLayer:

@@ -26,7 +26,9 @@ from monadl.dyna import LOG_REAL, Program
 from monadl.dyna_arrays import ArrayProgram
 
 
-def numpy_forward_backward(init: np.ndarray, trans: np.ndarray, emit: np.ndarray, obs: np.ndarray) -> tuple[float, np.ndarray]:
+def numpy_forward_backward(
+    init: np.ndarray, trans: np.ndarray, emit: np.ndarray, obs: np.ndarray
+) -> tuple[float, np.ndarray]:
     """log L and d log L / d log trans, by a scaled forward-backward."""
     steps, n = len(obs), len(init)
     alpha = np.empty((steps, n))
@@ -72,7 +74,9 @@ def main() -> None:
     dyna_seconds = time.perf_counter() - started
 
     n = args.states
-    batched = ArrayProgram(dp.HMM.rules, LOG_REAL, arrays={"alpha": {1: n}, "init": {0: n}, "trans": {0: n, 1: n}, "emit": {0: n}})
+    batched = ArrayProgram(
+        dp.HMM.rules, LOG_REAL, arrays={"alpha": {1: n}, "init": {0: n}, "trans": {0: n, 1: n}, "emit": {0: n}}
+    )
     started = time.perf_counter()
     batched_run = batched.run(axioms)
     batched_forward_seconds = time.perf_counter() - started

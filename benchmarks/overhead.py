@@ -230,7 +230,9 @@ async def run_benchmarks(repeats: int, rounds: int) -> list[Contender]:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         xt = torch.tensor(state["x"], requires_grad=True)
         opt = torch.optim.SGD([xt], lr=lr)
-        race.append(Contender("chain", "pytorch eager", _sync(lambda: torch_chain_step(torch, xt, opt)), repeats, CHAIN_OPS))
+        race.append(
+            Contender("chain", "pytorch eager", _sync(lambda: torch_chain_step(torch, xt, opt)), repeats, CHAIN_OPS)
+        )
         tp = {k: torch.tensor(d[k], requires_grad=True) for k in ("w1", "b1", "w2", "b2")}
         xt_in, yt = torch.tensor(d["x"]), torch.tensor(d["y"])
         topt = torch.optim.SGD(list(tp.values()), lr=0.01)
@@ -264,7 +266,9 @@ def main() -> None:
         for c in (c for c in race if c.workload == workload):
             against = "1 thread" if workload == "branches" else "pytorch"
             ratio = f"{c.best / peer[workload]:.2f}x vs {against}" if workload in peer else "-"
-            print(f"{workload:8} {c.name:17} {c.best * 1e6:10.1f} {c.best * 1e6 / c.ops:8.2f} {ratio:>22} {c.faults:12.1f}")
+            print(
+                f"{workload:8} {c.name:17} {c.best * 1e6:10.1f} {c.best * 1e6 / c.ops:8.2f} {ratio:>22} {c.faults:12.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ SAMPLINGS = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid
 
 def add_estinet_options(p: argparse.ArgumentParser) -> None:
     """The options every Estimate-and-Replace example takes."""
-    p.add_argument("--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)")
+    p.add_argument(
+        "--temperature", type=float, default=3.0, help="Gumbel-softmax temperature (of the gradient's relaxation)"
+    )
     p.add_argument("--sampling", choices=[*SAMPLINGS, "all"], default="hybrid", help="how the estimator learns")
     p.add_argument("--no-end-to-end", action="store_true", help="skip the end-to-end baseline")
     p.add_argument("--seed", type=int, default=0)

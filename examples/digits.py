@@ -36,9 +36,7 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[ml.Array, ml
     data = sklearn_digits()
     x = (data.data / 16.0).astype(np.float32)
     y = data.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=test_fraction, random_state=seed, stratify=y
-    )
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
     return x_train, y_train, x_test, y_test
 
 
@@ -58,7 +56,10 @@ class GatedDigits:
         def dense(n_in: int, n_out: int) -> Dense:
             scale = np.sqrt(2.0 / n_in)
             return Dense(
-                ml.Weight((rng.standard_normal((n_in, n_out)) * scale).astype(np.float32), optimizer=ml.optim.momentum(learning_rate)),
+                ml.Weight(
+                    (rng.standard_normal((n_in, n_out)) * scale).astype(np.float32),
+                    optimizer=ml.optim.momentum(learning_rate),
+                ),
                 ml.Weight(np.zeros(n_out, np.float32), optimizer=ml.optim.momentum(learning_rate)),
             )
 
@@ -109,7 +110,9 @@ class GatedDigits:
         return scores + mask
 
 
-def group_batches(x: ml.Array, y: ml.Array, batch_size: int, rng: np.random.Generator) -> list[tuple[ml.Array, ml.Array]]:
+def group_batches(
+    x: ml.Array, y: ml.Array, batch_size: int, rng: np.random.Generator
+) -> list[tuple[ml.Array, ml.Array]]:
     """Shuffled mini-batches, each of one coarse group (as the paper trains)."""
     batches = []
     for group in range(GROUPS):
@@ -148,7 +151,8 @@ async def run(epochs: int = 30, batch_size: int = 16, seed: int = 0, show_progre
     started = time.perf_counter()
     for epoch in range(epochs):
         epoch_losses = [
-            float(await model.training_loss(xb, yb).train()) for xb, yb in group_batches(x_train, y_train, batch_size, rng)
+            float(await model.training_loss(xb, yb).train())
+            for xb, yb in group_batches(x_train, y_train, batch_size, rng)
         ]
         losses.append(float(np.mean(epoch_losses)))
         accuracies.append(await accuracy(model, x_test, y_test))
@@ -172,7 +176,9 @@ def plot(result: Result, path: str) -> None:
     accuracy_axis.plot(epochs, result.accuracies, color="tab:orange", label="test accuracy")
     accuracy_axis.set_ylabel("test accuracy", color="tab:orange")
     accuracy_axis.set_ylim(0, 1)
-    loss_axis.set_title(f"Gated digits: coarse group, then one fine classifier (final accuracy {result.test_accuracy:.3f})")
+    loss_axis.set_title(
+        f"Gated digits: coarse group, then one fine classifier (final accuracy {result.test_accuracy:.3f})"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -23,7 +23,13 @@ HMM = Program(
         Rule(("alpha", 0, "S"), [("init", "S"), ("obs", 0, "O"), ("emit", "S", "O")]),
         Rule(
             ("alpha", "T2", "S2"),
-            [("alpha", "T1", "S1"), ("succ", "T1", "T2"), ("trans", "S1", "S2"), ("obs", "T2", "O"), ("emit", "S2", "O")],
+            [
+                ("alpha", "T1", "S1"),
+                ("succ", "T1", "T2"),
+                ("trans", "S1", "S2"),
+                ("obs", "T2", "O"),
+                ("emit", "S2", "O"),
+            ],
         ),
         Rule(("likelihood",), [("alpha", "T", "S"), ("final", "T")]),
     ]
@@ -40,20 +46,27 @@ def hmm_axioms(init: np.ndarray, trans: np.ndarray, emit: np.ndarray, observatio
     return axioms
 
 
-def expected_transitions(init: np.ndarray, trans: np.ndarray, emit: np.ndarray, observations: Sequence[int]) -> tuple[float, np.ndarray]:
+def expected_transitions(
+    init: np.ndarray, trans: np.ndarray, emit: np.ndarray, observations: Sequence[int]
+) -> tuple[float, np.ndarray]:
     """The likelihood and the expected transition counts, from the program's gradient."""
     run = HMM.run(hmm_axioms(init, trans, emit, observations))
     likelihood = run.chart[("likelihood",)]
     grads = run.gradient(("likelihood",))
     n = len(init)
-    counts = np.array([[trans[a, b] * grads.get(("trans", a, b), 0.0) / likelihood for b in range(n)] for a in range(n)])
+    counts = np.array(
+        [[trans[a, b] * grads.get(("trans", a, b), 0.0) / likelihood for b in range(n)] for a in range(n)]
+    )
     return likelihood, counts
 
 
 CKY = Program(
     [
         Rule(("constit", "X", "I", "J"), [("lex", "X", "W"), ("word", "I", "W"), ("next", "I", "J")]),
-        Rule(("constit", "X", "I", "K"), [("rule", "X", "Y", "Z"), ("constit", "Y", "I", "J"), ("constit", "Z", "J", "K")]),
+        Rule(
+            ("constit", "X", "I", "K"),
+            [("rule", "X", "Y", "Z"), ("constit", "Y", "I", "J"), ("constit", "Z", "J", "K")],
+        ),
         Rule(("sentence",), [("constit", "S", 0, "N"), ("start", "S"), ("length", "N")]),
     ]
 )
@@ -69,7 +82,14 @@ def cky_axioms(binary: np.ndarray, lexical: np.ndarray, words: Sequence[int], st
         for z in range(n_symbols)
         if binary[x, y, z]
     }
-    axioms.update({("lex", x, w): float(lexical[x, w]) for x in range(n_symbols) for w in range(lexical.shape[1]) if lexical[x, w]})
+    axioms.update(
+        {
+            ("lex", x, w): float(lexical[x, w])
+            for x in range(n_symbols)
+            for w in range(lexical.shape[1])
+            if lexical[x, w]
+        }
+    )
     axioms.update({("word", i, w): 1.0 for i, w in enumerate(words)})
     axioms.update({("next", i, i + 1): 1.0 for i in range(len(words))})
     axioms[("start", start)] = 1.0

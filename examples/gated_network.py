@@ -102,9 +102,11 @@ class GatedNetwork:
         left, right = self.gate(features)
         gated: ml.Do[ml.Tape[ml.Array, ml.Array]] = left.forward().bind(
             lambda l_tape: right.forward().bind(
-                lambda r_tape: (left * self.left_subnet(features)).forward()
-                if l_tape.data > r_tape.data
-                else (right * self.right_subnet(features)).forward()
+                lambda r_tape: (
+                    (left * self.left_subnet(features)).forward()
+                    if l_tape.data > r_tape.data
+                    else (right * self.right_subnet(features)).forward()
+                )
             )
         )
         return ml.Layer(gated)
@@ -158,7 +160,9 @@ async def train(way: str, steps: int, seed: int = 0) -> tuple[list[float], Gated
 
 
 async def main(steps: int = 500) -> None:
-    print(f"{'way':12} {'first loss':>11} {'mean of last 50':>16} {'gate evaluations':>17} {'per step':>9} {'us/step':>8}")
+    print(
+        f"{'way':12} {'first loss':>11} {'mean of last 50':>16} {'gate evaluations':>17} {'per step':>9} {'us/step':>8}"
+    )
     for way in WAYS:
         started = time.perf_counter()
         losses, net = await train(way, steps)

@@ -22,6 +22,7 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 import numpy as np
@@ -112,7 +113,7 @@ async def pretrain(adder: Adder, rng: np.random.Generator, k: int, steps: int, b
     for _ in range(steps):
         lengths = int(rng.integers(1, k + 1))  # every prefix length, so partial sums are learned too
         sample = _one_hot_sequences(rng, batch, lengths)
-        loss = float(await estimator_loss(_black_box, lambda s: adder(s, lengths), [sample]).train())
+        loss = float(await estimator_loss(_black_box, partial(adder, k=lengths), [sample]).train())
     return loss
 
 
@@ -132,7 +133,9 @@ async def train_estinet(
     for step in range(args.steps):
         index, sums = sequences(y_train, args.batch, args.k, rng)
         logits = extractor.logits(x_train[index.ravel()])
-        choice = ml.reshape(gumbel_softmax(logits, args.temperature, rng, hard=not args.relaxed), (args.batch, args.k, DIGITS))
+        choice = ml.reshape(
+            gumbel_softmax(logits, args.temperature, rng, hard=not args.relaxed), (args.batch, args.k, DIGITS)
+        )
         estimate = adder(choice, args.k, frozen_weights=True)
         difference = estimate - sums / SCALE
         task = ml.mean(difference * difference) + args.entropy * entropy_penalty(ml.softmax(logits), 0.5)
@@ -153,7 +156,9 @@ async def train_estinet(
     return Result(f"EstiNet ({sampling.name})", mae, accuracy, time.perf_counter() - started, curve)
 
 
-async def train_end_to_end(data: tuple[ml.Array, ml.Array, ml.Array, ml.Array], args: argparse.Namespace, show: bool) -> Result:
+async def train_end_to_end(
+    data: tuple[ml.Array, ml.Array, ml.Array, ml.Array], args: argparse.Namespace, show: bool
+) -> Result:
     x_train, y_train, x_test, y_test = data
     rng = np.random.default_rng(args.seed)
     extractor, adder = Extractor(rng, args.lr, HIDDEN), Adder(rng, 3e-3, args.steps)

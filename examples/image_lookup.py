@@ -27,7 +27,15 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples._common import DIGITS, Extractor, add_estinet_options, chosen_samplings, dense_weights, load_digits_split, progress
+from examples._common import (
+    DIGITS,
+    Extractor,
+    add_estinet_options,
+    chosen_samplings,
+    dense_weights,
+    load_digits_split,
+    progress,
+)
 from monadl.estimate import Sampling, estimator_loss, frozen, gumbel_softmax, harden
 
 
@@ -77,7 +85,9 @@ class Result:
 Data = tuple[ml.Array, ml.Array, ml.Array, ml.Array]
 
 
-def _batch(data: Data, table: ml.Array, k: int, count: int, rng: np.random.Generator, test: bool = False) -> tuple[ml.Array, ml.Array, ml.Array]:
+def _batch(
+    data: Data, table: ml.Array, k: int, count: int, rng: np.random.Generator, test: bool = False
+) -> tuple[ml.Array, ml.Array, ml.Array]:
     """``count`` sequences of ``k`` images: their pixels (count * k, 64), digits (count, k), entries (count,)."""
     x, y = (data[2], data[3]) if test else (data[0], data[1])
     index = rng.integers(0, len(y), size=(count, k))
@@ -116,7 +126,9 @@ async def pretrain(estimator: Estimator, table: ml.Array, rng: np.random.Generat
     return loss
 
 
-async def train_estinet(data: Data, tables: tuple[ml.Array, ml.Array], sampling: Sampling, args: argparse.Namespace, show: bool) -> Result:
+async def train_estinet(
+    data: Data, tables: tuple[ml.Array, ml.Array], sampling: Sampling, args: argparse.Namespace, show: bool
+) -> Result:
     table, other = tables
     rng = np.random.default_rng(args.seed)
     decay = (args.pretrain_steps if sampling.pretrain else 0) + (args.steps if sampling.online_updates else 0)
@@ -152,7 +164,9 @@ async def train_estinet(data: Data, tables: tuple[ml.Array, ml.Array], sampling:
     )
 
 
-async def train_end_to_end(data: Data, tables: tuple[ml.Array, ml.Array], args: argparse.Namespace, show: bool) -> Result:
+async def train_end_to_end(
+    data: Data, tables: tuple[ml.Array, ml.Array], args: argparse.Namespace, show: bool
+) -> Result:
     table, other = tables
     rng = np.random.default_rng(args.seed)
     extractor, network = Extractor(rng, args.lr), Estimator(rng, args.k, 3e-3, args.steps)

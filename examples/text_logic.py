@@ -48,7 +48,7 @@ TEMPLATES = (
     "compared with Y , is X greater ?",
     "Y is lower than X , yes or no ?",
 )
-WORDS = ("<pad>", "NUM") + tuple(sorted({w for t in TEMPLATES for w in t.split() if w not in ("X", "Y")}))
+WORDS = ("<pad>", "NUM", *sorted({w for t in TEMPLATES for w in t.split() if w not in ("X", "Y")}))
 LENGTH = max(len(t.split()) for t in TEMPLATES)
 EMBED = 16
 
@@ -129,7 +129,8 @@ class Selectors:
         positions = ml.concatenate([embedded, np.broadcast_to(np.eye(LENGTH), (batch, LENGTH, LENGTH))], axis=2)
         padding = (1.0 - real) * -30.0
         return [
-            ml.reshape(positions @ ml.reshape(ml.dense(query, w, b), (batch, EMBED + LENGTH, 1)), (batch, LENGTH)) + padding
+            ml.reshape(positions @ ml.reshape(ml.dense(query, w, b), (batch, EMBED + LENGTH, 1)), (batch, LENGTH))
+            + padding
             for w, b in self.heads
         ]
 
@@ -172,7 +173,9 @@ async def pretrain(comparator: Comparator, rng: np.random.Generator, steps: int,
         await estimator_loss(compare, comparator, [pair], loss=ml.cross_entropy).train()
 
 
-async def train_estinet(train: Questions, test: Questions, sampling: Sampling, args: argparse.Namespace, show: bool) -> Result:
+async def train_estinet(
+    train: Questions, test: Questions, sampling: Sampling, args: argparse.Namespace, show: bool
+) -> Result:
     rng = np.random.default_rng(args.seed)
     selectors = Selectors(rng, args.lr)
     comparator = Comparator(rng, 3e-3, args.pretrain_steps if sampling.pretrain else args.steps)
@@ -184,7 +187,9 @@ async def train_estinet(train: Questions, test: Questions, sampling: Sampling, a
         q = train.take(rng.integers(0, len(train), size=args.batch))
         scores = selectors.scores(q)
         chosen = [ml.sum(gumbel_softmax(s, args.temperature, rng) * q.values, axis=1) for s in scores]
-        loss = float(await ml.cross_entropy(comparator(ml.stack(chosen, axis=1), frozen_weights=True), q.answers).train())
+        loss = float(
+            await ml.cross_entropy(comparator(ml.stack(chosen, axis=1), frozen_weights=True), q.answers).train()
+        )
         if sampling.online_updates:  # the selected numbers, labelled by the black box
             pair = _selected_pairs([await s.predict() for s in scores], q)
             await estimator_loss(compare, comparator, [pair], loss=ml.cross_entropy).train()
@@ -193,7 +198,9 @@ async def train_estinet(train: Questions, test: Questions, sampling: Sampling, a
     selections = [await s.predict() for s in selectors.scores(test)]
     answers = compare(_selected_pairs(selections, test))  # the real comparison at inference
     right = np.all(np.stack([np.argmax(s, axis=1) for s in selections], axis=1) == test.where, axis=1)
-    return Result(name, len(train), float(np.mean(answers == test.answers)), float(np.mean(right)), time.perf_counter() - started)
+    return Result(
+        name, len(train), float(np.mean(answers == test.answers)), float(np.mean(right)), time.perf_counter() - started
+    )
 
 
 async def train_end_to_end(train: Questions, test: Questions, args: argparse.Namespace, show: bool) -> Result:
@@ -206,7 +213,9 @@ async def train_end_to_end(train: Questions, test: Questions, args: argparse.Nam
         if show:
             progress(f"end-to-end n={len(train)}", step + 1, args.steps, loss)
     answers = np.argmax(await model.logits(test).predict(), axis=1)
-    return Result("end-to-end", len(train), float(np.mean(answers == test.answers)), None, time.perf_counter() - started)
+    return Result(
+        "end-to-end", len(train), float(np.mean(answers == test.answers)), None, time.perf_counter() - started
+    )
 
 
 def table(results: Sequence[Result]) -> str:
@@ -217,7 +226,10 @@ def table(results: Sequence[Result]) -> str:
     for name in names:
         rows.append(f"{name:30}" + "".join(f"{by[name, n].accuracy:8.3f}" for n in sizes))
         if by[name, sizes[0]].selection_accuracy is not None:
-            rows.append(f"{'  x and y selected right':30}" + "".join(f"{by[name, n].selection_accuracy or 0:8.3f}" for n in sizes))
+            rows.append(
+                f"{'  x and y selected right':30}"
+                + "".join(f"{by[name, n].selection_accuracy or 0:8.3f}" for n in sizes)
+            )
     return "\n".join(rows)
 
 
@@ -241,7 +253,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrain-steps", type=int, default=2000, help="offline estimator steps before training")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--test-count", type=int, default=2000, help="test questions")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate of the extractor and the end-to-end network")
+    p.add_argument(
+        "--lr", type=float, default=1e-2, help="Adam learning rate of the extractor and the end-to-end network"
+    )
     add_estinet_options(p)
     return p
 

@@ -18,7 +18,7 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["tune_malloc", "malloc_tuned"]
+__all__ = ["malloc_tuned", "tune_malloc"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

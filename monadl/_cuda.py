@@ -42,7 +42,7 @@ import anyio
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["loaded", "on_device", "forward", "ready"]
+__all__ = ["forward", "loaded", "on_device", "ready"]
 
 _POLL_FIRST_S = 1e-5
 _POLL_MAX_S = 1e-3

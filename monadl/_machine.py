@@ -17,6 +17,7 @@ chain of 100,000 ``bind``s grows the Python stack.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import time
@@ -61,7 +62,17 @@ class _Record:
     """One layer's or weight's state in one evaluation."""
 
     __slots__ = (
-        "value", "vjps", "inputs", "refcount", "delta", "needs_grad", "node", "tape_backward", "release", "is_weight", "fits"
+        "delta",
+        "fits",
+        "inputs",
+        "is_weight",
+        "needs_grad",
+        "node",
+        "refcount",
+        "release",
+        "tape_backward",
+        "value",
+        "vjps",
     )
 
     def __init__(self, value: Any, vjps: Any, inputs: Any, needs_grad: bool, node: Any, fits: bool = False) -> None:
@@ -86,7 +97,7 @@ class _Record:
 
 
 class _Shared:
-    __slots__ = ("value", "release", "count")
+    __slots__ = ("count", "release", "value")
 
     def __init__(self, value: Any, release: Any) -> None:
         self.value = value
@@ -95,7 +106,7 @@ class _Shared:
 
 
 class _UserRelease:
-    __slots__ = ("release", "value", "done")
+    __slots__ = ("done", "release", "value")
 
     def __init__(self, release: Callable[[Any], Awaitable[None]], value: Any) -> None:
         self.release = release
@@ -107,8 +118,19 @@ class Evaluation:
     """The state of one run: records, shared values, open resources."""
 
     __slots__ = (
-        "train", "records", "shared", "open", "coroutines", "check_finite", "workers", "fork_threshold_s", "forked", "effects",
-        "cuda_streams", "gradients", "timings",
+        "check_finite",
+        "coroutines",
+        "cuda_streams",
+        "effects",
+        "fork_threshold_s",
+        "forked",
+        "gradients",
+        "open",
+        "records",
+        "shared",
+        "timings",
+        "train",
+        "workers",
     )
 
     def __init__(self, train: bool, may_fork: bool = True) -> None:
@@ -130,11 +152,7 @@ class Evaluation:
     def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
         if self.gradients is not None:
             return self.gradients
-        return {
-            rec.node: rec.delta
-            for rec in self.records.values()
-            if rec.is_weight and rec.delta is not None
-        }
+        return {rec.node: rec.delta for rec in self.records.values() if rec.is_weight and rec.delta is not None}
 
     def finish(self) -> None:
         """After the last release: keep the weights' gradients, drop the records.
@@ -405,14 +423,13 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         ins: tuple[_Record | None, ...] = (rx, ry)
         kx, ky = type(x), type(y)
         # Beside a plain number (not a layer's value), an operand's delta has its shape.
-        fits = op.elementwise and (rx is None and kx in _PYTHON_NUMBERS or ry is None and ky in _PYTHON_NUMBERS)
+        fits = op.elementwise and ((rx is None and kx in _PYTHON_NUMBERS) or (ry is None and ky in _PYTHON_NUMBERS))
         if kx is ky:
             if kx is np.ndarray:
                 if op.same_dtype and x.dtype is not y.dtype:
                     _check_dtypes(node, args)
-            elif kx not in _HOST:  # both from one other library (CuPy ...)
-                if op.same_dtype and x.dtype != y.dtype:
-                    _check_dtypes(node, args)
+            elif kx not in _HOST and op.same_dtype and x.dtype != y.dtype:  # both from one other library (CuPy ...)
+                _check_dtypes(node, args)
         elif (kx not in _HOST or ky not in _HOST) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
     elif len(inputs) == 1:
@@ -446,7 +463,9 @@ def compute(ev: Evaluation, node: Any, count: bool) -> _Record:
         exc.add_note(f"monadl: in {op.name} of {_describe(args)}; layer built at {_where(node)}")
         raise
     if ev.check_finite and not _all_finite(out):
-        raise NonFiniteError(f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}")
+        raise NonFiniteError(
+            f"{op.name} produced a NaN or an infinity from {_describe(args)}; layer built at {_where(node)}"
+        )
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
     return _Record(out, vjps if needs else None, ins, needs, node, fits)
@@ -468,7 +487,9 @@ def _all_finite(x: Any) -> bool:
     return bool(xp.all(xp.isfinite(x)))
 
 
-def _operands(records: dict[Any, _Record], inputs: tuple[Any, ...], count: bool) -> tuple[tuple[Any, ...], tuple[_Record | None, ...], bool]:
+def _operands(
+    records: dict[Any, _Record], inputs: tuple[Any, ...], count: bool
+) -> tuple[tuple[Any, ...], tuple[_Record | None, ...], bool]:
     """Operand values and records of a node with any number of operands."""
     args: list[Any] = []
     ins: list[_Record | None] = []
@@ -592,7 +613,7 @@ def _sweep(ev: Evaluation) -> None:
         if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
             delta = delta.to_dense()
         fits = rec.fits
-        i = 0  # (indexing the rules beats zipping them with the operands here)
+        i = 0  # (indexing the rules beats zipping or enumerating them here)
         for r in rec.inputs:
             if r is not None and r.needs_grad:
                 try:
@@ -607,7 +628,7 @@ def _sweep(ev: Evaluation) -> None:
                 if check:
                     _check_delta(rec, g)
                 r.delta = g if r.delta is None else r.delta + g
-            i += 1
+            i += 1  # noqa: SIM113
         rec.delta = None
         rec.vjps = None
 
@@ -704,10 +725,8 @@ async def abort(ev: Evaluation) -> None:
         for held in reversed(ev.open):
             if not held.done:
                 held.done = True
-                try:
+                with contextlib.suppress(Exception):  # the original failure is the one to report
                     await held.release(held.value)
-                except Exception:  # the original failure is the one to report
-                    pass
 
 
 # ---- entry points ------------------------------------------------------------------

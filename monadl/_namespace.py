@@ -22,7 +22,7 @@ import numpy as np
 
 from monadl.errors import DeviceError, OperandError
 
-__all__ = ["namespace", "common_namespace", "is_array", "library_name", "host_scalars_to_python"]
+__all__ = ["common_namespace", "host_scalars_to_python", "is_array", "library_name", "namespace"]
 
 Namespace = Any  # a module (or module-like object) of array functions
 
@@ -52,7 +52,9 @@ def _lookup(x: object) -> Namespace:
     try:
         return array_api_compat.array_namespace(x)
     except TypeError:
-        raise OperandError(f"{type(x).__module__}.{type(x).__name__} is not an array of a known array library") from None
+        raise OperandError(
+            f"{type(x).__module__}.{type(x).__name__} is not an array of a known array library"
+        ) from None
 
 
 def is_array(x: object) -> bool:

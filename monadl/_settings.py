@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-__all__ = ["Settings", "settings", "current_settings"]
+__all__ = ["Settings", "current_settings", "settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ def _default() -> Settings:
     return Settings(workers=workers)
 
 
-_current: ContextVar[Settings] = ContextVar("monadl_settings", default=_default())
+_current: ContextVar[Settings] = ContextVar("monadl_settings", default=_default())  # noqa: B039 - frozen, not mutable
 
 
 def current_settings() -> Settings:

@@ -60,7 +60,7 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
     `acquire`. Layers give ``Do[Tape[Data, Delta]]`` through ``forward()``.
     """
 
-    __slots__ = ("_kind", "_a", "_b")
+    __slots__ = ("_a", "_b", "_kind")
 
     _kind: int
     _a: Any

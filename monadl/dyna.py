@@ -30,15 +30,14 @@ zero still receives its gradient.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, TypeVar
-
 import heapq
 import itertools
 import math
 import re
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -47,7 +46,17 @@ from monadl.layers._layer import Layer, Weight
 from monadl.tape import Tape
 
 __all__ = [
-    "LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Item", "Program", "Rule", "Run", "Semiring", "bind_weight", "parse",
+    "LOG_REAL",
+    "MAX_TIMES",
+    "MIN_PLUS",
+    "REAL",
+    "Item",
+    "Program",
+    "Rule",
+    "Run",
+    "Semiring",
+    "bind_weight",
+    "parse",
 ]
 
 Item: TypeAlias = tuple[Any, ...]
@@ -433,7 +442,9 @@ class Program:
                     for jp, x in enumerate(ground):
                         if jp == i:
                             continue
-                        rest = times(times(coeff, update), s.product(v for j, v in enumerate(values) if j not in (i, jp)))
+                        rest = times(
+                            times(coeff, update), s.product(v for j, v in enumerate(values) if j not in (i, jp))
+                        )
                         target = to_chart_t if jp < i else to_chart_prev
                         target[x] = plus(target.get(x, zero), times(g, rest))
             g_chart_t_a = plus(g_chart.get(a, zero), to_chart_t.get(a, zero))
@@ -450,7 +461,9 @@ class Program:
             # g holds log d exp(goal) / d exp(x); an axiom's gradient in log space
             # is d goal / d x = exp(g + x - goal).
             value = run.chart.get(goal, zero)
-            return {x: math.exp(g_agenda[x] + v - value) for x, v in run.axioms.items() if g_agenda.get(x, zero) != zero}
+            return {
+                x: math.exp(g_agenda[x] + v - value) for x, v in run.axioms.items() if g_agenda.get(x, zero) != zero
+            }
         return g_agenda
 
     def _best_derivation_gradient(self, run: Run, goal: Item) -> dict[Item, float]:
@@ -494,7 +507,9 @@ class Program:
         ``weights[f].data[i, j]`` for every entry of the array (zeros
         included). Its backward pass runs the tape, only when a delta is wanted.
         """
-        return _goal_layer(lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, 0.0), goal, axioms, weights)
+        return _goal_layer(
+            lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, 0.0), goal, axioms, weights
+        )
 
 
 class _Differentiable(Protocol):
@@ -557,8 +572,6 @@ def _bindings(rule: Rule, ground: list[Item]) -> dict[str, Any]:
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:
     """``{functor: weight}``: the axioms ``functor(*index)`` are the weight's entries."""
     return {functor: weight}
-
-
 
 
 _TERM = re.compile(r"\s*([a-z_][A-Za-z0-9_]*)\s*(?:\(([^()]*)\))?\s*$")

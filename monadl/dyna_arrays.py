@@ -32,7 +32,20 @@ from typing import Any
 
 import numpy as np
 
-from monadl.dyna import LOG_REAL, REAL, Item, Pattern, Program, Rule, Semiring, _bindings, _goal_layer, _ground, _Index, _is_variable
+from monadl.dyna import (
+    LOG_REAL,
+    REAL,
+    Item,
+    Pattern,
+    Program,
+    Rule,
+    Semiring,
+    _bindings,
+    _goal_layer,
+    _ground,
+    _Index,
+    _is_variable,
+)
 from monadl.layers._layer import Layer, Weight
 
 __all__ = ["ArrayProgram", "ArrayRun"]
@@ -84,7 +97,9 @@ class ArrayProgram:
             appears only at array positions, at most once per item.
     """
 
-    def __init__(self, rules: Sequence[Rule], semiring: Semiring = REAL, *, arrays: Mapping[str, Mapping[int, int]]) -> None:
+    def __init__(
+        self, rules: Sequence[Rule], semiring: Semiring = REAL, *, arrays: Mapping[str, Mapping[int, int]]
+    ) -> None:
         if semiring is not REAL and semiring is not LOG_REAL:
             raise ValueError(f"batched items need the real or log-real semiring, not {semiring.name}")
         self.semiring = semiring
@@ -100,7 +115,9 @@ class ArrayProgram:
                 positions = self.arrays.get(pattern[0], ())
                 wrong = [t for k, t in enumerate(pattern[1:]) if k not in positions and t in letters]
                 if wrong:
-                    raise ValueError(f"rule {rule}: {wrong} are array axes elsewhere, so they cannot be plain arguments of {pattern[0]}")
+                    raise ValueError(
+                        f"rule {rule}: {wrong} are array axes elsewhere, so they cannot be plain arguments of {pattern[0]}"
+                    )
             packed_rule = Rule(head, [p for p, _ in body], rule.coeff)
             packed.append(packed_rule)
             self._subscripts[id(packed_rule)] = ([s for _, s in body], head_subs)
@@ -115,7 +132,9 @@ class ArrayProgram:
                 kept.append(term)
                 continue
             if not _is_variable(term):
-                raise ValueError(f"rule {rule}: argument {k} of {pattern[0]} is an array axis; it must be a variable, not {term!r}")
+                raise ValueError(
+                    f"rule {rule}: argument {k} of {pattern[0]} is an array axis; it must be a variable, not {term!r}"
+                )
             letter = letters.setdefault(term, chr(ord("a") + len(letters)))
             if letter in subscripts:
                 raise ValueError(f"rule {rule}: {term} occurs twice among the array axes of {pattern[0]}")
@@ -174,7 +193,9 @@ class ArrayProgram:
     ) -> Layer[float, float]:
         """``value(goal)`` as a differentiable scalar layer, as `monadl.dyna.Program.goal`:
         ``weights`` binds functors to weights whose entries are the axioms."""
-        return _goal_layer(lambda values: self.run(values, **run_options), lambda run: run.value(goal), goal, axioms, weights)
+        return _goal_layer(
+            lambda values: self.run(values, **run_options), lambda run: run.value(goal), goal, axioms, weights
+        )
 
     # ---- forward ------------------------------------------------------------------------------
     def run(self, axioms: Mapping[Item, float], *, max_pops: int | None = None, tolerance: float = 0.0) -> ArrayRun:
@@ -189,7 +210,9 @@ class ArrayProgram:
             try:
                 initial[packed][index] = value
             except IndexError:
-                raise ValueError(f"axiom {scalar}: index {index} is outside the array axes {self.shapes[packed[0]]} of {packed[0]}") from None
+                raise ValueError(
+                    f"axiom {scalar}: index {index} is outside the array axes {self.shapes[packed[0]]} of {packed[0]}"
+                ) from None
         chart: dict[Item, Array] = {}
         agenda: dict[Item, Array] = dict(initial)
         fifo: deque[Item] = deque(initial)
@@ -256,7 +279,10 @@ class ArrayProgram:
                     if g is None:
                         continue
                     subscripts, out = self._subscripts[id(rule)]
-                    values: list[Array] = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(ground)]  # type: ignore[misc]
+                    values: list[Array] = [
+                        update if j == i else chart[x] if (j < i or x != a) else old  # type: ignore[misc]
+                        for j, x in enumerate(ground)
+                    ]
                     sizes = self._sizes(subscripts, values)
                     for jp in range(len(ground)):  # the einsum's VJP for each operand
                         operands = [(subscripts[j], values[j]) for j in range(len(ground)) if j != jp] + [(out, g)]

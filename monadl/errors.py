@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MonadlError", "ShapeError", "DTypeError", "NonFiniteError", "OperandError", "DeviceError"]
+__all__ = ["DTypeError", "DeviceError", "MonadlError", "NonFiniteError", "OperandError", "ShapeError"]
 
 
 class MonadlError(Exception):

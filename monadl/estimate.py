@@ -132,8 +132,6 @@ def estimate_and_replace(
     return replaced()
 
 
-
-
 # ---- training the estimator ------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Sampling:

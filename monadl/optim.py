@@ -191,7 +191,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         nu_hat = nu / (1 - b2**count)
         return mu_hat / (namespace(nu_hat).sqrt(nu_hat) + eps), AdamState(count, mu, nu)
 
-    return GradientTransformation(lambda p: AdamState(0, namespace(p).zeros_like(p), namespace(p).zeros_like(p)), update)
+    return GradientTransformation(
+        lambda p: AdamState(0, namespace(p).zeros_like(p), namespace(p).zeros_like(p)), update
+    )
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
@@ -220,7 +222,9 @@ def nesterov(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTra
     return chain(trace(decay, nesterov=True), scale_by_learning_rate(learning_rate))
 
 
-def adagrad(learning_rate: float | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
+def adagrad(
+    learning_rate: float | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
+) -> GradientTransformation:
     """Adagrad."""
     return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
 
@@ -230,7 +234,9 @@ def rmsprop(learning_rate: float | Schedule, decay: float = 0.9, eps: float = 1e
     return chain(scale_by_rms(decay, eps), scale_by_learning_rate(learning_rate))
 
 
-def adam(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def adam(
+    learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> GradientTransformation:
     """Adam with bias correction.
 
     >>> import numpy as np

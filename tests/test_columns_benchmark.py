@@ -23,5 +23,9 @@ def test_all_mode_trains_every_fine_classifier_and_skip_mode_one() -> None:
     for skip, touched in ((True, {coarse}), (False, set(range(columns.COARSE)))):
         model = columns.MonadlColumns(config, weights)
         anyio.run(model.loss(x, coarse, fine, skip).train)
-        changed = {f for f in range(columns.COARSE) if not np.array_equal(model.w[f"fine{f}.2.w"].data, weights[f"fine{f}.2.w"])}
+        changed = {
+            f
+            for f in range(columns.COARSE)
+            if not np.array_equal(model.w[f"fine{f}.2.w"].data, weights[f"fine{f}.2.w"])
+        }
         assert changed == touched

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -67,7 +68,9 @@ def test_weights_stay_on_the_device_and_training_never_synchronises() -> None:
 
 def test_mixing_host_and_device_arrays_is_an_error_that_says_so() -> None:
     w = ml.Weight(cupy.ones(3))
-    with pytest.raises(ml.DeviceError, match=r"mix a cupy \(.*\) array and a numpy \(host\) array.*move one explicitly"):
+    with pytest.raises(
+        ml.DeviceError, match=r"mix a cupy \(.*\) array and a numpy \(host\) array.*move one explicitly"
+    ):
         anyio.run((w * ml.as_layer(np.ones(3))).predict)
 
 
@@ -125,7 +128,7 @@ def test_waiting_for_the_gpu_leaves_the_event_loop_free() -> None:
         async def ticker() -> None:
             while True:
                 ticks.append(time.perf_counter())
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)

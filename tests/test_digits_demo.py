@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import anyio
 import numpy as np
 import pytest
 
@@ -18,8 +19,7 @@ async def test_small_demo_reaches_accuracy_and_plots(tmp_path: object) -> None:
     assert result.losses[-1] < result.losses[0]
     path = os.path.join(str(tmp_path), "curve.png")
     digits.plot(result, path)
-    with open(path, "rb") as png:
-        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert (await anyio.Path(path).read_bytes())[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_a_training_step_skips_the_unmatched_fine_classifiers() -> None:

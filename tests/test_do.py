@@ -9,14 +9,15 @@ import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from returns.io import IO
 
 from monadl import Do
 from monadl.typeclasses import monad as laws
 
 ints = st.integers(-1000, 1000)
-functions: st.SearchStrategy[Callable[[int], int]] = st.sampled_from([lambda x: x + 1, lambda x: x * 3, abs, lambda x: -x])
+functions: st.SearchStrategy[Callable[[int], int]] = st.sampled_from(
+    [lambda x: x + 1, lambda x: x * 3, abs, lambda x: -x]
+)
 
 
 def run(d: Do[Any]) -> Any:
@@ -140,6 +141,7 @@ async def test_bind_must_return_a_do() -> None:
 @pytest.mark.anyio
 async def test_building_computes_nothing() -> None:
     calls: list[int] = []
+
     def record(v: int) -> int:
         calls.append(v)
         return v

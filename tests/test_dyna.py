@@ -4,6 +4,7 @@ the program as a monadl layer."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,9 @@ PATH = Program(
 )
 
 
-def finite_difference(program: Program, axioms: Mapping[Item, float], goal: Item, eps: float = 1e-6, **options: Any) -> dict[Item, float]:
+def finite_difference(
+    program: Program, axioms: Mapping[Item, float], goal: Item, eps: float = 1e-6, **options: Any
+) -> dict[Item, float]:
     grads = {}
     for item in axioms:
         up, down = dict(axioms), dict(axioms)
@@ -50,8 +53,8 @@ def test_square_converges_monotonically_to_the_fixed_point() -> None:
         grads.append(run.gradient(("a",))[("r",)])
     assert values[-1] == pytest.approx(0.3, abs=1e-6)  # a = r + a^2
     assert grads[-1] == pytest.approx(1 / np.sqrt(1 - 4 * r), abs=1e-4)  # 2.5
-    assert all(b >= a for a, b in zip(values, values[1:]))
-    assert all(b >= a for a, b in zip(grads, grads[1:]))
+    assert all(b >= a for a, b in pairwise(values))
+    assert all(b >= a for a, b in pairwise(grads))
 
 
 def path_axioms(seed: int, n: int = 4, cyclic: bool = True) -> dict[Item, float]:

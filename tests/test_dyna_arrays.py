@@ -28,7 +28,9 @@ def hmm(n: int = 4, steps: int = 6, seed: int = 0) -> tuple[dict[Item, float], d
     return axioms, {"alpha": {1: n}, "init": {0: n}, "trans": {0: n, 1: n}, "emit": {0: n}}
 
 
-def finite_difference(program: ArrayProgram, axioms: Mapping[Item, float], goal: Item, eps: float = 1e-6, **options: Any) -> dict[Item, float]:
+def finite_difference(
+    program: ArrayProgram, axioms: Mapping[Item, float], goal: Item, eps: float = 1e-6, **options: Any
+) -> dict[Item, float]:
     grads = {}
     for item in axioms:
         up, down = dict(axioms), dict(axioms)

@@ -10,7 +10,6 @@ import pytest
 from examples import dyna_programs as dp
 
 
-
 def hmm() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     rng = np.random.default_rng(0)
     return rng.dirichlet(np.ones(3)), rng.dirichlet(np.ones(3), size=3), rng.dirichlet(np.ones(2), size=3), [0, 1, 1, 0]

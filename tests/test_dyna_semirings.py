@@ -27,7 +27,9 @@ def test_log_real_hmm_over_a_long_sequence_does_not_underflow() -> None:
     rng = np.random.default_rng(0)
     init, trans, emit = rng.dirichlet(np.ones(2)), rng.dirichlet(np.ones(2), size=2), rng.dirichlet(np.ones(3), size=2)
     observations = list(rng.integers(0, 3, 800))
-    axioms = {k: (math.log(v) if v > 0 else -math.inf) for k, v in dp.hmm_axioms(init, trans, emit, observations).items()}
+    axioms = {
+        k: (math.log(v) if v > 0 else -math.inf) for k, v in dp.hmm_axioms(init, trans, emit, observations).items()
+    }
     program = Program(dp.HMM.rules, LOG_REAL)
     run = program.run(axioms)
     log_likelihood = run.chart[("likelihood",)]
@@ -42,7 +44,9 @@ def test_log_real_hmm_over_a_long_sequence_does_not_underflow() -> None:
     assert log_likelihood == pytest.approx(expected, rel=1e-10)
     grads = run.gradient(("likelihood",))
     # d log L / d log trans summed over transitions = number of transitions
-    assert sum(grads[("trans", a, b)] for a in range(2) for b in range(2)) == pytest.approx(len(observations) - 1, rel=1e-8)
+    assert sum(grads[("trans", a, b)] for a in range(2) for b in range(2)) == pytest.approx(
+        len(observations) - 1, rel=1e-8
+    )
 
 
 SHORTEST = Program(
@@ -98,7 +102,9 @@ def test_viterbi_matches_brute_force_and_finite_differences() -> None:
     program = Program(dp.HMM.rules, MAX_TIMES)
     run = program.run(axioms, priority="value")
     best = max(
-        init[s[0]] * emit[s[0], observations[0]] * math.prod(trans[s[t - 1], s[t]] * emit[s[t], observations[t]] for t in range(1, len(s)))
+        init[s[0]]
+        * emit[s[0], observations[0]]
+        * math.prod(trans[s[t - 1], s[t]] * emit[s[t], observations[t]] for t in range(1, len(s)))
         for s in itertools.product(range(3), repeat=len(observations))
     )
     assert run.chart[("likelihood",)] == pytest.approx(best, rel=1e-12)
@@ -108,7 +114,9 @@ def test_viterbi_matches_brute_force_and_finite_differences() -> None:
         up, down = dict(axioms), dict(axioms)
         up[item] += 1e-7
         down[item] -= 1e-7
-        numeric = (program.run(up, **options).chart[("likelihood",)] - program.run(down, **options).chart[("likelihood",)]) / 2e-7
+        numeric = (
+            program.run(up, **options).chart[("likelihood",)] - program.run(down, **options).chart[("likelihood",)]
+        ) / 2e-7
         assert grads.get(item, 0.0) == pytest.approx(numeric, rel=1e-4, abs=1e-9), item
 
 

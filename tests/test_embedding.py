@@ -44,7 +44,10 @@ async def test_a_step_touches_only_the_rows_used(optimizer: ml.optim.GradientTra
 
 async def test_sparse_step_equals_the_dense_step_for_sgd() -> None:
     table = np.random.default_rng(1).standard_normal((5, 3))
-    sparse, dense = ml.Weight(table.copy(), optimizer=ml.optim.sgd(0.1)), ml.Weight(table.copy(), optimizer=ml.optim.sgd(0.1))
+    sparse, dense = (
+        ml.Weight(table.copy(), optimizer=ml.optim.sgd(0.1)),
+        ml.Weight(table.copy(), optimizer=ml.optim.sgd(0.1)),
+    )
     await ml.sum(ml.embedding(sparse, INDICES) ** 2.0).train()
     await ml.sum((np.eye(5)[INDICES] @ dense) ** 2.0).train()
     np.testing.assert_allclose(sparse.data, dense.data, rtol=1e-12)

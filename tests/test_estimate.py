@@ -42,7 +42,9 @@ async def test_estimate_in_training_replace_at_inference() -> None:
 
     probabilities = ml.softmax(logits)
     trained = estimate_and_replace(black_box, estimator, [probabilities], training=True)
-    assert await trained.predict() == pytest.approx(float(np.exp([0.1, 2.0, 0.3]) / np.exp([0.1, 2.0, 0.3]).sum() @ [9, 21, 29]))
+    assert await trained.predict() == pytest.approx(
+        float(np.exp([0.1, 2.0, 0.3]) / np.exp([0.1, 2.0, 0.3]).sum() @ [9, 21, 29])
+    )
     assert calls == []
     replaced = estimate_and_replace(black_box, estimator, [probabilities], training=False)
     assert await replaced.predict() == 20.0
@@ -94,5 +96,7 @@ async def test_a_tiny_estinet_learns_through_its_estimator() -> None:
         p = ml.softmax(logits)
         estimate = estimate_and_replace(black_box, lambda q: ml.sum(q * fixed), [p], training=True)
         await ((estimate - 7.0) ** 2.0 + 0.1 * entropy_penalty(p, threshold=0.1)).train()
-    answer = await estimate_and_replace(black_box, lambda q: ml.sum(q * fixed), [ml.softmax(logits)], training=False).predict()
+    answer = await estimate_and_replace(
+        black_box, lambda q: ml.sum(q * fixed), [ml.softmax(logits)], training=False
+    ).predict()
     assert answer == 7.0

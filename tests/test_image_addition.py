@@ -31,7 +31,17 @@ def test_the_black_box_is_the_scaled_sum_of_the_hardened_digits() -> None:
 def test_the_extractor_learns_digits_from_sums_alone() -> None:
     # No image carries its digit: the digits are read through the frozen sum estimator only.
     args = image_addition.parser().parse_args(
-        ["--steps", "1500", "--pretrain-steps", "1500", "--test-count", "100", "--sampling", "offline", "--no-end-to-end"]
+        [
+            "--steps",
+            "1500",
+            "--pretrain-steps",
+            "1500",
+            "--test-count",
+            "100",
+            "--sampling",
+            "offline",
+            "--no-end-to-end",
+        ]
     )
     (estinet,) = anyio.run(image_addition.run, args, False)
     assert estinet.digit_accuracy is not None and estinet.digit_accuracy > 0.25  # chance: 0.1

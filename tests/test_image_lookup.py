@@ -9,7 +9,9 @@ from examples import image_lookup
 
 
 def test_a_different_table_at_inference_answers_as_well_as_the_trained_one() -> None:
-    args = image_lookup.parse(["--k", "2", "--steps", "800", "--pretrain-steps", "800", "--test-count", "1000", "--sampling", "offline"])
+    args = image_lookup.parse(
+        ["--k", "2", "--steps", "800", "--pretrain-steps", "800", "--test-count", "1000", "--sampling", "offline"]
+    )
     estinet, end_to_end = anyio.run(image_lookup.run, args, False)
     assert estinet.name == "EstiNet (offline)" and end_to_end.name == "end-to-end"
     assert estinet.digit_accuracy is not None and estinet.digit_accuracy > 0.8  # digits learned from lookups alone

@@ -32,26 +32,55 @@ def _strict(a: np.ndarray) -> Any:
 # that returns a layer. The loss is the sum of the layer times a fixed random
 # projection, so the whole vector-Jacobian product is compared.
 CASES: dict[str, tuple[list[np.ndarray], Build]] = {
-    "arithmetic": ([RNG.normal(size=(3, 4)), RNG.normal(size=(4,))], lambda w, ix: (w[0] * w[1] - w[1]) / (2.0 + w[0] * w[0])),
+    "arithmetic": (
+        [RNG.normal(size=(3, 4)), RNG.normal(size=(4,))],
+        lambda w, ix: (w[0] * w[1] - w[1]) / (2.0 + w[0] * w[0]),
+    ),
     "power": ([RNG.uniform(0.5, 2, size=(3,)), RNG.uniform(0.5, 2, size=(3,))], lambda w, ix: w[0] ** w[1]),
-    "unary": ([RNG.uniform(0.5, 2, size=(2, 3))], lambda w, ix: ml.exp(w[0]) + ml.log(w[0]) + ml.sqrt(w[0]) + ml.abs(-w[0])),
+    "unary": (
+        [RNG.uniform(0.5, 2, size=(2, 3))],
+        lambda w, ix: ml.exp(w[0]) + ml.log(w[0]) + ml.sqrt(w[0]) + ml.abs(-w[0]),
+    ),
     "activations": ([RNG.normal(size=(2, 5))], lambda w, ix: ml.tanh(w[0]) + ml.sigmoid(w[0]) + ml.relu(w[0])),
-    "maximum_minimum": ([RNG.normal(size=(6,)), RNG.normal(size=(6,))], lambda w, ix: ml.maximum(w[0], w[1]) * ml.minimum(w[0], 0.1)),
+    "maximum_minimum": (
+        [RNG.normal(size=(6,)), RNG.normal(size=(6,))],
+        lambda w, ix: ml.maximum(w[0], w[1]) * ml.minimum(w[0], 0.1),
+    ),
     "matmul_2d": ([RNG.normal(size=(3, 4)), RNG.normal(size=(4, 2))], lambda w, ix: w[0] @ w[1]),
-    "matmul_vector": ([RNG.normal(size=(4,)), RNG.normal(size=(4, 2)), RNG.normal(size=(2,))], lambda w, ix: (w[0] @ w[1]) @ w[2] + (w[1] @ w[2]) @ w[0]),
-    "reductions": ([RNG.normal(size=(3, 4))], lambda w, ix: ml.sum(w[0], axis=0) + ml.mean(w[0], axis=0) + ml.max(w[0], axis=0) + ml.sum(w[0])),
-    "logsumexp_softmax": ([RNG.normal(size=(3, 4))], lambda w, ix: ml.logsumexp(w[0], axis=1) + ml.sum(ml.softmax(w[0]) * ml.log_softmax(w[0]), axis=1)),
+    "matmul_vector": (
+        [RNG.normal(size=(4,)), RNG.normal(size=(4, 2)), RNG.normal(size=(2,))],
+        lambda w, ix: (w[0] @ w[1]) @ w[2] + (w[1] @ w[2]) @ w[0],
+    ),
+    "reductions": (
+        [RNG.normal(size=(3, 4))],
+        lambda w, ix: ml.sum(w[0], axis=0) + ml.mean(w[0], axis=0) + ml.max(w[0], axis=0) + ml.sum(w[0]),
+    ),
+    "logsumexp_softmax": (
+        [RNG.normal(size=(3, 4))],
+        lambda w, ix: ml.logsumexp(w[0], axis=1) + ml.sum(ml.softmax(w[0]) * ml.log_softmax(w[0]), axis=1),
+    ),
     "shapes": ([RNG.normal(size=(2, 3, 4))], lambda w, ix: ml.transpose(ml.reshape(w[0], (6, 4)), (1, 0)) * 2.0),
     "getitem": ([RNG.normal(size=(5, 3))], lambda w, ix: w[0][1:4, ::2] * 3.0),
-    "getitem_fancy_repeated": ([RNG.normal(size=(5, 3))], lambda w, ix: w[0][ix([0, 2, 2, 4]), ix([1, 0, 0, 2])] + w[0][ix([3, 3, 1, 0]), 1]),
-    "concatenate_stack": ([RNG.normal(size=(2, 3)), RNG.normal(size=(2, 3))], lambda w, ix: ml.concatenate([w[0], ml.stack([w[1], w[0]], axis=1)[:, 0, :]], axis=-1)),
-    "conv2d": ([RNG.normal(size=(2, 2, 5, 5)), RNG.normal(size=(3, 2, 3, 3))], lambda w, ix: ml.conv2d(w[0], w[1], stride=2, padding=1)),
+    "getitem_fancy_repeated": (
+        [RNG.normal(size=(5, 3))],
+        lambda w, ix: w[0][ix([0, 2, 2, 4]), ix([1, 0, 0, 2])] + w[0][ix([3, 3, 1, 0]), 1],
+    ),
+    "concatenate_stack": (
+        [RNG.normal(size=(2, 3)), RNG.normal(size=(2, 3))],
+        lambda w, ix: ml.concatenate([w[0], ml.stack([w[1], w[0]], axis=1)[:, 0, :]], axis=-1),
+    ),
+    "conv2d": (
+        [RNG.normal(size=(2, 2, 5, 5)), RNG.normal(size=(3, 2, 3, 3))],
+        lambda w, ix: ml.conv2d(w[0], w[1], stride=2, padding=1),
+    ),
     "max_pool2d": ([RNG.normal(size=(1, 2, 4, 4))], lambda w, ix: ml.max_pool2d(w[0], 2)),
     "cross_entropy": ([RNG.normal(size=(4, 3))], lambda w, ix: ml.cross_entropy(w[0], ix([0, 2, 1, 2]))),
 }
 
 
-async def _value_and_grads(arrays: list[Any], build: Build, asarray: Callable[[Any], Any], projection: Any) -> tuple[Any, list[Any]]:
+async def _value_and_grads(
+    arrays: list[Any], build: Build, asarray: Callable[[Any], Any], projection: Any
+) -> tuple[Any, list[Any]]:
     weights = [ml.Weight(a) for a in arrays]
     out = build(weights, asarray)
     loss = ml.sum(out * projection) if projection is not None else out
@@ -78,7 +107,9 @@ def test_every_primitive_gives_numpys_values_and_gradients_on_a_strict_array_api
         np.testing.assert_allclose(np.asarray(s), h, rtol=1e-12, atol=1e-12)
 
 
-def _mlp_losses(make: Callable[[np.ndarray], Any], steps: int, optimizer: Callable[[], ml.optim.GradientTransformation]) -> tuple[list[float], list[np.ndarray]]:
+def _mlp_losses(
+    make: Callable[[np.ndarray], Any], steps: int, optimizer: Callable[[], ml.optim.GradientTransformation]
+) -> tuple[list[float], list[np.ndarray]]:
     rng = np.random.default_rng(3)
     w1 = ml.Weight(make(rng.normal(size=(6, 8)).astype(np.float32) * 0.5), optimizer=optimizer())
     b1 = ml.Weight(make(np.zeros(8, np.float32)), optimizer=optimizer())
@@ -98,7 +129,9 @@ def _mlp_losses(make: Callable[[np.ndarray], Any], steps: int, optimizer: Callab
 
 
 @pytest.mark.parametrize("optimizer", [lambda: ml.optim.sgd(0.1), lambda: ml.optim.adam(1e-2)], ids=["sgd", "adam"])
-def test_a_model_trains_with_weights_held_as_strict_array_api_arrays(optimizer: Callable[[], ml.optim.GradientTransformation]) -> None:
+def test_a_model_trains_with_weights_held_as_strict_array_api_arrays(
+    optimizer: Callable[[], ml.optim.GradientTransformation],
+) -> None:
     host_losses, host_weights = _mlp_losses(np.asarray, 30, optimizer)
     strict_losses, strict_weights = _mlp_losses(xs.asarray, 30, optimizer)
     assert strict_losses[-1] < 0.7 * strict_losses[0]  # it learns
@@ -132,7 +165,9 @@ def test_a_numpy_scalar_weight_meets_a_strict_array() -> None:
 
 def test_mixing_numpy_and_another_library_is_an_error_that_names_both() -> None:
     w = ml.Weight(np.ones(3))
-    with pytest.raises(ml.DeviceError, match=r"multiply: operands mix a numpy \(host\) array and a array_api_strict") as info:
+    with pytest.raises(
+        ml.DeviceError, match=r"multiply: operands mix a numpy \(host\) array and a array_api_strict"
+    ) as info:
         anyio.run((w * xs.asarray([1.0, 2.0, 3.0])).predict)
     assert "move one explicitly" in str(info.value)
     assert w.data.tolist() == [1.0, 1.0, 1.0]

@@ -51,7 +51,7 @@ def test_optimizer_reduces_quadratic_and_rosenbrock(name: str) -> None:
 
 def test_adam_first_step_is_learning_rate_in_size() -> None:
     opt = optim.adam(0.1)
-    update, state = opt.update(np.array([5.0, -0.01]), opt.init(np.zeros(2)), np.zeros(2))
+    update, _ = opt.update(np.array([5.0, -0.01]), opt.init(np.zeros(2)), np.zeros(2))
     np.testing.assert_allclose(update, [-0.1, 0.1], rtol=1e-5)
 
 

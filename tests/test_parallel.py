@@ -155,9 +155,8 @@ async def test_exception_in_a_branch_surfaces_as_itself_and_changes_nothing() ->
 
 
 def test_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="workers"):
-        with ml.settings(workers=0):
-            pass
+    with pytest.raises(ValueError, match="workers"), ml.settings(workers=0):
+        pass
 
 
 # ---- the faster way ------------------------------------------------------------------------------
@@ -195,7 +194,12 @@ def test_a_trained_graph_is_judged_with_its_backward() -> None:
     w = ml.Weight(np.ones((2, 2)))
     order = [w * 2.0]
     ev = Evaluation(train=True)
-    for forked, forward, backward in ((False, 0.004, 0.006), (False, 0.004, 0.006), (True, 0.003, 0.009), (True, 0.003, 0.009)):
+    for forked, forward, backward in (
+        (False, 0.004, 0.006),
+        (False, 0.004, 0.006),
+        (True, 0.003, 0.009),
+        (True, 0.003, 0.009),
+    ):
         _parallel.measured(ev, order, forward, forked)
         _parallel.settle(ev, backward)
     # the pool's forward is faster (3 ms against 4), the whole step slower (12 against 10)

@@ -10,7 +10,18 @@ from examples import text_logic
 
 def test_estinet_finds_the_arguments_and_answers_exactly_where_end_to_end_only_approximates() -> None:
     args = text_logic.parser().parse_args(
-        ["--sizes", "400", "--steps", "1000", "--pretrain-steps", "1000", "--test-count", "1000", "--sampling", "offline"]
+        [
+            "--sizes",
+            "400",
+            "--steps",
+            "1000",
+            "--pretrain-steps",
+            "1000",
+            "--test-count",
+            "1000",
+            "--sampling",
+            "offline",
+        ]
     )
     estinet, end_to_end = anyio.run(text_logic.run, args, False)
     assert (estinet.name, end_to_end.name) == ("EstiNet (offline)", "end-to-end")

@@ -220,7 +220,9 @@ def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tupl
         f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\n"
         f"cache_dir = {folder / '.mypy_cache'}\n"
     )
-    stdout, stderr, _ = mypy_api.run(["--config-file", str(config), "--no-error-summary", *sorted(str(p) for p in folder.glob("*.py"))])
+    stdout, stderr, _ = mypy_api.run(
+        ["--config-file", str(config), "--no-error-summary", *sorted(str(p) for p in folder.glob("*.py"))]
+    )
     assert not stderr, stderr
     errors: dict[str, list[tuple[int, str, str]]] = {name: [] for name in names}
     prelude_lines = PRELUDE.count("\n")

@@ -99,7 +99,7 @@ def sqrt(x: Operand) -> Layer[Any, Any]:
 
 
 @overload
-def abs(x: ScalarOperand) -> ScalarLayer: ...  # noqa: A001 - NumPy's name
+def abs(x: ScalarOperand) -> ScalarLayer: ...
 @overload
 def abs(x: ArrayOperand) -> ArrayLayer: ...
 def abs(x: Operand) -> Layer[Any, Any]:
@@ -195,7 +195,7 @@ def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = Non
 
 # ---- reductions --------------------------------------------------------------------------
 @overload
-def sum(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...  # noqa: A001
+def sum(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...
 @overload
 def sum(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
 def sum(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
@@ -218,7 +218,7 @@ def mean(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool =
 
 
 @overload
-def max(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...  # noqa: A001
+def max(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: ...
 @overload
 def max(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
 def max(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
@@ -261,7 +261,9 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
     """
     classes = _integers(labels, "cross_entropy: labels")
     if classes.ndim != 1:
-        raise OperandError(f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}")
+        raise OperandError(
+            f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}"
+        )
     rows = namespace(classes).arange(classes.shape[0], device=classes.device)
     return _apply("cross_entropy", (logits,), (rows, classes))
 

@@ -8,10 +8,10 @@ paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
 from __future__ import annotations
 
 import itertools
-from types import CodeType, EllipsisType
 import os
 import sys
 from collections.abc import Generator
+from types import CodeType, EllipsisType
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -30,9 +30,9 @@ __all__ = [
     "Array",
     "ArrayLayer",
     "ArrayWeight",
-    "DeviceArray",
     "AsArray",
     "AsScalar",
+    "DeviceArray",
     "Layer",
     "Operand",
     "ScalarLayer",
@@ -108,9 +108,7 @@ def _operand(x: object, op: str) -> Any:
             raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
         return x
     hint = " (wrap it with np.asarray first)" if isinstance(x, (list, tuple)) else ""
-    raise OperandError(
-        f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}"
-    )
+    raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 
 class _Expr(Generic[D, G]):
@@ -298,7 +296,7 @@ class _Expr(Generic[D, G]):
         return Layer._make(PRIMITIVES["transpose"], (self,), (axes or None,))
 
     @property
-    def T(self) -> Layer[Array, Array]:  # noqa: N802 - NumPy's name
+    def T(self) -> Layer[Array, Array]:
         """The transpose."""
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
@@ -353,7 +351,7 @@ class Layer(_Expr[D, G]):
     np.float64(9.0)
     """
 
-    __slots__ = ("_op", "_inputs", "_params", "_do", "_site", "_serial")
+    __slots__ = ("_do", "_inputs", "_op", "_params", "_serial", "_site")
 
     _op: Primitive | None
     _inputs: tuple[Any, ...]
@@ -421,18 +419,24 @@ class Weight(_Expr[D, G]):
     array([0., 0.])
     """
 
-    __slots__ = ("_data", "_optimizer", "_state", "__weakref__")
+    __slots__ = ("__weakref__", "_data", "_optimizer", "_state")
 
     _data: Any
     _optimizer: GradientTransformation
     _state: Any
 
     @overload
-    def __init__(self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None) -> None: ...
+    def __init__(
+        self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
     @overload
-    def __init__(self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None) -> None: ...
+    def __init__(
+        self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
     @overload
-    def __init__(self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None) -> None: ...
+    def __init__(
+        self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
@@ -457,7 +461,9 @@ class Weight(_Expr[D, G]):
         if optimizer is None:
             optimizer = optim.default_optimizer()
         elif not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}")
+            raise OperandError(
+                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
+            )
         self._data = data
         self._optimizer = optimizer
         self._state = optimizer.init(data)

@@ -28,7 +28,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 
-__all__ = ["Primitive", "unbroadcast", "scatter_add", "PRIMITIVES"]
+__all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]
@@ -256,9 +256,7 @@ def _mean(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
     xp, shape = namespace(a), a.shape
     out = xp.mean(a, axis=axis, keepdims=keepdims)
     scale = prod(out.shape) / max(prod(shape), 1)
-    return out, (
-        lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims) * scale, shape),
-    )
+    return out, (lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims) * scale, shape),)
 
 
 def _max(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
@@ -436,7 +434,9 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
         padded = x
     oh, ow = (padded.shape[2] - kh) // stride + 1, (padded.shape[3] - kw) // stride + 1
     if oh < 1 or ow < 1:
-        raise ValueError(f"conv2d: kernel {kh}x{kw} is larger than the padded input {padded.shape[2]}x{padded.shape[3]}")
+        raise ValueError(
+            f"conv2d: kernel {kh}x{kw} is larger than the padded input {padded.shape[2]}x{padded.shape[3]}"
+        )
     # im2col: (N, C*KH*KW, OH*OW), ordered like the kernel's (O, C*KH*KW).
     windows = [_window(padded, i, j, stride, oh, ow) for i in range(kh) for j in range(kw)]
     cols = xp.reshape(xp.stack(windows, axis=2), (n, c * kh * kw, oh * ow))
@@ -448,7 +448,12 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
         dpadded = xp.zeros(padded.shape, dtype=dcols.dtype, device=x.device)
         for k in range(kh * kw):
             i, j = divmod(k, kw)
-            index = (slice(None), slice(None), slice(i, i + stride * (oh - 1) + 1, stride), slice(j, j + stride * (ow - 1) + 1, stride))
+            index = (
+                slice(None),
+                slice(None),
+                slice(i, i + stride * (oh - 1) + 1, stride),
+                slice(j, j + stride * (ow - 1) + 1, stride),
+            )
             dpadded[index] = dpadded[index] + dcols[:, :, k, :, :]
         return dpadded[:, :, padding : padding + h, padding : padding + wd] if padding else dpadded
 
@@ -461,7 +466,7 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
 
 def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(x)
-    n, c, h, w = x.shape
+    h, w = x.shape[2:]
     oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
     if oh < 1 or ow < 1:
         raise ValueError(f"max_pool2d: kernel {kernel} is larger than the input {h}x{w}")
@@ -473,7 +478,12 @@ def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, .
         dx = xp.zeros(x.shape, dtype=g.dtype, device=x.device)
         for k in range(kernel * kernel):
             i, j = divmod(k, kernel)
-            index = (slice(None), slice(None), slice(i, i + stride * (oh - 1) + 1, stride), slice(j, j + stride * (ow - 1) + 1, stride))
+            index = (
+                slice(None),
+                slice(None),
+                slice(i, i + stride * (oh - 1) + 1, stride),
+                slice(j, j + stride * (ow - 1) + 1, stride),
+            )
             dx[index] = dx[index] + g * _mask(xp, winner == k, g)
         return dx
 

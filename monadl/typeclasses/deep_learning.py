@@ -60,7 +60,9 @@ def forward(x: Any) -> Do[Tape[Any, Any]]:
         return Do.pure(Tape(x if isinstance(x, np.generic) else np.float64(x)))
     if isinstance(x, np.ndarray) and x.dtype.kind in "fiu":
         return Do.pure(Tape(x))
-    raise OperandError(f"forward: {type(x).__name__} is not differentiable (not data, a Weight, a Layer or a DeepLearning)")
+    raise OperandError(
+        f"forward: {type(x).__name__} is not differentiable (not data, a Weight, a Layer or a DeepLearning)"
+    )
 
 
 @overload

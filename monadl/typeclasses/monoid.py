@@ -123,7 +123,7 @@ class _SparseRowsMonoid:
 DENSE: Monoid[Any] = _Dense()
 
 
-def SPARSE_ROWS(table_shape: tuple[int, ...], dtype: Any = np.float64) -> Monoid[SparseRows]:  # noqa: N802 - an instance
+def SPARSE_ROWS(table_shape: tuple[int, ...], dtype: Any = np.float64) -> Monoid[SparseRows]:
     """The monoid of sparse deltas of a table of ``table_shape``."""
     return _SparseRowsMonoid(table_shape, dtype)
 
