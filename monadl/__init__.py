@@ -5,8 +5,7 @@ A model is plain Python that builds lazy `Layer`s over trainable `Weight`s;
 weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
-from monadl import _allocator, optim  # noqa: F401 - _allocator tunes malloc on import
-from monadl._settings import Settings, current_settings, settings
+from monadl import optim
 from monadl.direct import direct, values
 from monadl.do import Do
 from monadl.errors import DeviceError, DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
@@ -53,6 +52,7 @@ from monadl.layers import (
     tanh,
     transpose,
 )
+from monadl.runtime.settings import Settings, current_settings, settings
 from monadl.tape import Tape
 from monadl.typeclasses import DeepLearning, as_layer, forward
 

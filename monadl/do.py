@@ -7,7 +7,7 @@ forwards, so a node that several consumers acquire runs once and is released
 (and, for a tape, back-propagated) once, when the last consumer lets go.
 
 The constructors are few on purpose, and one iterative machine
-(`monadl._machine`) interprets them all with an explicit stack, so neither a
+(`monadl.runtime.interpret`) interprets them all with an explicit stack, so neither a
 long chain of `bind`s nor a deep layer graph grows the Python stack.
 
 >>> import anyio
@@ -199,9 +199,9 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
 
     async def run(self) -> A:
         """Acquire in a fresh evaluation, release, and return the value."""
-        from monadl import _machine
+        from monadl.runtime import entry
 
-        return await _machine.run(self)  # type: ignore[no-any-return]
+        return await entry.run(self)  # type: ignore[no-any-return]
 
     @asynccontextmanager
     async def acquire(self) -> AsyncIterator[A]:
@@ -210,9 +210,9 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         Inside the block the value is alive: any resources it holds are open.
         Gradients are not tracked here (use ``Layer.train`` for that).
         """
-        from monadl import _machine
+        from monadl.runtime import entry
 
-        async with _machine.acquire(self) as value:
+        async with entry.acquire(self) as value:
             yield value
 
 

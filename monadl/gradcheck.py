@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from monadl import _machine
 from monadl._namespace import namespace
 from monadl.layers._layer import Weight, _Expr
+from monadl.runtime import entry
 from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
@@ -31,7 +31,7 @@ async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) 
     >>> anyio.run(gradients, ml.sum(w * w), [w])
     [array([2., 4.])]
     """
-    _, grads = await _machine.gradients(loss)
+    _, grads = await entry.gradients(loss)
     return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
 
 
@@ -72,7 +72,7 @@ def check_grads(
         return (out * projection).sum() if np.ndim(probe) else out * projection
 
     weights = [Weight(p.copy() if p.ndim else p[()]) for p in point]
-    _, grads = _machine.gradients_sync(scalar(*weights))
+    _, grads = entry.gradients_sync(scalar(*weights))
     for i, p in enumerate(point):
         analytic = np.asarray(_dense(grads.get(weights[i], np.zeros_like(p))), dtype=np.float64)
         numeric = np.zeros_like(p)
@@ -92,7 +92,7 @@ def check_grads(
 
 def _value(result: Any) -> Any:
     """The forward value of a layer; plain data (a function of constants only) as is."""
-    return _machine.predict_sync(result) if isinstance(result, _Expr) else result
+    return entry.predict_sync(result) if isinstance(result, _Expr) else result
 
 
 def check_grads_over_shapes(

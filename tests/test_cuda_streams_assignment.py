@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 import monadl as ml
-from monadl import _cuda
-from monadl._machine import Evaluation, _collect
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.node import collect as _collect
+from monadl.runtime.schedule import cuda as _cuda
 
 
 def _order(root: ml.Layer[Any, Any]) -> list[Any]:

@@ -375,11 +375,11 @@ def test_sync_entry_refuses_an_effect() -> None:
     async def value() -> float:
         return 1.0
 
-    from monadl import _machine
+    from monadl.runtime import entry
 
     layer = scalar_layer(ml.Do.from_async(value))
     with pytest.raises(RuntimeError, match="inside an event loop"):
-        _machine.predict_sync(layer)
+        entry.predict_sync(layer)
 
 
 Step = Callable[[], Any]

@@ -132,9 +132,9 @@ class _Expr(Generic[D, G]):
 
         If anything fails or is cancelled, no weight changes.
         """
-        from monadl import _machine
+        from monadl.runtime import entry
 
-        return await _machine.train(self)  # type: ignore[no-any-return]
+        return await entry.train(self)  # type: ignore[no-any-return]
 
     def __await__(self) -> Generator[Any, Any, D]:
         """``await layer`` inside an `monadl.direct` function: its forward value
@@ -145,9 +145,9 @@ class _Expr(Generic[D, G]):
 
     async def predict(self) -> D:
         """The forward pass only; returns the value."""
-        from monadl import _machine
+        from monadl.runtime import entry
 
-        return await _machine.predict(self)  # type: ignore[no-any-return]
+        return await entry.predict(self)  # type: ignore[no-any-return]
 
     # ---- arithmetic (typed: scalars stay scalars, arrays win) -----------------
     @overload
@@ -419,11 +419,12 @@ class Weight(_Expr[D, G]):
     array([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "_data", "_optimizer", "_state")
+    __slots__ = ("__weakref__", "_data", "_optimizer", "_site", "_state")
 
     _data: Any
     _optimizer: GradientTransformation
     _state: Any
+    _site: Site
 
     @overload
     def __init__(
@@ -467,6 +468,7 @@ class Weight(_Expr[D, G]):
         self._data = data
         self._optimizer = optimizer
         self._state = optimizer.init(data)
+        self._site = _site()
 
     @property
     def data(self) -> D:

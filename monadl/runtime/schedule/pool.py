@@ -23,10 +23,14 @@ goes straight on with one consumer it made ready and queues only the others,
 so new work reaches the queue (and another thread) only where the graph
 branches, not once per node. The backward pass runs the same way over the
 reference counts of the paper: a record whose last consumer released it is
-ready. While the pool runs, BLAS gets ``cores // workers`` threads per call, so
-branch threads and BLAS threads never oversubscribe the cores (the limit is
-set from the event loop's thread: see `_blas_limited`), and the event loop
-stays free (the pool is awaited through a worker thread).
+ready; its backward is `backprop`, as everywhere. While the pool runs, BLAS
+gets ``cores // workers`` threads per call, so branch threads and BLAS threads
+never oversubscribe the cores (the limit is set from the event loop's thread:
+see `monadl.runtime.process.blas_limited`), and the event loop stays free (the
+pool is awaited through a worker thread).
+
+Nothing here runs unless ``workers > 1``: with one worker no graph is timed
+and no cost is kept.
 
 The first exception raised in a branch stops the others from starting new
 nodes and surfaces as itself once every branch has stopped.
@@ -34,24 +38,23 @@ nodes and surfaces as itself once every branch has stopped.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
-from monadl import _machine
+from monadl.layers._layer import Layer, Weight
+from monadl.runtime.backward import backprop
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.node import compute
+from monadl.runtime.process import blas_limited
 
 if TYPE_CHECKING:
-    from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
-
-    from monadl._machine import Evaluation
     from monadl.layers._layer import Site
 
 __all__ = ["MIN_NODE_SECONDS", "REPROBE", "backward", "forward", "measured", "settle", "worth_forking"]
@@ -164,51 +167,6 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-_blas: ThreadpoolController | None = None
-_limit_lock = threading.Lock()
-_limited = 0  # graphs on the pool now, in any event loop
-_limiter: _ThreadpoolLimiter | None = None
-
-
-@contextmanager
-def _blas_limited(workers: int) -> Iterator[None]:
-    """BLAS at ``cores // workers`` threads per call while a graph is on the pool.
-
-    Entered on the event loop's thread, never on a pool thread. OpenBLAS's
-    threads are one process-wide pool, and threadpoolctl (from 3.8) lets only
-    the thread that first set a limit change it, ignoring the others without
-    a word: set from a pool thread, the limit was lost wherever the main
-    thread had set one (a benchmark does), and each branch's products took
-    every core (forking measured 30-40% slower than inline on 2 cores).
-    Graphs on the pool at once share one limit, set by the first and restored
-    by the last (from its own thread: with event loops in several threads
-    forking at once, a restore from a thread other than threadpoolctl's
-    controlling one is ignored too, and the limit stays until that thread
-    sets one).
-    """
-    global _blas, _limited, _limiter
-    with _limit_lock:
-        if not _limited:
-            if _blas is None:  # the controller scans the loaded libraries once
-                from threadpoolctl import ThreadpoolController
-
-                _blas = ThreadpoolController()
-            _limiter = _blas.limit(limits=max(1, _cores() // workers), user_api="blas")
-        _limited += 1
-    try:
-        yield
-    finally:
-        with _limit_lock:
-            _limited -= 1
-            if not _limited and _limiter is not None:
-                _limiter.restore_original_limits()
-                _limiter = None
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _run(workers: int, worker: Callable[[], None]) -> None:
     """Run ``worker`` on this thread and ``workers - 1`` helpers; re-raise the first error."""
     futures = [_helpers(workers).submit(worker) for _ in range(workers - 1)]
@@ -280,14 +238,12 @@ async def forward(ev: Evaluation, order: list[Any]) -> None:
     """Compute every record of ``order`` on the pool (awaited from the event
     loop), and time it there and back."""
     started = time.perf_counter()
-    with _blas_limited(ev.workers):
+    with blas_limited(ev.workers):
         await anyio.to_thread.run_sync(partial(_forward, ev, order))
     measured(ev, order, time.perf_counter() - started, forked=True)
 
 
 def _forward(ev: Evaluation, order: list[Any]) -> None:
-    from monadl.layers._layer import Layer, Weight
-
     records = ev.records
     members = set(order)
     pending = dict.fromkeys(order, 0)
@@ -305,7 +261,7 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
     schedule = _Schedule([node for node in order if not pending[node]])
 
     def step(node: Any) -> Any:
-        rec = _machine.compute(ev, node, False)
+        rec = compute(ev, node, False)
         with schedule.cv:
             rec.refcount = holds[node]
             records[node] = rec
@@ -324,7 +280,7 @@ def _forward(ev: Evaluation, order: list[Any]) -> None:
 # ---- backward --------------------------------------------------------------------------------
 async def backward(ev: Evaluation, token: Any) -> None:
     """Release ``token`` with back-propagation on the pool."""
-    with _blas_limited(ev.workers):
+    with blas_limited(ev.workers):
         await anyio.to_thread.run_sync(partial(_backward, ev, token))
 
 
@@ -342,13 +298,8 @@ def _backward(ev: Evaluation, token: Any) -> None:
     schedule = _Schedule(roots)
 
     def step(rec: Any) -> Any:
-        shares = _machine.input_deltas(ev, rec) if rec.delta is not None and rec.vjps is not None else []
+        backprop(rec, ev.check_finite, schedule.cv)
         with schedule.cv:
-            for r, g in shares:
-                r.delta = g if r.delta is None else r.delta + g
-            if not rec.is_weight:
-                rec.delta = None
-                rec.vjps = None
             ready = []
             for r in rec.inputs:
                 if r is not None:

@@ -26,12 +26,12 @@ class Settings:
             last two evaluations of the same model code exceeds twice this (a
             thread hop costs tens of microseconds; forking must pay for it),
             and only while it measures faster on the pool than inline
-            (forward, and backward when trained; see `monadl._parallel`).
+            (forward, and backward when trained; see `monadl.runtime.schedule.pool`).
         check_finite: raise `NonFiniteError` at the first operation whose
             forward value or backward delta holds a NaN or an infinity (on a
             GPU this waits for each value: for debugging).
         cuda_streams: CUDA streams that the independent branches of a graph
-            of CuPy arrays spread over (see `monadl._cuda`); 1 runs every
+            of CuPy arrays spread over (see `monadl.runtime.schedule.cuda`); 1 runs every
             kernel on the caller's current stream.
         pause_gc: pause Python's cyclic garbage collector while the runtime
             computes (between the awaits of an evaluation; never across one).
@@ -39,6 +39,21 @@ class Settings:
             reference cycles, so the collections it would trigger find nothing
             and cost about an eighth of a small graph's time. Cycles that user
             code makes meanwhile are collected later, as usual.
+        finite_steps: refuse an optimizer step that would write a NaN or an
+            infinity into a weight (``train()`` raises `NonFiniteError` naming
+            the weight, and no weight changes), as a mixed-precision loss
+            scaler skips such a step. One dot product per weight per step.
+        tune_process: let monadl tune the process for its allocation pattern:
+            glibc's malloc thresholds, raised on the first ``train()`` or
+            ``predict()`` (see `monadl.runtime.process`), and the GC pause
+            above. False leaves the whole process as it is (``pause_gc`` is
+            then ignored). The environment variable ``MONADL_TUNE_PROCESS=0``
+            sets the default.
+        yield_interval_s: the longest stretch of computation between two
+            checkpoints where the runtime gives the event loop a turn (other
+            tasks run; cancellation, timeouts and Ctrl-C take effect there,
+            with no weight changed). Checked every few dozen nodes, so a
+            single long kernel is not interrupted.
     """
 
     workers: int = 1
@@ -46,6 +61,9 @@ class Settings:
     check_finite: bool = False
     cuda_streams: int = 4
     pause_gc: bool = True
+    finite_steps: bool = True
+    tune_process: bool = True
+    yield_interval_s: float = 0.005
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -54,11 +72,14 @@ class Settings:
             raise ValueError(f"fork_threshold_s must be >= 0, got {self.fork_threshold_s}")
         if self.cuda_streams < 1:
             raise ValueError(f"cuda_streams must be at least 1, got {self.cuda_streams}")
+        if not self.yield_interval_s > 0:
+            raise ValueError(f"yield_interval_s must be > 0, got {self.yield_interval_s}")
 
 
 def _default() -> Settings:
     workers = int(os.environ.get("MONADL_WORKERS", "1"))
-    return Settings(workers=workers)
+    tune = os.environ.get("MONADL_TUNE_PROCESS", "1") != "0"
+    return Settings(workers=workers, tune_process=tune)
 
 
 _current: ContextVar[Settings] = ContextVar("monadl_settings", default=_default())  # noqa: B039 - frozen, not mutable
@@ -77,6 +98,9 @@ def settings(
     check_finite: bool | None = None,
     cuda_streams: int | None = None,
     pause_gc: bool | None = None,
+    finite_steps: bool | None = None,
+    tune_process: bool | None = None,
+    yield_interval_s: float | None = None,
 ) -> Iterator[Settings]:
     """Override settings inside a ``with`` block.
 
@@ -92,6 +116,9 @@ def settings(
         check_finite=old.check_finite if check_finite is None else check_finite,
         cuda_streams=old.cuda_streams if cuda_streams is None else cuda_streams,
         pause_gc=old.pause_gc if pause_gc is None else pause_gc,
+        finite_steps=old.finite_steps if finite_steps is None else finite_steps,
+        tune_process=old.tune_process if tune_process is None else tune_process,
+        yield_interval_s=old.yield_interval_s if yield_interval_s is None else yield_interval_s,
     )
     token = _current.set(new)
     try:

@@ -1,4 +1,4 @@
-"""Optimizers as pairs of pure functions, composed with `chain` (after optax).
+"""Gradient transformations: optimizers as `(init, update)` pairs, composed with `chain` (after optax).
 
 A `GradientTransformation` is ``(init, update)``: ``init(param)`` makes the
 state for one weight; ``update(grad, state, param)`` returns the update to add
@@ -122,17 +122,36 @@ def scale(factor: float) -> GradientTransformation:
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
-    """Multiply by ``-learning_rate`` (descent), a constant or a schedule of the step."""
+    """Multiply by ``-learning_rate`` (descent), a constant or a schedule of the step.
+
+    A rate must be finite and >= 0 (0 freezes a weight, as in PyTorch and
+    optax); a schedule's rates are checked at each step, so a schedule that
+    goes negative fails that step (and changes no weight) instead of ascending.
+
+    >>> scale_by_learning_rate(float("nan"))
+    Traceback (most recent call last):
+    ...
+    ValueError: learning_rate must be a finite number >= 0, got nan
+    """
     if callable(learning_rate):
         schedule = learning_rate
 
         def update(g: Tensor, step: int, p: Tensor) -> tuple[Tensor, int]:
-            return g * -schedule(step), step + 1
+            rate = schedule(step)
+            if not _valid_rate(rate):
+                raise ValueError(
+                    f"the learning-rate schedule gave {rate!r} at step {step}; a rate must be finite and >= 0"
+                )
+            return g * -rate, step + 1
 
         return GradientTransformation(lambda p: 0, update)
-    if learning_rate <= 0:
-        raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+    if not _valid_rate(learning_rate):
+        raise ValueError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
     return scale(-learning_rate)
+
+
+def _valid_rate(rate: object) -> bool:
+    return isinstance(rate, (int, float, np.number)) and bool(np.isfinite(rate)) and bool(rate >= 0)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:

@@ -1,0 +1,70 @@
+"""Optimizers as pairs of pure functions, composed with `chain` (after optax),
+and the one place where they step weights (`apply_gradients`).
+
+>>> import numpy as np
+>>> opt = sgd(0.1)
+>>> state = opt.init(np.zeros(2))
+>>> update, state = opt.update(np.array([1.0, -2.0]), state, np.zeros(2))
+>>> update
+array([-0.1,  0.2])
+"""
+
+from monadl.optim.apply import apply_gradients
+from monadl.optim.transforms import (
+    DEFAULT_LEARNING_RATE,
+    AdagradState,
+    AdamState,
+    GradientTransformation,
+    RmsState,
+    Schedule,
+    adagrad,
+    adam,
+    add_decayed_weights,
+    add_l1_decay,
+    chain,
+    constant_schedule,
+    cosine_decay_schedule,
+    default_optimizer,
+    exponential_decay,
+    momentum,
+    nesterov,
+    rmsprop,
+    scale,
+    scale_by_adagrad,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_rms,
+    sgd,
+    trace,
+    using_default,
+)
+
+__all__ = [
+    "DEFAULT_LEARNING_RATE",
+    "AdagradState",
+    "AdamState",
+    "GradientTransformation",
+    "RmsState",
+    "Schedule",
+    "adagrad",
+    "adam",
+    "add_decayed_weights",
+    "add_l1_decay",
+    "apply_gradients",
+    "chain",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "default_optimizer",
+    "exponential_decay",
+    "momentum",
+    "nesterov",
+    "rmsprop",
+    "scale",
+    "scale_by_adagrad",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_rms",
+    "sgd",
+    "trace",
+    "using_default",
+]

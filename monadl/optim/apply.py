@@ -1,0 +1,159 @@
+"""Applying gradients to weights: one optimizer step each, all or none.
+
+`apply_gradients` is where a ``train()`` commits. Every step is computed
+before any is written, so a failing update (or a refused one) changes
+nothing; the whole commit holds one lock, so two threads training the same
+weight never lose an update (each reads the state the other wrote).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from monadl._namespace import is_array, namespace
+from monadl.errors import NonFiniteError
+from monadl.layers._layer import Weight, site_text
+from monadl.typeclasses.monoid import SparseRows
+
+__all__ = ["apply_gradients", "step"]
+
+_commit: Final = threading.Lock()
+
+
+def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
+    """Give each weight one optimizer step along its gradient, atomically.
+
+    Args:
+        gradients: by weight, a dense gradient (an array or a number) or a
+            `SparseRows` delta (only those rows step).
+        finite: refuse to write a NaN or an infinity into a weight: raise
+            `NonFiniteError` naming the weight and the line that built it,
+            and change no weight.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.5))
+    >>> apply_gradients({w: np.array([2.0, -2.0])})
+    >>> w.data
+    array([0., 3.])
+    """
+    with _commit:
+        steps = [(weight, *step(weight, grad)) for weight, grad in gradients.items()]
+        if finite:
+            for weight, data, _ in steps:
+                if not _finite(data):
+                    raise NonFiniteError(
+                        f"the optimizer step would write a NaN or an infinity into the weight built at "
+                        f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
+                        "ml.settings(check_finite=True) finds the operation that made it"
+                    )
+        for weight, data, state in steps:
+            weight._data = data
+            weight._state = state
+
+
+def _finite(x: Any) -> bool:
+    if type(x) is np.ndarray:
+        # One BLAS pass: NaN and infinity reach the dot product (and so does an
+        # overflow past 1e154, which is no weight to keep either).
+        flat = x.reshape(-1)
+        return bool(np.isfinite(np.dot(flat, flat))) if x.dtype.kind == "f" else True
+    if isinstance(x, (float, np.floating)):
+        return bool(np.isfinite(x))
+    xp = namespace(x)
+    return bool(xp.all(xp.isfinite(x)))
+
+
+def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
+    """A weight's new data and optimizer state after one step; nothing is written."""
+    if type(grad) is SparseRows:
+        return _sparse_step(weight, grad)
+    old = weight._data
+    update, state = weight._optimizer.update(grad, weight._state, old)
+    if _is_temporary(update, old):
+        new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill
+    else:
+        new = old + update
+    return _like(new, old), state
+
+
+def _like(new: Any, old: Any) -> Any:
+    """``new`` as the same kind of value as ``old``: its dtype, and a 0-d
+    array stays a 0-d array (NumPy arithmetic turns one into a scalar)."""
+    dtype = old.dtype
+    if isinstance(new, np.ndarray):
+        return new.astype(dtype, copy=False)
+    if isinstance(new, (np.generic, float, int)):
+        return np.asarray(new, dtype=dtype) if type(old) is np.ndarray else dtype.type(new)
+    return namespace(new).astype(new, dtype, copy=False)  # an array of another library
+
+
+def _is_temporary(update: Any, like: Any) -> bool:
+    """Whether ``update`` is a NumPy array that nothing but the caller's name
+    refers to (not optimizer state, not a gradient, not a view), shaped and
+    typed like ``like``: then adding in place is safe. This is NumPy's own
+    test for eliding temporaries, which a name defeats."""
+    return (
+        _COUNTS_EVERY_REFERENCE
+        and type(update) is np.ndarray
+        and update.nbytes >= _ELIDE_BYTES
+        and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
+        and type(like) is np.ndarray
+        and update.dtype == like.dtype
+        and update.shape == like.shape
+        and update.flags.owndata
+        and update.flags.writeable
+    )
+
+
+_ELIDE_BYTES: Final = 1 << 16  # below this, checking costs about what it saves
+# From CPython 3.14 the interpreter may hold borrowed references that
+# getrefcount does not count, so a count no longer proves an array private.
+_COUNTS_EVERY_REFERENCE: Final = sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+
+
+def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
+    """Step only the rows a sparse delta touches.
+
+    Equal indices are summed first, so a row looked up twice steps once with
+    both deltas. The optimizer sees those rows of the weight and of every state
+    leaf shaped like the weight (moments, velocities), and the other rows keep
+    theirs ("lazy" updates, as TensorFlow's lazy Adam); state that is not per
+    row, such as a step count, is shared.
+    """
+    old = weight._data
+    xp = namespace(old)
+    if not hasattr(getattr(xp, "add", None), "at"):
+        # No scatter in this library: step densely (every row, every row's state).
+        update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
+        return xp.astype(old + update, old.dtype, copy=False), state
+    rows, summed = grad.summed()
+    state_rows = _state_rows(weight._state, old.shape, rows)
+    update, new_state_rows = weight._optimizer.update(summed, state_rows, old[rows])
+    new = xp.asarray(old, copy=True)
+    new[rows] = xp.astype(old[rows] + update, old.dtype, copy=False)
+    return new, _put_state_rows(weight._state, new_state_rows, old.shape, rows)
+
+
+def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
+    if is_array(state) and state.shape == shape:
+        return state[rows]
+    if isinstance(state, tuple):
+        parts = [_state_rows(s, shape, rows) for s in state]
+        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+    return state
+
+
+def _put_state_rows(old: Any, new: Any, shape: tuple[int, ...], rows: Any) -> Any:
+    if is_array(old) and old.shape == shape:
+        full = namespace(old).asarray(old, copy=True)
+        full[rows] = new
+        return full
+    if isinstance(old, tuple):
+        parts = [_put_state_rows(o, n, shape, rows) for o, n in zip(old, new)]
+        return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
+    return new

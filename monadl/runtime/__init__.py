@@ -1,0 +1,17 @@
+"""How a graph runs.
+
+A reader's map (each module one concern; lower ones never import higher ones):
+
+* `settings`: the knobs (``ml.settings``), scoped by a context variable.
+* `evaluation`: one evaluation's records, shared values, open resources.
+* `frames`: the interpreter's continuation frames and fibers.
+* `node`: collecting a layer graph; one node's forward, its checks and error text.
+* `backward`: ONE function that back-propagates one node; every scheduler calls it.
+* `schedule`: when and how together nodes run: `inline` (the forward loop, the
+  reverse sweep, the counted release), `pool` (worker threads for coarse
+  graphs), `cuda` (a CUDA stream per branch).
+* `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches).
+* `drive`: running the interpreter on the event loop (awaits, turns, tasks).
+* `entry`: ``train`` / ``predict`` / ``gradients`` / ``run`` / ``acquire``.
+* `process`: everything that touches the whole process (malloc, GC, BLAS).
+"""

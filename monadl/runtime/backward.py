@@ -1,0 +1,81 @@
+"""The backward of one node: the only place where a delta goes upstream.
+
+Every scheduler calls `backprop` on a record once its delta is complete (all
+its consumers have sent theirs): the reverse sweep, the counted release, the
+worker pool. It applies the record's delta rules, undoes broadcasting,
+optionally checks for NaN and infinity, and adds each operand's share into
+that operand's accumulator; then the record's delta and rules are dropped,
+so their memory goes as soon as it can.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from monadl.errors import NonFiniteError
+from monadl.layers._primitives import unbroadcast
+from monadl.runtime.evaluation import Record
+from monadl.runtime.node import all_finite, where
+from monadl.typeclasses.monoid import SparseRows
+
+__all__ = ["backprop"]
+
+
+def backprop(rec: Record, check_finite: bool, lock: AbstractContextManager[Any] | None = None) -> None:
+    """Send ``rec``'s summed delta to its operands, once.
+
+    Only operands that lead to a weight get a share. A layer built from a
+    ``Do`` hands its delta to its tape's backward instead. A weight's record
+    keeps its delta: it is the gradient.
+
+    Args:
+        rec: a record whose delta is complete.
+        check_finite: raise `NonFiniteError` if a share holds a NaN or an
+            infinity, naming the operation and the user's line.
+        lock: held while adding into an operand's accumulator, when other
+            threads back-propagate records of the same evaluation.
+    """
+    delta = rec.delta
+    vjps = rec.vjps
+    if vjps is None:
+        if rec.tape_backward is not None and delta is not None:
+            rec.tape_backward(delta)
+            rec.delta = None
+        return
+    if delta is not None:
+        if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
+            delta = delta.to_dense()
+        fits = rec.fits
+        i = 0  # (indexing the rules beats zipping or enumerating them here)
+        for r in rec.inputs:
+            if r is not None and r.needs_grad:
+                try:
+                    g = vjps[i](delta)
+                    if not fits:
+                        value = r.value
+                        if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
+                            g = _fit(g, value)
+                except Exception as exc:
+                    exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}")
+                    raise
+                if check_finite and not all_finite(g.rows if type(g) is SparseRows else g):
+                    raise NonFiniteError(
+                        f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {where(rec.node)}"
+                    )
+                if lock is None:
+                    r.delta = g if r.delta is None else r.delta + g
+                else:
+                    with lock:
+                        r.delta = g if r.delta is None else r.delta + g
+            i += 1  # noqa: SIM113
+    rec.delta = None
+    rec.vjps = None
+
+
+def _fit(delta: Any, value: Any) -> Any:
+    """``delta`` with broadcasting undone, so that it has the shape of ``value``."""
+    shape = getattr(value, "shape", ())
+    return delta if getattr(delta, "shape", ()) == shape else unbroadcast(delta, shape)

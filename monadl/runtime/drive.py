@@ -1,0 +1,120 @@
+"""Driving an interpreter generator on the event loop, and cleaning up after it.
+
+The interpreter yields four kinds of request: an awaitable (awaited here,
+in this task), `CHECKPOINT` (the event loop is due a turn: other tasks run,
+and a cancellation or Ctrl-C takes effect here), `Spawn` (a fiber's await, to
+run concurrently in a task of this evaluation's task group) and `NEXT` (no
+fiber can run: wait for the next completion). The task group opens only when
+the first fiber spawns, so an evaluation without concurrent effects costs no
+task. A failure of an awaited thing goes back into the interpreter, which
+may hand it to a direct-style coroutine that awaited it; a failure that
+leaves the interpreter cancels every spawned task and surfaces as itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable, Generator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.interpret import NEXT, Spawn
+from monadl.runtime.process import advance
+from monadl.runtime.schedule.inline import CHECKPOINT
+from monadl.runtime.settings import current_settings
+
+__all__ = ["abort", "drive", "drive_sync"]
+
+Machine = Generator[Any, Any, Any]
+
+
+async def drive(ev: Evaluation, machine: Machine) -> Any:
+    """Run ``machine`` (an interpreter generator of ``ev``) to its result."""
+    settings = current_settings()
+    pause = settings.pause_gc and settings.tune_process
+    interval = ev.yield_interval_s
+    ev.deadline = time.perf_counter() + interval
+    exits = AsyncExitStack()
+    tasks: TaskGroup | None = None
+    done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
+    try:
+        request = advance(machine.send, None, pause)
+        while True:
+            if request is CHECKPOINT:
+                await anyio.lowlevel.checkpoint()
+                ev.deadline = time.perf_counter() + interval
+                request = advance(machine.send, None, pause)
+            elif type(request) is Spawn:
+                if tasks is None:
+                    done = anyio.create_memory_object_stream[Any](math.inf)
+                    exits.push_async_callback(done[1].aclose)
+                    exits.push_async_callback(done[0].aclose)
+                    tasks = await exits.enter_async_context(anyio.create_task_group())
+                assert done is not None
+                tasks.start_soon(_complete, done[0], request.fiber, request.awaitable)
+                request = advance(machine.send, None, pause)
+            elif request is NEXT:
+                assert done is not None
+                completion = await done[1].receive()
+                ev.deadline = time.perf_counter() + interval
+                request = advance(machine.send, completion, pause)
+            else:
+                try:
+                    result = await request
+                except BaseException as exc:
+                    request = advance(machine.throw, exc, pause)
+                else:
+                    request = advance(machine.send, result, pause)
+                ev.deadline = time.perf_counter() + interval
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        machine.close()
+        if tasks is not None:
+            tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
+        await exits.aclose()
+
+
+async def _complete(done: MemoryObjectSendStream[Any], fiber: Any, awaitable: Awaitable[Any]) -> None:
+    try:
+        value = await awaitable
+    except Exception as exc:  # handed to the interpreter: the original error, not a group of one
+        done.send_nowait((fiber, False, exc))
+    else:
+        done.send_nowait((fiber, True, value))
+
+
+def drive_sync(ev: Evaluation, machine: Machine) -> Any:
+    """Run a machine that needs no event loop (a graph of primitives)."""
+    settings = current_settings()
+    ev.deadline = math.inf  # no event loop to give a turn to
+    try:
+        request = advance(machine.send, None, settings.pause_gc and settings.tune_process)
+    except StopIteration as stop:
+        return stop.value
+    machine.close()
+    close: Callable[[], Any] | None = getattr(getattr(request, "awaitable", request), "close", None)
+    if close is not None:
+        close()
+    raise RuntimeError("this computation awaits something: run it inside an event loop with await")
+
+
+async def abort(ev: Evaluation) -> None:
+    """After a failure: close every direct-style coroutine still suspended and
+    every resource still open, newest first."""
+    for coroutine in reversed(ev.coroutines):
+        coroutine.close()
+    with anyio.CancelScope(shield=True):
+        for held in reversed(ev.open):
+            if not held.done:
+                held.done = True
+                with contextlib.suppress(Exception):  # the original failure is the one to report
+                    await held.release(held.value)

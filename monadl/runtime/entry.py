@@ -1,0 +1,160 @@
+"""The entry points: ``train``, ``predict``, ``gradients``, ``Do.run``, ``Do.acquire``.
+
+Each runs one evaluation inside `_transaction`: if anything fails or is
+cancelled before the end, every direct-style coroutine still suspended is
+closed and every resource still open is released, and no weight changes
+(``train`` commits its steps only after everything else succeeded).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Generator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio.lowlevel
+import numpy as np
+
+from monadl._namespace import namespace
+from monadl.do import FORWARD, Do
+from monadl.errors import ShapeError
+from monadl.layers._layer import Weight
+from monadl.optim.apply import apply_gradients
+from monadl.runtime import process
+from monadl.runtime.drive import abort, drive, drive_sync
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.interpret import evaluate
+from monadl.runtime.node import where
+from monadl.runtime.schedule import cuda, inline, pool
+from monadl.runtime.settings import current_settings
+
+__all__ = ["acquire", "gradients", "gradients_sync", "predict", "predict_sync", "run", "train"]
+
+Machine = Generator[Any, Any, Any]
+
+
+@asynccontextmanager
+async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
+    """Evaluate-then-commit-or-abort: on any failure, clean ``ev`` up and re-raise."""
+    try:
+        yield
+    except BaseException:
+        await abort(ev)
+        raise
+
+
+def _first_use() -> None:
+    """Process tuning that the settings allow, applied once, on first use."""
+    if not process._malloc_tried and current_settings().tune_process:
+        process.tune_malloc()
+
+
+async def train(root: Any) -> Any:
+    """Forward, backward, and one optimizer step for every weight reached."""
+    _first_use()
+    ev = Evaluation(train=True)
+    async with _transaction(ev):
+        value = await drive(ev, forward_backward(ev, root, scalar=True))
+        if cuda.is_device_array(value):
+            await cuda.ready()
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
+        apply_gradients(ev.weight_gradients(), finite=current_settings().finite_steps)
+    return value
+
+
+async def gradients(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """Value and weight gradients (of the sum, if not a scalar), without a step."""
+    ev = Evaluation(train=True)
+    async with _transaction(ev):
+        value = await drive(ev, forward_backward(ev, root, scalar=False))
+    return value, ev.weight_gradients()
+
+
+def gradients_sync(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """`gradients` of a pure graph, with no event loop."""
+    ev = Evaluation(train=True, may_fork=False)
+    value = drive_sync(ev, forward_backward(ev, root, scalar=False))
+    return value, ev.weight_gradients()
+
+
+async def predict(root: Any) -> Any:
+    """The forward value of a layer."""
+    _first_use()
+    ev = Evaluation(train=False)
+    async with _transaction(ev):
+        value = await drive(ev, _forward_only(ev, Do(FORWARD, root)))
+        if cuda.is_device_array(value.data):
+            await cuda.ready()
+    return value.data
+
+
+def predict_sync(root: Any) -> Any:
+    """`predict` of a pure graph, with no event loop."""
+    ev = Evaluation(train=False, may_fork=False)
+    return drive_sync(ev, _forward_only(ev, Do(FORWARD, root))).data
+
+
+async def run(do: Do[Any]) -> Any:
+    """Acquire ``do`` in a fresh evaluation, release it, return its value."""
+    ev = Evaluation(train=False)
+    async with _transaction(ev):
+        return await drive(ev, _forward_only(ev, do))
+
+
+@asynccontextmanager
+async def acquire(do: Do[Any]) -> AsyncIterator[Any]:
+    """``do``'s value, alive (its resources open) inside the block."""
+    ev = Evaluation(train=False)
+    async with _transaction(ev):
+        value, token = await drive(ev, evaluate(ev, do))
+        yield value
+        await drive(ev, release(ev, token, False))
+
+
+# ---- the machines ---------------------------------------------------------------------
+def forward_backward(ev: Evaluation, root: Any, scalar: bool) -> Machine:
+    """Forward, seed the root's delta with ones, back-propagate; returns the value."""
+    tape, token = yield from evaluate(ev, Do(FORWARD, root))
+    data = tape.data
+    if scalar and getattr(data, "size", 1) != 1:
+        raise ShapeError(
+            f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the layer built at "
+            f"{where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
+        )
+    if tape.backward is not None:
+        tape.backward(_ones_like(data))
+    yield from release(ev, token, True)
+    return data
+
+
+def _forward_only(ev: Evaluation, do: Do[Any]) -> Machine:
+    value, token = yield from evaluate(ev, do)
+    yield from release(ev, token, False)
+    return value
+
+
+def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
+    """The end of an evaluation: back-propagate (if asked) and release everything.
+
+    A pure evaluation takes the fast path, one reverse sweep over its records
+    (or the worker pool's backward, if its forward forked); otherwise the
+    paper's counted release.
+    """
+    timed = ev.workers > 1
+    started = time.perf_counter() if timed else 0.0
+    if ev.effects:
+        yield from inline.release(ev, token, backward)
+    elif backward and ev.forked:
+        yield pool.backward(ev, token)
+    elif backward:
+        yield from inline.sweep(ev)
+    if timed:
+        pool.settle(ev, time.perf_counter() - started if backward and not ev.effects else 0.0)
+    ev.finish()
+
+
+def _ones_like(value: Any) -> Any:
+    # Not value * 0 + 1, which is NaN where the value is infinite.
+    xp = namespace(value)
+    return np.ones_like(value)[()] if xp is np else xp.ones_like(value)

@@ -1,0 +1,183 @@
+"""One evaluation's state: its records, shared values and open resources.
+
+An evaluation is one ``train()``, ``predict()``, ``gradients()`` or ``run()``.
+It owns a table of *records*, one per layer or weight it reached. A record is
+the reference-counted wrapper of the paper: the forward value, the delta rules
+(VJPs), a count of consumers still holding it, and the accumulator of their
+deltas. Records enter the table after their operands, so the table's insertion
+order is topological: the reverse sweep (`schedule.inline.sweep`) relies on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from monadl.runtime.settings import current_settings
+from monadl.tape import Tape
+
+if TYPE_CHECKING:
+    from monadl.do import Do
+    from monadl.layers._layer import Weight
+
+__all__ = ["Evaluation", "Record", "Shared", "UserRelease"]
+
+
+class Record:
+    """One layer's or weight's state in one evaluation.
+
+    Attributes:
+        value: the forward value.
+        vjps: one delta rule per operand (None once spent, or when no weight is
+            upstream).
+        inputs: the operands' records (None for a plain operand).
+        fits: the operands' deltas come back in their shapes, so no
+            broadcasting needs undoing (unary elementwise rules, an array
+            beside a plain number).
+        refcount: consumers still holding this record (the counted release).
+        delta: the sum of the consumers' deltas so far.
+        needs_grad: some weight is upstream, so a delta is worth computing.
+        node: the layer or weight this record is of.
+        tape_backward: for a layer built from a ``Do``: its tape's backward.
+        release: for a layer built from a ``Do``: the token to release after it.
+        is_weight: a weight's record keeps its delta (the gradient).
+    """
+
+    __slots__ = (
+        "delta",
+        "fits",
+        "inputs",
+        "is_weight",
+        "needs_grad",
+        "node",
+        "refcount",
+        "release",
+        "tape_backward",
+        "value",
+        "vjps",
+    )
+
+    def __init__(self, value: Any, vjps: Any, inputs: Any, needs_grad: bool, node: Any, fits: bool = False) -> None:
+        self.value = value
+        self.vjps = vjps
+        self.inputs = inputs
+        self.fits = fits
+        self.refcount = 0
+        self.delta: Any = None
+        self.needs_grad = needs_grad
+        self.node = node
+        self.tape_backward: Callable[[Any], None] | None = None
+        self.release: Any = None
+        self.is_weight = False
+
+    def accumulate(self, delta: Any) -> None:
+        """A consumer's delta: summed now, sent upstream once, by the backward."""
+        self.delta = delta if self.delta is None else self.delta + delta
+
+    def tape(self) -> Tape[Any, Any]:
+        return Tape(self.value, self.accumulate if self.needs_grad else None)
+
+
+class Shared:
+    """A ``Do.shared()`` computation's value in one evaluation, and its holders."""
+
+    __slots__ = ("count", "release", "value")
+
+    def __init__(self, value: Any, release: Any) -> None:
+        self.value = value
+        self.release = release
+        self.count = 1
+
+
+class UserRelease:
+    """A resource's release, to run once: at its last release or on failure."""
+
+    __slots__ = ("done", "release", "value")
+
+    def __init__(self, release: Callable[[Any], Awaitable[None]], value: Any) -> None:
+        self.release = release
+        self.value = value
+        self.done = False
+
+
+class Evaluation:
+    """The state of one run: records, shared values, open resources.
+
+    Attributes:
+        train: deltas flow to weights (a ``train()`` or ``gradients()``).
+        records: by layer or weight, in topological (insertion) order.
+        shared: ``Do.shared()`` values by computation.
+        pending: what a concurrent branch is computing now (a shared ``Do``,
+            a layer built from a ``Do``), with the event that says it is done:
+            another branch that needs it waits instead of computing it twice.
+        open: resources acquired, released at the end or on failure.
+        coroutines: direct-style coroutines started here (closed on failure).
+        effects: something beyond primitives ran (a ``Do`` layer, a resource,
+            direct style): the counted release back-propagates, not the sweep.
+        forked: some graph ran on the worker pool.
+        gradients: the weights' gradients, kept when the records are dropped.
+        timings: graphs timed for the fork rule (only when ``workers > 1``).
+        deadline: when the event loop is next due a turn (`time.perf_counter`).
+    """
+
+    __slots__ = (
+        "check_finite",
+        "coroutines",
+        "cuda_streams",
+        "deadline",
+        "effects",
+        "fork_threshold_s",
+        "forked",
+        "gradients",
+        "open",
+        "pending",
+        "records",
+        "shared",
+        "timings",
+        "train",
+        "workers",
+        "yield_interval_s",
+    )
+
+    def __init__(self, train: bool, may_fork: bool = True) -> None:
+        settings = current_settings()
+        self.train = train
+        self.records: dict[Any, Record] = {}
+        self.shared: dict[Do[Any], Shared] = {}
+        self.pending: dict[Any, Any] = {}
+        self.open: list[UserRelease] = []
+        self.coroutines: list[Any] = []
+        self.check_finite = settings.check_finite
+        self.workers = settings.workers if may_fork else 1
+        self.fork_threshold_s = settings.fork_threshold_s
+        self.cuda_streams = settings.cuda_streams
+        self.yield_interval_s = settings.yield_interval_s
+        self.deadline = 0.0  # when the event loop is next due a turn (perf_counter); set by the driver
+        self.forked = False
+        self.effects = False
+        self.gradients: dict[Weight[Any, Any], Any] | None = None
+        self.timings: list[Any] = []
+
+    def weight_record(self, weight: Weight[Any, Any]) -> Record:
+        """A weight's record: its data as it is now; a gradient only when training."""
+        rec = Record(weight._data, None, (), self.train, weight)
+        rec.is_weight = True
+        self.records[weight] = rec
+        return rec
+
+    def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
+        if self.gradients is not None:
+            return self.gradients
+        return {rec.node: rec.delta for rec in self.records.values() if rec.is_weight and rec.delta is not None}
+
+    def finish(self) -> None:
+        """After the last release: keep the weights' gradients, drop the records.
+
+        Dropped here, inside the runtime's synchronous stretch, the thousands
+        of records, closures and intermediate values die while the cyclic GC
+        is paused; left alive until after it resumes, they would be scanned
+        and promoted to older generations for nothing.
+        """
+        if self.train:
+            self.gradients = self.weight_gradients()
+        self.records.clear()

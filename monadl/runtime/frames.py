@@ -1,0 +1,177 @@
+"""The interpreter's continuation frames and fibers, as named records.
+
+Each frame says what to do with the value that the computation below it
+yields; `monadl.runtime.interpret` pushes and pops them. A fiber is one
+branch of a parallel applicative, with a stack of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "Bind",
+    "BindDone",
+    "Direct",
+    "DirectDone",
+    "Fiber",
+    "FromDo",
+    "Graph",
+    "Join",
+    "Map",
+    "Opened",
+    "Root",
+    "Roots",
+    "SharedDone",
+    "Stepped",
+]
+
+
+class Fiber:
+    """One branch of a parallel applicative: its stack and where it stands."""
+
+    __slots__ = ("cur", "descending", "join", "slot", "stack", "tok", "val")
+
+    def __init__(self, cur: Any, join: Join | None, slot: int) -> None:
+        self.stack: list[Any] = []
+        self.cur = cur
+        self.val: Any = None
+        self.tok: Any = None
+        self.descending = True
+        self.join = join
+        self.slot = slot
+
+    def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:
+        self.stack = stack
+        self.cur = cur
+        self.val = val
+        self.tok = tok
+        self.descending = descending
+
+
+class Join:
+    """A fiber waiting for its branches: their values and release tokens, in order."""
+
+    __slots__ = ("fiber", "remaining", "tokens", "values")
+
+    def __init__(self, fiber: Fiber, count: int) -> None:
+        self.fiber = fiber
+        self.values: list[Any] = [None] * count
+        self.tokens: list[Any] = [None] * count
+        self.remaining = count
+
+
+class Map:
+    """Apply ``function`` to the value."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[[Any], Any]) -> None:
+        self.function = function
+
+
+class Bind:
+    """Evaluate ``function(value)`` next."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[[Any], Any]) -> None:
+        self.function = function
+
+
+class BindDone:
+    """After a bind's inner computation: release it before the outer one."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: Any) -> None:
+        self.token = token
+
+
+class SharedDone:
+    """A shared computation's value: memoise it for the rest of the evaluation."""
+
+    __slots__ = ("do",)
+
+    def __init__(self, do: Any) -> None:
+        self.do = do
+
+
+class Opened:
+    """An effect's value arrived: note its release, if it is a resource."""
+
+    __slots__ = ("release",)
+
+    def __init__(self, release: Any) -> None:
+        self.release = release
+
+
+class Graph:
+    """A layer graph being computed: its roots, order, and how far it got."""
+
+    __slots__ = ("index", "order", "resumed", "roots", "started")
+
+    def __init__(self, roots: list[Any]) -> None:
+        self.roots = roots
+        self.order: list[Any] | None = None
+        self.index = 0
+        self.resumed = False  # computed in part: a Do evaluated meanwhile may have computed more
+        self.started = 0.0  # when its inline forward began, for the fork rule (workers > 1)
+
+
+class Root:
+    """The tape of one layer, once its graph is computed."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+
+class Roots:
+    """The tapes of several layers forwarded together, once their graph is computed."""
+
+    __slots__ = ("dos",)
+
+    def __init__(self, dos: tuple[Any, ...]) -> None:
+        self.dos = dos
+
+
+class FromDo:
+    """A layer built from a ``Do``: its ``Do`` yielded its tape."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+
+class Direct:
+    """A direct-style coroutine, the release tokens of what it awaited, and
+    whether it awaited one layer or several."""
+
+    __slots__ = ("coroutine", "held", "single")
+
+    def __init__(self, coroutine: Any) -> None:
+        self.coroutine = coroutine
+        self.held: list[Any] = []
+        self.single = False
+
+
+class Stepped:
+    """A task stepped ``direct``'s coroutine: ``(returned, what)`` arrives."""
+
+    __slots__ = ("direct",)
+
+    def __init__(self, direct: Direct) -> None:
+        self.direct = direct
+
+
+class DirectDone:
+    """A direct-style layer's returned layer: released before what it awaited."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: tuple[Any, ...]) -> None:
+        self.held = held

@@ -1,0 +1,386 @@
+"""The iterative interpreter of `Do` computations and layer graphs.
+
+`evaluate` is a generator with explicit continuation stacks, so neither a
+chain of 100,000 operations nor a chain of 100,000 ``bind``s grows the Python
+stack. It yields to its driver (`monadl.runtime.drive`) only at real
+asynchronous effects, at the event loop's turns (`CHECKPOINT`) and at forks.
+
+**Fibers.** The branches of a parallel applicative (``Do.zip``/``gather``, a
+direct-style ``await values(a, b)``) are *fibers*: each has its own
+continuation stack. A fiber runs until it finishes or must wait for something
+asynchronous; then another runs. While one fiber is alive, its awaits go
+straight to the driver (no task, no cost); with several, each await becomes a
+task of the driver's task group (`Spawn`), and when no fiber can run the
+interpreter asks the driver for the next completion (`NEXT`). So independent
+effects overlap, and a failure anywhere fails the evaluation, which cancels
+the rest. A shared ``Do`` or a layer built from a ``Do`` that one fiber is
+computing is waited for, never computed twice (`Evaluation.pending`).
+
+Layer graphs (a ``forward()`` of a layer not yet evaluated) are collected and
+handed to a scheduler: CUDA streams for graphs on a GPU, the worker pool for
+coarse graphs when ``workers > 1``, otherwise inline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Generator
+from typing import Any, Final
+
+from monadl.direct import AwaitLayers, Passthrough, inside_direct
+from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
+from monadl.layers._layer import Layer, Weight
+from monadl.runtime import frames as F
+from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
+from monadl.runtime.node import collect, compute
+from monadl.runtime.schedule import cuda, inline, pool
+from monadl.tape import Tape
+
+__all__ = ["NEXT", "Spawn", "evaluate", "step_direct"]
+
+Machine = Generator[Any, Any, Any]
+
+NEXT: Final = object()
+"""Yielded to the driver when no fiber can run: send back the next completion."""
+
+_START: Final = object()  # what a direct frame receives first: no awaited values yet
+
+
+class Spawn:
+    """Yielded to the driver: await ``awaitable`` in a task, report it for ``fiber``."""
+
+    __slots__ = ("awaitable", "fiber")
+
+    def __init__(self, fiber: F.Fiber, awaitable: Any) -> None:
+        self.fiber = fiber
+        self.awaitable = awaitable
+
+
+def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
+    """Acquire ``root`` in ``ev``; returns ``(value, release token)``."""
+    records = ev.records
+    main = fiber = F.Fiber(root, None, 0)
+    runnable: deque[F.Fiber] = deque()
+    live = 1  # fibers not finished, running or waiting
+    stack = fiber.stack
+    cur: Any = root
+    val: Any = None
+    tok: Any = None
+    descending = True
+    while True:
+        block: Any = None  # set to make this fiber wait: an awaitable, or a pending list to join
+        if descending:
+            kind = cur._kind
+            if kind == FORWARD:
+                node = cur._a
+                rec = records.get(node)
+                if rec is None and type(node) is Weight:
+                    rec = ev.weight_record(node)
+                if rec is None:
+                    stack.append(F.Root(node))
+                    stack.append(F.Graph([node]))
+                    descending = False
+                    continue
+                rec.refcount += 1
+                val, tok = rec.tape(), rec
+                descending = False
+            elif kind == MAP:
+                stack.append(F.Map(cur._b))
+                cur = cur._a
+            elif kind == BIND:
+                stack.append(F.Bind(cur._b))
+                cur = cur._a
+            elif kind == PURE:
+                val, tok = cur._a, None
+                descending = False
+            elif kind == ZIP:
+                dos = cur._a
+                if not dos:
+                    val, tok = (), None
+                    descending = False
+                elif len(dos) > 1 and all(d._kind == FORWARD for d in dos):
+                    # Independent forwards: one graph, so a scheduler may run its branches together.
+                    stack.append(F.Roots(dos))
+                    roots = []
+                    for d in dos:
+                        if d._a in records:
+                            continue
+                        if type(d._a) is Weight:
+                            ev.weight_record(d._a)
+                        else:
+                            roots.append(d._a)
+                    stack.append(F.Graph(roots))
+                    descending = False
+                else:  # a fiber per branch; this one waits for them all
+                    join = F.Join(fiber, len(dos))
+                    children = [F.Fiber(d, join, i) for i, d in enumerate(dos)]
+                    live += len(children)
+                    runnable.extendleft(reversed(children[1:]))
+                    fiber.save(stack, cur, val, tok, False)
+                    fiber = children[0]
+                    stack, cur, descending = fiber.stack, fiber.cur, True
+            elif kind == SHARED:
+                entry = ev.shared.get(cur)
+                if entry is not None:
+                    entry.count += 1
+                    val, tok = entry.value, entry
+                    descending = False
+                elif cur in ev.pending:  # another fiber is computing it: wait, then look again
+                    block = ev.pending[cur]
+                else:
+                    ev.effects = True
+                    ev.pending[cur] = []
+                    stack.append(F.SharedDone(cur))
+                    cur = cur._a
+            elif kind == DIRECT:
+                ev.effects = True
+                coroutine = cur._a()
+                ev.coroutines.append(coroutine)
+                stack.append(F.Direct(coroutine))
+                val, tok = _START, None
+                descending = False
+            else:  # EFFECT
+                assert kind == EFFECT
+                ev.effects = True
+                awaitable = cur._a()
+                if live == 1:
+                    val = yield awaitable
+                    tok = _opened(ev, cur._b, val)
+                    descending = False
+                else:
+                    stack.append(F.Opened(cur._b))
+                    block = awaitable
+            if block is None:
+                continue
+        elif stack:
+            frame = stack.pop()
+            t = type(frame)
+            if t is F.Graph:
+                outcome = yield from _graph(ev, frame, stack)
+                if outcome is not None:
+                    kind_of, thing = outcome
+                    if kind_of == "do":  # a layer built from a Do: evaluate it first
+                        cur, descending = thing, True
+                        continue
+                    block = thing  # an awaitable (the pool) or a pending list (another fiber's Do layer)
+                    if type(block) is not list and live == 1:
+                        yield block
+                        block = None
+                if block is None:
+                    continue
+            elif t is F.Direct:
+                # Step a direct-style coroutine: it asks for forward values of layers
+                # (evaluated here, in this evaluation), awaits something foreign (handed to
+                # the event loop), or returns its layer.
+                if val is _START:
+                    sending: Any = None
+                else:
+                    frame.held.append(tok)
+                    sending = val.data if frame.single else tuple(x.data for x in val)
+                if live == 1:
+                    failure: BaseException | None = None
+                    while True:
+                        done, got = step_direct(frame.coroutine, sending, failure)
+                        if done or type(got) is AwaitLayers:
+                            break
+                        try:
+                            sending, failure = (yield Passthrough(got)), None
+                        except BaseException as exc:  # delivered to the coroutine, as the event loop would
+                            sending, failure = None, exc
+                    cur = _direct_next(frame, stack, done, got)
+                    descending = True
+                    continue
+                # Several fibers: the coroutine's foreign awaits must be made in the task
+                # that awaits them (trio ties a wait to the task that asked), so a task steps it.
+                stack.append(F.Stepped(frame))
+                block = _step_in_task(frame.coroutine, sending)
+            elif t is F.Stepped:
+                done, got = val
+                cur = _direct_next(frame.direct, stack, done, got)
+                descending = True
+                continue
+            elif t is F.DirectDone:
+                tok = (frame.held, tok)  # the returned layer is released before the awaited ones
+                continue
+            elif t is F.Roots:
+                recs = [records[d._a] for d in frame.dos]
+                for rec in recs:
+                    rec.refcount += 1
+                val, tok = tuple(rec.tape() for rec in recs), tuple(recs)
+                continue
+            elif t is F.Root:
+                rec = records[frame.node]
+                rec.refcount += 1
+                val, tok = rec.tape(), rec
+                continue
+            elif t is F.Map:
+                val = frame.function(val)
+                continue
+            elif t is F.Bind:
+                stack.append(F.BindDone(tok))
+                cur = frame.function(val)
+                if not isinstance(cur, Do):
+                    raise TypeError(f"a function given to bind returned {type(cur).__name__}, not a Do")
+                descending = True
+                continue
+            elif t is F.BindDone:
+                tok = (frame.token, tok)  # released right to left: the inner computation first
+                continue
+            elif t is F.SharedDone:
+                entry = Shared(val, tok)
+                ev.shared[frame.do] = entry
+                tok = entry
+                runnable.extend(ev.pending.pop(frame.do))  # waiters look again
+                continue
+            elif t is F.Opened:
+                tok = _opened(ev, frame.release, val)
+                continue
+            else:  # a layer built from a Do has its tape
+                assert t is F.FromDo
+                _from_do(ev, frame.node, val, tok)
+                runnable.extend(ev.pending.pop(frame.node))  # waiters resume their graphs
+                continue
+        else:  # this fiber is done
+            ended = fiber.join
+            if ended is None:
+                assert fiber is main
+                return val, tok
+            live -= 1
+            ended.values[fiber.slot] = val
+            ended.tokens[fiber.slot] = tok
+            ended.remaining -= 1
+            if not ended.remaining:
+                parent = ended.fiber
+                parent.save(parent.stack, None, tuple(ended.values), tuple(ended.tokens), False)
+                runnable.append(parent)
+            fiber = None  # type: ignore[assignment]
+
+        # ---- this fiber waits (or is done): run another -------------------------------------
+        if fiber is not None:
+            fiber.save(stack, cur, val, tok, descending)
+            if type(block) is list:  # another fiber's shared Do or Do layer: woken when it is done
+                block.append(fiber)
+            else:
+                yield Spawn(fiber, block)
+        while not runnable:
+            fiber, ok, result = yield NEXT
+            if not ok:
+                raise result
+            fiber.save(fiber.stack, None, result, None, False)
+            runnable.append(fiber)
+        fiber = runnable.popleft()
+        stack, cur, val, tok, descending = fiber.stack, fiber.cur, fiber.val, fiber.tok, fiber.descending
+
+
+def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any, Any]:
+    """Compute a layer graph's records, with the scheduler that fits it.
+
+    Returns None when done; ``("do", do)`` when it met a layer built from a
+    ``Do`` (the frames to resume are pushed); ``("wait", x)`` when the fiber
+    must wait for ``x`` (the pool's awaitable, or another fiber's Do layer).
+    """
+    records = ev.records
+    order = frame.order
+    if order is None:
+        order = frame.order = collect(ev, frame.roots)
+        if not order:
+            return None
+        if cuda.loaded() and cuda.on_device(records, order) and all(node._op is not None for node in order):
+            # On a GPU the host only launches kernels: branches go to CUDA streams, not threads.
+            cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))
+            return None
+        if ev.workers > 1:
+            if pool.worth_forking(ev, order):
+                ev.forked = True
+                return "wait", pool.forward(ev, order)
+            frame.started = time.perf_counter()
+    while True:
+        outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
+        frame.index = i
+        if outcome is None:
+            now = time.perf_counter()
+            if frame.started:
+                pool.measured(ev, order, now - frame.started)
+            if now > ev.deadline:  # many small graphs add up too
+                yield inline.CHECKPOINT
+            return None
+        if outcome is inline.CHECKPOINT:
+            yield inline.CHECKPOINT
+            continue
+        node = order[i]  # a layer built from a Do
+        frame.resumed = True
+        frame.started = 0.0  # timing a graph that awaits would measure the wait
+        stack.append(frame)
+        if node in ev.pending:
+            return "wait", ev.pending[node]
+        ev.pending[node] = []
+        stack.append(F.FromDo(node))
+        return "do", node._do
+
+
+def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
+    """The release token of an effect's value: a resource's release, or None."""
+    if release is None:
+        return None
+    token = UserRelease(release, value)
+    ev.open.append(token)
+    return token
+
+
+def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
+    if not isinstance(val, Tape):
+        raise TypeError(f"the Do of {node!r} yielded {type(val).__name__}, not a Tape")
+    backward = val.backward
+    owner = getattr(backward, "__self__", None)
+    if type(owner) is Record and ev.records.get(owner.node) is not owner:
+        raise RuntimeError(
+            f"the Do of {node!r} yielded a Tape of another evaluation (a past train() or predict()): "
+            "its value is stale and its backward leads nowhere; build the layer itself into this graph instead"
+        )
+    ev.effects = True
+    rec = Record(val.data, None, (), backward is not None, node)
+    rec.tape_backward = backward
+    rec.release = tok
+    ev.records[node] = rec
+
+
+def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
+    """Send into a direct-style coroutine: ``(True, result)`` when it returned,
+    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request."""
+    flag = inside_direct.set(True)
+    try:
+        got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
+    except StopIteration as stop:
+        return True, stop.value
+    finally:
+        inside_direct.reset(flag)
+    return False, got
+
+
+async def _step_in_task(coroutine: Any, sending: Any) -> tuple[bool, Any]:
+    """`step_direct` until the coroutine asks for layers or returns, awaiting
+    its foreign requests in this task."""
+    failure: BaseException | None = None
+    while True:
+        done, got = step_direct(coroutine, sending, failure)
+        if done or type(got) is AwaitLayers:
+            return done, got
+        try:
+            sending, failure = await Passthrough(got), None
+        except Exception as exc:  # delivered to the coroutine, as the event loop would
+            sending, failure = None, exc
+
+
+def _direct_next(frame: F.Direct, stack: list[Any], done: bool, got: Any) -> Do[Any]:
+    """What a direct-style frame evaluates next: the layers it awaits, or the
+    layer it returned."""
+    if done:
+        if not isinstance(got, (Layer, Weight)):
+            raise TypeError(f"a direct-style layer function must return a Layer or a Weight, got {type(got).__name__}")
+        stack.append(F.DirectDone(tuple(frame.held)))
+        return Do(FORWARD, got)
+    frame.single = got.single
+    stack.append(frame)
+    layers = got.layers
+    return Do(FORWARD, layers[0]) if got.single else Do(ZIP, tuple(Do(FORWARD, x) for x in layers))

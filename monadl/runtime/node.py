@@ -1,0 +1,203 @@
+"""A layer graph's nodes: collecting them, and computing one node's forward.
+
+Every scheduler (inline, thread pool, CUDA streams) computes a node with
+`compute`, which checks its operands (one array library, one float dtype),
+calls the primitive's rule, and turns a failure into an error that names the
+operation, the operands and the user's line that built the layer. The error
+text of the runtime lives here too, so every message reads the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any, Final
+
+import numpy as np
+
+from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, is_array, library_name, namespace
+from monadl.errors import DTypeError, NonFiniteError, ShapeError
+from monadl.layers._layer import Layer, Weight, site_text
+from monadl.runtime.evaluation import Evaluation, Record
+
+__all__ = ["all_finite", "collect", "compute", "describe", "where"]
+
+_PYTHON_NUMBERS: Final = frozenset({float, int, bool})
+_ARRAYS_ONLY: Final = {np.ndarray}
+_serial = attrgetter("_serial")
+
+
+def collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
+    """The layers under ``roots`` not evaluated yet, in construction order.
+
+    A layer is always built after its operands, so sorting by construction
+    serial gives a topological order, with no recursion. Weights met on the
+    way get their records here. The walk stops at layers built from a ``Do``:
+    what they need is evaluated when their ``Do`` runs.
+    """
+    records = ev.records
+    order = list(dict.fromkeys(roots))
+    seen = set(order)
+    for node in order:  # the list grows while it is walked: breadth first
+        for x in node._inputs:
+            kind = type(x)
+            if kind is Layer:
+                if x not in seen and x not in records:
+                    seen.add(x)
+                    order.append(x)
+            elif kind is Weight and x not in records:
+                ev.weight_record(x)
+    order.sort(key=_serial)
+    return order
+
+
+def compute(ev: Evaluation, node: Any, count: bool) -> Record:
+    """The forward of one primitive layer whose operands are all computed.
+
+    ``count``: take this consumer's hold on each operand here (the worker
+    pool counts holds before it starts instead).
+    """
+    records = ev.records
+    op = node._op
+    inputs = node._inputs
+    # One and two operands are nearly every node: unrolled, as this is the hot loop.
+    if len(inputs) == 2:
+        x, y = inputs
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rx = records[x]
+            rx.refcount += count
+            x = rx.value
+            needs = rx.needs_grad
+        else:
+            rx, needs = None, False
+        kind = type(y)
+        if kind is Layer or kind is Weight:
+            ry = records[y]
+            ry.refcount += count
+            y = ry.value
+            needs = needs or ry.needs_grad
+        else:
+            ry = None
+        args: tuple[Any, ...] = (x, y)
+        ins: tuple[Record | None, ...] = (rx, ry)
+        kx, ky = type(x), type(y)
+        # Beside a plain number (not a layer's value), an operand's delta has its shape.
+        fits = op.elementwise and ((rx is None and kx in _PYTHON_NUMBERS) or (ry is None and ky in _PYTHON_NUMBERS))
+        if kx is ky:
+            if kx is np.ndarray:
+                if op.same_dtype and x.dtype is not y.dtype:
+                    _check_dtypes(node, args)
+            elif kx not in _HOST and op.same_dtype and x.dtype != y.dtype:  # both from one other library (CuPy ...)
+                _check_dtypes(node, args)
+        elif (kx not in _HOST or ky not in _HOST) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
+            args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
+    elif len(inputs) == 1:
+        x = inputs[0]
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rx = records[x]
+            rx.refcount += count
+            x = rx.value
+            needs = rx.needs_grad
+        else:
+            rx, needs = None, False
+        args, ins = (x,), (rx,)
+        fits = op.elementwise
+    else:
+        args, ins, needs = _operands(records, inputs, count)
+        fits = False
+        kinds = {type(a) for a in args}
+        if not kinds <= _HOST:
+            args = _foreign_operands(node, args)
+        if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
+            _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
+    params = node._params
+    try:
+        out, vjps = op.rule(*args, *params) if params else op.rule(*args)
+    except ValueError as exc:
+        raise ShapeError(
+            f"{op.name}: operands {describe(args)} do not fit together ({exc}); layer built at {where(node)}"
+        ) from exc
+    except Exception as exc:
+        exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
+        raise
+    if ev.check_finite and not all_finite(out):
+        raise NonFiniteError(
+            f"{op.name} produced a NaN or an infinity from {describe(args)}; layer built at {where(node)}"
+        )
+    if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
+        needs = False
+    return Record(out, vjps if needs else None, ins, needs, node, fits)
+
+
+def _operands(
+    records: dict[Any, Record], inputs: tuple[Any, ...], count: bool
+) -> tuple[tuple[Any, ...], tuple[Record | None, ...], bool]:
+    """Operand values and records of a node with any number of operands."""
+    args: list[Any] = []
+    ins: list[Record | None] = []
+    needs = False
+    for x in inputs:
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rec = records[x]
+            if count:
+                rec.refcount += 1
+            args.append(rec.value)
+            ins.append(rec)
+            needs = needs or rec.needs_grad
+        else:
+            args.append(x)
+            ins.append(None)
+    return tuple(args), tuple(ins), needs
+
+
+def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
+    scalars as Python numbers, which every array library accepts."""
+    xp = common_namespace(args, node._op.name)
+    return args if xp is np else host_scalars_to_python(args)
+
+
+def all_finite(x: Any) -> bool:
+    xp = namespace(x)
+    return bool(xp.all(xp.isfinite(x)))
+
+
+# ---- error text ---------------------------------------------------------------------
+def where(node: Any) -> str:
+    """``file:line`` of the user's code that built ``node``."""
+    return site_text(node._site)
+
+
+def describe(args: Sequence[Any]) -> str:
+    """Operands as a message shows them: ``float32[16, 64], float 2.0``."""
+    parts = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            parts.append(f"{a.dtype}{list(a.shape)}")
+        elif isinstance(a, np.generic):
+            parts.append(f"{a.dtype} scalar")
+        elif is_array(a):
+            parts.append(f"{library_name(a)} {_dtype_name(a.dtype)}{list(a.shape)}")
+        else:
+            parts.append(f"{type(a).__name__} {a!r}")
+    return ", ".join(parts)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # array_api_strict.float32 -> float32
+
+
+def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
+    first = None
+    for a in args:
+        if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
+            if first is None:
+                first = a.dtype
+            elif a.dtype != first:
+                raise DTypeError(
+                    f"{node._op.name}: operands {describe(args)} mix {_dtype_name(first)} and {_dtype_name(a.dtype)} arrays; "
+                    f"cast one with .astype first; layer built at {where(node)}"
+                )

@@ -1,0 +1,135 @@
+"""Everything monadl does to the whole process, in one place.
+
+The process is the user's: importing monadl changes nothing. Three tunings
+were each measured to pay, and each is applied only while or after monadl
+computes, and only when the settings allow it:
+
+* **malloc** (`tune_malloc`): glibc serves large allocations with ``mmap``
+  and gives them back with ``munmap`` on free, so every training step pays
+  page faults to map its weight-sized temporaries again (here that tripled a
+  small MLP step). Raising the mmap threshold (to its maximum, 32 MiB on
+  64-bit) and the trim threshold keeps freed blocks in the heap for the next
+  step, as other frameworks' caching allocators do; freed memory then stays
+  with the process. Applied once, on the first ``train()`` or ``predict()``,
+  when ``Settings.tune_process`` is on (``MONADL_TUNE_PROCESS=0`` in the
+  environment turns it off by default), on glibc only.
+* **The cyclic GC** (`gc_paused`): paused during each synchronous stretch of
+  the runtime (never across an await), when ``Settings.pause_gc`` and
+  ``tune_process`` are on. An evaluation allocates thousands of short-lived
+  objects and no cycles; collections would find nothing. A caller who turned
+  the collector off keeps it off.
+* **BLAS threads** (`blas_limited`): while a graph runs on the worker pool
+  (``workers > 1`` only), BLAS gets ``cores // workers`` threads per call so
+  that branch threads and BLAS threads never oversubscribe the cores.
+  OpenBLAS's thread count is process-wide, so the cap holds for other tasks'
+  BLAS calls too while the graph is on the pool; it is restored after.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
+
+__all__ = ["advance", "blas_limited", "malloc_tuned", "tune_malloc"]
+
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+_MMAP_THRESHOLD_MAX: Final = 32 * 1024 * 1024
+_TRIM_THRESHOLD: Final = 1024 * 1024 * 1024
+
+_malloc_tried = False
+malloc_tuned = False
+"""Whether glibc's thresholds have been raised in this process."""
+
+
+def tune_malloc() -> bool:
+    """Raise glibc's mmap and trim thresholds, once; returns whether that took effect.
+
+    >>> isinstance(tune_malloc(), bool)
+    True
+    """
+    global _malloc_tried, malloc_tuned  # a one-way, process-wide fact, like the allocator it describes
+    if _malloc_tried:
+        return malloc_tuned
+    _malloc_tried = True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )
+    return malloc_tuned
+
+
+def advance(step: Callable[[Any], Any], arg: Any, pause_gc: bool) -> Any:
+    """One synchronous stretch of the runtime, with the cyclic GC paused if
+    asked (and if it is on: a caller who turned it off keeps it off)."""
+    if not pause_gc or not gc.isenabled():
+        return step(arg)
+    gc.disable()
+    try:
+        return step(arg)
+    finally:
+        gc.enable()
+
+
+_blas: ThreadpoolController | None = None
+_limit_lock = threading.Lock()
+_limited = 0  # graphs on the pool now, in any event loop
+_limiter: _ThreadpoolLimiter | None = None
+
+
+@contextmanager
+def blas_limited(workers: int) -> Iterator[None]:
+    """BLAS at ``cores // workers`` threads per call while a graph is on the pool.
+
+    Entered on the event loop's thread, never on a pool thread. OpenBLAS's
+    threads are one process-wide pool, and threadpoolctl (from 3.8) lets only
+    the thread that first set a limit change it, ignoring the others without
+    a word: set from a pool thread, the limit was lost wherever the main
+    thread had set one (a benchmark does), and each branch's products took
+    every core (forking measured 30-40% slower than inline on 2 cores).
+    Graphs on the pool at once share one limit, set by the first and restored
+    by the last (from its own thread: with event loops in several threads
+    forking at once, a restore from a thread other than threadpoolctl's
+    controlling one is ignored too, and the limit stays until that thread
+    sets one).
+    """
+    global _blas, _limited, _limiter
+    with _limit_lock:
+        if not _limited:
+            if _blas is None:  # the controller scans the loaded libraries once
+                from threadpoolctl import ThreadpoolController
+
+                _blas = ThreadpoolController()
+            _limiter = _blas.limit(limits=max(1, cores() // workers), user_api="blas")
+        _limited += 1
+    try:
+        yield
+    finally:
+        with _limit_lock:
+            _limited -= 1
+            if not _limited and _limiter is not None:
+                _limiter.restore_original_limits()
+                _limiter = None
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

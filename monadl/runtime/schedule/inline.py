@@ -1,0 +1,112 @@
+"""The inline scheduler: a graph's nodes one after another on the event loop's thread.
+
+Forward: the nodes in construction order (topological), each computed by
+`node.compute`. Backward, two ways that call the same `backprop`:
+
+* `sweep`, the fast path: a graph of primitives and weights only (no layer
+  built from a ``Do``, no shared ``Do``, no resource, no direct style) is
+  back-propagated in one reverse pass over the evaluation's records, whose
+  insertion order is topological: each record is reached after all its
+  consumers, so its delta is complete. No reference counting.
+* `release`, the paper's counted release: a record whose last consumer lets
+  go back-propagates once with the summed delta, then releases its operands;
+  resources and shared computations are finalised on the way.
+
+Both give the event loop a turn every ``yield_interval_s`` of work (a
+`CHECKPOINT` request to the driver), so a long step stays cancellable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import Any, Final
+
+from monadl.runtime.backward import backprop
+from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
+from monadl.runtime.node import compute
+
+__all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep"]
+
+CHECKPOINT: Final = object()
+"""Yielded to the driver: give the event loop a turn, then resume."""
+
+SUSPENDED: Final = object()
+"""`forward` met a layer built from a ``Do``: evaluate that first, then resume."""
+
+_CHECK_EVERY: Final = 32  # nodes between two looks at the clock (a look costs ~50 ns)
+
+Machine = Generator[Any, Any, Any]
+
+
+def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tuple[Any, int]:
+    """Compute ``order[start:]`` inline, until done, a ``Do`` layer, or the time is up.
+
+    Returns ``(outcome, index)``: ``(None, len)`` when done; ``(SUSPENDED, i)``
+    when ``order[i]`` is a layer built from a ``Do``; ``(CHECKPOINT, i)`` when
+    the event loop is due a turn before ``order[i]``.
+    """
+    records = ev.records
+    deadline = ev.deadline
+    for i in range(start, len(order)):
+        node = order[i]
+        if resumed and node in records:  # a Do evaluated meanwhile may have computed it
+            continue
+        if node._op is None:
+            return SUSPENDED, i
+        if not (i - start + 1) % _CHECK_EVERY and time.perf_counter() > deadline:
+            return CHECKPOINT, i
+        records[node] = compute(ev, node, True)
+    return None, len(order)
+
+
+def sweep(ev: Evaluation) -> Machine:
+    """Back-propagate a pure evaluation in one reverse pass over its records."""
+    check = ev.check_finite
+    n = 0
+    for rec in reversed(ev.records.values()):
+        if rec.delta is not None and rec.vjps is not None:
+            backprop(rec, check)
+            n += 1
+            if not n % _CHECK_EVERY and time.perf_counter() > ev.deadline:
+                yield CHECKPOINT
+
+
+def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
+    """Release a token; a record whose last hold goes back-propagates once.
+
+    A token is a record, a shared value, a resource's release, a tuple of
+    tokens, or None.
+    """
+    check = ev.check_finite
+    work = [token]
+    n = 0
+    while work:
+        t = work.pop()
+        kind = type(t)
+        if kind is Record:
+            t.refcount -= 1
+            if t.refcount:
+                continue
+            if backward:
+                backprop(t, check)
+            elif not t.is_weight:
+                t.vjps = None
+            work.extend(r for r in t.inputs if r is not None)
+            if t.release is not None:
+                work.append(t.release)
+            n += 1
+            if not n % _CHECK_EVERY and time.perf_counter() > ev.deadline:
+                yield CHECKPOINT
+        elif kind is tuple:
+            work.extend(t)
+        elif kind is Shared:
+            t.count -= 1
+            if t.count == 0:
+                work.append(t.release)
+        elif kind is UserRelease:
+            if not t.done:
+                t.done = True
+                yield t.release(t.value)
+        else:
+            assert t is None, t
