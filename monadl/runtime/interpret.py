@@ -163,6 +163,19 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     if kind_of == "do":  # a layer built from a Do: evaluate it first
                         cur, descending = thing, True
                         continue
+                    if kind_of == "fork":  # several: a fiber each, the graph resumes after them
+                        join = F.Join(fiber, len(thing))
+                        children = []
+                        for i, node in enumerate(thing):
+                            child = F.Fiber(node._do, join, i)
+                            child.stack.append(F.FromDo(node))
+                            children.append(child)
+                        live += len(children)
+                        runnable.extendleft(reversed(children[1:]))
+                        fiber.save(stack, None, None, None, False)
+                        fiber = children[0]
+                        stack, cur, descending = fiber.stack, fiber.cur, True
+                        continue
                     block = thing  # an awaitable (the pool) or a pending list (another fiber's Do layer)
                     if type(block) is not list and live == 1:
                         yield block
@@ -314,7 +327,13 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         stack.append(frame)
         if node in ev.pending:
             return "wait", ev.pending[node]
-        ev.pending[node] = []
+        # The graph holds no edge into a Do layer (its Do reaches what it needs
+        # itself), so every Do layer still to come may run now, side by side.
+        ahead = [n for n in order[i:] if n._op is None and n not in records and n not in ev.pending]
+        for n in ahead:
+            ev.pending[n] = []
+        if len(ahead) > 1:
+            return "fork", ahead
         stack.append(F.FromDo(node))
         return "do", node._do
 

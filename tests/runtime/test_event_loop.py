@@ -1,0 +1,249 @@
+"""The runtime as an anyio citizen: concurrent effects, turns for the event
+loop, cancellation with nothing changed, atomic commits across threads.
+
+No assertion here depends on how fast the machine is: concurrency is shown
+by branches that can only finish together, turns by a task that counts them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import monadl as ml
+
+pytestmark = pytest.mark.anyio
+
+DEADLOCK_GUARD_S = 30.0  # only a sequential (wrong) runtime would take this long
+
+
+def meeting() -> tuple[Callable[[], Awaitable[float]], Callable[[], Awaitable[float]]]:
+    """Two effects that finish only if they run at the same time: each waits
+    for the other to have started."""
+    a_started, b_started = anyio.Event(), anyio.Event()
+
+    async def a() -> float:
+        a_started.set()
+        await b_started.wait()
+        return 1.0
+
+    async def b() -> float:
+        b_started.set()
+        await a_started.wait()
+        return 2.0
+
+    return a, b
+
+
+def effect_layer(effect: Callable[[], Awaitable[float]]) -> ml.ScalarLayer:
+    return ml.Layer(ml.Do.from_async(effect).map(lambda v: ml.Tape(v)))
+
+
+async def test_zip_runs_independent_effects_concurrently() -> None:
+    a, b = meeting()
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        assert await ml.Do.zip(ml.Do.from_async(a), ml.Do.from_async(b)).run() == (1.0, 2.0)
+
+
+async def test_gather_of_four_effects_runs_them_together() -> None:
+    arrived = 0
+    everyone = anyio.Event()
+
+    async def party(i: int) -> int:
+        nonlocal arrived
+        arrived += 1
+        if arrived == 4:
+            everyone.set()
+        await everyone.wait()
+        return i
+
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        result = await ml.Do.gather(ml.Do.from_async(partial(party, i)) for i in range(4)).run()
+    assert result == (0, 1, 2, 3)
+
+
+async def test_values_in_direct_style_evaluates_layers_concurrently() -> None:
+    a, b = meeting()
+    w = ml.Weight(3.0, optimizer=ml.optim.sgd(0.1))
+    x, y = effect_layer(a), effect_layer(b)
+
+    @ml.direct
+    async def larger(w: ml.ScalarLayer) -> ml.ScalarLayer:
+        vx, vy = await ml.values(x * w, y * w)
+        return x * w if vx > vy else y * w
+
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        assert await larger(w * 1.0).train() == 6.0
+    assert w.data == pytest.approx(3.0 - 0.1 * 2.0)
+
+
+async def test_a_direct_layer_that_sleeps_runs_beside_its_sibling() -> None:
+    a, b = meeting()
+
+    @ml.direct
+    async def waits_for_b(scale: float) -> ml.ScalarLayer:
+        await a()  # a foreign await inside direct style, in a concurrent branch
+        return ml.as_layer(scale)
+
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        left, right = await ml.Do.zip(waits_for_b(2.0).forward(), effect_layer(b).forward()).run()
+    assert (left.data, right.data) == (2.0, 2.0)
+
+
+async def test_a_failing_branch_cancels_its_siblings_and_surfaces_as_itself() -> None:
+    log: list[str] = []
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    before = w.data.copy()
+    started = anyio.Event()
+
+    async def open_() -> float:
+        log.append("open")
+        started.set()
+        return 1.0
+
+    async def close(_: float) -> None:
+        log.append("close")
+
+    async def waits_forever() -> float:
+        await anyio.sleep_forever()
+        raise AssertionError("not reached")
+
+    async def fails() -> float:
+        await started.wait()
+        raise KeyError("the black box is down")
+
+    held: ml.ScalarLayer = ml.Layer(
+        ml.Do.zip(ml.Do.resource(open_, close), ml.Do.from_async(waits_forever)).map(lambda v: ml.Tape(v[0]))
+    )
+    loss = ml.sum(w * held) + effect_layer(fails)
+    with anyio.fail_after(DEADLOCK_GUARD_S), pytest.raises(KeyError, match="black box"):
+        await ml.Layer(ml.Do.zip(loss.forward(), held.forward()).map(lambda t: t[0])).train()
+    assert log == ["open", "close"]
+    np.testing.assert_array_equal(w.data, before)
+
+
+def long_chain(w: ml.ArrayWeight, n: int) -> ml.ScalarLayer:
+    h = w * 1.0
+    for _ in range(n):
+        h = h + ml.tanh(h) * 0.001
+    return ml.sum(h)
+
+
+async def test_a_long_step_gives_the_event_loop_turns() -> None:
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    loss = long_chain(w, 500)
+    turns = 0
+    training = True
+
+    async def ticker() -> None:
+        nonlocal turns
+        while training:
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        with ml.settings(yield_interval_s=1e-9):  # a turn at every look at the clock
+            before = turns
+            await loss.train()
+            during = turns - before
+        training = False
+    assert during >= 10  # 1,500 forward and as many backward nodes, a look every 32
+
+
+async def test_cancelling_a_long_pure_step_changes_no_weight() -> None:
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    before = w.data.copy()
+    with anyio.move_on_after(0.0) as scope:
+        await long_chain(w, 2000).train()
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(w.data, before)
+
+
+async def test_a_small_cancelled_step_changes_no_weight() -> None:
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    loss = long_chain(w, 50)
+    before = w.data.copy()
+    with anyio.move_on_after(0.0) as scope:
+        await loss.train()
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(w.data, before)
+    await loss.train()  # and an uncancelled one steps
+    assert not np.array_equal(w.data, before)
+
+
+def test_two_threads_training_one_weight_lose_no_update() -> None:
+    # The gradient is exactly 1 and the rate 1: every step subtracts exactly 1.0.
+    w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(1.0))
+    loss = ml.sum(w)
+    steps = 2000
+
+    def trainer() -> None:
+        async def loop() -> None:
+            for _ in range(steps):
+                await loss.train()
+
+        anyio.run(loop)
+
+    threads = [threading.Thread(target=trainer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(w.data, [-2.0 * steps] * 3)
+
+
+CTRL_C_PROGRAM = """
+import sys, anyio, numpy as np, monadl as ml
+w = ml.Weight(np.ones(64), optimizer=ml.optim.sgd(1e-3))
+h = w * 1.0
+for _ in range(3000):
+    h = ml.tanh(h) * 0.5 + 0.25
+loss = ml.sum(h)
+
+async def main() -> None:
+    committed = w.data.copy()
+    print("training", flush=True)
+    try:
+        while True:
+            await loss.train()
+            committed = w.data.copy()
+    finally:
+        print("unchanged" if np.array_equal(w.data, committed) else "CHANGED", flush=True)
+
+anyio.run(main, backend=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_ctrl_c_interrupts_an_endless_training_loop(backend: str) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_PROGRAM, backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "training"
+    time.sleep(0.5)  # a few steps in
+    process.send_signal(signal.SIGINT)
+    try:
+        out, err = process.communicate(timeout=DEADLOCK_GUARD_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("Ctrl-C did not stop the training loop") from None
+    assert "KeyboardInterrupt" in err
+    assert out.strip() == "unchanged"
