@@ -190,8 +190,9 @@ def _put(tensors: dict[str, Any], key: str, value: Any) -> None:
     if key in tensors:
         raise CheckpointError(f"save: two arrays would be stored under the name {key!r}; rename one of them")
     # C order: safetensors writes an array's memory as it lies, so a transposed
-    # (Fortran-ordered) array would come back scrambled.
-    tensors[key] = np.ascontiguousarray(_to_host(value))
+    # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
+    # it makes a 0-d array 1-d.)
+    tensors[key] = np.asarray(_to_host(value), order="C")
 
 
 def _to_host(value: Any) -> Any:
@@ -206,7 +207,7 @@ def _encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
     """The JSON form of an optimizer state; its arrays go to ``tensors``."""
     if state is None:
         return {"kind": "none"}
-    if isinstance(state, (bool, int, float)):
+    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
         return {"kind": type(state).__name__, "value": state}
     if isinstance(state, tuple):
         fields = getattr(state, "_fields", None)
@@ -222,10 +223,13 @@ def _encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
 def _write_atomically(path: str, tensors: dict[str, Any], header: dict[str, str]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    # Created here (not by mkstemp) so that it gets the umask's permissions, as the file it replaces did.
+    # Created here (not by mkstemp) to learn the permissions the umask gives a
+    # new file; safetensors writes a file of its own, private to the owner.
     os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
+        mode = os.stat(temporary).st_mode & 0o777
         _write_tensors(tensors, temporary, header)
+        os.chmod(temporary, mode)
         _fsync(temporary, os.O_RDONLY)
         os.replace(temporary, path)
     except BaseException:

@@ -438,6 +438,10 @@ class Weight(_Expr[D, G]):
     def __init__(
         self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
     ) -> None: ...
+    @overload
+    def __init__(  # a NumPy scalar of any float type (np.float32 is no Python float)
+        self: Weight[Any, Any], data: np.floating[Any], *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
