@@ -349,3 +349,20 @@ def test_the_digits_demo_resumes_as_if_never_stopped(tmp_path: Path, capsys: pyt
     assert contents(Path(straight)) == contents(Path(resumed))
     assert contents(Path(straight)) != contents(Path(half))
     assert contents(Path(resumed))[1]["metadata"]["epoch"] == 2
+
+
+def test_weights_of_another_array_library_round_trip_in_their_library(tmp_path: Path) -> None:
+    import array_api_strict as xp
+
+    def model() -> dict[str, ml.Weight[Any, Any]]:
+        return {"w": ml.Weight(xp.asarray([1.0, 2.0]), optimizer=ml.optim.adam(0.1))}
+
+    trained = model()
+    anyio.run((trained["w"] * trained["w"]).sum().train)
+    ml.save(tmp_path / "w.safetensors", trained)
+    fresh = model()
+    ml.load(tmp_path / "w.safetensors", fresh)
+    assert type(fresh["w"].data) is type(trained["w"].data)
+    assert type(fresh["w"].state[0].mu) is type(trained["w"].state[0].mu)
+    np.testing.assert_array_equal(np.from_dlpack(fresh["w"].data), np.from_dlpack(trained["w"].data))
+    assert fresh["w"].state[0].step == 1
