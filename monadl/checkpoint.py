@@ -121,6 +121,10 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         return None
     if isinstance(node, Mapping):
         return list(node.items())
+    if isinstance(node, (set, frozenset)):
+        if any(isinstance(item, Weight) for item in node):
+            raise CheckpointError("weights in a set have no stable name: keep them in a list or a dict")
+        return None
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return list(zip(node._fields, node))
     if isinstance(node, (list, tuple)):
@@ -263,6 +267,7 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
     every offending weight by name, and leaves the model as it was. Each
     weight keeps the array library and the type it has in memory (a NumPy
     scalar stays one; a CuPy weight gets its values copied to its device).
+    Load between steps, as with `save`.
 
     >>> import os, tempfile, numpy as np, monadl as ml
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")

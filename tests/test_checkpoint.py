@@ -152,6 +152,12 @@ def test_named_weights_walk_dicts_lists_dataclasses_attributes_slots_and_named_t
     ]
 
 
+def test_weights_in_a_set_are_refused_for_want_of_a_stable_name() -> None:
+    with pytest.raises(ml.CheckpointError, match="weights in a set have no stable name"):
+        ml.checkpoint.named_weights({"bag": {ml.Weight(np.zeros(1))}})
+    assert ml.checkpoint.named_weights({"tags": {"a", "b"}}) == {}
+
+
 def test_a_deep_model_is_walked_without_recursion() -> None:
     model: list[Any] = [ml.Weight(np.zeros(1))]
     for _ in range(5000):
