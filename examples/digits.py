@@ -9,6 +9,9 @@ decides, per image, which fine classifier runs (written in direct style).
 
 Run: ``make demo`` (or ``python examples/digits.py --help``). Prints a progress
 bar and the test accuracy, and writes the training curve to ``digits.png``.
+``--save ckpt.safetensors`` checkpoints after each epoch; ``--resume
+ckpt.safetensors --epochs 10`` trains 10 more epochs from there, exactly as an
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -143,10 +146,26 @@ class Result:
     seconds: float
 
 
-async def run(epochs: int = 30, batch_size: int = 16, seed: int = 0, show_progress: bool = True) -> Result:
+async def run(
+    epochs: int = 30,
+    batch_size: int = 16,
+    seed: int = 0,
+    show_progress: bool = True,
+    save: str | None = None,
+    resume: str | None = None,
+) -> Result:
+    """Train for ``epochs`` epochs; with ``resume``, first restore the weights,
+    the optimizers' state and the shuffling's position from that checkpoint,
+    so that the run goes on exactly as if it had never stopped; with ``save``,
+    write a checkpoint after each epoch (atomically: a crash keeps the last)."""
     x_train, y_train, x_test, y_test = load_digits(seed)
     model = GatedDigits(seed)
     rng = np.random.default_rng(seed)
+    done = 0
+    if resume is not None:
+        saved = ml.load(resume, model)
+        rng.bit_generator.state = saved["rng"]
+        done = saved["epoch"]
     losses, accuracies = [], []
     started = time.perf_counter()
     for epoch in range(epochs):
@@ -156,6 +175,8 @@ async def run(epochs: int = 30, batch_size: int = 16, seed: int = 0, show_progre
         ]
         losses.append(float(np.mean(epoch_losses)))
         accuracies.append(await accuracy(model, x_test, y_test))
+        if save is not None:
+            ml.save(save, model, metadata={"epoch": done + epoch + 1, "rng": rng.bit_generator.state})
         if show_progress:
             progress(epoch + 1, epochs, f"loss {losses[-1]:.3f}  test accuracy {accuracies[-1]:.3f}")
     return Result(accuracies[-1], losses, accuracies, time.perf_counter() - started)
@@ -184,14 +205,18 @@ def plot(result: Result, path: str) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train a dynamic gated network on scikit-learn's digits.")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="digits.png", help="where to write the training curve (PNG)")
-    args = parser.parse_args()
-    result = anyio.run(run, args.epochs, args.batch_size, args.seed)
+    parser.add_argument("--save", metavar="PATH", help="write a checkpoint (.safetensors) after each epoch")
+    parser.add_argument(
+        "--resume", metavar="PATH", help="continue from a checkpoint that --save wrote (same --seed and --batch-size)"
+    )
+    args = parser.parse_args(argv)
+    result = anyio.run(run, args.epochs, args.batch_size, args.seed, True, args.save, args.resume)
     plot(result, args.plot)
     print(f"test accuracy: {result.test_accuracy:.3f}  ({result.seconds:.1f} s of training; curve in {args.plot})")
 

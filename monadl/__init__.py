@@ -5,10 +5,19 @@ A model is plain Python that builds lazy `Layer`s over trainable `Weight`s;
 weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
-from monadl import optim
+from monadl import checkpoint, optim
+from monadl.checkpoint import load, save
 from monadl.direct import direct, values
 from monadl.do import Do
-from monadl.errors import DeviceError, DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
+from monadl.errors import (
+    CheckpointError,
+    DeviceError,
+    DTypeError,
+    MonadlError,
+    NonFiniteError,
+    OperandError,
+    ShapeError,
+)
 from monadl.gradcheck import check_grads, gradients
 from monadl.layers import (
     Array,
@@ -65,6 +74,7 @@ __all__ = [
     "ArrayWeight",
     "AsArray",
     "AsScalar",
+    "CheckpointError",
     "DTypeError",
     "DeepLearning",
     "DeviceArray",
@@ -85,6 +95,7 @@ __all__ = [
     "abs",
     "as_layer",
     "check_grads",
+    "checkpoint",
     "concatenate",
     "conv2d",
     "cross_entropy",
@@ -96,6 +107,7 @@ __all__ = [
     "exp",
     "forward",
     "gradients",
+    "load",
     "log",
     "log_softmax",
     "logsumexp",
@@ -108,6 +120,7 @@ __all__ = [
     "optim",
     "relu",
     "reshape",
+    "save",
     "settings",
     "sigmoid",
     "softmax",

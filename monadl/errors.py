@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["DTypeError", "DeviceError", "MonadlError", "NonFiniteError", "OperandError", "ShapeError"]
+__all__ = [
+    "CheckpointError",
+    "DTypeError",
+    "DeviceError",
+    "MonadlError",
+    "NonFiniteError",
+    "OperandError",
+    "ShapeError",
+]
 
 
 class MonadlError(Exception):
@@ -27,3 +35,8 @@ class OperandError(MonadlError, TypeError):
 
 class DeviceError(MonadlError, TypeError):
     """Operands from two array libraries (or devices), such as NumPy and CuPy, in one operation."""
+
+
+class CheckpointError(MonadlError, ValueError):
+    """A checkpoint that does not fit the model it is loaded into (names,
+    shapes, dtypes, optimizer state), or a file that is not a monadl checkpoint."""

@@ -31,6 +31,14 @@ scalar_layer: ml.ScalarLayer = scalar_weight * 2.0
 """
 
 ACCEPT = {
+    "weight_data_and_state_are_settable": """
+        assert_type(array_weight.data, ml.Array)
+        assert_type(scalar_weight.data, float)
+        array_weight.data = np.zeros(3)
+        scalar_weight.data = 0.5
+        array_weight.state = array_weight.state
+        array_weight.optimizer = ml.optim.adam(1e-3)
+    """,
     "paper_listing": """
         def guess_next_number(question: ml.Array) -> ml.ScalarLayer:
             return ml.sum(question * array_weight) + scalar_weight
@@ -192,7 +200,9 @@ REJECT = {
         "async def f() -> None:\n    t: ml.Tape[float, float] = await scalar_layer.forward()",
         "assignment",
     ),
-    "weight_data_is_read_only": ("array_weight.data = np.zeros(3)", "misc"),
+    # Weight.data is settable (checkpoints, issue 16), but only to data of the weight's kind.
+    "weight_data_set_to_a_layer": ("array_weight.data = array_layer", "assignment"),
+    "scalar_weight_data_set_to_an_array": ("scalar_weight.data = np.zeros(3)", "assignment"),
     "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
     "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),

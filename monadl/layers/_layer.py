@@ -21,6 +21,7 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._replace import replace_data, replace_state
 from monadl.tape import Tape
 
 if TYPE_CHECKING:
@@ -438,6 +439,10 @@ class Weight(_Expr[D, G]):
     def __init__(
         self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
     ) -> None: ...
+    @overload
+    def __init__(  # a NumPy scalar of any float type (np.float32 is no Python float)
+        self: Weight[Any, Any], data: np.floating[Any], *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
@@ -475,10 +480,70 @@ class Weight(_Expr[D, G]):
         """The current value (replaced, never mutated, by each step)."""
         return self._data  # type: ignore[no-any-return]
 
+    # The setters (for checkpoints, surgery, tests) sit right after their getters, as
+    # mypy requires. Use them outside train(): a step in flight commits over them.
+
+    @data.setter
+    def data(self, value: D) -> None:
+        """Replace the value with a copy of ``value``: same shape, dtype and
+        array library (a Python number takes the weight's dtype), else
+        `ShapeError`, `DTypeError` or `DeviceError`. The weight keeps its
+        type in memory (a NumPy scalar stays one); the optimizer state stays.
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2))
+        >>> w.data = np.array([1.0, 2.0])
+        >>> w.data
+        array([1., 2.])
+        """
+        self._data = replace_data(self._data, value, "Weight.data")
+
     @property
     def optimizer(self) -> GradientTransformation:
         """The optimizer that steps this weight."""
         return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: GradientTransformation) -> None:
+        """Step with ``optimizer`` from now on, from its fresh state (``init``).
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2))
+        >>> w.optimizer = ml.optim.adam(1e-3)
+        >>> w.state[0].step
+        0
+        """
+        from monadl import optim
+
+        if not isinstance(optimizer, optim.GradientTransformation):
+            raise OperandError(
+                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
+            )
+        state = optimizer.init(self._data)
+        self._optimizer = optimizer
+        self._state = state
+
+    @property
+    def state(self) -> Any:
+        """The optimizer's state for this weight (Adam's step count and
+        moments ...), as ``optimizer.init`` made it and each step replaced it.
+
+        Settable to a state of the same structure: the same tuples and
+        NamedTuples, numbers where it has numbers, arrays of the same shape,
+        dtype and library where it has arrays (copied), else an error naming
+        the first difference.
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.momentum(0.1))
+        >>> w.state = (np.ones(2), None)
+        >>> w.state
+        (array([1., 1.]), None)
+        """
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = replace_state(self._state, value, "Weight.state")
 
     def __repr__(self) -> str:
         return f"Weight({self._data!r})"

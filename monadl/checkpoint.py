@@ -1,0 +1,363 @@
+"""Checkpoints: save a model's weights and optimizer state, and load them back.
+
+`save(path, model)` finds every `Weight` reachable from ``model`` (through
+dicts, lists, tuples, dataclasses and plain objects' attributes) under a
+stable dotted name (``encoder.0.weight``), and writes each weight's data and
+every array of its optimizer state (Adam's moments ...) to one safetensors
+file, with a JSON manifest (names, shapes, dtypes, the optimizer state's
+structure and its numbers, such as step counts) in the file's header.
+`load(path, model)` restores them into a model of the same structure that the
+program has built again in code, as PyTorch's
+``model.load_state_dict(torch.load(path))`` does.
+
+Why these names and this order: ``save`` and ``load`` are what a PyTorch user
+tries first; the path comes first in both, as in equinox
+(``tree_serialise_leaves(path, pytree)``, ``tree_deserialise_leaves(path,
+like)``) and orbax (``checkpointer.save(path, tree)``), since ``load`` fills a
+model rather than returning one. ``save(model, path)``, PyTorch's order, is
+refused with a message that says so.
+
+Why safetensors: it stores arrays and a text header only, so loading a file
+never runs code (pickle does), and PyTorch, JAX and Hugging Face tools read it.
+Why one file: a single ``os.replace`` of a fully written temporary file makes
+the save atomic; a crash mid-save leaves the previous checkpoint intact.
+
+>>> import os, tempfile, numpy as np, monadl as ml
+>>> model = {"w": ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))}
+>>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+>>> ml.save(path, model, metadata={"epoch": 3})
+>>> fresh = {"w": ml.Weight(np.zeros(2), optimizer=ml.optim.adam(0.1))}
+>>> ml.load(path, fresh)
+{'epoch': 3}
+>>> fresh["w"].data
+array([1., 1.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import types
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import load_file, save_file
+
+from monadl._namespace import library_name, namespace
+from monadl.errors import CheckpointError, MonadlError
+from monadl.layers import Layer, Weight
+from monadl.layers._replace import replace_data, replace_state
+
+__all__ = ["load", "named_weights", "save"]
+
+_MANIFEST_KEY: Final = "monadl"
+_FORMAT: Final = "monadl.checkpoint"
+_VERSION: Final = 1
+_STATE_PREFIX: Final = "optimizer_state/"
+
+# Objects that hold no weights worth walking into: code, classes, modules, arrays.
+_OPAQUE: Final = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    Layer,  # a built expression: its weights belong to whoever built it
+    np.ndarray,
+    np.generic,
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+)
+
+
+def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
+    """Every weight reachable from ``model``, by a stable dotted name, in the
+    order the model's containers hold them.
+
+    Dict keys, list and tuple indices, dataclass fields and attribute names
+    (``__dict__`` and ``__slots__``) make up the names. A weight reached twice
+    (shared) is named once, by its first path. Built layers are not walked
+    into. The walk is iterative, so deep models are fine.
+
+    >>> import numpy as np, monadl as ml
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Dense:
+    ...     weight: ml.ArrayWeight
+    ...     bias: ml.ArrayWeight
+    >>> model = {"layers": [Dense(ml.Weight(np.ones((2, 2))), ml.Weight(np.zeros(2)))]}
+    >>> list(named_weights(model))
+    ['layers.0.weight', 'layers.0.bias']
+    """
+    found: dict[str, Weight[Any, Any]] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, object]] = [("", model)]
+    while stack:
+        name, node = stack.pop()
+        if id(node) in seen:
+            continue
+        if isinstance(node, Weight):
+            seen.add(id(node))
+            found[name] = node
+            continue
+        children = _children(node)
+        if children is None:
+            continue
+        seen.add(id(node))  # cycles (a child pointing back at its parent) end here
+        stack.extend(reversed([(f"{name}.{key}" if name else str(key), child) for key, child in children]))
+    return found
+
+
+def _children(node: object) -> Iterable[tuple[object, object]] | None:
+    if isinstance(node, _OPAQUE) or node is None:
+        return None
+    if isinstance(node, Mapping):
+        return list(node.items())
+    if isinstance(node, (set, frozenset)):
+        if any(isinstance(item, Weight) for item in node):
+            raise CheckpointError("weights in a set have no stable name: keep them in a list or a dict")
+        return None
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return list(zip(node._fields, node))
+    if isinstance(node, (list, tuple)):
+        return list(enumerate(node))
+    if dataclasses.is_dataclass(node):
+        return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if hasattr(node, f.name)]
+    attributes: dict[str, object] = dict(getattr(node, "__dict__", {}))
+    for cls in type(node).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and slot not in attributes and hasattr(node, slot):
+                attributes[slot] = getattr(node, slot)
+    return list(attributes.items()) or None
+
+
+def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, Any] | None = None) -> None:
+    """Write the weights of ``model`` and their optimizer state to ``path``
+    (a ``.safetensors`` file), atomically.
+
+    Args:
+        path: where to write; a previous file there is replaced only once the
+            new one is complete (written to a temporary file beside it, synced,
+            then renamed over it).
+        model: any object that holds weights (see `named_weights`).
+        metadata: JSON data to keep beside the weights (an epoch, a data
+            loader's position); `load` returns it.
+
+    Save between steps, not while a ``train()`` of the same weights is in
+    flight on another thread. It blocks on file I/O: inside an event loop,
+    ``await anyio.to_thread.run_sync(ml.save, path, model)`` keeps the loop free.
+
+    >>> import os, tempfile, numpy as np, monadl as ml
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> ml.save(path, [ml.Weight(np.zeros(3))])
+    >>> os.path.exists(path)
+    True
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
+            f"takes the object first), got {type(path).__name__} as the path"
+        )
+    tensors: dict[str, Any] = {}
+    entries = []
+    for name, weight in named_weights(model).items():
+        data, state = weight.data, weight.state
+        _put(tensors, name, data)
+        entries.append(
+            {
+                "name": name,
+                "shape": list(data.shape),
+                "dtype": str(data.dtype),
+                "scalar": isinstance(data, np.generic),
+                "library": library_name(data),
+                "optimizer_state": _encode(state, f"{_STATE_PREFIX}{name}", tensors),
+            }
+        )
+    manifest = {"format": _FORMAT, "version": _VERSION, "weights": entries, "metadata": dict(metadata or {})}
+    try:
+        text = json.dumps(manifest)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
+    _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
+
+
+def _put(tensors: dict[str, Any], key: str, value: Any) -> None:
+    if key in tensors:
+        raise CheckpointError(f"save: two arrays would be stored under the name {key!r}; rename one of them")
+    # C order: safetensors writes an array's memory as it lies, so a transposed
+    # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
+    # it makes a 0-d array 1-d.)
+    tensors[key] = np.asarray(_to_host(value), order="C")
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)
+    if library_name(value) == "cupy":
+        return value.get()  # CuPy refuses implicit host copies, so ask for one
+    return np.from_dlpack(value)
+
+
+def _encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
+    """The JSON form of an optimizer state; its arrays go to ``tensors``."""
+    if state is None:
+        return {"kind": "none"}
+    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
+        return {"kind": type(state).__name__, "value": state}
+    if isinstance(state, tuple):
+        fields = getattr(state, "_fields", None)
+        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
+        items = [_encode(s, key + label, tensors) for s, label in zip(state, labels)]
+        return {"kind": "tuple", "type": type(state).__name__, "items": items}
+    if isinstance(state, np.generic) or hasattr(state, "shape"):
+        _put(tensors, key, state)
+        return {"kind": "array", "tensor": key, "scalar": isinstance(state, np.generic)}
+    raise CheckpointError(f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}")
+
+
+def _write_atomically(path: str, tensors: dict[str, Any], header: dict[str, str]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    # Created here (not by mkstemp) to learn the permissions the umask gives a
+    # new file; safetensors writes a file of its own, private to the owner.
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        mode = os.stat(temporary).st_mode & 0o777
+        _write_tensors(tensors, temporary, header)
+        os.chmod(temporary, mode)
+        _fsync(temporary, os.O_RDONLY)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    if os.name == "posix":
+        _fsync(directory, os.O_RDONLY)  # the rename itself survives a power cut
+
+
+def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
+    save_file(tensors, path, metadata=header)
+
+
+def _fsync(path: str, flags: int) -> None:
+    descriptor = os.open(path, flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
+    """Restore the weights and optimizer state saved at ``path`` into
+    ``model``, a model built again in code the way the saved one was (with
+    the same optimizers). Returns the ``metadata`` given to `save`.
+
+    Everything is checked before anything changes: the names of the weights
+    (none missing, none extra), each one's shape and dtype, and the structure
+    of each one's optimizer state. A mismatch raises `CheckpointError` listing
+    every offending weight by name, and leaves the model as it was. Each
+    weight keeps the array library and the type it has in memory (a NumPy
+    scalar stays one; a CuPy weight gets its values copied to its device).
+    Load between steps, as with `save`.
+
+    >>> import os, tempfile, numpy as np, monadl as ml
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    >>> ml.save(path, {"w": ml.Weight(np.zeros(3))})
+    >>> ml.load(path, {"w": ml.Weight(np.zeros(4))})
+    Traceback (most recent call last):
+    ...
+    monadl.errors.CheckpointError: ...w.safetensors does not fit the model:
+      - weight 'w': expected shape (4,), got (3,)
+    """
+    try:
+        manifest = _manifest(os.fspath(path))
+        tensors = load_file(os.fspath(path))
+    except SafetensorError as error:
+        raise CheckpointError(f"{os.fspath(path)} is not a safetensors file: {error}") from None
+    weights = named_weights(model)
+    saved = {entry["name"]: entry for entry in manifest["weights"]}
+    problems = []
+    missing = [name for name in weights if name not in saved]
+    if missing:
+        problems.append(f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}")
+    extra = [name for name in saved if name not in weights]
+    if extra:
+        problems.append(f"weights in the checkpoint that the model does not have: {', '.join(map(repr, extra))}")
+    updates = []
+    for name, weight in weights.items():
+        if name not in saved:
+            continue
+        try:
+            data = replace_data(weight.data, _to_library(tensors[name], weight.data), f"weight {name!r}")
+            where = f"weight {name!r}, optimizer state"
+            decoded = _decode(saved[name]["optimizer_state"], weight.state, tensors, where)
+            state = replace_state(weight.state, decoded, where)
+        except MonadlError as error:
+            problems.append(str(error))
+            continue
+        updates.append((weight, data, state))
+    if problems:
+        raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
+    for weight, data, state in updates:
+        weight._data = data  # checked and copied above: nothing can fail half way
+        weight._state = state
+    return dict(manifest["metadata"])
+
+
+def _manifest(path: str) -> dict[str, Any]:
+    with safe_open(path, framework="numpy") as file:
+        header = file.metadata() or {}
+    if _MANIFEST_KEY not in header:
+        raise CheckpointError(f"{path} is a safetensors file but not a monadl checkpoint (no manifest in its header)")
+    try:
+        manifest: dict[str, Any] = json.loads(header[_MANIFEST_KEY])
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: its manifest is not JSON: {error}") from None
+    if manifest.get("format") != _FORMAT or manifest.get("version", 0) > _VERSION:
+        raise CheckpointError(
+            f"{path}: a checkpoint of format {manifest.get('format')!r} version {manifest.get('version')!r}; "
+            f"this monadl reads {_FORMAT!r} up to version {_VERSION}"
+        )
+    return manifest
+
+
+def _to_library(array: Any, like: Any) -> Any:
+    """``array`` (NumPy, from the file) in the array library of ``like``."""
+    if isinstance(like, (np.ndarray, np.generic, float, int)):
+        return array
+    return namespace(like).asarray(array)
+
+
+def _decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any:
+    """The saved optimizer state ``node`` rebuilt in the shape of ``like``,
+    the model's own state (whose NamedTuple classes it reuses)."""
+    kind = node["kind"]
+    if kind == "tuple":
+        items = node["items"]
+        if not isinstance(like, tuple) or type(like).__name__ != node["type"] or len(like) != len(items):
+            found = f"{type(like).__name__} of {len(like)}" if isinstance(like, tuple) else type(like).__name__
+            raise CheckpointError(
+                f"{where}: the checkpoint has {node['type']} of {len(items)}, the model's optimizer has {found} "
+                "(was the weight built with the same optimizer?)"
+            )
+        fields = getattr(like, "_fields", None)
+        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(like))]
+        parts = [_decode(n, s, tensors, where + label) for n, s, label in zip(items, like, labels)]
+        return type(like)(*parts) if fields is not None else tuple(parts)
+    if kind == "array":
+        array = tensors[node["tensor"]]
+        if node["scalar"] and isinstance(like, (np.ndarray, np.generic)):
+            return array[()]
+        return _to_library(array, like)
+    if kind == "none":
+        return None
+    return node["value"]

@@ -1,0 +1,373 @@
+"""Checkpoints: `ml.save` / `ml.load`, the weights' setters, resuming bit-identically."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import anyio
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import monadl as ml
+from monadl import checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- a model with nested dicts, lists and dataclasses, every kind of optimizer state -------
+@dataclass
+class Dense:
+    weight: ml.ArrayWeight
+    bias: ml.ArrayWeight
+
+
+def build() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "encoder": [
+            Dense(
+                ml.Weight(rng.normal(size=(4, 8)), optimizer=ml.optim.adam(0.01)),
+                ml.Weight(np.zeros(8), optimizer=ml.optim.adam(0.01)),
+            ),
+            Dense(
+                ml.Weight(rng.normal(size=(8, 3)), optimizer=ml.optim.momentum(0.05)),
+                ml.Weight(np.zeros(3), optimizer=ml.optim.nesterov(0.05)),
+            ),
+        ],
+        "head": {
+            # sparse steps: only looked-up rows and their Adam moments change
+            "embedding": ml.Weight(rng.normal(size=(5, 4)), optimizer=ml.optim.adam(0.01)),
+            # a schedule: its step count is an int in the state
+            "scale": ml.Weight(1.0, optimizer=ml.optim.sgd(ml.optim.exponential_decay(0.05, 0.99))),
+            "shift": ml.Weight(np.array(0.5), optimizer=ml.optim.rmsprop(0.01)),  # a 0-d array
+        },
+    }
+
+
+def loss(model: dict[str, Any], step: int) -> ml.ScalarLayer:
+    rng = np.random.default_rng(1000 + step)
+    indices = rng.integers(0, 5, size=6)
+    labels = rng.integers(0, 3, size=6)
+    first, second = model["encoder"]
+    hidden = ml.relu(ml.dense(ml.embedding(model["head"]["embedding"], indices), first.weight, first.bias))
+    logits = ml.dense(hidden, second.weight, second.bias) * model["head"]["scale"] + model["head"]["shift"]
+    return ml.cross_entropy(logits, labels)
+
+
+async def train(model: dict[str, Any], steps: range) -> None:
+    for step in steps:
+        await loss(model, step).train()
+
+
+def resume(saved: str, out: str) -> None:
+    """The fresh process: rebuild, load, train steps 50-99, save."""
+    model = build()
+    ml.load(saved, model)
+    anyio.run(train, model, range(50, 100))
+    ml.save(out, model)
+
+
+def contents(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...], bytes]], Any]:
+    """Every tensor's dtype, shape and bytes, and the manifest."""
+    with safe_open(str(path), framework="numpy") as file:
+        manifest = json.loads(file.metadata()["monadl"])
+    tensors = {k: (str(v.dtype), v.shape, v.tobytes()) for k, v in load_file(str(path)).items()}
+    return tensors, manifest
+
+
+def test_a_resumed_run_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> None:
+    model = build()
+    anyio.run(train, model, range(50))
+    ml.save(tmp_path / "at50.safetensors", model)
+    anyio.run(train, model, range(50, 100))
+    ml.save(tmp_path / "straight.safetensors", model)
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_checkpoint import resume; resume(sys.argv[1], sys.argv[2])",
+            str(tmp_path / "at50.safetensors"),
+            str(tmp_path / "resumed.safetensors"),
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=600,  # a hang guard, not a speed check
+    )
+    straight, straight_manifest = contents(tmp_path / "straight.safetensors")
+    resumed, resumed_manifest = contents(tmp_path / "resumed.safetensors")
+    assert straight == resumed
+    assert straight_manifest == resumed_manifest
+    at50, _ = contents(tmp_path / "at50.safetensors")
+    assert all(at50[name] != straight[name] for name in ml.checkpoint.named_weights(model))  # all trained
+    # Adam's moments and the schedule's step count were saved and restored, not restarted.
+    assert "optimizer_state/encoder.0.weight[0].mu" in resumed
+    states = {w["name"]: w["optimizer_state"] for w in resumed_manifest["weights"]}
+    assert states["encoder.0.weight"]["items"][0]["items"][0] == {"kind": "int", "value": 100}
+    assert states["head.scale"] == {"kind": "int", "value": 100}
+
+
+def test_named_weights_walk_dicts_lists_dataclasses_attributes_slots_and_named_tuples() -> None:
+    class Pair(NamedTuple):
+        left: ml.ArrayWeight
+        right: ml.ArrayWeight
+
+    class Slotted:
+        __slots__ = ("inner",)
+
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+    class Model:
+        def __init__(self) -> None:
+            self.shared = ml.Weight(np.zeros(1))
+            self.blocks = [Slotted({"pair": Pair(ml.Weight(np.zeros(2)), self.shared)})]
+            self.again = self.shared  # shared: named once, by its first path
+            self.built = self.shared * 2.0  # a layer: not walked into
+            self.me = self  # a cycle
+            self.data = np.zeros(3)
+
+    model = Model()
+    names = ml.checkpoint.named_weights(model)
+    assert list(names) == ["shared", "blocks.0.inner.pair.left"]
+    assert names["shared"] is model.shared
+    assert list(ml.checkpoint.named_weights(build())) == [
+        "encoder.0.weight",
+        "encoder.0.bias",
+        "encoder.1.weight",
+        "encoder.1.bias",
+        "head.embedding",
+        "head.scale",
+        "head.shift",
+    ]
+
+
+def test_weights_in_a_set_are_refused_for_want_of_a_stable_name() -> None:
+    with pytest.raises(ml.CheckpointError, match="weights in a set have no stable name"):
+        ml.checkpoint.named_weights({"bag": {ml.Weight(np.zeros(1))}})
+    assert ml.checkpoint.named_weights({"tags": {"a", "b"}}) == {}
+
+
+def test_a_deep_model_is_walked_without_recursion() -> None:
+    model: list[Any] = [ml.Weight(np.zeros(1))]
+    for _ in range(5000):
+        model = [model]
+    assert list(ml.checkpoint.named_weights(model)) == [".".join(["0"] * 5001)]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    ml.save(path, build(), metadata={"epoch": 7})
+    return path
+
+
+def test_load_returns_the_metadata_and_restores_values(saved: Path) -> None:
+    model = build()
+    model["encoder"][0].weight.data = np.ones((4, 8))
+    assert ml.load(saved, model) == {"epoch": 7}
+    np.testing.assert_array_equal(model["encoder"][0].weight.data, build()["encoder"][0].weight.data)
+
+
+def test_missing_and_extra_weights_are_named(saved: Path) -> None:
+    model = build()
+    model["head"]["bonus"] = ml.Weight(np.zeros(2))
+    del model["head"]["scale"]
+    with pytest.raises(ml.CheckpointError) as error:
+        ml.load(saved, model)
+    assert "missing from the checkpoint: 'head.bonus'" in str(error.value)
+    assert "the model does not have: 'head.scale'" in str(error.value)
+
+
+def test_shape_and_dtype_mismatches_name_the_weight_and_change_nothing(saved: Path) -> None:
+    model = build()
+    model["encoder"][0].weight = ml.Weight(np.zeros((4, 9)), optimizer=ml.optim.adam(0.01))
+    model["encoder"][1].bias = ml.Weight(np.zeros(3, np.float32), optimizer=ml.optim.nesterov(0.05))
+    model["head"]["embedding"].data = np.full((5, 4), 3.0)  # loadable, but must stay as it is
+    with pytest.raises(ml.CheckpointError) as error:
+        ml.load(saved, model)
+    message = str(error.value)
+    assert "weight 'encoder.0.weight': expected shape (4, 9), got (4, 8)" in message
+    assert "weight 'encoder.1.bias': expected dtype float32, got float64" in message
+    np.testing.assert_array_equal(model["head"]["embedding"].data, np.full((5, 4), 3.0))
+
+
+def test_an_optimizer_of_another_structure_is_refused(saved: Path) -> None:
+    model = build()
+    model["encoder"][0].weight.optimizer = ml.optim.momentum(0.01)
+    with pytest.raises(
+        ml.CheckpointError,
+        match=r"weight .encoder.0.weight., optimizer state\[0\]: the checkpoint has AdamState of 3, the model.s optimizer has ndarray",
+    ):
+        ml.load(saved, model)
+
+
+def test_save_with_the_path_second_and_files_that_are_no_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="the path comes first"):
+        ml.save(build(), str(tmp_path / "x"))  # type: ignore[arg-type]  # PyTorch's order, on purpose
+    with pytest.raises(TypeError, match="metadata must be JSON"):
+        ml.save(tmp_path / "x", build(), metadata={"rng": np.random.default_rng()})
+    save_file({"w": np.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ml.CheckpointError, match="not a monadl checkpoint"):
+        ml.load(tmp_path / "plain.safetensors", build())
+    (tmp_path / "junk").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ml.CheckpointError, match="not a safetensors file"):
+        ml.load(tmp_path / "junk", build())
+
+
+# ---- atomic writes -----------------------------------------------------------------------------
+def test_a_crash_after_writing_the_temporary_file_keeps_the_previous_checkpoint(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = saved.read_bytes()
+    written = checkpoint._write_tensors
+
+    def write_then_crash(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
+        written(tensors, path, header)
+        assert os.path.getsize(path) > 0
+        raise KeyboardInterrupt  # as if killed before the rename
+
+    monkeypatch.setattr(checkpoint, "_write_tensors", write_then_crash)
+    model = build()
+    anyio.run(train, model, range(3))
+    with pytest.raises(KeyboardInterrupt):
+        ml.save(saved, model)
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]  # no temporary file left behind
+
+
+def test_a_failing_rename_keeps_the_previous_checkpoint(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = saved.read_bytes()
+
+    def refuse(source: str, target: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        ml.save(saved, build())
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+def test_a_checkpoint_gets_the_permissions_of_a_new_file(tmp_path: Path) -> None:
+    ml.save(tmp_path / "a.safetensors", build())
+    (tmp_path / "b").write_bytes(b"")
+    assert os.stat(tmp_path / "a.safetensors").st_mode == os.stat(tmp_path / "b").st_mode
+
+
+# ---- 0-d weights, setters, copies ---------------------------------------------------------------
+def test_zero_d_weights_come_back_as_the_type_they_have_in_memory(tmp_path: Path) -> None:
+    def model() -> list[ml.Weight[Any, Any]]:
+        return [
+            ml.Weight(np.array(1.5), optimizer=ml.optim.adam(0.1)),  # a 0-d array
+            ml.Weight(np.float32(2.5), optimizer=ml.optim.adam(0.1)),  # a NumPy scalar
+            ml.Weight(3.5, optimizer=ml.optim.momentum(0.1)),  # a float: np.float64
+        ]
+
+    original = model()
+    ml.save(tmp_path / "w.safetensors", original)
+    fresh = model()
+    for w in fresh:
+        w.data = 0.0
+    kinds = [type(w.data) for w in fresh]
+    ml.load(tmp_path / "w.safetensors", fresh)
+    assert [type(w.data) for w in fresh] == kinds == [np.ndarray, np.float32, np.float64]
+    assert [float(w.data) for w in fresh] == [1.5, 2.5, 3.5]
+    assert fresh[1].state[0].mu.dtype == np.float32
+
+
+def test_training_keeps_a_zero_d_weight_an_array() -> None:
+    w = ml.Weight(np.array(1.5), optimizer=ml.optim.sgd(0.1))
+    anyio.run((w * w).train)
+    assert type(w.data) is np.ndarray
+
+
+def test_the_data_setter_copies_and_checks_shape_dtype_and_library() -> None:
+    import array_api_strict as xp
+
+    w = ml.Weight(np.zeros(2, np.float32))
+    source = np.array([1.0, 2.0], np.float32)
+    w.data = source
+    source[0] = 9.0
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+    with pytest.raises(ml.ShapeError, match=r"Weight.data: expected shape \(2,\), got \(3,\)"):
+        w.data = np.zeros(3, np.float32)
+    with pytest.raises(ml.DTypeError, match=r"Weight\.data: expected dtype float32, got float64"):
+        w.data = np.zeros(2)
+    with pytest.raises(ml.DeviceError, match="holds a numpy array, got a array_api_strict array"):
+        w.data = xp.zeros(2, dtype=xp.float32)  # type: ignore[assignment]  # the wrong library, on purpose
+    with pytest.raises(ml.OperandError, match="expected an array or a number, got Layer"):
+        w.data = w * 2.0  # type: ignore[assignment]  # a layer, on purpose
+    scalar = ml.Weight(np.float32(1.0))
+    scalar.data = 0.25
+    assert type(scalar.data) is np.float32 and scalar.data == 0.25
+
+
+def test_the_state_setter_checks_the_structure_and_the_optimizer_setter_starts_afresh() -> None:
+    w = ml.Weight(np.zeros(2), optimizer=ml.optim.adam(0.1))
+    anyio.run((w * w).sum().train)
+    assert w.state[0].step == 1
+    adam_state = type(w.state[0])
+    w.state = (adam_state(5, np.ones(2), np.ones(2)), None)
+    assert w.state[0].step == 5
+    with pytest.raises(ml.OperandError, match=r"Weight.state\[0\].step: expected int, got float"):
+        w.state = (adam_state(5.0, np.ones(2), np.ones(2)), None)
+    with pytest.raises(ml.ShapeError, match=r"Weight.state\[0\].mu: expected shape \(2,\), got \(3,\)"):
+        w.state = (adam_state(5, np.ones(3), np.ones(2)), None)
+    with pytest.raises(ml.OperandError, match=r"Weight.state: expected tuple of 2, got tuple of 1"):
+        w.state = (adam_state(5, np.ones(2), np.ones(2)),)
+    w.optimizer = ml.optim.momentum(0.1)
+    np.testing.assert_array_equal(w.state[0], np.zeros(2))
+    with pytest.raises(ml.OperandError, match="GradientTransformation"):
+        w.optimizer = "adam"  # type: ignore[assignment]  # what the check is for
+
+
+def test_a_deep_copy_trains_on_its_own() -> None:
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))
+    twin = copy.deepcopy(w)
+    anyio.run((twin * twin).sum().train)
+    np.testing.assert_array_equal(w.data, np.ones(2))
+    assert w.state[0].step == 0 and twin.state[0].step == 1
+    assert not np.array_equal(twin.data, np.ones(2))
+
+
+# ---- the digits demo ------------------------------------------------------------------------------
+def test_the_digits_demo_resumes_as_if_never_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from examples import digits
+
+    straight, half, resumed = (str(tmp_path / f"{n}.safetensors") for n in ("straight", "half", "resumed"))
+    anyio.run(partial(digits.run, epochs=2, show_progress=False, save=straight))
+    anyio.run(partial(digits.run, epochs=1, show_progress=False, save=half))
+    digits.main(["--epochs", "1", "--resume", half, "--save", resumed, "--plot", str(tmp_path / "curve.png")])
+    assert "test accuracy" in capsys.readouterr().out
+    assert contents(Path(straight)) == contents(Path(resumed))
+    assert contents(Path(straight)) != contents(Path(half))
+    assert contents(Path(resumed))[1]["metadata"]["epoch"] == 2
+
+
+def test_weights_of_another_array_library_round_trip_in_their_library(tmp_path: Path) -> None:
+    import array_api_strict as xp
+
+    def model() -> dict[str, ml.Weight[Any, Any]]:
+        return {"w": ml.Weight(xp.asarray([1.0, 2.0]), optimizer=ml.optim.adam(0.1))}
+
+    trained = model()
+    anyio.run((trained["w"] * trained["w"]).sum().train)
+    ml.save(tmp_path / "w.safetensors", trained)
+    fresh = model()
+    ml.load(tmp_path / "w.safetensors", fresh)
+    assert type(fresh["w"].data) is type(trained["w"].data)
+    assert type(fresh["w"].state[0].mu) is type(trained["w"].state[0].mu)
+    np.testing.assert_array_equal(np.from_dlpack(fresh["w"].data), np.from_dlpack(trained["w"].data))
+    assert fresh["w"].state[0].step == 1
