@@ -4,8 +4,8 @@ monadl.dyna runs the forward algorithm as a weighted logic program (forward
 chaining on an agenda, item at a time, in the log-real semiring so long
 sequences do not underflow) and its gradient by popping the tape. The peer is
 a vectorised NumPy forward-backward (scaled), which computes the same
-log-likelihood and the same gradients d log L / d log trans. monadl.dyna_arrays
-runs the same program with the states batched into arrays (``alpha(T)`` a
+log-likelihood and the same gradients d log L / d log trans.
+monadl.dyna.ArrayProgram runs the same program with the states batched into arrays (``alpha(T)`` a
 vector over states, ``trans`` a matrix, a rule instance an einsum). All three
 are checked equal before the times are printed.
 
@@ -22,8 +22,7 @@ import time
 import numpy as np
 
 from examples import dyna_programs as dp
-from monadl.dyna import LOG_REAL, Program
-from monadl.dyna_arrays import ArrayProgram
+from monadl.dyna import LOG_REAL, ArrayProgram, Program
 
 
 def numpy_forward_backward(
@@ -95,8 +94,8 @@ def main() -> None:
     print(f"{'numpy forward-backward':28} {numpy_seconds:10.4f} {1.0:9.1f}x")
     print(f"{'monadl.dyna forward':28} {forward_seconds:10.4f} {forward_seconds / numpy_seconds:9.1f}x")
     print(f"{'monadl.dyna forward+gradient':28} {dyna_seconds:10.4f} {dyna_seconds / numpy_seconds:9.1f}x")
-    print(f"{'dyna_arrays forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x")
-    print(f"{'dyna_arrays forward+gradient':28} {batched_seconds:10.4f} {batched_seconds / numpy_seconds:9.1f}x")
+    print(f"{'ArrayProgram forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x")
+    print(f"{'ArrayProgram forward+gradient':28} {batched_seconds:10.4f} {batched_seconds / numpy_seconds:9.1f}x")
 
 
 if __name__ == "__main__":

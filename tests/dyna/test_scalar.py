@@ -172,8 +172,8 @@ async def test_a_goal_is_a_layer_whose_weights_train() -> None:
 def test_rules_must_be_range_restricted() -> None:
     with pytest.raises(ValueError, match="range-restricted"):
         Rule(("path", "X", "Z"), [("edge", "X", "Y")])
-    with pytest.raises(ValueError, match="at least one body item"):
-        Rule(("a",), [])
+    with pytest.raises(ValueError, match="range-restricted"):  # a constant's head is ground
+        Rule(("pathto", "J"), [], 1.0)
 
 
 def test_text_syntax() -> None:

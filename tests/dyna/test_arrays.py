@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from examples import dyna_programs as dp
-from monadl.dyna import LOG_REAL, MAX_TIMES, REAL, Item, Program, Rule, bind_weight
-from monadl.dyna_arrays import ArrayProgram
-from tests.test_dyna import PATH, closed_form, path_axioms
+from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
+from tests.dyna.test_scalar import PATH, closed_form, path_axioms
 
 N = 4
 PATH_ARRAYS = {"pathto": {0: N}, "edge": {0: N, 1: N}, "edgezero": {0: N}, "stop": {0: N}}
@@ -85,8 +84,9 @@ def test_path_gradients_match_finite_differences_after_early_stops(pops: int | N
 
 def test_what_cannot_be_batched_is_refused_clearly() -> None:
     rule = Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])
-    with pytest.raises(ValueError, match="real or log-real"):
-        ArrayProgram([rule], MAX_TIMES, arrays={"w": {0: 2}})
+    boolean = Semiring("boolean", 0.0, 1.0, max, min)  # max-times and min-plus batch now; others still do not
+    with pytest.raises(ValueError, match="real, log-real, max-times or min-plus"):
+        ArrayProgram([rule], boolean, arrays={"w": {0: 2}})
     with pytest.raises(ValueError, match="must be a variable"):
         ArrayProgram([Rule(("y",), [("w", 0, "J")])], arrays={"w": {0: 2}})
     with pytest.raises(ValueError, match="cannot be plain arguments"):
