@@ -94,7 +94,9 @@ def main() -> None:
     print(f"{'numpy forward-backward':28} {numpy_seconds:10.4f} {1.0:9.1f}x")
     print(f"{'monadl.dyna forward':28} {forward_seconds:10.4f} {forward_seconds / numpy_seconds:9.1f}x")
     print(f"{'monadl.dyna forward+gradient':28} {dyna_seconds:10.4f} {dyna_seconds / numpy_seconds:9.1f}x")
-    print(f"{'ArrayProgram forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x")
+    print(
+        f"{'ArrayProgram forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x"
+    )
     print(f"{'ArrayProgram forward+gradient':28} {batched_seconds:10.4f} {batched_seconds / numpy_seconds:9.1f}x")
 
 
