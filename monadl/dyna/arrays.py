@@ -97,7 +97,7 @@ class ArrayAlgebra:
         return contract(
             self.semiring,
             coefficient(self.semiring, rule),
-            [*others, ("".join(out), adjoint)],
+            [*others, (out, adjoint)],
             subscripts[position],
             sizes,
         )
@@ -195,6 +195,8 @@ class ArrayRun:
         if reasons is None or reasons[index] < 0:
             return None
         record = self.records[int(reasons[index])]
+        if not record.body:  # a constant rule
+            return record.rule, []
         letters = dict(zip(record.out, index)) | dict(zip(record.summed, map(int, record.where[index])))
         body = [self.program.unlocate(b, tuple(letters[c] for c in s)) for b, s in zip(record.body, record.subscripts)]
         return record.rule, body
