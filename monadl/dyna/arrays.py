@@ -38,14 +38,14 @@ import numpy as np
 
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
-from monadl.dyna.einsum import Array, array_plus, best_contract, contract
+from monadl.dyna.einsum import Array, ArrayAlgebra, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import goal_layer
 from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer, Weight
 
-__all__ = ["ArrayAlgebra", "ArrayProgram", "ArrayRun", "Record"]
+__all__ = ["ArrayProgram", "ArrayRun", "Record"]
 
 
 @final
@@ -68,39 +68,6 @@ class Record:
     out: str
     summed: str
     where: Array
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class ArrayAlgebra:
-    """Arrays of a semiring, for the tape's backward pass: the VJP of a rule's
-    einsum is the einsum of the other operands and the adjoint.
-
-    >>> rule = Rule(("y",), [("x", "I"), ("x", "I")])
-    >>> algebra = ArrayAlgebra(REAL, {id(rule): (("a", "a"), "")})
-    >>> algebra.vjp(rule, [np.array([1.0, 2.0]), np.array([3.0, 4.0])], 0, np.array(1.0))
-    array([3., 4.])
-    """
-
-    semiring: Semiring
-    subscripts: Mapping[int, tuple[tuple[str, ...], str]]
-
-    def plus(self, a: Array, b: Array) -> Array:
-        """The semiring's plus, elementwise."""
-        return array_plus(self.semiring)(a, b)
-
-    def vjp(self, rule: Rule, operands: Sequence[Array], position: int, adjoint: Array) -> Array:
-        """The einsum's vector-Jacobian product for one operand."""
-        subscripts, out = self.subscripts[id(rule)]
-        sizes = {c: n for s, v in zip(subscripts, operands) for c, n in zip(s, np.shape(v))}
-        others = [(subscripts[j], v) for j, v in enumerate(operands) if j != position]
-        return contract(
-            self.semiring,
-            coefficient(self.semiring, rule),
-            [*others, (out, adjoint)],
-            subscripts[position],
-            sizes,
-        )
 
 
 @final
@@ -181,7 +148,15 @@ class ArrayRun:
 
     def best_derivation(self, goal: Item) -> Derivation:
         """The derivation that gave a scalar item its value, over scalar items,
-        as `monadl.dyna.Run.best_derivation` (max-times, min-plus)."""
+        as `monadl.dyna.Run.best_derivation` (max-times, min-plus).
+
+        >>> from monadl.dyna.semiring import MIN_PLUS
+        >>> rules = [Rule(("d", "J"), [("d", "I"), ("e", "I", "J")]), Rule(("d", 0), [], 0.0)]
+        >>> p = ArrayProgram(rules, MIN_PLUS, arrays={"d": {0: 3}, "e": {0: 3, 1: 3}})
+        >>> run = p.run({("e", 0, 1): 4.0, ("e", 0, 2): 1.0, ("e", 2, 1): 2.0})
+        >>> run.value(("d", 1)), run.best_derivation(("d", 1)).leaves()
+        (3.0, [('e', 0, 2), ('e', 2, 1)])
+        """
         s = self.program.semiring
         if s.gradient != "backpointer":
             raise ValueError(f"a best derivation needs an idempotent semiring with back-pointers, not {s.name}")

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any, TypeAlias, final
 
 import numpy as np
 
-from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, Semiring
+from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, Semiring, coefficient
+from monadl.dyna.syntax import Rule
 
-__all__ = ["Array", "Operand", "array_plus", "best_contract", "contract"]
+__all__ = ["Array", "ArrayAlgebra", "Operand", "array_plus", "best_contract", "contract"]
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[Any]]
 Operand: TypeAlias = tuple[str, Array]
@@ -107,3 +109,36 @@ def best_contract(semiring: Semiring, coeff: float, operands: Sequence[Operand],
         return values, summed, np.zeros((*out_shape, 0), dtype=np.intp)
     where: Array = np.stack(np.unravel_index(pick, tuple(sizes[c] for c in summed)), axis=-1)
     return values, summed, where
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ArrayAlgebra:
+    """Arrays of a semiring, for the tape's backward pass: the VJP of a rule's
+    einsum is the einsum of the other operands and the adjoint.
+
+    >>> rule = Rule(("y",), [("x", "I"), ("x", "I")])
+    >>> algebra = ArrayAlgebra(REAL, {id(rule): (("a", "a"), "")})
+    >>> algebra.vjp(rule, [np.array([1.0, 2.0]), np.array([3.0, 4.0])], 0, np.array(1.0))
+    array([3., 4.])
+    """
+
+    semiring: Semiring
+    subscripts: Mapping[int, tuple[tuple[str, ...], str]]
+
+    def plus(self, a: Array, b: Array) -> Array:
+        """The semiring's plus, elementwise."""
+        return array_plus(self.semiring)(a, b)
+
+    def vjp(self, rule: Rule, operands: Sequence[Array], position: int, adjoint: Array) -> Array:
+        """The einsum's vector-Jacobian product for one operand."""
+        subscripts, out = self.subscripts[id(rule)]
+        sizes = {c: n for s, v in zip(subscripts, operands) for c, n in zip(s, np.shape(v))}
+        others = [(subscripts[j], v) for j, v in enumerate(operands) if j != position]
+        return contract(
+            self.semiring,
+            coefficient(self.semiring, rule),
+            [*others, (out, adjoint)],
+            subscripts[position],
+            sizes,
+        )
