@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias, final
 
 import numpy as np
@@ -125,10 +125,15 @@ class ArrayAlgebra:
 
     semiring: Semiring
     subscripts: Mapping[int, tuple[tuple[str, ...], str]]
+    _add: Callable[[Array, Array], Array] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Looked up once: plus runs for every adjoint the backward pass accumulates.
+        object.__setattr__(self, "_add", array_plus(self.semiring))
 
     def plus(self, a: Array, b: Array) -> Array:
         """The semiring's plus, elementwise."""
-        return array_plus(self.semiring)(a, b)
+        return self._add(a, b)
 
     def vjp(self, rule: Rule, operands: Sequence[Array], position: int, adjoint: Array) -> Array:
         """The einsum's vector-Jacobian product for one operand."""
