@@ -4,10 +4,12 @@ monadl.dyna runs the forward algorithm as a weighted logic program (forward
 chaining on an agenda, item at a time, in the log-real semiring so long
 sequences do not underflow) and its gradient by popping the tape. The peer is
 a vectorised NumPy forward-backward (scaled), which computes the same
-log-likelihood and the same gradients d log L / d log trans. monadl.dyna_arrays
-runs the same program with the states batched into arrays (``alpha(T)`` a
-vector over states, ``trans`` a matrix, a rule instance an einsum). All three
-are checked equal before the times are printed.
+log-likelihood and the same gradients d log L / d log trans.
+monadl.dyna.ArrayProgram runs the same program with the states batched into
+arrays (``alpha(T)`` a vector over states, ``trans`` a matrix, a rule
+instance an einsum). All three are checked equal before the times are printed. Last, the Viterbi path:
+ArrayProgram in the min-plus semiring over -log probabilities, its best
+derivation read from the back-pointers, against a vectorised NumPy Viterbi.
 
 Run: ``python -m benchmarks.dyna_hmm --steps 1000 --states 50`` (from the repository root).
 """
@@ -22,8 +24,7 @@ import time
 import numpy as np
 
 from examples import dyna_programs as dp
-from monadl.dyna import LOG_REAL, Program
-from monadl.dyna_arrays import ArrayProgram
+from monadl.dyna import LOG_REAL, MIN_PLUS, ArrayProgram, Program
 
 
 def numpy_forward_backward(
@@ -47,6 +48,22 @@ def numpy_forward_backward(
         counts += np.outer(alpha[t - 1], b) * trans / scale[t]
         beta = (trans @ b) / scale[t]
     return float(np.log(scale).sum()), counts  # expected counts = d log L / d log trans
+
+
+def numpy_viterbi(init: np.ndarray, trans: np.ndarray, emit: np.ndarray, obs: np.ndarray) -> tuple[float, list[int]]:
+    """The best path's cost (-log probability) and its states, by a vectorised Viterbi in -log space."""
+    cost = -np.log(init) - np.log(emit[:, obs[0]])
+    back = []
+    for o in obs[1:]:
+        scores = cost[:, None] - np.log(trans)  # [from, to]
+        back.append(scores.argmin(axis=0))
+        cost = scores.min(axis=0) - np.log(emit[:, o])
+    state = int(cost.argmin())
+    path = [state]
+    for pointers in reversed(back):
+        state = int(pointers[state])
+        path.append(state)
+    return float(cost.min()), path[::-1]
 
 
 def main() -> None:
@@ -89,14 +106,35 @@ def main() -> None:
     dyna_counts = np.array([[grads.get(("trans", a, b), 0.0) for b in range(args.states)] for a in range(args.states)])
     assert abs(run.chart[("likelihood",)] - log_likelihood) < 1e-8 * abs(log_likelihood)
     assert np.allclose(dyna_counts, counts, rtol=1e-6, atol=1e-9)
+    # Viterbi: min-plus over -log probabilities (max-times would underflow on a long sequence), batched.
+    costs = {k: -v for k, v in axioms.items()}
+    started = time.perf_counter()
+    numpy_cost, numpy_path = numpy_viterbi(init, trans, emit, obs)
+    numpy_viterbi_seconds = time.perf_counter() - started
+    viterbi = ArrayProgram(
+        dp.HMM.rules, MIN_PLUS, arrays={"alpha": {1: n}, "init": {0: n}, "trans": {0: n, 1: n}, "emit": {0: n}}
+    )
+    started = time.perf_counter()
+    derivation = viterbi.run(costs).best_derivation(("likelihood",))
+    viterbi_seconds = time.perf_counter() - started
+    path = [item[2] for item in sorted({d.item for d in derivation.walk() if d.item[0] == "alpha"})]
+    assert path == numpy_path
+    assert abs(sum(costs[x] for x in derivation.leaves()) - numpy_cost) < 1e-8 * numpy_cost
+
     print(f"machine: {platform.machine()}, python {platform.python_version()}, numpy {np.__version__}")
-    print(f"HMM {args.steps} observations x {args.states} states: log L = {log_likelihood:.4f} (both agree)")
-    print(f"{'implementation':28} {'seconds':>10} {'ratio':>10}")
-    print(f"{'numpy forward-backward':28} {numpy_seconds:10.4f} {1.0:9.1f}x")
-    print(f"{'monadl.dyna forward':28} {forward_seconds:10.4f} {forward_seconds / numpy_seconds:9.1f}x")
-    print(f"{'monadl.dyna forward+gradient':28} {dyna_seconds:10.4f} {dyna_seconds / numpy_seconds:9.1f}x")
-    print(f"{'dyna_arrays forward':28} {batched_forward_seconds:10.4f} {batched_forward_seconds / numpy_seconds:9.1f}x")
-    print(f"{'dyna_arrays forward+gradient':28} {batched_seconds:10.4f} {batched_seconds / numpy_seconds:9.1f}x")
+    print(f"HMM {args.steps} observations x {args.states} states: log L = {log_likelihood:.4f} (all agree)")
+    rows = [
+        ("numpy forward-backward", numpy_seconds, numpy_seconds),
+        ("monadl.dyna forward", forward_seconds, numpy_seconds),
+        ("monadl.dyna forward+gradient", dyna_seconds, numpy_seconds),
+        ("ArrayProgram forward", batched_forward_seconds, numpy_seconds),
+        ("ArrayProgram forward+gradient", batched_seconds, numpy_seconds),
+        ("numpy Viterbi", numpy_viterbi_seconds, numpy_viterbi_seconds),
+        ("ArrayProgram Viterbi path", viterbi_seconds, numpy_viterbi_seconds),
+    ]
+    print(f"{'implementation':30} {'seconds':>10} {'ratio':>10}")
+    for name, seconds, peer in rows:
+        print(f"{name:30} {seconds:10.4f} {seconds / peer:9.1f}x")
 
 
 if __name__ == "__main__":

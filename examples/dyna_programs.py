@@ -5,9 +5,11 @@
   transition probability, times that probability over the likelihood, is the
   expected number of times the transition is used (the E step of EM).
 * The inside algorithm of CKY for a probabilistic context-free grammar in
-  Chomsky normal form: the goal is the probability of a sentence.
+  Chomsky normal form: the goal is the probability of a sentence. The same
+  rules in the max-times semiring are Viterbi CKY: the goal is the
+  probability of the best parse, and its best derivation is that parse.
 
-Run: ``python examples/dyna_programs.py`` prints both for small random models.
+Run: ``python examples/dyna_programs.py`` prints them for small random models.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from monadl.dyna import Item, Program, Rule
+from monadl.dyna import MAX_TIMES, Derivation, Item, Program, Rule
 
 HMM = Program(
     [
@@ -97,6 +99,26 @@ def cky_axioms(binary: np.ndarray, lexical: np.ndarray, words: Sequence[int], st
     return axioms
 
 
+def best_parse(binary: np.ndarray, lexical: np.ndarray, words: Sequence[int], start: int = 0) -> tuple[float, str]:
+    """The probability of the sentence's best parse and the parse, bracketed:
+    ``(0 (1 w0) (0 (1 w2) (1 w1)))`` for symbols 0 and 1 over words 0, 2, 1."""
+    viterbi = Program(CKY.rules, MAX_TIMES)
+    run = viterbi.run(cky_axioms(binary, lexical, words, start), priority="value")
+    derivation = run.best_derivation(("sentence",))
+    return run.chart[("sentence",)], bracket(derivation.children[0])
+
+
+def bracket(constituent: Derivation) -> str:
+    """A derivation of ``constit(X, I, J)`` as a bracketed tree (recursive:
+    a tree's depth is at most its sentence's length)."""
+    symbol = constituent.item[1]
+    lexical, *rest = constituent.children
+    if lexical.item[0] == "lex":  # constit(X, I, J) += lex(X, W) * word(I, W) * next(I, J)
+        return f"({symbol} w{lexical.item[2]})"
+    left, right = rest  # constit(X, I, K) += rule(X, Y, Z) * constit(Y, I, J) * constit(Z, J, K)
+    return f"({symbol} {bracket(left)} {bracket(right)})"
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     init = rng.dirichlet(np.ones(3))
@@ -109,6 +131,8 @@ def main() -> None:
     lexical = rng.uniform(0, 1, (2, 3))
     total = binary.sum(axis=(1, 2)) + lexical.sum(axis=1)
     binary, lexical = binary / total[:, None, None], lexical / total[:, None]
+    probability, parse = best_parse(binary, lexical, [0, 2, 1])
+    print(f"Viterbi CKY best parse: {parse} (probability {probability:.6f})")
     run = CKY.run(cky_axioms(binary, lexical, [0, 2, 1]))
     print(f"CKY inside probability of the sentence: {run.chart[('sentence',)]:.6f}")
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from examples import dyna_programs as dp
-from monadl.dyna import LOG_REAL, MAX_TIMES, REAL, Item, Program, Rule, bind_weight
-from monadl.dyna_arrays import ArrayProgram
-from tests.test_dyna import PATH, closed_form, path_axioms
+from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
+from tests.dyna.test_scalar import PATH, closed_form, path_axioms
 
 N = 4
 PATH_ARRAYS = {"pathto": {0: N}, "edge": {0: N, 1: N}, "edgezero": {0: N}, "stop": {0: N}}
@@ -85,8 +84,9 @@ def test_path_gradients_match_finite_differences_after_early_stops(pops: int | N
 
 def test_what_cannot_be_batched_is_refused_clearly() -> None:
     rule = Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])
-    with pytest.raises(ValueError, match="real or log-real"):
-        ArrayProgram([rule], MAX_TIMES, arrays={"w": {0: 2}})
+    boolean = Semiring("boolean", 0.0, 1.0, max, min)  # max-times and min-plus batch now; others still do not
+    with pytest.raises(ValueError, match="real, log-real, max-times or min-plus"):
+        ArrayProgram([rule], boolean, arrays={"w": {0: 2}})
     with pytest.raises(ValueError, match="must be a variable"):
         ArrayProgram([Rule(("y",), [("w", 0, "J")])], arrays={"w": {0: 2}})
     with pytest.raises(ValueError, match="cannot be plain arguments"):
@@ -119,3 +119,22 @@ def test_a_batched_goal_is_a_layer_whose_weights_train() -> None:
     anyio.run(total.train)
     step = np.array([[gradient[("edge", i, j)] for j in range(N)] for i in range(N)]) * 0.1
     np.testing.assert_allclose(weight.data, edges - step, rtol=1e-12)
+
+
+def test_constant_rules_batched_match_item_at_a_time() -> None:
+    axioms = path_axioms(6)
+    del axioms[("pathto", 0)]
+    rules = [*PATH.rules, Rule(("pathto", 0), [], 1.0), Rule(("edge", 3, 0), [], 0.125)]
+    options: dict[str, Any] = {"tolerance": 1e-14, "max_pops": 100_000}
+    scalar = Program(rules).run(axioms, **options)
+    batched = ArrayProgram(rules, arrays=PATH_ARRAYS).run(axioms, **options)
+    assert batched.value(("total",)) == pytest.approx(scalar.chart[("total",)], rel=1e-9)
+    assert batched.value(("edge", 3, 0)) == pytest.approx(axioms[("edge", 3, 0)] + 0.125)  # beside an axiom: plus
+    for derived in (False, True):
+        expected = scalar.gradient(("total",), derived=derived)
+        got = batched.gradient(("total",), derived=derived)
+        assert set(got) == set(expected)
+        for item, value in expected.items():
+            assert got[item] == pytest.approx(value, rel=1e-7, abs=1e-12), item
+    with pytest.raises(ValueError, match="outside the array axes"):
+        ArrayProgram([Rule(("pathto", 9), [], 1.0)], arrays=PATH_ARRAYS).run({})

@@ -172,8 +172,8 @@ async def test_a_goal_is_a_layer_whose_weights_train() -> None:
 def test_rules_must_be_range_restricted() -> None:
     with pytest.raises(ValueError, match="range-restricted"):
         Rule(("path", "X", "Z"), [("edge", "X", "Y")])
-    with pytest.raises(ValueError, match="at least one body item"):
-        Rule(("a",), [])
+    with pytest.raises(ValueError, match="range-restricted"):  # a constant's head is ground
+        Rule(("pathto", "J"), [], 1.0)
 
 
 def test_text_syntax() -> None:
@@ -199,3 +199,21 @@ def test_text_syntax() -> None:
         parse("a += b")
     with pytest.raises(ValueError, match="not an item"):
         parse("a += 3b.")
+
+
+def test_a_constant_rule_replaces_the_extra_axiom() -> None:
+    axioms = path_axioms(6)
+    del axioms[("pathto", 0)]
+    program = Program([*PATH.rules, Rule(("pathto", 0), [], 1.0)])
+    options: dict[str, Any] = {"tolerance": 1e-13, "max_pops": 100_000}
+    run = program.run(axioms, **options)
+    with_axiom = PATH.run({**axioms, ("pathto", 0): 1.0}, **options)
+    assert run.chart[("total",)] == pytest.approx(closed_form({**axioms, ("pathto", 0): 1.0})[1], rel=1e-9)
+    grads, expected = run.gradient(("total",)), with_axiom.gradient(("total",))
+    assert set(grads) == set(expected) - {("pathto", 0)}  # a constant is no axiom
+    for item, value in grads.items():
+        assert value == pytest.approx(expected[item], rel=1e-9), item
+    assert run.gradient(("total",), derived=True)[("pathto", 0)] == pytest.approx(expected[("pathto", 0)], rel=1e-9)
+    # beside an axiom of the same item, the two add
+    both = program.run({**axioms, ("pathto", 0): 0.5}, **options)
+    assert both.chart[("total",)] == pytest.approx(1.5 * run.chart[("total",)], rel=1e-9)

@@ -1,0 +1,61 @@
+"""Differentiable weighted logic programs (Eisner, Goldlust & Smith 2005):
+forward chaining with an agenda, and the backward pass that pops its tape.
+
+A program is a list of rules ``head += coeff * body_1 * ... * body_k`` over
+items with arguments (upper-case arguments are variables), or constants
+``head += coeff``::
+
+    program = Program([
+        Rule(("stop", "I"), [("edgezero", "I"), ("pathto", "I")]),
+        Rule(("pathto", "J"), [("edge", "I", "J"), ("pathto", "I")]),
+        Rule(("pathto", 0), [], 1.0),
+    ])
+
+Axioms are ground items with values, plain numbers or entries of a monadl
+`Weight` (``bind_weight("edge", w)`` makes ``edge(i, j)`` the entry
+``w.data[i, j]``). `Program.run` computes the chart item at a time;
+`ArrayProgram` batches dense arguments into arrays. ``goal`` gives a goal
+item's value as a monadl layer, so the weights bound to axioms train with
+``await loss.train()``.
+
+Semirings: real and log-real (the gradient pops the tape: exact for the
+computation performed, early stopping included), max-times and min-plus
+(the best derivation, `Run.best_derivation`, and the subgradient along it),
+any other forward only. The chart records which items exist apart from their
+values, so an axiom whose value is exactly zero still receives its gradient.
+
+The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
+the join of rule instances), `backward` (the tape's backward pass, for every
+value algebra), `derivation` (best derivations), `scalar` (item at a time),
+`einsum` and `arrays` (batched), `layer` (goals as layers).
+
+>>> p = parse("a += a * a. a += r.")
+>>> run = p.run({("r",): 0.3}, max_pops=3)  # r, then a twice
+>>> round(run.chart[("a",)], 6), round(run.gradient(("a",))[("r",)], 6)
+(0.39, 1.6)
+"""
+
+from monadl.dyna.arrays import ArrayProgram, ArrayRun
+from monadl.dyna.derivation import Derivation
+from monadl.dyna.layer import bind_weight
+from monadl.dyna.scalar import Program, Run, parse
+from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, Semiring
+from monadl.dyna.syntax import Item, Pattern, Rule
+
+__all__ = [
+    "LOG_REAL",
+    "MAX_TIMES",
+    "MIN_PLUS",
+    "REAL",
+    "ArrayProgram",
+    "ArrayRun",
+    "Derivation",
+    "Item",
+    "Pattern",
+    "Program",
+    "Rule",
+    "Run",
+    "Semiring",
+    "bind_weight",
+    "parse",
+]

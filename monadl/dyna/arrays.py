@@ -1,0 +1,375 @@
+"""Weighted logic programs with items batched into arrays.
+
+`monadl.dyna.Program` pops one scalar item at a time. When some arguments of a
+functor range over a dense domain (the states of an HMM, the nonterminals of
+a grammar), an `ArrayProgram` declares them array axes: ``alpha(T, S)`` with
+``arrays={"alpha": {1: 50}}`` (argument 1, 50 states) becomes the item
+``alpha(T)`` whose value is a vector over ``S``. The agenda, the chart and the
+tape hold arrays; a rule instance's product becomes an einsum over its array
+variables (summing those absent from the head: the semiring's plus over the
+scalar instances it replaces).
+
+Real and log-real: the backward pass is the appendix's, popping the tape, with
+each product replaced by the einsum's vector-Jacobian product (log-real
+contracts with a max-shifted einsum, so long runs do not underflow).
+Max-times and min-plus: the einsum's sum is a max or a min that keeps
+back-pointers (which summed-out indices won, per entry), so each scalar item
+has its best derivation, and the gradient is the subgradient along it, as item
+at a time. Agenda: FIFO; stops on an empty agenda, ``max_pops`` or
+``tolerance``. Items batched this way exist as whole arrays: every entry of a
+batched axiom gets its gradient, zeros included.
+
+>>> rules = [Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])]
+>>> p = ArrayProgram(rules, arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}})
+>>> run = p.run({("w", 0, 0): 1.0, ("w", 0, 1): 2.0, ("w", 1, 1): 3.0, ("x", 0): 10.0, ("x", 1): 1.0})
+>>> run.value(("y", 1)), run.gradient(("y", 1))[("w", 1, 1)]
+(23.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, final
+
+import numpy as np
+
+from monadl.dyna.backward import Entry, backward
+from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
+from monadl.dyna.einsum import Array, ArrayAlgebra, array_plus, best_contract, contract
+from monadl.dyna.join import Index, Joins
+from monadl.dyna.layer import goal_layer
+from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, REAL, Semiring, coefficient
+from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
+from monadl.layers import Layer, Weight
+
+__all__ = ["ArrayProgram", "ArrayRun", "Record"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A batched rule instance's contribution, for back-pointers (max-times, min-plus).
+
+    Args:
+        rule: the program's rule (scalar items).
+        body: its ground body, as batched items.
+        subscripts: the array letters of each body item.
+        out: the head's array letters.
+        summed: the letters summed out.
+        where: per head entry, the winning values of the summed letters.
+    """
+
+    rule: Rule
+    body: tuple[Item, ...]
+    subscripts: tuple[str, ...]
+    out: str
+    summed: str
+    where: Array
+
+
+@final
+@dataclass(slots=True)
+class ArrayRun:
+    """The chart (of batched items), the tape to differentiate it, and the
+    back-pointers (max-times, min-plus).
+
+    Args:
+        program: the program that ran.
+        chart: batched items and their arrays.
+        tape: the pops, in order.
+        pops: how many batched items popped.
+        axioms: scalar axiom -> (batched item, index, value).
+        best: per batched item, which `Record` set each entry (-1: an axiom).
+        records: the contributions the back-pointers name.
+    """
+
+    program: ArrayProgram
+    chart: dict[Item, Array]
+    tape: list[Entry[Array]]
+    pops: int
+    axioms: dict[Item, tuple[Item, tuple[int, ...], float]]
+    best: dict[Item, Array]
+    records: list[Record]
+
+    def value(self, item: Item) -> float:
+        """The chart's value of a scalar item, e.g. ``("alpha", 5, 3)`` (the
+        semiring's zero if it was never derived)."""
+        packed, index = self.program.locate(item)
+        if packed not in self.chart:
+            return self.program.semiring.zero
+        return float(self.chart[packed][index])
+
+    def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
+        """d value(goal) / d value(axiom), for the scalar axioms given to the
+        run, as `monadl.dyna.Run.gradient` (the same keys, except that a
+        batched axiom pops whole, so all its entries have gradients).
+
+        Args:
+            goal: a scalar item.
+            derived: also give each derived scalar item (an entry of nonzero
+                value that is no axiom) its gradient, as `Run.gradient` does.
+        """
+        s = self.program.semiring
+        packed_goal, goal_index = self.program.locate(goal)
+        if packed_goal not in self.chart:
+            return {}
+        if s.gradient == "backpointer":
+            if self.value(goal) == s.zero:
+                return {}
+            return derivation_gradient(goal, self._back, self.value, s, derived=derived)
+        seed = np.full(np.shape(self.chart[packed_goal]), s.zero)
+        seed[goal_index] = s.one
+        algebra = ArrayAlgebra(s, self.program.subscripts)
+        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed)
+        goal_value = self.value(goal)
+        out: dict[Item, float] = {}
+
+        def gradient_at(packed: Item, position: tuple[int, ...], value: float) -> float:
+            g = adjoints.updates.get(packed)
+            if g is None:
+                return 0.0
+            if s is LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+                return math.exp(float(g[position]) + value - goal_value)
+            return float(g[position])
+
+        for scalar, (packed, position, value) in self.axioms.items():
+            if packed in adjoints.first_updates:
+                out[scalar] = gradient_at(packed, position, value)
+        if derived:
+            for packed, first in adjoints.first_updates.items():
+                for position in np.ndindex(np.shape(first)):
+                    scalar = self.program.unlocate(packed, position)
+                    if scalar not in self.axioms and self.chart[packed][position] != s.zero:
+                        out[scalar] = gradient_at(packed, position, float(first[position]))
+        return out
+
+    def best_derivation(self, goal: Item) -> Derivation:
+        """The derivation that gave a scalar item its value, over scalar items,
+        as `monadl.dyna.Run.best_derivation` (max-times, min-plus).
+
+        >>> from monadl.dyna.semiring import MIN_PLUS
+        >>> rules = [Rule(("d", "J"), [("d", "I"), ("e", "I", "J")]), Rule(("d", 0), [], 0.0)]
+        >>> p = ArrayProgram(rules, MIN_PLUS, arrays={"d": {0: 3}, "e": {0: 3, 1: 3}})
+        >>> run = p.run({("e", 0, 1): 4.0, ("e", 0, 2): 1.0, ("e", 2, 1): 2.0})
+        >>> run.value(("d", 1)), run.best_derivation(("d", 1)).leaves()
+        (3.0, [('e', 0, 2), ('e', 2, 1)])
+        """
+        s = self.program.semiring
+        if s.gradient != "backpointer":
+            raise ValueError(f"a best derivation needs an idempotent semiring with back-pointers, not {s.name}")
+        if self.value(goal) == s.zero:
+            raise KeyError(f"{goal} was not derived")
+        return best_derivation(goal, self._back)
+
+    def _back(self, item: Item) -> tuple[Rule, list[Item]] | None:
+        packed, index = self.program.locate(item)
+        reasons = self.best.get(packed)
+        if reasons is None or reasons[index] < 0:
+            return None
+        record = self.records[int(reasons[index])]
+        if not record.body:  # a constant rule
+            return record.rule, []
+        letters = dict(zip(record.out, index)) | dict(zip(record.summed, map(int, record.where[index])))
+        body = [self.program.unlocate(b, tuple(letters[c] for c in s)) for b, s in zip(record.body, record.subscripts)]
+        return record.rule, body
+
+
+@final
+class ArrayProgram:
+    """Rules over items some of whose arguments are array axes (see the module docs).
+
+    Args:
+        rules: as for `monadl.dyna.Program` (constant rules may name any entry).
+        semiring: `REAL`, `LOG_REAL`, `MAX_TIMES` or `MIN_PLUS`.
+        arrays: for each batched functor, its array axes: argument position
+            (from 0) -> size. In every rule, a variable at an array position
+            appears only at array positions, at most once per item.
+    """
+
+    def __init__(
+        self, rules: Sequence[Rule], semiring: Semiring = REAL, *, arrays: Mapping[str, Mapping[int, int]]
+    ) -> None:
+        self.plus = array_plus(semiring)  # refuses the semirings it cannot batch
+        self.semiring = semiring
+        self.arrays = {f: tuple(sorted(p)) for f, p in arrays.items()}
+        self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
+        self.constants = [rule for rule in rules if not rule.body]
+        packed: list[Rule] = []
+        self.subscripts: dict[int, tuple[tuple[str, ...], str]] = {}
+        self.originals: dict[int, Rule] = {}
+        for rule in rules:
+            if not rule.body:
+                continue
+            letters: dict[str, str] = {}
+            head_pattern, head_subs = self._split(rule, rule.head, letters)
+            body = [self._split(rule, b, letters) for b in rule.body]
+            for pattern in (rule.head, *rule.body):  # an array variable never at a plain position
+                positions = self.arrays.get(pattern[0], ())
+                wrong = [t for k, t in enumerate(pattern[1:]) if k not in positions and t in letters]
+                if wrong:
+                    raise ValueError(
+                        f"rule {rule}: {wrong} are array axes elsewhere, so they cannot be plain arguments of {pattern[0]}"
+                    )
+            packed_rule = Rule(head_pattern, [p for p, _ in body], rule.coeff)
+            packed.append(packed_rule)
+            self.subscripts[id(packed_rule)] = (tuple(s for _, s in body), head_subs)
+            self.originals[id(packed_rule)] = rule
+        self.joins = Joins(packed)  # the joins over the remaining (plain) arguments
+
+    def _split(self, rule: Rule, pattern: Pattern, letters: dict[str, str]) -> tuple[Pattern, str]:
+        positions = self.arrays.get(pattern[0], ())
+        kept: list[object] = [pattern[0]]
+        subscripts = ""
+        for k, term in enumerate(pattern[1:]):
+            if k not in positions:
+                kept.append(term)
+                continue
+            if not is_variable(term):
+                raise ValueError(
+                    f"rule {rule}: argument {k} of {pattern[0]} is an array axis; it must be a variable, not {term!r}"
+                )
+            letter = letters.setdefault(term, chr(ord("a") + len(letters)))
+            if letter in subscripts:
+                raise ValueError(f"rule {rule}: {term} occurs twice among the array axes of {pattern[0]}")
+            subscripts += letter
+        return tuple(kept), subscripts
+
+    def locate(self, item: Item) -> tuple[Item, tuple[int, ...]]:
+        """The batched item holding a scalar item, and the index in its array.
+
+        >>> ArrayProgram([], arrays={"alpha": {1: 3}}).locate(("alpha", 5, 2))
+        (('alpha', 5), (2,))
+        """
+        positions = self.arrays.get(item[0], ())
+        args = item[1:]
+        packed = (item[0], *(a for k, a in enumerate(args) if k not in positions))
+        return packed, tuple(int(args[k]) for k in positions)
+
+    def unlocate(self, packed: Item, index: tuple[int, ...]) -> Item:
+        """The scalar item at ``index`` of a batched item (the inverse of `locate`).
+
+        >>> ArrayProgram([], arrays={"alpha": {1: 3}}).unlocate(("alpha", 5), (2,))
+        ('alpha', 5, 2)
+        """
+        positions = self.arrays.get(packed[0], ())
+        plain, axes = iter(packed[1:]), iter(index)
+        arity = len(packed) - 1 + len(positions)
+        return (packed[0], *(next(axes) if k in positions else next(plain) for k in range(arity)))
+
+    def goal(
+        self,
+        goal: Item,
+        axioms: Mapping[Item, float] | None = None,
+        weights: Mapping[Any, Weight[Any, Any]] | None = None,
+        **run_options: Any,
+    ) -> Layer[float, float]:
+        """``value(goal)`` as a differentiable scalar layer, as `monadl.dyna.Program.goal`:
+        ``weights`` binds functors to weights whose entries are the axioms.
+
+        >>> import anyio, monadl as ml
+        >>> p = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 2}})
+        >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
+        0.3125
+        """
+        return goal_layer(
+            lambda values: self.run(values, **run_options), lambda run: run.value(goal), goal, axioms, weights
+        )
+
+    def run(self, axioms: Mapping[Item, float], *, max_pops: int | None = None, tolerance: float = 0.0) -> ArrayRun:
+        """Forward chaining from scalar ``axioms`` and the constant rules,
+        packed into arrays (missing entries of a batched axiom are the
+        semiring's zero).
+
+        >>> p = ArrayProgram([Rule(("y", "I"), [("x", "I")], 2.0), Rule(("x", 1), [], 5.0)], arrays={"x": {0: 2}, "y": {0: 2}})
+        >>> p.run({("x", 0): 1.0}).chart[("y",)]
+        array([ 2., 10.])
+        """
+        s = self.semiring
+        track = s.gradient == "backpointer"
+        located = {tuple(k): (*self.locate(tuple(k)), float(v)) for k, v in axioms.items()}
+        agenda: dict[Item, Array] = {}
+        because: dict[Item, Array] = {}  # per pending item, the record behind each entry (back-pointers)
+        records: list[Record] = []
+
+        def entry_of(scalar: Item) -> tuple[Item, tuple[int, ...]]:
+            packed, index = self.locate(scalar)
+            if packed not in agenda:
+                agenda[packed] = np.full(self.shapes.get(packed[0], ()), s.zero)
+                because[packed] = np.full(agenda[packed].shape, -1, dtype=np.intp)
+            if any(not 0 <= i < n for i, n in zip(index, agenda[packed].shape)):
+                raise ValueError(
+                    f"{scalar}: index {index} is outside the array axes {self.shapes[packed[0]]} of {packed[0]}"
+                )
+            return packed, index
+
+        for scalar, (_, _, value) in located.items():
+            packed, index = entry_of(scalar)
+            agenda[packed][index] = value
+        for rule in self.constants:  # head += coeff, combined with an axiom of the same entry
+            packed, index = entry_of(rule.head)
+            combined = s.plus(float(agenda[packed][index]), coefficient(s, rule))
+            if track and combined != agenda[packed][index]:
+                records.append(Record(rule, (), (), "", "", np.zeros((0,), dtype=np.intp)))
+                because[packed][index] = len(records) - 1
+            agenda[packed][index] = combined
+        chart: dict[Item, Array] = {}
+        fifo: deque[Item] = deque(agenda)
+        index_ = Index()
+        tape: list[Entry[Array]] = []
+        run = ArrayRun(self, chart, tape, 0, located, {}, records)
+        waiting = 0  # consecutive items put back (updates within tolerance)
+        while fifo and waiting < len(fifo):
+            if max_pops is not None and run.pops >= max_pops:
+                break
+            a = fifo.popleft()
+            update = agenda[a]
+            old = chart.get(a)
+            new = update if old is None else self.plus(old, update)
+            changed = old is None or self._changed(old, new, tolerance)
+            if not changed and old is not None and tolerance > 0.0:
+                fifo.append(a)  # stays pending: later updates may add up to more than the tolerance
+                waiting += 1
+                continue
+            waiting = 0
+            del agenda[a]
+            reasons = because.pop(a, None)
+            tape.append(Entry(a, old, update, changed))
+            run.pops += 1
+            chart[a] = new
+            if track and reasons is not None:
+                run.best[a] = reasons if old is None else np.where(new != old, reasons, run.best[a])
+            if old is None:
+                index_.add(a)
+            if not changed:
+                continue
+            for rule, i, body in self.joins.instantiations(a, old is None, chart, index_):
+                subscripts, out = self.subscripts[id(rule)]
+                values = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(body)]
+                operands = [(sub, v) for sub, v in zip(subscripts, values) if v is not None]
+                coeff = coefficient(s, rule)
+                c = head(rule, body)
+                if track:
+                    contribution, summed, where = best_contract(s, coeff, operands, out)
+                    records.append(Record(self.originals[id(rule)], tuple(body), subscripts, out, summed, where))
+                    if c in agenda:
+                        pending = agenda[c]
+                        better = contribution > pending if s is MAX_TIMES else contribution < pending
+                        because[c] = np.where(better, len(records) - 1, because[c])
+                    else:
+                        because[c] = np.full(np.shape(contribution), len(records) - 1, dtype=np.intp)
+                else:
+                    contribution = contract(s, coeff, operands, out, {})
+                if c in agenda:
+                    agenda[c] = self.plus(agenda[c], contribution)
+                else:
+                    agenda[c] = contribution
+                    fifo.append(c)
+        return run
+
+    def _changed(self, old: Array, new: Array, tolerance: float) -> bool:
+        with np.errstate(invalid="ignore"):
+            differ = new != old
+            return bool(np.any(differ) and np.max(np.abs(np.where(differ, new - old, 0.0))) > tolerance)

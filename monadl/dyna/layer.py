@@ -1,0 +1,95 @@
+"""A goal of a program as a monadl layer: the weights bound to functors give
+the axioms' values, and the run's gradient is the layer's backward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from monadl.do import Do
+from monadl.dyna.syntax import Item
+from monadl.layers import Layer, Weight
+from monadl.tape import Tape
+
+__all__ = ["Differentiable", "bind_weight", "goal_layer"]
+
+
+class Differentiable(Protocol):
+    """A finished run that differentiates a goal with respect to its axioms."""
+
+    def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
+        """d goal / d axiom for the axioms of the run."""
+        ...
+
+
+R = TypeVar("R", bound=Differentiable)
+
+
+def goal_layer(
+    run: Callable[[dict[Item, float]], R],
+    value: Callable[[R], float],
+    goal: Item,
+    axioms: Mapping[Item, float] | None,
+    weights: Mapping[Any, Weight[Any, Any]] | None,
+) -> Layer[float, float]:
+    """A goal's value as a scalar layer over the weights bound to functors
+    (what `Program.goal` and `ArrayProgram.goal` return).
+
+    Args:
+        run: runs the program from the axioms' values.
+        value: the goal's value in a finished run.
+        goal: the item differentiated.
+        axioms: fixed axioms.
+        weights: functor -> weight: the axiom ``f(i, j)`` is ``weights[f].data[i, j]``.
+
+    >>> import anyio
+    >>> from monadl.dyna.scalar import Program
+    >>> from monadl.dyna.syntax import Rule
+    >>> p = Program([Rule(("y",), [("w", "I"), ("x", "I")])])
+    >>> w = Weight(np.array([1.0, 2.0]))
+    >>> y = goal_layer(p.run, lambda run: run.chart[("y",)], ("y",), {("x", 0): 3.0, ("x", 1): 4.0}, {"w": w})
+    >>> anyio.run(y.predict)
+    11.0
+    """
+    bound = dict(weights or {})
+    fixed = dict(axioms or {})
+    functors = list(bound)
+
+    def forward(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+        values = dict(fixed)
+        for functor, tape in zip(functors, tapes):
+            data = np.asarray(tape.data)
+            for position in np.ndindex(data.shape):
+                values[(functor, *position)] = float(data[position])
+        done = run(values)
+        result = value(done)
+        wanted = [t for t in tapes if t.backward is not None]
+        if not wanted:
+            return Tape(result)
+
+        def backward(delta: float) -> None:
+            grads = done.gradient(goal)
+            for functor, tape in zip(functors, tapes):
+                if tape.backward is None:
+                    continue
+                data = np.asarray(tape.data)
+                g = np.zeros(data.shape, dtype=data.dtype)
+                for position in np.ndindex(data.shape):
+                    g[position] = grads.get((functor, *position), 0.0)
+                tape.backward(g * delta if data.ndim else (g * delta)[()])
+
+        return Tape(result, backward)
+
+    return Layer(Do.gather(bound[f].forward() for f in functors).map(forward))
+
+
+def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:
+    """``{functor: weight}``: the axioms ``functor(*index)`` are the weight's entries.
+
+    >>> w = Weight(np.zeros(2))
+    >>> bind_weight("edge", w) == {"edge": w}
+    True
+    """
+    return {functor: weight}

@@ -1,0 +1,347 @@
+"""Forward chaining one item at a time on an agenda (Eisner, Goldlust & Smith
+2005, section 4.2 and figure 3), its gradient by popping the tape, and best
+derivations in the idempotent semirings.
+
+>>> p = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
+>>> run = p.run({("r",): 0.3}, max_pops=3)  # r, then a twice
+>>> round(run.chart[("a",)], 6), round(run.gradient(("a",))[("r",)], 6)
+(0.39, 1.6)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias, final
+
+from monadl.dyna.backward import Entry, backward
+from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
+from monadl.dyna.join import Index, Joins
+from monadl.dyna.layer import goal_layer
+from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
+from monadl.dyna.syntax import Item, Rule, head, parse_rules
+from monadl.layers import Layer, Weight
+
+__all__ = ["Program", "Run", "ScalarAlgebra", "parse"]
+
+Reason: TypeAlias = "tuple[Rule, list[Item]] | None"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ScalarAlgebra:
+    """A semiring's scalar arithmetic, for the tape's backward pass.
+
+    >>> ScalarAlgebra(REAL).vjp(Rule(("c",), [("a",), ("b",)], 3.0), [2.0, 5.0], 0, 1.0)  # d(3ab)/da
+    15.0
+    """
+
+    semiring: Semiring
+
+    def plus(self, a: float, b: float) -> float:
+        """The semiring's plus."""
+        return self.semiring.plus(a, b)
+
+    def vjp(self, rule: Rule, operands: Sequence[float], position: int, adjoint: float) -> float:
+        """``adjoint`` times the coefficient times the other operands."""
+        s = self.semiring
+        result = s.times(adjoint, coefficient(s, rule))
+        for j, v in enumerate(operands):
+            if j != position:
+                result = s.times(result, v)
+        return result
+
+
+@final
+@dataclass(slots=True)
+class Run:
+    """The result of forward chaining: the chart and the tape to differentiate it.
+
+    Args:
+        program: the program that ran.
+        chart: every derived or given item and its value.
+        tape: the pops, in order.
+        pops: how many items popped.
+        pending: the agenda left when the run stopped.
+        best: back-pointers (max-times, min-plus): the rule instance that set
+            each derived item's value.
+        axioms: the axioms given to the run.
+    """
+
+    program: Program
+    chart: dict[Item, float]
+    tape: list[Entry[float]]
+    pops: int
+    pending: dict[Item, float] = field(default_factory=dict)
+    best: dict[Item, Reason] = field(default_factory=dict)
+    axioms: dict[Item, float] = field(default_factory=dict)
+
+    def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
+        """d chart[goal] / d value, for the axioms of the run.
+
+        The real and log-real semirings pop the tape (the appendix's backward
+        pass; in log-real, where values are logarithms, d log-value / d
+        log-value); max-times and min-plus give the subgradient along the best
+        derivation. The keys are the axioms the computation reached (the tape:
+        every axiom that popped, zeros included; a best derivation: the axioms
+        on it); any other axiom's gradient is 0.
+
+        Args:
+            goal: the item differentiated.
+            derived: also give each derived item the gradient with respect to
+                an amount added to it (its first popped update, as if an axiom
+                had contributed it: in an HMM, d likelihood / d alpha is the
+                backward probability beta; in log-real, alpha·beta / likelihood).
+
+        >>> p = Program([Rule(("b",), [("a",), ("a",)]), Rule(("c",), [("b",), ("a",)])])
+        >>> run = p.run({("a",): 2.0})
+        >>> run.gradient(("c",)), run.gradient(("c",), derived=True)[("b",)]  # c = a**3
+        ({('a',): 12.0}, 2.0)
+        """
+        s = self.program.semiring
+        if s.gradient == "backpointer":
+            if goal not in self.chart:
+                return {}
+            return derivation_gradient(goal, self.best.get, self.chart.__getitem__, s, derived=derived)
+        if s.gradient != "tape":
+            raise NotImplementedError(f"the {s.name} semiring has no gradient here (forward only)")
+        adjoints = backward(self.tape, self.chart, self.program.joins, ScalarAlgebra(s), goal, s.one)
+        out: dict[Item, float] = {}
+        for x, first in adjoints.first_updates.items():
+            axiom = x in self.axioms
+            if not (axiom or derived):
+                continue
+            g = adjoints.updates.get(x)
+            if g is None:
+                out[x] = 0.0
+            elif s is LOG_REAL:
+                # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal).
+                out[x] = math.exp(g + (self.axioms[x] if axiom else first) - self.chart[goal])
+            else:
+                out[x] = g
+        return out
+
+    def best_derivation(self, goal: Item) -> Derivation:
+        """The derivation that gave the goal its value (max-times: the Viterbi
+        derivation; min-plus: the shortest one), as a tree of items and rules.
+
+        >>> from monadl.dyna.semiring import MIN_PLUS
+        >>> p = parse("path(J) += path(I) * edge(I, J). path(0) += 0.", MIN_PLUS)
+        >>> run = p.run({("edge", 0, 1): 4.0, ("edge", 0, 2): 1.0, ("edge", 2, 1): 2.0}, priority="value")
+        >>> [d.item for d in run.best_derivation(("path", 1)).walk() if d.item[0] == "edge"]
+        [('edge', 0, 2), ('edge', 2, 1)]
+        """
+        s = self.program.semiring
+        if s.gradient != "backpointer":
+            raise ValueError(f"a best derivation needs an idempotent semiring with back-pointers, not {s.name}")
+        if goal not in self.chart:
+            raise KeyError(f"{goal} was not derived")
+        return best_derivation(goal, self.best.get)
+
+
+@final
+class Program:
+    """Rules, run by forward chaining.
+
+    A rule is ``head += coeff * body_1 * ... * body_k`` over items with
+    arguments (upper-case arguments are variables), or a constant
+    ``head += coeff``::
+
+        program = Program([
+            Rule(("pathto", 0), [], 1.0),
+            Rule(("pathto", "J"), [("edge", "I", "J"), ("pathto", "I")]),
+        ])
+
+    Args:
+        rules: the rules.
+        semiring: what the values are (`REAL` by default).
+    """
+
+    def __init__(self, rules: Sequence[Rule], semiring: Semiring = REAL) -> None:
+        self.rules = list(rules)
+        self.semiring = semiring
+        self.joins = Joins(self.rules)
+
+    def run(
+        self,
+        axioms: Mapping[Item, float],
+        *,
+        max_pops: int | None = None,
+        tolerance: float = 0.0,
+        priority: Callable[[Item, float], float] | str | None = None,
+        stop: Callable[[Run], bool] | None = None,
+    ) -> Run:
+        """Forward chaining from ``axioms`` and the constant rules.
+
+        Args:
+            axioms: ground items and their values (zero values included: they
+                exist, and get gradients).
+            max_pops: stop after this many pops (early stopping).
+            tolerance: updates smaller than this in magnitude are not popped
+                (the run stops when only such updates are pending).
+            priority: which pending item pops next (lowest first); FIFO when
+                None; "value" pops the best pending value first (idempotent
+                semirings: then each item pops once, as in Dijkstra's algorithm).
+            stop: a predicate on the run so far, checked after each pop.
+
+        >>> parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).").run({("edge", 0, 1): 0.5}).chart
+        {('edge', 0, 1): 0.5, ('pathto', 0): 1.0, ('pathto', 1): 0.5}
+        """
+        semiring = self.semiring
+        rank: Callable[[Item, float], float] | None
+        if priority == "value":
+            better = semiring.better
+            if better is None:
+                raise ValueError(f"an agenda by value needs an idempotent semiring, not {semiring.name}")
+            rank = lambda item, value: better(value)  # noqa: E731
+        elif isinstance(priority, str):
+            raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
+        else:
+            rank = priority
+        chart: dict[Item, float] = {}
+        index = Index()
+        agenda: dict[Item, float] = {}
+        because: dict[Item, Reason] = {}
+        fifo: deque[Item] = deque()
+        # With a priority: a heap of (rank, push order, item); an entry whose
+        # rank no longer matches the item's pending value is stale, skipped.
+        heap: list[tuple[float, int, Item]] = []
+        pushes = itertools.count()
+        tape: list[Entry[float]] = []
+        run = Run(self, chart, tape, 0, agenda, axioms={tuple(k): float(v) for k, v in axioms.items()})
+        track = semiring.gradient == "backpointer"
+
+        def push(item: Item, value: float, reason: Reason) -> None:
+            if item in agenda:
+                combined = semiring.plus(agenda[item], value)
+                if track and combined != agenda[item]:
+                    because[item] = reason
+                agenda[item] = combined
+            else:
+                agenda[item] = value
+                because[item] = reason
+                if rank is None:
+                    fifo.append(item)
+            if rank is not None:
+                heapq.heappush(heap, (rank(item, agenda[item]), next(pushes), item))
+
+        for item, value in axioms.items():
+            push(tuple(item), float(value), None)
+        for rule in self.rules:
+            if not rule.body:
+                push(rule.head, coefficient(semiring, rule), (rule, []) if track else None)
+        while agenda:
+            if max_pops is not None and run.pops >= max_pops:
+                break
+            a = self._choose(agenda, fifo, heap, chart, tolerance, rank)
+            if a is None:
+                break
+            update = agenda.pop(a)
+            reason = because.pop(a, None)
+            first = a not in chart
+            old = chart.get(a, semiring.zero)
+            new = semiring.plus(old, update)
+            changed = first or new != old
+            tape.append(Entry(a, None if first else old, update, changed))
+            run.pops += 1
+            chart[a] = new
+            if track and changed:
+                run.best[a] = reason
+            if first:
+                index.add(a)
+            if changed:
+                for c, contribution, instance in self._contributions(a, old, update, first, chart, index):
+                    push(c, contribution, instance if track else None)
+            if stop is not None and stop(run):
+                break
+        return run
+
+    def _choose(
+        self,
+        agenda: dict[Item, float],
+        fifo: deque[Item],
+        heap: list[tuple[float, int, Item]],
+        chart: dict[Item, float],
+        tolerance: float,
+        rank: Callable[[Item, float], float] | None,
+    ) -> Item | None:
+        semiring = self.semiring
+
+        def poppable(item: Item) -> bool:
+            if item not in chart:
+                return True
+            if semiring is REAL:
+                return abs(agenda[item]) > tolerance
+            # elsewhere: pop when the update would still change the chart by more than tolerance
+            new = semiring.plus(chart[item], agenda[item])
+            return bool(new != chart[item] and not abs(new - chart[item]) <= tolerance)
+
+        if rank is not None:
+            while heap:
+                ranked, _, item = heapq.heappop(heap)
+                # An item that is not poppable now gets a fresh entry when its value next changes.
+                if item in agenda and ranked == rank(item, agenda[item]) and poppable(item):
+                    return item
+            return None
+        for _ in range(len(fifo)):
+            item = fifo.popleft()
+            if item not in agenda:
+                continue
+            if poppable(item):
+                return item
+            fifo.append(item)
+        return None
+
+    def _contributions(
+        self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: Index
+    ) -> Iterator[tuple[Item, float, tuple[Rule, list[Item]]]]:
+        times = self.semiring.times
+        for rule, i, body in self.joins.instantiations(a, first, chart, index):
+            product = times(coefficient(self.semiring, rule), update)
+            for j, item in enumerate(body):
+                if j != i:
+                    product = times(product, chart[item] if (j < i or item != a) else old)
+            yield head(rule, body), product, (rule, body)
+
+    def goal(
+        self,
+        goal: Item,
+        axioms: Mapping[Item, float] | None = None,
+        weights: Mapping[Any, Weight[Any, Any]] | None = None,
+        **run_options: Any,
+    ) -> Layer[float, float]:
+        """``chart[goal]`` as a differentiable scalar layer.
+
+        ``weights`` binds functors to weights: the axiom ``f(i, j)`` is
+        ``weights[f].data[i, j]`` for every entry of the array (zeros
+        included). Its backward pass runs the tape, only when a delta is wanted.
+
+        >>> import anyio, numpy as np, monadl as ml
+        >>> w = ml.Weight(np.array([0.5, 0.25]))
+        >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
+        0.3125
+        """
+        return goal_layer(
+            lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, 0.0), goal, axioms, weights
+        )
+
+
+def parse(text: str, semiring: Semiring = REAL) -> Program:
+    """A program from text, one rule per ``.``::
+
+        stop(I) += edgezero(I) * pathto(I).
+        pathto(J) += edge(I, J) * pathto(I).
+        pathto(0) += 1.                        % a constant: no body item
+        b(X) += 0.5 * a(X) * w(X, Y) * a(Y).   % a leading number is the coefficient
+
+    Upper-case arguments are variables; integers and lower-case words are
+    constants; ``%`` starts a comment.
+
+    >>> parse("a += a * a. a += r.").rules[0].body
+    [('a',), ('a',)]
+    """
+    return Program(parse_rules(text), semiring)

@@ -1,0 +1,67 @@
+"""The semirings a program computes in: how values combine across derivations
+(``plus``) and within one (``times``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from monadl.dyna.syntax import Rule
+
+__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Semiring", "coefficient"]
+
+
+@dataclass(frozen=True, slots=True)
+class Semiring:
+    """Values combine with ``plus`` across derivations and ``times`` within one.
+
+    ``gradient``: "tape" (the appendix's backward pass, in this semiring's own
+    arithmetic: the real and log-real semirings), "backpointer" (subgradients
+    along the best derivation: max-times, min-plus) or None (forward only).
+    ``better`` orders values for an agenda by value (idempotent semirings).
+
+    >>> boolean = Semiring("boolean", 0.0, 1.0, max, min)
+    >>> boolean.product([1.0, 0.0]), REAL.product([2.0, 3.0]), MIN_PLUS.product([2.0, 3.0])
+    (0.0, 6.0, 5.0)
+    """
+
+    name: str
+    zero: float
+    one: float
+    plus: Callable[[float, float], float]
+    times: Callable[[float, float], float]
+    gradient: str | None = None
+    better: Callable[[float], float] | None = None
+
+    def product(self, values: Iterable[float]) -> float:
+        """The ``times`` of the values (``one`` for none)."""
+        result = self.one
+        for v in values:
+            result = self.times(result, v)
+        return result
+
+
+REAL = Semiring("real", 0.0, 1.0, lambda a, b: a + b, lambda a, b: a * b, gradient="tape")
+"""Sums of products: probabilities, path sums."""
+LOG_REAL = Semiring("log-real", -math.inf, 0.0, np.logaddexp, lambda a, b: a + b, gradient="tape")
+"""Values are logarithms: plus is log-add-exp, times is +. Coefficients of
+rules are logs too (0.0 for 1)."""
+MAX_TIMES = Semiring("max-times", 0.0, 1.0, max, lambda a, b: a * b, gradient="backpointer", better=lambda v: -v)
+"""Viterbi: the best derivation's product."""
+MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, lambda a, b: a + b, gradient="backpointer", better=lambda v: v)
+"""Shortest paths: the best derivation's sum. Coefficients of rules add (0.0 for none)."""
+
+
+def coefficient(semiring: Semiring, rule: Rule) -> float:
+    """A rule's coefficient as a value of the semiring. Beside body items, 1.0
+    means none (the semiring's one); a constant rule's value is taken as written.
+
+    >>> coefficient(MIN_PLUS, Rule(("a",), [("b",)])), coefficient(MIN_PLUS, Rule(("a",), [("b",)], 2.0))
+    (0.0, 2.0)
+    >>> coefficient(MIN_PLUS, Rule(("a",), [], 1.0))  # a += 1: distance 1
+    1.0
+    """
+    return semiring.one if rule.coeff == 1.0 and rule.body else rule.coeff

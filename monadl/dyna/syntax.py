@@ -1,0 +1,192 @@
+"""Items, rules and their text form.
+
+An item is a functor and its arguments, ``("edge", 0, 1)``; a pattern is an
+item some of whose arguments are variables (upper-case strings). A rule is
+``head += coeff * body_1 * ... * body_k``; with no body item it is a constant,
+``pathto(0) += 1``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+__all__ = ["Item", "Pattern", "Rule", "bindings", "ground", "head", "is_variable", "match", "parse_rules"]
+
+Item: TypeAlias = tuple[Any, ...]
+"""A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
+Pattern: TypeAlias = tuple[Any, ...]
+"""An item with variables: arguments that are upper-case strings."""
+
+
+def is_variable(term: Any) -> bool:
+    """Whether a term of a pattern is a variable (an upper-case string).
+
+    >>> is_variable("I"), is_variable("edge"), is_variable(3)
+    (True, False, False)
+    """
+    return isinstance(term, str) and term[:1].isupper()
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """``head += coeff * body[0] * ... * body[k-1]``.
+
+    A coefficient is a value of the program's semiring, 1.0 meaning none in
+    every semiring (it is the semiring's one). A rule with no body item is a
+    constant, ``head += coeff`` with a ground head; its value is taken as
+    written (in log-real a logarithm, in min-plus a distance).
+
+    >>> str(Rule(("pathto", 0), [], 1.0)), str(Rule(("b", "X"), [("a", "X")], 0.5))
+    ('pathto(0) += 1.0', 'b(X) += 0.5 * a(X)')
+    """
+
+    head: Pattern
+    body: Sequence[Pattern]
+    coeff: float = 1.0
+
+    def __post_init__(self) -> None:
+        bound = {t for b in self.body for t in b[1:] if is_variable(t)}
+        free = [t for t in self.head[1:] if is_variable(t) and t not in bound]
+        if free:
+            raise ValueError(
+                f"rule {self}: head variables {free} do not occur in the body; only range-restricted rules are allowed"
+            )
+
+    def __str__(self) -> str:
+        def show(p: Pattern) -> str:
+            return f"{p[0]}({', '.join(map(str, p[1:]))})" if len(p) > 1 else str(p[0])
+
+        if not self.body:
+            return f"{show(self.head)} += {self.coeff}"
+        coeff = "" if self.coeff == 1.0 else f"{self.coeff} * "
+        return f"{show(self.head)} += {coeff}{' * '.join(show(b) for b in self.body)}"
+
+
+def match(pattern: Pattern, item: Item, bound: dict[str, Any]) -> dict[str, Any] | None:
+    """Extend the bindings ``bound`` so that ``pattern`` is ``item``, or None.
+
+    >>> match(("edge", "I", "J"), ("edge", 0, 1), {"I": 0})
+    {'I': 0, 'J': 1}
+    """
+    if pattern[0] != item[0] or len(pattern) != len(item):
+        return None
+    out = bound
+    for term, value in zip(pattern[1:], item[1:]):
+        if is_variable(term):
+            if term in out:
+                if out[term] != value:
+                    return None
+            else:
+                out = {**out, term: value}
+        elif term != value:
+            return None
+    return out
+
+
+def ground(pattern: Pattern, bound: Mapping[str, Any]) -> Item:
+    """The item a pattern names under bindings.
+
+    >>> ground(("pathto", "J"), {"J": 2})
+    ('pathto', 2)
+    """
+    return (pattern[0], *(bound[t] if is_variable(t) else t for t in pattern[1:]))
+
+
+def bindings(rule: Rule, body: Sequence[Item]) -> dict[str, Any]:
+    """The variables' values in a rule instance with these ground body items.
+
+    >>> bindings(Rule(("p", "J"), [("e", "I", "J")]), [("e", 0, 1)])
+    {'I': 0, 'J': 1}
+    """
+    out: dict[str, Any] = {}
+    for pattern, item in zip(rule.body, body):
+        matched = match(pattern, item, out)
+        if matched is None:
+            raise ValueError(f"rule {rule}: {item} does not match {pattern}")
+        out = matched
+    return out
+
+
+def head(rule: Rule, body: Sequence[Item]) -> Item:
+    """The head item of a rule instance with these ground body items.
+
+    >>> head(Rule(("p", "J"), [("e", "I", "J")]), [("e", 0, 1)])
+    ('p', 1)
+    """
+    return ground(rule.head, bindings(rule, body))
+
+
+_TERM = re.compile(r"\s*([a-z_][A-Za-z0-9_]*)\s*(?:\(([^()]*)\))?\s*$")
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*(e[-+]?\d+)?|\.\d+(e[-+]?\d+)?)\s*$", re.IGNORECASE)
+
+
+def parse_rules(text: str) -> list[Rule]:
+    """Rules from text, one per ``.``::
+
+        stop(I) += edgezero(I) * pathto(I).
+        pathto(J) += edge(I, J) * pathto(I).
+        pathto(0) += 1.                        % a constant: no body item
+        b(X) += 0.5 * a(X) * w(X, Y) * a(Y).   % a leading number is the coefficient
+
+    Upper-case arguments are variables; integers and lower-case words are
+    constants; ``%`` starts a comment. (`monadl.dyna.parse` makes a `Program`
+    of them.)
+
+    >>> [str(r) for r in parse_rules("a += a * a. a += 0.5.")]
+    ['a += a * a', 'a += 0.5']
+    """
+    rules = []
+    cleaned = "\n".join(line.split("%", 1)[0] for line in text.splitlines())
+    for number, statement in enumerate(s.strip() for s in _split_rules(cleaned)):
+        if not statement:
+            continue
+        if "+=" not in statement:
+            raise ValueError(f"rule {number + 1} ({statement!r}): expected 'head += body'")
+        head_text, body_text = statement.split("+=", 1)
+        factors = _split_top(body_text, "*")
+        coeff = 1.0
+        if factors and _NUMBER.match(factors[0]):
+            coeff = float(factors.pop(0))
+        elif not factors:
+            raise ValueError(f"rule {number + 1} ({statement!r}): the body is empty (a constant is a number)")
+        rules.append(Rule(_term(head_text, statement), [_term(f, statement) for f in factors], coeff))
+    return rules
+
+
+def _split_rules(text: str) -> list[str]:
+    """Split at the '.' that ends a rule, not the one inside a number."""
+    out, current = [], ""
+    for i, ch in enumerate(text):
+        if ch == "." and not (i + 1 < len(text) and text[i + 1].isdigit() and current[-1:].isdigit()):
+            out.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        raise ValueError(f"the last rule ({current.strip()!r}) does not end with '.'")
+    return out
+
+
+def _split_top(text: str, separator: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == separator and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    return [p for p in parts if p.strip()]
+
+
+def _term(text: str, statement: str) -> Pattern:
+    found = _TERM.match(text)
+    if found is None:
+        raise ValueError(f"in {statement!r}: {text.strip()!r} is not an item like name(X, 3)")
+    args = [a.strip() for a in found.group(2).split(",")] if found.group(2) else []
+    return (found.group(1), *(int(a) if a.lstrip("-").isdigit() else a for a in args))

@@ -1,0 +1,1 @@
+"""Tests of monadl.dyna, mirroring the package."""

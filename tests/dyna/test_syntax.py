@@ -1,0 +1,33 @@
+"""Rules and their text form: constants (rules with no body item)."""
+
+from __future__ import annotations
+
+import pytest
+
+from monadl.dyna import MIN_PLUS, Rule, parse
+
+
+def test_a_constant_rule_reads_and_prints_as_dyna_writes_it() -> None:
+    program = parse(
+        """
+        pathto(0) += 1.
+        pathto(J) += edge(I, J) * pathto(I).
+        start += 0.25.   % a number alone is the body
+        """
+    )
+    assert program.rules[0] == Rule(("pathto", 0), [], 1.0)
+    assert program.rules[2] == Rule(("start",), [], 0.25)
+    assert [str(r) for r in program.rules] == [
+        "pathto(0) += 1.0",
+        "pathto(J) += edge(I, J) * pathto(I)",
+        "start += 0.25",
+    ]
+    # A constant is its value as written, in every semiring (here a distance of 1, not min-plus's one).
+    assert parse("d(0) += 1.", MIN_PLUS).run({}).chart == {("d", 0): 1.0}
+
+
+def test_a_constant_needs_a_ground_head_and_a_value() -> None:
+    with pytest.raises(ValueError, match="range-restricted"):
+        parse("pathto(J) += 1.")
+    with pytest.raises(ValueError, match="body is empty"):
+        parse("pathto(0) += .")
