@@ -1,0 +1,135 @@
+"""Committing a step: every weight or none, never NaN or infinity, rates that
+make sense, and the value types a user gave."""
+
+from __future__ import annotations
+
+import re
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.optim import apply_gradients
+
+pytestmark = pytest.mark.anyio
+
+
+def line_of(marker: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, text in enumerate(source, 1) if marker in text and "line_of" not in text)
+
+
+async def test_a_step_that_would_write_nan_is_refused_and_names_the_weight() -> None:
+    good = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.1))
+    bad = ml.Weight(np.array([1.0, 0.0]), optimizer=ml.optim.sgd(0.1))  # WEIGHT-SITE
+    data = np.array([np.nan, 1.0])  # a NaN in the data
+    loss = ml.sum(good * 2.0) + ml.sum(bad * data)
+    with pytest.raises(ml.NonFiniteError, match=rf"weight built at .*:{line_of('WEIGHT-SITE')}"):
+        await loss.train()
+    np.testing.assert_array_equal(good.data, [1.0, 1.0])  # all or none
+    np.testing.assert_array_equal(bad.data, [1.0, 0.0])
+    with ml.settings(finite_steps=False):  # the user may opt out
+        await loss.train()
+    assert np.isnan(bad.data[0])
+
+
+async def test_an_overflowing_step_is_refused() -> None:
+    w = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(1e10))
+    with np.errstate(over="ignore"), pytest.raises(ml.NonFiniteError):
+        await ml.sum(w * -1e300).train()  # a finite gradient, an update past the largest float
+    np.testing.assert_array_equal(w.data, [1.0])
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -0.1])
+def test_a_rate_must_be_finite_and_not_negative(rate: float, anyio_backend: str) -> None:
+    with pytest.raises(ValueError, match="learning_rate must be a finite number >= 0"):
+        ml.optim.sgd(rate)
+
+
+async def test_a_rate_of_zero_freezes_a_weight() -> None:
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.0))
+    await ml.sum(w * w).train()
+    np.testing.assert_array_equal(w.data, [1.0, 1.0])
+
+
+async def test_a_schedule_that_goes_negative_fails_that_step() -> None:
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(lambda step: 0.1 - 0.1 * step))
+    loss = ml.sum(w)
+    await loss.train()  # rate 0.1
+    await loss.train()  # rate 0.0
+    with pytest.raises(ValueError, match=re.escape("gave -0.1") + ".*at step 2"):
+        await loss.train()
+    np.testing.assert_allclose(w.data, [0.9, 0.9])
+
+
+async def test_a_zero_d_weight_stays_a_zero_d_array() -> None:
+    w = ml.Weight(np.array(1.5), optimizer=ml.optim.sgd(0.1))
+    await (w * w).train()
+    assert type(w.data) is np.ndarray and w.data.shape == ()
+    assert w.data == pytest.approx(1.5 - 0.1 * 3.0)
+
+
+async def test_train_refuses_a_loss_that_is_not_a_scalar() -> None:
+    w = ml.Weight(np.ones(3))
+    with pytest.raises(ml.ShapeError, match=r"scalar loss.*shape \[3\].*ml\.sum"):
+        await (w * 2.0).train()
+    np.testing.assert_array_equal(w.data, [1.0, 1.0, 1.0])
+    [grad] = await ml.gradients(w * 2.0, [w])  # gradients() documents the sum
+    np.testing.assert_array_equal(grad, [2.0, 2.0, 2.0])
+
+
+async def test_a_tape_of_a_past_evaluation_is_refused() -> None:
+    w = ml.Weight(2.0)
+    captured: list[ml.Tape[float, float]] = []
+
+    async def keep() -> ml.Tape[float, float]:
+        return captured[0]
+
+    def capture(tape: ml.Tape[float, float]) -> ml.Tape[float, float]:
+        captured.append(tape)
+        return tape
+
+    grab: ml.ScalarLayer = ml.Layer(w.forward().map(capture))
+    await (grab * 1.0).train()
+    stale: ml.ScalarLayer = ml.Layer(ml.Do.from_async(keep))
+    with pytest.raises(RuntimeError, match="another evaluation"):
+        await (stale * 3.0).train()
+
+
+def test_apply_gradients_is_all_or_nothing() -> None:
+    a = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(1.0))
+    b = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(1.0))
+    with pytest.raises(ValueError):
+        apply_gradients({a: np.ones(2), b: np.ones(4)})  # b's gradient does not fit
+    np.testing.assert_array_equal(a.data, [1.0, 1.0])
+    apply_gradients({a: np.ones(2), b: np.ones(3)})
+    np.testing.assert_array_equal(a.data, [0.0, 0.0])
+
+
+def test_steps_are_atomic_across_event_loops_in_threads() -> None:
+    import threading
+
+    w = ml.Weight(np.zeros(2), optimizer=ml.optim.adam(0.5))
+    counts = []
+
+    def trainer() -> None:
+        async def loop() -> None:
+            for _ in range(200):
+                await ml.sum(w).train()
+
+        anyio.run(loop)
+
+    threads = [threading.Thread(target=trainer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts.append(w.optimizer and w._state[0].step)  # Adam's step count: every step counted once
+    assert counts == [400]
+
+
+async def test_large_finite_weights_are_not_mistaken_for_overflow() -> None:
+    w = ml.Weight(np.array([1e200, -1e200]), optimizer=ml.optim.sgd(1.0))
+    await ml.sum(w * 1.0).train()
+    np.testing.assert_array_equal(w.data, [1e200 - 1.0, -1e200 - 1.0])
