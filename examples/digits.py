@@ -14,12 +14,12 @@ bar and the test accuracy, and writes the training curve to ``digits.png``.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
 
 import anyio
 import numpy as np
+from tqdm.auto import tqdm
 
 import monadl as ml
 
@@ -122,14 +122,6 @@ def group_batches(
     return [batches[i] for i in order]
 
 
-def progress(done: int, total: int, note: str, width: int = 30) -> None:
-    filled = int(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {note}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 async def accuracy(model: GatedDigits, x: ml.Array, y: ml.Array) -> float:
     scores = await model.digit_scores(x).predict()
     return float(np.mean(np.argmax(scores, axis=1) == y))
@@ -149,15 +141,17 @@ async def run(epochs: int = 30, batch_size: int = 16, seed: int = 0, show_progre
     rng = np.random.default_rng(seed)
     losses, accuracies = [], []
     started = time.perf_counter()
-    for epoch in range(epochs):
+    bar = tqdm(total=epochs, desc="epochs", disable=not show_progress)
+    for _ in range(epochs):
         epoch_losses = [
             float(await model.training_loss(xb, yb).train())
             for xb, yb in group_batches(x_train, y_train, batch_size, rng)
         ]
         losses.append(float(np.mean(epoch_losses)))
         accuracies.append(await accuracy(model, x_test, y_test))
-        if show_progress:
-            progress(epoch + 1, epochs, f"loss {losses[-1]:.3f}  test accuracy {accuracies[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", test_accuracy=f"{accuracies[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
     return Result(accuracies[-1], losses, accuracies, time.perf_counter() - started)
 
 
