@@ -4,12 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,examples]'
+	$(BIN)/python -m pip install --quiet -e '.[test,examples,docs]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -21,6 +21,10 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m mypy
+	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+
+docs: $(STAMP)
+	$(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
@@ -28,4 +32,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/columns.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -1,4 +1,4 @@
-"""What the Estimate-and-Replace examples share: the digits, a digit classifier, a progress bar."""
+"""What the examples share: the digits, a digit classifier, a progress bar."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import sys
 
 import numpy as np
+from tqdm import std
+from tqdm.auto import tqdm
 
 import monadl as ml
 from monadl.estimate import Sampling
@@ -49,15 +51,18 @@ class Extractor:
         return digits
 
 
-def progress(name: str, done: int, total: int, loss: float, width: int = 24) -> None:
-    """A one-line progress bar on stderr, redrawn about a hundred times."""
-    if done % max(1, total // 100) and done != total:
-        return
-    filled = width * done // total
-    sys.stderr.write(f"\r{name:18} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} loss {loss:.4f}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def progress_bar(description: str, steps: int, show: bool = True) -> tqdm[int]:
+    """``range(steps)`` with a tqdm progress bar: on stderr in a terminal, a
+    widget in a notebook, an update every ten seconds in a log file (not a
+    line per step), nothing when ``show`` is false.
+
+    >>> bar = progress_bar("training", 3, show=False)
+    >>> [step for step in bar]
+    [0, 1, 2]
+    >>> bar.set_postfix(loss="0.1234")  # shown beside the bar when it is on
+    """
+    interactive = sys.stderr.isatty() or tqdm is not std.tqdm  # tqdm.auto chose the notebook widget
+    return tqdm(range(steps), desc=description, disable=not show, mininterval=0.1 if interactive else 10.0)
 
 
 SAMPLINGS = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}

@@ -17,12 +17,12 @@ uninterrupted run would have.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
 
 import anyio
 import numpy as np
+from tqdm.auto import tqdm
 
 import monadl as ml
 
@@ -125,14 +125,6 @@ def group_batches(
     return [batches[i] for i in order]
 
 
-def progress(done: int, total: int, note: str, width: int = 30) -> None:
-    filled = int(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {note}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 async def accuracy(model: GatedDigits, x: ml.Array, y: ml.Array) -> float:
     scores = await model.digit_scores(x).predict()
     return float(np.mean(np.argmax(scores, axis=1) == y))
@@ -168,6 +160,7 @@ async def run(
         done = saved["epoch"]
     losses, accuracies = [], []
     started = time.perf_counter()
+    bar = tqdm(total=epochs, desc="epochs", disable=not show_progress)
     for epoch in range(epochs):
         epoch_losses = [
             float(await model.training_loss(xb, yb).train())
@@ -177,8 +170,9 @@ async def run(
         accuracies.append(await accuracy(model, x_test, y_test))
         if save is not None:
             ml.save(save, model, metadata={"epoch": done + epoch + 1, "rng": rng.bit_generator.state})
-        if show_progress:
-            progress(epoch + 1, epochs, f"loss {losses[-1]:.3f}  test accuracy {accuracies[-1]:.3f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", test_accuracy=f"{accuracies[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
     return Result(accuracies[-1], losses, accuracies, time.perf_counter() - started)
 
 

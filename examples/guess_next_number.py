@@ -1,8 +1,10 @@
 """The paper's first listing: learn to guess the next number of a progression.
 
-Run with ``make demo``. Trains a linear model ``sum(question * weights) + bias``
-with plain SGD (learning rate 0.0005, the default optimizer) on four
-arithmetic progressions, then asks it about (42, 43, 44).
+Run: ``python examples/guess_next_number.py`` (or ``python -m
+examples.guess_next_number``). Trains a linear model ``sum(question * weights)
++ bias`` with plain SGD (learning rate 0.0005: the default optimizer, which a
+weight built without ``optimizer=`` gets) on four arithmetic progressions,
+then asks it about (42, 43, 44).
 """
 
 from __future__ import annotations

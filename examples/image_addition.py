@@ -12,23 +12,29 @@ Both train on k = 10 and are tested on k = 10 and k = 100. The end-to-end
 network has never seen a sum beyond ~90, and its LSTM's output saturates;
 EstiNet's sum is exact whatever k, so its error is only the extractor's.
 
-Run: ``python -m examples.image_addition`` (``--help`` for the options;
+Run: ``python -m examples.image_addition`` or ``python examples/image_addition.py``
+(``--help`` for the options;
 ``--sampling all`` compares offline, online and hybrid estimator training).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import anyio
 import numpy as np
 
+if not __package__:  # run as a file, python examples/x.py: the repository root holds the package examples
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import monadl as ml
-from examples._common import DIGITS, Extractor, add_estinet_options, chosen_samplings, load_digits_split, progress
+from examples._common import DIGITS, Extractor, add_estinet_options, chosen_samplings, load_digits_split, progress_bar
 from monadl.estimate import Sampling, entropy_penalty, estimator_loss, frozen, gumbel_softmax, harden
 
 HIDDEN = 64  # the extractor's hidden units (digit accuracy over seeds 0-2: 32 units 0.38-0.78, 64 units 0.69-0.78)
@@ -130,7 +136,8 @@ async def train_estinet(
     if sampling.pretrain:
         await pretrain(adder, rng, args.k, args.pretrain_steps, 64)
     curve = []
-    for step in range(args.steps):
+    bar = progress_bar(f"EstiNet ({sampling.name})", args.steps, show)
+    for _ in bar:
         index, sums = sequences(y_train, args.batch, args.k, rng)
         logits = extractor.logits(x_train[index.ravel()])
         choice = ml.reshape(
@@ -143,8 +150,7 @@ async def train_estinet(
         if sampling.online_updates:  # the extractor's own outputs, labelled by the black box
             arguments = harden(np.reshape(await logits.predict(), (args.batch, args.k, DIGITS)))
             await estimator_loss(_black_box, lambda s: adder(s, args.k), [arguments]).train()
-        if show:
-            progress(f"EstiNet ({sampling.name})", step + 1, args.steps, curve[-1])
+        bar.set_postfix(loss=f"{curve[-1]:.4f}", refresh=False)
 
     test_rng = np.random.default_rng(args.seed + 1)
     mae = {}
@@ -164,13 +170,13 @@ async def train_end_to_end(
     extractor, adder = Extractor(rng, args.lr, HIDDEN), Adder(rng, 3e-3, args.steps)
     started = time.perf_counter()
     curve = []
-    for step in range(args.steps):
+    bar = progress_bar("end-to-end", args.steps, show)
+    for _ in bar:
         index, sums = sequences(y_train, args.batch, args.k, rng)
         probabilities = ml.reshape(ml.softmax(extractor.logits(x_train[index.ravel()])), (args.batch, args.k, DIGITS))
         difference = adder(probabilities, args.k) - sums / SCALE
         curve.append(float(await ml.mean(difference * difference).train()))
-        if show:
-            progress("end-to-end", step + 1, args.steps, curve[-1])
+        bar.set_postfix(loss=f"{curve[-1]:.4f}", refresh=False)
     test_rng = np.random.default_rng(args.seed + 1)
     mae = {}
     for k in args.test_k:

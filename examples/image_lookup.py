@@ -12,19 +12,25 @@ table. An end-to-end network of the same size (the same extractor and the same
 ReLU network, trained on the labels) has the first table baked into its
 weights, and is at chance with the second.
 
-Run: ``python -m examples.image_lookup`` (``--help`` for the options: ``--k``,
+Run: ``python -m examples.image_lookup`` or ``python examples/image_lookup.py``
+(``--help`` for the options: ``--k``,
 ``--sampling offline|online|hybrid|all``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import numpy as np
+
+if not __package__:  # run as a file, python examples/x.py: the repository root holds the package examples
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import monadl as ml
 from examples._common import (
@@ -34,7 +40,7 @@ from examples._common import (
     chosen_samplings,
     dense_weights,
     load_digits_split,
-    progress,
+    progress_bar,
 )
 from monadl.estimate import Sampling, estimator_loss, frozen, gumbel_softmax, harden
 
@@ -137,7 +143,8 @@ async def train_estinet(
     if sampling.pretrain:
         await pretrain(estimator, table, rng, args.pretrain_steps, 64)
     curve = []
-    for step in range(args.steps):
+    bar = progress_bar(f"EstiNet ({sampling.name})", args.steps, show)
+    for _ in bar:
         images, _, entries = _batch(data, table, args.k, args.batch, rng)
         logits = extractor.logits(images)
         choice = ml.reshape(gumbel_softmax(logits, args.temperature, rng), (args.batch, args.k, DIGITS))
@@ -145,8 +152,7 @@ async def train_estinet(
         if sampling.online_updates:  # the extractor's own outputs, labelled by the black box
             arguments = harden(np.reshape(await logits.predict(), (args.batch, args.k, DIGITS)))
             await estimator_loss(lambda s: look_up(table, s), estimator, [arguments], loss=ml.cross_entropy).train()
-        if show:
-            progress(f"EstiNet ({sampling.name})", step + 1, args.steps, curve[-1])
+        bar.set_postfix(loss=f"{curve[-1]:.4f}", refresh=False)
 
     test_rng = np.random.default_rng(args.seed + 1)
     images, digits, entries = _batch(data, table, args.k, args.test_count, test_rng, test=True)
@@ -172,12 +178,12 @@ async def train_end_to_end(
     extractor, network = Extractor(rng, args.lr), Estimator(rng, args.k, 3e-3, args.steps)
     started = time.perf_counter()
     curve = []
-    for step in range(args.steps):
+    bar = progress_bar("end-to-end", args.steps, show)
+    for _ in bar:
         images, _, entries = _batch(data, table, args.k, args.batch, rng)
         probabilities = ml.reshape(ml.softmax(extractor.logits(images)), (args.batch, args.k, DIGITS))
         curve.append(float(await ml.cross_entropy(network(probabilities), entries).train()))
-        if show:
-            progress("end-to-end", step + 1, args.steps, curve[-1])
+        bar.set_postfix(loss=f"{curve[-1]:.4f}", refresh=False)
     test_rng = np.random.default_rng(args.seed + 1)
     images, digits, entries = _batch(data, table, args.k, args.test_count, test_rng, test=True)
     probabilities = ml.reshape(ml.softmax(extractor.logits(images)), (args.test_count, args.k, DIGITS))

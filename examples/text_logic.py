@@ -18,21 +18,27 @@ same features and answers directly.
 
 As the training set shrinks, the end-to-end network must learn comparison
 itself from a few hundred questions; EstiNet only learns where the arguments
-are. Run: ``python -m examples.text_logic`` (``--help`` for the options).
+are. Run: ``python -m examples.text_logic`` or ``python examples/text_logic.py``
+(``--help`` for the options).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import numpy as np
 
+if not __package__:  # run as a file, python examples/x.py: the repository root holds the package examples
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import monadl as ml
-from examples._common import add_estinet_options, chosen_samplings, dense_weights, progress
+from examples._common import add_estinet_options, chosen_samplings, dense_weights, progress_bar
 from monadl.estimate import Sampling, estimator_loss, frozen, gumbel_softmax, harden
 
 # "X" is the number that must be greater for the answer to be yes, "Y" the other.
@@ -183,7 +189,8 @@ async def train_estinet(
     if sampling.pretrain:
         await pretrain(comparator, rng, args.pretrain_steps, 64)
     name = f"EstiNet ({sampling.name})"
-    for step in range(args.steps):
+    bar = progress_bar(f"{name} n={len(train)}", args.steps, show)
+    for _ in bar:
         q = train.take(rng.integers(0, len(train), size=args.batch))
         scores = selectors.scores(q)
         chosen = [ml.sum(gumbel_softmax(s, args.temperature, rng) * q.values, axis=1) for s in scores]
@@ -193,8 +200,7 @@ async def train_estinet(
         if sampling.online_updates:  # the selected numbers, labelled by the black box
             pair = _selected_pairs([await s.predict() for s in scores], q)
             await estimator_loss(compare, comparator, [pair], loss=ml.cross_entropy).train()
-        if show:
-            progress(f"{name} n={len(train)}", step + 1, args.steps, loss)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
     selections = [await s.predict() for s in selectors.scores(test)]
     answers = compare(_selected_pairs(selections, test))  # the real comparison at inference
     right = np.all(np.stack([np.argmax(s, axis=1) for s in selections], axis=1) == test.where, axis=1)
@@ -207,11 +213,11 @@ async def train_end_to_end(train: Questions, test: Questions, args: argparse.Nam
     rng = np.random.default_rng(args.seed)
     model = EndToEnd(rng, args.lr)
     started = time.perf_counter()
-    for step in range(args.steps):
+    bar = progress_bar(f"end-to-end n={len(train)}", args.steps, show)
+    for _ in bar:
         q = train.take(rng.integers(0, len(train), size=args.batch))
         loss = float(await ml.cross_entropy(model.logits(q), q.answers).train())
-        if show:
-            progress(f"end-to-end n={len(train)}", step + 1, args.steps, loss)
+        bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
     answers = np.argmax(await model.logits(test).predict(), axis=1)
     return Result(
         "end-to-end", len(train), float(np.mean(answers == test.answers)), None, time.perf_counter() - started

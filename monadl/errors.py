@@ -14,11 +14,31 @@ __all__ = [
 
 
 class MonadlError(Exception):
-    """Base class of monadl's own errors."""
+    """Base class of monadl's own errors.
+
+    Each also derives from the built-in error a NumPy user would catch
+    (`ValueError` for shapes, `TypeError` for dtypes and operands), so
+    ``except ValueError`` keeps working.
+
+    >>> issubclass(ShapeError, ValueError) and issubclass(DTypeError, TypeError)
+    True
+    """
 
 
 class ShapeError(MonadlError, ValueError):
-    """Operands whose shapes an operation cannot combine."""
+    """Operands whose shapes an operation cannot combine.
+
+    Raised when the layer is evaluated, naming the operation, the operands'
+    dtypes and shapes, and the line that built the layer.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> wrong = ml.Weight(np.zeros(2)) + np.zeros(3)  # built: nothing runs yet
+    >>> try:
+    ...     anyio.run(wrong.predict)
+    ... except ml.ShapeError as error:
+    ...     print(str(error).split(" (")[0])
+    add: operands float64[2], float64[3] do not fit together
+    """
 
 
 class DTypeError(MonadlError, TypeError):
@@ -30,7 +50,15 @@ class NonFiniteError(MonadlError, FloatingPointError):
 
 
 class OperandError(MonadlError, TypeError):
-    """An operand that is not a layer, a weight or plain numeric data."""
+    """An operand that is not a layer, a weight or plain numeric data.
+
+    >>> import monadl as ml
+    >>> try:
+    ...     ml.exp("2.0")
+    ... except ml.OperandError as error:
+    ...     print(error)
+    exp: operand of type str is not a Layer, a Weight, an array or a number
+    """
 
 
 class DeviceError(MonadlError, TypeError):

@@ -50,6 +50,11 @@ def gumbel_softmax(
 
     With ``hard``, the forward value is the one-hot argmax of the sample and
     the backward pass is the relaxed sample's (straight-through).
+
+    >>> import anyio, numpy as np
+    >>> sample = gumbel_softmax(np.array([[0.0, 9.0, 0.0]]), 1.0, np.random.default_rng(0))
+    >>> anyio.run(sample.predict)  # one-hot, almost surely the largest logit
+    array([[0., 1., 0.]])
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -69,7 +74,12 @@ def gumbel_softmax(
 
 
 def harden(probabilities: Array, axis: int = -1) -> Array:
-    """One-hot of the argmax along ``axis``."""
+    """One-hot of the argmax along ``axis``.
+
+    >>> import numpy as np
+    >>> harden(np.array([[0.2, 0.7, 0.1]]))
+    array([[0., 1., 0.]])
+    """
     index = np.argmax(probabilities, axis=axis)
     one_hot: Array = np.moveaxis(np.eye(probabilities.shape[axis], dtype=probabilities.dtype)[index], -1, axis)
     return one_hot
@@ -77,7 +87,15 @@ def harden(probabilities: Array, axis: int = -1) -> Array:
 
 def entropy_penalty(probabilities: ArrayOperand, threshold: float, axis: int = -1) -> ScalarLayer:
     """Mean of ``max(entropy - threshold, 0)`` over the distributions along ``axis``:
-    a confidence regulariser that leaves already-confident outputs alone."""
+    a confidence regulariser that leaves already-confident outputs alone.
+
+    >>> import anyio, numpy as np
+    >>> uniform, certain = np.full((1, 4), 0.25), np.array([[1.0, 0.0, 0.0, 0.0]])
+    >>> round(float(anyio.run(entropy_penalty(uniform, 0.5).predict)), 4)  # log(4) - 0.5
+    0.8863
+    >>> float(anyio.run(entropy_penalty(certain, 0.5).predict))
+    0.0
+    """
     p = as_layer(probabilities)
 
     entropy = -sum(p * log(p + 1e-12), axis=axis)
@@ -85,7 +103,12 @@ def entropy_penalty(probabilities: ArrayOperand, threshold: float, axis: int = -
 
 
 def label_smoothing(targets: Array, amount: float, axis: int = -1) -> Array:
-    """Move ``amount`` of each target distribution's mass to the uniform one."""
+    """Move ``amount`` of each target distribution's mass to the uniform one.
+
+    >>> import numpy as np
+    >>> label_smoothing(np.array([[1.0, 0.0]]), 0.2)
+    array([[0.9, 0.1]])
+    """
     if not 0 <= amount < 1:
         raise ValueError(f"amount must be in [0, 1), got {amount}")
     classes = targets.shape[axis]
@@ -95,7 +118,14 @@ def label_smoothing(targets: Array, amount: float, axis: int = -1) -> Array:
 
 def frozen(weights: Sequence[Weight[D, G]]) -> list[Layer[D, G]]:
     """The weights' values as layers through which no delta flows: use them to
-    build the task loss, so only the extractor's parameters learn from it."""
+    build the task loss, so only the extractor's parameters learn from it.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]))
+    >>> (still,) = frozen([w])
+    >>> anyio.run(ml.gradients, ml.sum(still * w), [w])  # only the unfrozen use
+    [array([1., 2.])]
+    """
     layers: list[Layer[D, G]] = [_apply("stop_gradient", (w,)) for w in weights]  # stop_gradient, typed generically
     return layers
 
@@ -118,6 +148,14 @@ def estimate_and_replace(
         training: which of the two to use.
         harden_arguments: at inference, turn each argument into the one-hot of
             its argmax before calling the black box.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> digit = ml.as_layer(np.array([0.1, 0.7, 0.2]))  # probabilities of 0, 1, 2
+    >>> value = lambda p: p @ np.array([0.0, 1.0, 2.0])
+    >>> float(anyio.run(estimate_and_replace(value, value, [digit], training=True).predict))  # the estimate
+    1.1
+    >>> float(anyio.run(estimate_and_replace(value, value, [digit], training=False).predict))  # the black box
+    1.0
     """
     if training:
         return as_layer(estimator(*arguments))
@@ -172,7 +210,12 @@ class Sampling:
 
 
 def squared_error(prediction: ArrayOperand, target: Array) -> ScalarLayer:
-    """Mean squared difference: the default black-box loss, for regression outputs."""
+    """Mean squared difference: the default black-box loss, for regression outputs.
+
+    >>> import anyio, numpy as np
+    >>> float(anyio.run(squared_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])).predict))
+    2.5
+    """
     difference = as_layer(prediction) - target
     return mean(difference * difference)
 

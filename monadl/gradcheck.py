@@ -57,7 +57,8 @@ def check_grads(
         args: the point, as floats or float arrays; they are converted to
             float64.
         eps: the finite-difference step.
-        rtol, atol: tolerances of the comparison.
+        rtol: relative tolerance of the comparison.
+        atol: absolute tolerance of the comparison.
         seed: seeds the random projection of the output.
 
     >>> import numpy as np, monadl as ml

@@ -178,7 +178,12 @@ def stop_gradient(x: Operand) -> Layer[Any, Any]:
 
 # ---- linear algebra ----------------------------------------------------------------------
 def matmul(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
-    """Matrix product with NumPy's rules (``a @ b``), batch axes broadcast."""
+    """Matrix product with NumPy's rules (``a @ b``), batch axes broadcast.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(matmul(np.ones((2, 3)), np.arange(3.0)).predict)
+    array([3., 3.])
+    """
     return _apply("matmul", (a, b))
 
 
@@ -188,7 +193,18 @@ def dot(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
 
 
 def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:
-    """``x @ weight + bias``, *composed* (one rule for both measured no faster)."""
+    """``x @ weight + bias``, *composed* (one rule for both measured no faster).
+
+    Args:
+        x: inputs of shape ``(batch, n_in)`` (or ``(n_in,)``).
+        weight: a ``(n_in, n_out)`` matrix.
+        bias: ``(n_out,)``, added to every row; none by default.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w, b = ml.Weight(np.eye(2)), ml.Weight(np.array([0.5, -0.5]))
+    >>> anyio.run(dense(np.array([[1.0, 2.0]]), w, b).predict)
+    array([[1.5, 1.5]])
+    """
     out: ArrayLayer = _apply("matmul", (x, weight))
     return out if bias is None else out + bias
 
@@ -213,7 +229,12 @@ def mean(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: 
 @overload
 def mean(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
 def mean(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-    """Mean over ``axis``, or over everything."""
+    """Mean over ``axis``, or over everything.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(mean(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=1).predict)
+    array([1.5, 3.5])
+    """
     return _apply("mean", (x,), (axis, keepdims))
 
 
@@ -222,7 +243,12 @@ def max(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLayer: .
 @overload
 def max(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
 def max(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-    """Maximum over ``axis``, or over everything; tied maxima share the delta."""
+    """Maximum over ``axis``, or over everything; tied maxima share the delta.
+
+    >>> import anyio, numpy as np
+    >>> float(anyio.run(max(np.array([1.0, 5.0, 3.0])).predict))
+    5.0
+    """
     return _apply("max", (x,), (axis, keepdims))
 
 
@@ -236,7 +262,12 @@ def logsumexp(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: b
 
 
 def softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
-    """``exp(x) / sum(exp(x))`` along ``axis``, without overflow."""
+    """``exp(x) / sum(exp(x))`` along ``axis``, without overflow.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(softmax(np.array([0.0, 0.0, 1000.0])).predict)
+    array([0., 0., 1.])
+    """
     return _apply("softmax", (x,), (axis,))
 
 
@@ -296,7 +327,13 @@ def _integers(x: Any, what: str) -> Any:
 
 # ---- shapes ----------------------------------------------------------------------------------
 def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
-    """The same values in another shape."""
+    """The same values in another shape (one axis may be ``-1``).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(reshape(np.arange(4.0), (2, -1)).predict)
+    array([[0., 1.],
+           [2., 3.]])
+    """
     return _apply("reshape", (x,), (tuple(shape),))
 
 
@@ -306,14 +343,25 @@ def transpose(x: Operand, axes: Sequence[int] | None = None) -> ArrayLayer:
 
 
 def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
-    """Join along an existing axis."""
+    """Join along an existing axis.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> anyio.run(concatenate([np.zeros(2), ml.Weight(np.ones(1))]).predict)
+    array([0., 0., 1.])
+    """
     if len(xs) == 0:
         raise OperandError("concatenate: needs at least one operand")
     return _apply("concatenate", tuple(xs), (axis,))
 
 
 def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
-    """Join along a new axis."""
+    """Join along a new axis.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> anyio.run(stack([np.zeros(2), ml.Weight(np.ones(2))], axis=1).predict)
+    array([[0., 1.],
+           [0., 1.]])
+    """
     if len(xs) == 0:
         raise OperandError("stack: needs at least one operand")
     return _apply("stack", tuple(xs), (axis,))
@@ -321,15 +369,42 @@ def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
 
 # ---- convolution ------------------------------------------------------------------------------
 def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int = 0) -> ArrayLayer:
-    """2-D cross-correlation, NCHW input ``(N, C, H, W)``, kernel ``(O, C, KH, KW)``,
-    zero padding on each side (PyTorch's ``conv2d`` without bias)."""
+    """2-D cross-correlation, as PyTorch's ``conv2d`` without bias.
+
+    Args:
+        x: NCHW input, ``(batch, channels, height, width)``.
+        kernel: ``(out_channels, channels, kernel_height, kernel_width)``.
+        stride: the step between windows, in both directions.
+        padding: zeros added on each side of both spatial axes.
+
+    Returns:
+        ``(batch, out_channels, out_height, out_width)``, where ``out_height``
+        is ``(height + 2 * padding - kernel_height) // stride + 1``.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> kernel = ml.Weight(np.ones((1, 1, 2, 2)))  # sums each 2x2 window
+    >>> anyio.run(conv2d(np.arange(9.0).reshape(1, 1, 3, 3), kernel).predict)[0, 0]
+    array([[ 8., 12.],
+           [20., 24.]])
+    """
     if stride < 1 or padding < 0:
         raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
     return _apply("conv2d", (x, kernel), (stride, padding))
 
 
 def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
-    """Max pooling over ``kernel x kernel`` windows of NCHW input."""
+    """Max pooling over ``kernel x kernel`` windows of NCHW input.
+
+    Args:
+        x: NCHW input, ``(batch, channels, height, width)``.
+        kernel: the side of the square window.
+        stride: the step between windows; ``kernel`` by default (no overlap).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(max_pool2d(np.arange(16.0).reshape(1, 1, 4, 4), 2).predict)[0, 0]
+    array([[ 5.,  7.],
+           [13., 15.]])
+    """
     stride = kernel if stride is None else stride
     if kernel < 1 or stride < 1:
         raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")

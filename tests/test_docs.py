@@ -1,0 +1,66 @@
+"""The documentation says what the code does: the tour's and the home page's
+Python blocks run, and every public name is in the API reference and in the
+README's API section. (`make test` builds the pages with ``mkdocs --strict``.)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import monadl as ml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BLOCK = re.compile(r"(<!-- not run[^>]*-->\n)?```python\n(.*?)```", re.DOTALL)
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The page's Python blocks that are meant to run, in order."""
+    return [code for skip, code in BLOCK.findall(page.read_text()) if not skip]
+
+
+@pytest.mark.parametrize("page", ["tour.md", "index.md"])
+def test_the_python_blocks_of_a_page_run_in_order(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # anything a block writes lands here
+    namespace: dict[str, object] = {"__name__": f"docs_{page.removesuffix('.md')}"}
+    blocks = python_blocks(DOCS / page)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, str(DOCS / page), "exec"), namespace)
+
+
+def test_the_tour_trains_its_model() -> None:
+    namespace: dict[str, object] = {"__name__": "docs_tour"}
+    for code in python_blocks(DOCS / "tour.md")[:2]:  # the model, then 200 steps of Adam
+        exec(compile(code, "tour.md", "exec"), namespace)
+    losses = namespace["losses"]
+    assert isinstance(losses, list)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_only_the_checkpoint_and_gpu_blocks_are_not_run() -> None:
+    skipped = [code for skip, code in BLOCK.findall((DOCS / "tour.md").read_text()) if skip]
+    assert len(skipped) == 2
+    assert "ml.save" in skipped[0]
+    assert "cupy" in skipped[1]
+
+
+def test_every_public_name_has_an_entry_in_the_api_reference() -> None:
+    page = (DOCS / "api" / "monadl.md").read_text()
+    documented = set(re.findall(r"^::: monadl\.(\w+)$", page, re.MULTILINE))
+    assert documented == set(ml.__all__) - {"optim"}  # monadl.optim has a page of its own
+    assert "::: monadl.optim" in (DOCS / "api" / "optim.md").read_text()
+
+
+def test_the_readme_lists_every_public_function_and_class() -> None:
+    readme = (ROOT / "README.md").read_text()
+    api = readme[readme.index("\n## API\n") :]
+    api = api[: api.find("\n## ", 1)] if "\n## " in api[1:] else api
+    code = " ".join(re.findall(r"`([^`]+)`", api))  # the names as the README writes them: in backticks
+    missing = [name for name in ml.__all__ if not re.search(rf"\bml\.{name}\b", code)]
+    missing += [name for name in ml.optim.__all__ if not re.search(rf"(?<![\w.]){name}\b|\bml\.optim\.{name}\b", code)]
+    assert missing == []
+    assert "default_optimizer" in api and "sgd(0.0005)" in api
