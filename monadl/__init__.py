@@ -95,7 +95,6 @@ __all__ = [
     "abs",
     "as_layer",
     "check_grads",
-    "checkpoint",
     "concatenate",
     "conv2d",
     "cross_entropy",

@@ -99,12 +99,9 @@ class SharedDone:
 
 
 class Opened:
-    """An effect's value arrived: note its release, if it is a resource."""
+    """An effect awaited in a task: ``(value, release token)`` arrives."""
 
-    __slots__ = ("release",)
-
-    def __init__(self, release: Any) -> None:
-        self.release = release
+    __slots__ = ()
 
 
 class Graph:

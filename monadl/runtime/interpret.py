@@ -148,9 +148,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     val = yield awaitable
                     tok = _opened(ev, cur._b, val)
                     descending = False
-                else:
-                    stack.append(F.Opened(cur._b))
-                    block = awaitable
+                else:  # the task notes a resource as soon as it is acquired: a failure elsewhere releases it
+                    stack.append(F.Opened())
+                    block = _acquire(ev, awaitable, cur._b)
             if block is None:
                 continue
         elif stack:
@@ -247,7 +247,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 runnable.extend(ev.pending.pop(frame.do))  # waiters look again
                 continue
             elif t is F.Opened:
-                tok = _opened(ev, frame.release, val)
+                val, tok = val
                 continue
             else:  # a layer built from a Do has its tape
                 assert t is F.FromDo
@@ -345,6 +345,12 @@ def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
     token = UserRelease(release, value)
     ev.open.append(token)
     return token
+
+
+async def _acquire(ev: Evaluation, awaitable: Any, release: Any) -> tuple[Any, Any]:
+    """Await an effect in a task of its own; its value and release token."""
+    value = await awaitable
+    return value, _opened(ev, release, value)
 
 
 def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:

@@ -326,7 +326,8 @@ async def test_cancellation_mid_train_changes_nothing() -> None:
     with pytest.raises(TimeoutError):
         with anyio.fail_after(0.05):
             await loss.train()
-    assert log == ["open a", "slow started", "close a"]
+    # the two effects run concurrently, so either may start first; the resource is closed after
+    assert sorted(log[:2]) == ["open a", "slow started"] and log[2:] == ["close a"]
     assert_unchanged(ws, snap)
     assert own_threads() == threads
 
