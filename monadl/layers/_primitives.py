@@ -27,6 +27,7 @@ from typing import Any, Final, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.layers._split import split_part_rule, split_rule
 
 __all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
 
@@ -579,6 +580,8 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("embedding", _embedding),
         Primitive("concatenate", _concatenate, same_dtype=True),
         Primitive("stack", _stack, same_dtype=True),
+        Primitive("split", split_rule),
+        Primitive("split_part", split_part_rule),
         Primitive("conv2d", _conv2d, same_dtype=True),
         Primitive("max_pool2d", _max_pool2d),
     )
