@@ -15,16 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, final
 
 from monadl._namespace import namespace
 
-__all__ = ["SplitDelta", "part_bounds", "split_part_rule", "split_rule"]
+__all__ = ["Layout", "SplitDelta", "layout", "part_bounds", "split_part_rule", "split_rule"]
 
 Value = Any
 
 
-def part_bounds(length: int, sections: int | tuple[int, ...]) -> list[tuple[int, int]]:
+@lru_cache(maxsize=256)  # a model cuts a few shapes, again and again
+def part_bounds(length: int, sections: int | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Where each part starts and ends along an axis of ``length``.
 
     ``sections``: a count of equal parts (it must divide ``length``, as in
@@ -33,9 +35,9 @@ def part_bounds(length: int, sections: int | tuple[int, ...]) -> list[tuple[int,
     `monadl.ShapeError` naming the user's line.
 
     >>> part_bounds(6, 3)
-    [(0, 2), (2, 4), (4, 6)]
+    ((0, 2), (2, 4), (4, 6))
     >>> part_bounds(6, (1, 5))
-    [(0, 1), (1, 6)]
+    ((0, 1), (1, 6))
     """
     if isinstance(sections, int):
         if length % sections:
@@ -49,7 +51,34 @@ def part_bounds(length: int, sections: int | tuple[int, ...]) -> list[tuple[int,
     for size in sizes:
         bounds.append((start, start + size))
         start += size
-    return bounds
+    return tuple(bounds)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How an array of ``shape`` is cut along ``axis``: each part's bounds and
+    the index that takes it. Made once per shape and cut (`layout`) and shared
+    by the parts and their deltas."""
+
+    shape: tuple[int, ...]
+    axis: int
+    bounds: tuple[tuple[int, int], ...]
+    indices: tuple[tuple[Any, ...], ...]  # slices and an Ellipsis
+
+
+@lru_cache(maxsize=256)
+def layout(shape: tuple[int, ...], axis: int, sections: int | tuple[int, ...]) -> Layout:
+    """The `Layout` of cutting ``shape`` along ``axis`` into ``sections`` (see `part_bounds`).
+
+    >>> layout((2, 6), -1, 2).indices[1]
+    (slice(None, None, None), slice(3, 6, None), Ellipsis)
+    """
+    axis %= len(shape)
+    bounds = part_bounds(shape[axis], sections)
+    whole: tuple[slice, ...] = (slice(None),) * axis
+    indices = tuple((*whole, slice(lo, hi), ...) for lo, hi in bounds)
+    return Layout(shape, axis, bounds, indices)
 
 
 @final
@@ -61,35 +90,40 @@ class SplitDelta:
     Two combine by adding slot by slot; `to_dense` concatenates the slots once.
 
     >>> import numpy as np
-    >>> one = SplitDelta((np.ones(2), None, None), (5,), 0, ((0, 2), (2, 3), (3, 5)))
-    >>> other = SplitDelta((None, None, np.full(2, 3.0)), (5,), 0, one.bounds)
+    >>> cut = layout((5,), 0, (2, 1, 2))
+    >>> one = SplitDelta((np.ones(2), None, None), cut)
+    >>> other = SplitDelta((None, None, np.full(2, 3.0)), cut)
     >>> (one + other).to_dense()
     array([1., 1., 0., 3., 3.])
     """
 
     parts: tuple[Value | None, ...]
-    shape: tuple[int, ...]  # of the whole array: the runtime compares it with the split's value
-    axis: int
-    bounds: tuple[tuple[int, int], ...]
+    layout: Layout
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The whole array's: the runtime compares it with the split's value."""
+        return self.layout.shape
 
     def __add__(self, other: SplitDelta) -> SplitDelta:
         parts = tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
-        return SplitDelta(parts, self.shape, self.axis, self.bounds)
+        return SplitDelta(parts, self.layout)
 
     def to_dense(self) -> Value:
         """One array of the whole shape."""
-        like = next(p for p in self.parts if p is not None)
+        parts, cut = self.parts, self.layout
+        if all(p is not None for p in parts):  # every part has a delta: the common case, one concatenation
+            return namespace(parts[0]).concat(parts, axis=cut.axis)
+        like = next(p for p in parts if p is not None)
         xp = namespace(like)
-        if len(self.parts) == 1:
-            return like
         pieces = []
-        for part, (lo, hi) in zip(self.parts, self.bounds):
+        for part, (lo, hi) in zip(parts, cut.bounds):
             if part is None:
-                shape = list(self.shape)
-                shape[self.axis] = hi - lo
+                shape = list(cut.shape)
+                shape[cut.axis] = hi - lo
                 part = xp.zeros(tuple(shape), dtype=like.dtype, device=like.device)
             pieces.append(part)
-        return xp.concat(pieces, axis=self.axis)
+        return xp.concat(pieces, axis=cut.axis)
 
 
 def split_rule(a: Value, sections: int | tuple[int, ...], axis: int) -> tuple[Value, tuple[Any, ...]]:
@@ -97,7 +131,7 @@ def split_rule(a: Value, sections: int | tuple[int, ...], axis: int) -> tuple[Va
     delta arrives as a `SplitDelta` from the parts and leaves as one array."""
     if a.ndim == 0:
         raise ValueError("a zero-dimensional operand cannot be split")
-    part_bounds(a.shape[axis], sections)  # check here, where the user's line is reported
+    layout(a.shape, axis, sections)  # check here, where the user's line is reported
     return a, (_assemble,)
 
 
@@ -107,15 +141,10 @@ def _assemble(g: Value) -> Value:
 
 def split_part_rule(a: Value, sections: int | tuple[int, ...], axis: int, i: int) -> tuple[Value, tuple[Any, ...]]:
     """Part ``i`` of a split node's value: a view of a slice."""
-    ndim = a.ndim
-    axis %= ndim
-    bounds = tuple(part_bounds(a.shape[axis], sections))
-    lo, hi = bounds[i]
-    shape, count = a.shape, len(bounds)
+    cut = layout(a.shape, axis, sections)
+    empty = (None,) * len(cut.bounds)
 
     def vjp(g: Value) -> SplitDelta:
-        parts: list[Value | None] = [None] * count
-        parts[i] = g
-        return SplitDelta(tuple(parts), shape, axis, bounds)
+        return SplitDelta((*empty[:i], g, *empty[i + 1 :]), cut)
 
-    return a[(slice(None),) * axis + (slice(lo, hi), ...)], (vjp,)
+    return a[cut.indices[i]], (vjp,)

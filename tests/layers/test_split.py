@@ -10,7 +10,7 @@ import pytest
 
 import monadl as ml
 from monadl.gradcheck import check_grads
-from monadl.layers._split import SplitDelta, part_bounds
+from monadl.layers._split import SplitDelta, layout, part_bounds
 
 
 def test_parts_are_the_slices_numpy_gives() -> None:
@@ -78,17 +78,17 @@ def test_the_backward_assembles_one_array_and_no_zeros_when_every_part_has_a_del
 
 
 def test_split_deltas_combine_slot_by_slot() -> None:
-    bounds = ((0, 1), (1, 3))
-    a = SplitDelta((np.array([1.0]), None), (3,), 0, bounds)
-    b = SplitDelta((np.array([2.0]), np.array([3.0, 4.0])), (3,), 0, bounds)
+    cut = layout((3,), -1, (1, 2))
+    a = SplitDelta((np.array([1.0]), None), cut)
+    b = SplitDelta((np.array([2.0]), np.array([3.0, 4.0])), cut)
     np.testing.assert_array_equal((a + b).to_dense(), [3.0, 3.0, 4.0])
     np.testing.assert_array_equal((a + a).to_dense(), [2.0, 0.0, 0.0])
     assert (a + b).shape == (3,)
 
 
 def test_part_bounds() -> None:
-    assert part_bounds(5, 1) == [(0, 5)]
-    assert part_bounds(5, (5, 0)) == [(0, 5), (5, 5)]
+    assert part_bounds(5, 1) == ((0, 5),)
+    assert part_bounds(5, (5, 0)) == ((0, 5), (5, 5))
     with pytest.raises(ValueError, match="does not split into 2 equal parts"):
         part_bounds(5, 2)
     with pytest.raises(ValueError, match=r"add up to 4, not to the axis length 5"):
