@@ -11,6 +11,7 @@ from monadl.direct import direct, values
 from monadl.do import Do
 from monadl.errors import DeviceError, DTypeError, MonadlError, NonFiniteError, OperandError, ShapeError
 from monadl.gradcheck import check_grads, gradients
+from monadl.graph import render_graph, to_dot
 from monadl.layers import (
     Array,
     ArrayLayer,
@@ -108,6 +109,7 @@ __all__ = [
     "minimum",
     "optim",
     "relu",
+    "render_graph",
     "reshape",
     "settings",
     "sigmoid",
@@ -118,6 +120,7 @@ __all__ = [
     "stop_gradient",
     "sum",
     "tanh",
+    "to_dot",
     "transpose",
     "values",
 ]
