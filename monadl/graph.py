@@ -32,7 +32,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from monadl.layers._layer import Layer, Weight, _Expr, site_text
 
@@ -42,12 +42,13 @@ _WEIGHT_STYLE: Final = 'shape=box, style="rounded,filled", fillcolor="#cfe2ff", 
 _DO_STYLE: Final = 'shape=box, style=dashed, color="#888888"'
 _CONSTANT_STYLE: Final = 'shape=box, style="dotted", fontsize=10, color="#888888"'
 _ERROR_STYLE: Final = 'style=filled, fillcolor="#f8d7da"'
+_Node = TypeVar("_Node", bound=_Expr[Any, Any])  # a weight or a layer, as keys of `names`
 _UNKNOWN: Final = object()  # no value: under a layer built from a Do, or values=False
 
 
 def to_dot(
     *roots: _Expr[Any, Any],
-    names: Mapping[_Expr[Any, Any], str] | None = None,
+    names: Mapping[_Node, str] | None = None,
     values: bool = True,
 ) -> str:
     """Graphviz DOT text of the graph under ``roots``.
@@ -71,7 +72,7 @@ def to_dot(
     for root in roots:
         if not isinstance(root, _Expr):
             raise TypeError(f"to_dot: takes layers and weights, got {type(root).__name__}")
-    labels = {} if names is None else names
+    labels: Mapping[Any, str] = {} if names is None else names
     layers, weights, consumers = _walk(roots)
     lines = ["digraph monadl {", '  node [fontname="Helvetica", fontsize=11];', '  edge [color="#555555"];']
     ids: dict[int, str] = {}
@@ -116,7 +117,7 @@ def to_dot(
 def render_graph(
     *roots: _Expr[Any, Any],
     path: str | os.PathLike[str],
-    names: Mapping[_Expr[Any, Any], str] | None = None,
+    names: Mapping[_Node, str] | None = None,
     values: bool = True,
 ) -> Path:
     """Write the picture of `to_dot` to ``path``, in the format its suffix

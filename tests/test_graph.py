@@ -129,3 +129,17 @@ def test_render_without_graphviz_says_what_to_install(tmp_path: Path, monkeypatc
 def test_render_svg_with_graphviz(tmp_path: Path) -> None:
     target = ml.render_graph(ml.sum(ml.Weight(np.ones(2)) * 2.0), path=tmp_path / "model.svg")
     assert "<svg" in target.read_text()
+
+
+def test_the_gated_network_picture_shows_both_branches_and_what_they_share(tmp_path: Path) -> None:
+    from examples import gated_network as gn
+
+    written = gn.draw(tmp_path / "gated.dot")
+    text = written.read_text()
+    labels = [v.split("\\n")[0].removeprefix('label="') for v in nodes(text).values()]
+    for name in ("input", "gate", "left 1", "left 2", "right 1", "right 2"):
+        assert labels.count(name) == 1, name
+    assert labels.count("count input") == 1 and labels.count("count gate") == 1  # shared, drawn once
+    assert labels.count("getitem") == 2  # the two scores
+    assert sum("peripheries=2" in v for v in nodes(text).values()) == 2  # the two branches
+    assert "gated_network.py:" in text
