@@ -253,7 +253,9 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
 
     Args:
         logits: scores of shape ``(batch, classes)``.
-        labels: integers of shape ``(batch,)``, plain data.
+        labels: integers of shape ``(batch,)``, plain data, one per row, each
+            in ``[0, classes)``: anything else raises `monadl.ShapeError`
+            when the layer runs (a negative label is not counted from the end).
 
     >>> import anyio, numpy as np
     >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
@@ -273,8 +275,13 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     """Rows ``table[indices]`` of an embedding table.
 
     The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
-    table is a `Weight`, a training step changes only the rows looked up, and
+    table is a `Weight`, a training step changes only the rows looked up (a
+    row looked up several times steps once, with the sum of its deltas), and
     the optimizer's per-row state of the other rows stays as it was.
+
+    Indices must lie in ``[0, rows)``; others, negative ones included, raise
+    `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
+    would count a negative index from the end).
 
     >>> import anyio, numpy as np, monadl as ml
     >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
