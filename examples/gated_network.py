@@ -16,13 +16,19 @@ they differ in what they evaluate and when:
 
 Run: ``python examples/gated_network.py`` prints, for each way, its losses
 over 500 steps, how often it evaluated the gate, and its time per step.
+``--dot PATH`` also draws both branches, the input and the gate they share
+(`ml.render_graph`): ``PATH.svg`` or ``.png`` where Graphviz is installed,
+else the DOT text. (The dynamic layer itself is opaque in a picture: which
+branch runs is decided while it runs.)
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -173,5 +179,41 @@ async def main(steps: int = 500) -> None:
         )
 
 
+def both_branches(net: GatedNetwork, x: ml.Array) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+    """The two candidates that the gate chooses from, built side by side."""
+    features = net.input(x)
+    left, right = net.gate(features)
+    return left * net.left_subnet(features), right * net.right_subnet(features)
+
+
+def weight_names(net: GatedNetwork) -> dict[ml.Weight[Any, Any], str]:
+    return {
+        net.input_weight: "input",
+        net.gate_weight: "gate",
+        net.left[0]: "left 1",
+        net.left[1]: "left 2",
+        net.right[0]: "right 1",
+        net.right[1]: "right 2",
+    }
+
+
+def draw(path: Path, seed: int = 0) -> Path:
+    """Draw both branches to ``path``; without Graphviz, write the DOT text
+    beside it instead. Returns the file written."""
+    net = GatedNetwork(seed)
+    left, right = both_branches(net, np.random.default_rng(seed + 1).standard_normal(FEATURES))
+    try:
+        return ml.render_graph(left, right, path=path, names=weight_names(net))
+    except FileNotFoundError as exc:  # no Graphviz: the text still opens in any DOT viewer
+        print(f"{exc}; writing the DOT text")
+        return ml.render_graph(left, right, path=path.with_suffix(".dot"), names=weight_names(net))
+
+
 if __name__ == "__main__":
-    anyio.run(main)
+    parser = argparse.ArgumentParser(description="The paper's gated network, four ways.")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--dot", type=Path, metavar="PATH", help="also draw both branches (.svg, .png, .pdf or .dot)")
+    args = parser.parse_args()
+    anyio.run(main, args.steps)
+    if args.dot is not None:
+        print(f"both branches drawn in {draw(args.dot)}")

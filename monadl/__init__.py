@@ -19,6 +19,7 @@ from monadl.errors import (
     ShapeError,
 )
 from monadl.gradcheck import check_grads, gradients
+from monadl.graph import render_graph, to_dot
 from monadl.layers import (
     Array,
     ArrayLayer,
@@ -54,6 +55,7 @@ from monadl.layers import (
     reshape,
     sigmoid,
     softmax,
+    split,
     sqrt,
     stack,
     stop_gradient,
@@ -118,16 +120,19 @@ __all__ = [
     "minimum",
     "optim",
     "relu",
+    "render_graph",
     "reshape",
     "save",
     "settings",
     "sigmoid",
     "softmax",
+    "split",
     "sqrt",
     "stack",
     "stop_gradient",
     "sum",
     "tanh",
+    "to_dot",
     "transpose",
     "values",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -97,3 +99,38 @@ def test_dense_monoid_laws(a: int, b: int, c: int) -> None:
 def test_embedding_rejects_float_indices() -> None:
     with pytest.raises(ml.OperandError, match="integers"):
         ml.embedding(ml.Weight(np.zeros((3, 2))), np.array([0.5]))
+
+
+# ---- equal rows are summed before the step (issue 16, section 5) -----------------------------
+async def test_a_row_looked_up_twice_steps_once_with_the_sum() -> None:
+    w = ml.Weight(np.arange(6.0).reshape(3, 2), optimizer=ml.optim.sgd(0.1))
+    loss = ml.sum(ml.embedding(w, np.array([2, 2])) * np.array([[1.0, 2.0], [3.0, 4.0]]))
+    rows, deltas = SparseRows(np.array([2, 2]), np.array([[1.0, 2.0], [3.0, 4.0]]), (3, 2)).summed()
+    np.testing.assert_array_equal(rows, [2])
+    np.testing.assert_array_equal(deltas, [[4.0, 6.0]])
+    await loss.train()
+    np.testing.assert_allclose(w.data, [[0.0, 1.0], [2.0, 3.0], [3.6, 4.4]], rtol=1e-15)
+
+
+async def test_a_row_looked_up_by_two_layers_steps_once_with_the_sum() -> None:
+    w = ml.Weight(np.arange(6.0).reshape(3, 2), optimizer=ml.optim.sgd(0.1))
+    loss = ml.sum(ml.embedding(w, np.array(1)) * np.array([1.0, 2.0])) + ml.sum(
+        ml.embedding(w, np.array([1])) * np.array([[3.0, 4.0]])
+    )
+    await loss.train()
+    np.testing.assert_allclose(w.data, [[0.0, 1.0], [1.6, 2.4], [4.0, 5.0]], rtol=1e-15)
+
+
+@pytest.mark.parametrize("optimizer", [ml.optim.adam, ml.optim.momentum], ids=["adam", "momentum"])
+async def test_state_rows_of_equal_indices_are_summed_too(
+    optimizer: Callable[[float], ml.optim.GradientTransformation],
+) -> None:
+    # Every row is looked up each step, so the lazy sparse step must equal the dense one.
+    indices = np.array([2, 0, 2, 1, 2])
+    projection = np.random.default_rng(3).standard_normal((5, 2))
+    table = np.random.default_rng(4).standard_normal((3, 2))
+    sparse, dense = ml.Weight(table.copy(), optimizer=optimizer(0.1)), ml.Weight(table.copy(), optimizer=optimizer(0.1))
+    for _ in range(4):
+        await ml.sum(ml.embedding(sparse, indices) ** 2.0 * projection).train()
+        await ml.sum((np.eye(3)[indices] @ dense) ** 2.0 * projection).train()
+    np.testing.assert_allclose(sparse.data, dense.data, rtol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,109 @@ async def test_other_errors_keep_their_type_and_gain_a_note() -> None:
     with pytest.raises(IndexError) as info:
         await bad.predict()
     assert any(f":{line_of('BUILD-SITE-6')}" in note for note in info.value.__notes__)
+
+
+# ---- no silent wrong answers (issue 16, section 5) ------------------------------------------
+@pytest.mark.anyio
+async def test_cross_entropy_refuses_fewer_labels_than_rows() -> None:
+    w = ml.Weight(np.zeros((3, 4)))
+    loss = ml.cross_entropy(w, np.array([0, 1]))  # BUILD-SITE-7
+    for run in (loss.predict, loss.train):
+        with pytest.raises(ml.ShapeError, match=rf"cross_entropy.*2 labels for 3 rows.*:{line_of('BUILD-SITE-7')}"):
+            await run()
+    np.testing.assert_array_equal(w.data, np.zeros((3, 4)))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("label", "shown"), [(-1, r"got -1 \(negative labels are refused"), (4, "got 4")])
+async def test_cross_entropy_refuses_labels_out_of_range(label: int, shown: str) -> None:
+    loss = ml.cross_entropy(np.zeros((2, 4)), np.array([0, label]))  # BUILD-SITE-8
+    with pytest.raises(ml.ShapeError, match=rf"labels must lie in \[0, 4\).*{shown}.*:{line_of('BUILD-SITE-8')}"):
+        await loss.predict()
+
+
+@pytest.mark.anyio
+async def test_cross_entropy_wants_a_batch_of_rows() -> None:
+    with pytest.raises(ml.ShapeError, match=r"shape \(batch, classes\)"):
+        await ml.cross_entropy(np.zeros(4), np.array([1])).predict()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("index", "shown"), [(-1, r"got -1 \(negative indices are refused"), (3, "got 3")])
+async def test_embedding_refuses_indices_out_of_range(index: int, shown: str) -> None:
+    w = ml.Weight(np.arange(6.0).reshape(3, 2))
+    rows = ml.embedding(w, np.array([2, index]))  # BUILD-SITE-9
+    with pytest.raises(ml.ShapeError, match=rf"embedding.*\[0, 3\) for 3 rows, {shown}.*:{line_of('BUILD-SITE-9')}"):
+        await ml.sum(rows).train()
+    np.testing.assert_array_equal(w.data, np.arange(6.0).reshape(3, 2))
+
+
+@pytest.mark.anyio
+async def test_stack_takes_a_number_first() -> None:
+    w = ml.Weight(1.5)
+    loss = ml.sum(ml.stack([2.0, w]) * np.array([1.0, 3.0]))
+    [grad] = await ml.gradients(loss, [w])
+    assert float(await loss.predict()) == 6.5
+    assert float(grad) == 3.0
+    assert float(await ml.sum(ml.stack([w, 2.0]) * np.array([1.0, 3.0])).predict()) == 7.5
+    np.testing.assert_array_equal(await ml.stack([2.0, 3.0]).predict(), [2.0, 3.0])
+
+
+@pytest.mark.anyio
+async def test_concatenate_refuses_numbers_with_a_clear_error() -> None:
+    with pytest.raises(ml.ShapeError, match=r"zero-dimensional operands cannot be concatenated \(ml.stack"):
+        await ml.concatenate([2.0, ml.Weight(np.ones(2))]).predict()
+
+
+def test_numpy_functions_on_layers_name_the_monadl_function() -> None:
+    w = ml.Weight(np.ones(3))
+    layer = w * 2.0
+    hinted: list[tuple[Any, str]] = [
+        (np.exp, "ml.exp"),
+        (np.log, "ml.log"),
+        (np.tanh, "ml.tanh"),
+        (np.absolute, "ml.abs"),
+    ]
+    for ufunc, name in hinted:  # (mypy rejects each of these calls: Any lets them run)
+        with pytest.raises(TypeError, match=rf"np\.{ufunc.__name__} cannot take a monadl Weight: use {name}\("):
+            ufunc(w)
+        with pytest.raises(TypeError, match=rf"np\.{ufunc.__name__} cannot take a monadl Layer"):
+            ufunc(layer)
+    with pytest.raises(TypeError, match=r"np\.sin .*no differentiable counterpart"):
+        np.sin(w)  # type: ignore[call-overload]  # the mistake under test
+    with pytest.raises(TypeError, match=r"layers are not compared"):
+        np.ones(3) < w  # type: ignore[operator]  # noqa: B015  # the mistake under test
+    x = np.ones(3)
+    with pytest.raises(TypeError, match=r"write `x = x \+ layer`"):
+        x += w  # type: ignore[call-overload]  # the mistake under test
+    np.testing.assert_array_equal(x, np.ones(3))
+    # As for any object: an array is not equal to a layer, so `in` works.
+    assert (np.ones(3) == w) is False and (np.ones(3) != w) is True
+    assert w in [np.ones(3), w]
+
+
+def test_every_hinted_ufunc_has_its_monadl_function() -> None:
+    from monadl.layers._layer import _DIFFERENTIABLE
+
+    for name in _DIFFERENTIABLE:
+        assert callable(getattr(ml, name)) and isinstance(getattr(np, name), np.ufunc)
+
+
+@pytest.mark.anyio
+async def test_arrays_on_the_left_give_the_same_layers_as_on_the_right() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+    x = np.array([3.0, 4.0])
+    for left, right in [(x * w, w * x), (x + w, w + x), (x - w, -(w - x)), (x / w, 1.0 / (w / x))]:
+        np.testing.assert_allclose(await left.predict(), await right.predict())
+    assert float(await (x @ w).predict()) == 11.0
+    np.testing.assert_array_equal(await (x**w).predict(), [3.0, 16.0])
+    np.testing.assert_array_equal(await (np.float64(2.0) * w).predict(), [2.0, 4.0])
+    assert (x * w)._site[0] is test_arrays_on_the_left_give_the_same_layers_as_on_the_right.__code__
+
+
+def test_cupy_sees_no_array_ufunc_and_calls_the_reflected_operator() -> None:
+    # CuPy reads `__array_ufunc__` from the instance and defers to `__rmul__` when it is None
+    # (NEP 13); NumPy reads it from the type.
+    w = ml.Weight(np.ones(3))
+    assert w.__array_ufunc__ is None and (w * 2.0).__array_ufunc__ is None
+    assert callable(type(w).__array_ufunc__) and callable(ml.Layer.__array_ufunc__)

@@ -50,6 +50,7 @@ __all__ = [
     "reshape",
     "sigmoid",
     "softmax",
+    "split",
     "sqrt",
     "stack",
     "stop_gradient",
@@ -283,7 +284,9 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
 
     Args:
         logits: scores of shape ``(batch, classes)``.
-        labels: integers of shape ``(batch,)``, plain data.
+        labels: integers of shape ``(batch,)``, plain data, one per row, each
+            in ``[0, classes)``: anything else raises `monadl.ShapeError`
+            when the layer runs (a negative label is not counted from the end).
 
     >>> import anyio, numpy as np
     >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
@@ -303,8 +306,13 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     """Rows ``table[indices]`` of an embedding table.
 
     The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
-    table is a `Weight`, a training step changes only the rows looked up, and
+    table is a `Weight`, a training step changes only the rows looked up (a
+    row looked up several times steps once, with the sum of its deltas), and
     the optimizer's per-row state of the other rows stays as it was.
+
+    Indices must lie in ``[0, rows)``; others, negative ones included, raise
+    `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
+    would count a negative index from the end).
 
     >>> import anyio, numpy as np, monadl as ml
     >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
@@ -365,6 +373,40 @@ def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
     if len(xs) == 0:
         raise OperandError("stack: needs at least one operand")
     return _apply("stack", tuple(xs), (axis,))
+
+
+def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tuple[ArrayLayer, ...]:
+    """Cut ``x`` along ``axis`` into parts: ``sections`` equal ones (it must
+    divide the axis, as in ``np.split``), or parts of the given sizes (as in
+    ``torch.split``).
+
+    The backward builds the delta of ``x`` once, from the parts' deltas (zeros
+    only for parts that got none), where a slice per part would build an
+    ``x``-sized array each: cut an LSTM's gate vector with it.
+
+    >>> import anyio, numpy as np
+    >>> gates = np.arange(6.0)
+    >>> i, f = split(gates, 2)
+    >>> anyio.run(f.predict)
+    array([3., 4., 5.])
+    >>> [anyio.run(p.predict).shape for p in split(np.zeros((2, 5)), [1, 4])]
+    [(2, 1), (2, 4)]
+    """
+    if isinstance(sections, bool) or not isinstance(sections, (int, Sequence)):
+        raise OperandError(f"split: sections must be a count or a sequence of sizes, got {sections!r}")
+    params: int | tuple[int, ...]
+    if isinstance(sections, int):
+        count = params = sections
+        if count < 1:
+            raise OperandError(f"split: needs at least one part, got {count}")
+    else:
+        sizes = tuple(int(size) for size in sections)
+        count, params = len(sizes), sizes
+        if count == 0 or min(sizes) < 0:
+            raise OperandError(f"split: sizes must be a non-empty list of sizes >= 0, got {list(sections)}")
+    whole = _apply("split", (x,), (params, axis))
+    # Each part's site is the user's line too (_build walks out of monadl's frames).
+    return tuple(_build(PRIMITIVES["split_part"], (whole,), (params, axis, i), 2) for i in range(count))
 
 
 # ---- convolution ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any, Final, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.layers._split import split_part_rule, split_rule
 
 __all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
 
@@ -303,8 +304,13 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     # -mean(log_softmax(a)[rows, labels]) as one rule: its delta is
     # (softmax(a) - one_hot(labels)) / n, with no scatter and a quarter of the nodes.
     xp = namespace(a)
+    if a.ndim != 2:
+        raise ValueError(f"logits must have the shape (batch, classes), got {list(a.shape)}")
+    n, classes = a.shape
+    if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
+        raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
+    _check_range(xp, labels, classes, "labels", "classes")
     log_p, _ = _log_softmax(a, -1)
-    n = a.shape[0]
     out = -xp.sum(log_p[rows, labels]) / n
 
     def vjp(g: Value) -> Value:
@@ -380,9 +386,34 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     from monadl.typeclasses.monoid import SparseRows
 
     xp, shape = namespace(table), table.shape
+    if not shape:
+        raise ValueError("the table must have at least one axis (its rows)")
     flat = xp.reshape(indices, (-1,))
+    # As PyTorch's embedding: no wrapping, so equal rows have equal indices
+    # (the sparse step sums a row's deltas by its index).
+    _check_range(xp, flat, shape[0], "indices", "rows")
     rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
     return rows, (lambda g: SparseRows(flat, xp.reshape(g, (-1, *shape[1:])), shape),)
+
+
+def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:
+    """Refuse integers outside ``[0, size)`` (a ValueError, which the runtime
+    reports as a `ShapeError` with the user's line). On a GPU this waits for
+    the two reductions: a wrong answer would cost more."""
+    if ints.shape[0] == 0:
+        return
+    low, high = int(xp.min(ints)), int(xp.max(ints))
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{what} must lie in [0, {size}) for {size} {of}, got {bad}"
+            + (f" (negative {what} are refused, not counted from the end)" if bad < 0 else "")
+        )
+
+
+def _first_array(values: list[Any]) -> Any:
+    """The first operand that is an array (Python numbers may come first)."""
+    return next((x for x in values if hasattr(x, "ndim")), None)
 
 
 def _axis_index(ndim: int, axis: int, at: Any) -> tuple[Any, ...]:
@@ -392,8 +423,11 @@ def _axis_index(ndim: int, axis: int, at: Any) -> tuple[Any, ...]:
 
 def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
-    xp = namespace(arrays[0])
-    ndim, bounds, start = arrays[0].ndim, [], 0
+    first = _first_array(arrays)
+    if first is None or any(getattr(x, "ndim", 0) == 0 for x in arrays):
+        raise ValueError("zero-dimensional operands cannot be concatenated (ml.stack joins them)")
+    xp = namespace(first)
+    ndim, bounds, start = first.ndim, [], 0
     for x in arrays:
         bounds.append((start, start + x.shape[axis]))
         start += x.shape[axis]
@@ -406,8 +440,13 @@ def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _stack(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
-    xp = namespace(arrays[0])
-    ndim = arrays[0].ndim + 1
+    first = _first_array(arrays)
+    if first is None:  # numbers only
+        first = np.asarray(arrays[0])
+    xp = namespace(first)
+    ndim = first.ndim + 1
+    if xp is not np:  # strict libraries stack arrays only
+        arrays = [x if hasattr(x, "ndim") else xp.asarray(x, dtype=first.dtype, device=first.device) for x in arrays]
 
     def piece(i: int) -> Vjp:
         return lambda g: g[_axis_index(ndim, axis, i)]
@@ -541,6 +580,8 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("embedding", _embedding),
         Primitive("concatenate", _concatenate, same_dtype=True),
         Primitive("stack", _stack, same_dtype=True),
+        Primitive("split", split_rule),
+        Primitive("split_part", split_part_rule),
         Primitive("conv2d", _conv2d, same_dtype=True),
         Primitive("max_pool2d", _max_pool2d),
     )

@@ -84,6 +84,9 @@ AXIS_CASES: list[tuple[str, Fn, tuple[int, ...]]] = [
     ("integer index", lambda a: a[1], (3, 4)),
     ("fancy index with repeats", lambda a: a[np.array([0, 2, 0, 0])], (3, 4)),
     ("pick", lambda a: a[np.arange(3), np.array([1, 0, 1])], (3, 4)),
+    ("split", lambda a: ml.concatenate([p * float(k + 1) for k, p in enumerate(ml.split(a, 2))], axis=-1), (3, 4)),
+    ("split sizes axis 0, one part", lambda a: ml.split(a, [1, 2], axis=0)[1], (3, 4)),
+    ("split_part", lambda a: ml.split(a, 3, axis=1)[2], (2, 3, 4)),
 ]
 
 
