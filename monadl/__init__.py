@@ -5,7 +5,7 @@ A model is plain Python that builds lazy `Layer`s over trainable `Weight`s;
 weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
-from monadl import checkpoint, optim
+from monadl import optim
 from monadl.checkpoint import load, save
 from monadl.direct import direct, values
 from monadl.do import Do

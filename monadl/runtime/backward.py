@@ -17,6 +17,7 @@ import numpy as np
 
 from monadl.errors import NonFiniteError
 from monadl.layers._primitives import unbroadcast
+from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import all_finite, where
 from monadl.typeclasses.monoid import SparseRows
@@ -61,7 +62,7 @@ def backprop(rec: Record, check_finite: bool, lock: AbstractContextManager[Any] 
                 except Exception as exc:
                     exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}")
                     raise
-                if check_finite and not all_finite(g.rows if type(g) is SparseRows else g):
+                if check_finite and not _finite_delta(g):
                     raise NonFiniteError(
                         f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {where(rec.node)}"
                     )
@@ -73,6 +74,14 @@ def backprop(rec: Record, check_finite: bool, lock: AbstractContextManager[Any] 
             i += 1  # noqa: SIM113
     rec.delta = None
     rec.vjps = None
+
+
+def _finite_delta(delta: Any) -> bool:
+    if type(delta) is SparseRows:
+        return all_finite(delta.rows)
+    if type(delta) is SplitDelta:
+        return all_finite(delta.to_dense())
+    return all_finite(delta)
 
 
 def _fit(delta: Any, value: Any) -> Any:

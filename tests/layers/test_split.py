@@ -131,12 +131,6 @@ def test_split_types() -> None:
     assert_type(ml.split(w * 2.0, [1, 3], axis=0), tuple[ml.ArrayLayer, ...])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ml.OperandError,
-    reason="the runtime's check_finite backward check (_machine._check_delta) knows only array and SparseRows "
-    "deltas; a SplitDelta needs `_all_finite(delta.to_dense())` there (a change for the lead's runtime)",
-)
 def test_check_finite_covers_split_deltas() -> None:
     w = ml.Weight(np.ones(4))
     a, b = ml.split(w, 2)
