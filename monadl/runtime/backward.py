@@ -1,8 +1,9 @@
 """The backward of one node: the only place where a delta goes upstream.
 
-Every scheduler calls `backprop` on a record once its delta is complete (all
-its consumers have sent theirs): the reverse sweep, the counted release, the
-worker pool. It applies the record's delta rules, undoes broadcasting,
+Every scheduler calls `backprop` on records whose deltas are complete (all
+their consumers have sent theirs): the reverse sweep on all of an
+evaluation's records at once, the counted release and the worker pool on one
+at a time. It applies the record's delta rules, undoes broadcasting,
 optionally checks for NaN and infinity, and adds each operand's share into
 that operand's accumulator; then the record's delta and rules are dropped,
 so their memory goes as soon as it can.
@@ -10,8 +11,12 @@ so their memory goes as soon as it can.
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Any
+from itertools import islice
+from typing import Any, Final
 
 import numpy as np
 
@@ -24,56 +29,84 @@ from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["backprop"]
 
+_CHECK_EVERY: Final = 32  # records between two looks at the clock
 
-def backprop(rec: Record, check_finite: bool, lock: AbstractContextManager[Any] | None = None) -> None:
-    """Send ``rec``'s summed delta to its operands, once.
 
-    Only operands that lead to a weight get a share. A layer built from a
-    ``Do`` hands its delta to its tape's backward instead. A weight's record
-    keeps its delta: it is the gradient.
+def backprop(
+    records: Iterable[Record],
+    check_finite: bool,
+    lock: AbstractContextManager[Any] | None = None,
+    deadline: float = math.inf,
+) -> bool:
+    """Send each record's summed delta to its operands, once, in the order given.
+
+    Each record's delta must be complete when it is reached (all its
+    consumers have sent theirs). Only operands that lead to a weight get a
+    share. A layer built from a ``Do`` hands its delta to its tape's backward
+    instead. A weight's record keeps its delta: it is the gradient.
 
     Args:
-        rec: a record whose delta is complete.
+        records: the records to back-propagate (one, or a whole reverse sweep).
         check_finite: raise `NonFiniteError` if a share holds a NaN or an
             infinity, naming the operation and the user's line.
         lock: held while adding into an operand's accumulator, when other
             threads back-propagate records of the same evaluation.
+        deadline: stop early once `time.perf_counter` passes it (looked at
+            every few dozen records), so the caller can give the event loop a turn.
+
+    Returns:
+        True if it stopped at the deadline (the iterator has records left).
     """
-    delta = rec.delta
-    vjps = rec.vjps
-    if vjps is None:
-        if rec.tape_backward is not None and delta is not None:
-            rec.tape_backward(delta)
-            rec.delta = None
-        return
-    if delta is not None:
-        if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
-            delta = delta.to_dense()
-        fits = rec.fits
-        i = 0  # (indexing the rules beats zipping or enumerating them here)
-        for r in rec.inputs:
-            if r is not None and r.needs_grad:
-                try:
-                    g = vjps[i](delta)
-                    if not fits:
-                        value = r.value
-                        if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
-                            g = _fit(g, value)
-                except Exception as exc:
-                    exc.add_note(f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}")
-                    raise
-                if check_finite and not _finite_delta(g):
-                    raise NonFiniteError(
-                        f"the backward of {rec.node._op.name} produced a NaN or an infinity; layer built at {where(rec.node)}"
-                    )
-                if lock is None:
-                    r.delta = g if r.delta is None else r.delta + g
-                else:
-                    with lock:
+    remaining = iter(records)
+    while True:  # in chunks, so that looking at the clock costs nothing per record
+        chunk = list(islice(remaining, _CHECK_EVERY))
+        _backprop(chunk, check_finite, lock)
+        if len(chunk) < _CHECK_EVERY:
+            return False
+        if time.perf_counter() > deadline:
+            return True
+
+
+def _backprop(records: list[Record], check_finite: bool, lock: AbstractContextManager[Any] | None) -> None:
+    for rec in records:
+        delta = rec.delta
+        vjps = rec.vjps
+        if vjps is None:
+            if rec.tape_backward is not None and delta is not None:
+                rec.tape_backward(delta)
+                rec.delta = None
+            continue
+        if delta is not None:
+            if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
+                delta = delta.to_dense()
+            fits = rec.fits
+            i = 0  # (indexing the rules beats zipping or enumerating them here)
+            for r in rec.inputs:
+                if r is not None and r.needs_grad:
+                    try:
+                        g = vjps[i](delta)
+                        if not fits:
+                            value = r.value
+                            if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
+                                g = _fit(g, value)
+                    except Exception as exc:
+                        exc.add_note(
+                            f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}"
+                        )
+                        raise
+                    if check_finite and not _finite_delta(g):
+                        raise NonFiniteError(
+                            f"the backward of {rec.node._op.name} produced a NaN or an infinity; "
+                            f"layer built at {where(rec.node)}"
+                        )
+                    if lock is None:
                         r.delta = g if r.delta is None else r.delta + g
-            i += 1  # noqa: SIM113
-    rec.delta = None
-    rec.vjps = None
+                    else:
+                        with lock:
+                            r.delta = g if r.delta is None else r.delta + g
+                i += 1  # noqa: SIM113
+        rec.delta = None
+        rec.vjps = None
 
 
 def _finite_delta(delta: Any) -> bool:

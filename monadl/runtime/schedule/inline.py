@@ -47,29 +47,28 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
     the event loop is due a turn before ``order[i]``.
     """
     records = ev.records
-    deadline = ev.deadline
-    for i in range(start, len(order)):
-        node = order[i]
-        if resumed and node in records:  # a Do evaluated meanwhile may have computed it
-            continue
-        if node._op is None:
-            return SUSPENDED, i
-        if not (i - start + 1) % _CHECK_EVERY and time.perf_counter() > deadline:
+    end = len(order)
+    i = start
+    while i < end:  # in chunks, so that looking at the clock costs nothing per node
+        stop = min(i + _CHECK_EVERY, end)
+        for j in range(i, stop):
+            node = order[j]
+            if resumed and node in records:  # a Do evaluated meanwhile may have computed it
+                continue
+            if node._op is None:
+                return SUSPENDED, j
+            records[node] = compute(ev, node, True)
+        i = stop
+        if i < end and time.perf_counter() > ev.deadline:
             return CHECKPOINT, i
-        records[node] = compute(ev, node, True)
-    return None, len(order)
+    return None, end
 
 
 def sweep(ev: Evaluation) -> Machine:
     """Back-propagate a pure evaluation in one reverse pass over its records."""
-    check = ev.check_finite
-    n = 0
-    for rec in reversed(ev.records.values()):
-        if rec.delta is not None and rec.vjps is not None:
-            backprop(rec, check)
-            n += 1
-            if not n % _CHECK_EVERY and time.perf_counter() > ev.deadline:
-                yield CHECKPOINT
+    records = reversed(ev.records.values())
+    while backprop(records, ev.check_finite, deadline=ev.deadline):
+        yield CHECKPOINT
 
 
 def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
@@ -89,7 +88,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             if t.refcount:
                 continue
             if backward:
-                backprop(t, check)
+                backprop((t,), check)
             elif not t.is_weight:
                 t.vjps = None
             work.extend(r for r in t.inputs if r is not None)

@@ -298,7 +298,7 @@ def _backward(ev: Evaluation, token: Any) -> None:
     schedule = _Schedule(roots)
 
     def step(rec: Any) -> Any:
-        backprop(rec, ev.check_finite, schedule.cv)
+        backprop((rec,), ev.check_finite, schedule.cv)
         with schedule.cv:
             ready = []
             for r in rec.inputs:
