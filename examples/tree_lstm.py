@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,37 +162,54 @@ def init_weights(hidden: int, seed: int = 0, dtype: type[np.floating[Any]] = np.
     return {k: v.astype(dtype) for k, v in weights.items()}
 
 
+Params = Mapping[str, ml.ArrayOperand]
+"""The parameters by the names of `init_weights`: weights when training, or
+any operands (a gradient check passes its own)."""
+
+
+def _cell(gates: ml.ArrayLayer, hidden: int, children: tuple[State, State] | None) -> State:
+    n = hidden
+    c = ml.sigmoid(gates[:, :n]) * ml.tanh(gates[:, 4 * n :])
+    if children is not None:
+        left, right = children
+        c = c + ml.sigmoid(gates[:, n : 2 * n]) * left.c + ml.sigmoid(gates[:, 2 * n : 3 * n]) * right.c
+    return State(ml.sigmoid(gates[:, 3 * n : 4 * n]) * ml.tanh(c), c)
+
+
+def encode(params: Params, hidden: int, tree: Tree) -> ml.ArrayLayer:
+    """The root's hidden vector, ``(1, hidden)``: one cell per node, children first.
+
+    >>> tree = random_tree(np.random.default_rng(0), 3)
+    >>> anyio.run(encode(init_weights(4), 4, tree).predict).shape
+    (1, 4)
+    """
+    states: list[State] = []
+    for k, symbol in enumerate(tree.symbol):
+        if tree.left[k] < 0:
+            states.append(_cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None))
+        else:
+            left, right = states[tree.left[k]], states[tree.right[k]]
+            gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
+            gates = gates + ml.embedding(params["operator"], np.array([symbol]))
+            states.append(_cell(gates, hidden, (left, right)))
+    return states[-1].h
+
+
+def tree_logits(params: Params, hidden: int, trees: Sequence[Tree]) -> ml.ArrayLayer:
+    """``(trees, 10)``: the scores of each tree's value mod 10, read from its root."""
+    roots = ml.concatenate([encode(params, hidden, t) for t in trees], axis=0)
+    return ml.dense(roots, params["out"], params["out_bias"])
+
+
 class TreeLSTM:
-    """The binary Tree-LSTM, built node by node; every weight trains with Adam."""
+    """The binary Tree-LSTM's weights, each trained with Adam."""
 
     def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01) -> None:
         self.hidden = int(weights["children"].shape[0]) // 2
         self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
 
-    def _cell(self, gates: ml.ArrayLayer, children: tuple[State, State] | None) -> State:
-        n = self.hidden
-        c = ml.sigmoid(gates[:, :n]) * ml.tanh(gates[:, 4 * n :])
-        if children is not None:
-            left, right = children
-            c = c + ml.sigmoid(gates[:, n : 2 * n]) * left.c + ml.sigmoid(gates[:, 2 * n : 3 * n]) * right.c
-        return State(ml.sigmoid(gates[:, 3 * n : 4 * n]) * ml.tanh(c), c)
-
-    def encode(self, tree: Tree) -> ml.ArrayLayer:
-        """The root's hidden vector, ``(1, hidden)``: one cell per node, children first."""
-        states: list[State] = []
-        for k, symbol in enumerate(tree.symbol):
-            if tree.left[k] < 0:
-                states.append(self._cell(ml.embedding(self.w["leaf"], np.array([symbol])), None))
-            else:
-                left, right = states[tree.left[k]], states[tree.right[k]]
-                gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), self.w["children"])
-                gates = gates + ml.embedding(self.w["operator"], np.array([symbol]))
-                states.append(self._cell(gates, (left, right)))
-        return states[-1].h
-
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
-        roots = ml.concatenate([self.encode(t) for t in trees], axis=0)
-        return ml.dense(roots, self.w["out"], self.w["out_bias"])
+        return tree_logits(self.w, self.hidden, trees)
 
     def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(self.logits(trees), labels(trees))
@@ -289,11 +306,11 @@ class Result:
 
 
 async def run(
-    epochs: int = 12,
+    epochs: int = 6,
     hidden: int = 64,
     batch: int = 32,
     seed: int = 0,
-    train_size: int = 4000,
+    train_size: int = 10000,
     test_size: int = 1000,
     max_leaves: int = 5,
     progress: bool = True,
@@ -331,11 +348,11 @@ def plot(result: Result, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a binary Tree-LSTM on arithmetic expressions (value mod 10).")
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="trees per training step")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-size", type=int, default=4000)
+    parser.add_argument("--train-size", type=int, default=10000)
     parser.add_argument("--max-leaves", type=int, default=5, help="trees have 2 to this many leaves")
     parser.add_argument("--plot", default="tree_lstm.png", help="where to write the training curves (PNG)")
     args = parser.parse_args()
