@@ -8,7 +8,7 @@ every builder returns None without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
@@ -42,6 +42,7 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+@final
 class _Model:
     """The weights as PyTorch parameters, Adam, and the head shared by both schedules."""
 
@@ -112,6 +113,7 @@ def per_node(weights: Weights) -> Variant | None:
     return model.variant(lambda trees: torch.cat([encode(t) for t in trees], dim=0))
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Schedule:
     """The by-depth schedule of a batch, in NumPy, over the batch's nodes numbered
@@ -134,6 +136,13 @@ class Schedule:
 
 
 def schedule(trees: list[Tree]) -> Schedule:
+    """The by-depth schedule of ``trees``.
+
+    >>> from examples.tree_lstm import random_tree
+    >>> plan = schedule([random_tree(np.random.default_rng(0), 4, balanced=True)])
+    >>> [len(level) for level in plan.levels]
+    [4, 2, 1]
+    """
     offsets = np.cumsum([0] + [len(t.symbol) for t in trees])
     left = np.concatenate([np.where(t.left < 0, -1, t.left + o) for t, o in zip(trees, offsets)])
     right = np.concatenate([np.where(t.right < 0, -1, t.right + o) for t, o in zip(trees, offsets)])

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -56,6 +56,7 @@ LEAVES = 128
 Weights = dict[str, ml.Array]
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One implementation, set up from a set of initial weights.
@@ -163,7 +164,12 @@ def check_equivalence(
 ) -> dict[str, float]:
     """Loss and gradients of every available variant from the same float64
     weights: each one's largest relative difference from the NumPy loss and
-    from the first variant's gradients. Raises above 1e-9."""
+    from the first variant's gradients. Raises above 1e-9.
+
+    >>> worst = check_equivalence(hidden=2, batch=2, leaves=3)
+    >>> worst["monadl"] < 1e-9
+    True
+    """
     weights = init_weights(hidden, seed=3, dtype=np.float64)
     rng = np.random.default_rng(4)
     trees = [random_tree(rng, leaves, balanced) for _ in range(batch)]
@@ -186,6 +192,7 @@ def check_equivalence(
 
 
 # ---- the build cost -------------------------------------------------------------------------------
+@final
 @dataclass(frozen=True, slots=True)
 class BuildCost:
     layers: int

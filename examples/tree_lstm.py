@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,6 +50,7 @@ SYMBOLS = DIGITS + len(OPERATORS)  # the bag-of-symbols baseline counts both kin
 
 
 # ---- data -----------------------------------------------------------------------------------------
+@final
 @dataclass(frozen=True, slots=True)
 class Tree:
     """A binary tree whose nodes are numbered children first (a node's
@@ -123,7 +124,11 @@ def random_tree(rng: np.random.Generator, leaves: int, balanced: bool = False) -
 
 
 def make_trees(count: int, min_leaves: int, max_leaves: int, seed: int) -> list[Tree]:
-    """``count`` random trees with a uniform number of leaves in ``[min_leaves, max_leaves]``."""
+    """``count`` random trees with a uniform number of leaves in ``[min_leaves, max_leaves]``.
+
+    >>> [t.text() for t in make_trees(2, 2, 3, seed=0)]
+    ['((6 + 5) + 2)', '(1 - 8)']
+    """
     rng = np.random.default_rng(seed)
     return [random_tree(rng, int(rng.integers(min_leaves, max_leaves + 1))) for _ in range(count)]
 
@@ -133,6 +138,7 @@ def labels(trees: Sequence[Tree]) -> ml.Array:
 
 
 # ---- the Tree-LSTM --------------------------------------------------------------------------------
+@final
 @dataclass(frozen=True, slots=True)
 class State:
     """A node's hidden and memory vectors, each of shape ``(1, hidden)``."""
@@ -196,11 +202,17 @@ def encode(params: Params, hidden: int, tree: Tree) -> ml.ArrayLayer:
 
 
 def tree_logits(params: Params, hidden: int, trees: Sequence[Tree]) -> ml.ArrayLayer:
-    """``(trees, 10)``: the scores of each tree's value mod 10, read from its root."""
+    """``(trees, 10)``: the scores of each tree's value mod 10, read from its root.
+
+    >>> trees = make_trees(3, 2, 4, seed=0)
+    >>> anyio.run(tree_logits(init_weights(4), 4, trees).predict).shape
+    (3, 10)
+    """
     roots = ml.concatenate([encode(params, hidden, t) for t in trees], axis=0)
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
+@final
 class TreeLSTM:
     """The binary Tree-LSTM's weights, each trained with Adam."""
 
@@ -220,7 +232,12 @@ class TreeLSTM:
 
 # ---- the baseline ---------------------------------------------------------------------------------
 def symbol_counts(trees: Sequence[Tree]) -> ml.Array:
-    """``(trees, 13)``: how often each digit and each operator occurs in each tree."""
+    """``(trees, 13)``: how often each digit and each operator occurs in each tree.
+
+    >>> tree = Tree(np.array([3, 5, 1]), np.array([-1, -1, 0]), np.array([-1, -1, 1]), 8)
+    >>> symbol_counts([tree]).astype(int).tolist()
+    [[0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0]]
+    """
     counts = np.zeros((len(trees), SYMBOLS), np.float32)
     for row, tree in enumerate(trees):
         leaf = tree.left < 0
@@ -229,6 +246,7 @@ def symbol_counts(trees: Sequence[Tree]) -> ml.Array:
     return counts
 
 
+@final
 class BagOfSymbols:
     """The structure-blind baseline: the sum of the tree's symbol embeddings
     (digits and operators; counts @ table is that sum), then a ReLU layer."""
@@ -265,7 +283,8 @@ async def accuracy(model: Model, trees: Sequence[Tree], batch: int = 256) -> flo
     return right / len(trees)
 
 
-@dataclass
+@final
+@dataclass(frozen=True, slots=True)
 class Curve:
     """Per epoch: mean training loss and test accuracy; and the seconds spent."""
 
@@ -280,7 +299,8 @@ async def fit(
     from tqdm import tqdm
 
     rng = np.random.default_rng(seed)
-    curve = Curve([], [], 0.0)
+    epoch_losses: list[float] = []
+    accuracies: list[float] = []
     started = time.perf_counter()
     steps = epochs * -(-len(train) // batch)
     with tqdm(total=steps, desc=f"{name:14}", disable=not progress, leave=True) as bar:
@@ -291,14 +311,14 @@ async def fit(
                 losses.append(float(await model.loss([train[i] for i in order[start : start + batch]]).train()))
                 bar.update()
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-            curve.losses.append(float(np.mean(losses)))
-            curve.accuracies.append(await accuracy(model, test))
-            bar.set_postfix(loss=f"{curve.losses[-1]:.3f}", test_accuracy=f"{curve.accuracies[-1]:.3f}")
-    curve.seconds = time.perf_counter() - started
-    return curve
+            epoch_losses.append(float(np.mean(losses)))
+            accuracies.append(await accuracy(model, test))
+            bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", test_accuracy=f"{accuracies[-1]:.3f}")
+    return Curve(epoch_losses, accuracies, time.perf_counter() - started)
 
 
-@dataclass
+@final
+@dataclass(frozen=True, slots=True)
 class Result:
     tree_lstm: Curve
     baseline: Curve
