@@ -1,0 +1,389 @@
+"""A binary Tree-LSTM on arithmetic expression trees, against a bag-of-symbols baseline.
+
+The task needs the structure: each tree is a random expression over the digits
+0-9 with ``+``, ``-`` and ``*`` at its internal nodes, and its label is the
+expression's value modulo 10. ``(3 - 5) * 7`` and ``3 - 5 * 7`` hold the same
+symbols and have different labels, so a model that only counts symbols is
+capped well below a model that reads the tree. The data is generated here,
+from a seed: nothing to download, the same trees on every machine.
+
+The model is the N-ary Tree-LSTM of Tai et al. (2015, section 3.2) with N = 2:
+at a node with input x and children (h_l, c_l), (h_r, c_r),
+
+    i, f_l, f_r, o, u = W x + U [h_l; h_r] + b   (five slices of one product)
+    c = sigmoid(i) * tanh(u) + sigmoid(f_l) * c_l + sigmoid(f_r) * c_r
+    h = sigmoid(o) * tanh(c)
+
+where x is a digit at a leaf (which has no children) and an operator at an
+internal node; ``W x + b`` is an embedding lookup, since x is one of a few
+symbols. It is written the natural way: a Python loop over each tree's nodes
+that builds monadl layers node by node, then one ``await loss.train()`` per
+mini-batch of trees. The loop visits nodes children first (trees are stored
+in that order), so building never recurses and any depth builds.
+
+Run: ``python examples/tree_lstm.py`` (or ``python -m examples.tree_lstm``;
+``--help`` for the sizes). Shows a progress bar, prints both models' test
+accuracy and writes the training curves to ``tree_lstm.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, final
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import anyio
+import numpy as np
+
+import monadl as ml
+
+DIGITS = 10
+OPERATORS = "+-*"
+SYMBOLS = DIGITS + len(OPERATORS)  # the bag-of-symbols baseline counts both kinds
+
+
+# ---- data -----------------------------------------------------------------------------------------
+@final
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """A binary tree whose nodes are numbered children first (a node's
+    children have smaller numbers than it; the root is the last node).
+
+    Attributes:
+        symbol: per node, its digit at a leaf, its operator's index into
+            `OPERATORS` at an internal node.
+        left, right: per node, its children's numbers; -1 at a leaf.
+        label: the expression's value modulo 10.
+    """
+
+    symbol: ml.Array
+    left: ml.Array
+    right: ml.Array
+    label: int
+
+    @property
+    def leaves(self) -> int:
+        return int(np.count_nonzero(self.left < 0))
+
+    def text(self) -> str:
+        """The expression, fully parenthesised (for reading, and for tests).
+
+        >>> Tree(np.array([3, 5, 1]), np.array([-1, -1, 0]), np.array([-1, -1, 1]), 8).text()
+        '(3 - 5)'
+        """
+        parts: list[str] = []
+        for k in range(len(self.symbol)):
+            if self.left[k] < 0:
+                parts.append(str(self.symbol[k]))
+            else:
+                parts.append(f"({parts[self.left[k]]} {OPERATORS[self.symbol[k]]} {parts[self.right[k]]})")
+        return parts[-1]
+
+
+def random_tree(rng: np.random.Generator, leaves: int, balanced: bool = False) -> Tree:
+    """A random expression tree over ``leaves`` random digits.
+
+    Its shape comes from merging adjacent subtrees at random until one is
+    left (random shapes, as in Fold's "full dynamic" column); ``balanced``
+    merges neighbours level by level instead (a perfect tree when ``leaves``
+    is a power of two).
+
+    >>> tree = random_tree(np.random.default_rng(0), 4)
+    >>> tree.leaves, len(tree.symbol), eval(tree.text()) % 10 == tree.label
+    (4, 7, True)
+    """
+    symbol = list(rng.integers(0, DIGITS, leaves))
+    left, right = [-1] * leaves, [-1] * leaves
+    value = [int(s) for s in symbol]
+    frontier = list(range(leaves))  # the roots of the subtrees still to be joined, left to right
+
+    def join(a: int, b: int) -> int:
+        op = int(rng.integers(0, len(OPERATORS)))
+        symbol.append(op)
+        left.append(a)
+        right.append(b)
+        x, y = value[a], value[b]
+        value.append((x + y, x - y, x * y)[op] % DIGITS)  # mod 10 commutes with +, -, *
+        return len(symbol) - 1
+
+    while len(frontier) > 1:
+        if balanced:
+            pairs = [join(frontier[i], frontier[i + 1]) for i in range(0, len(frontier) - 1, 2)]
+            frontier = pairs + frontier[len(frontier) - len(frontier) % 2 :]
+        else:
+            i = int(rng.integers(0, len(frontier) - 1))
+            frontier[i : i + 2] = [join(frontier[i], frontier[i + 1])]
+    return Tree(np.array(symbol), np.array(left), np.array(right), value[-1])
+
+
+def make_trees(count: int, min_leaves: int, max_leaves: int, seed: int) -> list[Tree]:
+    """``count`` random trees with a uniform number of leaves in ``[min_leaves, max_leaves]``.
+
+    >>> [t.text() for t in make_trees(2, 2, 3, seed=0)]
+    ['((6 + 5) + 2)', '(1 - 8)']
+    """
+    rng = np.random.default_rng(seed)
+    return [random_tree(rng, int(rng.integers(min_leaves, max_leaves + 1))) for _ in range(count)]
+
+
+def labels(trees: Sequence[Tree]) -> ml.Array:
+    return np.array([t.label for t in trees])
+
+
+# ---- the Tree-LSTM --------------------------------------------------------------------------------
+@final
+@dataclass(frozen=True, slots=True)
+class State:
+    """A node's hidden and memory vectors, each of shape ``(1, hidden)``."""
+
+    h: ml.ArrayLayer
+    c: ml.ArrayLayer
+
+
+def init_weights(hidden: int, seed: int = 0, dtype: type[np.floating[Any]] = np.float32) -> dict[str, ml.Array]:
+    """One set of initial weights (shared by the benchmark's implementations).
+
+    ``leaf`` and ``operator`` are ``W x + b`` of each symbol (five gate
+    slices, i f_l f_r o u), ``children`` is U, ``out``/``out_bias`` classify
+    the root. The forget slices start at +1 so memory flows up at first.
+    """
+    rng = np.random.default_rng(seed)
+    g = 5 * hidden
+    forget = np.zeros(g)
+    forget[hidden : 3 * hidden] = 1.0
+    weights = {
+        "leaf": rng.normal(0.0, 0.5, (DIGITS, g)) + forget,
+        "operator": rng.normal(0.0, 0.5, (len(OPERATORS), g)) + forget,
+        "children": rng.normal(0.0, 1.0, (2 * hidden, g)) / np.sqrt(2 * hidden),
+        "out": rng.normal(0.0, 1.0, (hidden, DIGITS)) / np.sqrt(hidden),
+        "out_bias": np.zeros(DIGITS),
+    }
+    return {k: v.astype(dtype) for k, v in weights.items()}
+
+
+Params = Mapping[str, ml.ArrayOperand]
+"""The parameters by the names of `init_weights`: weights when training, or
+any operands (a gradient check passes its own)."""
+
+
+def _cell(gates: ml.ArrayLayer, hidden: int, children: tuple[State, State] | None) -> State:
+    n = hidden
+    c = ml.sigmoid(gates[:, :n]) * ml.tanh(gates[:, 4 * n :])
+    if children is not None:
+        left, right = children
+        c = c + ml.sigmoid(gates[:, n : 2 * n]) * left.c + ml.sigmoid(gates[:, 2 * n : 3 * n]) * right.c
+    return State(ml.sigmoid(gates[:, 3 * n : 4 * n]) * ml.tanh(c), c)
+
+
+def encode(params: Params, hidden: int, tree: Tree) -> ml.ArrayLayer:
+    """The root's hidden vector, ``(1, hidden)``: one cell per node, children first.
+
+    >>> tree = random_tree(np.random.default_rng(0), 3)
+    >>> anyio.run(encode(init_weights(4), 4, tree).predict).shape
+    (1, 4)
+    """
+    states: list[State] = []
+    for k, symbol in enumerate(tree.symbol):
+        if tree.left[k] < 0:
+            states.append(_cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None))
+        else:
+            left, right = states[tree.left[k]], states[tree.right[k]]
+            gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
+            gates = gates + ml.embedding(params["operator"], np.array([symbol]))
+            states.append(_cell(gates, hidden, (left, right)))
+    return states[-1].h
+
+
+def tree_logits(params: Params, hidden: int, trees: Sequence[Tree]) -> ml.ArrayLayer:
+    """``(trees, 10)``: the scores of each tree's value mod 10, read from its root.
+
+    >>> trees = make_trees(3, 2, 4, seed=0)
+    >>> anyio.run(tree_logits(init_weights(4), 4, trees).predict).shape
+    (3, 10)
+    """
+    roots = ml.concatenate([encode(params, hidden, t) for t in trees], axis=0)
+    return ml.dense(roots, params["out"], params["out_bias"])
+
+
+@final
+class TreeLSTM:
+    """The binary Tree-LSTM's weights, each trained with Adam."""
+
+    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01) -> None:
+        self.hidden = int(weights["children"].shape[0]) // 2
+        self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
+
+    def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
+        return tree_logits(self.w, self.hidden, trees)
+
+    def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
+        return ml.cross_entropy(self.logits(trees), labels(trees))
+
+    def weights(self) -> dict[str, ml.Array]:
+        return {k: w.data for k, w in self.w.items()}
+
+
+# ---- the baseline ---------------------------------------------------------------------------------
+def symbol_counts(trees: Sequence[Tree]) -> ml.Array:
+    """``(trees, 13)``: how often each digit and each operator occurs in each tree.
+
+    >>> tree = Tree(np.array([3, 5, 1]), np.array([-1, -1, 0]), np.array([-1, -1, 1]), 8)
+    >>> symbol_counts([tree]).astype(int).tolist()
+    [[0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 1, 0]]
+    """
+    counts = np.zeros((len(trees), SYMBOLS), np.float32)
+    for row, tree in enumerate(trees):
+        leaf = tree.left < 0
+        np.add.at(counts[row], tree.symbol[leaf], 1.0)
+        np.add.at(counts[row], DIGITS + tree.symbol[~leaf], 1.0)
+    return counts
+
+
+@final
+class BagOfSymbols:
+    """The structure-blind baseline: the sum of the tree's symbol embeddings
+    (digits and operators; counts @ table is that sum), then a ReLU layer."""
+
+    def __init__(self, hidden: int, seed: int = 0, learning_rate: float = 0.01) -> None:
+        rng = np.random.default_rng(seed)
+
+        def weight(shape: tuple[int, ...], scale: float) -> ml.ArrayWeight:
+            data = (rng.normal(0.0, 1.0, shape) * scale).astype(np.float32)
+            return ml.Weight(data, optimizer=ml.optim.adam(learning_rate))
+
+        self.table = weight((SYMBOLS, hidden), 0.5)
+        self.w1, self.b1 = weight((hidden, hidden), np.sqrt(2.0 / hidden)), weight((hidden,), 0.0)
+        self.w2, self.b2 = weight((hidden, DIGITS), np.sqrt(1.0 / hidden)), weight((DIGITS,), 0.0)
+
+    def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
+        bag = ml.matmul(symbol_counts(trees), self.table)
+        return ml.dense(ml.relu(ml.dense(bag, self.w1, self.b1)), self.w2, self.b2)
+
+    def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
+        return ml.cross_entropy(self.logits(trees), labels(trees))
+
+
+# ---- training -------------------------------------------------------------------------------------
+Model = TreeLSTM | BagOfSymbols
+
+
+async def accuracy(model: Model, trees: Sequence[Tree], batch: int = 256) -> float:
+    right = 0
+    for start in range(0, len(trees), batch):
+        chunk = trees[start : start + batch]
+        scores = await model.logits(chunk).predict()
+        right += int(np.count_nonzero(np.argmax(scores, axis=1) == labels(chunk)))
+    return right / len(trees)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Per epoch: mean training loss and test accuracy; and the seconds spent."""
+
+    losses: list[float]
+    accuracies: list[float]
+    seconds: float
+
+
+async def fit(
+    model: Model, train: list[Tree], test: list[Tree], epochs: int, batch: int, seed: int, name: str, progress: bool
+) -> Curve:
+    from tqdm import tqdm
+
+    rng = np.random.default_rng(seed)
+    epoch_losses: list[float] = []
+    accuracies: list[float] = []
+    started = time.perf_counter()
+    steps = epochs * -(-len(train) // batch)
+    with tqdm(total=steps, desc=f"{name:14}", disable=not progress, leave=True) as bar:
+        for _ in range(epochs):
+            order = rng.permutation(len(train))
+            losses = []
+            for start in range(0, len(train), batch):
+                losses.append(float(await model.loss([train[i] for i in order[start : start + batch]]).train()))
+                bar.update()
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            epoch_losses.append(float(np.mean(losses)))
+            accuracies.append(await accuracy(model, test))
+            bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", test_accuracy=f"{accuracies[-1]:.3f}")
+    return Curve(epoch_losses, accuracies, time.perf_counter() - started)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Result:
+    tree_lstm: Curve
+    baseline: Curve
+    majority: float  # accuracy of always answering the most frequent training label
+
+
+async def run(
+    epochs: int = 6,
+    hidden: int = 64,
+    batch: int = 32,
+    seed: int = 0,
+    train_size: int = 10000,
+    test_size: int = 1000,
+    max_leaves: int = 5,
+    progress: bool = True,
+) -> Result:
+    """Train both models on the same trees; the test trees come from another seed."""
+    train = make_trees(train_size, 2, max_leaves, seed)
+    test = make_trees(test_size, 2, max_leaves, seed + 1_000_003)
+    majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=DIGITS))))
+    tree_lstm = await fit(TreeLSTM(init_weights(hidden, seed)), train, test, epochs, batch, seed, "Tree-LSTM", progress)
+    bag = BagOfSymbols(hidden, seed)
+    baseline = await fit(bag, train, test, epochs, batch, seed, "bag of symbols", progress)
+    return Result(tree_lstm, baseline, majority)
+
+
+def plot(result: Result, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    for curve, name in ((result.tree_lstm, "Tree-LSTM"), (result.baseline, "bag of symbols")):
+        epochs = np.arange(1, len(curve.losses) + 1)
+        loss_axis.plot(epochs, curve.losses, label=name)
+        accuracy_axis.plot(epochs, curve.accuracies, label=name)
+    accuracy_axis.axhline(result.majority, color="gray", linestyle=":", label="majority label")
+    loss_axis.set(xlabel="epoch", ylabel="training cross-entropy", title="training loss")
+    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="value mod 10, test trees")
+    loss_axis.legend()
+    accuracy_axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Train a binary Tree-LSTM on arithmetic expressions (value mod 10).")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="trees per training step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-size", type=int, default=10000)
+    parser.add_argument("--max-leaves", type=int, default=5, help="trees have 2 to this many leaves")
+    parser.add_argument("--plot", default="tree_lstm.png", help="where to write the training curves (PNG)")
+    args = parser.parse_args()
+    result = anyio.run(
+        lambda: run(args.epochs, args.hidden, args.batch, args.seed, args.train_size, max_leaves=args.max_leaves)
+    )
+    plot(result, args.plot)
+    for curve, name in ((result.tree_lstm, "Tree-LSTM"), (result.baseline, "bag of symbols")):
+        print(f"{name:15} test accuracy {curve.accuracies[-1]:.3f}  ({curve.seconds:.1f} s of training)")
+    print(f"{'majority label':15} test accuracy {result.majority:.3f}  (curves in {args.plot})")
+
+
+if __name__ == "__main__":
+    main()
