@@ -34,7 +34,7 @@ from monadl.layers._layer import Layer, Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
-from monadl.runtime.schedule import cuda, inline, pool
+from monadl.runtime.schedule import batched, cuda, inline, pool
 from monadl.tape import Tape
 
 __all__ = ["NEXT", "Spawn", "evaluate", "step_direct"]
@@ -308,6 +308,9 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
                 ev.forked = True
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
+        if batched.worth_batching(ev, order):  # it computes what batches; the inline loop the rest
+            batched.forward(ev, order)
+            frame.resumed = True
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
         frame.index = i

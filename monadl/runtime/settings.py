@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from typing import Final, final
 
 __all__ = ["Settings", "current_settings", "settings"]
 
@@ -39,6 +40,10 @@ class Settings:
             reference cycles, so the collections it would trigger find nothing
             and cost about an eighth of a small graph's time. Cycles that user
             code makes meanwhile are collected later, as usual.
+        batching: run nodes of equal signature as one kernel, forward and
+            backward (see `monadl.runtime.schedule.batched`): None decides by a
+            cost rule, True and False force it. Under ``check_finite``
+            nothing is batched.
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss
@@ -61,6 +66,7 @@ class Settings:
     check_finite: bool = False
     cuda_streams: int = 4
     pause_gc: bool = True
+    batching: bool | None = None
     finite_steps: bool = True
     tune_process: bool = True
     yield_interval_s: float = 0.005
@@ -90,6 +96,14 @@ def current_settings() -> Settings:
     return _current.get()
 
 
+@final
+class _Keep:
+    """The default of a setting whose None means something (keep it as it is)."""
+
+
+_KEEP: Final = _Keep()
+
+
 @contextmanager
 def settings(
     *,
@@ -98,6 +112,7 @@ def settings(
     check_finite: bool | None = None,
     cuda_streams: int | None = None,
     pause_gc: bool | None = None,
+    batching: bool | _Keep | None = _KEEP,
     finite_steps: bool | None = None,
     tune_process: bool | None = None,
     yield_interval_s: float | None = None,
@@ -116,6 +131,7 @@ def settings(
         check_finite=old.check_finite if check_finite is None else check_finite,
         cuda_streams=old.cuda_streams if cuda_streams is None else cuda_streams,
         pause_gc=old.pause_gc if pause_gc is None else pause_gc,
+        batching=old.batching if isinstance(batching, _Keep) else batching,
         finite_steps=old.finite_steps if finite_steps is None else finite_steps,
         tune_process=old.tune_process if tune_process is None else tune_process,
         yield_interval_s=old.yield_interval_s if yield_interval_s is None else yield_interval_s,

@@ -1,0 +1,214 @@
+"""Batching rules: how to run n instances of a primitive as one kernel.
+
+A table keyed by primitive name, beside the primitive table (as JAX keeps
+``primitive_batchers`` beside its VJPs). A rule takes the arguments of one
+call — the operands, then the parameters — where each position is either
+*batched* (the n members' values stacked along a new leading axis) or
+*shared* (one value that every member used: a weight, a constant), and
+returns the stacked output with one VJP per operand, or None when it cannot
+batch that combination (the members then run one by one).
+
+A VJP of a batched operand returns the stacked delta in exactly the stacked
+operand's shape; a VJP of a shared operand may return it with the batch axis
+(and any broadcasting) still in it: the runtime sums those away with
+`unbroadcast`, as for any rule. So a weight shared by a whole group gets one
+delta for the group, and the matmul rule makes it one ``X_cat.T @ dY``.
+
+Rules compute with the unbatched rules of `PRIMITIVES` wherever stacking is
+enough (elementwise ops, embedding lookups), so the arithmetic stays in one
+place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from monadl._namespace import namespace
+from monadl.layers._primitives import PRIMITIVES, unbroadcast
+
+__all__ = ["BATCHING_RULES", "BatchRule"]
+
+Value = Any
+Vjp = Callable[[Value], Value]
+BatchResult = tuple[Value, tuple[Vjp, ...]]
+BatchRule = Callable[[tuple[Any, ...], tuple[bool, ...], int], BatchResult | None]
+"""``rule(args, batched, n)``: ``args`` the operands then the parameters,
+``batched[i]`` whether ``args[i]`` is stacked, ``n`` the group's size."""
+
+
+def _ndim(x: Any) -> int:
+    return getattr(x, "ndim", 0)
+
+
+def _elementwise(name: str) -> BatchRule:
+    """Any elementwise primitive: stacked operands get unit axes after the
+    batch axis up to the result's rank, so that they broadcast against shared
+    operands exactly as one member's operands did."""
+    rule = PRIMITIVES[name].rule
+
+    def batch(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+        rank = max(_ndim(a) - 1 if b else _ndim(a) for a, b in zip(args, batched))
+        padded = []
+        fixes: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
+        for a, b in zip(args, batched):
+            if b and a.ndim - 1 < rank:
+                shape = (n, *(1,) * (rank - a.ndim + 1), *a.shape[1:])
+                padded.append(namespace(a).reshape(a, shape))
+                fixes.append((shape, a.shape))
+            else:
+                padded.append(a)
+                fixes.append((a.shape, a.shape) if b else None)
+        out, vjps = rule(*padded)
+        wrapped = []
+        for vjp, fix in zip(vjps, fixes):
+            wrapped.append(vjp if fix is None else _fitted(vjp, *fix))
+        return out, tuple(wrapped)
+
+    return batch
+
+
+def _fitted(vjp: Vjp, padded: tuple[int, ...], stacked: tuple[int, ...]) -> Vjp:
+    """A batched operand's VJP, its delta summed over the axes it was
+    broadcast along (never the batch axis) and shaped as the stack."""
+
+    def fit(g: Value) -> Value:
+        d = vjp(g)
+        if getattr(d, "shape", None) != padded:
+            d = unbroadcast(namespace(d).broadcast_to(d, (padded[0], *d.shape[1:])) if d.ndim else d, padded)
+        return d if padded == stacked else namespace(d).reshape(d, stacked)
+
+    return fit
+
+
+def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    a, b = args
+    ba, bb = batched
+    if ba and not bb and b.ndim == 2 and a.ndim >= 2:
+        # Every member's rows times one matrix: one product over all rows.
+        xp = namespace(a)
+        k, m = b.shape
+        rows = xp.reshape(a, (-1, k))
+        out = xp.reshape(rows @ b, (*a.shape[:-1], m))
+        a_shape = a.shape
+        return out, (
+            lambda g: xp.reshape(xp.reshape(g, (-1, m)) @ xp.matrix_transpose(b), a_shape),
+            lambda g: xp.matrix_transpose(rows) @ xp.reshape(g, (-1, m)),
+        )
+    if bb and not ba and a.ndim == 2 and b.ndim == 2:
+        # One matrix times every member's vector: (n, k) @ a.T.
+        xp = namespace(b)
+        out = b @ xp.matrix_transpose(a)
+        return out, (lambda g: xp.matrix_transpose(g) @ b, lambda g: g @ a)
+    if ba and bb and a.ndim == b.ndim and a.ndim in (2, 3):
+        if a.ndim == 2:  # vector . vector per member
+            xp = namespace(a)
+            return xp.sum(a * b, axis=-1), (lambda g: g[:, None] * b, lambda g: g[:, None] * a)
+        return PRIMITIVES["matmul"].rule(a, b)  # matrix @ matrix per member: a stacked product
+    return None
+
+
+def _getitem(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    a, index = args
+    if not batched[0] or batched[1]:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items):
+        return None  # fancy indices: members run one by one
+    return PRIMITIVES["getitem"].rule(a, (slice(None), *items))
+
+
+def _reduction(name: str) -> BatchRule:
+    """sum, mean, max, logsumexp over given axes (not over everything: the
+    batch axis must stay)."""
+    rule = PRIMITIVES[name].rule
+
+    def batch(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+        a, axis, keepdims = args
+        ndim = a.ndim - 1
+        if not batched[0] or ndim == 0:
+            return None
+        if axis is None:  # every axis of a member: all but the batch axis
+            return rule(a, tuple(range(1, a.ndim)), keepdims)
+        if isinstance(axis, int):
+            return rule(a, axis % ndim + 1, keepdims)
+        return rule(a, tuple(ax % ndim + 1 for ax in axis), keepdims)
+
+    return batch
+
+
+def _per_row(name: str) -> BatchRule:
+    """softmax and log_softmax along an axis of each member."""
+    rule = PRIMITIVES[name].rule
+
+    def batch(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+        a, axis = args
+        if not batched[0]:
+            return None
+        return rule(a, axis % (a.ndim - 1) + 1)
+
+    return batch
+
+
+def _concatenate(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    *arrays, axis = args
+    first = next(a for a, b in zip(arrays, batched) if b)
+    xp = namespace(first)
+    ndim = first.ndim - 1
+    if ndim == 0:
+        return None
+    lifted = [a if b else xp.broadcast_to(a, (n, *a.shape)) for a, b in zip(arrays, batched)]
+    return PRIMITIVES["concatenate"].rule(*lifted, axis % ndim + 1)
+
+
+def _embedding(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    if batched[0] or not batched[1]:
+        return None
+    return PRIMITIVES["embedding"].rule(*args)  # the stacked indices are just more indices
+
+
+def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    logits, _, labels = args
+    if not batched[0] or not batched[2] or logits.ndim != 3:
+        return None
+    xp = namespace(logits)
+    _, rows, classes = logits.shape
+    log_p, _ = PRIMITIVES["log_softmax"].rule(logits, -1)
+    picked = xp.take_along_axis(log_p, labels[:, :, None], axis=-1)[..., 0]
+    out = -xp.sum(picked, axis=-1) / rows
+
+    def vjp(g: Value) -> Value:
+        one_hot = xp.astype(labels[:, :, None] == xp.arange(classes, device=logits.device), logits.dtype)
+        return (xp.exp(log_p) - one_hot) * (g[:, None, None] / rows)
+
+    return out, (vjp,)
+
+
+BATCHING_RULES: Final[dict[str, BatchRule]] = {
+    **{
+        name: _elementwise(name)
+        for name in (
+            "add",
+            "subtract",
+            "multiply",
+            "divide",
+            "maximum",
+            "minimum",
+            "negative",
+            "exp",
+            "log",
+            "sqrt",
+            "abs",
+            "tanh",
+            "sigmoid",
+            "relu",
+        )
+    },
+    "matmul": _matmul,
+    "getitem": _getitem,
+    **{name: _reduction(name) for name in ("sum", "mean", "max", "logsumexp")},
+    **{name: _per_row(name) for name in ("softmax", "log_softmax")},
+    "concatenate": _concatenate,
+    "embedding": _embedding,
+    "cross_entropy": _cross_entropy,
+}

@@ -1,0 +1,365 @@
+"""Dynamic batching: a scheduler that runs nodes of equal signature as one kernel.
+
+A graph's nodes are grouped by *signature* (DyNet's ``autobatch_sig``): the
+primitive, its parameters, the shapes, dtypes and array types of its operands,
+and the identity of weights and the values of plain numbers it uses. Nodes of
+one signature that are ready together run as one call of the primitive's
+batching rule (`monadl.layers._batching_rules`) on their operands stacked
+along a new leading axis.
+
+Batching is a rewrite into ordinary records (`monadl.runtime.schedule.batched_records`):
+a stack record per batched operand, a group record, a record per member
+whose value is a view of the group's output, so the one node backward of
+`monadl.runtime.backward.backprop` back-propagates it unchanged.
+
+Grouping is by depth (the longest path from the graph's inputs: nodes of one
+depth never depend on each other) or by agenda (DyNet's: of the groups ready,
+run the one whose kind of operation sits earliest in the graph on average,
+the largest on ties). `STRATEGY` says which is the default, and why.
+
+Cost rule: batching is on where it pays. Before any signature is computed, a
+graph that is a chain (each node uses the one before: nothing is ever ready
+with anything else) or smaller than `MIN_NODES` runs as before; a graph whose
+widest depth has one node likewise; and a group smaller than its rule's
+minimum (`MIN_GROUP`) or whose members are coarse (`MAX_MEMBER_SIZE`) runs
+node by node. A graph (by the line that built its last node, and its size)
+whose analysis batched nothing, or that is a chain, is not analysed again
+for `REPROBE` evaluations: the check costs one lookup. Graphs that the fork rule sends to the worker pool, and graphs
+on a GPU, are not batched (the hook sits on the inline path of
+`monadl.runtime.interpret`). ``Settings.batching`` forces either
+way. Under ``check_finite`` (per-node debugging) nothing is batched.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Final
+
+from monadl._namespace import namespace
+from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._layer import Layer, Weight
+from monadl.runtime.node import compute as compute_node
+from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature
+from monadl.runtime.settings import current_settings
+
+if TYPE_CHECKING:
+    from monadl.layers._layer import Site
+    from monadl.runtime.evaluation import Evaluation, Record
+
+__all__ = [
+    "DEFAULT_MIN_GROUP",
+    "MAX_MEMBER_SIZE",
+    "MIN_GROUP",
+    "MIN_NODES",
+    "REPROBE",
+    "STRATEGY",
+    "forward",
+    "signature",
+    "worth_batching",
+]
+
+MIN_NODES: Final = 256
+"""Automatic mode leaves smaller graphs alone: what batching could save there
+(a few microseconds a node) is about what analysing and stacking cost (the
+columns benchmark, 30-200 nodes of coarse matrix products, ran 8-10% slower
+batched with a limit of 16)."""
+
+MIN_GROUP: Final = {"matmul": 2, "embedding": 2, "cross_entropy": 2}
+"""The smallest group that pays, by primitive (`DEFAULT_MIN_GROUP` for the
+rest): a matrix product with a shared weight pays from two members (it also
+replaces a weight-sized outer product per member by one product); a cheap
+elementwise group must save more node dispatches than stacking costs."""
+
+DEFAULT_MIN_GROUP: Final = 8
+
+MAX_MEMBER_SIZE: Final = 1 << 14
+"""Automatic mode batches no group whose members' stacked operands exceed this
+many elements each: a node that large costs far more than its dispatch, and
+stacking would only copy it."""
+
+STRATEGY: Final = "depth"
+"""The default grouping, "depth" or "agenda". Depth measured faster in
+`benchmarks/batching.py` (Tree-LSTM, 128-leaf random trees, batch 32, one
+thread: 1.43x and 2.36x unbatched at hidden 128 and 256, agenda 1.14x and
+2.17x): its groups are whole levels, so a group's consumers are more often
+exactly its members in order and take its output without a copy."""
+
+
+def worth_batching(ev: Evaluation, order: list[Any]) -> bool:
+    """Whether to run ``order`` through the batching scheduler: cheap checks
+    only, none that computes a signature.
+
+    >>> import monadl as ml
+    >>> from monadl.runtime.evaluation import Evaluation
+    >>> x = ml.Weight(1.0)
+    >>> chain = [x * 2.0]
+    >>> for _ in range(300):
+    ...     chain.append(chain[-1] + 1.0)
+    >>> worth_batching(Evaluation(train=True), chain)
+    False
+    """
+    forced = current_settings().batching
+    if forced is False or ev.check_finite or len(order) < 2:
+        return False
+    if forced:
+        return True
+    if len(order) < MIN_NODES:
+        return False
+    key = (order[-1]._site, len(order))
+    verdict = _verdicts.get(key)
+    if verdict is not None and verdict[1] % REPROBE:
+        _verdicts[key] = (verdict[0], verdict[1] + 1)
+        return verdict[0]
+    worth = not _is_chain(order)
+    _remember(key, worth)
+    return worth
+
+
+def _is_chain(order: list[Any]) -> bool:
+    """Each node uses the one before: one node per depth, nothing to group."""
+    previous = order[0]
+    for node in order[1:]:
+        for x in node._inputs:
+            if x is previous:
+                break
+        else:
+            return False
+        previous = node
+    return True
+
+
+REPROBE: Final = 32
+"""A graph found not worth batching is analysed again once in this many evaluations."""
+
+_VERDICTS_LIMIT: Final = 4096
+_verdicts: dict[tuple[Site, int], tuple[bool, int]] = {}  # (last site, nodes) -> (worth it, evaluations since)
+
+
+def _remember(key: tuple[Site, int], worth: bool) -> None:
+    """The verdict on a graph built at the same line with as many nodes, for
+    the next evaluations (models rebuild the same graph every step)."""
+    if len(_verdicts) >= _VERDICTS_LIMIT:
+        _verdicts.clear()
+    _verdicts[key] = (worth, 1)
+
+
+def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> list[Any]:
+    """Compute the records of ``order`` (a graph in topological order), group
+    by group; returns the nodes it left: those built from a ``Do`` and all
+    that depend on one, in order, for the caller's loop (which skips the
+    nodes computed here).
+
+    >>> import numpy as np, monadl as ml
+    >>> from monadl.runtime.evaluation import Evaluation
+    >>> from monadl.runtime.node import collect as _collect
+    >>> w = ml.Weight(np.ones((3, 2)))
+    >>> nodes = [np.full(3, float(i)) @ w for i in range(4)]
+    >>> ev = Evaluation(train=False)
+    >>> with ml.settings(batching=True):
+    ...     forward(ev, _collect(ev, nodes))
+    []
+    >>> ev.records[nodes[2]].value
+    array([6., 6.])
+    """
+    run = _Run(ev, current_settings().batching is True)
+    levels, left, depth = _levels(order)
+    if not run.forced and max(map(len, levels), default=0) < 2:
+        for level in levels:
+            run.each(level)
+    elif (strategy or STRATEGY) == "agenda":
+        run.agenda(levels, depth)
+    else:
+        for level in levels:
+            run.level(level)
+    if not run.groups and not run.forced and order:  # nothing paid: skip the analysis next time
+        _remember((order[-1]._site, len(order)), False)
+    return left
+
+
+def _levels(order: list[Any]) -> tuple[list[list[Any]], list[Any], dict[Any, int]]:
+    """Nodes by depth (the longest path from operands computed before); and
+    the nodes at or under a ``Do``-built layer, left out."""
+    depth: dict[Any, int] = {}
+    levels: list[list[Any]] = []
+    left: list[Any] = []
+    blocked: set[Any] = set()
+    for node in order:
+        d = 0
+        if node._op is None:
+            d = -1
+        else:
+            for x in node._inputs:
+                if type(x) is Layer:
+                    if x in blocked:
+                        d = -1
+                        break
+                    dx = depth.get(x)
+                    if dx is not None and dx >= d:
+                        d = dx + 1
+        if d < 0:
+            blocked.add(node)
+            left.append(node)
+            continue
+        depth[node] = d
+        if d == len(levels):
+            levels.append([node])
+        else:
+            levels[d].append(node)
+    return levels, left, depth
+
+
+def _coarse(args: list[Any], batched: list[bool], n: int) -> bool:
+    """Whether a member's operands are large enough that its own kernel costs
+    far more than the runtime's per-node work: then stacking only adds copies."""
+    return any(b and getattr(a, "size", 0) > n * MAX_MEMBER_SIZE for a, b in zip(args, batched))
+
+
+class _Run:
+    """One scheduler run over one graph, and where each member's value sits
+    in its group's output."""
+
+    __slots__ = ("ev", "forced", "groups", "records", "where")
+
+    def __init__(self, ev: Evaluation, forced: bool) -> None:
+        self.ev = ev
+        self.records = ev.records
+        self.forced = forced
+        self.groups = 0  # groups that ran batched
+        self.where: dict[Any, tuple[Record, int]] = {}  # member node -> (group record, index)
+
+    def each(self, nodes: list[Any]) -> None:
+        """Nodes one by one, as the inline scheduler runs them."""
+        compute, records, ev = compute_node, self.records, self.ev
+        for node in nodes:
+            records[node] = compute(ev, node, True)
+
+    def level(self, nodes: list[Any]) -> None:
+        """Nodes that are all ready, grouped by signature."""
+        groups: dict[Any, list[Any]] = {}
+        for node in nodes:
+            sig = signature(self.records, node)
+            if sig is None:
+                self.each([node])
+            else:
+                groups.setdefault(sig, []).append(node)
+        for members in groups.values():
+            self.group(members)
+
+    def agenda(self, levels: list[list[Any]], depth: dict[Any, int]) -> None:
+        """DyNet's agenda: of the ready groups, the one whose operation lies
+        earliest in the graph on average (the largest on ties); then the
+        consumers it made ready join the agenda."""
+        kinds: dict[str, list[int]] = {}
+        waiting: dict[Any, int] = {}
+        consumers: dict[Any, list[Any]] = {}
+        for level in levels:
+            for node in level:
+                total = kinds.setdefault(node._op.name, [0, 0])
+                total[0] += depth[node]
+                total[1] += 1
+                count = 0
+                for i, x in enumerate(node._inputs):
+                    if type(x) is Layer and x in depth and all(y is not x for y in node._inputs[:i]):
+                        consumers.setdefault(x, []).append(node)
+                        count += 1
+                waiting[node] = count
+        mean = {name: s / c for name, (s, c) in kinds.items()}
+        ready: dict[Any, list[Any]] = {}
+        arrived = list(levels[0]) if levels else []
+        while True:
+            while arrived:  # iterative: a long run of unbatchable nodes must not recurse
+                node = arrived.pop()
+                sig = signature(self.records, node)
+                if sig is not None:
+                    ready.setdefault(sig, []).append(node)
+                    continue
+                self.each([node])
+                arrived.extend(self._released([node], consumers, waiting))
+            if not ready:
+                return
+            best = min(ready, key=lambda s: (mean[s[0]], -len(ready[s])))
+            members = ready.pop(best)
+            members.sort(key=_serial)  # construction order, so that consumers can reuse the stack
+            self.group(members)
+            arrived.extend(self._released(members, consumers, waiting))
+
+    @staticmethod
+    def _released(done: list[Any], consumers: dict[Any, list[Any]], waiting: dict[Any, int]) -> list[Any]:
+        now = []
+        for node in done:
+            for c in consumers.get(node, ()):
+                waiting[c] -= 1
+                if not waiting[c]:
+                    now.append(c)
+        return now
+
+    def group(self, members: list[Any]) -> None:
+        """One group of equal signature: one batched call, or node by node."""
+        first = members[0]
+        op = first._op
+        rule = BATCHING_RULES.get(op.name)
+        n = len(members)
+        if rule is None or n < (2 if self.forced else MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)):
+            self.each(members)
+            return
+        records = self.records
+        inputs = first._inputs
+        arity = len(inputs)
+        args: list[Any] = []
+        batched: list[bool] = []
+        operands: list[Operand] = []
+        kinds: set[type] = set()
+        for p, x0 in enumerate((*inputs, *first._params)):
+            column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
+            is_node = type(x0) is Layer or type(x0) is Weight
+            # Numbers and other parameters are equal in all members (the signature holds
+            # them); arrays, layers and weights are shared only if they are one object.
+            stacks = (is_node or hasattr(x0, "shape")) and not all(x is x0 for x in column)
+            if not stacks:
+                rec = records[x0] if is_node else None
+                value = x0 if rec is None else rec.value
+                operand = Operand(rec, None)
+            else:
+                recs = [records[x] if type(x) is Layer or type(x) is Weight else None for x in column]
+                reused = self._reused(column, n) if type(x0) is Layer else None
+                if reused is not None:  # an earlier group's output, as it is: no copy
+                    value = reused.value
+                else:
+                    values = [x if r is None else r.value for x, r in zip(column, recs)]
+                    value = namespace(values[0]).stack(values)
+                operand = Operand(None, recs)
+            args.append(value)
+            batched.append(stacks)
+            if p < arity:
+                kinds.add(type(value))
+                operands.append(operand)
+        if not batchable(op, kinds, args[:arity], batched) or (not self.forced and _coarse(args, batched, n)):
+            self.each(members)
+            return
+        try:
+            result = rule(tuple(args), tuple(batched), n)
+        except Exception:  # run node by node: the same error, named at the member's own line
+            result = None
+        if result is None:
+            self.each(members)
+            return
+        group_records(self.records, self.where, members, result, operands, args)
+        self.groups += 1
+
+    def _reused(self, column: list[Any], n: int) -> Record | None:
+        """The group record whose members are ``column``, in order, if any."""
+        where = self.where
+        found = where.get(column[0])
+        if found is None or found[1] != 0:
+            return None
+        group = found[0]
+        if group.value.shape[0] != n:
+            return None
+        for i, x in enumerate(column):
+            w = where.get(x)
+            if w is None or w[0] is not group or w[1] != i:
+                return None
+        return group
+
+
+_serial = attrgetter("_serial")

@@ -1,0 +1,385 @@
+"""Dynamic batching: the same values, gradients and errors as node by node."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+import monadl as ml
+from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._primitives import PRIMITIVES, unbroadcast
+from monadl.runtime import entry
+from monadl.runtime.evaluation import Evaluation, Record
+from monadl.runtime.node import collect
+from monadl.runtime.schedule import batched as _batching
+from monadl.typeclasses.monoid import SparseRows
+
+HERE = __file__
+Tree: TypeAlias = "int | tuple[Tree, Tree]"
+
+
+def line_of(marker: str) -> int:
+    with open(HERE) as source:
+        return next(i for i, text in enumerate(source, 1) if marker in text and "line_of" not in text)
+
+
+# ---- a small Tree-LSTM ------------------------------------------------------------------
+def random_tree(rng: np.random.Generator, leaves: int) -> Tree:
+    if leaves == 1:
+        return int(rng.integers(10))
+    left = int(rng.integers(1, leaves))
+    return (random_tree(rng, left), random_tree(rng, leaves - left))
+
+
+class TreeLSTM:
+    def __init__(self, hidden: int, dtype: type[np.floating[Any]], seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.hidden = hidden
+        self.w = ml.Weight((rng.standard_normal((2 * hidden, 5 * hidden)) * 0.3).astype(dtype))
+        self.b = ml.Weight(np.zeros(5 * hidden, dtype))
+        self.table = ml.Weight((rng.standard_normal((10, hidden)) * 0.5).astype(dtype))
+
+    def cell(self, tree: Tree) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        h = self.hidden
+        if isinstance(tree, int):
+            leaf: ml.ArrayLayer = ml.tanh(ml.embedding(self.table, np.array([tree]))[0])
+            return leaf, leaf * 0.5
+        (hl, cl), (hr, cr) = self.cell(tree[0]), self.cell(tree[1])
+        gates = ml.concatenate([hl, hr]) @ self.w + self.b
+        i, fl, fr, o = (ml.sigmoid(gates[k * h : (k + 1) * h]) for k in range(4))
+        c = i * ml.tanh(gates[4 * h :]) + fl * cl + fr * cr
+        return o * ml.tanh(c), c
+
+    def loss(self, trees: list[Tree]) -> ml.ScalarLayer:
+        return ml.sum(ml.stack([ml.sum(self.cell(t)[0] * self.cell(t)[1]) for t in trees]))
+
+
+def evaluate(model: TreeLSTM, trees: list[Tree], batching: bool) -> tuple[Any, Any]:
+    with ml.settings(batching=batching):
+        return entry.gradients_sync(model.loss(trees))
+
+
+def dense(x: Any) -> npt.NDArray[Any]:
+    return np.asarray(x.to_dense() if isinstance(x, SparseRows) else x)
+
+
+def assert_same_gradients(got: dict[Any, Any], want: dict[Any, Any], rtol: float) -> None:
+    assert list(got) == list(want)  # the same weights, in the same order
+    for w in want:
+        assert type(got[w]) is type(want[w])
+        a, b = dense(got[w]), dense(want[w])
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.max(np.abs(a - b)) <= rtol * max(np.max(np.abs(b)), 1e-30)
+
+
+@pytest.mark.parametrize("strategy", ["depth", "agenda"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_lstm_batched_equals_unbatched_float64(seed: int, strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_batching, "STRATEGY", strategy)
+    rng = np.random.default_rng(seed)
+    model = TreeLSTM(6, np.float64, seed)
+    trees = [random_tree(rng, int(rng.integers(1, 12))) for _ in range(5)]
+    want_value, want = evaluate(model, trees, batching=False)
+    got_value, got = evaluate(model, trees, batching=True)
+    assert got_value == pytest.approx(want_value, rel=1e-12)
+    assert_same_gradients(got, want, 1e-12)
+
+
+def test_tree_lstm_float32_within_1e_6() -> None:
+    rng = np.random.default_rng(7)
+    model = TreeLSTM(16, np.float32)
+    trees = [random_tree(rng, 16) for _ in range(8)]
+    want_value, want = evaluate(model, trees, batching=False)
+    got_value, got = evaluate(model, trees, batching=True)
+    assert type(got_value) is type(want_value) is np.float32
+    assert abs(got_value - want_value) <= 1e-6 * abs(want_value)
+    assert_same_gradients(got, want, 1e-6)
+
+
+def test_groups_really_run_batched() -> None:
+    model = TreeLSTM(4, np.float64)
+    trees: list[Tree] = [((1, 2), (3, 4))] * 4
+    ev = Evaluation(train=True)
+    order = collect(ev, [model.loss(trees)])
+    with ml.settings(batching=None):
+        assert _batching.worth_batching(ev, order)
+        assert _batching.forward(ev, order) == []
+    added = [key for key in ev.records if type(key) is Record]  # stack and group records
+    assert len(ev.records) - len(added) == len(order) + 3  # each node its record, and the 3 weights
+    assert 10 < len(added) < len(order) // 4  # 8 trees' cells (the loss builds each twice) in a few groups
+
+
+def test_training_steps_each_weight_once_and_matches() -> None:
+    import anyio
+
+    rng = np.random.default_rng(3)
+    trees = [random_tree(rng, 8) for _ in range(4)]
+    models = [TreeLSTM(5, np.float64, seed=1) for _ in range(2)]
+
+    async def train(model: TreeLSTM, batching: bool) -> list[float]:
+        with ml.settings(batching=batching):
+            return [float(await model.loss(trees).train()) for _ in range(3)]
+
+    losses = [anyio.run(train, m, b) for m, b in zip(models, (False, True))]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    assert losses[0][2] != losses[0][0]  # the weights moved
+    for a, b in zip((models[0].w, models[0].b, models[0].table), (models[1].w, models[1].b, models[1].table)):
+        np.testing.assert_allclose(a.data, b.data, rtol=1e-12)
+
+
+def test_chain_is_left_alone_cheaply() -> None:
+    x = ml.Weight(np.ones(4))
+    y: ml.ArrayLayer = x * 1.0
+    for i in range(100):
+        y = ml.tanh(y) if i % 2 else y + 0.5
+    ev = Evaluation(train=True)
+    with ml.settings(batching=None):
+        assert not _batching.worth_batching(ev, collect(ev, [ml.sum(y)]))
+
+
+@pytest.mark.parametrize(("batching", "extra"), [(None, 0), (True, 2)])
+def test_small_groups_run_batched_only_when_forced(batching: bool | None, extra: int) -> None:
+    w = ml.Weight(np.ones(3))
+    products = [w * float(i) for i in range(300)]  # 300 signatures: all different numbers
+    nodes = [ml.tanh(products[0]), ml.tanh(products[1]), *products]  # one group of 2
+    ev = Evaluation(train=False)
+    order = collect(ev, nodes)
+    with ml.settings(batching=batching):
+        assert _batching.worth_batching(ev, order)
+        _batching.forward(ev, order)
+    assert len(ev.records) == 1 + 302 + extra  # the weight, the nodes, and a stack and a group if batched
+    assert np.array_equal(ev.records[nodes[1]].value, np.tanh(np.ones(3)))
+
+
+def test_small_graphs_and_coarse_members_are_left_alone() -> None:
+    w = ml.Weight(np.ones(3))
+    ev = Evaluation(train=False)
+    assert not _batching.worth_batching(ev, collect(ev, [ml.tanh(w * float(i)) for i in range(20)]))
+    with ml.settings(batching=True):  # forced: even a small graph
+        assert _batching.worth_batching(ev, collect(ev, [ml.tanh(w * float(i)) for i in range(20)]))
+    big = [np.full((200, 100), float(i)) for i in range(300)]
+    nodes = [ml.tanh(x * w[0]) for x in big]  # 300 members of 20,000 elements each
+    ev = Evaluation(train=False)
+    order = collect(ev, nodes)
+    assert _batching.worth_batching(ev, order)
+    _batching.forward(ev, order)
+    assert all(type(key) is not Record for key in ev.records)  # no stack, no group
+
+
+def test_lookups_and_losses_per_example_batch_with_equal_gradients() -> None:
+    rng = np.random.default_rng(4)
+    table = ml.Weight(rng.standard_normal((9, 4)))
+    w = ml.Weight(rng.standard_normal((4, 3)))
+    examples = [(rng.integers(0, 9, 2), rng.integers(0, 3, 2)) for _ in range(12)]
+
+    def loss() -> ml.ScalarLayer:
+        return ml.sum(ml.stack([ml.cross_entropy(ml.embedding(table, i) @ w, labels) for i, labels in examples]))
+
+    results = []
+    for batching in (False, True):
+        with ml.settings(batching=batching):
+            results.append(entry.gradients_sync(loss()))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-12)
+    assert_same_gradients(results[1][1], results[0][1], 1e-12)
+    ev = Evaluation(train=True)
+    with ml.settings(batching=True):
+        _batching.forward(ev, collect(ev, [loss()]))
+    groups = {r.node._op.name for key, r in ev.records.items() if type(key) is Record}
+    assert {"embedding", "matmul", "cross_entropy"} <= groups
+
+
+# ---- errors and failures ----------------------------------------------------------------
+def test_error_in_a_batched_group_names_the_failing_members_line() -> None:
+    table = ml.Weight(np.ones((5, 2)))
+    good = [ml.embedding(table, np.array([i % 5])) for i in range(6)]
+    bad = ml.embedding(table, np.array([99]))  # BAD-MEMBER
+    more = [ml.embedding(table, np.array([1])) for _ in range(3)]
+    loss = ml.sum(ml.concatenate([*good, bad, *more]))
+    for batching in (False, True):
+        with ml.settings(batching=batching), pytest.raises(ml.ShapeError) as info:  # out-of-range indices are refused
+            entry.gradients_sync(loss)
+        assert f"{HERE}:{line_of('BAD-MEMBER')}" in str(info.value)
+
+
+def test_shape_error_in_a_group_is_the_unbatched_error() -> None:
+    w = ml.Weight(np.ones(4))
+    xs = [np.ones(3) * i for i in range(8)]
+    loss = ml.sum(ml.stack([ml.sum(x + w) for x in xs]))  # SHAPE-SITE
+    messages = []
+    for batching in (False, True):
+        with ml.settings(batching=batching), pytest.raises(ml.ShapeError) as info:
+            entry.gradients_sync(loss)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert f"{HERE}:{line_of('SHAPE-SITE')}" in messages[1]
+
+
+def test_mixed_dtypes_in_a_group_raise_the_dtype_error() -> None:
+    w = ml.Weight(np.ones(3, np.float32))
+    loss = ml.sum(ml.stack([ml.sum(np.ones(3) * i * w) for i in range(8)]))
+    with ml.settings(batching=True), pytest.raises(ml.DTypeError):
+        entry.gradients_sync(loss)
+
+
+@pytest.mark.anyio
+async def test_weights_unchanged_after_a_failure_with_batching() -> None:
+    model = TreeLSTM(4, np.float64)
+    before = [w.data.copy() for w in (model.w, model.b, model.table)]
+    rng = np.random.default_rng(0)
+    loss = model.loss([random_tree(rng, 6) for _ in range(4)]) + ml.sum(model.b + np.ones(3))
+    with ml.settings(batching=True), pytest.raises(ml.ShapeError):
+        await loss.train()
+    for old, w in zip(before, (model.w, model.b, model.table)):
+        assert np.array_equal(old, w.data)
+
+
+# ---- the counted release ----------------------------------------------------------------
+@pytest.mark.anyio
+async def test_counted_release_with_do_layers_and_shared_do() -> None:
+    model = TreeLSTM(4, np.float64)
+    rng = np.random.default_rng(5)
+    trees = [random_tree(rng, 5) for _ in range(4)]
+    calls: list[int] = []
+
+    def counted(tape: ml.Tape[Any, Any]) -> ml.Tape[Any, Any]:
+        calls.append(1)
+        return tape
+
+    def loss() -> ml.ScalarLayer:
+        hs = [model.cell(t)[0] for t in trees]
+        through_do = ml.Layer(hs[0].forward().map(counted))  # a Do-built layer inside the graph
+        shared = ml.Layer(model.b.forward().map(counted).shared())
+        more = [ml.sum(ml.tanh(through_do * h) + shared[:4]) for h in hs[1:]]
+        return ml.sum(ml.stack(more)) + ml.sum(shared)
+
+    results = []
+    for batching in (False, True):
+        calls.clear()
+        with ml.settings(batching=batching):
+            value, grads = await entry.gradients(loss())
+        results.append((value, grads, len(calls)))
+    assert results[0][2] == results[1][2] == 2
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-12)
+    assert_same_gradients(results[1][1], results[0][1], 1e-12)
+
+
+# ---- each rule against the unbatched rule ------------------------------------------------
+Case: TypeAlias = "tuple[str, list[tuple[int, ...] | None], tuple[Any, ...]]"
+# (primitive, per operand: the member's shape (batched) or None (shared, shape given in params' place), params)
+SHARED_W = np.linspace(-1, 1, 12).reshape(4, 3)
+SHARED_ROW = np.linspace(0.5, 1.5, 3)
+CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
+    ("matmul", [(4,), SHARED_W], ()),
+    ("matmul", [(2, 4), SHARED_W], ()),
+    ("matmul", [SHARED_W.T, (4,)], ()),
+    ("matmul", [(4,), (4,)], ()),
+    ("matmul", [(2, 4), (4, 3)], ()),
+    ("add", [(3,), SHARED_ROW], ()),
+    ("add", [(2, 3), (3,)], ()),
+    ("add", [(3,), (2, 3)], ()),
+    ("add", [(2, 1), SHARED_ROW], ()),
+    ("subtract", [(3,), 0.5], ()),
+    ("multiply", [(3,), (3,)], ()),
+    ("multiply", [(2, 3), SHARED_ROW], ()),
+    ("divide", [(3,), SHARED_ROW], ()),
+    ("maximum", [(3,), SHARED_ROW], ()),
+    ("minimum", [(3,), (3,)], ()),
+    ("tanh", [(3,)], ()),
+    ("sigmoid", [(2, 3)], ()),
+    ("exp", [(3,)], ()),
+    ("negative", [(3,)], ()),
+    ("relu", [(3,)], ()),
+    ("abs", [(3,)], ()),
+    ("log", [(3,)], ()),
+    ("sqrt", [(3,)], ()),
+    ("getitem", [(6,)], (slice(1, 4),)),
+    ("getitem", [(2, 6)], ((Ellipsis, slice(None, None, 2)),)),
+    ("getitem", [(2, 6)], (0,)),
+    ("getitem", [(3,)], ((None, slice(None)),)),
+    ("concatenate", [(3,), (2,)], (0,)),
+    ("concatenate", [(2, 3), SHARED_W[:2]], (-1,)),
+    ("sum", [(2, 3)], (1, False)),
+    ("sum", [(2, 3)], (None, False)),
+    ("mean", [(2, 3)], (-1, True)),
+    ("max", [(2, 3)], (0, False)),
+    ("logsumexp", [(2, 3)], (1, False)),
+    ("softmax", [(2, 3)], (-1,)),
+    ("log_softmax", [(2, 3)], (0,)),
+]
+
+
+def _member_values(rng: np.random.Generator, shapes: list[Any], n: int) -> list[list[Any]]:
+    """Per operand: the n members' values (one object when shared)."""
+    columns = []
+    for s in shapes:
+        if type(s) is tuple:
+            columns.append([rng.uniform(0.5, 2.0, s) * rng.choice([-1, 1], s) for _ in range(n)])
+        else:
+            columns.append([s] * n)
+    return columns
+
+
+@pytest.mark.parametrize(("name", "shapes", "params"), CASES, ids=lambda x: str(x)[:30])
+def test_rule_matches_the_unbatched_rule(name: str, shapes: list[Any], params: tuple[Any, ...]) -> None:
+    rng = np.random.default_rng(0)
+    n = 5
+    if name in ("log", "sqrt"):
+        columns = [[np.abs(v) for v in column] for column in _member_values(rng, shapes, n)]
+    else:
+        columns = _member_values(rng, shapes, n)
+    batched = tuple(type(s) is tuple for s in shapes)
+    args = [np.stack(c) if b else c[0] for c, b in zip(columns, batched)]
+    result = BATCHING_RULES[name]((*args, *params), (*batched, *(False,) * len(params)), n)
+    assert result is not None
+    out, vjps = result
+    singles = [PRIMITIVES[name].rule(*(c[i] for c in columns), *params) for i in range(n)]
+    for i, (value, _) in enumerate(singles):
+        np.testing.assert_allclose(out[i], value, rtol=1e-12)
+    g = rng.standard_normal(out.shape)
+    for k, vjp in enumerate(vjps):
+        want = [unbroadcast(np.asarray(s[1][k](g[i])), np.shape(columns[k][i])) for i, s in enumerate(singles)]
+        got = vjp(g)
+        if batched[k]:
+            assert got.shape == args[k].shape
+            for i in range(n):
+                np.testing.assert_allclose(got[i], want[i], rtol=1e-12, atol=1e-12)
+        else:
+            np.testing.assert_allclose(unbroadcast(got, np.shape(args[k])), sum(want), rtol=1e-12, atol=1e-12)
+
+
+def test_embedding_and_cross_entropy_rules() -> None:
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((7, 3))
+    indices = [rng.integers(0, 7, 2) for _ in range(4)]
+    result = BATCHING_RULES["embedding"]((table, np.stack(indices)), (False, True), 4)
+    assert result is not None
+    out, (vjp,) = result
+    for i, idx in enumerate(indices):
+        np.testing.assert_array_equal(out[i], table[idx])
+    g = rng.standard_normal(out.shape)
+    want = sum(PRIMITIVES["embedding"].rule(table, idx)[1][0](g[i]).to_dense() for i, idx in enumerate(indices))
+    np.testing.assert_allclose(vjp(g).to_dense(), want)
+
+    logits = [rng.standard_normal((3, 4)) for _ in range(5)]
+    labels = [rng.integers(0, 4, 3) for _ in range(5)]
+    rows = np.arange(3)
+    args = (np.stack(logits), rows, np.stack(labels))
+    batched = BATCHING_RULES["cross_entropy"](args, (True, False, True), 5)
+    assert batched is not None
+    losses, (ce_vjp,) = batched
+    g = rng.standard_normal(5)
+    got = ce_vjp(g)
+    for i in range(5):
+        value, (single,) = PRIMITIVES["cross_entropy"].rule(logits[i], rows, labels[i])
+        assert losses[i] == pytest.approx(value, rel=1e-12)
+        np.testing.assert_allclose(got[i], single(g[i]), rtol=1e-12)
+
+
+def test_unbatchable_combinations_say_so() -> None:
+    rule: Callable[..., Any] = BATCHING_RULES["getitem"]
+    assert rule((np.ones((3, 4)), (np.array([0, 1]),)), (True, False), 3) is None
+    assert BATCHING_RULES["matmul"]((np.ones(3), np.ones(3)), (False, False), 1) is None
