@@ -155,7 +155,7 @@ class MpiCommunicator(Communicator):
 
 
 async def poll(
-    done: Callable[[], bool], timeout: float, what: str, rank: int, errors: type[Exception] | None = None
+    done: Callable[[], bool], patience: float, what: str, rank: int, errors: type[Exception] | None = None
 ) -> None:
     """Wait until ``done()`` is true, yielding to the event loop between tests.
 
@@ -164,7 +164,7 @@ async def poll(
     to a millisecond: a fast exchange is not slowed down, and a long wait does
     not spin a core that the other ranks on a shared node need.
     """
-    deadline = anyio.current_time() + timeout
+    deadline = anyio.current_time() + patience
     pause = 0.0
     while True:
         try:
@@ -176,7 +176,8 @@ async def poll(
             raise RankFailure({}, f"rank {rank}: error in {what}: {error}") from error
         if anyio.current_time() > deadline:
             raise RankFailure(
-                {}, f"rank {rank}: no answer from the other ranks in {what} within {timeout:g} s (a rank died or hangs)"
+                {},
+                f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or hangs)",
             )
         await anyio.sleep(pause)
         pause = min(1e-3, pause * 2 or 1e-5)

@@ -150,7 +150,9 @@ class DataParallel:
             reduced.update(zip(bucket, _unflatten(total * scale, [w._data for w in bucket])))
         for i in range(len(weights)):
             if (kinds[:, i] == _SPARSE).any() and i not in dense:
-                reduced[weights[i]] = await _gather_rows(comm, grads.get(weights[i]), weights[i]._data, rows[:, i], scale)
+                reduced[weights[i]] = await _gather_rows(
+                    comm, grads.get(weights[i]), weights[i]._data, rows[:, i], scale
+                )
         for i, weight in enumerate(weights):  # sums can overflow where no addend did
             if weight in reduced and not _finite(reduced[weight]):
                 raise RankFailure({}, f"the averaged gradient of weight {i} is not finite; no rank stepped")
@@ -265,7 +267,9 @@ def _mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
         return f"the model has {len(mine)} weights here and {len(theirs)} on the root"
     for i, (w, d) in enumerate(zip(mine, theirs)):
         if _shape(w._data) != _shape(d) or _dtype(w._data) != _dtype(d):
-            return f"weight {i} is {_dtype(w._data)}{list(_shape(w._data))} here, {_dtype(d)}{list(_shape(d))} on the root"
+            return (
+                f"weight {i} is {_dtype(w._data)}{list(_shape(w._data))} here, {_dtype(d)}{list(_shape(d))} on the root"
+            )
     return ""
 
 

@@ -85,10 +85,12 @@ class LocalCommunicator(Communicator):
         return parts
 
 
-def run_local(size: int, main: Callable[[Communicator], Awaitable[T]], timeout: float = DEFAULT_TIMEOUT) -> list[T]:
+def run_local(
+    size: int, main: Callable[[Communicator], Awaitable[T]], timeout: float = DEFAULT_TIMEOUT, backend: str = "asyncio"
+) -> list[T]:
     """Run ``main(comm)`` as ``size`` ranks, each in a thread with its own event loop.
 
-    Returns each rank's result in rank order; if a rank raised, re-raises the
+    ``backend`` is anyio's (``"asyncio"`` or ``"trio"``). Returns each rank's result in rank order; if a rank raised, re-raises the
     lowest failing rank's exception once all threads are done.
 
     >>> async def main(comm: Communicator) -> float:
@@ -102,7 +104,7 @@ def run_local(size: int, main: Callable[[Communicator], Awaitable[T]], timeout: 
 
     def rank_thread(rank: int) -> None:
         try:
-            results[rank] = anyio.run(main, LocalCommunicator(board, rank, timeout))
+            results[rank] = anyio.run(main, LocalCommunicator(board, rank, timeout), backend=backend)
         except BaseException as error:
             errors[rank] = error
 
