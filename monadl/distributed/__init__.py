@@ -12,15 +12,18 @@ Launch: ``mpiexec -n 4 python train.py`` (or ``srun python train.py``).
 from monadl.distributed._comm import Communicator, MpiCommunicator, RankFailure, mpi_world
 from monadl.distributed._data_parallel import DataParallel, find_weights, shard
 from monadl.distributed._local import LocalCommunicator, run_local
+from monadl.distributed._nccl import NcclCommunicator, nccl_world
 
 __all__ = [
     "Communicator",
     "DataParallel",
     "LocalCommunicator",
     "MpiCommunicator",
+    "NcclCommunicator",
     "RankFailure",
     "find_weights",
     "mpi_world",
+    "nccl_world",
     "run_local",
     "shard",
 ]
