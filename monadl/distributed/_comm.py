@@ -160,12 +160,12 @@ async def poll(
     """Wait until ``done()`` is true, yielding to the event loop between tests.
 
     MPI makes progress inside ``Test`` (there is no progress thread by
-    default), so the first tests come back to back and the pause then grows
-    to a millisecond: a fast exchange is not slowed down, and a long wait does
-    not spin a core that the other ranks on a shared node need.
+    default), so for the first ``SPIN`` seconds the tests come back to back
+    (a yield to the loop between them); after that a millisecond apart (the
+    event loop's timer resolution), so that a long wait does not spin a core
+    that the other ranks on a shared node need.
     """
-    deadline = anyio.current_time() + patience
-    pause = 0.0
+    started = anyio.current_time()
     while True:
         try:
             if done():
@@ -174,13 +174,16 @@ async def poll(
             if errors is None or not isinstance(error, errors):
                 raise
             raise RankFailure({}, f"rank {rank}: error in {what}: {error}") from error
-        if anyio.current_time() > deadline:
+        waited = anyio.current_time() - started
+        if waited > patience:
             raise RankFailure(
                 {},
                 f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or hangs)",
             )
-        await anyio.sleep(pause)
-        pause = min(1e-3, pause * 2 or 1e-5)
+        await anyio.sleep(0.0 if waited < SPIN else 1e-3)
+
+
+SPIN: Final = 2e-3  # seconds of back-to-back tests: a healthy exchange on one node finishes within them
 
 
 def mpi_world(timeout: float = DEFAULT_TIMEOUT) -> MpiCommunicator:

@@ -147,15 +147,19 @@ class DataParallel:
         buckets = _buckets([weights[i] for i in dense], self.bucket_bytes)
         flats = [_flatten([_dense(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
         for bucket, total in zip(buckets, await comm.allreduce_many(flats)):
-            reduced.update(zip(bucket, _unflatten(total * scale, [w._data for w in bucket])))
+            if scale != 1.0:
+                total = total * scale
+            if not _finite(total):  # sums can overflow where no addend did
+                raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
+            reduced.update(zip(bucket, _unflatten(total, [w._data for w in bucket])))
         for i in range(len(weights)):
             if (kinds[:, i] == _SPARSE).any() and i not in dense:
                 reduced[weights[i]] = await _gather_rows(
                     comm, grads.get(weights[i]), weights[i]._data, rows[:, i], scale
                 )
-        for i, weight in enumerate(weights):  # sums can overflow where no addend did
-            if weight in reduced and not _finite(reduced[weight]):
-                raise RankFailure({}, f"the averaged gradient of weight {i} is not finite; no rank stepped")
+        for i, weight in enumerate(weights):
+            if type(reduced.get(weight)) is SparseRows and not _finite(reduced[weight]):
+                raise RankFailure({}, f"the averaged gradient of weight {i} is not finite (an overflow in the sum)")
         _commit(reduced)
         return value
 

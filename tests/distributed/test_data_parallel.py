@@ -229,3 +229,14 @@ def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
     assert [len(shard(x, r, 3, drop_last=True)) for r in range(3)] == [3, 3, 3]
     with pytest.raises(ValueError, match=r"rank 3 is not in 0\.\.2"):
         shard(x, 3, 3)
+
+
+def test_a_sum_that_overflows_stops_every_rank() -> None:
+    async def rank(comm: Communicator) -> str:
+        weight = ml.Weight(np.zeros(2))
+        with pytest.raises(RankFailure, match=r"the averaged gradient is not finite \(an overflow in the sum\)"):
+            await DataParallel(weight, comm).train(ml.sum(weight * 1e308))  # finite on each rank, not summed
+        assert np.array_equal(weight.data, np.zeros(2))
+        return "raised"
+
+    assert run_local(2, rank) == ["raised", "raised"]
