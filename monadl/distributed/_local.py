@@ -64,8 +64,9 @@ class LocalCommunicator(Communicator):
     async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
         parts = await self._exchange(send, "all-reduce")
         total = parts[0].copy()
-        for part in parts[1:]:  # in rank order on every rank, so every rank gets the same bits
-            total += part
+        with np.errstate(over="ignore"):  # as in MPI: an overflow is the caller's to find in the sum
+            for part in parts[1:]:  # in rank order on every rank, so every rank gets the same bits
+                total += part
         return total
 
     async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
