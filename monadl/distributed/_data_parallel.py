@@ -70,13 +70,14 @@ class DataParallel:
     [array([-0.35]), array([-0.35])]
     """
 
-    __slots__ = ("_comm", "_weights", "average", "bucket_bytes")
+    __slots__ = ("_comm", "_index", "_weights", "average", "bucket_bytes")
 
     def __init__(
         self, model: object, comm: Communicator | None = None, *, bucket_bytes: int = BUCKET_BYTES, average: bool = True
     ) -> None:
         self._comm = mpi_world() if comm is None else comm
         self._weights = find_weights(model)
+        self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
 
@@ -118,8 +119,7 @@ class DataParallel:
         Returns this rank's loss value. Raises `RankFailure` (on every rank)
         if any rank failed; then no weight changed on any rank.
         """
-        comm, weights = self._comm, self._weights
-        index = {w: i for i, w in enumerate(weights)}
+        comm, weights, index = self._comm, self._weights, self._index
         grads: dict[Weight[Any, Any], Any] = {}
         value: Any = None
         problem = ""
@@ -143,7 +143,11 @@ class DataParallel:
         kinds, rows = statuses[:, 1 : 1 + len(weights)], statuses[:, 1 + len(weights) :]
         scale = 1.0 / comm.size if self.average else 1.0
         reduced: dict[Weight[Any, Any], Any] = {}
-        dense = [i for i in range(len(weights)) if (kinds[:, i] == _DENSE).any()]
+        # Dense where any rank's gradient is dense (the other ranks' rows or
+        # absences made dense); rows where the ranks that have one have rows.
+        any_dense = (kinds == _DENSE).any(axis=0)
+        dense = np.flatnonzero(any_dense).tolist()
+        sparse = np.flatnonzero((kinds == _SPARSE).any(axis=0) & ~any_dense).tolist()
         buckets = _buckets([weights[i] for i in dense], self.bucket_bytes)
         flats = [_flatten([_dense(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
         for bucket, total in zip(buckets, await comm.allreduce_many(flats)):
@@ -152,14 +156,9 @@ class DataParallel:
             if not _finite(total):  # sums can overflow where no addend did
                 raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
             reduced.update(zip(bucket, _unflatten(total, [w._data for w in bucket])))
-        for i in range(len(weights)):
-            if (kinds[:, i] == _SPARSE).any() and i not in dense:
-                reduced[weights[i]] = await _gather_rows(
-                    comm, grads.get(weights[i]), weights[i]._data, rows[:, i], scale
-                )
-        for i, weight in enumerate(weights):
-            if type(reduced.get(weight)) is SparseRows and not _finite(reduced[weight]):
-                raise RankFailure({}, f"the averaged gradient of weight {i} is not finite (an overflow in the sum)")
+        for i in sparse:  # rows are concatenated, not summed: finite rows stay finite
+            weight = weights[i]
+            reduced[weight] = await _gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
         _commit(reduced)
         return value
 
