@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,examples,docs]'
+	$(BIN)/python -m pip install --quiet -e '.[test,examples,docs,mpi]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

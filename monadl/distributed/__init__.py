@@ -1,0 +1,29 @@
+"""Data-parallel training across processes and machines, on MPI (NCCL for CuPy arrays).
+
+Every rank (process) runs the same script on its shard of the data;
+`DataParallel.train` averages the gradients over the ranks and steps every
+weight identically on every rank, or on none if any rank failed. Needs the
+``mpi`` extra (``pip install monadl[mpi]``: mpi4py and the MPICH wheel) to run
+across processes; `run_local` runs ranks as threads of one process.
+
+Launch: ``mpiexec -n 4 python train.py`` (or ``srun python train.py``).
+"""
+
+from monadl.distributed._comm import Communicator, MpiCommunicator, RankFailure, mpi_world
+from monadl.distributed._data_parallel import DataParallel, find_weights, shard
+from monadl.distributed._local import LocalCommunicator, run_local
+from monadl.distributed._nccl import NcclCommunicator, nccl_world
+
+__all__ = [
+    "Communicator",
+    "DataParallel",
+    "LocalCommunicator",
+    "MpiCommunicator",
+    "NcclCommunicator",
+    "RankFailure",
+    "find_weights",
+    "mpi_world",
+    "nccl_world",
+    "run_local",
+    "shard",
+]

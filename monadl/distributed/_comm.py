@@ -1,0 +1,195 @@
+"""How ranks exchange arrays: the collectives data parallelism needs, on MPI.
+
+`Communicator` is the small interface the data-parallel step is written
+against: rank and size, all-gather (of equal or of varying sizes), a summing
+all-reduce and a broadcast, each ``async`` so that the event loop keeps
+running while a collective is in flight. `MpiCommunicator` implements it with
+mpi4py's non-blocking collectives (``Iallreduce``, ``Iallgatherv``,
+``Ibcast``), polled from the event loop with a deadline: a rank that died or
+hangs is reported as a `RankFailure` after ``timeout`` seconds instead of
+blocking every other rank forever (a blocking MPI call could not be
+cancelled, in a thread or not).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, final
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from monadl.errors import MonadlError
+
+__all__ = ["Communicator", "MpiCommunicator", "RankFailure", "mpi_world"]
+
+DEFAULT_TIMEOUT: Final = 300.0  # seconds a collective may wait for the slowest rank
+
+
+class RankFailure(MonadlError, RuntimeError):
+    """A data-parallel step that some rank could not take; no rank stepped.
+
+    Raised on every rank alike. ``failures`` maps each failed rank to why it
+    failed (its exception, or a non-finite gradient); it is empty when a peer
+    never answered (it died, or hangs), which ``reason`` then says.
+
+    >>> str(RankFailure({1: "ValueError: bad batch"}))
+    'no rank stepped: rank 1 failed: ValueError: bad batch'
+    """
+
+    def __init__(self, failures: Mapping[int, str], reason: str = "") -> None:
+        self.failures = dict(failures)
+        self.reason = reason
+        parts = [f"rank {rank} failed: {why}" for rank, why in sorted(self.failures.items())]
+        super().__init__("no rank stepped: " + "; ".join(parts + ([reason] if reason else [])))
+
+
+class Communicator(ABC):
+    """The collectives of data-parallel training, awaited without blocking the loop.
+
+    Every rank must call the same collectives in the same order, as in MPI.
+    Arrays go in and come out as NumPy arrays (device arrays go through
+    `monadl.distributed.NcclReducer`).
+    """
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process's index among the ranks, from 0."""
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """How many ranks take part."""
+
+    @abstractmethod
+    async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
+        """Every rank's ``send`` concatenated in rank order; ``counts[r]`` is rank r's length."""
+
+    @abstractmethod
+    async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The elementwise sum of every rank's ``send`` (the same shape on every rank)."""
+
+    @abstractmethod
+    async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
+        """``root``'s ``buffer`` on every rank (the others pass one of the same shape)."""
+
+    async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+        """`allreduce` of each buffer (gradient buckets); a library may keep them all in flight at once."""
+        return [await self.allreduce(send) for send in sends]
+
+
+class _Request(Protocol):
+    def Test(self) -> bool: ...
+
+
+@final
+class MpiCommunicator(Communicator):
+    """An mpi4py communicator (``MPI.COMM_WORLD`` by default) as a `Communicator`.
+
+    Args:
+        comm: an ``mpi4py.MPI.Intracomm``; None for ``MPI.COMM_WORLD``.
+        timeout: seconds a collective waits for the other ranks before it
+            raises `RankFailure` (a dead or hung rank); generous by default
+            because a slow but healthy rank also makes the others wait.
+
+    >>> comm = MpiCommunicator()  # doctest: +SKIP
+    """
+
+    __slots__ = ("_comm", "timeout")
+
+    def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        from mpi4py import MPI
+
+        self._comm: Any = MPI.COMM_WORLD if comm is None else comm
+        self.timeout = timeout
+
+    @property
+    def rank(self) -> int:
+        return int(self._comm.Get_rank())
+
+    @property
+    def size(self) -> int:
+        return int(self._comm.Get_size())
+
+    async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
+        send = np.ascontiguousarray(send)
+        rest = send.shape[1:]
+        per_row = math.prod(rest)
+        out = np.empty((sum(counts), *rest), send.dtype)
+        request = self._comm.Iallgatherv(send, [out, [c * per_row for c in counts]])
+        await self._wait(request, "all-gather")
+        return out
+
+    async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        from mpi4py import MPI
+
+        send = np.ascontiguousarray(send)
+        out = np.empty_like(send)
+        await self._wait(self._comm.Iallreduce(send, out, op=MPI.SUM), "all-reduce")
+        return out
+
+    async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+        # Every bucket's request is started before any is waited for, so MPI
+        # pipelines them; the order of starts is the same on every rank.
+        from mpi4py import MPI
+
+        sends = [np.ascontiguousarray(s) for s in sends]
+        outs = [np.empty_like(s) for s in sends]
+        requests = [self._comm.Iallreduce(s, o, op=MPI.SUM) for s, o in zip(sends, outs)]
+        await poll(lambda: bool(MPI.Request.Testall(requests)), self.timeout, "all-reduce", self.rank, MPI.Exception)
+        return outs
+
+    async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
+        buffer = np.ascontiguousarray(buffer)
+        await self._wait(self._comm.Ibcast(buffer, root=root), "broadcast")
+        return buffer
+
+    async def _wait(self, request: _Request, what: str) -> None:
+        from mpi4py import MPI
+
+        await poll(request.Test, self.timeout, what, self.rank, MPI.Exception)
+
+
+async def poll(
+    done: Callable[[], bool], patience: float, what: str, rank: int, errors: type[Exception] | None = None
+) -> None:
+    """Wait until ``done()`` is true, yielding to the event loop between tests.
+
+    MPI makes progress inside ``Test`` (there is no progress thread by
+    default), so for the first ``SPIN`` seconds the tests come back to back
+    (a yield to the loop between them); after that a millisecond apart (the
+    event loop's timer resolution), so that a long wait does not spin a core
+    that the other ranks on a shared node need.
+    """
+    started = anyio.current_time()
+    while True:
+        try:
+            if done():
+                return
+        except Exception as error:  # a peer's process or link failed under the library's eyes
+            if errors is None or not isinstance(error, errors):
+                raise
+            raise RankFailure({}, f"rank {rank}: error in {what}: {error}") from error
+        waited = anyio.current_time() - started
+        if waited > patience:
+            raise RankFailure(
+                {},
+                f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or hangs)",
+            )
+        await anyio.sleep(0.0 if waited < SPIN else 1e-3)
+
+
+SPIN: Final = 2e-3  # seconds of back-to-back tests: a healthy exchange on one node finishes within them
+
+
+def mpi_world(timeout: float = DEFAULT_TIMEOUT) -> MpiCommunicator:
+    """``MPI.COMM_WORLD`` as a `Communicator` (needs the ``mpi`` extra).
+
+    >>> mpi_world().size  # doctest: +SKIP
+    2
+    """
+    return MpiCommunicator(None, timeout)

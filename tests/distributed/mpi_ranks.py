@@ -1,0 +1,138 @@
+"""What each rank runs under ``mpiexec -n 2`` for test_mpi.py.
+
+``python mpi_ranks.py train OUT``: 50 data-parallel steps of the digits demo's
+gated network and of the columns network (float64, each rank on half of
+every batch), then two steps that fail on rank 1 (an exception in its
+forward; a NaN); writes ``OUT/rank{r}.npz`` (weights) and
+``OUT/rank{r}.json`` (the errors, and whether the failed steps changed
+anything).
+
+``python mpi_ranks.py kill OUT``: rank 1 is killed (SIGKILL) in the forward
+of its first step; the survivor writes what it raised to ``OUT/rank0.json``.
+
+The models and batches come from `model_batches`, which the test also uses
+for its one-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import monadl as ml
+from benchmarks.columns import COARSE, Config, MonadlColumns, init_weights, make_batches
+from examples.digits import GatedDigits, load_digits
+
+STEPS = 50
+Batch = tuple[Callable[[Any, Any], ml.ScalarLayer], npt.NDArray[Any], npt.NDArray[Any]]
+
+
+def float64_digits() -> GatedDigits:
+    """The digits demo's model with float64 weights (for a 1e-6 comparison after 50 steps)."""
+    model = GatedDigits(seed=0)
+    for dense in [model.features, model.coarse, *(d for pair in model.fine for d in pair)]:
+        dense.weight = ml.Weight(np.asarray(dense.weight.data, np.float64), optimizer=dense.weight.optimizer)
+        dense.bias = ml.Weight(np.asarray(dense.bias.data, np.float64), optimizer=dense.bias.optimizer)
+    return model
+
+
+def model_batches() -> tuple[list[object], list[Batch]]:
+    """The two models and, per step, a loss function and its full batch: the
+    digits demo's one-group batches of 16 and the columns network's."""
+    digits = float64_digits()
+    x, y, _, _ = load_digits()
+    x = x.astype(np.float64)
+    steps: list[Batch] = []
+    rng = np.random.default_rng(0)
+    for step in range(STEPS):
+        rows = rng.choice(np.flatnonzero(y // 2 == step % 5), 16, replace=False)
+        steps.append((digits.training_loss, x[rows], y[rows]))
+    config = Config(columns=2)
+    columns = MonadlColumns(config, {k: v.astype(np.float64) for k, v in init_weights(config).items()})
+    for x_batch, coarse, fine in make_batches(config, STEPS):
+
+        def loss(xs: Any, fines: Any, coarse: int = coarse) -> ml.ScalarLayer:
+            return columns.loss(xs, coarse, fines, skip=True)
+
+        steps.append((loss, x_batch.astype(np.float64), fine))
+    assert len(steps) == 2 * STEPS and coarse < COARSE
+    return [digits, columns], steps
+
+
+def flat_weights(models: list[object]) -> dict[str, npt.NDArray[Any]]:
+    from monadl.distributed import find_weights
+
+    return {f"{m}.{i}": np.asarray(w.data) for m, model in enumerate(models) for i, w in enumerate(find_weights(model))}
+
+
+async def train(out: Path) -> None:
+    from monadl.distributed import DataParallel, RankFailure, mpi_world, shard
+
+    comm = mpi_world(timeout=60.0)
+    rank, size = comm.rank, comm.size
+    models, steps = model_batches()
+    dp = DataParallel(models, comm)
+    await dp.broadcast()
+    for loss, x, y in steps:
+        await dp.train(loss(shard(x, rank, size), shard(y, rank, size)))
+    weights = flat_weights(models)
+    np.savez(out / f"rank{rank}.npz", allow_pickle=False, **weights)
+    report: dict[str, Any] = {}
+    loss, x, y = steps[0]
+    xs, ys = shard(x, rank, size), shard(y, rank, size)
+    for fault, bad_x in [("raise", xs[:, :10]), ("nan", xs * np.nan)]:
+        try:
+            await dp.train(loss(bad_x if rank == 1 else xs, ys))
+        except RankFailure as error:
+            report[fault] = str(error)
+    after = flat_weights(models)
+    report["unchanged"] = all(np.array_equal(weights[k], after[k]) for k in weights)
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+async def kill(out: Path) -> None:
+    from monadl.distributed import DataParallel, RankFailure, mpi_world, shard
+
+    comm = mpi_world(timeout=5.0)
+    rank = comm.rank
+    weight = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.1))
+    dp = DataParallel(weight, comm)
+    await dp.broadcast()
+
+    @ml.direct
+    async def dies_on_rank_1(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+    report: dict[str, Any] = {}
+    try:
+        await dp.train(ml.sum(dies_on_rank_1(weight * shard(np.arange(4.0), rank, 2)[0])))
+    except RankFailure as error:
+        report["error"] = str(error)
+    report["unchanged"] = bool(np.array_equal(weight.data, np.ones(4)))
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    import anyio
+
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    anyio.run(train if mode == "train" else kill, out)
+    if mode == "kill":
+        # After a dead peer MPI cannot finalize (its finalize would wait for
+        # the dead rank): leave without it, as a real job would after the error.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

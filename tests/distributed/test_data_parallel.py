@@ -1,0 +1,242 @@
+"""The data-parallel protocol with ranks as threads (`run_local`): no MPI needed.
+
+The same protocol runs across processes in test_mpi.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+import monadl as ml
+from monadl.distributed import Communicator, DataParallel, RankFailure, find_weights, run_local, shard
+
+BACKENDS = ["asyncio", "trio"]
+Arrays = dict[str, npt.NDArray[Any]]
+
+
+class Net:
+    """A two-layer network with a second head that only some batches reach (a dynamic network)."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.w1 = ml.Weight(rng.standard_normal((4, 8)), optimizer=ml.optim.momentum(0.1))
+        self.b1 = ml.Weight(np.zeros(8), optimizer=ml.optim.momentum(0.1))
+        self.heads = [ml.Weight(rng.standard_normal((8, 3)), optimizer=ml.optim.adam(0.01)) for _ in range(2)]
+        self.scale = ml.Weight(1.0, optimizer=ml.optim.sgd(0.1))
+
+    def loss(self, x: npt.NDArray[Any], y: npt.NDArray[Any], head: int) -> ml.ScalarLayer:
+        hidden = ml.relu(ml.dense(x, self.w1, self.b1))
+        return ml.cross_entropy(ml.matmul(hidden, self.heads[head]) * self.scale, y)
+
+    def weights(self) -> Arrays:
+        return {f"{i}": np.asarray(w.data) for i, w in enumerate(find_weights(self))}
+
+
+def batches(steps: int) -> list[tuple[npt.NDArray[Any], npt.NDArray[Any], int]]:
+    rng = np.random.default_rng(1)
+    return [(rng.standard_normal((6, 4)), rng.integers(0, 3, 6), step % 2) for step in range(steps)]
+
+
+def single_process(steps: int) -> Arrays:
+    net = Net(0)
+    for x, y, head in batches(steps):
+        anyio.run(net.loss(x, y, head).train)
+    return net.weights()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_step_as_one_process_on_the_full_batch(backend: str) -> None:
+    async def rank(comm: Communicator) -> Arrays:
+        net = Net(comm.rank)  # different initial weights: broadcast makes them rank 0's
+        dp = DataParallel(net, comm)
+        await dp.broadcast()
+        for x, y, head in batches(5):
+            await dp.train(net.loss(shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size), head))
+        return net.weights()
+
+    zero, one = run_local(2, rank, backend=backend)
+    expected = single_process(5)
+    for name in expected:
+        np.testing.assert_array_equal(zero[name], one[name])  # identical bits on every rank
+        np.testing.assert_allclose(zero[name], expected[name], rtol=1e-12, atol=1e-14)
+
+
+def test_a_weight_that_only_one_rank_reaches_takes_the_full_batch_step() -> None:
+    x, y, _ = batches(1)[0]
+
+    async def rank(comm: Communicator) -> Arrays:
+        net = Net(0)
+        dp = DataParallel(net, comm)
+        # Rank 0's half goes through head 0 and rank 1's through head 1: each head's
+        # full-batch gradient is half its rank's.
+        half = slice(3 * comm.rank, 3 * comm.rank + 3)
+        await dp.train(net.loss(x[half], y[half], comm.rank))
+        return net.weights()
+
+    async def whole() -> Arrays:
+        net = Net(0)
+        await (net.loss(x[:3], y[:3], 0) * 0.5 + net.loss(x[3:], y[3:], 1) * 0.5).train()
+        return net.weights()
+
+    got, expected = run_local(2, rank)[0], anyio.run(whole)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-12)
+
+
+def run_failing(fail: str, backend: str = "asyncio") -> list[Any]:
+    """Two ranks train one step; rank 1 fails as ``fail`` says. Each returns
+    its error and whether its weights stayed as they were."""
+    x, y, head = batches(1)[0]
+
+    async def rank(comm: Communicator) -> tuple[RankFailure | None, bool]:
+        net = Net(0)
+        before = net.weights()
+        dp = DataParallel(net, comm)
+        xs = shard(x, comm.rank, 2)
+        loss = net.loss(xs, shard(y, comm.rank, 2), head)
+        if comm.rank == 1 and fail == "raise":
+            loss = net.loss(xs[:, :3], shard(y, 1, 2), head)  # a shape error in its forward
+        if comm.rank == 1 and fail == "nan":
+            loss = net.loss(xs * np.nan, shard(y, 1, 2), head)
+        error = None
+        try:
+            await dp.train(loss)
+        except RankFailure as e:
+            error = e
+        after = net.weights()
+        return error, all(np.array_equal(before[k], after[k]) for k in before)
+
+    return run_local(2, rank, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_raises_in_its_forward_stops_every_rank(backend: str) -> None:
+    for error, unchanged in run_failing("raise", backend):
+        assert unchanged
+        assert isinstance(error, RankFailure)
+        assert list(error.failures) == [1]
+        assert "ShapeError" in error.failures[1] and "rank 1 failed" in str(error)
+
+
+def test_a_rank_with_a_non_finite_gradient_stops_every_rank() -> None:
+    for error, unchanged in run_failing("nan"):
+        assert unchanged
+        assert isinstance(error, RankFailure)
+        assert list(error.failures) == [1]
+        assert "non-finite gradient of weight" in error.failures[1]
+
+
+def test_a_rank_that_never_joins_is_reported_after_the_timeout() -> None:
+    async def rank(comm: Communicator) -> str:
+        net = Net(0)
+        before = net.weights()["0"]
+        if comm.rank == 1:
+            return "gone"  # dies before the step
+        x, y, head = batches(1)[0]
+        with pytest.raises(RankFailure, match="no answer from the other ranks") as caught:
+            await DataParallel(net, comm).train(net.loss(x, y, head))
+        assert np.array_equal(before, net.weights()["0"])
+        return str(caught.value)
+
+    message, gone = run_local(2, rank, timeout=0.2)
+    assert gone == "gone" and "rank 0" in message
+
+
+class Counting(Communicator):
+    """A communicator that counts the elements each collective sends."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+        self.reduced = 0
+        self.gathered = 0
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    async def allgather(self, send: npt.NDArray[Any], counts: Any) -> npt.NDArray[Any]:
+        self.gathered += send.size
+        return await self.inner.allgather(send, counts)
+
+    async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        self.reduced += send.size
+        return await self.inner.allreduce(send)
+
+    async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
+        return await self.inner.broadcast(buffer, root)
+
+
+def test_sparse_embedding_deltas_travel_as_rows() -> None:
+    table = np.random.default_rng(0).standard_normal((10_000, 4))
+    ids = np.array([[3, 7, 3], [9_999, 7, 0]])
+
+    async def rank(comm: Communicator) -> tuple[npt.NDArray[Any], int, int]:
+        weight = ml.Weight(table, optimizer=ml.optim.sgd(0.5))
+        counting = Counting(comm)
+        await DataParallel(weight, counting).train(ml.sum(ml.embedding(weight, ids[comm.rank])))
+        return weight.data, counting.reduced, counting.gathered
+
+    async def whole() -> npt.NDArray[Any]:
+        weight = ml.Weight(table, optimizer=ml.optim.sgd(0.5))
+        await (ml.sum(ml.embedding(weight, ids.reshape(-1))) * 0.5).train()
+        return weight.data
+
+    (zero, reduced, gathered), (one, _, _) = run_local(2, rank)
+    np.testing.assert_array_equal(zero, one)
+    np.testing.assert_allclose(zero, anyio.run(whole), rtol=1e-15)
+    assert reduced == 0  # no dense table went over the wire
+    assert gathered < 100  # statuses, 6 indices and 6 rows of 4
+
+
+def test_broadcast_gives_every_rank_the_roots_weights_and_optimizer_state() -> None:
+    async def rank(comm: Communicator) -> Any:
+        net = Net(comm.rank)
+        if comm.rank == 0:
+            await net.loss(*batches(1)[0]).train()  # momentum and Adam state that is not the initial one
+        await DataParallel(net, comm).broadcast()
+        return net.weights(), [w._state for w in find_weights(net)]
+
+    (w0, s0), (w1, s1) = run_local(2, rank)
+    for name in w0:
+        np.testing.assert_array_equal(w0[name], w1[name])
+    assert repr(s0) == repr(s1)
+
+
+def test_broadcast_refuses_a_model_of_another_shape_on_every_rank() -> None:
+    async def rank(comm: Communicator) -> str:
+        weight = ml.Weight(np.zeros(2 + comm.rank))
+        with pytest.raises(RankFailure, match=r"rank 1 failed: weight 0 is float64\[3\] here, float64\[2\]"):
+            await DataParallel(weight, comm).broadcast()
+        return "raised"
+
+    assert run_local(2, rank) == ["raised", "raised"]
+
+
+def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
+    x = np.arange(10)
+    parts = [shard(x, r, 3) for r in range(3)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(10))
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert [len(shard(x, r, 3, drop_last=True)) for r in range(3)] == [3, 3, 3]
+    with pytest.raises(ValueError, match=r"rank 3 is not in 0\.\.2"):
+        shard(x, 3, 3)
+
+
+def test_a_sum_that_overflows_stops_every_rank() -> None:
+    async def rank(comm: Communicator) -> str:
+        weight = ml.Weight(np.zeros(2))
+        with pytest.raises(RankFailure, match=r"the averaged gradient is not finite \(an overflow in the sum\)"):
+            await DataParallel(weight, comm).train(ml.sum(weight * 1e308))  # finite on each rank, not summed
+        assert np.array_equal(weight.data, np.zeros(2))
+        return "raised"
+
+    assert run_local(2, rank) == ["raised", "raised"]
