@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.deltas import SparseRows
 from monadl.layers._layer import Weight, _Expr
 from monadl.runtime import entry
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
 

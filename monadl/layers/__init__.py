@@ -1,5 +1,6 @@
 """Layers, weights and the differentiable functions over them."""
 
+from monadl.deltas import unbroadcast
 from monadl.layers._functions import (
     abs,
     concatenate,
@@ -45,7 +46,7 @@ from monadl.layers._layer import (
     ScalarWeight,
     Weight,
 )
-from monadl.layers._primitives import Primitive, unbroadcast
+from monadl.layers._primitives import Primitive
 
 __all__ = [
     "Array",

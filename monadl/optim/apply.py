@@ -16,9 +16,9 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import is_array, namespace
+from monadl.deltas import SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import Weight, site_text
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["apply_gradients", "step"]
 
