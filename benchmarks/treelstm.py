@@ -108,8 +108,16 @@ def _monadl_batching(weights: Weights) -> Variant | None:
     return _monadl(weights, lambda: ml.settings(**on))
 
 
+def _monadl_unbatched(weights: Weights) -> Variant:
+    """Node by node: batching off where the runtime has the setting (its default may batch)."""
+    if not batching_available():
+        return _monadl(weights)
+    off: dict[str, Any] = {"batching": False}
+    return _monadl(weights, lambda: ml.settings(**off))
+
+
 VARIANTS: dict[str, Builder] = {
-    "monadl": _monadl,
+    "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
     "torch per-node": _treelstm_torch.per_node,
     "torch by depth": _treelstm_torch.by_depth,
