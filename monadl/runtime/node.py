@@ -17,7 +17,8 @@ import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, is_array, library_name, namespace
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
-from monadl.layers._layer import Layer, Weight, site_text
+from monadl.layers._layer import Layer, site_text
+from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 
 __all__ = ["all_finite", "collect", "compute", "describe", "where"]
