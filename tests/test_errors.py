@@ -189,7 +189,7 @@ def test_numpy_functions_on_layers_name_the_monadl_function() -> None:
 
 
 def test_every_hinted_ufunc_has_its_monadl_function() -> None:
-    from monadl.layers._layer import _DIFFERENTIABLE
+    from monadl.layers._ufunc import DIFFERENTIABLE as _DIFFERENTIABLE
 
     for name in _DIFFERENTIABLE:
         assert callable(getattr(ml, name)) and isinstance(getattr(np, name), np.ufunc)
