@@ -46,7 +46,14 @@ class DTypeError(MonadlError, TypeError):
 
 
 class NonFiniteError(MonadlError, FloatingPointError):
-    """A NaN or infinity appeared (raised only with ``check_finite=True``)."""
+    """A NaN or an infinity where it must not be.
+
+    By default ``train()`` raises it instead of writing one into a weight
+    (``Settings.finite_steps``), naming the weight's line, with no weight
+    changed; with ``ml.settings(check_finite=True)`` the first operation whose
+    forward value or backward delta holds one raises it, naming that
+    operation and the user's line that built it.
+    """
 
 
 class OperandError(MonadlError, TypeError):
