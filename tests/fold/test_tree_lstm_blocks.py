@@ -66,3 +66,18 @@ def test_a_tree_deeper_than_pythons_stack_encodes_as_the_natural_recursion() -> 
     natural = anyio.run(tl.TreeLSTM(weights).logits([tree]).predict)
     blocks = anyio.run(FoldTreeLSTM(weights).logits([tree]).predict)
     np.testing.assert_allclose(blocks, natural, rtol=1e-12)
+
+
+def test_the_block_graph_is_an_ordinary_graph_that_batching_groups() -> None:
+    from monadl.runtime.evaluation import Evaluation, Record
+    from monadl.runtime.node import collect
+    from monadl.runtime.schedule import batched
+
+    model = FoldTreeLSTM(tl.init_weights(4, dtype=np.float64))
+    ev = Evaluation(train=True)
+    order = collect(ev, [model.loss(tl.make_trees(8, 4, 6, seed=0))])
+    with ml.settings(batching=True):
+        assert batched.worth_batching(ev, order)
+        assert batched.forward(ev, order) == []  # every node ran, in groups or alone
+    groups = [key for key in ev.records if type(key) is Record]  # the stack and group records batching added
+    assert 10 < len(groups) < len(order) // 4
