@@ -10,6 +10,11 @@ rows; `Function` applies a function over layers (a cell using weights);
 the input, `Optional` maps None to a default, `AllOf` and `Record` make
 tuples; `ForwardDeclaration` lets a block use itself (recursion over trees).
 
+mypy reads a block's types from the function it wraps: give `Function` and
+`InputTransform` a ``def`` with annotations, or name the types of a lambda
+(``InputTransform[Node, int](lambda n: n.symbol)``), since mypy does not
+infer a lambda's parameter from the ``>>`` that follows it.
+
 ``block(x)`` builds one input's layers and ``block.batch(xs)`` many inputs'
 in one graph; the graph is an ordinary monadl graph, so
 ``await loss.train()`` trains it and the runtime's dynamic batching
