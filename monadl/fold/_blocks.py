@@ -297,20 +297,26 @@ class AllOf(Block[X, T]):
 @final
 class Record(Block[X, T]):
     """Each field of the input through its own block: ``Record(b1, b2)``
-    takes a tuple ``(x1, x2)``; ``Record({"a": b1, "b": b2})`` a mapping
-    with those keys. The output is the tuple of the fields' outputs, in the
+    takes a tuple ``(x1, x2)``; ``Record({"a": b1, "b": b2})`` (or
+    ``Record([("a", b1), ("b", b2)])``) a mapping with those keys. The output is the tuple of the fields' outputs, in the
     order the blocks are given.
 
     >>> Record(InputTransform(len), InputTransform(abs))(("ab", -3))
     (2, 3)
     >>> Record({"n": InputTransform(len)})({"n": "abc"})
     (3,)
+    >>> Record([("b", InputTransform(len)), ("a", InputTransform(len))])({"a": "x", "b": "yz"})
+    (2, 1)
     """
 
     __slots__ = ("blocks", "keys")
 
     @overload
     def __init__(self: Record[Mapping[K, X1], tuple[Y1, ...]], fields: Mapping[K, Block[X1, Y1]], /) -> None: ...
+    @overload
+    def __init__(
+        self: Record[Mapping[K, X1], tuple[Y1, ...]], fields: Sequence[tuple[K, Block[X1, Y1]]], /
+    ) -> None: ...
     @overload
     def __init__(self: Record[tuple[X1], tuple[Y1]], b1: Block[X1, Y1], /) -> None: ...
     @overload
@@ -333,9 +339,10 @@ class Record(Block[X, T]):
         /,
     ) -> None: ...
     def __init__(self, *fields: Any) -> None:
-        if len(fields) == 1 and isinstance(fields[0], Mapping):
-            self.keys: tuple[Any, ...] | None = tuple(fields[0])
-            self.blocks: tuple[Block[Any, Any], ...] = tuple(fields[0].values())
+        if len(fields) == 1 and isinstance(fields[0], Mapping | Sequence):
+            pairs = list(fields[0].items() if isinstance(fields[0], Mapping) else fields[0])
+            self.keys: tuple[Any, ...] | None = tuple(k for k, _ in pairs)
+            self.blocks: tuple[Block[Any, Any], ...] = tuple(b for _, b in pairs)
         else:
             self.keys = None
             self.blocks = fields
