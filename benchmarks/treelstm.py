@@ -108,6 +108,14 @@ def _monadl_batching(weights: Weights) -> Variant | None:
     return _monadl(weights, lambda: ml.settings(**on))
 
 
+def _monadl_unbatched(weights: Weights) -> Variant:
+    """Node by node: batching off where the runtime has the setting (its default may batch)."""
+    if not batching_available():
+        return _monadl(weights)
+    off: dict[str, Any] = {"batching": False}
+    return _monadl(weights, lambda: ml.settings(**off))
+
+
 def _monadl_fold(weights: Weights) -> Variant:
     """The Tree-LSTM as Fold blocks (`examples.tree_lstm_fold`), batching on where the runtime has it."""
     from examples.tree_lstm_fold import FoldTreeLSTM
@@ -130,7 +138,7 @@ def _monadl_fold(weights: Weights) -> Variant:
 
 
 VARIANTS: dict[str, Builder] = {
-    "monadl": _monadl,
+    "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
     "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,

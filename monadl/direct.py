@@ -29,7 +29,7 @@ from contextvars import ContextVar
 from typing import Any, Final, ParamSpec, TypeVar, final, overload
 
 from monadl.do import DIRECT, Do
-from monadl.layers._layer import Layer, _Expr
+from monadl.layers._layer import Expr, Layer
 
 __all__ = ["direct", "values"]
 
@@ -51,9 +51,9 @@ class AwaitLayers:
 
     __slots__ = ("layers", "single")
 
-    def __init__(self, layers: tuple[_Expr[Any, Any], ...], single: bool) -> None:
+    def __init__(self, layers: tuple[Expr[Any, Any], ...], single: bool) -> None:
         for layer in layers:
-            if not isinstance(layer, _Expr):
+            if not isinstance(layer, Expr):
                 raise TypeError(f"values(...) takes layers and weights, got {type(layer).__name__}")
         self.layers = layers
         self.single = single
@@ -81,24 +81,24 @@ class Passthrough:
 
 
 @overload
-def values(a: _Expr[D1, Any], /) -> Awaitable[tuple[D1]]: ...
+def values(a: Expr[D1, Any], /) -> Awaitable[tuple[D1]]: ...
 @overload
-def values(a: _Expr[D1, Any], b: _Expr[D2, Any], /) -> Awaitable[tuple[D1, D2]]: ...
+def values(a: Expr[D1, Any], b: Expr[D2, Any], /) -> Awaitable[tuple[D1, D2]]: ...
 @overload
-def values(a: _Expr[D1, Any], b: _Expr[D2, Any], c: _Expr[D3, Any], /) -> Awaitable[tuple[D1, D2, D3]]: ...
+def values(a: Expr[D1, Any], b: Expr[D2, Any], c: Expr[D3, Any], /) -> Awaitable[tuple[D1, D2, D3]]: ...
 @overload
 def values(
-    a: _Expr[D1, Any], b: _Expr[D2, Any], c: _Expr[D3, Any], d: _Expr[D4, Any], /
+    a: Expr[D1, Any], b: Expr[D2, Any], c: Expr[D3, Any], d: Expr[D4, Any], /
 ) -> Awaitable[tuple[D1, D2, D3, D4]]: ...
 @overload
-def values(*layers: _Expr[D1, Any]) -> Awaitable[tuple[D1, ...]]: ...
-def values(*layers: _Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
+def values(*layers: Expr[D1, Any]) -> Awaitable[tuple[D1, ...]]: ...
+def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     """Forward values of several layers at once, evaluated in parallel
     (use inside a `direct` function)."""
     return AwaitLayers(layers, single=False)
 
 
-def direct(function: Callable[P, Coroutine[Any, Any, _Expr[D, G]]]) -> Callable[P, Layer[D, G]]:
+def direct(function: Callable[P, Coroutine[Any, Any, Expr[D, G]]]) -> Callable[P, Layer[D, G]]:
     """Turn ``async def f(...) -> Layer`` into ``def f(...) -> Layer``.
 
     The coroutine runs when (and each time) the returned layer is evaluated,

@@ -24,7 +24,7 @@ import numpy as np
 
 from monadl.direct import direct, values
 from monadl.layers._functions import _apply, log, mean, relu, softmax, stop_gradient, sum
-from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Layer, ScalarLayer, Weight, _Expr
+from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer, Weight
 from monadl.typeclasses.deep_learning import as_layer
 
 D = TypeVar("D")
@@ -132,8 +132,8 @@ def frozen(weights: Sequence[Weight[D, G]]) -> list[Layer[D, G]]:
 
 def estimate_and_replace(
     black_box: Callable[..., Any],
-    estimator: Callable[..., _Expr[Any, Any]],
-    arguments: Sequence[_Expr[Any, Any]],
+    estimator: Callable[..., Expr[Any, Any]],
+    arguments: Sequence[Expr[Any, Any]],
     *,
     training: bool,
     harden_arguments: bool = True,
@@ -222,7 +222,7 @@ def squared_error(prediction: ArrayOperand, target: Array) -> ScalarLayer:
 
 def estimator_loss(
     black_box: Callable[..., Any],
-    estimator: Callable[..., _Expr[Any, Any]],
+    estimator: Callable[..., Expr[Any, Any]],
     arguments: Sequence[Array],
     loss: Callable[[Any, Array], ScalarLayer] = squared_error,
 ) -> ScalarLayer:

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 
 from monadl._namespace import namespace
-from monadl.layers._layer import Weight, _Expr
+from monadl.deltas import SparseRows
+from monadl.layers._layer import Expr, Weight
 from monadl.runtime import entry
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
 
 
-async def gradients(loss: _Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
+async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
     """The gradient of ``loss`` (summed, if not a scalar) for each weight,
     without changing any weight, as a dense array (an embedding table's sparse
     delta is scattered into one). A weight the loss does not reach gets zeros.
@@ -40,7 +40,7 @@ def _dense(grad: Any) -> Any:
 
 
 def check_grads(
-    function: Callable[..., _Expr[Any, Any]],
+    function: Callable[..., Expr[Any, Any]],
     *args: Any,
     eps: float = 1e-6,
     rtol: float = 1e-5,
@@ -93,11 +93,11 @@ def check_grads(
 
 def _value(result: Any) -> Any:
     """The forward value of a layer; plain data (a function of constants only) as is."""
-    return entry.predict_sync(result) if isinstance(result, _Expr) else result
+    return entry.predict_sync(result) if isinstance(result, Expr) else result
 
 
 def check_grads_over_shapes(
-    function: Callable[..., _Expr[Any, Any]],
+    function: Callable[..., Expr[Any, Any]],
     shapes: Iterable[Sequence[tuple[int, ...]]],
     *,
     low: float = -2.0,

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from monadl.layers._layer import Layer, Weight, _Expr, site_text
+from monadl.layers._layer import Expr, Layer, Weight, site_text
 
 __all__ = ["render_graph", "to_dot"]
 
@@ -42,12 +42,12 @@ _WEIGHT_STYLE: Final = 'shape=box, style="rounded,filled", fillcolor="#cfe2ff", 
 _DO_STYLE: Final = 'shape=box, style=dashed, color="#888888"'
 _CONSTANT_STYLE: Final = 'shape=box, style="dotted", fontsize=10, color="#888888"'
 _ERROR_STYLE: Final = 'style=filled, fillcolor="#f8d7da"'
-_Node = TypeVar("_Node", bound=_Expr[Any, Any])  # a weight or a layer, as keys of `names`
+_Node = TypeVar("_Node", bound=Expr[Any, Any])  # a weight or a layer, as keys of `names`
 _UNKNOWN: Final = object()  # no value: under a layer built from a Do, or values=False
 
 
 def to_dot(
-    *roots: _Expr[Any, Any],
+    *roots: Expr[Any, Any],
     names: Mapping[_Node, str] | None = None,
     values: bool = True,
 ) -> str:
@@ -70,7 +70,7 @@ def to_dot(
     if not roots:
         raise ValueError("to_dot: give at least one layer")
     for root in roots:
-        if not isinstance(root, _Expr):
+        if not isinstance(root, Expr):
             raise TypeError(f"to_dot: takes layers and weights, got {type(root).__name__}")
     labels: Mapping[Any, str] = {} if names is None else names
     layers, weights, consumers = _walk(roots)
@@ -87,7 +87,7 @@ def to_dot(
         edges = []
         args: list[Any] = []
         for x in layer._inputs:
-            if isinstance(x, _Expr):
+            if isinstance(x, Expr):
                 edges.append(f"  {ids[id(x)]} -> {me};")
                 args.append(known.get(id(x), _UNKNOWN) if values else _UNKNOWN)
                 _release(x, consumers, known)
@@ -115,7 +115,7 @@ def to_dot(
 
 
 def render_graph(
-    *roots: _Expr[Any, Any],
+    *roots: Expr[Any, Any],
     path: str | os.PathLike[str],
     names: Mapping[_Node, str] | None = None,
     values: bool = True,
@@ -155,7 +155,7 @@ def render_graph(
     return target
 
 
-def _walk(roots: Iterable[_Expr[Any, Any]]) -> tuple[list[Layer[Any, Any]], list[Weight[Any, Any]], dict[int, int]]:
+def _walk(roots: Iterable[Expr[Any, Any]]) -> tuple[list[Layer[Any, Any]], list[Weight[Any, Any]], dict[int, int]]:
     """The layers under ``roots`` in construction order (operands first), the
     weights in the order met, and how many consumers each node has (by id)."""
     layers: list[Layer[Any, Any]] = []
@@ -174,7 +174,7 @@ def _walk(roots: Iterable[_Expr[Any, Any]]) -> tuple[list[Layer[Any, Any]], list
         assert isinstance(node, Layer)
         layers.append(node)
         for x in node._inputs:
-            if isinstance(x, _Expr):
+            if isinstance(x, Expr):
                 consumers[id(x)] = consumers.get(id(x), 0) + 1
                 stack.append(x)
     layers.sort(key=lambda layer: layer._serial)  # a layer is always built after its operands
@@ -194,7 +194,7 @@ def _evaluate(layer: Layer[Any, Any], args: list[Any], known: dict[int, Any]) ->
     return _describe(value), "shape=box"
 
 
-def _release(x: _Expr[Any, Any], consumers: dict[int, int], known: dict[int, Any]) -> None:
+def _release(x: Expr[Any, Any], consumers: dict[int, int], known: dict[int, Any]) -> None:
     """One consumer of ``x`` has run: drop its value after the last."""
     left = consumers[id(x)] - 1
     consumers[id(x)] = left
@@ -235,7 +235,7 @@ def _long_site(layer: Layer[Any, Any]) -> str:
     return f"{where}: {source}" if source else where
 
 
-def _root_style(node: object, roots: tuple[_Expr[Any, Any], ...]) -> str:
+def _root_style(node: object, roots: tuple[Expr[Any, Any], ...]) -> str:
     return ", peripheries=2" if any(node is r for r in roots) else ""
 
 

@@ -10,13 +10,13 @@ import numpy.typing as npt
 import pytest
 
 import monadl as ml
+from monadl.deltas import SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._primitives import PRIMITIVES, unbroadcast
+from monadl.layers._primitives import PRIMITIVES
 from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched as _batching
-from monadl.typeclasses.monoid import SparseRows
 
 HERE = __file__
 Tree: TypeAlias = "int | tuple[Tree, Tree]"

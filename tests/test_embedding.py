@@ -134,3 +134,16 @@ async def test_state_rows_of_equal_indices_are_summed_too(
         await ml.sum(ml.embedding(sparse, indices) ** 2.0 * projection).train()
         await ml.sum((np.eye(3)[indices] @ dense) ** 2.0 * projection).train()
     np.testing.assert_allclose(sparse.data, dense.data, rtol=1e-12)
+
+
+def test_many_lookups_of_one_table_accumulate_in_linear_time() -> None:
+    """Adding sparse deltas keeps parts and joins them once (no copy per add)."""
+    parts = [SparseRows(np.array([i % 7]), np.full((1, 2), float(i)), (7, 2)) for i in range(5000)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    assert total._parts is not None  # nothing joined yet
+    expected = np.zeros((7, 2))
+    np.add.at(expected, np.arange(5000) % 7, np.arange(5000.0)[:, None])
+    np.testing.assert_array_equal(total.to_dense(), expected)
+    assert total.indices.shape == (5000,)

@@ -4,7 +4,7 @@
 array of it refuses NumPy scalars, boolean arithmetic and every NumPy-only
 function. Running the primitives and a training loop on it catches NumPy-only
 calls in the core without a GPU; the same code then runs on CuPy
-(tests/test_cuda.py).
+(tests/runtime/test_cuda.py).
 """
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
+from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.layers import Layer, Weight
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["DataParallel", "find_weights", "shard"]
 

@@ -1,5 +1,6 @@
 """Layers, weights and the differentiable functions over them."""
 
+from monadl.deltas import unbroadcast
 from monadl.layers._functions import (
     abs,
     concatenate,
@@ -38,6 +39,7 @@ from monadl.layers._layer import (
     AsArray,
     AsScalar,
     DeviceArray,
+    Expr,
     Layer,
     Operand,
     ScalarLayer,
@@ -45,7 +47,7 @@ from monadl.layers._layer import (
     ScalarWeight,
     Weight,
 )
-from monadl.layers._primitives import Primitive, unbroadcast
+from monadl.layers._primitives import Primitive
 
 __all__ = [
     "Array",
@@ -55,6 +57,7 @@ __all__ = [
     "AsArray",
     "AsScalar",
     "DeviceArray",
+    "Expr",
     "Layer",
     "Operand",
     "Primitive",

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from monadl._namespace import namespace
-from monadl.layers._primitives import PRIMITIVES, unbroadcast
+from monadl.deltas import unbroadcast
+from monadl.layers._primitives import PRIMITIVES
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
 

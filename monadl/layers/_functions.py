@@ -188,9 +188,8 @@ def matmul(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
     return _apply("matmul", (a, b))
 
 
-def dot(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
-    """Dot product of vectors, or matrix product of 1-D and 2-D operands."""
-    return _apply("matmul", (a, b))
+dot = matmul
+"""An alias of `matmul` (NumPy's ``dot`` and ``matmul`` agree on 1-D and 2-D operands)."""
 
 
 def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:

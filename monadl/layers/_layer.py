@@ -34,6 +34,7 @@ __all__ = [
     "AsArray",
     "AsScalar",
     "DeviceArray",
+    "Expr",
     "Layer",
     "Operand",
     "ScalarLayer",
@@ -95,7 +96,7 @@ def _operand(x: object, op: str) -> Any:
     kind = type(x)
     if kind is Layer or kind is float or kind is Weight:
         return x
-    if isinstance(x, _Expr):
+    if isinstance(x, Expr):
         return x
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in _NUMERIC_KINDS:
@@ -136,7 +137,7 @@ _UFUNC_HINTS: dict[Any, str] = {
 _COMPARISONS: Final = frozenset({np.less, np.less_equal, np.greater, np.greater_equal})
 
 
-def _array_ufunc(self: _Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Layer[Any, Any] | bool:
+def _array_ufunc(self: Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Layer[Any, Any] | bool:
     """A NumPy ufunc met a layer or a weight: an operator with an array on the
     left builds a layer; anything else is refused with the monadl spelling."""
     plain = method == "__call__" and not kwargs and len(inputs) == 2
@@ -193,10 +194,12 @@ class _UfuncHook:
         return _array_ufunc if instance is None else None
 
 
-class _Expr(Generic[D, G]):
-    """What layers and weights share: operators that build new layers.
+class Expr(Generic[D, G]):
+    """A differentiable expression: what layers and weights share (``forward``,
+    ``train``, ``predict``, and the operators that build new layers).
 
-    Abstract: only `Layer` and `Weight` are instantiated.
+    Abstract: only `Layer` and `Weight` are instantiated. Use it in
+    annotations that take either, e.g. ``ml.Expr[ml.Array, ml.Array]``.
     """
 
     __slots__ = ()
@@ -234,92 +237,92 @@ class _Expr(Generic[D, G]):
 
     # ---- arithmetic (typed: scalars stay scalars, arrays win) -----------------
     @overload
-    def __add__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    def __add__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
     @overload
-    def __add__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    def __add__(self: Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
     @overload
-    def __add__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __add__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __add__(self, other: Operand) -> Layer[Any, Any]:
         return _binary(_ADD, self, other)
 
     @overload
-    def __radd__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __radd__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
     @overload
-    def __radd__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    def __radd__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __radd__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __radd__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __radd__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary(_ADD, other, self)
 
     @overload
-    def __sub__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    def __sub__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
     @overload
-    def __sub__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    def __sub__(self: Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
     @overload
-    def __sub__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __sub__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __sub__(self, other: Operand) -> Layer[Any, Any]:
         return _binary(_SUB, self, other)
 
     @overload
-    def __rsub__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rsub__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
     @overload
-    def __rsub__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    def __rsub__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rsub__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rsub__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rsub__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary(_SUB, other, self)
 
     @overload
-    def __mul__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    def __mul__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
     @overload
-    def __mul__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    def __mul__(self: Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
     @overload
-    def __mul__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __mul__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __mul__(self, other: Operand) -> Layer[Any, Any]:
         return _binary(_MUL, self, other)
 
     @overload
-    def __rmul__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rmul__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
     @overload
-    def __rmul__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    def __rmul__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rmul__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rmul__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rmul__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary(_MUL, other, self)
 
     @overload
-    def __truediv__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    def __truediv__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
     @overload
-    def __truediv__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    def __truediv__(self: Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
     @overload
-    def __truediv__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __truediv__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __truediv__(self, other: Operand) -> Layer[Any, Any]:
         return _binary(_DIV, self, other)
 
     @overload
-    def __rtruediv__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rtruediv__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
     @overload
-    def __rtruediv__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    def __rtruediv__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rtruediv__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rtruediv__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rtruediv__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary(_DIV, other, self)
 
     @overload
-    def __pow__(self: _Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
+    def __pow__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
     @overload
-    def __pow__(self: _Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
+    def __pow__(self: Expr[float, float], other: ArrayOperand) -> Layer[Array, Array]: ...
     @overload
-    def __pow__(self: _Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
+    def __pow__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __pow__(self, other: Operand) -> Layer[Any, Any]:
         return _binary(_POW, self, other)
 
     @overload
-    def __rpow__(self: _Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rpow__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
     @overload
-    def __rpow__(self: _Expr[float, float], other: Array) -> Layer[Array, Array]: ...
+    def __rpow__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rpow__(self: _Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
+    def __rpow__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
         return _binary(_POW, other, self)
 
@@ -336,12 +339,12 @@ class _Expr(Generic[D, G]):
         return Layer._make(PRIMITIVES["abs"], (self,))
 
     @overload
-    def __getitem__(self: _Expr[Array, Array], index: _Slicing) -> Layer[Array, Array]: ...
+    def __getitem__(self: Expr[Array, Array], index: _Slicing) -> Layer[Array, Array]: ...
     @overload
     def __getitem__(self, index: Any) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
         """Indexing and slicing; slices alone (with ``...`` and ``None``) keep an array an array."""
-        if isinstance(index, _Expr):
+        if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
         return Layer._make(PRIMITIVES["getitem"], (self,), (index,))
 
@@ -384,14 +387,14 @@ class _Expr(Generic[D, G]):
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
 
-ScalarOperand: TypeAlias = "float | _Expr[float, float]"
-ArrayOperand: TypeAlias = "Array | _Expr[Array, Array]"
-Operand: TypeAlias = "Array | DeviceArray | float | _Expr[Any, Any]"
+ScalarOperand: TypeAlias = "float | Expr[float, float]"
+ArrayOperand: TypeAlias = "Array | Expr[Array, Array]"
+Operand: TypeAlias = "Array | DeviceArray | float | Expr[Any, Any]"
 """Anything a differentiable function accepts: plain data, weights and layers."""
 AsArray: TypeAlias = ArrayOperand
-"""A plain array, an array weight or an array layer."""
+"""An alias of `ArrayOperand` (a plain array, an array weight or an array layer), the paper's name."""
 AsScalar: TypeAlias = ScalarOperand
-"""A plain float, a scalar weight or a scalar layer."""
+"""An alias of `ScalarOperand` (a plain float, a scalar weight or a scalar layer), the paper's name."""
 
 
 _ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (
@@ -421,7 +424,7 @@ def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
 
 
 @final
-class Layer(_Expr[D, G]):
+class Layer(Expr[D, G]):
     """A lazy differentiable expression whose forward value is a ``D`` and
     whose delta is a ``G``.
 
@@ -485,7 +488,7 @@ ArrayLayer: TypeAlias = Layer[Array, Array]
 
 
 @final
-class Weight(_Expr[D, G]):
+class Weight(Expr[D, G]):
     """A trainable variable: its data, its optimizer and the optimizer's state.
 
     Each ``train()`` that reaches a weight sums every use's delta and then
@@ -528,7 +531,7 @@ class Weight(_Expr[D, G]):
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
-        if isinstance(data, _Expr):
+        if isinstance(data, Expr):
             raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
         foreign = is_array(data) and not isinstance(data, np.ndarray)
         if not foreign and (

@@ -27,6 +27,7 @@ from typing import Any, Final, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.deltas import SparseRows, is_basic_index, scatter_add, unbroadcast
 from monadl.layers._split import split_part_rule, split_rule
 
 __all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
@@ -48,28 +49,6 @@ class Primitive:
     rule: Rule
     same_dtype: bool = False
     elementwise: bool = False
-
-
-def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
-    """Sum ``delta`` over the axes that broadcasting added or stretched.
-
-    >>> unbroadcast(np.ones((2, 3)), (3,))
-    array([2., 2., 2.])
-    >>> unbroadcast(np.ones((2, 3)), (2, 1)).shape
-    (2, 1)
-    >>> float(unbroadcast(np.ones((2, 3)), ()))
-    6.0
-    """
-    xp = namespace(delta)
-    # NumPy's add.reduce is np.sum without its Python wrapper (half the time on small arrays).
-    total = np.add.reduce if xp is np else xp.sum
-    extra = delta.ndim - len(shape)
-    if extra:
-        delta = total(delta, axis=tuple(range(extra)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and delta.shape[i] != 1)
-    if stretched:
-        delta = total(delta, axis=stretched, keepdims=True)
-    return delta
 
 
 def _either(a: Value, b: Value) -> Any:
@@ -339,7 +318,7 @@ def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
 
     def vjp(g: Value) -> Value:
         out = xp.zeros(shape, dtype=dtype, device=device)
-        if _is_basic(index):
+        if is_basic_index(index):
             out[index] = g
             return out
         return scatter_add(xp, out, index, g)  # fancy indices may repeat
@@ -347,44 +326,9 @@ def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
     return a[index], (vjp,)
 
 
-def _is_basic(index: Any) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
-
-
-def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
-    """``out[index] += values`` where repeated indices add up; returns the result.
-
-    NumPy and CuPy do it in place with ``add.at``. The array API standard has
-    no scatter, so elsewhere a one-hot matrix product adds the values up: over
-    the rows of the first axis for a single index array, else over flat
-    positions, found by indexing an ``arange`` with the same index (memory:
-    rows, or elements, x number of picked ones).
-    """
-    add = getattr(xp, "add", None)
-    if add is not None and hasattr(add, "at"):
-        add.at(out, index, values)
-        return out
-    if not isinstance(index, tuple) and not _is_basic(index):  # rows of the first axis
-        rows, rest = out.shape[0], out.shape[1:]
-        one_hot = xp.astype(xp.arange(rows, device=out.device)[:, None] == xp.reshape(index, (-1,))[None, :], out.dtype)
-        picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
-        return out + xp.reshape(one_hot @ xp.astype(picked, out.dtype), out.shape)
-    index = index if isinstance(index, tuple) else (index,)
-    if all(_is_basic(i) for i in index) and not any(i is Ellipsis for i in index):
-        index = (*index, Ellipsis)  # the standard wants every axis of a basic index named
-    size = prod(out.shape)
-    positions = xp.reshape(xp.reshape(xp.arange(size, device=out.device), out.shape)[index], (-1,))
-    flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1,))
-    one_hot = xp.astype(xp.arange(size, device=out.device)[:, None] == positions[None, :], out.dtype)
-    return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
-
-
 def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # The delta of the table is sparse: only the rows looked up (the paper's
     # Data != Delta example). A weight's step then touches only those rows.
-    from monadl.typeclasses.monoid import SparseRows
-
     xp, shape = namespace(table), table.shape
     if not shape:
         raise ValueError("the table must have at least one axis (its rows)")

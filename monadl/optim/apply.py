@@ -16,9 +16,9 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import is_array, namespace
+from monadl.deltas import SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import Weight, site_text
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["apply_gradients", "step"]
 
@@ -44,34 +44,53 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     with _commit:
         steps = [(weight, *step(weight, grad)) for weight, grad in gradients.items()]
         if finite:
-            for weight, data, _ in steps:
-                if not _finite(data):
-                    raise NonFiniteError(
-                        f"the optimizer step would write a NaN or an infinity into the weight built at "
-                        f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
-                        "ml.settings(check_finite=True) finds the operation that made it"
-                    )
+            for weight, data, _ in _non_finite(steps):
+                raise NonFiniteError(
+                    f"the optimizer step would write a NaN or an infinity into the weight built at "
+                    f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
+                    "ml.settings(check_finite=True) finds the operation that made it"
+                )
         for weight, data, state in steps:
             weight._data = data
             weight._state = state
 
 
-def _finite(x: Any) -> bool:
-    if type(x) is np.ndarray:
-        if x.dtype.kind != "f":
-            return True
-        if x.size < 4096:  # small: one exact pass costs less than setting up the dot's error state
-            return bool(np.isfinite(x).all())
-        # One BLAS pass, about half the cost of isfinite(x).all(): NaN and infinity
-        # reach the dot product. It may also overflow on finite values past 1e154,
-        # so a non-finite result is confirmed element by element.
-        flat = x.reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.dot(flat, flat)):
-                return True
-        return bool(np.isfinite(x).all())
-    if isinstance(x, (float, np.floating)):
-        return bool(np.isfinite(x))
+def _non_finite(steps: list[tuple[Weight[Any, Any], Any, Any]]) -> list[tuple[Weight[Any, Any], Any, Any]]:
+    """The steps whose new data holds a NaN or an infinity.
+
+    A float NumPy array is checked with one BLAS pass, its dot product with
+    itself (NaN and infinity reach it; about half the cost of
+    ``isfinite(x).all()``), under one error state for the whole commit. A dot
+    product may also overflow on finite values past 1e154, so a non-finite one
+    is confirmed element by element.
+    """
+    suspects = []
+    foreign = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for entry in steps:
+            x = entry[1]
+            if type(x) is np.ndarray:
+                if x.dtype.kind == "f":
+                    flat = x.reshape(-1)
+                    if not np.isfinite(np.dot(flat, flat)):
+                        suspects.append(entry)
+            elif isinstance(x, (float, np.floating)):
+                if not np.isfinite(x):
+                    suspects.append(entry)
+            else:
+                foreign.append(entry)
+    by_library: dict[int, list[tuple[Weight[Any, Any], Any, Any]]] = {}
+    for entry in foreign:
+        by_library.setdefault(id(namespace(entry[1])), []).append(entry)
+    for entries in by_library.values():
+        # Another library's arrays (a GPU's): one flag each on the device, one wait for them all.
+        xp = namespace(entries[0][1])
+        if not bool(xp.all(xp.stack([xp.all(xp.isfinite(entry[1])) for entry in entries]))):
+            suspects += entries
+    return [entry for entry in suspects if not _all_finite(entry[1])]
+
+
+def _all_finite(x: Any) -> bool:
     xp = namespace(x)
     return bool(xp.all(xp.isfinite(x)))
 

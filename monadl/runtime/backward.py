@@ -20,12 +20,11 @@ from typing import Any, Final
 
 import numpy as np
 
+from monadl.deltas import SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
-from monadl.layers._primitives import unbroadcast
 from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import all_finite, where
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["backprop"]
 

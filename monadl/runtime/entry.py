@@ -48,6 +48,7 @@ def _first_use() -> None:
     """Process tuning that the settings allow, applied once, on first use."""
     if not process._malloc_tried and current_settings().tune_process:
         process.tune_malloc()
+        process.tune_gc()
 
 
 async def train(root: Any) -> Any:

@@ -13,11 +13,18 @@ computes, and only when the settings allow it:
   with the process. Applied once, on the first ``train()`` or ``predict()``,
   when ``Settings.tune_process`` is on (``MONADL_TUNE_PROCESS=0`` in the
   environment turns it off by default), on glibc only.
-* **The cyclic GC** (`gc_paused`): paused during each synchronous stretch of
+* **The cyclic GC** (`advance`): paused during each synchronous stretch of
   the runtime (never across an await), when ``Settings.pause_gc`` and
   ``tune_process`` are on. An evaluation allocates thousands of short-lived
   objects and no cycles; collections would find nothing. A caller who turned
-  the collector off keeps it off.
+  the collector off keeps it off. And building a graph (user code, between
+  evaluations) allocates a layer object per operation: at CPython's default
+  threshold of 700 allocations the collector ran 746 times while a batch of
+  32 Tree-LSTM trees was built (126,308 layers), 76-84% of the build's time,
+  promoting the whole young graph again and again. On the first ``train()`` or
+  ``predict()`` (`tune_gc`) the first generation's threshold is raised to
+  `GC_THRESHOLD` (never lowered): 5 collections for that build, which took
+  0.4-1.1 s instead of 2.5-2.9 s here.
 * **BLAS threads** (`blas_limited`): while a graph runs on the worker pool
   (``workers > 1`` only), BLAS gets ``cores // workers`` threads per call so
   that branch threads and BLAS threads never oversubscribe the cores.
@@ -40,7 +47,10 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
 
-__all__ = ["advance", "blas_limited", "malloc_tuned", "tune_malloc"]
+__all__ = ["GC_THRESHOLD", "advance", "blas_limited", "malloc_tuned", "tune_gc", "tune_malloc"]
+
+GC_THRESHOLD: Final = 100_000
+"""Allocations between two young-generation collections, once tuned (CPython's default: 700)."""
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
@@ -75,6 +85,18 @@ def tune_malloc() -> bool:
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
     return malloc_tuned
+
+
+def tune_gc() -> None:
+    """Raise the young generation's collection threshold to `GC_THRESHOLD` (never lower it).
+
+    >>> import gc
+    >>> tune_gc(); gc.get_threshold()[0] >= GC_THRESHOLD
+    True
+    """
+    first, *rest = gc.get_threshold()
+    if first and first < GC_THRESHOLD:  # 0 means the user disabled automatic collection
+        gc.set_threshold(GC_THRESHOLD, *rest)
 
 
 def advance(step: Callable[[Any], Any], arg: Any, pause_gc: bool) -> Any:

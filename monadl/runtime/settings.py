@@ -49,9 +49,9 @@ class Settings:
             the weight, and no weight changes), as a mixed-precision loss
             scaler skips such a step. One dot product per weight per step.
         tune_process: let monadl tune the process for its allocation pattern:
-            glibc's malloc thresholds, raised on the first ``train()`` or
-            ``predict()`` (see `monadl.runtime.process`), and the GC pause
-            above. False leaves the whole process as it is (``pause_gc`` is
+            glibc's malloc thresholds and the cyclic GC's young-generation
+            threshold, raised on the first ``train()`` or ``predict()`` (see
+            `monadl.runtime.process`), and the GC pause above. False leaves the whole process as it is (``pause_gc`` is
             then ignored). The environment variable ``MONADL_TUNE_PROCESS=0``
             sets the default.
         yield_interval_s: the longest stretch of computation between two

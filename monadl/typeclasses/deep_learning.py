@@ -21,7 +21,7 @@ import numpy as np
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._functions import stop_gradient
-from monadl.layers._layer import Array, DeviceArray, Layer, _Expr
+from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.tape import Tape
 
 __all__ = ["DeepLearning", "as_layer", "forward"]
@@ -51,7 +51,7 @@ def forward(x: float) -> Do[Tape[float, float]]: ...
 def forward(x: Array) -> Do[Tape[Array, Array]]: ...
 def forward(x: Any) -> Do[Tape[Any, Any]]:
     """The forward pass of any differentiable value (see the module docs)."""
-    if isinstance(x, _Expr):
+    if isinstance(x, Expr):
         return Do(FORWARD, x)
     if isinstance(x, DeepLearning):
         result: Do[Tape[Any, Any]] = x.forward()
@@ -87,7 +87,7 @@ def as_layer(x: Any) -> Layer[Any, Any]:
     """
     if isinstance(x, Layer):
         return x
-    if not isinstance(x, _Expr) and not isinstance(x, DeepLearning):
+    if not isinstance(x, Expr) and not isinstance(x, DeepLearning):
         # Plain data: a constant node of the layer graph (it gets no delta).
         return stop_gradient(x)
     return Layer(forward(x))

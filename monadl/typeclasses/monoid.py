@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, final
 
 import numpy as np
-import numpy.typing as npt
 
-from monadl._namespace import is_array, namespace
-from monadl.layers._primitives import scatter_add
+from monadl.deltas import SparseRows
 
 __all__ = ["DENSE", "SPARSE_ROWS", "Monoid", "SparseRows", "associativity_law", "identity_law"]
 
@@ -33,65 +31,6 @@ class Monoid(Protocol[T]):
     def empty(self) -> T: ...
 
     def combine(self, a: T, b: T) -> T: ...
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class SparseRows:
-    """A delta of a table that is zero except on some rows.
-
-    ``indices`` may repeat (a row looked up twice gets both deltas).
-
-    >>> d = SparseRows(np.array([2, 0, 2]), np.ones((3, 2)), (4, 2))
-    >>> d.to_dense()
-    array([[1., 1.],
-           [0., 0.],
-           [2., 2.],
-           [0., 0.]])
-    """
-
-    indices: npt.NDArray[np.integer[Any]]
-    rows: npt.NDArray[Any]
-    table_shape: tuple[int, ...]
-
-    # NumPy must hand `dense + sparse` to __radd__, not build an object array.
-    __array_ufunc__ = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the table this is a delta of."""
-        return self.table_shape
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.rows.dtype
-
-    def to_dense(self) -> npt.NDArray[Any]:
-        xp = namespace(self.rows)
-        dense = xp.zeros(self.table_shape, dtype=self.rows.dtype, device=self.rows.device)
-        return scatter_add(xp, dense, self.indices, self.rows)  # type: ignore[no-any-return]
-
-    def summed(self) -> tuple[npt.NDArray[np.integer[Any]], npt.NDArray[Any]]:
-        """The distinct rows, each with the sum of its deltas."""
-        xp = namespace(self.rows)
-        unique, inverse = xp.unique_inverse(self.indices)
-        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=self.rows.dtype, device=self.rows.device)
-        return unique, scatter_add(xp, total, xp.reshape(inverse, (-1,)), self.rows)
-
-    def __add__(self, other: object) -> Any:
-        if isinstance(other, SparseRows):
-            if other.table_shape != self.table_shape:
-                raise ValueError(f"sparse deltas of tables {self.table_shape} and {other.table_shape} cannot combine")
-            xp = namespace(self.rows)
-            return SparseRows(
-                xp.concat([self.indices, other.indices]), xp.concat([self.rows, other.rows]), self.table_shape
-            )
-        if is_array(other):
-            xp = namespace(other)
-            return scatter_add(xp, xp.asarray(other, copy=True), self.indices, self.rows)
-        return NotImplemented
-
-    __radd__ = __add__
 
 
 @final

@@ -384,3 +384,29 @@ def test_sync_entry_refuses_an_effect() -> None:
 
 
 Step = Callable[[], Any]
+
+
+def test_process_tuning_waits_for_the_first_use_and_respects_the_setting() -> None:
+    import subprocess
+    import sys
+
+    from monadl.runtime.process import GC_THRESHOLD
+
+    program = """
+import gc, anyio, numpy as np, monadl as ml
+from monadl.runtime import process
+before = gc.get_threshold()[0]
+w = ml.Weight(np.ones(2))
+assert not process.malloc_tuned and gc.get_threshold()[0] == before, "import changed the process"
+with ml.settings(tune_process=TUNE):
+    anyio.run((ml.sum(w * w)).predict)
+print(gc.get_threshold()[0], process._malloc_tried)
+"""
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", program.replace("TUNE", flag)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for flag in ("True", "False")
+    ]
+    assert outputs[0] == [str(GC_THRESHOLD), "True"]  # tuned on the first predict()
+    assert outputs[1] == ["700", "False"]  # CPython's default, untouched

@@ -30,9 +30,9 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import _HOST, namespace
+from monadl.deltas import SparseRows
 from monadl.layers._layer import Layer, Weight
 from monadl.runtime.evaluation import Record
-from monadl.typeclasses.monoid import SparseRows
 
 __all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature"]
 

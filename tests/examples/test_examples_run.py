@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WITH_OPTIONS = ["conv_digits", "digits", "gated_network", "image_addition", "image_lookup", "text_logic", "tree_lstm"]
 
 

@@ -1,0 +1,184 @@
+"""Deltas that are not plain arrays, and the two helpers every rule relies on.
+
+* `unbroadcast`: undo broadcasting, so that a delta has its operand's shape
+  (the runtime calls it once per operand, so no rule handles broadcasting).
+* `scatter_add`: ``out[index] += values`` with repeated indices adding up.
+* `SparseRows`: an embedding table's delta, the rows that were looked up and
+  their deltas (the paper's example of a ``Delta`` that differs from ``Data``).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
+from monadl._namespace import is_array, namespace
+
+__all__ = ["SparseRows", "is_basic_index", "scatter_add", "unbroadcast"]
+
+Value = Any
+
+
+def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
+    """Sum ``delta`` over the axes that broadcasting added or stretched.
+
+    >>> unbroadcast(np.ones((2, 3)), (3,))
+    array([2., 2., 2.])
+    >>> unbroadcast(np.ones((2, 3)), (2, 1)).shape
+    (2, 1)
+    >>> float(unbroadcast(np.ones((2, 3)), ()))
+    6.0
+    """
+    xp = namespace(delta)
+    # NumPy's add.reduce is np.sum without its Python wrapper (half the time on small arrays).
+    total = np.add.reduce if xp is np else xp.sum
+    extra = delta.ndim - len(shape)
+    if extra:
+        delta = total(delta, axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and delta.shape[i] != 1)
+    if stretched:
+        delta = total(delta, axis=stretched, keepdims=True)
+    return delta
+
+
+def is_basic_index(index: Any) -> bool:
+    """Whether ``index`` is basic indexing (integers, slices, None, ...): a view, no repeats."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
+
+
+def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
+    """``out[index] += values`` where repeated indices add up; returns the result.
+
+    NumPy and CuPy do it in place with ``add.at``. The array API standard has
+    no scatter, so elsewhere a one-hot matrix product adds the values up: over
+    the rows of the first axis for a single index array, else over flat
+    positions, found by indexing an ``arange`` with the same index (memory:
+    rows, or elements, x number of picked ones).
+    """
+    add = getattr(xp, "add", None)
+    if add is not None and hasattr(add, "at"):
+        add.at(out, index, values)
+        return out
+    if not isinstance(index, tuple) and not is_basic_index(index):  # rows of the first axis
+        rows, rest = out.shape[0], out.shape[1:]
+        one_hot = xp.astype(xp.arange(rows, device=out.device)[:, None] == xp.reshape(index, (-1,))[None, :], out.dtype)
+        picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
+        return out + xp.reshape(one_hot @ xp.astype(picked, out.dtype), out.shape)
+    index = index if isinstance(index, tuple) else (index,)
+    if all(is_basic_index(i) for i in index) and not any(i is Ellipsis for i in index):
+        index = (*index, Ellipsis)  # the standard wants every axis of a basic index named
+    size = prod(out.shape)
+    positions = xp.reshape(xp.reshape(xp.arange(size, device=out.device), out.shape)[index], (-1,))
+    flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1,))
+    one_hot = xp.astype(xp.arange(size, device=out.device)[:, None] == positions[None, :], out.dtype)
+    return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
+
+
+@final
+class SparseRows:
+    """A delta of a table that is zero except on some rows.
+
+    ``indices`` may repeat (a row looked up twice gets both deltas). Adding two
+    is O(1): they are kept as parts and joined once, when the rows are read,
+    so a table looked up n times accumulates its n deltas in O(n), not O(n^2).
+
+    >>> d = SparseRows(np.array([2, 0]), np.ones((2, 2)), (4, 2)) + SparseRows(np.array([2]), np.ones((1, 2)), (4, 2))
+    >>> d.to_dense()
+    array([[1., 1.],
+           [0., 0.],
+           [2., 2.],
+           [0., 0.]])
+    """
+
+    __slots__ = ("_indices", "_parts", "_rows", "table_shape")
+
+    # NumPy must hand `dense + sparse` to __radd__, not build an object array.
+    __array_ufunc__ = None
+
+    def __init__(
+        self, indices: npt.NDArray[np.integer[Any]], rows: npt.NDArray[Any], table_shape: tuple[int, ...]
+    ) -> None:
+        self._indices: Any = indices
+        self._rows: Any = rows
+        self._parts: tuple[SparseRows, SparseRows] | None = None
+        self.table_shape = table_shape
+
+    @classmethod
+    def _joined(cls, left: SparseRows, right: SparseRows) -> SparseRows:
+        joined = cls.__new__(cls)
+        joined._indices = joined._rows = None
+        joined._parts = (left, right)
+        joined.table_shape = left.table_shape
+        return joined
+
+    def _flatten(self) -> None:
+        """Join the parts, left to right, without recursion."""
+        leaves: list[SparseRows] = []
+        stack: list[SparseRows] = [self]
+        while stack:
+            node = stack.pop()
+            if node._parts is None:
+                leaves.append(node)
+            else:
+                stack.append(node._parts[1])
+                stack.append(node._parts[0])
+        xp = namespace(leaves[0]._rows)
+        self._indices = xp.concat([leaf._indices for leaf in leaves])
+        self._rows = xp.concat([leaf._rows for leaf in leaves])
+        self._parts = None
+
+    @property
+    def indices(self) -> npt.NDArray[np.integer[Any]]:
+        """The row of each delta (repeats allowed)."""
+        if self._parts is not None:
+            self._flatten()
+        return self._indices  # type: ignore[no-any-return]
+
+    @property
+    def rows(self) -> npt.NDArray[Any]:
+        """The deltas, one per index."""
+        if self._parts is not None:
+            self._flatten()
+        return self._rows  # type: ignore[no-any-return]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the table this is a delta of."""
+        return self.table_shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.rows.dtype
+
+    def to_dense(self) -> npt.NDArray[Any]:
+        rows = self.rows
+        xp = namespace(rows)
+        dense = xp.zeros(self.table_shape, dtype=rows.dtype, device=rows.device)
+        return scatter_add(xp, dense, self.indices, rows)  # type: ignore[no-any-return]
+
+    def summed(self) -> tuple[npt.NDArray[np.integer[Any]], npt.NDArray[Any]]:
+        """The distinct rows, each with the sum of its deltas."""
+        rows = self.rows
+        xp = namespace(rows)
+        unique, inverse = xp.unique_inverse(self.indices)
+        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=rows.dtype, device=rows.device)
+        return unique, scatter_add(xp, total, xp.reshape(inverse, (-1,)), rows)
+
+    def __add__(self, other: object) -> Any:
+        if isinstance(other, SparseRows):
+            if other.table_shape != self.table_shape:
+                raise ValueError(f"sparse deltas of tables {self.table_shape} and {other.table_shape} cannot combine")
+            return SparseRows._joined(self, other)
+        if is_array(other):
+            xp = namespace(other)
+            return scatter_add(xp, xp.asarray(other, copy=True), self.indices, self.rows)
+        return NotImplemented
+
+    __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return f"SparseRows(indices={self.indices!r}, rows={self.rows!r}, table_shape={self.table_shape!r})"
