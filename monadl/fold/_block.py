@@ -8,22 +8,13 @@ whenever it needs a sub-block's output, and receives that output back. The
 evaluator, `_evaluate`, keeps the suspended generators on a list of its own
 and runs whichever is on top, so a recursion through a `ForwardDeclaration`
 as deep as the input (a tree of depth 100,000) costs heap, never Python stack.
-
-Building pauses Python's cyclic garbage collector, as the runtime does while
-it computes (`monadl.runtime.process.advance`, under the same settings,
-``pause_gc`` and ``tune_process``): a batch of trees builds about a hundred
-thousand layers and no reference cycles, and the collections that many
-allocations trigger found nothing and cost 80% of the build (`benchmarks/treelstm.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from typing import Any, Generic, TypeVar, final
-
-from monadl.runtime.process import advance
-from monadl.runtime.settings import current_settings
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -70,7 +61,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len)("abc")
         3
         """
-        return _paused(lambda: _evaluate(self, x))
+        return _evaluate(self, x)
 
     @final
     def batch(self, xs: Iterable[In]) -> list[Out]:
@@ -81,7 +72,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len).batch(["a", "bc"])
         [1, 2]
         """
-        return _paused(lambda: [_evaluate(self, x) for x in xs])
+        return [_evaluate(self, x) for x in xs]
 
     @final
     def __rshift__(self, other: Block[Out, Z]) -> Block[In, Z]:
@@ -104,13 +95,6 @@ def call(block: Block[X, Y], x: X) -> Build[Y]:
     """
     y: Y = yield (block, x)
     return y
-
-
-def _paused(build: Callable[[], Y]) -> Y:
-    """``build()`` with the cyclic GC paused where the settings let monadl tune the process."""
-    settings = current_settings()
-    built: Y = advance(lambda _: build(), None, settings.pause_gc and settings.tune_process)
-    return built
 
 
 def _evaluate(block: Block[X, Y], x: X) -> Y:

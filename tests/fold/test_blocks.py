@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Any
 
@@ -165,30 +164,3 @@ def test_a_batch_is_one_graph_and_one_step_per_weight() -> None:
     total = outs[0] + outs[1] + outs[2]
     assert float(anyio.run(total.train)) == 1.0 + 2.0 + 3.0
     np.testing.assert_allclose(w.data, [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 2.0])  # one step with the summed gradient
-
-
-@pytest.mark.parametrize("tune_process", [True, False])
-def test_building_pauses_the_cyclic_gc_unless_the_process_is_left_alone(tune_process: bool) -> None:
-    if not gc.isenabled():
-        pytest.skip("the collector is off in this process")
-    w = ml.Weight(np.ones((1, 2)))
-
-    def scale(v: ml.ArrayLayer) -> ml.ArrayLayer:
-        return v * w
-
-    block = Map(Vector(2) >> Function(scale))
-    collections: list[int] = []
-
-    def count(phase: str, info: dict[str, Any]) -> None:
-        collections.extend([1] if phase == "start" else [])
-
-    inputs = [[[1.0, 2.0]] * 100] * 30  # 9,000 layers and constants: many collections' worth
-    with ml.settings(tune_process=tune_process):
-        gc.callbacks.append(count)
-        try:
-            block.batch(inputs)
-        finally:
-            gc.callbacks.remove(count)
-    assert gc.isenabled()
-    # Paused: none while building (one may start as the collector is switched back on, before the count stops).
-    assert len(collections) <= 1 if tune_process else len(collections) >= 10
