@@ -24,7 +24,8 @@ import numpy as np
 
 from monadl.direct import direct, values
 from monadl.layers._functions import _apply, log, mean, relu, softmax, stop_gradient, sum
-from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer, Weight
+from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer
+from monadl.layers._weight import Weight
 from monadl.typeclasses.deep_learning import as_layer
 
 D = TypeVar("D")

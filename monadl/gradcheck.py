@@ -15,7 +15,8 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
-from monadl.layers._layer import Expr, Weight
+from monadl.layers._layer import Expr
+from monadl.layers._weight import Weight
 from monadl.runtime import entry
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients"]

@@ -213,3 +213,15 @@ def test_cupy_sees_no_array_ufunc_and_calls_the_reflected_operator() -> None:
     w = ml.Weight(np.ones(3))
     assert w.__array_ufunc__ is None and (w * 2.0).__array_ufunc__ is None
     assert callable(type(w).__array_ufunc__) and callable(ml.Layer.__array_ufunc__)
+
+
+@pytest.mark.anyio
+async def test_integer_data_takes_the_float_weights_dtype() -> None:
+    w = ml.Weight(np.ones(3, np.float32), optimizer=ml.optim.sgd(0.5))
+    loss = ml.sum(w * np.array([1, 2, 3]))  # int64 data: float32 as PyTorch does, not float64 as NumPy would
+    value = await loss.train()
+    assert value.dtype == np.float32 and value == 6.0
+    assert w.data.dtype == np.float32
+    np.testing.assert_array_equal(w.data, np.array([0.5, 0.0, -0.5], np.float32))
+    with pytest.raises(ml.DTypeError, match="mix float32 and float64"):
+        await ml.sum(w * np.ones(3)).predict()  # float64 data: refused, as before

@@ -35,7 +35,6 @@ from monadl.layers._layer import (
     Array,
     ArrayLayer,
     ArrayOperand,
-    ArrayWeight,
     AsArray,
     AsScalar,
     DeviceArray,
@@ -44,10 +43,9 @@ from monadl.layers._layer import (
     Operand,
     ScalarLayer,
     ScalarOperand,
-    ScalarWeight,
-    Weight,
 )
 from monadl.layers._primitives import Primitive
+from monadl.layers._weight import ArrayWeight, ScalarWeight, Weight
 
 __all__ = [
     "Array",

@@ -22,11 +22,11 @@ from monadl.layers._layer import (
     Operand,
     ScalarLayer,
     ScalarOperand,
-    Weight,
     _build,
     _operand,
 )
 from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._weight import Weight
 
 __all__ = [
     "abs",

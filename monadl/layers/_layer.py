@@ -1,4 +1,4 @@
-"""`Layer` (a lazy differentiable expression) and `Weight` (a trainable variable).
+"""`Expr` (a differentiable expression) and `Layer` (a lazy one built from operands).
 
 Building a layer computes nothing: it records the primitive, its operands and
 the line of user code that built it (for error messages). `forward()` gives the
@@ -21,16 +21,14 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
-from monadl.layers._replace import replace_data, replace_state
 from monadl.tape import Tape
 
 if TYPE_CHECKING:
-    from monadl.optim import GradientTransformation
+    pass
 
 __all__ = [
     "Array",
     "ArrayLayer",
-    "ArrayWeight",
     "AsArray",
     "AsScalar",
     "DeviceArray",
@@ -38,8 +36,6 @@ __all__ = [
     "Layer",
     "Operand",
     "ScalarLayer",
-    "ScalarWeight",
-    "Weight",
 ]
 
 _Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
@@ -74,7 +70,8 @@ first caller outside monadl. The line is looked up only when a message needs
 it (`site_text`): finding it costs more than building the layer."""
 
 
-def _site() -> Site:
+def caller_site() -> Site:
+    """Where the user's code is building something: the first frame outside monadl."""
     frame = sys._getframe(2)
     while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
@@ -94,9 +91,7 @@ _NUMERIC_KINDS = frozenset("fiub")
 def _operand(x: object, op: str) -> Any:
     """Check an operand early, where the user's line is still on the stack."""
     kind = type(x)
-    if kind is Layer or kind is float or kind is Weight:
-        return x
-    if isinstance(x, Expr):
+    if kind is Layer or kind is float or isinstance(x, Expr):
         return x
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in _NUMERIC_KINDS:
@@ -406,10 +401,10 @@ def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
     # The hot path of model building, so _build and _site are inlined here
     # (and _do, read only when _op is None, is left unset).
     kind = type(a)
-    if kind is not Layer and kind is not float and kind is not Weight:
+    if kind is not Layer and kind is not float:
         a = _operand(a, op.name)
     kind = type(b)
-    if kind is not Layer and kind is not float and kind is not Weight:
+    if kind is not Layer and kind is not float:
         b = _operand(b, op.name)
     layer: Layer[Any, Any] = _new(Layer)
     layer._op = op
@@ -431,8 +426,8 @@ class Layer(Expr[D, G]):
     Layers come from operators and functions on weights, data and other
     layers, or from any ``Do[Tape[D, G]]`` (the paper's dynamic networks):
 
-    >>> import anyio, numpy as np
-    >>> w = Weight(np.array([1.0, 2.0]))
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]))
     >>> anyio.run((w * 3.0).sum().predict)
     np.float64(9.0)
     """
@@ -455,7 +450,7 @@ class Layer(Expr[D, G]):
         self._inputs = ()
         self._params = ()
         self._do = forward
-        self._site = _site()
+        self._site = caller_site()
         self._serial = next(_serials)
 
     @classmethod
@@ -485,154 +480,3 @@ def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], dept
 
 ScalarLayer: TypeAlias = Layer[float, float]
 ArrayLayer: TypeAlias = Layer[Array, Array]
-
-
-@final
-class Weight(Expr[D, G]):
-    """A trainable variable: its data, its optimizer and the optimizer's state.
-
-    Each ``train()`` that reaches a weight sums every use's delta and then
-    takes exactly one optimizer step, after the whole backward pass succeeded.
-
-    Args:
-        data: the initial value: a float (a scalar weight) or a float array.
-        optimizer: how to turn a gradient into an update; by default
-            `monadl.optim.default_optimizer()`.
-
-    >>> import numpy as np, monadl as ml
-    >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.5))
-    >>> w.data
-    array([0., 0.])
-    """
-
-    __slots__ = ("__weakref__", "_data", "_optimizer", "_site", "_state")
-
-    _data: Any
-    _optimizer: GradientTransformation
-    _state: Any
-    _site: Site
-
-    @overload
-    def __init__(
-        self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None
-    ) -> None: ...
-    @overload
-    def __init__(
-        self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None
-    ) -> None: ...
-    @overload
-    def __init__(
-        self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
-    ) -> None: ...
-    @overload
-    def __init__(  # a NumPy scalar of any float type (np.float32 is no Python float)
-        self: Weight[Any, Any], data: np.floating[Any], *, optimizer: GradientTransformation | None = None
-    ) -> None: ...
-    def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
-        from monadl import optim
-
-        if isinstance(data, Expr):
-            raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
-        foreign = is_array(data) and not isinstance(data, np.ndarray)
-        if not foreign and (
-            isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray))
-        ):
-            raise OperandError(f"Weight(...) takes a float or a float array, got {type(data).__name__}")
-        if foreign:  # CuPy or another array API library: the weight lives where its data does
-            xp = namespace(data)
-            if not xp.isdtype(data.dtype, "real floating"):
-                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
-            data = xp.asarray(data, copy=True)
-        elif isinstance(data, np.ndarray):
-            if data.dtype.kind != "f":
-                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
-            data = data.copy()
-        elif not isinstance(data, np.floating):
-            data = np.float64(data)
-        if optimizer is None:
-            optimizer = optim.default_optimizer()
-        elif not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(
-                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
-            )
-        self._data = data
-        self._optimizer = optimizer
-        self._state = optimizer.init(data)
-        self._site = _site()
-
-    @property
-    def data(self) -> D:
-        """The current value (replaced, never mutated, by each step)."""
-        return self._data  # type: ignore[no-any-return]
-
-    # The setters (for checkpoints, surgery, tests) sit right after their getters, as
-    # mypy requires. Use them outside train(): a step in flight commits over them.
-
-    @data.setter
-    def data(self, value: D) -> None:
-        """Replace the value with a copy of ``value``: same shape, dtype and
-        array library (a Python number takes the weight's dtype), else
-        `ShapeError`, `DTypeError` or `DeviceError`. The weight keeps its
-        type in memory (a NumPy scalar stays one); the optimizer state stays.
-
-        >>> import numpy as np, monadl as ml
-        >>> w = ml.Weight(np.zeros(2))
-        >>> w.data = np.array([1.0, 2.0])
-        >>> w.data
-        array([1., 2.])
-        """
-        self._data = replace_data(self._data, value, "Weight.data")
-
-    @property
-    def optimizer(self) -> GradientTransformation:
-        """The optimizer that steps this weight."""
-        return self._optimizer
-
-    @optimizer.setter
-    def optimizer(self, optimizer: GradientTransformation) -> None:
-        """Step with ``optimizer`` from now on, from its fresh state (``init``).
-
-        >>> import numpy as np, monadl as ml
-        >>> w = ml.Weight(np.zeros(2))
-        >>> w.optimizer = ml.optim.adam(1e-3)
-        >>> w.state[0].step
-        0
-        """
-        from monadl import optim
-
-        if not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(
-                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
-            )
-        state = optimizer.init(self._data)
-        self._optimizer = optimizer
-        self._state = state
-
-    @property
-    def state(self) -> Any:
-        """The optimizer's state for this weight (Adam's step count and
-        moments ...), as ``optimizer.init`` made it and each step replaced it.
-
-        Settable to a state of the same structure: the same tuples and
-        NamedTuples, numbers where it has numbers, arrays of the same shape,
-        dtype and library where it has arrays (copied), else an error naming
-        the first difference.
-
-        >>> import numpy as np, monadl as ml
-        >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.momentum(0.1))
-        >>> w.state = (np.ones(2), None)
-        >>> w.state
-        (array([1., 1.]), None)
-        """
-        return self._state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._state = replace_state(self._state, value, "Weight.state")
-
-    def __repr__(self) -> str:
-        return f"Weight({self._data!r})"
-
-
-ScalarWeight: TypeAlias = Weight[float, float]
-ArrayWeight: TypeAlias = Weight[Array, Array]

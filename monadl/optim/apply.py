@@ -18,7 +18,8 @@ import numpy as np
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.errors import NonFiniteError
-from monadl.layers._layer import Weight, site_text
+from monadl.layers._layer import site_text
+from monadl.layers._weight import Weight
 
 __all__ = ["apply_gradients", "step"]
 

@@ -19,7 +19,7 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import ShapeError
-from monadl.layers._layer import Weight
+from monadl.layers._weight import Weight
 from monadl.optim.apply import apply_gradients
 from monadl.runtime import process
 from monadl.runtime.drive import abort, drive, drive_sync

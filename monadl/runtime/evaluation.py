@@ -18,7 +18,7 @@ from monadl.tape import Tape
 
 if TYPE_CHECKING:
     from monadl.do import Do
-    from monadl.layers._layer import Weight
+    from monadl.layers._weight import Weight
 
 __all__ = ["Evaluation", "Record", "Shared", "UserRelease"]
 

@@ -30,7 +30,8 @@ from typing import Any, Final
 
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
-from monadl.layers._layer import Layer, Weight
+from monadl.layers._layer import Layer
+from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute

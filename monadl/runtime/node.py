@@ -17,7 +17,8 @@ import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, is_array, library_name, namespace
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
-from monadl.layers._layer import Layer, Weight, site_text
+from monadl.layers._layer import Layer, site_text
+from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 
 __all__ = ["all_finite", "collect", "compute", "describe", "where"]
@@ -87,9 +88,9 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         if kx is ky:
             if kx is np.ndarray:
                 if op.same_dtype and x.dtype is not y.dtype:
-                    _check_dtypes(node, args)
+                    args = _check_dtypes(node, args)
             elif kx not in _HOST and op.same_dtype and x.dtype != y.dtype:  # both from one other library (CuPy ...)
-                _check_dtypes(node, args)
+                args = _check_dtypes(node, args)
         elif (kx not in _HOST or ky not in _HOST) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
     elif len(inputs) == 1:
@@ -111,7 +112,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         if not kinds <= _HOST:
             args = _foreign_operands(node, args)
         if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
-            _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
+            args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
     params = node._params
     try:
         out, vjps = op.rule(*args, *params) if params else op.rule(*args)
@@ -190,7 +191,11 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1]  # array_api_strict.float32 -> float32
 
 
-def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
+def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One float dtype per operation, by one rule, as PyTorch's: two float
+    arrays of different precision raise `DTypeError`; an integer or boolean
+    array beside a float one takes the float's dtype (NumPy alone would
+    promote ``int64 * float32`` to float64). Returns the operands to use."""
     first = None
     for a in args:
         if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
@@ -201,3 +206,9 @@ def _check_dtypes(node: Any, args: Sequence[Any]) -> None:
                     f"{node._op.name}: operands {describe(args)} mix {_dtype_name(first)} and {_dtype_name(a.dtype)} arrays; "
                     f"cast one with .astype first; layer built at {where(node)}"
                 )
+    if first is None:
+        return args
+    return tuple(
+        namespace(a).astype(a, first) if is_array(a) and namespace(a).isdtype(a.dtype, ("integral", "bool")) else a
+        for a in args
+    )

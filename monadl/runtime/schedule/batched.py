@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._layer import Layer, Weight
+from monadl.layers._layer import Layer
+from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature
 from monadl.runtime.settings import current_settings

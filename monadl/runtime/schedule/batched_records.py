@@ -31,7 +31,8 @@ import numpy as np
 
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import SparseRows
-from monadl.layers._layer import Layer, Weight
+from monadl.layers._layer import Layer
+from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 
 __all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature"]

@@ -59,7 +59,8 @@ def is_device_array(x: object) -> bool:
 
 def on_device(records: dict[Any, Any], order: list[Any]) -> bool:
     """Whether a graph computes on the GPU: some operand of its first layers is a CuPy array."""
-    from monadl.layers._layer import Layer, Weight
+    from monadl.layers._layer import Layer
+    from monadl.layers._weight import Weight
 
     cp = sys.modules["cupy"]
     members = set(order)

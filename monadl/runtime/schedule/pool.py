@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio.to_thread
 
-from monadl.layers._layer import Layer, Weight
+from monadl.layers._layer import Layer
+from monadl.layers._weight import Weight
 from monadl.runtime.backward import backprop
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import compute

@@ -1,0 +1,171 @@
+"""`Weight`: a trainable variable, its optimizer and the optimizer's state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, final, overload
+
+import numpy as np
+
+from monadl._namespace import is_array, namespace
+from monadl.errors import OperandError
+from monadl.layers._layer import Array, DeviceArray, Expr, Site, caller_site
+from monadl.layers._replace import replace_data, replace_state
+
+if TYPE_CHECKING:
+    from monadl.optim import GradientTransformation
+
+__all__ = ["ArrayWeight", "ScalarWeight", "Weight"]
+
+D = TypeVar("D")
+G = TypeVar("G")
+
+
+@final
+class Weight(Expr[D, G]):
+    """A trainable variable: its data, its optimizer and the optimizer's state.
+
+    Each ``train()`` that reaches a weight sums every use's delta and then
+    takes exactly one optimizer step, after the whole backward pass succeeded.
+
+    Args:
+        data: the initial value: a float (a scalar weight) or a float array.
+        optimizer: how to turn a gradient into an update; by default
+            `monadl.optim.default_optimizer()`.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.5))
+    >>> w.data
+    array([0., 0.])
+    """
+
+    __slots__ = ("__weakref__", "_data", "_optimizer", "_site", "_state")
+
+    _data: Any
+    _optimizer: GradientTransformation
+    _state: Any
+    _site: Site
+
+    @overload
+    def __init__(
+        self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: Weight[Array, Array], data: Array, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
+    @overload
+    def __init__(  # a NumPy scalar of any float type (np.float32 is no Python float)
+        self: Weight[Any, Any], data: np.floating[Any], *, optimizer: GradientTransformation | None = None
+    ) -> None: ...
+    def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
+        from monadl import optim
+
+        if isinstance(data, Expr):
+            raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
+        foreign = is_array(data) and not isinstance(data, np.ndarray)
+        if not foreign and (
+            isinstance(data, (bool, np.bool_)) or not isinstance(data, (float, int, np.number, np.ndarray))
+        ):
+            raise OperandError(f"Weight(...) takes a float or a float array, got {type(data).__name__}")
+        if foreign:  # CuPy or another array API library: the weight lives where its data does
+            xp = namespace(data)
+            if not xp.isdtype(data.dtype, "real floating"):
+                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
+            data = xp.asarray(data, copy=True)
+        elif isinstance(data, np.ndarray):
+            if data.dtype.kind != "f":
+                raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
+            data = data.copy()
+        elif not isinstance(data, np.floating):
+            data = np.float64(data)
+        if optimizer is None:
+            optimizer = optim.default_optimizer()
+        elif not isinstance(optimizer, optim.GradientTransformation):
+            raise OperandError(
+                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
+            )
+        self._data = data
+        self._optimizer = optimizer
+        self._state = optimizer.init(data)
+        self._site = caller_site()
+
+    @property
+    def data(self) -> D:
+        """The current value (replaced, never mutated, by each step)."""
+        return self._data  # type: ignore[no-any-return]
+
+    # The setters (for checkpoints, surgery, tests) sit right after their getters, as
+    # mypy requires. Use them outside train(): a step in flight commits over them.
+
+    @data.setter
+    def data(self, value: D) -> None:
+        """Replace the value with a copy of ``value``: same shape, dtype and
+        array library (a Python number takes the weight's dtype), else
+        `ShapeError`, `DTypeError` or `DeviceError`. The weight keeps its
+        type in memory (a NumPy scalar stays one); the optimizer state stays.
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2))
+        >>> w.data = np.array([1.0, 2.0])
+        >>> w.data
+        array([1., 2.])
+        """
+        self._data = replace_data(self._data, value, "Weight.data")
+
+    @property
+    def optimizer(self) -> GradientTransformation:
+        """The optimizer that steps this weight."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: GradientTransformation) -> None:
+        """Step with ``optimizer`` from now on, from its fresh state (``init``).
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2))
+        >>> w.optimizer = ml.optim.adam(1e-3)
+        >>> w.state[0].step
+        0
+        """
+        from monadl import optim
+
+        if not isinstance(optimizer, optim.GradientTransformation):
+            raise OperandError(
+                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
+            )
+        state = optimizer.init(self._data)
+        self._optimizer = optimizer
+        self._state = state
+
+    @property
+    def state(self) -> Any:
+        """The optimizer's state for this weight (Adam's step count and
+        moments ...), as ``optimizer.init`` made it and each step replaced it.
+
+        Settable to a state of the same structure: the same tuples and
+        NamedTuples, numbers where it has numbers, arrays of the same shape,
+        dtype and library where it has arrays (copied), else an error naming
+        the first difference.
+
+        >>> import numpy as np, monadl as ml
+        >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.momentum(0.1))
+        >>> w.state = (np.ones(2), None)
+        >>> w.state
+        (array([1., 1.]), None)
+        """
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = replace_state(self._state, value, "Weight.state")
+
+    def __repr__(self) -> str:
+        return f"Weight({self._data!r})"
+
+
+ScalarWeight: TypeAlias = Weight[float, float]
+ArrayWeight: TypeAlias = Weight[Array, Array]
