@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from monadl.direct import direct, values
-from monadl.layers._functions import _apply, log, mean, relu, softmax, stop_gradient, sum
+from monadl.layers._functions import apply_primitive, log, mean, relu, softmax, stop_gradient, sum
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer
 from monadl.layers._weight import Weight
 from monadl.typeclasses.deep_learning import as_layer
@@ -127,7 +127,9 @@ def frozen(weights: Sequence[Weight[D, G]]) -> list[Layer[D, G]]:
     >>> anyio.run(ml.gradients, ml.sum(still * w), [w])  # only the unfrozen use
     [array([1., 2.])]
     """
-    layers: list[Layer[D, G]] = [_apply("stop_gradient", (w,)) for w in weights]  # stop_gradient, typed generically
+    layers: list[Layer[D, G]] = [
+        apply_primitive("stop_gradient", (w,)) for w in weights
+    ]  # stop_gradient, typed generically
     return layers
 
 

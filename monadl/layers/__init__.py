@@ -3,33 +3,24 @@
 from monadl.deltas import unbroadcast
 from monadl.layers._functions import (
     abs,
-    concatenate,
-    conv2d,
-    cross_entropy,
     dense,
     dot,
-    embedding,
     exp,
     log,
     log_softmax,
     logsumexp,
     matmul,
     max,
-    max_pool2d,
     maximum,
     mean,
     minimum,
     relu,
-    reshape,
     sigmoid,
     softmax,
-    split,
     sqrt,
-    stack,
     stop_gradient,
     sum,
     tanh,
-    transpose,
 )
 from monadl.layers._layer import (
     Array,
@@ -45,6 +36,17 @@ from monadl.layers._layer import (
     ScalarOperand,
 )
 from monadl.layers._primitives import Primitive
+from monadl.layers._structure import (
+    concatenate,
+    conv2d,
+    cross_entropy,
+    embedding,
+    max_pool2d,
+    reshape,
+    split,
+    stack,
+    transpose,
+)
 from monadl.layers._weight import ArrayWeight, ScalarWeight, Weight
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Differentiable functions. Each accepts plain data, weights and layers alike.
+"""Differentiable functions, elementwise, linear algebra and reductions. Each accepts
+plain data, weights and layers alike (losses, lookups and shapes: `_structure`).
 
 The ones marked *composed* are built from the primitives in `_primitives`, so
 they need no backward rule of their own.
@@ -6,18 +7,11 @@ they need no backward rule of their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Final, overload
 
-import numpy as np
-
-from monadl._namespace import is_array, namespace
-from monadl.errors import OperandError
 from monadl.layers._layer import (
-    Array,
     ArrayLayer,
     ArrayOperand,
-    DeviceArray,
     Layer,
     Operand,
     ScalarLayer,
@@ -30,43 +24,36 @@ from monadl.layers._weight import Weight
 
 __all__ = [
     "abs",
-    "concatenate",
-    "conv2d",
-    "cross_entropy",
+    "apply_primitive",
     "dense",
     "dot",
-    "embedding",
     "exp",
     "log",
     "log_softmax",
     "logsumexp",
     "matmul",
     "max",
-    "max_pool2d",
     "maximum",
     "mean",
     "minimum",
     "relu",
-    "reshape",
     "sigmoid",
     "softmax",
-    "split",
     "sqrt",
-    "stack",
     "stop_gradient",
     "sum",
     "tanh",
-    "transpose",
 ]
 
 
 _CHECKED: Final = frozenset({Layer, Weight, float})  # operands that need no check
 
 
-def _apply(name: str, operands: tuple[object, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
+def apply_primitive(name: str, operands: tuple[object, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
     for x in operands:
         if type(x) not in _CHECKED:
             _operand(x, name)  # raises on what monadl cannot compute with
+    """A layer of primitive ``name`` over checked ``operands``, built at the user's line."""
     # The layer's site: from the caller of the public function that called here.
     return _build(PRIMITIVES[name], operands, params, 3)
 
@@ -78,7 +65,7 @@ def exp(x: ScalarOperand) -> ScalarLayer: ...
 def exp(x: ArrayOperand) -> ArrayLayer: ...
 def exp(x: Operand) -> Layer[Any, Any]:
     """``e ** x``, elementwise."""
-    return _apply("exp", (x,))
+    return apply_primitive("exp", (x,))
 
 
 @overload
@@ -87,7 +74,7 @@ def log(x: ScalarOperand) -> ScalarLayer: ...
 def log(x: ArrayOperand) -> ArrayLayer: ...
 def log(x: Operand) -> Layer[Any, Any]:
     """Natural logarithm, elementwise."""
-    return _apply("log", (x,))
+    return apply_primitive("log", (x,))
 
 
 @overload
@@ -96,7 +83,7 @@ def sqrt(x: ScalarOperand) -> ScalarLayer: ...
 def sqrt(x: ArrayOperand) -> ArrayLayer: ...
 def sqrt(x: Operand) -> Layer[Any, Any]:
     """Square root, elementwise."""
-    return _apply("sqrt", (x,))
+    return apply_primitive("sqrt", (x,))
 
 
 @overload
@@ -105,7 +92,7 @@ def abs(x: ScalarOperand) -> ScalarLayer: ...
 def abs(x: ArrayOperand) -> ArrayLayer: ...
 def abs(x: Operand) -> Layer[Any, Any]:
     """Absolute value; its delta at 0 is 0."""
-    return _apply("abs", (x,))
+    return apply_primitive("abs", (x,))
 
 
 @overload
@@ -114,7 +101,7 @@ def tanh(x: ScalarOperand) -> ScalarLayer: ...
 def tanh(x: ArrayOperand) -> ArrayLayer: ...
 def tanh(x: Operand) -> Layer[Any, Any]:
     """Hyperbolic tangent, elementwise."""
-    return _apply("tanh", (x,))
+    return apply_primitive("tanh", (x,))
 
 
 @overload
@@ -123,7 +110,7 @@ def sigmoid(x: ScalarOperand) -> ScalarLayer: ...
 def sigmoid(x: ArrayOperand) -> ArrayLayer: ...
 def sigmoid(x: Operand) -> Layer[Any, Any]:
     """The logistic function ``1 / (1 + e ** -x)``, without overflow."""
-    return _apply("sigmoid", (x,))
+    return apply_primitive("sigmoid", (x,))
 
 
 @overload
@@ -137,7 +124,7 @@ def relu(x: Operand) -> Layer[Any, Any]:
     >>> anyio.run(relu(np.array([-1.0, 2.0])).predict)
     array([0., 2.])
     """
-    return _apply("relu", (x,))
+    return apply_primitive("relu", (x,))
 
 
 @overload
@@ -148,7 +135,7 @@ def maximum(a: ArrayOperand, b: Operand) -> ArrayLayer: ...
 def maximum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def maximum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise maximum; at ties each side gets half the delta."""
-    return _apply("maximum", (a, b))
+    return apply_primitive("maximum", (a, b))
 
 
 @overload
@@ -159,7 +146,7 @@ def minimum(a: ArrayOperand, b: Operand) -> ArrayLayer: ...
 def minimum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise minimum; at ties each side gets half the delta."""
-    return _apply("minimum", (a, b))
+    return apply_primitive("minimum", (a, b))
 
 
 @overload
@@ -174,7 +161,7 @@ def stop_gradient(x: Operand) -> Layer[Any, Any]:
     >>> anyio.run(ml.gradients, ml.sum(w * stop_gradient(w)), [w])
     [array([1., 2.])]
     """
-    return _apply("stop_gradient", (x,))
+    return apply_primitive("stop_gradient", (x,))
 
 
 # ---- linear algebra ----------------------------------------------------------------------
@@ -185,7 +172,7 @@ def matmul(a: ArrayOperand, b: ArrayOperand) -> ArrayLayer:
     >>> anyio.run(matmul(np.ones((2, 3)), np.arange(3.0)).predict)
     array([3., 3.])
     """
-    return _apply("matmul", (a, b))
+    return apply_primitive("matmul", (a, b))
 
 
 dot = matmul
@@ -205,7 +192,7 @@ def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = Non
     >>> anyio.run(dense(np.array([[1.0, 2.0]]), w, b).predict)
     array([[1.5, 1.5]])
     """
-    out: ArrayLayer = _apply("matmul", (x, weight))
+    out: ArrayLayer = apply_primitive("matmul", (x, weight))
     return out if bias is None else out + bias
 
 
@@ -221,7 +208,7 @@ def sum(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = 
     >>> anyio.run(sum(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0).predict)
     array([4., 6.])
     """
-    return _apply("sum", (x,), (axis, keepdims))
+    return apply_primitive("sum", (x,), (axis, keepdims))
 
 
 @overload
@@ -235,7 +222,7 @@ def mean(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool =
     >>> anyio.run(mean(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=1).predict)
     array([1.5, 3.5])
     """
-    return _apply("mean", (x,), (axis, keepdims))
+    return apply_primitive("mean", (x,), (axis, keepdims))
 
 
 @overload
@@ -249,7 +236,7 @@ def max(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = 
     >>> float(anyio.run(max(np.array([1.0, 5.0, 3.0])).predict))
     5.0
     """
-    return _apply("max", (x,), (axis, keepdims))
+    return apply_primitive("max", (x,), (axis, keepdims))
 
 
 @overload
@@ -258,7 +245,7 @@ def logsumexp(x: Operand, axis: None = None, keepdims: bool = False) -> ScalarLa
 def logsumexp(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
 def logsumexp(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
     """``log(sum(exp(x)))`` computed without overflow."""
-    return _apply("logsumexp", (x,), (axis, keepdims))
+    return apply_primitive("logsumexp", (x,), (axis, keepdims))
 
 
 def softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
@@ -268,185 +255,9 @@ def softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
     >>> anyio.run(softmax(np.array([0.0, 0.0, 1000.0])).predict)
     array([0., 0., 1.])
     """
-    return _apply("softmax", (x,), (axis,))
+    return apply_primitive("softmax", (x,), (axis,))
 
 
 def log_softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
     """``log(softmax(x))`` along ``axis``, computed stably."""
-    return _apply("log_softmax", (x,), (axis,))
-
-
-def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLayer:
-    """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``:
-    ``-mean(log_softmax(logits)[rows, labels])`` as one primitive, whose delta
-    is ``(softmax(logits) - one_hot(labels)) / batch``.
-
-    Args:
-        logits: scores of shape ``(batch, classes)``.
-        labels: integers of shape ``(batch,)``, plain data, one per row, each
-            in ``[0, classes)``: anything else raises `monadl.ShapeError`
-            when the layer runs (a negative label is not counted from the end).
-
-    >>> import anyio, numpy as np
-    >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
-    >>> round(float(anyio.run(loss.predict)), 6)  # log(4)
-    1.386294
-    """
-    classes = _integers(labels, "cross_entropy: labels")
-    if classes.ndim != 1:
-        raise OperandError(
-            f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}"
-        )
-    rows = namespace(classes).arange(classes.shape[0], device=classes.device)
-    return _apply("cross_entropy", (logits,), (rows, classes))
-
-
-def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
-    """Rows ``table[indices]`` of an embedding table.
-
-    The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
-    table is a `Weight`, a training step changes only the rows looked up (a
-    row looked up several times steps once, with the sum of its deltas), and
-    the optimizer's per-row state of the other rows stays as it was.
-
-    Indices must lie in ``[0, rows)``; others, negative ones included, raise
-    `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
-    would count a negative index from the end).
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
-    >>> anyio.run(embedding(table, np.array([2, 0])).predict)
-    array([[4., 5.],
-           [0., 1.]])
-    """
-    indices = _integers(indices, "embedding: indices")
-    return _apply("embedding", (table,), (indices,))
-
-
-def _integers(x: Any, what: str) -> Any:
-    """Integer data as an array of its own library (lists become NumPy arrays)."""
-    if not is_array(x):
-        x = np.asarray(x)
-    if not namespace(x).isdtype(x.dtype, "integral"):
-        raise OperandError(f"{what} must be integers, got {x.dtype}{list(x.shape)}")
-    return x
-
-
-# ---- shapes ----------------------------------------------------------------------------------
-def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
-    """The same values in another shape (one axis may be ``-1``).
-
-    >>> import anyio, numpy as np
-    >>> anyio.run(reshape(np.arange(4.0), (2, -1)).predict)
-    array([[0., 1.],
-           [2., 3.]])
-    """
-    return _apply("reshape", (x,), (tuple(shape),))
-
-
-def transpose(x: Operand, axes: Sequence[int] | None = None) -> ArrayLayer:
-    """Permute axes (reverse them by default)."""
-    return _apply("transpose", (x,), (None if axes is None else tuple(axes),))
-
-
-def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
-    """Join along an existing axis.
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> anyio.run(concatenate([np.zeros(2), ml.Weight(np.ones(1))]).predict)
-    array([0., 0., 1.])
-    """
-    if len(xs) == 0:
-        raise OperandError("concatenate: needs at least one operand")
-    return _apply("concatenate", tuple(xs), (axis,))
-
-
-def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
-    """Join along a new axis.
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> anyio.run(stack([np.zeros(2), ml.Weight(np.ones(2))], axis=1).predict)
-    array([[0., 1.],
-           [0., 1.]])
-    """
-    if len(xs) == 0:
-        raise OperandError("stack: needs at least one operand")
-    return _apply("stack", tuple(xs), (axis,))
-
-
-def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tuple[ArrayLayer, ...]:
-    """Cut ``x`` along ``axis`` into parts: ``sections`` equal ones (it must
-    divide the axis, as in ``np.split``), or parts of the given sizes (as in
-    ``torch.split``).
-
-    The backward builds the delta of ``x`` once, from the parts' deltas (zeros
-    only for parts that got none), where a slice per part would build an
-    ``x``-sized array each: cut an LSTM's gate vector with it.
-
-    >>> import anyio, numpy as np
-    >>> gates = np.arange(6.0)
-    >>> i, f = split(gates, 2)
-    >>> anyio.run(f.predict)
-    array([3., 4., 5.])
-    >>> [anyio.run(p.predict).shape for p in split(np.zeros((2, 5)), [1, 4])]
-    [(2, 1), (2, 4)]
-    """
-    if isinstance(sections, bool) or not isinstance(sections, (int, Sequence)):
-        raise OperandError(f"split: sections must be a count or a sequence of sizes, got {sections!r}")
-    params: int | tuple[int, ...]
-    if isinstance(sections, int):
-        count = params = sections
-        if count < 1:
-            raise OperandError(f"split: needs at least one part, got {count}")
-    else:
-        sizes = tuple(int(size) for size in sections)
-        count, params = len(sizes), sizes
-        if count == 0 or min(sizes) < 0:
-            raise OperandError(f"split: sizes must be a non-empty list of sizes >= 0, got {list(sections)}")
-    whole = _apply("split", (x,), (params, axis))
-    # Each part's site is the user's line too (_build walks out of monadl's frames).
-    return tuple(_build(PRIMITIVES["split_part"], (whole,), (params, axis, i), 2) for i in range(count))
-
-
-# ---- convolution ------------------------------------------------------------------------------
-def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int = 0) -> ArrayLayer:
-    """2-D cross-correlation, as PyTorch's ``conv2d`` without bias.
-
-    Args:
-        x: NCHW input, ``(batch, channels, height, width)``.
-        kernel: ``(out_channels, channels, kernel_height, kernel_width)``.
-        stride: the step between windows, in both directions.
-        padding: zeros added on each side of both spatial axes.
-
-    Returns:
-        ``(batch, out_channels, out_height, out_width)``, where ``out_height``
-        is ``(height + 2 * padding - kernel_height) // stride + 1``.
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> kernel = ml.Weight(np.ones((1, 1, 2, 2)))  # sums each 2x2 window
-    >>> anyio.run(conv2d(np.arange(9.0).reshape(1, 1, 3, 3), kernel).predict)[0, 0]
-    array([[ 8., 12.],
-           [20., 24.]])
-    """
-    if stride < 1 or padding < 0:
-        raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
-    return _apply("conv2d", (x, kernel), (stride, padding))
-
-
-def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
-    """Max pooling over ``kernel x kernel`` windows of NCHW input.
-
-    Args:
-        x: NCHW input, ``(batch, channels, height, width)``.
-        kernel: the side of the square window.
-        stride: the step between windows; ``kernel`` by default (no overlap).
-
-    >>> import anyio, numpy as np
-    >>> anyio.run(max_pool2d(np.arange(16.0).reshape(1, 1, 4, 4), 2).predict)[0, 0]
-    array([[ 5.,  7.],
-           [13., 15.]])
-    """
-    stride = kernel if stride is None else stride
-    if kernel < 1 or stride < 1:
-        raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")
-    return _apply("max_pool2d", (x,), (kernel, stride))
+    return apply_primitive("log_softmax", (x,), (axis,))

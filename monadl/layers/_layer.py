@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from types import CodeType, EllipsisType
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeAlias, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._ufunc import UfuncHook
 from monadl.tape import Tape
 
 if TYPE_CHECKING:
@@ -108,87 +109,6 @@ def _operand(x: object, op: str) -> Any:
     raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 
-# The operators a NumPy ufunc stands for when an array is on the left of a
-# layer (`x * w` calls `np.multiply(x, w)`, which calls `__array_ufunc__`).
-_OPERATOR_UFUNCS: dict[Any, str] = {
-    np.add: "add",
-    np.subtract: "subtract",
-    np.multiply: "multiply",
-    np.true_divide: "divide",
-    np.power: "power",
-    np.matmul: "matmul",
-}
-# NumPy ufuncs whose differentiable counterpart has another spelling in monadl.
-_UFUNC_HINTS: dict[Any, str] = {
-    np.absolute: "ml.abs(x)",
-    np.negative: "-x",
-    np.positive: "x",
-    np.square: "x ** 2.0",
-    np.reciprocal: "1.0 / x",
-    np.float_power: "x ** y",
-}
-
-
-_COMPARISONS: Final = frozenset({np.less, np.less_equal, np.greater, np.greater_equal})
-
-
-def _array_ufunc(self: Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Layer[Any, Any] | bool:
-    """A NumPy ufunc met a layer or a weight: an operator with an array on the
-    left builds a layer; anything else is refused with the monadl spelling."""
-    plain = method == "__call__" and not kwargs and len(inputs) == 2
-    name = _OPERATOR_UFUNCS.get(ufunc)
-    if name is not None and plain:
-        return _binary(PRIMITIVES[name], *inputs)
-    if plain and (ufunc is np.equal or ufunc is np.not_equal):
-        # As before and as for any object: an array is not a layer (`layer in [x, ...]` works).
-        return ufunc is np.not_equal
-    what = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
-    if kwargs.get("out") is not None:  # `x += layer` on an array, or out=
-        hint = "a layer is lazy and cannot be written into an array: write `x = x + layer`"
-    elif ufunc in _COMPARISONS:
-        hint = "layers are not compared; compare forward values (await layer.predict())"
-    elif ufunc in _UFUNC_HINTS:
-        hint = f"use {_UFUNC_HINTS[ufunc]}"
-    elif ufunc.__name__ in _DIFFERENTIABLE:
-        hint = f"use ml.{ufunc.__name__}(...), its differentiable counterpart"
-    else:
-        hint = (
-            "monadl has no differentiable counterpart: compose one from monadl's functions, "
-            "or compute on a forward value (await layer.predict())"
-        )
-    raise TypeError(f"{what} cannot take a monadl {type(self).__name__}: {hint}")
-
-
-# NumPy ufuncs with a monadl function of the same name (a test keeps this true).
-_DIFFERENTIABLE: Final = frozenset({"exp", "log", "sqrt", "tanh", "maximum", "minimum", "matmul"})
-
-
-@final
-class _UfuncHook:
-    """``__array_ufunc__`` of layers and weights, read two ways.
-
-    NumPy looks it up on the type (``__get__(None, cls)``) and gets
-    `_array_ufunc`: with an array on the left, ``x * w`` becomes
-    ``np.multiply(x, w)``, which we turn into a layer, and ``np.exp(w)`` gets
-    a hint instead of NumPy's generic error. CuPy reads it from the instance
-    and, when it is None, calls the reflected operator (``w.__rmul__(x)``),
-    as NumPy's protocol (NEP 13) intends: so the instance gets None.
-
-    NumPy's ufunc override costs about 2 us more per ``array op layer`` than
-    deferring with ``__array_ufunc__ = None`` did (measured: 4.3 against 2.3
-    us to build ``x * w``); a layer is built once per use, so the hint wins.
-    """
-
-    __slots__ = ()
-
-    @overload
-    def __get__(self, instance: None, owner: type) -> Callable[..., Layer[Any, Any] | bool]: ...
-    @overload
-    def __get__(self, instance: object, owner: type) -> None: ...
-    def __get__(self, instance: object, owner: type) -> Callable[..., Layer[Any, Any] | bool] | None:
-        return _array_ufunc if instance is None else None
-
-
 class Expr(Generic[D, G]):
     """A differentiable expression: what layers and weights share (``forward``,
     ``train``, ``predict``, and the operators that build new layers).
@@ -201,7 +121,7 @@ class Expr(Generic[D, G]):
     # NumPy sees a method (operators with an array on the left reach monadl,
     # other ufuncs raise a hint); CuPy sees None (its cue to call our
     # reflected operators). See `_UfuncHook`.
-    __array_ufunc__ = _UfuncHook()
+    __array_ufunc__ = UfuncHook()
 
     def forward(self) -> Do[Tape[D, G]]:
         """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""
@@ -238,7 +158,7 @@ class Expr(Generic[D, G]):
     @overload
     def __add__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __add__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary(_ADD, self, other)
+        return binary(_ADD, self, other)
 
     @overload
     def __radd__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -247,7 +167,7 @@ class Expr(Generic[D, G]):
     @overload
     def __radd__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __radd__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary(_ADD, other, self)
+        return binary(_ADD, other, self)
 
     @overload
     def __sub__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -256,7 +176,7 @@ class Expr(Generic[D, G]):
     @overload
     def __sub__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __sub__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary(_SUB, self, other)
+        return binary(_SUB, self, other)
 
     @overload
     def __rsub__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -265,7 +185,7 @@ class Expr(Generic[D, G]):
     @overload
     def __rsub__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rsub__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary(_SUB, other, self)
+        return binary(_SUB, other, self)
 
     @overload
     def __mul__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -274,7 +194,7 @@ class Expr(Generic[D, G]):
     @overload
     def __mul__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __mul__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary(_MUL, self, other)
+        return binary(_MUL, self, other)
 
     @overload
     def __rmul__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -283,7 +203,7 @@ class Expr(Generic[D, G]):
     @overload
     def __rmul__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rmul__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary(_MUL, other, self)
+        return binary(_MUL, other, self)
 
     @overload
     def __truediv__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -292,7 +212,7 @@ class Expr(Generic[D, G]):
     @overload
     def __truediv__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __truediv__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary(_DIV, self, other)
+        return binary(_DIV, self, other)
 
     @overload
     def __rtruediv__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -301,7 +221,7 @@ class Expr(Generic[D, G]):
     @overload
     def __rtruediv__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rtruediv__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary(_DIV, other, self)
+        return binary(_DIV, other, self)
 
     @overload
     def __pow__(self: Expr[float, float], other: ScalarOperand) -> Layer[float, float]: ...
@@ -310,7 +230,7 @@ class Expr(Generic[D, G]):
     @overload
     def __pow__(self: Expr[Array, Array], other: Operand) -> Layer[Array, Array]: ...
     def __pow__(self, other: Operand) -> Layer[Any, Any]:
-        return _binary(_POW, self, other)
+        return binary(_POW, self, other)
 
     @overload
     def __rpow__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
@@ -319,13 +239,13 @@ class Expr(Generic[D, G]):
     @overload
     def __rpow__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
     def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
-        return _binary(_POW, other, self)
+        return binary(_POW, other, self)
 
     def __matmul__(self, other: ArrayOperand) -> Layer[Array, Array]:
-        return _binary(_MATMUL, self, other)
+        return binary(_MATMUL, self, other)
 
     def __rmatmul__(self, other: Array) -> Layer[Array, Array]:
-        return _binary(_MATMUL, other, self)
+        return binary(_MATMUL, other, self)
 
     def __neg__(self) -> Layer[D, G]:
         return Layer._make(PRIMITIVES["negative"], (self,))
@@ -397,7 +317,8 @@ _ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (
 )
 
 
-def _binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
+def binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
+    """A layer of a binary primitive, built at the user's line (operators and NumPy's ufuncs call it)."""
     # The hot path of model building, so _build and _site are inlined here
     # (and _do, read only when _op is None, is left unset).
     kind = type(a)

@@ -1,0 +1,203 @@
+"""Differentiable functions of structure: losses, table lookups, shapes and
+convolutions. Each accepts plain data, weights and layers alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import is_array, namespace
+from monadl.errors import OperandError
+from monadl.layers._functions import apply_primitive
+from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, DeviceArray, Operand, ScalarLayer, _build
+from monadl.layers._primitives import PRIMITIVES
+
+__all__ = [
+    "concatenate",
+    "conv2d",
+    "cross_entropy",
+    "embedding",
+    "max_pool2d",
+    "reshape",
+    "split",
+    "stack",
+    "transpose",
+]
+
+
+def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLayer:
+    """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``:
+    ``-mean(log_softmax(logits)[rows, labels])`` as one primitive, whose delta
+    is ``(softmax(logits) - one_hot(labels)) / batch``.
+
+    Args:
+        logits: scores of shape ``(batch, classes)``.
+        labels: integers of shape ``(batch,)``, plain data, one per row, each
+            in ``[0, classes)``: anything else raises `monadl.ShapeError`
+            when the layer runs (a negative label is not counted from the end).
+
+    >>> import anyio, numpy as np
+    >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
+    >>> round(float(anyio.run(loss.predict)), 6)  # log(4)
+    1.386294
+    """
+    classes = _integers(labels, "cross_entropy: labels")
+    if classes.ndim != 1:
+        raise OperandError(
+            f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}"
+        )
+    rows = namespace(classes).arange(classes.shape[0], device=classes.device)
+    return apply_primitive("cross_entropy", (logits,), (rows, classes))
+
+
+def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
+    """Rows ``table[indices]`` of an embedding table.
+
+    The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
+    table is a `Weight`, a training step changes only the rows looked up (a
+    row looked up several times steps once, with the sum of its deltas), and
+    the optimizer's per-row state of the other rows stays as it was.
+
+    Indices must lie in ``[0, rows)``; others, negative ones included, raise
+    `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
+    would count a negative index from the end).
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
+    >>> anyio.run(embedding(table, np.array([2, 0])).predict)
+    array([[4., 5.],
+           [0., 1.]])
+    """
+    indices = _integers(indices, "embedding: indices")
+    return apply_primitive("embedding", (table,), (indices,))
+
+
+def _integers(x: Any, what: str) -> Any:
+    """Integer data as an array of its own library (lists become NumPy arrays)."""
+    if not is_array(x):
+        x = np.asarray(x)
+    if not namespace(x).isdtype(x.dtype, "integral"):
+        raise OperandError(f"{what} must be integers, got {x.dtype}{list(x.shape)}")
+    return x
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
+    """The same values in another shape (one axis may be ``-1``).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(reshape(np.arange(4.0), (2, -1)).predict)
+    array([[0., 1.],
+           [2., 3.]])
+    """
+    return apply_primitive("reshape", (x,), (tuple(shape),))
+
+
+def transpose(x: Operand, axes: Sequence[int] | None = None) -> ArrayLayer:
+    """Permute axes (reverse them by default)."""
+    return apply_primitive("transpose", (x,), (None if axes is None else tuple(axes),))
+
+
+def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+    """Join along an existing axis.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> anyio.run(concatenate([np.zeros(2), ml.Weight(np.ones(1))]).predict)
+    array([0., 0., 1.])
+    """
+    if len(xs) == 0:
+        raise OperandError("concatenate: needs at least one operand")
+    return apply_primitive("concatenate", tuple(xs), (axis,))
+
+
+def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+    """Join along a new axis.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> anyio.run(stack([np.zeros(2), ml.Weight(np.ones(2))], axis=1).predict)
+    array([[0., 1.],
+           [0., 1.]])
+    """
+    if len(xs) == 0:
+        raise OperandError("stack: needs at least one operand")
+    return apply_primitive("stack", tuple(xs), (axis,))
+
+
+def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tuple[ArrayLayer, ...]:
+    """Cut ``x`` along ``axis`` into parts: ``sections`` equal ones (it must
+    divide the axis, as in ``np.split``), or parts of the given sizes (as in
+    ``torch.split``).
+
+    The backward builds the delta of ``x`` once, from the parts' deltas (zeros
+    only for parts that got none), where a slice per part would build an
+    ``x``-sized array each: cut an LSTM's gate vector with it.
+
+    >>> import anyio, numpy as np
+    >>> gates = np.arange(6.0)
+    >>> i, f = split(gates, 2)
+    >>> anyio.run(f.predict)
+    array([3., 4., 5.])
+    >>> [anyio.run(p.predict).shape for p in split(np.zeros((2, 5)), [1, 4])]
+    [(2, 1), (2, 4)]
+    """
+    if isinstance(sections, bool) or not isinstance(sections, (int, Sequence)):
+        raise OperandError(f"split: sections must be a count or a sequence of sizes, got {sections!r}")
+    params: int | tuple[int, ...]
+    if isinstance(sections, int):
+        count = params = sections
+        if count < 1:
+            raise OperandError(f"split: needs at least one part, got {count}")
+    else:
+        sizes = tuple(int(size) for size in sections)
+        count, params = len(sizes), sizes
+        if count == 0 or min(sizes) < 0:
+            raise OperandError(f"split: sizes must be a non-empty list of sizes >= 0, got {list(sections)}")
+    whole = apply_primitive("split", (x,), (params, axis))
+    # Each part's site is the user's line too (_build walks out of monadl's frames).
+    return tuple(_build(PRIMITIVES["split_part"], (whole,), (params, axis, i), 2) for i in range(count))
+
+
+# ---- convolution ------------------------------------------------------------------------------
+def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int = 0) -> ArrayLayer:
+    """2-D cross-correlation, as PyTorch's ``conv2d`` without bias.
+
+    Args:
+        x: NCHW input, ``(batch, channels, height, width)``.
+        kernel: ``(out_channels, channels, kernel_height, kernel_width)``.
+        stride: the step between windows, in both directions.
+        padding: zeros added on each side of both spatial axes.
+
+    Returns:
+        ``(batch, out_channels, out_height, out_width)``, where ``out_height``
+        is ``(height + 2 * padding - kernel_height) // stride + 1``.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> kernel = ml.Weight(np.ones((1, 1, 2, 2)))  # sums each 2x2 window
+    >>> anyio.run(conv2d(np.arange(9.0).reshape(1, 1, 3, 3), kernel).predict)[0, 0]
+    array([[ 8., 12.],
+           [20., 24.]])
+    """
+    if stride < 1 or padding < 0:
+        raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
+    return apply_primitive("conv2d", (x, kernel), (stride, padding))
+
+
+def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
+    """Max pooling over ``kernel x kernel`` windows of NCHW input.
+
+    Args:
+        x: NCHW input, ``(batch, channels, height, width)``.
+        kernel: the side of the square window.
+        stride: the step between windows; ``kernel`` by default (no overlap).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(max_pool2d(np.arange(16.0).reshape(1, 1, 4, 4), 2).predict)[0, 0]
+    array([[ 5.,  7.],
+           [13., 15.]])
+    """
+    stride = kernel if stride is None else stride
+    if kernel < 1 or stride < 1:
+        raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")
+    return apply_primitive("max_pool2d", (x,), (kernel, stride))
