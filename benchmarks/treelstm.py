@@ -116,9 +116,31 @@ def _monadl_unbatched(weights: Weights) -> Variant:
     return _monadl(weights, lambda: ml.settings(**off))
 
 
+def _monadl_fold(weights: Weights) -> Variant:
+    """The Tree-LSTM as Fold blocks (`examples.tree_lstm_fold`), batching on where the runtime has it."""
+    from examples.tree_lstm_fold import FoldTreeLSTM
+
+    model = FoldTreeLSTM(weights)
+    names = list(model.w)
+
+    async def loss_and_gradients(trees: list[Tree]) -> tuple[float, Weights]:
+        loss = model.loss(trees)
+        grads = await ml.gradients(loss, [model.w[k] for k in names])
+        return float(await loss.predict()), dict(zip(names, grads))
+
+    on: dict[str, Any] = {"batching": True} if batching_available() else {}
+    return Variant(
+        lambda trees: model.loss(trees).train(),
+        lambda trees: model.logits(trees).predict(),
+        loss_and_gradients,
+        lambda: ml.settings(**on),
+    )
+
+
 VARIANTS: dict[str, Builder] = {
     "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
+    "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,
     "torch by depth": _treelstm_torch.by_depth,
 }

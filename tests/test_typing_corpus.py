@@ -141,6 +141,21 @@ ACCEPT = {
         assert_type(w, ml.ArrayWeight)
         assert_type(v.data, float)
     """,
+    "fold_blocks_compose_with_inferred_types": """
+        from collections.abc import Sequence
+        from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, Map, Record, Reduce, Scalar, Vector
+
+        def add(ab: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:
+            return ab[0] + ab[1]
+
+        assert_type(InputTransform(str.split) >> InputTransform(len), Block[str, int])
+        assert_type(Map(Vector(2)) >> Reduce(Function(add)), Block[Sequence[Sequence[float]], ml.ArrayLayer])
+        assert_type(AllOf(InputTransform(len), InputTransform(str.upper))("ab"), tuple[int, str])
+        assert_type(Record(Scalar(), Vector(2))((1.0, [2.0, 3.0])), tuple[ml.ArrayLayer, ml.ArrayLayer])
+        node = ForwardDeclaration[str, int]()
+        node.resolve_to(InputTransform(len))
+        assert_type(node.batch(["a"]), list[int])
+    """,
 }
 
 # name: (program, the error code mypy must report)
@@ -208,6 +223,28 @@ REJECT = {
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
     "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
     "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),
+    # Fold blocks: ``a >> b`` needs a's output to be b's input.
+    "fold_ill_typed_composition": (
+        "from monadl.fold import InputTransform, Vector\nupper = InputTransform(str.upper)\nVector(3) >> upper",
+        "operator",
+    ),
+    "fold_map_over_a_non_sequence": (
+        "from monadl.fold import Map, Scalar, Vector\nVector(3) >> Map(Scalar())",
+        "operator",
+    ),
+    "fold_record_field_mismatch": (
+        "from monadl.fold import Record, Scalar, Vector\nRecord(Scalar(), Vector(2))((1.0, 'ab'))",
+        "arg-type",
+    ),
+    "fold_forward_declaration_resolved_to_another_type": (
+        "from monadl.fold import ForwardDeclaration, InputTransform\n"
+        "node = ForwardDeclaration[str, int]()\nnode.resolve_to(InputTransform(str.upper))",
+        "arg-type",
+    ),
+    "fold_block_output_used_as_data": (
+        "from monadl.fold import Vector\nx: ml.Array = Vector(2)([1.0, 2.0])",
+        "assignment",
+    ),
 }
 
 _ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: (?P<message>.*?)(?:  \[(?P<code>[\w-]+)\])?$")

@@ -1,0 +1,69 @@
+"""Typed blocks in the style of TF Fold (Looks et al. 2017, section 3): a
+typed language for the graphs of dynamic networks, built over monadl layers.
+
+A `Block[In, Out]` turns a Python input (a tree, a sequence, a record) into
+layers. ``a >> b`` composes blocks, and mypy rejects it unless ``a``'s output
+type is ``b``'s input type. `Scalar`, `Vector` and `Zeros` make constant
+rows; `Function` applies a function over layers (a cell using weights);
+`InputTransform` pre-processes plain data; `Map`, `Fold` (left, an RNN) and
+`Reduce` (balanced, depth log n) run over sequences; `OneOf` dispatches on
+the input, `Optional` maps None to a default, `AllOf` and `Record` make
+tuples; `ForwardDeclaration` lets a block use itself (recursion over trees).
+
+mypy reads a block's types from the function it wraps: give `Function` and
+`InputTransform` a ``def`` with annotations, or name the types of a lambda
+(``InputTransform[Node, int](lambda n: n.symbol)``), since mypy does not
+infer a lambda's parameter from the ``>>`` that follows it.
+
+``block(x)`` builds one input's layers and ``block.batch(xs)`` many inputs'
+in one graph; the graph is an ordinary monadl graph, so
+``await loss.train()`` trains it and the runtime's dynamic batching
+(``ml.settings(batching=...)``) groups equal operations across nodes and
+inputs: blocks do no batching of their own. Evaluation keeps its pending
+work on an explicit stack (each block is a generator of requests for its
+sub-blocks' outputs), so recursion as deep as the input never reaches
+Python's recursion limit.
+
+>>> import anyio, numpy as np, monadl as ml
+>>> from monadl.fold import Function, Map, Reduce, Vector
+>>> w = ml.Weight(np.ones((2, 2)))
+>>> encode = Map(Vector(2, "float64") >> Function(lambda v: ml.tanh(ml.matmul(v, w))))
+>>> total = encode >> Reduce(Function(lambda ab: ab[0] + ab[1]))
+>>> anyio.run(ml.sum(total([[0.0, 0.0], [1.0, -1.0], [0.5, 0.5]])).predict).round(6)
+np.float64(1.523188)
+"""
+
+from monadl.fold._block import Block, Composition, ForwardDeclaration, call
+from monadl.fold._blocks import (
+    AllOf,
+    Fold,
+    Function,
+    InputTransform,
+    Map,
+    OneOf,
+    Optional,
+    Record,
+    Reduce,
+    Scalar,
+    Vector,
+    Zeros,
+)
+
+__all__ = [
+    "AllOf",
+    "Block",
+    "Composition",
+    "Fold",
+    "ForwardDeclaration",
+    "Function",
+    "InputTransform",
+    "Map",
+    "OneOf",
+    "Optional",
+    "Record",
+    "Reduce",
+    "Scalar",
+    "Vector",
+    "Zeros",
+    "call",
+]

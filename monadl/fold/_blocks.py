@@ -1,0 +1,363 @@
+"""The blocks of TF Fold (Looks et al. 2017, section 3), over monadl layers.
+
+Array outputs are rows: a block's array for one input has a leading axis of
+length 1 (`Scalar` gives shape ``(1,)``, ``Vector(n)`` gives ``(1, n)``), as
+the per-node states of a model written by hand are, so the runtime's dynamic
+batching stacks the rows of equal operations across nodes and inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar, cast, final, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from monadl.fold._block import Block, Build, call
+from monadl.layers import ArrayLayer
+from monadl.typeclasses import as_layer
+
+X = TypeVar("X")
+Y = TypeVar("Y")
+S = TypeVar("S")
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+X1 = TypeVar("X1")
+X2 = TypeVar("X2")
+X3 = TypeVar("X3")
+X4 = TypeVar("X4")
+Y1 = TypeVar("Y1")
+Y2 = TypeVar("Y2")
+Y3 = TypeVar("Y3")
+Y4 = TypeVar("Y4")
+
+
+def _done(y: Y) -> Build[Y]:
+    """The build of a block that needs no sub-block: it requests nothing."""
+    yield from ()
+    return y
+
+
+# ---- inputs to layers -----------------------------------------------------------------------------
+@final
+class Scalar(Block[float, ArrayLayer]):
+    """A Python number as a constant layer of shape ``(1,)`` (no gradient).
+
+    >>> import anyio
+    >>> anyio.run(Scalar("float64")(2).predict)
+    array([2.])
+    """
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: npt.DTypeLike = np.float32) -> None:
+        self.dtype = np.dtype(dtype)
+
+    def _build(self, x: float) -> Build[ArrayLayer]:
+        return _done(as_layer(np.array([x], self.dtype)))
+
+
+@final
+class Vector(Block[Sequence[float], ArrayLayer]):
+    """A sequence of ``size`` numbers as a constant row of shape ``(1, size)``.
+
+    >>> import anyio
+    >>> anyio.run(Vector(2, "float64")([1, 2]).predict)
+    array([[1., 2.]])
+    """
+
+    __slots__ = ("dtype", "size")
+
+    def __init__(self, size: int, dtype: npt.DTypeLike = np.float32) -> None:
+        self.size = size
+        self.dtype = np.dtype(dtype)
+
+    def _build(self, x: Sequence[float]) -> Build[ArrayLayer]:
+        if len(x) != self.size:
+            raise ValueError(f"Vector({self.size}) was given {len(x)} numbers")
+        return _done(as_layer(np.asarray(x, self.dtype).reshape(1, self.size)))
+
+
+@final
+class Zeros(Block[object, ArrayLayer]):
+    """Zeros of shape ``(1, *shape)`` whatever the input (an initial state).
+
+    >>> import anyio
+    >>> anyio.run(Zeros((2,), "float64")(None).predict)
+    array([[0., 0.]])
+    """
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+
+    def _build(self, x: object) -> Build[ArrayLayer]:
+        return _done(as_layer(np.zeros((1, *self.shape), self.dtype)))
+
+
+# ---- functions ----------------------------------------------------------------------------------
+@final
+class Function(Block[X, Y]):
+    """A Python function over layers (a cell using weights, a loss).
+
+    >>> import anyio, monadl as ml
+    >>> scale = ml.Weight(np.array([2.0]))
+    >>> anyio.run((Scalar("float64") >> Function(lambda x: x * scale))(3.0).predict)
+    array([6.])
+    """
+
+    __slots__ = ("f",)
+
+    def __init__(self, f: Callable[[X], Y]) -> None:
+        self.f = f
+
+    def _build(self, x: X) -> Build[Y]:
+        return _done(self.f(x))
+
+
+@final
+class InputTransform(Block[X, Y]):
+    """Plain Python pre-processing of an input (no layers: Fold's
+    ``InputTransform``); reads as the boundary between data and network.
+
+    >>> InputTransform(str.upper)("tree")
+    'TREE'
+    """
+
+    __slots__ = ("f",)
+
+    def __init__(self, f: Callable[[X], Y]) -> None:
+        self.f = f
+
+    def _build(self, x: X) -> Build[Y]:
+        return _done(self.f(x))
+
+
+# ---- sequences ----------------------------------------------------------------------------------
+@final
+class Map(Block[Sequence[X], list[Y]]):
+    """A block applied to each element of a sequence.
+
+    >>> Map(InputTransform(len))(["a", "bcd"])
+    [1, 3]
+    """
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block[X, Y]) -> None:
+        self.block = block
+
+    def _build(self, xs: Sequence[X]) -> Build[list[Y]]:
+        ys = []
+        for x in xs:
+            ys.append((yield from call(self.block, x)))
+        return ys
+
+
+@final
+class Fold(Block[Sequence[X], S]):
+    """A left fold: ``step((... step((init, x0), x1) ...), xn)``, an RNN over
+    the sequence when ``step`` is a cell; ``init`` is built from ``None``.
+
+    >>> Fold(InputTransform(lambda sx: sx[0] * 10 + sx[1]), InputTransform(lambda _: 0))([1, 2, 3])
+    123
+    """
+
+    __slots__ = ("init", "step")
+
+    def __init__(self, step: Block[tuple[S, X], S], init: Block[None, S]) -> None:
+        self.step = step
+        self.init = init
+
+    def _build(self, xs: Sequence[X]) -> Build[S]:
+        state = yield from call(self.init, None)
+        for x in xs:
+            state = yield from call(self.step, (state, x))
+        return state
+
+
+@final
+class Reduce(Block[Sequence[Y], Y]):
+    """A balanced reduction of a non-empty sequence with a binary block:
+    neighbours are joined level by level (an odd last one waits for the next
+    level), so the depth is log n and each level's joins batch together.
+
+    >>> Reduce(InputTransform(lambda ab: f"({ab[0]} {ab[1]})"))("abcde")
+    '(((a b) (c d)) e)'
+    """
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block[tuple[Y, Y], Y]) -> None:
+        self.block = block
+
+    def _build(self, xs: Sequence[Y]) -> Build[Y]:
+        level = list(xs)
+        if not level:
+            raise ValueError("Reduce of an empty sequence")
+        while len(level) > 1:
+            joined = []
+            for i in range(0, len(level) - 1, 2):
+                joined.append((yield from call(self.block, (level[i], level[i + 1]))))
+            level = joined + level[len(level) - len(level) % 2 :]
+        return level[0]
+
+
+# ---- choice and structure -------------------------------------------------------------------------
+@final
+class OneOf(Block[X, Y]):
+    """The case chosen by ``key(x)``, applied to ``x``: a dispatch on the
+    input (a leaf or an internal node).
+
+    >>> sign = OneOf(lambda n: n >= 0, {True: InputTransform(lambda n: "+"), False: InputTransform(lambda n: "-")})
+    >>> sign(-2), sign(3)
+    ('-', '+')
+    """
+
+    __slots__ = ("cases", "key")
+
+    def __init__(self, key: Callable[[X], K], cases: Mapping[K, Block[X, Y]]) -> None:
+        self.key: Callable[[X], Hashable] = key
+        self.cases: Mapping[Any, Block[X, Y]] = cases  # keys as K, read back by key(x)
+
+    def _build(self, x: X) -> Build[Y]:
+        k = self.key(x)
+        if k not in self.cases:
+            raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
+        y = yield from call(self.cases[k], x)
+        return y
+
+
+@final
+class Optional(Block[X | None, Y]):
+    """``block(x)``, or ``default(None)`` when the input is None (zeros, say).
+
+    >>> import anyio
+    >>> maybe = Optional(Vector(2, "float64"), Zeros((2,), "float64"))
+    >>> anyio.run(maybe(None).predict), anyio.run(maybe([1, 2]).predict)
+    (array([[0., 0.]]), array([[1., 2.]]))
+    """
+
+    __slots__ = ("block", "default")
+
+    def __init__(self, block: Block[X, Y], default: Block[None, Y]) -> None:
+        self.block = block
+        self.default = default
+
+    def _build(self, x: X | None) -> Build[Y]:
+        if x is None:
+            y = yield from call(self.default, None)
+        else:
+            y = yield from call(self.block, x)
+        return y
+
+
+@final
+class AllOf(Block[X, T]):
+    """Several blocks applied to the same input: the tuple of their outputs.
+
+    >>> AllOf(InputTransform(len), InputTransform(str.upper))("ab")
+    (2, 'AB')
+    """
+
+    __slots__ = ("blocks",)
+
+    @overload
+    def __init__(self: AllOf[X, tuple[Y1]], b1: Block[X, Y1], /) -> None: ...
+    @overload
+    def __init__(self: AllOf[X, tuple[Y1, Y2]], b1: Block[X, Y1], b2: Block[X, Y2], /) -> None: ...
+    @overload
+    def __init__(
+        self: AllOf[X, tuple[Y1, Y2, Y3]], b1: Block[X, Y1], b2: Block[X, Y2], b3: Block[X, Y3], /
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: AllOf[X, tuple[Y1, Y2, Y3, Y4]],
+        b1: Block[X, Y1],
+        b2: Block[X, Y2],
+        b3: Block[X, Y3],
+        b4: Block[X, Y4],
+        /,
+    ) -> None: ...
+    @overload
+    def __init__(self: AllOf[X, tuple[Any, ...]], *blocks: Block[X, Any]) -> None: ...
+    def __init__(self, *blocks: Block[X, Any]) -> None:
+        self.blocks = blocks
+
+    def _build(self, x: X) -> Build[T]:
+        ys = []
+        for block in self.blocks:
+            ys.append((yield from call(block, x)))
+        return cast(T, tuple(ys))  # the overloads of __init__ type it per block
+
+
+@final
+class Record(Block[X, T]):
+    """Each field of the input through its own block: ``Record(b1, b2)``
+    takes a tuple ``(x1, x2)``; ``Record({"a": b1, "b": b2})`` (or
+    ``Record([("a", b1), ("b", b2)])``) a mapping with those keys. The output is the tuple of the fields' outputs, in the
+    order the blocks are given.
+
+    >>> Record(InputTransform(len), InputTransform(abs))(("ab", -3))
+    (2, 3)
+    >>> Record({"n": InputTransform(len)})({"n": "abc"})
+    (3,)
+    >>> Record([("b", InputTransform(len)), ("a", InputTransform(len))])({"a": "x", "b": "yz"})
+    (2, 1)
+    """
+
+    __slots__ = ("blocks", "keys")
+
+    @overload
+    def __init__(self: Record[Mapping[K, X1], tuple[Y1, ...]], fields: Mapping[K, Block[X1, Y1]], /) -> None: ...
+    @overload
+    def __init__(
+        self: Record[Mapping[K, X1], tuple[Y1, ...]], fields: Sequence[tuple[K, Block[X1, Y1]]], /
+    ) -> None: ...
+    @overload
+    def __init__(self: Record[tuple[X1], tuple[Y1]], b1: Block[X1, Y1], /) -> None: ...
+    @overload
+    def __init__(self: Record[tuple[X1, X2], tuple[Y1, Y2]], b1: Block[X1, Y1], b2: Block[X2, Y2], /) -> None: ...
+    @overload
+    def __init__(
+        self: Record[tuple[X1, X2, X3], tuple[Y1, Y2, Y3]],
+        b1: Block[X1, Y1],
+        b2: Block[X2, Y2],
+        b3: Block[X3, Y3],
+        /,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: Record[tuple[X1, X2, X3, X4], tuple[Y1, Y2, Y3, Y4]],
+        b1: Block[X1, Y1],
+        b2: Block[X2, Y2],
+        b3: Block[X3, Y3],
+        b4: Block[X4, Y4],
+        /,
+    ) -> None: ...
+    def __init__(self, *fields: Any) -> None:
+        if len(fields) == 1 and isinstance(fields[0], Mapping | Sequence):
+            pairs = list(fields[0].items() if isinstance(fields[0], Mapping) else fields[0])
+            self.keys: tuple[Any, ...] | None = tuple(k for k, _ in pairs)
+            self.blocks: tuple[Block[Any, Any], ...] = tuple(b for _, b in pairs)
+        else:
+            self.keys = None
+            self.blocks = fields
+
+    def _build(self, x: X) -> Build[T]:
+        fields: Sequence[Any]
+        if self.keys is None:
+            if not isinstance(x, tuple) or len(x) != len(self.blocks):
+                raise ValueError(f"Record of {len(self.blocks)} blocks was given {x!r:.80}, not a tuple of as many")
+            fields = x
+        else:
+            if not isinstance(x, Mapping):
+                raise ValueError(f"Record with keys {list(self.keys)} was given {type(x).__name__}, not a mapping")
+            fields = [x[k] for k in self.keys]
+        ys = []
+        for block, field in zip(self.blocks, fields):
+            ys.append((yield from call(block, field)))
+        return cast(T, tuple(ys))  # the overloads of __init__ type it per field

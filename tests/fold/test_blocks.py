@@ -1,0 +1,166 @@
+"""Each block's semantics, composition, errors, and recursion deeper than Python's stack."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.fold import (
+    AllOf,
+    Block,
+    Fold,
+    ForwardDeclaration,
+    Function,
+    InputTransform,
+    Map,
+    OneOf,
+    Optional,
+    Record,
+    Reduce,
+    Scalar,
+    Vector,
+    Zeros,
+)
+
+
+def value(layer: ml.Layer[Any, Any]) -> Any:
+    return anyio.run(layer.predict)
+
+
+def test_scalar_vector_and_zeros_are_constant_rows_of_their_dtype() -> None:
+    s, v, z = Scalar()(2.5), Vector(3, np.float64)([1, 2, 3]), Zeros((2, 3), np.float64)("ignored")
+    assert value(s).dtype == np.float32 and value(s).tolist() == [2.5]
+    assert value(v).dtype == np.float64 and value(v).tolist() == [[1.0, 2.0, 3.0]]
+    assert value(z).shape == (1, 2, 3) and not value(z).any()
+    with pytest.raises(ValueError, match=r"Vector\(3\) was given 2 numbers"):
+        Vector(3)([1.0, 2.0])
+
+
+def test_function_trains_the_weights_it_uses() -> None:
+    w = ml.Weight(np.array([[2.0]]), optimizer=ml.optim.sgd(0.5))
+    square = Scalar(np.float64) >> Function(lambda x: ml.sum(ml.matmul(ml.reshape(x, (1, 1)), w) ** 2))
+    loss = square(3.0)
+    assert float(anyio.run(loss.train)) == 36.0
+    assert w.data.tolist() == [[2.0 - 0.5 * 2 * 6.0 * 3.0]]  # d(3w)^2/dw = 18w
+
+
+def test_map_fold_and_reduce_over_sequences() -> None:
+    assert Map(InputTransform[str, str](lambda s: s * 2))(["a", "b"]) == ["aa", "bb"]
+    assert Map(InputTransform[str, int](len))([]) == []
+    digits = Fold(
+        InputTransform[tuple[int, int], int](lambda sx: sx[0] * 10 + sx[1]), InputTransform[None, int](lambda _: 0)
+    )
+    assert digits([4, 0, 2]) == 402 and digits([]) == 0
+    pair = InputTransform[tuple[str, str], str](lambda ab: f"({ab[0]}{ab[1]})")
+    assert Reduce(pair)("a") == "a"
+    assert Reduce(pair)("abcdefgh") == "(((ab)(cd))((ef)(gh)))"  # balanced: depth log2(8) = 3
+    assert Reduce(pair)("abcdefg") == "(((ab)(cd))((ef)g))"
+    with pytest.raises(ValueError, match="empty"):
+        Reduce(pair)([])
+
+
+def test_fold_is_an_rnn_with_the_hand_written_values_and_gradients() -> None:
+    w = ml.Weight(np.array([[0.5, -0.3], [0.2, 0.7]]))
+
+    def step(sx: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:
+        return ml.tanh(ml.matmul(sx[0], w) + sx[1])
+
+    cell = Function(step)
+    rnn = Map(Vector(2, np.float64)) >> Fold(cell, Zeros((2,), np.float64))
+    xs = [[1.0, 0.0], [0.5, -1.0], [0.0, 2.0]]
+    h = np.zeros((1, 2))
+    for x in xs:
+        h = np.tanh(h @ w.data + np.array([x]))
+    out = rnn(xs)
+    np.testing.assert_allclose(value(out), h, rtol=1e-14)
+    (grad,) = anyio.run(ml.gradients, ml.sum(out), [w])
+    eps, numeric = 1e-6, np.zeros_like(w.data)
+    for i in np.ndindex(w.data.shape):
+        for sign in (1, -1):
+            w2 = w.data.copy()
+            w2[i] += sign * eps
+            h = np.zeros((1, 2))
+            for x in xs:
+                h = np.tanh(h @ w2 + np.array([x]))
+            numeric[i] += sign * h.sum() / (2 * eps)
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6)
+
+
+def test_one_of_optional_all_of_and_record() -> None:
+    even, odd = InputTransform[int, str](lambda n: "even"), InputTransform[int, str](lambda n: "odd")
+    parity = OneOf(lambda n: n % 2, {0: even, 1: odd})
+    assert parity.batch([1, 2, 3]) == ["odd", "even", "odd"]
+    with pytest.raises(KeyError, match="no case for key 'x'"):
+        OneOf(str, {"y": InputTransform(len)})("x")
+    maybe = Optional(Vector(2, np.float64), Zeros((2,), np.float64))
+    assert value(maybe(None)).tolist() == [[0.0, 0.0]] and value(maybe([3, 4])).tolist() == [[3.0, 4.0]]
+    assert AllOf(InputTransform(len), InputTransform(str.upper), InputTransform(str.lower))("aB") == (2, "AB", "ab")
+    assert Record(InputTransform[str, int](len), InputTransform[int, int](abs))(("abc", -2)) == (3, 2)
+    assert Record({"b": InputTransform(len), "a": InputTransform(len)})({"a": "x", "b": "yy"}) == (2, 1)
+    with pytest.raises(ValueError, match="Record of 2 blocks"):
+        Record(InputTransform(len), InputTransform(len))(("a",))  # type: ignore[arg-type]  # the runtime check
+    with pytest.raises(ValueError, match="not a mapping"):
+        Record({"a": InputTransform(len)})(("a",))  # type: ignore[arg-type]  # the runtime check
+
+
+def test_composition_is_associative_and_typed_through() -> None:
+    a, b, c = InputTransform(str.split), InputTransform[list[str], int](len), InputTransform[int, int](lambda n: n * n)
+    left: Block[str, int] = (a >> b) >> c
+    right: Block[str, int] = a >> (b >> c)
+    assert left("x y z") == right("x y z") == 9
+
+
+def test_a_long_chain_of_compositions_is_stack_safe() -> None:
+    inc = InputTransform[int, int](lambda n: n + 1)
+    chain: Block[int, int] = inc
+    for _ in range(3 * sys.getrecursionlimit()):
+        chain = chain >> inc
+    assert chain(0) == 3 * sys.getrecursionlimit() + 1
+
+
+def test_forward_declaration_recursion_deeper_than_pythons_stack_builds_and_trains() -> None:
+    w = ml.Weight(np.array([[1.0]]), optimizer=ml.optim.sgd(1e-6))
+    # A linked list (value, rest): h = tanh(w h_rest + value), the empty list is zeros.
+    rest = ForwardDeclaration[tuple[float, Any] | None, ml.ArrayLayer]()
+
+    def step(xh: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:
+        return ml.tanh(ml.matmul(xh[1], w) + xh[0])
+
+    cell = Function(step)
+    rest.resolve_to(Optional(Record(Scalar(np.float64), rest) >> cell, Zeros((1,), np.float64)))
+    depth = 3 * sys.getrecursionlimit()
+    assert depth > 2000
+    nested: tuple[float, Any] | None = None
+    for k in range(depth):
+        nested = (0.1 * (k % 7) - 0.3, nested)
+    out = rest(nested)
+    h = np.zeros((1, 1))
+    for k in range(depth):
+        h = np.tanh(h * 1.0 + (0.1 * (k % 7) - 0.3))
+    np.testing.assert_allclose(value(out), h, rtol=1e-14)
+    anyio.run(ml.sum(out).train)  # the backward pass is stack-safe too
+    assert w.data[0, 0] != 1.0
+
+
+def test_forward_declaration_must_be_resolved_once() -> None:
+    later = ForwardDeclaration[str, int]()
+    with pytest.raises(ValueError, match="before resolve_to"):
+        later("x")
+    later.resolve_to(InputTransform(len))
+    with pytest.raises(ValueError, match="already resolved"):
+        later.resolve_to(InputTransform(len))
+    assert later.batch(["a", "bb"]) == [1, 2]
+
+
+def test_a_batch_is_one_graph_and_one_step_per_weight() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    block = Vector(2, np.float64) >> Function(lambda v: ml.sum(v * w))
+    outs = block.batch([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    total = outs[0] + outs[1] + outs[2]
+    assert float(anyio.run(total.train)) == 1.0 + 2.0 + 3.0
+    np.testing.assert_allclose(w.data, [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 2.0])  # one step with the summed gradient
