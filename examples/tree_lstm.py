@@ -173,7 +173,8 @@ Params = Mapping[str, ml.ArrayOperand]
 any operands (a gradient check passes its own)."""
 
 
-def _cell(gates: ml.ArrayLayer, hidden: int, children: tuple[State, State] | None) -> State:
+def cell(gates: ml.ArrayLayer, hidden: int, children: tuple[State, State] | None) -> State:
+    """One node of the N-ary Tree-LSTM (Tai et al. 2015): gates from ``gates``, children' cells if any."""
     n = hidden
     c = ml.sigmoid(gates[:, :n]) * ml.tanh(gates[:, 4 * n :])
     if children is not None:
@@ -192,12 +193,12 @@ def encode(params: Params, hidden: int, tree: Tree) -> ml.ArrayLayer:
     states: list[State] = []
     for k, symbol in enumerate(tree.symbol):
         if tree.left[k] < 0:
-            states.append(_cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None))
+            states.append(cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None))
         else:
             left, right = states[tree.left[k]], states[tree.right[k]]
             gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
             gates = gates + ml.embedding(params["operator"], np.array([symbol]))
-            states.append(_cell(gates, hidden, (left, right)))
+            states.append(cell(gates, hidden, (left, right)))
     return states[-1].h
 
 

@@ -34,7 +34,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples.tree_lstm import Params, State, Tree, _cell, init_weights, labels, make_trees
+from examples.tree_lstm import Params, State, Tree, cell, init_weights, labels, make_trees
 from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, OneOf
 
 
@@ -83,13 +83,13 @@ def node_block(params: Params, hidden: int) -> Block[Node, State]:
     """
 
     def leaf_cell(symbol: int) -> State:
-        return _cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None)
+        return cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None)
 
     def internal_cell(children: tuple[State, State, int]) -> State:
         left, right, symbol = children
         gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
         gates = gates + ml.embedding(params["operator"], np.array([symbol]))
-        return _cell(gates, hidden, (left, right))
+        return cell(gates, hidden, (left, right))
 
     node = ForwardDeclaration[Node, State]()
     leaf = InputTransform(_symbol) >> Function(leaf_cell)
