@@ -247,3 +247,38 @@ def test_ctrl_c_interrupts_an_endless_training_loop(backend: str) -> None:
         raise AssertionError("Ctrl-C did not stop the training loop") from None
     assert "KeyboardInterrupt" in err
     assert out.strip() == "unchanged"
+
+
+async def test_a_shared_effect_awaited_by_two_branches_runs_once() -> None:
+    runs = 0
+
+    async def slow() -> float:
+        nonlocal runs
+        runs += 1
+        await anyio.sleep(0.01)
+        return 3.0
+
+    shared = ml.Do.from_async(slow).shared()
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        assert await ml.Do.zip(shared.map(lambda v: v + 1), shared.map(lambda v: v * 2)).run() == (4.0, 6.0)
+    assert runs == 1  # the second branch waited for the first one's value
+
+
+async def test_a_do_layer_used_by_two_concurrent_branches_is_evaluated_once() -> None:
+    runs = 0
+    w = ml.Weight(2.0, optimizer=ml.optim.sgd(0.1))
+
+    async def slow() -> float:
+        nonlocal runs
+        runs += 1
+        await anyio.sleep(0.01)
+        return 5.0
+
+    x = effect_layer(slow)
+    a, b = meeting()
+    left = x * w + effect_layer(a)
+    right = x * w + effect_layer(b)
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        assert await ml.Layer(ml.Do.zip(left.forward(), right.forward()).map(lambda t: t[0])).train() == 11.0
+    assert runs == 1
+    assert w.data == pytest.approx(2.0 - 0.1 * 5.0)
