@@ -14,8 +14,12 @@ through the estimator alone, an extractor could stop choosing some digits for
 good (seed 3 read only 1, 5, 7 and 9: 0-2 as 1, 3-7 as 7; digit accuracy
 0.282), since the softmax's gradient for a digit vanishes with its
 probability. The estimator was pre-trained on uniformly drawn digits; the
-penalty keeps the extractor's digits spread the same way. See
-``examples/README.md`` for the seed sweep that chose its weight.
+penalty keeps the extractor's digits spread the same way. And the estimator
+is pre-trained on `edge_samples` (pairs of sequences that differ in one digit,
+mixed, with the black box's answers mixed alike), so that its slope between
+one-hot inputs, which is what the extractor learns from, is the sum's (seed 8,
+pre-trained on one-hots alone, read 1-6 one too high or low: 0.416). See
+``examples/README.md`` for the seed sweeps that chose both.
 
 Both train on k = 10 and are tested on k = 10 and k = 100. The end-to-end
 network has never seen a sum beyond ~90, and its LSTM's output saturates;
@@ -74,8 +78,8 @@ class Adder:
     end on sums of 10 digits, it cannot reach the sums of 100.
 
     Adam with a cosine-decayed learning rate over ``decay_steps``: the decay
-    makes the estimator accurate enough (mean absolute error ~0.2 on random
-    sums) for its gradients to teach the extractor the digits.
+    makes the estimator accurate enough (mean absolute error ~0.2-0.3 on
+    random sums) for its gradients to teach the extractor the digits.
     """
 
     def __init__(self, rng: np.random.Generator, lr: float, decay_steps: int, hidden: int = 32) -> None:
