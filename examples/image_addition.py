@@ -61,7 +61,8 @@ from monadl.estimate import (
 HIDDEN = 64  # the extractor's hidden units (digit accuracy over seeds 0-2: 32 units 0.38-0.78, 64 units 0.69-0.78)
 SCALE = 45.0  # sums are regressed as sum / SCALE (the mean sum of 10 digits)
 # The weight of the diversity penalty (log 10 - entropy of the batch's mean digit distribution). Without
-# it, seed 3 stopped reading six digits (0.282 accuracy: 0-2 read as 1, 3-7 as 7); 0.01: 0.727, 0.05: 0.560.
+# it, seed 3 stopped reading six digits (0.282 accuracy: 0-2 read as 1, 3-7 as 7); 0.01: 0.727, 0.05: 0.560
+# (both with the estimator pre-trained on one-hots, before `edge_samples`).
 DIVERSITY = 0.01
 
 
@@ -125,10 +126,6 @@ class Result:
     digit_accuracy: float | None
     seconds: float
     curve: list[float] = field(default_factory=list)
-
-
-def _one_hot_sequences(rng: np.random.Generator, batch: int, k: int) -> ml.Array:
-    return np.eye(DIGITS)[rng.integers(0, DIGITS, size=(batch, k))]
 
 
 def _black_box(one_hots: ml.Array) -> ml.Array:

@@ -9,10 +9,11 @@ hots for discrete arguments), calls the black box, and gives its result as a
 constant. `gumbel_softmax` makes discrete arguments: one-hot in the forward
 pass, the softmax's gradient in the backward pass (straight-through).
 `entropy_penalty` keeps the extractor's distributions confident;
-`diversity_penalty` keeps a batch of them from collapsing onto a few classes. The two
-losses of the method, one for the estimator's parameters (fit the black box's
-own outputs) and one for the extractor's (the task), stay on disjoint
-parameter sets: build the task loss with `frozen` estimator weights.
+`diversity_penalty` keeps a batch of them from collapsing onto a few
+classes. The two losses of the method, one for the estimator's parameters
+(fit the black box's own outputs) and one for the extractor's (the task),
+stay on disjoint parameter sets: build the task loss with `frozen` estimator
+weights.
 """
 
 from __future__ import annotations
