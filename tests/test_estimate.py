@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.estimate import entropy_penalty, estimate_and_replace, frozen, gumbel_softmax, harden, label_smoothing
+from monadl.estimate import (
+    diversity_penalty,
+    entropy_penalty,
+    estimate_and_replace,
+    frozen,
+    gumbel_softmax,
+    harden,
+    label_smoothing,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -73,6 +81,24 @@ async def test_confidence_regularisers() -> None:
     np.testing.assert_array_equal(harden(np.array([[0.2, 0.5, 0.3]])), [[0, 1, 0]])
     with pytest.raises(ValueError, match="temperature"):
         gumbel_softmax(np.zeros(3), 0.0, np.random.default_rng(0))
+
+
+async def test_the_diversity_penalty_is_log_n_minus_the_entropy_of_the_mean_distribution() -> None:
+    batch = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    mean = batch.mean(axis=0)
+    expected = np.log(3) + np.sum(mean * np.log(mean))
+    assert await diversity_penalty(batch).predict() == pytest.approx(expected)
+    assert await diversity_penalty(batch.T, axis=0).predict() == pytest.approx(expected)  # classes along axis 0
+    sequences = np.stack([batch, batch[::-1]])  # (2, 2, 3): the mean is over both leading axes
+    assert await diversity_penalty(sequences).predict() == pytest.approx(expected)
+    assert await diversity_penalty(np.full((4, 5), 0.2)).predict() == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_the_diversity_penalty_raises_a_class_that_no_row_chooses() -> None:
+    # Both rows put almost nothing on class 2: the penalty's descent direction raises its logit in each row.
+    logits = ml.Weight(np.array([[4.0, 0.0, -6.0], [0.0, 4.0, -6.0]]))
+    [g] = await ml.gradients(diversity_penalty(ml.softmax(logits)), [logits])
+    assert np.all(g[:, 2] < 0)
 
 
 async def test_a_tiny_estinet_learns_through_its_estimator() -> None:
