@@ -22,7 +22,7 @@ import numpy as np
 
 from monadl.errors import DeviceError, OperandError
 
-__all__ = ["common_namespace", "host_scalars_to_python", "is_array", "library_name", "namespace"]
+__all__ = ["all_finite", "common_namespace", "host_scalars_to_python", "is_array", "library_name", "namespace"]
 
 Namespace = Any  # a module (or module-like object) of array functions
 
@@ -104,3 +104,13 @@ def host_scalars_to_python(values: tuple[Any, ...]) -> tuple[Any, ...]:
 def _where(x: Any) -> str:
     name = library_name(x)
     return f"{name} (host)" if name == "numpy" else f"{name} ({getattr(x, 'device', 'device')})"
+
+
+def all_finite(x: object) -> bool:
+    """Whether an array (of any library) or a number holds no NaN and no infinity.
+
+    >>> all_finite(np.array([1.0, np.inf]))
+    False
+    """
+    xp = namespace(x)
+    return bool(xp.all(xp.isfinite(x)))

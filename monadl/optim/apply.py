@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from monadl._namespace import is_array, namespace
+from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import site_text
@@ -88,12 +88,7 @@ def _non_finite(steps: list[tuple[Weight[Any, Any], Any, Any]]) -> list[tuple[We
         xp = namespace(entries[0][1])
         if not bool(xp.all(xp.stack([xp.all(xp.isfinite(entry[1])) for entry in entries]))):
             suspects += entries
-    return [entry for entry in suspects if not _all_finite(entry[1])]
-
-
-def _all_finite(x: Any) -> bool:
-    xp = namespace(x)
-    return bool(xp.all(xp.isfinite(x)))
+    return [entry for entry in suspects if not all_finite(entry[1])]
 
 
 def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:

@@ -10,7 +10,8 @@ A reader's map (each module one concern; lower ones never import higher ones):
 * `schedule`: when and how together nodes run: `inline` (the forward loop, the
   reverse sweep, the counted release), `pool` (worker threads for coarse
   graphs), `cuda` (a CUDA stream per branch).
-* `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches).
+* `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches);
+  `stepping`: how it steps a direct-style coroutine.
 * `drive`: running the interpreter on the event loop (awaits, turns, tasks).
 * `entry`: ``train`` / ``predict`` / ``gradients`` / ``run`` / ``acquire``.
 * `process`: everything that touches the whole process (malloc, GC, BLAS).

@@ -20,15 +20,17 @@ from typing import Any, Final
 
 import numpy as np
 
+from monadl._namespace import all_finite
 from monadl.deltas import SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
 from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
-from monadl.runtime.node import all_finite, where
+from monadl.runtime.node import where
 
-__all__ = ["backprop"]
+__all__ = ["CHECK_EVERY", "backprop"]
 
-_CHECK_EVERY: Final = 32  # records between two looks at the clock
+CHECK_EVERY: Final = 32
+"""Records (or nodes) between two looks at the clock: a look costs ~50 ns."""
 
 
 def backprop(
@@ -58,9 +60,9 @@ def backprop(
     """
     remaining = iter(records)
     while True:  # in chunks, so that looking at the clock costs nothing per record
-        chunk = list(islice(remaining, _CHECK_EVERY))
+        chunk = list(islice(remaining, CHECK_EVERY))
         _backprop(chunk, check_finite, lock)
-        if len(chunk) < _CHECK_EVERY:
+        if len(chunk) < CHECK_EVERY:
             return False
         if time.perf_counter() > deadline:
             return True

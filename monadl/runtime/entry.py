@@ -44,16 +44,9 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
         raise
 
 
-def _first_use() -> None:
-    """Process tuning that the settings allow, applied once, on first use."""
-    if not process._malloc_tried and current_settings().tune_process:
-        process.tune_malloc()
-        process.tune_gc()
-
-
 async def train(root: Any) -> Any:
     """Forward, backward, and one optimizer step for every weight reached."""
-    _first_use()
+    process.first_use(current_settings().tune_process)
     ev = Evaluation(train=True)
     async with _transaction(ev):
         value = await drive(ev, forward_backward(ev, root, scalar=True))
@@ -81,7 +74,7 @@ def gradients_sync(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
 
 async def predict(root: Any) -> Any:
     """The forward value of a layer."""
-    _first_use()
+    process.first_use(current_settings().tune_process)
     ev = Evaluation(train=False)
     async with _transaction(ev):
         value = await drive(ev, _forward_only(ev, Do(FORWARD, root)))

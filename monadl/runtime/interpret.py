@@ -28,17 +28,17 @@ from collections import deque
 from collections.abc import Generator
 from typing import Any, Final
 
-from monadl.direct import AwaitLayers, Passthrough, inside_direct
+from monadl.direct import AwaitLayers, Passthrough
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
-from monadl.layers._layer import Layer
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline, pool
+from monadl.runtime.stepping import direct_next, step_direct, step_in_task
 from monadl.tape import Tape
 
-__all__ = ["NEXT", "Spawn", "evaluate", "step_direct"]
+__all__ = ["NEXT", "Spawn", "evaluate"]
 
 Machine = Generator[Any, Any, Any]
 
@@ -202,16 +202,16 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                             sending, failure = (yield Passthrough(got)), None
                         except BaseException as exc:  # delivered to the coroutine, as the event loop would
                             sending, failure = None, exc
-                    cur = _direct_next(frame, stack, done, got)
+                    cur = direct_next(frame, stack, done, got)
                     descending = True
                     continue
                 # Several fibers: the coroutine's foreign awaits must be made in the task
                 # that awaits them (trio ties a wait to the task that asked), so a task steps it.
                 stack.append(F.Stepped(frame))
-                block = _step_in_task(frame.coroutine, sending)
+                block = step_in_task(frame.coroutine, sending)
             elif t is F.Stepped:
                 done, got = val
-                cur = _direct_next(frame.direct, stack, done, got)
+                cur = direct_next(frame.direct, stack, done, got)
                 descending = True
                 continue
             elif t is F.DirectDone:
@@ -372,44 +372,3 @@ def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
     rec.tape_backward = backward
     rec.release = tok
     ev.records[node] = rec
-
-
-def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
-    """Send into a direct-style coroutine: ``(True, result)`` when it returned,
-    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request."""
-    flag = inside_direct.set(True)
-    try:
-        got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
-    except StopIteration as stop:
-        return True, stop.value
-    finally:
-        inside_direct.reset(flag)
-    return False, got
-
-
-async def _step_in_task(coroutine: Any, sending: Any) -> tuple[bool, Any]:
-    """`step_direct` until the coroutine asks for layers or returns, awaiting
-    its foreign requests in this task."""
-    failure: BaseException | None = None
-    while True:
-        done, got = step_direct(coroutine, sending, failure)
-        if done or type(got) is AwaitLayers:
-            return done, got
-        try:
-            sending, failure = await Passthrough(got), None
-        except Exception as exc:  # delivered to the coroutine, as the event loop would
-            sending, failure = None, exc
-
-
-def _direct_next(frame: F.Direct, stack: list[Any], done: bool, got: Any) -> Do[Any]:
-    """What a direct-style frame evaluates next: the layers it awaits, or the
-    layer it returned."""
-    if done:
-        if not isinstance(got, (Layer, Weight)):
-            raise TypeError(f"a direct-style layer function must return a Layer or a Weight, got {type(got).__name__}")
-        stack.append(F.DirectDone(tuple(frame.held)))
-        return Do(FORWARD, got)
-    frame.single = got.single
-    stack.append(frame)
-    layers = got.layers
-    return Do(FORWARD, layers[0]) if got.single else Do(ZIP, tuple(Do(FORWARD, x) for x in layers))

@@ -15,7 +15,15 @@ from typing import Any, Final
 
 import numpy as np
 
-from monadl._namespace import _HOST, common_namespace, host_scalars_to_python, is_array, library_name, namespace
+from monadl._namespace import (
+    _HOST,
+    all_finite,
+    common_namespace,
+    host_scalars_to_python,
+    is_array,
+    library_name,
+    namespace,
+)
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
 from monadl.layers._weight import Weight
@@ -159,11 +167,6 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     scalars as Python numbers, which every array library accepts."""
     xp = common_namespace(args, node._op.name)
     return args if xp is np else host_scalars_to_python(args)
-
-
-def all_finite(x: Any) -> bool:
-    xp = namespace(x)
-    return bool(xp.all(xp.isfinite(x)))
 
 
 # ---- error text ---------------------------------------------------------------------

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
 
-__all__ = ["GC_THRESHOLD", "advance", "blas_limited", "malloc_tuned", "tune_gc", "tune_malloc"]
+__all__ = ["GC_THRESHOLD", "advance", "blas_limited", "first_use", "malloc_tuned", "tune_gc", "tune_malloc"]
 
 GC_THRESHOLD: Final = 100_000
 """Allocations between two young-generation collections, once tuned (CPython's default: 700)."""
@@ -85,6 +85,14 @@ def tune_malloc() -> bool:
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
     return malloc_tuned
+
+
+def first_use(allowed: bool) -> None:
+    """The tuning that ``Settings.tune_process`` allows, once, on the first
+    ``train()`` or ``predict()`` (a cheap test after that)."""
+    if allowed and not _malloc_tried:
+        tune_malloc()
+        tune_gc()
 
 
 def tune_gc() -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Final
 
-from monadl.runtime.backward import backprop
+from monadl.runtime.backward import CHECK_EVERY, backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
 
@@ -33,8 +33,6 @@ CHECKPOINT: Final = object()
 
 SUSPENDED: Final = object()
 """`forward` met a layer built from a ``Do``: evaluate that first, then resume."""
-
-_CHECK_EVERY: Final = 32  # nodes between two looks at the clock (a look costs ~50 ns)
 
 Machine = Generator[Any, Any, Any]
 
@@ -50,7 +48,7 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
     end = len(order)
     i = start
     while i < end:  # in chunks, so that looking at the clock costs nothing per node
-        stop = min(i + _CHECK_EVERY, end)
+        stop = min(i + CHECK_EVERY, end)
         for j in range(i, stop):
             node = order[j]
             if resumed and node in records:  # a Do evaluated meanwhile may have computed it
@@ -95,7 +93,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             if t.release is not None:
                 work.append(t.release)
             n += 1
-            if not n % _CHECK_EVERY and time.perf_counter() > ev.deadline:
+            if not n % CHECK_EVERY and time.perf_counter() > ev.deadline:
                 yield CHECKPOINT
         elif kind is tuple:
             work.extend(t)

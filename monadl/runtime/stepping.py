@@ -1,0 +1,55 @@
+"""Stepping a direct-style coroutine: one `send`, or a run of them in the task
+that awaits its foreign requests (trio ties a wait to the task that asked)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monadl.direct import AwaitLayers, Passthrough, inside_direct
+from monadl.do import FORWARD, ZIP, Do
+from monadl.layers._layer import Layer
+from monadl.layers._weight import Weight
+from monadl.runtime import frames as F
+
+__all__ = ["direct_next", "step_direct", "step_in_task"]
+
+
+def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
+    """Send into a direct-style coroutine: ``(True, result)`` when it returned,
+    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request."""
+    flag = inside_direct.set(True)
+    try:
+        got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
+    except StopIteration as stop:
+        return True, stop.value
+    finally:
+        inside_direct.reset(flag)
+    return False, got
+
+
+async def step_in_task(coroutine: Any, sending: Any) -> tuple[bool, Any]:
+    """`step_direct` until the coroutine asks for layers or returns, awaiting
+    its foreign requests in this task."""
+    failure: BaseException | None = None
+    while True:
+        done, got = step_direct(coroutine, sending, failure)
+        if done or type(got) is AwaitLayers:
+            return done, got
+        try:
+            sending, failure = await Passthrough(got), None
+        except Exception as exc:  # delivered to the coroutine, as the event loop would
+            sending, failure = None, exc
+
+
+def direct_next(frame: F.Direct, stack: list[Any], done: bool, got: Any) -> Do[Any]:
+    """What a direct-style frame evaluates next: the layers it awaits, or the
+    layer it returned."""
+    if done:
+        if not isinstance(got, (Layer, Weight)):
+            raise TypeError(f"a direct-style layer function must return a Layer or a Weight, got {type(got).__name__}")
+        stack.append(F.DirectDone(tuple(frame.held)))
+        return Do(FORWARD, got)
+    frame.single = got.single
+    stack.append(frame)
+    layers = got.layers
+    return Do(FORWARD, layers[0]) if got.single else Do(ZIP, tuple(Do(FORWARD, x) for x in layers))
