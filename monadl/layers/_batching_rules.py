@@ -109,6 +109,17 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
     return None
 
 
+def _dense(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """The matmul rule, then the bias through the rule of ``add`` (shared or stacked)."""
+    a, b, bias = args
+    product = _matmul((a, b), batched[:2], n)
+    if product is None:
+        return None
+    out, (da, db) = product
+    total, (d_out, d_bias) = _add((out, bias), (True, batched[2]), n)
+    return total, (lambda g: da(d_out(g)), lambda g: db(d_out(g)), d_bias)
+
+
 def _getitem(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
     a, index = args
     if not batched[0] or batched[1]:
@@ -185,6 +196,8 @@ def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> 
     return out, (vjp,)
 
 
+_add: Final = _elementwise("add")
+
 BATCHING_RULES: Final[dict[str, BatchRule]] = {
     **{
         name: _elementwise(name)
@@ -206,6 +219,7 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
         )
     },
     "matmul": _matmul,
+    "dense": _dense,
     "getitem": _getitem,
     **{name: _reduction(name) for name in ("sum", "mean", "max", "logsumexp")},
     **{name: _per_row(name) for name in ("softmax", "log_softmax")},

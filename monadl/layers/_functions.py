@@ -50,10 +50,10 @@ _CHECKED: Final = frozenset({Layer, Weight, float})  # operands that need no che
 
 
 def apply_primitive(name: str, operands: tuple[object, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
+    """A layer of primitive ``name`` over checked ``operands``, built at the user's line."""
     for x in operands:
         if type(x) not in _CHECKED:
             _operand(x, name)  # raises on what monadl cannot compute with
-    """A layer of primitive ``name`` over checked ``operands``, built at the user's line."""
     # The layer's site: from the caller of the public function that called here.
     return _build(PRIMITIVES[name], operands, params, 3)
 
@@ -180,7 +180,8 @@ dot = matmul
 
 
 def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = None) -> ArrayLayer:
-    """``x @ weight + bias``, *composed* (one rule for both measured no faster).
+    """``x @ weight + bias``: one node with a bias (the ``dense`` primitive), a
+    ``matmul`` without.
 
     Args:
         x: inputs of shape ``(batch, n_in)`` (or ``(n_in,)``).
@@ -192,8 +193,9 @@ def dense(x: ArrayOperand, weight: ArrayOperand, bias: ArrayOperand | None = Non
     >>> anyio.run(dense(np.array([[1.0, 2.0]]), w, b).predict)
     array([[1.5, 1.5]])
     """
-    out: ArrayLayer = apply_primitive("matmul", (x, weight))
-    return out if bias is None else out + bias
+    if bias is None:
+        return apply_primitive("matmul", (x, weight))
+    return apply_primitive("dense", (x, weight, bias))
 
 
 # ---- reductions --------------------------------------------------------------------------

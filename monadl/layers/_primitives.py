@@ -216,6 +216,31 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     return out, (lambda g: g @ mt(b), lambda g: mt(a) @ g)
 
 
+def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    """``a @ b + bias`` as one node: the bias is added in place into the
+    product's fresh array, and its delta is summed over the rows here."""
+    out, (da, db) = _matmul(a, b)
+    shape = getattr(bias, "shape", ())
+    if (
+        type(out) is np.ndarray
+        and type(bias) is np.ndarray
+        and bias.dtype is out.dtype
+        and out.shape[out.ndim - len(shape) :] == shape
+    ):
+        np.add(out, bias, out=out)
+    else:
+        out = out + bias
+    if shape == getattr(out, "shape", ()):
+        return out, (da, db, _identity)
+    if type(out) is np.ndarray and out.ndim == 2 and shape == out.shape[1:]:  # the common case: rows, one bias
+        return out, (da, db, _sum_rows)
+    return out, (da, db, lambda g: unbroadcast(g, shape))
+
+
+def _sum_rows(g: Value) -> Value:
+    return np.add.reduce(g, axis=0)
+
+
 # ---- reductions -----------------------------------------------------------------
 def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Value:
     """Give a reduced delta back the reduced axes, ready to broadcast."""
@@ -511,6 +536,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("sigmoid", _sigmoid, elementwise=True),
         Primitive("relu", _relu, elementwise=True),
         Primitive("matmul", _matmul, same_dtype=True),
+        Primitive("dense", _dense, same_dtype=True),
         Primitive("sum", _sum),
         Primitive("mean", _mean),
         Primitive("max", _max),

@@ -65,7 +65,7 @@ MIN_NODES: Final = 256
 columns benchmark, 30-200 nodes of coarse matrix products, ran 8-10% slower
 batched with a limit of 16)."""
 
-MIN_GROUP: Final = {"matmul": 2, "embedding": 2, "cross_entropy": 2}
+MIN_GROUP: Final = {"matmul": 2, "dense": 2, "embedding": 2, "cross_entropy": 2}
 """The smallest group that pays, by primitive (`DEFAULT_MIN_GROUP` for the
 rest): a matrix product with a shared weight pays from two members (it also
 replaces a weight-sized outer product per member by one product); a cheap
