@@ -116,7 +116,9 @@ def _dense(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRes
     if product is None:
         return None
     out, (da, db) = product
-    total, (d_out, d_bias) = _add((out, bias), (True, batched[2]), n)
+    summed = _add((out, bias), (True, batched[2]), n)
+    assert summed is not None  # the rule of add batches any operands
+    total, (d_out, d_bias) = summed
     return total, (lambda g: da(d_out(g)), lambda g: db(d_out(g)), d_bias)
 
 
