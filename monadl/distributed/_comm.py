@@ -14,6 +14,7 @@ cancelled, in a thread or not).
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, final
@@ -80,6 +81,15 @@ class Communicator(ABC):
     async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         """`allreduce` of each buffer (gradient buckets); a library may keep them all in flight at once."""
         return [await self.allreduce(send) for send in sends]
+
+    def allreduce_blocking(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """`allreduce` from a thread that runs no event loop (the overlap's communication thread).
+
+        Blocks until done, with the same deadline as the other collectives;
+        by default it runs `allreduce` on an event loop of its own.
+        """
+        result: npt.NDArray[Any] = anyio.run(self.allreduce, send)
+        return result
 
 
 class _Request(Protocol):
@@ -148,6 +158,29 @@ class MpiCommunicator(Communicator):
         await self._wait(self._comm.Ibcast(buffer, root=root), "broadcast")
         return buffer
 
+    def allreduce_blocking(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        # Not a blocking MPI_Allreduce, which no deadline could interrupt: the
+        # request is tested, and each test drives MPI's progress, every
+        # PROGRESS_S (a sleep releases the GIL and the core to the backward).
+        from mpi4py import MPI
+
+        send = np.ascontiguousarray(send)
+        out = np.empty_like(send)
+        request = self._comm.Iallreduce(send, out, op=MPI.SUM)
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    raise RankFailure(
+                        {},
+                        f"rank {self.rank}: no answer from the other ranks in all-reduce within {self.timeout:g} s "
+                        "(a rank died or hangs)",
+                    )
+                time.sleep(PROGRESS_S)
+        except MPI.Exception as error:
+            raise RankFailure({}, f"rank {self.rank}: error in all-reduce: {error}") from error
+        return out
+
     async def _wait(self, request: _Request, what: str) -> None:
         from mpi4py import MPI
 
@@ -183,6 +216,7 @@ async def poll(
         await anyio.sleep(0.0 if waited < SPIN else 1e-3)
 
 
+PROGRESS_S: Final = 1e-4  # seconds between two tests of a request in the communication thread
 SPIN: Final = 2e-3  # seconds of back-to-back tests: a healthy exchange on one node finishes within them
 
 

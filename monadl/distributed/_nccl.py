@@ -3,7 +3,8 @@
 `NcclCommunicator` sends device arrays (CuPy) through NCCL on a CUDA stream
 and everything else (the small host-side statuses and failure messages)
 through a host `Communicator` (MPI), so `DataParallel` runs unchanged and
-never copies a gradient to the host. NCCL calls only enqueue work on the
+never copies a gradient to the host (the overlap's communication thread
+enqueues its buckets the same way, on the bucket's device). NCCL calls only enqueue work on the
 stream; completion is an event that the event loop polls, with the same
 deadline as MPI's collectives.
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Final, final
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -112,6 +115,16 @@ class NcclCommunicator(Communicator):
             outs.append(out)
         await self._wait("all-reduce")
         return outs
+
+    def allreduce_blocking(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        # From the overlap's communication thread: CuPy's current device is
+        # per thread, so the bucket's own device is made current there.
+        if not self._is_device(send):
+            return self._host.allreduce_blocking(send)
+        device = getattr(send, "device", None)
+        with device if isinstance(device, AbstractContextManager) else nullcontext():
+            result: npt.NDArray[Any] = anyio.run(self.allreduce, send)
+        return result
 
     async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
         if not self._is_device(send):

@@ -9,7 +9,7 @@ closed and every resource still open is released, and no weight changes
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,9 +57,19 @@ async def train(root: Any) -> Any:
     return value
 
 
-async def gradients(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
-    """Value and weight gradients (of the sum, if not a scalar), without a step."""
+async def gradients(
+    root: Any, on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
+) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """Value and weight gradients (of the sum, if not a scalar), without a step.
+
+    ``on_gradient(weight, gradient)``, if given, is called once per weight
+    with a gradient, the moment that gradient is final, while the backward
+    pass goes on (data parallelism starts reducing it then), on the event
+    loop's thread. A backward forked onto the worker pool tells it nothing;
+    every gradient is in the returned dict all the same.
+    """
     ev = Evaluation(train=True)
+    ev.on_gradient = on_gradient
     async with _transaction(ev):
         value = await drive(ev, forward_backward(ev, root, scalar=False))
     return value, ev.weight_gradients()
@@ -141,6 +151,8 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
         yield from inline.release(ev, token, backward)
     elif backward and ev.forked:
         yield pool.backward(ev, token)
+    elif backward and ev.on_gradient is not None:
+        yield from inline.sweep_notifying(ev)
     elif backward:
         yield from inline.sweep(ev)
     if timed:
