@@ -26,7 +26,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final, TypeVar, final, overload
 
 import anyio
-import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
@@ -147,6 +146,12 @@ class DataParallel:
         await _agree(comm, problem, None)
 
     @property
+    def buckets(self) -> tuple[tuple[Weight[Any, Any], ...], ...]:
+        """The dense buckets that `train` all-reduces while the backward runs, in
+        launch order (the same on every rank; empty until a step has run)."""
+        return self._plan
+
+    @property
     def last_step_seconds(self) -> dict[str, float]:
         """Where the last `train` spent its time: ``backward`` (this rank's
         forward and backward), ``allreduce`` (dense buckets in flight,
@@ -164,7 +169,8 @@ class DataParallel:
         if any rank failed; then no weight changed on any rank.
         """
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
-        overlap = Overlap(comm, self._plan) if self.overlap and self._plan else None
+        # One rank has nothing to overlap: its "all-reduce" is a copy.
+        overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
         order: list[Weight[Any, Any]] = []  # weights in the order their gradients became final here
 
         def final(weight: Weight[Any, Any], grad: Any) -> None:
@@ -177,17 +183,15 @@ class DataParallel:
         problem = ""
         cause: Exception | None = None
         started = time.perf_counter()
-        if overlap is not None:
-            overlap.start()
         try:
-            value, grads = await entry.gradients(loss, final)
+            value, grads = await entry.gradients(loss, final, None if overlap is None else overlap.reached)
         except Exception as error:
             problem, cause = f"{type(error).__name__}: {error}", error
-        except BaseException:  # cancelled: the thread ends its collectives before any other may start
+        except BaseException:  # cancelled: the started buckets end before any other collective may start
             if overlap is not None:
                 overlap.finish({})
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(overlap.wait)
+                    await overlap.wait()
             raise
         if overlap is not None:
             overlap.finish(grads)
@@ -210,12 +214,8 @@ class DataParallel:
                 status[1 + i], status[1 + n + i] = _SPARSE, grad.indices.shape[0]
             else:
                 status[1 + i] = _DENSE
-        reduce_s = 0.0
         if overlap is not None:
-            await anyio.to_thread.run_sync(overlap.wait)
-            if overlap.error is not None:  # a rank died or hangs (RankFailure), or MPI failed
-                raise overlap.error
-            reduce_s = overlap.reduce_s
+            await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
         exposed = agree_start - backward_end
         statuses = await _agree(comm, problem, cause, status)
@@ -250,7 +250,7 @@ class DataParallel:
         self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n :])
         self._times = {
             "backward": backward_end - started,
-            "allreduce": reduce_s + post,
+            "allreduce": (agree_start - overlap.started_at if overlap is not None else 0.0) + post,
             "exposed": exposed + post,
             "agree": agree_end - agree_start,
         }

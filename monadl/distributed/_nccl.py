@@ -3,9 +3,9 @@
 `NcclCommunicator` sends device arrays (CuPy) through NCCL on a CUDA stream
 and everything else (the small host-side statuses and failure messages)
 through a host `Communicator` (MPI), so `DataParallel` runs unchanged and
-never copies a gradient to the host (the overlap's communication thread
-enqueues its buckets the same way, on the bucket's device). NCCL calls only enqueue work on the
-stream; completion is an event that the event loop polls, with the same
+never copies a gradient to the host. NCCL calls only enqueue work on the
+stream (the overlap enqueues each bucket as soon as its gradients are final,
+so the GPU reduces it while the backward goes on); completion is an event that the event loop polls, with the same
 deadline as MPI's collectives.
 
 NCCL's all-gather takes equal counts; sparse rows of unequal counts are
@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Final, final
 
-import anyio
 import numpy as np
 import numpy.typing as npt
 
 from monadl._namespace import namespace
-from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, mpi_world, poll
+from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, Polled, mpi_world, poll
 
 __all__ = ["NcclCommunicator", "nccl_world"]
 
@@ -101,30 +99,28 @@ class NcclCommunicator(Communicator):
     async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         if not all(self._is_device(s) for s in sends):
             return await self._host.allreduce_many(sends)
-        outs = []
-        for send in sends:  # enqueued back to back on one stream: NCCL pipelines them
-            out = namespace(send).empty_like(send)
-            self._comm.allReduce(
-                self._pointer(send),
-                self._pointer(out),
-                send.size,
-                self._dtype(send),
-                self._nccl.NCCL_SUM,
-                self._stream_pointer(),
-            )
-            outs.append(out)
+        outs = [self._enqueue_allreduce(send) for send in sends]  # back to back on one stream: pipelined
         await self._wait("all-reduce")
         return outs
 
-    def allreduce_blocking(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        # From the overlap's communication thread: CuPy's current device is
-        # per thread, so the bucket's own device is made current there.
+    def _enqueue_allreduce(self, send: Any) -> Any:
+        out = namespace(send).empty_like(send)
+        self._comm.allReduce(
+            self._pointer(send),
+            self._pointer(out),
+            send.size,
+            self._dtype(send),
+            self._nccl.NCCL_SUM,
+            self._stream_pointer(),
+        )
+        return out
+
+    def start_allreduce(self, send: npt.NDArray[Any]) -> Pending:
+        # Enqueued now on the stream, so the GPU reduces while the backward goes on enqueuing.
         if not self._is_device(send):
-            return self._host.allreduce_blocking(send)
-        device = getattr(send, "device", None)
-        with device if isinstance(device, AbstractContextManager) else nullcontext():
-            result: npt.NDArray[Any] = anyio.run(self.allreduce, send)
-        return result
+            return self._host.start_allreduce(send)
+        out = self._enqueue_allreduce(send)
+        return Polled(self._ready(self._stream), out, self.timeout, "all-reduce", self.rank)
 
     async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
         if not self._is_device(send):

@@ -5,11 +5,14 @@ gradient was dense on some rank at the previous step, in the order their
 gradients became final there (the earliest rank's), packed up to a size
 (the first bucket smaller, so that communication starts early). `Overlap`
 carries one step: the runtime tells it each weight's gradient the moment
-it is final (`monadl.runtime.entry.gradients`' ``on_gradient``); once every
-weight of the next bucket in plan order is final, a communication thread
-packs that bucket and all-reduces it (`Communicator.allreduce_blocking`),
-while the event loop's thread goes on back-propagating. NumPy, BLAS and
-MPI release the GIL, so the two run at once. Buckets start in plan order on
+it is final (`monadl.runtime.entry.gradients`' ``on_gradient``, and
+``on_reached`` for the weights this step's graph does not reach, final at
+once); once every weight of the next bucket in plan order is final, that
+bucket is packed and its all-reduce started, non-blocking
+(`Communicator.start_allreduce`: MPI's ``Iallreduce``, NCCL's enqueue on a
+stream), and the backward goes on. MPI moves the data inside its calls
+(``Test``), which each later final gradient makes; NCCL's on the GPU,
+concurrently. Buckets start in plan order on
 every rank (collectives must), whatever order a rank's dynamic graph made
 its gradients final in; at the end of the backward (or on its failure) every
 bucket not started yet starts, a weight this rank never reached contributing
@@ -19,7 +22,6 @@ agreement round after it makes every rank raise, as without overlap.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, final
@@ -29,7 +31,7 @@ import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
-from monadl.distributed._comm import Communicator
+from monadl.distributed._comm import Communicator, Pending
 from monadl.layers import Weight
 
 __all__ = ["FIRST_BUCKET_BYTES", "Overlap", "Plan", "dense", "flatten", "nbytes", "plan_buckets"]
@@ -63,25 +65,26 @@ def plan_buckets(weights: Sequence[Weight[Any, Any]], limit: int, first: int = F
 
 @final
 class Overlap:
-    """One step's buckets: filled as gradients become final, reduced by a thread in plan order.
+    """One step's buckets: filled as gradients become final, started in plan order.
 
-    Use: `start`, pass `final` to the backward as its listener, then `finish`
-    with every gradient (or none, on failure), then `wait` (from the event
-    loop, in a worker thread) and read `results` or `error`.
+    Use: pass `reached` and `final` to the backward as its listeners, then
+    `finish` with every gradient (or none, on failure), then await `wait`
+    for `results`. All on the event loop's thread, where the runtime calls
+    its listeners: no lock, and no thread to wake (a wake-up costs a time
+    slice on a loaded machine, longer than many a backward).
     """
 
     __slots__ = (
         "_comm",
-        "_cv",
+        "_done",
         "_grads",
         "_launched",
         "_pending",
-        "_thread",
+        "_requests",
         "bucket_of",
-        "error",
         "plan",
-        "reduce_s",
         "results",
+        "started_at",
     )
 
     def __init__(self, comm: Communicator, plan: Plan) -> None:
@@ -90,62 +93,67 @@ class Overlap:
         self.bucket_of = {w: k for k, bucket in enumerate(plan) for w in bucket}
         self._pending = [len(b) for b in plan]
         self._grads: dict[Weight[Any, Any], Any] = {}
-        self._launched = 0  # buckets 0.._launched-1 may be reduced
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name=f"monadl all-reduce (rank {comm.rank})", daemon=True)
-        self.results: list[npt.NDArray[Any] | None] = [None] * len(plan)
-        self.error: BaseException | None = None
-        self.reduce_s = 0.0  # seconds the thread spent in collectives
+        self._requests: list[Pending] = []  # started, in plan order
+        self._launched = 0  # == len(self._requests)
+        self._done = 0  # requests known to be done
+        self.results: list[npt.NDArray[Any]] = []
+        self.started_at = 0.0  # when the first bucket started (`time.perf_counter`)
 
-    def start(self) -> None:
-        self._thread.start()
+    @property
+    def started(self) -> int:
+        """How many buckets are in flight or done."""
+        return self._launched
+
+    def reached(self, weights: list[Weight[Any, Any]]) -> None:
+        """The runtime's listener, before the backward: only ``weights`` will have
+        gradients, so every other weight's share is final now (zeros)."""
+        for weight in set(self.bucket_of).difference(weights):
+            self._final(weight, None)
+        self._launch()
 
     def final(self, weight: Weight[Any, Any], grad: Any) -> None:
         """The runtime's listener: ``weight``'s gradient is final."""
-        k = self.bucket_of.get(weight)
-        if k is None:  # not in a bucket (sparse, or not dense last step): reduced after the agreement
-            return
-        with self._cv:
-            if weight in self._grads:
-                return
-            self._grads[weight] = grad
-            self._pending[k] -= 1
-            launched = self._launched
-            while launched < len(self.plan) and not self._pending[launched]:
-                launched += 1
-            if launched != self._launched:
-                self._launched = launched
-                self._cv.notify()
+        if weight in self.bucket_of:  # else sparse, or new: reduced after the agreement
+            self._final(weight, grad)
+            self._launch()
+        self._progress()
 
     def finish(self, grads: Mapping[Weight[Any, Any], Any]) -> None:
         """The backward is over: the buckets not started yet start, with what ``grads`` has."""
-        with self._cv:
-            for weight, grad in grads.items():
-                if weight in self.bucket_of:
-                    self._grads.setdefault(weight, grad)
-            self._launched = len(self.plan)
-            self._cv.notify()
+        for weight, grad in grads.items():
+            if weight in self.bucket_of:
+                self._grads.setdefault(weight, grad)
+        self._launch(everything=True)
 
-    def wait(self) -> None:
-        """Block until every bucket is reduced or the thread failed."""
-        self._thread.join()
+    async def wait(self) -> None:
+        """Every bucket reduced, in `results` (raises `RankFailure` if a rank died or hangs)."""
+        self.results = [await request.wait() for request in self._requests]
 
     def reported(self, weight: Weight[Any, Any]) -> Any:
         """The gradient ``weight``'s bucket was packed with (None: zeros)."""
         return self._grads.get(weight)
 
-    def _work(self) -> None:
-        try:
-            for k, bucket in enumerate(self.plan):
-                with self._cv:
-                    while self._launched <= k:
-                        self._cv.wait()
-                flat = flatten([dense(self._grads.get(w), w._data) for w in bucket])
-                started = time.perf_counter()
-                self.results[k] = self._comm.allreduce_blocking(flat)
-                self.reduce_s += time.perf_counter() - started
-        except BaseException as error:  # handed to the event loop's thread by `wait`
-            self.error = error
+    def _final(self, weight: Weight[Any, Any], grad: Any) -> None:
+        if weight not in self._grads:
+            self._grads[weight] = grad
+            self._pending[self.bucket_of[weight]] -= 1
+
+    def _launch(self, everything: bool = False) -> None:
+        plan = self.plan
+        while self._launched < len(plan) and (everything or not self._pending[self._launched]):
+            bucket = plan[self._launched]
+            flat = flatten([dense(self._grads.get(w), w._data) for w in bucket])
+            if not self._launched:
+                self.started_at = time.perf_counter()
+            self._requests.append(self._comm.start_allreduce(flat))
+            self._launched += 1
+
+    def _progress(self) -> None:
+        # MPI moves a non-blocking collective's data inside calls like Test:
+        # each gradient the backward finishes gives the buckets in flight a turn.
+        requests = self._requests
+        while self._done < len(requests) and requests[self._done].test():
+            self._done += 1
 
 
 def dense(grad: Any, data: Any) -> Any:

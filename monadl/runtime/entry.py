@@ -58,7 +58,9 @@ async def train(root: Any) -> Any:
 
 
 async def gradients(
-    root: Any, on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
+    root: Any,
+    on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None,
+    on_reached: Callable[[list[Weight[Any, Any]]], None] | None = None,
 ) -> tuple[Any, dict[Weight[Any, Any], Any]]:
     """Value and weight gradients (of the sum, if not a scalar), without a step.
 
@@ -66,12 +68,14 @@ async def gradients(
     with a gradient, the moment that gradient is final, while the backward
     pass goes on (data parallelism starts reducing it then), on the event
     loop's thread. A backward forked onto the worker pool tells it nothing;
-    every gradient is in the returned dict all the same.
+    every gradient is in the returned dict all the same. ``on_reached``, if
+    given, is called once between the forward and the backward with the
+    weights the forward reached: no other weight will have a gradient.
     """
     ev = Evaluation(train=True)
     ev.on_gradient = on_gradient
     async with _transaction(ev):
-        value = await drive(ev, forward_backward(ev, root, scalar=False))
+        value = await drive(ev, forward_backward(ev, root, scalar=False, reached=on_reached))
     return value, ev.weight_gradients()
 
 
@@ -117,8 +121,13 @@ async def acquire(do: Do[Any]) -> AsyncIterator[Any]:
 
 
 # ---- the machines ---------------------------------------------------------------------
-def forward_backward(ev: Evaluation, root: Any, scalar: bool) -> Machine:
-    """Forward, seed the root's delta with ones, back-propagate; returns the value."""
+def forward_backward(
+    ev: Evaluation, root: Any, scalar: bool, reached: Callable[[list[Weight[Any, Any]]], None] | None = None
+) -> Machine:
+    """Forward, seed the root's delta with ones, back-propagate; returns the value.
+
+    ``reached``, if given, is told the weights the forward reached, before the backward.
+    """
     tape, token = yield from evaluate(ev, Do(FORWARD, root))
     data = tape.data
     if scalar and getattr(data, "size", 1) != 1:
@@ -126,6 +135,8 @@ def forward_backward(ev: Evaluation, root: Any, scalar: bool) -> Machine:
             f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the layer built at "
             f"{where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
         )
+    if reached is not None:
+        reached([rec.node for rec in ev.records.values() if rec.is_weight])
     if tape.backward is not None:
         tape.backward(_ones_like(data))
     yield from release(ev, token, True)

@@ -8,7 +8,6 @@ backward, on static and dynamic networks, with failing and dead ranks.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import anyio
@@ -71,60 +70,33 @@ def test_the_hook_reports_weights_of_a_direct_style_graph_at_their_last_release(
     assert names.index(ws[0]) > max(names.index(w) for w in names if w in ws[1:])  # upstream after downstream
 
 
-class Watched(Communicator):
-    """A communicator that sets ``reduced`` once an `allreduce_blocking` is done."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.reduced = threading.Event()
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    async def allgather(self, send: npt.NDArray[Any], counts: Any) -> npt.NDArray[Any]:
-        return await self.inner.allgather(send, counts)
-
-    async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        return await self.inner.allreduce(send)
-
-    async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
-        return await self.inner.broadcast(buffer, root)
-
-    def allreduce_blocking(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        out = self.inner.allreduce_blocking(send)
-        self.reduced.set()
-        return out
-
-
-def test_a_bucket_is_reduced_while_the_backward_still_runs() -> None:
-    # The listener holds the backward (on its last weight) until the communication
-    # thread has reduced the first bucket: that can only finish if they overlap.
-    async def rank(host: Communicator) -> bool:
+def test_buckets_start_while_the_backward_still_runs_and_sum_what_the_ranks_reported() -> None:
+    async def rank(comm: Communicator) -> list[int]:
         ws, loss = chain(4)
-        comm = Watched(host)
-        overlap = Overlap(comm, plan_buckets([ws[3], ws[2], ws[1], ws[0]], 1, 1))  # a bucket per weight
-        overlap.start()
-        reduced_first = comm.reduced
-        seen = []
+        unreached = ml.Weight(np.ones(2))
+        # A bucket per weight, the first one unreached by this graph: it starts before the backward.
+        overlap = Overlap(comm, plan_buckets([unreached, ws[3], ws[2], ws[1], ws[0]], 1, 1))
+        started = []
 
-        def listen(w: ml.Weight[Any, Any], g: Any) -> None:
+        def reached(weights: list[ml.Weight[Any, Any]]) -> None:
+            overlap.reached(weights)
+            started.append(overlap.started)
+
+        def final(w: ml.Weight[Any, Any], g: Any) -> None:
+            started.append(overlap.started)  # before this weight's report
             overlap.final(w, g)
-            if w is ws[0]:  # the last report: the backward is not over before this returns
-                seen.append(reduced_first.wait(timeout=30))
 
-        _, grads = await entry.gradients(loss, listen)
+        _, grads = await entry.gradients(loss, final, reached)
         overlap.finish(grads)
-        await anyio.to_thread.run_sync(overlap.wait)
-        assert overlap.error is None
-        np.testing.assert_array_equal(overlap.results[0], 2 * grads[ws[3]].reshape(-1))
-        return seen == [True]
+        started.append(overlap.started)
+        await overlap.wait()
+        np.testing.assert_array_equal(overlap.results[0], np.zeros(2))
+        for k, w in enumerate([ws[3], ws[2], ws[1], ws[0]], 1):
+            np.testing.assert_array_equal(overlap.results[k], 2 * grads[w].reshape(-1))  # two equal ranks
+        return started
 
-    assert run_local(2, rank) == [True, True]
+    # Each bucket starts the moment its weight is final, before the backward goes on to the next.
+    assert run_local(2, rank) == [[1, 1, 2, 3, 4, 5]] * 2
 
 
 def train_two_ranks(
