@@ -4,9 +4,12 @@ Measured: the columns network (benchmarks/columns.py, dynamic "skip" mode)
 trained with the same global batch by one process (``loss.train()``, BLAS
 on every core) and by ``mpiexec -n 2`` ranks (`DataParallel`, each rank on
 half the batch with one BLAS thread): trained samples per second, and per
-step the seconds spent in the gradient all-reduce and in the agreement
-(the status all-gather that makes a step transactional). On a shared 2-core
-machine the collectives' time includes waiting for the slower rank.
+step (`DataParallel.last_step_seconds`) the forward and backward, the
+gradient all-reduce, the part of it the step waited for after its backward
+("exposed"), and the agreement (the status all-gather that makes a step
+transactional); rounds of steps alternate the all-reduce after the backward
+and overlapped with it, on the same model. On a shared 2-core machine the
+collectives' time includes waiting for the slower rank.
 
 Projected: a ring all-reduce of B bytes over p ranks takes
 ``2(p-1)/p * B / bandwidth + 2(p-1) * latency`` (Patarasuk and Yuan 2009;
@@ -15,8 +18,8 @@ Tree-LSTM (Tai et al. 2015, eqs. 9-14, N = 2; hidden 256, GloVe inputs of
 300) the table gives the all-reduce time per step on 8, 64 and 512 GPUs on a
 stated interconnect, and what share of a step it would be if a rank's
 forward and backward took what one process takes here for its part of the
-batch (weak scaling: the per-rank batch stays the same; no overlap of the
-all-reduce with the backward, which the runtime does not offer yet).
+batch (weak scaling: the per-rank batch stays the same), without overlap and
+with the best overlap (`overlapped_ms`).
 
 Run: ``python -m benchmarks.distributed`` from the repository root (``--help`` for sizes).
 """
@@ -110,7 +113,8 @@ async def one_process(args: argparse.Namespace) -> dict[str, float]:
 
 
 MODES = ("after", "overlap")  # the gradient all-reduce after the backward; overlapped with it
-PARTS = ("backward", "allreduce", "exposed", "agree")
+PARTS = ("backward", "allreduce", "exposed", "agree")  # DataParallel.last_step_seconds
+HEADERS = {"backward": "fwd+bwd ms", "allreduce": "allreduce ms", "exposed": "exposed ms", "agree": "agree ms"}
 
 
 async def rank_main(args: argparse.Namespace) -> None:
@@ -171,6 +175,19 @@ def launch_ranks(args: argparse.Namespace, ranks: int) -> list[dict[str, Any]]:
     return [json.loads(line.removeprefix("RESULT ")) for line in lines]
 
 
+def overlapped_ms(allreduce_ms: float, last_bucket_ms: float, backward_ms: float) -> float:
+    """The all-reduce time a step still waits for when buckets reduce during the backward.
+
+    At best the reduction hides behind the backward, except for the last
+    bucket (its gradients are final only when the backward ends):
+    ``max(allreduce - backward, last bucket)``.
+
+    >>> overlapped_ms(5.0, 1.0, 3.0), overlapped_ms(5.0, 1.0, 10.0)
+    (2.0, 1.0)
+    """
+    return max(allreduce_ms - backward_ms, last_bucket_ms)
+
+
 def projection(args: argparse.Namespace, rank_step_ms: float) -> list[str]:
     config = Config(columns=args.columns, batch=args.batch)
     models = {
@@ -178,15 +195,27 @@ def projection(args: argparse.Namespace, rank_step_ms: float) -> list[str]:
         f"columns x{args.columns} (all weights)": columns_parameters(config, reached_only=False) * 4,
         "Tree-LSTM h=256, x=300": tree_lstm_parameters() * 4,
     }
-    lines = [f"interconnect: {HDR.name}; float32 gradients, one 25 MB bucket", ""]
-    lines.append(f"{'model':42} {'MB':>6} " + " ".join(f"{f'{p} GPUs ms':>12} {'share':>6}" for p in (8, 64, 512)))
+    backward_ms = rank_step_ms * 2 / 3  # a backward costs about twice its forward
+    lines = [f"interconnect: {HDR.name}; float32 gradients; after the backward one 25 MiB bucket,"]
+    lines += ["overlapped DataParallel's buckets (1 MiB, then 25 MiB)", ""]
+    head = " ".join(f"{f'{p} GPUs ms':>12} {'share':>6} {'ovl':>5}" for p in (8, 64, 512))
+    lines.append(f"{'model':42} {'MB':>6} {head}")
     for name, nbytes in models.items():
         cells = []
+        first = min(nbytes, 1 << 20)
+        buckets = 1 + math.ceil((nbytes - first) / (25 << 20))
         for p in (8, 64, 512):
             ms = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=math.ceil(nbytes / (25 << 20)))
-            cells.append(f"{ms:12.3f} {ms / (ms + rank_step_ms):6.0%}")
+            planned = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=buckets)
+            rest = nbytes - first  # the weights that are final last: the first layers'
+            last = 1e3 * ring_allreduce_seconds(rest if rest else first, p, HDR)
+            hidden = overlapped_ms(planned, last, backward_ms)
+            cells.append(f"{ms:12.3f} {ms / (ms + rank_step_ms):6.0%} {hidden / (hidden + rank_step_ms):5.0%}")
         lines.append(f"{name:42} {nbytes / 1e6:6.2f} " + " ".join(cells))
-    lines.append(f"(share: of a step whose forward and backward take {rank_step_ms:.2f} ms, as one rank's half here)")
+    lines.append(
+        f"(share: of a step whose forward and backward take {rank_step_ms:.2f} ms, as one rank's half here; "
+        f"ovl: the same with the buckets reduced during a backward of 2/3 of that, see overlapped_ms)"
+    )
     return lines
 
 
@@ -211,7 +240,7 @@ def main() -> None:
         half = anyio.run(one_process, argparse.Namespace(**{**vars(args), "batch": args.batch // 2}))
     ranks = [*launch_ranks(args, 1), *launch_ranks(args, 2)]
     header = f"{'run':34} {'ms/step':>8} {'samples/s':>10}"
-    print(header + " " + " ".join(f"{p + ' ms':>12}" for p in PARTS))
+    print(header + " " + " ".join(f"{HEADERS[p]:>12}" for p in PARTS))
     for name, r in [("1 process, BLAS threads", single), ("1 process, 1 BLAS thread", single_1)]:
         print(f"{name:34} {r['step_ms']:8.2f} {r['samples_per_s']:10.0f} " + " ".join(f"{'-':>12}" for _ in PARTS))
     for run in ranks:

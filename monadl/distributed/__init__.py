@@ -10,9 +10,10 @@ Launch: ``mpiexec -n 4 python train.py`` (or ``srun python train.py``).
 """
 
 from monadl.distributed._comm import Communicator, MpiCommunicator, Pending, RankFailure, mpi_world
-from monadl.distributed._data_parallel import DataParallel, find_weights, shard
+from monadl.distributed._data_parallel import DataParallel
 from monadl.distributed._local import LocalCommunicator, run_local
 from monadl.distributed._nccl import NcclCommunicator, nccl_world
+from monadl.distributed._shard import find_weights, shard
 
 __all__ = [
     "Communicator",

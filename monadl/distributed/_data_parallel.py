@@ -1,14 +1,21 @@
 """Data-parallel training: every rank runs the model on its shard; all step alike.
 
-One `DataParallel.train` is a transaction across ranks, in three exchanges:
+One `DataParallel.train` is a transaction across ranks, in three exchanges
+(after a fourth, overlapped with the backward, from the second step on):
 
+0. **Overlap.** The planned buckets (`monadl.distributed._overlap`): every
+   weight that had a dense gradient on some rank so far, in a fixed order,
+   all-reduced bucket by bucket while the backward runs, each as soon as
+   its gradients are final; a failing rank contributes what it has (zeros
+   for the rest), so every rank takes part in every bucket.
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
    gradients, no step) and all-gathers a small status: whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
    sparse `SparseRows` (and how many rows). If any rank failed (an
    exception, a non-finite gradient), the ranks all-gather the reasons and
    every rank raises the same `RankFailure`; no rank steps.
-2. **Reduce.** Dense gradients are packed into buckets (one flat buffer per
+2. **Reduce.** Dense gradients not in the plan (all of them at the first
+   step) are packed into buckets (one flat buffer per
    run of same-dtype weights, up to ``bucket_bytes``) and all buckets are
    all-reduced at once (non-blocking, so the library pipelines them); sparse
    gradients are all-gathered as rows, never as dense tables. A weight that
@@ -19,11 +26,10 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges:
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Final, TypeVar, final, overload
+from collections.abc import Sequence
+from typing import Any, Final, final
 
 import anyio
 import numpy as np
@@ -34,14 +40,14 @@ from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets
 from monadl.distributed._overlap import dense as dense_like
+from monadl.distributed._shard import find_weights
 from monadl.layers import Layer, Weight
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
 
-__all__ = ["DataParallel", "find_weights", "shard"]
+__all__ = ["DataParallel"]
 
-T = TypeVar("T")
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
 
@@ -364,63 +370,3 @@ def _mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
                 f"weight {i} is {_dtype(w._data)}{list(_shape(w._data))} here, {_dtype(d)}{list(_shape(d))} on the root"
             )
     return ""
-
-
-def find_weights(model: object) -> tuple[Weight[Any, Any], ...]:
-    """The distinct weights a model holds, in a deterministic order.
-
-    Walks attributes, dataclass fields, lists, tuples and dict values (in
-    insertion order), without recursion.
-
-    >>> import numpy as np, monadl as ml
-    >>> a, b = ml.Weight(np.zeros(2)), ml.Weight(1.0)
-    >>> find_weights({"layers": [a, (b, a)]}) == (a, b)
-    True
-    """
-    found: dict[int, Weight[Any, Any]] = {}
-    seen: set[int] = set()
-    stack: list[object] = [model]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Weight):
-            found.setdefault(id(item), item)
-            continue
-        children: Iterable[object]
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            children = [getattr(item, f.name) for f in dataclasses.fields(item)]
-        elif hasattr(item, "__dict__") and not isinstance(item, type) and type(item).__module__ != "builtins":
-            children = vars(item).values()
-        else:
-            continue
-        stack.extend(reversed(list(children)))  # popped in their own order
-    return tuple(found.values())
-
-
-@overload
-def shard(data: npt.NDArray[Any], rank: int, size: int, *, drop_last: bool = False) -> npt.NDArray[Any]: ...
-@overload
-def shard(data: Sequence[T], rank: int, size: int, *, drop_last: bool = False) -> Sequence[T]: ...
-def shard(data: Any, rank: int, size: int, *, drop_last: bool = False) -> Any:
-    """This rank's share of a dataset or batch: every ``size``-th item from ``rank``.
-
-    Shards differ in length by at most one; ``drop_last`` drops the last
-    ``len(data) % size`` items so that all are equal (then averaging the
-    ranks' mean losses is the full batch's mean, as with PyTorch's
-    ``DistributedSampler(drop_last=True)``).
-
-    >>> shard(list(range(7)), 1, 3)
-    [1, 4]
-    >>> shard(list(range(7)), 0, 3, drop_last=True)
-    [0, 3]
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in 0..{size - 1}")
-    end = len(data) - len(data) % size if drop_last else len(data)
-    return data[rank:end:size]
