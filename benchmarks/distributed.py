@@ -178,9 +178,9 @@ def launch_ranks(args: argparse.Namespace, ranks: int) -> list[dict[str, Any]]:
 def overlapped_ms(allreduce_ms: float, last_bucket_ms: float, backward_ms: float) -> float:
     """The all-reduce time a step still waits for when buckets reduce during the backward.
 
-    At best the reduction hides behind the backward, except for the last
-    bucket (its gradients are final only when the backward ends):
-    ``max(allreduce - backward, last bucket)``.
+    At best the reduction hides behind the backward, except for what is
+    final only when the backward ends (the last bucket):
+    ``max(allreduce - backward, last)``.
 
     >>> overlapped_ms(5.0, 1.0, 3.0), overlapped_ms(5.0, 1.0, 10.0)
     (2.0, 1.0)
@@ -190,25 +190,28 @@ def overlapped_ms(allreduce_ms: float, last_bucket_ms: float, backward_ms: float
 
 def projection(args: argparse.Namespace, rank_step_ms: float) -> list[str]:
     config = Config(columns=args.columns, batch=args.batch)
+    # Per model: gradient bytes, and the bytes whose gradients are final only when the
+    # backward ends (no overlap can hide their reduction): the first column's first layer
+    # (3072 x 64, used first; the other columns' are final as the sweep leaves them); all
+    # of the Tree-LSTM's (every node uses every weight, the first leaf first).
+    first_layers = 4 * sum(v.size for k, v in init_weights(config).items() if k.startswith("col0.0."))
     models = {
-        f"columns x{args.columns} (skip: reached weights)": columns_parameters(config, reached_only=True) * 4,
-        f"columns x{args.columns} (all weights)": columns_parameters(config, reached_only=False) * 4,
-        "Tree-LSTM h=256, x=300": tree_lstm_parameters() * 4,
+        f"columns x{args.columns} (skip: reached weights)": (columns_parameters(config, True) * 4, first_layers),
+        f"columns x{args.columns} (all weights)": (columns_parameters(config, False) * 4, first_layers),
+        "Tree-LSTM h=256, x=300": (tree_lstm_parameters() * 4, tree_lstm_parameters() * 4),
     }
     backward_ms = rank_step_ms * 2 / 3  # a backward costs about twice its forward
     lines = [f"interconnect: {HDR.name}; float32 gradients; after the backward one 25 MiB bucket,"]
-    lines += ["overlapped DataParallel's buckets (1 MiB, then 25 MiB)", ""]
+    lines += ["overlapped 1 MiB buckets (DataParallel(bucket_bytes=1 << 20))", ""]
     head = " ".join(f"{f'{p} GPUs ms':>12} {'share':>6} {'ovl':>5}" for p in (8, 64, 512))
     lines.append(f"{'model':42} {'MB':>6} {head}")
-    for name, nbytes in models.items():
+    for name, (nbytes, final_last) in models.items():
         cells = []
-        first = min(nbytes, 1 << 20)
-        buckets = 1 + math.ceil((nbytes - first) / (25 << 20))
+        buckets = math.ceil(nbytes / (1 << 20))
         for p in (8, 64, 512):
             ms = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=math.ceil(nbytes / (25 << 20)))
             planned = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=buckets)
-            rest = nbytes - first  # the weights that are final last: the first layers'
-            last = 1e3 * ring_allreduce_seconds(rest if rest else first, p, HDR)
+            last = 1e3 * ring_allreduce_seconds(final_last, p, HDR)
             hidden = overlapped_ms(planned, last, backward_ms)
             cells.append(f"{ms:12.3f} {ms / (ms + rank_step_ms):6.0%} {hidden / (hidden + rank_step_ms):5.0%}")
         lines.append(f"{name:42} {nbytes / 1e6:6.2f} " + " ".join(cells))
