@@ -53,6 +53,31 @@ def test_the_hook_reports_each_weight_once_with_its_final_gradient_last_layer_fi
         np.testing.assert_array_equal(g, plain[twins[ws.index(w)]])
 
 
+def test_the_hook_reports_final_gradients_when_the_runtime_batches_nodes() -> None:
+    def branches() -> tuple[ml.Weight[Any, Any], list[ml.Weight[Any, Any]], ml.ScalarLayer]:
+        rng = np.random.default_rng(1)
+        shared = ml.Weight(rng.standard_normal((4, 4)))
+        heads = [ml.Weight(rng.standard_normal((4, 2))) for _ in range(8)]
+        terms = [ml.sum(ml.matmul(ml.tanh(ml.matmul(rng.standard_normal((3, 4)), shared)), v)) for v in heads]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term
+        return shared, heads, total
+
+    shared, heads, loss = branches()
+    with ml.settings(batching=True):  # the branches' matmuls and tanhs run as groups
+        reports, grads = reported(loss)
+    names = [w for w, _ in reports]
+    assert sorted(map(id, names)) == sorted(map(id, [shared, *heads]))  # each weight once
+    assert all(g is grads[w] for w, g in reports)
+    assert names[-1] is shared  # used by every branch: final last
+    twin, twin_heads, twin_loss = branches()
+    with ml.settings(batching=False):
+        _, plain = anyio.run(entry.gradients, twin_loss)
+    for w, t in [(shared, twin), *zip(heads, twin_heads)]:
+        np.testing.assert_allclose(grads[w], plain[t], rtol=1e-12, atol=1e-14)
+
+
 def test_the_hook_reports_weights_of_a_direct_style_graph_at_their_last_release() -> None:
     ws, _ = chain(3)
 
