@@ -4,9 +4,12 @@ Measured: the columns network (benchmarks/columns.py, dynamic "skip" mode)
 trained with the same global batch by one process (``loss.train()``, BLAS
 on every core) and by ``mpiexec -n 2`` ranks (`DataParallel`, each rank on
 half the batch with one BLAS thread): trained samples per second, and per
-step the seconds spent in the gradient all-reduce and in the agreement
-(the status all-gather that makes a step transactional). On a shared 2-core
-machine the collectives' time includes waiting for the slower rank.
+step (`DataParallel.last_step_seconds`) the forward and backward, the
+gradient all-reduce, the part of it the step waited for after its backward
+("exposed"), and the agreement (the status all-gather that makes a step
+transactional); rounds of steps alternate the all-reduce after the backward
+and overlapped with it, on the same model. On a shared 2-core machine the
+collectives' time includes waiting for the slower rank.
 
 Projected: a ring all-reduce of B bytes over p ranks takes
 ``2(p-1)/p * B / bandwidth + 2(p-1) * latency`` (Patarasuk and Yuan 2009;
@@ -15,8 +18,8 @@ Tree-LSTM (Tai et al. 2015, eqs. 9-14, N = 2; hidden 256, GloVe inputs of
 300) the table gives the all-reduce time per step on 8, 64 and 512 GPUs on a
 stated interconnect, and what share of a step it would be if a rank's
 forward and backward took what one process takes here for its part of the
-batch (weak scaling: the per-rank batch stays the same; no overlap of the
-all-reduce with the backward, which the runtime does not offer yet).
+batch (weak scaling: the per-rank batch stays the same), without overlap and
+with the best overlap (`overlapped_ms`).
 
 Run: ``python -m benchmarks.distributed`` from the repository root (``--help`` for sizes).
 """
@@ -31,17 +34,15 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
 
 from benchmarks.columns import Config, MonadlColumns, init_weights, make_batches
-from monadl.distributed import Communicator, DataParallel, mpi_world, shard
+from monadl.distributed import DataParallel, mpi_world, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,42 +96,6 @@ def columns_parameters(config: Config, reached_only: bool) -> int:
     return int(total)
 
 
-class Timed(Communicator):
-    """A communicator that adds up the seconds spent in each kind of collective."""
-
-    def __init__(self, inner: Communicator) -> None:
-        self.inner = inner
-        self.seconds = {"allreduce": 0.0, "allgather": 0.0}
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def size(self) -> int:
-        return self.inner.size
-
-    async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
-        started = time.perf_counter()
-        try:
-            return await self.inner.allgather(send, counts)
-        finally:
-            self.seconds["allgather"] += time.perf_counter() - started
-
-    async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        return (await self.allreduce_many([send]))[0]
-
-    async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
-        started = time.perf_counter()
-        try:
-            return await self.inner.allreduce_many(sends)
-        finally:
-            self.seconds["allreduce"] += time.perf_counter() - started
-
-    async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
-        return await self.inner.broadcast(buffer, root)
-
-
 def model_and_batches(args: argparse.Namespace) -> tuple[MonadlColumns, list[tuple[Any, int, Any]]]:
     config = Config(columns=args.columns, batch=args.batch)
     return MonadlColumns(config, init_weights(config)), make_batches(config, args.warmup + args.steps)
@@ -147,11 +112,19 @@ async def one_process(args: argparse.Namespace) -> dict[str, float]:
     return {"step_ms": 1e3 * seconds / args.steps, "samples_per_s": args.steps * args.batch / seconds}
 
 
+MODES = ("after", "overlap")  # the gradient all-reduce after the backward; overlapped with it
+PARTS = ("backward", "allreduce", "exposed", "agree")  # DataParallel.last_step_seconds
+HEADERS = {"backward": "fwd+bwd ms", "allreduce": "allreduce ms", "exposed": "exposed ms", "agree": "agree ms"}
+
+
 async def rank_main(args: argparse.Namespace) -> None:
-    comm = Timed(mpi_world(timeout=120.0))
+    """Rounds of ``args.round`` steps alternate the two modes (the same model, weights and
+    buckets), so that both see the same machine noise; per mode: the step time and the
+    means of `DataParallel.last_step_seconds`."""
+    comm = mpi_world(timeout=120.0)
     rank, size = comm.rank, comm.size
     model, batches = model_and_batches(args)
-    dp = DataParallel(model.w, comm)
+    dp = DataParallel(model.w, comm, bucket_bytes=int(args.bucket_mb * (1 << 20)))
     await dp.broadcast()
 
     async def step(x: Any, coarse: int, fine: Any) -> None:
@@ -159,23 +132,31 @@ async def rank_main(args: argparse.Namespace) -> None:
 
     for batch in batches[: args.warmup]:
         await step(*batch)
-    comm.seconds = dict.fromkeys(comm.seconds, 0.0)
-    started = time.perf_counter()
-    for batch in batches[args.warmup :]:
-        await step(*batch)
-    seconds = time.perf_counter() - started
+    seconds = dict.fromkeys(MODES, 0.0)
+    parts = {mode: dict.fromkeys(PARTS, 0.0) for mode in MODES}
+    steps = dict.fromkeys(MODES, 0)
+    timed = batches[args.warmup :]
+    for r, start in enumerate(range(0, len(timed), args.round)):
+        mode = MODES[r % 2]
+        dp.overlap = mode == "overlap"
+        for batch in timed[start : start + args.round]:
+            started = time.perf_counter()
+            await step(*batch)
+            seconds[mode] += time.perf_counter() - started
+            steps[mode] += 1
+            for part, s in dp.last_step_seconds.items():
+                parts[mode][part] += s
     if rank == 0:
-        result = {
-            "ranks": size,
-            "step_ms": 1e3 * seconds / args.steps,
-            "samples_per_s": args.steps * args.batch / seconds,
-            "allreduce_ms": 1e3 * comm.seconds["allreduce"] / args.steps,
-            "agree_ms": 1e3 * comm.seconds["allgather"] / args.steps,
-        }
-        print("RESULT " + json.dumps(result), flush=True)
+        for mode in MODES:
+            n = steps[mode]
+            result = {"ranks": size, "mode": mode, "step_ms": 1e3 * seconds[mode] / n}
+            result["samples_per_s"] = n * args.batch / seconds[mode]
+            result.update({f"{part}_ms": 1e3 * parts[mode][part] / n for part in PARTS})
+            result["buckets"] = len(dp.buckets)
+            print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch_ranks(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
+def launch_ranks(args: argparse.Namespace, ranks: int) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     command = [
         str(Path(sys.executable).with_name("mpiexec")),
@@ -188,28 +169,56 @@ def launch_ranks(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
     ]
     command += ["--columns", str(args.columns), "--batch", str(args.batch)]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--round", str(args.round), "--bucket-mb", str(args.bucket_mb)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd=ROOT)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return result
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    return [json.loads(line.removeprefix("RESULT ")) for line in lines]
+
+
+def overlapped_ms(allreduce_ms: float, last_bucket_ms: float, backward_ms: float) -> float:
+    """The all-reduce time a step still waits for when buckets reduce during the backward.
+
+    At best the reduction hides behind the backward, except for what is
+    final only when the backward ends (the last bucket):
+    ``max(allreduce - backward, last)``.
+
+    >>> overlapped_ms(5.0, 1.0, 3.0), overlapped_ms(5.0, 1.0, 10.0)
+    (2.0, 1.0)
+    """
+    return max(allreduce_ms - backward_ms, last_bucket_ms)
 
 
 def projection(args: argparse.Namespace, rank_step_ms: float) -> list[str]:
     config = Config(columns=args.columns, batch=args.batch)
+    # Per model: gradient bytes, and the bytes whose gradients are final only when the
+    # backward ends (no overlap can hide their reduction): the first column's first layer
+    # (3072 x 64, used first; the other columns' are final as the sweep leaves them); all
+    # of the Tree-LSTM's (every node uses every weight, the first leaf first).
+    first_layers = 4 * sum(v.size for k, v in init_weights(config).items() if k.startswith("col0.0."))
     models = {
-        f"columns x{args.columns} (skip: reached weights)": columns_parameters(config, reached_only=True) * 4,
-        f"columns x{args.columns} (all weights)": columns_parameters(config, reached_only=False) * 4,
-        "Tree-LSTM h=256, x=300": tree_lstm_parameters() * 4,
+        f"columns x{args.columns} (skip: reached weights)": (columns_parameters(config, True) * 4, first_layers),
+        f"columns x{args.columns} (all weights)": (columns_parameters(config, False) * 4, first_layers),
+        "Tree-LSTM h=256, x=300": (tree_lstm_parameters() * 4, tree_lstm_parameters() * 4),
     }
-    lines = [f"interconnect: {HDR.name}; float32 gradients, one 25 MB bucket", ""]
-    lines.append(f"{'model':42} {'MB':>6} " + " ".join(f"{f'{p} GPUs ms':>12} {'share':>6}" for p in (8, 64, 512)))
-    for name, nbytes in models.items():
+    backward_ms = rank_step_ms * 2 / 3  # a backward costs about twice its forward
+    lines = [f"interconnect: {HDR.name}; float32 gradients; after the backward one 25 MiB bucket,"]
+    lines += ["overlapped 1 MiB buckets (DataParallel(bucket_bytes=1 << 20))", ""]
+    head = " ".join(f"{f'{p} GPUs ms':>12} {'share':>6} {'ovl':>5}" for p in (8, 64, 512))
+    lines.append(f"{'model':42} {'MB':>6} {head}")
+    for name, (nbytes, final_last) in models.items():
         cells = []
+        buckets = math.ceil(nbytes / (1 << 20))
         for p in (8, 64, 512):
             ms = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=math.ceil(nbytes / (25 << 20)))
-            cells.append(f"{ms:12.3f} {ms / (ms + rank_step_ms):6.0%}")
+            planned = 1e3 * ring_allreduce_seconds(nbytes, p, HDR, buckets=buckets)
+            last = 1e3 * ring_allreduce_seconds(final_last, p, HDR)
+            hidden = overlapped_ms(planned, last, backward_ms)
+            cells.append(f"{ms:12.3f} {ms / (ms + rank_step_ms):6.0%} {hidden / (hidden + rank_step_ms):5.0%}")
         lines.append(f"{name:42} {nbytes / 1e6:6.2f} " + " ".join(cells))
-    lines.append(f"(share: of a step whose forward and backward take {rank_step_ms:.2f} ms, as one rank's half here)")
+    lines.append(
+        f"(share: of a step whose forward and backward take {rank_step_ms:.2f} ms, as one rank's half here; "
+        f"ovl: the same with the buckets reduced during a backward of 2/3 of that, see overlapped_ms)"
+    )
     return lines
 
 
@@ -219,6 +228,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="the global batch (split over the ranks)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--round", type=int, default=10, help="steps per round; rounds alternate the modes")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DataParallel's bucket_bytes, in MiB")
     parser.add_argument("--rank", action="store_true", help="run as one rank under mpiexec")
     args = parser.parse_args()
     if args.rank:
@@ -230,15 +241,16 @@ def main() -> None:
     with ThreadpoolController().limit(limits=1):
         single_1 = anyio.run(one_process, args)
         half = anyio.run(one_process, argparse.Namespace(**{**vars(args), "batch": args.batch // 2}))
-    ranks = [launch_ranks(args, 1), launch_ranks(args, 2)]
-    print(f"{'run':28} {'ms/step':>8} {'samples/s':>10} {'all-reduce ms':>14} {'agree ms':>9}")
+    ranks = [*launch_ranks(args, 1), *launch_ranks(args, 2)]
+    header = f"{'run':34} {'ms/step':>8} {'samples/s':>10}"
+    print(header + " " + " ".join(f"{HEADERS[p]:>12}" for p in PARTS))
     for name, r in [("1 process, BLAS threads", single), ("1 process, 1 BLAS thread", single_1)]:
-        print(f"{name:28} {r['step_ms']:8.2f} {r['samples_per_s']:10.0f} {'-':>14} {'-':>9}")
-    for r in ranks:
-        name = f"mpiexec -n {r['ranks']}, DataParallel"
-        print(
-            f"{name:28} {r['step_ms']:8.2f} {r['samples_per_s']:10.0f} {r['allreduce_ms']:14.2f} {r['agree_ms']:9.2f}"
-        )
+        print(f"{name:34} {r['step_ms']:8.2f} {r['samples_per_s']:10.0f} " + " ".join(f"{'-':>12}" for _ in PARTS))
+    for run in ranks:
+        name = f"mpiexec -n {run['ranks']}, {'overlapped' if run['mode'] == 'overlap' else 'reduce after'}"
+        cells = " ".join(f"{run[p + '_ms']:12.2f}" for p in PARTS)
+        print(f"{name:34} {run['step_ms']:8.2f} {run['samples_per_s']:10.0f} {cells}")
+    print(f"buckets (bucket_bytes {args.bucket_mb:g} MiB, the first at most 1 MiB): {ranks[-1]['buckets']}")
     reached = 4 * columns_parameters(Config(columns=args.columns), reached_only=True)
     print(f"gradient bytes all-reduced per step (the reached weights): {reached / 1e6:.2f} MB")
     print()

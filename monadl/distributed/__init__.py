@@ -9,10 +9,11 @@ across processes; `run_local` runs ranks as threads of one process.
 Launch: ``mpiexec -n 4 python train.py`` (or ``srun python train.py``).
 """
 
-from monadl.distributed._comm import Communicator, MpiCommunicator, RankFailure, mpi_world
-from monadl.distributed._data_parallel import DataParallel, find_weights, shard
+from monadl.distributed._comm import Communicator, MpiCommunicator, Pending, RankFailure, mpi_world
+from monadl.distributed._data_parallel import DataParallel
 from monadl.distributed._local import LocalCommunicator, run_local
 from monadl.distributed._nccl import NcclCommunicator, nccl_world
+from monadl.distributed._shard import find_weights, shard
 
 __all__ = [
     "Communicator",
@@ -20,6 +21,7 @@ __all__ = [
     "LocalCommunicator",
     "MpiCommunicator",
     "NcclCommunicator",
+    "Pending",
     "RankFailure",
     "find_weights",
     "mpi_world",

@@ -1,14 +1,21 @@
 """Data-parallel training: every rank runs the model on its shard; all step alike.
 
-One `DataParallel.train` is a transaction across ranks, in three exchanges:
+One `DataParallel.train` is a transaction across ranks, in three exchanges
+(after a fourth, overlapped with the backward, from the second step on):
 
+0. **Overlap.** The planned buckets (`monadl.distributed._overlap`): every
+   weight that had a dense gradient on some rank so far, in a fixed order,
+   all-reduced bucket by bucket while the backward runs, each as soon as
+   its gradients are final; a failing rank contributes what it has (zeros
+   for the rest), so every rank takes part in every bucket.
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
    gradients, no step) and all-gathers a small status: whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
    sparse `SparseRows` (and how many rows). If any rank failed (an
    exception, a non-finite gradient), the ranks all-gather the reasons and
    every rank raises the same `RankFailure`; no rank steps.
-2. **Reduce.** Dense gradients are packed into buckets (one flat buffer per
+2. **Reduce.** Dense gradients not in the plan (all of them at the first
+   step) are packed into buckets (one flat buffer per
    run of same-dtype weights, up to ``bucket_bytes``) and all buckets are
    all-reduced at once (non-blocking, so the library pipelines them); sparse
    gradients are all-gathered as rows, never as dense tables. A weight that
@@ -19,25 +26,28 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges:
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
-from collections.abc import Iterable, Sequence
-from typing import Any, Final, TypeVar, final, overload
+import time
+from collections.abc import Sequence
+from typing import Any, Final, final
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
+from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets
+from monadl.distributed._overlap import dense as dense_like
+from monadl.distributed._shard import find_weights
 from monadl.layers import Layer, Weight
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
 
-__all__ = ["DataParallel", "find_weights", "shard"]
+__all__ = ["DataParallel"]
 
-T = TypeVar("T")
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
 
@@ -56,8 +66,12 @@ class DataParallel:
             list, tuple or dict holding them (found by `find_weights`, in the
             same order on every rank).
         comm: how ranks talk; by default ``MPI.COMM_WORLD`` (`mpi_world`).
-        bucket_bytes: the largest dense bucket reduced as one buffer.
+        bucket_bytes: the largest dense bucket reduced as one buffer (the
+            first bucket of the overlap at most `FIRST_BUCKET_BYTES`).
         average: divide the summed gradients by the number of ranks.
+        overlap: all-reduce buckets while the backward still runs (from the
+            second step on, once a step has shown which gradients are dense
+            and in what order they become final); False reduces after it.
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.distributed import DataParallel, run_local, shard
@@ -72,16 +86,38 @@ class DataParallel:
     [array([-0.35]), array([-0.35])]
     """
 
-    __slots__ = ("_comm", "_index", "_weights", "average", "bucket_bytes")
+    __slots__ = (
+        "_comm",
+        "_dense",
+        "_index",
+        "_order",
+        "_plan",
+        "_times",
+        "_weights",
+        "average",
+        "bucket_bytes",
+        "overlap",
+    )
 
     def __init__(
-        self, model: object, comm: Communicator | None = None, *, bucket_bytes: int = BUCKET_BYTES, average: bool = True
+        self,
+        model: object,
+        comm: Communicator | None = None,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        average: bool = True,
+        overlap: bool = True,
     ) -> None:
         self._comm = mpi_world() if comm is None else comm
         self._weights = find_weights(model)
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
+        self.overlap = overlap
+        self._plan: Plan = ()
+        self._dense: set[int] = set()  # weights (by index) that had a dense gradient on some rank
+        self._order: dict[int, int] = {}  # weight index -> its gradient's earliest position, last seen
+        self._times: dict[str, float] = {}
 
     @property
     def rank(self) -> int:
@@ -115,54 +151,146 @@ class DataParallel:
                     weight._data, weight._state = d, state
         await _agree(comm, problem, None)
 
+    @property
+    def buckets(self) -> tuple[tuple[Weight[Any, Any], ...], ...]:
+        """The dense buckets that `train` all-reduces while the backward runs, in
+        launch order (the same on every rank; empty until a step has run)."""
+        return self._plan
+
+    @property
+    def last_step_seconds(self) -> dict[str, float]:
+        """Where the last `train` spent its time: ``backward`` (this rank's
+        forward and backward), ``allreduce`` (dense buckets in flight,
+        overlapped or not), ``exposed`` (waiting for gradient exchanges after
+        the backward: the communication not hidden behind it) and ``agree``
+        (the status round)."""
+        return dict(self._times)
+
     async def train(self, loss: Layer[Any, Any]) -> Any:
         """One data-parallel step: local forward and backward, then all ranks step alike.
 
+        From the second step on, dense gradient buckets are all-reduced
+        while the backward still runs (see `monadl.distributed._overlap`).
         Returns this rank's loss value. Raises `RankFailure` (on every rank)
         if any rank failed; then no weight changed on any rank.
         """
-        comm, weights, index = self._comm, self._weights, self._index
+        comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
+        # One rank has nothing to overlap: its "all-reduce" is a copy.
+        overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
+        order: list[Weight[Any, Any]] = []  # weights in the order their gradients became final here
+
+        def final(weight: Weight[Any, Any], grad: Any) -> None:
+            order.append(weight)
+            if overlap is not None:
+                overlap.final(weight, grad)
+
         grads: dict[Weight[Any, Any], Any] = {}
         value: Any = None
         problem = ""
         cause: Exception | None = None
+        started = time.perf_counter()
         try:
-            value, grads = await entry.gradients(loss)
+            value, grads = await entry.gradients(loss, final, None if overlap is None else overlap.reached)
         except Exception as error:
             problem, cause = f"{type(error).__name__}: {error}", error
-        status = np.zeros(1 + 2 * len(weights), np.int64)
+        except BaseException:  # cancelled: the started buckets end before any other collective may start
+            if overlap is not None:
+                overlap.finish({})
+                with anyio.CancelScope(shield=True):
+                    await overlap.wait()
+            raise
+        if overlap is not None:
+            overlap.finish(grads)
+        backward_end = time.perf_counter()
+        status = np.zeros(1 + 3 * n, np.int64)
+        status[1 + 2 * n :] = -1
+        for position, weight in enumerate(order):
+            i = index.get(weight)
+            if i is not None and status[1 + 2 * n + i] < 0:
+                status[1 + 2 * n + i] = position
         for weight, grad in grads.items():
             i = index.get(weight)
             if i is None:
                 problem = problem or f"the loss reached a weight outside the model: {weight!r:.60}"
             elif not _finite(grad):
                 problem = problem or f"non-finite gradient of weight {i} (shape {_shape(weight._data)})"
+            elif overlap is not None and weight in overlap.bucket_of and overlap.reported(weight) is not grad:
+                problem = problem or f"the runtime reported weight {i}'s gradient final before it was"
             elif type(grad) is SparseRows:
-                status[1 + i], status[1 + len(weights) + i] = _SPARSE, grad.indices.shape[0]
+                status[1 + i], status[1 + n + i] = _SPARSE, grad.indices.shape[0]
             else:
                 status[1 + i] = _DENSE
+        if overlap is not None:
+            await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
+        agree_start = time.perf_counter()
+        exposed = agree_start - backward_end
         statuses = await _agree(comm, problem, cause, status)
-        kinds, rows = statuses[:, 1 : 1 + len(weights)], statuses[:, 1 + len(weights) :]
+        agree_end = time.perf_counter()
+        kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0
         reduced: dict[Weight[Any, Any], Any] = {}
         # Dense where any rank's gradient is dense (the other ranks' rows or
         # absences made dense); rows where the ranks that have one have rows.
         any_dense = (kinds == _DENSE).any(axis=0)
-        dense = np.flatnonzero(any_dense).tolist()
+        reached = (kinds != _ABSENT).any(axis=0)
+        planned = overlap.bucket_of if overlap is not None else {}
+        if overlap is not None:
+            for bucket, total in zip(overlap.plan, overlap.results):
+                total = self._checked(total, scale)
+                for weight, grad in zip(bucket, _unflatten(total, [w._data for w in bucket])):
+                    if reached[index[weight]]:  # a weight no rank reached is not stepped
+                        reduced[weight] = grad
+        dense = [i for i in np.flatnonzero(any_dense).tolist() if weights[i] not in planned]
         sparse = np.flatnonzero((kinds == _SPARSE).any(axis=0) & ~any_dense).tolist()
-        buckets = _buckets([weights[i] for i in dense], self.bucket_bytes)
-        flats = [_flatten([_dense(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
+        sparse = [i for i in sparse if weights[i] not in planned]
+        buckets = plan_buckets([weights[i] for i in dense], self.bucket_bytes, self.bucket_bytes)
+        flats = [flatten([dense_like(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
+        post_start = time.perf_counter()
         for bucket, total in zip(buckets, await comm.allreduce_many(flats)):
-            if scale != 1.0:
-                total = total * scale
-            if not _finite(total):  # sums can overflow where no addend did
-                raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
+            total = self._checked(total, scale)
             reduced.update(zip(bucket, _unflatten(total, [w._data for w in bucket])))
         for i in sparse:  # rows are concatenated, not summed: finite rows stay finite
             weight = weights[i]
             reduced[weight] = await _gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
+        post = time.perf_counter() - post_start
+        self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n :])
+        self._times = {
+            "backward": backward_end - started,
+            "allreduce": (agree_start - overlap.started_at if overlap is not None else 0.0) + post,
+            "exposed": exposed + post,
+            "agree": agree_end - agree_start,
+        }
         _commit(reduced)
         return value
+
+    @staticmethod
+    def _checked(total: Any, scale: float) -> Any:
+        if scale != 1.0:
+            total = total * scale
+        if not _finite(total):  # sums can overflow where no addend did
+            raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
+        return total
+
+    def _next_plan(self, any_dense: npt.NDArray[np.bool_], positions: npt.NDArray[np.int64]) -> Plan:
+        """The buckets of the next steps, the same on every rank (made from statuses all ranks hold).
+
+        Every weight that has had a dense gradient on some rank so far, as
+        DDP buckets every parameter (an unreached one contributes zeros, and
+        is not stepped), so a dynamic network's changing paths keep the same
+        buckets. Ordered by when the earliest rank made their gradients
+        final, as last seen; rebuilt only when a weight joins.
+        """
+        late = np.iinfo(np.int64).max
+        first = np.where(positions >= 0, positions, late).min(axis=0)
+        for i in np.flatnonzero(first < late).tolist():
+            self._order[i] = int(first[i])
+        grown = [i for i in np.flatnonzero(any_dense).tolist() if i not in self._dense]
+        if not grown:
+            return self._plan
+        self._dense.update(grown)
+        chosen = sorted(self._dense, key=lambda i: (self._order.get(i, late), i))
+        limit = self.bucket_bytes
+        return plan_buckets([self._weights[i] for i in chosen], limit, min(limit, FIRST_BUCKET_BYTES))
 
 
 async def _agree(
@@ -206,36 +334,6 @@ async def _gather_rows(
     return SparseRows(indices, rows * scale, data.shape)
 
 
-def _buckets(weights: Sequence[Weight[Any, Any]], limit: int) -> list[list[Weight[Any, Any]]]:
-    buckets: list[list[Weight[Any, Any]]] = []
-    size = 0
-    for weight in weights:
-        nbytes = int(np.asarray(weight._data).nbytes) if not is_array(weight._data) else int(weight._data.nbytes)
-        if buckets and size + nbytes <= limit and _dtype(buckets[-1][0]._data) == _dtype(weight._data):
-            buckets[-1].append(weight)
-            size += nbytes
-        else:
-            buckets.append([weight])
-            size = nbytes
-    return buckets
-
-
-def _dense(grad: Any, data: Any) -> Any:
-    """A rank's gradient as a dense array like the weight (zeros where it has none)."""
-    if grad is None:
-        return np.zeros(_shape(data), _dtype(data)) if not is_array(data) else namespace(data).zeros_like(data)
-    if type(grad) is SparseRows:
-        return grad.to_dense()
-    if not is_array(grad):
-        return np.asarray(grad, _dtype(data))
-    return grad
-
-
-def _flatten(arrays: Sequence[Any]) -> Any:
-    xp = namespace(arrays[0])
-    return xp.concat([xp.reshape(xp.asarray(a), (-1,)) for a in arrays])
-
-
 def _unflatten(flat: Any, likes: Sequence[Any]) -> list[Any]:
     xp = namespace(flat)
     out, start = [], 0
@@ -272,63 +370,3 @@ def _mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
                 f"weight {i} is {_dtype(w._data)}{list(_shape(w._data))} here, {_dtype(d)}{list(_shape(d))} on the root"
             )
     return ""
-
-
-def find_weights(model: object) -> tuple[Weight[Any, Any], ...]:
-    """The distinct weights a model holds, in a deterministic order.
-
-    Walks attributes, dataclass fields, lists, tuples and dict values (in
-    insertion order), without recursion.
-
-    >>> import numpy as np, monadl as ml
-    >>> a, b = ml.Weight(np.zeros(2)), ml.Weight(1.0)
-    >>> find_weights({"layers": [a, (b, a)]}) == (a, b)
-    True
-    """
-    found: dict[int, Weight[Any, Any]] = {}
-    seen: set[int] = set()
-    stack: list[object] = [model]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Weight):
-            found.setdefault(id(item), item)
-            continue
-        children: Iterable[object]
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            children = [getattr(item, f.name) for f in dataclasses.fields(item)]
-        elif hasattr(item, "__dict__") and not isinstance(item, type) and type(item).__module__ != "builtins":
-            children = vars(item).values()
-        else:
-            continue
-        stack.extend(reversed(list(children)))  # popped in their own order
-    return tuple(found.values())
-
-
-@overload
-def shard(data: npt.NDArray[Any], rank: int, size: int, *, drop_last: bool = False) -> npt.NDArray[Any]: ...
-@overload
-def shard(data: Sequence[T], rank: int, size: int, *, drop_last: bool = False) -> Sequence[T]: ...
-def shard(data: Any, rank: int, size: int, *, drop_last: bool = False) -> Any:
-    """This rank's share of a dataset or batch: every ``size``-th item from ``rank``.
-
-    Shards differ in length by at most one; ``drop_last`` drops the last
-    ``len(data) % size`` items so that all are equal (then averaging the
-    ranks' mean losses is the full batch's mean, as with PyTorch's
-    ``DistributedSampler(drop_last=True)``).
-
-    >>> shard(list(range(7)), 1, 3)
-    [1, 4]
-    >>> shard(list(range(7)), 0, 3, drop_last=True)
-    [0, 3]
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in 0..{size - 1}")
-    end = len(data) - len(data) % size if drop_last else len(data)
-    return data[rank:end:size]

@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, poll
+from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, poll
 
 __all__ = ["LocalCommunicator", "run_local"]
 
@@ -62,28 +62,62 @@ class LocalCommunicator(Communicator):
         return np.concatenate(await self._exchange(send, "all-gather"))
 
     async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        parts = await self._exchange(send, "all-reduce")
-        total = parts[0].copy()
-        with np.errstate(over="ignore"):  # as in MPI: an overflow is the caller's to find in the sum
-            for part in parts[1:]:  # in rank order on every rank, so every rank gets the same bits
-                total += part
-        return total
+        return _sum(await self._exchange(send, "all-reduce"))
+
+    def start_allreduce(self, send: npt.NDArray[Any]) -> Pending:
+        key = self._deposit(send)
+        return _LocalPending(self, key)
 
     async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
         return (await self._exchange(buffer, "broadcast"))[root].copy()
 
     async def _exchange(self, send: npt.NDArray[Any], what: str) -> list[npt.NDArray[Any]]:
+        key = self._deposit(send)
+        await poll(lambda: self._arrived(key), self.timeout, what, self._rank)
+        return self._collect(key)
+
+    def _deposit(self, send: npt.NDArray[Any]) -> int:
         board, key = self._board, self._sequence
         self._sequence += 1
         with board.lock:
             board.slots.setdefault(key, [None] * board.size)[self._rank] = np.array(send, copy=True)
-        await poll(lambda: all(part is not None for part in board.slots[key]), self.timeout, what, self._rank)
+        return key
+
+    def _arrived(self, key: int) -> bool:
+        return all(part is not None for part in self._board.slots[key])
+
+    def _collect(self, key: int) -> list[npt.NDArray[Any]]:
+        board = self._board
         with board.lock:
             parts = list(board.slots[key])
             board.reads[key] = board.reads.get(key, 0) + 1
             if board.reads[key] == board.size:
                 del board.slots[key], board.reads[key]
         return parts
+
+
+@final
+class _LocalPending(Pending):
+    __slots__ = ("_comm", "_key")
+
+    def __init__(self, comm: LocalCommunicator, key: int) -> None:
+        self._comm, self._key = comm, key
+
+    def test(self) -> bool:
+        return self._comm._arrived(self._key)
+
+    async def wait(self) -> npt.NDArray[Any]:
+        comm = self._comm
+        await poll(self.test, comm.timeout, "all-reduce", comm.rank)
+        return _sum(comm._collect(self._key))
+
+
+def _sum(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    total = parts[0].copy()
+    with np.errstate(over="ignore"):  # as in MPI: an overflow is the caller's to find in the sum
+        for part in parts[1:]:  # in rank order on every rank, so every rank gets the same bits
+            total += part
+    return total
 
 
 def run_local(

@@ -4,7 +4,8 @@
 and everything else (the small host-side statuses and failure messages)
 through a host `Communicator` (MPI), so `DataParallel` runs unchanged and
 never copies a gradient to the host. NCCL calls only enqueue work on the
-stream; completion is an event that the event loop polls, with the same
+stream (the overlap enqueues each bucket as soon as its gradients are final,
+so the GPU reduces it while the backward goes on); completion is an event that the event loop polls, with the same
 deadline as MPI's collectives.
 
 NCCL's all-gather takes equal counts; sparse rows of unequal counts are
@@ -21,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl._namespace import namespace
-from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, mpi_world, poll
+from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, Polled, mpi_world, poll
 
 __all__ = ["NcclCommunicator", "nccl_world"]
 
@@ -98,20 +99,28 @@ class NcclCommunicator(Communicator):
     async def allreduce_many(self, sends: Sequence[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         if not all(self._is_device(s) for s in sends):
             return await self._host.allreduce_many(sends)
-        outs = []
-        for send in sends:  # enqueued back to back on one stream: NCCL pipelines them
-            out = namespace(send).empty_like(send)
-            self._comm.allReduce(
-                self._pointer(send),
-                self._pointer(out),
-                send.size,
-                self._dtype(send),
-                self._nccl.NCCL_SUM,
-                self._stream_pointer(),
-            )
-            outs.append(out)
+        outs = [self._enqueue_allreduce(send) for send in sends]  # back to back on one stream: pipelined
         await self._wait("all-reduce")
         return outs
+
+    def _enqueue_allreduce(self, send: Any) -> Any:
+        out = namespace(send).empty_like(send)
+        self._comm.allReduce(
+            self._pointer(send),
+            self._pointer(out),
+            send.size,
+            self._dtype(send),
+            self._nccl.NCCL_SUM,
+            self._stream_pointer(),
+        )
+        return out
+
+    def start_allreduce(self, send: npt.NDArray[Any]) -> Pending:
+        # Enqueued now on the stream, so the GPU reduces while the backward goes on enqueuing.
+        if not self._is_device(send):
+            return self._host.start_allreduce(send)
+        out = self._enqueue_allreduce(send)
+        return Polled(self._ready(self._stream), out, self.timeout, "all-reduce", self.rank)
 
     async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
         if not self._is_device(send):

@@ -9,7 +9,7 @@ closed and every resource still open is released, and no weight changes
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -57,11 +57,25 @@ async def train(root: Any) -> Any:
     return value
 
 
-async def gradients(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
-    """Value and weight gradients (of the sum, if not a scalar), without a step."""
+async def gradients(
+    root: Any,
+    on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None,
+    on_reached: Callable[[list[Weight[Any, Any]]], None] | None = None,
+) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """Value and weight gradients (of the sum, if not a scalar), without a step.
+
+    ``on_gradient(weight, gradient)``, if given, is called once per weight
+    with a gradient, the moment that gradient is final, while the backward
+    pass goes on (data parallelism starts reducing it then), on the event
+    loop's thread. A backward forked onto the worker pool tells it nothing;
+    every gradient is in the returned dict all the same. ``on_reached``, if
+    given, is called once between the forward and the backward with the
+    weights the forward reached: no other weight will have a gradient.
+    """
     ev = Evaluation(train=True)
+    ev.on_gradient = on_gradient
     async with _transaction(ev):
-        value = await drive(ev, forward_backward(ev, root, scalar=False))
+        value = await drive(ev, forward_backward(ev, root, scalar=False, reached=on_reached))
     return value, ev.weight_gradients()
 
 
@@ -107,8 +121,13 @@ async def acquire(do: Do[Any]) -> AsyncIterator[Any]:
 
 
 # ---- the machines ---------------------------------------------------------------------
-def forward_backward(ev: Evaluation, root: Any, scalar: bool) -> Machine:
-    """Forward, seed the root's delta with ones, back-propagate; returns the value."""
+def forward_backward(
+    ev: Evaluation, root: Any, scalar: bool, reached: Callable[[list[Weight[Any, Any]]], None] | None = None
+) -> Machine:
+    """Forward, seed the root's delta with ones, back-propagate; returns the value.
+
+    ``reached``, if given, is told the weights the forward reached, before the backward.
+    """
     tape, token = yield from evaluate(ev, Do(FORWARD, root))
     data = tape.data
     if scalar and getattr(data, "size", 1) != 1:
@@ -116,6 +135,8 @@ def forward_backward(ev: Evaluation, root: Any, scalar: bool) -> Machine:
             f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the layer built at "
             f"{where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
         )
+    if reached is not None:
+        reached([rec.node for rec in ev.records.values() if rec.is_weight])
     if tape.backward is not None:
         tape.backward(_ones_like(data))
     yield from release(ev, token, True)
@@ -141,6 +162,8 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
         yield from inline.release(ev, token, backward)
     elif backward and ev.forked:
         yield pool.backward(ev, token)
+    elif backward and ev.on_gradient is not None:
+        yield from inline.sweep_notifying(ev)
     elif backward:
         yield from inline.sweep(ev)
     if timed:

@@ -118,6 +118,9 @@ class Evaluation:
         gradients: the weights' gradients, kept when the records are dropped.
         timings: graphs timed for the fork rule (only when ``workers > 1``).
         deadline: when the event loop is next due a turn (`time.perf_counter`).
+        on_gradient: told each weight's gradient the moment it is final (all
+            records that use the weight back-propagated), as
+            ``on_gradient(weight, gradient)``; None (the default) costs nothing.
     """
 
     __slots__ = (
@@ -129,6 +132,7 @@ class Evaluation:
         "fork_threshold_s",
         "forked",
         "gradients",
+        "on_gradient",
         "open",
         "pending",
         "records",
@@ -157,6 +161,7 @@ class Evaluation:
         self.effects = False
         self.gradients: dict[Weight[Any, Any], Any] | None = None
         self.timings: list[Any] = []
+        self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
         """A weight's record: its data as it is now; a gradient only when training."""

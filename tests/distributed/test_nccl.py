@@ -77,13 +77,14 @@ def fake_nccl(host: Communicator, shared: dict[Any, Any]) -> tuple[NcclCommunica
     return comm, fake, counting
 
 
-def test_gradients_go_through_nccl_and_statuses_through_the_host() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_go_through_nccl_and_statuses_through_the_host(overlap: bool) -> None:
     shared: dict[Any, Any] = {"barrier": threading.Barrier(2)}
 
     async def rank(host: Communicator) -> tuple[dict[Any, Any], list[Any], int]:
         comm, fake, counting = fake_nccl(host, shared)
         net = Net(host.rank)
-        dp = DataParallel(net, comm)
+        dp = DataParallel(net, comm, overlap=overlap)
         await dp.broadcast()
         for x, y, head in batches(5):
             await dp.train(net.loss(shard(x, host.rank, 2), shard(y, host.rank, 2), head))
@@ -94,7 +95,11 @@ def test_gradients_go_through_nccl_and_statuses_through_the_host() -> None:
     for name in expected:
         np.testing.assert_array_equal(zero[name], one[name])
         np.testing.assert_allclose(zero[name], expected[name], rtol=1e-12)
-    assert calls == [("allReduce", 4 * 8 + 8 + 8 * 3 + 1, FakeNccl.NCCL_FLOAT64)] * 5  # one bucket a step
+    one_head, f64 = 4 * 8 + 8 + 8 * 3 + 1, FakeNccl.NCCL_FLOAT64
+    if not overlap:
+        assert calls == [("allReduce", one_head, f64)] * 5  # one bucket a step
+    else:  # step 2 overlaps step 1's weights and reduces head 1 after; from step 3 one bucket of all
+        assert calls == [("allReduce", one_head, f64)] * 2 + [("allReduce", 8 * 3, f64)] + [("allReduce", 89, f64)] * 3
     assert host_reduced == 0
 
 

@@ -26,7 +26,7 @@ from monadl.runtime.backward import CHECK_EVERY, backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
 
-__all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep"]
+__all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep", "sweep_notifying"]
 
 CHECKPOINT: Final = object()
 """Yielded to the driver: give the event loop a turn, then resume."""
@@ -69,6 +69,43 @@ def sweep(ev: Evaluation) -> Machine:
         yield CHECKPOINT
 
 
+def sweep_notifying(ev: Evaluation) -> Machine:
+    """`sweep`, telling ``ev.on_gradient`` each weight's gradient the moment it is final.
+
+    A weight's gradient is final once its first consumer in the forward order
+    (the last one the reverse sweep reaches) is back-propagated; deltas flow
+    only along records' inputs, so the inputs say which record that is. The
+    sweep runs in segments that end at such records. Only a listener pays
+    for finding them (one look at every record's inputs) and for the segments.
+    """
+    notify = ev.on_gradient
+    assert notify is not None
+    records = list(ev.records.values())
+    final_after: dict[int, list[Record]] = {}
+    seen: set[Record] = set()
+    for i, rec in enumerate(records):
+        for r in rec.inputs or ():
+            if r is not None and r.is_weight and r not in seen:
+                seen.add(r)
+                final_after.setdefault(i, []).append(r)
+    backwards = records[::-1]
+    start = 0
+    for i in sorted(final_after, reverse=True):
+        stop = len(records) - i  # backwards[:stop] ends with records[i]
+        segment = iter(backwards[start:stop])
+        while backprop(segment, ev.check_finite, deadline=ev.deadline):
+            yield CHECKPOINT
+        start = stop
+        for weight in final_after[i]:
+            if weight.delta is not None:
+                notify(weight.node, weight.delta)
+        if time.perf_counter() > ev.deadline:  # short segments never reach backprop's own look at the clock
+            yield CHECKPOINT
+    rest = iter(backwards[start:])
+    while backprop(rest, ev.check_finite, deadline=ev.deadline):
+        yield CHECKPOINT
+
+
 def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     """Release a token; a record whose last hold goes back-propagates once.
 
@@ -87,6 +124,8 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 continue
             if backward:
                 backprop((t,), check)
+                if t.is_weight and ev.on_gradient is not None and t.delta is not None:
+                    ev.on_gradient(t.node, t.delta)  # its last consumer let go: the gradient is final
             elif not t.is_weight:
                 t.vjps = None
             work.extend(r for r in t.inputs if r is not None)
