@@ -1,7 +1,7 @@
 """Data-parallel training: every rank runs the model on its shard; all step alike.
 
 One `DataParallel.train` is a transaction across ranks, in three exchanges
-(after a fourth, overlapped with the backward, from the second step on):
+(and, with ``overlap=True``, a fourth during the backward, from the second step on):
 
 0. **Overlap.** The planned buckets (`monadl.distributed._overlap`): every
    weight that had a dense gradient on some rank so far, in a fixed order,
@@ -71,7 +71,11 @@ class DataParallel:
         average: divide the summed gradients by the number of ranks.
         overlap: all-reduce buckets while the backward still runs (from the
             second step on, once a step has shown which gradients are dense
-            and in what order they become final); False reduces after it.
+            and in what order they become final), as DDP does. Off by default:
+            MPI moves the data inside the rank's own tests, on its one thread,
+            and on the 2-core development machine the overlapped step measured
+            4-28% slower (BENCHMARKS.md, "Distributed"); turn it on where each
+            rank has its own cores and the network is the bottleneck.
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.distributed import DataParallel, run_local, shard
@@ -106,7 +110,7 @@ class DataParallel:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         average: bool = True,
-        overlap: bool = True,
+        overlap: bool = False,
     ) -> None:
         self._comm = mpi_world() if comm is None else comm
         self._weights = find_weights(model)
@@ -208,7 +212,8 @@ class DataParallel:
             i = index.get(weight)
             if i is not None and status[1 + 2 * n + i] < 0:
                 status[1 + 2 * n + i] = position
-        for weight, grad in grads.items():
+        # In the model's order, so that a failure names the same weight whatever the graph's order.
+        for weight, grad in sorted(grads.items(), key=lambda item: index.get(item[0], n)):
             i = index.get(weight)
             if i is None:
                 problem = problem or f"the loss reached a weight outside the model: {weight!r:.60}"

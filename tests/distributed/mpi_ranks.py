@@ -79,7 +79,7 @@ async def train(out: Path) -> None:
     comm = mpi_world(timeout=60.0)
     rank, size = comm.rank, comm.size
     models, steps = model_batches()
-    dp = DataParallel(models, comm)
+    dp = DataParallel(models, comm, overlap=True)  # the overlapped path, on real MPI
     await dp.broadcast()
     for loss, x, y in steps:
         await dp.train(loss(shard(x, rank, size), shard(y, rank, size)))
