@@ -175,7 +175,7 @@ def test_ranks_that_reach_different_weights_step_as_one_process() -> None:
 def test_a_rank_that_fails_during_an_overlapped_step_stops_every_rank_and_training_goes_on(fail: str) -> None:
     async def rank(comm: Communicator) -> tuple[str, bool, Arrays]:
         net = Net(0)
-        dp = DataParallel(net, comm, bucket_bytes=1)
+        dp = DataParallel(net, comm, bucket_bytes=1, overlap=True)
         data = batches(4)
         for x, y, head in data[:2]:  # the buckets are planned: step 3 overlaps
             await dp.train(net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head))
@@ -202,7 +202,7 @@ def test_a_rank_that_fails_during_an_overlapped_step_stops_every_rank_and_traini
 def test_a_rank_that_dies_before_an_overlapped_step_is_reported_after_the_timeout() -> None:
     async def rank(comm: Communicator) -> str:
         net = Net(0)
-        dp = DataParallel(net, comm, bucket_bytes=1)
+        dp = DataParallel(net, comm, bucket_bytes=1, overlap=True)
         data = batches(2)
         x, y, head = data[0]
         await dp.train(net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head))
