@@ -35,7 +35,7 @@ from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.settings import current_settings
 
-__all__ = ["PARKED", "Parked", "enabled", "parks", "run"]
+__all__ = ["PARKED", "Parked", "enabled", "merge", "parks", "run"]
 
 PARKED: Final = object()
 """What a fiber waits on while parked: the next merged run."""
@@ -86,23 +86,10 @@ def parks(ev: Evaluation, frame: F.Graph) -> bool:
 def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     """Compute the parked graphs as one; returns the fibers to resume (the
     parked list is emptied)."""
-    records = ev.records
-    orders, fibers = parked.orders, parked.fibers
+    fibers = parked.fibers
+    order, alike = merge(ev, parked.orders)
     parked.orders, parked.fibers = [], []
-    seen: set[Any] = set()
-    order: list[Any] = []
-    shapes: dict[Any, int] = {}
-    for part in orders:
-        # Concatenated topological orders, each node at its first place, stay topological.
-        for node in part:
-            if node not in seen and node not in records:  # another fiber's graph may have computed it
-                seen.add(node)
-                order.append(node)
-        if part:
-            key = (part[-1]._site, len(part))
-            shapes[key] = shapes.get(key, 0) + 1
     if order:
-        alike = max(shapes.values(), default=0)  # graphs built at one line with as many nodes
         if batched.worth_batching(ev, order, alike):
             batched.forward(ev, order)
         index = 0
@@ -117,3 +104,33 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     for fiber in fibers:  # past its Graph frame: the next frame reads its records
         fiber.save(fiber.stack, None, None, None, False)
     return fibers
+
+
+def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int]:
+    """The union of the graphs ``orders`` (each in topological order) in one
+    topological order, each node once, leaving those computed meanwhile; and
+    how many graphs are alike (built at one line, with as many nodes).
+
+    >>> import numpy as np, monadl as ml
+    >>> from monadl.runtime.evaluation import Evaluation
+    >>> w = ml.Weight(np.ones((2, 2)))
+    >>> shared = w * 2.0
+    >>> a, b = (ml.sum(shared + 1.0) for _ in range(2))  # built at one place
+    >>> order, alike = merge(Evaluation(train=False), [[shared, a._inputs[0], a], [shared, b._inputs[0], b]])
+    >>> len(order), alike
+    (5, 2)
+    """
+    records = ev.records
+    seen: set[Any] = set()
+    order: list[Any] = []
+    shapes: dict[Any, int] = {}
+    for part in orders:
+        # Concatenated topological orders, each node at its first place, stay topological.
+        for node in part:
+            if node not in seen and node not in records:  # another fiber's graph may have computed it
+                seen.add(node)
+                order.append(node)
+        if part:
+            key = (part[-1]._site, len(part))
+            shapes[key] = shapes.get(key, 0) + 1
+    return order, max(shapes.values(), default=0)
