@@ -129,13 +129,13 @@ def costs(hidden: int, batch: int) -> tuple[float, float, int, int]:
     runs = [0]
     merge, forward = fibers.merge, batched.forward
 
-    def timed_merge(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int]:
+    def timed_merge(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
         t0 = time.perf_counter()
-        order, alike = merge(ev, orders)
+        merged = merge(ev, orders)
         merge_s[0] += time.perf_counter() - t0
-        nodes[0] += len(order)
+        nodes[0] += len(merged[0])
         runs[0] += 1
-        return order, alike
+        return merged
 
     def timed_forward(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
         t0 = time.perf_counter()

@@ -18,7 +18,10 @@ computing is waited for, never computed twice (`Evaluation.pending`).
 
 Layer graphs (a ``forward()`` of a layer not yet evaluated) are collected and
 handed to a scheduler: CUDA streams for graphs on a GPU, the worker pool for
-coarse graphs when ``workers > 1``, otherwise inline.
+coarse graphs when ``workers > 1``, otherwise inline. With several fibers, a
+fiber that reaches a graph of primitives *parks* there while others can run;
+when none can, the parked graphs run as one (`monadl.runtime.schedule.fibers`):
+batching across the fibers' data-dependent control flow.
 """
 
 from __future__ import annotations
@@ -38,12 +41,17 @@ from monadl.runtime.schedule import batched, cuda, fibers, inline, pool
 from monadl.runtime.stepping import direct_next, step_direct, step_in_task
 from monadl.tape import Tape
 
-__all__ = ["NEXT", "Spawn", "evaluate"]
+__all__ = ["NEXT", "POLL", "Spawn", "evaluate"]
 
 Machine = Generator[Any, Any, Any]
 
 NEXT: Final = object()
 """Yielded to the driver when no fiber can run: send back the next completion."""
+
+POLL: Final = object()
+"""Like `NEXT`, but after one turn of the event loop send back None if no
+completion is there: fibers are parked, and a task still stepping a
+direct-style coroutine may be waiting for one of them."""
 
 _START: Final = object()  # what a direct frame receives first: no awaited values yet
 
@@ -285,10 +293,16 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             elif block is not fibers.PARKED:
                 yield Spawn(fiber, block)
         while not runnable:
-            if parked and not stepping:  # nothing else can reach a graph now: run them all as one
+            if not parked:
+                completion = yield NEXT
+            elif stepping:  # wait only for coroutine steps that come back at once, with graphs to join
+                completion = yield POLL
+            else:
+                completion = None
+            if completion is None:  # nothing more can reach a graph now: run the parked ones as one
                 runnable.extend((yield from fibers.run(ev, parked)))
                 break
-            fiber, ok, result = yield NEXT
+            fiber, ok, result = completion
             if not ok:
                 raise result
             if fiber.stack and type(fiber.stack[-1]) is F.Stepped:

@@ -31,12 +31,13 @@ def line_of(marker: str) -> int:
 class Walk:
     """Each example takes ``STEPS`` steps; at each, its own value picks one of two weights."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, hidden: int = 6) -> None:
         rng = np.random.default_rng(seed)
-        self.up = ml.Weight(rng.standard_normal((6, 6)) * 0.6)
-        self.down = ml.Weight(rng.standard_normal((6, 6)) * 0.6)
-        self.bias = ml.Weight(rng.standard_normal(6) * 0.1)
-        self.inputs = [rng.standard_normal(6) for _ in range(16)]
+        scale = 1.5 / np.sqrt(hidden)
+        self.up = ml.Weight(rng.standard_normal((hidden, hidden)) * scale)
+        self.down = ml.Weight(rng.standard_normal((hidden, hidden)) * scale)
+        self.bias = ml.Weight(rng.standard_normal(hidden) * 0.1)
+        self.inputs = [rng.standard_normal(hidden) for _ in range(16)]
 
     def weights(self) -> list[ml.ArrayWeight]:
         return [self.up, self.down, self.bias]
@@ -65,8 +66,8 @@ class Walk:
         return ml.sum(ml.stack([example(x) for x in self.inputs[:n]]))
 
 
-def gradients(way: str, batching: bool | None, n: int = 16) -> tuple[float, list[ml.Array]]:
-    model = Walk()
+def gradients(way: str, batching: bool | None, n: int = 16, hidden: int = 6) -> tuple[float, list[ml.Array]]:
+    model = Walk(hidden=hidden)
     with ml.settings(batching=batching):
         value, grads = entry.gradients_sync(model.loss(way, n)) if way == "monadic" else _async(model, way, n)
     return float(value), [grads[w] for w in model.weights()]
@@ -99,7 +100,7 @@ def merges(monkeypatch: pytest.MonkeyPatch) -> Generator[list[int], None, None]:
 def test_same_values_and_gradients_as_without_parking(way: str, merges: list[int]) -> None:
     off_value, off = gradients(way, False)
     assert merges == []  # batching forced off: no fiber parks
-    for batching in (None, True):
+    for batching in (None, True):  # parked, run merged; batched only when forced
         value, grads = gradients(way, batching)
         assert value == pytest.approx(off_value, rel=1e-12)
         for a, b in zip(grads, off):
@@ -125,9 +126,15 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
         return forward(ev, order, strategy)
 
     monkeypatch.setattr(batched, "forward", counting)
-    gradients("monadic", None)
-    # Every merge (16 alike graphs, far below MIN_NODES) went through the batching scheduler.
-    assert len(groups) == STEPS + 1 and max(groups) < batched.MIN_NODES
+    gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)
+    assert groups == []
+    gradients("monadic", None, hidden=128)
+    # Every step's merge (16 alike graphs of 3 nodes, far below MIN_NODES) went through the
+    # batching scheduler; the last (a product among 5 nodes each) was too fine.
+    assert groups == [3 * 16] * STEPS
+    groups.clear()
+    gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
+    assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
 
 
 def test_one_example_does_not_park(merges: list[int]) -> None:
@@ -193,3 +200,35 @@ def test_failure_is_the_original_error_at_the_users_line() -> None:
         assert f"{HERE}:{line_of('FIBER-BAD')}" in str(info.value)
     for old, w in zip(before, model.weights()):
         assert np.array_equal(old, w.data)
+
+
+@pytest.mark.anyio
+async def test_a_parked_fiber_is_not_waited_for_by_a_coroutine_that_waits_for_it() -> None:
+    """One example's coroutine waits (outside monadl) for another example to
+    get past its graph: the parked graph must run without that coroutine's step."""
+    import anyio
+
+    model = Walk()
+    passed = anyio.Event()
+
+    @ml.direct
+    async def waits() -> ml.ScalarLayer:
+        await passed.wait()  # set by the other example, after its graph
+        value = await model.step(model.inputs[0], True)
+        return ml.sum(model.step(model.inputs[1], bool(value[0] > 0)))
+
+    @ml.direct
+    async def sets() -> ml.ScalarLayer:
+        value = await model.step(model.inputs[2], True)
+        passed.set()
+        return ml.sum(model.step(model.inputs[3], bool(value[0] > 0)))
+
+    with anyio.fail_after(60):  # a guard against a hang, not a timing
+        value, grads = await entry.gradients(ml.sum(ml.stack([waits(), sets()])))
+    with ml.settings(batching=False):
+        passed = anyio.Event()
+        expected, off = await entry.gradients(ml.sum(ml.stack([waits(), sets()])))
+    assert float(value) == pytest.approx(float(expected), rel=1e-12)
+    assert grads.keys() == off.keys()
+    for w in grads:
+        np.testing.assert_allclose(grads[w], off[w], rtol=1e-12)

@@ -29,13 +29,26 @@ import time
 from collections.abc import Generator
 from typing import Any, Final
 
+from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.settings import current_settings
 
-__all__ = ["PARKED", "Parked", "enabled", "merge", "parks", "run"]
+__all__ = ["MIN_PRODUCT_ELEMENTS", "PARKED", "Parked", "enabled", "merge", "parks", "run"]
+
+_MATMUL: Final = PRIMITIVES["matmul"]
+
+MIN_PRODUCT_ELEMENTS: Final = 4096
+"""Automatic mode batches a merge only if its matrix products use weights of
+at least this many elements per merged node (a weight of 384 x 128 in a graph
+of a dozen nodes): what batching saves there is, per member, a product's
+weight-sized outer product in the backward; what it costs is per node. In
+`benchmarks/control_flow.py` (shift-reduce, batch 8 and 32) hidden size 128
+(about 7,000 per node) ran 1.3-1.8x faster batched, 64 (about 1,700) the same,
+and 32 (about 450) up to 25% slower at batch 8."""
 
 PARKED: Final = object()
 """What a fiber waits on while parked: the next merged run."""
@@ -87,10 +100,11 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     """Compute the parked graphs as one; returns the fibers to resume (the
     parked list is emptied)."""
     fibers = parked.fibers
-    order, alike = merge(ev, parked.orders)
+    order, alike, products = merge(ev, parked.orders)
     parked.orders, parked.fibers = [], []
     if order:
-        if batched.worth_batching(ev, order, alike):
+        forced = current_settings().batching is True
+        if (forced or products >= MIN_PRODUCT_ELEMENTS * len(order)) and batched.worth_batching(ev, order, alike):
             batched.forward(ev, order)
         index = 0
         while True:
@@ -106,31 +120,38 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     return fibers
 
 
-def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int]:
+def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
     """The union of the graphs ``orders`` (each in topological order) in one
-    topological order, each node once, leaving those computed meanwhile; and
-    how many graphs are alike (built at one line, with as many nodes).
+    topological order, each node once, leaving those computed meanwhile; how
+    many graphs are alike (built at one line, with as many nodes); and the
+    elements of the weights that its matrix products use, summed over them.
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
     >>> w = ml.Weight(np.ones((2, 2)))
     >>> shared = w * 2.0
-    >>> a, b = (ml.sum(shared + 1.0) for _ in range(2))  # built at one place
-    >>> order, alike = merge(Evaluation(train=False), [[shared, a._inputs[0], a], [shared, b._inputs[0], b]])
-    >>> len(order), alike
-    (5, 2)
+    >>> a, b = (ml.sum(np.ones(2) @ w + shared) for _ in range(2))  # built at one place
+    >>> graphs = [[shared, *x._inputs[0]._inputs, x._inputs[0], x] for x in (a, b)]
+    >>> order, alike, products = merge(Evaluation(train=False), graphs)
+    >>> len(order), alike, products
+    (7, 2, 8)
     """
     records = ev.records
     seen: set[Any] = set()
     order: list[Any] = []
     shapes: dict[Any, int] = {}
+    products = 0
     for part in orders:
         # Concatenated topological orders, each node at its first place, stay topological.
         for node in part:
             if node not in seen and node not in records:  # another fiber's graph may have computed it
                 seen.add(node)
                 order.append(node)
+                if node._op is _MATMUL:
+                    for x in node._inputs:
+                        if type(x) is Weight:
+                            products += x._data.size
         if part:
             key = (part[-1]._site, len(part))
             shapes[key] = shapes.get(key, 0) + 1
-    return order, max(shapes.values(), default=0)
+    return order, max(shapes.values(), default=0), products
