@@ -17,8 +17,9 @@ way. Before timing, the batch's gradients with fibers on are checked against
 those of fibers off and against the mean of the sentences' own gradients.
 
 Times are CPU seconds of this process (``time.process_time``, BLAS limited
-to one thread), best of the rounds, as in `benchmarks/batching.py`: wall time
-on a shared machine measures the neighbours. Also prints the merge cost per
+to one thread) of one training step, the least of all steps of all rounds
+(as in `benchmarks/batching.py`, CPU time: wall time on a shared machine
+measures the neighbours). Also prints the merge cost per
 merged node and the batching analysis cost per node. Run:
 ``python -m benchmarks.control_flow`` (``--quick`` for a smoke run).
 """
@@ -84,19 +85,19 @@ def _dense(g: Any) -> Any:
 
 
 def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]:
-    """Best CPU seconds per training step of each contender."""
+    """Best CPU seconds of one training step on one batch, for each
+    contender: the least of ``steps`` steps in each of ``rounds`` rounds (the
+    least of many single steps resists the neighbours' bursts best)."""
     parser = _parser(hidden)
-    batches = [make_sentences(batch, 2, 6, seed=10 + k) for k in range(steps)]
+    sentences = make_sentences(batch, 2, 6, seed=10)
     logs: list[Log] = []
 
     async def one_by_one() -> None:
-        for sentences in batches:
-            for s in sentences:
-                await parser.loss([s], logs).train()
+        for s in sentences:
+            await parser.loss([s], logs).train()
 
     async def together() -> None:
-        for sentences in batches:
-            await parser.loss(sentences, logs).train()
+        await parser.loss(sentences, logs).train()
 
     contenders: dict[str, tuple[Callable[[], Any], bool | None]] = {
         "one by one": (one_by_one, None),
@@ -109,11 +110,12 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
         for name in names if r % 2 else names[::-1]:
             run, batching = contenders[name]
             with ml.settings(batching=batching):
-                t0 = _clock()
-                anyio.run(run)
-                elapsed = (_clock() - t0) / steps
-            if r:
-                best[name] = min(best[name], elapsed)
+                for _ in range(steps):
+                    t0 = _clock()
+                    anyio.run(run)
+                    elapsed = _clock() - t0
+                    if r:
+                        best[name] = min(best[name], elapsed)
     return best
 
 
@@ -163,8 +165,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: small batches, one round")
     parser.add_argument("--hidden", type=int, nargs="*", default=[32, 128])
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     from threadpoolctl import ThreadpoolController
 
@@ -192,9 +194,10 @@ def main() -> None:
                 f"{best['fibers off'] / best['fibers on']:6.2f}x"
             )
         merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))
+        analysis = f"{analysis_us:.2f} us" if analysis_us else "none (the cost rule left the merges unbatched)"
         print(
             f"batch {max(sizes)}: {runs} merged runs, {nodes} nodes merged; per node: merge {merge_us:.2f} us, "
-            f"analysis (depths + signatures) {analysis_us:.2f} us"
+            f"analysis (depths + signatures) {analysis}"
         )
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
