@@ -6,10 +6,14 @@ each choose their path by their own values, with ``bind`` or ``await`` in
 fiber that reaches a layer graph while other fibers can still run *parks*
 there instead of computing it alone. When no fiber can run, the parked graphs
 are merged (the union of their nodes, each once, in one topological order)
-and run as one graph, through the batching scheduler where the cost rule says
-so (`monadl.runtime.schedule.batched.worth_batching`, told how many of the
-graphs are alike), so that the k examples' nodes of equal signature run as one
-kernel; then every parked fiber resumes with its values. So each example runs
+and run as one graph, through the batching scheduler where the cost rules say
+so (`MIN_PRODUCT_ELEMENTS` here, then
+`monadl.runtime.schedule.batched.worth_batching`, told how many of the graphs
+are alike), so that the k examples' nodes of equal signature run as one
+kernel; then every parked fiber resumes with its values. A fiber whose
+direct-style coroutine a task is stepping is waited for one turn of the event
+loop (its step usually ends there, with a graph to join), no longer: it may be
+waiting for a parked fiber. So each example runs
 up to its next read, all pending nodes of all examples are computed together,
 each example gets its values and continues: what DyNet's autobatching (which
 stops at the first read) and Fold (which needs the whole structure first)
@@ -27,9 +31,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from typing import Any, Final
+from typing import Any, Final, final
 
-from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
@@ -39,7 +42,7 @@ from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_PRODUCT_ELEMENTS", "PARKED", "Parked", "enabled", "merge", "parks", "run"]
 
-_MATMUL: Final = PRIMITIVES["matmul"]
+_PRODUCTS: Final = frozenset({"matmul", "dense"})  # the primitives that multiply by a weight
 
 MIN_PRODUCT_ELEMENTS: Final = 4096
 """Automatic mode batches a merge only if its matrix products use weights of
@@ -60,6 +63,7 @@ def enabled(ev: Evaluation) -> bool:
     return ev.workers <= 1 and current_settings().batching is not False
 
 
+@final
 class Parked:
     """The fibers parked at their graphs, and the graphs' nodes in order."""
 
@@ -147,7 +151,7 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
             if node not in seen and node not in records:  # another fiber's graph may have computed it
                 seen.add(node)
                 order.append(node)
-                if node._op is _MATMUL:
+                if node._op.name in _PRODUCTS:
                     for x in node._inputs:
                         if type(x) is Weight:
                             products += x._data.size
