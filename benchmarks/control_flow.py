@@ -10,11 +10,14 @@ tokens), in one run, rounds alternating between the contenders:
 * fibers off: one ``train()`` over the batch, ``Settings.batching=False``
   (the sentences are fibers, each graph computed alone, node by node);
 * fibers on: the same with batching automatic: fibers park at their graphs,
-  which run merged and batched (`monadl.runtime.schedule.fibers`).
+  which run merged and batched (`monadl.runtime.schedule.fibers`);
+* direct on: the same parser in direct style (``await`` at each decision,
+  `Parser.parse_direct`), batching automatic.
 
 The weights do not move (learning rate 0), so every round parses the same
 way. Before timing, the batch's gradients with fibers on are checked against
-those of fibers off and against the mean of the sentences' own gradients.
+those of fibers off, of direct style, and the mean of the sentences' own
+gradients.
 
 Times are CPU seconds of this process (``time.process_time``, BLAS limited
 to one thread) of one training step, the least of all steps of all rounds
@@ -57,12 +60,12 @@ def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -
     sentences = make_sentences(batch, 2, 6, seed=1)
     logs: list[Log] = []
 
-    def batch_gradients(batching: bool | None) -> tuple[float, list[Any]]:
+    def batch_gradients(batching: bool | None, direct: bool = False) -> tuple[float, list[Any]]:
         with ml.settings(batching=batching):
-            value, grads = anyio.run(entry.gradients, parser.loss(sentences, logs))
+            value, grads = anyio.run(entry.gradients, parser.loss(sentences, logs, direct))
         return float(value), [grads.get(w) for w in parser.weights()]
 
-    on, off = batch_gradients(None), batch_gradients(False)
+    on, off, direct = batch_gradients(None), batch_gradients(False), batch_gradients(None, True)
     singles = [anyio.run(entry.gradients, parser.loss([s], logs)) for s in sentences]
     mean_loss = float(np.mean([float(v) for v, _ in singles]))
     mean_grads = []
@@ -70,7 +73,7 @@ def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -
         parts = [g[w] for _, g in singles if w in g]
         mean_grads.append(sum(_dense(p) for p in parts) / batch if parts else None)
     worst = 0.0
-    for loss, grads in ((off[0], off[1]), (mean_loss, mean_grads)):
+    for loss, grads in (off, direct, (mean_loss, mean_grads)):
         worst = max(worst, abs(on[0] - loss) / abs(loss))
         for a, b in zip(on[1], grads):
             if a is None or b is None:
@@ -99,10 +102,14 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
     async def together() -> None:
         await parser.loss(sentences, logs).train()
 
+    async def together_direct() -> None:
+        await parser.loss(sentences, logs, direct=True).train()
+
     contenders: dict[str, tuple[Callable[[], Any], bool | None]] = {
         "one by one": (one_by_one, None),
         "fibers off": (together, False),
         "fibers on": (together, None),
+        "direct on": (together_direct, None),
     }
     best = dict.fromkeys(contenders, float("inf"))
     names = list(contenders)
@@ -180,18 +187,20 @@ def main() -> None:
         worst = check(hidden, max(sizes))
         worst32 = check(hidden, max(sizes), np.float32)
         print(
-            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs one by one): "
+            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs one by one): "
             f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
         )
         print(
-            f"{'batch':>5s} {'one by one':>11s} {'fibers off':>11s} {'fibers on':>11s} {'on/1-by-1':>10s} {'on/off':>7s}"
+            f"{'batch':>5s} {'one by one':>11s} {'fibers off':>11s} {'fibers on':>11s} {'on/1-by-1':>10s} "
+            f"{'on/off':>7s} {'direct on':>11s} {'direct/1-by-1':>14s}"
         )
         for b in sizes:
             best = timing(hidden, b, rounds, steps)
             print(
                 f"{b:5d} {best['one by one'] * 1e3:9.2f}ms {best['fibers off'] * 1e3:9.2f}ms "
                 f"{best['fibers on'] * 1e3:9.2f}ms {best['one by one'] / best['fibers on']:9.2f}x "
-                f"{best['fibers off'] / best['fibers on']:6.2f}x"
+                f"{best['fibers off'] / best['fibers on']:6.2f}x {best['direct on'] * 1e3:9.2f}ms "
+                f"{best['one by one'] / best['direct on']:13.2f}x"
             )
         merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))
         analysis = f"{analysis_us:.2f} us" if analysis_us else "none (the cost rule left the merges unbatched)"

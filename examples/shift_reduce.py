@@ -202,10 +202,45 @@ class Parser:
 
         return done
 
-    def loss(self, sentences: Sequence[Sentence], logs: list[Log]) -> ml.ScalarLayer:
-        """The mean loss of a batch: one parse (one fiber) per sentence."""
+    @ml.direct
+    async def parse_direct(self, sentence: Sentence, log: Log) -> ml.ScalarLayer:
+        """`parse` in direct style: the same layers, each decision an ``await``."""
+        tokens = sentence.tokens
+        n = len(tokens)
+        leaves = [self.leaf(t) for t in tokens]
+        stack: list[Entry] = []
+        losses: list[ml.ScalarLayer] = []
+        i = 0
+        while i < n or len(stack) > 1:
+            if len(stack) < 2 or i == n:  # the only move: no decision to read
+                if i < n:
+                    stack, i = [*stack, Entry(leaves[i], i, i + 1)], i + 1
+                else:
+                    stack[-2:] = [self.reduce(stack[-2], stack[-1])]
+                continue
+            top, second = stack[-1], stack[-2]
+            gold = REDUCE if (second.start, top.end) in sentence.spans else SHIFT
+            scores = self.scores(top.vector, second.vector, leaves[i])
+            losses.append(ml.cross_entropy(scores, np.array([gold])))
+            action = int(np.argmax((await scores)[0]))
+            log.steps += 1
+            log.right += action == gold
+            log.exact = log.exact and action == gold
+            if action == REDUCE:
+                stack[-2:] = [self.reduce(second, top)]
+            else:
+                stack, i = [*stack, Entry(leaves[i], i, i + 1)], i + 1
+        logits = stack[0].vector @ self.head[0] + self.head[1]
+        log.correct = int(np.argmax((await logits)[0])) == sentence.label
+        task = ml.cross_entropy(logits, np.array([sentence.label]))
+        return task + ml.sum(ml.stack(losses)) if losses else task
+
+    def loss(self, sentences: Sequence[Sentence], logs: list[Log], direct: bool = False) -> ml.ScalarLayer:
+        """The mean loss of a batch: one parse (one fiber) per sentence, with
+        `parse` or, if ``direct``, `parse_direct`."""
         logs[:] = [Log() for _ in sentences]
-        return ml.mean(ml.stack([self.parse(s, log) for s, log in zip(sentences, logs)]))
+        parse = self.parse_direct if direct else self.parse
+        return ml.mean(ml.stack([parse(s, log) for s, log in zip(sentences, logs)]))
 
 
 @dataclass(frozen=True, slots=True)

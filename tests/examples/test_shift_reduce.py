@@ -91,3 +91,26 @@ def test_it_learns_to_parse() -> None:
     result = anyio.run(lambda: sr.run(steps=60, batch=32, hidden=32, progress=False))
     assert result.parse_accuracy >= 0.9  # exact trees on held-out sentences (an untrained parser: near 0)
     assert np.mean(result.losses[-10:]) < 0.5 * result.losses[0]
+
+
+@pytest.mark.parametrize("batching", [False, None, True])
+def test_direct_style_parses_alike(batching: bool | None) -> None:
+    parser = sr.Parser(8, seed=1)
+    sentences = sr.make_sentences(6, 2, 6, seed=4)
+    results = []
+    for direct in (False, True):
+        logs: list[sr.Log] = []
+        with ml.settings(batching=batching):
+            value, grads = anyio.run(entry.gradients, parser.loss(sentences, logs, direct=direct))
+        results.append((float(value), grads, [(log.steps, log.right, log.exact, log.correct) for log in logs]))
+    (bind_value, bind_grads, bind_logs), (direct_value, direct_grads, direct_logs) = results
+    assert direct_logs == bind_logs
+    assert direct_value == pytest.approx(bind_value, rel=1e-12)
+    assert direct_grads.keys() == bind_grads.keys()
+    for w, g in bind_grads.items():
+        np.testing.assert_allclose(
+            np.asarray(g.to_dense() if hasattr(g, "to_dense") else g),
+            np.asarray(direct_grads[w].to_dense() if hasattr(direct_grads[w], "to_dense") else direct_grads[w]),
+            rtol=1e-10,
+            atol=1e-14,
+        )
