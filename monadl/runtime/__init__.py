@@ -9,7 +9,8 @@ A reader's map (each module one concern; lower ones never import higher ones):
 * `backward`: ONE function that back-propagates one node; every scheduler calls it.
 * `schedule`: when and how together nodes run: `inline` (the forward loop, the
   reverse sweep, the counted release), `pool` (worker threads for coarse
-  graphs), `cuda` (a CUDA stream per branch).
+  graphs), `cuda` (a CUDA stream per branch), `fibers` (fibers parked at
+  their graphs, run merged and batched: batching across control flow).
 * `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches);
   `stepping`: how it steps a direct-style coroutine.
 * `drive`: running the interpreter on the event loop (awaits, turns, tasks).

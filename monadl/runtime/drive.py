@@ -1,10 +1,11 @@
 """Driving an interpreter generator on the event loop, and cleaning up after it.
 
-The interpreter yields four kinds of request: an awaitable (awaited here,
+The interpreter yields five kinds of request: an awaitable (awaited here,
 in this task), `CHECKPOINT` (the event loop is due a turn: other tasks run,
 and a cancellation or Ctrl-C takes effect here), `Spawn` (a fiber's await, to
-run concurrently in a task of this evaluation's task group) and `NEXT` (no
-fiber can run: wait for the next completion). The task group opens only when
+run concurrently in a task of this evaluation's task group), `NEXT` (no
+fiber can run: wait for the next completion) and `POLL` (the same, but only
+for one turn of the event loop: None if nothing completed). The task group opens only when
 the first fiber spawns, so an evaluation without concurrent effects costs no
 task. A failure of an awaited thing goes back into the interpreter, which
 may hand it to a direct-style coroutine that awaited it; a failure that
@@ -26,7 +27,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.interpret import NEXT, Spawn
+from monadl.runtime.interpret import NEXT, POLL, Spawn
 from monadl.runtime.process import advance
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
@@ -64,6 +65,15 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
             elif request is NEXT:
                 assert done is not None
                 completion = await done[1].receive()
+                ev.deadline = time.perf_counter() + interval
+                request = advance(machine.send, completion, pause)
+            elif request is POLL:
+                assert done is not None
+                await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes
+                try:
+                    completion = done[1].receive_nowait()
+                except anyio.WouldBlock:
+                    completion = None
                 ev.deadline = time.perf_counter() + interval
                 request = advance(machine.send, completion, pause)
             else:

@@ -18,7 +18,10 @@ computing is waited for, never computed twice (`Evaluation.pending`).
 
 Layer graphs (a ``forward()`` of a layer not yet evaluated) are collected and
 handed to a scheduler: CUDA streams for graphs on a GPU, the worker pool for
-coarse graphs when ``workers > 1``, otherwise inline.
+coarse graphs when ``workers > 1``, otherwise inline. With several fibers, a
+fiber that reaches a graph of primitives *parks* there while others can run;
+when none can, the parked graphs run as one (`monadl.runtime.schedule.fibers`):
+batching across the fibers' data-dependent control flow.
 """
 
 from __future__ import annotations
@@ -34,16 +37,21 @@ from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
-from monadl.runtime.schedule import batched, cuda, inline, pool
+from monadl.runtime.schedule import batched, cuda, fibers, inline, pool
 from monadl.runtime.stepping import direct_next, step_direct, step_in_task
 from monadl.tape import Tape
 
-__all__ = ["NEXT", "Spawn", "evaluate"]
+__all__ = ["NEXT", "POLL", "Spawn", "evaluate"]
 
 Machine = Generator[Any, Any, Any]
 
 NEXT: Final = object()
 """Yielded to the driver when no fiber can run: send back the next completion."""
+
+POLL: Final = object()
+"""Like `NEXT`, but after one turn of the event loop send back None if no
+completion is there: fibers are parked, and a task still stepping a
+direct-style coroutine may be waiting for one of them."""
 
 _START: Final = object()  # what a direct frame receives first: no awaited values yet
 
@@ -64,6 +72,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     main = fiber = F.Fiber(root, None, 0)
     runnable: deque[F.Fiber] = deque()
     live = 1  # fibers not finished, running or waiting
+    parking = fibers.enabled(ev)
+    parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
+    stepping = 0  # fibers whose direct-style coroutine a task is stepping: soon back, to park too
     stack = fiber.stack
     cur: Any = root
     val: Any = None
@@ -157,7 +168,10 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
         elif stack:
             frame = stack.pop()
             t = type(frame)
-            if t is F.Graph:
+            if t is F.Graph and parking and (runnable or parked or stepping) and fibers.parks(ev, frame):
+                parked.add(fiber, frame)  # other fibers may reach graphs too: computed together
+                block = fibers.PARKED
+            elif t is F.Graph:
                 outcome = yield from _graph(ev, frame, stack)
                 if outcome is not None:
                     kind_of, thing = outcome
@@ -209,6 +223,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 # that awaits them (trio ties a wait to the task that asked), so a task steps it.
                 stack.append(F.Stepped(frame))
                 block = step_in_task(frame.coroutine, sending)
+                stepping += 1
             elif t is F.Stepped:
                 done, got = val
                 cur = direct_next(frame.direct, stack, done, got)
@@ -275,12 +290,23 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             fiber.save(stack, cur, val, tok, descending)
             if type(block) is list:  # another fiber's shared Do or Do layer: woken when it is done
                 block.append(fiber)
-            else:
+            elif block is not fibers.PARKED:
                 yield Spawn(fiber, block)
         while not runnable:
-            fiber, ok, result = yield NEXT
+            if not parked:
+                completion = yield NEXT
+            elif stepping:  # wait only for coroutine steps that come back at once, with graphs to join
+                completion = yield POLL
+            else:
+                completion = None
+            if completion is None:  # nothing more can reach a graph now: run the parked ones as one
+                runnable.extend((yield from fibers.run(ev, parked)))
+                break
+            fiber, ok, result = completion
             if not ok:
                 raise result
+            if fiber.stack and type(fiber.stack[-1]) is F.Stepped:
+                stepping -= 1
             fiber.save(fiber.stack, None, result, None, False)
             runnable.append(fiber)
         fiber = runnable.popleft()

@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WITH_OPTIONS = ["conv_digits", "digits", "gated_network", "image_addition", "image_lookup", "text_logic", "tree_lstm"]
+WITH_OPTIONS = [
+    "conv_digits",
+    "digits",
+    "gated_network",
+    "image_addition",
+    "image_lookup",
+    "shift_reduce",
+    "text_logic",
+    "tree_lstm",
+]
 
 
 def _help(args: list[str], cwd: Path, env: dict[str, str]) -> str:

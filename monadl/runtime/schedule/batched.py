@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MIN_GROUP",
     "MAX_MEMBER_SIZE",
+    "MIN_ALIKE",
     "MIN_GROUP",
     "MIN_NODES",
     "REPROBE",
@@ -73,6 +74,11 @@ elementwise group must save more node dispatches than stacking costs."""
 
 DEFAULT_MIN_GROUP: Final = 8
 
+MIN_ALIKE: Final = 2
+"""A merge of fibers' graphs with this many alike (built at one line, with as
+many nodes: the same step of the same model) is analysed below `MIN_NODES`:
+each of their operations has that many members of one signature."""
+
 MAX_MEMBER_SIZE: Final = 1 << 14
 """Automatic mode batches no group whose members' stacked operands exceed this
 many elements each: a node that large costs far more than its dispatch, and
@@ -86,9 +92,14 @@ thread: 1.43x and 2.36x unbatched at hidden 128 and 256, agenda 1.14x and
 exactly its members in order and take its output without a copy."""
 
 
-def worth_batching(ev: Evaluation, order: list[Any]) -> bool:
+def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     """Whether to run ``order`` through the batching scheduler: cheap checks
     only, none that computes a signature.
+
+    ``alike``: for a merge of several fibers' graphs
+    (`monadl.runtime.schedule.fibers`), how many of them were built at one
+    line with as many nodes; from `MIN_ALIKE` on, their equal signatures pay
+    however small the graphs.
 
     >>> import monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -104,7 +115,7 @@ def worth_batching(ev: Evaluation, order: list[Any]) -> bool:
         return False
     if forced:
         return True
-    if len(order) < MIN_NODES:
+    if len(order) < MIN_NODES and alike < MIN_ALIKE:
         return False
     key = (order[-1]._site, len(order))
     verdict = _verdicts.get(key)

@@ -1,0 +1,215 @@
+"""Batching across data-dependent control flow: the shift-reduce parser of
+`examples/shift_reduce.py`, sentences one by one against a batch as one ``train()``.
+
+Each sentence chooses its parse by its own predictions (a value read with
+``bind`` at every decision), so no graph of the batch is known before it runs.
+One training step over a batch of generated sentences (2-6 digits, 3-11
+tokens), in one run, rounds alternating between the contenders:
+
+* one by one: a ``train()`` per sentence (nothing to batch across);
+* fibers off: one ``train()`` over the batch, ``Settings.batching=False``
+  (the sentences are fibers, each graph computed alone, node by node);
+* fibers on: the same with batching automatic: fibers park at their graphs,
+  which run merged and batched (`monadl.runtime.schedule.fibers`);
+* direct on: the same parser in direct style (``await`` at each decision,
+  `Parser.parse_direct`), batching automatic.
+
+The weights do not move (learning rate 0), so every round parses the same
+way. Before timing, the batch's gradients with fibers on are checked against
+those of fibers off, of direct style, and the mean of the sentences' own
+gradients.
+
+Times are CPU seconds of this process (``time.process_time``, BLAS limited
+to one thread) of one training step, the least of all steps of all rounds
+(as in `benchmarks/batching.py`, CPU time: wall time on a shared machine
+measures the neighbours). Also prints the merge cost per
+merged node and the batching analysis cost per node. Run:
+``python -m benchmarks.control_flow`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+import monadl as ml
+from examples.shift_reduce import Log, Parser, make_sentences
+from monadl.runtime import entry
+from monadl.runtime.schedule import batched, fibers
+
+_clock = time.process_time
+
+
+DTYPE: type[np.floating[Any]] = np.float32
+
+
+def _parser(hidden: int, dtype: type[np.floating[Any]] = DTYPE) -> Parser:
+    return Parser(hidden, seed=0, learning_rate=0.0, dtype=dtype)
+
+
+def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -> float:
+    """The largest relative difference of the batch's loss and gradients:
+    fibers on against off, and against the mean of one-by-one gradients."""
+    parser = _parser(hidden, dtype)
+    sentences = make_sentences(batch, 2, 6, seed=1)
+    logs: list[Log] = []
+
+    def batch_gradients(batching: bool | None, direct: bool = False) -> tuple[float, list[Any]]:
+        with ml.settings(batching=batching):
+            value, grads = anyio.run(entry.gradients, parser.loss(sentences, logs, direct))
+        return float(value), [grads.get(w) for w in parser.weights()]
+
+    on, off, direct = batch_gradients(None), batch_gradients(False), batch_gradients(None, True)
+    singles = [anyio.run(entry.gradients, parser.loss([s], logs)) for s in sentences]
+    mean_loss = float(np.mean([float(v) for v, _ in singles]))
+    mean_grads = []
+    for w in parser.weights():
+        parts = [g[w] for _, g in singles if w in g]
+        mean_grads.append(sum(_dense(p) for p in parts) / batch if parts else None)
+    worst = 0.0
+    for loss, grads in (off, direct, (mean_loss, mean_grads)):
+        worst = max(worst, abs(on[0] - loss) / abs(loss))
+        for a, b in zip(on[1], grads):
+            if a is None or b is None:
+                assert a is None and b is None
+                continue
+            worst = max(worst, float(np.max(np.abs(_dense(a) - _dense(b))) / (np.max(np.abs(_dense(b))) + 1e-30)))
+    return worst
+
+
+def _dense(g: Any) -> Any:
+    return g.to_dense() if hasattr(g, "to_dense") else g
+
+
+def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]:
+    """Best CPU seconds of one training step on one batch, for each
+    contender: the least of ``steps`` steps in each of ``rounds`` rounds (the
+    least of many single steps resists the neighbours' bursts best)."""
+    parser = _parser(hidden)
+    sentences = make_sentences(batch, 2, 6, seed=10)
+    logs: list[Log] = []
+
+    async def one_by_one() -> None:
+        for s in sentences:
+            await parser.loss([s], logs).train()
+
+    async def together() -> None:
+        await parser.loss(sentences, logs).train()
+
+    async def together_direct() -> None:
+        await parser.loss(sentences, logs, direct=True).train()
+
+    contenders: dict[str, tuple[Callable[[], Any], bool | None]] = {
+        "one by one": (one_by_one, None),
+        "fibers off": (together, False),
+        "fibers on": (together, None),
+        "direct on": (together_direct, None),
+    }
+    best = dict.fromkeys(contenders, float("inf"))
+    names = list(contenders)
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in names if r % 2 else names[::-1]:
+            run, batching = contenders[name]
+            with ml.settings(batching=batching):
+                for _ in range(steps):
+                    t0 = _clock()
+                    anyio.run(run)
+                    elapsed = _clock() - t0
+                    if r:
+                        best[name] = min(best[name], elapsed)
+    return best
+
+
+def costs(hidden: int, batch: int) -> tuple[float, float, int, int]:
+    """Per merged node: the merge (union, alike count) and the batching
+    analysis (depths, and signatures timed again once the run computed their
+    operands), in microseconds; merged runs and nodes per step."""
+    parser = _parser(hidden)
+    sentences = make_sentences(batch, 2, 6, seed=1)
+    merge_s = [0.0]
+    analysis_s = [0.0]
+    nodes = [0]
+    runs = [0]
+    merge, forward = fibers.merge, batched.forward
+
+    def timed_merge(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
+        t0 = time.perf_counter()
+        merged = merge(ev, orders)
+        merge_s[0] += time.perf_counter() - t0
+        nodes[0] += len(merged[0])
+        runs[0] += 1
+        return merged
+
+    def timed_forward(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
+        t0 = time.perf_counter()
+        batched._levels(order)
+        analysis_s[0] += time.perf_counter() - t0
+        left = forward(ev, order, strategy)
+        t0 = time.perf_counter()
+        for node in order:
+            batched.signature(ev.records, node)
+        analysis_s[0] += time.perf_counter() - t0
+        return left
+
+    # Instrumented for this measurement only (the timed rounds above run the real functions).
+    fibers.merge, batched.forward = timed_merge, timed_forward
+    try:
+        anyio.run(parser.loss(sentences, []).train)
+    finally:
+        fibers.merge, batched.forward = merge, forward
+    n = max(nodes[0], 1)
+    return merge_s[0] / n * 1e6, analysis_s[0] / n * 1e6, runs[0], nodes[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small batches, one round")
+    parser.add_argument("--hidden", type=int, nargs="*", default=[32, 128])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    from threadpoolctl import ThreadpoolController
+
+    ThreadpoolController().limit(limits=1)  # one thread, BLAS included (numpy is loaded by now)
+    print(f"monadl batching across control flow (shift-reduce); {os.cpu_count()} cores, 1 thread")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    hiddens, sizes, rounds, steps = (args.hidden, args.batch, args.rounds, args.steps)
+    if args.quick:
+        hiddens, sizes, rounds, steps = [8], [1, 4], 1, 1
+    for hidden in hiddens:
+        worst = check(hidden, max(sizes))
+        worst32 = check(hidden, max(sizes), np.float32)
+        print(
+            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs one by one): "
+            f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
+        )
+        print(
+            f"{'batch':>5s} {'one by one':>11s} {'fibers off':>11s} {'fibers on':>11s} {'on/1-by-1':>10s} "
+            f"{'on/off':>7s} {'direct on':>11s} {'direct/1-by-1':>14s}"
+        )
+        for b in sizes:
+            best = timing(hidden, b, rounds, steps)
+            print(
+                f"{b:5d} {best['one by one'] * 1e3:9.2f}ms {best['fibers off'] * 1e3:9.2f}ms "
+                f"{best['fibers on'] * 1e3:9.2f}ms {best['one by one'] / best['fibers on']:9.2f}x "
+                f"{best['fibers off'] / best['fibers on']:6.2f}x {best['direct on'] * 1e3:9.2f}ms "
+                f"{best['one by one'] / best['direct on']:13.2f}x"
+            )
+        merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))
+        analysis = f"{analysis_us:.2f} us" if analysis_us else "none (the cost rule left the merges unbatched)"
+        print(
+            f"batch {max(sizes)}: {runs} merged runs, {nodes} nodes merged; per node: merge {merge_us:.2f} us, "
+            f"analysis (depths + signatures) {analysis}"
+        )
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

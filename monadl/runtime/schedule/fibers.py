@@ -1,0 +1,161 @@
+"""Batching across data-dependent control flow: the layer graphs of many fibers, as one.
+
+When many examples are evaluated together (a loss summed over examples that
+each choose their path by their own values, with ``bind`` or ``await`` in
+``@ml.direct``), each example is a fiber of `monadl.runtime.interpret`. A
+fiber that reaches a layer graph while other fibers can still run *parks*
+there instead of computing it alone. When no fiber can run, the parked graphs
+are merged (the union of their nodes, each once, in one topological order)
+and run as one graph, through the batching scheduler where the cost rules say
+so (`MIN_PRODUCT_ELEMENTS` here, then
+`monadl.runtime.schedule.batched.worth_batching`, told how many of the graphs
+are alike), so that the k examples' nodes of equal signature run as one
+kernel; then every parked fiber resumes with its values. A fiber whose
+direct-style coroutine a task is stepping is waited for one turn of the event
+loop (its step usually ends there, with a graph to join), no longer: it may be
+waiting for a parked fiber. So each example runs
+up to its next read, all pending nodes of all examples are computed together,
+each example gets its values and continues: what DyNet's autobatching (which
+stops at the first read) and Fold (which needs the whole structure first)
+cannot batch.
+
+Nothing else changes: a node is computed by the same `compute`, back-propagated
+by the same backward, shared nodes once; a failure raises the node's own error
+(at the user's line) and fails the evaluation. Graphs holding a layer built
+from a ``Do``, graphs on a GPU, and evaluations with the worker pool
+(``workers > 1``) keep their own path; ``Settings.batching=False`` turns
+parking off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import Any, Final, final
+
+from monadl.layers._weight import Weight
+from monadl.runtime import frames as F
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.node import collect
+from monadl.runtime.schedule import batched, cuda, inline
+from monadl.runtime.settings import current_settings
+
+__all__ = ["MIN_PRODUCT_ELEMENTS", "PARKED", "Parked", "enabled", "merge", "parks", "run"]
+
+_PRODUCTS: Final = frozenset({"matmul", "dense"})  # the primitives that multiply by a weight
+
+MIN_PRODUCT_ELEMENTS: Final = 4096
+"""Automatic mode batches a merge only if its matrix products use weights of
+at least this many elements per merged node (a weight of 384 x 128 in a graph
+of a dozen nodes): what batching saves there is, per member, a product's
+weight-sized outer product in the backward; what it costs is per node. In
+`benchmarks/control_flow.py` (shift-reduce, batch 8 and 32) hidden size 128
+(about 7,000 per node) ran 1.3-1.8x faster batched, 64 (about 1,700) the same,
+and 32 (about 450) up to 25% slower at batch 8."""
+
+PARKED: Final = object()
+"""What a fiber waits on while parked: the next merged run."""
+
+
+def enabled(ev: Evaluation) -> bool:
+    """Whether fibers of ``ev`` park at their graphs: not with the worker pool
+    (its fork rule decides per graph), nor with batching forced off."""
+    return ev.workers <= 1 and current_settings().batching is not False
+
+
+@final
+class Parked:
+    """The fibers parked at their graphs, and the graphs' nodes in order."""
+
+    __slots__ = ("fibers", "orders")
+
+    def __init__(self) -> None:
+        self.fibers: list[F.Fiber] = []
+        self.orders: list[list[Any]] = []
+
+    def add(self, fiber: F.Fiber, frame: F.Graph) -> None:
+        """Park ``fiber`` at ``frame``, whose order `parks` collected."""
+        assert frame.order is not None
+        self.fibers.append(fiber)
+        self.orders.append(frame.order)
+
+    def __bool__(self) -> bool:
+        return bool(self.fibers)
+
+
+def parks(ev: Evaluation, frame: F.Graph) -> bool:
+    """Whether the graph of ``frame`` may wait for a merged run: one made of
+    primitives only, on the host, not begun. Its order is kept on the frame if so."""
+    if frame.order is not None:
+        return False
+    order = collect(ev, frame.roots)
+    if not order:
+        return False
+    for node in order:
+        if node._op is None:  # a layer built from a Do: its fibers take today's path
+            return False
+    if cuda.loaded() and cuda.on_device(ev.records, order):
+        return False
+    frame.order = order
+    return True
+
+
+def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
+    """Compute the parked graphs as one; returns the fibers to resume (the
+    parked list is emptied)."""
+    fibers = parked.fibers
+    order, alike, products = merge(ev, parked.orders)
+    parked.orders, parked.fibers = [], []
+    if order:
+        forced = current_settings().batching is True
+        if (forced or products >= MIN_PRODUCT_ELEMENTS * len(order)) and batched.worth_batching(ev, order, alike):
+            batched.forward(ev, order)
+        index = 0
+        while True:
+            outcome, index = inline.forward(ev, order, index, True)
+            if outcome is None:
+                break
+            assert outcome is inline.CHECKPOINT  # no Do layers: parks() said so
+            yield inline.CHECKPOINT
+        if time.perf_counter() > ev.deadline:  # many small graphs add up too
+            yield inline.CHECKPOINT
+    for fiber in fibers:  # past its Graph frame: the next frame reads its records
+        fiber.save(fiber.stack, None, None, None, False)
+    return fibers
+
+
+def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
+    """The union of the graphs ``orders`` (each in topological order) in one
+    topological order, each node once, leaving those computed meanwhile; how
+    many graphs are alike (built at one line, with as many nodes); and the
+    elements of the weights that its matrix products use, summed over them.
+
+    >>> import numpy as np, monadl as ml
+    >>> from monadl.runtime.evaluation import Evaluation
+    >>> w = ml.Weight(np.ones((2, 2)))
+    >>> shared = w * 2.0
+    >>> a, b = (ml.sum(np.ones(2) @ w + shared) for _ in range(2))  # built at one place
+    >>> graphs = [[shared, *x._inputs[0]._inputs, x._inputs[0], x] for x in (a, b)]
+    >>> order, alike, products = merge(Evaluation(train=False), graphs)
+    >>> len(order), alike, products
+    (7, 2, 8)
+    """
+    records = ev.records
+    seen: set[Any] = set()
+    order: list[Any] = []
+    shapes: dict[Any, int] = {}
+    products = 0
+    for part in orders:
+        # Concatenated topological orders, each node at its first place, stay topological.
+        for node in part:
+            if node not in seen and node not in records:  # another fiber's graph may have computed it
+                seen.add(node)
+                order.append(node)
+                if node._op.name in _PRODUCTS:
+                    for x in node._inputs:
+                        if type(x) is Weight:
+                            products += x._data.size
+        if part:
+            key = (part[-1]._site, len(part))
+            shapes[key] = shapes.get(key, 0) + 1
+    return order, max(shapes.values(), default=0), products

@@ -1,0 +1,116 @@
+"""The shift-reduce example: its data and oracle, batching across its decisions, and that it learns."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from benchmarks import control_flow
+from examples import shift_reduce as sr
+from monadl.runtime import entry
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.schedule import fibers
+
+
+def infix(sentence: sr.Sentence) -> str:
+    """The postfix tokens back as a parenthesised Python expression."""
+    stack: list[str] = []
+    for t in sentence.tokens:
+        if t < sr.DIGITS:
+            stack.append(str(t))
+        else:
+            b, a = stack.pop(), stack.pop()
+            stack.append(f"({a} {'+' if t == sr.PLUS else '*'} {b})")
+    (text,) = stack
+    return text
+
+
+def gold_parse(sentence: sr.Sentence) -> set[tuple[int, int]]:
+    """The spans built by following the oracle's action at every step."""
+    stack: list[tuple[int, int]] = []
+    built: set[tuple[int, int]] = set()
+    i, n = 0, len(sentence.tokens)
+    while i < n or len(stack) > 1:
+        if len(stack) >= 2 and (i == n or (stack[-2][0], stack[-1][1]) in sentence.spans):
+            right, left = stack.pop(), stack.pop()
+            stack.append((left[0], right[1]))
+            built.add(stack[-1])
+        else:
+            stack.append((i, i + 1))
+            i += 1
+    return built
+
+
+def test_labels_spans_and_the_oracle() -> None:
+    for s in sr.make_sentences(50, 1, 6, seed=3):
+        assert s.label == eval(infix(s)) % 10
+        assert len(s.tokens) == 2 * (len(s.tokens) // 2) + 1
+        assert gold_parse(s) == s.spans  # the oracle's actions build exactly the gold tree
+    assert sr.make_sentences(5, 2, 6, seed=3) == sr.make_sentences(5, 2, 6, seed=3)
+
+
+def test_sentences_take_different_paths_and_match_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    merged: list[int] = []
+    run = fibers.run
+
+    def counting(ev: Evaluation, parked: fibers.Parked) -> Generator[Any, Any, list[Any]]:
+        merged.append(len(parked.fibers))
+        return (yield from run(ev, parked))
+
+    monkeypatch.setattr(fibers, "run", counting)
+    assert control_flow.check(hidden=8, batch=6) < 1e-12  # on vs off, and vs the mean of one by one
+    assert max(merged) == 6  # all six sentences' graphs ran as one
+
+    parser = sr.Parser(8, seed=1)
+    logs: list[sr.Log] = []
+    entry.gradients_sync(parser.loss(sr.make_sentences(6, 2, 6, seed=4), logs))
+    assert len({log.steps for log in logs}) > 1 and not all(log.exact for log in logs)  # untrained: paths differ
+
+
+def test_float32_agrees_with_batching_off() -> None:
+    parser = sr.Parser(16, seed=2, dtype=np.float32)
+    sentences = sr.make_sentences(8, 2, 5, seed=5)
+    results = []
+    for batching in (False, None):
+        with ml.settings(batching=batching):
+            results.append(entry.gradients_sync(parser.loss(sentences, [])))
+    (off_value, off), (on_value, on) = results
+    assert on_value == pytest.approx(off_value, rel=1e-6)
+    for w in parser.weights():
+        a, b = np.asarray(on[w].to_dense() if hasattr(on[w], "to_dense") else on[w]), off[w]
+        b = np.asarray(b.to_dense() if hasattr(b, "to_dense") else b)
+        assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b))
+
+
+def test_it_learns_to_parse() -> None:
+    result = anyio.run(lambda: sr.run(steps=60, batch=32, hidden=32, progress=False))
+    assert result.parse_accuracy >= 0.9  # exact trees on held-out sentences (an untrained parser: near 0)
+    assert np.mean(result.losses[-10:]) < 0.5 * result.losses[0]
+
+
+@pytest.mark.parametrize("batching", [False, None, True])
+def test_direct_style_parses_alike(batching: bool | None) -> None:
+    parser = sr.Parser(8, seed=1)
+    sentences = sr.make_sentences(6, 2, 6, seed=4)
+    results = []
+    for direct in (False, True):
+        logs: list[sr.Log] = []
+        with ml.settings(batching=batching):
+            value, grads = anyio.run(entry.gradients, parser.loss(sentences, logs, direct=direct))
+        results.append((float(value), grads, [(log.steps, log.right, log.exact, log.correct) for log in logs]))
+    (bind_value, bind_grads, bind_logs), (direct_value, direct_grads, direct_logs) = results
+    assert direct_logs == bind_logs
+    assert direct_value == pytest.approx(bind_value, rel=1e-12)
+    assert direct_grads.keys() == bind_grads.keys()
+    for w, g in bind_grads.items():
+        np.testing.assert_allclose(
+            np.asarray(g.to_dense() if hasattr(g, "to_dense") else g),
+            np.asarray(direct_grads[w].to_dense() if hasattr(direct_grads[w], "to_dense") else direct_grads[w]),
+            rtol=1e-10,
+            atol=1e-14,
+        )

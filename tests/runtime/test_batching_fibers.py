@@ -1,0 +1,234 @@
+"""Batching across data-dependent control flow: fibers park at their graphs, which run as one.
+
+Each example below chooses its path by its own values (``bind`` or direct
+style); the whole batch is one ``train()``. Parking must give the same values,
+gradients and errors as evaluating with it off, and must batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.layers._layer import Layer
+from monadl.layers._primitives import Primitive
+from monadl.runtime import entry
+from monadl.runtime.schedule import batched, fibers
+
+HERE = __file__
+STEPS = 4
+
+
+def line_of(marker: str) -> int:
+    with open(HERE) as source:
+        return next(i for i, text in enumerate(source, 1) if marker in text and "line_of" not in text)
+
+
+class Walk:
+    """Each example takes ``STEPS`` steps; at each, its own value picks one of two weights."""
+
+    def __init__(self, seed: int = 0, hidden: int = 6) -> None:
+        rng = np.random.default_rng(seed)
+        scale = 1.5 / np.sqrt(hidden)
+        self.up = ml.Weight(rng.standard_normal((hidden, hidden)) * scale)
+        self.down = ml.Weight(rng.standard_normal((hidden, hidden)) * scale)
+        self.bias = ml.Weight(rng.standard_normal(hidden) * 0.1)
+        self.inputs = [rng.standard_normal(hidden) for _ in range(16)]
+
+    def weights(self) -> list[ml.ArrayWeight]:
+        return [self.up, self.down, self.bias]
+
+    def step(self, h: ml.ArrayLayer | ml.Array, up: bool) -> ml.ArrayLayer:
+        return ml.tanh(h @ (self.up if up else self.down) + self.bias)
+
+    def monadic(self, x: ml.Array, steps: int = STEPS) -> ml.ScalarLayer:
+        def walk(h: ml.ArrayLayer, left: int) -> ml.Do[ml.Tape[Any, Any]]:
+            if not left:
+                return ml.sum(h * h).forward()
+            return h.forward().bind(lambda tape: walk(self.step(h, tape.data[0] > 0), left - 1))
+
+        return ml.Layer(walk(self.step(x, True), steps))
+
+    @ml.direct
+    async def direct(self, x: ml.Array) -> ml.ScalarLayer:
+        h = self.step(x, True)
+        for _ in range(STEPS):
+            value = await h
+            h = self.step(h, value[0] > 0)
+        return ml.sum(h * h)
+
+    def loss(self, way: str, n: int = 16) -> ml.ScalarLayer:
+        example: Callable[[ml.Array], ml.ScalarLayer] = getattr(self, way)
+        return ml.sum(ml.stack([example(x) for x in self.inputs[:n]]))
+
+
+def gradients(way: str, batching: bool | None, n: int = 16, hidden: int = 6) -> tuple[float, list[ml.Array]]:
+    model = Walk(hidden=hidden)
+    with ml.settings(batching=batching):
+        value, grads = entry.gradients_sync(model.loss(way, n)) if way == "monadic" else _async(model, way, n)
+    return float(value), [grads[w] for w in model.weights()]
+
+
+def _async(model: Walk, way: str, n: int) -> tuple[Any, dict[Any, Any]]:
+    import anyio
+
+    async def go() -> tuple[Any, dict[Any, Any]]:
+        return await entry.gradients(model.loss(way, n))
+
+    return anyio.run(go)
+
+
+@pytest.fixture
+def merges(monkeypatch: pytest.MonkeyPatch) -> Generator[list[int], None, None]:
+    """The sizes of the merged graphs that ran (nodes), one entry per merged run."""
+    sizes: list[int] = []
+    run = fibers.run
+
+    def counting(ev: Any, parked: fibers.Parked) -> Generator[Any, Any, list[Any]]:
+        sizes.append(sum(map(len, parked.orders)))
+        return (yield from run(ev, parked))
+
+    monkeypatch.setattr(fibers, "run", counting)
+    yield sizes
+
+
+@pytest.mark.parametrize("way", ["monadic", "direct"])
+def test_same_values_and_gradients_as_without_parking(way: str, merges: list[int]) -> None:
+    off_value, off = gradients(way, False)
+    assert merges == []  # batching forced off: no fiber parks
+    for batching in (None, True):  # parked, run merged; batched only when forced
+        value, grads = gradients(way, batching)
+        assert value == pytest.approx(off_value, rel=1e-12)
+        for a, b in zip(grads, off):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    # Per evaluation (two here), a merged run per read (STEPS of them) and one of the
+    # last graphs, each for all 16 examples together.
+    assert len(merges) == 2 * (STEPS + 1) and all(size >= 16 for size in merges)
+
+
+def test_paths_differ_per_example() -> None:
+    """The examples really take different paths (else this would test nothing)."""
+    model = Walk()
+    firsts = {bool(np.tanh(x @ model.up.data + model.bias.data)[0] > 0) for x in model.inputs}
+    assert firsts == {True, False}
+
+
+def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups: list[int] = []
+    forward = batched.forward
+
+    def counting(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
+        groups.append(len(order))
+        return forward(ev, order, strategy)
+
+    monkeypatch.setattr(batched, "forward", counting)
+    gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)
+    assert groups == []
+    gradients("monadic", None, hidden=128)
+    # Every step's merge (16 alike graphs of 3 nodes, far below MIN_NODES) went through the
+    # batching scheduler; the last (a product among 5 nodes each) was too fine.
+    assert groups == [3 * 16] * STEPS
+    groups.clear()
+    gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
+    assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
+
+
+def test_one_example_does_not_park(merges: list[int]) -> None:
+    gradients("monadic", None, n=1)
+    assert merges == []
+
+
+def test_training_steps_match() -> None:
+    import anyio
+
+    def trained(batching: bool | None) -> list[ml.Array]:
+        model = Walk()
+        for w in model.weights():
+            w.optimizer = ml.optim.sgd(0.1)
+
+        async def go() -> None:
+            with ml.settings(batching=batching):
+                for _ in range(3):
+                    await model.loss("monadic").train()
+
+        anyio.run(go)
+        return [w.data for w in model.weights()]
+
+    for a, b in zip(trained(None), trained(False)):
+        np.testing.assert_allclose(a, b, rtol=1e-10)
+
+
+def test_shared_node_computed_once(merges: list[int]) -> None:
+    count = [0]
+
+    def rule(a: Any) -> tuple[Any, tuple[Callable[[Any], Any], ...]]:
+        count[0] += 1
+        return a, (lambda g: g,)
+
+    model = Walk()
+    shared = Layer._make(Primitive("count", rule), (model.bias * 1.0,))
+    losses = [model.monadic(x + 0.0) * 1.0 for x in model.inputs[:8]]
+
+    def with_shared(loss: ml.ScalarLayer) -> ml.ScalarLayer:
+        return ml.Layer(loss.forward().bind(lambda t: (loss + ml.sum(shared)).forward()))
+
+    entry.gradients_sync(ml.sum(ml.stack([with_shared(loss) for loss in losses])))
+    assert count[0] == 1 and merges
+
+
+def test_failure_is_the_original_error_at_the_users_line() -> None:
+    model = Walk()
+    before = [w.data.copy() for w in model.weights()]
+
+    def bad(x: ml.Array) -> ml.ScalarLayer:
+        h = ml.tanh(x @ model.up)
+        return ml.Layer(h.forward().bind(lambda t: ml.sum(h + np.ones(4)).forward()))  # FIBER-BAD
+
+    loss = ml.sum(ml.stack([*(model.monadic(x) for x in model.inputs[:6]), bad(model.inputs[6])]))
+    import anyio
+
+    async def go() -> None:
+        await loss.train()
+
+    for batching in (None, True):
+        with ml.settings(batching=batching), pytest.raises(ml.ShapeError) as info:
+            anyio.run(go)
+        assert f"{HERE}:{line_of('FIBER-BAD')}" in str(info.value)
+    for old, w in zip(before, model.weights()):
+        assert np.array_equal(old, w.data)
+
+
+@pytest.mark.anyio
+async def test_a_parked_fiber_is_not_waited_for_by_a_coroutine_that_waits_for_it() -> None:
+    """One example's coroutine waits (outside monadl) for another example to
+    get past its graph: the parked graph must run without that coroutine's step."""
+    import anyio
+
+    model = Walk()
+    passed = anyio.Event()
+
+    @ml.direct
+    async def waits() -> ml.ScalarLayer:
+        await passed.wait()  # set by the other example, after its graph
+        value = await model.step(model.inputs[0], True)
+        return ml.sum(model.step(model.inputs[1], bool(value[0] > 0)))
+
+    @ml.direct
+    async def sets() -> ml.ScalarLayer:
+        value = await model.step(model.inputs[2], True)
+        passed.set()
+        return ml.sum(model.step(model.inputs[3], bool(value[0] > 0)))
+
+    with anyio.fail_after(60):  # a guard against a hang, not a timing
+        value, grads = await entry.gradients(ml.sum(ml.stack([waits(), sets()])))
+    with ml.settings(batching=False):
+        passed = anyio.Event()
+        expected, off = await entry.gradients(ml.sum(ml.stack([waits(), sets()])))
+    assert float(value) == pytest.approx(float(expected), rel=1e-12)
+    assert grads.keys() == off.keys()
+    for w in grads:
+        np.testing.assert_allclose(grads[w], off[w], rtol=1e-12)
