@@ -198,7 +198,7 @@ _MT: Final = attrgetter("mT")  # NumPy's matrix transpose without np.matrix_tran
 
 
 def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    out = a @ b
+    out = _product(a, b)
     if a.ndim == 1 and b.ndim == 1:
         return out, (lambda g: g * b, lambda g: g * a)
     xp = namespace(out)
@@ -213,7 +213,17 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
             lambda g: g[..., :, None] * b,
             lambda g: unbroadcast(mt(a) @ g[..., :, None], (b.shape[0], 1))[:, 0],
         )
-    return out, (lambda g: g @ mt(b), lambda g: mt(a) @ g)
+    return out, (lambda g: _product(g, mt(b)), lambda g: _product(mt(a), g))
+
+
+def _product(x: Value, y: Value) -> Value:
+    """``x @ y``; for NumPy matrices whose inner size is one (a weight's delta
+    from a single row), their broadcast product: OpenBLAS took 365 us for a
+    768 x 1 by 1 x 256 product that a multiplication does in 80 us (and 24 us
+    for two rows)."""
+    if type(x) is np.ndarray and x.ndim == 2 and x.shape[1] == 1 and type(y) is np.ndarray and y.ndim == 2:
+        return x * y
+    return x @ y
 
 
 def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
