@@ -32,6 +32,7 @@ import numpy as np
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import SparseRows
 from monadl.layers._layer import Layer
+from monadl.layers._program import StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 
@@ -224,6 +225,10 @@ class _Gather:
         """The stacked delta (zeros for members that got none)."""
         if self.stacked is None:
             like, parts = self.like, self.parts
+            if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
+                self.stacked = like.stack_deltas(parts)
+                self.parts = []
+                return self.stacked
             xp = namespace(like)
             zero = xp.zeros(like.shape[1:], dtype=like.dtype) if any(p is None for p in parts) else None
             self.stacked = xp.stack([zero if p is None else p for p in parts])

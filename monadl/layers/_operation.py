@@ -1,0 +1,356 @@
+"""`operation`: a Python function over layers (a cell) as ONE node of the graph.
+
+TF Fold batches *operations* (an LSTM cell), not single ops; ``jax.jit``
+traces a function once per signature; ``torch.utils.checkpoint`` draws a
+cell's boundary. ``ml.operation(f)`` does the three: the first call with a
+new signature runs ``f`` on placeholder layers and records the layers it
+builds as a `Program` (its *trace*: primitives of `PRIMITIVES`, in order);
+every call then builds one node whose operands are the call's layers, arrays
+and numbers plus the weights the trace uses, and whose rule runs the program
+on arrays (its backward: the steps' VJPs in reverse, the same rules). A
+function returning several layers (a structure of them: a tuple, a
+dataclass) gets one node whose value is an `Outputs` tuple, and one cheap
+view node per output.
+
+The batching scheduler sees such a node as any other: nodes of one trace
+whose operands have equal shapes run as ONE call of the program on stacked
+operands, each step through its batching rule (`BATCHING_RULES`), so a weight
+used by a whole group gets one ``X_cat.T @ dY``. A step with no rule sends
+the group back to member-by-member evaluation.
+
+A *signature* is what the Python function could see: the structure of the
+arguments (tuples, lists, dicts, dataclasses), which leaves are layers or
+weights (operands with a delta) and which are arrays or floats (data), the
+other leaves (ints, strings, objects: by value if hashable, else by
+identity), and the objects its closure holds. Shapes are not part of it:
+layers are lazy, so a trace is a program over any shapes, and its groups
+are by shape at run time. Control flow on values cannot be traced: a layer
+built from a ``Do`` (``bind``, ``@ml.direct``) or one built before the call
+and not passed in is refused with `OperandError`. Reading a weight's
+``.data`` in ``f`` reads it once, at the trace: don't.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Generic, ParamSpec, TypeVar, final
+
+import numpy as np
+
+from monadl._namespace import is_array
+from monadl.errors import OperandError
+from monadl.layers._layer import Expr, Layer, _build, _next_serial, site_text
+from monadl.layers._primitives import Primitive
+from monadl.layers._program import ARGUMENT, OUTPUT, Program, Step
+from monadl.layers._weight import Weight
+
+__all__ = ["Operation", "operation"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Value = Any
+
+_NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
+_DATA: Final = "data"  # an array or a float: an operand without one
+_ids = itertools.count(1)
+
+
+# ---- structures of arguments and results ------------------------------------------------------
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(kind: type) -> tuple[str, ...]:
+    """A dataclass's fields given to its constructor (looked up once per class)."""
+    found = _FIELDS.get(kind)
+    if found is None:
+        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+    return found
+
+
+def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
+    """The hashable shape of ``x`` (its structure and static leaves); its
+    operand leaves go to ``leaves``, unhashable static ones to ``keep`` (held
+    by the cache, so that their ids stay theirs)."""
+    kind = type(x)
+    if kind is Layer or kind is Weight:
+        leaves.append(x)
+        return _NODE
+    if kind is np.ndarray or kind is float:
+        leaves.append(x)
+        return _DATA
+    if kind is tuple or kind is list:
+        return (kind, tuple([_flatten(y, leaves, keep) for y in x]))
+    if kind is dict:
+        return (dict, tuple(x), tuple([_flatten(y, leaves, keep) for y in x.values()]))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (kind, tuple([_flatten(getattr(x, name), leaves, keep) for name in _fields(kind)]))
+    if isinstance(x, tuple):  # a named tuple
+        return (kind, tuple([_flatten(y, leaves, keep) for y in x]))
+    if isinstance(x, Expr):
+        leaves.append(x)
+        return _NODE
+    if isinstance(x, np.generic) or is_array(x):
+        leaves.append(x)
+        return _DATA
+    try:
+        return ("static", kind, x, hash(x))
+    except TypeError:
+        keep.append(x)
+        return ("id", id(x))
+
+
+def _rebuild(x: Any, leaves: Iterator[Any]) -> Any:
+    """``x`` with its operand leaves replaced by the next of ``leaves`` (the walk of `_flatten`)."""
+    kind = type(x)
+    if kind is Layer or kind is Weight or kind is np.ndarray or kind is float:
+        return next(leaves)
+    if kind is tuple or kind is list:
+        return kind([_rebuild(y, leaves) for y in x])
+    if kind is dict:
+        return {k: _rebuild(y, leaves) for k, y in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return kind(*[_rebuild(getattr(x, name), leaves) for name in _fields(kind)])
+    if isinstance(x, tuple):
+        return kind(*[_rebuild(y, leaves) for y in x])
+    if isinstance(x, (Expr, np.generic)) or is_array(x):
+        return next(leaves)
+    return x
+
+
+# A result's template: how to rebuild it per call. Leaves: ("out", k) the
+# program's output k, ("arg", j) the call's operand j, ("const", v) as it is.
+def _template(y: Any, leaf: Callable[[Any], tuple[str, Any]]) -> Any:
+    kind = type(y)
+    if kind is tuple or kind is list:
+        return ("seq", kind, tuple(_template(z, leaf) for z in y))
+    if kind is dict:
+        return ("dict", tuple(y), tuple(_template(z, leaf) for z in y.values()))
+    if dataclasses.is_dataclass(y) and not isinstance(y, type):
+        return ("call", kind, tuple(_template(getattr(y, name), leaf) for name in _fields(kind)))
+    if isinstance(y, tuple):
+        return ("call", kind, tuple(_template(z, leaf) for z in y))
+    return leaf(y)
+
+
+def _fill(t: tuple[Any, ...], outs: tuple[Any, ...], args: list[Any]) -> Any:
+    tag = t[0]
+    if tag == "out":
+        return outs[t[1]]
+    if tag == "arg":
+        return args[t[1]]
+    if tag == "const":
+        return t[1]
+    if tag == "seq":
+        return t[1]([_fill(z, outs, args) for z in t[2]])
+    if tag == "dict":
+        return dict(zip(t[1], [_fill(z, outs, args) for z in t[2]]))
+    return t[1](*[_fill(z, outs, args) for z in t[2]])
+
+
+# ---- tracing ----------------------------------------------------------------------------------
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Trace:
+    """One signature's trace: the node's primitive (None when the function
+    computes nothing: its result is then rebuilt from the call's arguments),
+    which operand leaves the node takes, the weights it adds, how many
+    outputs it has and the result's template; ``keep`` holds the objects
+    whose ids are in the signature."""
+
+    op: Primitive | None
+    used: tuple[int, ...]
+    weights: tuple[Weight[Any, Any], ...]
+    outputs: int
+    template: Any
+    keep: tuple[Any, ...]
+
+
+def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep: tuple[Any, ...]) -> _Trace:
+    """Run ``f`` on placeholders for ``leaves`` and record what it builds."""
+    start = _next_serial()  # layers built from here on are the trace's
+    holders = [_build(ARGUMENT, (), (i,), 1) for i in range(len(leaves))]
+    args, kwargs = _rebuild(call, iter(holders))
+    result = f(*args, **kwargs)
+    position = {id(h): i for i, h in enumerate(holders)}
+    outs: list[Layer[Any, Any]] = []
+
+    def leaf(y: Any) -> tuple[str, Any]:
+        if type(y) is Layer:
+            if id(y) in position:
+                return ("arg", position[id(y)])
+            _check_inner(name, y, start)
+            if y not in outs:
+                outs.append(y)
+            return ("out", outs.index(y))
+        return ("const", y)
+
+    template = _template(result, leaf)
+    if not outs:
+        return _Trace(None, (), (), 0, template, keep)
+    # The trace's layers, children first (construction order is topological).
+    inner: dict[Layer[Any, Any], None] = dict.fromkeys(outs)
+    todo = list(outs)
+    weights: dict[Weight[Any, Any], None] = {}
+    while todo:
+        for x in todo.pop()._inputs:
+            if type(x) is Layer and id(x) not in position and x not in inner:
+                _check_inner(name, x, start)
+                inner[x] = None
+                todo.append(x)
+            elif isinstance(x, Weight):
+                weights[x] = None
+    ordered = sorted(inner, key=lambda layer: layer._serial)
+    used = sorted({position[id(x)] for layer in ordered for x in layer._inputs if id(x) in position})
+    slot: dict[int, int] = {id(holders[i]): s for s, i in enumerate(used)}
+    for w in weights:
+        slot[id(w)] = len(slot)
+    size = len(slot)
+    consts: list[Any] = []
+    for layer in ordered:  # constants: arrays and numbers the cell holds
+        for x in layer._inputs:
+            if id(x) not in slot and not (type(x) is Layer and x in inner):
+                slot[id(x)] = size + len(consts)
+                consts.append(x)
+    base = size + len(consts)
+    for j, layer in enumerate(ordered):
+        slot[id(layer)] = base + j
+    grads_of = [_is_node(leaves[i]) for i in used] + [True] * len(weights) + [False] * len(consts)
+    program_steps = []
+    for layer in ordered:
+        refs = tuple(slot[id(x)] for x in layer._inputs)
+        grads = tuple(grads_of[r] for r in refs)
+        assert layer._op is not None  # (_check_inner refused the others)
+        program_steps.append(Step(layer._op, refs, layer._params, layer._site, grads))
+        grads_of.append(any(grads))
+    program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
+    op = Primitive(f"{name}#{next(_ids)}", program)
+    return _Trace(op, tuple(used), tuple(weights), len(outs), template, keep)
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, Expr)
+
+
+def _check_inner(name: str, layer: Layer[Any, Any], start: int) -> None:
+    """Refuse what a trace cannot replay: layers from before the call, and
+    layers whose structure depends on values (built from a ``Do``)."""
+    if layer._serial < start:
+        raise OperandError(
+            f"operation {name}: uses the layer built at {site_text(layer._site)}, built outside the call; "
+            "pass it as an argument (a trace may hold only its arguments, weights and constants)"
+        )
+    if layer._op is None:
+        raise OperandError(
+            f"operation {name}: the layer built at {site_text(layer._site)} comes from a Do (bind, await, "
+            "ml.direct): its structure depends on values, so it cannot be traced; leave it out of the operation"
+        )
+
+
+# ---- the decorator ----------------------------------------------------------------------------
+_TRACES_LIMIT: Final = 256
+
+
+@final
+class Operation(Generic[P, R]):
+    """A function over layers marked as one operation (see `operation`)."""
+
+    __slots__ = ("__name__", "__wrapped__", "_closure", "_traces")
+
+    def __init__(self, f: Callable[P, R]) -> None:
+        if inspect.iscoroutinefunction(f):
+            raise OperandError(
+                f"operation: {getattr(f, '__qualname__', f)} is async; a cell awaits no values (it is traced once)"
+            )
+        self.__wrapped__ = f
+        self.__name__: str = getattr(f, "__qualname__", None) or type(f).__name__
+        owner = getattr(f, "__self__", None)  # a bound method: its object is part of the signature
+        cells = tuple(getattr(f, "__closure__", None) or ())
+        self._closure: tuple[Any, ...] | None = (*cells, _Held(owner)) if owner is not None else (cells or None)
+        self._traces: dict[Any, _Trace] = {}
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        leaves: list[Any] = []
+        keep: list[Any] = []
+        call = (args, kwargs)
+        key: Any = _flatten(args, leaves, keep) if not kwargs else _flatten(call, leaves, keep)
+        if self._closure is not None:
+            held = [_contents(c) for c in self._closure]
+            key = (key, tuple([id(x) for x in held]))
+            keep.extend(held)
+        trace = self._traces.get(key)
+        if trace is None:
+            if len(self._traces) >= _TRACES_LIMIT:
+                self._traces.clear()
+            trace = self._traces[key] = _trace(self.__name__, self.__wrapped__, call, leaves, tuple(keep))
+        op = trace.op
+        if op is None:
+            return _fill(trace.template, (), leaves)  # type: ignore[no-any-return]
+        node = _build(op, (*[leaves[i] for i in trace.used], *trace.weights), (), 1)
+        if trace.outputs == 1:
+            return _fill(trace.template, (node,), leaves)  # type: ignore[no-any-return]
+        outs = tuple([_output(node, k) for k in range(trace.outputs)])
+        return _fill(trace.template, outs, leaves)  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return f"operation({self.__name__})"
+
+
+@final
+class _Held:
+    """An object held by an operation's signature as a closure cell holds one."""
+
+    __slots__ = ("cell_contents",)
+
+    def __init__(self, x: Any) -> None:
+        self.cell_contents = x
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
+
+
+def _output(node: Layer[Any, Any], k: int) -> Layer[Any, Any]:
+    """The view node of output ``k``, built where its operation node was."""
+    layer: Layer[Any, Any] = object.__new__(Layer)
+    layer._op = OUTPUT
+    layer._inputs = (node,)
+    layer._params = (k,)
+    layer._site = node._site
+    layer._serial = _next_serial()
+    return layer
+
+
+def operation(f: Callable[P, R]) -> Operation[P, R]:
+    """Mark a Python function over layers (a cell) as one operation.
+
+    Called with a new signature (see the module `monadl.layers._operation`:
+    the structure of the arguments, which are layers or weights, which are
+    data, and the other arguments by value), ``f`` runs once on placeholder
+    layers and its layers become a program; every call then builds ONE node
+    of the graph (and one view per output when ``f`` returns several layers
+    in a tuple, list, dict or dataclass). Values and gradients are those of
+    ``f`` unmarked; the batching scheduler runs nodes of one operation that
+    are ready together as one call of the program on stacked operands.
+
+    ``f`` may use its arguments, weights and constants (arrays, numbers),
+    and Python control flow on its non-layer arguments (each value is its
+    own trace); not a layer built outside the call (pass it in), nor values
+    (a layer from ``bind`` or ``@ml.direct``): `OperandError`.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.ones((2, 2)))
+    >>> @ml.operation
+    ... def cell(x: ml.ArrayOperand, h: ml.ArrayOperand) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+    ...     z = ml.tanh(x @ w) + h
+    ...     return z, z * 2.0
+    >>> a, b = cell(np.ones((1, 2)), np.zeros((1, 2)))
+    >>> anyio.run((a + b).sum().predict).round(4)
+    np.float64(5.7842)
+    """
+    return Operation(f)
