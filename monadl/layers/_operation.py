@@ -171,13 +171,15 @@ class _Trace:
 def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep: tuple[Any, ...]) -> _Trace:
     """Run ``f`` on placeholders for ``leaves`` and record what it builds."""
     start = _next_serial()  # layers built from here on are the trace's
-    holders = [_build(ARGUMENT, (), (i,), 1) for i in range(len(leaves))]
+    holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
     args, kwargs = _rebuild(call, iter(holders))
     result = f(*args, **kwargs)
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
 
     def leaf(y: Any) -> tuple[str, Any]:
+        if id(y) in position:
+            return ("arg", position[id(y)])
         if type(y) is Layer:
             if id(y) in position:
                 return ("arg", position[id(y)])
@@ -203,7 +205,7 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
             elif isinstance(x, Weight):
                 weights[x] = None
     ordered = sorted(inner, key=lambda layer: layer._serial)
-    used = sorted({position[id(x)] for layer in ordered for x in layer._inputs if id(x) in position})
+    used = sorted({position[id(x)] for layer in ordered for x in (*layer._inputs, *layer._params) if id(x) in position})
     slot: dict[int, int] = {id(holders[i]): s for s, i in enumerate(used)}
     for w in weights:
         slot[id(w)] = len(slot)
@@ -223,11 +225,42 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
         refs = tuple(slot[id(x)] for x in layer._inputs)
         grads = tuple(grads_of[r] for r in refs)
         assert layer._op is not None  # (_check_inner refused the others)
-        program_steps.append(Step(layer._op, refs, layer._params, layer._site, grads))
+        params = layer._params
+        takes = tuple(slot.get(id(p)) if id(p) in position else None for p in params)  # data arguments as parameters
+        program_steps.append(Step(layer._op, refs, params, layer._site, grads, takes if any(takes) else None))
         grads_of.append(any(grads))
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
     op = Primitive(f"{name}#{next(_ids)}", program)
     return _Trace(op, tuple(used), tuple(weights), len(outs), template, keep)
+
+
+@final
+class _Data(np.ndarray[Any, Any]):
+    """A NumPy data argument while its cell is traced: it may meet layers and
+    be a primitive's parameter (an embedding's indices), but not be computed
+    with in NumPy, whose result the trace would keep as a constant."""
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if any(isinstance(x, Expr) for x in inputs):
+            return NotImplemented  # the layer's operator builds the layer
+        raise OperandError(_DATA_READ)
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        raise OperandError(_DATA_READ)
+
+
+_DATA_READ: Final = (
+    "operation: a data argument is computed with in NumPy inside the cell; a trace would keep the result "
+    "of its first call: compute it before the call, or with monadl functions"
+)
+
+
+def _placeholder(x: Any, i: int) -> Any:
+    """What the traced function gets for operand leaf ``x``: a layer, or, for
+    a NumPy array, a `_Data` view of it."""
+    if type(x) is np.ndarray:
+        return x.view(_Data)
+    return _build(ARGUMENT, (), (i,), 2)
 
 
 def _is_node(x: Any) -> bool:

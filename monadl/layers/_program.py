@@ -122,6 +122,13 @@ class Step:
     params: tuple[Any, ...]
     site: Any
     grads: tuple[bool, ...]
+    takes: tuple[int | None, ...] | None = None  # per parameter, the slot of a data argument it is
+
+    def parameters(self, env: list[Value]) -> tuple[Any, ...]:
+        """The parameters, with the call's data arguments in their places."""
+        if self.takes is None:
+            return self.params
+        return tuple([p if r is None else env[r] for p, r in zip(self.params, self.takes)])
 
     def operands(self) -> Callable[[list[Value]], tuple[Value, ...]]:
         """A fast reader of the step's operands from an environment."""
@@ -156,7 +163,7 @@ class Program:
         vjps = []
         for step, read in zip(self.steps, self.readers):
             try:
-                out, rules = step.op.rule(*read(env), *step.params)
+                out, rules = step.op.rule(*read(env), *step.parameters(env))
             except ValueError as exc:
                 raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
             except Exception as exc:
@@ -175,17 +182,23 @@ class Program:
         vjps = []
         for step, read in zip(self.steps, self.readers):
             values = read(env)
+            params = step.parameters(env)
             flags = tuple([stacked[r] for r in step.refs])
-            if True in flags:
+            pflags = (
+                (False,) * len(params)
+                if step.takes is None
+                else tuple(r is not None and stacked[r] for r in step.takes)
+            )
+            if True in flags or True in pflags:
                 rule = BATCHING_RULES.get(step.op.name)
-                result = None if rule is None else rule((*values, *step.params), flags + (False,) * len(step.params), n)
+                result = None if rule is None else rule((*values, *params), flags + pflags, n)
                 if result is None:
                     return None
                 out, rules = result
             else:  # shared by the whole group: computed once
-                out, rules = step.op.rule(*values, *step.params)
+                out, rules = step.op.rule(*values, *params)
             env.append(out)
-            stacked.append(True in flags)
+            stacked.append(True in flags or True in pflags)
             vjps.append(rules)
         outs = []
         for o in self.outputs:
