@@ -227,7 +227,9 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
         assert layer._op is not None  # (_check_inner refused the others)
         params = layer._params
         takes = tuple(slot.get(id(p)) if id(p) in position else None for p in params)  # data arguments as parameters
-        program_steps.append(Step(layer._op, refs, params, layer._site, grads, takes if any(takes) else None))
+        program_steps.append(
+            Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
+        )
         grads_of.append(any(grads))
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
     op = Primitive(f"{name}#{next(_ids)}", program)
@@ -258,7 +260,7 @@ _DATA_READ: Final = (
 def _placeholder(x: Any, i: int) -> Any:
     """What the traced function gets for operand leaf ``x``: a layer, or, for
     a NumPy array, a `_Data` view of it."""
-    if type(x) is np.ndarray:
+    if isinstance(x, np.ndarray):  # (a _Data already when operations nest)
         return x.view(_Data)
     return _build(ARGUMENT, (), (i,), 2)
 

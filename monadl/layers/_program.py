@@ -190,7 +190,7 @@ class Program:
                 else tuple(r is not None and stacked[r] for r in step.takes)
             )
             if True in flags or True in pflags:
-                rule = BATCHING_RULES.get(step.op.name)
+                rule = _batching_rule(step.op)
                 result = None if rule is None else rule((*values, *params), flags + pflags, n)
                 if result is None:
                     return None
@@ -234,13 +234,37 @@ class Program:
                     share = rules[p](d)
                     value = env[r]
                     shape = getattr(value, "shape", ())
-                    if getattr(share, "shape", ()) != shape:
+                    if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:
                         share = unbroadcast(share, shape)
                 except Exception as exc:
                     exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
                     raise
                 deltas[r] = share if deltas[r] is None else deltas[r] + share
         return deltas[: self.size]
+
+
+def _batching_rule(op: Primitive) -> Any:
+    """A step's batching rule: the table's, or a nested operation's own."""
+    if type(op.rule) is Program:
+        return op.rule.batch
+    if op is OUTPUT:
+        return _batch_output
+    return BATCHING_RULES.get(op.name)
+
+
+def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
+    """Output ``k`` of a group of a nested operation's nodes."""
+    stacked, k = args
+    if type(stacked) is not StackedOutputs:
+        return None
+    count = len(stacked.parts)
+
+    def vjp(g: Value) -> OutputsDelta:
+        parts: list[Value | None] = [None] * count
+        parts[k] = g
+        return OutputsDelta(tuple(parts))
+
+    return stacked.parts[k], (vjp,)
 
 
 def _where(step: Step) -> str:

@@ -186,3 +186,12 @@ def test_layers_from_outside_and_values_are_refused() -> None:
 
     with pytest.raises(ml.OperandError, match="is async"):
         ml.operation(awaits)
+
+
+def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
+    table = ml.Weight(np.arange(8.0).reshape(4, 2))
+    lookup = ml.operation(lambda indices: ml.embedding(table, indices) * 2.0)
+    rows = [lookup(np.array([i])) for i in (3, 0, 2)]  # the first call's indices are not kept
+    assert anyio.run(ml.concatenate(rows, axis=0).predict).tolist() == [[12.0, 14.0], [0.0, 2.0], [8.0, 10.0]]
+    with pytest.raises(ml.OperandError, match="computed with in NumPy inside the cell"):
+        ml.operation(lambda x: table * np.exp(x))(np.ones(2))
