@@ -70,6 +70,9 @@ def _fields(kind: type) -> tuple[str, ...]:
     return found
 
 
+_STATIC: Final = frozenset({int, bool, str, type(None)})
+
+
 def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
     """The hashable shape of ``x`` (its structure and static leaves); its
     operand leaves go to ``leaves``, unhashable static ones to ``keep`` (held
@@ -81,6 +84,11 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
     if kind is np.ndarray or kind is float:
         leaves.append(x)
         return _DATA
+    if kind in _STATIC:
+        return (kind, x)
+    fields = _FIELDS.get(kind)
+    if fields is not None:  # a dataclass seen before (checked first: a model's states are)
+        return (kind, tuple([_flatten(getattr(x, name), leaves, keep) for name in fields]))
     if kind is tuple or kind is list:
         return (kind, tuple([_flatten(y, leaves, keep) for y in x]))
     if kind is dict:
@@ -96,7 +104,8 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
         leaves.append(x)
         return _DATA
     try:
-        return ("static", kind, x, hash(x))
+        hash(x)
+        return ("static", kind, x)
     except TypeError:
         keep.append(x)
         return ("id", id(x))

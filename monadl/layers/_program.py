@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any, Final, final
+from typing import Any, ClassVar, Final, final
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, unbroadcast
@@ -36,6 +36,10 @@ class Outputs(tuple[Value, ...]):
     output, read by its view nodes."""
 
     __slots__ = ()
+    # Not an array: the batching scheduler's signature reads these without an
+    # exception (so its view nodes group, and run one by one, cheaply).
+    shape: Final = None
+    dtype: Final = None
 
 
 @final
@@ -50,6 +54,7 @@ class OutputsDelta:
     """
 
     parts: tuple[Value | None, ...]
+    shape: ClassVar[None] = None  # as its value's: the runtime finds no broadcasting to undo
 
     def __add__(self, other: OutputsDelta) -> OutputsDelta:
         return OutputsDelta(
