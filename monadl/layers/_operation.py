@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
@@ -88,11 +88,11 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
         return (kind, x)
     fields = _FIELDS.get(kind)
     if fields is not None:  # a dataclass seen before (checked first: a model's states are)
-        return (kind, tuple([_flatten(getattr(x, name), leaves, keep) for name in fields]))
+        return (kind, _items([getattr(x, name) for name in fields], leaves, keep))
     if kind is tuple or kind is list:
-        return (kind, tuple([_flatten(y, leaves, keep) for y in x]))
+        return (kind, _items(x, leaves, keep))
     if kind is dict:
-        return (dict, tuple(x), tuple([_flatten(y, leaves, keep) for y in x.values()]))
+        return (dict, tuple(x), _items(x.values(), leaves, keep))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (kind, tuple([_flatten(getattr(x, name), leaves, keep) for name in _fields(kind)]))
     if isinstance(x, tuple):  # a named tuple
@@ -109,6 +109,20 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
     except TypeError:
         keep.append(x)
         return ("id", id(x))
+
+
+def _items(xs: Iterable[Any], leaves: list[Any], keep: list[Any]) -> tuple[Any, ...]:
+    """`_flatten` of a container's items, with layers and weights (most of
+    them) taken without a call: this runs for every call of an operation."""
+    shape = []
+    for y in xs:
+        kind = type(y)
+        if kind is Layer or kind is Weight:
+            leaves.append(y)
+            shape.append(_NODE)
+        else:
+            shape.append(_flatten(y, leaves, keep))
+    return tuple(shape)
 
 
 def _rebuild(x: Any, leaves: Iterator[Any]) -> Any:
