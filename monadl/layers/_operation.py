@@ -185,14 +185,26 @@ class _Trace:
 
     op: Primitive | None
     used: tuple[int, ...]
+    sources: tuple[int, ...]  # of the distinct operation nodes whose outputs are arguments
     weights: tuple[Weight[Any, Any], ...]
     outputs: int
     template: Any
     keep: tuple[Any, ...]
 
 
-def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep: tuple[Any, ...]) -> _Trace:
-    """Run ``f`` on placeholders for ``leaves`` and record what it builds."""
+def _trace(
+    name: str,
+    f: Callable[..., Any],
+    call: Any,
+    leaves: list[Any],
+    keep: tuple[Any, ...],
+    views: dict[int, tuple[int, int]],
+) -> _Trace:
+    """Run ``f`` on placeholders for ``leaves`` and record what it builds.
+
+    ``views``: the leaves that are outputs of other operations' nodes, each
+    as (its node's index among the call's distinct such nodes, output): the
+    node becomes the operand, and the program reads the output itself."""
     start = _next_serial()  # layers built from here on are the trace's
     holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
     args, kwargs = _rebuild(call, iter(holders))
@@ -214,7 +226,7 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
 
     template = _template(result, leaf)
     if not outs:
-        return _Trace(None, (), (), 0, template, keep)
+        return _Trace(None, (), (), (), 0, template, keep)
     # The trace's layers, children first (construction order is topological).
     inner: dict[Layer[Any, Any], None] = dict.fromkeys(outs)
     todo = list(outs)
@@ -228,22 +240,36 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
             elif isinstance(x, Weight):
                 weights[x] = None
     ordered = sorted(inner, key=lambda layer: layer._serial)
-    used = sorted({position[id(x)] for layer in ordered for x in (*layer._inputs, *layer._params) if id(x) in position})
+    found = sorted(
+        {position[id(x)] for layer in ordered for x in (*layer._inputs, *layer._params) if id(x) in position}
+    )
+    used = [i for i in found if i not in views]
+    read = [i for i in found if i in views]  # outputs of other operations' nodes
+    sources = sorted({views[i][0] for i in read})
     slot: dict[int, int] = {id(holders[i]): s for s, i in enumerate(used)}
+    source_slot = {src: len(used) + s for s, src in enumerate(sources)}
+    size = len(used) + len(sources)
     for w in weights:
-        slot[id(w)] = len(slot)
-    size = len(slot)
+        slot[id(w)] = size
+        size += 1
     consts: list[Any] = []
+    viewed = {id(holders[i]) for i in read}
     for layer in ordered:  # constants: arrays and numbers the cell holds
         for x in layer._inputs:
-            if id(x) not in slot and not (type(x) is Layer and x in inner):
+            if id(x) not in slot and id(x) not in viewed and not (type(x) is Layer and x in inner):
                 slot[id(x)] = size + len(consts)
                 consts.append(x)
     base = size + len(consts)
+    program_steps = []
+    for j, i in enumerate(read):  # first, the outputs read from other operations' nodes
+        slot[id(holders[i])] = base + j
+        src, k = views[i]
+        program_steps.append(Step(OUTPUT, (source_slot[src],), (k,), holders[i]._site, (True,)))
+    base += len(read)
     for j, layer in enumerate(ordered):
         slot[id(layer)] = base + j
-    grads_of = [_is_node(leaves[i]) for i in used] + [True] * len(weights) + [False] * len(consts)
-    program_steps = []
+    grads_of = [_is_node(leaves[i]) for i in used] + [True] * (len(sources) + len(weights)) + [False] * len(consts)
+    grads_of += [True] * len(read)
     for layer in ordered:
         refs = tuple(slot[id(x)] for x in layer._inputs)
         grads = tuple(grads_of[r] for r in refs)
@@ -256,7 +282,7 @@ def _trace(name: str, f: Callable[..., Any], call: Any, leaves: list[Any], keep:
         grads_of.append(any(grads))
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
     op = Primitive(f"{name}#{next(_ids)}", program)
-    return _Trace(op, tuple(used), tuple(weights), len(outs), template, keep)
+    return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), template, keep)
 
 
 @final
@@ -334,6 +360,17 @@ class Operation(Generic[P, R]):
         keep: list[Any] = []
         call = (args, kwargs)
         key: Any = _flatten(args, leaves, keep) if not kwargs else _flatten(call, leaves, keep)
+        views: dict[int, tuple[int, int]] = {}
+        sources: list[Layer[Any, Any]] = []
+        for j, x in enumerate(leaves):
+            if type(x) is Layer and x._op is OUTPUT:  # an output of another operation: take its node
+                node = x._inputs[0]
+                s = next((i for i, known in enumerate(sources) if known is node), len(sources))
+                if s == len(sources):
+                    sources.append(node)
+                views[j] = (s, x._params[0])
+        if views:
+            key = (key, tuple(views.items()))
         if self._closure is not None:
             held = [_contents(c) for c in self._closure]
             key = (key, tuple([id(x) for x in held]))
@@ -342,11 +379,12 @@ class Operation(Generic[P, R]):
         if trace is None:
             if len(self._traces) >= _TRACES_LIMIT:
                 self._traces.clear()
-            trace = self._traces[key] = _trace(self.__name__, self.__wrapped__, call, leaves, tuple(keep))
+            trace = self._traces[key] = _trace(self.__name__, self.__wrapped__, call, leaves, tuple(keep), views)
         op = trace.op
         if op is None:
             return _fill(trace.template, (), leaves)  # type: ignore[no-any-return]
-        node = _build(op, (*[leaves[i] for i in trace.used], *trace.weights), (), 1)
+        inputs = (*[leaves[i] for i in trace.used], *[sources[s] for s in trace.sources], *trace.weights)
+        node = _build(op, inputs, (), 1)
         if trace.outputs == 1:
             return _fill(trace.template, (node,), leaves)  # type: ignore[no-any-return]
         outs = tuple([_output(node, k) for k in range(trace.outputs)])

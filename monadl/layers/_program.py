@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any, ClassVar, Final, final
+from typing import Any, Final, final
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, unbroadcast
@@ -41,6 +41,10 @@ class Outputs(tuple[Value, ...]):
     shape: Final = None
     dtype: Final = None
 
+    def signature(self) -> tuple[Any, ...]:
+        """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
+        return tuple([(type(p), p.shape, p.dtype) for p in self])
+
 
 @final
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,12 +58,17 @@ class OutputsDelta:
     """
 
     parts: tuple[Value | None, ...]
-    shape: ClassVar[None] = None  # as its value's: the runtime finds no broadcasting to undo
+    # As its value's (None for an `Outputs`, (n,) for a `StackedOutputs`), so
+    # that the runtime finds no broadcasting to undo.
+    shape: tuple[int, ...] | None = None
+
+    def __getitem__(self, i: int) -> OutputsDelta:
+        """Member ``i``'s share of a group's delta (the stack's VJP takes it)."""
+        return OutputsDelta(tuple([None if p is None else p[i] for p in self.parts]))
 
     def __add__(self, other: OutputsDelta) -> OutputsDelta:
-        return OutputsDelta(
-            tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
-        )
+        parts = tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
+        return OutputsDelta(parts, self.shape)
 
 
 @final
@@ -71,6 +80,12 @@ class StackedOutputs:
 
     def __init__(self, parts: tuple[Value, ...]) -> None:
         self.parts = parts
+
+    @staticmethod
+    def stack(members: list[Outputs]) -> StackedOutputs:
+        """The members' `Outputs`, stacked output by output."""
+        xp = namespace(members[0][0])
+        return StackedOutputs(tuple([xp.stack([m[k] for m in members]) for k in range(len(members[0]))]))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -262,12 +277,12 @@ def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> t
     stacked, k = args
     if type(stacked) is not StackedOutputs:
         return None
-    count = len(stacked.parts)
+    count, shape = len(stacked.parts), stacked.shape
 
     def vjp(g: Value) -> OutputsDelta:
         parts: list[Value | None] = [None] * count
         parts[k] = g
-        return OutputsDelta(tuple(parts))
+        return OutputsDelta(tuple(parts), shape)
 
     return stacked.parts[k], (vjp,)
 
@@ -306,5 +321,9 @@ class _Backward:
         d = self.deltas[k]
         if d is None:
             value = self.env[k]
+            if type(value) is Outputs:
+                return OutputsDelta((None,) * len(value))
+            if type(value) is StackedOutputs:
+                return OutputsDelta((None,) * len(value.parts), value.shape)
             return namespace(value).zeros_like(value)
         return d

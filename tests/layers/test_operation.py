@@ -195,3 +195,15 @@ def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
     assert anyio.run(ml.concatenate(rows, axis=0).predict).tolist() == [[12.0, 14.0], [0.0, 2.0], [8.0, 10.0]]
     with pytest.raises(ml.OperandError, match="computed with in NumPy inside the cell"):
         ml.operation(lambda x: table * np.exp(x))(np.ones(2))
+
+
+def test_an_operation_reads_another_operations_outputs_from_its_node() -> None:
+    weights = _weights(np.float64)
+    leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.zeros((1, 3))) * 1.0)
+    child = marked_cell(weights, np.ones((1, 3)), leaf, leaf)
+    parent = marked_cell(weights, np.ones((1, 3)), child, child)
+    node, child_node = parent.h._inputs[0], child.h._inputs[0]
+    # h and c of the child are one operand, its node: no view node between the two cells.
+    assert [x for x in node._inputs if isinstance(x, ml.Layer)] == [child_node]
+    plain = plain_cell(weights, np.ones((1, 3)), *(2 * [plain_cell(weights, np.ones((1, 3)), leaf, leaf)]))
+    assert anyio.run(ml.sum(parent.c).predict) == pytest.approx(anyio.run(ml.sum(plain.c).predict), rel=1e-12)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
-from monadl.layers._program import Program
+from monadl.layers._program import Outputs, Program, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature
@@ -331,7 +331,11 @@ class _Run:
                     value = reused.value
                 else:
                     values = [x if r is None else r.value for x, r in zip(column, recs)]
-                    value = namespace(values[0]).stack(values)
+                    first_value = values[0]
+                    if type(first_value) is Outputs:  # operation nodes, read by a traced view inside the operation
+                        value = StackedOutputs.stack(values)
+                    else:
+                        value = namespace(first_value).stack(values)
                 operand = Operand(None, recs)
             args.append(value)
             batched.append(stacks)

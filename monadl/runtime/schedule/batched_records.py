@@ -32,7 +32,7 @@ import numpy as np
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import SparseRows
 from monadl.layers._layer import Layer
-from monadl.layers._program import StackedOutputs
+from monadl.layers._program import Outputs, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 
@@ -55,6 +55,9 @@ def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
         kind = type(x)
         if kind is Layer:
             value = records[x].value
+            if type(value) is Outputs:  # an operation node's outputs: their shapes
+                key += value.signature()
+                continue
             try:
                 key += (type(value), value.shape, value.dtype)
             except AttributeError:  # a plain number: not batched
@@ -157,7 +160,7 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     one, and the first that fails raises the usual error at its line)."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
-    foreign = kinds - _HOST
+    foreign = kinds - _HOST - {StackedOutputs}  # (operation nodes' outputs are host arrays)
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         return False
     if op.same_dtype:
