@@ -29,9 +29,10 @@ accuracy and writes the training curves to ``tree_lstm.png``.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
@@ -195,43 +196,56 @@ def internal_node(params: Params, hidden: int, symbol: ml.Array, left: State, ri
     return cell(gates, hidden, (left, right))
 
 
-# The same two functions marked as one operation each: traced once, then ONE
-# node of the graph per tree node (two view nodes read h and c), batched as
-# a unit by the runtime. Same values and gradients as the unmarked ones.
-leaf_operation = ml.operation(leaf_node)
-internal_operation = ml.operation(internal_node)
+@final
+@dataclass(frozen=True, slots=True)
+class Cells:
+    """The two cells over one set of parameters: ``leaf(symbol)`` and
+    ``internal(symbol, left, right)``, each either a plain function (every op
+    its own layer) or marked as one `ml.operation` (traced once, then ONE node
+    of the graph per tree node, batched as a unit by the runtime; the same
+    values and gradients). The parameters are bound, not passed per call: an
+    operation then reads them from its trace instead of flattening a dict at
+    every node."""
+
+    leaf: Callable[[ml.Array], State]
+    internal: Callable[[ml.Array, State, State], State]
+
+    @staticmethod
+    def of(params: Params, hidden: int, operation: bool = False) -> Cells:
+        leaf = functools.partial(leaf_node, params, hidden)
+        internal = functools.partial(internal_node, params, hidden)
+        if operation:
+            return Cells(ml.operation(leaf), ml.operation(internal))
+        return Cells(leaf, internal)
 
 
-def encode(params: Params, hidden: int, tree: Tree, operation: bool = False) -> ml.ArrayLayer:
+def encode(cells: Cells, tree: Tree) -> ml.ArrayLayer:
     """The root's hidden vector, ``(1, hidden)``: one cell per node, children first.
 
-    ``operation``: build each node as one `ml.operation` node (else every op
-    of the cell is its own layer).
-
     >>> tree = random_tree(np.random.default_rng(0), 3)
-    >>> anyio.run(encode(init_weights(4), 4, tree).predict).shape
+    >>> anyio.run(encode(Cells.of(init_weights(4), 4), tree).predict).shape
     (1, 4)
     """
-    leaf, internal = (leaf_operation, internal_operation) if operation else (leaf_node, internal_node)
     states: list[State] = []
     symbols, lefts, rights = tree.symbol, tree.left, tree.right
     for k in range(len(symbols)):
         symbol = symbols[k : k + 1]  # (a view: the lookup's index array)
         if lefts[k] < 0:
-            states.append(leaf(params, hidden, symbol))
+            states.append(cells.leaf(symbol))
         else:
-            states.append(internal(params, hidden, symbol, states[lefts[k]], states[rights[k]]))
+            states.append(cells.internal(symbol, states[lefts[k]], states[rights[k]]))
     return states[-1].h
 
 
-def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], operation: bool = False) -> ml.ArrayLayer:
+def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], cells: Cells | None = None) -> ml.ArrayLayer:
     """``(trees, 10)``: the scores of each tree's value mod 10, read from its root.
 
     >>> trees = make_trees(3, 2, 4, seed=0)
-    >>> anyio.run(tree_logits(init_weights(4), 4, trees, operation=True).predict).shape
+    >>> anyio.run(tree_logits(init_weights(4), 4, trees).predict).shape
     (3, 10)
     """
-    roots = ml.concatenate([encode(params, hidden, t, operation) for t in trees], axis=0)
+    cells = cells or Cells.of(params, hidden)
+    roots = ml.concatenate([encode(cells, t) for t in trees], axis=0)
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
@@ -243,10 +257,10 @@ class TreeLSTM:
         """``operation``: each node one `ml.operation` node (False: every op a layer)."""
         self.hidden = int(weights["children"].shape[0]) // 2
         self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
-        self.operation = operation
+        self.cells = Cells.of(self.w, self.hidden, operation)
 
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
-        return tree_logits(self.w, self.hidden, trees, self.operation)
+        return tree_logits(self.w, self.hidden, trees, self.cells)
 
     def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(self.logits(trees), labels(trees))

@@ -33,6 +33,7 @@ and not passed in is refused with `OperandError`. Reading a weight's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -73,12 +74,18 @@ def _fields(kind: type) -> tuple[str, ...]:
 _STATIC: Final = frozenset({int, bool, str, type(None)})
 
 
-def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
+def _flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any:
     """The hashable shape of ``x`` (its structure and static leaves); its
-    operand leaves go to ``leaves``, unhashable static ones to ``keep`` (held
-    by the cache, so that their ids stay theirs)."""
+    operand leaves go to ``leaves`` (and the places of those that are other
+    operations' outputs to ``views``), unhashable static ones to ``keep``
+    (held by the cache, so that their ids stay theirs)."""
     kind = type(x)
-    if kind is Layer or kind is Weight:
+    if kind is Layer:
+        if x._op is OUTPUT:
+            views.append(len(leaves))
+        leaves.append(x)
+        return _NODE
+    if kind is Weight:
         leaves.append(x)
         return _NODE
     if kind is np.ndarray or kind is float:
@@ -88,15 +95,15 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
         return (kind, x)
     fields = _FIELDS.get(kind)
     if fields is not None:  # a dataclass seen before (checked first: a model's states are)
-        return (kind, _items([getattr(x, name) for name in fields], leaves, keep))
+        return (kind, _items([getattr(x, name) for name in fields], leaves, keep, views))
     if kind is tuple or kind is list:
-        return (kind, _items(x, leaves, keep))
+        return (kind, _items(x, leaves, keep, views))
     if kind is dict:
-        return (dict, tuple(x), _items(x.values(), leaves, keep))
+        return (dict, tuple(x), _items(x.values(), leaves, keep, views))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (kind, tuple([_flatten(getattr(x, name), leaves, keep) for name in _fields(kind)]))
+        return (kind, tuple([_flatten(getattr(x, name), leaves, keep, views) for name in _fields(kind)]))
     if isinstance(x, tuple):  # a named tuple
-        return (kind, tuple([_flatten(y, leaves, keep) for y in x]))
+        return (kind, tuple([_flatten(y, leaves, keep, views) for y in x]))
     if isinstance(x, Expr):
         leaves.append(x)
         return _NODE
@@ -111,17 +118,22 @@ def _flatten(x: Any, leaves: list[Any], keep: list[Any]) -> Any:
         return ("id", id(x))
 
 
-def _items(xs: Iterable[Any], leaves: list[Any], keep: list[Any]) -> tuple[Any, ...]:
+def _items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int]) -> tuple[Any, ...]:
     """`_flatten` of a container's items, with layers and weights (most of
     them) taken without a call: this runs for every call of an operation."""
     shape = []
     for y in xs:
         kind = type(y)
-        if kind is Layer or kind is Weight:
+        if kind is Layer:
+            if y._op is OUTPUT:
+                views.append(len(leaves))
+            leaves.append(y)
+            shape.append(_NODE)
+        elif kind is Weight:
             leaves.append(y)
             shape.append(_NODE)
         else:
-            shape.append(_flatten(y, leaves, keep))
+            shape.append(_flatten(y, leaves, keep, views))
     return tuple(shape)
 
 
@@ -349,27 +361,35 @@ class Operation(Generic[P, R]):
                 f"operation: {getattr(f, '__qualname__', f)} is async; a cell awaits no values (it is traced once)"
             )
         self.__wrapped__ = f
-        self.__name__: str = getattr(f, "__qualname__", None) or type(f).__name__
-        owner = getattr(f, "__self__", None)  # a bound method: its object is part of the signature
-        cells = tuple(getattr(f, "__closure__", None) or ())
-        self._closure: tuple[Any, ...] | None = (*cells, _Held(owner)) if owner is not None else (cells or None)
+        held: list[Any] = []
+        inner: Any = f
+        while isinstance(inner, functools.partial):  # its arguments are held as a closure's
+            held += [_Held(x) for x in (*inner.args, *inner.keywords.values())]
+            inner = inner.func
+        self.__name__: str = getattr(inner, "__qualname__", None) or type(inner).__name__
+        owner = getattr(inner, "__self__", None)  # a bound method: its object is part of the signature
+        held += getattr(inner, "__closure__", None) or ()
+        if owner is not None:
+            held.append(_Held(owner))
+        self._closure: tuple[Any, ...] | None = tuple(held) or None
         self._traces: dict[Any, _Trace] = {}
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         leaves: list[Any] = []
         keep: list[Any] = []
+        found: list[int] = []
         call = (args, kwargs)
-        key: Any = _flatten(args, leaves, keep) if not kwargs else _flatten(call, leaves, keep)
+        key: Any = _items(args, leaves, keep, found) if not kwargs else _flatten(call, leaves, keep, found)
         views: dict[int, tuple[int, int]] = {}
         sources: list[Layer[Any, Any]] = []
-        for j, x in enumerate(leaves):
-            if type(x) is Layer and x._op is OUTPUT:  # an output of another operation: take its node
+        if found:  # outputs of other operations: their nodes are the operands
+            for j in found:
+                x = leaves[j]
                 node = x._inputs[0]
                 s = next((i for i, known in enumerate(sources) if known is node), len(sources))
                 if s == len(sources):
                     sources.append(node)
                 views[j] = (s, x._params[0])
-        if views:
             key = (key, tuple(views.items()))
         if self._closure is not None:
             held = [_contents(c) for c in self._closure]
