@@ -378,8 +378,7 @@ class Operation(Generic[P, R]):
         leaves: list[Any] = []
         keep: list[Any] = []
         found: list[int] = []
-        call = (args, kwargs)
-        key: Any = _items(args, leaves, keep, found) if not kwargs else _flatten(call, leaves, keep, found)
+        key: Any = _items(args, leaves, keep, found) if not kwargs else _flatten((args, kwargs), leaves, keep, found)
         views: dict[int, tuple[int, int]] = {}
         sources: list[Layer[Any, Any]] = []
         if found:  # outputs of other operations: their nodes are the operands
@@ -391,15 +390,17 @@ class Operation(Generic[P, R]):
                     sources.append(node)
                 views[j] = (s, x._params[0])
             key = (key, tuple(views.items()))
+        held: list[Any] = []
         if self._closure is not None:
             held = [_contents(c) for c in self._closure]
             key = (key, tuple([id(x) for x in held]))
-            keep.extend(held)
         trace = self._traces.get(key)
         if trace is None:
             if len(self._traces) >= _TRACES_LIMIT:
                 self._traces.clear()
-            trace = self._traces[key] = _trace(self.__name__, self.__wrapped__, call, leaves, tuple(keep), views)
+            keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
+            trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), views)
+            self._traces[key] = trace
         op = trace.op
         if op is None:
             return _fill(trace.template, (), leaves)  # type: ignore[no-any-return]

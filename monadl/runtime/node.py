@@ -133,7 +133,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
         raise
-    if ev.check_finite and not all_finite(out):
+    if ev.check_finite and not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
         raise NonFiniteError(
             f"{op.name} produced a NaN or an infinity from {describe(args)}; layer built at {where(node)}"
         )

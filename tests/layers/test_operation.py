@@ -207,3 +207,32 @@ def test_an_operation_reads_another_operations_outputs_from_its_node() -> None:
     assert [x for x in node._inputs if isinstance(x, ml.Layer)] == [child_node]
     plain = plain_cell(weights, np.ones((1, 3)), *(2 * [plain_cell(weights, np.ones((1, 3)), leaf, leaf)]))
     assert anyio.run(ml.sum(parent.c).predict) == pytest.approx(anyio.run(ml.sum(plain.c).predict), rel=1e-12)
+
+
+def test_the_finite_check_covers_every_output() -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    both = ml.operation(lambda x: (ml.tanh(x @ w), ml.sqrt(x @ w)))
+    a, b = both(np.array([[1.0, -2.0]]))
+    with (
+        ml.settings(check_finite=True),
+        np.errstate(invalid="ignore"),
+        pytest.raises(ml.NonFiniteError, match="<lambda>"),
+    ):
+        anyio.run((a + b).sum().train)
+    np.testing.assert_array_equal(w.data, np.ones((2, 2)))
+
+
+def test_a_partials_arguments_are_held_like_a_closure() -> None:
+    import functools
+
+    def scaled(w: ml.ArrayWeight, x: ml.Array) -> ml.ArrayLayer:
+        return w * x
+
+    first, second = ml.Weight(np.ones(2)), ml.Weight(np.full(2, 3.0))
+    op_first, op_second = (
+        ml.operation(functools.partial(scaled, first)),
+        ml.operation(functools.partial(scaled, second)),
+    )
+    assert op_first.__name__ == "test_a_partials_arguments_are_held_like_a_closure.<locals>.scaled"
+    assert anyio.run(op_second(np.ones(2)).predict).tolist() == [3.0, 3.0]
+    assert anyio.run(op_first(np.ones(2)).predict).tolist() == [1.0, 1.0]
