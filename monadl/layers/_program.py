@@ -18,10 +18,10 @@ from operator import itemgetter
 from typing import Any, Final, final
 
 from monadl._namespace import namespace
-from monadl.deltas import SparseRows, unbroadcast
+from monadl.deltas import SparseRows, is_basic_index, unbroadcast
 from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._primitives import Primitive
+from monadl.layers._primitives import PRIMITIVES, Primitive
 
 __all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
 
@@ -164,7 +164,7 @@ class Step:
 class Program:
     """The rule of an operation node (see the module's docstring)."""
 
-    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "steps")
+    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps")
 
     def __init__(
         self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
@@ -176,6 +176,7 @@ class Program:
         self.outputs = outputs
         self.multi = len(outputs) > 1
         self.readers = tuple(s.operands() for s in steps)
+        self.slices = tuple(_basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
 
     def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
@@ -192,7 +193,7 @@ class Program:
             env.append(out)
             vjps.append(rules)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
-        return value, _Backward(self, env, vjps).rules()
+        return value, _Backward(self, env, vjps, None).rules()
 
     def batch(self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
         """The batching rule of the node: the program once over a group's
@@ -226,12 +227,20 @@ class Program:
             if not stacked[o]:  # every member's output is this one array
                 value = namespace(value).broadcast_to(value, (n, *value.shape))
             outs.append(value)
-        return (StackedOutputs(tuple(outs)) if self.multi else outs[0]), _Backward(self, env, vjps).rules()
+        return (StackedOutputs(tuple(outs)) if self.multi else outs[0]), _Backward(self, env, vjps, stacked).rules()
 
-    def backward(self, env: list[Value], vjps: list[tuple[Vjp, ...]], g: Value) -> list[Value | None]:
+    def backward(
+        self, env: list[Value], vjps: list[tuple[Vjp, ...]], g: Value, stacked: list[bool] | None = None
+    ) -> list[Value | None]:
         """The deltas of the node's operands from the delta ``g`` of its value:
-        the steps' VJPs in reverse, each share fitted to its operand's shape."""
+        the steps' VJPs in reverse, each share fitted to its operand's shape.
+        ``stacked``: per slot, whether it holds a group's stacked values.
+
+        Slices (a cell cutting its gate vector) add their deltas into one
+        zero buffer of the sliced array, in place, instead of each building a
+        buffer of zeros of its own (their VJP) that are then added up."""
         deltas: list[Value | None] = [None] * len(env)
+        owned: set[int] = set()  # slots whose delta is a buffer made here (safe to add into)
         if self.multi:
             for o, d in zip(self.outputs, g.parts):
                 if d is not None:
@@ -247,6 +256,23 @@ class Program:
             if type(d) is SparseRows:
                 d = d.to_dense()
             step, rules = self.steps[j], vjps[j]
+            index = self.slices[j]
+            r = step.refs[0] if step.refs else -1
+            if index is not None and step.grads[0] and (deltas[r] is None or type(deltas[r]) is type(env[r])):
+                # A slice: its delta goes into one buffer, in place.
+                if stacked is not None and stacked[r]:
+                    index = (slice(None), *index)
+                if r not in owned:
+                    value = env[r]
+                    xp = namespace(value)
+                    buffer = xp.zeros(value.shape, dtype=value.dtype)
+                    if deltas[r] is not None:
+                        buffer += deltas[r]
+                    deltas[r] = buffer
+                    owned.add(r)
+                target: Any = deltas[r]
+                target[index] += d
+                continue
             for p, r in enumerate(step.refs):
                 if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
                     continue
@@ -259,7 +285,7 @@ class Program:
                 except Exception as exc:
                     exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
                     raise
-                deltas[r] = share if deltas[r] is None else deltas[r] + share
+                deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
         return deltas[: self.size]
 
 
@@ -287,6 +313,17 @@ def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> t
     return stacked.parts[k], (vjp,)
 
 
+def _basic_slice(step: Step) -> tuple[Any, ...] | None:
+    """A getitem step's index as a tuple, when it takes a view (slices, ints,
+    ``...``, None: `is_basic_index`); else None."""
+    if step.op is not PRIMITIVES["getitem"] or step.takes is not None:
+        return None
+    (index,) = step.params
+    if not is_basic_index(index):
+        return None
+    return index if isinstance(index, tuple) else (index,)
+
+
 def _where(step: Step) -> str:
     from monadl.layers._layer import site_text
 
@@ -299,12 +336,15 @@ class _Backward:
     called, shared by the others (the runtime calls them one after another
     with the same delta)."""
 
-    __slots__ = ("deltas", "env", "g", "program", "vjps")
+    __slots__ = ("deltas", "env", "g", "program", "stacked", "vjps")
 
-    def __init__(self, program: Program, env: list[Value], vjps: list[tuple[Vjp, ...]]) -> None:
+    def __init__(
+        self, program: Program, env: list[Value], vjps: list[tuple[Vjp, ...]], stacked: list[bool] | None
+    ) -> None:
         self.program = program
         self.env = env
         self.vjps = vjps
+        self.stacked = stacked
         self.g: Value = None
         self.deltas: list[Value | None] | None = None
 
@@ -316,7 +356,7 @@ class _Backward:
 
     def delta(self, k: int, g: Value) -> Value:
         if self.deltas is None or self.g is not g:
-            self.deltas = self.program.backward(self.env, self.vjps, g)
+            self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked)
             self.g = g
         d = self.deltas[k]
         if d is None:

@@ -236,3 +236,20 @@ def test_a_partials_arguments_are_held_like_a_closure() -> None:
     assert op_first.__name__ == "test_a_partials_arguments_are_held_like_a_closure.<locals>.scaled"
     assert anyio.run(op_second(np.ones(2)).predict).tolist() == [3.0, 3.0]
     assert anyio.run(op_first(np.ones(2)).predict).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_slices_and_whole_uses_of_one_array_add_up(batching: bool) -> None:
+    w = ml.Weight(np.random.default_rng(3).normal(size=(3, 4)))
+
+    def cut(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        g = x @ w
+        # overlapping slices, an int index, and the whole array again
+        return ml.tanh(g[:, :3]) * g[:, 1:] + g[:, 2:3] * 2.0 + ml.sigmoid(g).sum(axis=1, keepdims=True) + g[0, 1]
+
+    xs = [np.full((2, 3), 0.1 * i) for i in range(10)]
+    plain = _run(ml.sum(ml.concatenate([cut(x) for x in xs], axis=0)), (w,), False)
+    marked_cut = ml.operation(cut)
+    marked = _run(ml.sum(ml.concatenate([marked_cut(x) for x in xs], axis=0)), (w,), batching)
+    assert marked[0] == pytest.approx(plain[0], rel=1e-12)
+    np.testing.assert_allclose(marked[1][0], plain[1][0], rtol=1e-12)
