@@ -10,7 +10,10 @@ and numbers plus the weights the trace uses, and whose rule runs the program
 on arrays (its backward: the steps' VJPs in reverse, the same rules). A
 function returning several layers (a structure of them: a tuple, a
 dataclass) gets one node whose value is an `Outputs` tuple, and one cheap
-view node per output.
+view node per output; an operation called on another's outputs takes that
+node as its operand and reads them inside its program, so cells chained by
+their states (a Tree-LSTM's h and c) need no view nodes in the graph. The
+structures of arguments and results: `monadl.layers._structures`.
 
 The batching scheduler sees such a node as any other: nodes of one trace
 whose operands have equal shapes run as ONE call of the program on stacked
@@ -36,153 +39,24 @@ import dataclasses
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
-from monadl._namespace import is_array
 from monadl.errors import OperandError
 from monadl.layers._layer import Expr, Layer, _build, _next_serial, site_text
 from monadl.layers._primitives import Primitive
 from monadl.layers._program import ARGUMENT, OUTPUT, Program, Step
+from monadl.layers._structures import fill, flatten, items, rebuild, template
 from monadl.layers._weight import Weight
 
 __all__ = ["Operation", "operation"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Value = Any
-
-_NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
-_DATA: Final = "data"  # an array or a float: an operand without one
 _ids = itertools.count(1)
-
-
-# ---- structures of arguments and results ------------------------------------------------------
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _fields(kind: type) -> tuple[str, ...]:
-    """A dataclass's fields given to its constructor (looked up once per class)."""
-    found = _FIELDS.get(kind)
-    if found is None:
-        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
-    return found
-
-
-_STATIC: Final = frozenset({int, bool, str, type(None)})
-
-
-def _flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any:
-    """The hashable shape of ``x`` (its structure and static leaves); its
-    operand leaves go to ``leaves`` (and the places of those that are other
-    operations' outputs to ``views``), unhashable static ones to ``keep``
-    (held by the cache, so that their ids stay theirs)."""
-    kind = type(x)
-    if kind is Layer:
-        if x._op is OUTPUT:
-            views.append(len(leaves))
-        leaves.append(x)
-        return _NODE
-    if kind is Weight:
-        leaves.append(x)
-        return _NODE
-    if kind is np.ndarray or kind is float:
-        leaves.append(x)
-        return _DATA
-    if kind in _STATIC:
-        return (kind, x)
-    fields = _FIELDS.get(kind)
-    if fields is not None:  # a dataclass seen before (checked first: a model's states are)
-        return (kind, _items([getattr(x, name) for name in fields], leaves, keep, views))
-    if kind is tuple or kind is list:
-        return (kind, _items(x, leaves, keep, views))
-    if kind is dict:
-        return (dict, tuple(x), _items(x.values(), leaves, keep, views))
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (kind, tuple([_flatten(getattr(x, name), leaves, keep, views) for name in _fields(kind)]))
-    if isinstance(x, tuple):  # a named tuple
-        return (kind, tuple([_flatten(y, leaves, keep, views) for y in x]))
-    if isinstance(x, Expr):
-        leaves.append(x)
-        return _NODE
-    if isinstance(x, np.generic) or is_array(x):
-        leaves.append(x)
-        return _DATA
-    try:
-        hash(x)
-        return ("static", kind, x)
-    except TypeError:
-        keep.append(x)
-        return ("id", id(x))
-
-
-def _items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int]) -> tuple[Any, ...]:
-    """`_flatten` of a container's items, with layers and weights (most of
-    them) taken without a call: this runs for every call of an operation."""
-    shape = []
-    for y in xs:
-        kind = type(y)
-        if kind is Layer:
-            if y._op is OUTPUT:
-                views.append(len(leaves))
-            leaves.append(y)
-            shape.append(_NODE)
-        elif kind is Weight:
-            leaves.append(y)
-            shape.append(_NODE)
-        else:
-            shape.append(_flatten(y, leaves, keep, views))
-    return tuple(shape)
-
-
-def _rebuild(x: Any, leaves: Iterator[Any]) -> Any:
-    """``x`` with its operand leaves replaced by the next of ``leaves`` (the walk of `_flatten`)."""
-    kind = type(x)
-    if kind is Layer or kind is Weight or kind is np.ndarray or kind is float:
-        return next(leaves)
-    if kind is tuple or kind is list:
-        return kind([_rebuild(y, leaves) for y in x])
-    if kind is dict:
-        return {k: _rebuild(y, leaves) for k, y in x.items()}
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return kind(*[_rebuild(getattr(x, name), leaves) for name in _fields(kind)])
-    if isinstance(x, tuple):
-        return kind(*[_rebuild(y, leaves) for y in x])
-    if isinstance(x, (Expr, np.generic)) or is_array(x):
-        return next(leaves)
-    return x
-
-
-# A result's template: how to rebuild it per call. Leaves: ("out", k) the
-# program's output k, ("arg", j) the call's operand j, ("const", v) as it is.
-def _template(y: Any, leaf: Callable[[Any], tuple[str, Any]]) -> Any:
-    kind = type(y)
-    if kind is tuple or kind is list:
-        return ("seq", kind, tuple(_template(z, leaf) for z in y))
-    if kind is dict:
-        return ("dict", tuple(y), tuple(_template(z, leaf) for z in y.values()))
-    if dataclasses.is_dataclass(y) and not isinstance(y, type):
-        return ("call", kind, tuple(_template(getattr(y, name), leaf) for name in _fields(kind)))
-    if isinstance(y, tuple):
-        return ("call", kind, tuple(_template(z, leaf) for z in y))
-    return leaf(y)
-
-
-def _fill(t: tuple[Any, ...], outs: tuple[Any, ...], args: list[Any]) -> Any:
-    tag = t[0]
-    if tag == "out":
-        return outs[t[1]]
-    if tag == "arg":
-        return args[t[1]]
-    if tag == "const":
-        return t[1]
-    if tag == "seq":
-        return t[1]([_fill(z, outs, args) for z in t[2]])
-    if tag == "dict":
-        return dict(zip(t[1], [_fill(z, outs, args) for z in t[2]]))
-    return t[1](*[_fill(z, outs, args) for z in t[2]])
+Value = Any
 
 
 # ---- tracing ----------------------------------------------------------------------------------
@@ -219,7 +93,7 @@ def _trace(
     node becomes the operand, and the program reads the output itself."""
     start = _next_serial()  # layers built from here on are the trace's
     holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
-    args, kwargs = _rebuild(call, iter(holders))
+    args, kwargs = rebuild(call, iter(holders))
     result = f(*args, **kwargs)
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
@@ -236,9 +110,9 @@ def _trace(
             return ("out", outs.index(y))
         return ("const", y)
 
-    template = _template(result, leaf)
+    shape = template(result, leaf)
     if not outs:
-        return _Trace(None, (), (), (), 0, template, keep)
+        return _Trace(None, (), (), (), 0, shape, keep)
     # The trace's layers, children first (construction order is topological).
     inner: dict[Layer[Any, Any], None] = dict.fromkeys(outs)
     todo = list(outs)
@@ -294,7 +168,7 @@ def _trace(
         grads_of.append(any(grads))
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
     op = Primitive(f"{name}#{next(_ids)}", program)
-    return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), template, keep)
+    return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep)
 
 
 @final
@@ -378,7 +252,7 @@ class Operation(Generic[P, R]):
         leaves: list[Any] = []
         keep: list[Any] = []
         found: list[int] = []
-        key: Any = _items(args, leaves, keep, found) if not kwargs else _flatten((args, kwargs), leaves, keep, found)
+        key: Any = items(args, leaves, keep, found) if not kwargs else flatten((args, kwargs), leaves, keep, found)
         views: dict[int, tuple[int, int]] = {}
         sources: list[Layer[Any, Any]] = []
         if found:  # outputs of other operations: their nodes are the operands
@@ -403,13 +277,13 @@ class Operation(Generic[P, R]):
             self._traces[key] = trace
         op = trace.op
         if op is None:
-            return _fill(trace.template, (), leaves)  # type: ignore[no-any-return]
+            return fill(trace.template, (), leaves)  # type: ignore[no-any-return]
         inputs = (*[leaves[i] for i in trace.used], *[sources[s] for s in trace.sources], *trace.weights)
         node = _build(op, inputs, (), 1)
         if trace.outputs == 1:
-            return _fill(trace.template, (node,), leaves)  # type: ignore[no-any-return]
+            return fill(trace.template, (node,), leaves)  # type: ignore[no-any-return]
         outs = tuple([_output(node, k) for k in range(trace.outputs)])
-        return _fill(trace.template, outs, leaves)  # type: ignore[no-any-return]
+        return fill(trace.template, outs, leaves)  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
