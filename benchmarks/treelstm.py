@@ -79,8 +79,10 @@ Builder = Callable[[Weights], Variant | None]
 """None where the variant cannot run here (no PyTorch, no batching setting)."""
 
 
-def _monadl(weights: Weights, context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Variant:
-    model = TreeLSTM(weights)
+def _monadl(
+    weights: Weights, context: Callable[[], AbstractContextManager[Any]] = nullcontext, operation: bool = False
+) -> Variant:
+    model = TreeLSTM(weights, operation=operation)
     names = list(model.w)
 
     async def loss_and_gradients(trees: list[Tree]) -> tuple[float, Weights]:
@@ -116,6 +118,14 @@ def _monadl_unbatched(weights: Weights) -> Variant:
     return _monadl(weights, lambda: ml.settings(**off))
 
 
+def _monadl_cell(weights: Weights) -> Variant | None:
+    """The natural recursion with each node's cell marked as one `ml.operation`, batching on."""
+    if not batching_available():
+        return None
+    on: dict[str, Any] = {"batching": True}
+    return _monadl(weights, lambda: ml.settings(**on), operation=True)
+
+
 def _monadl_fold(weights: Weights) -> Variant:
     """The Tree-LSTM as Fold blocks (`examples.tree_lstm_fold`), batching on where the runtime has it."""
     from examples.tree_lstm_fold import FoldTreeLSTM
@@ -140,6 +150,7 @@ def _monadl_fold(weights: Weights) -> Variant:
 VARIANTS: dict[str, Builder] = {
     "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
+    "monadl cell": _monadl_cell,
     "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,
     "torch by depth": _treelstm_torch.by_depth,
@@ -242,9 +253,10 @@ def count_layers(root: ml.Layer[Any, Any]) -> int:
     return len(seen)
 
 
-def build_cost(weights: Weights, trees: list[Tree]) -> BuildCost:
-    """Building one batch's training graph, with the collector as a user has it."""
-    model = TreeLSTM(weights)
+def build_cost(weights: Weights, trees: list[Tree], operation: bool = False) -> BuildCost:
+    """Building one batch's training graph, with the collector as a user has it
+    (``operation``: the cell marked as one operation)."""
+    model = TreeLSTM(weights, operation=operation)
     collecting: list[float] = []
     spent = [0.0, 0]
 
@@ -306,14 +318,17 @@ def run_grid(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 batches = make_batches(batch, 3, shape == "balanced")
                 weights = init_weights(hidden)
-                cost = min((build_cost(weights, batches[0]) for _ in range(3)), key=lambda c: c.seconds)
-                print(
-                    f"# build ({shape}, H={hidden}, batch {batch}): {cost.layers} layers in {cost.seconds:.3f} s, "
-                    f"{1e6 * cost.seconds / cost.layers:.2f} us/layer ({1e6 * (cost.seconds - cost.gc_seconds) / cost.layers:.2f} "
-                    f"without GC); cyclic GC {cost.gc_seconds:.3f} s = {100 * cost.gc_seconds / cost.seconds:.0f}% "
-                    f"in {cost.collections} collections",
-                    flush=True,
-                )
+                for operation in (False, True):
+                    cost = min((build_cost(weights, batches[0], operation) for _ in range(3)), key=lambda c: c.seconds)
+                    nodes = sum(len(t.symbol) for t in batches[0])
+                    print(
+                        f"# build{' (cell as operation)' if operation else ''} ({shape}, H={hidden}, batch {batch}): "
+                        f"{cost.layers} layers in {cost.seconds:.3f} s, {1e6 * cost.seconds / cost.layers:.2f} us/layer, "
+                        f"{1e6 * cost.seconds / nodes:.2f} us/tree node ({1e6 * (cost.seconds - cost.gc_seconds) / cost.layers:.2f} "
+                        f"us/layer without GC); cyclic GC {cost.gc_seconds:.3f} s = {100 * cost.gc_seconds / cost.seconds:.0f}% "
+                        f"in {cost.collections} collections",
+                        flush=True,
+                    )
                 for threads in args.threads:
                     variants = {name: v for name, build in VARIANTS.items() if (v := build(weights)) is not None}
                     rates = {

@@ -29,9 +29,10 @@ accuracy and writes the training curves to ``tree_lstm.png``.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
@@ -183,33 +184,68 @@ def cell(gates: ml.ArrayLayer, hidden: int, children: tuple[State, State] | None
     return State(ml.sigmoid(gates[:, 3 * n : 4 * n]) * ml.tanh(c), c)
 
 
-def encode(params: Params, hidden: int, tree: Tree) -> ml.ArrayLayer:
+def leaf_node(params: Params, hidden: int, symbol: ml.Array) -> State:
+    """A leaf's state: the cell over its digit's gates (``W x + b``, an embedding lookup)."""
+    return cell(ml.embedding(params["leaf"], symbol), hidden, None)
+
+
+def internal_node(params: Params, hidden: int, symbol: ml.Array, left: State, right: State) -> State:
+    """An internal node's state: the cell over its operator and its children's states."""
+    gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
+    gates = gates + ml.embedding(params["operator"], symbol)
+    return cell(gates, hidden, (left, right))
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Cells:
+    """The two cells over one set of parameters: ``leaf(symbol)`` and
+    ``internal(symbol, left, right)``, each either a plain function (every op
+    its own layer) or marked as one `ml.operation` (traced once, then ONE node
+    of the graph per tree node, batched as a unit by the runtime; the same
+    values and gradients). The parameters are bound, not passed per call: an
+    operation then reads them from its trace instead of flattening a dict at
+    every node."""
+
+    leaf: Callable[[ml.Array], State]
+    internal: Callable[[ml.Array, State, State], State]
+
+    @staticmethod
+    def of(params: Params, hidden: int, operation: bool = False) -> Cells:
+        leaf = functools.partial(leaf_node, params, hidden)
+        internal = functools.partial(internal_node, params, hidden)
+        if operation:
+            return Cells(ml.operation(leaf), ml.operation(internal))
+        return Cells(leaf, internal)
+
+
+def encode(cells: Cells, tree: Tree) -> ml.ArrayLayer:
     """The root's hidden vector, ``(1, hidden)``: one cell per node, children first.
 
     >>> tree = random_tree(np.random.default_rng(0), 3)
-    >>> anyio.run(encode(init_weights(4), 4, tree).predict).shape
+    >>> anyio.run(encode(Cells.of(init_weights(4), 4), tree).predict).shape
     (1, 4)
     """
     states: list[State] = []
-    for k, symbol in enumerate(tree.symbol):
-        if tree.left[k] < 0:
-            states.append(cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None))
+    symbols, lefts, rights = tree.symbol, tree.left, tree.right
+    for k in range(len(symbols)):
+        symbol = symbols[k : k + 1]  # (a view: the lookup's index array)
+        if lefts[k] < 0:
+            states.append(cells.leaf(symbol))
         else:
-            left, right = states[tree.left[k]], states[tree.right[k]]
-            gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
-            gates = gates + ml.embedding(params["operator"], np.array([symbol]))
-            states.append(cell(gates, hidden, (left, right)))
+            states.append(cells.internal(symbol, states[lefts[k]], states[rights[k]]))
     return states[-1].h
 
 
-def tree_logits(params: Params, hidden: int, trees: Sequence[Tree]) -> ml.ArrayLayer:
+def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], cells: Cells | None = None) -> ml.ArrayLayer:
     """``(trees, 10)``: the scores of each tree's value mod 10, read from its root.
 
     >>> trees = make_trees(3, 2, 4, seed=0)
     >>> anyio.run(tree_logits(init_weights(4), 4, trees).predict).shape
     (3, 10)
     """
-    roots = ml.concatenate([encode(params, hidden, t) for t in trees], axis=0)
+    cells = cells or Cells.of(params, hidden)
+    roots = ml.concatenate([encode(cells, t) for t in trees], axis=0)
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
@@ -217,12 +253,14 @@ def tree_logits(params: Params, hidden: int, trees: Sequence[Tree]) -> ml.ArrayL
 class TreeLSTM:
     """The binary Tree-LSTM's weights, each trained with Adam."""
 
-    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01) -> None:
+    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01, operation: bool = True) -> None:
+        """``operation``: each node one `ml.operation` node (False: every op a layer)."""
         self.hidden = int(weights["children"].shape[0]) // 2
         self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
+        self.cells = Cells.of(self.w, self.hidden, operation)
 
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
-        return tree_logits(self.w, self.hidden, trees)
+        return tree_logits(self.w, self.hidden, trees, self.cells)
 
     def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(self.logits(trees), labels(trees))

@@ -31,10 +31,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import anyio
-import numpy as np
 
 import monadl as ml
-from examples.tree_lstm import Params, State, Tree, cell, init_weights, labels, make_trees
+from examples.tree_lstm import Params, State, Tree, init_weights, internal_node, labels, leaf_node, make_trees
 from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, OneOf
 
 
@@ -82,14 +81,12 @@ def node_block(params: Params, hidden: int) -> Block[Node, State]:
     (1, 4)
     """
 
-    def leaf_cell(symbol: int) -> State:
-        return cell(ml.embedding(params["leaf"], np.array([symbol])), hidden, None)
+    def leaf_cell(symbol: ml.Array) -> State:
+        return leaf_node(params, hidden, symbol)
 
-    def internal_cell(children: tuple[State, State, int]) -> State:
+    def internal_cell(children: tuple[State, State, ml.Array]) -> State:
         left, right, symbol = children
-        gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), params["children"])
-        gates = gates + ml.embedding(params["operator"], np.array([symbol]))
-        return cell(gates, hidden, (left, right))
+        return internal_node(params, hidden, symbol, left, right)
 
     node = ForwardDeclaration[Node, State]()
     leaf = InputTransform(_symbol) >> Function(leaf_cell)
@@ -98,8 +95,9 @@ def node_block(params: Params, hidden: int) -> Block[Node, State]:
     return node
 
 
-def _symbol(node: Node) -> int:
-    return node.symbol
+def _symbol(node: Node) -> ml.Array:
+    """The node's symbol as the lookups' index array (data: one trace serves every symbol)."""
+    return node.tree.symbol[node.index : node.index + 1]
 
 
 def _left(node: Node) -> Node:

@@ -19,6 +19,9 @@ from monadl._namespace import is_array, namespace
 
 __all__ = ["SparseRows", "is_basic_index", "scatter_add", "unbroadcast"]
 
+_ONE_HOT_LIMIT = 1 << 22
+"""The largest one-hot matrix (rows x indices) `scatter_add` builds (16 MiB in float32)."""
+
 Value = Any
 
 
@@ -59,6 +62,21 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
     positions, found by indexing an ``arange`` with the same index (memory:
     rows, or elements, x number of picked ones).
     """
+    if (
+        type(index) is np.ndarray
+        and type(out) is np.ndarray
+        and index.ndim == 1
+        and out.ndim >= 2
+        and getattr(values, "shape", None) == (*index.shape, *out.shape[1:])
+        and out.shape[0] * index.shape[0] <= _ONE_HOT_LIMIT
+    ):
+        # Rows of a small table (an embedding's summed delta): a one-hot product
+        # sums them in one BLAS call, 10-15x faster than add.at (which takes
+        # 13-17% of a batched Tree-LSTM step at batch 32); the sums' rounding
+        # order differs, as any float reduction's may.
+        one_hot = np.equal.outer(np.arange(out.shape[0]), index).astype(out.dtype)
+        out += np.reshape(one_hot @ np.reshape(values, (index.shape[0], prod(out.shape[1:]))), out.shape)
+        return out
     add = getattr(xp, "add", None)
     if add is not None and hasattr(add, "at"):
         add.at(out, index, values)

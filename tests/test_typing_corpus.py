@@ -141,6 +141,14 @@ ACCEPT = {
         assert_type(w, ml.ArrayWeight)
         assert_type(v.data, float)
     """,
+    "an_operation_keeps_its_functions_signature": """
+        @ml.operation
+        def cell(x: ml.ArrayOperand, h: ml.ArrayLayer, scale: float) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+            z = ml.tanh(array_weight * x) + h
+            return z, z * scale
+
+        assert_type(cell(array, array_layer, 2.0), tuple[ml.ArrayLayer, ml.ArrayLayer])
+    """,
     "fold_blocks_compose_with_inferred_types": """
         from collections.abc import Sequence
         from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, Map, Record, Reduce, Scalar, Vector
@@ -223,6 +231,15 @@ REJECT = {
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
     "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
     "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),
+    # An operation is called as its function is.
+    "operation_called_with_a_string": (
+        "@ml.operation\ndef cell(x: ml.ArrayLayer) -> ml.ArrayLayer:\n    return ml.tanh(x)\ncell('x')",
+        "arg-type",
+    ),
+    "operation_result_used_as_data": (
+        "@ml.operation\ndef cell(x: ml.ArrayLayer) -> ml.ArrayLayer:\n    return ml.tanh(x)\ny: ml.Array = cell(array_layer)",
+        "assignment",
+    ),
     # Fold blocks: ``a >> b`` needs a's output to be b's input.
     "fold_ill_typed_composition": (
         "from monadl.fold import InputTransform, Vector\nupper = InputTransform(str.upper)\nVector(3) >> upper",

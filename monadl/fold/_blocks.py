@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl.fold._block import Block, Build, call
-from monadl.layers import ArrayLayer
+from monadl.layers import ArrayLayer, operation
 from monadl.typeclasses import as_layer
 
 X = TypeVar("X")
@@ -101,7 +101,9 @@ class Zeros(Block[object, ArrayLayer]):
 # ---- functions ----------------------------------------------------------------------------------
 @final
 class Function(Block[X, Y]):
-    """A Python function over layers (a cell using weights, a loss).
+    """A Python function over layers (a cell using weights, a loss), built
+    as one `monadl.operation`: traced once per signature, one node of the
+    graph per input, batched as a unit.
 
     >>> import anyio, monadl as ml
     >>> scale = ml.Weight(np.array([2.0]))
@@ -112,7 +114,7 @@ class Function(Block[X, Y]):
     __slots__ = ("f",)
 
     def __init__(self, f: Callable[[X], Y]) -> None:
-        self.f = f
+        self.f: Callable[[X], Y] = operation(f)
 
     def _build(self, x: X) -> Build[Y]:
         return _done(self.f(x))

@@ -35,6 +35,7 @@ from monadl.layers._layer import (
     ScalarLayer,
     ScalarOperand,
 )
+from monadl.layers._operation import Operation, operation
 from monadl.layers._primitives import Primitive
 from monadl.layers._structure import (
     concatenate,
@@ -60,6 +61,7 @@ __all__ = [
     "Expr",
     "Layer",
     "Operand",
+    "Operation",
     "Primitive",
     "ScalarLayer",
     "ScalarOperand",
@@ -82,6 +84,7 @@ __all__ = [
     "maximum",
     "mean",
     "minimum",
+    "operation",
     "relu",
     "reshape",
     "sigmoid",

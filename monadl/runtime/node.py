@@ -26,12 +26,14 @@ from monadl._namespace import (
 )
 from monadl.errors import DTypeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
+from monadl.layers._program import Outputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 
 __all__ = ["all_finite", "collect", "compute", "describe", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
+_LOCAL: Final = _HOST | {Outputs}  # values of the host; an operation node's outputs are host values too
 _ARRAYS_ONLY: Final = {np.ndarray}
 _serial = attrgetter("_serial")
 
@@ -99,7 +101,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
                     args = _check_dtypes(node, args)
             elif kx not in _HOST and op.same_dtype and x.dtype != y.dtype:  # both from one other library (CuPy ...)
                 args = _check_dtypes(node, args)
-        elif (kx not in _HOST or ky not in _HOST) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
+        elif (kx not in _LOCAL or ky not in _LOCAL) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
     elif len(inputs) == 1:
         x = inputs[0]
@@ -117,7 +119,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         args, ins, needs = _operands(records, inputs, count)
         fits = False
         kinds = {type(a) for a in args}
-        if not kinds <= _HOST:
+        if not kinds <= _LOCAL:
             args = _foreign_operands(node, args)
         if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
             args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
@@ -131,7 +133,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
         raise
-    if ev.check_finite and not all_finite(out):
+    if ev.check_finite and not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
         raise NonFiniteError(
             f"{op.name} produced a NaN or an infinity from {describe(args)}; layer built at {where(node)}"
         )

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
+from monadl.layers._program import Outputs, Program, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature
@@ -309,9 +310,12 @@ class _Run:
         """One group of equal signature: one batched call, or node by node."""
         first = members[0]
         op = first._op
-        rule = BATCHING_RULES.get(op.name)
+        rule: Any = BATCHING_RULES.get(op.name)
+        minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
+        if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
+            rule, minimum = op.rule.batch, 2
         n = len(members)
-        if rule is None or n < (2 if self.forced else MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)):
+        if rule is None or n < (2 if self.forced else minimum):
             self.each(members)
             return
         records = self.records
@@ -338,7 +342,11 @@ class _Run:
                     value = reused.value
                 else:
                     values = [x if r is None else r.value for x, r in zip(column, recs)]
-                    value = namespace(values[0]).stack(values)
+                    first_value = values[0]
+                    if type(first_value) is Outputs:  # operation nodes, read by a traced view inside the operation
+                        value = StackedOutputs.stack(values)
+                    else:
+                        value = namespace(first_value).stack(values)
                 operand = Operand(None, recs)
             args.append(value)
             batched.append(stacks)

@@ -32,6 +32,7 @@ import numpy as np
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import SparseRows
 from monadl.layers._layer import Layer
+from monadl.layers._program import Outputs, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 
@@ -54,6 +55,9 @@ def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
         kind = type(x)
         if kind is Layer:
             value = records[x].value
+            if type(value) is Outputs:  # an operation node's outputs: their shapes
+                key += value.signature()
+                continue
             try:
                 key += (type(value), value.shape, value.dtype)
             except AttributeError:  # a plain number: not batched
@@ -156,7 +160,7 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     one, and the first that fails raises the usual error at its line)."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
-    foreign = kinds - _HOST
+    foreign = kinds - _HOST - {StackedOutputs}  # (operation nodes' outputs are host arrays)
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         return False
     if op.same_dtype:
@@ -224,6 +228,10 @@ class _Gather:
         """The stacked delta (zeros for members that got none)."""
         if self.stacked is None:
             like, parts = self.like, self.parts
+            if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
+                self.stacked = like.stack_deltas(parts)
+                self.parts = []
+                return self.stacked
             xp = namespace(like)
             zero = xp.zeros(like.shape[1:], dtype=like.dtype) if any(p is None for p in parts) else None
             self.stacked = xp.stack([zero if p is None else p for p in parts])

@@ -1,0 +1,369 @@
+"""`Program`: the traced steps of an `monadl.operation`, run as one primitive rule.
+
+A program is a list of steps, each a primitive of `PRIMITIVES` with its
+operands named by slots of an environment: the node's operands first, then
+the trace's constants, then each step's value. Run on one member's arrays
+(`Program.__call__`) it is an ordinary rule: value and one VJP per operand,
+the VJPs sharing one reverse sweep over the steps' own VJPs (with
+broadcasting undone by `unbroadcast`, as the runtime's backward does). Run on
+a group (`Program.batch`) each step goes through its batching rule where an
+operand is stacked, and as itself where all are shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any, Final, final
+
+from monadl._namespace import namespace
+from monadl.deltas import SparseRows, is_basic_index, unbroadcast
+from monadl.errors import OperandError
+from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._primitives import PRIMITIVES, Primitive
+
+__all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
+
+Value = Any
+Vjp = Callable[[Value], Value]
+
+
+# ---- values of an operation with several outputs -------------------------------------------------
+@final
+class Outputs(tuple[Value, ...]):
+    """The value of an operation node with several outputs: one array per
+    output, read by its view nodes."""
+
+    __slots__ = ()
+    # Not an array: the batching scheduler's signature reads these without an
+    # exception (so its view nodes group, and run one by one, cheaply).
+    shape: Final = None
+    dtype: Final = None
+
+    def signature(self) -> tuple[Any, ...]:
+        """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
+        return tuple([(type(p), p.shape, p.dtype) for p in self])
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputsDelta:
+    """The delta of an `Outputs`: per output its delta, or None (zero). Two
+    add slot by slot, as `SplitDelta`'s do.
+
+    >>> import numpy as np
+    >>> (OutputsDelta((np.ones(2), None)) + OutputsDelta((np.ones(2), np.ones(1)))).parts[0]
+    array([2., 2.])
+    """
+
+    parts: tuple[Value | None, ...]
+    # As its value's (None for an `Outputs`, (n,) for a `StackedOutputs`), so
+    # that the runtime finds no broadcasting to undo.
+    shape: tuple[int, ...] | None = None
+
+    def __getitem__(self, i: int) -> OutputsDelta:
+        """Member ``i``'s share of a group's delta (the stack's VJP takes it)."""
+        return OutputsDelta(tuple([None if p is None else p[i] for p in self.parts]))
+
+    def __add__(self, other: OutputsDelta) -> OutputsDelta:
+        parts = tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
+        return OutputsDelta(parts, self.shape)
+
+
+@final
+class StackedOutputs:
+    """The value of a group of operation nodes run as one: per output, the
+    members' arrays stacked; member ``i`` reads its `Outputs` as ``[i]``."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: tuple[Value, ...]) -> None:
+        self.parts = parts
+
+    @staticmethod
+    def stack(members: list[Outputs]) -> StackedOutputs:
+        """The members' `Outputs`, stacked output by output."""
+        xp = namespace(members[0][0])
+        return StackedOutputs(tuple([xp.stack([m[k] for m in members]) for k in range(len(members[0]))]))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.parts[0].shape[0]),)
+
+    def __getitem__(self, i: int) -> Outputs:
+        return Outputs([p[i] for p in self.parts])
+
+    def stack_deltas(self, members: list[OutputsDelta | None]) -> OutputsDelta:
+        """The members' deltas as one `OutputsDelta` of stacked arrays (zeros
+        for members without one; None for an output no member's delta reached)."""
+        stacked: list[Value | None] = []
+        for k, like in enumerate(self.parts):
+            column = [None if m is None else m.parts[k] for m in members]
+            if all(d is None for d in column):
+                stacked.append(None)
+                continue
+            xp = namespace(like)
+            zero = xp.zeros(like.shape[1:], dtype=like.dtype)
+            stacked.append(xp.stack([zero if d is None else d for d in column]))
+        return OutputsDelta(tuple(stacked))
+
+
+def _output_rule(value: Outputs, k: int) -> tuple[Value, tuple[Callable[[Value], OutputsDelta]]]:
+    """Output ``k`` of an operation node: a view; its delta fills slot ``k``."""
+    count = len(value)
+
+    def vjp(g: Value) -> OutputsDelta:
+        parts: list[Value | None] = [None] * count
+        parts[k] = g
+        return OutputsDelta(tuple(parts))
+
+    return value[k], (vjp,)
+
+
+def _argument_rule(*_: Any) -> Any:
+    raise OperandError("an operation's placeholder was evaluated: it exists only while a cell is traced")
+
+
+OUTPUT: Final = Primitive("output", _output_rule)
+ARGUMENT: Final = Primitive("argument", _argument_rule)
+
+
+# ---- the program --------------------------------------------------------------------------------
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One traced layer: its primitive, the slots of its operands, its
+    parameters, where it was written (for messages) and, per operand,
+    whether a delta must reach it (it leads to a layer or weight operand)."""
+
+    op: Primitive
+    refs: tuple[int, ...]
+    params: tuple[Any, ...]
+    site: Any
+    grads: tuple[bool, ...]
+    takes: tuple[int | None, ...] | None = None  # per parameter, the slot of a data argument it is
+
+    def parameters(self, env: list[Value]) -> tuple[Any, ...]:
+        """The parameters, with the call's data arguments in their places."""
+        if self.takes is None:
+            return self.params
+        return tuple([p if r is None else env[r] for p, r in zip(self.params, self.takes)])
+
+    def operands(self) -> Callable[[list[Value]], tuple[Value, ...]]:
+        """A fast reader of the step's operands from an environment."""
+        if len(self.refs) == 1:
+            (r,) = self.refs
+            return lambda env: (env[r],)
+        if not self.refs:
+            return lambda env: ()
+        return itemgetter(*self.refs)  # (of two or more: a tuple)
+
+
+@final
+class Program:
+    """The rule of an operation node (see the module's docstring)."""
+
+    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps")
+
+    def __init__(
+        self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
+    ) -> None:
+        self.name = name
+        self.size = size  # the node's operands
+        self.consts = consts
+        self.steps = steps
+        self.outputs = outputs
+        self.multi = len(outputs) > 1
+        self.readers = tuple(s.operands() for s in steps)
+        self.slices = tuple(_basic_slice(s) for s in steps)
+        self.live = tuple(any(s.grads) for s in steps)
+
+    def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
+        env = [*args, *self.consts]
+        vjps = []
+        for step, read in zip(self.steps, self.readers):
+            try:
+                out, rules = step.op.rule(*read(env), *step.parameters(env))
+            except ValueError as exc:
+                raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
+            except Exception as exc:
+                exc.add_note(f"monadl: in {step.op.name} at {_where(step)}, inside the operation {self.name}")
+                raise
+            env.append(out)
+            vjps.append(rules)
+        value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
+        return value, _Backward(self, env, vjps, None).rules()
+
+    def batch(self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
+        """The batching rule of the node: the program once over a group's
+        stacked (and shared) operands; None where a step cannot batch."""
+        env = [*args, *self.consts]
+        stacked = [*batched, *(False,) * len(self.consts)]
+        vjps = []
+        for step, read in zip(self.steps, self.readers):
+            values = read(env)
+            params = step.parameters(env)
+            flags = tuple([stacked[r] for r in step.refs])
+            pflags = (
+                (False,) * len(params)
+                if step.takes is None
+                else tuple(r is not None and stacked[r] for r in step.takes)
+            )
+            if True in flags or True in pflags:
+                rule = _batching_rule(step.op)
+                result = None if rule is None else rule((*values, *params), flags + pflags, n)
+                if result is None:
+                    return None
+                out, rules = result
+            else:  # shared by the whole group: computed once
+                out, rules = step.op.rule(*values, *params)
+            env.append(out)
+            stacked.append(True in flags or True in pflags)
+            vjps.append(rules)
+        outs = []
+        for o in self.outputs:
+            value = env[o]
+            if not stacked[o]:  # every member's output is this one array
+                value = namespace(value).broadcast_to(value, (n, *value.shape))
+            outs.append(value)
+        return (StackedOutputs(tuple(outs)) if self.multi else outs[0]), _Backward(self, env, vjps, stacked).rules()
+
+    def backward(
+        self, env: list[Value], vjps: list[tuple[Vjp, ...]], g: Value, stacked: list[bool] | None = None
+    ) -> list[Value | None]:
+        """The deltas of the node's operands from the delta ``g`` of its value:
+        the steps' VJPs in reverse, each share fitted to its operand's shape.
+        ``stacked``: per slot, whether it holds a group's stacked values.
+
+        Slices (a cell cutting its gate vector) add their deltas into one
+        zero buffer of the sliced array, in place, instead of each building a
+        buffer of zeros of its own (their VJP) that are then added up."""
+        deltas: list[Value | None] = [None] * len(env)
+        owned: set[int] = set()  # slots whose delta is a buffer made here (safe to add into)
+        if self.multi:
+            for o, d in zip(self.outputs, g.parts):
+                if d is not None:
+                    deltas[o] = d if deltas[o] is None else deltas[o] + d
+        else:
+            deltas[self.outputs[0]] = g
+        first = len(env) - len(self.steps)
+        for j in range(len(self.steps) - 1, -1, -1):
+            d = deltas[first + j]
+            if d is None or not self.live[j]:
+                continue
+            deltas[first + j] = None  # spent: its memory can go
+            if type(d) is SparseRows:
+                d = d.to_dense()
+            step, rules = self.steps[j], vjps[j]
+            index = self.slices[j]
+            r = step.refs[0] if step.refs else -1
+            if index is not None and step.grads[0] and (deltas[r] is None or type(deltas[r]) is type(env[r])):
+                # A slice: its delta goes into one buffer, in place.
+                if stacked is not None and stacked[r]:
+                    index = (slice(None), *index)
+                if r not in owned:
+                    value = env[r]
+                    xp = namespace(value)
+                    buffer = xp.zeros(value.shape, dtype=value.dtype)
+                    if deltas[r] is not None:
+                        buffer += deltas[r]
+                    deltas[r] = buffer
+                    owned.add(r)
+                target: Any = deltas[r]
+                target[index] += d
+                continue
+            for p, r in enumerate(step.refs):
+                if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
+                    continue
+                try:
+                    share = rules[p](d)
+                    value = env[r]
+                    shape = getattr(value, "shape", ())
+                    if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:
+                        share = unbroadcast(share, shape)
+                except Exception as exc:
+                    exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
+                    raise
+                deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
+        return deltas[: self.size]
+
+
+def _batching_rule(op: Primitive) -> Any:
+    """A step's batching rule: the table's, or a nested operation's own."""
+    if type(op.rule) is Program:
+        return op.rule.batch
+    if op is OUTPUT:
+        return _batch_output
+    return BATCHING_RULES.get(op.name)
+
+
+def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
+    """Output ``k`` of a group of a nested operation's nodes."""
+    stacked, k = args
+    if type(stacked) is not StackedOutputs:
+        return None
+    count, shape = len(stacked.parts), stacked.shape
+
+    def vjp(g: Value) -> OutputsDelta:
+        parts: list[Value | None] = [None] * count
+        parts[k] = g
+        return OutputsDelta(tuple(parts), shape)
+
+    return stacked.parts[k], (vjp,)
+
+
+def _basic_slice(step: Step) -> tuple[Any, ...] | None:
+    """A getitem step's index as a tuple, when it takes a view (slices, ints,
+    ``...``, None: `is_basic_index`); else None."""
+    if step.op is not PRIMITIVES["getitem"] or step.takes is not None:
+        return None
+    (index,) = step.params
+    if not is_basic_index(index):
+        return None
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _where(step: Step) -> str:
+    from monadl.layers._layer import site_text
+
+    return site_text(step.site)
+
+
+@final
+class _Backward:
+    """One run's reverse sweep, done once when the first operand's VJP is
+    called, shared by the others (the runtime calls them one after another
+    with the same delta)."""
+
+    __slots__ = ("deltas", "env", "g", "program", "stacked", "vjps")
+
+    def __init__(
+        self, program: Program, env: list[Value], vjps: list[tuple[Vjp, ...]], stacked: list[bool] | None
+    ) -> None:
+        self.program = program
+        self.env = env
+        self.vjps = vjps
+        self.stacked = stacked
+        self.g: Value = None
+        self.deltas: list[Value | None] | None = None
+
+    def rules(self) -> tuple[Vjp, ...]:
+        return tuple([self._rule(k) for k in range(self.program.size)])
+
+    def _rule(self, k: int) -> Vjp:
+        return lambda g: self.delta(k, g)
+
+    def delta(self, k: int, g: Value) -> Value:
+        if self.deltas is None or self.g is not g:
+            self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked)
+            self.g = g
+        d = self.deltas[k]
+        if d is None:
+            value = self.env[k]
+            if type(value) is Outputs:
+                return OutputsDelta((None,) * len(value))
+            if type(value) is StackedOutputs:
+                return OutputsDelta((None,) * len(value.parts), value.shape)
+            return namespace(value).zeros_like(value)
+        return d

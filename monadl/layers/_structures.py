@@ -1,0 +1,154 @@
+"""The arguments and results of an `monadl.operation` as structures: what
+a call's signature is made of, and how a traced result is rebuilt per call.
+
+A structure is tuples, lists, dicts and dataclasses (named tuples too) of
+*leaves*: layers and weights (operands with a delta, `NODE`), arrays and
+floats (data, `DATA`), and anything else, static (by value if hashable,
+else by identity). `flatten` gives a call's hashable shape and its operand
+leaves; `rebuild` puts placeholders in their places; `template` and `fill`
+rebuild a traced function's result around each call's nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final
+
+import numpy as np
+
+from monadl._namespace import is_array
+from monadl.layers._layer import Expr, Layer
+from monadl.layers._program import OUTPUT
+from monadl.layers._weight import Weight
+
+__all__ = ["DATA", "NODE", "fill", "flatten", "items", "rebuild", "template"]
+
+NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
+DATA: Final = "data"  # an array or a float: an operand without one
+
+
+# ---- structures of arguments and results ------------------------------------------------------
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(kind: type) -> tuple[str, ...]:
+    """A dataclass's fields given to its constructor (looked up once per class)."""
+    found = _FIELDS.get(kind)
+    if found is None:
+        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+    return found
+
+
+_STATIC: Final = frozenset({int, bool, str, type(None)})
+
+
+def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any:
+    """The hashable shape of ``x`` (its structure and static leaves); its
+    operand leaves go to ``leaves`` (and the places of those that are other
+    operations' outputs to ``views``), unhashable static ones to ``keep``
+    (held by the cache, so that their ids stay theirs)."""
+    kind = type(x)
+    if kind is Layer:
+        if x._op is OUTPUT:
+            views.append(len(leaves))
+        leaves.append(x)
+        return NODE
+    if kind is Weight:
+        leaves.append(x)
+        return NODE
+    if kind is np.ndarray or kind is float:
+        leaves.append(x)
+        return DATA
+    if kind in _STATIC:
+        return (kind, x)
+    fields = _FIELDS.get(kind)
+    if fields is not None:  # a dataclass seen before (checked first: a model's states are)
+        return (kind, items([getattr(x, name) for name in fields], leaves, keep, views))
+    if kind is tuple or kind is list:
+        return (kind, items(x, leaves, keep, views))
+    if kind is dict:
+        return (dict, tuple(x), items(x.values(), leaves, keep, views))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (kind, tuple([flatten(getattr(x, name), leaves, keep, views) for name in _fields(kind)]))
+    if isinstance(x, tuple):  # a named tuple
+        return (kind, tuple([flatten(y, leaves, keep, views) for y in x]))
+    if isinstance(x, Expr):
+        leaves.append(x)
+        return NODE
+    if isinstance(x, np.generic) or is_array(x):
+        leaves.append(x)
+        return DATA
+    try:
+        hash(x)
+        return ("static", kind, x)
+    except TypeError:
+        keep.append(x)
+        return ("id", id(x))
+
+
+def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int]) -> tuple[Any, ...]:
+    """`_flatten` of a container's items, with layers and weights (most of
+    them) taken without a call: this runs for every call of an operation."""
+    shape = []
+    for y in xs:
+        kind = type(y)
+        if kind is Layer:
+            if y._op is OUTPUT:
+                views.append(len(leaves))
+            leaves.append(y)
+            shape.append(NODE)
+        elif kind is Weight:
+            leaves.append(y)
+            shape.append(NODE)
+        else:
+            shape.append(flatten(y, leaves, keep, views))
+    return tuple(shape)
+
+
+def rebuild(x: Any, leaves: Iterator[Any]) -> Any:
+    """``x`` with its operand leaves replaced by the next of ``leaves`` (the walk of `_flatten`)."""
+    kind = type(x)
+    if kind is Layer or kind is Weight or kind is np.ndarray or kind is float:
+        return next(leaves)
+    if kind is tuple or kind is list:
+        return kind([rebuild(y, leaves) for y in x])
+    if kind is dict:
+        return {k: rebuild(y, leaves) for k, y in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return kind(*[rebuild(getattr(x, name), leaves) for name in _fields(kind)])
+    if isinstance(x, tuple):
+        return kind(*[rebuild(y, leaves) for y in x])
+    if isinstance(x, (Expr, np.generic)) or is_array(x):
+        return next(leaves)
+    return x
+
+
+# A result's template: how to rebuild it per call. Leaves: ("out", k) the
+# program's output k, ("arg", j) the call's operand j, ("const", v) as it is.
+def template(y: Any, leaf: Callable[[Any], tuple[str, Any]]) -> Any:
+    kind = type(y)
+    if kind is tuple or kind is list:
+        return ("seq", kind, tuple(template(z, leaf) for z in y))
+    if kind is dict:
+        return ("dict", tuple(y), tuple(template(z, leaf) for z in y.values()))
+    if dataclasses.is_dataclass(y) and not isinstance(y, type):
+        return ("call", kind, tuple(template(getattr(y, name), leaf) for name in _fields(kind)))
+    if isinstance(y, tuple):
+        return ("call", kind, tuple(template(z, leaf) for z in y))
+    return leaf(y)
+
+
+def fill(t: tuple[Any, ...], outs: tuple[Any, ...], args: list[Any]) -> Any:
+    tag = t[0]
+    if tag == "out":
+        return outs[t[1]]
+    if tag == "arg":
+        return args[t[1]]
+    if tag == "const":
+        return t[1]
+    if tag == "seq":
+        return t[1]([fill(z, outs, args) for z in t[2]])
+    if tag == "dict":
+        return dict(zip(t[1], [fill(z, outs, args) for z in t[2]]))
+    return t[1](*[fill(z, outs, args) for z in t[2]])

@@ -1,0 +1,255 @@
+"""`ml.operation`: a cell as one node, with the values and gradients of the unmarked cell."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.layers._program import Program
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    h: ml.ArrayLayer
+    c: ml.ArrayLayer
+
+
+def _weights(dtype: Any, seed: int = 0) -> tuple[ml.ArrayWeight, ml.ArrayWeight, ml.ArrayWeight]:
+    rng = np.random.default_rng(seed)
+    return (
+        ml.Weight(rng.normal(size=(6, 12)).astype(dtype)),
+        ml.Weight(rng.normal(size=(3, 12)).astype(dtype)),
+        ml.Weight(rng.normal(size=(12,)).astype(dtype)),
+    )
+
+
+def _model(cell: Any, weights: tuple[Any, ...], dtype: Any, trees: int = 6, depth: int = 4) -> ml.ScalarLayer:
+    """A batch of small balanced trees over the cell: the natural recursion."""
+    rng = np.random.default_rng(1)
+    roots = []
+    for _ in range(trees):
+        level = [
+            State(
+                ml.Weight(np.zeros((1, 3), dtype)) * 1.0,
+                ml.tanh(rng.normal(size=(1, 3)).astype(dtype) * weights[2][:3]),
+            )
+            for _ in range(2**depth)
+        ]
+        while len(level) > 1:
+            level = [
+                cell(weights, rng.normal(size=(1, 3)).astype(dtype), level[i], level[i + 1])
+                for i in range(0, len(level), 2)
+            ]
+        roots.append(level[0].h)
+    return ml.sum(ml.concatenate(roots, axis=0) ** 2)
+
+
+def plain_cell(weights: tuple[Any, ...], x: ml.Array, left: State, right: State) -> State:
+    w, u, b = weights
+    gates = ml.dense(ml.concatenate([left.h, right.h], axis=1), w, b) + x @ u
+    i, f, o, g = gates[:, :3], gates[:, 3:6], gates[:, 6:9], gates[:, 9:]
+    c = ml.sigmoid(i) * ml.tanh(g) + ml.sigmoid(f) * (left.c + right.c) * 0.5
+    return State(ml.sigmoid(o) * ml.tanh(c), c)
+
+
+marked_cell = ml.operation(plain_cell)
+
+
+def _run(loss: ml.ScalarLayer, weights: tuple[Any, ...], batching: bool) -> tuple[Any, list[Any]]:
+    with ml.settings(batching=batching):
+        value = anyio.run(loss.predict)
+        grads = anyio.run(ml.gradients, loss, list(weights))
+    return value, grads
+
+
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize(("dtype", "rtol"), [(np.float64, 1e-12), (np.float32, 1e-6)])
+def test_same_values_and_gradients_as_the_unmarked_cell(batching: bool, dtype: Any, rtol: float) -> None:
+    weights = _weights(dtype)
+    value, grads = _run(_model(plain_cell, weights, dtype), weights, False)
+    marked_value, marked_grads = _run(_model(marked_cell, weights, dtype), weights, batching)
+    assert abs(marked_value - value) <= rtol * abs(value)
+    for g, m in zip(grads, marked_grads):
+        assert m.dtype == g.dtype
+        assert np.max(np.abs(m - g)) <= rtol * np.max(np.abs(g))
+
+
+def test_one_node_per_call_and_one_trace_per_signature() -> None:
+    weights = _weights(np.float64)
+    op = ml.operation(plain_cell)
+    leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.zeros((1, 3))) * 1.0)
+    state = op(weights, np.ones((1, 3)), leaf, leaf)
+    node = state.h._inputs[0]
+    assert state.c._inputs[0] is node and type(node._op.rule) is Program
+    assert node._inputs[:3] == weights  # weights passed in are operands of the node, as layers are
+    op(weights, np.ones((1, 3)), leaf, leaf)
+    assert len(op._traces) == 1
+    op(_weights(np.float64, seed=1), np.ones((1, 3)), leaf, leaf)  # weights passed in are operands: the same trace
+    assert len(op._traces) == 1
+
+
+def test_static_arguments_choose_the_trace() -> None:
+    @ml.operation
+    def scaled(x: ml.ArrayOperand, twice: bool) -> ml.ArrayLayer:
+        return ml.tanh(x) * (2.0 if twice else 1.0)
+
+    x = ml.Weight(np.array([0.5]))
+    once, twice = anyio.run(scaled(x, False).predict), anyio.run(scaled(x, True).predict)
+    assert twice[0] == pytest.approx(2 * once[0]) and len(scaled._traces) == 2
+
+
+def test_a_group_of_one_trace_runs_as_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = Program.batch
+
+    def counting(self: Program, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Any:
+        calls.append(n)
+        return original(self, args, batched, n)
+
+    monkeypatch.setattr(Program, "batch", counting)
+    weights = _weights(np.float64)
+    _run(_model(marked_cell, weights, np.float64, trees=4, depth=3), weights, True)
+    assert calls == [16, 8, 4] * 2  # one call per level of the four trees, in predict and in gradients
+
+
+def test_a_step_without_a_batching_rule_runs_member_by_member() -> None:
+    w = ml.Weight(np.arange(6.0).reshape(1, 6) / 6)
+
+    def halves(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        a, b = ml.split(w * x, 2, axis=1)  # split has no batching rule
+        return a * b
+
+    marked = ml.operation(halves)
+    xs = [np.full((1, 6), float(i)) for i in range(12)]
+    plain = ml.sum(ml.concatenate([halves(x) for x in xs], axis=0))
+    loss = ml.sum(ml.concatenate([marked(x) for x in xs], axis=0))
+    assert _run(loss, (w,), True)[0] == pytest.approx(_run(plain, (w,), False)[0])
+    np.testing.assert_allclose(_run(loss, (w,), True)[1][0], _run(plain, (w,), False)[1][0])
+
+
+def test_a_result_without_computation_is_its_arguments() -> None:
+    swap = ml.operation(lambda pair: (pair[1], pair[0]))
+    a, b = ml.Weight(1.0) * 1.0, ml.Weight(2.0) * 1.0
+    assert swap((a, b)) == (b, a)
+
+
+def test_a_shape_error_names_the_call_and_the_line_in_the_cell() -> None:
+    @ml.operation
+    def bad(x: ml.Expr[ml.Array, ml.Array]) -> ml.ArrayLayer:
+        return x @ np.ones((4, 2))  # the line inside the cell
+
+    w = ml.Weight(np.ones((1, 3)))
+    y = bad(w)  # the line of the call
+    with pytest.raises(ml.ShapeError) as info:
+        anyio.run(ml.sum(y).train)
+    message = str(info.value)
+    here = test_a_shape_error_names_the_call_and_the_line_in_the_cell.__code__.co_firstlineno
+    assert f"test_operation.py:{here + 3}" in message and f"test_operation.py:{here + 6}" in message
+    np.testing.assert_array_equal(w.data, np.ones((1, 3)))  # nothing changed
+
+
+def test_training_steps_each_weight_once() -> None:
+    weights = _weights(np.float64)
+    before = [w.data.copy() for w in weights]
+    plain = _weights(np.float64)
+    anyio.run(_model(marked_cell, weights, np.float64).train)
+    anyio.run(_model(plain_cell, plain, np.float64).train)
+    for w, p, b in zip(weights, plain, before):
+        assert not np.array_equal(w.data, b)
+        np.testing.assert_allclose(w.data, p.data, rtol=1e-12)
+
+
+def test_layers_from_outside_and_values_are_refused() -> None:
+    outside = ml.Weight(np.ones(2)) * 2.0
+
+    @ml.operation
+    def uses_outside(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return x + outside
+
+    with pytest.raises(ml.OperandError, match="built outside the call; pass it as an argument"):
+        uses_outside(np.ones(2))
+
+    @ml.direct
+    async def reads(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        return x * float(np.sum(await x))
+
+    with pytest.raises(ml.OperandError, match="depends on values, so it cannot be traced"):
+        ml.operation(lambda x: reads(ml.Weight(np.ones(2)) * x))(np.ones(2))
+
+    async def awaits(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        return x
+
+    with pytest.raises(ml.OperandError, match="is async"):
+        ml.operation(awaits)
+
+
+def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
+    table = ml.Weight(np.arange(8.0).reshape(4, 2))
+    lookup = ml.operation(lambda indices: ml.embedding(table, indices) * 2.0)
+    rows = [lookup(np.array([i])) for i in (3, 0, 2)]  # the first call's indices are not kept
+    assert anyio.run(ml.concatenate(rows, axis=0).predict).tolist() == [[12.0, 14.0], [0.0, 2.0], [8.0, 10.0]]
+    with pytest.raises(ml.OperandError, match="computed with in NumPy inside the cell"):
+        ml.operation(lambda x: table * np.exp(x))(np.ones(2))
+
+
+def test_an_operation_reads_another_operations_outputs_from_its_node() -> None:
+    weights = _weights(np.float64)
+    leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.zeros((1, 3))) * 1.0)
+    child = marked_cell(weights, np.ones((1, 3)), leaf, leaf)
+    parent = marked_cell(weights, np.ones((1, 3)), child, child)
+    node, child_node = parent.h._inputs[0], child.h._inputs[0]
+    # h and c of the child are one operand, its node: no view node between the two cells.
+    assert [x for x in node._inputs if isinstance(x, ml.Layer)] == [child_node]
+    plain = plain_cell(weights, np.ones((1, 3)), *(2 * [plain_cell(weights, np.ones((1, 3)), leaf, leaf)]))
+    assert anyio.run(ml.sum(parent.c).predict) == pytest.approx(anyio.run(ml.sum(plain.c).predict), rel=1e-12)
+
+
+def test_the_finite_check_covers_every_output() -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    both = ml.operation(lambda x: (ml.tanh(x @ w), ml.sqrt(x @ w)))
+    a, b = both(np.array([[1.0, -2.0]]))
+    with (
+        ml.settings(check_finite=True),
+        np.errstate(invalid="ignore"),
+        pytest.raises(ml.NonFiniteError, match="<lambda>"),
+    ):
+        anyio.run((a + b).sum().train)
+    np.testing.assert_array_equal(w.data, np.ones((2, 2)))
+
+
+def test_a_partials_arguments_are_held_like_a_closure() -> None:
+    import functools
+
+    def scaled(w: ml.ArrayWeight, x: ml.Array) -> ml.ArrayLayer:
+        return w * x
+
+    first, second = ml.Weight(np.ones(2)), ml.Weight(np.full(2, 3.0))
+    op_first, op_second = (
+        ml.operation(functools.partial(scaled, first)),
+        ml.operation(functools.partial(scaled, second)),
+    )
+    assert op_first.__name__ == "test_a_partials_arguments_are_held_like_a_closure.<locals>.scaled"
+    assert anyio.run(op_second(np.ones(2)).predict).tolist() == [3.0, 3.0]
+    assert anyio.run(op_first(np.ones(2)).predict).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_slices_and_whole_uses_of_one_array_add_up(batching: bool) -> None:
+    w = ml.Weight(np.random.default_rng(3).normal(size=(3, 4)))
+
+    def cut(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        g = x @ w
+        # overlapping slices, an int index, and the whole array again
+        return ml.tanh(g[:, :3]) * g[:, 1:] + g[:, 2:3] * 2.0 + ml.sigmoid(g).sum(axis=1, keepdims=True) + g[0, 1]
+
+    xs = [np.full((2, 3), 0.1 * i) for i in range(10)]
+    plain = _run(ml.sum(ml.concatenate([cut(x) for x in xs], axis=0)), (w,), False)
+    marked_cut = ml.operation(cut)
+    marked = _run(ml.sum(ml.concatenate([marked_cut(x) for x in xs], axis=0)), (w,), batching)
+    assert marked[0] == pytest.approx(plain[0], rel=1e-12)
+    np.testing.assert_allclose(marked[1][0], plain[1][0], rtol=1e-12)
