@@ -60,8 +60,8 @@ def test_the_build_cost_counts_every_layer_of_the_graph() -> None:
     trees = treelstm.make_batches(batch=2, count=1, balanced=False)[0]
     cost = treelstm.build_cost(init_weights(4), trees)
     # A leaf is 10 layers (lookup, 3 slices, 2 sigmoids, 2 tanh, 2 products), an
-    # internal node 21, and the head 4 (concatenate, matmul, bias, cross-entropy).
-    assert cost.layers == 2 * (128 * 10 + 127 * 21) + 4
+    # internal node 21, and the head 3 (concatenate, dense with its bias, cross-entropy).
+    assert cost.layers == 2 * (128 * 10 + 127 * 21) + 3
     assert 0.0 <= cost.gc_seconds <= cost.seconds and cost.collections >= 0
 
 
