@@ -12,7 +12,11 @@ tokens), in one run, rounds alternating between the contenders:
 * fibers on: the same with batching automatic: fibers park at their graphs,
   which run merged and batched (`monadl.runtime.schedule.fibers`);
 * direct on: the same parser in direct style (``await`` at each decision,
-  `Parser.parse_direct`), batching automatic.
+  `Parser.parse_direct`), batching automatic;
+* cells 1-by-1, cells on: one by one and fibers on, with the tracker and
+  the composition marked as operations (``Parser(cells=True)``: one node
+  each per call, a merged group of them one call of its program). The
+  ratio "cells on/1-by-1" is to the unmarked one by one.
 
 The weights do not move (learning rate 0), so every round parses the same
 way. Before timing, the batch's gradients with fibers on are checked against
@@ -49,8 +53,8 @@ _clock = time.process_time
 DTYPE: type[np.floating[Any]] = np.float32
 
 
-def _parser(hidden: int, dtype: type[np.floating[Any]] = DTYPE) -> Parser:
-    return Parser(hidden, seed=0, learning_rate=0.0, dtype=dtype)
+def _parser(hidden: int, dtype: type[np.floating[Any]] = DTYPE, cells: bool = False) -> Parser:
+    return Parser(hidden, seed=0, learning_rate=0.0, dtype=dtype, cells=cells)
 
 
 def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -> float:
@@ -66,6 +70,9 @@ def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -
         return float(value), [grads.get(w) for w in parser.weights()]
 
     on, off, direct = batch_gradients(None), batch_gradients(False), batch_gradients(None, True)
+    marked = _parser(hidden, dtype, cells=True)  # the same weights, its cells marked as operations
+    cell_value, cell_grads = anyio.run(entry.gradients, marked.loss(sentences, logs))
+    cells = (float(cell_value), [cell_grads.get(w) for w in marked.weights()])
     singles = [anyio.run(entry.gradients, parser.loss([s], logs)) for s in sentences]
     mean_loss = float(np.mean([float(v) for v, _ in singles]))
     mean_grads = []
@@ -73,7 +80,7 @@ def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -
         parts = [g[w] for _, g in singles if w in g]
         mean_grads.append(sum(_dense(p) for p in parts) / batch if parts else None)
     worst = 0.0
-    for loss, grads in (off, direct, (mean_loss, mean_grads)):
+    for loss, grads in (off, direct, cells, (mean_loss, mean_grads)):
         worst = max(worst, abs(on[0] - loss) / abs(loss))
         for a, b in zip(on[1], grads):
             if a is None or b is None:
@@ -92,6 +99,7 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
     contender: the least of ``steps`` steps in each of ``rounds`` rounds (the
     least of many single steps resists the neighbours' bursts best)."""
     parser = _parser(hidden)
+    marked = _parser(hidden, cells=True)
     sentences = make_sentences(batch, 2, 6, seed=10)
     logs: list[Log] = []
 
@@ -102,6 +110,13 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
     async def together() -> None:
         await parser.loss(sentences, logs).train()
 
+    async def cells_one_by_one() -> None:
+        for s in sentences:
+            await marked.loss([s], logs).train()
+
+    async def cells_together() -> None:
+        await marked.loss(sentences, logs).train()
+
     async def together_direct() -> None:
         await parser.loss(sentences, logs, direct=True).train()
 
@@ -110,6 +125,8 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
         "fibers off": (together, False),
         "fibers on": (together, None),
         "direct on": (together_direct, None),
+        "cells 1-by-1": (cells_one_by_one, None),
+        "cells on": (cells_together, None),
     }
     best = dict.fromkeys(contenders, float("inf"))
     names = list(contenders)
@@ -187,12 +204,13 @@ def main() -> None:
         worst = check(hidden, max(sizes))
         worst32 = check(hidden, max(sizes), np.float32)
         print(
-            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs one by one): "
+            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs cells, vs one by one): "
             f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
         )
         print(
             f"{'batch':>5s} {'one by one':>11s} {'fibers off':>11s} {'fibers on':>11s} {'on/1-by-1':>10s} "
-            f"{'on/off':>7s} {'direct on':>11s} {'direct/1-by-1':>14s}"
+            f"{'on/off':>7s} {'direct on':>11s} {'direct/1-by-1':>14s} {'cells 1-by-1':>13s} {'cells on':>10s} "
+            f"{'cells on/1-by-1':>16s}"
         )
         for b in sizes:
             best = timing(hidden, b, rounds, steps)
@@ -200,7 +218,8 @@ def main() -> None:
                 f"{b:5d} {best['one by one'] * 1e3:9.2f}ms {best['fibers off'] * 1e3:9.2f}ms "
                 f"{best['fibers on'] * 1e3:9.2f}ms {best['one by one'] / best['fibers on']:9.2f}x "
                 f"{best['fibers off'] / best['fibers on']:6.2f}x {best['direct on'] * 1e3:9.2f}ms "
-                f"{best['one by one'] / best['direct on']:13.2f}x"
+                f"{best['one by one'] / best['direct on']:13.2f}x {best['cells 1-by-1'] * 1e3:11.2f}ms "
+                f"{best['cells on'] * 1e3:8.2f}ms {best['one by one'] / best['cells on']:15.2f}x"
             )
         merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))
         analysis = f"{analysis_us:.2f} us" if analysis_us else "none (the cost rule left the merges unbatched)"

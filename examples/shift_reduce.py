@@ -113,7 +113,9 @@ class Log:
 
 class Parser:
     """The embeddings, the tracker (3H -> H -> 2), the composition cell (2H -> H)
-    and the task head (H -> 10)."""
+    and the task head (H -> 10). ``cells``: the tracker and the composition
+    marked as operations (`ml.operation`: one node each per call, batched as
+    a unit); the same values and gradients either way."""
 
     def __init__(
         self,
@@ -121,6 +123,7 @@ class Parser:
         seed: int = 0,
         learning_rate: float = 0.01,
         dtype: type[np.floating[Any]] = np.float64,
+        cells: bool = False,
     ) -> None:
         rng = np.random.default_rng(seed)
         self.hidden = hidden
@@ -134,6 +137,8 @@ class Parser:
         self.action = (weight(hidden, 2), weight(2, scale=0.0))
         self.compose = (weight(2 * hidden, hidden), weight(hidden, scale=0.0))
         self.head = (weight(hidden, CLASSES), weight(CLASSES, scale=0.0))
+        self._scores = ml.operation(self._tracker) if cells else self._tracker
+        self._compose = ml.operation(self._composition) if cells else self._composition
 
     def weights(self) -> list[ml.ArrayWeight]:
         return [self.table, *self.tracker, *self.action, *self.compose, *self.head]
@@ -141,14 +146,19 @@ class Parser:
     def leaf(self, token: int) -> ml.ArrayLayer:
         return ml.tanh(ml.embedding(self.table, np.array([token])))
 
-    def scores(self, top: ml.ArrayLayer, second: ml.ArrayLayer, head: ml.ArrayLayer | ml.Array) -> ml.ArrayLayer:
+    def scores(self, top: ml.ArrayLayer, second: ml.ArrayLayer, head: ml.ArrayLayer) -> ml.ArrayLayer:
         """The tracker's scores of shift and reduce, shape (1, 2)."""
-        state = ml.tanh(ml.concatenate([top, second, head], axis=1) @ self.tracker[0] + self.tracker[1])
-        return state @ self.action[0] + self.action[1]
+        return self._scores(top, second, head)
 
     def reduce(self, left: Entry, right: Entry) -> Entry:
-        vector = ml.tanh(ml.concatenate([left.vector, right.vector], axis=1) @ self.compose[0] + self.compose[1])
-        return Entry(vector, left.start, right.end)
+        return Entry(self._compose(left.vector, right.vector), left.start, right.end)
+
+    def _tracker(self, top: ml.ArrayLayer, second: ml.ArrayLayer, head: ml.ArrayLayer) -> ml.ArrayLayer:
+        state = ml.tanh(ml.dense(ml.concatenate([top, second, head], axis=1), *self.tracker))
+        return ml.dense(state, *self.action)
+
+    def _composition(self, left: ml.ArrayLayer, right: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(ml.dense(ml.concatenate([left, right], axis=1), *self.compose))
 
     def parse(self, sentence: Sentence, log: Log) -> ml.ScalarLayer:
         """The sentence's loss (action and task cross-entropy), as a layer whose

@@ -232,3 +232,18 @@ async def test_a_parked_fiber_is_not_waited_for_by_a_coroutine_that_waits_for_it
     assert grads.keys() == off.keys()
     for w in grads:
         np.testing.assert_allclose(grads[w], off[w], rtol=1e-12)
+
+
+def test_the_merge_counts_the_weights_an_operation_multiplies_by() -> None:
+    # The cost rule batches a merge by the weights its products use; an
+    # operation holding a product is one, else marked cells would never batch.
+    from monadl.runtime.evaluation import Evaluation
+    from monadl.runtime.node import collect
+
+    w = ml.Weight(np.ones((64, 64)))
+    cell = ml.operation(lambda x: ml.tanh(x @ w))
+    plain = ml.operation(lambda x: ml.tanh(x) * 2.0)
+    ev = Evaluation(train=False)
+    graphs = [collect(ev, [cell(ml.stop_gradient(np.ones((1, 64))))]) for _ in range(2)]
+    assert fibers.merge(ev, graphs)[2] == 2 * 64 * 64
+    assert fibers.merge(ev, [collect(ev, [plain(ml.stop_gradient(np.ones(3)))])])[2] == 0

@@ -33,6 +33,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Final, final
 
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
@@ -151,7 +152,7 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
             if node not in seen and node not in records:  # another fiber's graph may have computed it
                 seen.add(node)
                 order.append(node)
-                if node._op.name in _PRODUCTS:
+                if _multiplies(node._op):
                     for x in node._inputs:
                         if type(x) is Weight:
                             products += x._data.size
@@ -159,3 +160,12 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
             key = (part[-1]._site, len(part))
             shapes[key] = shapes.get(key, 0) + 1
     return order, max(shapes.values(), default=0), products
+
+
+def _multiplies(op: Any) -> bool:
+    """Whether a node multiplies by its weights: a matrix product, or an
+    operation (`monadl.operation`) whose program holds one."""
+    if op.name in _PRODUCTS:
+        return True
+    rule = op.rule
+    return type(rule) is Program and any(step.op.name in _PRODUCTS for step in rule.steps)
