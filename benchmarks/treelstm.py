@@ -330,12 +330,13 @@ def run_grid(args: argparse.Namespace) -> None:
                         flush=True,
                     )
                 for threads in args.threads:
-                    variants = {name: v for name, build in VARIANTS.items() if (v := build(weights)) is not None}
+                    chosen = {name: build for name, build in VARIANTS.items() if name in args.variants}
+                    variants = {name: v for name, build in chosen.items() if (v := build(weights)) is not None}
                     rates = {
                         mode: anyio.run(_race, variants, batches, mode, threads, args.seconds, args.rounds)
                         for mode in ("train", "infer")
                     }
-                    for name in VARIANTS:
+                    for name in chosen:
                         print(_format(shape, hidden, batch, threads, name, rates), flush=True)
 
 
@@ -364,6 +365,13 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=["random", "balanced"], default=["random", "balanced"])
     parser.add_argument("--seconds", type=float, default=6.0, help="timing per variant and cell, over all rounds")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="which to time (the ratios need 'torch by depth'; node by node at H = 1024 takes minutes a step)",
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()}, {CORES} cores, python {platform.python_version()}, numpy {np.__version__}, "
