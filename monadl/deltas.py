@@ -40,6 +40,8 @@ def unbroadcast(delta: Value, shape: tuple[int, ...]) -> Value:
     >>> float(unbroadcast(np.ones((2, 3)), ()))
     6.0
     """
+    if type(delta) is np.ndarray and delta.ndim == 2 and delta.shape[1:] == shape:
+        return np.add.reduce(delta, axis=0)  # the common case, a bias's rows: one call
     xp = namespace(delta)
     # NumPy's add.reduce is np.sum without its Python wrapper (half the time on small arrays).
     total = np.add.reduce if xp is np else xp.sum
