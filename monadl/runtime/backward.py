@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any, Final
@@ -58,6 +58,9 @@ def backprop(
     Returns:
         True if it stopped at the deadline (the iterator has records left).
     """
+    if type(records) is tuple:  # a record or a few (the counted release, the pool): no chunks, no clock
+        _backprop(records, check_finite, lock)
+        return False
     remaining = iter(records)
     while True:  # in chunks, so that looking at the clock costs nothing per record
         chunk = list(islice(remaining, CHECK_EVERY))
@@ -68,7 +71,7 @@ def backprop(
             return True
 
 
-def _backprop(records: list[Record], check_finite: bool, lock: AbstractContextManager[Any] | None) -> None:
+def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractContextManager[Any] | None) -> None:
     for rec in records:
         delta = rec.delta
         vjps = rec.vjps

@@ -117,6 +117,8 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     n = 0
     while work:
         t = work.pop()
+        if t is None:  # an operand that is not a layer's (data)
+            continue
         kind = type(t)
         if kind is Record:
             t.refcount -= 1
@@ -128,7 +130,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                     ev.on_gradient(t.node, t.delta)  # its last consumer let go: the gradient is final
             elif not t.is_weight:
                 t.vjps = None
-            work.extend(r for r in t.inputs if r is not None)
+            work.extend(t.inputs)
             if t.release is not None:
                 work.append(t.release)
             n += 1
@@ -145,4 +147,4 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 t.done = True
                 yield t.release(t.value)
         else:
-            assert t is None, t
+            raise AssertionError(t)
