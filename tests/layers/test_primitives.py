@@ -203,3 +203,31 @@ def test_dense_against_matmul_plus_bias_and_differences() -> None:
     assert anyio.run(ml.dense(x32, w32, np.array(0.5, np.float32)).predict).dtype == np.float32
     assert anyio.run(ml.dense(x32, w32, np.array(0.5)).predict).dtype == (x32 @ w32 + np.array(0.5)).dtype
     assert anyio.run(ml.dense(x32, w32, np.zeros((3, 4, 2), np.float32)).predict).shape == (3, 4, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16, 48, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_products_by_their_fast_forms_equal_the_plain_product(rows: int, dtype: type[np.floating[Any]]) -> None:
+    """`_product` computes one row, or a few float32 rows times a large
+    transposed weight, by other NumPy products: same values, C order, dtype kept."""
+    from monadl.layers._primitives import _product
+
+    rng = np.random.default_rng(rows)
+    g = rng.standard_normal((rows, 1280)).astype(dtype)
+    w = rng.standard_normal((256, 1280)).astype(dtype)
+    column = rng.standard_normal((rows, 1)).astype(dtype)
+    for x, y in ((g, w.mT), (column, rng.standard_normal((1, 300)).astype(dtype))):
+        got, expected = _product(x, y), x @ y
+        assert got.dtype == dtype and got.shape == expected.shape and got.flags.c_contiguous
+        np.testing.assert_allclose(got, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
+    """A float32 MLP with 16 rows and a 512 x 512 weight takes the fast form in
+    its backward; its input's delta equals NumPy's ``g @ w.T``."""
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((512, 512)).astype(np.float32))
+    x = ml.Weight(rng.standard_normal((16, 512)).astype(np.float32))
+    loss = ml.sum(ml.dense(x, w, np.zeros(512, np.float32)) * 0.5)
+    (dx,) = anyio.run(ml.gradients, loss, [x])
+    np.testing.assert_allclose(dx, np.full((16, 512), 0.5, np.float32) @ w.data.T, rtol=1e-5)
