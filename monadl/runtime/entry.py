@@ -46,14 +46,17 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
 
 async def train(root: Any) -> Any:
     """Forward, backward, and one optimizer step for every weight reached."""
-    process.first_use(current_settings().tune_process)
+    settings = current_settings()
+    process.first_use(settings.tune_process)
     ev = Evaluation(train=True)
     async with _transaction(ev):
         value = await drive(ev, forward_backward(ev, root, scalar=True))
         if cuda.is_device_array(value):
             await cuda.ready()
         await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
-        apply_gradients(ev.weight_gradients(), finite=current_settings().finite_steps)
+        apply_gradients(ev.weight_gradients(), finite=settings.finite_steps)
+    if settings.tune_process:
+        process.fit_gc(ev.nodes)
     return value
 
 
@@ -88,12 +91,15 @@ def gradients_sync(root: Any) -> tuple[Any, dict[Weight[Any, Any], Any]]:
 
 async def predict(root: Any) -> Any:
     """The forward value of a layer."""
-    process.first_use(current_settings().tune_process)
+    tune = current_settings().tune_process
+    process.first_use(tune)
     ev = Evaluation(train=False)
     async with _transaction(ev):
         value = await drive(ev, _forward_only(ev, Do(FORWARD, root)))
         if cuda.is_device_array(value.data):
             await cuda.ready()
+    if tune:
+        process.fit_gc(ev.nodes)
     return value.data
 
 

@@ -117,6 +117,7 @@ class Evaluation:
         forked: some graph ran on the worker pool.
         gradients: the weights' gradients, kept when the records are dropped.
         timings: graphs timed for the fork rule (only when ``workers > 1``).
+        nodes: layers collected so far (the collector's threshold follows it).
         deadline: when the event loop is next due a turn (`time.perf_counter`).
         on_gradient: told each weight's gradient the moment it is final (all
             records that use the weight back-propagated), as
@@ -132,6 +133,7 @@ class Evaluation:
         "fork_threshold_s",
         "forked",
         "gradients",
+        "nodes",
         "on_gradient",
         "open",
         "pending",
@@ -161,6 +163,7 @@ class Evaluation:
         self.effects = False
         self.gradients: dict[Weight[Any, Any], Any] | None = None
         self.timings: list[Any] = []
+        self.nodes = 0
         self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:

@@ -59,6 +59,7 @@ def collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
             elif kind is Weight and x not in records:
                 ev.weight_record(x)
     order.sort(key=_serial)
+    ev.nodes += len(order)
     return order
 
 

@@ -24,7 +24,14 @@ computes, and only when the settings allow it:
   promoting the whole young graph again and again. On the first ``train()`` or
   ``predict()`` (`tune_gc`) the first generation's threshold is raised to
   `GC_THRESHOLD` (never lowered): 5 collections for that build, which took
-  0.4-1.1 s instead of 2.5-2.9 s here.
+  0.4-1.1 s instead of 2.5-2.9 s here. After each evaluation (`fit_gc`) it is
+  raised further, to `GC_PER_NODE` allocations per layer of the graph just
+  evaluated (at most `GC_THRESHOLD_MAX`): a program that builds graphs of
+  that size then builds them with no collection at all, since a graph freed
+  after its step gives its allocations back to the count (CPython lowers
+  the young generation's count when a tracked object is freed). The price:
+  cyclic garbage (which only a collection frees) may wait for as many
+  allocations before it goes.
 * **BLAS threads** (`blas_limited`): while a graph runs on the worker pool
   (``workers > 1`` only), BLAS gets ``cores // workers`` threads per call so
   that branch threads and BLAS threads never oversubscribe the cores.
@@ -47,10 +54,29 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from threadpoolctl import ThreadpoolController, _ThreadpoolLimiter
 
-__all__ = ["GC_THRESHOLD", "advance", "blas_limited", "first_use", "malloc_tuned", "tune_gc", "tune_malloc"]
+__all__ = [
+    "GC_PER_NODE",
+    "GC_THRESHOLD",
+    "GC_THRESHOLD_MAX",
+    "advance",
+    "blas_limited",
+    "first_use",
+    "fit_gc",
+    "malloc_tuned",
+    "tune_gc",
+    "tune_malloc",
+]
 
 GC_THRESHOLD: Final = 100_000
 """Allocations between two young-generation collections, once tuned (CPython's default: 700)."""
+
+GC_PER_NODE: Final = 8
+"""Young-generation threshold per layer of the largest graph evaluated: building a
+layer makes about 4 tracked objects (4.1 for a Tree-LSTM with every op a layer,
+3.2 with its cell an operation), so half of this is margin."""
+
+GC_THRESHOLD_MAX: Final = 4_000_000
+"""`fit_gc` raises the threshold no further (graphs of 500,000 layers)."""
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
@@ -105,6 +131,24 @@ def tune_gc() -> None:
     first, *rest = gc.get_threshold()
     if first and first < GC_THRESHOLD:  # 0 means the user disabled automatic collection
         gc.set_threshold(GC_THRESHOLD, *rest)
+
+
+def fit_gc(nodes: int) -> None:
+    """Raise the young generation's threshold to ``GC_PER_NODE`` allocations per
+    layer of a graph of ``nodes`` layers (at most `GC_THRESHOLD_MAX`; never lower
+    it; never if the program disabled automatic collection), so that building
+    such a graph again triggers no collection.
+
+    >>> import gc
+    >>> saved = gc.get_threshold()
+    >>> fit_gc(200_000); gc.get_threshold()[0] >= 200_000 * GC_PER_NODE
+    True
+    >>> gc.set_threshold(*saved)
+    """
+    want = min(nodes * GC_PER_NODE, GC_THRESHOLD_MAX)
+    first, *rest = gc.get_threshold()
+    if first and want > first:
+        gc.set_threshold(want, *rest)
 
 
 def advance(step: Callable[[Any], Any], arg: Any, pause_gc: bool) -> Any:

@@ -410,3 +410,34 @@ print(gc.get_threshold()[0], process._malloc_tried)
     ]
     assert outputs[0] == [str(GC_THRESHOLD), "True"]  # tuned on the first predict()
     assert outputs[1] == ["700", "False"]  # CPython's default, untouched
+
+
+def test_the_collector_threshold_follows_the_largest_graph_so_that_rebuilding_it_collects_nothing() -> None:
+    import subprocess
+    import sys
+
+    from monadl.runtime.process import GC_PER_NODE
+
+    program = """
+import gc, anyio, numpy as np, monadl as ml
+w = ml.Weight(np.ones(2))
+def chain():
+    x = ml.as_layer(w)
+    for _ in range(20_000):
+        x = x * 1.0
+    return ml.sum(x)
+with ml.settings(tune_process=TUNE):
+    anyio.run(chain().train)
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(phase) if phase == "start" else None)
+    loss = chain()  # the same graph again, as a training loop builds it
+    print(gc.get_threshold()[0], len(collections))
+"""
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", program.replace("TUNE", flag)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for flag in ("True", "False")
+    ]
+    assert int(outputs[0][0]) >= 20_000 * GC_PER_NODE and outputs[0][1] == "0"
+    assert outputs[1][0] == "700" and int(outputs[1][1]) > 20  # untouched: the build collects as CPython does
