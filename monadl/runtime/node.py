@@ -9,7 +9,6 @@ text of the runtime lives here too, so every message reads the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, Final
 
@@ -20,12 +19,10 @@ from monadl._namespace import (
     all_finite,
     common_namespace,
     host_scalars_to_python,
-    is_array,
-    library_name,
-    namespace,
 )
-from monadl.errors import DTypeError, NonFiniteError, ShapeError
+from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
+from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._program import Outputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
@@ -178,43 +175,6 @@ def where(node: Any) -> str:
     return site_text(node._site)
 
 
-def describe(args: Sequence[Any]) -> str:
-    """Operands as a message shows them: ``float32[16, 64], float 2.0``."""
-    parts = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            parts.append(f"{a.dtype}{list(a.shape)}")
-        elif isinstance(a, np.generic):
-            parts.append(f"{a.dtype} scalar")
-        elif is_array(a):
-            parts.append(f"{library_name(a)} {_dtype_name(a.dtype)}{list(a.shape)}")
-        else:
-            parts.append(f"{type(a).__name__} {a!r}")
-    return ", ".join(parts)
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).rsplit(".", 1)[-1]  # array_api_strict.float32 -> float32
-
-
 def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """One float dtype per operation, by one rule, as PyTorch's: two float
-    arrays of different precision raise `DTypeError`; an integer or boolean
-    array beside a float one takes the float's dtype (NumPy alone would
-    promote ``int64 * float32`` to float64). Returns the operands to use."""
-    first = None
-    for a in args:
-        if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
-            if first is None:
-                first = a.dtype
-            elif a.dtype != first:
-                raise DTypeError(
-                    f"{node._op.name}: operands {describe(args)} mix {_dtype_name(first)} and {_dtype_name(a.dtype)} arrays; "
-                    f"cast one with .astype first; layer built at {where(node)}"
-                )
-    if first is None:
-        return args
-    return tuple(
-        namespace(a).astype(a, first) if is_array(a) and namespace(a).isdtype(a.dtype, ("integral", "bool")) else a
-        for a in args
-    )
+    """One float dtype per operation (`one_float_dtype`). Returns the operands to use."""
+    return one_float_dtype(node._op.name, args, where(node))

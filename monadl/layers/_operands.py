@@ -1,0 +1,67 @@
+"""The rule for one operation's operands, and how messages show them.
+
+One float dtype per operation, by one rule (PyTorch's): two float arrays of
+different precision raise `DTypeError`; an integer or boolean array beside a
+float one takes the float's dtype (NumPy alone would promote ``int64 *
+float32`` to float64). The runtime applies it to every node
+(`monadl.runtime.node.compute`), and a traced operation (`monadl.operation`)
+to every step of its program, so marking a cell changes no dtype and no error.
+
+>>> import numpy as np
+>>> [a.dtype for a in one_float_dtype("mul", (np.ones(2, np.float32), np.arange(2)), "f.py:3")]
+[dtype('float32'), dtype('float32')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import is_array, library_name, namespace
+from monadl.errors import DTypeError
+
+__all__ = ["describe", "one_float_dtype"]
+
+
+def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+    """``args`` with integer and boolean arrays cast to the float dtype of the
+    others; `DTypeError` (naming ``name``, the operands and ``where``) if two
+    float arrays differ. Arrays of no dimensions (scalars) do not count."""
+    first = None
+    for a in args:
+        if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
+            if first is None:
+                first = a.dtype
+            elif a.dtype != first:
+                raise DTypeError(
+                    f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
+                    f"cast one with .astype first; layer built at {where}"
+                )
+    if first is None:
+        return args
+    return tuple(
+        namespace(a).astype(a, first) if is_array(a) and namespace(a).isdtype(a.dtype, ("integral", "bool")) else a
+        for a in args
+    )
+
+
+def describe(args: Sequence[Any]) -> str:
+    """Operands as a message shows them: ``float32[16, 64], float 2.0``."""
+    parts = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            parts.append(f"{a.dtype}{list(a.shape)}")
+        elif isinstance(a, np.generic):
+            parts.append(f"{a.dtype} scalar")
+        elif is_array(a):
+            parts.append(f"{library_name(a)} {dtype_name(a.dtype)}{list(a.shape)}")
+        else:
+            parts.append(f"{type(a).__name__} {a!r}")
+    return ", ".join(parts)
+
+
+def dtype_name(dtype: Any) -> str:
+    """A dtype's short name: ``array_api_strict.float32`` -> ``float32``."""
+    return str(dtype).rsplit(".", 1)[-1]
