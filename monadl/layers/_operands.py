@@ -39,8 +39,8 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, 
                     f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
                     f"cast one with .astype first; layer built at {where}"
                 )
-    if first is None:
-        return args
+    if first is None or not any(is_array(a) and namespace(a).isdtype(a.dtype, ("integral", "bool")) for a in args):
+        return args  # (the same tuple: nothing to cast)
     return tuple(
         namespace(a).astype(a, first) if is_array(a) and namespace(a).isdtype(a.dtype, ("integral", "bool")) else a
         for a in args

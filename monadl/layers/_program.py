@@ -21,6 +21,7 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, unbroadcast
 from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._operands import one_float_dtype
 from monadl.layers._primitives import PRIMITIVES, Primitive
 
 __all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
@@ -164,7 +165,7 @@ class Step:
 class Program:
     """The rule of an operation node (see the module's docstring)."""
 
-    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps")
+    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps", "uniform")
 
     def __init__(
         self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
@@ -178,13 +179,24 @@ class Program:
         self.readers = tuple(s.operands() for s in steps)
         self.slices = tuple(_basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
+        # Operand dtypes under which every step's operands already had one float
+        # dtype and needed no cast: calls with them skip the operand rule.
+        self.uniform: set[tuple[Any, ...]] = set()
 
     def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
         env = [*args, *self.consts]
         vjps = []
+        key = _dtypes(args)
+        check = key not in self.uniform
+        cast = False
         for step, read in zip(self.steps, self.readers):
+            values = read(env)
+            if check and step.op.same_dtype:
+                fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
+                cast = cast or fixed is not values
+                values = fixed
             try:
-                out, rules = step.op.rule(*read(env), *step.parameters(env))
+                out, rules = step.op.rule(*values, *step.parameters(env))
             except ValueError as exc:
                 raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
             except Exception as exc:
@@ -192,6 +204,8 @@ class Program:
                 raise
             env.append(out)
             vjps.append(rules)
+        if check and not cast:
+            self.uniform.add(key)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
         return value, _Backward(self, env, vjps, None).rules()
 
@@ -201,8 +215,15 @@ class Program:
         env = [*args, *self.consts]
         stacked = [*batched, *(False,) * len(self.consts)]
         vjps = []
+        key = _dtypes(args)
+        check = key not in self.uniform
+        cast = False
         for step, read in zip(self.steps, self.readers):
             values = read(env)
+            if check and step.op.same_dtype:
+                fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
+                cast = cast or fixed is not values
+                values = fixed
             params = step.parameters(env)
             flags = tuple([stacked[r] for r in step.refs])
             pflags = (
@@ -221,6 +242,8 @@ class Program:
             env.append(out)
             stacked.append(True in flags or True in pflags)
             vjps.append(rules)
+        if check and not cast:
+            self.uniform.add(key)
         outs = []
         for o in self.outputs:
             value = env[o]
@@ -287,6 +310,11 @@ class Program:
                     raise
                 deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
         return deltas[: self.size]
+
+
+def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What the operand rule depends on: each operand's dtype (its type, for a number)."""
+    return tuple([getattr(a, "dtype", type(a)) for a in args])
 
 
 def _batching_rule(op: Primitive) -> Any:

@@ -156,17 +156,19 @@ class Operand:
 
 def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool]) -> bool:
     """Operands that one member would take as they are: one array library, one
-    floating dtype where the primitive needs one (else the members run one by
-    one, and the first that fails raises the usual error at its line)."""
+    floating dtype where the primitive needs one and no integer array beside it
+    (else the members run one by one: the first that fails raises the usual
+    error at its line, and integers are cast to the float's dtype)."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
     foreign = kinds - _HOST - {StackedOutputs}  # (operation nodes' outputs are host arrays)
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         return False
     if op.same_dtype:
-        floats = {a.dtype for a in operands if getattr(a, "ndim", 0) and np.dtype(a.dtype).kind == "f"}
-        if len(floats) > 1:
-            return False
+        dtypes = {np.dtype(a.dtype) for a in operands if getattr(a, "ndim", 0)}
+        floats = {d for d in dtypes if d.kind == "f"}
+        if len(floats) > 1 or (floats and len(dtypes) > len(floats)):
+            return False  # (an integer array beside a float one is cast member by member)
     return True
 
 

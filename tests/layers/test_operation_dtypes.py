@@ -1,0 +1,71 @@
+"""A traced operation applies the runtime's operand rule to each of its
+steps: one float dtype per step (else `DTypeError` naming the line inside the
+cell), integers and booleans cast to the float's dtype. So marking a cell
+changes no dtype and no error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.errors import DTypeError
+
+H = 4
+
+
+def _weights(dtype: Any) -> tuple[ml.ArrayWeight, ml.ArrayWeight, ml.ArrayWeight]:
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((2 * H, H)).astype(dtype), optimizer=ml.optim.sgd(0.1))
+    b = ml.Weight(np.zeros(H, np.float32), optimizer=ml.optim.sgd(0.1))
+    table = ml.Weight(rng.standard_normal((5, H)).astype(np.float32), optimizer=ml.optim.sgd(0.1))
+    return w, b, table
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_cell_mixing_float32_and_float64_raises_as_the_unmarked_one_does(batching: bool) -> None:
+    w, b, table = _weights(np.float64)  # a float64 weight beside float32 leaves: the user forgot a cast
+
+    def combine(left: ml.ArrayLayer, right: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(ml.dense(ml.concatenate([left, right], axis=-1), w, b))
+
+    marked = ml.operation(combine)
+
+    def leaf(i: int) -> ml.ArrayLayer:
+        return ml.embedding(table, np.array([i]))
+
+    before = [x.data.copy() for x in (w, b, table)]
+    messages = []
+    for cell in (combine, marked):
+        loss = ml.sum(ml.concatenate([cell(leaf(1), leaf(2)), cell(leaf(3), leaf(4))], axis=0))
+        with ml.settings(batching=batching), pytest.raises(DTypeError) as caught:
+            anyio.run(loss.train)
+        messages.append(str(caught.value))
+    plain, traced = messages
+    assert "dense: operands float32[1, 8], float64[8, 4], float32[4] mix float32 and float64" in traced
+    assert traced.startswith(plain)  # the same message and line (the line of ml.dense in combine) ...
+    assert ", inside the operation " in traced and traced.endswith("combine")  # ... and the operation it is in
+    for x, old in zip((w, b, table), before):
+        np.testing.assert_array_equal(x.data, old)  # nothing changed
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_integer_data_inside_a_cell_takes_the_float_dtype_as_outside(batching: bool) -> None:
+    _, b, table = _weights(np.float32)
+
+    def scaled(x: ml.ArrayLayer, counts: ml.Array) -> ml.ArrayLayer:
+        return x * counts + b
+
+    marked = ml.operation(scaled)
+    counts = np.arange(H)  # int64: NumPy alone would make float64 of float32 * int64
+    values = []
+    for cell in (scaled, marked):
+        leaves = [ml.embedding(table, np.array([i])) for i in range(3)]
+        with ml.settings(batching=batching):
+            values.append(anyio.run(ml.concatenate([cell(x, counts) for x in leaves], axis=0).predict))
+    plain, traced = values
+    assert plain.dtype == traced.dtype == np.float32
+    np.testing.assert_array_equal(plain, traced)
