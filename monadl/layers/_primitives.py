@@ -231,16 +231,16 @@ def _product(x: Value, y: Value) -> Value:
       128K elements, or in float64, the plain product is as fast or faster.
     """
     if type(x) is np.ndarray and type(y) is np.ndarray and x.ndim == 2 and y.ndim == 2:
-        rows = x.shape[0]
-        if x.shape[1] == 1:
+        rows, inner = x.shape
+        if inner == 1:
             return x * y
         if (
-            _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]
+            y.size >= _LARGE_WEIGHT
+            and _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]
             and x.dtype is _F32
             and y.dtype is _F32
-            and y.size >= _LARGE_WEIGHT
-            and y.flags.f_contiguous
-            and not y.flags.c_contiguous
+            and y.strides[0] == 4  # (float32 columns side by side: a transposed C-ordered weight)
+            and y.shape[1] > 1
         ):
             return np.ascontiguousarray((y.mT @ x.mT).mT)
     return x @ y
