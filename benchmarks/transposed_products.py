@@ -1,0 +1,137 @@
+"""A layer's delta to its input, ``g @ w.T``, two ways, and what it does to training.
+
+OpenBLAS's single-precision kernel for a transposed right operand is slow
+when the left one has few rows: every dense layer's backward computes such a
+product (its delta times the transposed weight). `monadl`'s `_product`
+computes it as ``(w @ g.T).T`` made C-contiguous for float32 deltas of 8 to 48
+rows and weights of at least 128K elements. This prints, in one run:
+
+* the two forms' times over rows x weight shapes (one thread; ratio > 1: the
+  form monadl takes is faster), and
+* one training step of a float32 MLP (784 -> H -> H -> H -> 10, ReLU,
+  cross-entropy, SGD) with the fast form on and off, rounds alternating.
+
+Run: ``python benchmarks/transposed_products.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import anyio
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+import monadl as ml
+import monadl.layers._primitives as primitives
+
+ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256)
+WEIGHTS = ((64, 64), (128, 640), (256, 1280), (512, 2048), (3072, 64), (64, 3072))
+
+
+def _best(f: Callable[[], Any], seconds: float = 0.05) -> float:
+    f()
+    reps, best = 1, float("inf")
+    while True:  # enough repetitions for about `seconds`, then the best of 5
+        started = time.perf_counter()
+        for _ in range(reps):
+            f()
+        if time.perf_counter() - started > seconds / 5:
+            break
+        reps *= 2
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(reps):
+            f()
+        best = min(best, (time.perf_counter() - started) / reps)
+    return best
+
+
+def _plain(g: ml.Array, w: ml.Array) -> ml.Array:
+    return g @ w.T
+
+
+def _fast(g: ml.Array, w: ml.Array) -> ml.Array:
+    return np.ascontiguousarray((w @ g.T).T)
+
+
+def product_table() -> None:
+    rng = np.random.default_rng(0)
+    print("g @ w.T time / (w @ g.T).T time (float32, one thread); rows across, weight (in, out) down")
+    print(f"{'weight':>12} " + " ".join(f"{r:>6}" for r in ROWS))
+    for k, m in WEIGHTS:
+        w = rng.standard_normal((k, m)).astype(np.float32)
+        ratios = []
+        for rows in ROWS:
+            g = rng.standard_normal((rows, m)).astype(np.float32)
+            plain = _best(partial(_plain, g, w))
+            fast = _best(partial(_fast, g, w))
+            ratios.append(plain / fast)
+        print(f"{f'{k}x{m}':>12} " + " ".join(f"{r:6.2f}" for r in ratios))
+
+
+def mlp_table(batches: tuple[int, ...], hiddens: tuple[int, ...], rounds: int) -> None:
+    rng = np.random.default_rng(0)
+    print("\nMLP training step, float32, one thread: the fast form on and off (best of rounds, ms)")
+    print(f"{'batch':>5} {'hidden':>6} {'on':>8} {'off':>8} {'off/on':>7}")
+    for batch in batches:
+        for hidden in hiddens:
+            sizes = [784, hidden, hidden, hidden, 10]
+            layers = [
+                (
+                    ml.Weight(
+                        (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), optimizer=ml.optim.sgd(0.0)
+                    ),
+                    ml.Weight(np.zeros(b, np.float32), optimizer=ml.optim.sgd(0.0)),
+                )
+                for a, b in itertools.pairwise(sizes)
+            ]
+            x = rng.standard_normal((batch, 784)).astype(np.float32)
+            y = rng.integers(0, 10, batch)
+
+            def loss(layers: list[tuple[ml.ArrayWeight, ml.ArrayWeight]] = layers, x: Any = x, y: Any = y) -> Any:
+                h: ml.ArrayOperand = x
+                for i, (w, b) in enumerate(layers):
+                    h = ml.dense(h, w, b)
+                    if i < len(layers) - 1:
+                        h = ml.relu(h)
+                return ml.cross_entropy(h, y)
+
+            async def steps(n: int = 10, loss: Callable[[], Any] = loss) -> None:
+                for _ in range(n):
+                    await loss().train()
+
+            saved = primitives._FEW_ROWS
+            best = {"on": float("inf"), "off": float("inf")}
+            for r in range(rounds):
+                for mode in ("on", "off") if r % 2 else ("off", "on"):
+                    primitives._FEW_ROWS = saved if mode == "on" else (1, 0)  # type: ignore[misc]  # (a private switch, for this table only)
+                    started = time.process_time()
+                    anyio.run(steps)
+                    best[mode] = min(best[mode], (time.process_time() - started) / 10)
+            primitives._FEW_ROWS = saved  # type: ignore[misc]
+            print(
+                f"{batch:5d} {hidden:6d} {best['on'] * 1e3:8.2f} {best['off'] * 1e3:8.2f} {best['off'] / best['on']:6.2f}x"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, python {platform.python_version()}, numpy {np.__version__}")
+    with ThreadpoolController().limit(limits=1, user_api="blas"):
+        product_table()
+        mlp_table(tuple(args.batch), tuple(args.hidden), args.rounds)
+
+
+if __name__ == "__main__":
+    main()
