@@ -3,8 +3,9 @@
 OpenBLAS's single-precision kernel for a transposed right operand is slow
 when the left one has few rows: every dense layer's backward computes such a
 product (its delta times the transposed weight). `monadl`'s `_product`
-computes it as ``(w @ g.T).T`` made C-contiguous for float32 deltas of 8 to 48
-rows and weights of at least 128K elements. This prints, in one run:
+computes it as ``(w @ g.T).T`` made C-contiguous for float32 deltas of 2 to
+48 rows and large weights (`monadl.layers._primitives._slow_transposed`).
+This prints, in one run:
 
 * the two forms' times over rows x weight shapes (one thread; ratio > 1: the
   form monadl takes is faster), and
@@ -111,7 +112,7 @@ def mlp_table(batches: tuple[int, ...], hiddens: tuple[int, ...], rounds: int) -
             best = {"on": float("inf"), "off": float("inf")}
             for r in range(rounds):
                 for mode in ("on", "off") if r % 2 else ("off", "on"):
-                    primitives._FEW_ROWS = saved if mode == "on" else (1, 0)  # type: ignore[misc]  # (a private switch, for this table only)
+                    primitives._FEW_ROWS = saved if mode == "on" else 0  # type: ignore[misc]  # (a private switch, for this table only)
                     started = time.process_time()
                     anyio.run(steps)
                     best[mode] = min(best[mode], (time.process_time() - started) / 10)

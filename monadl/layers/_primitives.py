@@ -218,7 +218,8 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _product(x: Value, y: Value) -> Value:
     """``x @ y``, by the fastest of equal NumPy products for two shapes that
-    OpenBLAS serves badly (measured on x86-64, NumPy 2.4's OpenBLAS):
+    OpenBLAS serves badly (measured on x86-64, NumPy 2.4's OpenBLAS;
+    `benchmarks/transposed_products.py` prints the grid):
 
     * an inner size of one (a weight's delta from a single row): the broadcast
       product; OpenBLAS took 365 us for a 768 x 1 by 1 x 256 product that a
@@ -226,9 +227,10 @@ def _product(x: Value, y: Value) -> Value:
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
-      rows: with a 256 x 1280 weight, 8 to 48 rows took 1.5-1.9x the time, a
-      512 x 2048 one 1.7-2.0x; from about 128 rows on, or for weights under
-      128K elements, or in float64, the plain product is as fast or faster.
+      rows: 1.5-3.8x the time for 2 to 48 rows of weights of 512K elements,
+      1.5-2.4x for 4 to 48 rows of 128K; from about 64 rows on, for one row,
+      for smaller weights, or in float64, the plain product is as fast or
+      faster (`_slow_transposed`).
     """
     if type(x) is np.ndarray and type(y) is np.ndarray and x.ndim == 2 and y.ndim == 2:
         rows, inner = x.shape
@@ -236,19 +238,32 @@ def _product(x: Value, y: Value) -> Value:
             return x * y
         if (
             y.size >= _LARGE_WEIGHT
-            and _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]
+            and 2 <= rows <= _FEW_ROWS
             and x.dtype is _F32
             and y.dtype is _F32
             and y.strides[0] == 4  # (float32 columns side by side: a transposed C-ordered weight)
-            and y.shape[1] > 1
+            and _slow_transposed(rows, y)
         ):
             return np.ascontiguousarray((y.mT @ x.mT).mT)
     return x @ y
 
 
+def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
+    """Whether sgemm's transposed kernel is the slow one for ``rows`` rows
+    times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
+    rows on; 4 to 7 when the product is at least 256 wide; 2 and 3 for
+    weights of 512K elements."""
+    if rows >= 8:
+        return True
+    if rows >= 4:
+        return bool(y.shape[1] >= 256)
+    return bool(y.size >= _HUGE_WEIGHT)
+
+
 _F32: Final = np.dtype(np.float32)
-_FEW_ROWS: Final = (8, 48)
+_FEW_ROWS: Final = 48
 _LARGE_WEIGHT: Final = 1 << 17
+_HUGE_WEIGHT: Final = 1 << 19
 
 
 def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
