@@ -2,9 +2,9 @@
 
 OpenBLAS's single-precision kernel for a transposed right operand is slow
 when the left one has few rows: every dense layer's backward computes such a
-product (its delta times the transposed weight). `monadl`'s `_product`
+product (its delta times the transposed weight). `monadl`'s `product`
 computes it as ``(w @ g.T).T`` made C-contiguous for float32 deltas of 2 to
-48 rows and large weights (`monadl.layers._primitives._slow_transposed`).
+48 rows and large weights (`monadl.layers._products`).
 This prints, in one run:
 
 * the two forms' times over rows x weight shapes (one thread; ratio > 1: the
@@ -30,7 +30,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 import monadl as ml
-import monadl.layers._primitives as primitives
+import monadl.layers._products as products
 
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 128, 256)
 WEIGHTS = ((64, 64), (128, 640), (256, 1280), (512, 2048), (3072, 64), (64, 3072))
@@ -108,15 +108,15 @@ def mlp_table(batches: tuple[int, ...], hiddens: tuple[int, ...], rounds: int) -
                 for _ in range(n):
                     await loss().train()
 
-            saved = primitives._FEW_ROWS
+            saved = products._FEW_ROWS
             best = {"on": float("inf"), "off": float("inf")}
             for r in range(rounds):
                 for mode in ("on", "off") if r % 2 else ("off", "on"):
-                    primitives._FEW_ROWS = saved if mode == "on" else 0  # type: ignore[misc]  # (a private switch, for this table only)
+                    products._FEW_ROWS = saved if mode == "on" else 0  # type: ignore[misc]  # (a private switch, for this table only)
                     started = time.process_time()
                     anyio.run(steps)
                     best[mode] = min(best[mode], (time.process_time() - started) / 10)
-            primitives._FEW_ROWS = saved  # type: ignore[misc]
+            products._FEW_ROWS = saved  # type: ignore[misc]
             print(
                 f"{batch:5d} {hidden:6d} {best['on'] * 1e3:8.2f} {best['off'] * 1e3:8.2f} {best['off'] / best['on']:6.2f}x"
             )

@@ -26,7 +26,8 @@ from typing import Any, Final
 
 from monadl._namespace import namespace
 from monadl.deltas import unbroadcast
-from monadl.layers._primitives import PRIMITIVES, _product
+from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._products import product
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
 
@@ -93,7 +94,7 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
         out = xp.reshape(rows @ b, (*a.shape[:-1], m))
         a_shape = a.shape
         return out, (
-            lambda g: xp.reshape(_product(xp.reshape(g, (-1, m)), xp.matrix_transpose(b)), a_shape),
+            lambda g: xp.reshape(product(xp.reshape(g, (-1, m)), xp.matrix_transpose(b)), a_shape),
             lambda g: xp.matrix_transpose(rows) @ xp.reshape(g, (-1, m)),
         )
     if bb and not ba and a.ndim == 2 and b.ndim == 2:

@@ -1,0 +1,67 @@
+"""Which NumPy call computes a matrix product.
+
+Every ``a @ b`` of the primitive rules (a product, its two deltas) and of the
+batching rules goes through `product`, which picks, for two shapes that
+OpenBLAS serves badly, an equal product that it serves well. Only NumPy
+arrays take another form; every other library's product is its own ``@``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = ["product"]
+
+Value = Any
+
+
+def product(x: Value, y: Value) -> Value:
+    """``x @ y``, by the fastest of equal NumPy products for two shapes that
+    OpenBLAS serves badly (measured on x86-64, NumPy 2.4's OpenBLAS;
+    `benchmarks/transposed_products.py` prints the grid):
+
+    * an inner size of one (a weight's delta from a single row): the broadcast
+      product; OpenBLAS took 365 us for a 768 x 1 by 1 x 256 product that a
+      multiplication does in 80 us (and 24 us for two rows);
+    * a float32 delta of a few rows times a large transposed weight (``g @
+      w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
+      C-contiguous. The transposed-operand kernel of sgemm is slow for few
+      rows: 1.5-3.8x the time for 2 to 48 rows of weights of 512K elements,
+      1.5-2.4x for 4 to 48 rows of 128K; from about 64 rows on, for one row,
+      for smaller weights, or in float64, the plain product is as fast or
+      faster (`_slow_transposed`).
+    """
+    if type(x) is np.ndarray and type(y) is np.ndarray and x.ndim == 2 and y.ndim == 2:
+        rows, inner = x.shape
+        if inner == 1:
+            return x * y
+        if (
+            y.size >= _LARGE_WEIGHT
+            and 2 <= rows <= _FEW_ROWS
+            and x.dtype is _F32
+            and y.dtype is _F32
+            and y.strides[0] == 4  # (float32 columns side by side: a transposed C-ordered weight)
+            and _slow_transposed(rows, y)
+        ):
+            return np.ascontiguousarray((y.mT @ x.mT).mT)
+    return x @ y
+
+
+def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
+    """Whether sgemm's transposed kernel is the slow one for ``rows`` rows
+    times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
+    rows on; 4 to 7 when the product is at least 256 wide; 2 and 3 for
+    weights of 512K elements."""
+    if rows >= 8:
+        return True
+    if rows >= 4:
+        return bool(y.shape[1] >= 256)
+    return bool(y.size >= _HUGE_WEIGHT)
+
+
+_F32: Final = np.dtype(np.float32)
+_FEW_ROWS: Final = 48
+_LARGE_WEIGHT: Final = 1 << 17
+_HUGE_WEIGHT: Final = 1 << 19
