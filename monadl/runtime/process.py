@@ -26,10 +26,11 @@ computes, and only when the settings allow it:
   `GC_THRESHOLD` (never lowered): 5 collections for that build, which took
   0.4-1.1 s instead of 2.5-2.9 s here. After each evaluation (`fit_gc`) it is
   raised further, to `GC_PER_NODE` allocations per layer of the graph just
-  evaluated (at most `GC_THRESHOLD_MAX`): a program that builds graphs of
-  that size then builds them with no collection at all, since a graph freed
-  after its step gives its allocations back to the count (CPython lowers
-  the young generation's count when a tracked object is freed). The price:
+  evaluated (at most `GC_THRESHOLD_MAX`): a program that builds and trains
+  graphs of that size then never collects while it builds or evaluates one,
+  since a graph freed after its step gives its allocations back to the count
+  (CPython lowers the young generation's count when a tracked object is
+  freed). The price:
   cyclic garbage (which only a collection frees) may wait for as many
   allocations before it goes.
 * **BLAS threads** (`blas_limited`): while a graph runs on the worker pool
@@ -70,13 +71,16 @@ __all__ = [
 GC_THRESHOLD: Final = 100_000
 """Allocations between two young-generation collections, once tuned (CPython's default: 700)."""
 
-GC_PER_NODE: Final = 8
-"""Young-generation threshold per layer of the largest graph evaluated: building a
+GC_PER_NODE: Final = 16
+"""Young-generation threshold per layer of the largest graph evaluated. Building a
 layer makes about 4 tracked objects (4.1 for a Tree-LSTM with every op a layer,
-3.2 with its cell an operation), so half of this is margin."""
+3.1 with its cell an operation), and evaluating it more, alive until the step
+ends (6.2-6.5 a layer in all for the Tree-LSTM, 6.8-11.2 with operations): a
+threshold under that peak makes one collection per step scan the whole live
+graph (285 ms of a 1.4 s step, collecting nothing), so this leaves margin."""
 
 GC_THRESHOLD_MAX: Final = 4_000_000
-"""`fit_gc` raises the threshold no further (graphs of 500,000 layers)."""
+"""`fit_gc` raises the threshold no further (graphs of 250,000 layers)."""
 
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
