@@ -412,7 +412,7 @@ print(gc.get_threshold()[0], process._malloc_tried)
     assert outputs[1] == ["700", "False"]  # CPython's default, untouched
 
 
-def test_the_collector_threshold_follows_the_largest_graph_so_that_rebuilding_it_collects_nothing() -> None:
+def test_the_collector_threshold_follows_the_largest_graph_so_that_a_loop_over_it_collects_nothing() -> None:
     import subprocess
     import sys
 
@@ -430,7 +430,7 @@ with ml.settings(tune_process=TUNE):
     anyio.run(chain().train)
     collections = []
     gc.callbacks.append(lambda phase, info: collections.append(phase) if phase == "start" else None)
-    loss = chain()  # the same graph again, as a training loop builds it
+    anyio.run(chain().train)  # the same graph again, as a training loop builds and trains it
     print(gc.get_threshold()[0], len(collections))
 """
     outputs = [
@@ -440,4 +440,4 @@ with ml.settings(tune_process=TUNE):
         for flag in ("True", "False")
     ]
     assert int(outputs[0][0]) >= 20_000 * GC_PER_NODE and outputs[0][1] == "0"
-    assert outputs[1][0] == "700" and int(outputs[1][1]) > 20  # untouched: the build collects as CPython does
+    assert outputs[1][0] == "700" and int(outputs[1][1]) > 20  # untouched: CPython's collections, while it builds
