@@ -85,7 +85,16 @@ class StackedOutputs:
     def stack(members: list[Outputs]) -> StackedOutputs:
         """The members' `Outputs`, stacked output by output."""
         xp = namespace(members[0][0])
-        return StackedOutputs(tuple([xp.stack([m[k] for m in members]) for k in range(len(members[0]))]))
+        n = len(members)
+        # One concatenation per output (its rows have axes), not stack's Python per array.
+        return StackedOutputs(
+            tuple(
+                [
+                    xp.reshape(xp.concatenate(part, axis=0), (n, *part[0].shape)) if part[0].ndim else xp.stack(part)
+                    for part in map(list, zip(*members))
+                ]
+            )
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,20 +102,6 @@ class StackedOutputs:
 
     def __getitem__(self, i: int) -> Outputs:
         return Outputs([p[i] for p in self.parts])
-
-    def stack_deltas(self, members: list[OutputsDelta | None]) -> OutputsDelta:
-        """The members' deltas as one `OutputsDelta` of stacked arrays (zeros
-        for members without one; None for an output no member's delta reached)."""
-        stacked: list[Value | None] = []
-        for k, like in enumerate(self.parts):
-            column = [None if m is None else m.parts[k] for m in members]
-            if all(d is None for d in column):
-                stacked.append(None)
-                continue
-            xp = namespace(like)
-            zero = xp.zeros(like.shape[1:], dtype=like.dtype)
-            stacked.append(xp.stack([zero if d is None else d for d in column]))
-        return OutputsDelta(tuple(stacked))
 
 
 def _output_rule(value: Outputs, k: int) -> tuple[Value, tuple[Callable[[Value], OutputsDelta]]]:

@@ -2,47 +2,57 @@
 
 Per group of ``n`` members that ran as one kernel (`group_records`):
 
-* per batched operand position, a *stack* record: its value the members'
-  operands stacked (or, when they are the members of an earlier group in
-  order, that group's output as it is: no copy), its VJPs ``g[i]`` (views)
+* per batched operand position, either a *gather* record, when every
+  member's operand is a member of an earlier group (a Tree-LSTM's children):
+  its value the rows of those groups' outputs taken by index (or one
+  group's whole output as it is: no copy), its VJP per source group one
+  scatter of the delta's rows into that group's `_Gather`; or else a
+  *stack* record: the members' operands stacked, its VJPs ``g[i]`` (views)
   back to each member's operand;
-* one *group* record: the batching rule on the stacked and shared operands;
-  a shared weight's delta is summed over the group inside the rule (for a
-  matrix product, one ``X_cat.T @ dY``);
-* per member, a record whose value is ``out[i]`` (a view) and whose VJP puts
-  its delta into the group's `_Gather`, which stacks the members' deltas once,
-  when the backward reaches the group (members come after it in insertion
-  order, so they are reached first; in the counted release, members hold the
-  group): no O(n^2) accumulation, zeros only for members without a delta.
+* one *group* record: the batching rule on the gathered, stacked and shared
+  operands; a shared weight's delta is summed over the group inside the rule
+  (for a matrix product, one ``X_cat.T @ dY``);
+* per member, a record whose value is ``out[i]`` (a view), for consumers
+  that run alone, the graph's roots and later graphs; its VJP puts its delta
+  into the group's `_Gather`. The gather records read the group's output, not
+  these records, so a delta that goes group to group costs no per-member
+  work: `_Gather` sums its parts once, when the backward reaches the group
+  (members and gathers come after it in insertion order, so they are
+  reached first).
 
 So the one node backward (`monadl.runtime.backward`) (its sweep, its counted
 release, the worker pool's release) back-propagates a batched graph
 unchanged, and reference counts stay exact: each record is held once per
-record that lists it as an input.
+record that lists it as an input, and a member that a gather record reads is
+held by that gather record's release token (released with it), so that the
+member, and through it its group, is released in the counted release.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from operator import itemgetter
-from typing import Any, Final
+from typing import Any, Final, final
 
 import numpy as np
 
 from monadl._namespace import _HOST, namespace
-from monadl.deltas import SparseRows
+from monadl.deltas import SparseRows, scatter_add
 from monadl.layers._layer import Layer
-from monadl.layers._program import Outputs, StackedOutputs
+from monadl.layers._program import Outputs, OutputsDelta, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 
-__all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature"]
+__all__ = ["NUMBERS", "Groups", "Operand", "Place", "Source", "batchable", "group_records", "signature", "stack"]
 
 NUMBERS: Final = frozenset({float, int, bool})
 
 
-def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
+def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
     """What nodes must share to run as one kernel; None: never batched.
+    ``where``: the places of earlier groups' members, whose part of the key
+    their group computed once.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((3, 2)))
@@ -54,6 +64,11 @@ def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
     for x in node._inputs:
         kind = type(x)
         if kind is Layer:
+            if where is not None:
+                place = where.get(x)
+                if place is not None:
+                    key += place[2]
+                    continue
             value = records[x].value
             if type(value) is Outputs:  # an operation node's outputs: their shapes
                 key += value.signature()
@@ -99,26 +114,21 @@ def _param_key(p: Any) -> Any:
     return None
 
 
-def group_records(
-    records: dict[Any, Record],
-    where: dict[Any, tuple[Record, int]],
-    members: list[Any],
-    result: Any,
-    operands: list[Operand],
-    args: list[Any],
-) -> None:
-    """The stack, group and member records of a group that ran: ``result``
-    is its rule's, ``operands`` say where each operand came from and ``args``
-    hold their values (stacked or shared); ``where`` learns each member's
+def group_records(groups: Groups, members: list[Any], result: Any, operands: list[Operand], args: list[Any]) -> None:
+    """The records of a group that ran: ``result`` is its rule's,
+    ``operands`` say where each operand came from and ``args`` hold their
+    values (gathered, stacked or shared); ``groups`` learns each member's
     place in the group's output."""
-    record = Record
+    records, record = groups.records, Record
     out, vjps = result
     n = len(members)
     first = members[0]
     ins: list[Record | None] = []
     for operand, value in zip(operands, args):
         rec = operand.rec
-        if operand.stacked is not None:
+        if operand.sources is not None:
+            rec = groups.gather_record(value, operand.sources, first)
+        elif operand.stacked is not None:
             needs = False
             for r in operand.stacked:
                 if r is not None:
@@ -131,27 +141,148 @@ def group_records(
         ins.append(rec)
     needs = any(r is not None and r.needs_grad for r in ins)
     group = record(out, None, tuple(ins), needs, first, False)
-    group.refcount = n
+    group.refcount = n  # its members hold it (and each gather record that reads it, one more)
     records[group] = group
-    puts: list[Callable[[Any], _Gather]] | None = None
+    sink = None
     if needs:
-        group.vjps = tuple(_resolving(v) for v in vjps)
-        puts = _Gather(out).puts(n)
+        sink = groups.sinks[group] = _Gather(out)
+        group.vjps = tuple([_resolving(v) for v in vjps])
+    if type(out) is StackedOutputs:
+        values: list[Any] = list(map(Outputs, zip(*out.parts)))  # (their rows as views, made in C)
+        part = values[0].signature()
+    else:
+        values = list(out)
+        part = (type(values[0]), values[0].shape, values[0].dtype)
+    where = groups.where
+    put = None if sink is None else sink.put
     for i, node in enumerate(members):
-        records[node] = record(out[i], None if puts is None else (puts[i],), (group,), needs, node, True)
-        where[node] = (group, i)
+        records[node] = record(values[i], None if put is None else (partial(put, i),), (group,), needs, node, True)
+        where[node] = (group, i, part)
+
+
+Place = tuple[Record, int, tuple[Any, ...]]
+"""Where a member's value sits: its group's record, its row, and its value's
+part of a consumer's signature (the same for all members)."""
+
+
+@final
+class Source:
+    """The rows one gathered operand reads from one earlier group: the
+    gathered rows ``positions`` (None: all, in order) are the group's rows
+    ``indices`` (None: all, in order); ``held``: the members' records, which
+    the gather record holds in their stead."""
+
+    __slots__ = ("group", "held", "indices", "positions", "unique")
+
+    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool, held: tuple[Record, ...]) -> None:
+        self.group = group
+        self.positions = positions
+        self.indices = indices
+        self.unique = unique
+        self.held = held
+
+
+@final
+class Groups:
+    """The groups of one scheduler run: each member's `Place`, and each
+    group's delta sink (a `_Gather`, when a delta is worth computing)."""
+
+    __slots__ = ("records", "sinks", "where")
+
+    def __init__(self, records: dict[Any, Record]) -> None:
+        self.records = records
+        self.where: dict[Any, Place] = {}
+        self.sinks: dict[Record, _Gather] = {}
+
+    def sources(self, column: list[Any]) -> list[Source] | None:
+        """Where each of ``column`` (layers) sits in earlier groups' outputs,
+        grouped by group; None if some of them ran alone."""
+        where, records = self.where, self.records
+        rows: dict[Record, tuple[list[int], list[int], list[Record]]] = {}
+        for p, x in enumerate(column):
+            place = where.get(x)
+            if place is None:
+                return None
+            found = rows.get(place[0])
+            if found is None:
+                found = rows[place[0]] = ([], [], [])
+            found[0].append(p)
+            found[1].append(place[1])
+            found[2].append(records[x])
+        n = len(column)
+        out = []
+        for group, (positions, indices, held) in rows.items():
+            whole = len(indices) == group.value.shape[0] and indices == list(range(len(indices)))
+            out.append(
+                Source(
+                    group,
+                    None if len(positions) == n else np.array(positions),
+                    None if whole else np.array(indices),
+                    len(set(indices)) == len(indices),
+                    tuple(held),
+                )
+            )
+        return out
+
+    def gather(self, sources: list[Source], n: int) -> Any:
+        """The gathered operand: rows of earlier groups' outputs, by index (no copy
+        when it is one group's whole output, in order)."""
+        first = sources[0].group.value
+        if type(first) is StackedOutputs:
+            parts = range(len(first.parts))
+            return StackedOutputs(
+                tuple([self._rows([s.group.value.parts[k] for s in sources], sources, n) for k in parts])
+            )
+        return self._rows([s.group.value for s in sources], sources, n)
+
+    @staticmethod
+    def _rows(values: list[Any], sources: list[Source], n: int) -> Any:
+        if len(sources) == 1:
+            index = sources[0].indices
+            return values[0] if index is None else values[0][index]
+        like = values[0]
+        out = namespace(like).empty((n, *like.shape[1:]), dtype=like.dtype)
+        for value, s in zip(values, sources):
+            out[s.positions] = value if s.indices is None else value[s.indices]
+        return out
+
+    def gather_record(self, value: Any, sources: list[Source], node: Any) -> Record:
+        """The record of a gathered operand: it holds the groups it reads (its
+        delta goes to each in one scatter), and the members it reads in their
+        stead (a member is released, so its group, once the gather is)."""
+        groups = tuple([s.group for s in sources])
+        needs = any(g.needs_grad for g in groups)
+        vjps = tuple([_scatter(self.sinks[s.group], s) for s in sources]) if needs else None
+        rec = Record(value, vjps, groups, needs, node, True)
+        held: list[Record] = []
+        for s in sources:
+            s.group.refcount += 1
+            for r in s.held:
+                r.refcount += 1
+            held.extend(s.held)
+        rec.release = tuple(held)
+        self.records[rec] = rec
+        return rec
+
+
+def _scatter(sink: _Gather, source: Source) -> Callable[[Any], _Gather]:
+    """A gathered operand's VJP into one source group: its rows of the delta, by index."""
+    return lambda delta: sink.add(source, delta)
 
 
 class Operand:
     """Where one operand position of a group comes from: a record shared by
-    all members, or the members' own operands, ``stacked`` (their records,
-    None for data)."""
+    all members, the members' own operands ``stacked`` (their records, None
+    for data), or ``sources``: rows of earlier groups' outputs."""
 
-    __slots__ = ("rec", "stacked")
+    __slots__ = ("rec", "sources", "stacked")
 
-    def __init__(self, rec: Record | None, stacked: list[Record | None] | None) -> None:
+    def __init__(
+        self, rec: Record | None, stacked: list[Record | None] | None, sources: list[Source] | None = None
+    ) -> None:
         self.rec = rec
         self.stacked = stacked
+        self.sources = sources
 
 
 def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool]) -> bool:
@@ -168,6 +299,16 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         if len(floats) > 1:
             return False
     return True
+
+
+def stack(values: list[Any]) -> Any:
+    """The members' arrays along a new leading axis: one concatenation (no
+    per-array Python of ``stack``) where they have axes."""
+    first = values[0]
+    xp = namespace(first)
+    if getattr(first, "ndim", 0):
+        return xp.reshape(xp.concatenate(values, axis=0), (len(values), *first.shape))
+    return xp.stack(values)
 
 
 _GETTERS: dict[int, tuple[itemgetter[Any], ...]] = {}
@@ -187,18 +328,20 @@ def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 class _Gather:
-    """The delta of a group's stacked output: a slot per member, stacked once,
-    when read.
+    """The delta of a group's stacked output: the rows that gathered
+    operands sent back (by index), and a slot per member for what its own
+    record got (from a consumer that ran alone); summed once, when read.
 
-    The group record's accumulator holds this one object: each member's VJP
-    fills its slot and returns it, and ``+`` of it with itself is itself.
+    The group record's accumulator holds this one object: each VJP that
+    feeds it returns it, and ``+`` of it with itself is itself.
     """
 
-    __slots__ = ("like", "parts", "stacked")
+    __slots__ = ("like", "parts", "rows", "stacked")
 
     def __init__(self, like: Any) -> None:
         self.like = like
-        self.parts: list[Any] = []
+        self.parts: dict[int, Any] = {}
+        self.rows: list[tuple[Source, Any]] = []
         self.stacked: Any = None
 
     @property
@@ -206,34 +349,55 @@ class _Gather:
         """The stacked output's (so that fitting a delta to it leaves it be)."""
         return tuple(self.like.shape)
 
-    def puts(self, n: int) -> list[Callable[[Any], _Gather]]:
-        """The members' VJPs."""
-        self.parts = [None] * n
-        return [self._put(i) for i in range(n)]
+    def put(self, i: int, g: Any) -> _Gather:
+        """Member ``i``'s delta (its record's VJP)."""
+        self.parts[i] = g.to_dense() if type(g) is SparseRows else g
+        return self
 
-    def _put(self, i: int) -> Callable[[Any], _Gather]:
-        parts = self.parts
-
-        def put(g: Any) -> _Gather:
-            parts[i] = g.to_dense() if type(g) is SparseRows else g
-            return self
-
-        return put
+    def add(self, source: Source, delta: Any) -> _Gather:
+        """A gathered operand's delta, of which ``source`` says which rows are this group's."""
+        self.rows.append((source, delta))
+        return self
 
     def __add__(self, other: object) -> _Gather:
         assert other is self, "a group's delta combines only with itself"
         return self
 
     def dense(self) -> Any:
-        """The stacked delta (zeros for members that got none)."""
+        """The summed delta (zeros for rows that got none)."""
         if self.stacked is None:
-            like, parts = self.like, self.parts
+            like = self.like
             if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
-                self.stacked = like.stack_deltas(parts)
-                self.parts = []
-                return self.stacked
-            xp = namespace(like)
-            zero = xp.zeros(like.shape[1:], dtype=like.dtype) if any(p is None for p in parts) else None
-            self.stacked = xp.stack([zero if p is None else p for p in parts])
-            self.parts = []
+                parts = []
+                for k, part in enumerate(like.parts):
+                    rows = [(s, d.parts[k]) for s, d in self.rows if d.parts[k] is not None]
+                    members = {i: d.parts[k] for i, d in self.parts.items() if d.parts[k] is not None}
+                    parts.append(_summed(part, rows, members) if rows or members else None)
+                self.stacked = OutputsDelta(tuple(parts))
+            else:
+                self.stacked = _summed(like, self.rows, self.parts)
+            self.rows, self.parts = [], {}
         return self.stacked
+
+
+def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) -> Any:
+    """The delta of ``like`` (a stacked output) from gathered rows and members' own deltas."""
+    if not members and len(rows) == 1:
+        source, d = rows[0]
+        if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
+            return d  # a consumer that read the whole output in order: its delta as it is
+    xp = namespace(like)
+    out = xp.zeros(like.shape, dtype=like.dtype)
+    for source, d in rows:
+        if source.positions is not None:
+            d = d[source.positions]
+        index = source.indices
+        if index is None:
+            out += d
+        elif source.unique:
+            out[index] += d
+        else:  # a node read twice by one gathered operand: its rows add up
+            out = scatter_add(xp, out, index, d)
+    for i, d in members.items():
+        out[i] += d
+    return out
