@@ -326,11 +326,14 @@ class _Run:
         operands: list[Operand] = []
         kinds: set[type] = set()
         for p, x0 in enumerate((*inputs, *first._params)):
-            column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
-            is_node = type(x0) is Layer or type(x0) is Weight
-            # Numbers and other parameters are equal in all members (the signature holds
-            # them); arrays, layers and weights are shared only if they are one object.
-            stacks = (is_node or hasattr(x0, "shape")) and not all(x is x0 for x in column)
+            kind = type(x0)
+            is_node = kind is Layer or kind is Weight
+            # Weights, numbers and other parameters are the same in all members (the
+            # signature holds them); arrays and layers are shared only if they are one object.
+            stacks = kind is Layer or (kind is not Weight and hasattr(x0, "shape"))
+            if stacks:
+                column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
+                stacks = not all(x is x0 for x in column)
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value

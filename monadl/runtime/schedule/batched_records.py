@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
-from typing import Any, Final, final
+from typing import Any, Final, cast, final
 
 import numpy as np
 
@@ -153,11 +153,15 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     else:
         values = list(out)
         part = (type(values[0]), values[0].shape, values[0].dtype)
-    where = groups.where
-    put = None if sink is None else sink.put
-    for i, node in enumerate(members):
-        records[node] = record(values[i], None if put is None else (partial(put, i),), (group,), needs, node, True)
-        where[node] = (group, i, part)
+    held = (group,)
+    if sink is None:
+        for node, value in zip(members, values):
+            records[node] = record(value, None, held, needs, node, True)
+    else:
+        put = sink.put
+        for i, node in enumerate(members):
+            records[node] = record(values[i], (partial(put, i),), held, needs, node, True)
+    groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
 
 
 Place = tuple[Record, int, tuple[Any, ...]]
@@ -197,32 +201,26 @@ class Groups:
     def sources(self, column: list[Any]) -> list[Source] | None:
         """Where each of ``column`` (layers) sits in earlier groups' outputs,
         grouped by group; None if some of them ran alone."""
-        where, records = self.where, self.records
-        rows: dict[Record, tuple[list[int], list[int], list[Record]]] = {}
-        for p, x in enumerate(column):
-            place = where.get(x)
-            if place is None:
-                return None
-            found = rows.get(place[0])
-            if found is None:
-                found = rows[place[0]] = ([], [], [])
-            found[0].append(p)
-            found[1].append(place[1])
-            found[2].append(records[x])
-        n = len(column)
-        out = []
-        for group, (positions, indices, held) in rows.items():
-            whole = len(indices) == group.value.shape[0] and indices == list(range(len(indices)))
-            out.append(
-                Source(
-                    group,
-                    None if len(positions) == n else np.array(positions),
-                    None if whole else np.array(indices),
-                    len(set(indices)) == len(indices),
-                    tuple(held),
-                )
-            )
-        return out
+        where = self.where
+        found = [where.get(x) for x in column]
+        if None in found:
+            return None
+        places = cast(list[Place], found)
+        held = list(map(self.records.__getitem__, column))
+        first = places[0][0]
+        if all(place[0] is first for place in places):  # one group's rows (the common case)
+            return [_source(first, None, [place[1] for place in places], held)]
+        rows: dict[Record, list[int]] = {}
+        for p, place in enumerate(places):
+            positions = rows.get(place[0])
+            if positions is None:
+                rows[place[0]] = [p]
+            else:
+                positions.append(p)
+        return [
+            _source(group, positions, [places[p][1] for p in positions], [held[p] for p in positions])
+            for group, positions in rows.items()
+        ]
 
     def gather(self, sources: list[Source], n: int) -> Any:
         """The gathered operand: rows of earlier groups' outputs, by index (no copy
@@ -263,6 +261,19 @@ class Groups:
         rec.release = tuple(held)
         self.records[rec] = rec
         return rec
+
+
+def _source(group: Record, positions: list[int] | None, indices: list[int], held: list[Record]) -> Source:
+    """A `Source` from Python lists: None for rows that are all, in order."""
+    n = len(indices)
+    whole = n == group.value.shape[0] and indices == list(range(n))
+    return Source(
+        group,
+        None if positions is None else np.array(positions),
+        None if whole else np.array(indices),
+        len(set(indices)) == n,
+        tuple(held),
+    )
 
 
 def _scatter(sink: _Gather, source: Source) -> Callable[[Any], _Gather]:
