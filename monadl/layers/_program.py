@@ -22,11 +22,13 @@ from monadl.deltas import SparseRows, is_basic_index, unbroadcast
 from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._tiles import Tiling, slice_readers, tiling
 
 __all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
+_TILINGS_LIMIT: Final = 256
 
 
 # ---- values of an operation with several outputs -------------------------------------------------
@@ -159,7 +161,7 @@ class Step:
 class Program:
     """The rule of an operation node (see the module's docstring)."""
 
-    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps")
+    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps", "tiles", "tilings")
 
     def __init__(
         self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
@@ -173,6 +175,9 @@ class Program:
         self.readers = tuple(s.operands() for s in steps)
         self.slices = tuple(_basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
+        # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
+        self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
+        self.tilings: dict[tuple[int, tuple[int, ...]], Tiling] = {}
 
     def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
         env = [*args, *self.consts]
@@ -243,7 +248,10 @@ class Program:
         else:
             deltas[self.outputs[0]] = g
         first = len(env) - len(self.steps)
+        assigned: dict[int, set[int]] = {}  # slots whose slices never overlap: slice steps not written yet
         for j in range(len(self.steps) - 1, -1, -1):
+            if first + j in assigned:  # its slices are done: what none wrote is zero
+                self._fill(deltas, first + j, assigned.pop(first + j), stacked)
             d = deltas[first + j]
             if d is None or not self.live[j]:
                 continue
@@ -255,18 +263,30 @@ class Program:
             r = step.refs[0] if step.refs else -1
             if index is not None and step.grads[0] and (deltas[r] is None or type(deltas[r]) is type(env[r])):
                 # A slice: its delta goes into one buffer, in place.
-                if stacked is not None and stacked[r]:
+                lifted = stacked is not None and stacked[r]
+                if lifted:
                     index = (slice(None), *index)
                 if r not in owned:
                     value = env[r]
                     xp = namespace(value)
-                    buffer = xp.zeros(value.shape, dtype=value.dtype)
-                    if deltas[r] is not None:
-                        buffer += deltas[r]
+                    tiled = None if deltas[r] is not None else self._tiling(r, value.shape, lifted)
+                    if tiled:  # every element gets written: no zeros first
+                        buffer = xp.empty(value.shape, dtype=value.dtype)
+                    else:
+                        buffer = xp.zeros(value.shape, dtype=value.dtype)
+                        if deltas[r] is not None:
+                            buffer += deltas[r]
+                    if tiled is not None:
+                        assigned[r] = set(self.tiles[r]) if tiled else set()
                     deltas[r] = buffer
                     owned.add(r)
                 target: Any = deltas[r]
-                target[index] += d
+                written = assigned.get(r)
+                if written is not None:  # its own region, written once: assigned, not added
+                    target[index] = d
+                    written.discard(j)
+                else:
+                    target[index] += d
                 continue
             for p, r in enumerate(step.refs):
                 if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
@@ -281,7 +301,30 @@ class Program:
                     exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
                     raise
                 deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
+        for r, unwritten in assigned.items():  # (operands and constants that were sliced)
+            self._fill(deltas, r, unwritten, stacked)
         return deltas[: self.size]
+
+    def _tiling(self, r: int, shape: tuple[int, ...], stacked: bool) -> Tiling:
+        """How slot ``r``'s slices cut it (see `tiling`), for its shape (a member's when stacked)."""
+        readers = self.tiles.get(r)
+        if readers is None:
+            return None
+        key = (r, shape[1:] if stacked else shape)
+        if key in self.tilings:
+            return self.tilings[key]
+        if len(self.tilings) >= _TILINGS_LIMIT:
+            self.tilings.clear()
+        found = self.tilings[key] = tiling([index for j in readers if (index := self.slices[j]) is not None], key[1])
+        return found
+
+    def _fill(self, deltas: list[Value | None], r: int, unwritten: set[int], stacked: list[bool] | None) -> None:
+        """Zeros where the slices of slot ``r`` that got no delta would have written theirs."""
+        target: Any = deltas[r]
+        for j in unwritten:
+            index = self.slices[j]
+            assert index is not None
+            target[(slice(None), *index) if stacked is not None and stacked[r] else index] = 0
 
 
 def _batching_rule(op: Primitive) -> Any:

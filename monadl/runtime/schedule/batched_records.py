@@ -398,12 +398,21 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) 
         if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
             return d  # a consumer that read the whole output in order: its delta as it is
     xp = namespace(like)
-    out = xp.zeros(like.shape, dtype=like.dtype)
+    n = like.shape[0]
+    # In a tree each row is read once: the gathers' rows then tile the output,
+    # and each is written once into an empty array (no zeros, no additions).
+    tiled = not members and all(s.unique for s, _ in rows)
+    if tiled:
+        indices = [np.arange(n) if s.indices is None else s.indices for s, _ in rows]
+        tiled = sum(len(i) for i in indices) == n and bool(np.all(np.bincount(np.concatenate(indices), minlength=n)))
+    out = xp.empty(like.shape, dtype=like.dtype) if tiled else xp.zeros(like.shape, dtype=like.dtype)
     for source, d in rows:
         if source.positions is not None:
             d = d[source.positions]
         index = source.indices
-        if index is None:
+        if tiled:
+            out[slice(None) if index is None else index] = d
+        elif index is None:
             out += d
         elif source.unique:
             out[index] += d
