@@ -12,6 +12,7 @@ import pytest
 
 import monadl as ml
 from monadl.gradcheck import check_grads, check_grads_over_shapes
+from monadl.layers._primitives import PRIMITIVES
 
 BROADCAST_PAIRS: list[list[tuple[int, ...]]] = [
     [(), ()],
@@ -203,3 +204,16 @@ def test_dense_against_matmul_plus_bias_and_differences() -> None:
     assert anyio.run(ml.dense(x32, w32, np.array(0.5, np.float32)).predict).dtype == np.float32
     assert anyio.run(ml.dense(x32, w32, np.array(0.5)).predict).dtype == (x32 @ w32 + np.array(0.5)).dtype
     assert anyio.run(ml.dense(x32, w32, np.zeros((3, 4, 2), np.float32)).predict).shape == (3, 4, 2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sigmoid_fast_path_is_the_stable_formula_bit_for_bit(dtype: Any) -> None:
+    edges = [-1000.0, -100.0, -88.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 20.0, 88.0, 1000.0, np.inf, -np.inf, np.nan]
+    a = np.concatenate([np.array(edges), np.random.default_rng(0).normal(0.0, 8.0, 1000)]).astype(dtype)
+    strided = np.stack([a, a]).T[:, 1]  # (a view with a stride: as a gate slice is)
+    e = np.exp(-np.abs(a))
+    want = np.where(a >= 0, 1 / (1 + e), e / (1 + e))
+    for x in (a, strided):
+        got, _ = PRIMITIVES["sigmoid"].rule(x)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
