@@ -185,15 +185,15 @@ def _evaluate(block: Block[X, Y], x: X) -> Y:
             while True:  # follow compositions and routes to a block that builds
                 kind = _kind(sub)
                 if kind is _COMPOSITION:
-                    composed = cast(Composition[Any, Any], sub)
+                    composed = cast("Composition[Any, Any]", sub)
                     stack.append(_Then(composed.second))
                     sub = composed.first
                 elif kind is _ROUTE:
-                    sub = cast(Route[Any, Any], sub)._route(arg)
+                    sub = cast("Route[Any, Any]", sub)._route(arg)
                 else:
                     break
             if kind is _IMMEDIATE:
-                sent = cast(Immediate[Any, Any], sub)._output(arg)
+                sent = cast("Immediate[Any, Any]", sub)._output(arg)
             else:
                 stack.append(sub._build(arg))
                 sent = None
