@@ -198,7 +198,7 @@ def _maker(
             inputs = (*leaves[:first], *nodes, *weights)
         else:
             inputs = (*[leaves[i] for i in used], *[nodes[s] for s in sources], *weights)
-        node = _build(op, inputs, (), 1)
+        node = _build(op, inputs, (), 3)  # (the frame that called the operation: make, __call__, then it)
         if outputs == 1:
             return result((node,), leaves)
         return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
