@@ -18,11 +18,11 @@ from operator import itemgetter
 from typing import Any, Final, final
 
 from monadl._namespace import namespace
-from monadl.deltas import SparseRows, is_basic_index, unbroadcast
+from monadl.deltas import SparseRows, unbroadcast
 from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._primitives import PRIMITIVES, Primitive
-from monadl.layers._tiles import Tiling, slice_readers, tiling
+from monadl.layers._primitives import Primitive
+from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
 __all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
 
@@ -173,7 +173,7 @@ class Program:
         self.outputs = outputs
         self.multi = len(outputs) > 1
         self.readers = tuple(s.operands() for s in steps)
-        self.slices = tuple(_basic_slice(s) for s in steps)
+        self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
         # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
         self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
@@ -349,17 +349,6 @@ def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> t
         return OutputsDelta(tuple(parts), shape)
 
     return stacked.parts[k], (vjp,)
-
-
-def _basic_slice(step: Step) -> tuple[Any, ...] | None:
-    """A getitem step's index as a tuple, when it takes a view (slices, ints,
-    ``...``, None: `is_basic_index`); else None."""
-    if step.op is not PRIMITIVES["getitem"] or step.takes is not None:
-        return None
-    (index,) = step.params
-    if not is_basic_index(index):
-        return None
-    return index if isinstance(index, tuple) else (index,)
 
 
 def _where(step: Step) -> str:

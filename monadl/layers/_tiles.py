@@ -13,21 +13,34 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
+from monadl.deltas import is_basic_index
+from monadl.layers._primitives import PRIMITIVES
+
 if TYPE_CHECKING:
     from monadl.layers._program import Step
 
-__all__ = ["Tiling", "slice_readers", "tiling"]
+__all__ = ["Tiling", "basic_slice", "slice_readers", "tiling"]
 
 Tiling = bool | None
 """True: the slices tile the array (disjoint, covering it); False: disjoint
 only; None: they may overlap (their deltas must be added)."""
 
 
+def basic_slice(step: Step) -> tuple[Any, ...] | None:
+    """A getitem step's index as a tuple, when it takes a view (slices, ints,
+    ``...``, None: `is_basic_index`); else None."""
+    if step.op is not PRIMITIVES["getitem"] or step.takes is not None:
+        return None
+    (index,) = step.params
+    if not is_basic_index(index):
+        return None
+    return index if isinstance(index, tuple) else (index,)
+
+
 def slice_readers(steps: tuple[Step, ...], slices: tuple[tuple[Any, ...] | None, ...]) -> dict[int, tuple[int, ...]]:
     """Per slot of a program's environment, the steps that slice it (by
     index in ``steps``), where no other step reads it.
 
-    >>> from monadl.layers._primitives import PRIMITIVES
     >>> from monadl.layers._program import Step
     >>> cut = [Step(PRIMITIVES["getitem"], (0,), (s,), None, (True,)) for s in (slice(None, 2), slice(2, None))]
     >>> slice_readers(tuple(cut), ((slice(None, 2),), (slice(2, None),)))

@@ -41,7 +41,8 @@ from monadl.layers._layer import Layer
 from monadl.layers._program import Outputs, Program, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
-from monadl.runtime.schedule.batched_records import Groups, Operand, batchable, group_records, signature, stack
+from monadl.runtime.schedule.batched_groups import Groups
+from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature, stack
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
