@@ -40,7 +40,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable
-from typing import Any, Final, Generic, ParamSpec, TypeVar, final
+from typing import Any, Final, Generic, ParamSpec, TypeVar, cast, final
 
 import numpy as np
 
@@ -322,7 +322,7 @@ class Operation(Generic[P, R]):
             placed = {j: (s, k) for j, s, k in views}
             trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
-        return trace.make(leaves, sources)  # type: ignore[no-any-return]
+        return cast(R, trace.make(leaves, sources))
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
