@@ -227,13 +227,14 @@ def encode(cells: Cells, tree: Tree) -> ml.ArrayLayer:
     (1, 4)
     """
     states: list[State] = []
-    symbols, lefts, rights = tree.symbol, tree.left, tree.right
-    for k in range(len(symbols)):
-        symbol = symbols[k : k + 1]  # (a view: the lookup's index array)
-        if lefts[k] < 0:
+    # Per node: its symbol as a one-element view (the lookup's index array),
+    # its children as Python ints (NumPy scalars cost more to index with).
+    symbols = list(tree.symbol[:, None])
+    for symbol, left, right in zip(symbols, tree.left.tolist(), tree.right.tolist()):
+        if left < 0:
             states.append(cells.leaf(symbol))
         else:
-            states.append(cells.internal(symbol, states[lefts[k]], states[rights[k]]))
+            states.append(cells.internal(symbol, states[left], states[right]))
     return states[-1].h
 
 

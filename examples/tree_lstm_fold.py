@@ -21,6 +21,7 @@ trees and prints the loss before and after.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,27 +40,43 @@ from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransfo
 
 @final
 @dataclass(frozen=True, slots=True)
+class Links:
+    """A tree's structure as Python lists: per node its children's numbers
+    and its symbol as a one-element view (cheaper to read per node than the
+    tree's arrays, whose elements are NumPy scalars)."""
+
+    left: list[int]
+    right: list[int]
+    symbols: list[ml.Array]
+
+    @staticmethod
+    def of(tree: Tree) -> Links:
+        return Links(tree.left.tolist(), tree.right.tolist(), list(tree.symbol[:, None]))
+
+
+@final
+@dataclass(frozen=True, slots=True)
 class Node:
     """One node of a `Tree` (stored flat, children first) seen as a recursive value."""
 
-    tree: Tree
+    links: Links
     index: int
 
     @property
     def is_leaf(self) -> bool:
-        return bool(self.tree.left[self.index] < 0)
+        return self.links.left[self.index] < 0
 
     @property
     def symbol(self) -> int:
-        return int(self.tree.symbol[self.index])
+        return int(self.links.symbols[self.index][0])
 
     @property
     def left(self) -> Node:
-        return Node(self.tree, int(self.tree.left[self.index]))
+        return Node(self.links, self.links.left[self.index])
 
     @property
     def right(self) -> Node:
-        return Node(self.tree, int(self.tree.right[self.index]))
+        return Node(self.links, self.links.right[self.index])
 
 
 def root(tree: Tree) -> Node:
@@ -68,7 +85,7 @@ def root(tree: Tree) -> Node:
     >>> root(make_trees(1, 2, 2, seed=0)[0]).is_leaf
     False
     """
-    return Node(tree, len(tree.symbol) - 1)
+    return Node(Links.of(tree), len(tree.symbol) - 1)
 
 
 def node_block(params: Params, hidden: int) -> Block[Node, State]:
@@ -81,13 +98,9 @@ def node_block(params: Params, hidden: int) -> Block[Node, State]:
     (1, 4)
     """
 
-    def leaf_cell(symbol: ml.Array) -> State:
-        return leaf_node(params, hidden, symbol)
-
-    def internal_cell(children: tuple[State, State, ml.Array]) -> State:
-        left, right, symbol = children
-        return internal_node(params, hidden, symbol, left, right)
-
+    # (partials, not closures: an operation then finds the same objects in its signature without a look per call)
+    leaf_cell = functools.partial(leaf_node, params, hidden)
+    internal_cell = functools.partial(_internal_cell, params, hidden)
     node = ForwardDeclaration[Node, State]()
     leaf = InputTransform(_symbol) >> Function(leaf_cell)
     internal = AllOf(InputTransform(_left) >> node, InputTransform(_right) >> node, InputTransform(_symbol))
@@ -95,9 +108,14 @@ def node_block(params: Params, hidden: int) -> Block[Node, State]:
     return node
 
 
+def _internal_cell(params: Params, hidden: int, children: tuple[State, State, ml.Array]) -> State:
+    left, right, symbol = children
+    return internal_node(params, hidden, symbol, left, right)
+
+
 def _symbol(node: Node) -> ml.Array:
     """The node's symbol as the lookups' index array (data: one trace serves every symbol)."""
-    return node.tree.symbol[node.index : node.index + 1]
+    return node.links.symbols[node.index]
 
 
 def _left(node: Node) -> Node:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, TypeVar, cast, final
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -85,6 +85,29 @@ class Block(ABC, Generic[In, Out]):
         return Composition(self, other)
 
 
+class Immediate(Block[In, Out]):
+    """A block that needs no sub-block: its output straight from its input
+    (`Immediate._output`). The evaluator calls it without a build of its own
+    (a generator, and the exception that ends it: most of a Fold model's
+    building time, per node, before this)."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def _output(self, x: In) -> Out:
+        """The output of one input."""
+
+    @final
+    def _build(self, x: In) -> Build[Out]:
+        return _done(self._output(x))
+
+
+def _done(y: Y) -> Build[Y]:
+    """The build of a block that requests nothing."""
+    yield from ()
+    return y
+
+
 def call(block: Block[X, Y], x: X) -> Build[Y]:
     """Inside a `Block._build`: ``y = yield from call(block, x)`` asks the
     evaluator for ``block``'s output on ``x``, typed as ``block``'s output.
@@ -97,21 +120,96 @@ def call(block: Block[X, Y], x: X) -> Build[Y]:
     return y
 
 
+class Route(Block[In, Out]):
+    """A block that applies another block, chosen from the input
+    (`Route._route`), to the same input: a forward declaration, `OneOf`. The
+    evaluator follows the route without a build of its own."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    def _route(self, x: In) -> Block[In, Out]:
+        """The block to apply to ``x``."""
+
+    @final
+    def _build(self, x: In) -> Build[Out]:
+        y: Out = yield from call(self._route(x), x)
+        return y
+
+
+@final
+class _Then:
+    """On the evaluator's stack: the second block of a composition, waiting for the first's output."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block[Any, Any]) -> None:
+        self.block = block
+
+
+_COMPOSITION, _ROUTE, _IMMEDIATE, _BUILD = "composition", "route", "immediate", "build"
+_KINDS: dict[type, str] = {}
+
+
+def _kind(block: Block[Any, Any]) -> str:
+    """How the evaluator runs a block, by its class (looked up once per
+    class: ``isinstance`` against an ABC costs more than the rest of a step)."""
+    kind = _KINDS.get(type(block))
+    if kind is None:
+        if type(block) is Composition:
+            kind = _COMPOSITION
+        elif isinstance(block, Route):
+            kind = _ROUTE
+        elif isinstance(block, Immediate):
+            kind = _IMMEDIATE
+        else:
+            kind = _BUILD
+        _KINDS[type(block)] = kind
+    return kind
+
+
 def _evaluate(block: Block[X, Y], x: X) -> Y:
-    """Run ``block`` on ``x`` with an explicit stack of suspended builds."""
-    stack: list[Build[Any]] = [block._build(x)]
+    """Run ``block`` on ``x`` with an explicit stack of suspended builds.
+
+    Compositions, routes and immediate blocks (most of a model's blocks, per
+    node of a tree) run here without a generator each: creating one and
+    catching the exception that ends it cost more than the rest of building.
+    """
+    stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
+    request: tuple[Block[Any, Any], Any] | None = (block, x)
     sent: Any = None
-    while stack:
+    while True:
+        if request is not None:
+            sub, arg = request
+            request = None
+            while True:  # follow compositions and routes to a block that builds
+                kind = _kind(sub)
+                if kind is _COMPOSITION:
+                    composed = cast("Composition[Any, Any]", sub)
+                    stack.append(_Then(composed.second))
+                    sub = composed.first
+                elif kind is _ROUTE:
+                    sub = cast("Route[Any, Any]", sub)._route(arg)
+                else:
+                    break
+            if kind is _IMMEDIATE:
+                sent = cast("Immediate[Any, Any]", sub)._output(arg)
+            else:
+                stack.append(sub._build(arg))
+                sent = None
+        if not stack:
+            result: Y = sent
+            return result
+        top = stack[-1]
+        if type(top) is _Then:
+            stack.pop()
+            request = (top.block, sent)
+            continue
         try:
-            sub, arg = stack[-1].send(sent)
+            request = top.send(sent)
         except StopIteration as done:
             stack.pop()
             sent = done.value
-        else:
-            stack.append(sub._build(arg))
-            sent = None
-    result: Y = sent
-    return result
 
 
 @final
@@ -136,7 +234,7 @@ class Composition(Block[X, Z]):
 
 
 @final
-class ForwardDeclaration(Block[X, Y]):
+class ForwardDeclaration(Route[X, Y]):
     """A block to be defined later, so that a block may use itself (recursion
     over trees): declare it, use it inside the definition, then
     ``resolve_to`` the definition. Deep recursion is safe: the evaluator
@@ -171,8 +269,7 @@ class ForwardDeclaration(Block[X, Y]):
             raise ValueError("ForwardDeclaration.resolve_to: already resolved")
         self._target = block
 
-    def _build(self, x: X) -> Build[Y]:
+    def _route(self, x: X) -> Block[X, Y]:
         if self._target is None:
             raise ValueError("a ForwardDeclaration was applied before resolve_to defined it")
-        y = yield from call(self._target, x)
-        return y
+        return self._target

@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast, final, overload
 import numpy as np
 import numpy.typing as npt
 
-from monadl.fold._block import Block, Build, call
+from monadl.fold._block import Block, Build, Immediate, Route, call
 from monadl.layers import ArrayLayer, operation
 from monadl.typeclasses import as_layer
 
@@ -33,15 +33,9 @@ Y3 = TypeVar("Y3")
 Y4 = TypeVar("Y4")
 
 
-def _done(y: Y) -> Build[Y]:
-    """The build of a block that needs no sub-block: it requests nothing."""
-    yield from ()
-    return y
-
-
 # ---- inputs to layers -----------------------------------------------------------------------------
 @final
-class Scalar(Block[float, ArrayLayer]):
+class Scalar(Immediate[float, ArrayLayer]):
     """A Python number as a constant layer of shape ``(1,)`` (no gradient).
 
     >>> import anyio
@@ -54,12 +48,12 @@ class Scalar(Block[float, ArrayLayer]):
     def __init__(self, dtype: npt.DTypeLike = np.float32) -> None:
         self.dtype = np.dtype(dtype)
 
-    def _build(self, x: float) -> Build[ArrayLayer]:
-        return _done(as_layer(np.array([x], self.dtype)))
+    def _output(self, x: float) -> ArrayLayer:
+        return as_layer(np.array([x], self.dtype))
 
 
 @final
-class Vector(Block[Sequence[float], ArrayLayer]):
+class Vector(Immediate[Sequence[float], ArrayLayer]):
     """A sequence of ``size`` numbers as a constant row of shape ``(1, size)``.
 
     >>> import anyio
@@ -73,14 +67,14 @@ class Vector(Block[Sequence[float], ArrayLayer]):
         self.size = size
         self.dtype = np.dtype(dtype)
 
-    def _build(self, x: Sequence[float]) -> Build[ArrayLayer]:
+    def _output(self, x: Sequence[float]) -> ArrayLayer:
         if len(x) != self.size:
             raise ValueError(f"Vector({self.size}) was given {len(x)} numbers")
-        return _done(as_layer(np.asarray(x, self.dtype).reshape(1, self.size)))
+        return as_layer(np.asarray(x, self.dtype).reshape(1, self.size))
 
 
 @final
-class Zeros(Block[object, ArrayLayer]):
+class Zeros(Immediate[object, ArrayLayer]):
     """Zeros of shape ``(1, *shape)`` whatever the input (an initial state).
 
     >>> import anyio
@@ -94,13 +88,13 @@ class Zeros(Block[object, ArrayLayer]):
         self.shape = shape
         self.dtype = np.dtype(dtype)
 
-    def _build(self, x: object) -> Build[ArrayLayer]:
-        return _done(as_layer(np.zeros((1, *self.shape), self.dtype)))
+    def _output(self, x: object) -> ArrayLayer:
+        return as_layer(np.zeros((1, *self.shape), self.dtype))
 
 
 # ---- functions ----------------------------------------------------------------------------------
 @final
-class Function(Block[X, Y]):
+class Function(Immediate[X, Y]):
     """A Python function over layers (a cell using weights, a loss), built
     as one `monadl.operation`: traced once per signature, one node of the
     graph per input, batched as a unit.
@@ -116,12 +110,12 @@ class Function(Block[X, Y]):
     def __init__(self, f: Callable[[X], Y]) -> None:
         self.f: Callable[[X], Y] = operation(f)
 
-    def _build(self, x: X) -> Build[Y]:
-        return _done(self.f(x))
+    def _output(self, x: X) -> Y:
+        return self.f(x)
 
 
 @final
-class InputTransform(Block[X, Y]):
+class InputTransform(Immediate[X, Y]):
     """Plain Python pre-processing of an input (no layers: Fold's
     ``InputTransform``); reads as the boundary between data and network.
 
@@ -134,8 +128,8 @@ class InputTransform(Block[X, Y]):
     def __init__(self, f: Callable[[X], Y]) -> None:
         self.f = f
 
-    def _build(self, x: X) -> Build[Y]:
-        return _done(self.f(x))
+    def _output(self, x: X) -> Y:
+        return self.f(x)
 
 
 # ---- sequences ----------------------------------------------------------------------------------
@@ -210,7 +204,7 @@ class Reduce(Block[Sequence[Y], Y]):
 
 # ---- choice and structure -------------------------------------------------------------------------
 @final
-class OneOf(Block[X, Y]):
+class OneOf(Route[X, Y]):
     """The case chosen by ``key(x)``, applied to ``x``: a dispatch on the
     input (a leaf or an internal node).
 
@@ -225,12 +219,11 @@ class OneOf(Block[X, Y]):
         self.key: Callable[[X], Hashable] = key
         self.cases: Mapping[Any, Block[X, Y]] = cases  # keys as K, read back by key(x)
 
-    def _build(self, x: X) -> Build[Y]:
+    def _route(self, x: X) -> Block[X, Y]:
         k = self.key(x)
         if k not in self.cases:
             raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
-        y = yield from call(self.cases[k], x)
-        return y
+        return self.cases[k]
 
 
 @final

@@ -40,7 +40,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable
-from typing import Any, Final, Generic, ParamSpec, TypeVar, final
+from typing import Any, Final, Generic, ParamSpec, TypeVar, cast, final
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from monadl.errors import OperandError
 from monadl.layers._layer import Expr, Layer, _build, _next_serial, site_text
 from monadl.layers._primitives import Primitive
 from monadl.layers._program import ARGUMENT, OUTPUT, Program, Step
-from monadl.layers._structures import fill, flatten, items, rebuild, template
+from monadl.layers._structures import filler, flatten, items, rebuild, template
 from monadl.layers._weight import Weight
 
 __all__ = ["Operation", "operation"]
@@ -67,7 +67,8 @@ class _Trace:
     computes nothing: its result is then rebuilt from the call's arguments),
     which operand leaves the node takes, the weights it adds, how many
     outputs it has and the result's template; ``keep`` holds the objects
-    whose ids are in the signature."""
+    whose ids are in the signature; ``make`` builds a call's node and result
+    from the call's leaves and source nodes (compiled from the rest)."""
 
     op: Primitive | None
     used: tuple[int, ...]
@@ -76,6 +77,7 @@ class _Trace:
     outputs: int
     template: Any
     keep: tuple[Any, ...]
+    make: Callable[[list[Any], list[Any]], Any]
 
 
 def _trace(
@@ -112,7 +114,7 @@ def _trace(
 
     shape = template(result, leaf)
     if not outs:
-        return _Trace(None, (), (), (), 0, shape, keep)
+        return _Trace(None, (), (), (), 0, shape, keep, _maker(None, (), (), (), 0, shape))
     # The trace's layers, children first (construction order is topological).
     inner: dict[Layer[Any, Any], None] = dict.fromkeys(outs)
     todo = list(outs)
@@ -168,7 +170,40 @@ def _trace(
         grads_of.append(any(grads))
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
     op = Primitive(f"{name}#{next(_ids)}", program)
-    return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep)
+    make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
+    return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)
+
+
+def _maker(
+    op: Primitive | None,
+    used: tuple[int, ...],
+    sources: tuple[int, ...],
+    weights: tuple[Weight[Any, Any], ...],
+    outputs: int,
+    shape: Any,
+) -> Callable[[list[Any], list[Any]], Any]:
+    """How a call of a trace builds its node, its output views and its
+    result, as one closure (what is the same every call, worked out once)."""
+    result = filler(shape)
+    if op is None:
+        return lambda leaves, nodes: result((), leaves)
+    # Most cells use their leading leaves (the data and layer arguments) and
+    # every source node, in order: then the inputs are two slices.
+    first = len(used)
+    prefix = used == tuple(range(first)) and sources == tuple(range(len(sources)))
+    count = len(sources)
+
+    def make(leaves: list[Any], nodes: list[Any]) -> Any:
+        if prefix and len(nodes) == count:
+            inputs = (*leaves[:first], *nodes, *weights)
+        else:
+            inputs = (*[leaves[i] for i in used], *[nodes[s] for s in sources], *weights)
+        node = _build(op, inputs, (), 3)  # (the frame that called the operation: make, __call__, then it)
+        if outputs == 1:
+            return result((node,), leaves)
+        return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
+
+    return make
 
 
 @final
@@ -227,7 +262,7 @@ _TRACES_LIMIT: Final = 256
 class Operation(Generic[P, R]):
     """A function over layers marked as one operation (see `operation`)."""
 
-    __slots__ = ("__name__", "__wrapped__", "_closure", "_traces")
+    __slots__ = ("__name__", "__wrapped__", "_closure", "_ids", "_traces")
 
     def __init__(self, f: Callable[P, R]) -> None:
         if inspect.iscoroutinefunction(f):
@@ -246,26 +281,37 @@ class Operation(Generic[P, R]):
         if owner is not None:
             held.append(_Held(owner))
         self._closure: tuple[Any, ...] | None = tuple(held) or None
+        fixed = self._closure is not None and all(type(c) is _Held for c in self._closure)
+        self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
         self._traces: dict[Any, _Trace] = {}
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
+        # batch), so it is kept lean: the signature's parts in flat tuples, a
+        # trace's node and result made by closures compiled with the trace.
         leaves: list[Any] = []
         keep: list[Any] = []
         found: list[int] = []
         key: Any = items(args, leaves, keep, found) if not kwargs else flatten((args, kwargs), leaves, keep, found)
-        views: dict[int, tuple[int, int]] = {}
         sources: list[Layer[Any, Any]] = []
+        views: list[tuple[int, int, int]] = []
         if found:  # outputs of other operations: their nodes are the operands
             for j in found:
                 x = leaves[j]
                 node = x._inputs[0]
-                s = next((i for i, known in enumerate(sources) if known is node), len(sources))
-                if s == len(sources):
+                for i, known in enumerate(sources):  # (a handful: a scan beats a dict)
+                    if known is node:
+                        s = i
+                        break
+                else:
+                    s = len(sources)
                     sources.append(node)
-                views[j] = (s, x._params[0])
-            key = (key, tuple(views.items()))
+                views.append((j, s, x._params[0]))
+            key = (key, tuple(views))
         held: list[Any] = []
-        if self._closure is not None:
+        if self._ids is not None:  # what a partial or a bound method holds: the same objects every call
+            key = (key, self._ids)
+        elif self._closure is not None:
             held = [_contents(c) for c in self._closure]
             key = (key, tuple([id(x) for x in held]))
         trace = self._traces.get(key)
@@ -273,17 +319,10 @@ class Operation(Generic[P, R]):
             if len(self._traces) >= _TRACES_LIMIT:
                 self._traces.clear()
             keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
-            trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), views)
+            placed = {j: (s, k) for j, s, k in views}
+            trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
-        op = trace.op
-        if op is None:
-            return fill(trace.template, (), leaves)  # type: ignore[no-any-return]
-        inputs = (*[leaves[i] for i in trace.used], *[sources[s] for s in trace.sources], *trace.weights)
-        node = _build(op, inputs, (), 1)
-        if trace.outputs == 1:
-            return fill(trace.template, (node,), leaves)  # type: ignore[no-any-return]
-        outs = tuple([_output(node, k) for k in range(trace.outputs)])
-        return fill(trace.template, outs, leaves)  # type: ignore[no-any-return]
+        return cast(R, trace.make(leaves, sources))
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"

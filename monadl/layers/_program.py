@@ -18,16 +18,18 @@ from operator import itemgetter
 from typing import Any, Final, final
 
 from monadl._namespace import namespace
-from monadl.deltas import SparseRows, is_basic_index, unbroadcast
+from monadl.deltas import SparseRows, unbroadcast
 from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
-from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._primitives import Primitive
+from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
 __all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
+_TILINGS_LIMIT: Final = 256
 
 
 # ---- values of an operation with several outputs -------------------------------------------------
@@ -86,7 +88,16 @@ class StackedOutputs:
     def stack(members: list[Outputs]) -> StackedOutputs:
         """The members' `Outputs`, stacked output by output."""
         xp = namespace(members[0][0])
-        return StackedOutputs(tuple([xp.stack([m[k] for m in members]) for k in range(len(members[0]))]))
+        n = len(members)
+        # One concatenation per output (its rows have axes), not stack's Python per array.
+        return StackedOutputs(
+            tuple(
+                [
+                    xp.reshape(xp.concatenate(part, axis=0), (n, *part[0].shape)) if part[0].ndim else xp.stack(part)
+                    for part in map(list, zip(*members))
+                ]
+            )
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,20 +105,6 @@ class StackedOutputs:
 
     def __getitem__(self, i: int) -> Outputs:
         return Outputs([p[i] for p in self.parts])
-
-    def stack_deltas(self, members: list[OutputsDelta | None]) -> OutputsDelta:
-        """The members' deltas as one `OutputsDelta` of stacked arrays (zeros
-        for members without one; None for an output no member's delta reached)."""
-        stacked: list[Value | None] = []
-        for k, like in enumerate(self.parts):
-            column = [None if m is None else m.parts[k] for m in members]
-            if all(d is None for d in column):
-                stacked.append(None)
-                continue
-            xp = namespace(like)
-            zero = xp.zeros(like.shape[1:], dtype=like.dtype)
-            stacked.append(xp.stack([zero if d is None else d for d in column]))
-        return OutputsDelta(tuple(stacked))
 
 
 def _output_rule(value: Outputs, k: int) -> tuple[Value, tuple[Callable[[Value], OutputsDelta]]]:
@@ -165,7 +162,20 @@ class Step:
 class Program:
     """The rule of an operation node (see the module's docstring)."""
 
-    __slots__ = ("consts", "live", "multi", "name", "outputs", "readers", "size", "slices", "steps", "uniform")
+    __slots__ = (
+        "consts",
+        "live",
+        "multi",
+        "name",
+        "outputs",
+        "readers",
+        "size",
+        "slices",
+        "steps",
+        "tiles",
+        "tilings",
+        "uniform",
+    )
 
     def __init__(
         self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
@@ -177,11 +187,14 @@ class Program:
         self.outputs = outputs
         self.multi = len(outputs) > 1
         self.readers = tuple(s.operands() for s in steps)
-        self.slices = tuple(_basic_slice(s) for s in steps)
+        self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
         # Operand dtypes under which every step's operands already had one float
         # dtype and needed no cast: calls with them skip the operand rule.
         self.uniform: set[tuple[Any, ...]] = set()
+        # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
+        self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
+        self.tilings: dict[tuple[int, tuple[int, ...]], Tiling] = {}
 
     def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
         env = [*args, *self.consts]
@@ -271,7 +284,10 @@ class Program:
         else:
             deltas[self.outputs[0]] = g
         first = len(env) - len(self.steps)
+        assigned: dict[int, set[int]] = {}  # slots whose slices never overlap: slice steps not written yet
         for j in range(len(self.steps) - 1, -1, -1):
+            if first + j in assigned:  # its slices are done: what none wrote is zero
+                self._fill(deltas, first + j, assigned.pop(first + j), stacked)
             d = deltas[first + j]
             if d is None or not self.live[j]:
                 continue
@@ -283,18 +299,30 @@ class Program:
             r = step.refs[0] if step.refs else -1
             if index is not None and step.grads[0] and (deltas[r] is None or type(deltas[r]) is type(env[r])):
                 # A slice: its delta goes into one buffer, in place.
-                if stacked is not None and stacked[r]:
+                lifted = stacked is not None and stacked[r]
+                if lifted:
                     index = (slice(None), *index)
                 if r not in owned:
                     value = env[r]
                     xp = namespace(value)
-                    buffer = xp.zeros(value.shape, dtype=value.dtype)
-                    if deltas[r] is not None:
-                        buffer += deltas[r]
+                    tiled = None if deltas[r] is not None else self._tiling(r, value.shape, lifted)
+                    if tiled:  # every element gets written: no zeros first
+                        buffer = xp.empty(value.shape, dtype=value.dtype)
+                    else:
+                        buffer = xp.zeros(value.shape, dtype=value.dtype)
+                        if deltas[r] is not None:
+                            buffer += deltas[r]
+                    if tiled is not None:
+                        assigned[r] = set(self.tiles[r]) if tiled else set()
                     deltas[r] = buffer
                     owned.add(r)
                 target: Any = deltas[r]
-                target[index] += d
+                written = assigned.get(r)
+                if written is not None:  # its own region, written once: assigned, not added
+                    target[index] = d
+                    written.discard(j)
+                else:
+                    target[index] += d
                 continue
             for p, r in enumerate(step.refs):
                 if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
@@ -309,7 +337,30 @@ class Program:
                     exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
                     raise
                 deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
+        for r, unwritten in assigned.items():  # (operands and constants that were sliced)
+            self._fill(deltas, r, unwritten, stacked)
         return deltas[: self.size]
+
+    def _tiling(self, r: int, shape: tuple[int, ...], stacked: bool) -> Tiling:
+        """How slot ``r``'s slices cut it (see `tiling`), for its shape (a member's when stacked)."""
+        readers = self.tiles.get(r)
+        if readers is None:
+            return None
+        key = (r, shape[1:] if stacked else shape)
+        if key in self.tilings:
+            return self.tilings[key]
+        if len(self.tilings) >= _TILINGS_LIMIT:
+            self.tilings.clear()
+        found = self.tilings[key] = tiling([index for j in readers if (index := self.slices[j]) is not None], key[1])
+        return found
+
+    def _fill(self, deltas: list[Value | None], r: int, unwritten: set[int], stacked: list[bool] | None) -> None:
+        """Zeros where the slices of slot ``r`` that got no delta would have written theirs."""
+        target: Any = deltas[r]
+        for j in unwritten:
+            index = self.slices[j]
+            assert index is not None
+            target[(slice(None), *index) if stacked is not None and stacked[r] else index] = 0
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -339,17 +390,6 @@ def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> t
         return OutputsDelta(tuple(parts), shape)
 
     return stacked.parts[k], (vjp,)
-
-
-def _basic_slice(step: Step) -> tuple[Any, ...] | None:
-    """A getitem step's index as a tuple, when it takes a view (slices, ints,
-    ``...``, None: `is_basic_index`); else None."""
-    if step.op is not PRIMITIVES["getitem"] or step.takes is not None:
-        return None
-    (index,) = step.params
-    if not is_basic_index(index):
-        return None
-    return index if isinstance(index, tuple) else (index,)
 
 
 def _where(step: Step) -> str:

@@ -5,7 +5,7 @@ A structure is tuples, lists, dicts and dataclasses (named tuples too) of
 *leaves*: layers and weights (operands with a delta, `NODE`), arrays and
 floats (data, `DATA`), and anything else, static (by value if hashable,
 else by identity). `flatten` gives a call's hashable shape and its operand
-leaves; `rebuild` puts placeholders in their places; `template` and `fill`
+leaves; `rebuild` puts placeholders in their places; `template` and `filler`
 rebuild a traced function's result around each call's nodes.
 """
 
@@ -22,7 +22,7 @@ from monadl.layers._layer import Expr, Layer
 from monadl.layers._program import OUTPUT
 from monadl.layers._weight import Weight
 
-__all__ = ["DATA", "NODE", "fill", "flatten", "items", "rebuild", "template"]
+__all__ = ["DATA", "NODE", "filler", "flatten", "items", "rebuild", "template"]
 
 NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
 DATA: Final = "data"  # an array or a float: an operand without one
@@ -90,7 +90,7 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
 def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int]) -> tuple[Any, ...]:
     """`_flatten` of a container's items, with layers and weights (most of
     them) taken without a call: this runs for every call of an operation."""
-    shape = []
+    shape: list[Any] = []
     for y in xs:
         kind = type(y)
         if kind is Layer:
@@ -101,8 +101,15 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
         elif kind is Weight:
             leaves.append(y)
             shape.append(NODE)
+        elif kind is np.ndarray or kind is float:
+            leaves.append(y)
+            shape.append(DATA)
         else:
-            shape.append(flatten(y, leaves, keep, views))
+            fields = _FIELDS.get(kind)
+            if fields is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
+                shape.append((kind, items([getattr(y, name) for name in fields], leaves, keep, views)))
+            else:
+                shape.append(flatten(y, leaves, keep, views))
     return tuple(shape)
 
 
@@ -139,16 +146,43 @@ def template(y: Any, leaf: Callable[[Any], tuple[str, Any]]) -> Any:
     return leaf(y)
 
 
-def fill(t: tuple[Any, ...], outs: tuple[Any, ...], args: list[Any]) -> Any:
+def filler(t: tuple[Any, ...]) -> Callable[[tuple[Any, ...], list[Any]], Any]:
+    """`fill` of template ``t`` as a closure, the walk of the template done
+    once (a call of an operation then only builds its result).
+
+    >>> filler(("seq", tuple, (("out", 1), ("arg", 0), ("const", 2))))(("a", "b"), ["x"])
+    ('b', 'x', 2)
+    """
     tag = t[0]
     if tag == "out":
-        return outs[t[1]]
+        return _out(t[1])
     if tag == "arg":
-        return args[t[1]]
+        return _arg(t[1])
     if tag == "const":
-        return t[1]
-    if tag == "seq":
-        return t[1]([fill(z, outs, args) for z in t[2]])
+        return _const(t[1])
+    parts = [filler(z) for z in t[2]]
+    kind = t[1]
     if tag == "dict":
-        return dict(zip(t[1], [fill(z, outs, args) for z in t[2]]))
-    return t[1](*[fill(z, outs, args) for z in t[2]])
+        return lambda outs, args: dict(zip(kind, [f(outs, args) for f in parts]))
+    if [z[0] for z in t[2]] == ["out"] * len(parts):  # only outputs (a cell's state): no calls per leaf
+        picks = [z[1] for z in t[2]]
+        if tag == "seq":
+            return lambda outs, args: kind([outs[k] for k in picks])
+        if picks == list(range(len(picks))):
+            return lambda outs, args: kind(*outs)
+        return lambda outs, args: kind(*[outs[k] for k in picks])
+    if tag == "seq":
+        return lambda outs, args: kind([f(outs, args) for f in parts])
+    return lambda outs, args: kind(*[f(outs, args) for f in parts])
+
+
+def _out(k: int) -> Callable[[tuple[Any, ...], list[Any]], Any]:
+    return lambda outs, args: outs[k]
+
+
+def _arg(k: int) -> Callable[[tuple[Any, ...], list[Any]], Any]:
+    return lambda outs, args: args[k]
+
+
+def _const(v: Any) -> Callable[[tuple[Any, ...], list[Any]], Any]:
+    return lambda outs, args: v

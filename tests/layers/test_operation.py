@@ -253,3 +253,31 @@ def test_slices_and_whole_uses_of_one_array_add_up(batching: bool) -> None:
     marked = _run(ml.sum(ml.concatenate([marked_cut(x) for x in xs], axis=0)), (w,), batching)
     assert marked[0] == pytest.approx(plain[0], rel=1e-12)
     np.testing.assert_allclose(marked[1][0], plain[1][0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize("cuts", ["tiling", "disjoint", "tiling, one unused"])
+def test_slices_that_tile_or_not_assign_their_deltas_exactly(batching: bool, cuts: str) -> None:
+    """Slices that never overlap write their deltas in place (into an empty
+    buffer where they tile the array); an unused slice's place stays zero."""
+    w = ml.Weight(np.random.default_rng(4).normal(size=(3, 6)))
+
+    def cut(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        g = x @ w
+        a, b, c = g[:, :2], g[:, 2:4], g[:, 4:]
+        if cuts == "disjoint":
+            return ml.tanh(a) * ml.sigmoid(c)
+        if cuts == "tiling, one unused":  # b's delta stops: its place in the buffer is never written
+            return ml.tanh(a) * ml.sigmoid(c) + ml.stop_gradient(b) * 3.0
+        return ml.tanh(a) * ml.sigmoid(c) + b * 3.0
+
+    xs = [np.full((2, 3), 0.1 * i - 0.4) for i in range(10)]
+    plain = _run(ml.sum(ml.concatenate([cut(x) for x in xs], axis=0)), (w,), False)
+    marked_cut = ml.operation(cut)
+    marked = _run(ml.sum(ml.concatenate([marked_cut(x) for x in xs], axis=0)), (w,), batching)
+    assert marked[0] == pytest.approx(plain[0], rel=1e-12)
+    np.testing.assert_allclose(marked[1][0], plain[1][0], rtol=1e-12)
+    program = next(iter(marked_cut._traces.values())).op.rule  # type: ignore[union-attr]
+    assert isinstance(program, Program)
+    tilings = set(program.tilings.values())
+    assert tilings == {cuts != "disjoint"}

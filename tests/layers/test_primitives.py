@@ -12,6 +12,7 @@ import pytest
 
 import monadl as ml
 from monadl.gradcheck import check_grads, check_grads_over_shapes
+from monadl.layers._primitives import PRIMITIVES
 
 BROADCAST_PAIRS: list[list[tuple[int, ...]]] = [
     [(), ()],
@@ -231,3 +232,16 @@ def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
     loss = ml.sum(ml.dense(x, w, np.zeros(512, np.float32)) * 0.5)
     (dx,) = anyio.run(ml.gradients, loss, [x])
     np.testing.assert_allclose(dx, np.full((16, 512), 0.5, np.float32) @ w.data.T, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sigmoid_fast_path_is_the_stable_formula_bit_for_bit(dtype: Any) -> None:
+    edges = [-1000.0, -100.0, -88.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 20.0, 88.0, 1000.0, np.inf, -np.inf, np.nan]
+    a = np.concatenate([np.array(edges), np.random.default_rng(0).normal(0.0, 8.0, 1000)]).astype(dtype)
+    strided = np.stack([a, a]).T[:, 1]  # (a view with a stride: as a gate slice is)
+    e = np.exp(-np.abs(a))
+    want = np.where(a >= 0, 1 / (1 + e), e / (1 + e))
+    for x in (a, strided):
+        got, _ = PRIMITIVES["sigmoid"].rule(x)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)

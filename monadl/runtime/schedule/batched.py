@@ -8,8 +8,9 @@ batching rule (`monadl.layers._batching_rules`) on their operands stacked
 along a new leading axis.
 
 Batching is a rewrite into ordinary records (`monadl.runtime.schedule.batched_records`):
-a stack record per batched operand, a group record, a record per member
-whose value is a view of the group's output, so the one node backward of
+per batched operand a gather record (rows of earlier groups' outputs, by
+index) or a stack record, a group record, a record per member whose value is
+a view of the group's output, so the one node backward of
 `monadl.runtime.backward.backprop` back-propagates it unchanged.
 
 Grouping is by depth (the longest path from the graph's inputs: nodes of one
@@ -35,18 +36,18 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final
 
-from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._program import Outputs, Program, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
-from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature
+from monadl.runtime.schedule.batched_groups import Groups
+from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature, stack
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
     from monadl.layers._layer import Site
-    from monadl.runtime.evaluation import Evaluation, Record
+    from monadl.runtime.evaluation import Evaluation
 
 __all__ = [
     "DEFAULT_MIN_GROUP",
@@ -184,7 +185,7 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> li
     else:
         for level in levels:
             run.level(level)
-    if not run.groups and not run.forced and order:  # nothing paid: skip the analysis next time
+    if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
         _remember((order[-1]._site, len(order)), False)
     return left
 
@@ -231,14 +232,14 @@ class _Run:
     """One scheduler run over one graph, and where each member's value sits
     in its group's output."""
 
-    __slots__ = ("ev", "forced", "groups", "records", "where")
+    __slots__ = ("batches", "ev", "forced", "groups", "records")
 
     def __init__(self, ev: Evaluation, forced: bool) -> None:
         self.ev = ev
         self.records = ev.records
         self.forced = forced
-        self.groups = 0  # groups that ran batched
-        self.where: dict[Any, tuple[Record, int]] = {}  # member node -> (group record, index)
+        self.batches = 0  # groups that ran batched
+        self.groups = Groups(ev.records)
 
     def each(self, nodes: list[Any]) -> None:
         """Nodes one by one, as the inline scheduler runs them."""
@@ -250,7 +251,7 @@ class _Run:
         """Nodes that are all ready, grouped by signature."""
         groups: dict[Any, list[Any]] = {}
         for node in nodes:
-            sig = signature(self.records, node)
+            sig = signature(self.records, node, self.groups.where)
             if sig is None:
                 self.each([node])
             else:
@@ -282,7 +283,7 @@ class _Run:
         while True:
             while arrived:  # iterative: a long run of unbatchable nodes must not recurse
                 node = arrived.pop()
-                sig = signature(self.records, node)
+                sig = signature(self.records, node, self.groups.where)
                 if sig is not None:
                     ready.setdefault(sig, []).append(node)
                     continue
@@ -318,7 +319,7 @@ class _Run:
         if rule is None or n < (2 if self.forced else minimum):
             self.each(members)
             return
-        records = self.records
+        records, groups = self.records, self.groups
         inputs = first._inputs
         arity = len(inputs)
         args: list[Any] = []
@@ -326,28 +327,31 @@ class _Run:
         operands: list[Operand] = []
         kinds: set[type] = set()
         for p, x0 in enumerate((*inputs, *first._params)):
-            column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
-            is_node = type(x0) is Layer or type(x0) is Weight
-            # Numbers and other parameters are equal in all members (the signature holds
-            # them); arrays, layers and weights are shared only if they are one object.
-            stacks = (is_node or hasattr(x0, "shape")) and not all(x is x0 for x in column)
+            kind = type(x0)
+            is_node = kind is Layer or kind is Weight
+            # Weights, numbers and other parameters are the same in all members (the
+            # signature holds them); arrays and layers are shared only if they are one object.
+            stacks = kind is Layer or (kind is not Weight and hasattr(x0, "shape"))
+            if stacks:
+                column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
+                stacks = not all(x is x0 for x in column)
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value
                 operand = Operand(rec, None)
             else:
-                recs = [records[x] if type(x) is Layer or type(x) is Weight else None for x in column]
-                reused = self._reused(column, n) if type(x0) is Layer else None
-                if reused is not None:  # an earlier group's output, as it is: no copy
-                    value = reused.value
+                sources = groups.sources(column) if type(x0) is Layer else None
+                if sources is not None:  # rows of earlier groups' outputs: gathered by index
+                    value = groups.gather(sources, n)
+                    operand = Operand(None, None, sources)
                 else:
+                    recs = [records[x] if type(x) is Layer or type(x) is Weight else None for x in column]
                     values = [x if r is None else r.value for x, r in zip(column, recs)]
-                    first_value = values[0]
-                    if type(first_value) is Outputs:  # operation nodes, read by a traced view inside the operation
+                    if type(values[0]) is Outputs:  # operation nodes, read by a traced view inside the operation
                         value = StackedOutputs.stack(values)
                     else:
-                        value = namespace(first_value).stack(values)
-                operand = Operand(None, recs)
+                        value = stack(values)
+                    operand = Operand(None, recs)
             args.append(value)
             batched.append(stacks)
             if p < arity:
@@ -363,23 +367,8 @@ class _Run:
         if result is None:
             self.each(members)
             return
-        group_records(self.records, self.where, members, result, operands, args)
-        self.groups += 1
-
-    def _reused(self, column: list[Any], n: int) -> Record | None:
-        """The group record whose members are ``column``, in order, if any."""
-        where = self.where
-        found = where.get(column[0])
-        if found is None or found[1] != 0:
-            return None
-        group = found[0]
-        if group.value.shape[0] != n:
-            return None
-        for i, x in enumerate(column):
-            w = where.get(x)
-            if w is None or w[0] is not group or w[1] != i:
-                return None
-        return group
+        group_records(groups, members, result, operands, args)
+        self.batches += 1
 
 
 _serial = attrgetter("_serial")

@@ -2,47 +2,57 @@
 
 Per group of ``n`` members that ran as one kernel (`group_records`):
 
-* per batched operand position, a *stack* record: its value the members'
-  operands stacked (or, when they are the members of an earlier group in
-  order, that group's output as it is: no copy), its VJPs ``g[i]`` (views)
+* per batched operand position, either a *gather* record, when every
+  member's operand is a member of an earlier group (a Tree-LSTM's children):
+  its value the rows of those groups' outputs taken by index (or one
+  group's whole output as it is: no copy), its VJP per source group one
+  scatter of the delta's rows into that group's `Gather`; or else a
+  *stack* record: the members' operands stacked, its VJPs ``g[i]`` (views)
   back to each member's operand;
-* one *group* record: the batching rule on the stacked and shared operands;
-  a shared weight's delta is summed over the group inside the rule (for a
-  matrix product, one ``X_cat.T @ dY``);
-* per member, a record whose value is ``out[i]`` (a view) and whose VJP puts
-  its delta into the group's `_Gather`, which stacks the members' deltas once,
-  when the backward reaches the group (members come after it in insertion
-  order, so they are reached first; in the counted release, members hold the
-  group): no O(n^2) accumulation, zeros only for members without a delta.
+* one *group* record: the batching rule on the gathered, stacked and shared
+  operands; a shared weight's delta is summed over the group inside the rule
+  (for a matrix product, one ``X_cat.T @ dY``);
+* per member, a record whose value is ``out[i]`` (a view), for consumers
+  that run alone, the graph's roots and later graphs; its VJP puts its delta
+  into the group's `Gather`. The gather records read the group's output, not
+  these records, so a delta that goes group to group costs no per-member
+  work: `Gather` sums its parts once, when the backward reaches the group
+  (members and gathers come after it in insertion order, so they are
+  reached first).
 
 So the one node backward (`monadl.runtime.backward`) (its sweep, its counted
 release, the worker pool's release) back-propagates a batched graph
 unchanged, and reference counts stay exact: each record is held once per
-record that lists it as an input.
+record that lists it as an input, and a member that a gather record reads is
+held by that gather record's release token (released with it), so that the
+member, and through it its group, is released in the counted release.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from operator import itemgetter
 from typing import Any, Final
 
 import numpy as np
 
 from monadl._namespace import _HOST, namespace
-from monadl.deltas import SparseRows
 from monadl.layers._layer import Layer
 from monadl.layers._program import Outputs, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
+from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
-__all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature"]
+__all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature", "stack"]
 
 NUMBERS: Final = frozenset({float, int, bool})
 
 
-def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
+def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
     """What nodes must share to run as one kernel; None: never batched.
+    ``where``: the places of earlier groups' members, whose part of the key
+    their group computed once.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((3, 2)))
@@ -54,6 +64,11 @@ def signature(records: dict[Any, Record], node: Any) -> tuple[Any, ...] | None:
     for x in node._inputs:
         kind = type(x)
         if kind is Layer:
+            if where is not None:
+                place = where.get(x)
+                if place is not None:
+                    key += place[2]
+                    continue
             value = records[x].value
             if type(value) is Outputs:  # an operation node's outputs: their shapes
                 key += value.signature()
@@ -99,26 +114,21 @@ def _param_key(p: Any) -> Any:
     return None
 
 
-def group_records(
-    records: dict[Any, Record],
-    where: dict[Any, tuple[Record, int]],
-    members: list[Any],
-    result: Any,
-    operands: list[Operand],
-    args: list[Any],
-) -> None:
-    """The stack, group and member records of a group that ran: ``result``
-    is its rule's, ``operands`` say where each operand came from and ``args``
-    hold their values (stacked or shared); ``where`` learns each member's
+def group_records(groups: Groups, members: list[Any], result: Any, operands: list[Operand], args: list[Any]) -> None:
+    """The records of a group that ran: ``result`` is its rule's,
+    ``operands`` say where each operand came from and ``args`` hold their
+    values (gathered, stacked or shared); ``groups`` learns each member's
     place in the group's output."""
-    record = Record
+    records, record = groups.records, Record
     out, vjps = result
     n = len(members)
     first = members[0]
     ins: list[Record | None] = []
     for operand, value in zip(operands, args):
         rec = operand.rec
-        if operand.stacked is not None:
+        if operand.sources is not None:
+            rec = groups.gather_record(value, operand.sources, first)
+        elif operand.stacked is not None:
             needs = False
             for r in operand.stacked:
                 if r is not None:
@@ -131,27 +141,42 @@ def group_records(
         ins.append(rec)
     needs = any(r is not None and r.needs_grad for r in ins)
     group = record(out, None, tuple(ins), needs, first, False)
-    group.refcount = n
+    group.refcount = n  # its members hold it (and each gather record that reads it, one more)
     records[group] = group
-    puts: list[Callable[[Any], _Gather]] | None = None
+    sink = None
     if needs:
-        group.vjps = tuple(_resolving(v) for v in vjps)
-        puts = _Gather(out).puts(n)
-    for i, node in enumerate(members):
-        records[node] = record(out[i], None if puts is None else (puts[i],), (group,), needs, node, True)
-        where[node] = (group, i)
+        sink = groups.sinks[group] = Gather(out)
+        group.vjps = tuple([_resolving(v) for v in vjps])
+    if type(out) is StackedOutputs:
+        values: list[Any] = list(map(Outputs, zip(*out.parts)))  # (their rows as views, made in C)
+        part = values[0].signature()
+    else:
+        values = list(out)
+        part = (type(values[0]), values[0].shape, values[0].dtype)
+    held = (group,)
+    if sink is None:
+        for node, value in zip(members, values):
+            records[node] = record(value, None, held, needs, node, True)
+    else:
+        put = sink.put
+        for i, node in enumerate(members):
+            records[node] = record(values[i], (partial(put, i),), held, needs, node, True)
+    groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
 
 
 class Operand:
     """Where one operand position of a group comes from: a record shared by
-    all members, or the members' own operands, ``stacked`` (their records,
-    None for data)."""
+    all members, the members' own operands ``stacked`` (their records, None
+    for data), or ``sources``: rows of earlier groups' outputs."""
 
-    __slots__ = ("rec", "stacked")
+    __slots__ = ("rec", "sources", "stacked")
 
-    def __init__(self, rec: Record | None, stacked: list[Record | None] | None) -> None:
+    def __init__(
+        self, rec: Record | None, stacked: list[Record | None] | None, sources: list[Source] | None = None
+    ) -> None:
         self.rec = rec
         self.stacked = stacked
+        self.sources = sources
 
 
 def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool]) -> bool:
@@ -172,6 +197,16 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     return True
 
 
+def stack(values: list[Any]) -> Any:
+    """The members' arrays along a new leading axis: one concatenation (no
+    per-array Python of ``stack``) where they have axes."""
+    first = values[0]
+    xp = namespace(first)
+    if getattr(first, "ndim", 0):
+        return xp.reshape(xp.concatenate(values, axis=0), (len(values), *first.shape))
+    return xp.stack(values)
+
+
 _GETTERS: dict[int, tuple[itemgetter[Any], ...]] = {}
 
 
@@ -184,58 +219,5 @@ def _getters(n: int) -> tuple[itemgetter[Any], ...]:
 
 
 def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A group VJP, reading its delta from the group's `_Gather`."""
-    return lambda delta: vjp(delta.dense() if type(delta) is _Gather else delta)
-
-
-class _Gather:
-    """The delta of a group's stacked output: a slot per member, stacked once,
-    when read.
-
-    The group record's accumulator holds this one object: each member's VJP
-    fills its slot and returns it, and ``+`` of it with itself is itself.
-    """
-
-    __slots__ = ("like", "parts", "stacked")
-
-    def __init__(self, like: Any) -> None:
-        self.like = like
-        self.parts: list[Any] = []
-        self.stacked: Any = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The stacked output's (so that fitting a delta to it leaves it be)."""
-        return tuple(self.like.shape)
-
-    def puts(self, n: int) -> list[Callable[[Any], _Gather]]:
-        """The members' VJPs."""
-        self.parts = [None] * n
-        return [self._put(i) for i in range(n)]
-
-    def _put(self, i: int) -> Callable[[Any], _Gather]:
-        parts = self.parts
-
-        def put(g: Any) -> _Gather:
-            parts[i] = g.to_dense() if type(g) is SparseRows else g
-            return self
-
-        return put
-
-    def __add__(self, other: object) -> _Gather:
-        assert other is self, "a group's delta combines only with itself"
-        return self
-
-    def dense(self) -> Any:
-        """The stacked delta (zeros for members that got none)."""
-        if self.stacked is None:
-            like, parts = self.like, self.parts
-            if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
-                self.stacked = like.stack_deltas(parts)
-                self.parts = []
-                return self.stacked
-            xp = namespace(like)
-            zero = xp.zeros(like.shape[1:], dtype=like.dtype) if any(p is None for p in parts) else None
-            self.stacked = xp.stack([zero if p is None else p for p in parts])
-            self.parts = []
-        return self.stacked
+    """A group VJP, reading its delta from the group's `Gather`."""
+    return lambda delta: vjp(delta.dense() if type(delta) is Gather else delta)

@@ -302,7 +302,8 @@ def _backward(ev: Evaluation, token: Any) -> None:
         backprop((rec,), ev.check_finite, schedule.cv)
         with schedule.cv:
             ready = []
-            for r in rec.inputs:
+            # (a batched group's gather record holds the members it read through its release token)
+            for r in rec.inputs if rec.release is None else (*rec.inputs, *rec.release):
                 if r is not None:
                     r.refcount -= 1
                     if not r.refcount:

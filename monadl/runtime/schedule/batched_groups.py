@@ -1,0 +1,228 @@
+"""Where batched groups' members sit, and how a group's delta is gathered.
+
+`Groups` keeps, per member of a group that ran, its `Place` (its group's
+record, its row, its part of a consumer's signature); `Groups.sources`
+says where a consumer group's operand rows sit in earlier groups' outputs,
+and a gather record reads them by index (see
+`monadl.runtime.schedule.batched_records`). A group's delta is a
+`Gather`: the rows its gather records sent back (one scatter per source
+group) and what its members' own records got, summed once when the
+backward reaches the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast, final
+
+import numpy as np
+
+from monadl._namespace import namespace
+from monadl.deltas import SparseRows, scatter_add
+from monadl.layers._program import OutputsDelta, StackedOutputs
+from monadl.runtime.evaluation import Record
+
+__all__ = ["Gather", "Groups", "Place", "Source"]
+
+
+Place = tuple[Record, int, tuple[Any, ...]]
+"""Where a member's value sits: its group's record, its row, and its value's
+part of a consumer's signature (the same for all members)."""
+
+
+@final
+class Source:
+    """The rows one gathered operand reads from one earlier group: the
+    gathered rows ``positions`` (None: all, in order) are the group's rows
+    ``indices`` (None: all, in order); ``held``: the members' records, which
+    the gather record holds in their stead."""
+
+    __slots__ = ("group", "held", "indices", "positions", "unique")
+
+    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool, held: tuple[Record, ...]) -> None:
+        self.group = group
+        self.positions = positions
+        self.indices = indices
+        self.unique = unique
+        self.held = held
+
+
+@final
+class Groups:
+    """The groups of one scheduler run: each member's `Place`, and each
+    group's delta sink (a `Gather`, when a delta is worth computing)."""
+
+    __slots__ = ("records", "sinks", "where")
+
+    def __init__(self, records: dict[Any, Record]) -> None:
+        self.records = records
+        self.where: dict[Any, Place] = {}
+        self.sinks: dict[Record, Gather] = {}
+
+    def sources(self, column: list[Any]) -> list[Source] | None:
+        """Where each of ``column`` (layers) sits in earlier groups' outputs,
+        grouped by group; None if some of them ran alone."""
+        where = self.where
+        found = [where.get(x) for x in column]
+        if None in found:
+            return None
+        places = cast(list[Place], found)
+        held = list(map(self.records.__getitem__, column))
+        first = places[0][0]
+        if all(place[0] is first for place in places):  # one group's rows (the common case)
+            return [_source(first, None, [place[1] for place in places], held)]
+        rows: dict[Record, list[int]] = {}
+        for p, place in enumerate(places):
+            positions = rows.get(place[0])
+            if positions is None:
+                rows[place[0]] = [p]
+            else:
+                positions.append(p)
+        return [
+            _source(group, positions, [places[p][1] for p in positions], [held[p] for p in positions])
+            for group, positions in rows.items()
+        ]
+
+    def gather(self, sources: list[Source], n: int) -> Any:
+        """The gathered operand: rows of earlier groups' outputs, by index (no copy
+        when it is one group's whole output, in order)."""
+        first = sources[0].group.value
+        if type(first) is StackedOutputs:
+            parts = range(len(first.parts))
+            return StackedOutputs(
+                tuple([self._rows([s.group.value.parts[k] for s in sources], sources, n) for k in parts])
+            )
+        return self._rows([s.group.value for s in sources], sources, n)
+
+    @staticmethod
+    def _rows(values: list[Any], sources: list[Source], n: int) -> Any:
+        if len(sources) == 1:
+            index = sources[0].indices
+            return values[0] if index is None else values[0][index]
+        like = values[0]
+        out = namespace(like).empty((n, *like.shape[1:]), dtype=like.dtype)
+        for value, s in zip(values, sources):
+            out[s.positions] = value if s.indices is None else value[s.indices]
+        return out
+
+    def gather_record(self, value: Any, sources: list[Source], node: Any) -> Record:
+        """The record of a gathered operand: it holds the groups it reads (its
+        delta goes to each in one scatter), and the members it reads in their
+        stead (a member is released, so its group, once the gather is)."""
+        groups = tuple([s.group for s in sources])
+        needs = any(g.needs_grad for g in groups)
+        vjps = tuple([_scatter(self.sinks[s.group], s) for s in sources]) if needs else None
+        rec = Record(value, vjps, groups, needs, node, True)
+        held: list[Record] = []
+        for s in sources:
+            s.group.refcount += 1
+            for r in s.held:
+                r.refcount += 1
+            held.extend(s.held)
+        rec.release = tuple(held)
+        self.records[rec] = rec
+        return rec
+
+
+def _source(group: Record, positions: list[int] | None, indices: list[int], held: list[Record]) -> Source:
+    """A `Source` from Python lists: None for rows that are all, in order."""
+    n = len(indices)
+    whole = n == group.value.shape[0] and indices == list(range(n))
+    return Source(
+        group,
+        None if positions is None else np.array(positions),
+        None if whole else np.array(indices),
+        len(set(indices)) == n,
+        tuple(held),
+    )
+
+
+def _scatter(sink: Gather, source: Source) -> Callable[[Any], Gather]:
+    """A gathered operand's VJP into one source group: its rows of the delta, by index."""
+    return lambda delta: sink.add(source, delta)
+
+
+@final
+class Gather:
+    """The delta of a group's stacked output: the rows that gathered
+    operands sent back (by index), and a slot per member for what its own
+    record got (from a consumer that ran alone); summed once, when read.
+
+    The group record's accumulator holds this one object: each VJP that
+    feeds it returns it, and ``+`` of it with itself is itself.
+    """
+
+    __slots__ = ("like", "parts", "rows", "stacked")
+
+    def __init__(self, like: Any) -> None:
+        self.like = like
+        self.parts: dict[int, Any] = {}
+        self.rows: list[tuple[Source, Any]] = []
+        self.stacked: Any = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The stacked output's (so that fitting a delta to it leaves it be)."""
+        return tuple(self.like.shape)
+
+    def put(self, i: int, g: Any) -> Gather:
+        """Member ``i``'s delta (its record's VJP)."""
+        self.parts[i] = g.to_dense() if type(g) is SparseRows else g
+        return self
+
+    def add(self, source: Source, delta: Any) -> Gather:
+        """A gathered operand's delta, of which ``source`` says which rows are this group's."""
+        self.rows.append((source, delta))
+        return self
+
+    def __add__(self, other: object) -> Gather:
+        assert other is self, "a group's delta combines only with itself"
+        return self
+
+    def dense(self) -> Any:
+        """The summed delta (zeros for rows that got none)."""
+        if self.stacked is None:
+            like = self.like
+            if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
+                parts = []
+                for k, part in enumerate(like.parts):
+                    rows = [(s, d.parts[k]) for s, d in self.rows if d.parts[k] is not None]
+                    members = {i: d.parts[k] for i, d in self.parts.items() if d.parts[k] is not None}
+                    parts.append(_summed(part, rows, members) if rows or members else None)
+                self.stacked = OutputsDelta(tuple(parts))
+            else:
+                self.stacked = _summed(like, self.rows, self.parts)
+            self.rows, self.parts = [], {}
+        return self.stacked
+
+
+def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) -> Any:
+    """The delta of ``like`` (a stacked output) from gathered rows and members' own deltas."""
+    if not members and len(rows) == 1:
+        source, d = rows[0]
+        if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
+            return d  # a consumer that read the whole output in order: its delta as it is
+    xp = namespace(like)
+    n = like.shape[0]
+    # In a tree each row is read once: the gathers' rows then tile the output,
+    # and each is written once into an empty array (no zeros, no additions).
+    tiled = not members and all(s.unique for s, _ in rows)
+    if tiled:
+        indices = [np.arange(n) if s.indices is None else s.indices for s, _ in rows]
+        tiled = sum(len(i) for i in indices) == n and bool(np.all(np.bincount(np.concatenate(indices), minlength=n)))
+    out = xp.empty(like.shape, dtype=like.dtype) if tiled else xp.zeros(like.shape, dtype=like.dtype)
+    for source, d in rows:
+        if source.positions is not None:
+            d = d[source.positions]
+        index = source.indices
+        if tiled:
+            out[slice(None) if index is None else index] = d
+        elif index is None:
+            out += d
+        elif source.unique:
+            out[index] += d
+        else:  # a node read twice by one gathered operand: its rows add up
+            out = scatter_add(xp, out, index, d)
+    for i, d in members.items():
+        out[i] += d
+    return out
