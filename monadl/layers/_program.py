@@ -19,112 +19,17 @@ from typing import Any, Final, final
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, unbroadcast
-from monadl.errors import OperandError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
+from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, batch_output
 from monadl.layers._primitives import Primitive
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
-__all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "Program", "StackedOutputs", "Step"]
+__all__ = ["Program", "Step"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
 _TILINGS_LIMIT: Final = 256
-
-
-# ---- values of an operation with several outputs -------------------------------------------------
-@final
-class Outputs(tuple[Value, ...]):
-    """The value of an operation node with several outputs: one array per
-    output, read by its view nodes."""
-
-    __slots__ = ()
-    # Not an array: the batching scheduler's signature reads these without an
-    # exception (so its view nodes group, and run one by one, cheaply).
-    shape: Final = None
-    dtype: Final = None
-
-    def signature(self) -> tuple[Any, ...]:
-        """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
-        return tuple([(type(p), p.shape, p.dtype) for p in self])
-
-
-@final
-@dataclasses.dataclass(frozen=True, slots=True)
-class OutputsDelta:
-    """The delta of an `Outputs`: per output its delta, or None (zero). Two
-    add slot by slot, as `SplitDelta`'s do.
-
-    >>> import numpy as np
-    >>> (OutputsDelta((np.ones(2), None)) + OutputsDelta((np.ones(2), np.ones(1)))).parts[0]
-    array([2., 2.])
-    """
-
-    parts: tuple[Value | None, ...]
-    # As its value's (None for an `Outputs`, (n,) for a `StackedOutputs`), so
-    # that the runtime finds no broadcasting to undo.
-    shape: tuple[int, ...] | None = None
-
-    def __getitem__(self, i: int) -> OutputsDelta:
-        """Member ``i``'s share of a group's delta (the stack's VJP takes it)."""
-        return OutputsDelta(tuple([None if p is None else p[i] for p in self.parts]))
-
-    def __add__(self, other: OutputsDelta) -> OutputsDelta:
-        parts = tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
-        return OutputsDelta(parts, self.shape)
-
-
-@final
-class StackedOutputs:
-    """The value of a group of operation nodes run as one: per output, the
-    members' arrays stacked; member ``i`` reads its `Outputs` as ``[i]``."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self, parts: tuple[Value, ...]) -> None:
-        self.parts = parts
-
-    @staticmethod
-    def stack(members: list[Outputs]) -> StackedOutputs:
-        """The members' `Outputs`, stacked output by output."""
-        xp = namespace(members[0][0])
-        n = len(members)
-        # One concatenation per output (its rows have axes), not stack's Python per array.
-        return StackedOutputs(
-            tuple(
-                [
-                    xp.reshape(xp.concatenate(part, axis=0), (n, *part[0].shape)) if part[0].ndim else xp.stack(part)
-                    for part in map(list, zip(*members))
-                ]
-            )
-        )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (int(self.parts[0].shape[0]),)
-
-    def __getitem__(self, i: int) -> Outputs:
-        return Outputs([p[i] for p in self.parts])
-
-
-def _output_rule(value: Outputs, k: int) -> tuple[Value, tuple[Callable[[Value], OutputsDelta]]]:
-    """Output ``k`` of an operation node: a view; its delta fills slot ``k``."""
-    count = len(value)
-
-    def vjp(g: Value) -> OutputsDelta:
-        parts: list[Value | None] = [None] * count
-        parts[k] = g
-        return OutputsDelta(tuple(parts))
-
-    return value[k], (vjp,)
-
-
-def _argument_rule(*_: Any) -> Any:
-    raise OperandError("an operation's placeholder was evaluated: it exists only while a cell is traced")
-
-
-OUTPUT: Final = Primitive("output", _output_rule)
-ARGUMENT: Final = Primitive("argument", _argument_rule)
 
 
 # ---- the program --------------------------------------------------------------------------------
@@ -373,23 +278,8 @@ def _batching_rule(op: Primitive) -> Any:
     if type(op.rule) is Program:
         return op.rule.batch
     if op is OUTPUT:
-        return _batch_output
+        return batch_output
     return BATCHING_RULES.get(op.name)
-
-
-def _batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
-    """Output ``k`` of a group of a nested operation's nodes."""
-    stacked, k = args
-    if type(stacked) is not StackedOutputs:
-        return None
-    count, shape = len(stacked.parts), stacked.shape
-
-    def vjp(g: Value) -> OutputsDelta:
-        parts: list[Value | None] = [None] * count
-        parts[k] = g
-        return OutputsDelta(tuple(parts), shape)
-
-    return stacked.parts[k], (vjp,)
 
 
 def _where(step: Step) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from monadl._namespace import is_array
 from monadl.layers._layer import Expr, Layer
-from monadl.layers._program import OUTPUT
+from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
 
 __all__ = ["DATA", "NODE", "filler", "flatten", "items", "rebuild", "template"]

@@ -23,7 +23,7 @@ from monadl._namespace import (
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
 from monadl.layers._operands import describe, one_float_dtype
-from monadl.layers._program import Outputs
+from monadl.layers._outputs import Outputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
-from monadl.layers._program import Outputs, Program, StackedOutputs
+from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups

@@ -19,7 +19,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, scatter_add
-from monadl.layers._program import OutputsDelta, StackedOutputs
+from monadl.layers._outputs import OutputsDelta, StackedOutputs
 from monadl.runtime.evaluation import Record
 
 __all__ = ["Gather", "Groups", "Place", "Source"]

@@ -39,7 +39,7 @@ import numpy as np
 
 from monadl._namespace import _HOST, namespace
 from monadl.layers._layer import Layer
-from monadl.layers._program import Outputs, StackedOutputs
+from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
