@@ -223,8 +223,9 @@ class _Data(np.ndarray[Any, Any]):
 
 
 _DATA_READ: Final = (
-    "operation: a data argument is computed with in NumPy inside the cell; a trace would keep the result "
-    "of its first call: compute it before the call, or with monadl functions"
+    "operation: a data argument of the cell went into a NumPy computation inside it; the trace would keep "
+    "that computation's result from the first call for every later one: compute it before the call and pass "
+    "the result, or compute it with monadl functions"
 )
 
 

@@ -193,7 +193,7 @@ def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
     lookup = ml.operation(lambda indices: ml.embedding(table, indices) * 2.0)
     rows = [lookup(np.array([i])) for i in (3, 0, 2)]  # the first call's indices are not kept
     assert anyio.run(ml.concatenate(rows, axis=0).predict).tolist() == [[12.0, 14.0], [0.0, 2.0], [8.0, 10.0]]
-    with pytest.raises(ml.OperandError, match="computed with in NumPy inside the cell"):
+    with pytest.raises(ml.OperandError, match="went into a NumPy computation inside it"):
         ml.operation(lambda x: table * np.exp(x))(np.ones(2))
 
 
