@@ -254,9 +254,12 @@ def count_layers(root: ml.Layer[Any, Any]) -> int:
 
 
 def build_cost(weights: Weights, trees: list[Tree], operation: bool = False) -> BuildCost:
-    """Building one batch's training graph, with the collector as a user has it
-    (``operation``: the cell marked as one operation)."""
+    """Building one batch's training graph, with the collector as a training
+    loop has it after its first step (one evaluation of such a graph fits the
+    collector's threshold to it; ``operation``: the cell marked as one operation)."""
     model = TreeLSTM(weights, operation=operation)
+    with ml.settings(batching=True) if batching_available() else nullcontext():
+        anyio.run(model.loss(trees).predict)
     collecting: list[float] = []
     spent = [0.0, 0]
 
