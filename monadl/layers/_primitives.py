@@ -135,6 +135,8 @@ def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     if type(a) is np.ndarray:  # the hot path: no namespace lookup, no kernel lookup
         out = np.tanh(a)
+        if out.size < _IN_PLACE:  # (a small array: the call would cost more than the two arrays it saves)
+            return out, (lambda g: g * (1 - out * out),)
         return out, (lambda g: _tanh_delta(g, out),)
     xp = namespace(a)
     out = xp.tanh(a)
@@ -142,6 +144,12 @@ def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     if fused is not None:
         return out, (lambda g: fused(g, out),)
     return out, (lambda g: g * (1 - out * out),)
+
+
+_IN_PLACE: Final = 4096
+"""Elements from which an elementwise delta is computed in one fresh array: below,
+the call and its keyword arguments cost more instructions than the arrays saved
+(a chain of 16 x 64 tanh layers ran 0.9% more instructions)."""
 
 
 def _tanh_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
@@ -167,6 +175,8 @@ def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
         np.exp(out, out=out)
         e += 1
         np.divide(out, e, out=out)
+        if out.size < _IN_PLACE:
+            return out, (lambda g: g * out * (1 - out),)
         return out, (lambda g: _sigmoid_delta(g, out),)
     xp = namespace(a)
     fused = None if xp is np else _fused(xp, "sigmoid")

@@ -245,3 +245,18 @@ def test_sigmoid_fast_path_is_the_stable_formula_bit_for_bit(dtype: Any) -> None
         got, _ = PRIMITIVES["sigmoid"].rule(x)
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tanh_and_sigmoid_deltas_of_large_arrays_in_one_buffer_equal_the_closed_form(dtype: Any) -> None:
+    """From 4,096 elements the deltas are computed in place in one fresh array
+    (below, as three): the same values as ``g * (1 - t**2)`` and ``g * s * (1 - s)``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 128)).astype(dtype)
+    g = rng.standard_normal((64, 128)).astype(dtype)
+    t, (tanh_vjp,) = PRIMITIVES["tanh"].rule(a)
+    s, (sigmoid_vjp,) = PRIMITIVES["sigmoid"].rule(a)
+    for got, want in ((tanh_vjp(g), g * (1 - t * t)), (sigmoid_vjp(g), g * s * (1 - s))):
+        assert got.dtype == dtype and got.shape == a.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-14)
+    np.testing.assert_allclose(tanh_vjp(np.asarray(2.0, dtype)), 2 * (1 - t * t), rtol=1e-6)  # a broadcast delta
