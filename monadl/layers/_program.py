@@ -109,10 +109,9 @@ class Program:
         cast = False
         for step, read in zip(self.steps, self.readers):
             values = read(env)
-            if check and step.op.same_dtype:
-                fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
-                cast = cast or fixed is not values
-                values = fixed
+            if check:
+                values, casted = self._operand_rule(step, values)
+                cast = cast or casted
             try:
                 out, rules = step.op.rule(*values, *step.parameters(env))
             except ValueError as exc:
@@ -127,6 +126,14 @@ class Program:
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
         return value, _Backward(self, env, vjps, None).rules()
 
+    def _operand_rule(self, step: Step, values: tuple[Value, ...]) -> tuple[tuple[Value, ...], bool]:
+        """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
+        naming the line inside this operation), and whether it cast one."""
+        if not step.op.same_dtype:
+            return values, False
+        fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
+        return fixed, fixed is not values
+
     def batch(self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
         """The batching rule of the node: the program once over a group's
         stacked (and shared) operands; None where a step cannot batch."""
@@ -138,10 +145,9 @@ class Program:
         cast = False
         for step, read in zip(self.steps, self.readers):
             values = read(env)
-            if check and step.op.same_dtype:
-                fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
-                cast = cast or fixed is not values
-                values = fixed
+            if check:
+                values, casted = self._operand_rule(step, values)
+                cast = cast or casted
             params = step.parameters(env)
             flags = tuple([stacked[r] for r in step.refs])
             pflags = (
