@@ -202,6 +202,8 @@ def _maker(
         node = _build(op, inputs, (), 3)  # (the frame that called the operation: make, __call__, then it)
         if outputs == 1:
             return result((node,), leaves)
+        if outputs == 2:  # (a cell's state, h and c: no comprehension)
+            return result((_output(node, 0), _output(node, 1)), leaves)
         return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
 
     return make

@@ -12,6 +12,7 @@ rebuild a traced function's result around each call's nodes.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
@@ -37,6 +38,9 @@ def _fields(kind: type) -> tuple[str, ...]:
     found = _FIELDS.get(kind)
     if found is None:
         found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+        if found:
+            get = operator.attrgetter(*found)
+            _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
     return found
 
 
@@ -62,9 +66,9 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         return DATA
     if kind in _STATIC:
         return (kind, x)
-    fields = _FIELDS.get(kind)
-    if fields is not None:  # a dataclass seen before (checked first: a model's states are)
-        return (kind, items([getattr(x, name) for name in fields], leaves, keep, views))
+    read = _READERS.get(kind)
+    if read is not None:  # a dataclass seen before (checked first: a model's states are)
+        return (kind, items(read(x), leaves, keep, views))
     if kind is tuple or kind is list:
         return (kind, items(x, leaves, keep, views))
     if kind is dict:
@@ -105,12 +109,16 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             leaves.append(y)
             shape.append(DATA)
         else:
-            fields = _FIELDS.get(kind)
-            if fields is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
-                shape.append((kind, items([getattr(y, name) for name in fields], leaves, keep, views)))
+            read = _READERS.get(kind)
+            if read is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
+                shape.append((kind, items(read(y), leaves, keep, views)))
             else:
                 shape.append(flatten(y, leaves, keep, views))
     return tuple(shape)
+
+
+_READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+"""Per dataclass seen by `_fields`: its fields' values as a tuple, read in C."""
 
 
 def rebuild(x: Any, leaves: Iterator[Any]) -> Any:
