@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable
-from typing import Any, Generic, TypeVar, cast, final
+from typing import Any, Generic, TypeVar, final
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -178,22 +178,23 @@ def _evaluate(block: Block[X, Y], x: X) -> Y:
     stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
     request: tuple[Block[Any, Any], Any] | None = (block, x)
     sent: Any = None
+    kinds = _KINDS
+    sub: Any  # (a block of the kind looked up: typed Any, its attributes read without a cast per step)
     while True:
         if request is not None:
             sub, arg = request
             request = None
             while True:  # follow compositions and routes to a block that builds
-                kind = _kind(sub)
+                kind = kinds.get(type(sub)) or _kind(sub)
                 if kind is _COMPOSITION:
-                    composed = cast("Composition[Any, Any]", sub)
-                    stack.append(_Then(composed.second))
-                    sub = composed.first
+                    stack.append(_Then(sub.second))
+                    sub = sub.first
                 elif kind is _ROUTE:
-                    sub = cast("Route[Any, Any]", sub)._route(arg)
+                    sub = sub._route(arg)
                 else:
                     break
             if kind is _IMMEDIATE:
-                sent = cast("Immediate[Any, Any]", sub)._output(arg)
+                sent = sub._output(arg)
             else:
                 stack.append(sub._build(arg))
                 sent = None
