@@ -187,8 +187,13 @@ def _evaluate(block: Block[X, Y], x: X) -> Y:
             while True:  # follow compositions and routes to a block that builds
                 kind = kinds.get(type(sub)) or _kind(sub)
                 if kind is _COMPOSITION:
+                    first = sub.first
+                    if (kinds.get(type(first)) or _kind(first)) is _IMMEDIATE:  # its output now: no _Then to wait
+                        arg = first._output(arg)
+                        sub = sub.second
+                        continue
                     stack.append(_Then(sub.second))
-                    sub = sub.first
+                    sub = first
                 elif kind is _ROUTE:
                     sub = sub._route(arg)
                 else:
