@@ -112,6 +112,8 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             read = _READERS.get(kind)
             if read is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
                 shape.append((kind, items(read(y), leaves, keep, views)))
+            elif kind is tuple or kind is list:  # (a Fold block's tuple of states)
+                shape.append((kind, items(y, leaves, keep, views)))
             else:
                 shape.append(flatten(y, leaves, keep, views))
     return tuple(shape)
