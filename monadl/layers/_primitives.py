@@ -264,6 +264,25 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
     """``a @ b + bias`` as one node: the bias is added in place into the
     product's fresh array, and its delta is summed over the rows here."""
+    if (
+        type(a) is np.ndarray
+        and type(b) is np.ndarray
+        and type(bias) is np.ndarray
+        and a.ndim == 2
+        and b.ndim == 2
+        and bias.ndim == 1
+        and a.dtype is b.dtype is bias.dtype
+        and b.shape[1] == bias.shape[0]
+    ):
+        # The common case (a layer of rows, NumPy, one dtype) in one call: it runs for every layer.
+        out = product(a, b)
+        np.add(out, bias, out=out)
+        shape = bias.shape
+        return out, (
+            lambda g: product(g, b.mT),
+            lambda g: product(a.mT, g),
+            lambda g: np.add.reduce(g, axis=0) if type(g) is np.ndarray and g.ndim == 2 else unbroadcast(g, shape),
+        )
     out, (da, db) = _matmul(a, b)
     shape = getattr(bias, "shape", ())
     if (
