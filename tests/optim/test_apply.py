@@ -190,3 +190,14 @@ async def test_training_with_sgd_steps_as_by_hand() -> None:
         expected = w.data - np.float32(0.1) * (x.T @ np.ones((8, 64), np.float32))
         await ml.sum(ml.matmul(x, w)).train()
         np.testing.assert_allclose(w.data, expected, rtol=1e-6, atol=1e-6)
+
+
+async def test_training_weights_that_share_one_delta_array() -> None:
+    # add's rule hands the same delta to both operands: neither step may write into it.
+    a = ml.Weight(np.zeros((300, 64), np.float32), optimizer=ml.optim.sgd(0.5))
+    b = ml.Weight(np.ones((300, 64), np.float32), optimizer=ml.optim.sgd(0.5))
+    x = np.full((300, 64), 2.0, np.float32)
+    await ml.sum((a + b) * x).train()
+    np.testing.assert_array_equal(a.data, np.full((300, 64), -1.0, np.float32))
+    np.testing.assert_array_equal(b.data, np.zeros((300, 64), np.float32))
+    np.testing.assert_array_equal(x, np.full((300, 64), 2.0, np.float32))
