@@ -364,7 +364,10 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-HEADER = f"{'columns':>7} {'threads':>7} {'mode':>5} {'monadl':>9} {'pytorch':>9} {'numpy':>9} {'monadl/pytorch':>15} {'agree':>9}"
+HEADER = (
+    f"{'columns':>7} {'threads':>7} {'mode':>5} {'monadl':>9} {'pytorch':>9} {'numpy':>9} {'monadl/pytorch':>15} "
+    f"{'monadl/numpy':>13} {'agree':>9}"
+)
 
 
 def _format(row: dict[str, Any]) -> str:
@@ -373,7 +376,7 @@ def _format(row: dict[str, Any]) -> str:
     torch_text = f"{torch_rate:9.2f}" if torch_rate else f"{'-':>9}"
     return (
         f"{row['columns']:7d} {row['threads']:7d} {'skip' if row['skip'] else 'all':>5} {row['monadl']:9.2f} "
-        f"{torch_text} {row['numpy']:9.2f} {ratio:>15} {row['agree']:9.1e}"
+        f"{torch_text} {row['numpy']:9.2f} {ratio:>15} {row['monadl'] / row['numpy']:12.2f}x {row['agree']:9.1e}"
     )
 
 

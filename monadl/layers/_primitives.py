@@ -215,9 +215,9 @@ def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
 
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    xp = namespace(a)
-    if xp is np:  # NumPy multiplies by booleans: one kernel forward
+    if type(a) is np.ndarray or namespace(a) is np:  # NumPy multiplies by booleans: one kernel forward
         return np.maximum(a, 0), (lambda g: g * (a > 0),)
+    xp = namespace(a)
     fused = _fused(xp, "relu_backward")
     if fused is not None:
         return xp.maximum(a, 0), (lambda g: fused(g, a),)
@@ -256,6 +256,8 @@ _MT: Final = attrgetter("mT")  # NumPy's matrix transpose without np.matrix_tran
 
 def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = product(a, b)
+    if type(out) is np.ndarray and a.ndim == 2 and b.ndim == 2:  # the common case, first
+        return out, (lambda g: product(g, b.mT), lambda g: product(a.mT, g))
     if a.ndim == 1 and b.ndim == 1:
         return out, (lambda g: g * b, lambda g: g * a)
     xp = namespace(out)
@@ -276,6 +278,25 @@ def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
     """``a @ b + bias`` as one node: the bias is added in place into the
     product's fresh array, and its delta is summed over the rows here."""
+    if (
+        type(a) is np.ndarray
+        and type(b) is np.ndarray
+        and type(bias) is np.ndarray
+        and a.ndim == 2
+        and b.ndim == 2
+        and bias.ndim == 1
+        and a.dtype is b.dtype is bias.dtype
+        and b.shape[1] == bias.shape[0]
+    ):
+        # The common case (a layer of rows, NumPy, one dtype) in one call: it runs for every layer.
+        out = product(a, b)
+        np.add(out, bias, out=out)
+        shape = bias.shape
+        return out, (
+            lambda g: product(g, b.mT),
+            lambda g: product(a.mT, g),
+            lambda g: np.add.reduce(g, axis=0) if type(g) is np.ndarray and g.ndim == 2 else unbroadcast(g, shape),
+        )
     out, (da, db) = _matmul(a, b)
     shape = getattr(bias, "shape", ())
     if (
@@ -350,9 +371,17 @@ def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
-    shifted = a - xp.max(a, axis=axis, keepdims=True)
-    out = shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
-    return out, (lambda g: g - xp.exp(out) * xp.sum(g, axis=axis, keepdims=True),)
+    amax, total = _reductions(xp)
+    shifted = a - amax(a, axis=axis, keepdims=True)
+    out = shifted - xp.log(total(xp.exp(shifted), axis=axis, keepdims=True))
+    return out, (lambda g: g - xp.exp(out) * total(g, axis=axis, keepdims=True),)
+
+
+def _reductions(xp: Any) -> tuple[Callable[..., Value], Callable[..., Value]]:
+    """``xp.max`` and ``xp.sum``; for NumPy its ufuncs' ``reduce``, the same
+    sums without ``np.max``'s and ``np.sum``'s Python wrappers (a few us a
+    call, on the small arrays of a loss)."""
+    return (np.maximum.reduce, np.add.reduce) if xp is np else (xp.max, xp.sum)
 
 
 def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[Vjp, ...]]:
@@ -366,7 +395,7 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
         raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
     _check_range(xp, labels, classes, "labels", "classes")
     log_p, _ = _log_softmax(a, -1)
-    out = -xp.sum(log_p[rows, labels]) / n
+    out = -_reductions(xp)[1](log_p[rows, labels]) / n
 
     def vjp(g: Value) -> Value:
         classes = xp.arange(a.shape[-1], device=a.device)
@@ -422,7 +451,10 @@ def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:
     the two reductions: a wrong answer would cost more."""
     if ints.shape[0] == 0:
         return
-    low, high = int(xp.min(ints)), int(xp.max(ints))
+    if xp is np:
+        low, high = int(np.minimum.reduce(ints)), int(np.maximum.reduce(ints))
+    else:
+        low, high = int(xp.min(ints)), int(xp.max(ints))
     if low < 0 or high >= size:
         bad = low if low < 0 else high
         raise ValueError(

@@ -20,10 +20,11 @@ from monadl.deltas import SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import site_text
 from monadl.layers._weight import Weight
+from monadl.optim.transforms import Scale
 
-__all__ = ["apply_gradients", "step"]
+__all__ = ["apply_gradients", "consume_gradients", "step"]
 
-_commit: Final = threading.Lock()
+_lock: Final = threading.Lock()
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -31,7 +32,7 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
 
     Args:
         gradients: by weight, a dense gradient (an array or a number) or a
-            `SparseRows` delta (only those rows step).
+            `SparseRows` delta (only those rows step). They are only read.
         finite: refuse to write a NaN or an infinity into a weight: raise
             `NonFiniteError` naming the weight and the line that built it,
             and change no weight.
@@ -42,8 +43,36 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     >>> w.data
     array([0., 3.])
     """
-    with _commit:
-        steps = [(weight, *step(weight, grad)) for weight, grad in gradients.items()]
+    _commit(gradients, finite, False)
+
+
+def consume_gradients(gradients: dict[Weight[Any, Any], Any], *, finite: bool = True) -> None:
+    """`apply_gradients` for the runtime's own gradients, which nobody else sees.
+
+    A gradient that nothing but ``gradients`` refers to may become its
+    weight's new data: the step writes into it instead of into a fresh array
+    (plain SGD with a constant rate), one weight-sized allocation and pass
+    less. After a refused step (non-finite), such gradients are overwritten.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.zeros(3, np.float32), optimizer=ml.optim.sgd(0.5))
+    >>> consume_gradients({w: np.ones(3, np.float32)})
+    >>> w.data
+    array([-0.5, -0.5, -0.5], dtype=float32)
+    """
+    _commit(gradients, finite, True)
+
+
+def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool) -> None:
+    with _lock:
+        if owned:
+            steps = []
+            for weight in gradients:
+                # Read by key, not from items(): its iterator keeps the last
+                # pair, a reference `_owned_step`'s count would not expect.
+                steps.append((weight, *_owned_step(weight, gradients[weight])))
+        else:
+            steps = [(weight, *step(weight, grad)) for weight, grad in gradients.items()]
         if finite:
             for weight, data, _ in _non_finite(steps):
                 raise NonFiniteError(
@@ -103,6 +132,35 @@ def _non_finite(steps: list[tuple[Weight[Any, Any], Any, Any]]) -> list[tuple[We
 
 _SMALL: Final = 1 << 14
 """Float arrays below this many elements are checked together."""
+
+
+def _owned_step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
+    """`step`, written into ``grad``'s own buffer when that is safe: plain SGD
+    with a constant rate, and ``grad`` a NumPy array typed and shaped like the
+    weight's data, owning its writeable buffer, and referred to only by the
+    gradients' dict (not by another weight's entry, an array viewing it, a
+    user's rule that returned an array it keeps)."""
+    update = weight._optimizer.update
+    old = weight._data
+    if (
+        type(update) is Scale
+        and _COUNTS_EVERY_REFERENCE
+        and type(grad) is np.ndarray
+        and sys.getrefcount(grad) == 3  # the dict, our parameter, getrefcount's argument
+        and type(old) is np.ndarray
+        and grad.dtype == old.dtype
+        and grad.shape == old.shape
+        and grad.flags.owndata
+        and grad.flags.writeable
+    ):
+        # The gradient becomes the new weight. The same two passes as ``g *
+        # factor`` then ``+ old``, but no fresh array to allocate and no
+        # generic path (transformation, temporary test, dtype cast) per
+        # weight, small ones too: the columns model's step (24 weights) ran
+        # about 100 us faster in an in-process A/B.
+        np.multiply(grad, update.factor, out=grad)
+        return np.add(grad, old, out=grad), weight._state
+    return step(weight, grad)
 
 
 def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, Final, NamedTuple, TypeAlias, final
 
 import numpy as np
 
@@ -117,8 +117,31 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
 
 # ---- building blocks --------------------------------------------------------------
 def scale(factor: float) -> GradientTransformation:
-    """Multiply the update by a constant."""
-    return GradientTransformation(lambda p: None, lambda g, s, p: (g * factor, s))
+    """Multiply the update by a constant.
+
+    >>> scale(2.0).update(np.array([1.0, -0.5]), None, None)
+    (array([ 2., -1.]), None)
+    """
+    return GradientTransformation(lambda p: None, Scale(factor))
+
+
+@final
+class Scale:
+    """The update of `scale`: ``g * factor``, stateless.
+
+    A class rather than a closure so that the commit can tell it apart: plain
+    SGD with a constant rate (the most common optimizer) then scales a
+    gradient that nothing else refers to in place and adds the weight into it,
+    without a temporary the size of the weight (see `monadl.optim.apply`).
+    """
+
+    __slots__ = ("factor",)
+
+    def __init__(self, factor: float) -> None:
+        self.factor: Final = factor
+
+    def __call__(self, g: Tensor, state: State, p: Tensor) -> tuple[Tensor, State]:
+        return g * self.factor, state
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:

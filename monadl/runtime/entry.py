@@ -20,7 +20,7 @@ from monadl._namespace import namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import ShapeError
 from monadl.layers._weight import Weight
-from monadl.optim.apply import apply_gradients
+from monadl.optim.apply import consume_gradients
 from monadl.runtime import process
 from monadl.runtime.drive import abort, drive, drive_sync
 from monadl.runtime.evaluation import Evaluation
@@ -54,7 +54,7 @@ async def train(root: Any) -> Any:
         if cuda.is_device_array(value):
             await cuda.ready()
         await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
-        apply_gradients(ev.weight_gradients(), finite=settings.finite_steps)
+        consume_gradients(ev.weight_gradients(), finite=settings.finite_steps)
     if settings.tune_process:
         process.fit_gc(ev.nodes)
     return value

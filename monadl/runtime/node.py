@@ -113,6 +113,30 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             rx, needs = None, False
         args, ins = (x,), (rx,)
         fits = op.elementwise
+    elif len(inputs) == 3 and type(inputs[1]) is Weight and type(inputs[2]) is Weight:
+        # A dense layer over its weight and bias (every layer of an MLP): unrolled too.
+        x, y, z = inputs
+        kind = type(x)
+        if kind is Layer or kind is Weight:
+            rx = records[x]
+            rx.refcount += count
+            x = rx.value
+            needs = rx.needs_grad
+        else:
+            rx, needs = None, False
+        ry, rz = records[y], records[z]
+        ry.refcount += count
+        rz.refcount += count
+        y, z = ry.value, rz.value
+        needs = needs or ry.needs_grad or rz.needs_grad
+        args, ins, fits = (x, y, z), (rx, ry, rz), False
+        if not (type(x) is np.ndarray and type(y) is np.ndarray and type(z) is np.ndarray):
+            if not {type(x), type(y), type(z)} <= _LOCAL:
+                args = _foreign_operands(node, args)
+            if op.same_dtype:
+                args = _check_dtypes(node, args)
+        elif op.same_dtype and not (x.dtype is y.dtype is z.dtype):
+            args = _check_dtypes(node, args)
     else:
         args, ins, needs = _operands(records, inputs, count)
         fits = False

@@ -11,6 +11,7 @@ import pytest
 
 import monadl as ml
 from monadl.optim import apply_gradients
+from monadl.optim.apply import consume_gradients
 
 pytestmark = pytest.mark.anyio
 
@@ -133,3 +134,70 @@ async def test_large_finite_weights_are_not_mistaken_for_overflow() -> None:
     w = ml.Weight(np.array([1e200, -1e200]), optimizer=ml.optim.sgd(1.0))
     await ml.sum(w * 1.0).train()
     np.testing.assert_array_equal(w.data, [1e200 - 1.0, -1e200 - 1.0])
+
+
+# ---- the runtime's commit writes a plain SGD step into a gradient nobody else holds ----------------
+def test_a_private_gradient_becomes_the_new_weight() -> None:
+    w = ml.Weight(np.full(3, 2.0, np.float32), optimizer=ml.optim.sgd(0.5))
+    old = w.data
+    gradients = {w: np.array([1.0, -2.0, 4.0], np.float32)}
+    buffer = id(gradients[w])
+    consume_gradients(gradients)
+    np.testing.assert_array_equal(w.data, [1.5, 3.0, 0.0])
+    assert id(w.data) == buffer  # no fresh array
+    np.testing.assert_array_equal(old, [2.0, 2.0, 2.0])  # the old data is not written
+
+
+def test_a_gradient_held_elsewhere_is_only_read() -> None:
+    kept = np.array([1.0, -2.0], np.float32)
+    a = ml.Weight(np.zeros(2, np.float32), optimizer=ml.optim.sgd(1.0))
+    b = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(1.0))
+    c = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(1.0))
+    shared = np.array([0.5, 0.5], np.float32)
+    gradients = {a: kept, b: shared, c: shared}  # one array for two weights: neither may write it
+    del shared
+    consume_gradients(gradients)
+    np.testing.assert_array_equal(kept, [1.0, -2.0])
+    np.testing.assert_array_equal(gradients[b], [0.5, 0.5])
+    np.testing.assert_array_equal(a.data, [-1.0, 2.0])
+    np.testing.assert_array_equal(b.data, [0.5, 0.5])
+    np.testing.assert_array_equal(c.data, [0.5, 0.5])
+    view = np.array([[3.0, 3.0]], np.float32)  # a view's base is held by the view
+    consume_gradients({a: view[0]})
+    np.testing.assert_array_equal(view, [[3.0, 3.0]])
+
+
+def test_the_in_place_step_keeps_the_weights_type_and_refuses_non_finite() -> None:
+    w = ml.Weight(np.zeros(2, np.float32), optimizer=ml.optim.sgd(1.0))
+    consume_gradients({w: np.array([1.0, 2.0])})  # float64 gradient: the generic step, float32 data
+    assert w.data.dtype == np.float32
+    np.testing.assert_array_equal(w.data, [-1.0, -2.0])
+    good = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(1.0))
+    before = good.data
+    with pytest.raises(ml.NonFiniteError):
+        consume_gradients({good: np.ones(2, np.float32), w: np.array([np.inf, 0.0], np.float32)})
+    assert good.data is before  # all or none: the written gradient is thrown away
+    np.testing.assert_array_equal(good.data, [1.0, 1.0])
+    np.testing.assert_array_equal(w.data, [-1.0, -2.0])
+
+
+async def test_training_with_sgd_steps_as_by_hand() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 300)).astype(np.float32)
+    w0 = rng.standard_normal((300, 64)).astype(np.float32)
+    w = ml.Weight(w0.copy(), optimizer=ml.optim.sgd(0.1))
+    for _ in range(3):
+        expected = w.data - np.float32(0.1) * (x.T @ np.ones((8, 64), np.float32))
+        await ml.sum(ml.matmul(x, w)).train()
+        np.testing.assert_allclose(w.data, expected, rtol=1e-6, atol=1e-6)
+
+
+async def test_training_weights_that_share_one_delta_array() -> None:
+    # add's rule hands the same delta to both operands: neither step may write into it.
+    a = ml.Weight(np.zeros((300, 64), np.float32), optimizer=ml.optim.sgd(0.5))
+    b = ml.Weight(np.ones((300, 64), np.float32), optimizer=ml.optim.sgd(0.5))
+    x = np.full((300, 64), 2.0, np.float32)
+    await ml.sum((a + b) * x).train()
+    np.testing.assert_array_equal(a.data, np.full((300, 64), -1.0, np.float32))
+    np.testing.assert_array_equal(b.data, np.zeros((300, 64), np.float32))
+    np.testing.assert_array_equal(x, np.full((300, 64), 2.0, np.float32))
