@@ -17,7 +17,7 @@ import monadl as ml
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, fibers
+from monadl.runtime.schedule import batched, batched_groups, fibers
 
 HERE = __file__
 STEPS = 4
@@ -121,9 +121,9 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     groups: list[int] = []
     forward = batched.forward
 
-    def counting(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
+    def counting(ev: Any, order: list[Any], strategy: str | None = None, shared: Any = None) -> list[Any]:
         groups.append(len(order))
-        return forward(ev, order, strategy)
+        return forward(ev, order, strategy, shared)
 
     monkeypatch.setattr(batched, "forward", counting)
     gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)
@@ -135,6 +135,28 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     groups.clear()
     gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
     assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
+
+
+def test_later_runs_read_earlier_groups_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each step's product reads the tanh that the previous merged run computed as one
+    # group: by index (a gather, whose delta goes back in one scatter), not stacked
+    # from the members' records (whose deltas would come back one member at a time).
+    puts = [0]
+    put = batched_groups.Gather.put
+
+    def counting(self: batched_groups.Gather, i: int, g: Any) -> batched_groups.Gather:
+        puts[0] += 1
+        return put(self, i, g)
+
+    monkeypatch.setattr(batched_groups.Gather, "put", counting)
+    value, grads = gradients("monadic", True, hidden=128)
+    off_value, off = gradients("monadic", False, hidden=128)
+    assert value == pytest.approx(off_value, rel=1e-12)
+    for a, b in zip(grads, off):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    # Only the batch's own stack of the 16 losses (one node, run alone) reads members
+    # one by one; before the groups were kept across runs, each step's did too (80).
+    assert puts[0] == 16
 
 
 def test_one_example_does_not_park(merges: list[int]) -> None:

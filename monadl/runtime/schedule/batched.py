@@ -158,11 +158,16 @@ def _remember(key: tuple[Site, int], worth: bool) -> None:
     _verdicts[key] = (worth, 1)
 
 
-def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> list[Any]:
+def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, groups: Groups | None = None) -> list[Any]:
     """Compute the records of ``order`` (a graph in topological order), group
     by group; returns the nodes it left: those built from a ``Do`` and all
     that depend on one, in order, for the caller's loop (which skips the
     nodes computed here).
+
+    ``groups``: the groups of earlier runs in the same evaluation (the merged
+    runs of `monadl.runtime.schedule.fibers`), which this run adds to: a
+    group whose operands are their members reads them by index, and sends
+    their deltas back in one scatter per group, not a view per member.
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -176,7 +181,7 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> li
     >>> ev.records[nodes[2]].value
     array([6., 6.])
     """
-    run = _Run(ev, current_settings().batching is True)
+    run = _Run(ev, current_settings().batching is True, groups)
     levels, left, depth = _levels(order)
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
@@ -235,12 +240,12 @@ class _Run:
 
     __slots__ = ("batches", "ev", "forced", "groups", "records")
 
-    def __init__(self, ev: Evaluation, forced: bool) -> None:
+    def __init__(self, ev: Evaluation, forced: bool, groups: Groups | None = None) -> None:
         self.ev = ev
         self.records = ev.records
         self.forced = forced
         self.batches = 0  # groups that ran batched
-        self.groups = Groups(ev.records)
+        self.groups = Groups(ev.records) if groups is None else groups
 
     def each(self, nodes: list[Any]) -> None:
         """Nodes one by one, as the inline scheduler runs them."""

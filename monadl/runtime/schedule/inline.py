@@ -124,11 +124,11 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             t.refcount -= 1
             if t.refcount:
                 continue
-            if backward:
+            if backward and t.delta is not None:
                 backprop((t,), check)
-                if t.is_weight and ev.on_gradient is not None and t.delta is not None:
+                if t.is_weight and ev.on_gradient is not None:
                     ev.on_gradient(t.node, t.delta)  # its last consumer let go: the gradient is final
-            elif not t.is_weight:
+            elif not t.is_weight:  # (or no delta reached it, as batched members read by index: nothing to send)
                 t.vjps = None
             work.extend(t.inputs)
             if t.release is not None:
