@@ -17,7 +17,7 @@ import monadl as ml
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, batched_groups, fibers
+from monadl.runtime.schedule import batched, batched_groups, batched_records, fibers
 
 HERE = __file__
 STEPS = 4
@@ -157,6 +157,41 @@ def test_later_runs_read_earlier_groups_by_index(monkeypatch: pytest.MonkeyPatch
     # Only the batch's own stack of the 16 losses (one node, run alone) reads members
     # one by one; before the groups were kept across runs, each step's did too (80).
     assert puts[0] == 16
+
+
+def test_factored_weight_deltas_are_arrays_when_final() -> None:
+    # A weight used by several merged runs' products gets its delta as their rows
+    # (batched_records.Outer), multiplied once at its release: what on_gradient and
+    # the returned gradients see is an array, equal to the unbatched gradient.
+    import anyio
+
+    told: dict[Any, Any] = {}
+    model = Walk(hidden=128)
+
+    async def go() -> tuple[Any, dict[Any, Any]]:
+        with ml.settings(batching=True):
+            return await entry.gradients(model.loss("monadic"), on_gradient=told.__setitem__)
+
+    value, grads = anyio.run(go)
+    off_value, off = gradients("monadic", False, hidden=128)
+    assert float(value) == pytest.approx(off_value, rel=1e-12)
+    for w, expected in zip(model.weights(), off):
+        assert type(told[w]) is np.ndarray and told[w] is grads[w]
+        np.testing.assert_allclose(grads[w], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_outer_sums_its_factors_and_arrays() -> None:
+    rng = np.random.default_rng(0)
+    a, b, c, d, dense = (
+        rng.normal(size=(2, 3)),
+        rng.normal(size=(2, 4)),
+        rng.normal(size=(5, 3)),
+        rng.normal(size=(5, 4)),
+        rng.normal(size=(3, 4)),
+    )
+    total = dense + (batched_records.Outer(a, b) + batched_records.Outer(c, d))  # array + outer: __radd__
+    assert total.shape == (3, 4)
+    np.testing.assert_allclose(total.dense(), a.T @ b + c.T @ d + dense, rtol=1e-12)
 
 
 def test_one_example_does_not_park(merges: list[int]) -> None:

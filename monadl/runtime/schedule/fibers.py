@@ -114,7 +114,8 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
         forced = current_settings().batching is True
         if (forced or products >= MIN_PRODUCT_ELEMENTS * len(order)) and batched.worth_batching(ev, order, alike):
             if parked.groups is None:
-                parked.groups = Groups(ev.records)
+                parked.groups = Groups(ev.records, outer=True)
+                ev.effects = True  # (as a Do layer sets it) the counted release: it makes the factored deltas arrays
             # One `Groups` for all runs: a later run's group reads an earlier one's
             # members by index (a parser's stack entries, computed steps before), and
             # its delta goes back in one scatter per group, not a view per member.
