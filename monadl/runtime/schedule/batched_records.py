@@ -11,7 +11,9 @@ Per group of ``n`` members that ran as one kernel (`group_records`):
   back to each member's operand;
 * one *group* record: the batching rule on the gathered, stacked and shared
   operands; a shared weight's delta is summed over the group inside the rule
-  (for a matrix product, one ``X_cat.T @ dY``);
+  (for a matrix product, one ``X_cat.T @ dY``; in the merged runs of
+  `monadl.runtime.schedule.fibers`, its factors ``X_cat`` and ``dY``, an
+  `Outer`, multiplied once for all runs when the weight is released);
 * per member, a record whose value is ``out[i]`` (a view), for consumers
   that run alone, the graph's roots and later graphs; its VJP puts its delta
   into the group's `Gather`. The gather records read the group's output, not

@@ -19,6 +19,13 @@ each example gets its values and continues: what DyNet's autobatching (which
 stops at the first read) and Fold (which needs the whole structure first)
 cannot batch.
 
+The runs of one evaluation share their groups: a later run's group reads an
+earlier run's members by index (a parser's stack entries), and sends their
+delta back in one scatter per group. A weight's delta from the runs' products
+is kept as their rows and the rows' deltas (`batched_records.Outer`),
+multiplied once when the counted release releases the weight, not a
+weight-sized product and addition per run.
+
 Nothing else changes: a node is computed by the same `compute`, back-propagated
 by the same backward, shared nodes once; a failure raises the node's own error
 (at the user's line) and fails the evaluation. Graphs holding a layer built
