@@ -163,11 +163,11 @@ def costs(hidden: int, batch: int) -> tuple[float, float, int, int]:
         runs[0] += 1
         return merged
 
-    def timed_forward(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
+    def timed_forward(ev: Any, order: list[Any], strategy: str | None = None, groups: Any = None) -> list[Any]:
         t0 = time.perf_counter()
         batched._levels(order)
         analysis_s[0] += time.perf_counter() - t0
-        left = forward(ev, order, strategy)
+        left = forward(ev, order, strategy, groups)
         t0 = time.perf_counter()
         for node in order:
             batched.signature(ev.records, node)

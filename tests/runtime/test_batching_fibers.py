@@ -17,7 +17,7 @@ import monadl as ml
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, fibers
+from monadl.runtime.schedule import batched, batched_groups, batched_records, fibers
 
 HERE = __file__
 STEPS = 4
@@ -121,9 +121,9 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     groups: list[int] = []
     forward = batched.forward
 
-    def counting(ev: Any, order: list[Any], strategy: str | None = None) -> list[Any]:
+    def counting(ev: Any, order: list[Any], strategy: str | None = None, shared: Any = None) -> list[Any]:
         groups.append(len(order))
-        return forward(ev, order, strategy)
+        return forward(ev, order, strategy, shared)
 
     monkeypatch.setattr(batched, "forward", counting)
     gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)
@@ -135,6 +135,83 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     groups.clear()
     gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
     assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
+
+
+def test_later_runs_read_earlier_groups_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each step's product reads the tanh that the previous merged run computed as one
+    # group: by index (a gather, whose delta goes back in one scatter), not stacked
+    # from the members' records (whose deltas would come back one member at a time).
+    puts = [0]
+    put = batched_groups.Gather.put
+
+    def counting(self: batched_groups.Gather, i: int, g: Any) -> batched_groups.Gather:
+        puts[0] += 1
+        return put(self, i, g)
+
+    monkeypatch.setattr(batched_groups.Gather, "put", counting)
+    value, grads = gradients("monadic", True, hidden=128)
+    off_value, off = gradients("monadic", False, hidden=128)
+    assert value == pytest.approx(off_value, rel=1e-12)
+    for a, b in zip(grads, off):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    # Only the batch's own stack of the 16 losses (one node, run alone) reads members
+    # one by one; before the groups were kept across runs, each step's did too (80).
+    assert puts[0] == 16
+
+
+def test_factored_weight_deltas_are_arrays_when_final() -> None:
+    # A weight used by several merged runs' products gets its delta as their rows
+    # (batched_records.Outer), multiplied once at its release: what on_gradient and
+    # the returned gradients see is an array, equal to the unbatched gradient.
+    import anyio
+
+    told: dict[Any, Any] = {}
+    model = Walk(hidden=128)
+
+    async def go() -> tuple[Any, dict[Any, Any]]:
+        with ml.settings(batching=True):
+            return await entry.gradients(model.loss("monadic"), on_gradient=told.__setitem__)
+
+    value, grads = anyio.run(go)
+    off_value, off = gradients("monadic", False, hidden=128)
+    assert float(value) == pytest.approx(off_value, rel=1e-12)
+    for w, expected in zip(model.weights(), off):
+        assert type(told[w]) is np.ndarray and told[w] is grads[w]
+        np.testing.assert_allclose(grads[w], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_lone_product_by_a_large_weight_joins_the_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hidden 256: a 256 x 256 weight (batched.MIN_FACTORED elements). Where one example
+    # alone picks a weight in a step, its product runs as a group of one, its row
+    # kept with the other groups' rows; the gradients are those of evaluating unbatched.
+    rows: list[int] = []
+    dense = batched_records.Outer.dense
+
+    def counting(self: batched_records.Outer) -> Any:
+        rows.extend(left.shape[0] for left in self.lefts)
+        return dense(self)
+
+    monkeypatch.setattr(batched_records.Outer, "dense", counting)
+    value, grads = gradients("monadic", None, n=3, hidden=256)
+    off_value, off = gradients("monadic", False, n=3, hidden=256)
+    assert value == pytest.approx(off_value, rel=1e-12)
+    for a, b in zip(grads, off):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    assert 1 in rows and sum(rows) == 3 * (STEPS + 1)  # every product's row, once (groups of one too)
+
+
+def test_outer_sums_its_factors_and_arrays() -> None:
+    rng = np.random.default_rng(0)
+    a, b, c, d, dense = (
+        rng.normal(size=(2, 3)),
+        rng.normal(size=(2, 4)),
+        rng.normal(size=(5, 3)),
+        rng.normal(size=(5, 4)),
+        rng.normal(size=(3, 4)),
+    )
+    total = dense + (batched_records.Outer(a, b) + batched_records.Outer(c, d))  # array + outer: __radd__
+    assert total.shape == (3, 4)
+    np.testing.assert_allclose(total.dense(), a.T @ b + c.T @ d + dense, rtol=1e-12)
 
 
 def test_one_example_does_not_park(merges: list[int]) -> None:

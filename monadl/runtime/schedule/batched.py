@@ -87,6 +87,15 @@ MAX_MEMBER_SIZE: Final = 1 << 14
 many elements each: a node that large costs far more than its dispatch, and
 stacking would only copy it."""
 
+MIN_FACTORED: Final = 1 << 16
+"""Where weights' deltas are kept as factors (the merged runs of
+`monadl.runtime.schedule.fibers`), a lone product by a weight of at least
+this many elements runs as a group of one: its delta's rows join the other
+groups' (one product when the weight is released) instead of a weight-sized
+outer product and addition of its own; below, those cost less than a group."""
+
+_FACTORED: Final = frozenset({"matmul", "dense"})
+
 STRATEGY: Final = "depth"
 """The default grouping, "depth" or "agenda". Depth measured faster in
 `benchmarks/batching.py` (Tree-LSTM, 128-leaf random trees, batch 32, one
@@ -158,11 +167,16 @@ def _remember(key: tuple[Site, int], worth: bool) -> None:
     _verdicts[key] = (worth, 1)
 
 
-def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> list[Any]:
+def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, groups: Groups | None = None) -> list[Any]:
     """Compute the records of ``order`` (a graph in topological order), group
     by group; returns the nodes it left: those built from a ``Do`` and all
     that depend on one, in order, for the caller's loop (which skips the
     nodes computed here).
+
+    ``groups``: the groups of earlier runs in the same evaluation (the merged
+    runs of `monadl.runtime.schedule.fibers`), which this run adds to: a
+    group whose operands are their members reads them by index, and sends
+    their deltas back in one scatter per group, not a view per member.
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -176,7 +190,7 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None) -> li
     >>> ev.records[nodes[2]].value
     array([6., 6.])
     """
-    run = _Run(ev, current_settings().batching is True)
+    run = _Run(ev, current_settings().batching is True, groups)
     levels, left, depth = _levels(order)
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
@@ -235,12 +249,12 @@ class _Run:
 
     __slots__ = ("batches", "ev", "forced", "groups", "records")
 
-    def __init__(self, ev: Evaluation, forced: bool) -> None:
+    def __init__(self, ev: Evaluation, forced: bool, groups: Groups | None = None) -> None:
         self.ev = ev
         self.records = ev.records
         self.forced = forced
         self.batches = 0  # groups that ran batched
-        self.groups = Groups(ev.records)
+        self.groups = Groups(ev.records) if groups is None else groups
 
     def each(self, nodes: list[Any]) -> None:
         """Nodes one by one, as the inline scheduler runs them."""
@@ -298,6 +312,16 @@ class _Run:
             self.group(members)
             arrived.extend(self._released(members, consumers, waiting))
 
+    def _factors(self, node: Any) -> bool:
+        """Whether a product alone runs as a group of one all the same: where
+        a weight's deltas are kept as factors (`Groups.outer`) and the weight
+        is large (`MIN_FACTORED`), its rows join the other groups' instead of
+        a weight-sized outer product and addition of its own."""
+        if not self.groups.outer or node._op.name not in _FACTORED or len(node._inputs) < 2:
+            return False
+        w = node._inputs[1]
+        return type(w) is Weight and w._data.size >= MIN_FACTORED
+
     @staticmethod
     def _released(done: list[Any], consumers: dict[Any, list[Any]], waiting: dict[Any, int]) -> list[Any]:
         now = []
@@ -317,7 +341,7 @@ class _Run:
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = op.rule.batch, 2
         n = len(members)
-        if rule is None or n < (2 if self.forced else minimum):
+        if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             self.each(members)
             return
         records, groups = self.records, self.groups
@@ -335,7 +359,7 @@ class _Run:
             stacks = kind is Layer or (kind is not Weight and hasattr(x0, "shape"))
             if stacks:
                 column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
-                stacks = not all(x is x0 for x in column)
+                stacks = n == 1 or not all(x is x0 for x in column)  # (one: `_factors` said so)
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value

@@ -50,12 +50,16 @@ class Source:
 @final
 class Groups:
     """The groups of one scheduler run: each member's `Place`, and each
-    group's delta sink (a `Gather`, when a delta is worth computing)."""
+    group's delta sink (a `Gather`, when a delta is worth computing).
+    ``outer``: a weight's delta from a group's product is sent as factors
+    (`monadl.runtime.schedule.batched_records.Outer`), for a counted release
+    that makes it an array when the weight is released."""
 
-    __slots__ = ("records", "sinks", "where")
+    __slots__ = ("outer", "records", "sinks", "where")
 
-    def __init__(self, records: dict[Any, Record]) -> None:
+    def __init__(self, records: dict[Any, Record], outer: bool = False) -> None:
         self.records = records
+        self.outer = outer
         self.where: dict[Any, Place] = {}
         self.sinks: dict[Record, Gather] = {}
 

@@ -11,7 +11,9 @@ Per group of ``n`` members that ran as one kernel (`group_records`):
   back to each member's operand;
 * one *group* record: the batching rule on the gathered, stacked and shared
   operands; a shared weight's delta is summed over the group inside the rule
-  (for a matrix product, one ``X_cat.T @ dY``);
+  (for a matrix product, one ``X_cat.T @ dY``; in the merged runs of
+  `monadl.runtime.schedule.fibers`, its factors ``X_cat`` and ``dY``, an
+  `Outer`, multiplied once for all runs when the weight is released);
 * per member, a record whose value is ``out[i]`` (a view), for consumers
   that run alone, the graph's roots and later graphs; its VJP puts its delta
   into the group's `Gather`. The gather records read the group's output, not
@@ -33,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
-from typing import Any, Final
+from typing import Any, Final, final
 
 import numpy as np
 
@@ -44,7 +46,7 @@ from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
-__all__ = ["NUMBERS", "Operand", "batchable", "group_records", "signature", "stack"]
+__all__ = ["NUMBERS", "Operand", "Outer", "batchable", "group_records", "signature", "stack"]
 
 NUMBERS: Final = frozenset({float, int, bool})
 
@@ -140,6 +142,8 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
             rec.refcount += 1
         ins.append(rec)
     needs = any(r is not None and r.needs_grad for r in ins)
+    if needs and groups.outer and first._op.name in _PRODUCTS:
+        vjps = _factored(vjps, operands, args)
     group = record(out, None, tuple(ins), needs, first, False)
     group.refcount = n  # its members hold it (and each gather record that reads it, one more)
     records[group] = group
@@ -162,6 +166,72 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
         for i, node in enumerate(members):
             records[node] = record(values[i], (partial(put, i),), held, needs, node, True)
     groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
+
+
+_PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
+
+
+def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any]) -> tuple[Any, ...]:
+    """``vjps`` with a shared weight's (a matrix times the members' stacked
+    rows) replaced by one that sends its delta as factors (an `Outer`)."""
+    w, rows, matrix = operands[1].rec, args[0], args[1]
+    if w is None or not w.is_weight or operands[0].rec is not None:  # (a weight, times stacked rows)
+        return vjps
+    if getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2 or rows.shape[-1] != matrix.shape[0]:
+        return vjps
+    k, m = matrix.shape
+    xp = namespace(rows)
+    rows = xp.reshape(rows, (-1, k))
+    return (vjps[0], lambda g: Outer(rows, xp.reshape(g, (-1, m))), *vjps[2:])
+
+
+@final
+class Outer:
+    """A weight's delta from batched products, as its factors: the sum of
+    ``lefts[i].T @ rights[i]`` (and of ``others``, deltas that came as arrays),
+    multiplied once, when the weight is released (`dense`). The merged runs of
+    `monadl.runtime.schedule.fibers` each multiply by the weight; this way each
+    sends its rows, not a weight-sized product that the next one's is added to.
+
+    >>> a, b = np.ones((2, 3)), np.ones((2, 4))
+    >>> d = Outer(a, b) + Outer(a, b) + np.ones((3, 4))
+    >>> d.shape, float(d.dense()[0, 0])
+    ((3, 4), 5.0)
+    """
+
+    __slots__ = ("lefts", "others", "rights", "shape")
+
+    # NumPy must hand `dense + outer` to __radd__, not build an object array.
+    __array_ufunc__ = None
+
+    def __init__(self, left: Any, right: Any) -> None:
+        self.lefts = [left]
+        self.rights = [right]
+        self.others: list[Any] = []
+        self.shape = (left.shape[1], right.shape[1])
+
+    def __add__(self, other: object) -> Outer:
+        # In place: the accumulator is this object alone (each VJP makes a new one).
+        if type(other) is Outer:
+            self.lefts += other.lefts
+            self.rights += other.rights
+            self.others += other.others
+        else:
+            self.others.append(other)
+        return self
+
+    __radd__ = __add__
+
+    def dense(self) -> Any:
+        """The summed delta, as one product of the stacked rows."""
+        lefts, rights = self.lefts, self.rights
+        xp = namespace(lefts[0])
+        if len(lefts) > 1:
+            lefts, rights = [xp.concat(lefts)], [xp.concat(rights)]
+        out = xp.matrix_transpose(lefts[0]) @ rights[0]
+        for other in self.others:
+            out = out + other
+        return out
 
 
 class Operand:

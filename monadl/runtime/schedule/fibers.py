@@ -19,6 +19,13 @@ each example gets its values and continues: what DyNet's autobatching (which
 stops at the first read) and Fold (which needs the whole structure first)
 cannot batch.
 
+The runs of one evaluation share their groups: a later run's group reads an
+earlier run's members by index (a parser's stack entries), and sends their
+delta back in one scatter per group. A weight's delta from the runs' products
+is kept as their rows and the rows' deltas (`batched_records.Outer`),
+multiplied once when the counted release releases the weight, not a
+weight-sized product and addition per run.
+
 Nothing else changes: a node is computed by the same `compute`, back-propagated
 by the same backward, shared nodes once; a failure raises the node's own error
 (at the user's line) and fails the evaluation. Graphs holding a layer built
@@ -39,6 +46,7 @@ from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched, cuda, inline
+from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_PRODUCT_ELEMENTS", "PARKED", "Parked", "enabled", "merge", "parks", "run"]
@@ -66,13 +74,15 @@ def enabled(ev: Evaluation) -> bool:
 
 @final
 class Parked:
-    """The fibers parked at their graphs, and the graphs' nodes in order."""
+    """The fibers parked at their graphs, and the graphs' nodes in order;
+    the groups that earlier merged runs of the evaluation batched."""
 
-    __slots__ = ("fibers", "orders")
+    __slots__ = ("fibers", "groups", "orders")
 
     def __init__(self) -> None:
         self.fibers: list[F.Fiber] = []
         self.orders: list[list[Any]] = []
+        self.groups: Groups | None = None
 
     def add(self, fiber: F.Fiber, frame: F.Graph) -> None:
         """Park ``fiber`` at ``frame``, whose order `parks` collected."""
@@ -110,7 +120,13 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     if order:
         forced = current_settings().batching is True
         if (forced or products >= MIN_PRODUCT_ELEMENTS * len(order)) and batched.worth_batching(ev, order, alike):
-            batched.forward(ev, order)
+            if parked.groups is None:
+                parked.groups = Groups(ev.records, outer=True)
+                ev.effects = True  # (as a Do layer sets it) the counted release: it makes the factored deltas arrays
+            # One `Groups` for all runs: a later run's group reads an earlier one's
+            # members by index (a parser's stack entries, computed steps before), and
+            # its delta goes back in one scatter per group, not a view per member.
+            batched.forward(ev, order, None, parked.groups)
         index = 0
         while True:
             outcome, index = inline.forward(ev, order, index, True)

@@ -25,6 +25,7 @@ from typing import Any, Final
 from monadl.runtime.backward import CHECK_EVERY, backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
+from monadl.runtime.schedule.batched_records import Outer
 
 __all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep", "sweep_notifying"]
 
@@ -124,11 +125,14 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             t.refcount -= 1
             if t.refcount:
                 continue
-            if backward:
+            if backward and t.delta is not None:
                 backprop((t,), check)
-                if t.is_weight and ev.on_gradient is not None and t.delta is not None:
-                    ev.on_gradient(t.node, t.delta)  # its last consumer let go: the gradient is final
-            elif not t.is_weight:
+                if t.is_weight:  # its last consumer let go: the gradient is final
+                    if type(t.delta) is Outer:  # batched products' rows, multiplied once
+                        t.delta = t.delta.dense()
+                    if ev.on_gradient is not None:
+                        ev.on_gradient(t.node, t.delta)
+            elif not t.is_weight:  # (or no delta reached it, as batched members read by index: nothing to send)
                 t.vjps = None
             work.extend(t.inputs)
             if t.release is not None:
