@@ -142,17 +142,7 @@ def _owned_step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     user's rule that returned an array it keeps)."""
     update = weight._optimizer.update
     old = weight._data
-    if (
-        type(update) is Scale
-        and _COUNTS_EVERY_REFERENCE
-        and type(grad) is np.ndarray
-        and sys.getrefcount(grad) == 3  # the dict, our parameter, getrefcount's argument
-        and type(old) is np.ndarray
-        and grad.dtype == old.dtype
-        and grad.shape == old.shape
-        and grad.flags.owndata
-        and grad.flags.writeable
-    ):
+    if type(update) is Scale and _private(grad, old, 2):  # (held by the dict and our parameter)
         # The gradient becomes the new weight. The same two passes as ``g *
         # factor`` then ``+ old``, but no fresh array to allocate and no
         # generic path (transformation, temporary test, dtype cast) per
@@ -169,7 +159,7 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         return _sparse_step(weight, grad)
     old = weight._data
     update, state = weight._optimizer.update(grad, weight._state, old)
-    if _is_temporary(update, old):
+    if type(update) is np.ndarray and update.nbytes >= _ELIDE_BYTES and _private(update, old, 1):
         new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill
     else:
         new = old + update
@@ -187,21 +177,21 @@ def _like(new: Any, old: Any) -> Any:
     return namespace(new).astype(new, dtype, copy=False)  # an array of another library
 
 
-def _is_temporary(update: Any, like: Any) -> bool:
-    """Whether ``update`` is a NumPy array that nothing but the caller's name
-    refers to (not optimizer state, not a gradient, not a view), shaped and
-    typed like ``like``: then adding in place is safe. This is NumPy's own
-    test for eliding temporaries, which a name defeats."""
+def _private(x: Any, like: Any, held: int) -> bool:
+    """Whether ``x`` is a NumPy array that nothing refers to but the caller's
+    ``held`` references (its names, a dict's entry: not optimizer state, not
+    another weight's gradient, not a view), shaped and typed like ``like``:
+    then writing into it is safe. This is NumPy's own test for eliding
+    temporaries, which a name defeats."""
     return (
         _COUNTS_EVERY_REFERENCE
-        and type(update) is np.ndarray
-        and update.nbytes >= _ELIDE_BYTES
-        and sys.getrefcount(update) == 3  # the caller's name, our parameter, getrefcount's argument
+        and type(x) is np.ndarray
+        and sys.getrefcount(x) == held + 2  # and our parameter, and getrefcount's argument
         and type(like) is np.ndarray
-        and update.dtype == like.dtype
-        and update.shape == like.shape
-        and update.flags.owndata
-        and update.flags.writeable
+        and x.dtype == like.dtype
+        and x.shape == like.shape
+        and x.flags.owndata
+        and x.flags.writeable
     )
 
 
