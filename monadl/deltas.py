@@ -5,6 +5,8 @@
 * `scatter_add`: ``out[index] += values`` with repeated indices adding up.
 * `SparseRows`: an embedding table's delta, the rows that were looked up and
   their deltas (the paper's example of a ``Delta`` that differs from ``Data``).
+* `Outer`: a weight's delta from products, kept as their factors (the rows
+  and the rows' deltas) until the weight is released or stepped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
 
-__all__ = ["SparseRows", "is_basic_index", "scatter_add", "unbroadcast"]
+__all__ = ["Outer", "SparseRows", "is_basic_index", "scatter_add", "unbroadcast"]
 
 _ONE_HOT_LIMIT: Final = 1 << 22
 """The largest one-hot matrix (rows x indices) `scatter_add` builds (16 MiB in float32)."""
@@ -208,3 +210,57 @@ class SparseRows:
 
     def __repr__(self) -> str:
         return f"SparseRows(indices={self.indices!r}, rows={self.rows!r}, table_shape={self.table_shape!r})"
+
+
+@final
+class Outer:
+    """A weight's delta from products, as its factors: the sum of
+    ``lefts[i].T @ rights[i]`` (and of ``others``, deltas that came as arrays),
+    multiplied once, when the weight is released (`dense`) or stepped.
+
+    Two producers: the merged runs of `monadl.runtime.schedule.fibers` each
+    multiply by the weight, and each sends its rows, not a weight-sized
+    product that the next one's is added to; and a product of a few rows by a
+    large weight (`monadl.layers._products.OuterRule`), whose plain-SGD step
+    then scales the few rows' deltas instead of the weight-sized product, and
+    whose finite check reads the factors (`monadl.optim.apply`).
+
+    >>> a, b = np.ones((2, 3)), np.ones((2, 4))
+    >>> d = Outer(a, b) + Outer(a, b) + np.ones((3, 4))
+    >>> d.shape, float(d.dense()[0, 0])
+    ((3, 4), 5.0)
+    """
+
+    __slots__ = ("lefts", "others", "rights", "shape")
+
+    # NumPy must hand `dense + outer` to __radd__, not build an object array.
+    __array_ufunc__ = None
+
+    def __init__(self, left: Any, right: Any) -> None:
+        self.lefts = [left]
+        self.rights = [right]
+        self.others: list[Any] = []
+        self.shape = (left.shape[1], right.shape[1])
+
+    def __add__(self, other: object) -> Outer:
+        # In place: the accumulator is this object alone (each VJP makes a new one).
+        if type(other) is Outer:
+            self.lefts += other.lefts
+            self.rights += other.rights
+            self.others += other.others
+        else:
+            self.others.append(other)
+        return self
+
+    __radd__ = __add__
+
+    def dense(self) -> Any:
+        """The summed delta, as one product of the stacked rows."""
+        lefts, rights = self.lefts, self.rights
+        xp = namespace(lefts[0])
+        if len(lefts) > 1:
+            lefts, rights = [xp.concat(lefts)], [xp.concat(rights)]
+        out = xp.matrix_transpose(lefts[0]) @ rights[0]
+        for other in self.others:
+            out = out + other
+        return out

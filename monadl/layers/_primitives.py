@@ -28,7 +28,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add, unbroadcast
-from monadl.layers._products import product
+from monadl.layers._products import outer_rule, product
 from monadl.layers._split import split_part_rule, split_rule
 
 __all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
@@ -257,7 +257,7 @@ _MT: Final = attrgetter("mT")  # NumPy's matrix transpose without np.matrix_tran
 def _matmul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = product(a, b)
     if type(out) is np.ndarray and a.ndim == 2 and b.ndim == 2:  # the common case, first
-        return out, (lambda g: product(g, b.mT), lambda g: product(a.mT, g))
+        return out, (lambda g: product(g, b.mT), outer_rule(a, b))
     if a.ndim == 1 and b.ndim == 1:
         return out, (lambda g: g * b, lambda g: g * a)
     xp = namespace(out)
@@ -294,7 +294,7 @@ def _dense(a: Value, b: Value, bias: Value) -> tuple[Value, tuple[Vjp, ...]]:
         shape = bias.shape
         return out, (
             lambda g: product(g, b.mT),
-            lambda g: product(a.mT, g),
+            outer_rule(a, b),
             lambda g: np.add.reduce(g, axis=0) if type(g) is np.ndarray and g.ndim == 2 else unbroadcast(g, shape),
         )
     out, (da, db) = _matmul(a, b)

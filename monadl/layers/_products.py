@@ -8,11 +8,11 @@ arrays take another form; every other library's product is its own ``@``.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, final
 
 import numpy as np
 
-__all__ = ["product"]
+__all__ = ["OuterRule", "outer_rule", "product"]
 
 Value = Any
 
@@ -49,6 +49,42 @@ def product(x: Value, y: Value) -> Value:
     return x @ y
 
 
+@final
+class OuterRule:
+    """The delta rule ``g -> left.T @ g`` of a matrix operand ``w`` in
+    ``left @ w``, marked so that the backward may keep the delta of a weight
+    as its factors (`monadl.deltas.Outer`) instead of calling it.
+
+    >>> rule = OuterRule(np.ones((2, 3)))
+    >>> rule(np.ones((2, 4))).shape
+    (3, 4)
+    """
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: np.ndarray[Any, Any]) -> None:
+        self.left = left
+
+    def __call__(self, g: Value) -> Value:
+        return product(self.left.mT, g)
+
+
+def outer_rule(left: np.ndarray[Any, Any], matrix: np.ndarray[Any, Any]) -> Any:
+    """The delta rule of ``matrix`` in the 2-D NumPy product ``left @ matrix``:
+    an `OuterRule` where factors pay (a large matrix, factors smaller than it),
+    else a plain closure.
+
+    >>> type(outer_rule(np.ones((16, 512)), np.ones((512, 256)))).__name__
+    'OuterRule'
+    >>> type(outer_rule(np.ones((16, 4)), np.ones((4, 4)))).__name__
+    'function'
+    """
+    size = matrix.size
+    if size >= _FACTORED and left.shape[0] * (left.shape[1] + matrix.shape[1]) <= size:
+        return OuterRule(left)
+    return lambda g: product(left.mT, g)
+
+
 def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
     """Whether sgemm's transposed kernel is the slow one for ``rows`` rows
     times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
@@ -65,3 +101,6 @@ _F32: Final = np.dtype(np.float32)
 _FEW_ROWS: Final = 48
 _LARGE_WEIGHT: Final = 1 << 17
 _HUGE_WEIGHT: Final = 1 << 19
+_FACTORED: Final = 1 << 16
+"""The fewest elements of a matrix whose delta a weight keeps as factors: for
+smaller ones, the finite check of the product costs about what it saves."""

@@ -38,9 +38,10 @@ class Weight(Expr[D, G]):
     array([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "_data", "_optimizer", "_site", "_state")
+    __slots__ = ("__weakref__", "_bound", "_data", "_optimizer", "_site", "_state")
 
     _data: Any
+    _bound: tuple[Any, float] | None  # (data, a bound on its norm) the commit proved; see `monadl.optim.apply`
     _optimizer: GradientTransformation
     _state: Any
     _site: Site
@@ -89,13 +90,17 @@ class Weight(Expr[D, G]):
                 f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
             )
         self._data = data
+        self._bound = None
         self._optimizer = optimizer
         self._state = optimizer.init(data)
         self._site = caller_site()
 
     @property
     def data(self) -> D:
-        """The current value (replaced, never mutated, by each step)."""
+        """The current value (replaced, never mutated, by each step).
+
+        Treat the array as read-only: assign ``data`` to change a weight.
+        """
         return self._data  # type: ignore[no-any-return]
 
     # The setters (for checkpoints, surgery, tests) sit right after their getters, as

@@ -8,6 +8,7 @@ weight never lose an update (each reads the state the other wrote).
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Mapping
@@ -16,9 +17,10 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import all_finite, is_array, namespace
-from monadl.deltas import SparseRows
+from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import site_text
+from monadl.layers._products import product
 from monadl.layers._weight import Weight
 from monadl.optim.transforms import Scale
 
@@ -65,42 +67,50 @@ def consume_gradients(gradients: dict[Weight[Any, Any], Any], *, finite: bool = 
 
 def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool) -> None:
     with _lock:
+        steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
         if owned:
-            steps = []
+            norms: dict[int, float] = {}
             for weight in gradients:
                 # Read by key, not from items(): its iterator keeps the last
                 # pair, a reference `_owned_step`'s count would not expect.
-                steps.append((weight, *_owned_step(weight, gradients[weight])))
+                steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms)))
         else:
-            steps = [(weight, *step(weight, grad)) for weight, grad in gradients.items()]
+            steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
-            for weight, data, _ in _non_finite(steps):
+            for weight, data, _, _ in _non_finite(steps):
                 raise NonFiniteError(
                     f"the optimizer step would write a NaN or an infinity into the weight built at "
                     f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
                     "ml.settings(check_finite=True) finds the operation that made it"
                 )
-        for weight, data, state in steps:
+        for weight, data, state, bound in steps:
             weight._data = data
             weight._state = state
+            weight._bound = None if bound is None else (data, bound)
 
 
-def _non_finite(steps: list[tuple[Weight[Any, Any], Any, Any]]) -> list[tuple[Weight[Any, Any], Any, Any]]:
+def _non_finite(
+    steps: list[tuple[Weight[Any, Any], Any, Any, float | None]],
+) -> list[tuple[Weight[Any, Any], Any, Any, float | None]]:
     """The steps whose new data holds a NaN or an infinity.
 
-    A float NumPy array is checked with one BLAS pass, its dot product with
-    itself (NaN and infinity reach it; about half the cost of
+    A step with a bound (`_factored_step` proved its data finite) is not
+    read. A float NumPy array is checked with one BLAS pass, its dot product
+    with itself (NaN and infinity reach it; about half the cost of
     ``isfinite(x).all()``), under one error state for the whole commit; the
-    small ones (biases, scalars) together, as one concatenation, since for
-    them a call costs more than its pass (24 weights' checks took 75 us one by
-    one). A dot product may also overflow on finite values past 1e154, so a
-    non-finite one is confirmed element by element.
+    small ones (biases, scalars) are checked
+    together, as one concatenation, since for them a call costs more than its
+    pass (24 weights' checks took 75 us one by one). A dot product may also
+    overflow on finite values past 1e154, so a non-finite one is confirmed
+    element by element.
     """
     suspects = []
     foreign = []
     small = []
     with np.errstate(over="ignore", invalid="ignore"):
         for entry in steps:
+            if entry[3] is not None:
+                continue
             x = entry[1]
             if type(x) is np.ndarray:
                 if x.dtype.kind == "f":
@@ -119,7 +129,7 @@ def _non_finite(steps: list[tuple[Weight[Any, Any], Any, Any]]) -> list[tuple[We
             flat = np.concatenate([entry[1] for entry in small], axis=None)
             if not np.isfinite(np.dot(flat, flat)):
                 suspects += small
-    by_library: dict[int, list[tuple[Weight[Any, Any], Any, Any]]] = {}
+    by_library: dict[int, list[tuple[Weight[Any, Any], Any, Any, float | None]]] = {}
     for entry in foreign:
         by_library.setdefault(id(namespace(entry[1])), []).append(entry)
     for entries in by_library.values():
@@ -134,23 +144,101 @@ _SMALL: Final = 1 << 14
 """Float arrays below this many elements are checked together."""
 
 
-def _owned_step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
-    """`step`, written into ``grad``'s own buffer when that is safe: plain SGD
-    with a constant rate, and ``grad`` a NumPy array typed and shaped like the
+def _owned_step(
+    weight: Weight[Any, Any], grad: Any, finite: bool, norms: dict[int, float]
+) -> tuple[Any, Any, float | None]:
+    """`step`, and a bound on the new data's norm if it is proven finite.
+
+    Plain SGD with a constant rate writes into a buffer nobody else sees:
+    from a gradient kept as factors (`_factored_step`), or into ``grad``'s
+    own buffer when ``grad`` is a NumPy array typed and shaped like the
     weight's data, owning its writeable buffer, and referred to only by the
     gradients' dict (not by another weight's entry, an array viewing it, a
     user's rule that returned an array it keeps)."""
     update = weight._optimizer.update
     old = weight._data
-    if type(update) is Scale and _private(grad, old, 2):  # (held by the dict and our parameter)
+    if type(grad) is Outer:
+        if type(update) is Scale:
+            factored = _factored_step(weight, grad, update.factor, finite, norms)
+            if factored is not None:
+                return factored
+        grad = grad.dense()
+        if type(update) is Scale and _private(grad, old, 1):
+            np.multiply(grad, update.factor, out=grad)
+            return np.add(grad, old, out=grad), weight._state, None
+    elif type(update) is Scale and _private(grad, old, 2):  # (held by the dict and our parameter)
         # The gradient becomes the new weight. The same two passes as ``g *
         # factor`` then ``+ old``, but no fresh array to allocate and no
         # generic path (transformation, temporary test, dtype cast) per
         # weight, small ones too: the columns model's step (24 weights) ran
         # about 100 us faster in an in-process A/B.
         np.multiply(grad, update.factor, out=grad)
-        return np.add(grad, old, out=grad), weight._state
-    return step(weight, grad)
+        return np.add(grad, old, out=grad), weight._state, None
+    return (*step(weight, grad), None)
+
+
+def _factored_step(
+    weight: Weight[Any, Any], grad: Outer, factor: float, finite: bool, norms: dict[int, float]
+) -> tuple[Any, Any, float | None] | None:
+    """Plain SGD from a gradient ``left.T @ right``: ``old + left.T @ (factor
+    * right)``, scaling the few rows' deltas instead of the weight-sized
+    product (one pass over the weight less), in the product's fresh array.
+
+    The new data is proven finite without reading it when the last commit
+    left a bound on the old data's norm: by Cauchy-Schwarz, the new norm is
+    at most ``bound + |factor| * |left| * |right|`` (norms of the few rows,
+    read instead; finite only if every entry is), raised for rounding. With
+    no bound known (the first step, data the user assigned), one is taken
+    from the new data's largest entry, which reads it once; the bound grows a
+    little each step and is taken afresh once it nears the largest float.
+    Returns the new data, state and bound (None: not proven, the commit's
+    check reads the data), or None: not this kind of step.
+    """
+    old = weight._data
+    if grad.others or type(old) is not np.ndarray:
+        return None
+    if len(grad.lefts) == 1:
+        left, right = grad.lefts[0], grad.rights[0]
+    else:  # (merged runs of fibers: their rows, stacked)
+        left, right = np.concatenate(grad.lefts), np.concatenate(grad.rights)
+    dtype = old.dtype
+    if type(left) is not np.ndarray or type(right) is not np.ndarray or left.dtype != dtype or right.dtype != dtype:
+        return None
+    scaled = np.multiply(right, factor, dtype=dtype)  # (may overflow: warned as the dense step's would be)
+    with np.errstate(invalid="ignore"):  # (its infinities times zeros: the check refuses the step)
+        new = product(left.mT, scaled)
+        if new.shape != old.shape or not new.flags.owndata:
+            return None
+        np.add(new, old, out=new)
+    if not finite:
+        return new, weight._state, None
+    known = weight._bound
+    limit = float(np.finfo(dtype).max) / 4
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = math.inf
+        if known is not None and known[0] is old:
+            left_norm = norms.get(id(left))
+            if left_norm is None:  # (the columns' first layers share their input: read it once)
+                left_norm = norms[id(left)] = _norm_bound(left)
+            rounding = 1 + 2 * (left.shape[0] + 2) * float(np.finfo(dtype).eps)
+            bound = (known[1] + abs(factor) * left_norm * _norm_bound(right)) * rounding
+        if not bound < limit:  # (also NaN: a factor that is not finite)
+            bound = _norm_bound(new)
+    return new, weight._state, bound if bound < limit else None
+
+
+def _norm_bound(x: np.ndarray[Any, Any]) -> float:
+    """An upper bound on the norm of the float array ``x`` (``sqrt(sum(x**2))``),
+    infinite or NaN if an entry is. Where the rounding of a dot product of its
+    n entries by itself is small (n * eps <= 1%), that product, raised by its
+    worst case (and by what squares below the smallest float lose); else
+    ``sqrt(n)`` times the largest magnitude, which is exact."""
+    flat = x.reshape(-1)
+    n = flat.size
+    info = np.finfo(x.dtype)
+    if n * float(info.eps) <= 0.01:
+        return math.sqrt(float(np.dot(flat, flat)) * (1 + n * float(info.eps)) + n * float(info.smallest_normal))
+    return math.sqrt(n) * float(np.maximum(flat.max(), -flat.min()))
 
 
 def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:

@@ -21,8 +21,9 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import all_finite
-from monadl.deltas import SparseRows, unbroadcast
+from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
+from monadl.layers._products import OuterRule
 from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import where
@@ -88,7 +89,12 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
             for r in rec.inputs:
                 if r is not None and r.needs_grad:
                     try:
-                        g = vjps[i](delta)
+                        vjp = vjps[i]
+                        g: Any
+                        if type(vjp) is OuterRule and r.is_weight and not check_finite and type(delta) is np.ndarray:
+                            g = Outer(vjp.left, delta)  # a weight's delta from a few rows: kept as factors
+                        else:
+                            g = vjp(delta)
                         if not fits:
                             value = r.value
                             if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:

@@ -54,7 +54,7 @@ async def train(root: Any) -> Any:
         if cuda.is_device_array(value):
             await cuda.ready()
         await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
-        consume_gradients(ev.weight_gradients(), finite=settings.finite_steps)
+        consume_gradients(ev.weight_gradients(factored=True), finite=settings.finite_steps)
     if settings.tune_process:
         process.fit_gc(ev.nodes)
     return value

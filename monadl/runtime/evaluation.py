@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from monadl.deltas import Outer
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
@@ -173,10 +174,18 @@ class Evaluation:
         self.records[weight] = rec
         return rec
 
-    def weight_gradients(self) -> dict[Weight[Any, Any], Any]:
-        if self.gradients is not None:
-            return self.gradients
-        return {rec.node: rec.delta for rec in self.records.values() if rec.is_weight and rec.delta is not None}
+    def weight_gradients(self, factored: bool = False) -> dict[Weight[Any, Any], Any]:
+        """The gradient of each weight that has one. A gradient kept as
+        factors (`monadl.deltas.Outer`) is multiplied out here, unless
+        ``factored`` (the commit, which steps plain SGD from the factors)."""
+        grads = self.gradients
+        if grads is None:
+            grads = {rec.node: rec.delta for rec in self.records.values() if rec.is_weight and rec.delta is not None}
+        if not factored:
+            for weight, grad in grads.items():
+                if type(grad) is Outer:
+                    grads[weight] = grad.dense()
+        return grads
 
     def finish(self) -> None:
         """After the last release: keep the weights' gradients, drop the records.
@@ -187,5 +196,5 @@ class Evaluation:
         and promoted to older generations for nothing.
         """
         if self.train:
-            self.gradients = self.weight_gradients()
+            self.gradients = self.weight_gradients(factored=True)
         self.records.clear()

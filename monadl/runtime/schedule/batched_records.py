@@ -35,11 +35,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from operator import itemgetter
-from typing import Any, Final, final
+from typing import Any, Final
 
 import numpy as np
 
 from monadl._namespace import _HOST, namespace
+from monadl.deltas import Outer
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._weight import Weight
@@ -183,55 +184,6 @@ def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any]) -
     xp = namespace(rows)
     rows = xp.reshape(rows, (-1, k))
     return (vjps[0], lambda g: Outer(rows, xp.reshape(g, (-1, m))), *vjps[2:])
-
-
-@final
-class Outer:
-    """A weight's delta from batched products, as its factors: the sum of
-    ``lefts[i].T @ rights[i]`` (and of ``others``, deltas that came as arrays),
-    multiplied once, when the weight is released (`dense`). The merged runs of
-    `monadl.runtime.schedule.fibers` each multiply by the weight; this way each
-    sends its rows, not a weight-sized product that the next one's is added to.
-
-    >>> a, b = np.ones((2, 3)), np.ones((2, 4))
-    >>> d = Outer(a, b) + Outer(a, b) + np.ones((3, 4))
-    >>> d.shape, float(d.dense()[0, 0])
-    ((3, 4), 5.0)
-    """
-
-    __slots__ = ("lefts", "others", "rights", "shape")
-
-    # NumPy must hand `dense + outer` to __radd__, not build an object array.
-    __array_ufunc__ = None
-
-    def __init__(self, left: Any, right: Any) -> None:
-        self.lefts = [left]
-        self.rights = [right]
-        self.others: list[Any] = []
-        self.shape = (left.shape[1], right.shape[1])
-
-    def __add__(self, other: object) -> Outer:
-        # In place: the accumulator is this object alone (each VJP makes a new one).
-        if type(other) is Outer:
-            self.lefts += other.lefts
-            self.rights += other.rights
-            self.others += other.others
-        else:
-            self.others.append(other)
-        return self
-
-    __radd__ = __add__
-
-    def dense(self) -> Any:
-        """The summed delta, as one product of the stacked rows."""
-        lefts, rights = self.lefts, self.rights
-        xp = namespace(lefts[0])
-        if len(lefts) > 1:
-            lefts, rights = [xp.concat(lefts)], [xp.concat(rights)]
-        out = xp.matrix_transpose(lefts[0]) @ rights[0]
-        for other in self.others:
-            out = out + other
-        return out
 
 
 class Operand:

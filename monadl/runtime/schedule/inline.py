@@ -22,10 +22,10 @@ import time
 from collections.abc import Generator
 from typing import Any, Final
 
+from monadl.deltas import Outer
 from monadl.runtime.backward import CHECK_EVERY, backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
-from monadl.runtime.schedule.batched_records import Outer
 
 __all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep", "sweep_notifying"]
 
@@ -99,6 +99,8 @@ def sweep_notifying(ev: Evaluation) -> Machine:
         start = stop
         for weight in final_after[i]:
             if weight.delta is not None:
+                if type(weight.delta) is Outer:  # kept as factors: a listener reads arrays
+                    weight.delta = weight.delta.dense()
                 notify(weight.node, weight.delta)
         if time.perf_counter() > ev.deadline:  # short segments never reach backprop's own look at the clock
             yield CHECKPOINT
@@ -127,11 +129,10 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
                 continue
             if backward and t.delta is not None:
                 backprop((t,), check)
-                if t.is_weight:  # its last consumer let go: the gradient is final
-                    if type(t.delta) is Outer:  # batched products' rows, multiplied once
+                if t.is_weight and ev.on_gradient is not None:  # its last consumer let go: the gradient is final
+                    if type(t.delta) is Outer:  # (factors: multiplied for the listener; else by the commit)
                         t.delta = t.delta.dense()
-                    if ev.on_gradient is not None:
-                        ev.on_gradient(t.node, t.delta)
+                    ev.on_gradient(t.node, t.delta)
             elif not t.is_weight:  # (or no delta reached it, as batched members read by index: nothing to send)
                 t.vjps = None
             work.extend(t.inputs)
