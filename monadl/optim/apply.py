@@ -70,10 +70,21 @@ def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool
         steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
         if owned:
             norms: dict[int, float] = {}
+            pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
             for weight in gradients:
-                # Read by key, not from items(): its iterator keeps the last
-                # pair, a reference `_owned_step`'s count would not expect.
+                # Read by key, not bound to a name or taken from items() (whose
+                # iterator keeps the last pair): `_owned_step` counts references.
+                update = weight._optimizer.update
+                if type(update) is Scale and _poolable(gradients[weight], weight._data):
+                    pools.setdefault((weight._data.dtype, update.factor), []).append((weight, gradients[weight]))
+                    continue
                 steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms)))
+            for (_, factor), members in pools.items():
+                if len(members) > 1:
+                    steps += _pooled_steps(members, factor, finite)
+                else:  # (a pool of one costs more than its own step)
+                    weight = members.pop()[0]
+                    steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms)))
         else:
             steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
@@ -142,6 +153,45 @@ def _non_finite(
 
 _SMALL: Final = 1 << 14
 """Float arrays below this many elements are checked together."""
+
+
+def _poolable(grad: Any, old: Any) -> bool:
+    """Whether plain SGD may step this weight in a pool: a small NumPy array
+    typed and shaped like its NumPy data."""
+    return (
+        type(grad) is np.ndarray
+        and grad.size < _SMALL
+        and type(old) is np.ndarray
+        and grad.dtype == old.dtype
+        and grad.shape == old.shape
+    )
+
+
+def _pooled_steps(
+    members: list[tuple[Weight[Any, Any], Any]], factor: float, finite: bool
+) -> list[tuple[Weight[Any, Any], Any, Any, float | None]]:
+    """Plain SGD on small weights of one dtype and rate, as one array: their
+    gradients joined (a copy: they are only read), scaled, added to their
+    data joined, checked with one dot product; each weight's new data is its
+    part of the result. Per weight, a few Python calls fewer: the columns
+    model's 20 biases and small matrices committed in ~20 us, not ~55.
+    """
+    flat = np.concatenate([grad for _, grad in members], axis=None)
+    np.multiply(flat, factor, out=flat)
+    np.add(flat, np.concatenate([weight._data for weight, _ in members], axis=None), out=flat)
+    bound = None
+    if finite:
+        with np.errstate(over="ignore", invalid="ignore"):
+            bound = _norm_bound(flat)  # (a bound on every part's norm, NaN if any entry is not finite)
+        if not bound < math.inf:
+            bound = None  # (the commit's check reads each part, to name the weight)
+    steps = []
+    start = 0
+    for weight, grad in members:
+        stop = start + grad.size
+        steps.append((weight, flat[start:stop].reshape(grad.shape), weight._state, bound))
+        start = stop
+    return steps
 
 
 def _owned_step(

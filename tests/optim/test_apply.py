@@ -201,3 +201,30 @@ async def test_training_weights_that_share_one_delta_array() -> None:
     np.testing.assert_array_equal(a.data, np.full((300, 64), -1.0, np.float32))
     np.testing.assert_array_equal(b.data, np.zeros((300, 64), np.float32))
     np.testing.assert_array_equal(x, np.full((300, 64), 2.0, np.float32))
+
+
+def test_small_weights_pooled_step_as_each_would_alone() -> None:
+    rng = np.random.default_rng(3)
+    shapes = [(3, 2), (2,), (), (4, 4)]
+    datas = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    rates = [0.1, 0.1, 0.1, 0.5]  # three in one pool; the last alone
+    pooled = [ml.Weight(d, optimizer=ml.optim.sgd(r)) for d, r in zip(datas, rates)]
+    alone = [ml.Weight(d, optimizer=ml.optim.sgd(r)) for d, r in zip(datas, rates)]
+    consume_gradients({w: g.copy() for w, g in zip(pooled, grads)})
+    for w, g in zip(alone, grads):
+        apply_gradients({w: g})
+    for p, a in zip(pooled, alone):
+        assert type(p.data) is np.ndarray and p.data.shape == a.data.shape and p.data.dtype == a.data.dtype
+        np.testing.assert_array_equal(p.data, a.data)
+
+
+def test_a_non_finite_gradient_in_a_pool_names_its_weight_and_changes_nothing() -> None:
+    ws = [ml.Weight(np.ones(3, np.float32), optimizer=ml.optim.sgd(0.1)) for _ in range(3)]
+    bad = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(0.1))  # POOLED-SITE
+    grads = {w: np.ones(3, np.float32) for w in ws}
+    grads[bad] = np.array([1.0, np.inf], np.float32)
+    with pytest.raises(ml.NonFiniteError, match=rf"weight built at .*:{line_of('POOLED-SITE')} \(shape \[2\]\)"):
+        consume_gradients(grads)
+    for w in [*ws, bad]:
+        np.testing.assert_array_equal(w.data, np.ones_like(w.data))
