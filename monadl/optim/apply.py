@@ -173,8 +173,9 @@ def _pooled_steps(
     """Plain SGD on small weights of one dtype and rate, as one array: their
     gradients joined (a copy: they are only read), scaled, added to their
     data joined, checked with one dot product; each weight's new data is its
-    part of the result. Per weight, a few Python calls fewer: the columns
-    model's 20 biases and small matrices committed in ~20 us, not ~55.
+    part of the result. Per weight, a few Python calls fewer: a step of the
+    columns model (20 such weights) at 8 features took 3.01 M instructions,
+    not 3.11.
     """
     flat = np.concatenate([grad for _, grad in members], axis=None)
     np.multiply(flat, factor, out=flat)
@@ -267,9 +268,14 @@ def _factored_step(
     with np.errstate(over="ignore", invalid="ignore"):
         bound = math.inf
         if known is not None and known[0] is old:
-            left_norm = norms.get(id(left))
-            if left_norm is None:  # (the columns' first layers share their input: read it once)
-                left_norm = norms[id(left)] = _norm_bound(left)
+            # The columns' first layers share their input: its norm is taken once
+            # (by id: the gradients hold the rows; not stacked rows, a temporary).
+            shared = len(grad.lefts) == 1
+            left_norm = norms.get(id(left)) if shared else None
+            if left_norm is None:
+                left_norm = _norm_bound(left)
+                if shared:
+                    norms[id(left)] = left_norm
             rounding = 1 + 2 * (left.shape[0] + 2) * float(np.finfo(dtype).eps)
             bound = (known[1] + abs(factor) * left_norm * _norm_bound(right)) * rounding
         if not bound < limit:  # (also NaN: a factor that is not finite)
