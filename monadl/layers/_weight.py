@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, final, overload
+import threading
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 
@@ -14,7 +15,12 @@ from monadl.layers._replace import replace_data, replace_state
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
 
-__all__ = ["ArrayWeight", "ScalarWeight", "Weight"]
+__all__ = ["COMMIT_LOCK", "ArrayWeight", "ScalarWeight", "Weight"]
+
+COMMIT_LOCK: Final = threading.Lock()
+"""Held while weights step (`monadl.optim.apply`) and while their data is
+taken to be read: a step may write into an array nobody holds, and it must
+not gain a reader on another thread half way."""
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -97,11 +103,13 @@ class Weight(Expr[D, G]):
 
     @property
     def data(self) -> D:
-        """The current value (replaced, never mutated, by each step).
+        """The current value. A step never changes an array that you hold (it
+        writes only into one that nothing but the weight refers to).
 
         Treat the array as read-only: assign ``data`` to change a weight.
         """
-        return self._data  # type: ignore[no-any-return]
+        with COMMIT_LOCK:
+            return self._data  # type: ignore[no-any-return]
 
     # The setters (for checkpoints, surgery, tests) sit right after their getters, as
     # mypy requires. Use them outside train(): a step in flight commits over them.

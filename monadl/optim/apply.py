@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
 
+from monadl._blas import add_product, can_add_product
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._layer import site_text
 from monadl.layers._products import product
-from monadl.layers._weight import Weight
+from monadl.layers._weight import COMMIT_LOCK, Weight
 from monadl.optim.transforms import Scale
 
 __all__ = ["apply_gradients", "consume_gradients", "step"]
-
-_lock: Final = threading.Lock()
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -66,8 +64,9 @@ def consume_gradients(gradients: dict[Weight[Any, Any], Any], *, finite: bool = 
 
 
 def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool) -> None:
-    with _lock:
+    with COMMIT_LOCK:
         steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
+        in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
         if owned:
             norms: dict[int, float] = {}
             pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
@@ -78,13 +77,13 @@ def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool
                 if type(update) is Scale and _poolable(gradients[weight], weight._data):
                     pools.setdefault((weight._data.dtype, update.factor), []).append((weight, gradients[weight]))
                     continue
-                steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms)))
+                steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
             for (_, factor), members in pools.items():
                 if len(members) > 1:
                     steps += _pooled_steps(members, factor, finite)
                 else:  # (a pool of one costs more than its own step)
                     weight = members.pop()[0]
-                    steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms)))
+                    steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
         else:
             steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
@@ -94,6 +93,8 @@ def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool
                     f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
                     "ml.settings(check_finite=True) finds the operation that made it"
                 )
+        for data, factor, left, right in in_place:
+            add_product(data, factor, left, right)
         for weight, data, state, bound in steps:
             weight._data = data
             weight._state = state
@@ -196,7 +197,11 @@ def _pooled_steps(
 
 
 def _owned_step(
-    weight: Weight[Any, Any], grad: Any, finite: bool, norms: dict[int, float]
+    weight: Weight[Any, Any],
+    grad: Any,
+    finite: bool,
+    norms: dict[int, float],
+    in_place: list[tuple[Any, float, Any, Any]],
 ) -> tuple[Any, Any, float | None]:
     """`step`, and a bound on the new data's norm if it is proven finite.
 
@@ -210,7 +215,7 @@ def _owned_step(
     old = weight._data
     if type(grad) is Outer:
         if type(update) is Scale:
-            factored = _factored_step(weight, grad, update.factor, finite, norms)
+            factored = _factored_step(weight, grad, update.factor, finite, norms, in_place)
             if factored is not None:
                 return factored
         grad = grad.dense()
@@ -229,11 +234,15 @@ def _owned_step(
 
 
 def _factored_step(
-    weight: Weight[Any, Any], grad: Outer, factor: float, finite: bool, norms: dict[int, float]
+    weight: Weight[Any, Any],
+    grad: Outer,
+    factor: float,
+    finite: bool,
+    norms: dict[int, float],
+    in_place: list[tuple[Any, float, Any, Any]],
 ) -> tuple[Any, Any, float | None] | None:
-    """Plain SGD from a gradient ``left.T @ right``: ``old + left.T @ (factor
-    * right)``, scaling the few rows' deltas instead of the weight-sized
-    product (one pass over the weight less), in the product's fresh array.
+    """Plain SGD from a gradient ``left.T @ right``: ``old + factor * left.T @
+    right``, the rate scaling the few rows' deltas, not the weight-sized product.
 
     The new data is proven finite without reading it when the last commit
     left a bound on the old data's norm: by Cauchy-Schwarz, the new norm is
@@ -242,6 +251,13 @@ def _factored_step(
     no bound known (the first step, data the user assigned), one is taken
     from the new data's largest entry, which reads it once; the bound grows a
     little each step and is taken afresh once it nears the largest float.
+
+    A proven step on data that nothing but the weight holds is written into
+    that data, by one BLAS product that adds (`monadl._blas.add_product`),
+    after every other step is computed and checked (``in_place``): one pass
+    over the weight instead of three (a product into a fresh array, read
+    again to add). Else the product goes into a fresh array.
+
     Returns the new data, state and bound (None: not proven, the commit's
     check reads the data), or None: not this kind of step.
     """
@@ -255,19 +271,12 @@ def _factored_step(
     dtype = old.dtype
     if type(left) is not np.ndarray or type(right) is not np.ndarray or left.dtype != dtype or right.dtype != dtype:
         return None
-    scaled = np.multiply(right, factor, dtype=dtype)  # (may overflow: warned as the dense step's would be)
-    with np.errstate(invalid="ignore"):  # (its infinities times zeros: the check refuses the step)
-        new = product(left.mT, scaled)
-        if new.shape != old.shape or not new.flags.owndata:
-            return None
-        np.add(new, old, out=new)
-    if not finite:
-        return new, weight._state, None
     known = weight._bound
+    carried = known is not None and known[0] is old
     limit = float(np.finfo(dtype).max) / 4
-    with np.errstate(over="ignore", invalid="ignore"):
-        bound = math.inf
-        if known is not None and known[0] is old:
+    bound = math.inf
+    if finite and known is not None and carried:
+        with np.errstate(over="ignore", invalid="ignore"):
             # The columns' first layers share their input: its norm is taken once
             # (by id: the gradients hold the rows; not stacked rows, a temporary).
             shared = len(grad.lefts) == 1
@@ -278,9 +287,24 @@ def _factored_step(
                     norms[id(left)] = left_norm
             rounding = 1 + 2 * (left.shape[0] + 2) * float(np.finfo(dtype).eps)
             bound = (known[1] + abs(factor) * left_norm * _norm_bound(right)) * rounding
-        if not bound < limit:  # (also NaN: a factor that is not finite)
+    proven = bound < limit  # (not NaN either: a factor that is not finite)
+    # Held by the weight, its bound when carried, this frame and the caller's (`_owned_step`).
+    if (proven or not finite) and _private(old, old, 4 + carried):  # (and `_private`'s second parameter)
+        left, right = np.ascontiguousarray(left), np.ascontiguousarray(right)
+        if can_add_product(old, left, right):
+            in_place.append((old, factor, left, right))
+            return old, weight._state, bound if proven else None
+    scaled = np.multiply(right, factor, dtype=dtype)  # (may overflow: warned as the dense step's would be)
+    with np.errstate(invalid="ignore"):  # (its infinities times zeros: the check refuses the step)
+        new = product(left.mT, scaled)
+        if new.shape != old.shape or not new.flags.owndata:
+            return None
+        np.add(new, old, out=new)
+    if finite and not proven:
+        with np.errstate(over="ignore", invalid="ignore"):
             bound = _norm_bound(new)
-    return new, weight._state, bound if bound < limit else None
+        proven = bound < limit
+    return new, weight._state, bound if proven else None
 
 
 def _norm_bound(x: np.ndarray[Any, Any]) -> float:

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from monadl.deltas import Outer
+from monadl.layers._weight import COMMIT_LOCK, Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
 if TYPE_CHECKING:
     from monadl.do import Do
-    from monadl.layers._weight import Weight
 
 __all__ = ["Evaluation", "Record", "Shared", "UserRelease"]
 
@@ -169,7 +169,9 @@ class Evaluation:
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
         """A weight's record: its data as it is now; a gradient only when training."""
-        rec = Record(weight._data, None, (), self.train, weight)
+        with COMMIT_LOCK:  # (a step in another thread may be writing into an array that nobody holds)
+            data = weight._data
+        rec = Record(data, None, (), self.train, weight)
         rec.is_weight = True
         self.records[weight] = rec
         return rec

@@ -11,6 +11,8 @@ import pytest
 
 import monadl as ml
 import monadl.layers._products as products
+import monadl.optim.apply as apply
+from monadl._blas import can_add_product
 from monadl.deltas import Outer
 from monadl.runtime import entry
 
@@ -135,3 +137,53 @@ def test_factors_add_up_with_arrays_and_each_other() -> None:
     dense = rng.standard_normal((5, 4))
     total = dense + Outer(a, g) + Outer(a[:2], g[:2])
     np.testing.assert_allclose(total.dense(), dense + a.T @ g + a[:2].T @ g[:2])
+
+
+@pytest.fixture
+def fresh_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every factored step into a fresh array, none into the weight's own."""
+    monkeypatch.setattr(apply, "can_add_product", lambda *args: False)
+
+
+async def test_a_proven_step_writes_into_data_nobody_holds(request: pytest.FixtureRequest) -> None:
+    w, b, x = model(rate=0.01)
+    await loss(w, b, x).train()  # the first step takes a bound
+    first = id(w.data)
+    await loss(w, b, x).train()
+    await loss(w, b, x).train()
+    assert id(w.data) == first  # written in place: no fresh array
+    in_place = w.data.copy()
+    request.getfixturevalue("fresh_arrays")
+    w2, b2, _ = model(rate=0.01)
+    for _ in range(3):
+        await loss(w2, b2, x).train()
+    np.testing.assert_allclose(in_place, w2.data, rtol=0, atol=1e-6 * float(np.abs(w2.data).max()))
+
+
+async def test_data_a_user_holds_is_never_written() -> None:
+    w, b, x = model(rate=0.01)
+    await loss(w, b, x).train()
+    held = w.data
+    snapshot = held.copy()
+    for _ in range(3):
+        await loss(w, b, x).train()
+    np.testing.assert_array_equal(held, snapshot)
+    assert w.data is not held
+
+
+async def test_a_refused_commit_leaves_data_that_would_be_written_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, b, x = model(rate=0.01)
+    await loss(w, b, x).train()
+    before = w.data.copy()
+    queued: list[Any] = []
+
+    def can(*args: Any) -> bool:
+        queued.append(args[0])
+        return can_add_product(*args)
+
+    monkeypatch.setattr(apply, "can_add_product", can)
+    other = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(0.1))
+    with pytest.raises(ml.NonFiniteError):
+        await (loss(w, b, x) + ml.sum(other * np.array([np.nan, 1.0], np.float32))).train()
+    assert queued  # w's step was to be written in place, after the checks
+    np.testing.assert_array_equal(w.data, before)
