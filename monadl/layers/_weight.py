@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COMMIT_LOCK", "ArrayWeight", "ScalarWeight", "Weight"]
 
-COMMIT_LOCK: Final = threading.Lock()
+COMMIT_LOCK: Final = threading.RLock()  # (re-entrant: an optimizer may read a weight's data)
 """Held while weights step (`monadl.optim.apply`) and while their data is
 taken to be read: a step may write into an array nobody holds, and it must
 not gain a reader on another thread half way."""
