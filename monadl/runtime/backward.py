@@ -89,12 +89,16 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
             for r in rec.inputs:
                 if r is not None and r.needs_grad:
                     try:
-                        vjp = vjps[i]
                         g: Any
-                        if type(vjp) is OuterRule and r.is_weight and not check_finite and type(delta) is np.ndarray:
-                            g = Outer(vjp.left, delta)  # a weight's delta from a few rows: kept as factors
+                        if (
+                            r.is_weight
+                            and type(vjps[i]) is OuterRule
+                            and not check_finite
+                            and type(delta) is np.ndarray
+                        ):
+                            g = Outer(vjps[i].left, delta)  # a weight's delta from a few rows: kept as factors
                         else:
-                            g = vjp(delta)
+                            g = vjps[i](delta)
                         if not fits:
                             value = r.value
                             if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
