@@ -7,12 +7,17 @@ are embedding lookups, internal nodes the N-ary cell), in one run:
 * **monadl**: the example's model, built node by node (every op a layer);
   **monadl batching**: the same under ``ml.settings(batching=True)``, once
   the runtime has that setting ("n/a" until then);
+* **monadl cell**: the same with each node's cell marked as one
+  `ml.operation`, batching on; **monadl cell off**: batching off (node by
+  node, an operation node each: within-tree batching of the cell, like for
+  like);
+* **monadl fold**: the Fold-block version (`examples.tree_lstm_fold`);
 * **torch per-node**: PyTorch eager with the same per-node loop;
 * **torch by depth**: PyTorch batched by hand, as DGL and hand-written code
   do: nodes grouped by height, each level's children gathered with
   ``index_select`` from the per-level state tensors, one matmul per level.
 
-Other variants (a cell marked as one operation, Fold blocks) plug in through
+More variants plug in through
 `VARIANTS`: a name and a function from the initial weights to a `Variant`.
 Before timing, every variant's loss and gradients from the same float64
 weights must agree with a NumPy per-node reference. Rounds alternate between
@@ -126,6 +131,15 @@ def _monadl_cell(weights: Weights) -> Variant | None:
     return _monadl(weights, lambda: ml.settings(**on), operation=True)
 
 
+def _monadl_cell_off(weights: Weights) -> Variant | None:
+    """The marked cell with batching off: node by node, one operation node
+    each; beside "monadl cell", what batching buys the cell like for like."""
+    if not batching_available():
+        return None
+    off: dict[str, Any] = {"batching": False}
+    return _monadl(weights, lambda: ml.settings(**off), operation=True)
+
+
 def _monadl_fold(weights: Weights) -> Variant:
     """The Tree-LSTM as Fold blocks (`examples.tree_lstm_fold`), batching on where the runtime has it."""
     from examples.tree_lstm_fold import FoldTreeLSTM
@@ -151,6 +165,7 @@ VARIANTS: dict[str, Builder] = {
     "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
     "monadl cell": _monadl_cell,
+    "monadl cell off": _monadl_cell_off,
     "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,
     "torch by depth": _treelstm_torch.by_depth,

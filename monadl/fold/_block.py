@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, TypeVar, cast, final
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -137,6 +137,36 @@ class Route(Block[In, Out]):
         return y
 
 
+class Parallel(Block[In, Out]):
+    """Blocks applied to the same input, their outputs as a tuple (`AllOf`).
+    The evaluator runs them without a build of its own (a generator per node
+    of a tree, and one per block it calls, cost more than the rest of it).
+    ``blocks``: the blocks, in order (a subclass's slot)."""
+
+    __slots__ = ()
+    blocks: tuple[Block[In, Any], ...]
+
+    @final
+    def _build(self, x: In) -> Build[Out]:
+        ys = []
+        for block in self.blocks:
+            ys.append((yield from call(block, x)))
+        return cast(Out, tuple(ys))  # (the subclass's constructor types the tuple per block)
+
+
+@final
+class _Outputs:
+    """On the evaluator's stack: a `Parallel` block's input and the outputs
+    of its blocks so far."""
+
+    __slots__ = ("blocks", "x", "ys")
+
+    def __init__(self, blocks: tuple[Block[Any, Any], ...], x: Any) -> None:
+        self.blocks = blocks
+        self.x = x
+        self.ys: list[Any] = []
+
+
 @final
 class _Then:
     """On the evaluator's stack: the second block of a composition, waiting for the first's output."""
@@ -147,7 +177,7 @@ class _Then:
         self.block = block
 
 
-_COMPOSITION, _ROUTE, _IMMEDIATE, _BUILD = "composition", "route", "immediate", "build"
+_COMPOSITION, _ROUTE, _PARALLEL, _IMMEDIATE, _BUILD = "composition", "route", "parallel", "immediate", "build"
 _KINDS: dict[type, str] = {}
 
 
@@ -160,6 +190,8 @@ def _kind(block: Block[Any, Any]) -> str:
             kind = _COMPOSITION
         elif isinstance(block, Route):
             kind = _ROUTE
+        elif isinstance(block, Parallel):
+            kind = _PARALLEL
         elif isinstance(block, Immediate):
             kind = _IMMEDIATE
         else:
@@ -171,8 +203,8 @@ def _kind(block: Block[Any, Any]) -> str:
 def _evaluate(block: Block[X, Y], x: X) -> Y:
     """Run ``block`` on ``x`` with an explicit stack of suspended builds.
 
-    Compositions, routes and immediate blocks (most of a model's blocks, per
-    node of a tree) run here without a generator each: creating one and
+    Compositions, routes, parallel and immediate blocks (most of a model's
+    blocks, per node of a tree) run here without a generator each: creating one and
     catching the exception that ends it cost more than the rest of building.
     """
     stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
@@ -196,10 +228,15 @@ def _evaluate(block: Block[X, Y], x: X) -> Y:
                     sub = first
                 elif kind is _ROUTE:
                     sub = sub._route(arg)
+                elif kind is _PARALLEL and sub.blocks:  # its first block now, the others as outputs come
+                    stack.append(_Outputs(sub.blocks, arg))
+                    sub = sub.blocks[0]
                 else:
                     break
             if kind is _IMMEDIATE:
                 sent = sub._output(arg)
+            elif kind is _PARALLEL:  # (of no blocks)
+                sent = ()
             else:
                 stack.append(sub._build(arg))
                 sent = None
@@ -210,6 +247,15 @@ def _evaluate(block: Block[X, Y], x: X) -> Y:
         if type(top) is _Then:
             stack.pop()
             request = (top.block, sent)
+            continue
+        if type(top) is _Outputs:
+            ys = top.ys
+            ys.append(sent)
+            if len(ys) < len(top.blocks):
+                request = (top.blocks[len(ys)], top.x)
+            else:
+                stack.pop()
+                sent = tuple(ys)
             continue
         try:
             request = top.send(sent)

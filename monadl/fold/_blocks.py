@@ -14,7 +14,7 @@ from typing import Any, TypeVar, cast, final, overload
 import numpy as np
 import numpy.typing as npt
 
-from monadl.fold._block import Block, Build, Immediate, Route, call
+from monadl.fold._block import Block, Build, Immediate, Parallel, Route, call
 from monadl.layers import ArrayLayer, operation
 from monadl.typeclasses import as_layer
 
@@ -251,7 +251,7 @@ class Optional(Block[X | None, Y]):
 
 
 @final
-class AllOf(Block[X, T]):
+class AllOf(Parallel[X, T]):
     """Several blocks applied to the same input: the tuple of their outputs.
 
     >>> AllOf(InputTransform(len), InputTransform(str.upper))("ab")
@@ -281,12 +281,6 @@ class AllOf(Block[X, T]):
     def __init__(self: AllOf[X, tuple[Any, ...]], *blocks: Block[X, Any]) -> None: ...
     def __init__(self, *blocks: Block[X, Any]) -> None:
         self.blocks = blocks
-
-    def _build(self, x: X) -> Build[T]:
-        ys = []
-        for block in self.blocks:
-            ys.append((yield from call(block, x)))
-        return cast(T, tuple(ys))  # the overloads of __init__ type it per block
 
 
 @final

@@ -261,7 +261,17 @@ class Expr(Generic[D, G]):
         """Indexing and slicing; slices alone (with ``...`` and ``None``) keep an array an array."""
         if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
-        return Layer._make(PRIMITIVES["getitem"], (self,), (index,))
+        # A cell cuts its gates with several slices a node: built here, as `binary` builds.
+        layer: Layer[Any, Any] = _new(Layer)
+        layer._op = _GETITEM
+        layer._inputs = (self,)
+        layer._params = (index,)
+        frame = _getframe(1)  # the caller of the operator
+        while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
+            frame = frame.f_back
+        layer._site = (frame.f_code, frame.f_lasti)
+        layer._serial = _next_serial()
+        return layer
 
     # ---- array methods ------------------------------------------------------
     @overload
@@ -312,8 +322,8 @@ AsScalar: TypeAlias = ScalarOperand
 """An alias of `ScalarOperand` (a plain float, a scalar weight or a scalar layer), the paper's name."""
 
 
-_ADD, _SUB, _MUL, _DIV, _POW, _MATMUL = (
-    PRIMITIVES[name] for name in ("add", "subtract", "multiply", "divide", "power", "matmul")
+_ADD, _SUB, _MUL, _DIV, _POW, _MATMUL, _GETITEM = (
+    PRIMITIVES[name] for name in ("add", "subtract", "multiply", "divide", "power", "matmul", "getitem")
 )
 
 

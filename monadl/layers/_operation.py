@@ -40,7 +40,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable
-from typing import Any, Final, Generic, ParamSpec, TypeVar, cast, final
+from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
@@ -202,8 +202,14 @@ def _maker(
         node = _build(op, inputs, (), 3)  # (the frame that called the operation: make, __call__, then it)
         if outputs == 1:
             return result((node,), leaves)
-        if outputs == 2:  # (a cell's state, h and c: no comprehension)
-            return result((_output(node, 0), _output(node, 1)), leaves)
+        if outputs == 2:  # (a cell's state, h and c: its two views built here, no call each)
+            one: Layer[Any, Any] = _new(Layer)
+            one._op, one._inputs, one._params, one._site = OUTPUT, (node,), _FIRST, node._site
+            one._serial = _next_serial()
+            two: Layer[Any, Any] = _new(Layer)
+            two._op, two._inputs, two._params, two._site = OUTPUT, one._inputs, _SECOND, node._site
+            two._serial = _next_serial()
+            return result((one, two), leaves)
         return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
 
     return make
@@ -303,10 +309,8 @@ class Operation(Generic[P, R]):
             for j in found:
                 x = leaves[j]
                 node = x._inputs[0]
-                for i, known in enumerate(sources):  # (a handful: a scan beats a dict)
-                    if known is node:
-                        s = i
-                        break
+                if node in sources:  # (a handful, scanned in C: layers compare by identity)
+                    s = sources.index(node)
                 else:
                     s = len(sources)
                     sources.append(node)
@@ -326,7 +330,8 @@ class Operation(Generic[P, R]):
             placed = {j: (s, k) for j, s, k in views}
             trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
-        return cast(R, trace.make(leaves, sources))
+        result: R = trace.make(leaves, sources)  # (Any: no cast, a call per node)
+        return result
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
@@ -347,6 +352,10 @@ def _contents(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:  # a cell not yet filled
         return None
+
+
+_new = object.__new__
+_FIRST, _SECOND = (0,), (1,)
 
 
 def _output(node: Layer[Any, Any], k: int) -> Layer[Any, Any]:

@@ -101,6 +101,32 @@ def test_one_of_optional_all_of_and_record() -> None:
     assert value(maybe(None)).tolist() == [[0.0, 0.0]] and value(maybe([3, 4])).tolist() == [[3.0, 4.0]]
     assert AllOf(InputTransform(len), InputTransform(str.upper), InputTransform(str.lower))("aB") == (2, "AB", "ab")
     assert Record(InputTransform[str, int](len), InputTransform[int, int](abs))(("abc", -2)) == (3, 2)
+    assert AllOf[str, tuple[()]]()("x") == ()
+
+
+def test_all_of_runs_in_the_evaluator_as_its_own_build_would() -> None:
+    """`AllOf` (a `Parallel` block) is run by the evaluator without its
+    generator: nested, composed, through routes, and as deep as the input."""
+    length = InputTransform[str, int](len)
+    nested = AllOf(AllOf(length, InputTransform(str.upper)), length >> InputTransform(str), AllOf[str, tuple[()]]())
+    expected = ((2, "AB"), "2", ())
+    assert nested("ab") == expected
+    build = nested._build("ab")  # the generator, driven by hand, gives the same
+    request = next(build)
+    try:
+        while True:
+            block, x = request
+            request = build.send(block(x))
+    except StopIteration as done:
+        assert done.value == expected
+    depth = ForwardDeclaration[tuple[Any, ...] | None, int]()
+    first = InputTransform[tuple[Any, ...], Any](lambda t: t[0])
+    deeper: Block[Any, int] = AllOf(first >> depth, InputTransform(lambda t: 1)) >> InputTransform(sum)
+    depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: deeper}))
+    chain: tuple[Any, ...] | None = None
+    for _ in range(sys.getrecursionlimit() * 3):
+        chain = (chain,)
+    assert depth(chain) == sys.getrecursionlimit() * 3
     assert Record({"b": InputTransform(len), "a": InputTransform(len)})({"a": "x", "b": "yy"}) == (2, 1)
     with pytest.raises(ValueError, match="Record of 2 blocks"):
         Record(InputTransform(len), InputTransform(len))(("a",))  # type: ignore[arg-type]  # the runtime check

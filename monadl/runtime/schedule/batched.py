@@ -33,7 +33,8 @@ way. Under ``check_finite`` (per-node debugging) nothing is batched.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not, itemgetter
 from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._batching_rules import BATCHING_RULES
@@ -207,11 +208,12 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, group
 
 def _levels(order: list[Any]) -> tuple[list[list[Any]], list[Any], dict[Any, int]]:
     """Nodes by depth (the longest path from operands computed before); and
-    the nodes at or under a ``Do``-built layer, left out."""
+    the nodes at or under a ``Do``-built layer, left out (their depth -1 in
+    the map, so that one lookup per operand says both)."""
     depth: dict[Any, int] = {}
+    get = depth.get
     levels: list[list[Any]] = []
     left: list[Any] = []
-    blocked: set[Any] = set()
     for node in order:
         d = 0
         if node._op is None:
@@ -219,14 +221,14 @@ def _levels(order: list[Any]) -> tuple[list[list[Any]], list[Any], dict[Any, int
         else:
             for x in node._inputs:
                 if type(x) is Layer:
-                    if x in blocked:
-                        d = -1
-                        break
-                    dx = depth.get(x)
+                    dx = get(x)
                     if dx is not None and dx >= d:
                         d = dx + 1
+                    elif dx == -1:
+                        d = -1
+                        break
         if d < 0:
-            blocked.add(node)
+            depth[node] = -1
             left.append(node)
             continue
         depth[node] = d
@@ -265,12 +267,13 @@ class _Run:
     def level(self, nodes: list[Any]) -> None:
         """Nodes that are all ready, grouped by signature."""
         groups: dict[Any, list[Any]] = {}
-        for node in nodes:
-            sig = signature(self.records, node, self.groups.where)
+        add, records, where = groups.setdefault, self.records, self.groups.where
+        for node in nodes:  # (once per node of the graph: names bound outside the loop)
+            sig = signature(records, node, where)
             if sig is None:
                 self.each([node])
             else:
-                groups.setdefault(sig, []).append(node)
+                add(sig, []).append(node)
         for members in groups.values():
             self.group(members)
 
@@ -346,6 +349,7 @@ class _Run:
             return
         records, groups = self.records, self.groups
         inputs = first._inputs
+        inputs_of = list(map(_inputs, members))
         arity = len(inputs)
         args: list[Any] = []
         batched: list[bool] = []
@@ -358,8 +362,9 @@ class _Run:
             # signature holds them); arrays and layers are shared only if they are one object.
             stacks = kind is Layer or (kind is not Weight and hasattr(x0, "shape"))
             if stacks:
-                column = [m._inputs[p] for m in members] if p < arity else [m._params[p - arity] for m in members]
-                stacks = n == 1 or not all(x is x0 for x in column)  # (one: `_factors` said so)
+                column = list(map(itemgetter(p), inputs_of)) if p < arity else [m._params[p - arity] for m in members]
+                # (identity tested in C: `any` of `is not`, no generator frame per member)
+                stacks = n == 1 or any(map(is_not, column, repeat(x0)))  # (one: `_factors` said so)
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value
@@ -397,3 +402,4 @@ class _Run:
 
 
 _serial = attrgetter("_serial")
+_inputs = attrgetter("_inputs")

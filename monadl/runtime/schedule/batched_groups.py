@@ -13,6 +13,7 @@ backward reaches the group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any, cast, final
 
 import numpy as np
@@ -66,15 +67,16 @@ class Groups:
     def sources(self, column: list[Any]) -> list[Source] | None:
         """Where each of ``column`` (layers) sits in earlier groups' outputs,
         grouped by group; None if some of them ran alone."""
-        where = self.where
-        found = [where.get(x) for x in column]
+        # Once per member of a group's operand: walked in C (map, count), no frame per member.
+        found = list(map(self.where.get, column))
         if None in found:
             return None
         places = cast(list[Place], found)
         held = list(map(self.records.__getitem__, column))
-        first = places[0][0]
-        if all(place[0] is first for place in places):  # one group's rows (the common case)
-            return [_source(first, None, [place[1] for place in places], held)]
+        owners = list(map(_group, places))
+        first = owners[0]
+        if owners.count(first) == len(owners):  # one group's rows (the common case; records compare by identity)
+            return [_source(first, None, list(map(_row, places)), held)]
         rows: dict[Record, list[int]] = {}
         for p, place in enumerate(places):
             positions = rows.get(place[0])
@@ -126,6 +128,10 @@ class Groups:
         rec.release = tuple(held)
         self.records[rec] = rec
         return rec
+
+
+_group = itemgetter(0)
+_row = itemgetter(1)
 
 
 def _source(group: Record, positions: list[int] | None, indices: list[int], held: list[Record]) -> Source:
