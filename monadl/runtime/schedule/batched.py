@@ -167,7 +167,13 @@ def _remember(key: tuple[Site, int], worth: bool) -> None:
     _verdicts[key] = (worth, 1)
 
 
-def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, groups: Groups | None = None) -> list[Any]:
+def forward(
+    ev: Evaluation,
+    order: list[Any],
+    strategy: str | None = None,
+    groups: Groups | None = None,
+    levels: list[list[Any]] | None = None,
+) -> list[Any]:
     """Compute the records of ``order`` (a graph in topological order), group
     by group; returns the nodes it left: those built from a ``Do`` and all
     that depend on one, in order, for the caller's loop (which skips the
@@ -177,6 +183,8 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, group
     runs of `monadl.runtime.schedule.fibers`), which this run adds to: a
     group whose operands are their members reads them by index, and sends
     their deltas back in one scatter per group, not a view per member.
+    ``levels``: the nodes by level, for "depth" (no ``Do`` layers among them),
+    where the caller's levels group them better (`fibers.heights`).
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -191,7 +199,11 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, group
     array([6., 6.])
     """
     run = _Run(ev, current_settings().batching is True, groups)
-    levels, left, depth = _levels(order)
+    left: list[Any] = []
+    if levels is None:
+        levels, left, depth = _levels(order)
+    else:
+        strategy = "depth"  # (the caller's levels)
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
             run.each(level)
