@@ -143,3 +143,51 @@ def test_heights_order_is_topological() -> None:
             if isinstance(x, ml.Layer) and x in placed:
                 assert placed[x] < placed[node]
     assert len(levels[-1]) == 1 and levels[-1][0] is c
+
+
+def test_marked_cells_send_their_weights_deltas_as_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A step marked as one operation: its merged groups run its program batched, whose
+    # product by the weight sends the rows and their deltas (an Outer), multiplied once
+    # at the weight's release; what on_gradient sees is an array, the unbatched gradient.
+    import anyio
+
+    from monadl.runtime.schedule import batched_records
+
+    rows: list[int] = []
+    dense = batched_records.Outer.dense
+
+    def counting(self: batched_records.Outer) -> Any:
+        rows.extend(left.shape[0] for left in self.lefts)
+        return dense(self)
+
+    monkeypatch.setattr(batched_records.Outer, "dense", counting)
+
+    def run(batching: bool | None) -> tuple[float, list[Any], dict[Any, Any]]:
+        model = Detour()
+        cell = ml.operation(lambda g: ml.tanh(g @ model.main + model.bias))
+        told: dict[Any, Any] = {}
+
+        def example(x: ml.Array, steps: int) -> ml.ScalarLayer:
+            def walk(h: ml.ArrayLayer, left: int) -> ml.Do[ml.Tape[Any, Any]]:
+                if not left:
+                    return ml.sum(h * h).forward()
+                return h.forward().bind(lambda tape: walk(cell(h), left - 1))
+
+            return ml.Layer(walk(cell(x[None, :]), steps))
+
+        loss = ml.sum(ml.stack([example(x, 1 + i % 4) for i, x in enumerate(model.inputs)]))
+
+        async def go() -> tuple[Any, dict[Any, Any]]:
+            with ml.settings(batching=batching):
+                return await entry.gradients(loss, on_gradient=told.__setitem__)
+
+        value, grads = anyio.run(go)
+        return float(value), [grads[w] for w in model.weights()[::2]], told
+
+    value, grads, told = run(True)
+    assert rows and sum(rows) == sum(1 + i % 4 for i in range(EXAMPLES)) + EXAMPLES  # every product's row, once
+    assert all(type(g) is np.ndarray for g in told.values())
+    off_value, off, _ = run(False)
+    assert value == pytest.approx(off_value, rel=1e-12)
+    for a, b in zip(grads, off):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)

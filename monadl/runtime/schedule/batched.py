@@ -351,7 +351,7 @@ class _Run:
         rule: Any = BATCHING_RULES.get(op.name)
         minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
-            rule, minimum = op.rule.batch, 2
+            rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             self.each(members)
