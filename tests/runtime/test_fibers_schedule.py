@@ -75,7 +75,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> Generator[list[list[str]], None, No
         return merge(ev, orders)
 
     monkeypatch.setattr(fibers, "merge", recording)
-    monkeypatch.setattr(fibers, "_continues", set())
+    monkeypatch.setattr(fibers, "_steps", set())
     yield seen
 
 
@@ -118,7 +118,7 @@ def test_a_step_lines_up_by_its_distance_to_the_read(monkeypatch: pytest.MonkeyP
         group(self, members)
 
     model = Detour()
-    monkeypatch.setattr(fibers, "_continues", set())
+    monkeypatch.setattr(fibers, "_steps", set())
     monkeypatch.setattr(batched._Run, "group", counting)
     with ml.settings(batching=True):
         entry.gradients_sync(model.loss())

@@ -22,9 +22,10 @@ cannot batch.
 Which graphs run together, and how they line up: a merged run's nodes are
 levelled by their distance to each fiber's read (`heights`), not from the
 inputs, so that a step's product lines up across fibers whatever each
-computed before it; and a graph after which no fiber was seen to park again
-(a parse's loss) waits while graphs of steps are parked (`Parked.take`), so
-that those run together at the end, not a few in each of many runs. Each
+computed before it; and a graph of a kind no fiber was seen to park at twice
+(a parse's last graphs: not a step of its loop) waits while graphs of steps
+are parked (`Parked.take`), so that those run together at the end, not a few
+in each of many runs. Each
 group of products reads its weight once forward and once backward: fewer,
 larger groups read it fewer times.
 
@@ -82,61 +83,62 @@ def enabled(ev: Evaluation) -> bool:
     return ev.workers <= 1 and current_settings().batching is not False
 
 
-_CONTINUES_LIMIT: Final = 4096
-_continues: set[Any] = set()
-"""Kinds of graph (the line of a graph's last node) after which a fiber was
-seen to park again: a step of a loop. The others (a parse's final loss) may
-wait in `Parked.take` while a step's graphs are parked."""
+_STEPS_LIMIT: Final = 4096
+_steps: set[Any] = set()
+"""Kinds of graph (the line of a graph's last node) at which a fiber was seen
+to park twice in one evaluation: a step of a loop (a parser's tracker). The
+others (a parse's last graphs, its loss) may wait in `Parked.take` while
+graphs of steps are parked."""
 
 
 @final
 class Parked:
     """The fibers parked at their graphs, and the graphs' nodes in order;
-    the groups that earlier merged runs of the evaluation batched; the kind
-    of graph each fiber that ran last came from."""
+    the groups that earlier merged runs of the evaluation batched; the kinds
+    of graph each fiber parked at so far."""
 
-    __slots__ = ("fibers", "groups", "kinds", "orders")
+    __slots__ = ("fibers", "groups", "orders", "seen")
 
     def __init__(self) -> None:
         self.fibers: list[F.Fiber] = []
         self.orders: list[list[Any]] = []
         self.groups: Groups | None = None
-        self.kinds: dict[F.Fiber, Any] = {}
+        self.seen: dict[F.Fiber, set[Any]] = {}
 
     def add(self, fiber: F.Fiber, frame: F.Graph) -> None:
         """Park ``fiber`` at ``frame``, whose order `parks` collected."""
-        assert frame.order is not None
+        order = frame.order
+        assert order is not None
         self.fibers.append(fiber)
-        self.orders.append(frame.order)
-        kind = self.kinds.pop(fiber, None)
-        if kind is not None and kind not in _continues:  # its last graph was a step: it parks again
-            if len(_continues) >= _CONTINUES_LIMIT:
-                _continues.clear()
-            _continues.add(kind)
+        self.orders.append(order)
+        kind = order[-1]._site
+        seen = self.seen.get(fiber)
+        if seen is None:
+            self.seen[fiber] = {kind}
+        elif kind not in seen:
+            seen.add(kind)
+        elif kind not in _steps:  # the second time here: a step
+            if len(_steps) >= _STEPS_LIMIT:
+                _steps.clear()
+            _steps.add(kind)
 
     def take(self) -> tuple[list[F.Fiber], list[list[Any]]]:
         """The fibers to run now and their graphs' orders; the rest stay parked.
 
-        A graph after which no fiber was seen to park again (a parse's last
-        one, its loss) waits while graphs of steps are parked: the last
-        graphs of many fibers then run as one, late, instead of a few in
-        each of many runs (at hidden 512 the shift-reduce parser's matrix
-        products, each reading its weight once per group, fell from 119
-        groups a step to 63 with `heights`)."""
+        A graph that is no step (`_steps`: a parse's last graphs, its loss)
+        waits while graphs of steps are parked: the last graphs of many
+        fibers then run as one, late, instead of a few in each of many runs
+        (at hidden 512 the shift-reduce parser's matrix products, each
+        reading its weight once per group, fell from 119 groups a step to 63
+        with `heights`)."""
         fibers, orders = self.fibers, self.orders
-        kinds = [order[-1]._site for order in orders]
-        steps = [kind in _continues for kind in kinds]
+        steps = [order[-1]._site in _steps for order in orders]
         if all(steps) or not any(steps):
             self.fibers, self.orders = [], []
-            now = fibers
-        else:
-            now = [f for f, step in zip(fibers, steps) if step]
-            self.fibers = [f for f, step in zip(fibers, steps) if not step]
-            self.orders = [o for o, step in zip(orders, steps) if not step]
-            orders = [o for o, step in zip(orders, steps) if step]
-            kinds = [k for k, step in zip(kinds, steps) if step]
-        self.kinds.update(zip(now, kinds))
-        return now, orders
+            return fibers, orders
+        self.fibers = [f for f, step in zip(fibers, steps) if not step]
+        self.orders = [o for o, step in zip(orders, steps) if not step]
+        return [f for f, step in zip(fibers, steps) if step], [o for o, step in zip(orders, steps) if step]
 
     def __bool__(self) -> bool:
         return bool(self.fibers)
