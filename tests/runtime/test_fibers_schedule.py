@@ -76,6 +76,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> Generator[list[list[str]], None, No
 
     monkeypatch.setattr(fibers, "merge", recording)
     monkeypatch.setattr(fibers, "_steps", set())
+    monkeypatch.setattr(fibers, "_leads", set())
     yield seen
 
 
@@ -119,6 +120,7 @@ def test_a_step_lines_up_by_its_distance_to_the_read(monkeypatch: pytest.MonkeyP
 
     model = Detour()
     monkeypatch.setattr(fibers, "_steps", set())
+    monkeypatch.setattr(fibers, "_leads", set())
     monkeypatch.setattr(batched._Run, "group", counting)
     with ml.settings(batching=True):
         entry.gradients_sync(model.loss())
@@ -127,6 +129,47 @@ def test_a_step_lines_up_by_its_distance_to_the_read(monkeypatch: pytest.MonkeyP
     # Per merged run, the examples still walking (12, 9, 6, 3) all in one group; then
     # the last step of every example, inside its loss's graph (12).
     assert products == [12, 9, 6, 3, 12]
+
+
+def step(model: Detour, h: ml.ArrayLayer) -> ml.ArrayLayer:
+    return ml.tanh(h @ model.main + model.bias)
+
+
+def middle(model: Detour, h: ml.ArrayLayer) -> ml.ArrayLayer:
+    return ml.tanh(h @ model.aside)
+
+
+def test_a_graph_between_two_loops_is_not_held(runs: list[list[str]]) -> None:
+    # Each example reads its value after every move of its plan: a + 1 steps, one move
+    # of its own kind (`middle`), then 3 - a steps. That move leads to steps, so it runs
+    # when it comes; held like a last graph, an example reaching it early would walk
+    # its second loop late and alone. Six runs: the first read, four moves, the losses.
+    model = Detour()
+    moves = {"S": step, "M": middle}
+
+    def example(x: ml.Array, a: int) -> ml.ScalarLayer:
+        plan = "S" * (a + 1) + "M" + "S" * (3 - a)
+
+        def walk(h: ml.ArrayLayer, k: int) -> ml.Do[ml.Tape[Any, Any]]:
+            if k == len(plan):
+                return ml.sum(h * h).forward()
+            return h.forward().bind(lambda tape: walk(moves[plan[k]](model, h), k + 1))
+
+        return ml.Layer(walk(ml.tanh(x @ model.main + model.bias), 0))
+
+    def loss() -> ml.ScalarLayer:
+        return ml.sum(ml.stack([example(x, i % 3) for i, x in enumerate(model.inputs)]))
+
+    with ml.settings(batching=True):
+        entry.gradients_sync(loss())  # (learns which kinds are steps, and which lead to them)
+        runs.clear()
+        value, grads = entry.gradients_sync(loss())
+    with ml.settings(batching=False):
+        off_value, off = entry.gradients_sync(loss())
+    assert float(value) == pytest.approx(float(off_value), rel=1e-12)
+    for w in model.weights():
+        np.testing.assert_allclose(grads[w], off[w], rtol=1e-10, atol=1e-12)
+    assert len(runs) == 6 and runs[-1] == ["sum"] * EXAMPLES
 
 
 def test_heights_order_is_topological() -> None:

@@ -83,12 +83,21 @@ def enabled(ev: Evaluation) -> bool:
     return ev.workers <= 1 and current_settings().batching is not False
 
 
-_STEPS_LIMIT: Final = 4096
+_KINDS_LIMIT: Final = 4096
 _steps: set[Any] = set()
 """Kinds of graph (the line of a graph's last node) at which a fiber was seen
-to park twice in one evaluation: a step of a loop (a parser's tracker). The
-others (a parse's last graphs, its loss) may wait in `Parked.take` while
-graphs of steps are parked."""
+to park twice in one evaluation: a step of a loop (a parser's tracker)."""
+_leads: set[Any] = set()
+"""Kinds of graph that some fiber parked at before it parked at a step (a
+model's first graph, or one between two loops). A graph of any other kind
+(a parse's last graphs, its loss) waits in `Parked.take` while graphs of
+steps or of these kinds are parked."""
+
+
+def _learn(kinds: set[Any], kind: Any) -> None:
+    if len(kinds) >= _KINDS_LIMIT:
+        kinds.clear()
+    kinds.add(kind)
 
 
 @final
@@ -115,24 +124,28 @@ class Parked:
         seen = self.seen.get(fiber)
         if seen is None:
             self.seen[fiber] = {kind}
-        elif kind not in seen:
-            seen.add(kind)
-        elif kind not in _steps:  # the second time here: a step
-            if len(_steps) >= _STEPS_LIMIT:
-                _steps.clear()
-            _steps.add(kind)
+            return
+        if kind in seen and kind not in _steps:  # the second time here: a step
+            _learn(_steps, kind)
+        if kind in _steps:
+            for earlier in seen:  # (a few kinds)
+                if earlier not in _steps and earlier not in _leads:
+                    _learn(_leads, earlier)
+        seen.add(kind)
 
     def take(self) -> tuple[list[F.Fiber], list[list[Any]]]:
         """The fibers to run now and their graphs' orders; the rest stay parked.
 
-        A graph that is no step (`_steps`: a parse's last graphs, its loss)
-        waits while graphs of steps are parked: the last graphs of many
-        fibers then run as one, late, instead of a few in each of many runs
-        (at hidden 512 the shift-reduce parser's matrix products, each
+        A graph that is no step and was never seen to lead to one
+        (`_steps`, `_leads`: a parse's last graphs, its loss) waits while
+        graphs of steps or leading to them are parked: the last graphs of
+        many fibers then run as one, late, instead of a few in each of many
+        runs (at hidden 512 the shift-reduce parser's matrix products, each
         reading its weight once per group, fell from 119 groups a step to 63
-        with `heights`)."""
+        with `heights`). A graph that leads to a step is not held: its
+        fiber's loop would run late, alone."""
         fibers, orders = self.fibers, self.orders
-        steps = [order[-1]._site in _steps for order in orders]
+        steps = [(kind := order[-1]._site) in _steps or kind in _leads for order in orders]
         if all(steps) or not any(steps):
             self.fibers, self.orders = [], []
             return fibers, orders
