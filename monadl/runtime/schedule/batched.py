@@ -183,8 +183,7 @@ def forward(
     runs of `monadl.runtime.schedule.fibers`), which this run adds to: a
     group whose operands are their members reads them by index, and sends
     their deltas back in one scatter per group, not a view per member.
-    ``levels``: the nodes by level, for "depth" (no ``Do`` layers among them),
-    where the caller's levels group them better (`fibers.heights`).
+    ``levels``: the caller's levels of ``order``, no ``Do`` layers among them (`fibers.heights`).
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -199,15 +198,11 @@ def forward(
     array([6., 6.])
     """
     run = _Run(ev, current_settings().batching is True, groups)
-    left: list[Any] = []
-    if levels is None:
-        levels, left, depth = _levels(order)
-    else:
-        strategy = "depth"  # (the caller's levels)
+    levels, left, depth = _levels(order) if levels is None else (levels, [], None)
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
             run.each(level)
-    elif (strategy or STRATEGY) == "agenda":
+    elif (strategy or STRATEGY) == "agenda" and depth is not None:
         run.agenda(levels, depth)
     else:
         for level in levels:
