@@ -169,7 +169,7 @@ def _trace(
             Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
         )
         grads_of.append(any(grads))
-    program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs))
+    program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs), len(weights))
     op = Primitive(f"{name}#{next(_ids)}", program)
     make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
     return _Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)

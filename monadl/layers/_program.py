@@ -18,7 +18,7 @@ from operator import itemgetter
 from typing import Any, Final, final
 
 from monadl._namespace import namespace
-from monadl.deltas import SparseRows, unbroadcast
+from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
 from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, batch_output
@@ -80,13 +80,21 @@ class Program:
         "tiles",
         "tilings",
         "uniform",
+        "weights",
     )
 
     def __init__(
-        self, name: str, size: int, consts: tuple[Any, ...], steps: tuple[Step, ...], outputs: tuple[int, ...]
+        self,
+        name: str,
+        size: int,
+        consts: tuple[Any, ...],
+        steps: tuple[Step, ...],
+        outputs: tuple[int, ...],
+        weights: int = 0,
     ) -> None:
         self.name = name
         self.size = size  # the node's operands
+        self.weights = size - weights  # the first operand slot of the weights the operation uses
         self.consts = consts
         self.steps = steps
         self.outputs = outputs
@@ -134,9 +142,21 @@ class Program:
         fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
         return fixed, fixed is not values
 
-    def batch(self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
+    def factored(
+        self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int
+    ) -> tuple[Value, tuple[Vjp, ...]] | None:
+        """`batch`, with the deltas of its weights' products kept as factors
+        (`monadl.deltas.Outer`), for the merged
+        runs of `monadl.runtime.schedule.fibers`, whose counted release
+        multiplies them once per weight."""
+        return self.batch(args, batched, n, True)
+
+    def batch(
+        self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int, factored: bool = False
+    ) -> tuple[Value, tuple[Vjp, ...]] | None:
         """The batching rule of the node: the program once over a group's
-        stacked (and shared) operands; None where a step cannot batch."""
+        stacked (and shared) operands; None where a step cannot batch.
+        ``factored``: see `factored`."""
         env = [*args, *self.consts]
         stacked = [*batched, *(False,) * len(self.consts)]
         vjps = []
@@ -161,6 +181,8 @@ class Program:
                 if result is None:
                     return None
                 out, rules = result
+                if factored and flags[:2] == (True, False) and self.weights <= step.refs[1] < self.size:
+                    rules = _factored(step, rules, values)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
             env.append(out)
@@ -272,6 +294,23 @@ class Program:
             index = self.slices[j]
             assert index is not None
             target[(slice(None), *index) if stacked is not None and stacked[r] else index] = 0
+
+
+_PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
+
+
+def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...]) -> tuple[Vjp, ...]:
+    """A product's rules with its matrix's delta (the matrix a weight, the
+    rows stacked) sent as factors: the rows and the delta's rows."""
+    rows, matrix = values[0], values[1]
+    if step.op.name not in _PRODUCTS or getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2:
+        return rules
+    k, m = matrix.shape
+    if rows.shape[-1] != k:
+        return rules
+    xp = namespace(rows)
+    flat = xp.reshape(rows, (-1, k))
+    return (rules[0], lambda g: Outer(flat, xp.reshape(g, (-1, m))), *rules[2:])
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -121,9 +121,11 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     groups: list[int] = []
     forward = batched.forward
 
-    def counting(ev: Any, order: list[Any], strategy: str | None = None, shared: Any = None) -> list[Any]:
+    def counting(
+        ev: Any, order: list[Any], strategy: str | None = None, shared: Any = None, levels: Any = None
+    ) -> list[Any]:
         groups.append(len(order))
-        return forward(ev, order, strategy, shared)
+        return forward(ev, order, strategy, shared, levels)
 
     monkeypatch.setattr(batched, "forward", counting)
     gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)

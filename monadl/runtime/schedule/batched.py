@@ -168,7 +168,13 @@ def _remember(key: tuple[Site, int], worth: bool) -> None:
     _verdicts[key] = (worth, 1)
 
 
-def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, groups: Groups | None = None) -> list[Any]:
+def forward(
+    ev: Evaluation,
+    order: list[Any],
+    strategy: str | None = None,
+    groups: Groups | None = None,
+    levels: list[list[Any]] | None = None,
+) -> list[Any]:
     """Compute the records of ``order`` (a graph in topological order), group
     by group; returns the nodes it left: those built from a ``Do`` and all
     that depend on one, in order, for the caller's loop (which skips the
@@ -178,6 +184,7 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, group
     runs of `monadl.runtime.schedule.fibers`), which this run adds to: a
     group whose operands are their members reads them by index, and sends
     their deltas back in one scatter per group, not a view per member.
+    ``levels``: the caller's levels of ``order``, no ``Do`` layers among them (`fibers.heights`).
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -192,11 +199,11 @@ def forward(ev: Evaluation, order: list[Any], strategy: str | None = None, group
     array([6., 6.])
     """
     run = _Run(ev, current_settings().batching is True, groups)
-    levels, left, depth = _levels(order)
+    levels, left, depth = _levels(order) if levels is None else (levels, [], None)
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
             run.each(level)
-    elif (strategy or STRATEGY) == "agenda":
+    elif (strategy or STRATEGY) == "agenda" and depth is not None:
         run.agenda(levels, depth)
     else:
         for level in levels:
@@ -342,7 +349,7 @@ class _Run:
         rule: Any = BATCHING_RULES.get(op.name)
         minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
-            rule, minimum = op.rule.batch, 2
+            rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             self.each(members)
