@@ -11,7 +11,7 @@ import pytest
 
 import monadl as ml
 import monadl.layers._products as products
-import monadl.optim.apply as apply
+import monadl.optim._sgd as sgd
 from monadl._blas import can_add_product
 from monadl.deltas import Outer
 from monadl.runtime import entry
@@ -142,7 +142,7 @@ def test_factors_add_up_with_arrays_and_each_other() -> None:
 @pytest.fixture
 def fresh_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every factored step into a fresh array, none into the weight's own."""
-    monkeypatch.setattr(apply, "can_add_product", lambda *args: False)
+    monkeypatch.setattr(sgd, "can_add_product", lambda *args: False)
 
 
 async def test_a_proven_step_writes_into_data_nobody_holds(request: pytest.FixtureRequest) -> None:
@@ -181,7 +181,7 @@ async def test_a_refused_commit_leaves_data_that_would_be_written_in_place(monke
         queued.append(args[0])
         return can_add_product(*args)
 
-    monkeypatch.setattr(apply, "can_add_product", can)
+    monkeypatch.setattr(sgd, "can_add_product", can)
     other = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.sgd(0.1))
     with pytest.raises(ml.NonFiniteError):
         await (loss(w, b, x) + ml.sum(other * np.array([np.nan, 1.0], np.float32))).train()

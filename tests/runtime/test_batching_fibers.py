@@ -182,18 +182,11 @@ def test_factored_weight_deltas_are_arrays_when_final() -> None:
         np.testing.assert_allclose(grads[w], expected, rtol=1e-10, atol=1e-12)
 
 
-def test_lone_product_by_a_large_weight_joins_the_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lone_product_by_a_large_weight_joins_the_factors(outer_rows: list[int]) -> None:
     # Hidden 256: a 256 x 256 weight (batched.MIN_FACTORED elements). Where one example
     # alone picks a weight in a step, its product runs as a group of one, its row
     # kept with the other groups' rows; the gradients are those of evaluating unbatched.
-    rows: list[int] = []
-    dense = batched_records.Outer.dense
-
-    def counting(self: batched_records.Outer) -> Any:
-        rows.extend(left.shape[0] for left in self.lefts)
-        return dense(self)
-
-    monkeypatch.setattr(batched_records.Outer, "dense", counting)
+    rows = outer_rows
     value, grads = gradients("monadic", None, n=3, hidden=256)
     off_value, off = gradients("monadic", False, n=3, hidden=256)
     assert value == pytest.approx(off_value, rel=1e-12)

@@ -188,22 +188,13 @@ def test_heights_order_is_topological() -> None:
     assert len(levels[-1]) == 1 and levels[-1][0] is c
 
 
-def test_marked_cells_send_their_weights_deltas_as_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_marked_cells_send_their_weights_deltas_as_factors(outer_rows: list[int]) -> None:
     # A step marked as one operation: its merged groups run its program batched, whose
     # product by the weight sends the rows and their deltas (an Outer), multiplied once
     # at the weight's release; what on_gradient sees is an array, the unbatched gradient.
     import anyio
 
-    from monadl.runtime.schedule import batched_records
-
-    rows: list[int] = []
-    dense = batched_records.Outer.dense
-
-    def counting(self: batched_records.Outer) -> Any:
-        rows.extend(left.shape[0] for left in self.lefts)
-        return dense(self)
-
-    monkeypatch.setattr(batched_records.Outer, "dense", counting)
+    rows = outer_rows
 
     def run(batching: bool | None) -> tuple[float, list[Any], dict[Any, Any]]:
         model = Detour()
