@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import final
+from typing import NamedTuple, final
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,29 +54,29 @@ class Links:
         return Links(tree.left.tolist(), tree.right.tolist(), list(tree.symbol[:, None]))
 
 
-@final
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One node of a `Tree` (stored flat, children first) seen as a recursive value."""
+class Node(NamedTuple):
+    """One node of a `Tree` (stored flat, children first) seen as a recursive
+    value. (A named tuple: made twice per internal node while building, and a
+    tuple is made in one call where a frozen dataclass sets each field.)"""
 
     links: Links
-    index: int
+    number: int  # (not ``index``: a tuple's method)
 
     @property
     def is_leaf(self) -> bool:
-        return self.links.left[self.index] < 0
+        return self.links.left[self.number] < 0
 
     @property
     def symbol(self) -> int:
-        return int(self.links.symbols[self.index][0])
+        return int(self.links.symbols[self.number][0])
 
     @property
     def left(self) -> Node:
-        return Node(self.links, self.links.left[self.index])
+        return Node(self.links, self.links.left[self.number])
 
     @property
     def right(self) -> Node:
-        return Node(self.links, self.links.right[self.index])
+        return Node(self.links, self.links.right[self.number])
 
 
 def root(tree: Tree) -> Node:
@@ -115,7 +115,7 @@ def _internal_cell(params: Params, hidden: int, children: tuple[State, State, ml
 
 def _symbol(node: Node) -> ml.Array:
     """The node's symbol as the lookups' index array (data: one trace serves every symbol)."""
-    return node.links.symbols[node.index]
+    return node.links.symbols[node.number]
 
 
 def _left(node: Node) -> Node:

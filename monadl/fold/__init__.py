@@ -19,10 +19,11 @@ infer a lambda's parameter from the ``>>`` that follows it.
 in one graph; the graph is an ordinary monadl graph, so
 ``await loss.train()`` trains it and the runtime's dynamic batching
 (``ml.settings(batching=...)``) groups equal operations across nodes and
-inputs: blocks do no batching of their own. Evaluation keeps its pending
-work on an explicit stack (each block is a generator of requests for its
-sub-blocks' outputs), so recursion as deep as the input never reaches
-Python's recursion limit.
+inputs: blocks do no batching of their own. Blocks run as nested Python
+calls, compiled once per ``batch``; past a depth of recursion (64 routes
+open) the rest of an input runs on an explicit stack (each block is a
+generator of requests for its sub-blocks' outputs), so recursion as deep as
+the input never reaches Python's recursion limit.
 
 >>> import anyio, numpy as np, monadl as ml
 >>> from monadl.fold import Function, Map, Reduce, Vector

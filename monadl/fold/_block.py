@@ -1,20 +1,22 @@
-"""The block type and its evaluator: composition, forward declarations, and
-the explicit stack that runs them.
+"""The block type and its kinds: composition, routes (forward declarations,
+`OneOf`), parallel blocks (`AllOf`), immediate blocks, and blocks that build.
 
 A block is a description, like a layer: applying it to a Python input builds
 monadl layers (it computes nothing). Each block says how to build its output
 as a generator, `Block._build`: it ``yield``s a request ``(block, input)``
-whenever it needs a sub-block's output, and receives that output back. The
-evaluator, `_evaluate`, keeps the suspended generators on a list of its own
-and runs whichever is on top, so a recursion through a `ForwardDeclaration`
-as deep as the input (a tree of depth 100,000) costs heap, never Python stack.
+whenever it needs a sub-block's output, and receives that output back. Most
+blocks are of a kind the runner (`monadl.fold._run`) knows, named by the class
+attribute ``_kind``, and run without a generator: that is where the time of
+building a Fold model per node goes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable
-from typing import Any, Generic, TypeVar, cast, final
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, ClassVar, Generic, TypeVar, cast, final
+
+from monadl.fold._run import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE, run
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -48,6 +50,7 @@ class Block(ABC, Generic[In, Out]):
     """
 
     __slots__ = ()
+    _kind: ClassVar[str] = BUILD  # how the runner runs it (`monadl.fold._run`)
 
     @abstractmethod
     def _build(self, x: In) -> Build[Out]:
@@ -61,7 +64,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len)("abc")
         3
         """
-        return _evaluate(self, x)
+        return run(self, [x])[0]
 
     @final
     def batch(self, xs: Iterable[In]) -> list[Out]:
@@ -72,7 +75,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len).batch(["a", "bc"])
         [1, 2]
         """
-        return [_evaluate(self, x) for x in xs]
+        return run(self, xs)
 
     @final
     def __rshift__(self, other: Block[Out, Z]) -> Block[In, Z]:
@@ -92,10 +95,15 @@ class Immediate(Block[In, Out]):
     building time, per node, before this)."""
 
     __slots__ = ()
+    _kind: ClassVar[str] = IMMEDIATE
 
     @abstractmethod
     def _output(self, x: In) -> Out:
         """The output of one input."""
+
+    def _function(self) -> Callable[[In], Out]:
+        """``_output`` as the runner calls it (a block that wraps a function: the function, a call less a node)."""
+        return self._output
 
     @final
     def _build(self, x: In) -> Build[Out]:
@@ -126,6 +134,7 @@ class Route(Block[In, Out]):
     evaluator follows the route without a build of its own."""
 
     __slots__ = ()
+    _kind: ClassVar[str] = ROUTE
 
     @abstractmethod
     def _route(self, x: In) -> Block[In, Out]:
@@ -144,6 +153,7 @@ class Parallel(Block[In, Out]):
     ``blocks``: the blocks, in order (a subclass's slot)."""
 
     __slots__ = ()
+    _kind: ClassVar[str] = PARALLEL
     blocks: tuple[Block[In, Any], ...]
 
     @final
@@ -152,116 +162,6 @@ class Parallel(Block[In, Out]):
         for block in self.blocks:
             ys.append((yield from call(block, x)))
         return cast(Out, tuple(ys))  # (the subclass's constructor types the tuple per block)
-
-
-@final
-class _Outputs:
-    """On the evaluator's stack: a `Parallel` block's input and the outputs
-    of its blocks so far."""
-
-    __slots__ = ("blocks", "x", "ys")
-
-    def __init__(self, blocks: tuple[Block[Any, Any], ...], x: Any) -> None:
-        self.blocks = blocks
-        self.x = x
-        self.ys: list[Any] = []
-
-
-@final
-class _Then:
-    """On the evaluator's stack: the second block of a composition, waiting for the first's output."""
-
-    __slots__ = ("block",)
-
-    def __init__(self, block: Block[Any, Any]) -> None:
-        self.block = block
-
-
-_COMPOSITION, _ROUTE, _PARALLEL, _IMMEDIATE, _BUILD = "composition", "route", "parallel", "immediate", "build"
-_KINDS: dict[type, str] = {}
-
-
-def _kind(block: Block[Any, Any]) -> str:
-    """How the evaluator runs a block, by its class (looked up once per
-    class: ``isinstance`` against an ABC costs more than the rest of a step)."""
-    kind = _KINDS.get(type(block))
-    if kind is None:
-        if type(block) is Composition:
-            kind = _COMPOSITION
-        elif isinstance(block, Route):
-            kind = _ROUTE
-        elif isinstance(block, Parallel):
-            kind = _PARALLEL
-        elif isinstance(block, Immediate):
-            kind = _IMMEDIATE
-        else:
-            kind = _BUILD
-        _KINDS[type(block)] = kind
-    return kind
-
-
-def _evaluate(block: Block[X, Y], x: X) -> Y:
-    """Run ``block`` on ``x`` with an explicit stack of suspended builds.
-
-    Compositions, routes, parallel and immediate blocks (most of a model's
-    blocks, per node of a tree) run here without a generator each: creating one and
-    catching the exception that ends it cost more than the rest of building.
-    """
-    stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
-    request: tuple[Block[Any, Any], Any] | None = (block, x)
-    sent: Any = None
-    kinds = _KINDS
-    sub: Any  # (a block of the kind looked up: typed Any, its attributes read without a cast per step)
-    while True:
-        if request is not None:
-            sub, arg = request
-            request = None
-            while True:  # follow compositions and routes to a block that builds
-                kind = kinds.get(type(sub)) or _kind(sub)
-                if kind is _COMPOSITION:
-                    first = sub.first
-                    if (kinds.get(type(first)) or _kind(first)) is _IMMEDIATE:  # its output now: no _Then to wait
-                        arg = first._output(arg)
-                        sub = sub.second
-                        continue
-                    stack.append(_Then(sub.second))
-                    sub = first
-                elif kind is _ROUTE:
-                    sub = sub._route(arg)
-                elif kind is _PARALLEL and sub.blocks:  # its first block now, the others as outputs come
-                    stack.append(_Outputs(sub.blocks, arg))
-                    sub = sub.blocks[0]
-                else:
-                    break
-            if kind is _IMMEDIATE:
-                sent = sub._output(arg)
-            elif kind is _PARALLEL:  # (of no blocks)
-                sent = ()
-            else:
-                stack.append(sub._build(arg))
-                sent = None
-        if not stack:
-            result: Y = sent
-            return result
-        top = stack[-1]
-        if type(top) is _Then:
-            stack.pop()
-            request = (top.block, sent)
-            continue
-        if type(top) is _Outputs:
-            ys = top.ys
-            ys.append(sent)
-            if len(ys) < len(top.blocks):
-                request = (top.blocks[len(ys)], top.x)
-            else:
-                stack.pop()
-                sent = tuple(ys)
-            continue
-        try:
-            request = top.send(sent)
-        except StopIteration as done:
-            stack.pop()
-            sent = done.value
 
 
 @final
@@ -274,6 +174,7 @@ class Composition(Block[X, Z]):
     """
 
     __slots__ = ("first", "second")
+    _kind: ClassVar[str] = COMPOSITION
 
     def __init__(self, first: Block[X, Y], second: Block[Y, Z]) -> None:
         self.first = first

@@ -15,7 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl.fold._block import Block, Build, Immediate, Parallel, Route, call
-from monadl.layers import ArrayLayer, operation
+from monadl.layers import ArrayLayer
+from monadl.layers._layer import caller_site
+from monadl.layers._operation import Operation
 from monadl.typeclasses import as_layer
 
 X = TypeVar("X")
@@ -108,10 +110,16 @@ class Function(Immediate[X, Y]):
     __slots__ = ("f",)
 
     def __init__(self, f: Callable[[X], Y]) -> None:
-        self.f: Callable[[X], Y] = operation(f)
+        # Its nodes are built where the block is made, the user's line an
+        # error names: the frames above a node are the runner's, as deep as
+        # the input, and not walked per node.
+        self.f: Callable[[X], Y] = Operation(f, caller_site())
 
     def _output(self, x: X) -> Y:
         return self.f(x)
+
+    def _function(self) -> Callable[[X], Y]:
+        return self.f
 
 
 @final
@@ -130,6 +138,9 @@ class InputTransform(Immediate[X, Y]):
 
     def _output(self, x: X) -> Y:
         return self.f(x)
+
+    def _function(self) -> Callable[[X], Y]:
+        return self.f
 
 
 # ---- sequences ----------------------------------------------------------------------------------

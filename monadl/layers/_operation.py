@@ -45,7 +45,7 @@ from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 import numpy as np
 
 from monadl.errors import OperandError
-from monadl.layers._layer import Expr, Layer, _build, _next_serial, site_text
+from monadl.layers._layer import Expr, Layer, Site, _build, _next_serial, site_text
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import Primitive
 from monadl.layers._program import Program, Step
@@ -78,7 +78,7 @@ class _Trace:
     outputs: int
     template: Any
     keep: tuple[Any, ...]
-    make: Callable[[list[Any], list[Any]], Any]
+    make: Callable[[list[Any], list[Any], Site | None], Any]
 
 
 def _trace(
@@ -182,24 +182,25 @@ def _maker(
     weights: tuple[Weight[Any, Any], ...],
     outputs: int,
     shape: Any,
-) -> Callable[[list[Any], list[Any]], Any]:
+) -> Callable[[list[Any], list[Any], Site | None], Any]:
     """How a call of a trace builds its node, its output views and its
     result, as one closure (what is the same every call, worked out once)."""
     result = filler(shape)
     if op is None:
-        return lambda leaves, nodes: result((), leaves)
+        return lambda leaves, nodes, site: result((), leaves)
     # Most cells use their leading leaves (the data and layer arguments) and
     # every source node, in order: then the inputs are two slices.
     first = len(used)
     prefix = used == tuple(range(first)) and sources == tuple(range(len(sources)))
     count = len(sources)
 
-    def make(leaves: list[Any], nodes: list[Any]) -> Any:
+    def make(leaves: list[Any], nodes: list[Any], site: Site | None) -> Any:
         if prefix and len(nodes) == count:
             inputs = (*leaves[:first], *nodes, *weights)
         else:
             inputs = (*[leaves[i] for i in used], *[nodes[s] for s in sources], *weights)
-        node = _build(op, inputs, (), 3)  # (the frame that called the operation: make, __call__, then it)
+        # (its site: the frame that called the operation, make and __call__ up; or the one it was given)
+        node = _build(op, inputs, (), 3) if site is None else _built_at(op, inputs, site)
         if outputs == 1:
             return result((node,), leaves)
         if outputs == 2:  # (a cell's state, h and c: its two views built here, no call each)
@@ -272,9 +273,11 @@ _TRACES_LIMIT: Final = 256
 class Operation(Generic[P, R]):
     """A function over layers marked as one operation (see `operation`)."""
 
-    __slots__ = ("__name__", "__wrapped__", "_closure", "_ids", "_traces")
+    __slots__ = ("__name__", "__wrapped__", "_closure", "_ids", "_site", "_traces")
 
-    def __init__(self, f: Callable[P, R]) -> None:
+    def __init__(self, f: Callable[P, R], site: Site | None = None) -> None:
+        """``site``: where every node of this operation is built, if not each
+        call's caller (a Fold `Function` block: where the block was made)."""
         if inspect.iscoroutinefunction(f):
             raise OperandError(
                 f"operation: {getattr(f, '__qualname__', f)} is async; a cell awaits no values (it is traced once)"
@@ -294,6 +297,7 @@ class Operation(Generic[P, R]):
         fixed = self._closure is not None and all(type(c) is _Held for c in self._closure)
         self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
         self._traces: dict[Any, _Trace] = {}
+        self._site = site
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
@@ -330,7 +334,7 @@ class Operation(Generic[P, R]):
             placed = {j: (s, k) for j, s, k in views}
             trace = _trace(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
-        result: R = trace.make(leaves, sources)  # (Any: no cast, a call per node)
+        result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
         return result
 
     def __repr__(self) -> str:
@@ -356,6 +360,14 @@ def _contents(cell: Any) -> Any:
 
 _new = object.__new__
 _FIRST, _SECOND = (0,), (1,)
+
+
+def _built_at(op: Primitive, inputs: tuple[Any, ...], site: Site) -> Layer[Any, Any]:
+    """An operation's node built at a given site (no walk up the stack)."""
+    layer: Layer[Any, Any] = _new(Layer)
+    layer._op, layer._inputs, layer._params, layer._site = op, inputs, (), site
+    layer._serial = _next_serial()
+    return layer
 
 
 def _output(node: Layer[Any, Any], k: int) -> Layer[Any, Any]:

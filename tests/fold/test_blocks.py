@@ -190,3 +190,33 @@ def test_a_batch_is_one_graph_and_one_step_per_weight() -> None:
     total = outs[0] + outs[1] + outs[2]
     assert float(anyio.run(total.train)) == 1.0 + 2.0 + 3.0
     np.testing.assert_allclose(w.data, [1.0 - 0.1 * 2.0, 2.0 - 0.1 * 2.0])  # one step with the summed gradient
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_calls_and_the_explicit_stack_build_the_same_graph(depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks run as nested calls up to `_run.DEPTH` routes and builds open,
+    then on the explicit stack (``depth`` 0: all of it; 3: a tree's top
+    levels as calls, the rest on the stack): the same values and the same
+    order of layers either way."""
+    from examples.tree_lstm import init_weights, make_trees
+    from examples.tree_lstm_fold import FoldTreeLSTM
+    from monadl.fold import _run
+
+    trees = make_trees(4, 3, 9, seed=2)
+    model = FoldTreeLSTM(init_weights(4, dtype=np.float64))
+    model.encoder.batch(trees)  # (traces the cells: their placeholders are layers too)
+    calls = model.encoder.batch(trees)
+    monkeypatch.setattr(_run, "DEPTH", depth)
+    stacked = model.encoder.batch(trees)
+    for a, b in zip(calls, stacked, strict=True):
+        np.testing.assert_array_equal(value(a), value(b))
+        assert a._serial - calls[0]._serial == b._serial - stacked[0]._serial  # as many layers, in the same order
+
+
+def test_a_function_blocks_nodes_are_built_where_the_block_was_made() -> None:
+    w = ml.Weight(np.ones((3, 2)))
+    block = Map(Vector(2, np.float64) >> Function(lambda v: ml.matmul(v, w)))  # the line an error names
+    made = sys._getframe().f_lineno - 1
+    outs = block([[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(ml.ShapeError, match=rf"test_blocks.py:{made}\b"):
+        anyio.run(ml.sum(ml.concatenate(outs, axis=0)).predict)

@@ -1,0 +1,225 @@
+"""How blocks run: as nested Python calls while the recursion is shallow,
+on an explicit stack of their own beyond that.
+
+Each block a runner meets is compiled once per `run` into a closure of its
+kind (``block._kind``): a composition calls its second block's closure on
+its first's result, a route calls the closure of the block it routes to, a
+parallel block makes the tuple of its blocks' closures' results, an
+immediate block is its ``_output``, and a block that builds drives its
+generator with its sub-blocks' closures. A node of a Tree-LSTM is then a
+handful of Python calls, where the explicit stack pays a loop's turn and a
+frame object per block (the Fold Tree-LSTM's build: a third more than the
+same cells called from a loop).
+
+Recursion goes through routes (a forward declaration is one) and blocks
+that build, so they count the depth: past `DEPTH` of them open, the rest of
+that input runs on `evaluate`'s explicit stack, whose pending builds are on
+the heap, and a tree of depth 100,000 never reaches Python's recursion
+limit. Compositions and parallel blocks nest as deep as the structure, so a
+structure deeper than `NESTING` runs on the explicit stack from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+if TYPE_CHECKING:
+    from monadl.fold._block import Block
+
+X = TypeVar("X")
+Y = TypeVar("Y")
+
+COMPOSITION: Final = "composition"
+ROUTE: Final = "route"
+PARALLEL: Final = "parallel"
+IMMEDIATE: Final = "immediate"
+BUILD: Final = "build"
+
+DEPTH: Final = 64
+"""Routes and builds open at once before the explicit stack takes over: a
+Tree-LSTM's level is two (the declaration, the leaf-or-internal choice), and
+random 128-leaf trees are 11-20 levels deep."""
+NESTING: Final = 8
+"""Compositions and parallel blocks nested in one closure; with `DEPTH`,
+at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
+
+Run = Callable[[Any], Any]
+
+
+def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
+    """The outputs of ``block`` on each of ``xs``, its sub-blocks compiled once for all of them.
+
+    >>> from monadl.fold import InputTransform
+    >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
+    ['2', '1']
+    """
+    f = _Runner().compiled(block)
+    return [f(x) for x in xs]
+
+
+@final
+class _Runner:
+    """The closures of one run, by block, and the routes and builds now open."""
+
+    __slots__ = ("closures", "depth")
+
+    def __init__(self) -> None:
+        self.closures: dict[Block[Any, Any], Run] = {}
+        self.depth = 0
+
+    def compiled(self, block: Block[Any, Any], nesting: int = 0) -> Run:
+        f = self.closures.get(block)
+        if f is None:
+            f = self.closures[block] = self._compile(block, nesting)
+        return f
+
+    def _compile(self, block: Any, nesting: int) -> Run:  # (Any: each kind's attributes are read by its kind)
+        kind = block._kind
+        if kind is IMMEDIATE:
+            f: Run = block._function()
+            return f
+        if nesting >= NESTING:
+            return lambda x: evaluate(block, x)
+        if kind is COMPOSITION:
+            first, second = self.compiled(block.first, nesting + 1), self.compiled(block.second, nesting + 1)
+            return lambda x: second(first(x))
+        if kind is PARALLEL:
+            parts = [self.compiled(b, nesting + 1) for b in block.blocks]
+            if len(parts) == 2:
+                a, b = parts
+                return lambda x: (a(x), b(x))
+            if len(parts) == 3:
+                a, b, c = parts
+                return lambda x: (a(x), b(x), c(x))
+            return lambda x: tuple([f(x) for f in parts])
+        if kind is ROUTE:
+            return self._route(block)
+        return self._build(block)
+
+    def _route(self, block: Any) -> Run:
+        """A route (a forward declaration, `OneOf`): the block it picks is
+        compiled when first picked (a declaration refers to itself)."""
+        closures, compiled, route = self.closures, self.compiled, block._route
+
+        def routed(x: Any) -> Any:
+            if self.depth >= DEPTH:
+                return evaluate(block, x)  # (the rest of this input, on the heap)
+            sub = route(x)
+            f = closures.get(sub) or compiled(sub)
+            self.depth += 1
+            try:
+                return f(x)
+            finally:
+                self.depth -= 1
+
+        return routed
+
+    def _build(self, block: Any) -> Run:
+        closures, compiled = self.closures, self.compiled
+
+        def built(x: Any) -> Any:
+            if self.depth >= DEPTH:
+                return evaluate(block, x)
+            requests = block._build(x)
+            sent = None
+            self.depth += 1
+            try:
+                while True:
+                    try:
+                        sub, arg = requests.send(sent)
+                    except StopIteration as done:
+                        return done.value
+                    sent = (closures.get(sub) or compiled(sub))(arg)  # (a sub-block's StopIteration is its own)
+            finally:
+                self.depth -= 1
+
+        return built
+
+
+# ---- the explicit stack ---------------------------------------------------------------------------
+@final
+class _Outputs:
+    """On the evaluator's stack: a parallel block's input and the outputs
+    of its blocks so far."""
+
+    __slots__ = ("blocks", "x", "ys")
+
+    def __init__(self, blocks: tuple[Block[Any, Any], ...], x: Any) -> None:
+        self.blocks = blocks
+        self.x = x
+        self.ys: list[Any] = []
+
+
+@final
+class _Then:
+    """On the evaluator's stack: the second block of a composition, waiting for the first's output."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block[Any, Any]) -> None:
+        self.block = block
+
+
+def evaluate(block: Block[X, Y], x: X) -> Y:
+    """Run ``block`` on ``x`` with an explicit stack of suspended builds
+    (for inputs deeper than `DEPTH`: its memory is the heap's).
+
+    >>> from monadl.fold import InputTransform
+    >>> evaluate(InputTransform(len) >> InputTransform(str), "abc")
+    '3'
+    """
+    stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
+    request: tuple[Block[Any, Any], Any] | None = (block, x)
+    sent: Any = None
+    sub: Any  # (a block of the kind read: typed Any, its attributes read without a cast per step)
+    while True:
+        if request is not None:
+            sub, arg = request
+            request = None
+            while True:  # follow compositions and routes to a block that builds
+                kind = sub._kind
+                if kind is COMPOSITION:
+                    first = sub.first
+                    if first._kind is IMMEDIATE:  # its output now: no _Then to wait
+                        arg = first._output(arg)
+                        sub = sub.second
+                        continue
+                    stack.append(_Then(sub.second))
+                    sub = first
+                elif kind is ROUTE:
+                    sub = sub._route(arg)
+                elif kind is PARALLEL and sub.blocks:  # its first block now, the others as outputs come
+                    stack.append(_Outputs(sub.blocks, arg))
+                    sub = sub.blocks[0]
+                else:
+                    break
+            if kind is IMMEDIATE:
+                sent = sub._output(arg)
+            elif kind is PARALLEL:  # (of no blocks)
+                sent = ()
+            else:
+                stack.append(sub._build(arg))
+                sent = None
+        if not stack:
+            result: Y = sent
+            return result
+        top = stack[-1]
+        if type(top) is _Then:
+            stack.pop()
+            request = (top.block, sent)
+            continue
+        if type(top) is _Outputs:
+            ys = top.ys
+            ys.append(sent)
+            if len(ys) < len(top.blocks):
+                request = (top.blocks[len(ys)], top.x)
+            else:
+                stack.pop()
+                sent = tuple(ys)
+            continue
+        try:
+            request = top.send(sent)
+        except StopIteration as done:
+            stack.pop()
+            sent = done.value
