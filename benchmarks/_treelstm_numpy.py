@@ -158,7 +158,8 @@ def _gather(states: list[ml.Array], plan: Schedule, nodes: ml.Array) -> ml.Array
     sources = plan.height[nodes]
     heights = np.unique(sources)
     if len(heights) == 1:
-        return states[heights[0]][plan.row[nodes]]
+        rows: ml.Array = states[heights[0]][plan.row[nodes]]
+        return rows
     out = np.empty((len(nodes), states[0].shape[1]), states[0].dtype)
     for h in heights:
         pick = np.flatnonzero(sources == h)

@@ -15,7 +15,9 @@ are embedding lookups, internal nodes the N-ary cell), in one run:
 * **torch per-node**: PyTorch eager with the same per-node loop;
 * **torch by depth**: PyTorch batched by hand, as DGL and hand-written code
   do: nodes grouped by height, each level's children gathered with
-  ``index_select`` from the per-level state tensors, one matmul per level.
+  ``index_select`` from the per-level state tensors, one matmul per level;
+* **numpy by depth**: the limit: the same schedule in NumPy, its backward by
+  hand (`benchmarks._treelstm_numpy`), with the kernels monadl calls.
 
 More variants plug in through
 `VARIANTS`: a name and a function from the initial weights to a `Variant`.
@@ -53,7 +55,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 import monadl as ml
-from benchmarks import _treelstm_torch
+from benchmarks import _treelstm_numpy, _treelstm_torch
 from examples.tree_lstm import Tree, TreeLSTM, init_weights, labels, random_tree
 
 CORES = len(os.sched_getaffinity(0))
@@ -169,6 +171,7 @@ VARIANTS: dict[str, Builder] = {
     "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,
     "torch by depth": _treelstm_torch.by_depth,
+    "numpy by depth": _treelstm_numpy.by_depth,
 }
 """Every implementation timed and checked, by name, in the order of the table.
 A variant plugs in as one more entry (``VARIANTS["monadl fold"] = builder``)."""

@@ -20,6 +20,7 @@ def test_every_available_variant_gives_the_same_loss_and_gradients(balanced: boo
     expected = {"monadl"} | ({"torch per-node", "torch by depth"} if _treelstm_torch.available() else set())
     expected |= {"monadl batching", "monadl cell", "monadl cell off"} if treelstm.batching_available() else set()
     expected |= {"monadl fold"}  # the Tree-LSTM as Fold blocks (examples/tree_lstm_fold.py)
+    expected |= {"numpy by depth"}  # the limit: by depth in NumPy, the backward by hand
     assert set(worst) == expected
     assert max(worst.values()) < 1e-9
 
@@ -69,3 +70,20 @@ def test_without_pytorch_only_the_monadl_variants_are_checked(monkeypatch: pytes
     monkeypatch.setattr(_treelstm_torch, "available", lambda: False)
     assert _treelstm_torch.per_node(init_weights(4)) is None and _treelstm_torch.by_depth(init_weights(4)) is None
     assert "torch per-node" not in treelstm.check_equivalence(hidden=4, batch=2, leaves=5)
+
+
+def test_the_numpy_limit_takes_adams_steps() -> None:
+    """The hand-written limit trains (no PyTorch needed): Adam's first step
+    moves each weight by ``rate * |g| / (|g| + eps)``, and the loss falls."""
+    from benchmarks import _treelstm_numpy
+
+    weights = init_weights(8, dtype=np.float64)
+    trees = treelstm.make_batches(batch=4, count=1, balanced=False)[0]
+    model = _treelstm_numpy._Model(weights, learning_rate=0.01)
+    first, grads = model.loss_and_gradients(trees)
+    model.step(grads)
+    for k, g in grads.items():
+        np.testing.assert_allclose(np.abs(model.w[k] - weights[k]), 0.01 * np.abs(g) / (np.abs(g) + 1e-8), atol=1e-15)
+    for _ in range(20):
+        model.step(model.loss_and_gradients(trees)[1])
+    assert model.loss_and_gradients(trees)[0] < first - 0.1
