@@ -18,17 +18,16 @@ depth never depend on each other) or by agenda (DyNet's: of the groups ready,
 run the one whose kind of operation sits earliest in the graph on average,
 the largest on ties). `STRATEGY` says which is the default, and why.
 
-Cost rule: batching is on where it pays. Before any signature is computed, a
-graph that is a chain (each node uses the one before: nothing is ever ready
-with anything else) or smaller than `MIN_NODES` runs as before; a graph whose
-widest depth has one node likewise; and a group smaller than its rule's
-minimum (`MIN_GROUP`) or whose members are coarse (`MAX_MEMBER_SIZE`) runs
-node by node. A graph (by the line that built its last node, and its size)
-whose analysis batched nothing, or that is a chain, is not analysed again
-for `REPROBE` evaluations: the check costs one lookup. Graphs that the fork rule sends to the worker pool, and graphs
-on a GPU, are not batched (the hook sits on the inline path of
-`monadl.runtime.interpret`). ``Settings.batching`` forces either
-way. Under ``check_finite`` (per-node debugging) nothing is batched.
+Cost rule: batching is on where it pays. Whether a graph comes here at all is
+`monadl.runtime.schedule.batched_rule`'s (cheap checks, before any signature);
+here, a graph whose widest depth has one node runs as before, and a group
+smaller than its rule's minimum (`MIN_GROUP`) or whose members are coarse
+(`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
+is not analysed again for `REPROBE` evaluations. Graphs that the fork rule
+sends to the worker pool, and graphs on a GPU, are not batched (the hook sits
+on the inline path of `monadl.runtime.interpret`). ``Settings.batching``
+forces either way. Under ``check_finite`` (per-node debugging) nothing is
+batched.
 """
 
 from __future__ import annotations
@@ -45,10 +44,10 @@ from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature, stack
+from monadl.runtime.schedule.batched_rule import MIN_ALIKE, MIN_NODES, REPROBE, remember, worth_batching
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
-    from monadl.layers._layer import Site
     from monadl.runtime.evaluation import Evaluation
 
 __all__ = [
@@ -64,12 +63,6 @@ __all__ = [
     "worth_batching",
 ]
 
-MIN_NODES: Final = 256
-"""Automatic mode leaves smaller graphs alone: what batching could save there
-(a few microseconds a node) is about what analysing and stacking cost (the
-columns benchmark, 30-200 nodes of coarse matrix products, ran 8-10% slower
-batched with a limit of 16)."""
-
 MIN_GROUP: Final = {"matmul": 2, "dense": 2, "embedding": 2, "cross_entropy": 2}
 """The smallest group that pays, by primitive (`DEFAULT_MIN_GROUP` for the
 rest): a matrix product with a shared weight pays from two members (it also
@@ -77,11 +70,6 @@ replaces a weight-sized outer product per member by one product); a cheap
 elementwise group must save more node dispatches than stacking costs."""
 
 DEFAULT_MIN_GROUP: Final = 8
-
-MIN_ALIKE: Final = 2
-"""A merge of fibers' graphs with this many alike (built at one line, with as
-many nodes: the same step of the same model) is analysed below `MIN_NODES`:
-each of their operations has that many members of one signature."""
 
 MAX_MEMBER_SIZE: Final = 1 << 14
 """Automatic mode batches no group whose members' stacked operands exceed this
@@ -103,69 +91,6 @@ STRATEGY: Final = "depth"
 thread: 1.43x and 2.36x unbatched at hidden 128 and 256, agenda 1.14x and
 2.17x): its groups are whole levels, so a group's consumers are more often
 exactly its members in order and take its output without a copy."""
-
-
-def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
-    """Whether to run ``order`` through the batching scheduler: cheap checks
-    only, none that computes a signature.
-
-    ``alike``: for a merge of several fibers' graphs
-    (`monadl.runtime.schedule.fibers`), how many of them were built at one
-    line with as many nodes; from `MIN_ALIKE` on, their equal signatures pay
-    however small the graphs.
-
-    >>> import monadl as ml
-    >>> from monadl.runtime.evaluation import Evaluation
-    >>> x = ml.Weight(1.0)
-    >>> chain = [x * 2.0]
-    >>> for _ in range(300):
-    ...     chain.append(chain[-1] + 1.0)
-    >>> worth_batching(Evaluation(train=True), chain)
-    False
-    """
-    forced = current_settings().batching
-    if forced is False or ev.check_finite or len(order) < 2:
-        return False
-    if forced:
-        return True
-    if len(order) < MIN_NODES and alike < MIN_ALIKE:
-        return False
-    key = (order[-1]._site, len(order))
-    verdict = _verdicts.get(key)
-    if verdict is not None and verdict[1] % REPROBE:
-        _verdicts[key] = (verdict[0], verdict[1] + 1)
-        return verdict[0]
-    worth = not _is_chain(order)
-    _remember(key, worth)
-    return worth
-
-
-def _is_chain(order: list[Any]) -> bool:
-    """Each node uses the one before: one node per depth, nothing to group."""
-    previous = order[0]
-    for node in order[1:]:
-        for x in node._inputs:
-            if x is previous:
-                break
-        else:
-            return False
-        previous = node
-    return True
-
-
-REPROBE: Final = 32
-"""A graph found not worth batching is analysed again once in this many evaluations."""
-
-_VERDICTS_LIMIT: Final = 4096
-_verdicts: dict[tuple[Site, int], tuple[bool, int]] = {}  # (last site, nodes) -> (worth it, evaluations since)
-
-
-def _remember(key: tuple[Site, int], worth: bool) -> None:
-    """The verdict on a graph built at the same line with as many nodes, for
-    the next evaluations (models rebuild the same graph every step)."""
-    if len(_verdicts) >= _VERDICTS_LIMIT:
-        _verdicts.clear()
-    _verdicts[key] = (worth, 1)
 
 
 def forward(
@@ -209,7 +134,7 @@ def forward(
         for level in levels:
             run.level(level)
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
-        _remember((order[-1]._site, len(order)), False)
+        remember((order[-1]._site, len(order)), False)
     return left
 
 

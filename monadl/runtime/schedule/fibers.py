@@ -8,7 +8,7 @@ there instead of computing it alone. When no fiber can run, the parked graphs
 are merged (the union of their nodes, each once, in one topological order)
 and run as one graph, through the batching scheduler where the cost rules say
 so (`MIN_PRODUCT_ELEMENTS` here, then
-`monadl.runtime.schedule.batched.worth_batching`, told how many of the graphs
+`monadl.runtime.schedule.batched_rule.worth_batching`, told how many of the graphs
 are alike), so that the k examples' nodes of equal signature run as one
 kernel; then every parked fiber resumes with its values. A fiber whose
 direct-style coroutine a task is stepping is waited for one turn of the event
