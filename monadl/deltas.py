@@ -221,7 +221,8 @@ class Outer:
     Two producers: the merged runs of `monadl.runtime.schedule.fibers` each
     multiply by the weight, and each sends its rows, not a weight-sized
     product that the next one's is added to; and a product of a few rows by a
-    large weight (`monadl.layers._products.OuterRule`), whose plain-SGD step
+    large weight (`monadl.layers._products.OuterRule`), a node's or a step's
+    of an operation's program run alone (`monadl.layers._program`), whose plain-SGD step
     then scales the few rows' deltas instead of the weight-sized product, and
     whose finite check reads the factors (`monadl.optim.apply`).
 

@@ -17,12 +17,15 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any, Final, final
 
+import numpy as np
+
 from monadl._namespace import namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
 from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, batch_output
 from monadl.layers._primitives import Primitive
+from monadl.layers._products import OuterRule
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
 __all__ = ["Program", "Step"]
@@ -261,7 +264,14 @@ class Program:
                 if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
                     continue
                 try:
-                    share = rules[p](d)
+                    rule = rules[p]
+                    share: Any
+                    if type(rule) is OuterRule and self.weights <= r < self.size and type(d) is np.ndarray:
+                        # A weight's delta from a few rows, kept as factors, as the backward keeps
+                        # an unmarked product's: one product per weight when it is stepped.
+                        share = Outer(rule.left, d)
+                    else:
+                        share = rule(d)
                     value = env[r]
                     shape = getattr(value, "shape", ())
                     if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:

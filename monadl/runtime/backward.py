@@ -108,6 +108,8 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                             f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}"
                         )
                         raise
+                    if check_finite and type(g) is Outer:  # (an operation's weight delta, as factors)
+                        g = g.dense()
                     if check_finite and not _finite_delta(g):
                         raise NonFiniteError(
                             f"the backward of {rec.node._op.name} produced a NaN or an infinity; "

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from monadl.deltas import Outer
 from monadl.layers._program import Program
 
 
@@ -281,3 +282,38 @@ def test_slices_that_tile_or_not_assign_their_deltas_exactly(batching: bool, cut
     assert isinstance(program, Program)
     tilings = set(program.tilings.values())
     assert tilings == {cuts != "disjoint"}
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_a_node_alone_keeps_a_large_weights_delta_as_factors(
+    check_finite: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run alone (batching off), a marked cell's product by a large weight sends
+    that weight's delta as factors (`Outer`), as an unmarked product's does: one
+    product per weight at the step, not a weight-sized one per node."""
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(512, 256)) / 16
+    xs = [rng.normal(size=(2, 512)) for _ in range(3)]
+
+    def loss(w: ml.ArrayWeight, cell: Any) -> ml.ScalarLayer:
+        return ml.sum(ml.concatenate([cell(x) for x in xs], axis=0) ** 2)
+
+    plain_w, marked_w = ml.Weight(data.copy()), ml.Weight(data.copy())
+    made: list[Outer] = []
+    init = Outer.__init__
+
+    def spy(self: Outer, left: Any, right: Any) -> None:
+        made.append(self)
+        init(self, left, right)
+
+    monkeypatch.setattr(Outer, "__init__", spy)
+    with ml.settings(batching=False, check_finite=check_finite):
+        (plain,) = anyio.run(ml.gradients, loss(plain_w, lambda x: ml.tanh(x @ plain_w)), [plain_w])
+        made.clear()
+        (marked,) = anyio.run(ml.gradients, loss(marked_w, ml.operation(lambda x: ml.tanh(x @ marked_w))), [marked_w])
+        assert len(made) == 3  # one per node
+        np.testing.assert_allclose(marked, plain, rtol=1e-12, atol=1e-15)
+        anyio.run(loss(plain_w, lambda x: ml.tanh(x @ plain_w)).train)
+        anyio.run(loss(marked_w, ml.operation(lambda x: ml.tanh(x @ marked_w))).train)
+    np.testing.assert_allclose(marked_w.data, plain_w.data, rtol=1e-12)
+    assert not np.array_equal(marked_w.data, data)
