@@ -11,9 +11,11 @@ order is topological: the reverse sweep (`schedule.inline.sweep`) relies on it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from monadl.deltas import Outer
+from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._weight import COMMIT_LOCK, Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
@@ -21,7 +23,7 @@ from monadl.tape import Tape
 if TYPE_CHECKING:
     from monadl.do import Do
 
-__all__ = ["Evaluation", "Record", "Shared", "UserRelease"]
+__all__ = ["Evaluation", "Record", "Records", "Shared", "UserRelease"]
 
 
 class Record:
@@ -77,6 +79,56 @@ class Record:
 
     def tape(self) -> Tape[Any, Any]:
         return Tape(self.value, self.accumulate if self.needs_grad else None)
+
+
+class Records(dict[Any, Record]):
+    """An evaluation's records, by layer or weight, in insertion order.
+
+    A member of a group that the batching scheduler ran as one kernel gets
+    its record only when something reads it (`__missing__`): a consumer that
+    runs alone, a root, a later graph. The groups that read it by index (most
+    of a tree's nodes) need none, so a batch of 8,000 tree nodes does not
+    make 8,000 records, value views and delta rules that nothing uses.
+
+    Attributes:
+        places: where each member's value sits (`Place`: its group's record,
+            its row, its part of a consumer's signature); a node here was
+            computed, with a record or not yet (check both, as ``in`` looks
+            at the records only).
+        sinks: each group's delta sink (`Gather`), where a delta is worth computing.
+    """
+
+    __slots__ = ("places", "sinks")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: dict[Any, Any] = {}
+        self.sinks: dict[Record, Any] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        self.places.clear()
+        self.sinks.clear()
+
+    def computed(self, node: Any) -> bool:
+        """Whether ``node`` was computed in this evaluation (with a record or as a group's member)."""
+        return node in self or node in self.places
+
+    def __missing__(self, node: Any) -> Record:
+        place = self.places.get(node)
+        if place is None:
+            raise KeyError(node)
+        group, row, _ = place
+        value = group.value
+        if type(value) is StackedOutputs:
+            value = Outputs(tuple([part[row] for part in value.parts]))
+        else:
+            value = value[row]
+        sink = self.sinks.get(group)
+        rec = Record(value, None if sink is None else (partial(sink.put, row),), (group,), group.needs_grad, node, True)
+        group.refcount += 1  # (its members hold a group)
+        self[node] = rec  # (after its group and before the reader: the order stays topological)
+        return rec
 
 
 class Shared:
@@ -149,7 +201,7 @@ class Evaluation:
     def __init__(self, train: bool, may_fork: bool = True) -> None:
         settings = current_settings()
         self.train = train
-        self.records: dict[Any, Record] = {}
+        self.records = Records()
         self.shared: dict[Do[Any], Shared] = {}
         self.pending: dict[Any, Any] = {}
         self.open: list[UserRelease] = []

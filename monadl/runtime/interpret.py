@@ -87,6 +87,8 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             if kind == FORWARD:
                 node = cur._a
                 rec = records.get(node)
+                if rec is None and node in records.places:  # a batched group's member: its record made now
+                    rec = records[node]
                 if rec is None and type(node) is Weight:
                     rec = ev.weight_record(node)
                 if rec is None:
@@ -116,7 +118,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     stack.append(F.Roots(dos))
                     roots = []
                     for d in dos:
-                        if d._a in records:
+                        if records.computed(d._a):
                             continue
                         if type(d._a) is Weight:
                             ev.weight_record(d._a)

@@ -44,13 +44,14 @@ def collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
     what they need is evaluated when their ``Do`` runs.
     """
     records = ev.records
+    places = records.places  # (batched groups' members: computed, their records made when read)
     order = list(dict.fromkeys(roots))
     seen = set(order)
     for node in order:  # the list grows while it is walked: breadth first
         for x in node._inputs:
             kind = type(x)
             if kind is Layer:
-                if x not in seen and x not in records:
+                if x not in seen and x not in records and x not in places:
                     seen.add(x)
                     order.append(x)
             elif kind is Weight and x not in records:

@@ -108,9 +108,16 @@ def test_groups_really_run_batched() -> None:
     with ml.settings(batching=None):
         assert _batching.worth_batching(ev, order)
         assert _batching.forward(ev, order) == []
-    added = [key for key in ev.records if type(key) is Record]  # stack and group records
-    assert len(ev.records) - len(added) == len(order) + 3  # each node its record, and the 3 weights
+    added = [key for key in ev.records if type(key) is Record]  # stack, gather and group records
     assert 10 < len(added) < len(order) // 4  # 8 trees' cells (the loss builds each twice) in a few groups
+    assert all(ev.records.computed(node) for node in order)
+    # Members read only by index (gathers) have no records: only the ones read otherwise, and the 3 weights.
+    lazy = [node for node in order if node not in ev.records]
+    assert len(ev.records) - len(added) - 3 < len(order) // 2 < len(lazy)
+    group, row, _ = ev.records.places[lazy[0]]
+    rec = ev.records[lazy[0]]  # read: its record is made, a view of its row, holding its group
+    assert rec.inputs == (group,) and np.shares_memory(rec.value, group.value)
+    np.testing.assert_array_equal(rec.value, group.value[row])
 
 
 def test_training_steps_each_weight_once_and_matches() -> None:
@@ -143,6 +150,7 @@ def test_chain_is_left_alone_cheaply() -> None:
 
 @pytest.mark.parametrize(("batching", "extra"), [(None, 0), (True, 2)])
 def test_small_groups_run_batched_only_when_forced(batching: bool | None, extra: int) -> None:
+    """``extra``: a stack and a group record if batched, whose 2 members get records when read."""
     w = ml.Weight(np.ones(3))
     products = [w * float(i) for i in range(300)]  # 300 signatures: all different numbers
     nodes = [ml.tanh(products[0]), ml.tanh(products[1]), *products]  # one group of 2
@@ -151,7 +159,11 @@ def test_small_groups_run_batched_only_when_forced(batching: bool | None, extra:
     with ml.settings(batching=batching):
         assert _batching.worth_batching(ev, order)
         _batching.forward(ev, order)
-    assert len(ev.records) == 1 + 302 + extra  # the weight, the nodes, and a stack and a group if batched
+    assert (
+        len(ev.records) == 303
+    )  # the weight and 302 nodes; batched: 300 nodes, a stack and a group (its members: none yet)
+    assert all(ev.records.computed(node) for node in nodes)
+    assert (nodes[1] in ev.records) is (not extra)
     assert np.array_equal(ev.records[nodes[1]].value, np.tanh(np.ones(3)))
 
 

@@ -40,8 +40,13 @@ def graph() -> tuple[ml.ScalarLayer, list[ml.ArrayLayer]]:
 
 
 def sources_of(ev: Evaluation) -> list[list[Record]]:
-    """The groups each gather record reads (its inputs; it holds the members it reads)."""
-    return [list(r.inputs) for key, r in ev.records.items() if type(key) is Record and type(r.release) is tuple]
+    """The groups each gather record reads (its inputs: groups only, which have delta sinks)."""
+    sinks = ev.records.sinks
+    return [
+        list(r.inputs)
+        for key, r in ev.records.items()
+        if type(key) is Record and key not in sinks and r.inputs and all(i in sinks for i in r.inputs)
+    ]
 
 
 def test_gathers_read_two_groups_and_repeated_rows_with_unbatched_gradients() -> None:
@@ -81,7 +86,8 @@ async def test_counted_release_through_gathers() -> None:
 
 def test_worker_pool_release_follows_a_gathers_members() -> None:
     """The pool's backward (taken when some graph of a pure evaluation forked)
-    releases a batched graph's members through the gather records' tokens."""
+    releases a batched graph's groups through the gather records that read
+    them (their members, read only by index, have no records)."""
     loss, _ = graph()
     with ml.settings(batching=False):
         _, want = entry.gradients_sync(loss)

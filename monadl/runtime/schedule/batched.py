@@ -9,9 +9,10 @@ along a new leading axis.
 
 Batching is a rewrite into ordinary records (`monadl.runtime.schedule.batched_records`):
 per batched operand a gather record (rows of earlier groups' outputs, by
-index) or a stack record, a group record, a record per member whose value is
-a view of the group's output, so the one node backward of
-`monadl.runtime.backward.backprop` back-propagates it unchanged.
+index) or a stack record, a group record, and per member a record made when
+something other than a gather reads it (its value a view of the group's
+output), so the one node backward of `monadl.runtime.backward.backprop`
+back-propagates it unchanged.
 
 Grouping is by depth (the longest path from the graph's inputs: nodes of one
 depth never depend on each other) or by agenda (DyNet's: of the groups ready,

@@ -21,7 +21,7 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, scatter_add
 from monadl.layers._outputs import OutputsDelta, StackedOutputs
-from monadl.runtime.evaluation import Record
+from monadl.runtime.evaluation import Record, Records
 
 __all__ = ["Gather", "Groups", "Place", "Source"]
 
@@ -35,17 +35,15 @@ part of a consumer's signature (the same for all members)."""
 class Source:
     """The rows one gathered operand reads from one earlier group: the
     gathered rows ``positions`` (None: all, in order) are the group's rows
-    ``indices`` (None: all, in order); ``held``: the members' records, which
-    the gather record holds in their stead."""
+    ``indices`` (None: all, in order)."""
 
-    __slots__ = ("group", "held", "indices", "positions", "unique")
+    __slots__ = ("group", "indices", "positions", "unique")
 
-    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool, held: tuple[Record, ...]) -> None:
+    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool) -> None:
         self.group = group
         self.positions = positions
         self.indices = indices
         self.unique = unique
-        self.held = held
 
 
 @final
@@ -58,11 +56,12 @@ class Groups:
 
     __slots__ = ("outer", "records", "sinks", "where")
 
-    def __init__(self, records: dict[Any, Record], outer: bool = False) -> None:
+    def __init__(self, records: Records, outer: bool = False) -> None:
         self.records = records
         self.outer = outer
-        self.where: dict[Any, Place] = {}
-        self.sinks: dict[Record, Gather] = {}
+        # The evaluation's: a member's record is made from them when it is read (`Records`).
+        self.where: dict[Any, Place] = records.places
+        self.sinks: dict[Record, Gather] = records.sinks
 
     def sources(self, column: list[Any]) -> list[Source] | None:
         """Where each of ``column`` (layers) sits in earlier groups' outputs,
@@ -72,11 +71,10 @@ class Groups:
         if None in found:
             return None
         places = cast(list[Place], found)
-        held = list(map(self.records.__getitem__, column))
         owners = list(map(_group, places))
         first = owners[0]
         if owners.count(first) == len(owners):  # one group's rows (the common case; records compare by identity)
-            return [_source(first, None, list(map(_row, places)), held)]
+            return [_source(first, None, list(map(_row, places)))]
         rows: dict[Record, list[int]] = {}
         for p, place in enumerate(places):
             positions = rows.get(place[0])
@@ -84,10 +82,7 @@ class Groups:
                 rows[place[0]] = [p]
             else:
                 positions.append(p)
-        return [
-            _source(group, positions, [places[p][1] for p in positions], [held[p] for p in positions])
-            for group, positions in rows.items()
-        ]
+        return [_source(group, positions, [places[p][1] for p in positions]) for group, positions in rows.items()]
 
     def gather(self, sources: list[Source], n: int) -> Any:
         """The gathered operand: rows of earlier groups' outputs, by index (no copy
@@ -113,19 +108,14 @@ class Groups:
 
     def gather_record(self, value: Any, sources: list[Source], node: Any) -> Record:
         """The record of a gathered operand: it holds the groups it reads (its
-        delta goes to each in one scatter), and the members it reads in their
-        stead (a member is released, so its group, once the gather is)."""
+        delta goes to each in one scatter); the members it reads need no
+        records (`Records`)."""
         groups = tuple([s.group for s in sources])
         needs = any(g.needs_grad for g in groups)
         vjps = tuple([_scatter(self.sinks[s.group], s) for s in sources]) if needs else None
         rec = Record(value, vjps, groups, needs, node, True)
-        held: list[Record] = []
-        for s in sources:
-            s.group.refcount += 1
-            for r in s.held:
-                r.refcount += 1
-            held.extend(s.held)
-        rec.release = tuple(held)
+        for g in groups:
+            g.refcount += 1
         self.records[rec] = rec
         return rec
 
@@ -134,7 +124,7 @@ _group = itemgetter(0)
 _row = itemgetter(1)
 
 
-def _source(group: Record, positions: list[int] | None, indices: list[int], held: list[Record]) -> Source:
+def _source(group: Record, positions: list[int] | None, indices: list[int]) -> Source:
     """A `Source` from Python lists: None for rows that are all, in order."""
     n = len(indices)
     whole = n == group.value.shape[0] and indices == list(range(n))
@@ -143,7 +133,6 @@ def _source(group: Record, positions: list[int] | None, indices: list[int], held
         None if positions is None else np.array(positions),
         None if whole else np.array(indices),
         len(set(indices)) == n,
-        tuple(held),
     )
 
 

@@ -14,26 +14,28 @@ Per group of ``n`` members that ran as one kernel (`group_records`):
   (for a matrix product, one ``X_cat.T @ dY``; in the merged runs of
   `monadl.runtime.schedule.fibers`, its factors ``X_cat`` and ``dY``, an
   `Outer`, multiplied once for all runs when the weight is released);
-* per member, a record whose value is ``out[i]`` (a view), for consumers
-  that run alone, the graph's roots and later graphs; its VJP puts its delta
-  into the group's `Gather`. The gather records read the group's output, not
-  these records, so a delta that goes group to group costs no per-member
-  work: `Gather` sums its parts once, when the backward reaches the group
-  (members and gathers come after it in insertion order, so they are
-  reached first).
+* per member, its place (`Place`: the group's record and its row) in the
+  evaluation's `Records`, and a record only when something reads it: a
+  consumer that runs alone, a root, a later graph
+  (`monadl.runtime.evaluation.Records.__missing__`). Such a record's value is
+  ``out[i]`` (a view), it holds the group, and its VJP puts its delta into
+  the group's `Gather`. The gather records read the group's output by the
+  places, so a value or delta that goes group to group costs no per-member
+  record: `Gather` sums its parts once, when the backward reaches the group
+  (members' records and gathers come after it in insertion order, so they
+  are reached first).
 
 So the one node backward (`monadl.runtime.backward`) (its sweep, its counted
 release, the worker pool's release) back-propagates a batched graph
 unchanged, and reference counts stay exact: each record is held once per
-record that lists it as an input, and a member that a gather record reads is
-held by that gather record's release token (released with it), so that the
-member, and through it its group, is released in the counted release.
+record that lists it as an input; a group by its gather records and by its
+members' records, once made, so that it is released in the counted release
+after all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from operator import itemgetter
 from typing import Any, Final
 
@@ -146,26 +148,17 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     if needs and groups.outer and first._op.name in _PRODUCTS:
         vjps = _factored(vjps, operands, args)
     group = record(out, None, tuple(ins), needs, first, False)
-    group.refcount = n  # its members hold it (and each gather record that reads it, one more)
     records[group] = group
-    sink = None
     if needs:
-        sink = groups.sinks[group] = Gather(out)
+        groups.sinks[group] = Gather(out)
         group.vjps = tuple([_resolving(v) for v in vjps])
+    # The members' values are rows of ``out``; a member gets a record (holding
+    # the group) only when something reads it (`Records`): here, its place.
     if type(out) is StackedOutputs:
-        values: list[Any] = list(map(Outputs, zip(*out.parts)))  # (their rows as views, made in C)
-        part = values[0].signature()
+        part = Outputs(tuple([p[0] for p in out.parts])).signature()
     else:
-        values = list(out)
-        part = (type(values[0]), values[0].shape, values[0].dtype)
-    held = (group,)
-    if sink is None:
-        for node, value in zip(members, values):
-            records[node] = record(value, None, held, needs, node, True)
-    else:
-        put = sink.put
-        for i, node in enumerate(members):
-            records[node] = record(values[i], (partial(put, i),), held, needs, node, True)
+        row = out[0]
+        part = (type(row), row.shape, row.dtype)
     groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
 
 

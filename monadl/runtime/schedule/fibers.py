@@ -219,7 +219,7 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
     >>> len(order), alike, products
     (7, 2, 8)
     """
-    records = ev.records
+    computed = ev.records.computed
     seen: set[Any] = set()
     order: list[Any] = []
     shapes: dict[Any, int] = {}
@@ -227,7 +227,7 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
     for part in orders:
         # Concatenated topological orders, each node at its first place, stay topological.
         for node in part:
-            if node not in seen and node not in records:  # another fiber's graph may have computed it
+            if node not in seen and not computed(node):  # another fiber's graph may have computed it
                 seen.add(node)
                 order.append(node)
                 if _multiplies(node._op):

@@ -52,7 +52,7 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
         stop = min(i + CHECK_EVERY, end)
         for j in range(i, stop):
             node = order[j]
-            if resumed and node in records:  # a Do evaluated meanwhile may have computed it
+            if resumed and records.computed(node):  # a Do evaluated meanwhile may have computed it
                 continue
             if node._op is None:
                 return SUSPENDED, j
