@@ -324,8 +324,9 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
     """
     records = ev.records
     order = frame.order
+    timed: list[Any] = order or []  # (the whole graph, for the fork rule's timing)
     if order is None:
-        order = frame.order = collect(ev, frame.roots)
+        order = timed = frame.order = collect(ev, frame.roots)
         if not order:
             return None
         if cuda.loaded() and cuda.on_device(records, order) and all(node._op is not None for node in order):
@@ -338,7 +339,7 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
         if batched.worth_batching(ev, order):  # it computes what batches; the inline loop the rest
-            batched.forward(ev, order)
+            order = frame.order = batched.forward(ev, order)  # (the rest: layers built from a Do, what needs them)
             frame.resumed = True
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
@@ -346,7 +347,7 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         if outcome is None:
             now = time.perf_counter()
             if frame.started:
-                pool.measured(ev, order, now - frame.started)
+                pool.measured(ev, timed, now - frame.started)
             if now > ev.deadline:  # many small graphs add up too
                 yield inline.CHECKPOINT
             return None

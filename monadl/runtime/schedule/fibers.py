@@ -188,7 +188,7 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
             # One `Groups` for all runs: a later run's group reads an earlier one's
             # members by index (a parser's stack entries, computed steps before), and
             # its delta goes back in one scatter per group, not a view per member.
-            batched.forward(ev, order, None, parked.groups, heights(order))
+            order = batched.forward(ev, order, None, parked.groups, heights(order))  # (it leaves none: no Do layers)
         index = 0
         while True:
             outcome, index = inline.forward(ev, order, index, True)

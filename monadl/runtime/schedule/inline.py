@@ -46,13 +46,14 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
     the event loop is due a turn before ``order[i]``.
     """
     records = ev.records
+    places = records.places  # (batched groups' members: computed, with records or not yet)
     end = len(order)
     i = start
     while i < end:  # in chunks, so that looking at the clock costs nothing per node
         stop = min(i + CHECK_EVERY, end)
         for j in range(i, stop):
             node = order[j]
-            if resumed and records.computed(node):  # a Do evaluated meanwhile may have computed it
+            if resumed and (node in records or node in places):  # a Do evaluated meanwhile may have computed it
                 continue
             if node._op is None:
                 return SUSPENDED, j
