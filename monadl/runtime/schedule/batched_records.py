@@ -106,13 +106,13 @@ def _param_key(p: Any) -> Any:
     Python 3.12); arrays stand for their shape and dtype (they may differ per
     member, and are stacked); None where unsupported."""
     kind = type(p)
+    if kind is slice:  # (first: a cell's gate slices are most of the parameters a graph has)
+        return (slice, p.start, p.stop, p.step)
     if p is None or kind in NUMBERS or kind is str or p is Ellipsis:
         return (kind, p)
-    if kind is slice:
-        return (slice, p.start, p.stop, p.step)
     if kind is tuple:
-        parts = tuple(_param_key(q) for q in p)
-        return None if any(q is None for q in parts) else (tuple, parts)
+        parts = [_param_key(q) for q in p]
+        return None if None in parts else (tuple, *parts)
     shape = getattr(p, "shape", None)
     if shape is not None and hasattr(p, "dtype"):
         return (kind, shape, p.dtype)
