@@ -12,7 +12,7 @@ from typing import Any, Final, final
 
 import numpy as np
 
-__all__ = ["OuterRule", "outer_rule", "product"]
+__all__ = ["OuterRule", "factors_pay", "outer_rule", "product"]
 
 Value = Any
 
@@ -79,8 +79,7 @@ def outer_rule(left: np.ndarray[Any, Any], matrix: np.ndarray[Any, Any]) -> Any:
     >>> type(outer_rule(np.ones((16, 4)), np.ones((4, 4)))).__name__
     'function'
     """
-    size = matrix.size
-    if size >= _FACTORED and left.shape[0] * (left.shape[1] + matrix.shape[1]) <= size:
+    if factors_pay(left.shape[0], *matrix.shape):
         return OuterRule(left)
     return lambda g: product(left.mT, g)
 
@@ -104,3 +103,12 @@ _HUGE_WEIGHT: Final = 1 << 19
 _FACTORED: Final = 1 << 16
 """The fewest elements of a matrix whose delta a weight keeps as factors: for
 smaller ones, the finite check of the product costs about what it saves."""
+
+
+def factors_pay(rows: int, k: int, m: int) -> bool:
+    """Whether the delta of a ``k`` x ``m`` matrix from a product with ``rows``
+    rows is kept as factors (the rows and the delta's rows) rather than
+    multiplied out: the matrix is large (`_FACTORED` elements or more) and
+    the factors are smaller than it."""
+    size = k * m
+    return size >= _FACTORED and rows * (k + m) <= size

@@ -25,7 +25,7 @@ from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
 from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, batch_output
 from monadl.layers._primitives import Primitive
-from monadl.layers._products import OuterRule
+from monadl.layers._products import OuterRule, factors_pay
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
 __all__ = ["Program", "Step"]
@@ -184,8 +184,8 @@ class Program:
                 if result is None:
                     return None
                 out, rules = result
-                if factored and flags[:2] == (True, False) and self.weights <= step.refs[1] < self.size:
-                    rules = _factored(step, rules, values)
+                if flags[:2] == (True, False) and self.weights <= step.refs[1] < self.size:
+                    rules = _factored(step, rules, values, factored)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
             env.append(out)
@@ -309,14 +309,20 @@ class Program:
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
 
 
-def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...]) -> tuple[Vjp, ...]:
+def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...], always: bool) -> tuple[Vjp, ...]:
     """A product's rules with its matrix's delta (the matrix a weight, the
-    rows stacked) sent as factors: the rows and the delta's rows."""
+    rows stacked) sent as factors: the rows and the delta's rows; unless
+    ``always``, only where factors pay, as for one node (`outer_rule`: a
+    large weight, and factors smaller than it: a group of few rows, such as
+    a level of one tree, sends them, and the weight gets one product for all
+    groups instead of a weight-sized one per group)."""
     rows, matrix = values[0], values[1]
     if step.op.name not in _PRODUCTS or getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2:
         return rules
     k, m = matrix.shape
     if rows.shape[-1] != k:
+        return rules
+    if not always and not factors_pay(rows.size // k, k, m):
         return rules
     xp = namespace(rows)
     flat = xp.reshape(rows, (-1, k))

@@ -317,3 +317,31 @@ def test_a_node_alone_keeps_a_large_weights_delta_as_factors(
         anyio.run(loss(marked_w, ml.operation(lambda x: ml.tanh(x @ marked_w))).train)
     np.testing.assert_allclose(marked_w.data, plain_w.data, rtol=1e-12)
     assert not np.array_equal(marked_w.data, data)
+
+
+def test_a_small_group_of_operation_nodes_sends_a_large_weights_delta_as_factors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batched, a group of few rows sends its weight's delta as one `Outer` (the
+    rows and their deltas), which the step multiplies once, as for one node."""
+    rng = np.random.default_rng(1)
+    w = ml.Weight(rng.normal(size=(512, 256)) / 16)
+    cell = ml.operation(lambda x: ml.tanh(x @ w))
+    xs = [rng.normal(size=(2, 512)) for _ in range(3)]
+    made: list[Outer] = []
+    init = Outer.__init__
+
+    def spy(self: Outer, left: Any, right: Any) -> None:
+        made.append(self)
+        init(self, left, right)
+
+    monkeypatch.setattr(Outer, "__init__", spy)
+    grads = []
+    for batching in (False, True):
+        loss = ml.sum(ml.concatenate([cell(x) for x in xs], axis=0) ** 2)
+        made.clear()
+        with ml.settings(batching=batching):
+            (g,) = anyio.run(ml.gradients, loss, [w])
+        grads.append(g)
+        assert len(made) == (1 if batching else 3)  # one group, or one per node
+    assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))

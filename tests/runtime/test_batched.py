@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 import monadl as ml
-from monadl.deltas import SparseRows, unbroadcast
+from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._primitives import PRIMITIVES
 from monadl.runtime import entry
@@ -398,3 +399,31 @@ def test_unbatchable_combinations_say_so() -> None:
     rule: Callable[..., Any] = BATCHING_RULES["getitem"]
     assert rule((np.ones((3, 4)), (np.array([0, 1]),)), (True, False), 3) is None
     assert BATCHING_RULES["matmul"]((np.ones(3), np.ones(3)), (False, False), 1) is None
+
+
+@pytest.mark.parametrize("rows", [2, 600])
+def test_a_small_groups_weight_delta_comes_as_factors(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of few rows by a large weight sends the weight's delta as factors
+    (`Outer`: one product for all groups when the weight is stepped), as one node
+    would; a group with more rows than the weight pays for sends the product."""
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(512, 256)) / 16
+    xs = [rng.normal(size=(rows, 512)) for _ in range(4)]
+    made: list[Outer] = []
+    init = Outer.__init__
+
+    def spy(self: Outer, left: Any, right: Any) -> None:
+        made.append(self)
+        init(self, left, right)
+
+    monkeypatch.setattr(Outer, "__init__", spy)
+    grads = []
+    for batching in (False, True):
+        w = ml.Weight(data.copy())
+        loss = ml.sum(ml.concatenate([ml.tanh(x @ w) for x in xs], axis=0) ** 2)
+        made.clear()
+        with ml.settings(batching=batching):
+            (g,) = anyio.run(ml.gradients, loss, [w])
+        grads.append(g)
+    assert len(made) == (1 if rows == 2 else 0)  # batched: one group, its factors (rows 2: 4 x 2 x 768 < 512 x 256)
+    assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))

@@ -45,6 +45,7 @@ from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._products import factors_pay
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
@@ -145,8 +146,8 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
             rec.refcount += 1
         ins.append(rec)
     needs = any(r is not None and r.needs_grad for r in ins)
-    if needs and groups.outer and first._op.name in _PRODUCTS:
-        vjps = _factored(vjps, operands, args)
+    if needs and first._op.name in _PRODUCTS:
+        vjps = _factored(vjps, operands, args, groups.outer)
     group = record(out, None, tuple(ins), needs, first, False)
     records[group] = group
     if needs:
@@ -165,15 +166,19 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
 
 
-def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any]) -> tuple[Any, ...]:
+def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any], always: bool) -> tuple[Any, ...]:
     """``vjps`` with a shared weight's (a matrix times the members' stacked
-    rows) replaced by one that sends its delta as factors (an `Outer`)."""
+    rows) replaced by one that sends its delta as factors (an `Outer`):
+    ``always`` (the merged runs of `monadl.runtime.schedule.fibers`), else
+    where factors pay, as for one node (`monadl.layers._products.outer_rule`)."""
     w, rows, matrix = operands[1].rec, args[0], args[1]
     if w is None or not w.is_weight or operands[0].rec is not None:  # (a weight, times stacked rows)
         return vjps
     if getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2 or rows.shape[-1] != matrix.shape[0]:
         return vjps
     k, m = matrix.shape
+    if not always and not factors_pay(rows.size // k, k, m):
+        return vjps
     xp = namespace(rows)
     rows = xp.reshape(rows, (-1, k))
     return (vjps[0], lambda g: Outer(rows, xp.reshape(g, (-1, m))), *vjps[2:])
