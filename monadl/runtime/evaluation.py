@@ -126,9 +126,13 @@ class Records(dict[Any, Record]):
             value = value[row]
         sink = self.sinks.get(group)
         rec = Record(value, None if sink is None else (partial(sink.put, row),), (group,), group.needs_grad, node, True)
-        group.refcount += 1  # (its members hold a group)
-        self[node] = rec  # (after its group and before the reader: the order stays topological)
-        return rec
+        # After its group and before the reader: the order stays topological. One
+        # step in C, so that two threads reading one member (the worker pool's)
+        # make one record between them.
+        made = self.setdefault(node, rec)
+        if made is rec:
+            group.refcount += 1  # (its members hold a group)
+        return made
 
 
 class Shared:

@@ -112,7 +112,12 @@ class Groups:
         records (`Records`)."""
         groups = tuple([s.group for s in sources])
         needs = any(g.needs_grad for g in groups)
-        vjps = tuple([_scatter(self.sinks[s.group], s) for s in sources]) if needs else None
+        # (a group that reads no weight has no sink: no delta goes to it)
+        vjps = (
+            tuple([_scatter(self.sinks[s.group], s) if s.group.needs_grad else None for s in sources])
+            if needs
+            else None
+        )
         rec = Record(value, vjps, groups, needs, node, True)
         for g in groups:
             g.refcount += 1

@@ -42,6 +42,8 @@ import anyio
 if TYPE_CHECKING:
     import cupy
 
+    from monadl.runtime.evaluation import Records
+
 __all__ = ["forward", "loaded", "on_device", "ready"]
 
 _POLL_FIRST_S = 1e-5
@@ -57,7 +59,7 @@ def is_device_array(x: object) -> bool:
     return loaded() and isinstance(x, sys.modules["cupy"].ndarray)
 
 
-def on_device(records: dict[Any, Any], order: list[Any]) -> bool:
+def on_device(records: Records, order: list[Any]) -> bool:
     """Whether a graph computes on the GPU: some operand of its first layers is a CuPy array."""
     from monadl.layers._layer import Layer
     from monadl.layers._weight import Weight
@@ -68,7 +70,12 @@ def on_device(records: dict[Any, Any], order: list[Any]) -> bool:
         for x in node._inputs:
             if type(x) is Layer and x in members:
                 continue
-            value = records[x].value if type(x) is Layer or type(x) is Weight else x
+            if type(x) is Layer or type(x) is Weight:
+                # (not records[x]: a batched member's record would be made, holding its group for nobody to release)
+                rec = records.get(x)
+                value = records.places[x][0].value if rec is None else rec.value
+            else:
+                value = x
             if isinstance(value, cp.ndarray):
                 return True
     return False

@@ -302,7 +302,7 @@ def _backward(ev: Evaluation, token: Any) -> None:
         backprop((rec,), ev.check_finite, schedule.cv)
         with schedule.cv:
             ready = []
-            # (a batched group's gather record holds the members it read through its release token)
+            # (a record holding more than its inputs lists the rest as its release token)
             for r in rec.inputs if rec.release is None else (*rec.inputs, *rec.release):
                 if r is not None:
                     r.refcount -= 1
