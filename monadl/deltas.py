@@ -218,13 +218,14 @@ class Outer:
     ``lefts[i].T @ rights[i]`` (and of ``others``, deltas that came as arrays),
     multiplied once, when the weight is released (`dense`) or stepped.
 
-    Two producers: the merged runs of `monadl.runtime.schedule.fibers` each
+    Its producers: the merged runs of `monadl.runtime.schedule.fibers` each
     multiply by the weight, and each sends its rows, not a weight-sized
-    product that the next one's is added to; and a product of a few rows by a
-    large weight (`monadl.layers._products.OuterRule`), a node's or a step's
-    of an operation's program run alone (`monadl.layers._program`), whose plain-SGD step
-    then scales the few rows' deltas instead of the weight-sized product, and
-    whose finite check reads the factors (`monadl.optim.apply`).
+    product that the next one's is added to; a product of a few rows by a
+    large weight (`monadl.layers._products.OuterRule`: a node's, or a step's
+    of an operation's program), whose plain-SGD step then scales the few
+    rows' deltas instead of the weight-sized product, and whose finite check
+    reads the factors (`monadl.optim.apply`); and a batched group of few
+    rows by such a weight (`monadl.layers._products.factors_pay`).
 
     >>> a, b = np.ones((2, 3)), np.ones((2, 4))
     >>> d = Outer(a, b) + Outer(a, b) + np.ones((3, 4))
