@@ -86,9 +86,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             kind = cur._kind
             if kind == FORWARD:
                 node = cur._a
-                rec = records.get(node)
-                if rec is None and node in records.places:  # a batched group's member: its record made now
-                    rec = records[node]
+                rec = records[node] if node in records.places else records.get(node)  # (a member's: made now)
                 if rec is None and type(node) is Weight:
                     rec = ev.weight_record(node)
                 if rec is None:
@@ -324,9 +322,8 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
     """
     records = ev.records
     order = frame.order
-    timed: list[Any] = order or []  # (the whole graph, for the fork rule's timing)
     if order is None:
-        order = timed = frame.order = collect(ev, frame.roots)
+        order = frame.order = collect(ev, frame.roots)
         if not order:
             return None
         if cuda.loaded() and cuda.on_device(records, order) and all(node._op is not None for node in order):
@@ -338,8 +335,8 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
                 ev.forked = True
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
-        if batched.worth_batching(ev, order):  # it computes what batches; the inline loop the rest
-            order = frame.order = batched.forward(ev, order)  # (the rest: layers built from a Do, what needs them)
+        if batched.worth_batching(ev, order):  # it computes what batches; the inline loop what it left, if any
+            frame.index = 0 if batched.forward(ev, order) else len(order)
             frame.resumed = True
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
@@ -347,7 +344,7 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         if outcome is None:
             now = time.perf_counter()
             if frame.started:
-                pool.measured(ev, timed, now - frame.started)
+                pool.measured(ev, order, now - frame.started)
             if now > ev.deadline:  # many small graphs add up too
                 yield inline.CHECKPOINT
             return None

@@ -285,9 +285,7 @@ def test_slices_that_tile_or_not_assign_their_deltas_exactly(batching: bool, cut
 
 
 @pytest.mark.parametrize("check_finite", [False, True])
-def test_a_node_alone_keeps_a_large_weights_delta_as_factors(
-    check_finite: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_node_alone_keeps_a_large_weights_delta_as_factors(check_finite: bool, outers: list[Outer]) -> None:
     """Run alone (batching off), a marked cell's product by a large weight sends
     that weight's delta as factors (`Outer`), as an unmarked product's does: one
     product per weight at the step, not a weight-sized one per node."""
@@ -299,19 +297,11 @@ def test_a_node_alone_keeps_a_large_weights_delta_as_factors(
         return ml.sum(ml.concatenate([cell(x) for x in xs], axis=0) ** 2)
 
     plain_w, marked_w = ml.Weight(data.copy()), ml.Weight(data.copy())
-    made: list[Outer] = []
-    init = Outer.__init__
-
-    def spy(self: Outer, left: Any, right: Any) -> None:
-        made.append(self)
-        init(self, left, right)
-
-    monkeypatch.setattr(Outer, "__init__", spy)
     with ml.settings(batching=False, check_finite=check_finite):
         (plain,) = anyio.run(ml.gradients, loss(plain_w, lambda x: ml.tanh(x @ plain_w)), [plain_w])
-        made.clear()
+        outers.clear()
         (marked,) = anyio.run(ml.gradients, loss(marked_w, ml.operation(lambda x: ml.tanh(x @ marked_w))), [marked_w])
-        assert len(made) == 3  # one per node
+        assert len(outers) == 3  # one per node
         np.testing.assert_allclose(marked, plain, rtol=1e-12, atol=1e-15)
         anyio.run(loss(plain_w, lambda x: ml.tanh(x @ plain_w)).train)
         anyio.run(loss(marked_w, ml.operation(lambda x: ml.tanh(x @ marked_w))).train)
@@ -320,7 +310,7 @@ def test_a_node_alone_keeps_a_large_weights_delta_as_factors(
 
 
 def test_a_small_group_of_operation_nodes_sends_a_large_weights_delta_as_factors(
-    monkeypatch: pytest.MonkeyPatch,
+    outers: list[Outer],
 ) -> None:
     """Batched, a group of few rows sends its weight's delta as one `Outer` (the
     rows and their deltas), which the step multiplies once, as for one node."""
@@ -328,20 +318,12 @@ def test_a_small_group_of_operation_nodes_sends_a_large_weights_delta_as_factors
     w = ml.Weight(rng.normal(size=(512, 256)) / 16)
     cell = ml.operation(lambda x: ml.tanh(x @ w))
     xs = [rng.normal(size=(2, 512)) for _ in range(3)]
-    made: list[Outer] = []
-    init = Outer.__init__
-
-    def spy(self: Outer, left: Any, right: Any) -> None:
-        made.append(self)
-        init(self, left, right)
-
-    monkeypatch.setattr(Outer, "__init__", spy)
     grads = []
     for batching in (False, True):
         loss = ml.sum(ml.concatenate([cell(x) for x in xs], axis=0) ** 2)
-        made.clear()
+        outers.clear()
         with ml.settings(batching=batching):
             (g,) = anyio.run(ml.gradients, loss, [w])
         grads.append(g)
-        assert len(made) == (1 if batching else 3)  # one group, or one per node
+        assert len(outers) == (1 if batching else 3)  # one group, or one per node
     assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))
