@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from monadl._namespace import namespace
 from monadl.deltas import unbroadcast
-from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._primitives import PRIMITIVES, _checked_indices
 from monadl.layers._products import product
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
@@ -188,6 +188,8 @@ def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> 
         return None
     xp = namespace(logits)
     _, rows, classes = logits.shape
+    # The members' labels checked as one (each member's rule checks its own), on the host if they are there.
+    labels = xp.reshape(_checked_indices(xp, labels, classes, "labels", "classes", logits), labels.shape)
     log_p, _ = PRIMITIVES["log_softmax"].rule(logits, -1)
     picked = xp.take_along_axis(log_p, labels[:, :, None], axis=-1)[..., 0]
     out = -xp.sum(picked, axis=-1) / rows

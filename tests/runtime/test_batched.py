@@ -218,6 +218,19 @@ def test_error_in_a_batched_group_names_the_failing_members_line() -> None:
         assert f"{HERE}:{line_of('BAD-MEMBER')}" in str(info.value)
 
 
+@pytest.mark.parametrize("label", [-1, 4], ids=["negative", "too-large"])
+def test_a_batched_cross_entropy_refuses_a_label_out_of_range_as_one_member_does(label: int) -> None:
+    """A negative label would pick a class from the end (take_along_axis wraps):
+    the group checks its members' labels as each member's rule does."""
+    w = ml.Weight(np.ones((3, 4)))
+    xs = [np.ones((2, 3)) * i for i in range(4)]
+    labels = [np.array([0, label if i == 2 else 1]) for i in range(4)]
+    loss = ml.sum(ml.stack([ml.cross_entropy(ml.as_layer(x) @ w, y) for x, y in zip(xs, labels)]))
+    for batching in (False, True):
+        with ml.settings(batching=batching), pytest.raises(ml.ShapeError, match="labels must lie in"):
+            entry.gradients_sync(loss)
+
+
 def test_shape_error_in_a_group_is_the_unbatched_error() -> None:
     w = ml.Weight(np.ones(4))
     xs = [np.ones(3) * i for i in range(8)]
