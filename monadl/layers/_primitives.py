@@ -393,7 +393,10 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     n, classes = a.shape
     if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
         raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
-    _check_range(xp, labels, classes, "labels", "classes")
+    if xp is not np and type(labels) is np.ndarray:  # host labels for device logits: checked there, copied over
+        rows, labels = xp.arange(n, device=a.device), _checked_indices(xp, labels, classes, "labels", "classes", a)
+    else:
+        _check_range(xp, labels, classes, "labels", "classes")
     log_p, _ = _log_softmax(a, -1)
     out = -_reductions(xp)[1](log_p[rows, labels]) / n
 
@@ -437,12 +440,26 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp, shape = namespace(table), table.shape
     if not shape:
         raise ValueError("the table must have at least one axis (its rows)")
-    flat = xp.reshape(indices, (-1,))
     # As PyTorch's embedding: no wrapping, so equal rows have equal indices
     # (the sparse step sums a row's deltas by its index).
-    _check_range(xp, flat, shape[0], "indices", "rows")
+    flat = _checked_indices(xp, indices, shape[0], "indices", "rows", table)
     rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
     return rows, (lambda g: SparseRows(flat, xp.reshape(g, (-1, *shape[1:])), shape),)
+
+
+def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: Value) -> Value:
+    """``ints`` flat, in ``[0, size)`` (`_check_range`), in the library of ``like``.
+
+    NumPy integers for a table on a device (a tree's symbols, a batch's
+    labels: host data) are checked on the host, where that costs no wait, and
+    then copied over (a few bytes, queued on the stream like a kernel)."""
+    if xp is not np and type(ints) is np.ndarray:
+        flat = np.reshape(ints, (-1,))
+        _check_range(np, flat, size, what, of)
+        return xp.asarray(flat, device=like.device)
+    flat = xp.reshape(ints, (-1,))
+    _check_range(xp, flat, size, what, of)
+    return flat
 
 
 def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:

@@ -37,6 +37,8 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
         labels: integers of shape ``(batch,)``, plain data, one per row, each
             in ``[0, classes)``: anything else raises `monadl.ShapeError`
             when the layer runs (a negative label is not counted from the end).
+            NumPy labels for logits on a GPU are checked on the host and
+            copied over, so the check does not wait for the device.
 
     >>> import anyio, numpy as np
     >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
@@ -62,7 +64,10 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
 
     Indices must lie in ``[0, rows)``; others, negative ones included, raise
     `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
-    would count a negative index from the end).
+    would count a negative index from the end). For a table on a GPU the
+    indices may be NumPy integers (a tree's symbols: host data): they are
+    checked on the host and copied over (device indices are checked on the
+    device, which waits for it).
 
     >>> import anyio, numpy as np, monadl as ml
     >>> table = ml.Weight(np.arange(6.0).reshape(3, 2))
