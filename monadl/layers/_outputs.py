@@ -84,7 +84,7 @@ class StackedOutputs:
         return StackedOutputs(
             tuple(
                 [
-                    xp.reshape(xp.concatenate(part, axis=0), (n, *part[0].shape)) if part[0].ndim else xp.stack(part)
+                    xp.reshape(xp.concat(part, axis=0), (n, *part[0].shape)) if part[0].ndim else xp.stack(part)
                     for part in map(list, zip(*members))
                 ]
             )

@@ -326,11 +326,10 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         order = frame.order = collect(ev, frame.roots)
         if not order:
             return None
-        if cuda.loaded() and cuda.on_device(records, order) and all(node._op is not None for node in order):
-            # On a GPU the host only launches kernels: branches go to CUDA streams, not threads.
-            cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))
-            return None
-        if ev.workers > 1:
+        # On a GPU the host only launches kernels: a group is one launch for many
+        # nodes, and branches go to CUDA streams, not threads.
+        device = cuda.loaded() and cuda.on_device(records, order)
+        if ev.workers > 1 and not device:
             if pool.worth_forking(ev, order):
                 ev.forked = True
                 return "wait", pool.forward(ev, order)
@@ -338,6 +337,9 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         if batched.worth_batching(ev, order):  # it computes what batches; the inline loop what it left, if any
             frame.index = 0 if batched.forward(ev, order) else len(order)
             frame.resumed = True
+        elif device and all(node._op is not None for node in order):
+            cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))
+            return None
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
         frame.index = i

@@ -30,7 +30,7 @@ from monadl.runtime.evaluation import Evaluation, Record
 __all__ = ["all_finite", "collect", "compute", "describe", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
-_LOCAL: Final = _HOST | {Outputs}  # values of the host; an operation node's outputs are host values too
+_LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: NumPy's, else checked part by part)
 _ARRAYS_ONLY: Final = {np.ndarray}
 _serial = attrgetter("_serial")
 
@@ -190,7 +190,8 @@ def _operands(
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
     scalars as Python numbers, which every array library accepts."""
-    xp = common_namespace(args, node._op.name)
+    arrays = [p for a in args for p in (a if type(a) is Outputs else (a,))]  # an operation's outputs: each part
+    xp = common_namespace(tuple(arrays), node._op.name)
     return args if xp is np else host_scalars_to_python(args)
 
 

@@ -206,7 +206,10 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     error at its line, and integers are cast to the float's dtype)."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
-    foreign = kinds - _HOST - {StackedOutputs}  # (operation nodes' outputs are host arrays)
+    if StackedOutputs in kinds:  # operation nodes' outputs: the kinds of their arrays
+        parts = {type(p) for a in operands if type(a) is StackedOutputs for p in a.parts}
+        kinds = (kinds - {StackedOutputs}) | parts
+    foreign = kinds - _HOST
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         return False
     if op.same_dtype:
@@ -223,7 +226,7 @@ def stack(values: list[Any]) -> Any:
     first = values[0]
     xp = namespace(first)
     if getattr(first, "ndim", 0):
-        return xp.reshape(xp.concatenate(values, axis=0), (len(values), *first.shape))
+        return xp.reshape(xp.concat(values, axis=0), (len(values), *first.shape))
     return xp.stack(values)
 
 
