@@ -46,11 +46,12 @@ def set_threads(threads: int) -> None:
 class _Model:
     """The weights as PyTorch parameters, Adam, and the head shared by both schedules."""
 
-    def __init__(self, weights: Weights, learning_rate: float = 0.01) -> None:
+    def __init__(self, weights: Weights, learning_rate: float = 0.01, device: str = "cpu") -> None:
         import torch
 
         self.torch = torch
-        self.p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in weights.items()}
+        self.device = device
+        self.p = {k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(device)) for k, v in weights.items()}
         self.hidden = int(weights["children"].shape[0]) // 2
         self.optimizer = torch.optim.Adam(self.p.values(), lr=learning_rate)
 
@@ -63,7 +64,11 @@ class _Model:
 
     def loss(self, roots: Any, trees: list[Tree]) -> Any:
         logits = roots @ self.p["out"] + self.p["out_bias"]
-        return self.torch.nn.functional.cross_entropy(logits, self.torch.from_numpy(labels(trees)))
+        return self.torch.nn.functional.cross_entropy(logits, self.index(labels(trees)))
+
+    def index(self, ints: ml.Array) -> Any:
+        """An index tensor on the model's device (one host-to-device copy on a GPU)."""
+        return self.torch.from_numpy(ints).to(self.device)
 
     def variant(self, roots: Any) -> Variant:
         from benchmarks.treelstm import Variant
@@ -85,19 +90,19 @@ class _Model:
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss(roots(trees), trees)
             loss.backward()
-            return float(loss.detach()), {k: p.grad.numpy().copy() for k, p in self.p.items()}
+            return float(loss.detach()), {k: p.grad.cpu().numpy().copy() for k, p in self.p.items()}
 
         return Variant(train, infer, loss_and_gradients)
 
 
-def per_node(weights: Weights) -> Variant | None:
+def per_node(weights: Weights, device: str = "cpu") -> Variant | None:
     """PyTorch eager, one cell per node in a Python loop: the monadl model's program."""
     if not available():
         return None
-    model = _Model(weights)
+    model = _Model(weights, device=device)
     torch, p = model.torch, model.p
-    leaf_ids = [torch.tensor([d]) for d in range(10)]
-    op_ids = [torch.tensor([o]) for o in range(3)]
+    leaf_ids = [torch.tensor([d], device=device) for d in range(10)]
+    op_ids = [torch.tensor([o], device=device) for o in range(3)]
 
     def encode(tree: Tree) -> Any:
         states: list[tuple[Any, Any]] = []
@@ -161,12 +166,12 @@ def schedule(trees: list[Tree]) -> Schedule:
     return Schedule(levels, height, row, left, right, offsets[1:] - 1)
 
 
-def by_depth(weights: Weights) -> Variant | None:
+def by_depth(weights: Weights, device: str = "cpu") -> Variant | None:
     """PyTorch batched by hand: one cell per height, children gathered with
     ``index_select`` from the per-height tensors of ``[h, c]``."""
     if not available():
         return None
-    model = _Model(weights)
+    model = _Model(weights, device=device)
     torch, p = model.torch, model.p
     n = model.hidden
 
@@ -175,21 +180,21 @@ def by_depth(weights: Weights) -> Variant | None:
         sources = plan.height[nodes]
         heights = np.unique(sources)
         if len(heights) == 1:
-            return states[heights[0]].index_select(0, torch.from_numpy(plan.row[nodes]))
+            return states[heights[0]].index_select(0, model.index(plan.row[nodes]))
         picks = [np.flatnonzero(sources == h) for h in heights]
-        parts = [states[h].index_select(0, torch.from_numpy(plan.row[nodes[i]])) for h, i in zip(heights, picks)]
+        parts = [states[h].index_select(0, model.index(plan.row[nodes[i]])) for h, i in zip(heights, picks)]
         back = np.argsort(np.concatenate(picks))
-        return torch.cat(parts, dim=0).index_select(0, torch.from_numpy(back))
+        return torch.cat(parts, dim=0).index_select(0, model.index(back))
 
     def roots(trees: list[Tree]) -> Any:
         plan = schedule(trees)
-        symbols = torch.from_numpy(np.concatenate([t.symbol for t in trees]))
-        states = [torch.cat(model.cell(p["leaf"].index_select(0, symbols[plan.levels[0]])), dim=1)]
+        symbols = np.concatenate([t.symbol for t in trees])
+        states = [torch.cat(model.cell(p["leaf"].index_select(0, model.index(symbols[plan.levels[0]]))), dim=1)]
         for nodes in plan.levels[1:]:
             k = len(nodes)
             children = gather(states, plan, np.concatenate([plan.left[nodes], plan.right[nodes]]))
             gates = torch.cat([children[:k, :n], children[k:, :n]], dim=1) @ p["children"]
-            gates = gates + p["operator"].index_select(0, symbols[nodes])
+            gates = gates + p["operator"].index_select(0, model.index(symbols[nodes]))
             states.append(torch.cat(model.cell(gates, children[:k, n:], children[k:, n:]), dim=1))
         return gather(states, plan, plan.roots)[:, :n]
 

@@ -47,7 +47,9 @@ class Settings:
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss
-            scaler skips such a step. One dot product per weight per step.
+            scaler skips such a step. One dot product per weight per step;
+            on a GPU, one flag per step read back to the host, which waits
+            for the step's kernels (False: a step that never waits).
         tune_process: let monadl tune the process for its allocation pattern:
             glibc's malloc thresholds and the cyclic GC's young-generation
             threshold, raised on the first ``train()`` or ``predict()`` (see

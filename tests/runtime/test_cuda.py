@@ -52,18 +52,29 @@ def test_a_model_trains_on_the_gpu_as_on_the_cpu() -> None:
         np.testing.assert_allclose(g, c, rtol=1e-3, atol=1e-5)
 
 
-def test_weights_stay_on_the_device_and_training_never_synchronises() -> None:
+def test_weights_stay_on_the_device_and_training_without_the_finite_check_never_synchronises() -> None:
+    """The commit's finite check (`ml.settings(finite_steps=...)`, on by default)
+    reads one flag per step back from the device; without it nothing waits."""
     w = ml.Weight(cupy.ones((256, 256), cupy.float32), optimizer=ml.optim.momentum(1e-3, 0.9))
     x = cupy.ones((64, 256), cupy.float32)
 
     async def steps() -> None:
         for _ in range(5):
             # No hidden host <-> device copy: CuPy raises on any synchronising transfer.
-            with cupyx.allow_synchronize(False):
+            with cupyx.allow_synchronize(False), ml.settings(finite_steps=False):
                 await ml.sum(ml.tanh(ml.as_layer(x) @ w)).train()
 
     anyio.run(steps)
     assert isinstance(w.data, cupy.ndarray) and w.data.dtype == cupy.float32
+
+
+def test_a_step_that_would_write_an_infinity_is_refused_on_the_gpu_too() -> None:
+    w = ml.Weight(cupy.ones((4, 4), cupy.float32), optimizer=ml.optim.sgd(1.0))
+    before = w.data.copy()
+    x = cupy.full((2, 4), 3e38, cupy.float32)  # the gradient, times the rate, overflows float32
+    with pytest.raises(ml.NonFiniteError):
+        anyio.run(ml.sum(ml.as_layer(x) @ w * 10.0).train)
+    np.testing.assert_array_equal(cupy.asnumpy(w.data), cupy.asnumpy(before))
 
 
 def test_mixing_host_and_device_arrays_is_an_error_that_says_so() -> None:
@@ -155,3 +166,46 @@ def test_the_fused_kernels_give_what_the_portable_rules_give(function: Any) -> N
     cpu_value, cpu_grad = value_and_gradient(np)
     np.testing.assert_allclose(gpu_value, cpu_value, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(gpu_grad, cpu_grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("operation", [False, True], ids=["every-op-a-layer", "cell-as-operation"])
+def test_batching_on_the_gpu_gives_the_gradients_of_the_cpu(operation: bool) -> None:
+    """The Tree-LSTM of the GPU benchmark (lookups on the device, outside the
+    operation), batched and node by node on CuPy, against NumPy node by node."""
+    from benchmarks import treelstm, treelstm_cuda
+    from examples.tree_lstm import init_weights
+
+    weights = init_weights(8, dtype=np.float64)
+    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
+    cpu = treelstm.VARIANTS["monadl"](weights)
+    assert cpu is not None
+    with cpu.context():
+        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    for name in ("monadl cell off", "monadl cell") if operation else ("monadl", "monadl batching"):
+        variant = treelstm_cuda.VARIANTS[name](weights)
+        assert variant is not None
+        loss, grads = anyio.run(variant.loss_and_gradients, trees)
+        assert loss == pytest.approx(want_loss, rel=1e-10)
+        for weight, g in want.items():
+            np.testing.assert_allclose(grads[weight], g, rtol=1e-8, atol=1e-10, err_msg=f"{name}: {weight}")
+
+
+def test_the_marked_cell_runs_as_groups_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batching applies on the device: a group's operands may be operation
+    outputs (the children's states) beside device arrays."""
+    from benchmarks import treelstm, treelstm_cuda
+    from examples.tree_lstm import init_weights
+    from monadl.layers._program import Program
+
+    alone = []
+    call = Program.__call__
+
+    def counted(self: Program, *args: Any) -> Any:
+        alone.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(Program, "__call__", counted)
+    variant = treelstm_cuda.VARIANTS["monadl cell"](init_weights(8))
+    assert variant is not None
+    anyio.run(variant.train, treelstm.make_batches(4, 1, balanced=False, seed=2)[0])
+    assert len(alone) <= 2  # (of 4 x 255 cells: at most a lone root)
