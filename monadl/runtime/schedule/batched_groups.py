@@ -35,15 +35,17 @@ part of a consumer's signature (the same for all members)."""
 class Source:
     """The rows one gathered operand reads from one earlier group: the
     gathered rows ``positions`` (None: all, in order) are the group's rows
-    ``indices`` (None: all, in order)."""
+    ``indices`` (None: all, in order), both index arrays of the group's
+    library; ``rows``: ``indices`` on the host."""
 
-    __slots__ = ("group", "indices", "positions", "unique")
+    __slots__ = ("group", "indices", "positions", "rows", "unique")
 
-    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool) -> None:
+    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool, rows: Any = None) -> None:
         self.group = group
         self.positions = positions
         self.indices = indices
         self.unique = unique
+        self.rows = indices if rows is None else rows
 
 
 @final
@@ -133,11 +135,21 @@ def _source(group: Record, positions: list[int] | None, indices: list[int]) -> S
     """A `Source` from Python lists: None for rows that are all, in order."""
     n = len(indices)
     whole = n == group.value.shape[0] and indices == list(range(n))
+    unique = len(set(indices)) == n
+    at = None if positions is None else np.array(positions)
+    rows = None if whole else np.array(indices)
+    value = group.value
+    like = value.parts[0] if type(value) is StackedOutputs else value
+    if type(like) is np.ndarray:
+        return Source(group, at, rows, unique)
+    # Another library's (a GPU's): its index arrays made once, for the gather and the scatter back.
+    xp = namespace(like)
     return Source(
         group,
-        None if positions is None else np.array(positions),
-        None if whole else np.array(indices),
-        len(set(indices)) == n,
+        None if at is None else xp.asarray(at, device=like.device),
+        None if rows is None else xp.asarray(rows, device=like.device),
+        unique,
+        rows,
     )
 
 
@@ -212,7 +224,7 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) 
     # and each is written once into an empty array (no zeros, no additions).
     tiled = not members and all(s.unique for s, _ in rows)
     if tiled:
-        indices = [np.arange(n) if s.indices is None else s.indices for s, _ in rows]
+        indices = [np.arange(n) if s.rows is None else s.rows for s, _ in rows]
         tiled = sum(len(i) for i in indices) == n and bool(np.all(np.bincount(np.concatenate(indices), minlength=n)))
     out = xp.empty(like.shape, dtype=like.dtype) if tiled else xp.zeros(like.shape, dtype=like.dtype)
     for source, d in rows:

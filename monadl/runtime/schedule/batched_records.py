@@ -156,9 +156,9 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     # The members' values are rows of ``out``; a member gets a record (holding
     # the group) only when something reads it (`Records`): here, its place.
     if type(out) is StackedOutputs:
-        part = Outputs(tuple([p[0] for p in out.parts])).signature()
+        part = Outputs(tuple([p[0, ...] for p in out.parts])).signature()
     else:
-        row = out[0]
+        row = out[0, ...]
         part = (type(row), row.shape, row.dtype)
     groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
 

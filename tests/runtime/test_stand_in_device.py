@@ -1,0 +1,165 @@
+"""The GPU's code paths on the CPU, for CI (which has no GPU): a stand-in device library.
+
+Its arrays are NumPy's data under another type, with another namespace (every
+function NumPy's, its results of the stand-in type), and a stand-in ``cupy``
+module makes the runtime treat them as device arrays: graphs take the
+device's path (batching, else streams), gathers index with the library's
+own index arrays, and index data on the host is checked there and copied over.
+`tests/runtime/test_cuda.py` runs the same on a real GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import array_api_compat.numpy as npx
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl import _namespace
+from monadl.layers._program import Program
+
+DEVICE = "stand-in"
+
+
+class DeviceArray(np.ndarray[Any, Any]):
+    """An array of the stand-in library."""
+
+    @property
+    def device(self) -> str:  # type: ignore[override]
+        return DEVICE
+
+
+def _to_device(x: Any) -> Any:
+    return x.view(DeviceArray) if type(x) is np.ndarray else x
+
+
+class _Namespace:
+    """NumPy's array API namespace, its arrays made device arrays; ``device=`` is the stand-in's."""
+
+    def __getattr__(self, name: str) -> Any:
+        f = getattr(npx, name)
+        if not callable(f) or isinstance(f, type):
+            return f
+
+        def on_device(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.pop("device", DEVICE) != DEVICE:
+                raise ValueError("another device")
+            out = f(*args, **kwargs)
+            return tuple(map(_to_device, out)) if type(out) is tuple else _to_device(out)
+
+        return on_device
+
+
+class _Event:
+    done = True
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def record(self, *_: Any) -> None:
+        pass
+
+
+class _Stream:
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def record(self) -> _Event:
+        return _Event()
+
+    def wait_event(self, _: Any) -> None:
+        pass
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The stand-in library: ``device.asarray(x)`` puts ``x`` on the device."""
+    cuda = types.SimpleNamespace(Event=_Event, Stream=_Stream, get_current_stream=_Stream)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=DeviceArray, cuda=cuda))
+    monkeypatch.setitem(_namespace._BY_TYPE, DeviceArray, _Namespace())
+    yield types.SimpleNamespace(asarray=lambda x: np.asarray(x).view(DeviceArray))
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> list[Program]:
+    """The operations' programs run node by node (not as a group)."""
+    calls: list[Program] = []
+    call = Program.__call__
+
+    def counted(self: Program, *args: Any) -> Any:
+        calls.append(self)
+        return call(self, *args)
+
+    monkeypatch.setattr(Program, "__call__", counted)
+    return calls
+
+
+def _tree_lstm(operation: bool, batching: bool, on_device: bool) -> tuple[float, dict[str, Any]]:
+    from benchmarks import treelstm, treelstm_cuda
+    from examples.tree_lstm import init_weights
+
+    weights = init_weights(6, dtype=np.float64)
+    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
+    if on_device:
+        name = (
+            ("monadl cell" if batching else "monadl cell off")
+            if operation
+            else ("monadl batching" if batching else "monadl")
+        )
+        variant = treelstm_cuda.VARIANTS[name](weights)
+    else:
+        variant = treelstm.VARIANTS["monadl"](weights)
+    assert variant is not None
+    with variant.context():
+        loss, grads = anyio.run(variant.loss_and_gradients, trees)
+    return float(loss), {k: np.asarray(g) for k, g in grads.items()}
+
+
+@pytest.fixture
+def cupy_stand_in(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`benchmarks.treelstm_cuda` imports ``cupy``: the stand-in's ``asarray`` and ``asnumpy``."""
+    stand_in = sys.modules["cupy"]
+    stand_in.asarray = device.asarray  # type: ignore[attr-defined]
+    stand_in.asnumpy = np.asarray  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("operation", [False, True], ids=["every-op-a-layer", "cell-as-operation"])
+@pytest.mark.parametrize("batching", [False, True], ids=["node-by-node", "batched"])
+def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
+    cupy_stand_in: None, operation: bool, batching: bool
+) -> None:
+    want_loss, want = _tree_lstm(False, False, on_device=False)
+    loss, grads = _tree_lstm(operation, batching, on_device=True)
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    for name, g in want.items():
+        np.testing.assert_allclose(grads[name], g, rtol=1e-10, atol=1e-13, err_msg=name)
+
+
+def test_the_marked_cell_runs_as_groups_on_the_device(cupy_stand_in: None, alone: list[Program]) -> None:
+    """A group's operands mix operation outputs (the children's states) with device arrays:
+    it batches all the same (it once ran node by node, on the streams' path)."""
+    _tree_lstm(True, True, on_device=True)
+    assert len(alone) <= 1  # of 3 x 15 cells: at most a lone root
+
+
+def test_device_values_stay_device_arrays_and_host_indices_are_copied_over(device: Any) -> None:
+    table = ml.Weight(device.asarray(np.arange(12.0).reshape(4, 3)), optimizer=ml.optim.sgd(0.1))
+    rows = [ml.embedding(table, np.array([i % 4])) for i in range(6)]  # host indices, a device table
+    loss = ml.cross_entropy(ml.concatenate(rows, axis=0), np.array([0, 1, 2, 0, 1, 2]))  # host labels
+    with ml.settings(batching=True):
+        value: Any = anyio.run(loss.train)  # (a float to the types: a 0-d array of the device here)
+    assert type(value) is DeviceArray and type(table.data) is DeviceArray
+    with pytest.raises(ml.ShapeError, match="indices must lie in"):
+        anyio.run(ml.sum(ml.embedding(table, np.array([4]))).predict)
