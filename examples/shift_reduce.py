@@ -184,7 +184,7 @@ class Parser:
             losses = (*losses, ml.cross_entropy(scores, np.array([gold])))
 
             def decide(tape: ml.Tape[ml.Array, ml.Array]) -> ml.Do[ml.Tape[Any, Any]]:
-                action = int(np.argmax(tape.data[0]))
+                action = int(tape.data[0].argmax())  # (an array method: NumPy and CuPy alike)
                 log.steps += 1
                 log.right += action == gold
                 log.exact = log.exact and action == gold
@@ -205,7 +205,7 @@ class Parser:
 
         def done(loss: ml.Tape[Any, Any]) -> ml.Do[ml.Tape[Any, Any]]:
             def note(tape: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[Any, Any]:
-                log.correct = int(np.argmax(tape.data[0])) == sentence.label
+                log.correct = int(tape.data[0].argmax()) == sentence.label
                 return loss
 
             return logits.forward().map(note)
@@ -232,7 +232,7 @@ class Parser:
             gold = REDUCE if (second.start, top.end) in sentence.spans else SHIFT
             scores = self.scores(top.vector, second.vector, leaves[i])
             losses.append(ml.cross_entropy(scores, np.array([gold])))
-            action = int(np.argmax((await scores)[0]))
+            action = int((await scores)[0].argmax())
             log.steps += 1
             log.right += action == gold
             log.exact = log.exact and action == gold
@@ -241,7 +241,7 @@ class Parser:
             else:
                 stack, i = [*stack, Entry(leaves[i], i, i + 1)], i + 1
         logits = stack[0].vector @ self.head[0] + self.head[1]
-        log.correct = int(np.argmax((await logits)[0])) == sentence.label
+        log.correct = int((await logits)[0].argmax()) == sentence.label
         task = ml.cross_entropy(logits, np.array([sentence.label]))
         return task + ml.sum(ml.stack(losses)) if losses else task
 

@@ -23,6 +23,7 @@ import pytest
 import monadl as ml
 from monadl import _namespace
 from monadl.layers._program import Program
+from monadl.runtime import entry
 
 DEVICE = "stand-in"
 
@@ -163,3 +164,47 @@ def test_device_values_stay_device_arrays_and_host_indices_are_copied_over(devic
     assert type(value) is DeviceArray and type(table.data) is DeviceArray
     with pytest.raises(ml.ShapeError, match="indices must lie in"):
         anyio.run(ml.sum(ml.embedding(table, np.array([4]))).predict)
+
+
+def _parser_on(device: Any, cells: bool) -> Any:
+    """The shift-reduce parser with its weights on the device (data stays on the host)."""
+    from examples.shift_reduce import Parser
+
+    parser = Parser(8, seed=0, cells=cells)
+    for name in ("table", "tracker", "action", "compose", "head"):
+        old = getattr(parser, name)
+        moved = [
+            ml.Weight(device.asarray(w.data), optimizer=ml.optim.adam(0.01))
+            for w in (old if type(old) is tuple else [old])
+        ]
+        setattr(parser, name, tuple(moved) if type(old) is tuple else moved[0])
+    return parser
+
+
+@pytest.mark.parametrize("cells", [False, True], ids=["unmarked", "cells"])
+def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradients(
+    device: Any, alone: list[Program], cells: bool
+) -> None:
+    """Fibers park on the device too, and their merged graphs run as groups."""
+    from examples.shift_reduce import Log, Parser, make_sentences
+
+    sentences = make_sentences(6, 2, 5, seed=1)
+    logs: list[Log] = []
+    host = Parser(8, seed=0, cells=cells)
+    with ml.settings(batching=False):
+        want_loss, want = anyio.run(entry.gradients, host.loss(sentences, logs))
+    parser = _parser_on(device, cells)
+    alone.clear()
+    with ml.settings(batching=True):
+        loss, grads = anyio.run(entry.gradients, parser.loss(sentences, logs))
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
+    for w, v in zip(host.weights(), parser.weights()):
+        g = _dense(grads[v])
+        assert type(g) is DeviceArray
+        np.testing.assert_allclose(np.asarray(g), _dense(want[w]), rtol=1e-10, atol=1e-13)
+    if cells:  # of 50 tracker and composition calls, merged round by round: the rounds' stragglers alone
+        assert len(alone) <= 10
+
+
+def _dense(g: Any) -> Any:
+    return g.to_dense() if hasattr(g, "to_dense") else g

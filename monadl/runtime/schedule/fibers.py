@@ -159,7 +159,7 @@ class Parked:
 
 def parks(ev: Evaluation, frame: F.Graph) -> bool:
     """Whether the graph of ``frame`` may wait for a merged run: one made of
-    primitives only, on the host, not begun. Its order is kept on the frame if so."""
+    primitives only, not begun (on the host or a GPU). Its order is kept on the frame if so."""
     if frame.order is not None:
         return False
     order = collect(ev, frame.roots)
@@ -168,8 +168,6 @@ def parks(ev: Evaluation, frame: F.Graph) -> bool:
     for node in order:
         if node._op is None:  # a layer built from a Do: its fibers take today's path
             return False
-    if cuda.loaded() and cuda.on_device(ev.records, order):
-        return False
     frame.order = order
     return True
 
@@ -180,8 +178,9 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     fibers, orders = parked.take()
     order, alike, products = merge(ev, orders)
     if order:
-        forced = current_settings().batching is True
-        if (forced or products >= MIN_PRODUCT_ELEMENTS * len(order)) and batched.worth_batching(ev, order, alike):
+        # On a GPU a merged run pays whatever the weights' size: the host's launches are the cost.
+        pays = current_settings().batching is True or products >= MIN_PRODUCT_ELEMENTS * len(order)
+        if (pays or (cuda.loaded() and cuda.on_device(ev.records, order))) and batched.worth_batching(ev, order, alike):
             if parked.groups is None:
                 parked.groups = Groups(ev.records, outer=True)
                 ev.effects = True  # (as a Do layer sets it) the counted release: it makes the factored deltas arrays
