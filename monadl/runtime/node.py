@@ -30,7 +30,7 @@ from monadl.runtime.evaluation import Evaluation, Record
 __all__ = ["all_finite", "collect", "compute", "describe", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
-_LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: NumPy's, else checked part by part)
+_LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: checked part by part, `_host_outputs`)
 _ARRAYS_ONLY: Final = {np.ndarray}
 _serial = attrgetter("_serial")
 
@@ -100,7 +100,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
                     args = _check_dtypes(node, args)
             elif kx not in _HOST and op.same_dtype and x.dtype != y.dtype:  # both from one other library (CuPy ...)
                 args = _check_dtypes(node, args)
-        elif (kx not in _LOCAL or ky not in _LOCAL) and kx not in _PYTHON_NUMBERS and ky not in _PYTHON_NUMBERS:
+        elif (
+            (kx not in _LOCAL or ky not in _LOCAL or kx is Outputs or ky is Outputs)
+            and kx not in _PYTHON_NUMBERS
+            and ky not in _PYTHON_NUMBERS
+        ):
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
     elif len(inputs) == 1:
         x = inputs[0]
@@ -142,7 +146,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         args, ins, needs = _operands(records, inputs, count)
         fits = False
         kinds = {type(a) for a in args}
-        if not kinds <= _LOCAL:
+        if not kinds <= _LOCAL or (Outputs in kinds and not _host_outputs(args)):
             args = _foreign_operands(node, args)
         if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
             args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
@@ -185,6 +189,12 @@ def _operands(
             args.append(x)
             ins.append(None)
     return tuple(args), tuple(ins), needs
+
+
+def _host_outputs(args: tuple[Any, ...]) -> bool:
+    """Whether the operation outputs among ``args`` are NumPy arrays (then the
+    operands are all the host's)."""
+    return all(type(a[0]) is np.ndarray for a in args if type(a) is Outputs)
 
 
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

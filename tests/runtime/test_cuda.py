@@ -71,7 +71,7 @@ def test_weights_stay_on_the_device_and_training_without_the_finite_check_never_
 def test_a_step_that_would_write_an_infinity_is_refused_on_the_gpu_too() -> None:
     w = ml.Weight(cupy.ones((4, 4), cupy.float32), optimizer=ml.optim.sgd(1.0))
     before = w.data.copy()
-    x = cupy.full((2, 4), 3e38, cupy.float32)  # the gradient, times the rate, overflows float32
+    x = cupy.full((2, 4), 3e38, cupy.float32)  # its product overflows float32: an infinite gradient and step
     with pytest.raises(ml.NonFiniteError):
         anyio.run(ml.sum(ml.as_layer(x) @ w * 10.0).train)
     np.testing.assert_array_equal(cupy.asnumpy(w.data), cupy.asnumpy(before))

@@ -5,12 +5,17 @@ function NumPy's, its results of the stand-in type), and a stand-in ``cupy``
 module makes the runtime treat them as device arrays: graphs take the
 device's path (batching, else streams), gathers index with the library's
 own index arrays, and index data on the host is checked there and copied over.
-`tests/runtime/test_cuda.py` runs the same on a real GPU.
+A host array (a NumPy index or operand) that meets a device array is noted,
+and every test here fails if one did: on CuPy it would be a hidden copy per
+use, and on a stricter library an error. Each test runs twice: with a scatter
+through ``add.at`` (as CuPy's namespace has) and without (the one-hot product
+of other libraries). `tests/runtime/test_cuda.py` runs the same on a real GPU.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -22,10 +27,30 @@ import pytest
 
 import monadl as ml
 from monadl import _namespace
+from monadl.deltas import SparseRows
 from monadl.layers._program import Program
 from monadl.runtime import entry
+from monadl.runtime.schedule import batched, batched_records
 
 DEVICE = "stand-in"
+LEAKS: list[str] = []  # where a host array met a device array
+
+
+def _host(x: Any) -> bool:
+    return type(x) is np.ndarray and x.ndim > 0
+
+
+def _leak(what: str) -> None:
+    """Note a host array met by monadl's code (not by NumPy's own, which implements the stand-in)."""
+    caller = traceback.extract_stack()[-3]
+    if "/monadl/" in caller.filename:
+        LEAKS.append(f"{what} at {caller.filename}:{caller.lineno}")
+
+
+def _to_device(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    return x.view(DeviceArray) if type(x) is np.ndarray else x
 
 
 class DeviceArray(np.ndarray[Any, Any]):
@@ -35,15 +60,40 @@ class DeviceArray(np.ndarray[Any, Any]):
     def device(self) -> str:  # type: ignore[override]
         return DEVICE
 
+    def __getitem__(self, index: Any) -> Any:
+        if any(map(_host, index if type(index) is tuple else (index,))):
+            _leak("an index on the host")
+        return super().__getitem__(index)
 
-def _to_device(x: Any) -> Any:
-    return x.view(DeviceArray) if type(x) is np.ndarray else x
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if any(map(_host, index if type(index) is tuple else (index,))) or _host(value):
+            _leak("an index or a value on the host")
+        super().__setitem__(index, value)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if any(hasattr(x, "__array_ufunc__") and not isinstance(x, (np.ndarray, np.generic)) for x in inputs):
+            return NotImplemented  # a layer: its own operator
+        if any(map(_host, inputs)):
+            _leak(f"an operand of {ufunc.__name__} on the host")
+        args = [x.view(np.ndarray) if isinstance(x, DeviceArray) else x for x in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, DeviceArray) else o for o in kwargs["out"])
+        out = getattr(ufunc, method)(*args, **kwargs)
+        if method == "at":
+            return out
+        return tuple(map(_to_device, out)) if type(out) is tuple else _to_device(out)
 
 
 class _Namespace:
-    """NumPy's array API namespace, its arrays made device arrays; ``device=`` is the stand-in's."""
+    """NumPy's array API namespace, its arrays made device arrays; ``device=`` is the stand-in's.
+    ``add_at``: its ``add`` a ufunc with ``at`` (a scatter, as CuPy's)."""
+
+    def __init__(self, add_at: bool) -> None:
+        self.add_at = add_at
 
     def __getattr__(self, name: str) -> Any:
+        if name == "add" and self.add_at:
+            return np.add
         f = getattr(npx, name)
         if not callable(f) or isinstance(f, type):
             return f
@@ -51,8 +101,14 @@ class _Namespace:
         def on_device(*args: Any, **kwargs: Any) -> Any:
             if kwargs.pop("device", DEVICE) != DEVICE:
                 raise ValueError("another device")
+            flat = [y for x in args for y in (x if type(x) in (list, tuple) else (x,))]
+            if name != "asarray" and any(map(_host, flat)):
+                _leak(f"an argument of {name} on the host")
             out = f(*args, **kwargs)
-            return tuple(map(_to_device, out)) if type(out) is tuple else _to_device(out)
+            if isinstance(out, tuple):  # (unique_inverse's is a named tuple)
+                parts = list(map(_to_device, out))
+                return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
+            return _to_device(out)
 
         return on_device
 
@@ -84,13 +140,21 @@ class _Stream:
         pass
 
 
-@pytest.fixture
-def device(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The stand-in library: ``device.asarray(x)`` puts ``x`` on the device."""
+def _on_device(x: Any) -> Any:
+    return np.asarray(x).view(DeviceArray)
+
+
+@pytest.fixture(params=[True, False], ids=["add-at", "one-hot"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The stand-in library, as ``cupy``: ``device.asarray(x)`` puts ``x`` on the device.
+    Fails the test if a host array met a device array."""
     cuda = types.SimpleNamespace(Event=_Event, Stream=_Stream, get_current_stream=_Stream)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=DeviceArray, cuda=cuda))
-    monkeypatch.setitem(_namespace._BY_TYPE, DeviceArray, _Namespace())
-    yield types.SimpleNamespace(asarray=lambda x: np.asarray(x).view(DeviceArray))
+    stand_in = types.SimpleNamespace(ndarray=DeviceArray, cuda=cuda, asarray=_on_device, asnumpy=np.asarray)
+    monkeypatch.setitem(sys.modules, "cupy", stand_in)
+    monkeypatch.setitem(_namespace._BY_TYPE, DeviceArray, _Namespace(add_at=request.param))
+    LEAKS.clear()
+    yield stand_in
+    assert not LEAKS, f"{len(LEAKS)} host arrays met device arrays, first: {LEAKS[:3]}"
 
 
 @pytest.fixture
@@ -105,6 +169,20 @@ def alone(monkeypatch: pytest.MonkeyPatch) -> list[Program]:
 
     monkeypatch.setattr(Program, "__call__", counted)
     return calls
+
+
+@pytest.fixture
+def grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the groups that ran batched."""
+    sizes: list[int] = []
+    record = batched_records.group_records
+
+    def counted(groups: Any, members: list[Any], *args: Any) -> None:
+        sizes.append(len(members))
+        record(groups, members, *args)
+
+    monkeypatch.setattr(batched, "group_records", counted)
+    return sizes
 
 
 def _tree_lstm(operation: bool, batching: bool, on_device: bool) -> tuple[float, dict[str, Any]]:
@@ -128,27 +206,22 @@ def _tree_lstm(operation: bool, batching: bool, on_device: bool) -> tuple[float,
     return float(loss), {k: np.asarray(g) for k, g in grads.items()}
 
 
-@pytest.fixture
-def cupy_stand_in(device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`benchmarks.treelstm_cuda` imports ``cupy``: the stand-in's ``asarray`` and ``asnumpy``."""
-    stand_in = sys.modules["cupy"]
-    stand_in.asarray = device.asarray  # type: ignore[attr-defined]
-    stand_in.asnumpy = np.asarray  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("operation", [False, True], ids=["every-op-a-layer", "cell-as-operation"])
 @pytest.mark.parametrize("batching", [False, True], ids=["node-by-node", "batched"])
 def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
-    cupy_stand_in: None, operation: bool, batching: bool
+    device: Any, grouped: list[int], operation: bool, batching: bool
 ) -> None:
     want_loss, want = _tree_lstm(False, False, on_device=False)
+    grouped.clear()
     loss, grads = _tree_lstm(operation, batching, on_device=True)
     assert loss == pytest.approx(want_loss, rel=1e-12)
     for name, g in want.items():
         np.testing.assert_allclose(grads[name], g, rtol=1e-10, atol=1e-13, err_msg=name)
+    # 3 trees of 15 nodes: with batching, most of their layers run in groups
+    assert sum(grouped) > (300 if not operation else 40) if batching else not grouped
 
 
-def test_the_marked_cell_runs_as_groups_on_the_device(cupy_stand_in: None, alone: list[Program]) -> None:
+def test_the_marked_cell_runs_as_groups_on_the_device(device: Any, alone: list[Program]) -> None:
     """A group's operands mix operation outputs (the children's states) with device arrays:
     it batches all the same (it once ran node by node, on the streams' path)."""
     _tree_lstm(True, True, on_device=True)
@@ -160,10 +233,22 @@ def test_device_values_stay_device_arrays_and_host_indices_are_copied_over(devic
     rows = [ml.embedding(table, np.array([i % 4])) for i in range(6)]  # host indices, a device table
     loss = ml.cross_entropy(ml.concatenate(rows, axis=0), np.array([0, 1, 2, 0, 1, 2]))  # host labels
     with ml.settings(batching=True):
-        value: Any = anyio.run(loss.train)  # (a float to the types: a 0-d array of the device here)
-    assert type(value) is DeviceArray and type(table.data) is DeviceArray
+        value, grads = anyio.run(entry.gradients, loss)
+        step: Any = anyio.run(loss.train)  # (a float to the types: a 0-d array of the device here)
+    delta = grads[table]
+    assert type(delta) is SparseRows and type(delta.indices) is DeviceArray  # the indices were copied over
+    assert type(value) is DeviceArray and type(step) is DeviceArray and type(table.data) is DeviceArray
     with pytest.raises(ml.ShapeError, match="indices must lie in"):
         anyio.run(ml.sum(ml.embedding(table, np.array([4]))).predict)
+
+
+def test_host_data_beside_a_device_operations_outputs_is_a_device_error(device: Any) -> None:
+    """An operation reading both outputs of another (its node's `Outputs`, on the device) and host data."""
+    pair = ml.operation(lambda x: (ml.tanh(x), x * 2.0))
+    first, second = pair(ml.as_layer(device.asarray(np.ones((1, 2)))))
+    mix = ml.operation(lambda x, both: ml.tanh(x) + both[0] * both[1])
+    with pytest.raises(ml.DeviceError, match=r"mix a numpy \(host\) array and a \w+ \(stand-in\) array"):
+        anyio.run(ml.sum(mix(np.ones((1, 2)), (first, second))).predict)
 
 
 def _parser_on(device: Any, cells: bool) -> Any:
@@ -183,7 +268,7 @@ def _parser_on(device: Any, cells: bool) -> Any:
 
 @pytest.mark.parametrize("cells", [False, True], ids=["unmarked", "cells"])
 def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradients(
-    device: Any, alone: list[Program], cells: bool
+    device: Any, alone: list[Program], grouped: list[int], cells: bool
 ) -> None:
     """Fibers park on the device too, and their merged graphs run as groups."""
     from examples.shift_reduce import Log, Parser, make_sentences
@@ -195,6 +280,7 @@ def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradie
         want_loss, want = anyio.run(entry.gradients, host.loss(sentences, logs))
     parser = _parser_on(device, cells)
     alone.clear()
+    grouped.clear()
     with ml.settings(batching=True):
         loss, grads = anyio.run(entry.gradients, parser.loss(sentences, logs))
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
@@ -202,6 +288,7 @@ def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradie
         g = _dense(grads[v])
         assert type(g) is DeviceArray
         np.testing.assert_allclose(np.asarray(g), _dense(want[w]), rtol=1e-10, atol=1e-13)
+    assert sum(grouped) > 100  # the sentences' steps, merged round by round
     if cells:  # of 50 tracker and composition calls, merged round by round: the rounds' stragglers alone
         assert len(alone) <= 10
 

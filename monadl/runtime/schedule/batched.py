@@ -25,8 +25,9 @@ here, a graph whose widest depth has one node runs as before, and a group
 smaller than its rule's minimum (`MIN_GROUP`) or whose members are coarse
 (`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
 is not analysed again for `REPROBE` evaluations. Graphs that the fork rule
-sends to the worker pool, and graphs on a GPU, are not batched (the hook sits
-on the inline path of `monadl.runtime.interpret`). ``Settings.batching``
+sends to the worker pool are not batched (the hook sits on the inline path of
+`monadl.runtime.interpret`); on a GPU a graph that does not batch runs its
+branches on CUDA streams instead. ``Settings.batching``
 forces either way. Under ``check_finite`` (per-node debugging) nothing is
 batched.
 """

@@ -103,7 +103,7 @@ class Groups:
             index = sources[0].indices
             return values[0] if index is None else values[0][index]
         like = values[0]
-        out = namespace(like).empty((n, *like.shape[1:]), dtype=like.dtype)
+        out = namespace(like).empty((n, *like.shape[1:]), dtype=like.dtype, device=like.device)
         for value, s in zip(values, sources):
             out[s.positions] = value if s.indices is None else value[s.indices]
         return out
@@ -226,7 +226,8 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) 
     if tiled:
         indices = [np.arange(n) if s.rows is None else s.rows for s, _ in rows]
         tiled = sum(len(i) for i in indices) == n and bool(np.all(np.bincount(np.concatenate(indices), minlength=n)))
-    out = xp.empty(like.shape, dtype=like.dtype) if tiled else xp.zeros(like.shape, dtype=like.dtype)
+    shape, dtype, device = like.shape, like.dtype, like.device
+    out = xp.empty(shape, dtype=dtype, device=device) if tiled else xp.zeros(shape, dtype=dtype, device=device)
     for source, d in rows:
         if source.positions is not None:
             d = d[source.positions]

@@ -39,8 +39,6 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any, Final
 
-import numpy as np
-
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
 from monadl.layers._layer import Layer
@@ -156,9 +154,9 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     # The members' values are rows of ``out``; a member gets a record (holding
     # the group) only when something reads it (`Records`): here, its place.
     if type(out) is StackedOutputs:
-        part = Outputs(tuple([p[0, ...] for p in out.parts])).signature()
+        part = Outputs(tuple([p[0] for p in out.parts])).signature()
     else:
-        row = out[0, ...]
+        row = out[0]  # (as a member's record reads its row: the same type, for one signature)
         part = (type(row), row.shape, row.dtype)
     groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
 
@@ -213,8 +211,8 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         return False
     if op.same_dtype:
-        dtypes = {np.dtype(a.dtype) for a in operands if getattr(a, "ndim", 0)}
-        floats = {d for d in dtypes if d.kind == "f"}
+        dtypes = {a.dtype for a in operands if getattr(a, "ndim", 0)}
+        floats = {d for d in dtypes if getattr(d, "kind", None) == "f"}
         if len(floats) > 1 or (floats and len(dtypes) > len(floats)):
             return False  # (an integer array beside a float one is cast member by member)
     return True

@@ -62,6 +62,7 @@ def is_device_array(x: object) -> bool:
 def on_device(records: Records, order: list[Any]) -> bool:
     """Whether a graph computes on the GPU: some operand of its first layers is a CuPy array."""
     from monadl.layers._layer import Layer
+    from monadl.layers._outputs import Outputs, StackedOutputs
     from monadl.layers._weight import Weight
 
     cp = sys.modules["cupy"]
@@ -76,6 +77,9 @@ def on_device(records: Records, order: list[Any]) -> bool:
                 value = records.places[x][0].value if rec is None else rec.value
             else:
                 value = x
+            kind = type(value)
+            if kind is Outputs or kind is StackedOutputs:  # an operation's outputs: the library of its arrays
+                value = value[0] if kind is Outputs else value.parts[0]
             if isinstance(value, cp.ndarray):
                 return True
     return False

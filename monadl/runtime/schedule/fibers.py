@@ -39,9 +39,9 @@ weight-sized product and addition per run.
 Nothing else changes: a node is computed by the same `compute`, back-propagated
 by the same backward, shared nodes once; a failure raises the node's own error
 (at the user's line) and fails the evaluation. Graphs holding a layer built
-from a ``Do``, graphs on a GPU, and evaluations with the worker pool
-(``workers > 1``) keep their own path; ``Settings.batching=False`` turns
-parking off.
+from a ``Do`` and evaluations with the worker pool (``workers > 1``) keep
+their own path; ``Settings.batching=False`` turns parking off. On a GPU a
+merged run batches whatever its weights' size (`run`).
 """
 
 from __future__ import annotations
