@@ -4,10 +4,11 @@ The same trees, weights and model as the CPU benchmark, on one CUDA device:
 
 * **monadl**: every op a layer, batching off (node by node) and on;
 * **monadl cell**: each node's cell marked as one `ml.operation`, batching
-  on and off. On the device the embedding lookups stay outside the
-  operation: an operation's arguments are all on the device, or all on the
-  host, and a node's symbol is host data (a lookup checks it on the host and
-  copies it over);
+  on and off, its embedding lookups outside the operation (a node's symbol
+  is host data: a lookup checks it on the host and copies it over). This is
+  the form measured on the H200 in `BENCHMARKS.md`; the example's own cell,
+  with the lookups inside, takes host symbols with device weights since
+  (an operation's integer data arguments are indices);
 * **torch per-node** and **torch by depth**: PyTorch CUDA eager, as on the CPU.
 
 Every step reads its loss back to the host, so the GPU's work is inside the

@@ -19,7 +19,7 @@ from typing import Any, Final, final
 
 import numpy as np
 
-from monadl._namespace import namespace
+from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
@@ -33,6 +33,7 @@ __all__ = ["Program", "Step"]
 Value = Any
 Vjp = Callable[[Value], Value]
 _TILINGS_LIMIT: Final = 256
+_HOST_KINDS: Final = _HOST | {Outputs}  # (a step whose operands are all of these is on the host)
 
 
 # ---- the program --------------------------------------------------------------------------------
@@ -140,9 +141,13 @@ class Program:
     def _operand_rule(self, step: Step, values: tuple[Value, ...]) -> tuple[tuple[Value, ...], bool]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation), and whether it cast one."""
+        where = f"{_where(step)}, inside the operation {self.name}"
+        kinds = {type(v) for v in values}
+        if len(kinds) > 1 and not kinds <= _HOST_KINDS:  # (host indices beside a device's arrays: refused here)
+            common_namespace(values, f"{step.op.name} at {where}")
         if not step.op.same_dtype:
             return values, False
-        fixed = one_float_dtype(step.op.name, values, f"{_where(step)}, inside the operation {self.name}")
+        fixed = one_float_dtype(step.op.name, values, where)
         return fixed, fixed is not values
 
     def factored(

@@ -24,6 +24,7 @@ from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
 from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 
@@ -191,6 +192,14 @@ def _operands(
     return tuple(args), tuple(ins), needs
 
 
+def _host_integers(a: Any) -> bool:
+    """Whether ``a`` is a NumPy integer array: an operation's data argument
+    that its program reads as indices (an embedding's, a loss's labels),
+    which the rules that take them check on the host and copy over; used as
+    an operand inside, beside a device's arrays, it is refused there."""
+    return type(a) is np.ndarray and a.dtype.kind in "iu"
+
+
 def _host_outputs(args: tuple[Any, ...]) -> bool:
     """Whether the operation outputs among ``args`` are NumPy arrays (then the
     operands are all the host's)."""
@@ -201,6 +210,8 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
     scalars as Python numbers, which every array library accepts."""
     arrays = [p for a in args for p in (a if type(a) is Outputs else (a,))]  # an operation's outputs: each part
+    if type(node._op.rule) is Program:  # an operation's host integers (indices) may go with a device's arrays
+        arrays = [a for a in arrays if not _host_integers(a)]
     xp = common_namespace(tuple(arrays), node._op.name)
     return args if xp is np else host_scalars_to_python(args)
 

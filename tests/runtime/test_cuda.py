@@ -209,3 +209,25 @@ def test_the_marked_cell_runs_as_groups_on_the_gpu(monkeypatch: pytest.MonkeyPat
     assert variant is not None
     anyio.run(variant.train, treelstm.make_batches(4, 1, balanced=False, seed=2)[0])
     assert len(alone) <= 2  # (of 4 x 255 cells: at most a lone root)
+
+
+def test_the_examples_cell_takes_host_symbols_with_weights_on_the_gpu() -> None:
+    """`examples.tree_lstm` as written (lookups inside the marked cell, host symbols), on CuPy."""
+    from benchmarks import treelstm
+    from examples.tree_lstm import Cells, init_weights, labels, tree_logits
+
+    weights = init_weights(8, dtype=np.float64)
+    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
+    cpu = treelstm.VARIANTS["monadl"](weights)
+    assert cpu is not None
+    with cpu.context():
+        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    w = {k: ml.Weight(cupy.asarray(v)) for k, v in weights.items()}
+    loss = ml.cross_entropy(tree_logits(w, 8, trees, Cells.of(w, 8, operation=True)), labels(trees))
+    with ml.settings(batching=True):
+        grads = anyio.run(ml.gradients, loss, list(w.values()))
+        value = anyio.run(loss.predict)
+    assert float(value) == pytest.approx(want_loss, rel=1e-10)
+    for name, g in zip(w, grads):
+        dense = g.to_dense() if hasattr(g, "to_dense") else g
+        np.testing.assert_allclose(cupy.asnumpy(dense), want[name], rtol=1e-8, atol=1e-10, err_msg=name)

@@ -217,15 +217,49 @@ def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
     assert loss == pytest.approx(want_loss, rel=1e-12)
     for name, g in want.items():
         np.testing.assert_allclose(grads[name], g, rtol=1e-10, atol=1e-13, err_msg=name)
-    # 3 trees of 15 nodes: with batching, most of their layers run in groups
-    assert sum(grouped) > (300 if not operation else 40) if batching else not grouped
+    # 3 trees of 255 nodes: with batching, their layers run in groups (about 31 and 4 a node)
+    assert sum(grouped) > (20_000 if not operation else 2_500) if batching else not grouped
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["node-by-node", "batched"])
+def test_the_examples_cell_takes_host_symbols_with_device_weights(
+    device: Any, alone: list[Program], batching: bool
+) -> None:
+    """`examples.tree_lstm` as written: the lookups inside the marked cell, each node's symbol
+    host data (an operation's integer data argument: its lookups copy it over)."""
+    from benchmarks import treelstm
+    from examples.tree_lstm import Cells, init_weights, labels, tree_logits
+
+    weights = init_weights(6, dtype=np.float64)
+    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
+    cpu = treelstm.VARIANTS["monadl"](weights)
+    assert cpu is not None
+    with cpu.context():
+        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    w = {k: ml.Weight(device.asarray(v)) for k, v in weights.items()}
+    loss = ml.cross_entropy(tree_logits(w, 6, trees, Cells.of(w, 6, operation=True)), labels(trees))
+    alone.clear()
+    with ml.settings(batching=batching):
+        value, grads = anyio.run(entry.gradients, loss)
+    assert float(value) == pytest.approx(want_loss, rel=1e-12)
+    for name, g in want.items():
+        np.testing.assert_allclose(np.asarray(_dense(grads[w[name]])), g, rtol=1e-10, atol=1e-13, err_msg=name)
+    assert len(alone) <= 1 if batching else len(alone) == 765  # 3 trees of 255 nodes
+
+
+def test_host_integers_computed_with_inside_an_operation_are_a_device_error(device: Any) -> None:
+    """An operation's integer data goes with device weights as indices only."""
+    w = ml.Weight(device.asarray(np.ones((1, 2))))
+    scaled = ml.operation(lambda ints: ml.tanh(ints * w))
+    with pytest.raises(ml.DeviceError, match=r"multiply at .*inside the operation"):
+        anyio.run(ml.sum(scaled(np.array([[1, 2]]))).predict)
 
 
 def test_the_marked_cell_runs_as_groups_on_the_device(device: Any, alone: list[Program]) -> None:
     """A group's operands mix operation outputs (the children's states) with device arrays:
     it batches all the same (it once ran node by node, on the streams' path)."""
     _tree_lstm(True, True, on_device=True)
-    assert len(alone) <= 1  # of 3 x 15 cells: at most a lone root
+    assert len(alone) <= 1  # of 3 x 255 cells: at most a lone root
 
 
 def test_device_values_stay_device_arrays_and_host_indices_are_copied_over(device: Any) -> None:

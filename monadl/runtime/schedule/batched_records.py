@@ -39,11 +39,14 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any, Final
 
+import numpy as np
+
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._products import factors_pay
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
@@ -209,7 +212,10 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         kinds = (kinds - {StackedOutputs}) | parts
     foreign = kinds - _HOST
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
-        return False
+        # (an operation's host integers, its indices, may go with one other library's arrays: `_host_integers`)
+        indices = type(op.rule) is Program and kinds - NUMBERS - foreign == {np.ndarray}
+        if not indices or not all(a.dtype.kind in "iu" for a in operands if type(a) is np.ndarray):
+            return False
     if op.same_dtype:
         dtypes = {a.dtype for a in operands if getattr(a, "ndim", 0)}
         floats = {d for d in dtypes if getattr(d, "kind", None) == "f"}
