@@ -144,7 +144,8 @@ class Program:
         where = f"{_where(step)}, inside the operation {self.name}"
         kinds = {type(v) for v in values}
         if len(kinds) > 1 and not kinds <= _HOST_KINDS:  # (host indices beside a device's arrays: refused here)
-            common_namespace(values, f"{step.op.name} at {where}")
+            parts = tuple([p for v in values for p in (v if type(v) is Outputs else (v,))])  # (a nested operation's)
+            common_namespace(parts, f"{step.op.name} at {where}")
         if not step.op.same_dtype:
             return values, False
         fixed = one_float_dtype(step.op.name, values, where)

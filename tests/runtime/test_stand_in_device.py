@@ -329,3 +329,16 @@ def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradie
 
 def _dense(g: Any) -> Any:
     return g.to_dense() if hasattr(g, "to_dense") else g
+
+
+def test_a_nested_operation_reads_another_ones_outputs_on_the_device(device: Any) -> None:
+    """Inside an operation, a nested operation's step may take another nested one's outputs
+    (an `Outputs`) beside device arrays: one library, no error."""
+    w = ml.Weight(device.asarray(np.full((2, 2), 0.5)))
+    pair = ml.operation(lambda x: (ml.tanh(x @ w), x * 2.0))
+    join = ml.operation(lambda x, both: x @ w + both[0] * both[1])
+    outer = ml.operation(lambda x: join(x, pair(x)))
+    x = device.asarray(np.ones((1, 2)))
+    got = anyio.run(ml.sum(outer(ml.as_layer(x))).predict)
+    want = np.sum(np.ones((1, 2)) @ np.full((2, 2), 0.5) + np.tanh(np.ones((1, 2)) @ np.full((2, 2), 0.5)) * 2.0)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
