@@ -250,14 +250,36 @@ def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], cells: Cells
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
+def on_device(device: str) -> Callable[[ml.Array], Any]:
+    """How an array goes to ``device``: ``"cpu"`` (as it is) or ``"cuda"`` (CuPy)."""
+    if device == "cpu":
+        return lambda a: a
+    if device != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    import cupy
+
+    return cupy.asarray
+
+
+def host(a: Any) -> ml.Array:
+    """An array on the host (a CuPy array copied back; a NumPy one as it is)."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
 @final
 class TreeLSTM:
     """The binary Tree-LSTM's weights, each trained with Adam."""
 
-    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01, operation: bool = True) -> None:
-        """``operation``: each node one `ml.operation` node (False: every op a layer)."""
+    def __init__(
+        self, weights: dict[str, ml.Array], learning_rate: float = 0.01, operation: bool = True, device: str = "cpu"
+    ) -> None:
+        """``operation``: each node one `ml.operation` node (False: every op a layer).
+        ``device``: ``"cuda"`` puts the weights on the GPU (CuPy); the trees'
+        symbols and labels stay host data, which the lookups and the loss
+        check on the host and copy over."""
         self.hidden = int(weights["children"].shape[0]) // 2
-        self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
+        put = on_device(device)
+        self.w = {k: ml.Weight(put(v.copy()), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
         self.cells = Cells.of(self.w, self.hidden, operation)
 
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
@@ -318,7 +340,7 @@ async def accuracy(model: Model, trees: Sequence[Tree], batch: int = 256) -> flo
     right = 0
     for start in range(0, len(trees), batch):
         chunk = trees[start : start + batch]
-        scores = await model.logits(chunk).predict()
+        scores = host(await model.logits(chunk).predict())
         right += int(np.count_nonzero(np.argmax(scores, axis=1) == labels(chunk)))
     return right / len(trees)
 
@@ -374,12 +396,15 @@ async def run(
     test_size: int = 1000,
     max_leaves: int = 5,
     progress: bool = True,
+    device: str = "cpu",
 ) -> Result:
-    """Train both models on the same trees; the test trees come from another seed."""
+    """Train both models on the same trees; the test trees come from another seed.
+    ``device``: the Tree-LSTM's (the small baseline stays on the host)."""
     train = make_trees(train_size, 2, max_leaves, seed)
     test = make_trees(test_size, 2, max_leaves, seed + 1_000_003)
     majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=DIGITS))))
-    tree_lstm = await fit(TreeLSTM(init_weights(hidden, seed)), train, test, epochs, batch, seed, "Tree-LSTM", progress)
+    model = TreeLSTM(init_weights(hidden, seed), device=device)
+    tree_lstm = await fit(model, train, test, epochs, batch, seed, "Tree-LSTM", progress)
     bag = BagOfSymbols(hidden, seed)
     baseline = await fit(bag, train, test, epochs, batch, seed, "bag of symbols", progress)
     return Result(tree_lstm, baseline, majority)
@@ -415,9 +440,20 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=10000)
     parser.add_argument("--max-leaves", type=int, default=5, help="trees have 2 to this many leaves")
     parser.add_argument("--plot", default="tree_lstm.png", help="where to write the training curves (PNG)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the Tree-LSTM on the GPU (CuPy)"
+    )
     args = parser.parse_args()
     result = anyio.run(
-        lambda: run(args.epochs, args.hidden, args.batch, args.seed, args.train_size, max_leaves=args.max_leaves)
+        lambda: run(
+            args.epochs,
+            args.hidden,
+            args.batch,
+            args.seed,
+            args.train_size,
+            max_leaves=args.max_leaves,
+            device=args.device,
+        )
     )
     plot(result, args.plot)
     for curve, name in ((result.tree_lstm, "Tree-LSTM"), (result.baseline, "bag of symbols")):

@@ -342,3 +342,19 @@ def test_a_nested_operation_reads_another_ones_outputs_on_the_device(device: Any
     got = anyio.run(ml.sum(outer(ml.as_layer(x))).predict)
     want = np.sum(np.ones((1, 2)) @ np.full((2, 2), 0.5) + np.tanh(np.ones((1, 2)) @ np.full((2, 2), 0.5)) * 2.0)
     assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_the_tree_lstm_example_trains_on_the_device(device: Any) -> None:
+    """``python examples/tree_lstm.py --device cuda``, small: the same losses as on the host."""
+    from examples import tree_lstm
+
+    def run(device: str) -> Any:
+        return tree_lstm.run(1, 8, 16, train_size=48, test_size=16, progress=False, device=device)
+
+    on_host, on_device = anyio.run(run, "cpu"), anyio.run(run, "cuda")
+    # (float32; the one-hot scatter of the table's rows sums in another order than add.at)
+    np.testing.assert_allclose(on_device.tree_lstm.losses, on_host.tree_lstm.losses, rtol=1e-5)
+    assert on_device.tree_lstm.accuracies == on_host.tree_lstm.accuracies
+    assert type(tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="cuda").w["children"].data) is DeviceArray
+    with pytest.raises(ValueError, match="device must be"):
+        tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="tpu")
