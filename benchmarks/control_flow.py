@@ -28,7 +28,8 @@ to one thread) of one training step, the least of all steps of all rounds
 (as in `benchmarks/batching.py`, CPU time: wall time on a shared machine
 measures the neighbours). Also prints the merge cost per
 merged node and the batching analysis cost per node. Run:
-``python -m benchmarks.control_flow`` (``--quick`` for a smoke run).
+``python -m benchmarks.control_flow`` (``--quick`` for a smoke run;
+``--device cuda`` for the weights on a GPU, timed by the wall clock).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
+from examples._device import DEVICES
 from examples.shift_reduce import Log, Parser, make_sentences
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched, fibers
@@ -53,8 +55,8 @@ _clock = time.process_time
 DTYPE: type[np.floating[Any]] = np.float32
 
 
-def _parser(hidden: int, dtype: type[np.floating[Any]] = DTYPE, cells: bool = False) -> Parser:
-    return Parser(hidden, seed=0, learning_rate=0.0, dtype=dtype, cells=cells)
+def _parser(hidden: int, dtype: type[np.floating[Any]] = DTYPE, cells: bool = False, device: str = "cpu") -> Parser:
+    return Parser(hidden, seed=0, learning_rate=0.0, dtype=dtype, cells=cells, device=device)
 
 
 def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64) -> float:
@@ -94,12 +96,14 @@ def _dense(g: Any) -> Any:
     return g.to_dense() if hasattr(g, "to_dense") else g
 
 
-def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]:
+def timing(hidden: int, batch: int, rounds: int, steps: int, device: str = "cpu") -> dict[str, float]:
     """Best CPU seconds of one training step on one batch, for each
     contender: the least of ``steps`` steps in each of ``rounds`` rounds (the
-    least of many single steps resists the neighbours' bursts best)."""
-    parser = _parser(hidden)
-    marked = _parser(hidden, cells=True)
+    least of many single steps resists the neighbours' bursts best). On a GPU
+    (``device="cuda"``), wall seconds: a step waits for the device."""
+    parser = _parser(hidden, device=device)
+    marked = _parser(hidden, cells=True, device=device)
+    clock = _clock if device == "cpu" else time.perf_counter
     sentences = make_sentences(batch, 2, 6, seed=10)
     logs: list[Log] = []
 
@@ -135,9 +139,9 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
             run, batching = contenders[name]
             with ml.settings(batching=batching):
                 for _ in range(steps):
-                    t0 = _clock()
+                    t0 = clock()
                     anyio.run(run)
-                    elapsed = _clock() - t0
+                    elapsed = clock() - t0
                     if r:
                         best[name] = min(best[name], elapsed)
     return best
@@ -193,6 +197,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu", help="cuda: the weights on the GPU (CuPy), wall time, no checks"
+    )
     args = parser.parse_args()
     from threadpoolctl import ThreadpoolController
 
@@ -203,19 +210,22 @@ def main() -> None:
     if args.quick:
         hiddens, sizes, rounds, steps = [8], [1, 4], 1, 1
     for hidden in hiddens:
-        worst = check(hidden, max(sizes))
-        worst32 = check(hidden, max(sizes), np.float32)
-        print(
-            f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs cells, vs one by one): "
-            f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
-        )
+        if args.device == "cpu":
+            worst = check(hidden, max(sizes))
+            worst32 = check(hidden, max(sizes), np.float32)
+            print(
+                f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs cells, vs one by one): "
+                f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
+            )
+        else:  # (the device's gradients are checked by tests/runtime/test_cuda.py and test_stand_in_device.py)
+            print(f"\nhidden {hidden}, on {args.device}: wall time")
         print(
             f"{'batch':>5s} {'one by one':>11s} {'fibers off':>11s} {'fibers on':>11s} {'on/1-by-1':>10s} "
             f"{'on/off':>7s} {'direct on':>11s} {'direct/1-by-1':>14s} {'cells 1-by-1':>13s} {'cells on':>10s} "
             f"{'cells on/1-by-1':>16s}"
         )
         for b in sizes:
-            best = timing(hidden, b, rounds, steps)
+            best = timing(hidden, b, rounds, steps, args.device)
             print(
                 f"{b:5d} {best['one by one'] * 1e3:9.2f}ms {best['fibers off'] * 1e3:9.2f}ms "
                 f"{best['fibers on'] * 1e3:9.2f}ms {best['one by one'] / best['fibers on']:9.2f}x "
@@ -223,6 +233,8 @@ def main() -> None:
                 f"{best['one by one'] / best['direct on']:13.2f}x {best['cells 1-by-1'] * 1e3:11.2f}ms "
                 f"{best['cells on'] * 1e3:8.2f}ms {best['one by one'] / best['cells on']:15.2f}x"
             )
+        if args.device != "cpu":
+            continue
         merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))
         analysis = f"{analysis_us:.2f} us" if analysis_us else "none (the cost rule left the merges unbatched)"
         print(

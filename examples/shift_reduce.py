@@ -34,14 +34,20 @@ leaves the merged graphs unbatched: too fine to pay.)
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import anyio
 import numpy as np
 
 import monadl as ml
+from examples._device import on_device
 
 DIGITS = 10
 PLUS, TIMES = 10, 11
@@ -115,7 +121,8 @@ class Parser:
     """The embeddings, the tracker (3H -> H -> 2), the composition cell (2H -> H)
     and the task head (H -> 10). ``cells``: the tracker and the composition
     marked as operations (`ml.operation`: one node each per call, batched as
-    a unit); the same values and gradients either way."""
+    a unit); the same values and gradients either way. ``device``: ``"cuda"``
+    puts the weights on the GPU (CuPy)."""
 
     def __init__(
         self,
@@ -124,13 +131,15 @@ class Parser:
         learning_rate: float = 0.01,
         dtype: type[np.floating[Any]] = np.float64,
         cells: bool = False,
+        device: str = "cpu",
     ) -> None:
         rng = np.random.default_rng(seed)
         self.hidden = hidden
+        put = on_device(device)  # (the sentences' tokens and labels stay host data: the rules copy them over)
 
         def weight(*shape: int, scale: float | None = None) -> ml.ArrayWeight:
             s = np.sqrt(1.0 / shape[0]) if scale is None else scale
-            return ml.Weight((rng.normal(size=shape) * s).astype(dtype), optimizer=ml.optim.adam(learning_rate))
+            return ml.Weight(put((rng.normal(size=shape) * s).astype(dtype)), optimizer=ml.optim.adam(learning_rate))
 
         self.table = weight(VOCABULARY, hidden, scale=1.0)
         self.tracker = (weight(3 * hidden, hidden), weight(hidden, scale=0.0))

@@ -44,6 +44,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
+from examples._device import DEVICES, host, on_device
 
 DIGITS = 10
 OPERATORS = "+-*"
@@ -250,22 +251,6 @@ def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], cells: Cells
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
-def on_device(device: str) -> Callable[[ml.Array], Any]:
-    """How an array goes to ``device``: ``"cpu"`` (as it is) or ``"cuda"`` (CuPy)."""
-    if device == "cpu":
-        return lambda a: a
-    if device != "cuda":
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    import cupy
-
-    return cupy.asarray
-
-
-def host(a: Any) -> ml.Array:
-    """An array on the host (a CuPy array copied back; a NumPy one as it is)."""
-    return a if isinstance(a, np.ndarray) else a.get()
-
-
 @final
 class TreeLSTM:
     """The binary Tree-LSTM's weights, each trained with Adam."""
@@ -440,9 +425,7 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=10000)
     parser.add_argument("--max-leaves", type=int, default=5, help="trees have 2 to this many leaves")
     parser.add_argument("--plot", default="tree_lstm.png", help="where to write the training curves (PNG)")
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the Tree-LSTM on the GPU (CuPy)"
-    )
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: the Tree-LSTM on the GPU (CuPy)")
     args = parser.parse_args()
     result = anyio.run(
         lambda: run(
