@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from tests.runtime._tree_lstm_reference import host_reference
 
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
@@ -172,15 +173,9 @@ def test_the_fused_kernels_give_what_the_portable_rules_give(function: Any) -> N
 def test_batching_on_the_gpu_gives_the_gradients_of_the_cpu(operation: bool) -> None:
     """The Tree-LSTM of the GPU benchmark (lookups on the device, outside the
     operation), batched and node by node on CuPy, against NumPy node by node."""
-    from benchmarks import treelstm, treelstm_cuda
-    from examples.tree_lstm import init_weights
+    from benchmarks import treelstm_cuda
 
-    weights = init_weights(8, dtype=np.float64)
-    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
-    cpu = treelstm.VARIANTS["monadl"](weights)
-    assert cpu is not None
-    with cpu.context():
-        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    weights, trees, want_loss, want = host_reference(8)
     for name in ("monadl cell off", "monadl cell") if operation else ("monadl", "monadl batching"):
         variant = treelstm_cuda.VARIANTS[name](weights)
         assert variant is not None
@@ -213,15 +208,9 @@ def test_the_marked_cell_runs_as_groups_on_the_gpu(monkeypatch: pytest.MonkeyPat
 
 def test_the_examples_cell_takes_host_symbols_with_weights_on_the_gpu() -> None:
     """`examples.tree_lstm` as written (lookups inside the marked cell, host symbols), on CuPy."""
-    from benchmarks import treelstm
-    from examples.tree_lstm import Cells, init_weights, labels, tree_logits
+    from examples.tree_lstm import Cells, labels, tree_logits
 
-    weights = init_weights(8, dtype=np.float64)
-    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
-    cpu = treelstm.VARIANTS["monadl"](weights)
-    assert cpu is not None
-    with cpu.context():
-        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    weights, trees, want_loss, want = host_reference(8)
     w = {k: ml.Weight(cupy.asarray(v)) for k, v in weights.items()}
     loss = ml.cross_entropy(tree_logits(w, 8, trees, Cells.of(w, 8, operation=True)), labels(trees))
     with ml.settings(batching=True):

@@ -31,6 +31,7 @@ from monadl.deltas import SparseRows
 from monadl.layers._program import Program
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched, batched_records
+from tests.runtime._tree_lstm_reference import host_reference
 
 DEVICE = "stand-in"
 LEAKS: list[str] = []  # where a host array met a device array
@@ -185,24 +186,20 @@ def grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
-def _tree_lstm(operation: bool, batching: bool, on_device: bool) -> tuple[float, dict[str, Any]]:
-    from benchmarks import treelstm, treelstm_cuda
-    from examples.tree_lstm import init_weights
+def _benchmark_variant(
+    weights: dict[str, Any], trees: list[Any], operation: bool, batching: bool
+) -> tuple[float, dict[str, Any]]:
+    """The GPU benchmark's variant (`benchmarks.treelstm_cuda`) on the stand-in device."""
+    from benchmarks import treelstm_cuda
 
-    weights = init_weights(6, dtype=np.float64)
-    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
-    if on_device:
-        name = (
-            ("monadl cell" if batching else "monadl cell off")
-            if operation
-            else ("monadl batching" if batching else "monadl")
-        )
-        variant = treelstm_cuda.VARIANTS[name](weights)
-    else:
-        variant = treelstm.VARIANTS["monadl"](weights)
+    name = (
+        ("monadl cell" if batching else "monadl cell off")
+        if operation
+        else ("monadl batching" if batching else "monadl")
+    )
+    variant = treelstm_cuda.VARIANTS[name](weights)
     assert variant is not None
-    with variant.context():
-        loss, grads = anyio.run(variant.loss_and_gradients, trees)
+    loss, grads = anyio.run(variant.loss_and_gradients, trees)
     return float(loss), {k: np.asarray(g) for k, g in grads.items()}
 
 
@@ -211,9 +208,9 @@ def _tree_lstm(operation: bool, batching: bool, on_device: bool) -> tuple[float,
 def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
     device: Any, grouped: list[int], operation: bool, batching: bool
 ) -> None:
-    want_loss, want = _tree_lstm(False, False, on_device=False)
+    weights, trees, want_loss, want = host_reference(6)
     grouped.clear()
-    loss, grads = _tree_lstm(operation, batching, on_device=True)
+    loss, grads = _benchmark_variant(weights, trees, operation, batching)
     assert loss == pytest.approx(want_loss, rel=1e-12)
     for name, g in want.items():
         np.testing.assert_allclose(grads[name], g, rtol=1e-10, atol=1e-13, err_msg=name)
@@ -227,15 +224,9 @@ def test_the_examples_cell_takes_host_symbols_with_device_weights(
 ) -> None:
     """`examples.tree_lstm` as written: the lookups inside the marked cell, each node's symbol
     host data (an operation's integer data argument: its lookups copy it over)."""
-    from benchmarks import treelstm
-    from examples.tree_lstm import Cells, init_weights, labels, tree_logits
+    from examples.tree_lstm import Cells, labels, tree_logits
 
-    weights = init_weights(6, dtype=np.float64)
-    trees = treelstm.make_batches(3, 1, balanced=False, seed=2)[0]
-    cpu = treelstm.VARIANTS["monadl"](weights)
-    assert cpu is not None
-    with cpu.context():
-        want_loss, want = anyio.run(cpu.loss_and_gradients, trees)
+    weights, trees, want_loss, want = host_reference(6)
     w = {k: ml.Weight(device.asarray(v)) for k, v in weights.items()}
     loss = ml.cross_entropy(tree_logits(w, 6, trees, Cells.of(w, 6, operation=True)), labels(trees))
     alone.clear()
@@ -258,7 +249,9 @@ def test_host_integers_computed_with_inside_an_operation_are_a_device_error(devi
 def test_the_marked_cell_runs_as_groups_on_the_device(device: Any, alone: list[Program]) -> None:
     """A group's operands mix operation outputs (the children's states) with device arrays:
     it batches all the same (it once ran node by node, on the streams' path)."""
-    _tree_lstm(True, True, on_device=True)
+    weights, trees, _, _ = host_reference(6)
+    alone.clear()
+    _benchmark_variant(weights, trees, operation=True, batching=True)
     assert len(alone) <= 1  # of 3 x 255 cells: at most a lone root
 
 
