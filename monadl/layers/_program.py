@@ -33,7 +33,6 @@ __all__ = ["Program", "Step"]
 Value = Any
 Vjp = Callable[[Value], Value]
 _TILINGS_LIMIT: Final = 256
-_HOST_KINDS: Final = _HOST | {Outputs}  # (a step whose operands are all of these is on the host)
 
 
 # ---- the program --------------------------------------------------------------------------------
@@ -142,9 +141,11 @@ class Program:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation), and whether it cast one."""
         where = f"{_where(step)}, inside the operation {self.name}"
-        kinds = {type(v) for v in values}
-        if len(kinds) > 1 and not kinds <= _HOST_KINDS:  # (host indices beside a device's arrays: refused here)
-            parts = tuple([p for v in values for p in (v if type(v) is Outputs else (v,))])  # (a nested operation's)
+        # One library per step (an operation's host integers beside a device's arrays are refused here);
+        # a nested operation's outputs count by their arrays.
+        parts = tuple([p for v in values for p in (v if type(v) is Outputs else (v,))])
+        kinds = {type(p) for p in parts}
+        if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{step.op.name} at {where}")
         if not step.op.same_dtype:
             return values, False

@@ -336,3 +336,11 @@ def test_the_tree_lstm_example_trains_on_the_device(device: Any) -> None:
     assert type(tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="cuda").w["children"].data) is DeviceArray
     with pytest.raises(ValueError, match="device must be"):
         tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="tpu")
+
+
+def test_host_integers_beside_a_nested_operations_device_outputs_are_a_device_error(device: Any) -> None:
+    w = ml.Weight(device.asarray(np.ones((1, 2))))
+    pair = ml.operation(lambda x: (ml.tanh(x @ w), x))
+    outer = ml.operation(lambda x, ints: ints * pair(x)[0])
+    with pytest.raises(ml.DeviceError, match=r"multiply at .*inside the operation"):
+        anyio.run(ml.sum(outer(ml.as_layer(device.asarray(np.ones((1, 1)))), np.array([[1, 2]]))).predict)
