@@ -17,7 +17,7 @@ from monadl._namespace import namespace
 from monadl.errors import OperandError
 from monadl.layers._primitives import Primitive
 
-__all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "StackedOutputs", "batch_output"]
+__all__ = ["ARGUMENT", "OUTPUT", "Outputs", "OutputsDelta", "StackedOutputs", "arrays_of", "batch_output"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
@@ -38,6 +38,11 @@ class Outputs(tuple[Value, ...]):
     def signature(self) -> tuple[Any, ...]:
         """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
         return tuple([(type(p), p.shape, p.dtype) for p in self])
+
+
+def arrays_of(values: tuple[Value, ...]) -> tuple[Value, ...]:
+    """``values`` with each `Outputs` replaced by its arrays (for the one-library check)."""
+    return tuple([p for v in values for p in (v if type(v) is Outputs else (v,))])
 
 
 @final

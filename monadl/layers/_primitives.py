@@ -393,10 +393,9 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     n, classes = a.shape
     if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
         raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
-    if xp is not np and type(labels) is np.ndarray:  # host labels for device logits: checked there, copied over
-        rows, labels = xp.arange(n, device=a.device), _checked_indices(xp, labels, classes, "labels", "classes", a)
-    else:
-        _check_range(xp, labels, classes, "labels", "classes")
+    labels = _checked_indices(xp, labels, classes, "labels", "classes", a)
+    if type(rows) is not type(labels):  # (host labels copied over: their host rows too)
+        rows = xp.arange(n, device=a.device)
     log_p, _ = _log_softmax(a, -1)
     out = -_reductions(xp)[1](log_p[rows, labels]) / n
 

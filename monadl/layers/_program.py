@@ -23,7 +23,7 @@ from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
-from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, batch_output
+from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, arrays_of, batch_output
 from monadl.layers._primitives import Primitive
 from monadl.layers._products import OuterRule, factors_pay
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
@@ -141,9 +141,8 @@ class Program:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation), and whether it cast one."""
         where = f"{_where(step)}, inside the operation {self.name}"
-        # One library per step (an operation's host integers beside a device's arrays are refused here);
-        # a nested operation's outputs count by their arrays.
-        parts = tuple([p for v in values for p in (v if type(v) is Outputs else (v,))])
+        # One library per step (an operation's host integers beside a device's arrays are refused here).
+        parts = arrays_of(values)
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{step.op.name} at {where}")

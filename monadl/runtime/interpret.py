@@ -326,9 +326,7 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         order = frame.order = collect(ev, frame.roots)
         if not order:
             return None
-        # On a GPU the host only launches kernels: a group is one launch for many
-        # nodes, and branches go to CUDA streams, not threads.
-        device = cuda.loaded() and cuda.on_device(records, order)
+        device = cuda.loaded() and cuda.on_device(records, order)  # (then groups, else streams: no threads)
         if ev.workers > 1 and not device:
             if pool.worth_forking(ev, order):
                 ev.forked = True

@@ -23,12 +23,12 @@ from monadl._namespace import (
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer, site_text
 from monadl.layers._operands import describe, one_float_dtype
-from monadl.layers._outputs import Outputs
+from monadl.layers._outputs import Outputs, arrays_of
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 
-__all__ = ["all_finite", "collect", "compute", "describe", "where"]
+__all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
 _LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: checked part by part, `_host_outputs`)
@@ -192,7 +192,7 @@ def _operands(
     return tuple(args), tuple(ins), needs
 
 
-def _host_integers(a: Any) -> bool:
+def host_integers(a: Any) -> bool:
     """Whether ``a`` is a NumPy integer array: an operation's data argument
     that its program reads as indices (an embedding's, a loss's labels),
     which the rules that take them check on the host and copy over; used as
@@ -209,10 +209,10 @@ def _host_outputs(args: tuple[Any, ...]) -> bool:
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
     scalars as Python numbers, which every array library accepts."""
-    arrays = [p for a in args for p in (a if type(a) is Outputs else (a,))]  # an operation's outputs: each part
+    arrays = arrays_of(args)
     if type(node._op.rule) is Program:  # an operation's host integers (indices) may go with a device's arrays
-        arrays = [a for a in arrays if not _host_integers(a)]
-    xp = common_namespace(tuple(arrays), node._op.name)
+        arrays = tuple([a for a in arrays if not host_integers(a)])
+    xp = common_namespace(arrays, node._op.name)
     return args if xp is np else host_scalars_to_python(args)
 
 

@@ -49,6 +49,7 @@ from monadl.layers._products import factors_pay
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
+from monadl.runtime.node import host_integers
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
 __all__ = ["NUMBERS", "Operand", "Outer", "batchable", "group_records", "signature", "stack"]
@@ -212,9 +213,9 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         kinds = (kinds - {StackedOutputs}) | parts
     foreign = kinds - _HOST
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
-        # (an operation's host integers, its indices, may go with one other library's arrays: `_host_integers`)
+        # (an operation's host integers, its indices, may go with one other library's arrays)
         indices = type(op.rule) is Program and kinds - NUMBERS - foreign == {np.ndarray}
-        if not indices or not all(a.dtype.kind in "iu" for a in operands if type(a) is np.ndarray):
+        if not indices or not all(host_integers(a) for a in operands if type(a) is np.ndarray):
             return False
     if op.same_dtype:
         dtypes = {a.dtype for a in operands if getattr(a, "ndim", 0)}
