@@ -22,8 +22,12 @@ def on_device(device: str) -> Callable[[ml.Array], Any]:
         return lambda a: a
     if device != "cuda":
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    import cupy
-
+    try:
+        import cupy
+    except ImportError:
+        raise ImportError(
+            "device 'cuda' needs CuPy: pip install -e '.[cuda]' (CUDA 12 drivers; cupy-cuda13x on CUDA 13)"
+        ) from None
     return cupy.asarray
 
 

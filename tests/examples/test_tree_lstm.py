@@ -89,3 +89,9 @@ def test_it_learns_what_the_bag_of_symbols_cannot() -> None:
     assert tree.losses[-1] < 0.7 * tree.losses[0]
     assert tree.accuracies[-1] > bag.accuracies[-1] + 0.1
     assert tree.accuracies[-1] > result.majority + 0.2
+
+
+def test_the_gpu_without_cupy_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy raises, as where it is not installed)
+    with pytest.raises(ImportError, match=r"needs CuPy: pip install -e '\.\[cuda\]'"):
+        tl.TreeLSTM(tl.init_weights(4), device="cuda")
