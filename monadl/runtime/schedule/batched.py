@@ -201,13 +201,16 @@ class _Run:
     def level(self, nodes: list[Any]) -> None:
         """Nodes that are all ready, grouped by signature."""
         groups: dict[Any, list[Any]] = {}
-        add, records, where = groups.setdefault, self.records, self.groups.where
+        records, where = self.records, self.groups.where
         for node in nodes:  # (once per node of the graph: names bound outside the loop)
             sig = signature(records, node, where)
             if sig is None:
                 self.each([node])
-            else:
-                add(sig, []).append(node)
+                continue
+            try:  # (no empty list made per member, as setdefault would)
+                groups[sig].append(node)
+            except KeyError:
+                groups[sig] = [node]
         for members in groups.values():
             self.group(members)
 

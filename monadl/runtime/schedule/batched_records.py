@@ -36,6 +36,7 @@ after all of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, Final
 
@@ -162,7 +163,7 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     else:
         row = out[0]  # (as a member's record reads its row: the same type, for one signature)
         part = (type(row), row.shape, row.dtype)
-    groups.where.update(zip(members, [(group, i, part) for i in range(n)]))
+    groups.where.update(zip(members, zip(repeat(group), range(n), repeat(part))))  # (the places made in C)
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
