@@ -26,7 +26,8 @@ from typing import Any, Final
 
 from monadl._namespace import namespace
 from monadl.deltas import unbroadcast
-from monadl.layers._primitives import PRIMITIVES, _checked_indices
+from monadl.layers._indexing import _checked_indices
+from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._products import product
 
 __all__ = ["BATCHING_RULES", "BatchRule"]

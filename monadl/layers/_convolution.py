@@ -1,0 +1,94 @@
+"""The rules of ``conv2d`` and ``max_pool2d``, on NCHW arrays like PyTorch's.
+
+Both read the input through strided slices, one per kernel position
+(`_window`): the convolution as one product with the im2col matrix, the
+pooling as a max over the stacked windows. Their input deltas add each
+position's slice back into an array of zeros; in a pool the first maximum
+of a window takes the whole delta, as in PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from monadl._namespace import namespace
+from monadl.layers._elementwise import _mask
+
+Value = Any  # an ndarray or a NumPy scalar
+Vjp = Callable[[Value], Value]
+
+
+# ---- convolution and pooling (NCHW, like PyTorch) -------------------------------------------
+def _window(x: Value, i: int, j: int, stride: int, oh: int, ow: int) -> Value:
+    """The (N, C, OH, OW) inputs that meet kernel position (i, j): a strided slice."""
+    return x[:, :, i : i + stride * (oh - 1) + 1 : stride, j : j + stride * (ow - 1) + 1 : stride]
+
+
+def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(x)
+    n, c, h, wd = x.shape
+    o, c2, kh, kw = w.shape
+    if c != c2:
+        raise ValueError(f"conv2d: input has {c} channels, kernel expects {c2}")
+    if padding:
+        padded = xp.zeros((n, c, h + 2 * padding, wd + 2 * padding), dtype=x.dtype, device=x.device)
+        padded[:, :, padding : padding + h, padding : padding + wd] = x
+    else:
+        padded = x
+    oh, ow = (padded.shape[2] - kh) // stride + 1, (padded.shape[3] - kw) // stride + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(
+            f"conv2d: kernel {kh}x{kw} is larger than the padded input {padded.shape[2]}x{padded.shape[3]}"
+        )
+    # im2col: (N, C*KH*KW, OH*OW), ordered like the kernel's (O, C*KH*KW).
+    windows = [_window(padded, i, j, stride, oh, ow) for i in range(kh) for j in range(kw)]
+    cols = xp.reshape(xp.stack(windows, axis=2), (n, c * kh * kw, oh * ow))
+    w2 = xp.reshape(w, (o, c * kh * kw))
+    out = xp.reshape(w2 @ cols, (n, o, oh, ow))
+
+    def vjp_x(g: Value) -> Value:
+        dcols = xp.reshape(xp.matrix_transpose(w2) @ xp.reshape(g, (n, o, oh * ow)), (n, c, kh * kw, oh, ow))
+        dpadded = xp.zeros(padded.shape, dtype=dcols.dtype, device=x.device)
+        for k in range(kh * kw):
+            i, j = divmod(k, kw)
+            index = (
+                slice(None),
+                slice(None),
+                slice(i, i + stride * (oh - 1) + 1, stride),
+                slice(j, j + stride * (ow - 1) + 1, stride),
+            )
+            dpadded[index] = dpadded[index] + dcols[:, :, k, :, :]
+        return dpadded[:, :, padding : padding + h, padding : padding + wd] if padding else dpadded
+
+    def vjp_w(g: Value) -> Value:
+        per_sample = xp.reshape(g, (n, o, oh * ow)) @ xp.matrix_transpose(cols)
+        return xp.reshape(xp.sum(per_sample, axis=0), w.shape)
+
+    return out, (vjp_x, vjp_w)
+
+
+def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(x)
+    h, w = x.shape[2:]
+    oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"max_pool2d: kernel {kernel} is larger than the input {h}x{w}")
+    cols = xp.stack([_window(x, i, j, stride, oh, ow) for i in range(kernel) for j in range(kernel)], axis=-1)
+    winner = xp.argmax(cols, axis=-1)  # the first maximum takes the whole delta, like PyTorch
+    out = xp.max(cols, axis=-1)
+
+    def vjp(g: Value) -> Value:
+        dx = xp.zeros(x.shape, dtype=g.dtype, device=x.device)
+        for k in range(kernel * kernel):
+            i, j = divmod(k, kernel)
+            index = (
+                slice(None),
+                slice(None),
+                slice(i, i + stride * (oh - 1) + 1, stride),
+                slice(j, j + stride * (ow - 1) + 1, stride),
+            )
+            dx[index] = dx[index] + g * _mask(xp, winner == k, g)
+        return dx
+
+    return out, (vjp,)

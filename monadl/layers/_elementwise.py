@@ -1,0 +1,244 @@
+"""The elementwise rules: binary (``add`` to ``minimum``), unary (``negative``
+to ``relu``), and ``stop_gradient``, which passes its operand through with
+no delta.
+
+The value of an elementwise rule has the broadcast shape of its operands, and
+each delta comes back in that shape (the table marks them ``elementwise``):
+undoing broadcasting is the runtime's work, not a rule's. The hot rules
+have fast paths beside the portable one: on NumPy, sigmoid in four passes
+(`_logistic`) and, from `_IN_PLACE` elements on, the deltas of tanh and
+sigmoid in one fresh array (`_tanh_delta`, `_sigmoid_delta`); on CuPy, a
+rule of several steps as one fused kernel (`_fused`), since a GPU is
+launch-bound on small arrays.
+
+`_mask` (a boolean as 0/1 in an array's dtype) and `_identity` (the delta
+rule that passes the delta on) are used by the other rule modules as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from monadl._namespace import namespace
+
+Value = Any  # an ndarray or a NumPy scalar
+Vjp = Callable[[Value], Value]
+
+
+def _either(a: Value, b: Value) -> Any:
+    """The namespace of a binary operation (one operand may be a plain number)."""
+    xp = namespace(a)
+    return namespace(b) if xp is np else xp
+
+
+def _mask(xp: Any, condition: Value, like: Value) -> Value:
+    """A boolean array as 0/1 in the dtype of ``like`` (the standard has no bool arithmetic)."""
+    return xp.astype(condition, like.dtype)
+
+
+# ---- elementwise, binary ----------------------------------------------------
+def _add(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a + b, _PASS_BOTH
+
+
+def _sub(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a - b, _PASS_AND_NEGATE
+
+
+def _mul(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a * b, (lambda g: g * b, lambda g: g * a)
+
+
+def _div(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    out = a / b
+    return out, (lambda g: g / b, lambda g: -g * out / b)
+
+
+def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    out = a**b
+
+    def vjp_b(g: Value) -> Value:
+        # d(a**b)/db = a**b * log(a); defined as 0 where a == 0 (the limit for b > 0).
+        xp = namespace(out)
+        base = xp.asarray(a)
+        return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
+
+    return out, (lambda g: g * b * a ** (b - 1), vjp_b)
+
+
+def _maximum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = _either(a, b)
+    out = xp.maximum(a, b)
+    # Ties split the delta evenly, so the rule is symmetric and sums to g.
+    take_a = _mask(xp, a > b, out) + 0.5 * _mask(xp, a == b, out)
+    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
+
+
+def _minimum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = _either(a, b)
+    out = xp.minimum(a, b)
+    take_a = _mask(xp, a < b, out) + 0.5 * _mask(xp, a == b, out)
+    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
+
+
+# ---- elementwise, unary -----------------------------------------------------
+def _neg(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return -a, _NEGATE
+
+
+def _exp(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    out = namespace(a).exp(a)
+    return out, (lambda g: g * out,)
+
+
+def _log(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return namespace(a).log(a), (lambda g: g / a,)
+
+
+def _sqrt(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    out = namespace(a).sqrt(a)
+    return out, (lambda g: g * 0.5 / out,)
+
+
+def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    return xp.abs(a), (lambda g: g * xp.sign(a),)
+
+
+def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) is np.ndarray:  # the hot path: no namespace lookup, no kernel lookup
+        out = np.tanh(a)
+        if out.size < _IN_PLACE:  # (a small array: the call would cost more than the two arrays it saves)
+            return out, (lambda g: g * (1 - out * out),)
+        return out, (lambda g: _tanh_delta(g, out),)
+    xp = namespace(a)
+    out = xp.tanh(a)
+    fused = None if xp is np else _fused(xp, "tanh_backward")
+    if fused is not None:
+        return out, (lambda g: fused(g, out),)
+    return out, (lambda g: g * (1 - out * out),)
+
+
+_IN_PLACE: Final = 4096
+"""Elements from which an elementwise delta is computed in one fresh array: below,
+the call and its keyword arguments cost more instructions than the arrays saved
+(a chain of 16 x 64 tanh layers ran 0.9% more instructions)."""
+
+
+def _tanh_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
+    """``g * (1 - out**2)`` in one fresh array: 20-50% faster than three."""
+    d = out * out
+    if type(d) is not np.ndarray or type(g) is not np.ndarray or g.shape != d.shape or g.dtype != d.dtype:
+        return g * (1 - d)  # (a 0-d array's square is a scalar; a broadcast or other dtype: as NumPy gives it)
+    np.subtract(1, d, out=d)
+    return np.multiply(g, d, out=d)
+
+
+def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) is np.ndarray and a.ndim and a.dtype.kind == "f":
+        out = _logistic(a)
+        if out.size < _IN_PLACE:
+            return out, (lambda g: g * out * (1 - out),)
+        return out, (lambda g: _sigmoid_delta(g, out),)
+    xp = namespace(a)
+    fused = None if xp is np else _fused(xp, "sigmoid")
+    if fused is not None:
+        out = fused(a)
+        backward = _fused(xp, "sigmoid_backward")
+        assert backward is not None
+        return out, (lambda g: backward(g, out),)
+    out = _stable_logistic(xp, a)
+    return out, (lambda g: g * out * (1 - out),)
+
+
+def _logistic(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``1 / (1 + exp(-a))`` in four passes, in one fresh array: 2.3x faster
+    than the stable formula's seven on a Tree-LSTM's gate slices (exp is
+    NumPy's costliest pass here, and the stable formula takes two). Where
+    ``exp(-a)`` overflows (some ``a`` below -88 in float32, -709 in float64)
+    the stable formula computes the whole array instead, so the far negative
+    tail keeps its subnormal values (PyTorch's gives 0 there). Within 4 ulps
+    of the exact logistic function (the stable formula: within 3.4)."""
+    out: np.ndarray[Any, Any] = np.negative(a)
+    with np.errstate(over="raise"):
+        try:
+            np.exp(out, out=out)
+        except FloatingPointError:
+            stable: np.ndarray[Any, Any] = _stable_logistic(np, a)
+            return stable
+    out += 1
+    np.reciprocal(out, out=out)
+    return out
+
+
+def _stable_logistic(xp: Any, a: Value) -> Value:
+    """The logistic function by its two branches: ``exp(-|a|)`` never overflows."""
+    e = xp.exp(-xp.abs(a))
+    return xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
+    """``g * out * (1 - out)`` in one fresh array: 15-45% faster than three."""
+    if type(g) is not np.ndarray or g.shape != out.shape or g.dtype != out.dtype:
+        return g * out * (1 - out)  # (a broadcast or another dtype: as NumPy gives it)
+    d = np.subtract(1, out)
+    d *= out
+    d *= g
+    return d
+
+
+def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) is np.ndarray or namespace(a) is np:  # NumPy multiplies by booleans: one kernel forward
+        return np.maximum(a, 0), (lambda g: g * (a > 0),)
+    xp = namespace(a)
+    fused = _fused(xp, "relu_backward")
+    if fused is not None:
+        return xp.maximum(a, 0), (lambda g: fused(g, a),)
+    keep = _mask(xp, a > 0, a)
+    return a * keep, (lambda g: g * keep,)
+
+
+# On CuPy, a rule of several elementwise steps is one kernel: the GPU is
+# launch-bound on small arrays, and each step would be a launch of ~15 us.
+_CUPY_KERNELS: Final = {
+    "tanh_backward": ("T g, T out", "T r", "r = g * (1 - out * out)"),
+    "sigmoid": ("T a", "T r", "T e = exp(-fabs(a)); r = a >= 0 ? 1 / (1 + e) : e / (1 + e)"),
+    "sigmoid_backward": ("T g, T out", "T r", "r = g * out * (1 - out)"),
+    "relu_backward": ("T g, T a", "T r", "r = a > 0 ? g : (T)0"),
+}
+_FUSED: dict[str, Callable[..., Value]] = {}
+
+
+def _fused(xp: Any, name: str) -> Callable[..., Value] | None:
+    """The fused CuPy kernel ``name`` when ``xp`` is CuPy's namespace, else None
+    (callers skip the call for NumPy, the hot path)."""
+    if getattr(xp, "__name__", "") != "array_api_compat.cupy":
+        return None
+    kernel = _FUSED.get(name)
+    if kernel is None:
+        import cupy
+
+        inputs, outputs, body = _CUPY_KERNELS[name]
+        kernel = _FUSED[name] = cupy.ElementwiseKernel(inputs, outputs, body, f"monadl_{name}")
+    return kernel
+
+
+def _stop_gradient(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a, ()  # no rule: the operand gets no delta
+
+
+def _identity(g: Value) -> Value:
+    return g
+
+
+def _negative(g: Value) -> Value:
+    return -g
+
+
+# The delta rules of add, subtract and negative capture nothing: built once.
+_PASS_BOTH: Final = (_identity, _identity)
+_PASS_AND_NEGATE: Final = (_identity, _negative)
+_NEGATE: Final = (_negative,)

@@ -1,0 +1,139 @@
+"""The rules of shape and indexing: ``reshape``, ``transpose``, ``getitem``,
+``embedding``, and the joins ``concatenate`` and ``stack``.
+
+Each delta puts the output's delta back where the operand's values came
+from: a reshape or an inverse permutation, a scatter into zeros for an index
+(fancy indices may repeat, so they add), one slice per joined operand. An
+embedding's delta is sparse, the rows looked up (`SparseRows`), so a
+weight's step touches only those. Its indices are checked to lie in range by
+`_checked_indices`, which ``cross_entropy`` and the batching rules use for
+labels too: a negative one is refused, not counted from the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import namespace
+from monadl.deltas import SparseRows, is_basic_index, scatter_add
+
+Value = Any  # an ndarray or a NumPy scalar
+Vjp = Callable[[Value], Value]
+
+
+# ---- shape and indexing -------------------------------------------------------------
+def _reshape(a: Value, shape: tuple[int, ...]) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, old = namespace(a), a.shape
+    return xp.reshape(a, shape), (lambda g: xp.reshape(g, old),)
+
+
+def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    axes = tuple(range(a.ndim - 1, -1, -1)) if axes is None else tuple(ax % a.ndim for ax in axes)
+    inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
+    return xp.permute_dims(a, axes), (lambda g: xp.permute_dims(g, inverse),)
+
+
+def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, shape, dtype, device = namespace(a), a.shape, a.dtype, a.device
+
+    def vjp(g: Value) -> Value:
+        out = xp.zeros(shape, dtype=dtype, device=device)
+        if is_basic_index(index):
+            out[index] = g
+            return out
+        return scatter_add(xp, out, index, g)  # fancy indices may repeat
+
+    return a[index], (vjp,)
+
+
+def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # The delta of the table is sparse: only the rows looked up (the paper's
+    # Data != Delta example). A weight's step then touches only those rows.
+    xp, shape = namespace(table), table.shape
+    if not shape:
+        raise ValueError("the table must have at least one axis (its rows)")
+    # As PyTorch's embedding: no wrapping, so equal rows have equal indices
+    # (the sparse step sums a row's deltas by its index).
+    flat = _checked_indices(xp, indices, shape[0], "indices", "rows", table)
+    rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
+    return rows, (lambda g: SparseRows(flat, xp.reshape(g, (-1, *shape[1:])), shape),)
+
+
+def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: Value) -> Value:
+    """``ints`` flat, in ``[0, size)`` (`_check_range`), in the library of ``like``.
+
+    NumPy integers for a table on a device (a tree's symbols, a batch's
+    labels: host data) are checked on the host, where that costs no wait, and
+    then copied over (a few bytes, queued on the stream like a kernel)."""
+    if xp is not np and type(ints) is np.ndarray:
+        flat = np.reshape(ints, (-1,))
+        _check_range(np, flat, size, what, of)
+        return xp.asarray(flat, device=like.device)
+    flat = xp.reshape(ints, (-1,))
+    _check_range(xp, flat, size, what, of)
+    return flat
+
+
+def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:
+    """Refuse integers outside ``[0, size)`` (a ValueError, which the runtime
+    reports as a `ShapeError` with the user's line). On a GPU this waits for
+    the two reductions: a wrong answer would cost more."""
+    if ints.shape[0] == 0:
+        return
+    if xp is np:
+        low, high = int(np.minimum.reduce(ints)), int(np.maximum.reduce(ints))
+    else:
+        low, high = int(xp.min(ints)), int(xp.max(ints))
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{what} must lie in [0, {size}) for {size} {of}, got {bad}"
+            + (f" (negative {what} are refused, not counted from the end)" if bad < 0 else "")
+        )
+
+
+def _first_array(values: list[Any]) -> Any:
+    """The first operand that is an array (Python numbers may come first)."""
+    return next((x for x in values if hasattr(x, "ndim")), None)
+
+
+def _axis_index(ndim: int, axis: int, at: Any) -> tuple[Any, ...]:
+    """The index that takes ``at`` (an int or a slice) along ``axis``."""
+    return (slice(None),) * (axis % ndim) + (at, ...)
+
+
+def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
+    *arrays, axis = args
+    first = _first_array(arrays)
+    if first is None or any(getattr(x, "ndim", 0) == 0 for x in arrays):
+        raise ValueError("zero-dimensional operands cannot be concatenated (ml.stack joins them)")
+    xp = namespace(first)
+    ndim, bounds, start = first.ndim, [], 0
+    for x in arrays:
+        bounds.append((start, start + x.shape[axis]))
+        start += x.shape[axis]
+
+    def piece(lo: int, hi: int) -> Vjp:
+        return lambda g: g[_axis_index(ndim, axis, slice(lo, hi))]
+
+    return xp.concat(arrays, axis=axis), tuple(piece(lo, hi) for lo, hi in bounds)
+
+
+def _stack(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
+    *arrays, axis = args
+    first = _first_array(arrays)
+    if first is None:  # numbers only
+        first = np.asarray(arrays[0])
+    xp = namespace(first)
+    ndim = first.ndim + 1
+    if xp is not np:  # strict libraries stack arrays only
+        arrays = [x if hasattr(x, "ndim") else xp.asarray(x, dtype=first.dtype, device=first.device) for x in arrays]
+
+    def piece(i: int) -> Vjp:
+        return lambda g: g[_axis_index(ndim, axis, i)]
+
+    return xp.stack(arrays, axis=axis), tuple(piece(i) for i in range(len(arrays)))

@@ -1,0 +1,119 @@
+"""The rules that reduce over axes: ``sum``, ``mean``, ``max``,
+``logsumexp``, the softmax pair (``softmax``, ``log_softmax``) and the loss
+built on them, ``cross_entropy``.
+
+A reduced delta gets its axes back in one helper (`_expand`) before it
+broadcasts to the operand's shape; tied maxima share their delta evenly.
+``cross_entropy`` is one rule, not a composition: its delta is ``(softmax -
+one_hot) / n``, with no scatter, and its labels are checked as `embedding`'s
+indices are (`_checked_indices`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import namespace
+from monadl.layers._elementwise import _mask
+from monadl.layers._indexing import _checked_indices
+
+Value = Any  # an ndarray or a NumPy scalar
+Vjp = Callable[[Value], Value]
+
+
+# ---- reductions -----------------------------------------------------------------
+def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool) -> Value:
+    """Give a reduced delta back the reduced axes, ready to broadcast."""
+    if axis is None or keepdims:
+        return g if keepdims or axis is not None else xp.broadcast_to(xp.asarray(g), shape)
+    axes = (axis,) if isinstance(axis, int) else axis
+    return xp.expand_dims(g, axis=tuple(ax % len(shape) for ax in axes))
+
+
+def _sum(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, shape = namespace(a), a.shape
+    return xp.sum(a, axis=axis, keepdims=keepdims), (
+        lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims), shape),
+    )
+
+
+def _mean(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, shape = namespace(a), a.shape
+    out = xp.mean(a, axis=axis, keepdims=keepdims)
+    scale = prod(out.shape) / max(prod(shape), 1)
+    return out, (lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims) * scale, shape),)
+
+
+def _max(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, shape = namespace(a), a.shape
+    out = xp.max(a, axis=axis, keepdims=keepdims)
+    winners = _mask(xp, a == _expand(xp, out, shape, axis, keepdims), a)
+    # Tied maxima share the delta evenly.
+    share = winners / xp.sum(winners, axis=axis, keepdims=True)
+    return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * share,)
+
+
+def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    xp, shape = namespace(a), a.shape
+    peak = xp.max(a, axis=axis, keepdims=True)
+    peak = xp.where(xp.isfinite(peak), peak, xp.zeros_like(peak))
+    e = xp.exp(a - peak)
+    total = xp.sum(e, axis=axis, keepdims=True)
+    out_keep = xp.log(total) + peak
+    if keepdims:
+        out = out_keep
+    elif axis is None:
+        out = xp.reshape(out_keep, ())
+    else:
+        out = xp.squeeze(out_keep, axis=axis)
+    soft = e / total
+    return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * soft,)
+
+
+def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    e = xp.exp(a - xp.max(a, axis=axis, keepdims=True))
+    out = e / xp.sum(e, axis=axis, keepdims=True)
+    return out, (lambda g: out * (g - xp.sum(g * out, axis=axis, keepdims=True)),)
+
+
+def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    amax, total = _reductions(xp)
+    shifted = a - amax(a, axis=axis, keepdims=True)
+    out = shifted - xp.log(total(xp.exp(shifted), axis=axis, keepdims=True))
+    return out, (lambda g: g - xp.exp(out) * total(g, axis=axis, keepdims=True),)
+
+
+def _reductions(xp: Any) -> tuple[Callable[..., Value], Callable[..., Value]]:
+    """``xp.max`` and ``xp.sum``; for NumPy its ufuncs' ``reduce``, the same
+    sums without ``np.max``'s and ``np.sum``'s Python wrappers (a few us a
+    call, on the small arrays of a loss)."""
+    return (np.maximum.reduce, np.add.reduce) if xp is np else (xp.max, xp.sum)
+
+
+def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # -mean(log_softmax(a)[rows, labels]) as one rule: its delta is
+    # (softmax(a) - one_hot(labels)) / n, with no scatter and a quarter of the nodes.
+    xp = namespace(a)
+    if a.ndim != 2:
+        raise ValueError(f"logits must have the shape (batch, classes), got {list(a.shape)}")
+    n, classes = a.shape
+    if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
+        raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
+    labels = _checked_indices(xp, labels, classes, "labels", "classes", a)
+    if type(rows) is not type(labels):  # (host labels copied over: their host rows too)
+        rows = xp.arange(n, device=a.device)
+    log_p, _ = _log_softmax(a, -1)
+    out = -_reductions(xp)[1](log_p[rows, labels]) / n
+
+    def vjp(g: Value) -> Value:
+        classes = xp.arange(a.shape[-1], device=a.device)
+        one_hot = xp.astype(labels[:, None] == classes[None, :], a.dtype)
+        return (xp.exp(log_p) - one_hot) * (g / n)
+
+    return out, (vjp,)
