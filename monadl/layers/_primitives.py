@@ -12,8 +12,8 @@ use only names of the Python array API standard, so the same table runs on
 NumPy, CuPy and any standard array library. No rule multiplies by a boolean
 mask or calls a NumPy-only function.
 
-Everything else in monadl (``dense``, ``dot`` ...) is composed from
-these.
+The functions of `monadl.layers` build layers of these; whatever else a
+model computes is composed from them.
 
 The rules live in modules by kind (`_elementwise`, `_matmul`,
 `_reductions`, `_indexing`, `_convolution`, `_split`); this module holds
