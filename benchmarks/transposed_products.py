@@ -8,7 +8,10 @@ computes it as ``(w @ g.T).T`` made C-contiguous for float32 deltas of 2 to
 This prints, in one run:
 
 * the two forms' times over rows x weight shapes (one thread; ratio > 1: the
-  form monadl takes is faster), and
+  form monadl takes is faster),
+* for two to eight rows times weights of 256K to 4M elements, one product
+  against one gemv a row, which monadl takes for 2-5 float32 rows (2-3 times
+  a transposed weight) and 2 float64 rows of weights from 512K elements, and
 * one training step of a float32 MLP (784 -> H -> H -> H -> 10, ReLU,
   cross-entropy, SGD) with the fast form on and off, rounds alternating.
 
@@ -77,6 +80,38 @@ def product_table() -> None:
         print(f"{f'{k}x{m}':>12} " + " ".join(f"{r:6.2f}" for r in ratios))
 
 
+BY_ROWS = (2, 3, 4, 5, 6, 8)
+BIG_WEIGHTS = ((512, 512), (1024, 512), (1024, 1024), (2048, 1024), (3072, 1024), (1024, 4096))
+
+
+def _by_rows(x: ml.Array, y: ml.Array) -> ml.Array:
+    out = np.empty((x.shape[0], y.shape[1]), dtype=y.dtype)
+    for i in range(x.shape[0]):
+        np.matmul(x[i], y, out=out[i])
+    return out
+
+
+def rows_table() -> None:
+    """Few rows times a large weight: one product against a gemv a row (`monadl.layers._products._by_rows`)."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        print(
+            f"\nby rows, {np.dtype(dtype).name}: x @ w time / gemv-a-row time (w.T: the transposed weight against "
+            f"{'(w @ g.T).T' if dtype == np.float32 else 'g @ w.T'}); rows across"
+        )
+        print(f"{'weight':>16} " + " ".join(f"{r:>6}" for r in BY_ROWS))
+        for k, m in BIG_WEIGHTS:
+            w = rng.standard_normal((k, m)).astype(dtype)
+            for name, y in ((f"{k}x{m}", w), (f"{k}x{m} w.T", w.mT)):
+                ratios = []
+                for rows in BY_ROWS:
+                    x = rng.standard_normal((rows, y.shape[0])).astype(dtype)
+                    one = _fast if y is not w and dtype == np.float32 else (lambda a, b: a @ b)
+                    other = partial(one, x, w) if one is _fast else partial(one, x, y)
+                    ratios.append(_best(other) / _best(partial(_by_rows, x, y)))
+                print(f"{name:>16} " + " ".join(f"{r:6.2f}" for r in ratios))
+
+
 def mlp_table(batches: tuple[int, ...], hiddens: tuple[int, ...], rounds: int) -> None:
     rng = np.random.default_rng(0)
     print("\nMLP training step, float32, one thread: the fast form on and off (best of rounds, ms)")
@@ -131,6 +166,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, python {platform.python_version()}, numpy {np.__version__}")
     with ThreadpoolController().limit(limits=1, user_api="blas"):
         product_table()
+        rows_table()
         mlp_table(tuple(args.batch), tuple(args.hidden), args.rounds)
 
 

@@ -92,7 +92,7 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
         xp = namespace(a)
         k, m = b.shape
         rows = xp.reshape(a, (-1, k))
-        out = xp.reshape(rows @ b, (*a.shape[:-1], m))
+        out = xp.reshape(product(rows, b), (*a.shape[:-1], m))
         a_shape = a.shape
         return out, (
             lambda g: xp.reshape(product(xp.reshape(g, (-1, m)), xp.matrix_transpose(b)), a_shape),

@@ -25,6 +25,13 @@ def product(x: Value, y: Value) -> Value:
     * an inner size of one (a weight's delta from a single row): the broadcast
       product; OpenBLAS took 365 us for a 768 x 1 by 1 x 256 product that a
       multiplication does in 80 us (and 24 us for two rows);
+    * two to five rows times a weight of 512K elements or more: one
+      matrix-vector product a row (`_by_rows`). For so few rows, gemm packs the
+      whole weight before it multiplies, where gemv reads it once: float32
+      rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and 1.7x the time
+      of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x, 1.8x for 2 and 3
+      rows, beside the next form); float64 gains for 2 rows only
+      (`benchmarks/transposed_products.py`, "by rows");
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
@@ -37,6 +44,11 @@ def product(x: Value, y: Value) -> Value:
         rows, inner = x.shape
         if inner == 1:
             return x * y
+        if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _by_rows(rows, y):
+            out = np.empty((rows, y.shape[1]), dtype=y.dtype)
+            for i in range(rows):
+                np.matmul(x[i], y, out=out[i])
+            return out
         if (
             y.size >= _LARGE_WEIGHT
             and 2 <= rows <= _FEW_ROWS
@@ -84,6 +96,16 @@ def outer_rule(left: np.ndarray[Any, Any], matrix: np.ndarray[Any, Any]) -> Any:
     return lambda g: product(left.mT, g)
 
 
+def _by_rows(rows: int, y: np.ndarray[Any, Any]) -> bool:
+    """Whether ``rows`` rows (2 to `_BY_ROWS`) times the large matrix ``y`` of
+    the rows' dtype go faster one gemv a row: float32 up to 5 rows (up to 3
+    when ``y`` is a transposed weight, whose other form is faster from 4),
+    float64 for 2 (the grid of `benchmarks/transposed_products.py`)."""
+    if y.dtype is _F32:
+        return rows <= 5 if y.strides[1] == 4 else rows <= 3
+    return rows == 2 and y.dtype is _F64
+
+
 def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
     """Whether sgemm's transposed kernel is the slow one for ``rows`` rows
     times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
@@ -97,6 +119,8 @@ def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
 
 
 _F32: Final = np.dtype(np.float32)
+_F64: Final = np.dtype(np.float64)
+_BY_ROWS: Final = 5
 _FEW_ROWS: Final = 48
 _LARGE_WEIGHT: Final = 1 << 17
 _HUGE_WEIGHT: Final = 1 << 19

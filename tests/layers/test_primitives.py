@@ -210,18 +210,25 @@ def test_dense_against_matmul_plus_bias_and_differences() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 16, 48, 64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_products_by_their_fast_forms_equal_the_plain_product(rows: int, dtype: type[np.floating[Any]]) -> None:
-    """`product` computes one row, or a few float32 rows times a large
-    transposed weight, by other NumPy products: same values, C order, dtype kept."""
+    """`product` computes one row, a few rows times a large weight (one gemv a
+    row), or a few float32 rows times a large transposed weight, by other NumPy
+    products: C order, dtype kept, and as close to the exact product as the
+    plain one (each within the tolerance times the product's scale: the forms
+    sum in other orders, so an entry near zero differs in its last bits)."""
     from monadl.layers._products import product
 
     rng = np.random.default_rng(rows)
     g = rng.standard_normal((rows, 1024)).astype(dtype)
-    w = rng.standard_normal((512, 1024)).astype(dtype)  # 512K elements: the fast form from two rows
+    w = rng.standard_normal((512, 1024)).astype(dtype)  # 512K elements: the fast forms from two rows
     column = rng.standard_normal((rows, 1)).astype(dtype)
-    for x, y in ((g, w.mT), (column, rng.standard_normal((1, 300)).astype(dtype))):
-        got, expected = product(x, y), x @ y
-        assert got.dtype == dtype and got.shape == expected.shape and got.flags.c_contiguous
-        np.testing.assert_allclose(got, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    for x, y in ((g, w.mT), (g, np.ascontiguousarray(w.mT)), (column, rng.standard_normal((1, 300)).astype(dtype))):
+        got, plain = product(x, y), x @ y
+        assert got.dtype == dtype and got.shape == plain.shape and got.flags.c_contiguous
+        exact = x.astype(np.longdouble) @ y.astype(np.longdouble)
+        scale = float(np.abs(exact).max())
+        for form in (got, plain):
+            assert float(np.abs(form - exact).max()) <= tolerance * scale
 
 
 def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
