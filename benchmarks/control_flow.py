@@ -159,7 +159,7 @@ def costs(hidden: int, batch: int) -> tuple[float, float, int, int]:
     runs = [0]
     merge, forward = fibers.merge, batched.forward
 
-    def timed_merge(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
+    def timed_merge(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int]:
         t0 = time.perf_counter()
         merged = merge(ev, orders)
         merge_s[0] += time.perf_counter() - t0

@@ -128,12 +128,12 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
         return forward(ev, order, strategy, shared, levels)
 
     monkeypatch.setattr(batched, "forward", counting)
-    gradients("monadic", None)  # 6 x 6 weights: too fine to pay (MIN_PRODUCT_ELEMENTS)
+    gradients("monadic", None, n=fibers.MIN_MERGED - 1, hidden=128)  # too few graphs a merge to pay
     assert groups == []
-    gradients("monadic", None, hidden=128)
+    gradients("monadic", None)  # 16 graphs a merge: batched, however fine the weights (6 x 6)
     # Every step's merge (16 alike graphs of 3 nodes, far below MIN_NODES) went through the
-    # batching scheduler; the last (a product among 5 nodes each) was too fine.
-    assert groups == [3 * 16] * STEPS
+    # batching scheduler, and the last (a product among 5 nodes each).
+    assert groups == [3 * 16] * STEPS + [5 * 16]
     groups.clear()
     gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
     assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
@@ -187,7 +187,7 @@ def test_lone_product_by_a_large_weight_joins_the_factors(outer_rows: list[int])
     # alone picks a weight in a step, its product runs as a group of one, its row
     # kept with the other groups' rows; the gradients are those of evaluating unbatched.
     rows = outer_rows
-    value, grads = gradients("monadic", None, n=3, hidden=256)
+    value, grads = gradients("monadic", True, n=3, hidden=256)  # (three graphs a merge: batched when forced)
     off_value, off = gradients("monadic", False, n=3, hidden=256)
     assert value == pytest.approx(off_value, rel=1e-12)
     for a, b in zip(grads, off):
@@ -304,18 +304,3 @@ async def test_a_parked_fiber_is_not_waited_for_by_a_coroutine_that_waits_for_it
     assert grads.keys() == off.keys()
     for w in grads:
         np.testing.assert_allclose(grads[w], off[w], rtol=1e-12)
-
-
-def test_the_merge_counts_the_weights_an_operation_multiplies_by() -> None:
-    # The cost rule batches a merge by the weights its products use; an
-    # operation holding a product is one, else marked cells would never batch.
-    from monadl.runtime.evaluation import Evaluation
-    from monadl.runtime.node import collect
-
-    w = ml.Weight(np.ones((64, 64)))
-    cell = ml.operation(lambda x: ml.tanh(x @ w))
-    plain = ml.operation(lambda x: ml.tanh(x) * 2.0)
-    ev = Evaluation(train=False)
-    graphs = [collect(ev, [cell(ml.stop_gradient(np.ones((1, 64))))]) for _ in range(2)]
-    assert fibers.merge(ev, graphs)[2] == 2 * 64 * 64
-    assert fibers.merge(ev, [collect(ev, [plain(ml.stop_gradient(np.ones(3)))])])[2] == 0

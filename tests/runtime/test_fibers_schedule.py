@@ -70,7 +70,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> Generator[list[list[str]], None, No
     seen: list[list[str]] = []
     merge = fibers.merge
 
-    def recording(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
+    def recording(ev: Any, orders: list[list[Any]]) -> tuple[list[Any], int]:
         seen.append([order[-1]._op.name for order in orders])
         return merge(ev, orders)
 

@@ -7,7 +7,7 @@ fiber that reaches a layer graph while other fibers can still run *parks*
 there instead of computing it alone. When no fiber can run, the parked graphs
 are merged (the union of their nodes, each once, in one topological order)
 and run as one graph, through the batching scheduler where the cost rules say
-so (`MIN_PRODUCT_ELEMENTS` here, then
+so (`MIN_MERGED` here, then
 `monadl.runtime.schedule.batched_rule.worth_batching`, told how many of the graphs
 are alike), so that the k examples' nodes of equal signature run as one
 kernel; then every parked fiber resumes with its values. A fiber whose
@@ -51,27 +51,28 @@ from collections.abc import Generator
 from typing import Any, Final, final
 
 from monadl.layers._layer import Layer
-from monadl.layers._program import Program
-from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
+from monadl.runtime.schedule.batched_rule import MIN_NODES
 from monadl.runtime.settings import current_settings
 
-__all__ = ["MIN_PRODUCT_ELEMENTS", "PARKED", "Parked", "enabled", "heights", "merge", "parks", "run"]
+__all__ = ["MIN_MERGED", "PARKED", "Parked", "enabled", "heights", "merge", "parks", "run"]
 
-_PRODUCTS: Final = frozenset({"matmul", "dense"})  # the primitives that multiply by a weight
-
-MIN_PRODUCT_ELEMENTS: Final = 4096
-"""Automatic mode batches a merge only if its matrix products use weights of
-at least this many elements per merged node (a weight of 384 x 128 in a graph
-of a dozen nodes): what batching saves there is, per member, a product's
-weight-sized outer product in the backward; what it costs is per node. In
-`benchmarks/control_flow.py` (shift-reduce, batch 8 and 32) hidden size 128
-(about 7,000 per node) ran 1.3-1.8x faster batched, 64 (about 1,700) the same,
-and 32 (about 450) up to 25% slower at batch 8."""
+MIN_MERGED: Final = 8
+"""Automatic mode batches a merge of at least this many fibers' graphs (or
+one of `monadl.runtime.schedule.batched_rule.MIN_NODES` nodes or more),
+whatever its weights' size: batching saves per-node work for each member
+of a group, and a merge of few graphs has few members a group. In
+`benchmarks/control_flow.py`'s parser (merged runs batched against run
+node by node, 2026-11-26), 2 and 4 sentences lost 2-8% batched at hidden
+128 to 1024; 8 sentences gained 1-17% at 128 to 1024 and lost up to 10%
+at 16; 32 gained 1.5-2x at every size from 16 to 128. (The rule before
+asked for weights of 4,096 elements per merged node: it left a batch of 32
+unbatched below hidden 128, 1.5-1.75x slower, and batched 2 to 4 sentences
+at any size.)"""
 
 PARKED: Final = object()
 """What a fiber waits on while parked: the next merged run."""
@@ -176,10 +177,10 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     """Compute the parked graphs as one; returns the fibers to resume (the
     parked list is emptied)."""
     fibers, orders = parked.take()
-    order, alike, products = merge(ev, orders)
+    order, alike = merge(ev, orders)
     if order:
-        # On a GPU a merged run pays whatever the weights' size: the host's launches are the cost.
-        pays = current_settings().batching is True or products >= MIN_PRODUCT_ELEMENTS * len(order)
+        # On a GPU a merged run pays however few its graphs: the host's launches are the cost.
+        pays = current_settings().batching is True or len(orders) >= MIN_MERGED or len(order) >= MIN_NODES
         if (pays or (cuda.loaded() and cuda.on_device(ev.records, order))) and batched.worth_batching(ev, order, alike):
             if parked.groups is None:
                 parked.groups = Groups(ev.records, outer=True)
@@ -202,11 +203,10 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     return fibers
 
 
-def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]:
+def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int]:
     """The union of the graphs ``orders`` (each in topological order) in one
-    topological order, each node once, leaving those computed meanwhile; how
-    many graphs are alike (built at one line, with as many nodes); and the
-    elements of the weights that its matrix products use, summed over them.
+    topological order, each node once, leaving those computed meanwhile; and
+    how many graphs are alike (built at one line, with as many nodes).
 
     >>> import numpy as np, monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -214,29 +214,24 @@ def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int, int]
     >>> shared = w * 2.0
     >>> a, b = (ml.sum(np.ones(2) @ w + shared) for _ in range(2))  # built at one place
     >>> graphs = [[shared, *x._inputs[0]._inputs, x._inputs[0], x] for x in (a, b)]
-    >>> order, alike, products = merge(Evaluation(train=False), graphs)
-    >>> len(order), alike, products
-    (7, 2, 8)
+    >>> order, alike = merge(Evaluation(train=False), graphs)
+    >>> len(order), alike
+    (7, 2)
     """
     computed = ev.records.computed
     seen: set[Any] = set()
     order: list[Any] = []
     shapes: dict[Any, int] = {}
-    products = 0
     for part in orders:
         # Concatenated topological orders, each node at its first place, stay topological.
         for node in part:
             if node not in seen and not computed(node):  # another fiber's graph may have computed it
                 seen.add(node)
                 order.append(node)
-                if _multiplies(node._op):
-                    for x in node._inputs:
-                        if type(x) is Weight:
-                            products += x._data.size
         if part:
             key = (part[-1]._site, len(part))
             shapes[key] = shapes.get(key, 0) + 1
-    return order, max(shapes.values(), default=0), products
+    return order, max(shapes.values(), default=0)
 
 
 def heights(order: list[Any]) -> list[list[Any]]:
@@ -269,12 +264,3 @@ def heights(order: list[Any]) -> list[list[Any]]:
     for node in order:
         levels[top - height[node]].append(node)
     return [level for level in levels if level]
-
-
-def _multiplies(op: Any) -> bool:
-    """Whether a node multiplies by its weights: a matrix product, or an
-    operation (`monadl.operation`) whose program holds one."""
-    if op.name in _PRODUCTS:
-        return True
-    rule = op.rule
-    return type(rule) is Program and any(step.op.name in _PRODUCTS for step in rule.steps)
