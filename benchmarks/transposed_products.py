@@ -84,15 +84,8 @@ BY_ROWS = (2, 3, 4, 5, 6, 8)
 BIG_WEIGHTS = ((512, 512), (1024, 512), (1024, 1024), (2048, 1024), (3072, 1024), (1024, 4096))
 
 
-def _by_rows(x: ml.Array, y: ml.Array) -> ml.Array:
-    out = np.empty((x.shape[0], y.shape[1]), dtype=y.dtype)
-    for i in range(x.shape[0]):
-        np.matmul(x[i], y, out=out[i])
-    return out
-
-
 def rows_table() -> None:
-    """Few rows times a large weight: one product against a gemv a row (`monadl.layers._products._by_rows`)."""
+    """Few rows times a large weight: one product against a gemv a row (`monadl.layers._products.by_rows`)."""
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
         print(
@@ -108,7 +101,7 @@ def rows_table() -> None:
                     x = rng.standard_normal((rows, y.shape[0])).astype(dtype)
                     one = _fast if y is not w and dtype == np.float32 else (lambda a, b: a @ b)
                     other = partial(one, x, w) if one is _fast else partial(one, x, y)
-                    ratios.append(_best(other) / _best(partial(_by_rows, x, y)))
+                    ratios.append(_best(other) / _best(partial(products.by_rows, x, y)))
                 print(f"{name:>16} " + " ".join(f"{r:6.2f}" for r in ratios))
 
 

@@ -1,31 +1,38 @@
-"""The floor under the unannotated Tree-LSTM: what any runtime that keeps
-every op a layer must pay in CPython, beside the same work batched by hand.
+"""The floor under the Tree-LSTM's targets: what a runtime that keeps every op
+(or every marked cell) a lazy node must pay in CPython, beside the same work
+batched by hand.
 
 Issue 15 asks the fully unannotated recursion (`examples.tree_lstm`'s model,
 every op its own layer: about 15.5 layers a tree node; "ops" here) to train
 at >= 0.35x PyTorch batched by hand by depth at H = 128 and >= 0.6x at
 H = 256, and the same recursion with its cell marked as one operation (one
-layer a tree node; "cell") at >= 0.9x at both (batch 32, one thread).
+node a tree node; "cell") at >= 0.9x at both (batch 32, one thread).
 Whatever the scheduler, a step of such a runtime contains, per batch of
 trees:
 
-* **build**: the user's recursion building the layers; at least what the
-  same recursion costs building bare nodes (`Bare`: an object per op with
-  its op, operands, parameters and the user's line, which errors must name),
-  less than monadl's own build (measured too, as a training loop has it);
-* **walk**: finding the graph: one visit per layer and per edge, a set of the
-  layers seen (no sort, no records);
-* **group**: putting each layer in a group: one pass in topological order,
+* **build**: the user's recursion building its nodes; at least what the
+  same recursion costs building bare nodes (`Bare`: an object per op, or per
+  marked cell's call, with its op, operands, parameters and the user's line,
+  which errors must name), less than monadl's own build ("mbuild");
+* **walk**: finding the graph from the loss: one visit per node and per
+  edge, a set of the nodes seen (no sort, no records). A lazy runtime (as
+  monadl is: layers built once may be evaluated in many steps, shared, or
+  dropped unevaluated) pays it; one that records each node as it is built,
+  as DyNet does, does not;
+* **group**: putting each node in a group: one pass in topological order,
   its depth from its operands' and one dictionary append by (depth, op):
   coarser than any correct signature, which must read operand shapes too;
 * **free**: dropping the graph (a bare node and its tuples each);
 * **compute**: the arithmetic, at best the hand-batched NumPy step of
-  `benchmarks._treelstm_numpy` (the kernels monadl calls).
+  `benchmarks._treelstm_numpy` (the kernels monadl calls), less its own
+  analysis of the trees' structure ("sched": what walk and group replace).
 
 Their sum is a floor: it leaves out placing each result, the backward's
 bookkeeping and every check. The ratio ``torch by depth / floor`` is then the
-most any such runtime can reach; the table prints it beside monadl's own
-step. Each figure is the minimum over ``--steps`` repetitions, in one run.
+most such a runtime can reach: "floor/t" for a lazy runtime, "eager/t"
+without the walk. The table prints them beside monadl's own step. Each
+figure is the least of ``--steps`` repetitions, in one run; what a timed
+call returns is freed after its clock stops (freeing is its own part).
 
 Run: ``python -m benchmarks.treelstm_limit`` (``--help``).
 """
@@ -51,6 +58,7 @@ from threadpoolctl import ThreadpoolController
 
 import monadl as ml
 from benchmarks import _treelstm_numpy, _treelstm_torch
+from benchmarks._treelstm_torch import schedule
 from benchmarks.treelstm import make_batches
 from examples.tree_lstm import Cells, State, Tree, TreeLSTM, encode, init_weights
 from monadl.layers._layer import Layer
@@ -107,6 +115,20 @@ def bare_cells(params: dict[str, Any], n: int) -> Cells:
     def internal(symbol: Any, left: State, right: State) -> State:
         gates = matmul(concatenate([left.h, right.h]), params["children"])  # (ml.dense without a bias)
         return cell(gates + embedding(params["operator"], symbol), (left, right))
+
+    return Cells(leaf, internal)
+
+
+def bare_marked_cells() -> Cells:
+    """The marked cells, bare: one node a call, its operands the symbol and the children's states."""
+
+    def leaf(symbol: Any) -> State:
+        node = Bare("leaf cell", (symbol,))
+        return State(*cast(Any, (node, node)))
+
+    def internal(symbol: Any, left: State, right: State) -> State:
+        node = Bare("internal cell", (symbol, left.h, left.c, right.h, right.c))
+        return State(*cast(Any, (node, node)))
 
     return Cells(leaf, internal)
 
@@ -168,18 +190,20 @@ def analysis(loss: Any, steps: int) -> dict[str, float]:
 
 
 def best(run: Callable[[], Any], steps: int) -> float:
-    """The least seconds of ``steps`` calls of ``run``."""
+    """The least seconds of ``steps`` calls of ``run``; what a call returns is
+    freed after its clock stops."""
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        run()
+        result = run()
         times.append(time.perf_counter() - started)
+        del result
     return min(times)
 
 
 def measure(hidden: int, balanced: bool, batch: int, steps: int, operation: bool) -> dict[str, float]:
     """Seconds a step, per part and per variant, for one state size and tree
-    shape (``operation``: the cell marked as one operation, one layer a node)."""
+    shape (``operation``: the cell marked as one operation, one node a tree node)."""
     trees = make_batches(batch, 1, balanced)[0]
     weights = init_weights(hidden)
     model = TreeLSTM({k: v.copy() for k, v in weights.items()}, operation=operation)
@@ -192,18 +216,16 @@ def measure(hidden: int, balanced: bool, batch: int, steps: int, operation: bool
     anyio.run(train, trees)  # warm up: the collector's threshold fits the graph, as in a training loop
     parts["monadl"] = best(lambda: anyio.run(train, trees), steps)
     parts["monadl build"] = best(lambda: model.loss(trees), steps)
-    cells = bare_cells(model.w, model.hidden) if not operation else None
-    if cells is not None:
-        parts["build"] = best(lambda: bare_loss(cells, model.w, trees), steps)
+    cells = bare_marked_cells() if operation else bare_cells(model.w, model.hidden)
+    parts["build"] = best(lambda: bare_loss(cells, model.w, trees), steps)
+    if not operation:
         bare, layers = bare_ops(bare_loss(cells, model.w, trees)), layer_ops(model.loss(trees))
         if bare != layers:
             raise AssertionError(f"the bare build is not the model's, op for op: {bare} against {layers}")
-    else:  # one operation call a node: monadl's own build is the floor's
-        parts["build"] = parts["monadl build"]
     parts.update(analysis(model.loss(trees), steps))
 
     def free() -> float:
-        graph = model.loss(trees) if cells is None else bare_loss(cells, model.w, trees)
+        graph = bare_loss(cells, model.w, trees)
         started = time.perf_counter()
         del graph
         return time.perf_counter() - started
@@ -211,6 +233,7 @@ def measure(hidden: int, balanced: bool, batch: int, steps: int, operation: bool
     parts["free"] = min(free() for _ in range(steps))
     numpy_by_depth = _treelstm_numpy.by_depth({k: v.copy() for k, v in weights.items()})
     parts["numpy"] = best(lambda: numpy_by_depth.train(trees), steps)
+    parts["sched"] = best(lambda: (schedule(trees), np.concatenate([t.symbol for t in trees])), steps)
     torch_by_depth = (
         _treelstm_torch.by_depth({k: v.copy() for k, v in weights.items()}) if _treelstm_torch.available() else None
     )
@@ -230,8 +253,9 @@ def main() -> None:
         f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}, one BLAS thread; ms a step"
     )
     print(
-        f"{'shape':8} {'H':>5} {'model':5} {'layers':>7} {'mbuild':>7} {'build':>7} {'walk':>7} {'group':>7} {'free':>7} {'numpy':>7} "
-        f"{'floor':>7} {'monadl':>7} {'torch':>7} {'floor/t':>8} {'monadl/t':>8} {'target':>7}"
+        f"{'shape':8} {'H':>5} {'model':5} {'nodes':>7} {'mbuild':>7} {'build':>7} {'walk':>7} {'group':>7} "
+        f"{'free':>7} {'numpy':>7} {'sched':>7} {'floor':>7} {'monadl':>7} {'torch':>7} "
+        f"{'floor/t':>8} {'eager/t':>8} {'monadl/t':>8} {'target':>7}"
     )
     _treelstm_torch.set_threads(1)
     gc.collect()
@@ -239,13 +263,15 @@ def main() -> None:
         for shape in args.shapes:
             for hidden, model in [(h, m) for h in args.hidden for m in args.models]:
                 p = measure(hidden, shape == "balanced", args.batch, args.steps, MODELS[model])
-                floor = p["build"] + p["walk"] + p["group"] + p["free"] + p["numpy"]
+                eager = p["build"] + p["group"] + p["free"] + p["numpy"] - p["sched"]
+                floor = eager + p["walk"]
                 ms = {k: 1e3 * v for k, v in p.items()}
                 target = TARGETS.get((model, hidden))
                 print(
-                    f"{shape:8} {hidden:5d} {model:5} {int(p['layers']):7d} {ms['monadl build']:7.1f} {ms['build']:7.1f} {ms['walk']:7.1f} {ms['group']:7.1f} "
-                    f"{ms['free']:7.1f} {ms['numpy']:7.1f} {1e3 * floor:7.1f} {ms['monadl']:7.1f} {ms['torch']:7.1f} "
-                    f"{p['torch'] / floor:7.3f}x {p['torch'] / p['monadl']:7.3f}x "
+                    f"{shape:8} {hidden:5d} {model:5} {int(p['layers']):7d} {ms['monadl build']:7.1f} "
+                    f"{ms['build']:7.1f} {ms['walk']:7.1f} {ms['group']:7.1f} {ms['free']:7.1f} {ms['numpy']:7.1f} "
+                    f"{ms['sched']:7.1f} {1e3 * floor:7.1f} {ms['monadl']:7.1f} {ms['torch']:7.1f} "
+                    f"{p['torch'] / floor:7.3f}x {p['torch'] / eager:7.3f}x {p['torch'] / p['monadl']:7.3f}x "
                     + (f"{target:6.2f}x" if target else f"{'-':>7}"),
                     flush=True,
                 )

@@ -4,7 +4,7 @@ Each primitive is a function ``f(*operands, *params) -> (value, vjps)``.
 ``vjps`` holds one closure per operand that maps the delta of ``value`` to the
 delta of that operand (a vector-Jacobian product). The runtime calls only the
 closures whose operand leads to a trainable weight, and undoes broadcasting
-afterwards with `unbroadcast`, so no rule handles broadcasting itself. A
+afterwards with `monadl.deltas.unbroadcast`, so no rule handles broadcasting itself. A
 closure captures only what its rule needs, so the rest can be freed early.
 
 Rules compute in the namespace of their operands (`monadl._namespace`): they
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, final
 
-from monadl.deltas import scatter_add, unbroadcast
 from monadl.layers._convolution import _conv2d, _max_pool2d
 from monadl.layers._elementwise import (
     _abs,
@@ -51,7 +50,7 @@ from monadl.layers._matmul import _dense, _matmul
 from monadl.layers._reductions import _cross_entropy, _log_softmax, _logsumexp, _max, _mean, _softmax, _sum
 from monadl.layers._split import split_part_rule, split_rule
 
-__all__ = ["PRIMITIVES", "Primitive", "scatter_add", "unbroadcast"]
+__all__ = ["PRIMITIVES", "Primitive"]
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]

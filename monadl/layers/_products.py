@@ -1,8 +1,8 @@
 """Which NumPy call computes a matrix product.
 
 Every ``a @ b`` of the primitive rules (a product, its two deltas) and of the
-batching rules goes through `product`, which picks, for two shapes that
-OpenBLAS serves badly, an equal product that it serves well. Only NumPy
+batching rules goes through `product`, which picks, for three kinds of shape
+that OpenBLAS serves badly, an equal product that it serves well. Only NumPy
 arrays take another form; every other library's product is its own ``@``.
 """
 
@@ -12,26 +12,28 @@ from typing import Any, Final, final
 
 import numpy as np
 
-__all__ = ["OuterRule", "factors_pay", "outer_rule", "product"]
+__all__ = ["OuterRule", "by_rows", "factors_pay", "outer_rule", "product"]
 
 Value = Any
 
 
 def product(x: Value, y: Value) -> Value:
-    """``x @ y``, by the fastest of equal NumPy products for two shapes that
-    OpenBLAS serves badly (measured on x86-64, NumPy 2.4's OpenBLAS;
+    """``x @ y``, by the fastest of equal NumPy products for three kinds of
+    shape that OpenBLAS serves badly (measured on x86-64, NumPy 2.4's OpenBLAS;
     `benchmarks/transposed_products.py` prints the grid):
 
     * an inner size of one (a weight's delta from a single row): the broadcast
       product; OpenBLAS took 365 us for a 768 x 1 by 1 x 256 product that a
       multiplication does in 80 us (and 24 us for two rows);
     * two to five rows times a weight of 512K elements or more: one
-      matrix-vector product a row (`_by_rows`). For so few rows, gemm packs the
-      whole weight before it multiplies, where gemv reads it once: float32
-      rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and 1.7x the time
-      of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x, 1.8x for 2 and 3
-      rows, beside the next form); float64 gains for 2 rows only
-      (`benchmarks/transposed_products.py`, "by rows");
+      matrix-vector product a row (`by_rows`, where `_rows_pay`), with NumPy's
+      OpenBLAS only (another BLAS may serve few rows well). For so few rows,
+      sgemm packs the whole weight before it multiplies, where gemv reads it
+      once: float32 rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and
+      1.7x the time of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x,
+      1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 rows
+      only (`benchmarks/transposed_products.py`, "by rows"). Each row is then
+      the one-row product, bit for bit;
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
@@ -44,11 +46,8 @@ def product(x: Value, y: Value) -> Value:
         rows, inner = x.shape
         if inner == 1:
             return x * y
-        if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _by_rows(rows, y):
-            out = np.empty((rows, y.shape[1]), dtype=y.dtype)
-            for i in range(rows):
-                np.matmul(x[i], y, out=out[i])
-            return out
+        if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
+            return by_rows(x, y)
         if (
             y.size >= _LARGE_WEIGHT
             and 2 <= rows <= _FEW_ROWS
@@ -96,11 +95,27 @@ def outer_rule(left: np.ndarray[Any, Any], matrix: np.ndarray[Any, Any]) -> Any:
     return lambda g: product(left.mT, g)
 
 
-def _by_rows(rows: int, y: np.ndarray[Any, Any]) -> bool:
+def by_rows(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``x @ y`` for 2-D NumPy arrays of one dtype, one matrix-vector product a row of ``x``.
+
+    >>> x, y = np.arange(6.0).reshape(2, 3), np.ones((3, 2))
+    >>> bool((by_rows(x, y) == x @ y).all())
+    True
+    """
+    out = np.empty((x.shape[0], y.shape[1]), dtype=y.dtype)
+    for i in range(x.shape[0]):
+        np.matmul(x[i], y, out=out[i])
+    return out
+
+
+def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
     """Whether ``rows`` rows (2 to `_BY_ROWS`) times the large matrix ``y`` of
-    the rows' dtype go faster one gemv a row: float32 up to 5 rows (up to 3
-    when ``y`` is a transposed weight, whose other form is faster from 4),
-    float64 for 2 (the grid of `benchmarks/transposed_products.py`)."""
+    the rows' dtype go faster one gemv a row: with NumPy's OpenBLAS, float32
+    up to 5 rows (up to 3 when ``y`` is a transposed weight, whose other form
+    is faster from 4), float64 for 2 (the grid of
+    `benchmarks/transposed_products.py`)."""
+    if not _OPENBLAS:
+        return False
     if y.dtype is _F32:
         return rows <= 5 if y.strides[1] == 4 else rows <= 3
     return rows == 2 and y.dtype is _F64
@@ -121,6 +136,20 @@ def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
 _F32: Final = np.dtype(np.float32)
 _F64: Final = np.dtype(np.float64)
 _BY_ROWS: Final = 5
+
+
+def _numpy_blas() -> str:
+    """The name of the BLAS NumPy was built with ("" where NumPy does not say)."""
+    try:
+        return str(np.__config__.CONFIG["Build Dependencies"]["blas"]["name"])
+    except (AttributeError, KeyError, TypeError):
+        return ""
+
+
+_OPENBLAS: Final = "openblas" in _numpy_blas().lower()
+"""Whether NumPy calls OpenBLAS (its wheels for Linux, Windows and x86 macOS
+do; arm64 macOS wheels call Accelerate, whose few-row products were not
+measured)."""
 _FEW_ROWS: Final = 48
 _LARGE_WEIGHT: Final = 1 << 17
 _HUGE_WEIGHT: Final = 1 << 19

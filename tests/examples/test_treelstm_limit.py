@@ -38,7 +38,21 @@ def test_the_grouping_puts_each_layer_in_one_group_above_its_operands() -> None:
 @pytest.mark.parametrize("model", ["ops", "cell"])
 def test_a_measurement_has_every_part(model: str) -> None:
     parts = treelstm_limit.measure(4, False, 2, 1, treelstm_limit.MODELS[model])
-    assert {"monadl", "monadl build", "build", "walk", "group", "free", "numpy", "torch", "layers"} <= set(parts)
+    assert {"monadl", "monadl build", "build", "walk", "group", "free", "numpy", "sched", "torch", "layers"} <= set(
+        parts
+    )
     assert all(parts[k] > 0 for k in parts if k != "torch") and (parts["torch"] > 0 or math.isnan(parts["torch"]))
-    if model == "cell":
-        assert parts["build"] == parts["monadl build"]
+
+
+def test_the_bare_marked_cells_are_one_node_a_tree_node() -> None:
+    trees = make_batches(3, 1, False)[0]
+    model = TreeLSTM(init_weights(4))
+    ops = treelstm_limit.bare_ops(treelstm_limit.bare_loss(treelstm_limit.bare_marked_cells(), model.w, trees))
+    leaves = sum(int((t.left < 0).sum()) for t in trees)
+    assert ops == {
+        "leaf cell": leaves,
+        "internal cell": 3 * 255 - leaves,
+        "concatenate": 1,
+        "dense": 1,
+        "cross_entropy": 1,
+    }

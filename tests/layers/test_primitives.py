@@ -207,15 +207,15 @@ def test_dense_against_matmul_plus_bias_and_differences() -> None:
     assert anyio.run(ml.dense(x32, w32, np.zeros((3, 4, 2), np.float32)).predict).shape == (3, 4, 2)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 16, 48, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 16, 48, 64])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_products_by_their_fast_forms_equal_the_plain_product(rows: int, dtype: type[np.floating[Any]]) -> None:
     """`product` computes one row, a few rows times a large weight (one gemv a
     row), or a few float32 rows times a large transposed weight, by other NumPy
-    products: C order, dtype kept, and as close to the exact product as the
-    plain one (each within the tolerance times the product's scale: the forms
+    products: C order, dtype kept, and within the tolerance times the
+    product's scale of the exact product, as the plain product is (the forms
     sum in other orders, so an entry near zero differs in its last bits)."""
-    from monadl.layers._products import product
+    from monadl.layers._products import by_rows, product
 
     rng = np.random.default_rng(rows)
     g = rng.standard_normal((rows, 1024)).astype(dtype)
@@ -229,6 +229,9 @@ def test_products_by_their_fast_forms_equal_the_plain_product(rows: int, dtype: 
         scale = float(np.abs(exact).max())
         for form in (got, plain):
             assert float(np.abs(form - exact).max()) <= tolerance * scale
+    # Row by row, each row is the one-row product, bit for bit.
+    each = by_rows(g, w.mT)
+    assert each.flags.c_contiguous and all((each[i] == g[i] @ w.mT).all() for i in range(rows))
 
 
 def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:

@@ -100,7 +100,7 @@ def merges(monkeypatch: pytest.MonkeyPatch) -> Generator[list[int], None, None]:
 def test_same_values_and_gradients_as_without_parking(way: str, merges: list[int]) -> None:
     off_value, off = gradients(way, False)
     assert merges == []  # batching forced off: no fiber parks
-    for batching in (None, True):  # parked, run merged; batched only when forced
+    for batching in (None, True):  # parked, run merged and batched (16 graphs a merge: MIN_MERGED or more)
         value, grads = gradients(way, batching)
         assert value == pytest.approx(off_value, rel=1e-12)
         for a, b in zip(grads, off):
@@ -108,6 +108,13 @@ def test_same_values_and_gradients_as_without_parking(way: str, merges: list[int
     # Per evaluation (two here), a merged run per read (STEPS of them) and one of the
     # last graphs, each for all 16 examples together.
     assert len(merges) == 2 * (STEPS + 1) and all(size >= 16 for size in merges)
+    # Fewer graphs than MIN_MERGED: parked and merged, run unbatched; the same values.
+    few = fibers.MIN_MERGED - 1
+    off_value, off = gradients(way, False, n=few)
+    value, grads = gradients(way, None, n=few)
+    assert value == pytest.approx(off_value, rel=1e-12)
+    for a, b in zip(grads, off):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_paths_differ_per_example() -> None:
@@ -130,6 +137,9 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(batched, "forward", counting)
     gradients("monadic", None, n=fibers.MIN_MERGED - 1, hidden=128)  # too few graphs a merge to pay
     assert groups == []
+    gradients("monadic", None, n=fibers.MIN_MERGED)  # from MIN_MERGED on: batched
+    assert groups == [3 * fibers.MIN_MERGED] * STEPS + [5 * fibers.MIN_MERGED]
+    groups.clear()
     gradients("monadic", None)  # 16 graphs a merge: batched, however fine the weights (6 x 6)
     # Every step's merge (16 alike graphs of 3 nodes, far below MIN_NODES) went through the
     # batching scheduler, and the last (a product among 5 nodes each).

@@ -201,16 +201,17 @@ class _Run:
     def level(self, nodes: list[Any]) -> None:
         """Nodes that are all ready, grouped by signature."""
         groups: dict[Any, list[Any]] = {}
-        records, where = self.records, self.groups.where
+        get, records, where = groups.get, self.records, self.groups.where
         for node in nodes:  # (once per node of the graph: names bound outside the loop)
             sig = signature(records, node, where)
             if sig is None:
                 self.each([node])
                 continue
-            try:  # (no empty list made per member, as setdefault would)
-                groups[sig].append(node)
-            except KeyError:
+            members = get(sig)  # (no empty list made per member, as setdefault would)
+            if members is None:
                 groups[sig] = [node]
+            else:
+                members.append(node)
         for members in groups.values():
             self.group(members)
 

@@ -41,7 +41,7 @@ by the same backward, shared nodes once; a failure raises the node's own error
 (at the user's line) and fails the evaluation. Graphs holding a layer built
 from a ``Do`` and evaluations with the worker pool (``workers > 1``) keep
 their own path; ``Settings.batching=False`` turns parking off. On a GPU a
-merged run batches whatever its weights' size (`run`).
+merged run batches however few its graphs (`run`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ node by node, 2026-11-26), 2 and 4 sentences lost 2-8% batched at hidden
 at 16; 32 gained 1.5-2x at every size from 16 to 128. (The rule before
 asked for weights of 4,096 elements per merged node: it left a batch of 32
 unbatched below hidden 128, 1.5-1.75x slower, and batched 2 to 4 sentences
-at any size.)"""
+at any size.) Every parked graph counts, alike or not: the steps of one
+model differ by their path (a parser's tracker after a shift, or after a
+reduce's composition) yet line up by height (`heights`), each adding a
+member to the same groups."""
 
 PARKED: Final = object()
 """What a fiber waits on while parked: the next merged run."""
