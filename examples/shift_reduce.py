@@ -27,7 +27,7 @@ prints the parse accuracy (exact trees) and the task accuracy on held-out
 sentences, against the majority class. With the defaults (hidden size 128,
 300 batches of 32 sentences, seed 0): exact parses 100.0%, task accuracy
 40.6% against 22.3% for the majority class, in about 2 minutes on the
-project's loaded 2-core VM. (The runtime batches a merge of 8 sentences'
+project's loaded 2-core VM. (The runtime batches a merge of 10 sentences'
 graphs or more, whatever the hidden size; fewer run node by node, except on
 a GPU.)
 """

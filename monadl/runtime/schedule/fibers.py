@@ -61,16 +61,18 @@ from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_MERGED", "PARKED", "Parked", "enabled", "heights", "merge", "parks", "run"]
 
-MIN_MERGED: Final = 8
+MIN_MERGED: Final = 10
 """Automatic mode batches a merge of at least this many fibers' graphs (or
 one of `monadl.runtime.schedule.batched_rule.MIN_NODES` nodes or more),
 whatever its weights' size: batching saves per-node work for each member
 of a group, and a merge of few graphs has few members a group. In
 `benchmarks/control_flow.py`'s parser (merged runs batched against run
 node by node, 2026-11-26), 2 and 4 sentences lost 2-8% batched at hidden
-128 to 1024; 8 sentences gained 1-17% at 128 to 1024 and lost up to 10%
-at 16; 32 gained 1.5-2x at every size from 16 to 128. (The rule before
-asked for weights of 4,096 elements per merged node: it left a batch of 32
+128 to 1024; 8 gained up to 18% from hidden 24 on but lost 12% at 16; 10
+and 12 gained 3-27% at every size from 16 to 512, 32 gained 1.5-2x. So
+from 10 on batching never lost; below, a merge runs node by node, giving
+up what 8 and 9 would gain at most sizes. (The rule before asked for
+weights of 4,096 elements per merged node: it left a batch of 32
 unbatched below hidden 128, 1.5-1.75x slower, and batched 2 to 4 sentences
 at any size.) Every parked graph counts, alike or not: the steps of one
 model differ by their path (a parser's tracker after a shift, or after a
