@@ -115,8 +115,16 @@ def _param_key(p: Any) -> Any:
     if p is None or kind in NUMBERS or kind is str or p is Ellipsis:
         return (kind, p)
     if kind is tuple:
-        parts = [_param_key(q) for q in p]
-        return None if None in parts else (tuple, *parts)
+        key: list[Any] = [tuple]
+        for q in p:
+            if type(q) is slice:  # (a gate's cut, ``[:, a:b]``: no call a part)
+                key.append((slice, q.start, q.stop, q.step))
+                continue
+            k = _param_key(q)
+            if k is None:
+                return None
+            key.append(k)
+        return tuple(key)
     shape = getattr(p, "shape", None)
     if shape is not None and hasattr(p, "dtype"):
         return (kind, shape, p.dtype)
