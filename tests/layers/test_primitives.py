@@ -234,6 +234,29 @@ def test_products_by_their_fast_forms_equal_the_plain_product(rows: int, dtype: 
     assert each.flags.c_contiguous and all((each[i] == g[i] @ w.mT).all() for i in range(rows))
 
 
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_few_rows_by_rows_from_any_layout(rows: int) -> None:
+    """The few-row form takes rows from strided and Fortran-ordered arrays
+    and leaves other dtypes and small weights to the plain product."""
+    from monadl.layers import _products
+    from monadl.layers._products import product
+
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((1024, 1024)).astype(np.float32)
+    wide = rng.standard_normal((rows, 2048)).astype(np.float32)
+    for x in (wide[:, ::2], np.asfortranarray(wide[:, :1024]), wide[:, 1024:]):
+        got = product(x, w)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        each = np.stack([row @ w for row in x])
+        if _products._OPENBLAS:  # (the form is taken with NumPy's OpenBLAS only: then row for row, bit for bit)
+            np.testing.assert_array_equal(got, each)
+        else:
+            np.testing.assert_allclose(got, each, rtol=1e-4, atol=1e-4)
+    mixed = product(wide[:, :1024].astype(np.float64), w)  # dtypes differ: the plain product's promotion
+    assert mixed.dtype == np.float64
+    np.testing.assert_allclose(mixed, wide[:, :1024].astype(np.float64) @ w, rtol=1e-12)
+
+
 def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
     """A float32 MLP with 16 rows and a 512 x 512 weight takes the fast form in
     its backward; its input's delta equals NumPy's ``g @ w.T``."""
