@@ -70,12 +70,12 @@ MODELS = {"ops": False, "cell": True}  # every op a layer; the cell marked as on
 class Bare:
     """The least a lazy op can be: its op, operands, parameters and the user's line."""
 
-    __slots__ = ("inputs", "op", "params", "site")
+    __slots__ = ("_inputs", "_op", "_params", "_site")  # (a layer's names: `walk` takes either)
 
     def __init__(self, op: str, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> None:
-        self.op, self.inputs, self.params = op, inputs, params
+        self._op, self._inputs, self._params = op, inputs, params
         frame = sys._getframe(2)  # the user's line (the caller of the operator or function)
-        self.site = (frame.f_code, frame.f_lasti)
+        self._site = (frame.f_code, frame.f_lasti)
 
     def __add__(self, other: Any) -> Bare:
         return Bare("add", (self, other))
@@ -138,12 +138,12 @@ def bare_loss(cells: Cells, params: dict[str, Any], trees: list[Tree]) -> Bare:
     return Bare("cross_entropy", (dense(roots, params["out"], params["out_bias"]),))
 
 
-def walk(root: Any) -> list[Any]:
-    """Every layer under ``root``, breadth first: the least a runtime does to find its graph."""
+def walk(root: Any, kind: type = Layer) -> list[Any]:
+    """Every node of ``kind`` under ``root``, breadth first: the least a runtime does to find its graph."""
     order, seen = [root], {root}
     for node in order:
         for x in node._inputs:
-            if type(x) is Layer and x not in seen:
+            if type(x) is kind and x not in seen:
                 seen.add(x)
                 order.append(x)
     return order
@@ -151,13 +151,7 @@ def walk(root: Any) -> list[Any]:
 
 def bare_ops(root: Bare) -> Counter[str]:
     """The ops of the bare nodes under ``root``, counted."""
-    order, seen = [root], {root}
-    for node in order:
-        for x in node.inputs:
-            if type(x) is Bare and x not in seen:
-                seen.add(x)
-                order.append(x)
-    return Counter(node.op for node in order)
+    return Counter(node._op for node in walk(root, Bare))
 
 
 def layer_ops(root: Any) -> Counter[str]:
