@@ -23,7 +23,7 @@ from monadl.layers._layer import Expr, Layer
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
 
-__all__ = ["DATA", "NODE", "filler", "flatten", "items", "rebuild", "template"]
+__all__ = ["DATA", "NODE", "READERS", "filler", "flatten", "items", "rebuild", "template"]
 
 NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
 DATA: Final = "data"  # an array or a float: an operand without one
@@ -40,7 +40,7 @@ def _fields(kind: type) -> tuple[str, ...]:
         found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
         if found:
             get = operator.attrgetter(*found)
-            _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
+            READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
     return found
 
 
@@ -66,7 +66,7 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         return DATA
     if kind in _STATIC:
         return (kind, x)
-    read = _READERS.get(kind)
+    read = READERS.get(kind)
     if read is not None:  # a dataclass seen before (checked first: a model's states are)
         return (kind, items(read(x), leaves, keep, views))
     if kind is tuple or kind is list:
@@ -109,7 +109,7 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             leaves.append(y)
             shape.append(DATA)
         else:
-            read = _READERS.get(kind)
+            read = READERS.get(kind)
             if read is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
                 shape.append((kind, items(read(y), leaves, keep, views)))
             elif kind is tuple or kind is list:  # (a Fold block's tuple of states)
@@ -119,7 +119,7 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
     return tuple(shape)
 
 
-_READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 """Per dataclass seen by `_fields`: its fields' values as a tuple, read in C."""
 
 

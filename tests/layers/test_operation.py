@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -327,3 +328,84 @@ def test_a_small_group_of_operation_nodes_sends_a_large_weights_delta_as_factors
         grads.append(g)
         assert len(outers) == (1 if batching else 3)  # one group, or one per node
     assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))
+
+
+def test_calls_by_argument_types_find_the_trace_of_their_views() -> None:
+    """Calls whose arguments are leaves and dataclasses of leaves find their
+    trace without the signature's walk: by their types, and by which leaves
+    are outputs of which earlier nodes. Each way of passing states gets its
+    own trace, and each computes what the unmarked cell does."""
+    import functools
+
+    weights = _weights(np.float64)
+    op = ml.operation(functools.partial(plain_cell, weights))
+    x = np.ones((1, 3))
+    leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.full((1, 3), 0.5)) * 1.0)
+    # Weights where the state holds layers (a cell takes either; the dataclass's annotation says layers).
+    weight_leaf = State(*cast(list[ml.ArrayLayer], [ml.Weight(np.zeros((1, 3))), ml.Weight(np.full((1, 3), 0.5))]))
+    a, b = op(x, leaf, leaf), op(x, weight_leaf, leaf)
+    calls: dict[str, Callable[[], State]] = {
+        "two nodes' outputs": lambda: op(x, a, b),
+        "one node's outputs twice": lambda: op(x, a, a),
+        "crossed outputs": lambda: op(x, State(a.c, a.h), b),
+        "a view and a plain layer": lambda: op(x, State(a.h, leaf.c), b),
+        "weights": lambda: op(x, weight_leaf, weight_leaf),
+    }
+    plain: dict[
+        str, Callable[[], State]
+    ] = {  # (the unmarked cell over the same layers: the views are layers like any other)
+        "two nodes' outputs": lambda: plain_cell(weights, x, a, b),
+        "one node's outputs twice": lambda: plain_cell(weights, x, a, a),
+        "crossed outputs": lambda: plain_cell(weights, x, State(a.c, a.h), b),
+        "a view and a plain layer": lambda: plain_cell(weights, x, State(a.h, leaf.c), b),
+        "weights": lambda: plain_cell(weights, x, weight_leaf, weight_leaf),
+    }
+    for _ in range(2):  # the second time round, every call is found by its types
+        for name, call in calls.items():
+            got = anyio.run(ml.sum(call().h * 2.0 + call().c).predict)
+            want = anyio.run(ml.sum(plain[name]().h * 2.0 + plain[name]().c).predict)
+            assert got == pytest.approx(want, rel=1e-12), name
+    # No outputs of other nodes (layers and weights alike are operands), and the four arrangements of outputs.
+    assert len(op._traces) == 5
+    # One plan, for the types of the first call's leaves (layers): it finds all five traces
+    # from states of layers; states of weights take the walk to theirs.
+    (plan,) = op._plans.values()
+    assert len(plan.traces) == 5
+
+
+def test_a_plan_finds_a_trace_without_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from monadl.layers._operation import Operation
+
+    weights = _weights(np.float64)
+    op = ml.operation(functools.partial(plain_cell, weights))
+    x = np.ones((1, 3))
+    leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.full((1, 3), 0.5)) * 1.0)
+    a = op(x, leaf, leaf)
+    op(x, a, a)
+    walks: list[int] = []
+    original = Operation._call
+
+    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        walks.append(1)
+        return original(self, args, kwargs)
+
+    monkeypatch.setattr(Operation, "_call", walked)
+    state = op(x, a, a)
+    assert not walks and state.h._inputs[0]._inputs[1] is a.h._inputs[0]
+    op(x, a, State(a.h, leaf.c))  # a new arrangement of outputs: a new trace, by the walk
+    assert walks == [1]
+
+
+def test_arguments_the_types_do_not_describe_take_the_walk() -> None:
+    @ml.operation
+    def cell(x: ml.ArrayOperand, scale: float) -> ml.ArrayLayer:
+        return ml.tanh(x) * scale
+
+    w = ml.Weight(np.array([0.5]))
+    # An int is static (a trace per value): the types of the arguments do not say the signature.
+    assert anyio.run(cell(w, 2).predict) == pytest.approx(anyio.run(cell(w, 3).predict) * 2 / 3)
+    assert len(cell._traces) == 2 and not cell._plans
+    assert anyio.run(cell(w, 2.0).predict) == pytest.approx(anyio.run(cell(w, 4.0).predict) / 2)
+    assert len(cell._traces) == 3 and len(cell._plans) == 1  # a float is data: one trace for every value
