@@ -48,14 +48,11 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
-import numpy as np
-
 from monadl.errors import OperandError
 from monadl.layers._layer import Layer, Site
 from monadl.layers._outputs import OUTPUT
-from monadl.layers._structures import READERS, flatten, items
+from monadl.layers._structures import LEAVES, flatten, items, reader
 from monadl.layers._tracing import Trace, traced
-from monadl.layers._weight import Weight
 
 __all__ = ["Operation", "operation"]
 
@@ -95,7 +92,7 @@ class Operation(Generic[P, R]):
         fixed = self._closure is not None and all(type(c) is _Held for c in self._closure)
         self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
         self._traces: dict[Any, Trace] = {}
-        self._plans: dict[tuple[type, ...], _Plan] = {}
+        self._plans: dict[tuple[type, ...], _Plan | None] = {}  # (None: no plan for these types)
         self._site = site
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -106,18 +103,8 @@ class Operation(Generic[P, R]):
         # compiled with the trace.
         plan = None if kwargs else self._plans.get(tuple(map(type, args)))
         if plan is not None:
-            readers = plan.readers
-            leaves: list[Any]
-            if readers is None:
-                leaves = list(args)
-            else:
-                leaves = []
-                for x, read in zip(args, readers):
-                    if read is None:
-                        leaves.append(x)
-                    else:
-                        leaves += read(x)
-            if readers is None or tuple(map(type, leaves)) == plan.kinds:
+            leaves = plan.leaves(args)
+            if leaves is not None:
                 sources: list[Any] = []
                 views: list[tuple[int, int, int]] = []
                 for j in plan.layers:  # (`_views`, inline)
@@ -168,19 +155,21 @@ class Operation(Generic[P, R]):
     def _plan(self, args: tuple[Any, ...], leaves: list[Any], views: tuple[Any, ...], trace: Trace) -> None:
         """Let the plan of these arguments' types find ``trace`` by ``views``,
         where the types alone fix the rest of the signature: each argument a
-        leaf or a dataclass of leaves, each leaf a layer, weight, array or
-        float (their kinds, `NODE` or `DATA`, follow from their types)."""
+        leaf (a layer, weight, array or float: `LEAVES`) or a dataclass, tuple
+        or list of them (`reader`)."""
         kinds = tuple(map(type, args))
-        plan = self._plans.get(kinds)
         leaf_kinds = tuple(map(type, leaves))
-        if plan is not None and plan.kinds != leaf_kinds:
-            return  # (the plan keeps its first leaves' types: the others take the walk)
-        if plan is None:
-            if not set(leaf_kinds) <= _LEAVES:
+        if kinds in self._plans:
+            plan = self._plans[kinds]
+            if plan is None or plan.leaves(args) is None:
+                return  # (no plan for these types; or one for others inside them: this call takes the walk)
+        else:
+            readers = [None if kind in LEAVES else reader(x) for kind, x in zip(kinds, args)]
+            if not set(leaf_kinds) <= LEAVES or any(
+                kind not in LEAVES and read is None for kind, read in zip(kinds, readers)
+            ):
+                self._plans[kinds] = None
                 return
-            readers = [None if kind in _LEAVES else READERS.get(kind) for kind in kinds]
-            if any(kind not in _LEAVES and read is None for kind, read in zip(kinds, readers)):
-                return  # (a tuple, list or dict: its length or keys are part of the signature)
             layers = tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer])
             plan = self._plans[kinds] = _Plan(
                 None if readers == [None] * len(kinds) else tuple(readers), leaf_kinds, layers
@@ -191,16 +180,13 @@ class Operation(Generic[P, R]):
         return f"operation({self.__name__})"
 
 
-_LEAVES: Final = frozenset({Layer, Weight, np.ndarray, float})
-"""The leaves whose type says their kind in a signature (`NODE` or `DATA`)."""
-
-
 @final
 class _Plan:
     """The calls of one operation whose arguments have one tuple of types:
-    per argument, the reader of a dataclass's fields (`READERS`; None: the
-    argument is a leaf, and ``readers`` None when all are); the leaves'
-    types, which such a call must match; which leaves are layers (other
+    per argument, the `reader` of its leaves (None: the argument is a leaf,
+    and ``readers`` None when all are); the leaves' types, which such a
+    call's must be (the plan's first call's; a tuple or list of other items
+    reads as a leaf of no such type); which leaves are layers (other
     operations' outputs among them are views); and the traces, by views."""
 
     __slots__ = ("kinds", "layers", "readers", "traces")
@@ -210,6 +196,20 @@ class _Plan:
         self.kinds = kinds
         self.layers = layers
         self.traces: dict[tuple[tuple[int, int, int], ...], Trace] = {}
+
+    def leaves(self, args: tuple[Any, ...]) -> list[Any] | None:
+        """The leaves of a call's arguments (of this plan's types), in `items`'
+        order; None if the types inside them are not this plan's."""
+        readers = self.readers
+        if readers is None:
+            return list(args)
+        leaves: list[Any] = []
+        for x, read in zip(args, readers):
+            if read is None:
+                leaves.append(x)
+            else:
+                leaves += read(x)
+        return leaves if tuple(map(type, leaves)) == self.kinds else None
 
 
 def _views(leaves: list[Any], layers: Iterable[int]) -> tuple[list[Any], tuple[tuple[int, int, int], ...]]:

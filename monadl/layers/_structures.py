@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -23,7 +23,7 @@ from monadl.layers._layer import Expr, Layer
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
 
-__all__ = ["DATA", "NODE", "READERS", "filler", "flatten", "items", "rebuild", "template"]
+__all__ = ["DATA", "LEAVES", "NODE", "Reader", "filler", "flatten", "items", "reader", "rebuild", "template"]
 
 NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
 DATA: Final = "data"  # an array or a float: an operand without one
@@ -40,7 +40,7 @@ def _fields(kind: type) -> tuple[str, ...]:
         found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
         if found:
             get = operator.attrgetter(*found)
-            READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
+            _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
     return found
 
 
@@ -66,7 +66,7 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         return DATA
     if kind in _STATIC:
         return (kind, x)
-    read = READERS.get(kind)
+    read = _READERS.get(kind)
     if read is not None:  # a dataclass seen before (checked first: a model's states are)
         return (kind, items(read(x), leaves, keep, views))
     if kind is tuple or kind is list:
@@ -109,7 +109,7 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             leaves.append(y)
             shape.append(DATA)
         else:
-            read = READERS.get(kind)
+            read = _READERS.get(kind)
             if read is not None:  # a dataclass seen before (a cell's state): as `flatten` takes it
                 shape.append((kind, items(read(y), leaves, keep, views)))
             elif kind is tuple or kind is list:  # (a Fold block's tuple of states)
@@ -119,8 +119,61 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
     return tuple(shape)
 
 
-READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+_READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 """Per dataclass seen by `_fields`: its fields' values as a tuple, read in C."""
+
+
+LEAVES: Final = frozenset({Layer, Weight, np.ndarray, float})
+"""The leaves whose type says their kind (`NODE` or `DATA`): a structure of
+them and of dataclasses, tuples and lists has a shape its types fix."""
+
+Reader = Callable[[Any], Sequence[Any]]
+"""The operand leaves of a value shaped like the one it was made from (`reader`)."""
+
+
+def reader(x: Any) -> Reader | None:
+    """A reader of the leaves of values whose types are those of ``x`` (a
+    dataclass or a tuple or list of `LEAVES`, dataclasses of them, and such
+    tuples and lists), in `items`' order, checking the types of the tuples'
+    and lists' items on the way (a value of other types gives a leaf that is
+    none of `LEAVES`); None where ``x``'s types do not fix its shape (it holds
+    other leaves, or a dict or a named tuple, whose keys and fields do).
+
+    >>> read = reader((1.0, [np.zeros(2)]))
+    >>> [type(y).__name__ for y in read((2.0, [np.ones(3)]))], read((2.0, ())) == [_MISMATCH]
+    (['float', 'ndarray'], True)
+    """
+    kind = type(x)
+    read = _READERS.get(kind) if dataclasses.is_dataclass(x) and not isinstance(x, type) and _fields(kind) else None
+    if read is not None:
+        return read  # (its fields' types: checked with the other leaves')
+    if kind is not tuple and kind is not list:
+        return None
+    parts: list[Reader | None] = []
+    for y in x:
+        part = None if type(y) in LEAVES else reader(y)
+        if part is None and type(y) not in LEAVES:
+            return None
+        parts.append(part)
+    return _sequence(tuple(map(type, x)), tuple(parts))
+
+
+def _sequence(kinds: tuple[type, ...], parts: tuple[Reader | None, ...]) -> Reader:
+    def read(x: Any) -> list[Any]:
+        if tuple(map(type, x)) != kinds:
+            return [_MISMATCH]
+        leaves: list[Any] = []
+        for y, part in zip(x, parts):
+            if part is None:
+                leaves.append(y)
+            else:
+                leaves += part(y)
+        return leaves
+
+    return read
+
+
+_MISMATCH: Final = object()  # (a leaf of no kind: a value not shaped as the reader's)
 
 
 def rebuild(x: Any, leaves: Iterator[Any]) -> Any:

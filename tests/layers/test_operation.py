@@ -370,7 +370,7 @@ def test_calls_by_argument_types_find_the_trace_of_their_views() -> None:
     # One plan, for the types of the first call's leaves (layers): it finds all five traces
     # from states of layers; states of weights take the walk to theirs.
     (plan,) = op._plans.values()
-    assert len(plan.traces) == 5
+    assert plan is not None and len(plan.traces) == 5
 
 
 def test_a_plan_finds_a_trace_without_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -406,6 +406,54 @@ def test_arguments_the_types_do_not_describe_take_the_walk() -> None:
     w = ml.Weight(np.array([0.5]))
     # An int is static (a trace per value): the types of the arguments do not say the signature.
     assert anyio.run(cell(w, 2).predict) == pytest.approx(anyio.run(cell(w, 3).predict) * 2 / 3)
-    assert len(cell._traces) == 2 and not cell._plans
+    assert len(cell._traces) == 2 and list(cell._plans.values()) == [None]
     assert anyio.run(cell(w, 2.0).predict) == pytest.approx(anyio.run(cell(w, 4.0).predict) / 2)
-    assert len(cell._traces) == 3 and len(cell._plans) == 1  # a float is data: one trace for every value
+    assert len(cell._traces) == 3  # a float is data: one trace for every value
+    assert [plan is not None for plan in cell._plans.values()] == [False, True]
+
+
+def test_a_tuple_or_list_argument_is_read_by_its_items_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Fold block's cell takes one tuple (its children's states and its
+    input): the plan reads it by its items' types, and a tuple of other
+    items, length or kind of sequence takes the walk to a trace of its own."""
+    from monadl.layers._operation import Operation
+
+    op = ml.operation(_total)  # (a module's function: a closure's cells may change, and take the walk)
+    rng = np.random.default_rng(5)
+    state = State(ml.Weight(rng.normal(size=(1, 3))) * 1.0, ml.Weight(rng.normal(size=(1, 3))) * 1.0)
+    x = rng.normal(size=(1, 3))
+    inputs = [(state, state, x), (state, x), (x, state, state), [state, state, x], (state, (state, x))]
+    walks: list[int] = []
+    original = Operation._call
+
+    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        walks.append(1)
+        return original(self, args, kwargs)
+
+    monkeypatch.setattr(Operation, "_call", walked)
+    ops: list[list[Any]] = [[], []]
+    for round in range(2):
+        for xs in inputs:
+            node = op(xs)
+            ops[round].append(node._op)
+            got = anyio.run(ml.sum(node).predict)
+            assert got == pytest.approx(anyio.run(ml.sum(_total(xs)).predict), rel=1e-12), (round, xs)
+        if round == 0:
+            first = len(walks)
+    assert ops[0] == ops[1] and len(set(ops[0])) == len(inputs)  # each arrangement its own trace, both times
+    # The second round: the tuple of three in its first order and the list are found by
+    # their plans; the other tuples, whose items' types differ from the tuple plan's first
+    # call's, take the walk every time (the nested one too, whose leaves' types are the same).
+    assert first == len(inputs) and len(walks) - first == 3
+
+
+def _parts(xs: Any) -> list[Any]:
+    return [y for x in xs for y in (_parts(x) if isinstance(x, (tuple, list)) else [x])]
+
+
+def _total(xs: Any) -> ml.ArrayLayer:
+    first, *rest = _parts(xs)
+    out = ml.tanh(first.h if isinstance(first, State) else first)
+    for x in rest:
+        out = out + (x.h * x.c if isinstance(x, State) else x)
+    return out
