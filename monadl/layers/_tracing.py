@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any, Final, final
 
 import numpy as np
@@ -171,15 +172,19 @@ def _maker(
         return lambda leaves, nodes, site: result((), leaves)
     # Most cells use their leading leaves (the data and layer arguments) and
     # every source node, in order: then the inputs are two slices.
+    # Others (a Fold block's cell takes its children's states before its
+    # input) pick their leaves with one C call.
     first = len(used)
-    prefix = used == tuple(range(first)) and sources == tuple(range(len(sources)))
+    in_order = sources == tuple(range(len(sources)))
+    prefix = used == tuple(range(first)) and in_order
     count = len(sources)
+    take = _taker(used)
 
     def make(leaves: list[Any], nodes: list[Any], site: Site | None) -> Any:
-        if prefix and len(nodes) == count:
-            inputs = (*leaves[:first], *nodes, *weights)
+        if in_order and len(nodes) == count:
+            inputs = (*leaves[:first], *nodes, *weights) if prefix else (*take(leaves), *nodes, *weights)
         else:
-            inputs = (*[leaves[i] for i in used], *[nodes[s] for s in sources], *weights)
+            inputs = (*take(leaves), *[nodes[s] for s in sources], *weights)
         # (its site: the frame that called the operation, make and __call__ up; or the one it was given)
         node = _build(op, inputs, (), 3) if site is None else _built_at(op, inputs, site)
         if outputs == 1:
@@ -195,6 +200,16 @@ def _maker(
         return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
 
     return make
+
+
+def _taker(positions: tuple[int, ...]) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """The items of a list at ``positions``, as a tuple, in one call."""
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    if positions:
+        (i,) = positions
+        return lambda xs: (xs[i],)
+    return lambda xs: ()
 
 
 @final
