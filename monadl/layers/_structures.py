@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -23,7 +23,19 @@ from monadl.layers._layer import Expr, Layer
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
 
-__all__ = ["DATA", "LEAVES", "NODE", "Reader", "filler", "flatten", "items", "reader", "rebuild", "template"]
+__all__ = [
+    "DATA",
+    "LEAVES",
+    "MISMATCH",
+    "NODE",
+    "Reader",
+    "filler",
+    "flatten",
+    "items",
+    "reader",
+    "rebuild",
+    "template",
+]
 
 NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
 DATA: Final = "data"  # an array or a float: an operand without one
@@ -124,29 +136,32 @@ _READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 
 
 LEAVES: Final = frozenset({Layer, Weight, np.ndarray, float})
-"""The leaves whose type says their kind (`NODE` or `DATA`): a structure of
-them and of dataclasses, tuples and lists has a shape its types fix."""
+"""The leaves whose type says their kind (`NODE` or `DATA`)."""
 
-Reader = Callable[[Any], Sequence[Any]]
-"""The operand leaves of a value shaped like the one it was made from (`reader`)."""
+MISMATCH: Final = object()
+"""What a `reader` returns for a tuple or list whose items' types are not its own."""
+
+Reader = Callable[[Any], Any]
+"""Reads the parts of a value shaped like the one it was made from (`reader`):
+a sequence of them, or `MISMATCH`."""
 
 
 def reader(x: Any) -> Reader | None:
-    """A reader of the leaves of values whose types are those of ``x`` (a
-    dataclass or a tuple or list of `LEAVES`, dataclasses of them, and such
-    tuples and lists), in `items`' order, checking the types of the tuples'
-    and lists' items on the way (a value of other types gives a leaf that is
-    none of `LEAVES`); None where ``x``'s types do not fix its shape (it holds
-    other leaves, or a dict or a named tuple, whose keys and fields do).
+    """A reader of the parts of values shaped like ``x``, in `items`' order:
+    a dataclass's fields as they are (its caller checks that they are
+    leaves), and a tuple's or list's items, read in turn where they are
+    dataclasses, tuples or lists, after checking that their types are
+    ``x``'s items' types (else `MISMATCH`); None for other values (a dict, a
+    named tuple, a static leaf: the signature's walk reads them).
 
     >>> read = reader((1.0, [np.zeros(2)]))
-    >>> [type(y).__name__ for y in read((2.0, [np.ones(3)]))], read((2.0, ())) == [_MISMATCH]
+    >>> [type(y).__name__ for y in read((2.0, [np.ones(3)]))], read((2.0, ())) is MISMATCH
     (['float', 'ndarray'], True)
     """
     kind = type(x)
     read = _READERS.get(kind) if dataclasses.is_dataclass(x) and not isinstance(x, type) and _fields(kind) else None
     if read is not None:
-        return read  # (its fields' types: checked with the other leaves')
+        return read
     if kind is not tuple and kind is not list:
         return None
     parts: list[Reader | None] = []
@@ -159,21 +174,21 @@ def reader(x: Any) -> Reader | None:
 
 
 def _sequence(kinds: tuple[type, ...], parts: tuple[Reader | None, ...]) -> Reader:
-    def read(x: Any) -> list[Any]:
+    def read(x: Any) -> Any:
         if tuple(map(type, x)) != kinds:
-            return [_MISMATCH]
+            return MISMATCH
         leaves: list[Any] = []
         for y, part in zip(x, parts):
             if part is None:
                 leaves.append(y)
             else:
-                leaves += part(y)
+                found = part(y)
+                if found is MISMATCH:
+                    return MISMATCH
+                leaves += found
         return leaves
 
     return read
-
-
-_MISMATCH: Final = object()  # (a leaf of no kind: a value not shaped as the reader's)
 
 
 def rebuild(x: Any, leaves: Iterator[Any]) -> Any:

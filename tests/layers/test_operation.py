@@ -330,7 +330,22 @@ def test_a_small_group_of_operation_nodes_sends_a_large_weights_delta_as_factors
     assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))
 
 
-def test_calls_by_argument_types_find_the_trace_of_their_views() -> None:
+def _walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each call that takes the signature's walk."""
+    from monadl.layers._operation import Operation
+
+    walks: list[int] = []
+    original = Operation._call
+
+    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Any) -> Any:
+        walks.append(1)
+        return original(self, args, kwargs, kinds)
+
+    monkeypatch.setattr(Operation, "_call", walked)
+    return walks
+
+
+def test_calls_by_argument_types_find_the_trace_of_their_views(monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls whose arguments are leaves and dataclasses of leaves find their
     trace without the signature's walk: by their types, and by which leaves
     are outputs of which earlier nodes. Each way of passing states gets its
@@ -351,32 +366,31 @@ def test_calls_by_argument_types_find_the_trace_of_their_views() -> None:
         "a view and a plain layer": lambda: op(x, State(a.h, leaf.c), b),
         "weights": lambda: op(x, weight_leaf, weight_leaf),
     }
-    plain: dict[
-        str, Callable[[], State]
-    ] = {  # (the unmarked cell over the same layers: the views are layers like any other)
+    plain: dict[str, Callable[[], State]] = {  # (the unmarked cell: the views are layers like any other)
         "two nodes' outputs": lambda: plain_cell(weights, x, a, b),
         "one node's outputs twice": lambda: plain_cell(weights, x, a, a),
         "crossed outputs": lambda: plain_cell(weights, x, State(a.c, a.h), b),
         "a view and a plain layer": lambda: plain_cell(weights, x, State(a.h, leaf.c), b),
         "weights": lambda: plain_cell(weights, x, weight_leaf, weight_leaf),
     }
-    for _ in range(2):  # the second time round, every call is found by its types
+    walks = _walks(monkeypatch)
+    for round in range(2):
         for name, call in calls.items():
             got = anyio.run(ml.sum(call().h * 2.0 + call().c).predict)
             want = anyio.run(ml.sum(plain[name]().h * 2.0 + plain[name]().c).predict)
             assert got == pytest.approx(want, rel=1e-12), name
+        if round == 0:
+            first = len(walks)
+    assert first > 0 and len(walks) == first  # the second time round, every call is found by its types
     # No outputs of other nodes (layers and weights alike are operands), and the four arrangements of outputs.
     assert len(op._traces) == 5
-    # One plan, for the types of the first call's leaves (layers): it finds all five traces
-    # from states of layers; states of weights take the walk to theirs.
+    # One plan, with an entry per tuple of its leaves' types: layers; weights then layers; weights.
     (plan,) = op._plans.values()
-    assert plan is not None and len(plan.traces) == 5
+    assert plan is not None and len(plan.entries) == 3
 
 
 def test_a_plan_finds_a_trace_without_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
     import functools
-
-    from monadl.layers._operation import Operation
 
     weights = _weights(np.float64)
     op = ml.operation(functools.partial(plain_cell, weights))
@@ -384,18 +398,57 @@ def test_a_plan_finds_a_trace_without_the_walk(monkeypatch: pytest.MonkeyPatch) 
     leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.full((1, 3), 0.5)) * 1.0)
     a = op(x, leaf, leaf)
     op(x, a, a)
-    walks: list[int] = []
-    original = Operation._call
-
-    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        walks.append(1)
-        return original(self, args, kwargs)
-
-    monkeypatch.setattr(Operation, "_call", walked)
+    walks = _walks(monkeypatch)
     state = op(x, a, a)
     assert not walks and state.h._inputs[0]._inputs[1] is a.h._inputs[0]
     op(x, a, State(a.h, leaf.c))  # a new arrangement of outputs: a new trace, by the walk
     assert walks == [1]
+
+
+def test_a_recurrence_from_arrays_finds_its_traces_by_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrence whose first state is arrays (zeros) and whose later states
+    are the cell's outputs: both kinds of call are read by types."""
+    import functools
+
+    def step(w: ml.ArrayWeight, x: ml.Array, s: State) -> State:
+        h = ml.tanh(ml.matmul(s.h, w) + ml.tanh(s.c) + x)
+        return State(h, h * 0.5)
+
+    w = ml.Weight(np.random.default_rng(6).normal(size=(3, 3)))
+    op = ml.operation(functools.partial(step, w))
+    x = np.ones((1, 3))
+    zeros = State(*cast(list[ml.ArrayLayer], [np.zeros((1, 3)), np.zeros((1, 3))]))
+    state = op(x, op(x, zeros))
+    walks = _walks(monkeypatch)
+    plain = step(w, x, step(w, x, zeros))
+    for _ in range(5):
+        state, plain = op(x, op(x, zeros)), step(w, x, step(w, x, zeros))
+    assert not walks
+    assert len(op._traces) == 2  # from arrays, and from a node's outputs
+    assert anyio.run(ml.sum(state.c).predict) == pytest.approx(anyio.run(ml.sum(plain.c).predict), rel=1e-12)
+
+
+@dataclass
+class _Box:
+    a: Any
+
+
+def test_a_dataclass_whose_fields_are_not_leaves_takes_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A field holding a structure (here a layer and an int) is read by the
+    walk, not by the dataclass's fields: the types of the arguments do not
+    say where its leaves are, and a later call with a layer in the field must
+    not find the first call's trace."""
+
+    def scaled(box: _Box) -> ml.ArrayLayer:
+        out: ml.ArrayLayer = box.a[0] * float(box.a[1]) if isinstance(box.a, tuple) else box.a * 1.0
+        return out
+
+    op = ml.operation(scaled)
+    x = ml.Weight(np.ones(3)) * 1.0
+    assert anyio.run(ml.sum(op(_Box((x, 3)))).predict) == pytest.approx(9.0)
+    assert anyio.run(ml.sum(op(_Box(x))).predict) == pytest.approx(3.0)
+    assert anyio.run(ml.sum(op(_Box((x, 3)))).predict) == pytest.approx(9.0)
+    assert len(op._traces) == 2 and list(op._plans.values()) == [None]
 
 
 def test_arguments_the_types_do_not_describe_take_the_walk() -> None:
@@ -416,21 +469,12 @@ def test_a_tuple_or_list_argument_is_read_by_its_items_types(monkeypatch: pytest
     """A Fold block's cell takes one tuple (its children's states and its
     input): the plan reads it by its items' types, and a tuple of other
     items, length or kind of sequence takes the walk to a trace of its own."""
-    from monadl.layers._operation import Operation
-
-    op = ml.operation(_total)  # (a module's function: a closure's cells may change, and take the walk)
+    op = ml.operation(_total)  # (a module's function, with no closure: plans apply)
     rng = np.random.default_rng(5)
     state = State(ml.Weight(rng.normal(size=(1, 3))) * 1.0, ml.Weight(rng.normal(size=(1, 3))) * 1.0)
     x = rng.normal(size=(1, 3))
     inputs = [(state, state, x), (state, x), (x, state, state), [state, state, x], (state, (state, x))]
-    walks: list[int] = []
-    original = Operation._call
-
-    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        walks.append(1)
-        return original(self, args, kwargs)
-
-    monkeypatch.setattr(Operation, "_call", walked)
+    walks = _walks(monkeypatch)
     ops: list[list[Any]] = [[], []]
     for round in range(2):
         for xs in inputs:
@@ -445,6 +489,22 @@ def test_a_tuple_or_list_argument_is_read_by_its_items_types(monkeypatch: pytest
     # their plans; the other tuples, whose items' types differ from the tuple plan's first
     # call's, take the walk every time (the nested one too, whose leaves' types are the same).
     assert first == len(inputs) and len(walks) - first == 3
+
+
+def test_a_closure_is_keyed_by_its_cells_contents() -> None:
+    """A function whose closure's cells may change gets no plan: the walk
+    keys each call by what the cells hold now."""
+    scale = 2.0
+
+    def scaled(x: ml.ArrayWeight) -> ml.ArrayLayer:
+        return x * scale
+
+    op = ml.operation(scaled)
+    w = ml.Weight(np.ones(2))
+    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
+    scale = 3.0
+    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(6.0)
+    assert len(op._traces) == 2 and not op._plans
 
 
 def _parts(xs: Any) -> list[Any]:
