@@ -20,9 +20,14 @@ Vjp = Callable[[Value], Value]
 
 
 # ---- convolution and pooling (NCHW, like PyTorch) -------------------------------------------
-def _window(x: Value, i: int, j: int, stride: int, oh: int, ow: int) -> Value:
-    """The (N, C, OH, OW) inputs that meet kernel position (i, j): a strided slice."""
-    return x[:, :, i : i + stride * (oh - 1) + 1 : stride, j : j + stride * (ow - 1) + 1 : stride]
+def _window(i: int, j: int, stride: int, oh: int, ow: int) -> tuple[slice, ...]:
+    """The index of the (N, C, OH, OW) inputs that meet kernel position (i, j): a strided slice."""
+    return (
+        slice(None),
+        slice(None),
+        slice(i, i + stride * (oh - 1) + 1, stride),
+        slice(j, j + stride * (ow - 1) + 1, stride),
+    )
 
 
 def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple[Vjp, ...]]:
@@ -42,7 +47,7 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
             f"conv2d: kernel {kh}x{kw} is larger than the padded input {padded.shape[2]}x{padded.shape[3]}"
         )
     # im2col: (N, C*KH*KW, OH*OW), ordered like the kernel's (O, C*KH*KW).
-    windows = [_window(padded, i, j, stride, oh, ow) for i in range(kh) for j in range(kw)]
+    windows = [padded[_window(i, j, stride, oh, ow)] for i in range(kh) for j in range(kw)]
     cols = xp.reshape(xp.stack(windows, axis=2), (n, c * kh * kw, oh * ow))
     w2 = xp.reshape(w, (o, c * kh * kw))
     out = xp.reshape(w2 @ cols, (n, o, oh, ow))
@@ -52,12 +57,7 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
         dpadded = xp.zeros(padded.shape, dtype=dcols.dtype, device=x.device)
         for k in range(kh * kw):
             i, j = divmod(k, kw)
-            index = (
-                slice(None),
-                slice(None),
-                slice(i, i + stride * (oh - 1) + 1, stride),
-                slice(j, j + stride * (ow - 1) + 1, stride),
-            )
+            index = _window(i, j, stride, oh, ow)
             dpadded[index] = dpadded[index] + dcols[:, :, k, :, :]
         return dpadded[:, :, padding : padding + h, padding : padding + wd] if padding else dpadded
 
@@ -74,7 +74,7 @@ def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, .
     oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
     if oh < 1 or ow < 1:
         raise ValueError(f"max_pool2d: kernel {kernel} is larger than the input {h}x{w}")
-    cols = xp.stack([_window(x, i, j, stride, oh, ow) for i in range(kernel) for j in range(kernel)], axis=-1)
+    cols = xp.stack([x[_window(i, j, stride, oh, ow)] for i in range(kernel) for j in range(kernel)], axis=-1)
     winner = xp.argmax(cols, axis=-1)  # the first maximum takes the whole delta, like PyTorch
     out = xp.max(cols, axis=-1)
 
@@ -82,12 +82,7 @@ def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, .
         dx = xp.zeros(x.shape, dtype=g.dtype, device=x.device)
         for k in range(kernel * kernel):
             i, j = divmod(k, kernel)
-            index = (
-                slice(None),
-                slice(None),
-                slice(i, i + stride * (oh - 1) + 1, stride),
-                slice(j, j + stride * (ow - 1) + 1, stride),
-            )
+            index = _window(i, j, stride, oh, ow)
             dx[index] = dx[index] + g * _mask(xp, winner == k, g)
         return dx
 
