@@ -54,7 +54,7 @@ from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 from monadl.errors import OperandError
 from monadl.layers._layer import Layer, Site
 from monadl.layers._outputs import OUTPUT
-from monadl.layers._structures import LEAVES, MISMATCH, flatten, items, reader
+from monadl.layers._structures import LEAVES, MISMATCH, flatten, items, read_parts, reader
 from monadl.layers._tracing import Trace, traced
 
 __all__ = ["Operation", "operation"]
@@ -231,19 +231,10 @@ class _Plan:
     def leaves(self, args: tuple[Any, ...]) -> list[Any] | None:
         """The leaves of a call's arguments, in `items`' order; None if a
         tuple or list among them has other items' types than the plan's."""
-        readers = self.readers
-        if readers is None:
+        if self.readers is None:
             return list(args)
-        leaves: list[Any] = []
-        for x, read in zip(args, readers):
-            if read is None:
-                leaves.append(x)
-            else:
-                part = read(x)
-                if part is MISMATCH:
-                    return None
-                leaves += part
-        return leaves
+        leaves = read_parts(args, self.readers)
+        return None if leaves is MISMATCH else leaves
 
 
 _UNSEEN: Final = _Plan(None)  # (for arguments' types no call has had yet: it finds nothing)

@@ -32,6 +32,7 @@ __all__ = [
     "filler",
     "flatten",
     "items",
+    "read_parts",
     "reader",
     "rebuild",
     "template",
@@ -173,20 +174,24 @@ def reader(x: Any) -> Reader | None:
     return _sequence(tuple(map(type, x)), tuple(parts))
 
 
+def read_parts(xs: Iterable[Any], parts: Iterable[Reader | None]) -> Any:
+    """The leaves of ``xs``, each read by its part's reader (None: it is a
+    leaf), in `items`' order; `MISMATCH` where a reader finds other types."""
+    leaves: list[Any] = []
+    for y, part in zip(xs, parts):
+        if part is None:
+            leaves.append(y)
+        else:
+            found = part(y)
+            if found is MISMATCH:
+                return MISMATCH
+            leaves += found
+    return leaves
+
+
 def _sequence(kinds: tuple[type, ...], parts: tuple[Reader | None, ...]) -> Reader:
     def read(x: Any) -> Any:
-        if tuple(map(type, x)) != kinds:
-            return MISMATCH
-        leaves: list[Any] = []
-        for y, part in zip(x, parts):
-            if part is None:
-                leaves.append(y)
-            else:
-                found = part(y)
-                if found is MISMATCH:
-                    return MISMATCH
-                leaves += found
-        return leaves
+        return MISMATCH if tuple(map(type, x)) != kinds else read_parts(x, parts)
 
     return read
 
