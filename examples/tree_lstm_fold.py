@@ -118,16 +118,19 @@ def _symbol(node: Node) -> ml.Array:
     return node.links.symbols[node.number]
 
 
+# (The block functions below spell out `Node`'s properties: they run once or twice per tree node.)
 def _left(node: Node) -> Node:
-    return node.left
+    links = node.links
+    return Node(links, links.left[node.number])
 
 
 def _right(node: Node) -> Node:
-    return node.right
+    links = node.links
+    return Node(links, links.right[node.number])
 
 
 def _is_leaf(node: Node) -> bool:
-    return node.is_leaf
+    return node.links.left[node.number] < 0
 
 
 def _hidden(state: State) -> ml.ArrayLayer:

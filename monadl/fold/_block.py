@@ -13,7 +13,7 @@ building a Fold model per node goes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Hashable, Iterable
 from typing import Any, ClassVar, Generic, TypeVar, cast, final
 
 from monadl.fold._run import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE, run
@@ -140,6 +140,16 @@ class Route(Block[In, Out]):
     def _route(self, x: In) -> Block[In, Out]:
         """The block to apply to ``x``."""
 
+    def _fixed(self) -> Block[In, Out] | None:
+        """The block applied to every input, where that is known now (a
+        resolved declaration): the runner then calls it directly."""
+        return None
+
+    def _key(self) -> Callable[[In], Hashable] | None:
+        """Where the block chosen depends on one value of the input (`OneOf`'s
+        key), that value's function: the runner then keeps a closure per value."""
+        return None
+
     @final
     def _build(self, x: In) -> Build[Out]:
         y: Out = yield from call(self._route(x), x)
@@ -225,4 +235,7 @@ class ForwardDeclaration(Route[X, Y]):
     def _route(self, x: X) -> Block[X, Y]:
         if self._target is None:
             raise ValueError("a ForwardDeclaration was applied before resolve_to defined it")
+        return self._target
+
+    def _fixed(self) -> Block[X, Y] | None:
         return self._target

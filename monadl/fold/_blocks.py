@@ -107,19 +107,22 @@ class Function(Immediate[X, Y]):
     array([6.])
     """
 
-    __slots__ = ("f",)
+    __slots__ = ("_call", "f")
 
     def __init__(self, f: Callable[[X], Y]) -> None:
         # Its nodes are built where the block is made, the user's line an
         # error names: the frames above a node are the runner's, as deep as
         # the input, and not walked per node.
-        self.f: Callable[[X], Y] = Operation(f, caller_site())
+        operation = Operation(f, caller_site())
+        self.f: Callable[[X], Y] = operation
+        # (the runner calls a bound method: per node, without the lookup that calling an instance makes)
+        self._call: Callable[[X], Y] = operation.__call__
 
     def _output(self, x: X) -> Y:
-        return self.f(x)
+        return self._call(x)
 
     def _function(self) -> Callable[[X], Y]:
-        return self.f
+        return self._call
 
 
 @final
@@ -235,6 +238,9 @@ class OneOf(Route[X, Y]):
         if k not in self.cases:
             raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
         return self.cases[k]
+
+    def _key(self) -> Callable[[X], Hashable]:
+        return self.key
 
 
 @final

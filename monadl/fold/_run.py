@@ -3,12 +3,13 @@ on an explicit stack of their own beyond that.
 
 Each block a runner meets is compiled once per `run` into a closure of its
 kind (``block._kind``): a composition calls its second block's closure on
-its first's result, a route calls the closure of the block it routes to, a
-parallel block makes the tuple of its blocks' closures' results, an
+its first's result, a route calls the closure of the block it routes to (a
+`OneOf` keeps one per key; a resolved declaration is its block's closure),
+a parallel block makes the tuple of its blocks' closures' results, an
 immediate block is its ``_output``, and a block that builds drives its
 generator with its sub-blocks' closures. A node of a Tree-LSTM is then a
 handful of Python calls, where the explicit stack pays a loop's turn and a
-frame object per block (the Fold Tree-LSTM's build: a third more than the
+frame object per block (the Fold Tree-LSTM's build: a fifth more than the
 same cells called from a loop).
 
 Recursion goes through routes (a forward declaration is one) and blocks
@@ -38,8 +39,8 @@ BUILD: Final = "build"
 
 DEPTH: Final = 64
 """Routes and builds open at once before the explicit stack takes over: a
-Tree-LSTM's level is two (the declaration, the leaf-or-internal choice), and
-random 128-leaf trees are 11-20 levels deep."""
+Tree-LSTM's level is one (its declaration is its leaf-or-internal choice),
+and random 128-leaf trees are 11-20 levels deep."""
 NESTING: Final = 8
 """Compositions and parallel blocks nested in one closure; with `DEPTH`,
 at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
@@ -94,8 +95,33 @@ class _Runner:
                 return lambda x: (a(x), b(x), c(x))
             return lambda x: tuple([f(x) for f in parts])
         if kind is ROUTE:
-            return self._route(block)
+            fixed = block._fixed()
+            if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
+                return self.compiled(fixed)  # (a resolved declaration: its block's closure, which counts the depth)
+            key = block._key()
+            return self._route(block) if key is None else self._lookup(block, key)
         return self._build(block)
+
+    def _lookup(self, block: Any, key: Callable[[Any], Any]) -> Run:
+        """A route that picks its block by a key of the input (`OneOf`): the
+        closure of each key's block, compiled when first picked."""
+        table: dict[Any, Run] = {}
+        compiled = self.compiled
+
+        def looked_up(x: Any) -> Any:
+            if self.depth >= DEPTH:
+                return evaluate(block, x)
+            k = key(x)
+            f = table.get(k)
+            if f is None:
+                f = table[k] = compiled(block._route(x))  # (a key with no case: the route's error)
+            self.depth += 1
+            try:
+                return f(x)
+            finally:
+                self.depth -= 1
+
+        return looked_up
 
     def _route(self, block: Any) -> Run:
         """A route (a forward declaration, `OneOf`): the block it picks is

@@ -141,6 +141,34 @@ def test_composition_is_associative_and_typed_through() -> None:
     assert left("x y z") == right("x y z") == 9
 
 
+def test_routes_pick_per_input_through_chains_of_declarations() -> None:
+    """The runner keeps a closure per `OneOf` key and calls a resolved
+    declaration's block directly: each input still gets its own case, a
+    declaration of a declaration works, a key with no case still fails, and
+    recursion through them is counted (deeper than Python's stack)."""
+    size = InputTransform[tuple[Any, ...], int](len)
+    cases: dict[int, Block[tuple[Any, ...], Any]] = {
+        0: size,
+        1: size >> InputTransform[int, int](lambda n: -n),
+        2: InputTransform[tuple[Any, ...], str](str),
+    }
+    parity = OneOf[tuple[Any, ...], Any](lambda t: len(t) % 3, cases)
+    outer, inner = ForwardDeclaration[tuple[Any, ...], Any](), ForwardDeclaration[tuple[Any, ...], Any]()
+    outer.resolve_to(inner)
+    inner.resolve_to(parity)
+    inputs = [(), (1,), (1, 2), (1, 2, 3), (1,), ()]
+    assert outer.batch(inputs) == [0, -1, "(1, 2)", 3, -1, 0]
+    with pytest.raises(KeyError, match="no case for key 3"):
+        OneOf(len, {0: size, 1: size}).batch([(), (1,), (1, 2, 3)])
+    depth = ForwardDeclaration[Any, int]()
+    down = InputTransform[Any, Any](lambda t: t[0]) >> depth >> InputTransform(lambda d: d + 1)
+    depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: down}))
+    nested: Any = None
+    for _ in range(3 * sys.getrecursionlimit()):
+        nested = (nested,)
+    assert depth.batch([nested, (None,)]) == [3 * sys.getrecursionlimit(), 1]
+
+
 def test_a_long_chain_of_compositions_is_stack_safe() -> None:
     inc = InputTransform[int, int](lambda n: n + 1)
     chain: Block[int, int] = inc
