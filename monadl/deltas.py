@@ -106,6 +106,11 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
     return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
 
 
+_PART_ROWS: Final = 64
+"""`SparseRows.summed` sums part by part where the parts average this many
+rows or more (each part a product of its own); below, it joins them first."""
+
+
 @final
 class SparseRows:
     """A delta of a table that is zero except on some rows.
@@ -143,8 +148,8 @@ class SparseRows:
         joined.table_shape = left.table_shape
         return joined
 
-    def _flatten(self) -> None:
-        """Join the parts, left to right, without recursion."""
+    def _leaves(self) -> list[SparseRows]:
+        """The parts that hold rows, left to right, found without recursion."""
         leaves: list[SparseRows] = []
         stack: list[SparseRows] = [self]
         while stack:
@@ -154,9 +159,16 @@ class SparseRows:
             else:
                 stack.append(node._parts[1])
                 stack.append(node._parts[0])
+        return leaves
+
+    def _flatten(self) -> None:
+        """Join the parts, left to right (as a flat index and its rows: the
+        parts' indices may have different shapes)."""
+        leaves = self._leaves()
         xp = namespace(leaves[0]._rows)
-        self._indices = xp.concat([leaf._indices for leaf in leaves])
-        self._rows = xp.concat([leaf._rows for leaf in leaves])
+        rest = self.table_shape[1:]
+        self._indices = xp.concat([xp.reshape(leaf._indices, (-1,)) for leaf in leaves])
+        self._rows = xp.concat([xp.reshape(leaf._rows, (leaf._indices.size, *rest)) for leaf in leaves])
         self._parts = None
 
     @property
@@ -189,12 +201,37 @@ class SparseRows:
         return scatter_add(xp, dense, self.indices, rows)  # type: ignore[no-any-return]
 
     def summed(self) -> tuple[npt.NDArray[np.integer[Any]], npt.NDArray[Any]]:
-        """The distinct rows, each with the sum of its deltas."""
-        rows = self.rows
-        xp = namespace(rows)
-        unique, inverse = xp.unique_inverse(self.indices)
-        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=rows.dtype, device=rows.device)
-        return unique, scatter_add(xp, total, xp.reshape(inverse, (-1,)), rows)
+        """The distinct rows, each with the sum of its deltas.
+
+        Parts of many rows each (a batched lookup's, one per group) are summed
+        part by part, not joined first: joining copies every row once more,
+        and those rows are most of what a batched Tree-LSTM's step reads
+        for its embeddings' steps (its operator table's: 21 MB at H = 256).
+
+        >>> d = SparseRows(np.array([2, 0]), np.ones((2, 2)), (4, 2)) + SparseRows(np.array([2]), np.ones((1, 2)), (4, 2))
+        >>> d.summed()
+        (array([0, 2]), array([[1., 1.],
+               [2., 2.]]))
+        """
+        leaves = [self] if self._parts is None else self._leaves()
+        count = sum(leaf._indices.size for leaf in leaves)
+        if len(leaves) > 1 and count < _PART_ROWS * len(leaves):  # many small parts: one product is cheaper
+            self._flatten()
+            leaves = [self]
+        first = leaves[0]._rows
+        xp = namespace(first)
+        indices = xp.concat([xp.reshape(leaf._indices, (-1,)) for leaf in leaves]) if len(leaves) > 1 else self.indices
+        unique, inverse = xp.unique_inverse(indices)
+        inverse = xp.reshape(inverse, (-1,))
+        rest = self.table_shape[1:]
+        dtype = first.dtype if len(leaves) == 1 else xp.result_type(*[leaf._rows for leaf in leaves])
+        total = xp.zeros((unique.shape[0], *rest), dtype=dtype, device=first.device)
+        start = 0
+        for leaf in leaves:
+            stop = start + leaf._indices.size
+            total = scatter_add(xp, total, inverse[start:stop], xp.reshape(leaf._rows, (stop - start, *rest)))
+            start = stop
+        return unique, total
 
     def __add__(self, other: object) -> Any:
         if isinstance(other, SparseRows):

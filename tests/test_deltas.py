@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from monadl.deltas import scatter_add
+from monadl.deltas import SparseRows, scatter_add
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256, 257, 1000])
@@ -19,3 +19,23 @@ def test_scatter_add_sums_repeated_rows_as_add_at(rows: int) -> None:
     got = scatter_add(np, np.zeros((rows, 3, 2)), index, values)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert got.shape == (rows, 3, 2)
+
+
+@pytest.mark.parametrize("parts", [[1] * 40, [300, 2, 90], [5, 700], [64, 64]])
+def test_sparse_rows_sum_their_parts_as_one_table(parts: list[int]) -> None:
+    # Parts of many rows are summed one by one, parts of few rows joined first: the same sums,
+    # whatever the indices' shape (a lookup by a matrix of indices gives a part of its own shape).
+    rng = np.random.default_rng(len(parts))
+    total: SparseRows | None = None
+    want = np.zeros((7, 3))
+    for k in parts:
+        index = rng.integers(0, 7, (k, 2)) if k % 2 == 0 else rng.integers(0, 7, k)
+        rows = rng.standard_normal((*index.shape, 3)).astype(np.float32)
+        np.add.at(want, index, rows)
+        part = SparseRows(index, rows, (7, 3))
+        total = part if total is None else total + part
+    assert total is not None
+    unique, summed = total.summed()
+    assert summed.dtype == np.float32 and unique.tolist() == sorted(set(unique.tolist()))
+    np.testing.assert_allclose(summed, want[unique], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(total.to_dense(), want, rtol=1e-5, atol=1e-5)  # (joined, after summing)
