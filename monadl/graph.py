@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from monadl.layers._layer import Expr, Layer, site_text
+from monadl.layers._layer import Expr, Layer
+from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 
 __all__ = ["render_graph", "to_dot"]

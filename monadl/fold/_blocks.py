@@ -16,8 +16,8 @@ import numpy.typing as npt
 
 from monadl.fold._block import Block, Build, Immediate, Parallel, Route, call
 from monadl.layers import ArrayLayer
-from monadl.layers._layer import caller_site
 from monadl.layers._operation import Operation
+from monadl.layers._site import caller_site
 from monadl.typeclasses import as_layer
 
 X = TypeVar("X")

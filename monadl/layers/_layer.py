@@ -8,11 +8,10 @@ paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from collections.abc import Generator
-from types import CodeType, EllipsisType
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
+from types import EllipsisType
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -21,11 +20,9 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook
 from monadl.tape import Tape
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "Array",
@@ -57,33 +54,11 @@ class DeviceArray(Protocol):
     def __array_namespace__(self, /, *, api_version: str | None = None) -> Any: ...
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _serials = itertools.count()
 # Bound once: building layers is a hot path of every model.
 _next_serial = _serials.__next__
 _getframe = sys._getframe
 _new = object.__new__
-
-
-Site: TypeAlias = "tuple[CodeType, int]"
-"""Where a layer was built: the code object and instruction offset of the
-first caller outside monadl. The line is looked up only when a message needs
-it (`site_text`): finding it costs more than building the layer."""
-
-
-def caller_site() -> Site:
-    """Where the user's code is building something: the first frame outside monadl."""
-    frame = sys._getframe(2)
-    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
-        frame = frame.f_back
-    return frame.f_code, frame.f_lasti
-
-
-def site_text(site: Site) -> str:
-    """``file:line`` of a site."""
-    code, offset = site
-    line = next((n for start, end, n in code.co_lines() if start <= offset < end and n is not None), None)
-    return f"{code.co_filename}:{code.co_firstlineno if line is None else line}"
 
 
 _NUMERIC_KINDS = frozenset("fiub")
@@ -267,7 +242,7 @@ class Expr(Generic[D, G]):
         layer._inputs = (self,)
         layer._params = (index,)
         frame = _getframe(1)  # the caller of the operator
-        while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
+        while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
             frame = frame.f_back
         layer._site = (frame.f_code, frame.f_lasti)
         layer._serial = _next_serial()
@@ -342,7 +317,7 @@ def binary(op: Primitive, a: object, b: object) -> Layer[Any, Any]:
     layer._inputs = (a, b)
     layer._params = ()
     frame = _getframe(2)  # the caller of the operator
-    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
+    while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
     layer._site = (frame.f_code, frame.f_lasti)
     layer._serial = _next_serial()
@@ -402,7 +377,7 @@ def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], dept
     layer._inputs = inputs
     layer._params = params
     frame = _getframe(depth)
-    while frame.f_code.co_filename.startswith(_PACKAGE_DIR) and frame.f_back is not None:
+    while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
         frame = frame.f_back
     layer._site = (frame.f_code, frame.f_lasti)
     layer._serial = _next_serial()

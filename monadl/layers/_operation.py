@@ -52,8 +52,9 @@ from operator import is_not
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 from monadl.errors import OperandError
-from monadl.layers._layer import Layer, Site
+from monadl.layers._layer import Layer
 from monadl.layers._outputs import OUTPUT
+from monadl.layers._site import Site
 from monadl.layers._structures import LEAVES, MISMATCH, flatten, items, read_parts, reader
 from monadl.layers._tracing import Trace, traced
 

@@ -350,7 +350,7 @@ def _batching_rule(op: Primitive) -> Any:
 
 
 def _where(step: Step) -> str:
-    from monadl.layers._layer import site_text
+    from monadl.layers._site import site_text
 
     return site_text(step.site)
 

@@ -31,10 +31,11 @@ from typing import Any, Final, final
 import numpy as np
 
 from monadl.errors import OperandError
-from monadl.layers._layer import Expr, Layer, Site, _build, _next_serial, site_text
+from monadl.layers._layer import Expr, Layer, _build, _next_serial
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import Primitive
 from monadl.layers._program import Program, Step
+from monadl.layers._site import Site, site_text
 from monadl.layers._structures import filler, rebuild, template
 from monadl.layers._weight import Weight
 

@@ -9,8 +9,9 @@ import numpy as np
 
 from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError
-from monadl.layers._layer import Array, DeviceArray, Expr, Site, caller_site
+from monadl.layers._layer import Array, DeviceArray, Expr
 from monadl.layers._replace import replace_data, replace_state
+from monadl.layers._site import Site, caller_site
 
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation

@@ -17,7 +17,7 @@ from monadl._blas import add_product
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
-from monadl.layers._layer import site_text
+from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, Weight
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale

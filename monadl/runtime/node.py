@@ -21,10 +21,11 @@ from monadl._namespace import (
     host_scalars_to_python,
 )
 from monadl.errors import NonFiniteError, ShapeError
-from monadl.layers._layer import Layer, site_text
+from monadl.layers._layer import Layer
 from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs, arrays_of
 from monadl.layers._program import Program
+from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Evaluation, Record
 

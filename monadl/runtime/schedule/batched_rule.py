@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
-    from monadl.layers._layer import Site
+    from monadl.layers._site import Site
     from monadl.runtime.evaluation import Evaluation
 
 __all__ = ["MIN_ALIKE", "MIN_NODES", "REPROBE", "remember", "worth_batching"]

@@ -56,7 +56,7 @@ from monadl.runtime.node import compute
 from monadl.runtime.process import blas_limited
 
 if TYPE_CHECKING:
-    from monadl.layers._layer import Site
+    from monadl.layers._site import Site
 
 __all__ = ["MIN_NODE_SECONDS", "REPROBE", "backward", "forward", "measured", "settle", "worth_forking"]
 
