@@ -107,8 +107,16 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
 
 
 _PART_ROWS: Final = 64
-"""`SparseRows.summed` sums part by part where the parts average this many
-rows or more (each part a product of its own); below, it joins them first."""
+"""`SparseRows.summed` sums a part of this many rows or more on its own (a
+product of its own); smaller parts are joined first."""
+
+
+def _joined_flat(parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Flat indices and rows of parts, joined in order."""
+    if len(parts) == 1:
+        return parts[0]
+    xp = namespace(parts[0][1])
+    return xp.concat([index for index, _ in parts]), xp.concat([rows for _, rows in parts])
 
 
 @final
@@ -162,14 +170,20 @@ class SparseRows:
         return leaves
 
     def _flatten(self) -> None:
-        """Join the parts, left to right (as a flat index and its rows: the
-        parts' indices may have different shapes)."""
-        leaves = self._leaves()
-        xp = namespace(leaves[0]._rows)
-        rest = self.table_shape[1:]
-        self._indices = xp.concat([xp.reshape(leaf._indices, (-1,)) for leaf in leaves])
-        self._rows = xp.concat([xp.reshape(leaf._rows, (leaf._indices.size, *rest)) for leaf in leaves])
+        """Join the parts, left to right, as one flat index and its rows."""
+        self._indices, self._rows = _joined_flat([leaf._flat() for leaf in self._leaves()])
         self._parts = None
+
+    def _flat(self) -> tuple[Any, Any]:
+        """This part's indices as a vector and its rows, one per index (the
+        parts of one table may have indices of different shapes)."""
+        indices, rows = self._indices, self._rows
+        xp = namespace(rows)
+        rest = self.table_shape[1:]
+        count = prod(indices.shape)
+        if tuple(rows.shape) != (*indices.shape, *rest):  # (rows that broadcast over the indices)
+            rows = xp.broadcast_to(rows, (*indices.shape, *rest))
+        return xp.reshape(indices, (count,)), xp.reshape(rows, (count, *rest))
 
     @property
     def indices(self) -> npt.NDArray[np.integer[Any]]:
@@ -214,22 +228,22 @@ class SparseRows:
                [2., 2.]]))
         """
         leaves = [self] if self._parts is None else self._leaves()
-        count = sum(leaf._indices.size for leaf in leaves)
-        if len(leaves) > 1 and count < _PART_ROWS * len(leaves):  # many small parts: one product is cheaper
-            self._flatten()
-            leaves = [self]
-        first = leaves[0]._rows
-        xp = namespace(first)
-        indices = xp.concat([xp.reshape(leaf._indices, (-1,)) for leaf in leaves]) if len(leaves) > 1 else self.indices
+        parts = [leaf._flat() for leaf in leaves]
+        # Parts of many rows are summed one by one; the small ones are joined
+        # first (a product each would cost more than copying their rows).
+        large = [part for part in parts if part[0].shape[0] >= _PART_ROWS]
+        small = [part for part in parts if part[0].shape[0] < _PART_ROWS]
+        if small:
+            large.append(_joined_flat(small))
+        xp = namespace(large[0][1])
+        indices = xp.concat([index for index, _ in large]) if len(large) > 1 else large[0][0]
         unique, inverse = xp.unique_inverse(indices)
-        inverse = xp.reshape(inverse, (-1,))
-        rest = self.table_shape[1:]
-        dtype = first.dtype if len(leaves) == 1 else xp.result_type(*[leaf._rows for leaf in leaves])
-        total = xp.zeros((unique.shape[0], *rest), dtype=dtype, device=first.device)
+        dtype = xp.result_type(*[rows for _, rows in large])
+        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=dtype, device=large[0][1].device)
         start = 0
-        for leaf in leaves:
-            stop = start + leaf._indices.size
-            total = scatter_add(xp, total, inverse[start:stop], xp.reshape(leaf._rows, (stop - start, *rest)))
+        for index, rows in large:
+            stop = start + index.shape[0]
+            total = scatter_add(xp, total, inverse[start:stop], rows)
             start = stop
         return unique, total
 

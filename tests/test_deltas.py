@@ -39,3 +39,11 @@ def test_sparse_rows_sum_their_parts_as_one_table(parts: list[int]) -> None:
     assert summed.dtype == np.float32 and unique.tolist() == sorted(set(unique.tolist()))
     np.testing.assert_allclose(summed, want[unique], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(total.to_dense(), want, rtol=1e-5, atol=1e-5)  # (joined, after summing)
+
+
+def test_a_part_whose_rows_broadcast_over_its_indices_sums_as_one_row_each() -> None:
+    one = SparseRows(np.array([1, 2, 1]), np.ones((1, 3)), (7, 3))
+    unique, summed = one.summed()
+    assert unique.tolist() == [1, 2] and summed.tolist() == [[2.0] * 3, [1.0] * 3]
+    both = one + SparseRows(np.arange(70) % 7, np.ones((70, 3)), (7, 3))  # (and beside a part summed on its own)
+    np.testing.assert_array_equal(both.summed()[1], [[10.0] * 3, [12.0] * 3, [11.0] * 3] + [[10.0] * 3] * 4)

@@ -145,9 +145,10 @@ class Route(Block[In, Out]):
         resolved declaration): the runner then calls it directly."""
         return None
 
-    def _key(self) -> Callable[[In], Hashable] | None:
+    def _keyed(self) -> tuple[Callable[[In], Hashable], Callable[[Hashable], Block[In, Out]]] | None:
         """Where the block chosen depends on one value of the input (`OneOf`'s
-        key), that value's function: the runner then keeps a closure per value."""
+        key): that value's function, and the block of each value (raising
+        for a value with none). The runner then keeps a closure per value."""
         return None
 
     @final

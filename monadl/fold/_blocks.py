@@ -234,13 +234,15 @@ class OneOf(Route[X, Y]):
         self.cases: Mapping[Any, Block[X, Y]] = cases  # keys as K, read back by key(x)
 
     def _route(self, x: X) -> Block[X, Y]:
-        k = self.key(x)
+        return self._case(self.key(x))
+
+    def _case(self, k: Hashable) -> Block[X, Y]:
         if k not in self.cases:
             raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
         return self.cases[k]
 
-    def _key(self) -> Callable[[X], Hashable]:
-        return self.key
+    def _keyed(self) -> tuple[Callable[[X], Hashable], Callable[[Hashable], Block[X, Y]]]:
+        return self.key, self._case
 
 
 @final

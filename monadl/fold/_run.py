@@ -37,7 +37,7 @@ PARALLEL: Final = "parallel"
 IMMEDIATE: Final = "immediate"
 BUILD: Final = "build"
 
-DEPTH: Final = 64
+DEPTH: Final = 32
 """Routes and builds open at once before the explicit stack takes over: a
 Tree-LSTM's level is one (its declaration is its leaf-or-internal choice),
 and random 128-leaf trees are 11-20 levels deep."""
@@ -98,13 +98,14 @@ class _Runner:
             fixed = block._fixed()
             if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
                 return self.compiled(fixed)  # (a resolved declaration: its block's closure, which counts the depth)
-            key = block._key()
-            return self._route(block) if key is None else self._lookup(block, key)
+            keyed = block._keyed()
+            return self._route(block) if keyed is None else self._lookup(block, *keyed)
         return self._build(block)
 
-    def _lookup(self, block: Any, key: Callable[[Any], Any]) -> Run:
+    def _lookup(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any], Any]) -> Run:
         """A route that picks its block by a key of the input (`OneOf`): the
-        closure of each key's block, compiled when first picked."""
+        closure of each key's block, compiled when first picked (the key is
+        computed once per input: it may be random)."""
         table: dict[Any, Run] = {}
         compiled = self.compiled
 
@@ -112,9 +113,13 @@ class _Runner:
             if self.depth >= DEPTH:
                 return evaluate(block, x)
             k = key(x)
-            f = table.get(k)
-            if f is None:
-                f = table[k] = compiled(block._route(x))  # (a key with no case: the route's error)
+            try:
+                f = table.get(k)
+            except TypeError:  # (an unhashable key, which a mapping of cases may take: no closure kept)
+                f = compiled(case(k))
+            else:
+                if f is None:
+                    f = table[k] = compiled(case(k))  # (a key with no case: the route's error)
             self.depth += 1
             try:
                 return f(x)

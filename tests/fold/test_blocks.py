@@ -160,6 +160,15 @@ def test_routes_pick_per_input_through_chains_of_declarations() -> None:
     assert outer.batch(inputs) == [0, -1, "(1, 2)", 3, -1, 0]
     with pytest.raises(KeyError, match="no case for key 3"):
         OneOf(len, {0: size, 1: size}).batch([(), (1,), (1, 2, 3)])
+    keys: list[int] = []  # the key runs once per input: it may be random, or count
+    flips = iter([True, False, False, True, True])
+
+    def flip(n: int) -> bool:
+        keys.append(n)
+        return next(flips)
+
+    coin = OneOf[int, str](flip, {True: InputTransform(str), False: InputTransform(hex)})
+    assert coin.batch([10, 11, 12, 13, 14]) == ["10", "0xb", "0xc", "13", "14"] and keys == [10, 11, 12, 13, 14]
     depth = ForwardDeclaration[Any, int]()
     down = InputTransform[Any, Any](lambda t: t[0]) >> depth >> InputTransform(lambda d: d + 1)
     depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: down}))
@@ -167,6 +176,26 @@ def test_routes_pick_per_input_through_chains_of_declarations() -> None:
     for _ in range(3 * sys.getrecursionlimit()):
         nested = (nested,)
     assert depth.batch([nested, (None,)]) == [3 * sys.getrecursionlimit(), 1]
+
+
+def test_a_deep_run_inside_another_deep_runs_block_stays_within_pythons_stack() -> None:
+    """Each run keeps its own frames bounded (`_run.DEPTH`), so a run
+    started inside another's block, both deeper than Python's stack, works."""
+
+    def depth_of(leaf: Block[Any, int]) -> Block[Any, int]:
+        declared = ForwardDeclaration[Any, int]()
+        body: Block[Any, Any] = InputTransform[Any, Any](lambda t: t[0]) >> declared
+        for _ in range(6):
+            body = body >> InputTransform[Any, Any](lambda v: v)
+        declared.resolve_to(OneOf(lambda t: t is None, {True: leaf, False: body >> InputTransform(lambda n: n + 1)}))
+        return declared
+
+    deep: Any = None
+    for _ in range(2 * sys.getrecursionlimit()):
+        deep = (deep,)
+    inner = depth_of(InputTransform(lambda t: 0))
+    outer = depth_of(InputTransform(lambda t: inner(deep)))
+    assert outer(deep) == 4 * sys.getrecursionlimit()
 
 
 def test_a_long_chain_of_compositions_is_stack_safe() -> None:
