@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -169,6 +170,25 @@ def test_routes_pick_per_input_through_chains_of_declarations() -> None:
 
     coin = OneOf[int, str](flip, {True: InputTransform(str), False: InputTransform(hex)})
     assert coin.batch([10, 11, 12, 13, 14]) == ["10", "0xb", "0xc", "13", "14"] and keys == [10, 11, 12, 13, 14]
+
+    class ByEquality(Mapping[Any, Block[Any, Any]]):  # cases matched by ==: unhashable keys too
+        def __init__(self, pairs: list[tuple[Any, Block[Any, Any]]]) -> None:
+            self.pairs = pairs
+
+        def __getitem__(self, key: Any) -> Block[Any, Any]:
+            return next(block for k, block in self.pairs if k == key)
+
+        def __contains__(self, key: object) -> bool:
+            return any(k == key for k, _ in self.pairs)
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter([k for k, _ in self.pairs])
+
+        def __len__(self) -> int:
+            return len(self.pairs)
+
+    listed = OneOf[list[int], Any](lambda x: x, ByEquality([([1], InputTransform(str)), ([2], InputTransform(len))]))
+    assert listed.batch([[1], [2], [1]]) == ["[1]", 1, "[1]"]
     depth = ForwardDeclaration[Any, int]()
     down = InputTransform[Any, Any](lambda t: t[0]) >> depth >> InputTransform(lambda d: d + 1)
     depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: down}))
