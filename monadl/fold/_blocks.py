@@ -220,7 +220,8 @@ class Reduce(Block[Sequence[Y], Y]):
 @final
 class OneOf(Route[X, Y]):
     """The case chosen by ``key(x)``, applied to ``x``: a dispatch on the
-    input (a leaf or an internal node).
+    input (a leaf or an internal node). ``key`` runs once per input, so it
+    may be random; a key with no case raises `KeyError`.
 
     >>> sign = OneOf(lambda n: n >= 0, {True: InputTransform(lambda n: "+"), False: InputTransform(lambda n: "-")})
     >>> sign(-2), sign(3)
