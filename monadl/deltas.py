@@ -229,19 +229,19 @@ class SparseRows:
         """
         leaves = [self] if self._parts is None else self._leaves()
         parts = [leaf._flat() for leaf in leaves]
-        # Parts of many rows are summed one by one; the small ones are joined
-        # first (a product each would cost more than copying their rows).
-        large = [part for part in parts if part[0].shape[0] >= _PART_ROWS]
+        # Each part of many rows is a summand of its own; the small ones are
+        # joined into one (a product each would cost more than copying their rows).
+        summands = [part for part in parts if part[0].shape[0] >= _PART_ROWS]
         small = [part for part in parts if part[0].shape[0] < _PART_ROWS]
         if small:
-            large.append(_joined_flat(small))
-        xp = namespace(large[0][1])
-        indices = xp.concat([index for index, _ in large]) if len(large) > 1 else large[0][0]
+            summands.append(_joined_flat(small))
+        xp = namespace(summands[0][1])
+        indices = xp.concat([index for index, _ in summands]) if len(summands) > 1 else summands[0][0]
         unique, inverse = xp.unique_inverse(indices)
-        dtype = xp.result_type(*[rows for _, rows in large])
-        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=dtype, device=large[0][1].device)
+        dtype = xp.result_type(*[rows for _, rows in summands])
+        total = xp.zeros((unique.shape[0], *self.table_shape[1:]), dtype=dtype, device=summands[0][1].device)
         start = 0
-        for index, rows in large:
+        for index, rows in summands:
             stop = start + index.shape[0]
             total = scatter_add(xp, total, inverse[start:stop], rows)
             start = stop
