@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
+from math import prod
 from typing import Any
 
 import anyio.lowlevel
@@ -136,7 +137,7 @@ def forward_backward(
     """
     tape, token = yield from evaluate(ev, Do(FORWARD, root))
     data = tape.data
-    if scalar and getattr(data, "size", 1) != 1:
+    if scalar and prod(getattr(data, "shape", ())) != 1:  # (not ``size``: PyTorch's is a method)
         raise ShapeError(
             f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the layer built at "
             f"{where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"

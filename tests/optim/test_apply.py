@@ -80,6 +80,14 @@ async def test_train_refuses_a_loss_that_is_not_a_scalar() -> None:
     np.testing.assert_array_equal(grad, [2.0, 2.0, 2.0])
 
 
+async def test_a_zero_d_loss_of_a_library_whose_size_is_a_method_trains() -> None:
+    # PyTorch's tensors (through the array API's compat layer) have ``size()``, not ``size``.
+    torch = pytest.importorskip("torch")
+    w = ml.Weight(torch.ones(3, dtype=torch.float64), optimizer=ml.optim.sgd(0.1))
+    assert float(await ml.sum(w * 2.0).train()) == 6.0
+    np.testing.assert_allclose(np.asarray(w.data), [0.8, 0.8, 0.8])
+
+
 async def test_a_tape_of_a_past_evaluation_is_refused() -> None:
     w = ml.Weight(2.0)
     captured: list[ml.Tape[float, float]] = []
