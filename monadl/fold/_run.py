@@ -98,20 +98,22 @@ class _Runner:
             fixed = block._fixed()
             if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
                 return self.compiled(fixed)  # (a resolved declaration: its block's closure, which counts the depth)
-            keyed = block._keyed()
-            return self._route(block) if keyed is None else self._lookup(block, *keyed)
+            keyed = block._keyed()  # (else the block it routes to is its own key)
+            key, case = (block._route, _itself) if keyed is None else keyed
+            return self._route(block, key, case)
         return self._build(block)
 
-    def _lookup(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any], Any]) -> Run:
-        """A route that picks its block by a key of the input (`OneOf`): the
-        closure of each key's block, compiled when first picked (the key is
-        computed once per input: it may be random)."""
+    def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any], Any]) -> Run:
+        """A route (a `OneOf`, a forward declaration) that picks ``case(k)``
+        for its input's key ``k``: the closure of each key's block, compiled
+        when first picked (a declaration refers to itself); the key is
+        computed once per input (it may be random)."""
         table: dict[Any, Run] = {}
         compiled = self.compiled
 
-        def looked_up(x: Any) -> Any:
+        def routed(x: Any) -> Any:
             if self.depth >= DEPTH:
-                return evaluate(block, x)
+                return evaluate(block, x)  # (the rest of this input, on the heap)
             k = key(x)
             try:
                 f = table.get(k)
@@ -120,24 +122,6 @@ class _Runner:
             else:
                 if f is None:
                     f = table[k] = compiled(case(k))  # (a key with no case: the route's error)
-            self.depth += 1
-            try:
-                return f(x)
-            finally:
-                self.depth -= 1
-
-        return looked_up
-
-    def _route(self, block: Any) -> Run:
-        """A route (a forward declaration, `OneOf`): the block it picks is
-        compiled when first picked (a declaration refers to itself)."""
-        closures, compiled, route = self.closures, self.compiled, block._route
-
-        def routed(x: Any) -> Any:
-            if self.depth >= DEPTH:
-                return evaluate(block, x)  # (the rest of this input, on the heap)
-            sub = route(x)
-            f = closures.get(sub) or compiled(sub)
             self.depth += 1
             try:
                 return f(x)
@@ -166,6 +150,10 @@ class _Runner:
                 self.depth -= 1
 
         return built
+
+
+def _itself(block: Any) -> Any:
+    return block
 
 
 # ---- the explicit stack ---------------------------------------------------------------------------
