@@ -31,6 +31,7 @@ from monadl.deltas import SparseRows
 from monadl.layers._program import Program
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched, batched_records
+from monadl.runtime.schedule import cuda as cuda_schedule
 from tests.runtime._tree_lstm_reference import host_reference
 
 DEVICE = "stand-in"
@@ -152,6 +153,9 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     cuda = types.SimpleNamespace(Event=_Event, Stream=_Stream, get_current_stream=_Stream)
     stand_in = types.SimpleNamespace(ndarray=DeviceArray, cuda=cuda, asarray=_on_device, asnumpy=np.asarray)
     monkeypatch.setitem(sys.modules, "cupy", stand_in)
+    # The runtime keeps its streams from graph to graph: where real CuPy ran earlier in this
+    # process (the GPU tests), its streams must not meet the stand-in's events.
+    monkeypatch.setattr(cuda_schedule, "_pool", [])
     monkeypatch.setitem(_namespace._BY_TYPE, DeviceArray, _Namespace(add_at=request.param))
     LEAKS.clear()
     yield stand_in
