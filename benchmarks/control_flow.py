@@ -16,7 +16,11 @@ tokens), in one run, rounds alternating between the contenders:
 * cells 1-by-1, cells on: one by one and fibers on, with the tracker and
   the composition marked as operations (``Parser(cells=True)``: one node
   each per call, a merged group of them one call of its program). The
-  ratio "cells on/1-by-1" is to the unmarked one by one.
+  ratio "cells on/1-by-1" is to the unmarked one by one;
+* hand 1-by-1, hand batched: the limit, the same parser by hand in NumPy
+  (`benchmarks._shift_reduce_numpy`: the kernels monadl calls, no graph),
+  a step per sentence and the batch's sentences in lock step. Their ratio is
+  what batching buys with these kernels when nothing else costs.
 
 The weights do not move (learning rate 0), so every round parses the same
 way. Before timing, the batch's gradients with fibers on are checked against
@@ -44,6 +48,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
+from benchmarks import _shift_reduce_numpy
 from examples._device import DEVICES
 from examples.shift_reduce import Log, Parser, make_sentences
 from monadl.runtime import entry
@@ -132,6 +137,17 @@ def timing(hidden: int, batch: int, rounds: int, steps: int, device: str = "cpu"
         "cells 1-by-1": (cells_one_by_one, None),
         "cells on": (cells_together, None),
     }
+    if device == "cpu":  # the limit: the same parser by hand in NumPy, one by one and batched
+        by_hand = _shift_reduce_numpy.Model(_shift_reduce_numpy.weights_of(parser))
+
+        async def hand_one_by_one() -> None:
+            for s in sentences:
+                by_hand.train([s])
+
+        async def hand_together() -> None:
+            by_hand.train(sentences)
+
+        contenders |= {"hand 1-by-1": (hand_one_by_one, None), "hand batched": (hand_together, None)}
     best = dict.fromkeys(contenders, float("inf"))
     names = list(contenders)
     for r in range(rounds + 1):  # round 0 warms up
@@ -213,10 +229,14 @@ def main() -> None:
         if args.device == "cpu":
             worst = check(hidden, max(sizes))
             worst32 = check(hidden, max(sizes), np.float32)
+            hand = _shift_reduce_numpy.check(_parser(hidden, np.float64), make_sentences(max(sizes), 2, 6, seed=1))
             print(
                 f"\nhidden {hidden}: largest relative difference of loss and gradients (on vs off, vs direct, vs cells, vs one by one): "
-                f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name})"
+                f"{worst:.1e} in float64, {worst32:.1e} in float32 (timed in {np.dtype(DTYPE).name}); "
+                f"by hand vs on: {hand:.1e} in float64"
             )
+            if hand > 1e-9:
+                raise AssertionError(f"the parser by hand disagrees with monadl: {hand:.1e}")
         else:  # (the device's gradients are checked by tests/runtime/test_cuda.py and test_stand_in_device.py)
             print(f"\nhidden {hidden}, on {args.device}: wall time")
         print(
@@ -233,6 +253,12 @@ def main() -> None:
                 f"{best['one by one'] / best['direct on']:13.2f}x {best['cells 1-by-1'] * 1e3:11.2f}ms "
                 f"{best['cells on'] * 1e3:8.2f}ms {best['one by one'] / best['cells on']:15.2f}x"
             )
+            if "hand batched" in best:
+                print(
+                    f"{'':5s} by hand (NumPy, the limit): one by one {best['hand 1-by-1'] * 1e3:.2f}ms, "
+                    f"batched {best['hand batched'] * 1e3:.2f}ms: {best['hand 1-by-1'] / best['hand batched']:.2f}x; "
+                    f"monadl's one by one over the batched by hand: {best['one by one'] / best['hand batched']:.2f}x"
+                )
         if args.device != "cpu":
             continue
         merge_us, analysis_us, runs, nodes = costs(hidden, max(sizes))

@@ -114,3 +114,21 @@ def test_direct_style_parses_alike(batching: bool | None) -> None:
             rtol=1e-10,
             atol=1e-14,
         )
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+def test_the_parser_by_hand_has_monadls_loss_and_gradients(batch: int) -> None:
+    """The limit of `benchmarks/control_flow.py` (the parser batched by hand in
+    NumPy) computes the batch's loss and gradients, its decisions included;
+    and Adam's first step moves each weight by ``rate * |g| / (|g| + eps)``."""
+    from benchmarks import _shift_reduce_numpy as by_hand
+
+    parser = sr.Parser(8, seed=1)  # untrained: the sentences take different, partly wrong paths
+    sentences = sr.make_sentences(batch, 2, 6, seed=4)
+    assert by_hand.check(parser, sentences) < 1e-12
+    weights = by_hand.weights_of(parser)
+    model = by_hand.Model(weights, learning_rate=0.01)
+    _, grads = model.loss_and_gradients(sentences)
+    model.step(grads)
+    for k, g in grads.items():
+        np.testing.assert_allclose(np.abs(model.w[k] - weights[k]), 0.01 * np.abs(g) / (np.abs(g) + 1e-8), atol=1e-15)
