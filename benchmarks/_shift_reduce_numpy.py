@@ -6,13 +6,16 @@ one product over all its calls, as the fibers' factored deltas) and no graph
 at all.
 
 The sentences run in lock step: each round, every sentence does its forced
-moves (shifts while its stack holds fewer than two entries, reductions once
-its buffer is empty); then the compositions of all sentences run as one
-product, the trackers of all sentences that must decide as another, and each
-sentence does what its own scores predict. The task heads run together at
-the end. Run with one sentence, it is the same parser by hand one sentence
-at a time: the ratio of the two is what batching by hand buys with these
-kernels, the limit of monadl's fibers against one ``train()`` per sentence.
+moves (shifts while its stack holds fewer than two entries); then the
+reductions of all sentences (forced once a buffer is empty, or decided the
+round before) run as one product, the trackers of all sentences that must
+decide as another, and each sentence does what its own scores predict. The
+task heads run together at the end. `Model.sentence` is the same parser
+written plainly for one sentence (a list of rows, no lock step): a step per
+sentence with it against one batched step is what batching by hand buys
+with these kernels, the limit of monadl's fibers against one ``train()``
+per sentence. Adam steps the embedding table lazily (the rows looked up),
+as monadl steps an embedding's sparse delta.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ class _Fiber:
     first: int  # the value-store row of its first token's leaf
     stack: list[tuple[int, int, int]] = field(default_factory=list)
     i: int = 0
+    reducing: bool = False  # it decided to reduce: its composition joins the next round's
 
     def forced(self) -> str:
         """Do the moves that need no decision; say what comes next:
         ``"compose"``, ``"decide"`` or ``"done"``."""
+        if self.reducing:
+            self.reducing = False
+            return "compose"
         n = len(self.sentence.tokens)
         while len(self.stack) < 2 and self.i < n:
             self.stack.append((self.first + self.i, self.i, self.i + 1))
@@ -94,18 +101,15 @@ class Model:
                     compose.append(f)
                 elif what == "decide":
                     decide.append(f)
-            if compose:  # all forced reductions of the round: one product
+            if compose:  # the round's reductions, forced or decided the round before: one product
                 size = self._compose(store, size, compose, calls)
             if decide:
-                reducing = []
                 for f, action in zip(decide, self._track(store, decide, calls).argmax(axis=1), strict=True):
                     if action == REDUCE:
-                        reducing.append(f)
+                        f.reducing = True
                     else:
                         f.stack.append((f.first + f.i, f.i, f.i + 1))
                         f.i += 1
-                if reducing:  # the reductions decided: one product
-                    size = self._compose(store, size, reducing, calls)
             active = [f for f in active if not (len(f.stack) == 1 and f.i == len(f.sentence.tokens))]
         roots = np.array([f.stack[0][0] for f in fibers])
         labels = np.array([s.label for s in sentences])
@@ -195,22 +199,109 @@ class Model:
         grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
         return grads
 
-    def step(self, grads: dict[str, Array]) -> None:
-        """Adam as ``torch.optim.Adam`` takes it (betas 0.9, 0.999; eps 1e-8)."""
+    def sentence(self, sentence: Sentence) -> tuple[float, dict[str, Array]]:
+        """One sentence's loss and gradients, written plainly: its values a
+        list of rows, no lock step, no index arrays. (`loss_and_gradients` of
+        a single sentence computes the same, paying a batch's bookkeeping.)"""
+        w, h = self.w, self.hidden
+        tokens = np.asarray(sentence.tokens)
+        n = len(tokens)
+        leaves = np.tanh(w["table"][tokens])
+        rows = [leaves[i : i + 1] for i in range(n)]  # each entry's (1, h) value: the leaves, then each composition
+        stack: list[tuple[int, int, int]] = []  # (its row, the span it covers)
+        tape: list[tuple[Any, ...]] = []
+        loss, i = 0.0, 0
+        while True:
+            while len(stack) < 2 and i < n:
+                stack.append((i, i, i + 1))
+                i += 1
+            if len(stack) == 1:
+                break
+            (left, a, _), (right, _, e) = stack[-2], stack[-1]
+            if i < n:  # a decision
+                x = np.concatenate([rows[right], rows[left], rows[i]], axis=1)
+                state = np.tanh(product(x, w["tracker"]) + w["tracker_bias"])
+                scores = product(state, w["action"]) + w["action_bias"]
+                nll, d_scores = _cross_entropy(scores, np.array([REDUCE if (a, e) in sentence.spans else SHIFT]))
+                loss += float(nll[0])
+                tape.append(("track", right, left, i, x, state, d_scores))
+                if scores[0].argmax() != REDUCE:
+                    stack.append((i, i, i + 1))
+                    i += 1
+                    continue
+            x = np.concatenate([rows[left], rows[right]], axis=1)
+            rows.append(np.tanh(product(x, w["compose"]) + w["compose_bias"]))
+            stack[-2:] = [(len(rows) - 1, a, e)]
+            tape.append(("compose", left, right, len(rows) - 1, x, rows[-1]))
+        root = rows[stack[0][0]]
+        nll, d_logits = _cross_entropy(root @ w["head"] + w["head_bias"], np.array([sentence.label]))
+        grads = {k: np.zeros_like(v) for k, v in w.items()}
+        grads["head"] += root.T @ d_logits
+        grads["head_bias"] += d_logits[0]
+        delta: list[Array] = [np.zeros_like(leaves[:1]) for _ in rows]
+        delta[stack[0][0]] += product(d_logits, w["head"].T)
+        factors: dict[str, tuple[list[Array], list[Array]]] = {k: ([], []) for k in ("action", "tracker", "compose")}
+        for call in reversed(tape):
+            if call[0] == "track":
+                _, top, second, head, x, state, d_scores = call
+                factors["action"][0].append(state)
+                factors["action"][1].append(d_scores)
+                grads["action_bias"] += d_scores[0]
+                d_pre = product(d_scores, w["action"].T) * (1.0 - state * state)
+                factors["tracker"][0].append(x)
+                factors["tracker"][1].append(d_pre)
+                grads["tracker_bias"] += d_pre[0]
+                d_x = product(d_pre, w["tracker"].T)
+                delta[top] += d_x[:, :h]
+                delta[second] += d_x[:, h : 2 * h]
+                delta[head] += d_x[:, 2 * h :]
+            else:
+                _, left, right, k, x, out = call
+                d_pre = delta[k] * (1.0 - out * out)
+                factors["compose"][0].append(x)
+                factors["compose"][1].append(d_pre)
+                grads["compose_bias"] += d_pre[0]
+                d_x = product(d_pre, w["compose"].T)
+                delta[left] += d_x[:, :h]
+                delta[right] += d_x[:, h:]
+        for name, (xs, ds) in factors.items():
+            if xs:
+                grads[name] += product(np.concatenate(xs).T, np.concatenate(ds))
+        d_leaves = np.concatenate(delta[:n]) * (1.0 - leaves * leaves)
+        grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
+        return loss + float(nll[0]), grads
+
+    def step(self, grads: dict[str, Array], tokens: Array) -> None:
+        """Adam as ``torch.optim.Adam`` takes it (betas 0.9, 0.999; eps 1e-8),
+        the table lazily, as monadl steps an embedding's sparse delta: only
+        the rows of ``tokens`` (the ones looked up) and their moments."""
         self.steps += 1
         b1, b2, t = 0.9, 0.999, self.steps
         for k, g in grads.items():
             m, v = self.moments[k]
+            if k == "table":
+                rows = np.unique(tokens)
+                weight, m, v, g = self.w[k][rows], m[rows], v[rows], g[rows]
+            else:
+                weight = self.w[k]
             m *= b1
             m += (1 - b1) * g
             v *= b2
             v += (1 - b2) * g * g
-            self.w[k] -= (self.rate / (1 - b1**t)) * m / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+            weight -= (self.rate / (1 - b1**t)) * m / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+            if k == "table":
+                self.w[k][rows], self.moments[k][0][rows], self.moments[k][1][rows] = weight, m, v
 
     def train(self, sentences: Sequence[Sentence]) -> float:
         """One step: the batch's loss and gradients, then Adam."""
         loss, grads = self.loss_and_gradients(sentences)
-        self.step(grads)
+        self.step(grads, np.concatenate([np.asarray(s.tokens) for s in sentences]))
+        return loss
+
+    def train_sentence(self, sentence: Sentence) -> float:
+        """One step on one sentence, by `sentence`."""
+        loss, grads = self.sentence(sentence)
+        self.step(grads, np.asarray(sentence.tokens))
         return loss
 
 

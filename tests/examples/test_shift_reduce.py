@@ -129,6 +129,25 @@ def test_the_parser_by_hand_has_monadls_loss_and_gradients(batch: int) -> None:
     weights = by_hand.weights_of(parser)
     model = by_hand.Model(weights, learning_rate=0.01)
     _, grads = model.loss_and_gradients(sentences)
-    model.step(grads)
+    for s in sentences[:3]:  # the plain one-sentence form: the batch of one's loss and gradients
+        one, one_grads = model.sentence(s)
+        assert one == pytest.approx(model.loss_and_gradients([s])[0], rel=1e-12)
+        for k, g in model.loss_and_gradients([s])[1].items():
+            np.testing.assert_allclose(one_grads[k], g, rtol=1e-10, atol=1e-14)
+    model.step(grads, np.concatenate([s.tokens for s in sentences]))
     for k, g in grads.items():
         np.testing.assert_allclose(np.abs(model.w[k] - weights[k]), 0.01 * np.abs(g) / (np.abs(g) + 1e-8), atol=1e-15)
+
+
+def test_the_parser_by_hand_steps_like_monadl() -> None:
+    """Its Adam takes monadl's steps, the embedding table's lazily (only the rows looked up)."""
+    from benchmarks import _shift_reduce_numpy as by_hand
+
+    parser = sr.Parser(8, seed=1, learning_rate=0.05)
+    model = by_hand.Model(by_hand.weights_of(parser), learning_rate=0.05)
+    for k in range(4):
+        batch = sr.make_sentences(3, 2, 4, seed=100 + k)  # a few tokens a batch: some table rows untouched
+        anyio.run(parser.loss(batch, []).train)
+        model.train(batch)
+    for name, weight in by_hand.weights_of(parser).items():
+        np.testing.assert_allclose(model.w[name], weight, rtol=1e-9, atol=1e-12)
