@@ -69,12 +69,15 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                 request = advance(machine.send, completion, pause)
             elif request is POLL:
                 assert done is not None
-                await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes
-                try:
+                try:  # one already back (a turn finishes every step that was ready): no turn for it
                     completion = done[1].receive_nowait()
                 except anyio.WouldBlock:
-                    completion = None
-                ev.deadline = time.perf_counter() + interval
+                    await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes
+                    ev.deadline = time.perf_counter() + interval
+                    try:
+                        completion = done[1].receive_nowait()
+                    except anyio.WouldBlock:
+                        completion = None
                 request = advance(machine.send, completion, pause)
             else:
                 try:
