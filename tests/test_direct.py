@@ -140,3 +140,67 @@ async def test_weights_forward_alone_and_zipped() -> None:
     assert tapes[0].data == 2.0
     np.testing.assert_array_equal(tapes[1].data, [1.0, 3.0])
     assert (await w.forward().run()).data == 2.0
+
+
+async def test_a_step_that_waits_outside_does_not_hold_the_steps_asked_with_it() -> None:
+    """Several examples' coroutine steps run one after another in one task;
+    the first waits for an event that only the last one's step sets, so the
+    steps after a foreign await must go on in a task of their own."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    ready = anyio.Event()
+    order: list[str] = []
+
+    @ml.direct
+    async def waits() -> ml.ScalarLayer:
+        await ready.wait()
+        order.append("waited")
+        return ml.sum(w * float((await w)[0]))
+
+    @ml.direct
+    async def plain() -> ml.ScalarLayer:
+        order.append("plain")
+        return ml.sum(w * float((await w)[1]))
+
+    @ml.direct
+    async def sets() -> ml.ScalarLayer:
+        ready.set()
+        order.append("set")
+        return ml.sum(w * 2.0)
+
+    with anyio.fail_after(60):  # a guard against a hang, not a timing
+        value = await ml.sum(ml.stack([waits(), plain(), sets()])).train()
+    assert float(value) == 3.0 + 6.0 + 6.0
+    assert order.index("set") < order.index("waited")
+    np.testing.assert_allclose(w.data, [1.0 - 0.1 * 5.0, 2.0 - 0.1 * 5.0])
+
+
+async def test_a_failing_step_among_several_fails_the_evaluation_with_its_error() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    stepped: list[str] = []
+
+    @ml.direct
+    async def fine(name: str) -> ml.ScalarLayer:
+        stepped.append(name)
+        return ml.sum(w * float((await w)[0]))
+
+    @ml.direct
+    async def fails() -> ml.ScalarLayer:
+        raise ValueError("bad example")
+
+    with pytest.raises(ValueError, match="bad example"):
+        await ml.sum(ml.stack([fine("a"), fails(), fine("b")])).train()
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
+
+
+async def test_cancellation_reaches_several_waiting_direct_layers() -> None:
+    w = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model(k: int) -> ml.ScalarLayer:
+        await anyio.sleep(10 + k)
+        return ml.sum(w)
+
+    with anyio.move_on_after(0.05) as scope:
+        await ml.sum(ml.stack([model(k) for k in range(3)])).train()
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(w.data, [1.0])

@@ -1,13 +1,15 @@
 """Driving an interpreter generator on the event loop, and cleaning up after it.
 
-The interpreter yields five kinds of request: an awaitable (awaited here,
+The interpreter yields six kinds of request: an awaitable (awaited here,
 in this task), `CHECKPOINT` (the event loop is due a turn: other tasks run,
 and a cancellation or Ctrl-C takes effect here), `Spawn` (a fiber's await, to
-run concurrently in a task of this evaluation's task group), `NEXT` (no
+run concurrently in a task of this evaluation's task group), `Steps`
+(fibers' direct-style coroutine steps, one after another in a task, those
+after one that awaits something foreign in a task of their own), `NEXT` (no
 fiber can run: wait for the next completion) and `POLL` (the same, but only
-for one turn of the event loop: None if nothing completed). The task group opens only when
-the first fiber spawns, so an evaluation without concurrent effects costs no
-task. A failure of an awaited thing goes back into the interpreter, which
+for one turn of the event loop, and none when a completion is already
+there: None if nothing completed). The task group opens only when the first
+fiber spawns, so an evaluation without concurrent effects costs no task. A failure of an awaited thing goes back into the interpreter, which
 may hand it to a direct-style coroutine that awaited it; a failure that
 leaves the interpreter cancels every spawned task and surfaces as itself.
 """
@@ -27,10 +29,11 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.interpret import NEXT, POLL, Spawn
+from monadl.runtime.interpret import NEXT, POLL, Spawn, Steps
 from monadl.runtime.process import advance
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
+from monadl.runtime.stepping import step_each
 
 __all__ = ["abort", "drive", "drive_sync"]
 
@@ -53,14 +56,17 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                 await anyio.lowlevel.checkpoint()
                 ev.deadline = time.perf_counter() + interval
                 request = advance(machine.send, None, pause)
-            elif type(request) is Spawn:
+            elif type(request) is Spawn or type(request) is Steps:
                 if tasks is None:
                     done = anyio.create_memory_object_stream[Any](math.inf)
                     exits.push_async_callback(done[1].aclose)
                     exits.push_async_callback(done[0].aclose)
                     tasks = await exits.enter_async_context(anyio.create_task_group())
                 assert done is not None
-                tasks.start_soon(_complete, done[0], request.fiber, request.awaitable)
+                if isinstance(request, Spawn):
+                    tasks.start_soon(_complete, done[0], request.fiber, request.awaitable)
+                else:
+                    _steps(tasks, done[0], request.items)
                 request = advance(machine.send, None, pause)
             elif request is NEXT:
                 assert done is not None
@@ -94,6 +100,12 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         if tasks is not None:
             tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
         await exits.aclose()
+
+
+def _steps(tasks: TaskGroup, done: MemoryObjectSendStream[Any], items: list[tuple[Any, Any, Any]]) -> None:
+    """Start a task that steps ``items``' coroutines (`step_each`); the rest of
+    them after one that awaits something foreign, in a task of their own."""
+    tasks.start_soon(step_each, items, done.send_nowait, lambda rest: _steps(tasks, done, rest))
 
 
 async def _complete(done: MemoryObjectSendStream[Any], fiber: Any, awaitable: Awaitable[Any]) -> None:

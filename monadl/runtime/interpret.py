@@ -38,10 +38,10 @@ from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, fibers, inline, pool
-from monadl.runtime.stepping import direct_next, step_direct, step_in_task
+from monadl.runtime.stepping import direct_next, step_direct
 from monadl.tape import Tape
 
-__all__ = ["NEXT", "POLL", "Spawn", "evaluate"]
+__all__ = ["NEXT", "POLL", "Spawn", "Steps", "evaluate"]
 
 Machine = Generator[Any, Any, Any]
 
@@ -66,6 +66,29 @@ class Spawn:
         self.awaitable = awaitable
 
 
+class Steps:
+    """Yielded to the driver: step these fibers' direct-style coroutines, one
+    after another in a task, each reported for its fiber
+    (`monadl.runtime.stepping.step_each`). Once the fibers that can run have
+    stopped, the steps they asked for go as one: a task each cost more than
+    most steps (which return at once, asking for layers)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[F.Fiber, Any, Any]]) -> None:
+        self.items = items
+
+
+class _Step:
+    """What a fiber waits for while its coroutine's step is to be taken: the coroutine and what it is sent."""
+
+    __slots__ = ("coroutine", "sending")
+
+    def __init__(self, coroutine: Any, sending: Any) -> None:
+        self.coroutine = coroutine
+        self.sending = sending
+
+
 def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     """Acquire ``root`` in ``ev``; returns ``(value, release token)``."""
     records = ev.records
@@ -75,6 +98,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     parking = fibers.enabled(ev)
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine a task is stepping: soon back, to park too
+    steps: list[tuple[F.Fiber, Any, Any]] = []  # those steps not handed to the driver yet (`Steps`)
     stack = fiber.stack
     cur: Any = root
     val: Any = None
@@ -222,7 +246,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 # Several fibers: the coroutine's foreign awaits must be made in the task
                 # that awaits them (trio ties a wait to the task that asked), so a task steps it.
                 stack.append(F.Stepped(frame))
-                block = step_in_task(frame.coroutine, sending)
+                block = _Step(frame.coroutine, sending)
                 stepping += 1
             elif t is F.Stepped:
                 done, got = val
@@ -290,9 +314,14 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             fiber.save(stack, cur, val, tok, descending)
             if type(block) is list:  # another fiber's shared Do or Do layer: woken when it is done
                 block.append(fiber)
+            elif type(block) is _Step:
+                steps.append((fiber, block.coroutine, block.sending))
             elif block is not fibers.PARKED:
                 yield Spawn(fiber, block)
         while not runnable:
+            if steps:  # before waiting for any completion: the steps asked for, as one
+                yield Steps(steps)
+                steps = []
             if not parked:
                 completion = yield NEXT
             elif stepping:  # wait only for coroutine steps that come back at once, with graphs to join

@@ -3,6 +3,7 @@ that awaits its foreign requests (trio ties a wait to the task that asked)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
@@ -11,7 +12,7 @@ from monadl.layers._layer import Layer
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 
-__all__ = ["direct_next", "step_direct", "step_in_task"]
+__all__ = ["direct_next", "step_direct", "step_each", "step_in_task"]
 
 
 def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
@@ -27,18 +28,54 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> 
     return False, got
 
 
-async def step_in_task(coroutine: Any, sending: Any) -> tuple[bool, Any]:
+async def step_in_task(
+    coroutine: Any, sending: Any, before_waiting: Callable[[], None] | None = None
+) -> tuple[bool, Any]:
     """`step_direct` until the coroutine asks for layers or returns, awaiting
-    its foreign requests in this task."""
+    its foreign requests in this task; ``before_waiting`` is called once,
+    before the first of them."""
     failure: BaseException | None = None
     while True:
         done, got = step_direct(coroutine, sending, failure)
         if done or type(got) is AwaitLayers:
             return done, got
+        if before_waiting is not None:
+            before_waiting()
+            before_waiting = None
         try:
             sending, failure = await Passthrough(got), None
         except Exception as exc:  # delivered to the coroutine, as the event loop would
             sending, failure = None, exc
+
+
+async def step_each(
+    items: list[tuple[Any, Any, Any]],
+    report: Callable[[tuple[Any, bool, Any]], None],
+    elsewhere: Callable[[list[tuple[Any, Any, Any]]], None],
+) -> None:
+    """Step the coroutines of ``items`` (``(fiber, coroutine, sending)``) one
+    after another, in this task; ``report((fiber, ok, result))`` after each.
+    A step that awaits something foreign goes on in this task, and the items
+    after it go to ``elsewhere`` first (a task of their own), so every step
+    still runs within one task and none waits for another's await."""
+    for k, (fiber, coroutine, sending) in enumerate(items):
+        rest = items[k + 1 :]
+        handed = False
+
+        def hand_on(rest: list[tuple[Any, Any, Any]] = rest) -> None:
+            nonlocal handed
+            handed = True
+            if rest:
+                elsewhere(rest)
+
+        try:
+            result = await step_in_task(coroutine, sending, hand_on)
+        except Exception as exc:  # the interpreter hands it on: the original error, not a group of one
+            report((fiber, False, exc))
+        else:
+            report((fiber, True, result))
+        if handed:
+            return
 
 
 def direct_next(frame: F.Direct, stack: list[Any], done: bool, got: Any) -> Do[Any]:
