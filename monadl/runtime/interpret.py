@@ -10,7 +10,8 @@ direct-style ``await values(a, b)``) are *fibers*: each has its own
 continuation stack. A fiber runs until it finishes or must wait for something
 asynchronous; then another runs. While one fiber is alive, its awaits go
 straight to the driver (no task, no cost); with several, each await becomes a
-task of the driver's task group (`Spawn`), and when no fiber can run the
+task of the driver's task group (`Spawn`), the direct-style coroutine steps
+they ask for share one (`Steps`), and when no fiber can run the
 interpreter asks the driver for the next completion (`NEXT`). So independent
 effects overlap, and a failure anywhere fails the evaluation, which cancels
 the rest. A shared ``Do`` or a layer built from a ``Do`` that one fiber is
