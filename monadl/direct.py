@@ -18,7 +18,11 @@ values are plain data, so ordinary ``if`` and ``for`` may depend on them.
 np.float64(2.0)
 
 Any other ``await`` inside (I/O, ``anyio.sleep``, a black-box service) goes to
-the event loop as usual.
+the event loop as usual. Where several examples run together (a batch of
+them in one ``train()``), each step up to an ``await`` of layers runs within
+one task, in its own copy of the context variables, and what it awaits
+outside overlaps the other examples' work; a cancel scope may span awaits
+outside monadl but not an ``await`` of layers.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import anyio.lowlevel
 import numpy as np
@@ -204,3 +206,78 @@ async def test_cancellation_reaches_several_waiting_direct_layers() -> None:
         await ml.sum(ml.stack([model(k) for k in range(3)])).train()
     assert scope.cancelled_caught
     np.testing.assert_array_equal(w.data, [1.0])
+
+
+async def test_a_step_asked_for_starts_before_another_fiber_computes_its_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A direct-style step that a fiber asks for starts while another fiber
+    computes a graph that cannot wait for it (here, with batching off), so
+    what the step awaits outside overlaps that computation."""
+    from monadl.runtime import interpret
+
+    events: list[str] = []
+    graph = interpret._graph
+
+    def traced(ev: Any, frame: Any, stack: list[Any]) -> Any:
+        outcome = yield from graph(ev, frame, stack)
+        events.append("graph done")
+        return outcome
+
+    monkeypatch.setattr(interpret, "_graph", traced)
+    w = ml.Weight(np.array([1.0, 2.0]))
+    m = ml.Weight(np.eye(3) * 0.5)
+
+    @ml.direct
+    async def waiter() -> ml.ScalarLayer:
+        events.append("step")
+        await anyio.lowlevel.checkpoint()  # something outside monadl
+        return ml.sum(w * float((await w)[0]))
+
+    x: ml.ArrayLayer = ml.as_layer(np.ones((1, 3)))
+    for _ in range(40):
+        x = ml.tanh(x @ m)
+    with ml.settings(batching=False, yield_interval_s=1e-9):  # (a turn of the event loop at every chance)
+        steps = waiter()._do  # (the direct-style Do itself: a fiber of its own beside the graph's)
+        assert steps is not None
+        await ml.Do.zip(steps, ml.sum(x).forward()).run()
+    assert events.index("step") < events.index("graph done")
+
+
+async def test_each_examples_step_keeps_its_context_variables_to_itself() -> None:
+    """Steps that share a task run in their own copies of its context, as
+    they would in a task each: what one example sets, the next does not see."""
+    import contextvars
+
+    mark: contextvars.ContextVar[int | None] = contextvars.ContextVar("mark", default=None)
+    w = ml.Weight(np.array([1.0, 2.0]))
+    seen: list[int | None] = []
+
+    @ml.direct
+    async def model(k: int) -> ml.ScalarLayer:
+        seen.append(mark.get())
+        mark.set(k)  # (never reset)
+        return ml.sum(w * float((await w)[0]))
+
+    await ml.sum(ml.stack([model(k) for k in range(4)])).predict()
+    assert seen == [None] * 4
+
+
+async def test_a_cancel_scope_inside_a_step_works_beside_other_examples() -> None:
+    """A scope that cancels a wait inside one step (asyncio delivers the
+    cancellation as a BaseException) reaches the user's coroutine, as it
+    does with one example alone."""
+    w = ml.Weight(np.array([1.0, 2.0]))
+    timed_out: list[bool] = []
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        with anyio.move_on_after(0.01) as scope:
+            await anyio.sleep(30)
+        timed_out.append(scope.cancelled_caught)
+        return ml.sum(w * float((await w)[0]))
+
+    with anyio.fail_after(60):  # a guard against a hang, not a timing
+        value = await ml.sum(ml.stack([model() for _ in range(3)])).predict()
+    assert float(value) == 9.0
+    assert timed_out == [True] * 3

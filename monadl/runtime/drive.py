@@ -75,7 +75,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                 request = advance(machine.send, completion, pause)
             elif request is POLL:
                 assert done is not None
-                try:  # one already back (a turn finishes every step that was ready): no turn for it
+                try:  # one already back: no turn of the event loop for it
                     completion = done[1].receive_nowait()
                 except anyio.WouldBlock:
                     await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes

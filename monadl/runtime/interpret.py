@@ -98,7 +98,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     live = 1  # fibers not finished, running or waiting
     parking = fibers.enabled(ev)
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
-    stepping = 0  # fibers whose direct-style coroutine a task is stepping: soon back, to park too
+    stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
     steps: list[tuple[F.Fiber, Any, Any]] = []  # those steps not handed to the driver yet (`Steps`)
     stack = fiber.stack
     cur: Any = root
@@ -197,6 +197,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 parked.add(fiber, frame)  # other fibers may reach graphs too: computed together
                 block = fibers.PARKED
             elif t is F.Graph:
+                if steps:  # a computation may take turns of the event loop: the steps asked for start first
+                    yield Steps(steps)
+                    steps = []
                 outcome = yield from _graph(ev, frame, stack)
                 if outcome is not None:
                     kind_of, thing = outcome

@@ -3,6 +3,7 @@ that awaits its foreign requests (trio ties a wait to the task that asked)."""
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +30,22 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> 
 
 
 async def step_in_task(
-    coroutine: Any, sending: Any, before_waiting: Callable[[], None] | None = None
+    coroutine: Any,
+    sending: Any,
+    before_waiting: Callable[[], None] | None = None,
+    context: contextvars.Context | None = None,
 ) -> tuple[bool, Any]:
     """`step_direct` until the coroutine asks for layers or returns, awaiting
     its foreign requests in this task; ``before_waiting`` is called once,
-    before the first of them."""
+    before the first of them. ``context``: where its sends run (a coroutine
+    stepped beside others in one task keeps its context variables to
+    itself, as in a task of its own)."""
     failure: BaseException | None = None
     while True:
-        done, got = step_direct(coroutine, sending, failure)
+        if context is None:
+            done, got = step_direct(coroutine, sending, failure)
+        else:
+            done, got = context.run(step_direct, coroutine, sending, failure)
         if done or type(got) is AwaitLayers:
             return done, got
         if before_waiting is not None:
@@ -44,7 +53,7 @@ async def step_in_task(
             before_waiting = None
         try:
             sending, failure = await Passthrough(got), None
-        except Exception as exc:  # delivered to the coroutine, as the event loop would
+        except BaseException as exc:  # delivered to the coroutine, as the event loop would: a cancellation too
             sending, failure = None, exc
 
 
@@ -57,19 +66,25 @@ async def step_each(
     after another, in this task; ``report((fiber, ok, result))`` after each.
     A step that awaits something foreign goes on in this task, and the items
     after it go to ``elsewhere`` first (a task of their own), so every step
-    still runs within one task and none waits for another's await."""
+    still runs within one task and none waits for another's await. Each
+    step runs in its own copy of this task's context variables, as it would
+    in a task of its own: what one sets, the next does not see.
+
+    Items after a hand-on start a turn of the event loop later than they
+    would have in a task each, so a `POLL` of that turn may run the parked
+    graphs without theirs (they join a later merged run)."""
+    base = contextvars.copy_context()
     for k, (fiber, coroutine, sending) in enumerate(items):
-        rest = items[k + 1 :]
         handed = False
 
-        def hand_on(rest: list[tuple[Any, Any, Any]] = rest) -> None:
+        def hand_on(k: int = k) -> None:
             nonlocal handed
             handed = True
-            if rest:
-                elsewhere(rest)
+            if k + 1 < len(items):
+                elsewhere(items[k + 1 :])
 
         try:
-            result = await step_in_task(coroutine, sending, hand_on)
+            result = await step_in_task(coroutine, sending, hand_on, base.copy())
         except Exception as exc:  # the interpreter hands it on: the original error, not a group of one
             report((fiber, False, exc))
         else:

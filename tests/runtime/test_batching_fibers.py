@@ -318,10 +318,10 @@ async def test_a_parked_fiber_is_not_waited_for_by_a_coroutine_that_waits_for_it
 
 def test_coroutine_steps_take_no_task_or_turn_each(monkeypatch: pytest.MonkeyPatch) -> None:
     """Direct-style examples' coroutine steps asked for together run in one
-    task; one turn of the event loop finishes all that were ready, and the
-    interpreter takes each completion already back without another turn
-    (a turn a step cost about 7 us, a task a step more: 300 of each in a
-    step of the shift-reduce parser at batch 32)."""
+    task; one turn of the event loop finishes those that come back at once,
+    and the interpreter takes each completion already back without another
+    turn (a turn a step cost about 7 us, a task a step more: 300 of each in
+    a step of the shift-reduce parser at batch 32)."""
     import anyio
     import anyio.lowlevel
 
