@@ -159,17 +159,77 @@ class Model:
     ) -> dict[str, Array]:
         w, h = self.w, self.hidden
         grads = {k: np.zeros_like(v) for k, v in w.items()}
-        # A weight's delta from all its calls is one product of their rows, made at the end.
-        factors: dict[str, tuple[list[Array], list[Array]]] = {k: ([], []) for k in ("action", "tracker", "compose")}
         delta = np.zeros((size, h), dtype=store.dtype)
         d_logits = d_task / b
         grads["head"] += root_rows.T @ d_logits
         grads["head_bias"] += d_logits.sum(axis=0)
         delta[roots] += product(d_logits, w["head"].T)
-        for call in reversed(calls):  # each call's rows are unique per operand: `+=` by index is exact
+        self._back(calls, delta, grads, b)  # (each call's rows are unique per operand: `+=` by index is exact)
+        leaves = store[: len(tokens)]
+        d_leaves = delta[: len(tokens)] * (1.0 - leaves * leaves)
+        # (the lookup's delta: one one-hot product, as in `benchmarks._treelstm_numpy`)
+        grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
+        return grads
+
+    def sentence(self, sentence: Sentence) -> tuple[float, dict[str, Array]]:
+        """One sentence's loss and gradients, written plainly: its values a
+        list of rows, no lock step, no index arrays. (`loss_and_gradients` of
+        a single sentence computes the same, paying a batch's bookkeeping.)"""
+        w = self.w
+        tokens = np.asarray(sentence.tokens)
+        n = len(tokens)
+        leaves = np.tanh(w["table"][tokens])
+        rows = [leaves[i : i + 1] for i in range(n)]  # each entry's (1, h) value: the leaves, then each composition
+        stack: list[tuple[int, int, int]] = []  # (its row, the span it covers)
+        tape: list[tuple[Any, ...]] = []
+        loss, i = 0.0, 0
+        while True:
+            while len(stack) < 2 and i < n:
+                stack.append((i, i, i + 1))
+                i += 1
+            if len(stack) == 1:
+                break
+            (left, a, _), (right, _, e) = stack[-2], stack[-1]
+            if i < n:  # a decision
+                x = np.concatenate([rows[right], rows[left], rows[i]], axis=1)
+                state = np.tanh(product(x, w["tracker"]) + w["tracker_bias"])
+                scores = product(state, w["action"]) + w["action_bias"]
+                nll, d_scores = _cross_entropy(scores, np.array([REDUCE if (a, e) in sentence.spans else SHIFT]))
+                loss += float(nll[0])
+                tape.append(("track", right, left, i, x, state, (nll, d_scores)))
+                if scores[0].argmax() != REDUCE:
+                    stack.append((i, i, i + 1))
+                    i += 1
+                    continue
+            x = np.concatenate([rows[left], rows[right]], axis=1)
+            rows.append(np.tanh(product(x, w["compose"]) + w["compose_bias"]))
+            stack[-2:] = [(len(rows) - 1, a, e)]
+            tape.append(("compose", left, right, len(rows) - 1, x, rows[-1]))
+        root = rows[stack[0][0]]
+        nll, d_logits = _cross_entropy(root @ w["head"] + w["head_bias"], np.array([sentence.label]))
+        grads = {k: np.zeros_like(v) for k, v in w.items()}
+        grads["head"] += root.T @ d_logits
+        grads["head_bias"] += d_logits[0]
+        delta: list[Array] = [np.zeros_like(leaves[:1]) for _ in rows]
+        delta[stack[0][0]] += product(d_logits, w["head"].T)
+        self._back(tape, delta, grads, 1)
+        d_leaves = np.concatenate(delta[:n]) * (1.0 - leaves * leaves)
+        grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
+        return loss + float(nll[0]), grads
+
+    def _back(self, calls: list[tuple[Any, ...]], delta: Any, grads: dict[str, Array], b: int) -> None:
+        """Back through the forward's ``calls``, the last first: into ``delta``
+        (the values' deltas, indexed by the calls' rows: an array or a list)
+        and ``grads``; the action losses' deltas divided by the batch ``b``.
+        A weight's delta from all its calls is one product of their rows,
+        made at the end."""
+        w, h = self.w, self.hidden
+        factors: dict[str, tuple[list[Array], list[Array]]] = {k: ([], []) for k in ("action", "tracker", "compose")}
+        for call in reversed(calls):
             if call[0] == "track":
                 _, top, second, head, x, state, (_, d_scores) = call
-                d_scores = d_scores / b
+                if b != 1:
+                    d_scores = d_scores / b
                 factors["action"][0].append(state)
                 factors["action"][1].append(d_scores)
                 grads["action_bias"] += d_scores.sum(axis=0)
@@ -193,83 +253,6 @@ class Model:
         for name, (xs, ds) in factors.items():
             if xs:
                 grads[name] += product(np.concatenate(xs).T, np.concatenate(ds))
-        leaves = store[: len(tokens)]
-        d_leaves = delta[: len(tokens)] * (1.0 - leaves * leaves)
-        # (the lookup's delta: one one-hot product, as in `benchmarks._treelstm_numpy`)
-        grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
-        return grads
-
-    def sentence(self, sentence: Sentence) -> tuple[float, dict[str, Array]]:
-        """One sentence's loss and gradients, written plainly: its values a
-        list of rows, no lock step, no index arrays. (`loss_and_gradients` of
-        a single sentence computes the same, paying a batch's bookkeeping.)"""
-        w, h = self.w, self.hidden
-        tokens = np.asarray(sentence.tokens)
-        n = len(tokens)
-        leaves = np.tanh(w["table"][tokens])
-        rows = [leaves[i : i + 1] for i in range(n)]  # each entry's (1, h) value: the leaves, then each composition
-        stack: list[tuple[int, int, int]] = []  # (its row, the span it covers)
-        tape: list[tuple[Any, ...]] = []
-        loss, i = 0.0, 0
-        while True:
-            while len(stack) < 2 and i < n:
-                stack.append((i, i, i + 1))
-                i += 1
-            if len(stack) == 1:
-                break
-            (left, a, _), (right, _, e) = stack[-2], stack[-1]
-            if i < n:  # a decision
-                x = np.concatenate([rows[right], rows[left], rows[i]], axis=1)
-                state = np.tanh(product(x, w["tracker"]) + w["tracker_bias"])
-                scores = product(state, w["action"]) + w["action_bias"]
-                nll, d_scores = _cross_entropy(scores, np.array([REDUCE if (a, e) in sentence.spans else SHIFT]))
-                loss += float(nll[0])
-                tape.append(("track", right, left, i, x, state, d_scores))
-                if scores[0].argmax() != REDUCE:
-                    stack.append((i, i, i + 1))
-                    i += 1
-                    continue
-            x = np.concatenate([rows[left], rows[right]], axis=1)
-            rows.append(np.tanh(product(x, w["compose"]) + w["compose_bias"]))
-            stack[-2:] = [(len(rows) - 1, a, e)]
-            tape.append(("compose", left, right, len(rows) - 1, x, rows[-1]))
-        root = rows[stack[0][0]]
-        nll, d_logits = _cross_entropy(root @ w["head"] + w["head_bias"], np.array([sentence.label]))
-        grads = {k: np.zeros_like(v) for k, v in w.items()}
-        grads["head"] += root.T @ d_logits
-        grads["head_bias"] += d_logits[0]
-        delta: list[Array] = [np.zeros_like(leaves[:1]) for _ in rows]
-        delta[stack[0][0]] += product(d_logits, w["head"].T)
-        factors: dict[str, tuple[list[Array], list[Array]]] = {k: ([], []) for k in ("action", "tracker", "compose")}
-        for call in reversed(tape):
-            if call[0] == "track":
-                _, top, second, head, x, state, d_scores = call
-                factors["action"][0].append(state)
-                factors["action"][1].append(d_scores)
-                grads["action_bias"] += d_scores[0]
-                d_pre = product(d_scores, w["action"].T) * (1.0 - state * state)
-                factors["tracker"][0].append(x)
-                factors["tracker"][1].append(d_pre)
-                grads["tracker_bias"] += d_pre[0]
-                d_x = product(d_pre, w["tracker"].T)
-                delta[top] += d_x[:, :h]
-                delta[second] += d_x[:, h : 2 * h]
-                delta[head] += d_x[:, 2 * h :]
-            else:
-                _, left, right, k, x, out = call
-                d_pre = delta[k] * (1.0 - out * out)
-                factors["compose"][0].append(x)
-                factors["compose"][1].append(d_pre)
-                grads["compose_bias"] += d_pre[0]
-                d_x = product(d_pre, w["compose"].T)
-                delta[left] += d_x[:, :h]
-                delta[right] += d_x[:, h:]
-        for name, (xs, ds) in factors.items():
-            if xs:
-                grads[name] += product(np.concatenate(xs).T, np.concatenate(ds))
-        d_leaves = np.concatenate(delta[:n]) * (1.0 - leaves * leaves)
-        grads["table"] += np.eye(len(w["table"]), dtype=d_leaves.dtype)[tokens].T @ d_leaves
-        return loss + float(nll[0]), grads
 
     def step(self, grads: dict[str, Array], tokens: Array) -> None:
         """Adam as ``torch.optim.Adam`` takes it (betas 0.9, 0.999; eps 1e-8),

@@ -12,7 +12,8 @@ A reader's map (each module one concern; lower ones never import higher ones):
   graphs), `cuda` (a CUDA stream per branch), `fibers` (fibers parked at
   their graphs, run merged and batched: batching across control flow).
 * `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches);
-  `stepping`: how it steps a direct-style coroutine.
+  `stepping`: how it steps a direct-style coroutine; `requests`: what it asks
+  of its driver.
 * `drive`: running the interpreter on the event loop (awaits, turns, tasks).
 * `entry`: ``train`` / ``predict`` / ``gradients`` / ``run`` / ``acquire``.
 * `process`: everything that touches the whole process (malloc, GC, BLAS).

@@ -29,8 +29,8 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.interpret import NEXT, POLL, Spawn, Steps
 from monadl.runtime.process import advance
+from monadl.runtime.requests import NEXT, POLL, Spawn, Steps
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each

@@ -38,56 +38,17 @@ from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
+from monadl.runtime.requests import NEXT, POLL, Spawn, Steps
 from monadl.runtime.schedule import batched, cuda, fibers, inline, pool
 from monadl.runtime.stepping import direct_next, step_direct
 from monadl.tape import Tape
 
-__all__ = ["NEXT", "POLL", "Spawn", "Steps", "evaluate"]
+__all__ = ["evaluate"]
 
 Machine = Generator[Any, Any, Any]
 
-NEXT: Final = object()
-"""Yielded to the driver when no fiber can run: send back the next completion."""
-
-POLL: Final = object()
-"""Like `NEXT`, but after one turn of the event loop send back None if no
-completion is there: fibers are parked, and a task still stepping a
-direct-style coroutine may be waiting for one of them."""
-
 _START: Final = object()  # what a direct frame receives first: no awaited values yet
-
-
-class Spawn:
-    """Yielded to the driver: await ``awaitable`` in a task, report it for ``fiber``."""
-
-    __slots__ = ("awaitable", "fiber")
-
-    def __init__(self, fiber: F.Fiber, awaitable: Any) -> None:
-        self.fiber = fiber
-        self.awaitable = awaitable
-
-
-class Steps:
-    """Yielded to the driver: step these fibers' direct-style coroutines, one
-    after another in a task, each reported for its fiber
-    (`monadl.runtime.stepping.step_each`). Once the fibers that can run have
-    stopped, the steps they asked for go as one: a task each cost more than
-    most steps (which return at once, asking for layers)."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[tuple[F.Fiber, Any, Any]]) -> None:
-        self.items = items
-
-
-class _Step:
-    """What a fiber waits for while its coroutine's step is to be taken: the coroutine and what it is sent."""
-
-    __slots__ = ("coroutine", "sending")
-
-    def __init__(self, coroutine: Any, sending: Any) -> None:
-        self.coroutine = coroutine
-        self.sending = sending
+_STEPPING: Final = object()  # a fiber waits for its coroutine's step, which is in `steps`
 
 
 def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
@@ -250,7 +211,8 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 # Several fibers: the coroutine's foreign awaits must be made in the task
                 # that awaits them (trio ties a wait to the task that asked), so a task steps it.
                 stack.append(F.Stepped(frame))
-                block = _Step(frame.coroutine, sending)
+                steps.append((fiber, frame.coroutine, sending))
+                block = _STEPPING
                 stepping += 1
             elif t is F.Stepped:
                 done, got = val
@@ -318,9 +280,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             fiber.save(stack, cur, val, tok, descending)
             if type(block) is list:  # another fiber's shared Do or Do layer: woken when it is done
                 block.append(fiber)
-            elif type(block) is _Step:
-                steps.append((fiber, block.coroutine, block.sending))
-            elif block is not fibers.PARKED:
+            elif block is not fibers.PARKED and block is not _STEPPING:
                 yield Spawn(fiber, block)
         while not runnable:
             if steps:  # before waiting for any completion: the steps asked for, as one

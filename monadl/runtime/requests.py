@@ -1,0 +1,43 @@
+"""What the interpreter (`monadl.runtime.interpret`) asks of its driver
+(`monadl.runtime.drive`), besides an awaitable to await in its own task and
+`monadl.runtime.schedule.inline.CHECKPOINT`."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from monadl.runtime import frames as F
+
+__all__ = ["NEXT", "POLL", "Spawn", "Steps"]
+
+NEXT: Final = object()
+"""Yielded to the driver when no fiber can run: send back the next completion."""
+
+POLL: Final = object()
+"""Like `NEXT`, but after one turn of the event loop send back None if no
+completion is there: fibers are parked, and a task still stepping a
+direct-style coroutine may be waiting for one of them."""
+
+
+class Spawn:
+    """Yielded to the driver: await ``awaitable`` in a task, report it for ``fiber``."""
+
+    __slots__ = ("awaitable", "fiber")
+
+    def __init__(self, fiber: F.Fiber, awaitable: Any) -> None:
+        self.fiber = fiber
+        self.awaitable = awaitable
+
+
+class Steps:
+    """Yielded to the driver: step these fibers' direct-style coroutines
+    (``(fiber, coroutine, sending)``), one after another in a task, each
+    reported for its fiber (`monadl.runtime.stepping.step_each`). Once the
+    fibers that can run have stopped, the steps they asked for go as one: a
+    task each cost more than most steps (which return at once, asking for
+    layers)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[F.Fiber, Any, Any]]) -> None:
+        self.items = items
