@@ -51,6 +51,8 @@ from collections.abc import Callable
 from operator import is_not
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
+import numpy as np
+
 from monadl.errors import OperandError
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import OUTPUT
@@ -131,7 +133,14 @@ class Operation(Generic[P, R]):
                             else:
                                 views.append((j, len(sources), x._params[0]))
                                 sources.append(node)
-                    trace = entry.traces.get(tuple(views))
+                    arrays = entry.arrays
+                    if not arrays:
+                        trace = entry.traces.get(tuple(views))
+                    elif len(arrays) == 1:  # (`_keyed`, unrolled: a tree's node has its symbol)
+                        x = leaves[arrays[0]]
+                        trace = entry.traces.get((tuple(views), x.shape, x.dtype))
+                    else:
+                        trace = entry.traces.get(_keyed(views, leaves, arrays))
                     if trace is not None:
                         result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
                         return result
@@ -159,6 +168,9 @@ class Operation(Generic[P, R]):
                     sources.append(node)
             views = tuple(views)
             key = (key, views)
+        data = [(x.shape, x.dtype) for x in leaves if isinstance(x, np.ndarray)]
+        if data:  # (the function may read a data array's shape and dtype: they are part of the signature)
+            key = (key, tuple(data))
         held: list[Any] = []
         if self._ids is not None:  # what a partial or a bound method holds: the same objects every call
             key = (key, self._ids)
@@ -203,8 +215,11 @@ class Operation(Generic[P, R]):
         if entry is None:
             if not set(leaf_kinds) <= LEAVES:
                 return
-            entry = plan.entries[leaf_kinds] = _Entry(tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer]))
-        entry.traces[views] = trace
+            entry = plan.entries[leaf_kinds] = _Entry(
+                tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer]),
+                tuple([j for j, kind in enumerate(leaf_kinds) if kind is np.ndarray]),
+            )
+        entry.traces[_keyed(list(views), leaves, entry.arrays) if entry.arrays else views] = trace
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
@@ -244,14 +259,22 @@ _UNSEEN: Final = _Plan(None)  # (for arguments' types no call has had yet: it fi
 @final
 class _Entry:
     """The calls of a plan whose leaves have one tuple of types: which leaves
-    are layers (other operations' outputs among them are views), and the
-    traces by views."""
+    are layers (other operations' outputs among them are views) and which
+    are NumPy arrays (data), and the traces by views and the arrays' shapes
+    and dtypes (`_keyed`)."""
 
-    __slots__ = ("layers", "traces")
+    __slots__ = ("arrays", "layers", "traces")
 
-    def __init__(self, layers: tuple[int, ...]) -> None:
+    def __init__(self, layers: tuple[int, ...], arrays: tuple[int, ...]) -> None:
         self.layers = layers
-        self.traces: dict[tuple[tuple[int, int, int], ...], Trace] = {}
+        self.arrays = arrays
+        self.traces: dict[Any, Trace] = {}
+
+
+def _keyed(views: list[tuple[int, int, int]], leaves: list[Any], arrays: tuple[int, ...]) -> Any:
+    """A plan's key of a call's trace where some leaves are data arrays: the
+    views and each array's shape and dtype (the function may read them)."""
+    return (tuple(views), *[v for j in arrays for v in (leaves[j].shape, leaves[j].dtype)])
 
 
 @final

@@ -48,13 +48,20 @@ class Step:
     params: tuple[Any, ...]
     site: Any
     grads: tuple[bool, ...]
-    takes: tuple[int | None, ...] | None = None  # per parameter, the slot of a data argument it is
+    # Per parameter, the slot of the data argument it is, or per item of a tuple parameter (an index) the slot of each.
+    takes: tuple[int | tuple[int | None, ...] | None, ...] | None = None
 
     def parameters(self, env: list[Value]) -> tuple[Any, ...]:
         """The parameters, with the call's data arguments in their places."""
         if self.takes is None:
             return self.params
-        return tuple([p if r is None else env[r] for p, r in zip(self.params, self.takes)])
+        return tuple([_taken(p, r, env) for p, r in zip(self.params, self.takes)])
+
+    def stacked_parameters(self, stacked: list[bool]) -> tuple[bool, ...]:
+        """Per parameter, whether it reads a group's stacked data argument."""
+        if self.takes is None:
+            return (False,) * len(self.params)
+        return tuple([r is not None and _stacked(r, stacked) for r in self.takes])
 
     def operands(self) -> Callable[[list[Value]], tuple[Value, ...]]:
         """A fast reader of the step's operands from an environment."""
@@ -64,6 +71,22 @@ class Step:
         if not self.refs:
             return lambda env: ()
         return itemgetter(*self.refs)  # (of two or more: a tuple)
+
+
+def _taken(p: Any, r: int | tuple[int | None, ...] | None, env: list[Value]) -> Any:
+    """A parameter with the call's data arguments in their places (see `Step.takes`)."""
+    if r is None:
+        return p
+    if isinstance(r, int):
+        return env[r]
+    return tuple([q if s is None else env[s] for q, s in zip(p, r)])
+
+
+def _stacked(r: int | tuple[int | None, ...], stacked: list[bool]) -> bool:
+    """Whether a parameter that reads data arguments (see `Step.takes`) reads a stacked one."""
+    if isinstance(r, int):
+        return stacked[r]
+    return any(s is not None and stacked[s] for s in r)
 
 
 @final
@@ -179,11 +202,7 @@ class Program:
                 cast = cast or casted
             params = step.parameters(env)
             flags = tuple([stacked[r] for r in step.refs])
-            pflags = (
-                (False,) * len(params)
-                if step.takes is None
-                else tuple(r is not None and stacked[r] for r in step.takes)
-            )
+            pflags = step.stacked_parameters(stacked)
             if True in flags or True in pflags:
                 rule = _batching_rule(step.op)
                 result = None if rule is None else rule((*values, *params), flags + pflags, n)

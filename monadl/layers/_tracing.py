@@ -113,7 +113,7 @@ def traced(
                 weights[x] = None
     ordered = sorted(inner, key=lambda layer: layer._serial)
     found = sorted(
-        {position[id(x)] for layer in ordered for x in (*layer._inputs, *layer._params) if id(x) in position}
+        {position[id(x)] for layer in ordered for x in (*layer._inputs, *_params_read(layer)) if id(x) in position}
     )
     used = [i for i in found if i not in views]
     read = [i for i in found if i in views]  # outputs of other operations' nodes
@@ -147,7 +147,7 @@ def traced(
         grads = tuple(grads_of[r] for r in refs)
         assert layer._op is not None  # (_check_inner refused the others)
         params = layer._params
-        takes = tuple(slot.get(id(p)) if id(p) in position else None for p in params)  # data arguments as parameters
+        takes = tuple([_take(name, layer, p, position, slot) for p in params])  # data arguments as parameters
         program_steps.append(
             Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
         )
@@ -156,6 +156,48 @@ def traced(
     op = Primitive(f"{name}#{next(_ids)}", program)
     make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
     return Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)
+
+
+def _params_read(layer: Layer[Any, Any]) -> list[Any]:
+    """A layer's parameters and the items of its tuple parameters (an
+    index such as ``x[:, d]``), where a data argument may stand."""
+    found: list[Any] = []
+    for p in layer._params:
+        found.append(p)
+        if type(p) is tuple:
+            found += p
+    return found
+
+
+def _take(
+    name: str, layer: Layer[Any, Any], p: Any, position: dict[int, int], slot: dict[int, int]
+) -> int | tuple[int | None, ...] | None:
+    """Where a traced parameter reads the call's data arguments: the slot of
+    the one it is, a slot per item of a tuple holding some (an index), or
+    None. A data argument deeper in a parameter is refused: the trace would
+    keep the first call's array."""
+    if id(p) in position:
+        return slot[id(p)]
+    if type(p) is tuple and any(id(q) in position for q in p):
+        return tuple([slot[id(q)] if id(q) in position else None for q in p])
+    if _holds_data(p):
+        raise OperandError(
+            f"operation {name}: a data argument is nested inside a parameter of the layer built at "
+            f"{site_text(layer._site)}; the trace would keep the first call's array: pass it directly "
+            "(an index array as an item of the index tuple, indices to ml.embedding)"
+        )
+    return None
+
+
+def _holds_data(p: Any) -> bool:
+    """Whether a parameter holds a data argument's placeholder anywhere inside it."""
+    if type(p) is _Data:
+        return True
+    if type(p) in (tuple, list):
+        return any(map(_holds_data, p))
+    if type(p) is dict:
+        return any(map(_holds_data, p.values()))
+    return False
 
 
 def _maker(
@@ -227,11 +269,48 @@ class _Data(np.ndarray[Any, Any]):
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         raise OperandError(_DATA_READ)
 
+    # Its values read in Python (a branch, an int, an index): the trace would
+    # keep the first call's. Its shape and dtype are the signature's.
+    def __getitem__(self, index: Any) -> Any:
+        raise OperandError(_VALUE_READ)
+
+    def __iter__(self) -> Any:
+        raise OperandError(_VALUE_READ)
+
+    def __bool__(self) -> bool:
+        raise OperandError(_VALUE_READ)
+
+    def __int__(self) -> int:
+        raise OperandError(_VALUE_READ)
+
+    def __float__(self) -> float:
+        raise OperandError(_VALUE_READ)
+
+    def __complex__(self) -> complex:
+        raise OperandError(_VALUE_READ)
+
+    def __index__(self) -> int:
+        raise OperandError(_VALUE_READ)
+
+    def item(self, *args: Any) -> Any:
+        raise OperandError(_VALUE_READ)
+
+    def tolist(self) -> Any:
+        raise OperandError(_VALUE_READ)
+
 
 _DATA_READ: Final = (
     "operation: a data argument of the cell went into a NumPy computation inside it; the trace would keep "
     "that computation's result from the first call for every later one: compute it before the call and pass "
     "the result, or compute it with monadl functions"
+)
+
+
+_VALUE_READ: Final = (
+    "operation: the cell read the values of a data argument in Python (an item, int(), float(), bool(), "
+    ".item(), .tolist(), iteration); the trace would keep the first call's values for every later call: pass "
+    "what the cell branches on as an int, a string or another static argument (each value its own trace), "
+    "or compute with monadl functions (its shape and dtype may be read: each its own trace)"
 )
 
 

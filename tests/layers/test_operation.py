@@ -199,6 +199,54 @@ def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
         ml.operation(lambda x: table * np.exp(x))(np.ones(2))
 
 
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x, d: x * 10.0 if d[0] > 5 else x,  # a branch on an item
+        lambda x, d: x * float(int(d[0])),
+        lambda x, d: x * float(d.item()),
+        lambda x, d: x * float(sum(d.tolist())),
+        lambda x, d: x * float(next(iter(d))),
+        lambda x, d: x * float(d.reshape(())),
+        lambda x, d: x if bool(d.reshape(())) else -x,
+    ],
+)
+def test_a_data_arguments_values_read_in_python_are_refused(read: Callable[[Any, Any], Any]) -> None:
+    # The trace would keep the first call's values for every later call: refused, not wrong.
+    w = ml.Weight(np.array([[1.0, 2.0]]))
+    with pytest.raises(ml.OperandError, match="read the values of a data argument in Python"):
+        ml.operation(read)(w, np.array([1.0]))
+    assert anyio.run(ml.sum(read(w, np.array([8.0]))).predict) != 0.0  # (unmarked, the same function runs)
+
+
+def test_a_data_arguments_shape_and_dtype_choose_the_trace() -> None:
+    w = ml.Weight(np.array([[1.0, 2.0]]))
+    counted = ml.operation(lambda x, d: x * float(len(d)) if d.dtype.kind == "f" else x * -1.0)
+    values = [
+        anyio.run(ml.sum(counted(w, d)).predict) for d in (np.ones(1), np.ones(3), np.ones(3, int), np.ones(1))
+    ]
+    assert values == [3.0, 9.0, -3.0, 3.0]
+    assert len(counted._traces) == 3
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_data_index_inside_an_index_tuple_is_each_calls(batching: bool) -> None:
+    w = ml.Weight(np.array([[1.0, 2.0, 3.0]]))
+    pick = ml.operation(lambda x, d: x[:, d] * 1.0)
+    picked = [pick(w, np.array([i])) for i in (0, 2, 1, 2)]
+    with ml.settings(batching=batching):
+        got = anyio.run(ml.concatenate(picked, axis=1).predict)
+        grads = anyio.run(ml.gradients, ml.sum(ml.concatenate(picked, axis=1) * np.arange(1.0, 5.0)), [w])
+    assert got.tolist() == [[1.0, 3.0, 2.0, 3.0]]
+    assert grads[0].tolist() == [[1.0, 3.0, 6.0]]
+
+
+def test_a_data_argument_nested_deeper_in_a_parameter_is_refused() -> None:
+    w = ml.Weight(np.array([[1.0, 2.0, 3.0]]))
+    with pytest.raises(ml.OperandError, match="nested inside a parameter"):
+        ml.operation(lambda x, d: x[:, (d,)] * 1.0)(w, np.array([0]))
+
+
 def test_an_operation_reads_another_operations_outputs_from_its_node() -> None:
     weights = _weights(np.float64)
     leaf = State(ml.Weight(np.zeros((1, 3))) * 1.0, ml.Weight(np.zeros((1, 3))) * 1.0)
