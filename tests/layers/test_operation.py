@@ -222,9 +222,7 @@ def test_a_data_arguments_values_read_in_python_are_refused(read: Callable[[Any,
 def test_a_data_arguments_shape_and_dtype_choose_the_trace() -> None:
     w = ml.Weight(np.array([[1.0, 2.0]]))
     counted = ml.operation(lambda x, d: x * float(len(d)) if d.dtype.kind == "f" else x * -1.0)
-    values = [
-        anyio.run(ml.sum(counted(w, d)).predict) for d in (np.ones(1), np.ones(3), np.ones(3, int), np.ones(1))
-    ]
+    values = [anyio.run(ml.sum(counted(w, d)).predict) for d in (np.ones(1), np.ones(3), np.ones(3, int), np.ones(1))]
     assert values == [3.0, 9.0, -3.0, 3.0]
     assert len(counted._traces) == 3
 
