@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from operator import is_not
-from typing import Any, Final, Generic, ParamSpec, TypeVar, final
+from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, final, overload
 
 import numpy as np
 
@@ -63,7 +64,9 @@ from monadl.layers._tracing import Trace, traced
 __all__ = ["Operation", "operation"]
 
 P = ParamSpec("P")
+Q = ParamSpec("Q")
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 # ---- the decorator ----------------------------------------------------------------------------
@@ -74,7 +77,18 @@ _TRACES_LIMIT: Final = 256
 class Operation(Generic[P, R]):
     """A function over layers marked as one operation (see `operation`)."""
 
-    __slots__ = ("__name__", "__wrapped__", "_closure", "_ids", "_planned", "_plans", "_site", "_traces")
+    __slots__ = (
+        "__name__",
+        "__wrapped__",
+        "_bound",
+        "_closure",
+        "_ids",
+        "_name",
+        "_planned",
+        "_plans",
+        "_site",
+        "_traces",
+    )
 
     def __init__(self, f: Callable[P, R], site: Site | None = None) -> None:
         """``site``: where every node of this operation is built, if not each
@@ -101,6 +115,41 @@ class Operation(Generic[P, R]):
         self._plans: dict[tuple[type, ...], _Plan | None] = {}  # (None: these types fix no signature)
         self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
         self._site = site
+        self._name: str | None = None  # the class attribute it is, when it marks a method
+        self._bound: dict[int, Operation[..., R]] = {}  # per object without a __dict__: its bound operation
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Operation[P, R]: ...
+    @overload
+    def __get__(self: Operation[Concatenate[T, Q], R], obj: T, owner: type | None = None) -> Operation[Q, R]: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        """A method marked as an operation, read from an object: the operation of
+        the method bound to it, made once per object (kept in its ``__dict__``,
+        where later reads find it first), its object part of the signature."""
+        bind = getattr(type(self.__wrapped__), "__get__", None)
+        if obj is None or bind is None:  # (a partial or a callable object binds to no object, as a class attribute)
+            return self
+        bound = self._bound.get(id(obj))
+        if bound is not None:
+            return bound
+        bound = Operation(bind(self.__wrapped__, obj, owner), self._site)
+        held = getattr(obj, "__dict__", None)
+        if held is not None and self._name is not None:
+            held[self._name] = bound
+            return bound
+        try:
+            weakref.finalize(obj, self._bound.pop, id(obj), None)
+        except TypeError:
+            raise OperandError(
+                f"operation: {self.__name__} marks a method of {type(obj).__name__}, whose objects hold no "
+                f"__dict__ and take no weak references; mark the bound method instead "
+                f"(self.cell = ml.operation(self._cell) in __init__)"
+            ) from None
+        self._bound[id(obj)] = bound
+        return bound
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
