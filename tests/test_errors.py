@@ -92,6 +92,24 @@ def test_bad_operands_fail_when_the_layer_is_built() -> None:
         ml.Layer(3)  # type: ignore[arg-type]  # the mistake under test
 
 
+def test_a_layers_truth_and_order_are_refused_while_building() -> None:
+    # Without a value, `if layer:` would always take one branch (in an operation: for every call).
+    x = ml.Weight(np.zeros(2)) * 1.0
+    with pytest.raises(ml.OperandError, match=r"its truth cannot be read.*bind"):
+        bool(x)
+    for compare in ("x > 0.5", "x <= 0.5", "0.5 < x", "x >= x"):  # (mypy rejects them: written as text)
+        with pytest.raises(ml.OperandError, match="a comparison"):
+            eval(compare)
+    assert x in [x] and x == x  # (identity: layers stay usable in containers)
+
+    @ml.operation
+    def cell(h: ml.ArrayLayer, t: float) -> ml.ArrayLayer:
+        return h * 2.0 if t else h * 1.0
+
+    with pytest.raises(ml.OperandError, match="a float argument is data"):
+        cell(ml.Weight(np.ones(2)) * 1.0, 0.0)
+
+
 def test_numpy_defers_to_monadl() -> None:
     w = ml.Weight(np.ones(3))
     assert isinstance(np.ones(3) * w, ml.Layer)

@@ -20,18 +20,25 @@ in one graph; the graph is an ordinary monadl graph, so
 ``await loss.train()`` trains it and the runtime's dynamic batching
 (``ml.settings(batching=...)``) groups equal operations across nodes and
 inputs: blocks do no batching of their own. Blocks run as nested Python
-calls, compiled once per ``batch``; past a depth of recursion (64 routes
-open) the rest of an input runs on an explicit stack (each block is a
+calls, compiled once per ``batch``; past a depth of recursion (32 routes
+and builds open) the rest of an input runs on an explicit stack (each block is a
 generator of requests for its sub-blocks' outputs), so recursion as deep as
 the input never reaches Python's recursion limit.
+
+`Scalar`, `Vector` and `Zeros` make float32 rows unless given a dtype
+(``Vector(2, "float64")`` beside float64 weights: an operation's operands
+share one float dtype).
+
+The example below passes ``mypy --strict`` as it is (its lambdas' types named):
 
 >>> import anyio, numpy as np, monadl as ml
 >>> from monadl.fold import Function, Map, Reduce, Vector
 >>> w = ml.Weight(np.ones((2, 2)))
->>> encode = Map(Vector(2, "float64") >> Function(lambda v: ml.tanh(ml.matmul(v, w))))
->>> total = encode >> Reduce(Function(lambda ab: ab[0] + ab[1]))
->>> anyio.run(ml.sum(total([[0.0, 0.0], [1.0, -1.0], [0.5, 0.5]])).predict).round(6)
-np.float64(1.523188)
+>>> Pair = tuple[ml.ArrayLayer, ml.ArrayLayer]
+>>> encode = Map(Vector(2, "float64") >> Function[ml.ArrayLayer, ml.ArrayLayer](lambda v: ml.tanh(v @ w)))
+>>> total = encode >> Reduce(Function[Pair, ml.ArrayLayer](lambda ab: ab[0] + ab[1]))
+>>> round(float(anyio.run(ml.sum(total([[0.0, 0.0], [1.0, -1.0], [0.5, 0.5]])).predict)), 6)
+1.523188
 """
 
 from monadl.fold._block import Block, Composition, ForwardDeclaration, call

@@ -11,7 +11,7 @@ import itertools
 import sys
 from collections.abc import Generator
 from types import EllipsisType
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar, final, overload
+from typing import Any, Final, Generic, Never, NoReturn, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -84,6 +84,14 @@ def _operand(x: object, op: str) -> Any:
     raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 
+_NO_VALUE: Final = (
+    "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
+    "the layer (layer.bind(f)) or await it in an @ml.direct function; inside an ml.operation, a float "
+    "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
+    "argument (each value its own trace)"
+)
+
+
 class Expr(Generic[D, G]):
     """A differentiable expression: what layers and weights share (``forward``,
     ``train``, ``predict``, and the operators that build new layers).
@@ -97,6 +105,23 @@ class Expr(Generic[D, G]):
     # other ufuncs raise a hint); CuPy sees None (its cue to call our
     # reflected operators). See `_UfuncHook`.
     __array_ufunc__ = UfuncHook()
+
+    # A layer has no value while a graph is built: a branch on one would
+    # take the same path for every value (inside an operation, for every call).
+    def __bool__(self) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("its truth"))
+
+    def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison, as before)
+        raise OperandError(_NO_VALUE.format("a comparison (<)"))
+
+    def __le__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (<=)"))
+
+    def __gt__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (>)"))
+
+    def __ge__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (>=)"))
 
     def forward(self) -> Do[Tape[D, G]]:
         """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""

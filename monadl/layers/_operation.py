@@ -346,9 +346,10 @@ def _contents(cell: Any) -> Any:
 def operation(f: Callable[P, R]) -> Operation[P, R]:
     """Mark a Python function over layers (a cell) as one operation.
 
-    Called with a new signature (see the module `monadl.layers._operation`:
-    the structure of the arguments, which are layers or weights, which are
-    data, and the other arguments by value), ``f`` runs once on placeholder
+    Called with a new signature (the structure of the arguments: tuples,
+    lists, dicts, dataclasses; which leaves are layers or weights, which are
+    data (arrays, by shape and dtype, and floats), the other arguments by
+    value, and the objects its closure holds), ``f`` runs once on placeholder
     layers and its layers become a program; every call then builds ONE node
     of the graph (and one view per output when ``f`` returns several layers
     in a tuple, list, dict or dataclass). Values and gradients are those of
@@ -356,9 +357,14 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     are ready together as one call of the program on stacked operands.
 
     ``f`` may use its arguments, weights and constants (arrays, numbers),
-    and Python control flow on its non-layer arguments (each value is its
-    own trace); not a layer built outside the call (pass it in), nor values
-    (a layer from ``bind`` or ``@ml.direct``): `OperandError`.
+    and Python control flow on its static arguments (each value is its own
+    trace) and on a data array's shape and dtype; not a layer built outside
+    the call (pass it in), nor values (a layer from ``bind`` or
+    ``@ml.direct``, a data argument's items, ``int()``, ``bool()``,
+    ``.item()`` or NumPy computation): `OperandError`. What ``f`` reads from
+    elsewhere (a global, an attribute, a dict a partial holds) is read once,
+    at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
+    pass a new weight as an argument. On a method, it binds the object.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((2, 2)))
