@@ -82,6 +82,17 @@ def _taken(p: Any, r: int | tuple[int | None, ...] | None, env: list[Value]) -> 
     return tuple([q if s is None else env[s] for q, s in zip(p, r)])
 
 
+def _unstacked(d: Value, o: int, stacked: list[bool] | None) -> Value:
+    """The delta of output slot ``o`` for the steps that made it: a group's
+    output that no stacked operand reaches was one value broadcast to every
+    member, so its members' deltas add up."""
+    if stacked is None or stacked[o] or type(d) is OutputsDelta:
+        return d
+    if type(d) is SparseRows:
+        d = d.to_dense()
+    return namespace(d).sum(d, axis=0)
+
+
 def _stacked(r: int | tuple[int | None, ...], stacked: list[bool]) -> bool:
     """Whether a parameter that reads data arguments (see `Step.takes`) reads a stacked one."""
     if isinstance(r, int):
@@ -241,9 +252,10 @@ class Program:
         if self.multi:
             for o, d in zip(self.outputs, g.parts):
                 if d is not None:
+                    d = _unstacked(d, o, stacked)
                     deltas[o] = d if deltas[o] is None else deltas[o] + d
         else:
-            deltas[self.outputs[0]] = g
+            deltas[self.outputs[0]] = _unstacked(g, self.outputs[0], stacked)
         first = len(env) - len(self.steps)
         assigned: dict[int, set[int]] = {}  # slots whose slices never overlap: slice steps not written yet
         for j in range(len(self.steps) - 1, -1, -1):
@@ -297,6 +309,8 @@ class Program:
                         share = Outer(rule.left, d)
                     else:
                         share = rule(d)
+                    if share is None:  # (a nested operation's operand that no delta reaches)
+                        continue
                     value = env[r]
                     shape = getattr(value, "shape", ())
                     if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:
@@ -399,15 +413,10 @@ class _Backward:
         return lambda g: self.delta(k, g)
 
     def delta(self, k: int, g: Value) -> Value:
+        """Operand ``k``'s delta; None where none reaches it (it feeds only
+        outputs the graph did not use, as an unmarked function's unused
+        layers are never reached: no gradient, no step)."""
         if self.deltas is None or self.g is not g:
             self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked)
             self.g = g
-        d = self.deltas[k]
-        if d is None:
-            value = self.env[k]
-            if type(value) is Outputs:
-                return OutputsDelta((None,) * len(value))
-            if type(value) is StackedOutputs:
-                return OutputsDelta((None,) * len(value.parts), value.shape)
-            return namespace(value).zeros_like(value)
-        return d
+        return self.deltas[k]

@@ -99,6 +99,9 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                             g = Outer(vjps[i].left, delta)  # a weight's delta from a few rows: kept as factors
                         else:
                             g = vjps[i](delta)
+                        if g is None:  # no delta reaches this operand (an operation's unused output's)
+                            i += 1
+                            continue
                         if not fits:
                             value = r.value
                             if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
@@ -120,7 +123,7 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                     else:
                         with lock:
                             r.delta = g if r.delta is None else r.delta + g
-                i += 1  # noqa: SIM113
+                i += 1
         rec.delta = None
         rec.vjps = None
 

@@ -627,3 +627,53 @@ def test_a_partial_as_a_class_attribute_binds_no_object() -> None:
 
     holder: Any = Holder()  # (read from an object: a partial binds none, as in a plain class)
     assert anyio.run(holder.scaled(np.full(2, 3.0)).predict).tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize(
+    "reads",
+    [
+        lambda v: ml.softmax(v, axis=0),
+        lambda v: ml.log_softmax(v, axis=0),
+        lambda v: ml.concatenate([v, v], axis=0),
+        lambda v: ml.sum(v, axis=0),
+        lambda v: ml.transpose(v),
+        lambda v: v[:1],
+    ],
+)
+def test_an_output_no_stacked_argument_reaches_sums_its_members_deltas(
+    batching: bool, reads: Callable[[Any], Any]
+) -> None:
+    # Such an output is one value broadcast to the group's members; its steps ran once, unstacked.
+    v = ml.Weight(np.random.default_rng(4).normal(size=(2, 3)))
+
+    def cell(x: ml.ArrayOperand) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        return ml.tanh(x), reads(v)
+
+    def loss(f: Callable[[ml.ArrayOperand], tuple[ml.ArrayLayer, ml.ArrayLayer]]) -> ml.ScalarLayer:
+        outs = [f(np.full((1, 3), float(i))) for i in range(4)]
+        return ml.sum(ml.stack([ml.sum(a) + ml.sum(b * float(i + 1)) for i, (a, b) in enumerate(outs)]))
+
+    with ml.settings(batching=False):
+        expected = anyio.run(ml.gradients, loss(cell), [v])
+    with ml.settings(batching=batching):
+        got = anyio.run(ml.gradients, loss(ml.operation(cell)), [v])
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_weight_only_an_unused_output_reads_is_not_reached(batching: bool) -> None:
+    # As the unmarked function's unused layers: no gradient, no step (Adam's momentum would move it).
+    from monadl.runtime import entry
+
+    w = ml.Weight(np.array([[1.0, 2.0]]), optimizer=ml.optim.adam(0.1))
+    u = ml.Weight(np.array([[0.5, 0.5]]), optimizer=ml.optim.adam(0.1))
+    cell = ml.operation(lambda a, b: (ml.tanh(a) * 2.0, ml.tanh(b)))
+    with ml.settings(batching=batching):
+        anyio.run(ml.sum(w * w).train)  # (a step before: w has momentum)
+        before = w.data.copy()
+        loss = ml.sum(ml.stack([ml.sum(cell(u * float(i), w * 1.0)[0]) for i in range(3)]))
+        _, grads = anyio.run(entry.gradients, loss)
+        anyio.run(loss.train)
+    assert u in grads and w not in grads
+    np.testing.assert_array_equal(w.data, before)

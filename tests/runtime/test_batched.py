@@ -432,3 +432,19 @@ def test_a_small_groups_weight_delta_comes_as_factors(rows: int, outers: list[Ou
         grads.append(g)
     assert len(outers) == (1 if rows == 2 else 0)  # batched: one group, its factors (rows 2: 4 x 2 x 768 < 512 x 256)
     assert np.max(np.abs(grads[1] - grads[0])) <= 1e-12 * np.max(np.abs(grads[0]))
+
+
+@pytest.mark.parametrize("batching", [True, None])
+def test_a_layer_and_an_array_in_one_operand_place_batch_together(batching: bool | None) -> None:
+    # Equal signatures (one's operand a layer's value, the other's an array of its shape): stacked.
+    w = ml.Weight(np.array([[0.5, -1.0]]))
+    terms = []
+    for i in range(150 if batching is None else 1):  # (the cost rule batches a graph this large)
+        y = w * float(i + 1)
+        terms += [ml.sum(ml.tanh(w) - y), ml.sum(np.array([[1.0, 2.0]]) - y)]
+    loss = ml.sum(ml.stack(terms))
+    with ml.settings(batching=False):
+        expected = anyio.run(ml.gradients, loss, [w])
+    with ml.settings(batching=batching):
+        got = anyio.run(ml.gradients, loss, [w])
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)

@@ -69,7 +69,10 @@ class Groups:
         """Where each of ``column`` (layers) sits in earlier groups' outputs,
         grouped by group; None if some of them ran alone."""
         # Once per member of a group's operand: walked in C (map, count), no frame per member.
-        found = list(map(self.where.get, column))
+        try:
+            found = list(map(self.where.get, column))
+        except TypeError:  # (an array among the layers, in this operand's place: stacked instead)
+            return None
         if None in found:
             return None
         places = cast(list[Place], found)
