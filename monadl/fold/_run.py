@@ -56,7 +56,14 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
     ['2', '1']
     """
     f = _Runner().compiled(block)
-    return [f(x) for x in xs]
+    outputs: list[Y] = []
+    try:
+        for x in xs:
+            outputs.append(f(x))
+    except Exception as exc:  # which input of the batch: the blocks' own lines are in the traceback
+        exc.add_note(f"monadl.fold: while building input {len(outputs)} (a {type(x).__name__}) of the batch")
+        raise
+    return outputs
 
 
 @final

@@ -297,3 +297,10 @@ def test_a_function_blocks_nodes_are_built_where_the_block_was_made() -> None:
     outs = block([[1.0, 2.0], [3.0, 4.0]])
     with pytest.raises(ml.ShapeError, match=rf"test_blocks.py:{made}\b"):
         anyio.run(ml.sum(ml.concatenate(outs, axis=0)).predict)
+
+
+def test_an_error_while_building_names_the_input_of_the_batch() -> None:
+    reciprocal = InputTransform[float, float](lambda v: 1.0 / v)
+    with pytest.raises(ZeroDivisionError) as info:
+        reciprocal.batch([1.0, 2.0, 0.0, 4.0])
+    assert "monadl.fold: while building input 2 (a float) of the batch" in info.value.__notes__
