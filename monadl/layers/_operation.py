@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
+import types
 from collections.abc import Callable
 from operator import is_not
-from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeVar, final, overload
+from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
@@ -64,9 +64,7 @@ from monadl.layers._tracing import Trace, traced
 __all__ = ["Operation", "operation"]
 
 P = ParamSpec("P")
-Q = ParamSpec("Q")
 R = TypeVar("R")
-T = TypeVar("T")
 
 
 # ---- the decorator ----------------------------------------------------------------------------
@@ -80,10 +78,9 @@ class Operation(Generic[P, R]):
     __slots__ = (
         "__name__",
         "__wrapped__",
-        "_bound",
         "_closure",
         "_ids",
-        "_name",
+        "_method",
         "_planned",
         "_plans",
         "_site",
@@ -115,41 +112,29 @@ class Operation(Generic[P, R]):
         self._plans: dict[tuple[type, ...], _Plan | None] = {}  # (None: these types fix no signature)
         self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
         self._site = site
-        self._name: str | None = None  # the class attribute it is, when it marks a method
-        self._bound: dict[int, Operation[..., R]] = {}  # per object without a __dict__: its bound operation
+        self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
+        inner = self.__wrapped__
+        qualname = getattr(inner, "__qualname__", "")
+        self._method = (
+            isinstance(inner, types.FunctionType)
+            and qualname.startswith(f"{owner.__qualname__}.")
+            and not qualname.endswith("<lambda>")
+        )
 
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Operation[P, R]: ...
-    @overload
-    def __get__(self: Operation[Concatenate[T, Q], R], obj: T, owner: type | None = None) -> Operation[Q, R]: ...
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        """A method marked as an operation, read from an object: the operation of
-        the method bound to it, made once per object (kept in its ``__dict__``,
-        where later reads find it first), its object part of the signature."""
-        bind = getattr(type(self.__wrapped__), "__get__", None)
-        if obj is None or bind is None:  # (a partial or a callable object binds to no object, as a class attribute)
-            return self
-        bound = self._bound.get(id(obj))
-        if bound is not None:
-            return bound
-        bound = Operation(bind(self.__wrapped__, obj, owner), self._site)
-        held = getattr(obj, "__dict__", None)
-        if held is not None and self._name is not None:
-            held[self._name] = bound
-            return bound
-        try:
-            weakref.finalize(obj, self._bound.pop, id(obj), None)
-        except TypeError:
+    def __get__(self, obj: object, owner: type | None = None) -> Operation[P, R]:
+        """As a class attribute: itself (the function it marks binds no
+        object); a method marked in its class body, read from an object, is
+        refused with what to do (an operation bound per object would keep
+        each object alive as long as its class, and go with its copies)."""
+        if obj is not None and self._method:
             raise OperandError(
-                f"operation: {self.__name__} marks a method of {type(obj).__name__}, whose objects hold no "
-                f"__dict__ and take no weak references; mark the bound method instead "
-                f"(self.cell = ml.operation(self._cell) in __init__)"
-            ) from None
-        self._bound[id(obj)] = bound
-        return bound
+                f"operation: {self.__name__} is a method marked with @ml.operation; mark the bound method "
+                f"instead, once per object (in __init__: self.cell = ml.operation(self._cell)), or a "
+                f"function that takes the weights as arguments"
+            )
+        return self
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
@@ -364,7 +349,9 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     ``.item()`` or NumPy computation): `OperandError`. What ``f`` reads from
     elsewhere (a global, an attribute, a dict a partial holds) is read once,
     at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
-    pass a new weight as an argument. On a method, it binds the object.
+    pass a new weight as an argument. Mark a method per object, bound
+    (``self.cell = ml.operation(self._cell)``): marked in its class body,
+    it is refused when read from an object, with that advice.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((2, 2)))

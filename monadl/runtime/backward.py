@@ -23,6 +23,7 @@ import numpy as np
 from monadl._namespace import all_finite
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
+from monadl.layers._outputs import OutputsDelta
 from monadl.layers._products import OuterRule
 from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
@@ -131,6 +132,8 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
 def _finite_delta(delta: Any) -> bool:
     if type(delta) is SparseRows:
         return all_finite(delta.rows)
+    if type(delta) is OutputsDelta:  # an operation's outputs' deltas (None: zero)
+        return all(p is None or _finite_delta(p) for p in delta.parts)
     if type(delta) is SplitDelta:
         return all_finite(delta.to_dense())
     return all_finite(delta)

@@ -566,67 +566,46 @@ def _total(xs: Any) -> ml.ArrayLayer:
 
 
 class _Scaled:
-    """A model whose cell is a method marked as an operation."""
+    """A model whose cell is a method marked as an operation: refused, with what to do."""
 
     def __init__(self, scale: float) -> None:
         self.w = ml.Weight(np.full((2, 2), scale))
+        self.bound = ml.operation(self._cell)
 
     @ml.operation
     def cell(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
         return ml.tanh(x @ self.w)
 
-
-class _Slotted:
-    __slots__ = ("__weakref__", "w")
-
-    def __init__(self) -> None:
-        self.w = ml.Weight(np.ones((2, 2)))
-
-    @ml.operation
-    def cell(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
-        return x @ self.w
+    def _cell(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.tanh(x @ self.w)
 
 
-def test_a_method_marked_as_an_operation_binds_its_object() -> None:
+def test_a_method_marked_in_its_class_is_refused_with_what_to_do() -> None:
     one, two = _Scaled(1.0), _Scaled(2.0)
-    x = np.ones((1, 2))
-    y: ml.ArrayLayer = one.cell(x)  # (typed: the bound operation takes x alone)
-    values = [anyio.run(ml.sum(m.cell(x)).predict) for m in (one, two)]
+    with pytest.raises(ml.OperandError, match=r"self.cell = ml.operation\(self._cell\)"):
+        _ = one.cell
+    assert isinstance(_Scaled.cell, ml.Operation)  # (read from the class: the operation itself)
+    x = np.ones((1, 2))  # the bound method marked per object: each its own weights
+    values = [anyio.run(ml.sum(m.bound(x)).predict) for m in (one, two)]
     np.testing.assert_allclose(values, [2 * np.tanh(2.0), 2 * np.tanh(4.0)], rtol=1e-12)
-    assert one.cell is one.cell and one.cell is not two.cell  # one operation per object, its traces kept
-    assert isinstance(_Scaled.cell, ml.Operation)
-    grads = anyio.run(ml.gradients, ml.sum(y), [one.w, two.w])
-    assert np.all(grads[0] != 0.0) and np.all(grads[1] == 0.0)
-    slotted = _Slotted()
-    assert slotted.cell is slotted.cell
-    assert anyio.run(ml.sum(slotted.cell(x)).predict) == 4.0
 
 
-def test_a_marked_method_of_an_object_without_dict_or_weak_references_says_what_to_do() -> None:
-    class Bare:
-        __slots__ = ("w",)
-
-        def __init__(self) -> None:
-            self.w = ml.Weight(np.ones((2, 2)))
-
-        @ml.operation
-        def cell(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
-            return x @ self.w
-
-    with pytest.raises(ml.OperandError, match="mark the bound method instead"):
-        Bare().cell(np.ones((1, 2)))
-
-
-def test_a_partial_as_a_class_attribute_binds_no_object() -> None:
+def test_a_function_as_a_class_attribute_binds_no_object() -> None:
     import functools
 
     w = ml.Weight(np.ones(2))
 
-    class Holder:
-        scaled = ml.operation(functools.partial(lambda w, x: w * x, w))
+    def scaled(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return w * x
 
-    holder: Any = Holder()  # (read from an object: a partial binds none, as in a plain class)
-    assert anyio.run(holder.scaled(np.full(2, 3.0)).predict).tolist() == [3.0, 3.0]
+    class Holder:
+        partial = ml.operation(functools.partial(lambda w, x: w * x, w))
+        function = ml.operation(scaled)
+        anonymous = ml.operation(lambda x: w * x)
+
+    holder = Holder()
+    for f in (holder.partial, holder.function, holder.anonymous):
+        assert anyio.run(f(np.full(2, 3.0)).predict).tolist() == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("batching", [False, True])
@@ -677,3 +656,13 @@ def test_a_weight_only_an_unused_output_reads_is_not_reached(batching: bool) -> 
         anyio.run(loss.train)
     assert u in grads and w not in grads
     np.testing.assert_array_equal(w.data, before)
+
+
+def test_the_finite_check_reads_an_operations_outputs_deltas() -> None:
+    # The deltas of a node with two outputs reach the check as one OutputsDelta.
+    w = ml.Weight(np.ones((2, 2)))
+    pair = ml.operation(lambda x: (ml.tanh(x @ w), x * 2.0))
+    a, b = pair(ml.Weight(np.ones((1, 2))) * 1.0)
+    with ml.settings(check_finite=True):
+        grads = anyio.run(ml.gradients, ml.sum(a) + ml.sum(b), [w])
+    np.testing.assert_allclose(grads[0], np.full((2, 2), 1.0 - np.tanh(2.0) ** 2), rtol=1e-12)
