@@ -51,6 +51,7 @@ from safetensors.numpy import load_file, save_file
 from monadl._namespace import library_name, namespace
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer, Weight
+from monadl.layers._operation import Operation
 from monadl.layers._replace import replace_data, replace_state
 
 __all__ = ["load", "named_weights", "save"]
@@ -131,6 +132,8 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         return list(enumerate(node))
     if dataclasses.is_dataclass(node):
         return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if hasattr(node, f.name)]
+    if type(node) is Operation:  # what its function holds, not its traces' weights (a global's would get their path)
+        return [("_closure", node._closure)]
     attributes: dict[str, object] = dict(getattr(node, "__dict__", {}))
     for cls in type(node).__mro__:
         slots = cls.__dict__.get("__slots__", ())

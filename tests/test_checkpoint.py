@@ -165,6 +165,30 @@ def test_a_deep_model_is_walked_without_recursion() -> None:
     assert list(ml.checkpoint.named_weights(model)) == [".".join(["0"] * 5001)]
 
 
+_SHARED = ml.Weight(np.ones((2, 2)))  # a module's weight, which a cell reads as a global
+
+
+def test_an_operations_names_are_its_functions_not_its_traces() -> None:
+    import functools
+
+    class Model:
+        def __init__(self) -> None:
+            self.w = ml.Weight(np.ones((2, 2)))
+            self.params = {"u": ml.Weight(np.ones((2, 2)))}
+            self.cell = ml.operation(self._cell)
+            self.other = ml.operation(functools.partial(lambda p, x: x @ p["u"], self.params))
+
+        def _cell(self, x: ml.ArrayOperand) -> ml.ArrayLayer:
+            return ml.tanh(x @ self.w) @ _SHARED
+
+    model = Model()
+    before = list(ml.checkpoint.named_weights(model))
+    anyio.run(ml.sum(model.cell(np.ones((1, 2))) + model.other(np.ones((1, 2)))).predict)  # traced
+    assert list(ml.checkpoint.named_weights(model)) == before == ["w", "params.u"]
+    fold_style = ml.checkpoint.named_weights({"f": model.other})  # held only by the operation's partial
+    assert list(fold_style.values()) == [model.params["u"]]
+
+
 # ---- errors ---------------------------------------------------------------------------------
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
