@@ -152,10 +152,27 @@ def traced(
             Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
         )
         grads_of.append(any(grads))
+    _check_kept(name, leaves, consts, program_steps)
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs), len(weights))
     op = Primitive(f"{name}#{next(_ids)}", program)
     make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
     return Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)
+
+
+def _check_kept(name: str, leaves: list[Any], consts: list[Any], steps: list[Step]) -> None:
+    """Refuse a constant or parameter that is a data argument's memory under
+    another name (``np.asarray(d)``, ``d.view(np.ndarray)``): the trace would
+    keep the first call's array."""
+    data = [x for x in leaves if isinstance(x, np.ndarray)]
+    if not data:
+        return
+    kept = [c for c in consts if isinstance(c, np.ndarray)]
+    for step in steps:
+        for p in step.params:
+            kept += [q for q in (p if type(p) is tuple else (p,)) if isinstance(q, np.ndarray) and type(q) is not _Data]
+    for k in kept:
+        if any(np.may_share_memory(k, d) for d in data):
+            raise OperandError(_DATA_KEPT)
 
 
 def _params_read(layer: Layer[Any, Any]) -> list[Any]:
@@ -295,6 +312,27 @@ class _Data(np.ndarray[Any, Any]):
     def item(self, *args: Any) -> Any:
         raise OperandError(_VALUE_READ)
 
+    def dot(self, *args: Any, **kwargs: Any) -> Any:  # (methods that compute without a ufunc)
+        raise OperandError(_DATA_READ)
+
+    def argmax(self, *args: Any, **kwargs: Any) -> Any:
+        raise OperandError(_DATA_READ)
+
+    def argmin(self, *args: Any, **kwargs: Any) -> Any:
+        raise OperandError(_DATA_READ)
+
+    def nonzero(self) -> Any:
+        raise OperandError(_DATA_READ)
+
+    @property
+    def flat(self) -> Any:
+        raise OperandError(_VALUE_READ)
+
+    def view(self, *args: Any, **kwargs: Any) -> Any:
+        if args[:1] != (_Data,) or len(args) > 1 or kwargs:  # (nested operations view a placeholder as itself)
+            raise OperandError(_VALUE_READ)
+        return super().view(_Data)
+
     def tolist(self) -> Any:
         raise OperandError(_VALUE_READ)
 
@@ -305,6 +343,12 @@ _DATA_READ: Final = (
     "the result, or compute it with monadl functions"
 )
 
+
+_DATA_KEPT: Final = (
+    "operation: a data argument of the cell was taken inside it as a plain array (np.asarray, .view), "
+    "which the trace would keep from the first call for every later call: give the argument itself to "
+    "monadl functions"
+)
 
 _VALUE_READ: Final = (
     "operation: the cell read the values of a data argument in Python (an item, int(), float(), bool(), "

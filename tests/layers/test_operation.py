@@ -219,6 +219,27 @@ def test_a_data_arguments_values_read_in_python_are_refused(read: Callable[[Any,
     assert anyio.run(ml.sum(read(w, np.array([8.0]))).predict) != 0.0  # (unmarked, the same function runs)
 
 
+@pytest.mark.parametrize(
+    ("read", "message"),
+    [
+        (lambda x, d: x * np.asarray(d), "taken inside it as a plain array"),
+        (lambda x, d: x * d.view(np.ndarray), "read the values"),
+        (lambda x, d: x[:, np.asarray(d)], "taken inside it as a plain array"),
+        (lambda x, d: x * float(d.flat[0]), "read the values"),
+        (lambda x, d: x * d.dot(d), "NumPy computation"),
+        (lambda x, d: x[:, d.argmax()], "NumPy computation"),
+        (lambda x, d: x[:, d.argmin()], "NumPy computation"),
+        (lambda x, d: x[:, d.nonzero()[0]], "NumPy computation"),
+    ],
+)
+def test_a_data_argument_escaping_as_a_plain_array_or_by_a_method_is_refused(
+    read: Callable[[Any, Any], Any], message: str
+) -> None:
+    w = ml.Weight(np.arange(1.0, 5.0).reshape(1, 4))
+    with pytest.raises(ml.OperandError, match=message):
+        ml.operation(read)(w, np.array([0, 3]))
+
+
 def test_a_data_arguments_shape_and_dtype_choose_the_trace() -> None:
     w = ml.Weight(np.array([[1.0, 2.0]]))
     counted = ml.operation(lambda x, d: x * float(len(d)) if d.dtype.kind == "f" else x * -1.0)
