@@ -234,6 +234,26 @@ def test_cupy_sees_no_array_ufunc_and_calls_the_reflected_operator() -> None:
 
 
 @pytest.mark.anyio
+async def test_float_scalars_take_the_arrays_float_dtype(tmp_path: Any) -> None:
+    # As PyTorch's 0-d tensors: a float64 scalar weight (a bias), a NumPy float64 or a 0-d array
+    # beside float32 arrays computes in float32 (NumPy alone would promote the model to float64).
+    def build() -> dict[str, Any]:
+        return {
+            "w": ml.Weight(np.ones((3, 2), np.float32), optimizer=ml.optim.adam(0.1)),
+            "b": ml.Weight(0.0, optimizer=ml.optim.adam(0.1)),
+        }
+
+    x = np.ones((4, 3), np.float32)
+    model = build()
+    loss = ml.sum(ml.tanh(x @ model["w"] + model["b"]) * np.float64(0.5) / np.array(2.0))
+    assert np.asarray(await loss.predict()).dtype == np.float32
+    await loss.train()
+    assert model["w"].data.dtype == np.float32 and model["b"].data.dtype == np.float64
+    ml.save(tmp_path / "m.safetensors", model)
+    ml.load(tmp_path / "m.safetensors", build())  # (the optimizer's state kept its weights' dtypes)
+
+
+@pytest.mark.anyio
 async def test_integer_data_takes_the_float_weights_dtype() -> None:
     w = ml.Weight(np.ones(3, np.float32), optimizer=ml.optim.sgd(0.5))
     loss = ml.sum(w * np.array([1, 2, 3]))  # int64 data: float32 as PyTorch does, not float64 as NumPy would

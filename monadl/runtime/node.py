@@ -32,6 +32,7 @@ from monadl.runtime.evaluation import Evaluation, Record
 __all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
+_NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
 _LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: checked part by part, `_host_outputs`)
 _ARRAYS_ONLY: Final = {np.ndarray}
 _serial = attrgetter("_serial")
@@ -108,6 +109,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             and ky not in _PYTHON_NUMBERS
         ):
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
+        elif op.same_dtype and (kx in _NUMPY_FLOATS or ky in _NUMPY_FLOATS):  # (a NumPy float scalar: cast)
+            args = _check_dtypes(node, args)
     elif len(inputs) == 1:
         x = inputs[0]
         kind = type(x)
