@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -108,6 +109,28 @@ def test_a_layers_truth_and_order_are_refused_while_building() -> None:
 
     with pytest.raises(ml.OperandError, match="a float argument is data"):
         cell(ml.Weight(np.ones(2)) * 1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda x: ml.transpose(x, (1, 2)),
+        lambda x: ml.transpose(x, (0, -3)),
+        lambda x: ml.split(x, 2, axis=2)[0],
+        lambda x: ml.concatenate([x, x], axis=2),
+    ],
+)
+def test_an_axis_out_of_range_is_refused_not_wrapped(build: Any) -> None:
+    x = ml.Weight(np.arange(6.0).reshape(2, 3))
+    with pytest.raises(ml.ShapeError, match=r"axis -?[23] is out of bounds for an array of 2 dimensions"):
+        anyio.run(build(x).predict)
+
+
+def test_a_layer_is_not_iterated() -> None:
+    # Its lazy index never runs out: `list(layer)` looped forever.
+    for x in (ml.Weight(np.ones((2, 3))) * 1.0, ml.Weight(np.ones(2))):
+        with pytest.raises(ml.OperandError, match="not iterated"):
+            list(x)  # type: ignore[call-overload]  # the mistake under test
 
 
 def test_numpy_defers_to_monadl() -> None:

@@ -32,9 +32,17 @@ def _reshape(a: Value, shape: tuple[int, ...]) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
-    axes = tuple(range(a.ndim - 1, -1, -1)) if axes is None else tuple(ax % a.ndim for ax in axes)
+    axes = tuple(range(a.ndim - 1, -1, -1)) if axes is None else tuple(_axis(ax, a.ndim) for ax in axes)
     inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
     return xp.permute_dims(a, axes), (lambda g: xp.permute_dims(g, inverse),)
+
+
+def _axis(axis: int, ndim: int) -> int:
+    """``axis`` counted from the front; a ValueError (the runtime's `ShapeError`)
+    outside ``[-ndim, ndim)``, as NumPy refuses it, not wrapped."""
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of bounds for an array of {ndim} dimensions")
+    return axis % ndim
 
 
 def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
@@ -113,6 +121,7 @@ def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
         raise ValueError("zero-dimensional operands cannot be concatenated (ml.stack joins them)")
     xp = namespace(first)
     ndim, bounds, start = first.ndim, [], 0
+    axis = _axis(axis, ndim)
     for x in arrays:
         bounds.append((start, start + x.shape[axis]))
         start += x.shape[axis]

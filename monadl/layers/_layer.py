@@ -11,7 +11,7 @@ import itertools
 import sys
 from collections.abc import Generator
 from types import EllipsisType
-from typing import Any, Final, Generic, Never, NoReturn, Protocol, TypeAlias, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Final, Generic, Never, NoReturn, Protocol, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -110,6 +110,14 @@ class Expr(Generic[D, G]):
     # take the same path for every value (inside an operation, for every call).
     def __bool__(self) -> NoReturn:
         raise OperandError(_NO_VALUE.format("its truth"))
+
+    if not TYPE_CHECKING:  # (to mypy a layer stays no Iterable, so that no Sequence parameter takes one)
+
+        def __iter__(self) -> NoReturn:  # (indexing would never run out: a lazy index raises no IndexError)
+            raise OperandError(
+                "a layer is not iterated while the graph is built (its length is not known): index it "
+                "(layer[i]) or cut it into parts (ml.split)"
+            )
 
     def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison, as before)
         raise OperandError(_NO_VALUE.format("a comparison (<)"))

@@ -74,6 +74,8 @@ def layout(shape: tuple[int, ...], axis: int, sections: int | tuple[int, ...]) -
     >>> layout((2, 6), -1, 2).indices[1]
     (slice(None, None, None), slice(3, 6, None), Ellipsis)
     """
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"axis {axis} is out of bounds for an array of {len(shape)} dimensions")
     axis %= len(shape)
     bounds = part_bounds(shape[axis], sections)
     whole: tuple[slice, ...] = (slice(None),) * axis

@@ -16,7 +16,7 @@ import numpy as np
 from monadl._blas import add_product
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
-from monadl.errors import NonFiniteError
+from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, Weight
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
@@ -41,6 +41,13 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     >>> w.data
     array([0., 3.])
     """
+    for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
+        shape = tuple(getattr(g, "shape", ()))
+        if shape != tuple(w.data.shape):
+            raise ShapeError(
+                f"apply_gradients: a gradient of shape {shape} for a weight of shape {tuple(w.data.shape)} "
+                f"(built at {site_text(w._site)}); no weight changed"
+            )
     _commit(gradients, finite, False)
 
 

@@ -116,6 +116,17 @@ def test_apply_gradients_is_all_or_nothing() -> None:
     np.testing.assert_array_equal(a.data, [0.0, 0.0])
 
 
+@pytest.mark.parametrize("optimizer", [ml.optim.sgd(1.0), ml.optim.momentum(1.0), ml.optim.adam(1.0)])
+def test_a_gradient_of_another_shape_is_refused_not_broadcast(optimizer: ml.optim.GradientTransformation) -> None:
+    # (broadcasting would change the weight's shape, which its data setter refuses)
+    w = ml.Weight(np.array([1.0]), optimizer=optimizer)
+    m = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(1.0))
+    for g, shapes in ((np.array([1.0, 2.0]), r"\(2,\) for a weight of shape \(1,\)"), (np.ones((2, 1)), r"\(2, 1\)")):
+        with pytest.raises(ml.ShapeError, match=shapes):
+            apply_gradients({m: np.ones(3), w: g})
+    assert w.data.tolist() == [1.0] and m.data.tolist() == [0.0, 0.0, 0.0]  # no weight changed
+
+
 def test_steps_are_atomic_across_event_loops_in_threads() -> None:
     import threading
 
