@@ -177,9 +177,18 @@ def _valid_rate(rate: object) -> bool:
     return isinstance(rate, (int, float, np.number)) and bool(np.isfinite(rate)) and bool(rate >= 0)
 
 
+def _checked(name: str, value: float, below: float | None = None) -> None:
+    """Refuse a hyperparameter that is no finite number >= 0 (or not below
+    ``below``), where the optimizer is made, as PyTorch's optimizers do."""
+    if not _valid_rate(value) or (below is not None and not value < below):
+        bound = f" and < {below}" if below is not None else ""
+        raise ValueError(f"{name} must be a finite number >= 0{bound}, got {value!r}")
+
+
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     """Momentum: a decaying sum of past gradients (Polyak 1964; Nesterov 1983
     in the form of Sutskever et al. 2013 when ``nesterov``)."""
+    _checked("decay", decay, 1.0)
 
     def update(g: Tensor, velocity: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         velocity = g + decay * velocity
@@ -194,6 +203,8 @@ class AdagradState(NamedTuple):
 
 def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """Divide by the root of the summed squared gradients (Duchi et al., 2011)."""
+    _checked("initial_accumulator", initial_accumulator)
+    _checked("eps", eps)
 
     def update(g: Tensor, state: AdagradState, p: Tensor) -> tuple[Tensor, AdagradState]:
         total = state.sum_of_squares + g * g
@@ -208,6 +219,8 @@ class RmsState(NamedTuple):
 
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """Divide by a moving root mean square of gradients (Tieleman & Hinton, 2012)."""
+    _checked("decay", decay, 1.0)
+    _checked("eps", eps)
 
     def update(g: Tensor, state: RmsState, p: Tensor) -> tuple[Tensor, RmsState]:
         ms = decay * state.mean_square + (1 - decay) * g * g
@@ -224,6 +237,9 @@ class AdamState(NamedTuple):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1)."""
+    _checked("b1", b1, 1.0)
+    _checked("b2", b2, 1.0)
+    _checked("eps", eps)
 
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
@@ -240,11 +256,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """L2 decay: add ``weight_decay * param`` to the gradient."""
+    _checked("weight_decay", weight_decay)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + weight_decay * p, s))
 
 
 def add_l1_decay(l1: float) -> GradientTransformation:
     """L1 decay: add ``l1 * sign(param)`` to the gradient (a subgradient of ``l1 * |param|``)."""
+    _checked("l1", l1)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * namespace(p).sign(p), s))
 
 

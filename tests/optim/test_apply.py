@@ -4,6 +4,7 @@ make sense, and the value types a user gave."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import anyio
 import numpy as np
@@ -46,6 +47,26 @@ async def test_an_overflowing_step_is_refused() -> None:
 def test_a_rate_must_be_finite_and_not_negative(rate: float, anyio_backend: str) -> None:
     with pytest.raises(ValueError, match="learning_rate must be a finite number >= 0"):
         ml.optim.sgd(rate)
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: ml.optim.adam(0.1, b1=1.5), "b1"),
+        (lambda: ml.optim.adam(0.1, b2=-1.0), "b2"),
+        (lambda: ml.optim.adam(0.1, b1=1.0), "b1"),
+        (lambda: ml.optim.adam(0.1, eps=-1.0), "eps"),
+        (lambda: ml.optim.momentum(0.1, decay=2.0), "decay"),
+        (lambda: ml.optim.nesterov(0.1, decay=float("nan")), "decay"),
+        (lambda: ml.optim.rmsprop(0.1, decay=1.5), "decay"),
+        (lambda: ml.optim.adagrad(0.1, initial_accumulator=-1.0), "initial_accumulator"),
+        (lambda: ml.optim.add_decayed_weights(-0.1), "weight_decay"),
+    ],
+)
+def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(make: Any, name: str) -> None:
+    # (as PyTorch's optimizers refuse them; a beta of 1.5 trained silently, away from the minimum)
+    with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0"):
+        make()
 
 
 async def test_a_rate_of_zero_freezes_a_weight() -> None:
