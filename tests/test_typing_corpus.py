@@ -62,6 +62,10 @@ ACCEPT = {
         assert_type(ml.sum(array_layer, axis=0), ml.ArrayLayer)
         assert_type(array_layer.mean(), ml.ScalarLayer)
         assert_type(array_layer.max(axis=1), ml.ArrayLayer)
+        assert_type(ml.sum(array_layer, keepdims=True), ml.ArrayLayer)  # (shape (1, ...): not a scalar)
+        assert_type(ml.logsumexp(array_layer, None, True), ml.ArrayLayer)
+        assert_type(array_layer.mean(keepdims=True), ml.ArrayLayer)
+        assert_type(ml.mean(array_layer, keepdims=False), ml.ScalarLayer)
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
     """,
     "slices_keep_arrays": """
@@ -183,6 +187,7 @@ REJECT = {
     "scalar_where_array_required_conv": ("ml.conv2d(scalar_weight, array)", "arg-type"),
     "scalar_layer_assigned_to_array_layer": ("x: ml.ArrayLayer = scalar_layer * 2.0", "assignment"),
     "array_layer_assigned_to_scalar_layer": ("x: ml.ScalarLayer = array_weight * 2.0", "assignment"),
+    "kept_dimensions_are_no_scalar": ("x: ml.ScalarLayer = ml.sum(array_layer, keepdims=True)", "assignment"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
     "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
     "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),

@@ -11,7 +11,20 @@ import itertools
 import sys
 from collections.abc import Generator
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any, Final, Generic, Never, NoReturn, Protocol, TypeAlias, TypeVar, final, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Generic,
+    Literal,
+    Never,
+    NoReturn,
+    Protocol,
+    TypeAlias,
+    TypeVar,
+    final,
+    overload,
+)
 
 import numpy as np
 import numpy.typing as npt
@@ -283,25 +296,43 @@ class Expr(Generic[D, G]):
 
     # ---- array methods ------------------------------------------------------
     @overload
-    def sum(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    def sum(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
+    @overload
+    def sum(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
+    @overload
+    def sum(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
     def sum(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    @overload
+    def sum(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
     def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Sum over ``axis`` (all axes by default)."""
         return Layer._make(PRIMITIVES["sum"], (self,), (axis, keepdims))
 
     @overload
-    def mean(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    def mean(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
+    @overload
+    def mean(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
+    @overload
+    def mean(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
     def mean(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    @overload
+    def mean(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
     def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Mean over ``axis`` (all axes by default)."""
         return Layer._make(PRIMITIVES["mean"], (self,), (axis, keepdims))
 
     @overload
-    def max(self, axis: None = None, keepdims: bool = False) -> Layer[float, float]: ...
+    def max(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
+    @overload
+    def max(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
+    @overload
+    def max(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
     def max(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    @overload
+    def max(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
     def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Maximum over ``axis``; tied maxima share the delta."""
         return Layer._make(PRIMITIVES["max"], (self,), (axis, keepdims))
