@@ -22,7 +22,11 @@ Semirings: real and log-real (the gradient pops the tape: exact for the
 computation performed, early stopping included), max-times and min-plus
 (the best derivation, `Run.best_derivation`, and the subgradient along it),
 any other forward only. The chart records which items exist apart from their
-values, so an axiom whose value is exactly zero still receives its gradient.
+values, so an axiom whose value is exactly zero still receives its gradient
+where no cycle runs through it: on a cycle, an update of exactly zero to an
+item already in the chart is not popped (it would change nothing, and popping
+it would never end), so the tape misses that path (``a += x * a. a += 1.``
+at ``x = 0`` gives ``da/dx = 0``, not 1; start such a weight off zero).
 
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every
