@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from returns.io import IO
 
+import monadl as ml
 from monadl import Do
 from monadl.typeclasses import monad as laws
 
@@ -136,6 +138,13 @@ async def test_gather_and_zip_keep_order() -> None:
 async def test_bind_must_return_a_do() -> None:
     with pytest.raises(TypeError, match="not a Do"):
         await Do.pure(1).bind(lambda v: v).run()  # type: ignore[arg-type, return-value]  # the mistake under test
+    w = ml.Weight(np.ones(2))
+
+    def doubled(v: Any) -> Any:  # (a layer where its Do is due: the message says so)
+        return w * 2.0
+
+    with pytest.raises(TypeError, match=r"doubled given to bind returned Layer, not a Do \(return layer\.forward"):
+        await ml.Layer(w.forward().bind(doubled)).predict()
 
 
 @pytest.mark.anyio

@@ -81,6 +81,8 @@ def test_bad_operands_fail_when_the_layer_is_built() -> None:
         w + "1"  # type: ignore[operator]  # the mistake under test
     with pytest.raises(ml.OperandError, match=r"np\.asarray"):
         w * [1.0, 2.0, 3.0]  # type: ignore[operator]  # the mistake under test
+    with pytest.raises(ml.OperandError, match=r"join its layers with ml\.stack"):
+        ml.sum([w, w])  # type: ignore[call-overload]  # the mistake under test
     with pytest.raises(ml.OperandError, match="dtype <U1"):
         w * np.array(["a", "b", "c"])
     with pytest.raises(ml.OperandError, match="plain data"):

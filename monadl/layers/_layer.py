@@ -93,7 +93,10 @@ def _operand(x: object, op: str) -> Any:
         if not namespace(x).isdtype(dtype, ("numeric", "bool")):
             raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
         return x
-    hint = " (wrap it with np.asarray first)" if isinstance(x, (list, tuple)) else ""
+    hint = ""
+    if isinstance(x, (list, tuple)):  # (layers in it: a join, not an array of objects)
+        joined = any(isinstance(y, Expr) for y in x)
+        hint = " (join its layers with ml.stack or ml.concatenate)" if joined else " (wrap it with np.asarray first)"
     raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from monadl.direct import AwaitLayers, Passthrough
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
+from monadl.layers._layer import Expr
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
@@ -240,7 +241,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 stack.append(F.BindDone(tok))
                 cur = frame.function(val)
                 if not isinstance(cur, Do):
-                    raise TypeError(f"a function given to bind returned {type(cur).__name__}, not a Do")
+                    hint = " (return layer.forward(): the layer's Do)" if isinstance(cur, Expr) else ""
+                    where = getattr(frame.function, "__qualname__", repr(frame.function))
+                    raise TypeError(f"the function {where} given to bind returned {type(cur).__name__}, not a Do{hint}")
                 descending = True
                 continue
             elif t is F.BindDone:
