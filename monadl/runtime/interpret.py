@@ -329,7 +329,10 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
         if batched.worth_batching(ev, order):  # it computes what batches; the inline loop what it left, if any
-            frame.index = 0 if batched.forward(ev, order) else len(order)
+            if time.perf_counter() > ev.deadline:  # (the walk of a large graph: a turn before its analysis)
+                yield inline.CHECKPOINT
+            left = yield from batched.stepwise(ev, order)  # (a turn of the event loop after a level, when due)
+            frame.index = 0 if left else len(order)
             frame.resumed = True
         elif device and all(node._op is not None for node in order):
             cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))

@@ -134,7 +134,15 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
         groups.append(len(order))
         return forward(ev, order, strategy, shared, levels)
 
+    stepwise = batched.stepwise
+
+    def counting_steps(ev: Any, order: list[Any]) -> Generator[object, None, list[Any]]:  # (a graph's own, inline)
+        groups.append(len(order))
+        left: list[Any] = yield from stepwise(ev, order)
+        return left
+
     monkeypatch.setattr(batched, "forward", counting)
+    monkeypatch.setattr(batched, "stepwise", counting_steps)
     gradients("monadic", None, n=fibers.MIN_MERGED - 1, hidden=128)  # too few graphs a merge to pay
     assert groups == []
     gradients("monadic", None, n=fibers.MIN_MERGED)  # from MIN_MERGED on: batched

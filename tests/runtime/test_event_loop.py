@@ -163,6 +163,36 @@ async def test_a_long_step_gives_the_event_loop_turns() -> None:
     assert during >= 10  # 1,500 forward and as many backward nodes, a look every 32
 
 
+async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> None:
+    # 16 chains side by side: 50 levels of 16 alike nodes, each level one batched group.
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    chains = []
+    for i in range(16):
+        h = w * float(i + 1)
+        for _ in range(50):
+            h = ml.tanh(h) * 0.5
+        chains.append(ml.sum(h))
+    loss = ml.sum(ml.stack(chains))
+    turns = 0
+    evaluating = True
+
+    async def ticker() -> None:
+        nonlocal turns
+        while evaluating:
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.lowlevel.checkpoint()
+        with ml.settings(yield_interval_s=1e-9, batching=True):
+            before = turns
+            await loss.predict()  # (the forward alone: the backward has its own turns)
+            during = turns - before
+        evaluating = False
+    assert during >= 50
+
+
 async def test_cancelling_a_long_pure_step_changes_no_weight() -> None:
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
     before = w.data.copy()

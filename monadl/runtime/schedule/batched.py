@@ -34,8 +34,10 @@ batched.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._batching_rules import BATCHING_RULES
@@ -47,6 +49,7 @@ from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature, stack
 from monadl.runtime.schedule.batched_rule import MIN_ALIKE, MIN_NODES, REPROBE, remember, worth_batching
+from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ __all__ = [
     "STRATEGY",
     "forward",
     "signature",
+    "stepwise",
     "worth_batching",
 ]
 
@@ -125,19 +129,51 @@ def forward(
     >>> ev.records[nodes[2]].value
     array([6., 6.])
     """
+    steps = _steps(ev, order, strategy, groups, levels)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            left: list[Any] = done.value
+            return left
+
+
+def _steps(
+    ev: Evaluation,
+    order: list[Any],
+    strategy: str | None = None,
+    groups: Groups | None = None,
+    levels: list[list[Any]] | None = None,
+) -> Generator[object, None, list[Any]]:
+    """`forward`, yielding `CHECKPOINT` where the evaluation's deadline has
+    passed: after the levels are found and after each level; returns what
+    `forward` returns."""
     run = _Run(ev, current_settings().batching is True, groups)
     levels, left, depth = _levels(order) if levels is None else (levels, [], None)
+    if perf_counter() > ev.deadline:
+        yield CHECKPOINT
     if not run.forced and max(map(len, levels), default=0) < 2:
         for level in levels:
             run.each(level)
+            if perf_counter() > ev.deadline:
+                yield CHECKPOINT
     elif (strategy or STRATEGY) == "agenda" and depth is not None:
         run.agenda(levels, depth)
     else:
         for level in levels:
             run.level(level)
+            if perf_counter() > ev.deadline:
+                yield CHECKPOINT
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
         remember((order[-1]._site, len(order)), False)
     return left
+
+
+def stepwise(ev: Evaluation, order: list[Any]) -> Generator[object, None, list[Any]]:
+    """`forward` of one graph, as the interpreter runs it: yielding `CHECKPOINT`
+    after a level when the evaluation's deadline has passed (the driver then
+    gives the event loop its turn, as between the inline loop's nodes)."""
+    return _steps(ev, order)
 
 
 def _levels(order: list[Any]) -> tuple[list[list[Any]], list[Any], dict[Any, int]]:
