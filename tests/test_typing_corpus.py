@@ -188,6 +188,8 @@ REJECT = {
     "scalar_layer_assigned_to_array_layer": ("x: ml.ArrayLayer = scalar_layer * 2.0", "assignment"),
     "array_layer_assigned_to_scalar_layer": ("x: ml.ScalarLayer = array_weight * 2.0", "assignment"),
     "kept_dimensions_are_no_scalar": ("x: ml.ScalarLayer = ml.sum(array_layer, keepdims=True)", "assignment"),
+    "scalar_layer_in_a_matrix_product": ("scalar_layer @ array_weight", "operator"),
+    "scalar_weight_in_a_matrix_product": ("array @ scalar_weight", "operator"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
     "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
     "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),

@@ -265,10 +265,10 @@ class Expr(Generic[D, G]):
     def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
         return binary(_POW, other, self)
 
-    def __matmul__(self, other: ArrayOperand) -> Layer[Array, Array]:
+    def __matmul__(self: Expr[Array, Array], other: ArrayOperand) -> Layer[Array, Array]:  # (no scalar's)
         return binary(_MATMUL, self, other)
 
-    def __rmatmul__(self, other: Array) -> Layer[Array, Array]:
+    def __rmatmul__(self: Expr[Array, Array], other: Array) -> Layer[Array, Array]:
         return binary(_MATMUL, other, self)
 
     def __neg__(self) -> Layer[D, G]:
