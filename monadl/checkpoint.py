@@ -309,6 +309,11 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
             continue
         updates.append((weight, data, state))
     if problems:
+        if any(", optimizer state" in problem for problem in problems):  # (say why a state may differ)
+            problems.append(
+                "an optimizer state of another structure comes from another optimizer: build the model with "
+                "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ)"
+            )
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     for weight, data, state in updates:
         weight._data = data  # checked and copied above: nothing can fail half way

@@ -233,8 +233,9 @@ def test_an_optimizer_of_another_structure_is_refused(saved: Path) -> None:
     with pytest.raises(
         ml.CheckpointError,
         match=r"weight .encoder.0.weight., optimizer state\[0\]: the checkpoint has AdamState of 3, the model.s optimizer has ndarray",
-    ):
+    ) as info:
         ml.load(saved, model)
+    assert "build the model with the optimizers it was saved with" in str(info.value)
 
 
 def test_save_with_the_path_second_and_files_that_are_no_checkpoint(tmp_path: Path) -> None:
