@@ -11,30 +11,18 @@ import itertools
 import sys
 from collections.abc import Generator
 from types import EllipsisType
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Final,
-    Generic,
-    Literal,
-    Never,
-    NoReturn,
-    Protocol,
-    TypeAlias,
-    TypeVar,
-    final,
-    overload,
-)
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
 
 import numpy as np
-import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
+from monadl.layers._arrays import Array, DeviceArray
 from monadl.layers._primitives import PRIMITIVES, Primitive
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook
+from monadl.layers._unvalued import Unvalued
 from monadl.tape import Tape
 
 __all__ = [
@@ -53,19 +41,6 @@ _Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None,
 
 D = TypeVar("D")
 G = TypeVar("G")
-
-Array: TypeAlias = npt.NDArray[Any]
-"""A NumPy array (any dtype monadl computes with: float32 or float64)."""
-
-
-class DeviceArray(Protocol):
-    """An array of any library of the Python array API standard: a CuPy array
-    on a GPU, an ``array_api_strict`` array ... Weights and layers of such
-    arrays compute in their own library; their types are not tracked as
-    precisely as NumPy's (a weight of one is a ``Weight[Any, Any]``)."""
-
-    def __array_namespace__(self, /, *, api_version: str | None = None) -> Any: ...
-
 
 _serials = itertools.count()
 # Bound once: building layers is a hot path of every model.
@@ -100,20 +75,13 @@ def _operand(x: object, op: str) -> Any:
     raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 
-_NO_VALUE: Final = (
-    "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
-    "the layer (layer.bind(f)) or await it in an @ml.direct function; inside an ml.operation, a float "
-    "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
-    "argument (each value its own trace)"
-)
-
-
-class Expr(Generic[D, G]):
+class Expr(Unvalued, Generic[D, G]):
     """A differentiable expression: what layers and weights share (``forward``,
     ``train``, ``predict``, and the operators that build new layers).
 
     Abstract: only `Layer` and `Weight` are instantiated. Use it in
     annotations that take either, e.g. ``ml.Expr[ml.Array, ml.Array]``.
+    Its truth, order and iteration are refused (`Unvalued`).
     """
 
     __slots__ = ()
@@ -121,31 +89,6 @@ class Expr(Generic[D, G]):
     # other ufuncs raise a hint); CuPy sees None (its cue to call our
     # reflected operators). See `_UfuncHook`.
     __array_ufunc__ = UfuncHook()
-
-    # A layer has no value while a graph is built: a branch on one would
-    # take the same path for every value (inside an operation, for every call).
-    def __bool__(self) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("its truth"))
-
-    if not TYPE_CHECKING:  # (to mypy a layer stays no Iterable, so that no Sequence parameter takes one)
-
-        def __iter__(self) -> NoReturn:  # (indexing would never run out: a lazy index raises no IndexError)
-            raise OperandError(
-                "a layer is not iterated while the graph is built (its length is not known): index it "
-                "(layer[i]) or cut it into parts (ml.split)"
-            )
-
-    def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison, as before)
-        raise OperandError(_NO_VALUE.format("a comparison (<)"))
-
-    def __le__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (<=)"))
-
-    def __gt__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (>)"))
-
-    def __ge__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (>=)"))
 
     def forward(self) -> Do[Tape[D, G]]:
         """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""

@@ -12,9 +12,7 @@ operand is stacked, and as itself where all are shared.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from operator import itemgetter
 from typing import Any, Final, final
 
 import numpy as np
@@ -26,9 +24,10 @@ from monadl.layers._operands import one_float_dtype
 from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, arrays_of, batch_output
 from monadl.layers._primitives import Primitive
 from monadl.layers._products import OuterRule, factors_pay
+from monadl.layers._step import Step
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
-__all__ = ["Program", "Step"]
+__all__ = ["Program"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
@@ -36,52 +35,6 @@ _TILINGS_LIMIT: Final = 256
 
 
 # ---- the program --------------------------------------------------------------------------------
-@final
-@dataclasses.dataclass(frozen=True, slots=True)
-class Step:
-    """One traced layer: its primitive, the slots of its operands, its
-    parameters, where it was written (for messages) and, per operand,
-    whether a delta must reach it (it leads to a layer or weight operand)."""
-
-    op: Primitive
-    refs: tuple[int, ...]
-    params: tuple[Any, ...]
-    site: Any
-    grads: tuple[bool, ...]
-    # Per parameter, the slot of the data argument it is, or per item of a tuple parameter (an index) the slot of each.
-    takes: tuple[int | tuple[int | None, ...] | None, ...] | None = None
-
-    def parameters(self, env: list[Value]) -> tuple[Any, ...]:
-        """The parameters, with the call's data arguments in their places."""
-        if self.takes is None:
-            return self.params
-        return tuple([_taken(p, r, env) for p, r in zip(self.params, self.takes)])
-
-    def stacked_parameters(self, stacked: list[bool]) -> tuple[bool, ...]:
-        """Per parameter, whether it reads a group's stacked data argument."""
-        if self.takes is None:
-            return (False,) * len(self.params)
-        return tuple([r is not None and _stacked(r, stacked) for r in self.takes])
-
-    def operands(self) -> Callable[[list[Value]], tuple[Value, ...]]:
-        """A fast reader of the step's operands from an environment."""
-        if len(self.refs) == 1:
-            (r,) = self.refs
-            return lambda env: (env[r],)
-        if not self.refs:
-            return lambda env: ()
-        return itemgetter(*self.refs)  # (of two or more: a tuple)
-
-
-def _taken(p: Any, r: int | tuple[int | None, ...] | None, env: list[Value]) -> Any:
-    """A parameter with the call's data arguments in their places (see `Step.takes`)."""
-    if r is None:
-        return p
-    if isinstance(r, int):
-        return env[r]
-    return tuple([q if s is None else env[s] for q, s in zip(p, r)])
-
-
 def _unstacked(d: Value, o: int, stacked: list[bool] | None) -> Value:
     """The delta of output slot ``o`` for the steps that made it: a group's
     output that no stacked operand reaches was one value broadcast to every
@@ -91,13 +44,6 @@ def _unstacked(d: Value, o: int, stacked: list[bool] | None) -> Value:
     if type(d) is SparseRows:
         d = d.to_dense()
     return namespace(d).sum(d, axis=0)
-
-
-def _stacked(r: int | tuple[int | None, ...], stacked: list[bool]) -> bool:
-    """Whether a parameter that reads data arguments (see `Step.takes`) reads a stacked one."""
-    if isinstance(r, int):
-        return stacked[r]
-    return any(s is not None and stacked[s] for s in r)
 
 
 @final

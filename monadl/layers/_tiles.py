@@ -17,7 +17,7 @@ from monadl.deltas import is_basic_index
 from monadl.layers._primitives import PRIMITIVES
 
 if TYPE_CHECKING:
-    from monadl.layers._program import Step
+    from monadl.layers._step import Step
 
 __all__ = ["Tiling", "basic_slice", "slice_readers", "tiling"]
 
@@ -41,7 +41,7 @@ def slice_readers(steps: tuple[Step, ...], slices: tuple[tuple[Any, ...] | None,
     """Per slot of a program's environment, the steps that slice it (by
     index in ``steps``), where no other step reads it.
 
-    >>> from monadl.layers._program import Step
+    >>> from monadl.layers._step import Step
     >>> cut = [Step(PRIMITIVES["getitem"], (0,), (s,), None, (True,)) for s in (slice(None, 2), slice(2, None))]
     >>> slice_readers(tuple(cut), ((slice(None, 2),), (slice(2, None),)))
     {0: (0, 1)}

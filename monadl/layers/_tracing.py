@@ -16,7 +16,7 @@ no view nodes in the graph.
 Control flow on values cannot be traced: a layer built from a ``Do``
 (``bind``, ``@ml.direct``) or one built before the call and not passed in is
 refused with `OperandError`; a NumPy data argument computed with inside the
-function is refused too (`_Data`), since the trace would keep the first
+function is refused too (`monadl.layers._data`), since the trace would keep the first
 call's result.
 """
 
@@ -26,16 +26,18 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from operator import itemgetter
-from typing import Any, Final, final
+from typing import Any, final
 
 import numpy as np
 
 from monadl.errors import OperandError
+from monadl.layers._data import Data, check_kept, params_read, take
 from monadl.layers._layer import Expr, Layer, _build, _next_serial
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import Primitive
-from monadl.layers._program import Program, Step
+from monadl.layers._program import Program
 from monadl.layers._site import Site, site_text
+from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
 from monadl.layers._weight import Weight
 
@@ -113,7 +115,7 @@ def traced(
                 weights[x] = None
     ordered = sorted(inner, key=lambda layer: layer._serial)
     found = sorted(
-        {position[id(x)] for layer in ordered for x in (*layer._inputs, *_params_read(layer)) if id(x) in position}
+        {position[id(x)] for layer in ordered for x in (*layer._inputs, *params_read(layer)) if id(x) in position}
     )
     used = [i for i in found if i not in views]
     read = [i for i in found if i in views]  # outputs of other operations' nodes
@@ -147,74 +149,16 @@ def traced(
         grads = tuple(grads_of[r] for r in refs)
         assert layer._op is not None  # (_check_inner refused the others)
         params = layer._params
-        takes = tuple([_take(name, layer, p, position, slot) for p in params])  # data arguments as parameters
+        takes = tuple([take(name, layer, p, position, slot) for p in params])  # data arguments as parameters
         program_steps.append(
             Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
         )
         grads_of.append(any(grads))
-    _check_kept(name, leaves, consts, program_steps)
+    check_kept(leaves, consts, program_steps)
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs), len(weights))
     op = Primitive(f"{name}#{next(_ids)}", program)
     make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
     return Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)
-
-
-def _check_kept(name: str, leaves: list[Any], consts: list[Any], steps: list[Step]) -> None:
-    """Refuse a constant or parameter that is a data argument's memory under
-    another name (``np.asarray(d)``, ``d.view(np.ndarray)``): the trace would
-    keep the first call's array."""
-    data = [x for x in leaves if isinstance(x, np.ndarray)]
-    if not data:
-        return
-    kept = [c for c in consts if isinstance(c, np.ndarray)]
-    for step in steps:
-        for p in step.params:
-            kept += [q for q in (p if type(p) is tuple else (p,)) if isinstance(q, np.ndarray) and type(q) is not _Data]
-    for k in kept:
-        if any(np.may_share_memory(k, d) for d in data):
-            raise OperandError(_DATA_KEPT)
-
-
-def _params_read(layer: Layer[Any, Any]) -> list[Any]:
-    """A layer's parameters and the items of its tuple parameters (an
-    index such as ``x[:, d]``), where a data argument may stand."""
-    found: list[Any] = []
-    for p in layer._params:
-        found.append(p)
-        if type(p) is tuple:
-            found += p
-    return found
-
-
-def _take(
-    name: str, layer: Layer[Any, Any], p: Any, position: dict[int, int], slot: dict[int, int]
-) -> int | tuple[int | None, ...] | None:
-    """Where a traced parameter reads the call's data arguments: the slot of
-    the one it is, a slot per item of a tuple holding some (an index), or
-    None. A data argument deeper in a parameter is refused: the trace would
-    keep the first call's array."""
-    if id(p) in position:
-        return slot[id(p)]
-    if type(p) is tuple and any(id(q) in position for q in p):
-        return tuple([slot[id(q)] if id(q) in position else None for q in p])
-    if _holds_data(p):
-        raise OperandError(
-            f"operation {name}: a data argument is nested inside a parameter of the layer built at "
-            f"{site_text(layer._site)}; the trace would keep the first call's array: pass it directly "
-            "(an index array as an item of the index tuple, indices to ml.embedding)"
-        )
-    return None
-
-
-def _holds_data(p: Any) -> bool:
-    """Whether a parameter holds a data argument's placeholder anywhere inside it."""
-    if type(p) is _Data:
-        return True
-    if type(p) in (tuple, list):
-        return any(map(_holds_data, p))
-    if type(p) is dict:
-        return any(map(_holds_data, p.values()))
-    return False
 
 
 def _maker(
@@ -272,97 +216,11 @@ def _taker(positions: tuple[int, ...]) -> Callable[[list[Any]], tuple[Any, ...]]
     return lambda xs: ()
 
 
-@final
-class _Data(np.ndarray[Any, Any]):
-    """A NumPy data argument while its cell is traced: it may meet layers and
-    be a primitive's parameter (an embedding's indices), but not be computed
-    with in NumPy, whose result the trace would keep as a constant."""
-
-    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        if any(isinstance(x, Expr) for x in inputs):
-            return NotImplemented  # the layer's operator builds the layer
-        raise OperandError(_DATA_READ)
-
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        raise OperandError(_DATA_READ)
-
-    # Its values read in Python (a branch, an int, an index): the trace would
-    # keep the first call's. Its shape and dtype are the signature's.
-    def __getitem__(self, index: Any) -> Any:
-        raise OperandError(_VALUE_READ)
-
-    def __iter__(self) -> Any:
-        raise OperandError(_VALUE_READ)
-
-    def __bool__(self) -> bool:
-        raise OperandError(_VALUE_READ)
-
-    def __int__(self) -> int:
-        raise OperandError(_VALUE_READ)
-
-    def __float__(self) -> float:
-        raise OperandError(_VALUE_READ)
-
-    def __complex__(self) -> complex:
-        raise OperandError(_VALUE_READ)
-
-    def __index__(self) -> int:
-        raise OperandError(_VALUE_READ)
-
-    def item(self, *args: Any) -> Any:
-        raise OperandError(_VALUE_READ)
-
-    def dot(self, *args: Any, **kwargs: Any) -> Any:  # (methods that compute without a ufunc)
-        raise OperandError(_DATA_READ)
-
-    def argmax(self, *args: Any, **kwargs: Any) -> Any:
-        raise OperandError(_DATA_READ)
-
-    def argmin(self, *args: Any, **kwargs: Any) -> Any:
-        raise OperandError(_DATA_READ)
-
-    def nonzero(self) -> Any:
-        raise OperandError(_DATA_READ)
-
-    @property
-    def flat(self) -> Any:
-        raise OperandError(_VALUE_READ)
-
-    def view(self, *args: Any, **kwargs: Any) -> Any:
-        if args[:1] != (_Data,) or len(args) > 1 or kwargs:  # (nested operations view a placeholder as itself)
-            raise OperandError(_VALUE_READ)
-        return super().view(_Data)
-
-    def tolist(self) -> Any:
-        raise OperandError(_VALUE_READ)
-
-
-_DATA_READ: Final = (
-    "operation: a data argument of the cell went into a NumPy computation inside it; the trace would keep "
-    "that computation's result from the first call for every later one: compute it before the call and pass "
-    "the result, or compute it with monadl functions"
-)
-
-
-_DATA_KEPT: Final = (
-    "operation: a data argument of the cell was taken inside it as a plain array (np.asarray, .view), "
-    "which the trace would keep from the first call for every later call: give the argument itself to "
-    "monadl functions"
-)
-
-_VALUE_READ: Final = (
-    "operation: the cell read the values of a data argument in Python (an item, int(), float(), bool(), "
-    ".item(), .tolist(), iteration); the trace would keep the first call's values for every later call: pass "
-    "what the cell branches on as an int, a string or another static argument (each value its own trace), "
-    "or compute with monadl functions (its shape and dtype may be read: each its own trace)"
-)
-
-
 def _placeholder(x: Any, i: int) -> Any:
     """What the traced function gets for operand leaf ``x``: a layer, or, for
-    a NumPy array, a `_Data` view of it."""
-    if isinstance(x, np.ndarray):  # (a _Data already when operations nest)
-        return x.view(_Data)
+    a NumPy array, a `Data` view of it."""
+    if isinstance(x, np.ndarray):  # (a Data already when operations nest)
+        return x.view(Data)
     return _build(ARGUMENT, (), (i,), 2)
 
 

@@ -140,27 +140,33 @@ def long_chain(w: ml.ArrayWeight, n: int) -> ml.ScalarLayer:
     return ml.sum(h)
 
 
-async def test_a_long_step_gives_the_event_loop_turns() -> None:
-    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
-    loss = long_chain(w, 500)
+async def turns_during(step: Callable[[], Awaitable[object]]) -> int:
+    """How many turns a task that only yields gets while ``step`` runs, with
+    the runtime giving a turn at every look at the clock."""
     turns = 0
-    training = True
+    running = True
 
     async def ticker() -> None:
         nonlocal turns
-        while training:
+        while running:
             turns += 1
             await anyio.lowlevel.checkpoint()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
         await anyio.lowlevel.checkpoint()
-        with ml.settings(yield_interval_s=1e-9):  # a turn at every look at the clock
+        with ml.settings(yield_interval_s=1e-9):
             before = turns
-            await loss.train()
+            await step()
             during = turns - before
-        training = False
-    assert during >= 10  # 1,500 forward and as many backward nodes, a look every 32
+        running = False
+    return during
+
+
+async def test_a_long_step_gives_the_event_loop_turns() -> None:
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    loss = long_chain(w, 500)
+    assert await turns_during(loss.train) >= 10  # 1,500 forward and as many backward nodes, a look every 32
 
 
 async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> None:
@@ -173,24 +179,8 @@ async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> 
             h = ml.tanh(h) * 0.5
         chains.append(ml.sum(h))
     loss = ml.sum(ml.stack(chains))
-    turns = 0
-    evaluating = True
-
-    async def ticker() -> None:
-        nonlocal turns
-        while evaluating:
-            turns += 1
-            await anyio.lowlevel.checkpoint()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.lowlevel.checkpoint()
-        with ml.settings(yield_interval_s=1e-9, batching=True):
-            before = turns
-            await loss.predict()  # (the forward alone: the backward has its own turns)
-            during = turns - before
-        evaluating = False
-    assert during >= 50
+    with ml.settings(batching=True):
+        assert await turns_during(loss.predict) >= 50  # (the forward alone: the backward has its own turns)
 
 
 async def test_cancelling_a_long_pure_step_changes_no_weight() -> None:

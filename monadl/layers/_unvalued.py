@@ -1,0 +1,53 @@
+"""What a layer refuses while its graph is built: it has no value yet.
+
+A branch on a layer's truth or order would take the same path for every
+value (inside an `monadl.operation`, for every call of its trace), and
+iterating one would never end (its lazy index raises no ``IndexError``). So
+`Unvalued`, a base of `monadl.layers._layer.Expr`, raises `OperandError`
+for them, with what to do instead. Equality stays identity: the runtime and
+users keep layers in lists and dicts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final, Never, NoReturn
+
+from monadl.errors import OperandError
+
+__all__ = ["Unvalued"]
+
+_NO_VALUE: Final = (
+    "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
+    "the layer (layer.bind(f)) or await it in an @ml.direct function; inside an ml.operation, a float "
+    "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
+    "argument (each value its own trace)"
+)
+
+
+class Unvalued:
+    """Refuses truth, order and iteration (see the module)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("its truth"))
+
+    if not TYPE_CHECKING:  # (to mypy a layer stays no Iterable, so that no Sequence parameter takes one)
+
+        def __iter__(self) -> NoReturn:
+            raise OperandError(
+                "a layer is not iterated while the graph is built (its length is not known): index it "
+                "(layer[i]) or cut it into parts (ml.split)"
+            )
+
+    def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison)
+        raise OperandError(_NO_VALUE.format("a comparison (<)"))
+
+    def __le__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (<=)"))
+
+    def __gt__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (>)"))
+
+    def __ge__(self, other: Never) -> NoReturn:
+        raise OperandError(_NO_VALUE.format("a comparison (>=)"))
