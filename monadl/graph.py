@@ -214,7 +214,8 @@ def _describe(x: Any) -> str:
 
 def _index_text(index: Any) -> str:
     items = index if isinstance(index, tuple) else (index,)
-    return ", ".join(_describe(i) if hasattr(i, "shape") else _slice_text(i) for i in items)
+    # (a weight in an index, which indexing refuses when run, is shown as it is, not as an array)
+    return ", ".join(_describe(i) if hasattr(i, "shape") and type(i) is not Weight else _slice_text(i) for i in items)
 
 
 def _slice_text(i: Any) -> str:

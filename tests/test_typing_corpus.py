@@ -39,6 +39,13 @@ ACCEPT = {
         array_weight.state = array_weight.state
         array_weight.optimizer = ml.optim.adam(1e-3)
     """,
+    "weight_shape_dtype_ndim_size": """
+        assert_type(array_weight.shape, tuple[int, ...])
+        assert_type(scalar_weight.shape, tuple[int, ...])
+        assert_type(array_weight.ndim, int)
+        assert_type(array_weight.size, int)
+        assert_type(array_weight.dtype, Any)  # (another library's weight has its library's dtype)
+    """,
     "paper_listing": """
         def guess_next_number(question: ml.Array) -> ml.ScalarLayer:
             return ml.sum(question * array_weight) + scalar_weight
@@ -192,6 +199,7 @@ REJECT = {
     "scalar_weight_in_a_matrix_product": ("array @ scalar_weight", "operator"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
     "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
+    "weight_shape_is_read_only": ("array_weight.shape = (3,)", "misc"),
     "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),
     "optimizer_factory_not_called": ("ml.Weight(np.zeros(3), optimizer=ml.optim.sgd)", "call-overload"),
     "string_learning_rate": ("ml.optim.adam('fast')", "arg-type"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from math import prod
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -129,6 +130,40 @@ class Weight(Expr[D, G]):
         array([1., 2.])
         """
         self._data = replace_data(self._data, value, "Weight.data")
+
+    # Shape and dtype never change (the setter, a step and a checkpoint keep them), and
+    # an in-place step leaves them alone: read without `COMMIT_LOCK`.
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the data: ``()`` for a scalar weight.
+
+        >>> import numpy as np, monadl as ml
+        >>> ml.Weight(np.zeros((2, 3))).shape, ml.Weight(1.0).shape
+        ((2, 3), ())
+        """
+        return tuple(self._data.shape)
+
+    @property
+    def ndim(self) -> int:
+        """The number of axes of the data: 0 for a scalar weight."""
+        return len(self._data.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of elements of the data: 1 for a scalar weight."""
+        return prod(self._data.shape)  # (not the data's ``size``: PyTorch's is a method)
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype of the data: a NumPy dtype for NumPy data (``float64``,
+        ``float32`` ...), the array library's own for another library's.
+
+        >>> import numpy as np, monadl as ml
+        >>> ml.Weight(np.zeros(2, np.float32)).dtype
+        dtype('float32')
+        """
+        return self._data.dtype
 
     @property
     def optimizer(self) -> GradientTransformation:

@@ -1,0 +1,52 @@
+"""A weight's shape, dtype, ndim and size: read-only views of its current data."""
+
+from __future__ import annotations
+
+import anyio
+import array_api_strict as xs
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl._namespace import is_array
+
+
+def test_an_array_weight_has_the_shape_dtype_ndim_and_size_of_its_data() -> None:
+    w = ml.Weight(np.zeros((2, 3), np.float32))
+    assert (w.shape, w.dtype, w.ndim, w.size) == ((2, 3), np.dtype(np.float32), 2, 6)
+    assert type(w.size) is int and type(w.ndim) is int
+
+
+@pytest.mark.parametrize("data", [1.5, np.float32(1.5), np.array(1.5)], ids=["float", "float32", "0-d"])
+def test_a_scalar_weight_has_no_axes_and_one_element(data: float) -> None:
+    w = ml.Weight(data)
+    assert (w.shape, w.ndim, w.size) == ((), 0, 1)
+    assert w.dtype == np.asarray(data).dtype
+
+
+def test_they_follow_the_data_through_a_step_and_an_assignment() -> None:
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+    anyio.run(ml.sum(w * w).train)
+    w.data = np.full(3, 2.0)
+    assert (w.shape, w.dtype, w.size) == ((3,), np.dtype(np.float64), 3)
+
+
+def test_a_weight_of_another_array_library_gives_that_librarys_dtype() -> None:
+    w = ml.Weight(xs.zeros((4, 2), dtype=xs.float32))
+    assert (w.shape, w.ndim, w.size) == ((4, 2), 2, 8)
+    assert w.dtype == xs.float32
+
+
+@pytest.mark.parametrize("name", ["shape", "dtype", "ndim", "size"])
+def test_they_are_read_only(name: str) -> None:
+    w = ml.Weight(np.zeros(2))
+    with pytest.raises(AttributeError):
+        setattr(w, name, None)
+
+
+def test_a_weight_is_still_no_array() -> None:
+    # The runtime tells arrays from weights by type, never by a ``shape``.
+    w = ml.Weight(np.zeros(2))
+    assert not is_array(w)
+    x = ml.Weight(np.ones((2, 3)))
+    assert "[Weight(array([0., 0.])), 0]" in ml.to_dot(x[w, 0])  # an index that fails: shown as it is
