@@ -155,6 +155,9 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         metadata: JSON data to keep beside the weights (an epoch, a data
             loader's position); `load` returns it.
 
+    Raises:
+        CheckpointError: ``model`` holds no weight (nothing is written).
+
     Save between steps, not while a ``train()`` of the same weights is in
     flight on another thread. It blocks on file I/O: inside an event loop,
     ``await anyio.to_thread.run_sync(ml.save, path, model)`` keeps the loop free.
@@ -170,9 +173,12 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
             f"takes the object first), got {type(path).__name__} as the path"
         )
+    weights = named_weights(model)
+    if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
+        raise CheckpointError(_no_weights(model))
     tensors: dict[str, Any] = {}
     entries = []
-    for name, weight in named_weights(model).items():
+    for name, weight in weights.items():
         data, state = weight.data, weight.state
         _put(tensors, name, data)
         entries.append(
@@ -191,6 +197,20 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
     _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
+
+
+def _no_weights(model: object) -> str:
+    text = (
+        f"save(path, model): the model, a {type(model).__name__}, holds no Weight, so the checkpoint would be "
+        "empty; pass the object that holds the weights (a dict, list or tuple of them, a dataclass or any "
+        "object whose attributes hold them: see ml.checkpoint.named_weights)"
+    )
+    if isinstance(model, Layer):
+        text += (
+            "; a built Layer (a loss, a prediction) is not walked into (its weights belong to the model that "
+            "built it): pass that model"
+        )
+    return text
 
 
 def _put(tensors: dict[str, Any], key: str, value: Any) -> None:

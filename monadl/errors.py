@@ -74,4 +74,5 @@ class DeviceError(MonadlError, TypeError):
 
 class CheckpointError(MonadlError, ValueError):
     """A checkpoint that does not fit the model it is loaded into (names,
-    shapes, dtypes, optimizer state), or a file that is not a monadl checkpoint."""
+    shapes, dtypes, optimizer state), a file that is not a monadl checkpoint,
+    or a model with no weight to save."""

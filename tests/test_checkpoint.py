@@ -251,6 +251,21 @@ def test_save_with_the_path_second_and_files_that_are_no_checkpoint(tmp_path: Pa
         ml.load(tmp_path / "junk", build())
 
 
+def test_a_model_without_weights_is_refused_and_nothing_is_written(tmp_path: Path, saved: Path) -> None:
+    empty = tmp_path / "empty.safetensors"
+    with pytest.raises(ml.CheckpointError, match=r"the model, a dict, holds no Weight.*pass the object that holds"):
+        ml.save(empty, {"w": np.zeros(3), "lr": 0.1})  # plain arrays: no weight
+    loss = ml.sum(ml.Weight(np.ones(2)) * 2.0)
+    with pytest.raises(ml.CheckpointError, match=r"a Layer, holds no Weight.*a built Layer .* is not walked into"):
+        ml.save(empty, loss)
+    assert not empty.exists()
+    before = saved.read_bytes()
+    with pytest.raises(ml.CheckpointError, match="holds no Weight"):
+        ml.save(saved, [])
+    assert saved.read_bytes() == before  # a previous checkpoint stays
+    assert os.listdir(tmp_path) == [saved.name]  # no empty file, no temporary file
+
+
 # ---- atomic writes -----------------------------------------------------------------------------
 def test_a_crash_after_writing_the_temporary_file_keeps_the_previous_checkpoint(
     saved: Path, monkeypatch: pytest.MonkeyPatch
