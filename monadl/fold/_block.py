@@ -12,9 +12,13 @@ building a Fold model per node goes.
 
 from __future__ import annotations
 
+import reprlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Hashable, Iterable
-from typing import Any, ClassVar, Generic, TypeVar, cast, final
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping
+from functools import partial
+from typing import Any, ClassVar, Final, Generic, TypeVar, cast, final
+
+import numpy as np
 
 from monadl.fold._run import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE, run
 
@@ -51,10 +55,25 @@ class Block(ABC, Generic[In, Out]):
 
     __slots__ = ()
     _kind: ClassVar[str] = BUILD  # how the runner runs it (`monadl.fold._run`)
+    _shown: ClassVar[tuple[str, ...] | None] = None
+    """The attributes its repr shows, as its constructor takes them (``*``: a
+    tuple spread as arguments); None: not known (``MyBlock(...)``)."""
 
     @abstractmethod
     def _build(self, x: In) -> Build[Out]:
         """Build the output of one input, yielding a request per sub-block output."""
+
+    @final
+    def __repr__(self) -> str:
+        """Its constructor's call, short: a declaration by its name, never its
+        block (so a recursive block prints finitely), nesting and long
+        argument lists cut with ``...``.
+
+        >>> from monadl.fold import InputTransform, Map
+        >>> Map(InputTransform(len) >> InputTransform(str))
+        Map(InputTransform(len) >> InputTransform(str))
+        """
+        return describe(self, LEVELS)
 
     @final
     def __call__(self, x: In) -> Out:
@@ -86,6 +105,66 @@ class Block(ABC, Generic[In, Out]):
         3
         """
         return Composition(self, other)
+
+
+LEVELS: Final = 3
+"""How deep a block's repr spells out the blocks inside it; one level further
+each shows only its arguments that are no blocks (``Map(...)``,
+``Scalar('float32')``), and deeper ones are ``...``."""
+WIDTH: Final = 6
+"""Arguments, cases and composed blocks that a repr shows of one block."""
+
+
+def describe(block: Block[Any, Any], levels: int) -> str:
+    """``repr(block)`` with the blocks inside it spelt out ``levels`` deep (see `LEVELS`)."""
+    if type(block) is Composition:  # ``a >> b >> c``: the chain, flat (iteratively: it may be long)
+        stages: list[Block[Any, Any]] = []
+        pending: list[Block[Any, Any]] = [block]
+        while pending and len(stages) <= WIDTH:
+            b = pending.pop()
+            if type(b) is Composition:
+                pending += (b.second, b.first)
+            else:
+                stages.append(b)
+        shown = [describe(b, levels - 1) if levels >= 0 else "..." for b in stages[:WIDTH]]
+        return " >> ".join(shown + ["..."] * (len(stages) > WIDTH))
+    if type(block) is ForwardDeclaration:
+        return f"ForwardDeclaration({block.name!r})" if block.name else f"ForwardDeclaration({id(block):#x})"
+    if block._shown is None:
+        return f"{type(block).__name__}(...)"
+    parts: list[str] = []
+    for name in block._shown:
+        value = getattr(block, name.lstrip("*"))
+        for v in value if name.startswith("*") else (value,):
+            parts.append(_argument(v, levels))
+    if len(parts) > WIDTH:
+        parts[WIDTH:] = ["..."]
+    return f"{type(block).__name__}({', '.join(parts)})"
+
+
+def _argument(value: Any, levels: int) -> str:
+    if isinstance(value, Block):
+        return describe(value, levels - 1) if levels >= 0 else "..."
+    if isinstance(value, Mapping):  # `OneOf`'s cases, `Record`'s fields
+        items = [f"{reprlib.repr(k)}: {_argument(v, levels)}" for k, v in list(value.items())[: WIDTH + 1]]
+        if len(items) > WIDTH:
+            items[WIDTH:] = ["..."]
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, np.dtype):
+        return repr(value.name)
+    if callable(value):
+        return _function_name(value)
+    return reprlib.repr(value)
+
+
+def _function_name(f: Callable[..., Any]) -> str:
+    """A function's name as written where it was defined: through an
+    operation (`Function`'s) and partials, to the function itself."""
+    f = getattr(f, "__wrapped__", f)
+    while isinstance(f, partial):
+        f = f.func
+    name = getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__name__
+    return str(name).rsplit("<locals>.", 1)[-1]
 
 
 class Immediate(Block[In, Out]):
@@ -204,6 +283,10 @@ class ForwardDeclaration(Route[X, Y]):
     ``resolve_to`` the definition. Deep recursion is safe: the evaluator
     keeps the pending builds on its own stack, not Python's.
 
+    Args:
+        name: what its repr, and so an error, calls it (by default its id):
+            a declaration is never printed as its block, which uses it.
+
     >>> from monadl.fold import InputTransform, OneOf
     >>> depth = ForwardDeclaration[tuple[Any, ...] | None, int]()
     >>> one_more = InputTransform(lambda t: t[0]) >> depth >> InputTransform(lambda d: d + 1)
@@ -215,10 +298,11 @@ class ForwardDeclaration(Route[X, Y]):
     5000
     """
 
-    __slots__ = ("_target",)
+    __slots__ = ("_target", "name")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str | None = None) -> None:
         self._target: Block[X, Y] | None = None
+        self.name = name
 
     def resolve_to(self, block: Block[X, Y]) -> None:
         """Define the declared block (once).
@@ -230,12 +314,12 @@ class ForwardDeclaration(Route[X, Y]):
         3
         """
         if self._target is not None:
-            raise ValueError("ForwardDeclaration.resolve_to: already resolved")
+            raise ValueError(f"{self!r}.resolve_to: already resolved")
         self._target = block
 
     def _route(self, x: X) -> Block[X, Y]:
         if self._target is None:
-            raise ValueError("a ForwardDeclaration was applied before resolve_to defined it")
+            raise ValueError(f"{self!r} was applied before resolve_to defined it")
         return self._target
 
     def _fixed(self) -> Block[X, Y] | None:

@@ -46,6 +46,7 @@ class Scalar(Immediate[float, ArrayLayer]):
     """
 
     __slots__ = ("dtype",)
+    _shown = ("dtype",)
 
     def __init__(self, dtype: npt.DTypeLike = np.float32) -> None:
         self.dtype = np.dtype(dtype)
@@ -64,6 +65,7 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
     """
 
     __slots__ = ("dtype", "size")
+    _shown = ("size", "dtype")
 
     def __init__(self, size: int, dtype: npt.DTypeLike = np.float32) -> None:
         self.size = size
@@ -85,6 +87,7 @@ class Zeros(Immediate[object, ArrayLayer]):
     """
 
     __slots__ = ("dtype", "shape")
+    _shown = ("shape", "dtype")
 
     def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
         self.shape = shape
@@ -108,6 +111,7 @@ class Function(Immediate[X, Y]):
     """
 
     __slots__ = ("_call", "f")
+    _shown = ("f",)
 
     def __init__(self, f: Callable[[X], Y]) -> None:
         # Its nodes are built where the block is made, the user's line an
@@ -135,6 +139,7 @@ class InputTransform(Immediate[X, Y]):
     """
 
     __slots__ = ("f",)
+    _shown = ("f",)
 
     def __init__(self, f: Callable[[X], Y]) -> None:
         self.f = f
@@ -156,6 +161,7 @@ class Map(Block[Sequence[X], list[Y]]):
     """
 
     __slots__ = ("block",)
+    _shown = ("block",)
 
     def __init__(self, block: Block[X, Y]) -> None:
         self.block = block
@@ -177,6 +183,7 @@ class Fold(Block[Sequence[X], S]):
     """
 
     __slots__ = ("init", "step")
+    _shown = ("step", "init")
 
     def __init__(self, step: Block[tuple[S, X], S], init: Block[None, S]) -> None:
         self.step = step
@@ -200,6 +207,7 @@ class Reduce(Block[Sequence[Y], Y]):
     """
 
     __slots__ = ("block",)
+    _shown = ("block",)
 
     def __init__(self, block: Block[tuple[Y, Y], Y]) -> None:
         self.block = block
@@ -229,6 +237,7 @@ class OneOf(Route[X, Y]):
     """
 
     __slots__ = ("cases", "key")
+    _shown = ("key", "cases")
 
     def __init__(self, key: Callable[[X], K], cases: Mapping[K, Block[X, Y]]) -> None:
         self.key: Callable[[X], Hashable] = key
@@ -257,6 +266,7 @@ class Optional(Block[X | None, Y]):
     """
 
     __slots__ = ("block", "default")
+    _shown = ("block", "default")
 
     def __init__(self, block: Block[X, Y], default: Block[None, Y]) -> None:
         self.block = block
@@ -279,6 +289,7 @@ class AllOf(Parallel[X, T]):
     """
 
     __slots__ = ("blocks",)
+    _shown = ("*blocks",)
 
     @overload
     def __init__(self: AllOf[X, tuple[Y1]], b1: Block[X, Y1], /) -> None: ...
@@ -319,6 +330,7 @@ class Record(Block[X, T]):
     """
 
     __slots__ = ("blocks", "keys")
+    _shown = ("*_given",)
 
     @overload
     def __init__(self: Record[Mapping[K, X1], tuple[Y1, ...]], fields: Mapping[K, Block[X1, Y1]], /) -> None: ...
@@ -355,6 +367,11 @@ class Record(Block[X, T]):
         else:
             self.keys = None
             self.blocks = fields
+
+    @property
+    def _given(self) -> tuple[Any, ...]:
+        """What the constructor was given: the blocks, or one mapping of the keys to them (for the repr)."""
+        return self.blocks if self.keys is None else (dict(zip(self.keys, self.blocks)),)
 
     def _build(self, x: X) -> Build[T]:
         fields: Sequence[Any]

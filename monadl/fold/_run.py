@@ -57,12 +57,14 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
     """
     f = _Runner().compiled(block)
     outputs: list[Y] = []
-    try:
-        for x in xs:
+    for x in xs:  # (an error of ``xs`` itself is no input's: no note)
+        try:
             outputs.append(f(x))
-    except Exception as exc:  # which input of the batch: the blocks' own lines are in the traceback
-        exc.add_note(f"monadl.fold: while building input {len(outputs)} (a {type(x).__name__}) of the batch")
-        raise
+        except Exception as exc:  # which input, and the block: the blocks' own lines are in the traceback
+            exc.add_note(
+                f"monadl.fold: while building input {len(outputs)} (a {type(x).__name__}) of the batch with {block!r}"
+            )
+            raise
     return outputs
 
 

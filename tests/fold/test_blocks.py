@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -26,7 +27,9 @@ from monadl.fold import (
     Scalar,
     Vector,
     Zeros,
+    call,
 )
+from monadl.fold._block import Build
 
 
 def value(layer: ml.Layer[Any, Any]) -> Any:
@@ -303,4 +306,82 @@ def test_an_error_while_building_names_the_input_of_the_batch() -> None:
     reciprocal = InputTransform[float, float](lambda v: 1.0 / v)
     with pytest.raises(ZeroDivisionError) as info:
         reciprocal.batch([1.0, 2.0, 0.0, 4.0])
-    assert "monadl.fold: while building input 2 (a float) of the batch" in info.value.__notes__
+    assert info.value.__notes__ == [
+        "monadl.fold: while building input 2 (a float) of the batch with InputTransform(<lambda>)"
+    ]
+
+
+def test_an_error_of_the_inputs_themselves_gets_no_note() -> None:
+    def inputs() -> Iterator[str]:
+        yield "a"
+        raise OSError("the file went away")
+
+    with pytest.raises(OSError, match="went away") as info:
+        InputTransform(len).batch(inputs())
+    assert not hasattr(info.value, "__notes__")
+
+
+# ---- reprs ------------------------------------------------------------------------------------------
+def cell(x: Any) -> Any:
+    return x
+
+
+def test_blocks_print_as_they_were_built() -> None:
+    assert repr(Function(cell)) == "Function(cell)"
+    assert repr(Map(Function(cell))) == "Map(Function(cell))"
+    assert repr(InputTransform(len) >> Function(cell)) == "InputTransform(len) >> Function(cell)"
+    assert repr(InputTransform(len) >> (InputTransform(str) >> InputTransform(str.upper))) == (
+        "InputTransform(len) >> InputTransform(str) >> InputTransform(str.upper)"
+    )
+    assert repr(Scalar()) == "Scalar('float32')"
+    assert repr(Vector(2, np.float64) >> Function(lambda v: v)) == "Vector(2, 'float64') >> Function(<lambda>)"
+    assert repr(Fold(Function(cell), Zeros((2,)))) == "Fold(Function(cell), Zeros((2,), 'float32'))"
+    assert repr(Optional(Vector(2), Zeros((2,)))) == "Optional(Vector(2, 'float32'), Zeros((2,), 'float32'))"
+    assert repr(Reduce(Function(cell))) == "Reduce(Function(cell))"
+    cases: dict[int, Block[Any, Any]] = {0: Scalar(), 1: Map(Scalar())}
+    assert repr(OneOf(len, cases)) == "OneOf(len, {0: Scalar('float32'), 1: Map(Scalar('float32'))})"
+    assert repr(AllOf(InputTransform(len), InputTransform(str))) == "AllOf(InputTransform(len), InputTransform(str))"
+    assert repr(Record(Scalar(), Vector(3))) == "Record(Scalar('float32'), Vector(3, 'float32'))"
+    assert repr(Record({"a": Scalar()})) == "Record({'a': Scalar('float32')})"
+    assert repr(Function(functools.partial(cell))) == "Function(cell)"  # (the function, through the partial)
+
+
+def test_a_recursive_declaration_prints_by_its_name_and_finitely() -> None:
+    depth = ForwardDeclaration[Any, int]("depth")
+    one_more = InputTransform[Any, Any](lambda t: t[0]) >> depth >> InputTransform[int, int](lambda d: d + 1)
+    body = OneOf(lambda t: t is None, {True: InputTransform[Any, int](lambda t: 0), False: one_more})
+    depth.resolve_to(body)
+    assert repr(depth) == "ForwardDeclaration('depth')"
+    assert repr(body) == (
+        "OneOf(<lambda>, {True: InputTransform(<lambda>), "
+        "False: InputTransform(<lambda>) >> ForwardDeclaration('depth') >> InputTransform(<lambda>)})"
+    )
+    unnamed = ForwardDeclaration[Any, Any]()
+    unnamed.resolve_to(Map(unnamed))
+    assert repr(unnamed) == f"ForwardDeclaration({id(unnamed):#x})"
+    assert repr(Map(unnamed)) == f"Map(ForwardDeclaration({id(unnamed):#x}))"
+    with pytest.raises(ValueError, match=r"ForwardDeclaration\('depth'\)\.resolve_to: already resolved"):
+        depth.resolve_to(body)
+
+
+def test_long_and_deep_blocks_are_cut() -> None:
+    chain: Block[Any, Any] = Scalar()
+    for _ in range(10_000):  # (a chain this long is walked without recursion)
+        chain = chain >> InputTransform(str)
+    assert repr(chain) == "Scalar('float32')" + " >> InputTransform(str)" * 5 + " >> ..."
+    nested: Block[Any, Any] = Scalar()
+    for _ in range(10):
+        nested = Map(nested)
+    assert repr(nested) == "Map(Map(Map(Map(Map(...)))))"
+    assert repr(AllOf(*[Scalar()] * 9)) == "AllOf(" + "Scalar('float32'), " * 6 + "...)"
+    assert repr(OneOf(int, {k: Scalar() for k in range(9)})).endswith("5: Scalar('float32'), ...})")
+
+
+def test_a_block_of_your_own_prints_its_class() -> None:
+    class Twice(Block[int, int]):
+        def _build(self, x: int) -> Build[int]:
+            y: int = yield from call(InputTransform[int, int](abs), x)
+            return 2 * y
+
+    assert Twice()(-3) == 6
+    assert repr(Twice()) == "Twice(...)"
