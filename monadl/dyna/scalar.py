@@ -245,7 +245,7 @@ class Program:
             first = a not in chart
             old = chart.get(a, semiring.zero)
             new = semiring.plus(old, update)
-            changed = first or new != old
+            changed = first or _moved(old, new)
             tape.append(Entry(a, None if first else old, update, changed))
             run.pops += 1
             chart[a] = new
@@ -278,7 +278,7 @@ class Program:
                 return abs(agenda[item]) > tolerance
             # elsewhere: pop when the update would still change the chart by more than tolerance
             new = semiring.plus(chart[item], agenda[item])
-            return bool(new != chart[item] and not abs(new - chart[item]) <= tolerance)
+            return _moved(chart[item], new) and not abs(new - chart[item]) <= tolerance
 
         if rank is not None:
             while heap:
@@ -326,8 +326,24 @@ class Program:
         0.3125
         """
         return goal_layer(
-            lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, 0.0), goal, axioms, weights
+            lambda values: self.run(values, **run_options),
+            lambda run: run.chart.get(
+                goal, self.semiring.zero
+            ),  # (never derived: the semiring's zero, as `ArrayRun.value`)
+            goal,
+            axioms,
+            weights,
         )
+
+
+def _moved(old: float, new: float) -> bool:
+    """Whether an item's value changed: NaN staying NaN does not (``NaN !=
+    NaN`` would pop a diverged cycle, inf + -inf, forever).
+
+    >>> _moved(1.0, 2.0), _moved(math.nan, math.nan), _moved(1.0, math.nan)
+    (True, False, True)
+    """
+    return new != old and not (math.isnan(new) and math.isnan(old))
 
 
 def parse(text: str, semiring: Semiring = REAL) -> Program:

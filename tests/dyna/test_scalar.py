@@ -217,3 +217,24 @@ def test_a_constant_rule_replaces_the_extra_axiom() -> None:
     # beside an axiom of the same item, the two add
     both = program.run({**axioms, ("pathto", 0): 0.5}, **options)
     assert both.chart[("total",)] == pytest.approx(1.5 * run.chart[("total",)], rel=1e-9)
+
+
+@pytest.mark.anyio
+async def test_a_goal_never_derived_is_the_semirings_zero() -> None:
+    from monadl.dyna import LOG_REAL, MIN_PLUS, parse
+
+    shortest = parse("path(J) += path(I) * edge(I, J). path(0) += 0.", MIN_PLUS)
+    assert await shortest.goal(("path", 2), {("edge", 0, 1): 1.0}).predict() == np.inf  # unreachable: not 0.0
+    assert await parse("b += a.", LOG_REAL).goal(("c",), {("a",): 0.0}).predict() == -np.inf  # probability 0
+    w = ml.Weight(np.array([0.5, 0.25]))
+    assert await ml.gradients(parse("s += x(I) * x(I).").goal(("t",), weights={"x": w}), [w]) == [
+        pytest.approx(np.zeros(2))
+    ]
+
+
+def test_a_cycle_that_diverges_to_nan_stops() -> None:
+    from monadl.dyna import parse
+
+    # Updates alternate to +inf and -inf; their sum is NaN, and NaN != NaN popped it forever.
+    run = parse("a += -2 * a. a += 1.").run({})
+    assert np.isnan(run.chart[("a",)]) and run.pops < 5000
