@@ -246,7 +246,20 @@ class ArrayProgram:
         positions = self.arrays.get(item[0], ())
         args = item[1:]
         packed = (item[0], *(a for k, a in enumerate(args) if k not in positions))
-        return packed, tuple(int(args[k]) for k in positions)
+        if not positions:
+            return packed, ()
+        sizes = self.shapes[item[0]]
+        index = []
+        for k, size in zip(positions, sizes):
+            a = args[k] if k < len(args) else None
+            # (an index, not a truncated float or a wrapped negative: another item would get its value)
+            if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not 0 <= a < size:
+                raise ValueError(
+                    f"{item}: argument {k} of {item[0]} is {a!r}, outside the array axes {sizes} of {item[0]} "
+                    f"(an int in 0..{size - 1})"
+                )
+            index.append(int(a))
+        return packed, tuple(index)
 
     def unlocate(self, packed: Item, index: tuple[int, ...]) -> Item:
         """The scalar item at ``index`` of a batched item (the inverse of `locate`).
@@ -299,10 +312,6 @@ class ArrayProgram:
             if packed not in agenda:
                 agenda[packed] = np.full(self.shapes.get(packed[0], ()), s.zero)
                 because[packed] = np.full(agenda[packed].shape, -1, dtype=np.intp)
-            if any(not 0 <= i < n for i, n in zip(index, agenda[packed].shape)):
-                raise ValueError(
-                    f"{scalar}: index {index} is outside the array axes {self.shapes[packed[0]]} of {packed[0]}"
-                )
             return packed, index
 
         for scalar, (_, _, value) in located.items():

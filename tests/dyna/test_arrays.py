@@ -138,3 +138,14 @@ def test_constant_rules_batched_match_item_at_a_time() -> None:
             assert got[item] == pytest.approx(value, rel=1e-7, abs=1e-12), item
     with pytest.raises(ValueError, match="outside the array axes"):
         ArrayProgram([Rule(("pathto", 9), [], 1.0)], arrays=PATH_ARRAYS).run({})
+
+
+def test_an_array_axis_argument_must_be_an_index_in_range() -> None:
+    program = ArrayProgram([Rule(("y",), [("x", "I")])], arrays={"x": {0: 3}})
+    for wrong in (1.7, -1, 3, True, "1"):
+        with pytest.raises(ValueError, match="outside the array axes"):
+            program.run({("x", wrong): 5.0})
+    run = program.run({("x", 1): 5.0, ("x", np.int64(2)): 7.0})
+    assert run.value(("y",)) == 12.0 and run.value(("x", 1)) == 5.0
+    with pytest.raises(ValueError, match="outside the array axes"):
+        run.value(("x", -1))  # not the last entry
