@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from monadl.direct import direct, values
+from monadl.errors import ShapeError
 from monadl.layers._functions import apply_primitive, log, mean, relu, softmax, stop_gradient, sum
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer
+from monadl.layers._site import caller_site, site_text
 from monadl.layers._weight import Weight
 from monadl.typeclasses.deep_learning import as_layer
 
@@ -202,7 +204,20 @@ def estimate_and_replace(
         given = await values(*arguments)
         if harden_arguments:
             given = tuple(harden(np.asarray(v)) for v in given)
-        return as_layer(np.asarray(black_box(*given), dtype=np.float64))
+        result = black_box(*given)
+        try:
+            value = np.asarray(result, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
+                f"{type(result).__name__} {result!r:.60}, not numbers ({error})"
+            ) from None
+        if result is None or value.dtype == object:
+            raise TypeError(
+                f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
+                f"{type(result).__name__}, not numbers (a missing return?)"
+            )
+        return as_layer(value)
 
     return replaced()
 
@@ -249,12 +264,30 @@ class Sampling:
 def squared_error(prediction: ArrayOperand, target: Array) -> ScalarLayer:
     """Mean squared difference: the default black-box loss, for regression outputs.
 
+    The prediction must have the target's shape: an estimator's ``(n, 1)``
+    column against a black box's ``(n,)`` outputs would broadcast to ``(n,
+    n)`` pairs and fit the wrong numbers, so it raises `monadl.ShapeError`
+    when the layer runs (reshape one of them).
+
     >>> import anyio, numpy as np
     >>> float(anyio.run(squared_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])).predict))
     2.5
     """
-    difference = as_layer(prediction) - target
-    return mean(difference * difference)
+    target = np.asarray(target)
+    site = site_text(caller_site())
+
+    @direct
+    async def difference(prediction: ArrayLayer) -> ArrayLayer:
+        (value,) = await values(prediction)
+        if tuple(np.shape(value)) != target.shape:
+            raise ShapeError(
+                f"squared_error at {site}: the prediction has shape {tuple(np.shape(value))}, the target {target.shape}; "
+                "they must be equal (reshape one: broadcasting them would pair every prediction with every target)"
+            )
+        return prediction - target
+
+    d = difference(as_layer(prediction))
+    return mean(d * d)
 
 
 def estimator_loss(

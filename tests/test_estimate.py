@@ -126,3 +126,31 @@ async def test_a_tiny_estinet_learns_through_its_estimator() -> None:
         black_box, lambda q: ml.sum(q * fixed), [ml.softmax(logits)], training=False
     ).predict()
     assert answer == 7.0
+
+
+async def test_squared_error_refuses_shapes_that_would_broadcast() -> None:
+    from monadl.estimate import estimator_loss, squared_error
+
+    assert await squared_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])).predict() == 2.5
+    # An estimator's (n, 1) column against a black box's (n,) outputs: (n, n) pairs, a wrong loss, before.
+    w = ml.Weight(np.array([[1.0], [2.0], [3.0]]))
+    loss = estimator_loss(lambda p: p @ np.array([1.0, 2.0, 3.0]), lambda p: p @ w, [np.eye(3)])
+    with pytest.raises(ml.ShapeError, match=r"prediction has shape \(3, 1\), the target \(3,\)") as raised:
+        await loss.predict()
+    assert "test_estimate.py" in str(raised.value)  # the user's line that built the loss
+    fitted = estimator_loss(lambda p: p @ np.array([1.0, 2.0, 3.0]), lambda p: ml.reshape(p @ w, (3,)), [np.eye(3)])
+    assert await fitted.predict() == 0.0
+    [g] = await ml.gradients(squared_error(ml.reshape(np.eye(3) @ w, (3,)), np.zeros(3)), [w])
+    np.testing.assert_allclose(g, 2.0 / 3.0 * np.array([[1.0], [2.0], [3.0]]))
+
+
+async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> None:
+    digit = ml.as_layer(np.array([0.1, 0.7, 0.2]))
+
+    def forgot_return(p: Any) -> None:
+        p @ np.array([0.0, 1.0, 2.0])
+
+    with pytest.raises(TypeError, match=r"black box 'test_a_black_box.*forgot_return' returned NoneType"):
+        await estimate_and_replace(forgot_return, lambda p: p, [digit], training=False).predict()
+    with pytest.raises(TypeError, match="returned str"):
+        await estimate_and_replace(lambda p: "one", lambda p: p, [digit], training=False).predict()
