@@ -48,7 +48,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
-from monadl._namespace import library_name, namespace
+from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer, Weight
 from monadl.layers._operation import Operation
@@ -383,6 +383,11 @@ def _decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any
         return type(like)(*parts) if fields is not None else tuple(parts)
     if kind == "array":
         array = tensors[node["tensor"]]
+        if not isinstance(like, (np.generic, float, int)) and not is_array(like):
+            raise CheckpointError(
+                f"{where}: the checkpoint has an array, the model's optimizer has {type(like).__name__} "
+                "(was the weight built with the same optimizer?)"
+            )
         if node["scalar"] and isinstance(like, (np.ndarray, np.generic)):
             return array[()]
         return _to_library(array, like)

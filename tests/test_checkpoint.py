@@ -238,6 +238,18 @@ def test_an_optimizer_of_another_structure_is_refused(saved: Path) -> None:
     assert "build the model with the optimizers it was saved with" in str(info.value)
 
 
+def test_an_array_state_loaded_into_another_optimizers_state_names_the_weight(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"encoder": ml.Weight(np.ones(3), optimizer=ml.optim.momentum(1e-2, 0.9))})  # its state: an array
+    for other in (ml.optim.adam(1e-2), ml.optim.rmsprop(1e-2)):
+        model = {"encoder": ml.Weight(np.zeros(3), optimizer=other)}
+        with pytest.raises(
+            ml.CheckpointError, match=r"weight 'encoder', optimizer state.*: the checkpoint has an array"
+        ):
+            ml.load(path, model)  # (it said only 'AdamState is not an array of a known array library')
+        np.testing.assert_array_equal(model["encoder"].data, np.zeros(3))
+
+
 def test_save_with_the_path_second_and_files_that_are_no_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="the path comes first"):
         ml.save(build(), str(tmp_path / "x"))  # type: ignore[arg-type]  # PyTorch's order, on purpose
