@@ -448,3 +448,10 @@ def test_a_layer_and_an_array_in_one_operand_place_batch_together(batching: bool
     with ml.settings(batching=batching):
         got = anyio.run(ml.gradients, loss, [w])
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-12)
+
+
+def test_a_weight_inside_an_index_is_no_data_to_a_signature() -> None:
+    # A weight has a shape and a dtype now, but in an index it is no array of data: such a node is never batched.
+    w, x = ml.Weight(np.zeros(2)), ml.Weight(np.ones((3, 4)))
+    assert _batching.signature({}, x[w, 0]) is None
+    assert _batching.signature({}, x[np.zeros(2, np.intp), 0]) is not None

@@ -125,6 +125,8 @@ def _param_key(p: Any) -> Any:
                 return None
             key.append(k)
         return tuple(key)
+    if kind is Weight:  # (in an index: refused when the node runs; a weight has a shape, but it is no data)
+        return None
     shape = getattr(p, "shape", None)
     if shape is not None and hasattr(p, "dtype"):
         return (kind, shape, p.dtype)
