@@ -1,11 +1,18 @@
 """A goal of a program as a monadl layer: the weights bound to functors give
-the axioms' values, and the run's gradient is the layer's backward pass."""
+the axioms' values, and the run's gradient is the layer's backward pass.
+
+The run (forward chaining, one long Python call) goes to a worker thread, so
+the event loop keeps its turns while it chains: a timeout or a cancellation
+around ``predict()`` or ``train()`` takes effect at once (the abandoned run
+finishes in its thread and changes nothing). Its backward, the tape's pops,
+runs in the backward pass as the other layers' do."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
+import anyio.to_thread
 import numpy as np
 
 from monadl.do import Do
@@ -82,7 +89,12 @@ def goal_layer(
 
         return Tape(result, backward)
 
-    return Layer(Do.gather(bound[f].forward() for f in functors).map(forward))
+    def in_a_thread(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
+        # Forward chaining is one long Python call: in a worker thread, the event loop keeps its
+        # turns (a timeout or cancellation takes effect; an abandoned run finishes unread, changing nothing).
+        return Do.from_async(lambda: anyio.to_thread.run_sync(forward, tapes, abandon_on_cancel=True))
+
+    return Layer(Do.gather(bound[f].forward() for f in functors).bind(in_a_thread))
 
 
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:

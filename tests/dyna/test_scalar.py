@@ -238,3 +238,34 @@ def test_a_cycle_that_diverges_to_nan_stops() -> None:
     # Updates alternate to +inf and -inf; their sum is NaN, and NaN != NaN popped it forever.
     run = parse("a += -2 * a. a += 1.").run({})
     assert np.isnan(run.chart[("a",)]) and run.pops < 5000
+
+
+@pytest.mark.anyio
+async def test_a_goal_layer_gives_the_event_loop_its_turns_while_it_chains() -> None:
+    import time
+
+    import anyio
+
+    from monadl.dyna import parse
+
+    ticks = 0
+    moved: list[int] = []
+
+    def stop(run: Any) -> bool:  # after a pop, in the run's thread: does the event loop move meanwhile?
+        start, deadline = ticks, time.monotonic() + 10.0
+        while ticks == start and time.monotonic() < deadline:
+            time.sleep(0.001)
+        moved.append(ticks - start)
+        return True  # (one pop is enough)
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(tick)
+        assert await parse("a += 1.").goal(("a",), stop=stop).predict() == 1.0
+        tasks.cancel_scope.cancel()
+    assert moved and moved[0] > 0  # (run in the loop's own thread, nothing moved until it ended)
