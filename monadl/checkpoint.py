@@ -153,7 +153,8 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             then renamed over it).
         model: any object that holds weights (see `named_weights`).
         metadata: JSON data to keep beside the weights (an epoch, a data
-            loader's position); `load` returns it.
+            loader's position); `load` returns it. NumPy scalars in it
+            (``np.int64(3)``, a float32 loss) are kept as Python numbers.
 
     Raises:
         CheckpointError: ``model`` holds no weight (nothing is written).
@@ -193,7 +194,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         )
     manifest = {"format": _FORMAT, "version": _VERSION, "weights": entries, "metadata": dict(metadata or {})}
     try:
-        text = json.dumps(manifest)
+        text = json.dumps(manifest, default=_json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
     _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
@@ -301,6 +302,10 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
     monadl.errors.CheckpointError: ...w.safetensors does not fit the model:
       - weight 'w': expected shape (4,), got (3,)
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"
+        )
     try:
         manifest = _manifest(os.fspath(path))
         tensors = load_file(os.fspath(path))
@@ -356,6 +361,13 @@ def _manifest(path: str) -> dict[str, Any]:
             f"this monadl reads {_FORMAT!r} up to version {_VERSION}"
         )
     return manifest
+
+
+def _json_scalar(x: object) -> Any:
+    """A NumPy scalar in metadata (a step count, a loss) as the Python number it holds."""
+    if isinstance(x, np.generic) and x.dtype.kind in "biuf":
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON")
 
 
 def _to_library(array: Any, like: Any) -> Any:

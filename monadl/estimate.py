@@ -62,7 +62,7 @@ def gumbel_softmax(
     >>> anyio.run(sample.predict)  # one-hot, almost surely the largest logit
     array([[0., 1., 0.]])
     """
-    if temperature <= 0:
+    if not temperature > 0:  # (NaN too: every sample would be NaN)
         raise ValueError(f"temperature must be positive, got {temperature}")
 
     @direct

@@ -32,6 +32,15 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     >>> anyio.run(gradients, ml.sum(w * w), [w])
     [array([2., 4.])]
     """
+    given: object = weights  # (typed a sequence; a user may pass one weight all the same)
+    if isinstance(given, Expr):  # (a layer is not iterated: its message would not say what to pass)
+        raise TypeError(
+            f"gradients(loss, weights): weights is a list of Weights ([w] for one), got a {type(given).__name__}"
+        )
+    weights = list(weights)  # (read twice below: an iterator would be used up)
+    others = sorted({type(w).__name__ for w in weights if not isinstance(w, Weight)})
+    if others:
+        raise TypeError(f"gradients(loss, weights): weights is a list of Weights, got {', '.join(others)} among them")
     _, grads = await entry.gradients(loss)
     return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
 

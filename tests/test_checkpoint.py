@@ -423,3 +423,17 @@ def test_weights_of_another_array_library_round_trip_in_their_library(tmp_path: 
     assert type(fresh["w"].state[0].mu) is type(trained["w"].state[0].mu)
     np.testing.assert_array_equal(np.from_dlpack(fresh["w"].data), np.from_dlpack(trained["w"].data))
     assert fresh["w"].state[0].step == 1
+
+
+def test_load_with_the_path_second_says_the_order(tmp_path: Path) -> None:
+    model = build()
+    with pytest.raises(TypeError, match=r"load\(path, model\): the path comes first"):
+        ml.load(model, str(tmp_path / "x"))  # type: ignore[arg-type]  # save's order mistaken, on purpose
+
+
+def test_numpy_scalars_in_metadata_are_kept_as_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ml.save(path, build(), metadata={"epoch": np.int64(3), "loss": np.float32(0.5), "done": np.bool_(True)})
+    assert ml.load(path, build()) == {"epoch": 3, "loss": 0.5, "done": True}
+    with pytest.raises(TypeError, match=r"metadata must be JSON.*Generator is not JSON"):
+        ml.save(path, build(), metadata={"rng": np.random.default_rng()})

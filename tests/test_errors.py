@@ -288,3 +288,13 @@ async def test_integer_data_takes_the_float_weights_dtype() -> None:
     np.testing.assert_array_equal(w.data, np.array([0.5, 0.0, -0.5], np.float32))
     with pytest.raises(ml.DTypeError, match="mix float32 and float64"):
         await ml.sum(w * np.ones(3)).predict()  # float64 data: refused, as before
+
+
+@pytest.mark.anyio
+async def test_gradients_wants_a_list_of_weights() -> None:
+    w = ml.Weight(np.ones(2))
+    with pytest.raises(TypeError, match=r"a list of Weights \(\[w\] for one\), got a Weight"):
+        await ml.gradients(ml.sum(w), w)  # type: ignore[arg-type]  # one weight, not a list: on purpose
+    with pytest.raises(TypeError, match="got ndarray among them"):
+        await ml.gradients(ml.sum(w), [np.ones(2)])  # type: ignore[list-item]  # an array for a weight: on purpose
+    assert [g.tolist() for g in await ml.gradients(ml.sum(w * w), iter([w]))] == [[2.0, 2.0]]  # type: ignore[arg-type]

@@ -154,3 +154,8 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
         await estimate_and_replace(forgot_return, lambda p: p, [digit], training=False).predict()
     with pytest.raises(TypeError, match="returned str"):
         await estimate_and_replace(lambda p: "one", lambda p: p, [digit], training=False).predict()
+
+
+def test_a_nan_temperature_is_refused() -> None:
+    with pytest.raises(ValueError, match="temperature must be positive, got nan"):
+        gumbel_softmax(np.zeros((1, 3)), float("nan"), np.random.default_rng(0))
