@@ -40,7 +40,7 @@ from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.einsum import Array, ArrayAlgebra, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import goal_layer
+from monadl.dyna.layer import check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer, Weight
@@ -197,6 +197,7 @@ class ArrayProgram:
         self.arrays = {f: tuple(sorted(p)) for f, p in arrays.items()}
         self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
         self.constants = [rule for rule in rules if not rule.body]
+        self.heads = {rule.head[0] for rule in rules}
         packed: list[Rule] = []
         self.subscripts: dict[int, tuple[tuple[str, ...], str]] = {}
         self.originals: dict[int, Rule] = {}
@@ -287,6 +288,7 @@ class ArrayProgram:
         >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
         0.3125
         """
+        check_goal(goal, self.heads, axioms, weights)
         return goal_layer(
             lambda values: self.run(values, **run_options), lambda run: run.value(goal), goal, axioms, weights
         )

@@ -9,7 +9,7 @@ runs in the backward pass as the other layers' do."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
@@ -20,7 +20,7 @@ from monadl.dyna.syntax import Item
 from monadl.layers import Layer, Weight
 from monadl.tape import Tape
 
-__all__ = ["Differentiable", "bind_weight", "goal_layer"]
+__all__ = ["Differentiable", "bind_weight", "check_goal", "goal_layer"]
 
 
 class Differentiable(Protocol):
@@ -95,6 +95,30 @@ def goal_layer(
         return Do.from_async(lambda: anyio.to_thread.run_sync(forward, tapes, abandon_on_cancel=True))
 
     return Layer(Do.gather(bound[f].forward() for f in functors).bind(in_a_thread))
+
+
+def check_goal(
+    goal: Item,
+    heads: Iterable[str],
+    axioms: Mapping[Item, float] | None,
+    weights: Mapping[Any, Weight[Any, Any]] | None,
+) -> None:
+    """Refuse a goal whose functor nothing can give a value (a misspelt name
+    would read the semiring's zero, silently): no rule's head, no axiom and
+    no weight has it.
+
+    >>> check_goal(("stpo", 3), ["stop", "pathto"], {("edge", 0, 1): 1.0}, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: goal ('stpo', 3): no rule derives stpo, and no axiom or weight gives it (rules derive pathto, stop)
+    """
+    known = set(heads)
+    if goal[0] in known or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {}):
+        return
+    raise ValueError(
+        f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
+        f"(rules derive {', '.join(sorted(map(str, known))) or 'nothing'})"
+    )
 
 
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:

@@ -21,7 +21,7 @@ from typing import Any, TypeAlias, final
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import goal_layer
+from monadl.dyna.layer import check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
 from monadl.layers import Layer, Weight
@@ -325,14 +325,10 @@ class Program:
         >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
         0.3125
         """
+        check_goal(goal, [rule.head[0] for rule in self.rules], axioms, weights)
+        zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
-            lambda values: self.run(values, **run_options),
-            lambda run: run.chart.get(
-                goal, self.semiring.zero
-            ),  # (never derived: the semiring's zero, as `ArrayRun.value`)
-            goal,
-            axioms,
-            weights,
+            lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, zero), goal, axioms, weights
         )
 
 

@@ -160,7 +160,7 @@ def _split_rules(text: str) -> list[str]:
     """Split at the '.' that ends a rule, not the one inside a number."""
     out, current = [], ""
     for i, ch in enumerate(text):
-        if ch == "." and not (i + 1 < len(text) and text[i + 1].isdigit() and current[-1:].isdigit()):
+        if ch == "." and not (i + 1 < len(text) and text[i + 1].isdigit()):  # (a rule starts with a name)
             out.append(current)
             current = ""
         else:
@@ -189,4 +189,16 @@ def _term(text: str, statement: str) -> Pattern:
     if found is None:
         raise ValueError(f"in {statement!r}: {text.strip()!r} is not an item like name(X, 3)")
     args = [a.strip() for a in found.group(2).split(",")] if found.group(2) else []
-    return (found.group(1), *(int(a) if a.lstrip("-").isdigit() else a for a in args))
+    return (found.group(1), *(_constant(a) for a in args))
+
+
+def _constant(text: str) -> object:
+    """An argument: an int or a float where it is a number (as the items of
+    axioms are written in Python), else a name or a variable, as written.
+
+    >>> _constant("3"), _constant("-0.5"), _constant("X"), _constant("red")
+    (3, -0.5, 'X', 'red')
+    """
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return float(text) if _NUMBER.match(text) else text

@@ -225,11 +225,13 @@ async def test_a_goal_never_derived_is_the_semirings_zero() -> None:
 
     shortest = parse("path(J) += path(I) * edge(I, J). path(0) += 0.", MIN_PLUS)
     assert await shortest.goal(("path", 2), {("edge", 0, 1): 1.0}).predict() == np.inf  # unreachable: not 0.0
-    assert await parse("b += a.", LOG_REAL).goal(("c",), {("a",): 0.0}).predict() == -np.inf  # probability 0
+    assert await parse("b(X) += a(X).", LOG_REAL).goal(("b", 2), {("a", 1): 0.0}).predict() == -np.inf  # prob. 0
     w = ml.Weight(np.array([0.5, 0.25]))
-    assert await ml.gradients(parse("s += x(I) * x(I).").goal(("t",), weights={"x": w}), [w]) == [
+    assert await ml.gradients(parse("s(I) += x(I) * x(I).").goal(("s", 5), weights={"x": w}), [w]) == [
         pytest.approx(np.zeros(2))
     ]
+    with pytest.raises(ValueError, match=r"goal \('stpo', 2\): no rule derives stpo.*\(rules derive path\)"):
+        shortest.goal(("stpo", 2), {("edge", 0, 1): 1.0})  # misspelt: it would read the zero, silently
 
 
 def test_a_cycle_that_diverges_to_nan_stops() -> None:

@@ -31,3 +31,12 @@ def test_a_constant_needs_a_ground_head_and_a_value() -> None:
         parse("pathto(J) += 1.")
     with pytest.raises(ValueError, match="body is empty"):
         parse("pathto(0) += .")
+
+
+def test_numbers_in_rules_as_python_writes_them() -> None:
+    from monadl.dyna import parse
+
+    assert parse("a += .5.").run({}).chart == {("a",): 0.5}  # (the body was 'empty')
+    rule = parse("q(0.5, X) += r(X, -2, 1e3).").rules[0]
+    assert rule.head == ("q", 0.5, "X") and rule.body == [("r", "X", -2, 1000.0)]  # (0.5 was the string '0.5')
+    assert parse("q(0.5, X) += r(X).").run({("r", 1): 2.0}).chart[("q", 0.5, 1)] == 2.0
