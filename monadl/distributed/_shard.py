@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
 import numpy.typing as npt
 
+from monadl.checkpoint import named_weights
 from monadl.layers import Weight
 
 __all__ = ["find_weights", "shard"]
@@ -18,38 +18,22 @@ T = TypeVar("T")
 def find_weights(model: object) -> tuple[Weight[Any, Any], ...]:
     """The distinct weights a model holds, in a deterministic order.
 
-    Walks attributes, dataclass fields, lists, tuples and dict values (in
-    insertion order), without recursion.
+    The weights `monadl.checkpoint.named_weights` names, in its order: the
+    walk (attributes in ``__dict__`` and ``__slots__``, dataclass fields,
+    lists, tuples and dict values in insertion order, without recursion) is
+    written once, so that a model ``ml.save`` can save is a model
+    `DataParallel` can train.
+
+    Raises:
+        CheckpointError: the model holds weights in a set, whose order is
+            not the same in every process.
 
     >>> import numpy as np, monadl as ml
     >>> a, b = ml.Weight(np.zeros(2)), ml.Weight(1.0)
     >>> find_weights({"layers": [a, (b, a)]}) == (a, b)
     True
     """
-    found: dict[int, Weight[Any, Any]] = {}
-    seen: set[int] = set()
-    stack: list[object] = [model]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Weight):
-            found.setdefault(id(item), item)
-            continue
-        children: Iterable[object]
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            children = [getattr(item, f.name) for f in dataclasses.fields(item)]
-        elif hasattr(item, "__dict__") and not isinstance(item, type) and type(item).__module__ != "builtins":
-            children = vars(item).values()
-        else:
-            continue
-        stack.extend(reversed(list(children)))  # popped in their own order
-    return tuple(found.values())
+    return tuple(named_weights(model).values())
 
 
 @overload

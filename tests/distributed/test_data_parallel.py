@@ -240,3 +240,39 @@ def test_a_sum_that_overflows_stops_every_rank() -> None:
         return "raised"
 
     assert run_local(2, rank) == ["raised", "raised"]
+
+
+class Slotted:
+    """A model whose weights live in ``__slots__``, as `ml.save` finds them."""
+
+    __slots__ = ("b", "w")
+
+    def __init__(self) -> None:
+        self.w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+        self.b = ml.Weight(0.5, optimizer=ml.optim.sgd(0.1))
+
+
+class Subclassed(Slotted):
+    """Slots and, through the subclass, a ``__dict__``: its attributes come first, as in `ml.save`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.1))
+
+
+def test_weights_held_in_slots_are_found_in_the_checkpoints_order_and_trained() -> None:
+    model = Subclassed()
+    assert find_weights(model) == tuple(ml.checkpoint.named_weights(model).values()) == (model.head, model.b, model.w)
+    x = np.array([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]])
+
+    async def rank(comm: Communicator) -> tuple[int, npt.NDArray[Any], Any]:
+        model = Slotted()
+        dp = DataParallel(model, comm)
+        await dp.train(ml.sum(model.w * x[comm.rank]) + model.b * (comm.rank + 1.0))
+        return len(dp.weights), model.w.data, model.b.data
+
+    # The gradients averaged: [2, 3, 4] for w, 1.5 for b; sgd(0.1) steps by a tenth of them.
+    for found, w, b in run_local(2, rank):
+        assert found == 2
+        np.testing.assert_allclose(w, [0.8, 0.7, 0.6], rtol=1e-15)
+        assert b == pytest.approx(0.35, rel=1e-15)
