@@ -33,8 +33,9 @@ class RankFailure(MonadlError, RuntimeError):
     """A data-parallel step that some rank could not take; no rank stepped.
 
     Raised on every rank alike. ``failures`` maps each failed rank to why it
-    failed (its exception, or a non-finite gradient); it is empty when a peer
-    never answered (it died, or hangs), which ``reason`` then says.
+    failed (its exception, or a non-finite gradient); it is empty when no
+    one rank is to blame, which ``reason`` then says: a peer never answered
+    (it died, or hangs), or the ranks hold models of different shapes.
 
     >>> str(RankFailure({1: "ValueError: bad batch"}))
     'no rank stepped: rank 1 failed: ValueError: bad batch'

@@ -10,6 +10,10 @@ anything).
 ``python mpi_ranks.py kill OUT``: rank 1 is killed (SIGKILL) in the forward
 of its first step; the survivor writes what it raised to ``OUT/rank0.json``.
 
+``python mpi_ranks.py mismatch OUT``: the ranks build weights of different
+shapes (3 and 1 numbers) and train them, overlapped, twice; each writes what
+it raised and whether its weight changed to ``OUT/rank{r}.json``.
+
 The models and batches come from `model_batches`, which the test also uses
 for its one-process reference.
 """
@@ -122,11 +126,27 @@ async def kill(out: Path) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+async def mismatch(out: Path) -> None:
+    from monadl.distributed import DataParallel, RankFailure, mpi_world
+
+    comm = mpi_world(timeout=20.0)
+    weight = ml.Weight(np.ones(3 if comm.rank == 0 else 1), optimizer=ml.optim.sgd(1.0))
+    dp = DataParallel({"w": weight}, comm, overlap=True)
+    report: dict[str, Any] = {"errors": []}
+    for _ in range(2):
+        try:
+            await dp.train(ml.sum(weight * (comm.rank + 1.0)))
+        except RankFailure as error:
+            report["errors"].append(str(error))
+    report["unchanged"] = bool(np.array_equal(weight.data, np.ones_like(weight.data)))
+    (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
+
+
 def main() -> None:
     import anyio
 
     mode, out = sys.argv[1], Path(sys.argv[2])
-    anyio.run(train if mode == "train" else kill, out)
+    anyio.run({"train": train, "kill": kill, "mismatch": mismatch}[mode], out)
     if mode == "kill":
         # After a dead peer MPI cannot finalize (its finalize would wait for
         # the dead rank): leave without it, as a real job would after the error.

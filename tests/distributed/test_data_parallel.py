@@ -276,3 +276,73 @@ def test_weights_held_in_slots_are_found_in_the_checkpoints_order_and_trained() 
         assert found == 2
         np.testing.assert_allclose(w, [0.8, 0.7, 0.6], rtol=1e-15)
         assert b == pytest.approx(0.35, rel=1e-15)
+
+
+def run_different(models: list[Any], overlap: bool = False) -> list[tuple[str, bool]]:
+    """Each rank builds ``models[rank]``, trains it twice; what it raised each time and whether it stayed as it was."""
+
+    async def rank(comm: Communicator) -> tuple[str, bool]:
+        model = models[comm.rank]
+        weights = find_weights(model)
+        before = [np.array(w.data) for w in weights]
+        dp = DataParallel(model, comm, overlap=overlap)
+        messages = []
+        for _ in range(2):  # a refused first step is refused again: no rank stepped, nothing was agreed
+            with pytest.raises(RankFailure) as caught:
+                await dp.train(ml.sum(weights[0]))  # refused before the forward
+            assert caught.value.failures == {}
+            messages.append(str(caught.value))
+        assert messages[0] == messages[1]
+        return messages[0], all(np.array_equal(b, w.data) for b, w in zip(before, weights))
+
+    return run_local(len(models), rank)
+
+
+SAME_MODEL = "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers)"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ranks_whose_weights_differ_in_shape_stop_before_any_step(overlap: bool) -> None:
+    sgd = ml.optim.sgd(1.0)
+    models = [{"w": ml.Weight(np.ones(3), optimizer=sgd)}, {"w": ml.Weight(np.ones(1), optimizer=sgd)}]
+    expected = "no rank stepped: the ranks hold different models: weight 0 is 'w' float64[3] on rank 0, 'w' float64[1] on rank 1"
+    assert run_different(models, overlap) == [(expected + SAME_MODEL, True)] * 2
+
+
+def test_ranks_whose_weights_differ_in_dtype_name_or_number_stop_before_any_step() -> None:
+    def weight(dtype: Any = np.float64) -> ml.ArrayWeight:
+        return ml.Weight(np.ones(2, dtype), optimizer=ml.optim.sgd(1.0))
+
+    dtype = run_different([[weight(), weight()], [weight(), weight(np.float32)], [weight(), weight()]])
+    assert {message for message, _ in dtype} == {
+        "no rank stepped: the ranks hold different models: weight 1 is '1' float64[2] on ranks 0, 2, "
+        "'1' float32[2] on rank 1" + SAME_MODEL
+    }
+    # Dicts filled in another order pair "a" with "b": as wrong as another shape.
+    a, b = weight(), weight()
+    name = run_different([{"a": a, "b": b}, {"b": weight(), "a": weight()}])
+    assert name[0][0] == (
+        "no rank stepped: the ranks hold different models: weight 0 is 'a' float64[2] on rank 0, "
+        "'b' float64[2] on rank 1" + SAME_MODEL
+    )
+    number = run_different([[weight()], [weight(), weight()]])
+    assert number[0][0] == (
+        "no rank stepped: the ranks hold different models: weight 1 is absent on rank 0, '1' float64[2] on rank 1 "
+        "(1 weight on rank 0, 2 weights on rank 1)" + SAME_MODEL
+    )
+    assert all(unchanged for _, unchanged in dtype + name + number)
+
+
+def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
+    async def rank(comm: Communicator) -> list[int]:
+        net = Net(0)
+        counting = Counting(comm)
+        dp = DataParallel(net, counting)
+        gathered = []
+        for x, y, head in batches(3):
+            await dp.train(net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head))
+            gathered.append(counting.gathered)
+        return gathered
+
+    status = 1 + 3 * 5  # a failure's length; per weight of Net: kind, rows, position
+    assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2

@@ -104,3 +104,18 @@ def test_a_rank_killed_mid_step_is_reported_by_the_survivor(tmp_path: Path) -> N
     assert report["unchanged"]
     assert "rank 0: no answer from the other ranks in all-gather within 5 s (a rank died or hangs)" in report["error"]
     assert not (tmp_path / "rank1.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mpi")
+def test_processes_whose_weights_differ_in_shape_stop_before_any_all_reduce(tmp_path: Path) -> None:
+    done = launch("mismatch", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = (
+        "no rank stepped: the ranks hold different models: weight 0 is 'w' float64[3] on rank 0, "
+        "'w' float64[1] on rank 1; every rank must build the same model (the same weights, shapes and dtypes, "
+        "in the same containers)"
+    )
+    for r in range(2):
+        report: dict[str, Any] = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert report == {"errors": [expected, expected], "unchanged": True}
