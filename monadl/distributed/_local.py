@@ -59,7 +59,7 @@ class LocalCommunicator(Communicator):
         return self._board.size
 
     async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
-        return np.concatenate(await self._exchange(send, "all-gather"))
+        return np.concatenate(_alike(await self._exchange(send, "all-gather"), "all-gather", rows=True))
 
     async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _sum(await self._exchange(send, "all-reduce"))
@@ -69,7 +69,7 @@ class LocalCommunicator(Communicator):
         return _LocalPending(self, key)
 
     async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
-        return (await self._exchange(buffer, "broadcast"))[root].copy()
+        return _alike(await self._exchange(buffer, "broadcast"), "broadcast")[root].copy()
 
     async def _exchange(self, send: npt.NDArray[Any], what: str) -> list[npt.NDArray[Any]]:
         key = self._deposit(send)
@@ -112,8 +112,25 @@ class _LocalPending(Pending):
         return _sum(comm._collect(self._key))
 
 
+def _alike(parts: list[npt.NDArray[Any]], what: str, rows: bool = False) -> list[npt.NDArray[Any]]:
+    """``parts``, if every rank sent the same shape (past the first axis, for ``rows``) and dtype.
+
+    MPI needs them alike, and fails, truncates or hangs where they are not;
+    NumPy would broadcast a (1,) array into a (3,) one, or promote a dtype,
+    silently. So ranks in threads refuse what ranks in processes cannot do,
+    every rank with the same error.
+    """
+    first = parts[0]
+    skip = 1 if rows else 0
+    if any(p.shape[skip:] != first.shape[skip:] or p.dtype != first.dtype for p in parts):
+        sent = ", ".join(f"{p.dtype}{list(p.shape)} on rank {r}" for r, p in enumerate(parts))
+        alike = "rows of the same shape" if rows else "the same shape"
+        raise ValueError(f"{what} of arrays that differ between ranks: {sent} (every rank must send {alike} and dtype)")
+    return parts
+
+
 def _sum(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
-    total = parts[0].copy()
+    total = _alike(parts, "all-reduce")[0].copy()
     with np.errstate(over="ignore"):  # as in MPI: an overflow is the caller's to find in the sum
         for part in parts[1:]:  # in rank order on every rank, so every rank gets the same bits
             total += part

@@ -1,0 +1,45 @@
+"""Ranks as threads: the collectives refuse what MPI cannot do, where NumPy would do it silently."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from monadl.distributed import Communicator, run_local
+
+
+def test_an_all_reduce_of_arrays_that_differ_between_ranks_is_refused_on_every_rank() -> None:
+    async def rank(comm: Communicator) -> str:
+        send = np.ones(3) if comm.rank == 0 else np.ones(1)  # NumPy would broadcast (1,) into (3,)
+        with pytest.raises(ValueError) as caught:
+            await comm.allreduce(send)
+        return str(caught.value)
+
+    assert (
+        run_local(2, rank)
+        == [
+            "all-reduce of arrays that differ between ranks: float64[3] on rank 0, float64[1] on rank 1 "
+            "(every rank must send the same shape and dtype)"
+        ]
+        * 2
+    )
+
+
+def test_an_all_gather_refuses_rows_of_another_shape_or_dtype_and_takes_rows_of_any_count() -> None:
+    async def rank(comm: Communicator) -> tuple[list[float], str]:
+        rows = await comm.allgather(np.full((comm.rank + 1, 2), comm.rank, np.float64), [1, 2])
+        with pytest.raises(ValueError) as caught:
+            await comm.allgather(np.zeros(2, np.float32 if comm.rank else np.float64), [2, 2])  # NumPy would promote
+        return rows.ravel().tolist(), str(caught.value)
+
+    assert (
+        run_local(2, rank)
+        == [
+            (
+                [0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+                "all-gather of arrays that differ between ranks: float64[2] on rank 0, float32[2] on rank 1 "
+                "(every rank must send rows of the same shape and dtype)",
+            )
+        ]
+        * 2
+    )
