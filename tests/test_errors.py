@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -229,6 +230,23 @@ def test_numpy_functions_on_layers_name_the_monadl_function() -> None:
     # As for any object: an array is not equal to a layer, so `in` works.
     assert (np.ones(3) == w) is False and (np.ones(3) != w) is True
     assert w in [np.ones(3), w]
+
+
+def test_numpy_functions_on_layers_and_weights_say_the_monadl_spelling() -> None:
+    w = ml.Weight(np.ones(3))
+    layer = ml.tanh(w)
+    f: Any = np  # (mypy rejects each of these calls: Any lets them run)
+    calls: list[tuple[Callable[[], object], str]] = [
+        (lambda: f.sum(w), r"np\.sum cannot take a monadl Weight: use ml\.sum\(\.\.\.\)"),  # (was: no 'out')
+        (lambda: f.mean(layer), r"np\.mean cannot take a monadl Layer: use ml\.mean"),  # (was: no 'dtype')
+        (lambda: f.concatenate([w, layer]), r"np\.concatenate .* use ml\.concatenate"),  # (was: 'zero-dimensional')
+        (lambda: f.linalg.norm(w), r"np\.norm .*no differentiable counterpart.*a weight's is w\.data"),
+        (lambda: f.shape(w), r"np\.shape .*a weight has \.shape"),
+    ]
+    for call, message in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert np.shape(w.data) == w.shape == (3,)
 
 
 def test_every_hinted_ufunc_has_its_monadl_function() -> None:

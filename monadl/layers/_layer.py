@@ -21,7 +21,7 @@ from monadl.errors import OperandError
 from monadl.layers._arrays import Array, DeviceArray
 from monadl.layers._primitives import PRIMITIVES, Primitive
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
-from monadl.layers._ufunc import UfuncHook
+from monadl.layers._ufunc import UfuncHook, array_function
 from monadl.layers._unvalued import Unvalued
 from monadl.tape import Tape
 
@@ -89,6 +89,7 @@ class Expr(Unvalued, Generic[D, G]):
     # other ufuncs raise a hint); CuPy sees None (its cue to call our
     # reflected operators). See `_UfuncHook`.
     __array_ufunc__ = UfuncHook()
+    __array_function__ = array_function  # (np.sum(w), np.concatenate([a, b]): refused with the ml spelling)
 
     def forward(self) -> Do[Tape[D, G]]:
         """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""

@@ -13,7 +13,7 @@ from monadl.layers._primitives import PRIMITIVES
 if TYPE_CHECKING:
     from monadl.layers._layer import Expr, Layer
 
-__all__ = ["DIFFERENTIABLE", "UfuncHook"]
+__all__ = ["DIFFERENTIABLE", "UfuncHook", "array_function"]
 
 
 # The operators a NumPy ufunc stands for when an array is on the left of a
@@ -67,6 +67,26 @@ def _array_ufunc(self: Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **
             "or compute on a forward value (await layer.predict())"
         )
     raise TypeError(f"{what} cannot take a monadl {type(self).__name__}: {hint}")
+
+
+def array_function(self: Expr[Any, Any], func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    """``__array_function__`` of layers and weights: a NumPy function
+    (``np.sum(w)``, ``np.concatenate([a, b])``) refused with monadl's
+    spelling; without it NumPy called ``w.sum(out=None)`` or made an array of
+    the objects, with errors that named neither."""
+    import monadl.layers as layers  # (at call time: layers import this module)
+
+    name = func.__name__
+    if name in ("shape", "ndim", "size"):
+        hint = f"a weight has .{name} (of its data); a layer's is known when it runs (await layer.predict())"
+    elif hasattr(layers, name):
+        hint = f"use ml.{name}(...), its differentiable counterpart"
+    else:
+        hint = (
+            "monadl has no differentiable counterpart: compose one from monadl's functions, "
+            "or compute on a forward value (await layer.predict(); a weight's is w.data)"
+        )
+    raise TypeError(f"np.{name} cannot take a monadl {type(self).__name__}: {hint}")
 
 
 # NumPy ufuncs with a monadl function of the same name (a test keeps this true).
