@@ -176,7 +176,14 @@ class MpiCommunicator(Communicator):
     __slots__ = ("_comm", "timeout")
 
     def __init__(self, comm: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ModuleNotFoundError as error:
+            raise ModuleNotFoundError(
+                f"{error}: MPI data parallelism needs mpi4py (pip install 'monadl[mpi]', with an MPI library); "
+                "without it, monadl.distributed.run_local runs ranks as threads of one process",
+                name=error.name,
+            ) from None
 
         self._comm: Any = MPI.COMM_WORLD if comm is None else comm
         self.timeout = timeout

@@ -53,7 +53,9 @@ def shard(data: Any, rank: int, size: int, *, drop_last: bool = False) -> Any:
     >>> shard(list(range(7)), 0, 3, drop_last=True)
     [0, 3]
     """
+    if size < 1:
+        raise ValueError(f"shard: size is the number of ranks, at least 1, got {size}")
     if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in 0..{size - 1}")
+        raise ValueError(f"shard: rank {rank} is not in 0..{size - 1}")
     end = len(data) - len(data) % size if drop_last else len(data)
     return data[rank:end:size]

@@ -229,6 +229,18 @@ def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
     assert [len(shard(x, r, 3, drop_last=True)) for r in range(3)] == [3, 3, 3]
     with pytest.raises(ValueError, match=r"rank 3 is not in 0\.\.2"):
         shard(x, 3, 3)
+    with pytest.raises(ValueError, match="size is the number of ranks, at least 1, got 0"):
+        shard(x, 0, 0)  # (it said 'rank 0 is not in 0..-1')
+
+
+def test_mpi_without_mpi4py_says_how_to_get_it_or_do_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from monadl.distributed import MpiCommunicator
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # (import mpi4py: ModuleNotFoundError, as where it is absent)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'monadl\[mpi\]'.*run_local runs ranks as threads"):
+        MpiCommunicator()
 
 
 def test_a_sum_that_overflows_stops_every_rank() -> None:
