@@ -86,6 +86,11 @@ def harden(probabilities: Array, axis: int = -1) -> Array:
     >>> harden(np.array([[0.2, 0.7, 0.1]]))
     array([[0., 1., 0.]])
     """
+    if np.ndim(probabilities) == 0:
+        raise ValueError(
+            f"harden: a one-hot needs a distribution over classes along an axis; got a scalar "
+            f"({type(probabilities).__name__}): a discrete argument is a probability vector"
+        )
     index = np.argmax(probabilities, axis=axis)
     one_hot: Array = np.moveaxis(np.eye(probabilities.shape[axis], dtype=probabilities.dtype)[index], -1, axis)
     return one_hot
@@ -132,6 +137,10 @@ def diversity_penalty(probabilities: ArrayOperand, axis: int = -1) -> ScalarLaye
     async def penalty(p: ArrayLayer) -> ScalarLayer:
         (value,) = await values(p)
         shape = np.shape(value)
+        if not shape or 0 in shape:  # (log(n) minus the entropy of a mean of nothing: NaN)
+            raise ShapeError(
+                f"diversity_penalty: the distributions have shape {shape}; it needs at least one, over classes"
+            )
         classes, others = shape[axis], tuple(a for a in range(len(shape)) if a != axis % len(shape))
         marginal = mean(p, axis=others) if others else p
         return float(np.log(classes)) + sum(marginal * log(marginal + 1e-12))

@@ -159,3 +159,12 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
 def test_a_nan_temperature_is_refused() -> None:
     with pytest.raises(ValueError, match="temperature must be positive, got nan"):
         gumbel_softmax(np.zeros((1, 3)), float("nan"), np.random.default_rng(0))
+
+
+async def test_scalars_and_empty_batches_are_refused_with_what_they_need() -> None:
+    with pytest.raises(ValueError, match="harden: a one-hot needs a distribution"):
+        harden(np.float64(0.3))  # type: ignore[arg-type]  # a scalar, on purpose (it was an IndexError)
+    with pytest.raises(ValueError, match="harden: a one-hot needs"):
+        await estimate_and_replace(lambda p: p, lambda p: p, [ml.as_layer(0.3)], training=False).predict()
+    with pytest.raises(ml.ShapeError, match=r"diversity_penalty: the distributions have shape \(0, 3\)"):
+        await diversity_penalty(np.zeros((0, 3))).predict()  # (it was NaN)
