@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
+import monadl as ml
 from monadl.deltas import SparseRows, scatter_add
 
 
@@ -47,3 +50,28 @@ def test_a_part_whose_rows_broadcast_over_its_indices_sums_as_one_row_each() -> 
     assert unique.tolist() == [1, 2] and summed.tolist() == [[2.0] * 3, [1.0] * 3]
     both = one + SparseRows(np.arange(70) % 7, np.ones((70, 3)), (7, 3))  # (and beside a part summed on its own)
     np.testing.assert_array_equal(both.summed()[1], [[10.0] * 3, [12.0] * 3, [11.0] * 3] + [[10.0] * 3] * 4)
+
+
+@pytest.mark.parametrize("rows", [4, 300])  # (the one-hot product for small tables; add.at for large)
+def test_scatter_add_of_masks_negative_indices_and_infinities_is_add_at(rows: int) -> None:
+    rng = np.random.default_rng(0)
+    cases: list[tuple[Any, Any]] = [
+        (np.ones(rows, bool), rng.standard_normal((rows, 2))),  # every row picked (row 1 got them all: 1 == True)
+        (np.array([-1, rows - 1, 0, -rows]), rng.standard_normal((4, 2))),  # counted from the end (lost before)
+        (np.array([1, 2]), np.array([[1.0, np.inf], [2.0, 3.0]])),  # an inf: 0 * inf was NaN in other rows
+    ]
+    for index, values in cases:
+        expected = np.zeros((rows, 2))
+        np.add.at(expected, index, values)
+        got = scatter_add(np, np.zeros((rows, 2)), index, values)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)  # (inf and NaN where add.at has them)
+
+
+@pytest.mark.anyio
+async def test_the_gradient_of_a_full_mask_and_of_negative_indices() -> None:
+    w = ml.Weight(np.ones((4, 2)))
+    c = np.arange(1.0, 9.0).reshape(4, 2)
+    [g] = await ml.gradients(ml.sum(w[np.ones(4, bool)] * c), [w])
+    np.testing.assert_array_equal(g, c)
+    [g] = await ml.gradients(ml.sum(w[np.array([-1, 3])]), [w])
+    np.testing.assert_array_equal(g, [[0, 0], [0, 0], [0, 0], [2, 2]])
