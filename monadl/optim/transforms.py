@@ -99,6 +99,8 @@ def exponential_decay(init_value: float, decay_rate: float, transition_steps: in
     """
     if transition_steps <= 0:
         raise ValueError("transition_steps must be positive")
+    init_value = _checked("init_value", init_value)
+    decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
     return lambda step: init_value * decay_rate ** (step / transition_steps)
 
 
@@ -122,7 +124,9 @@ def scale(factor: float) -> GradientTransformation:
     >>> scale(2.0).update(np.array([1.0, -0.5]), None, None)
     (array([ 2., -1.]), None)
     """
-    return GradientTransformation(lambda p: None, Scale(factor))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) or not np.isfinite(factor):
+        raise ValueError(f"scale: the factor must be a finite number, got {factor!r}")
+    return GradientTransformation(lambda p: None, Scale(float(factor)))
 
 
 @final
@@ -165,30 +169,37 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
                 raise ValueError(
                     f"the learning-rate schedule gave {rate!r} at step {step}; a rate must be finite and >= 0"
                 )
-            return g * -rate, step + 1
+            return g * -float(rate), step + 1
 
         return GradientTransformation(lambda p: 0, update)
-    if not _valid_rate(learning_rate):
-        raise ValueError(f"learning_rate must be a finite number >= 0, got {learning_rate!r}")
-    return scale(-learning_rate)
+    return scale(-_checked("learning_rate", learning_rate))
 
 
 def _valid_rate(rate: object) -> bool:
-    return isinstance(rate, (int, float, np.number)) and bool(np.isfinite(rate)) and bool(rate >= 0)
+    """A real number (a Python or NumPy one, or a 0-d array of one; not a
+    bool), finite and >= 0."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number, np.ndarray)):
+        return False
+    if np.ndim(rate) != 0 or np.asarray(rate).dtype.kind not in "iuf":
+        return False
+    return bool(np.isfinite(rate)) and bool(rate >= 0)
 
 
-def _checked(name: str, value: float, below: float | None = None) -> None:
-    """Refuse a hyperparameter that is no finite number >= 0 (or not below
-    ``below``), where the optimizer is made, as PyTorch's optimizers do."""
+def _checked(name: str, value: float, below: float | None = None) -> float:
+    """A hyperparameter as a Python float, refused where it is no finite
+    number >= 0 (or not below ``below``), where the optimizer is made, as
+    PyTorch's optimizers do. (A NumPy float64 would make a float32 weight's
+    state float64: its memory twice, and a checkpoint of another dtype.)"""
     if not _valid_rate(value) or (below is not None and not value < below):
         bound = f" and < {below}" if below is not None else ""
         raise ValueError(f"{name} must be a finite number >= 0{bound}, got {value!r}")
+    return float(value)
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     """Momentum: a decaying sum of past gradients (Polyak 1964; Nesterov 1983
     in the form of Sutskever et al. 2013 when ``nesterov``)."""
-    _checked("decay", decay, 1.0)
+    decay = _checked("decay", decay, 1.0)
 
     def update(g: Tensor, velocity: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         velocity = g + decay * velocity
@@ -203,8 +214,8 @@ class AdagradState(NamedTuple):
 
 def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """Divide by the root of the summed squared gradients (Duchi et al., 2011)."""
-    _checked("initial_accumulator", initial_accumulator)
-    _checked("eps", eps)
+    initial_accumulator = _checked("initial_accumulator", initial_accumulator)
+    eps = _checked("eps", eps)
 
     def update(g: Tensor, state: AdagradState, p: Tensor) -> tuple[Tensor, AdagradState]:
         total = state.sum_of_squares + g * g
@@ -219,8 +230,8 @@ class RmsState(NamedTuple):
 
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """Divide by a moving root mean square of gradients (Tieleman & Hinton, 2012)."""
-    _checked("decay", decay, 1.0)
-    _checked("eps", eps)
+    decay = _checked("decay", decay, 1.0)
+    eps = _checked("eps", eps)
 
     def update(g: Tensor, state: RmsState, p: Tensor) -> tuple[Tensor, RmsState]:
         ms = decay * state.mean_square + (1 - decay) * g * g
@@ -237,9 +248,9 @@ class AdamState(NamedTuple):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1)."""
-    _checked("b1", b1, 1.0)
-    _checked("b2", b2, 1.0)
-    _checked("eps", eps)
+    b1 = _checked("b1", b1, 1.0)
+    b2 = _checked("b2", b2, 1.0)
+    eps = _checked("eps", eps)
 
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
@@ -256,13 +267,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """L2 decay: add ``weight_decay * param`` to the gradient."""
-    _checked("weight_decay", weight_decay)
+    weight_decay = _checked("weight_decay", weight_decay)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + weight_decay * p, s))
 
 
 def add_l1_decay(l1: float) -> GradientTransformation:
     """L1 decay: add ``l1 * sign(param)`` to the gradient (a subgradient of ``l1 * |param|``)."""
-    _checked("l1", l1)
+    l1 = _checked("l1", l1)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * namespace(p).sign(p), s))
 
 

@@ -61,12 +61,42 @@ def test_a_rate_must_be_finite_and_not_negative(rate: float, anyio_backend: str)
         (lambda: ml.optim.rmsprop(0.1, decay=1.5), "decay"),
         (lambda: ml.optim.adagrad(0.1, initial_accumulator=-1.0), "initial_accumulator"),
         (lambda: ml.optim.add_decayed_weights(-0.1), "weight_decay"),
+        (lambda: ml.optim.exponential_decay(0.1, -0.5), "decay_rate"),  # (negative or complex rates, later)
+        (lambda: ml.optim.sgd(True), "learning_rate"),  # (a bool is no rate)
     ],
 )
 def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(make: Any, name: str) -> None:
     # (as PyTorch's optimizers refuse them; a beta of 1.5 trained silently, away from the minimum)
     with pytest.raises(ValueError, match=rf"{name} must be a finite number >= 0"):
         make()
+
+
+def _arrays(state: Any) -> Any:
+    if isinstance(state, np.ndarray):
+        yield state
+    elif isinstance(state, tuple):
+        for part in state:
+            yield from _arrays(part)
+
+
+async def test_numpy_hyperparameters_keep_a_float32_weights_state_float32(tmp_path: Any) -> None:
+    f64 = np.float64
+    for optimizer in (
+        ml.optim.momentum(f64(0.1), f64(0.9)),
+        ml.optim.adam(f64(0.1), b1=f64(0.9), b2=f64(0.99)),
+        ml.optim.rmsprop(0.1, decay=f64(0.9)),
+        ml.optim.chain(ml.optim.add_decayed_weights(f64(0.01)), ml.optim.adam(0.1)),
+        ml.optim.sgd(lambda step: np.asarray(0.1)),  # type: ignore[arg-type,return-value]  # a 0-d array: refused before
+    ):
+        w = ml.Weight(np.ones(3, np.float32), optimizer=optimizer)
+        await ml.sum(w * w).train()
+        leaves = list(_arrays(w.state))
+        assert w.data.dtype == np.float32 and all(x.dtype == np.float32 for x in leaves), optimizer
+        path = tmp_path / "w.safetensors"
+        ml.save(path, {"w": w})  # (a float64 state did not load back into the model built again)
+        ml.load(path, {"w": ml.Weight(np.ones(3, np.float32), optimizer=optimizer)})
+    with pytest.raises(ValueError, match="the factor must be a finite number, got nan"):
+        ml.optim.scale(float("nan"))
 
 
 async def test_a_rate_of_zero_freezes_a_weight() -> None:
