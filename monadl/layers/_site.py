@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 from types import CodeType
 from typing import TypeAlias
 
@@ -17,6 +18,8 @@ __all__ = ["PACKAGE_DIR", "Site", "caller_site", "site_text"]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """monadl's own directory: frames whose code is under it are never a user's site."""
+
+_TYPING = typing.__file__
 
 Site: TypeAlias = "tuple[CodeType, int]"
 """Where a layer was built: the code object and instruction offset of the
@@ -34,7 +37,9 @@ def caller_site() -> Site:
     True
     """
     frame = sys._getframe(2)
-    while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
+    while (
+        frame.f_code.co_filename.startswith(PACKAGE_DIR) or frame.f_code.co_filename == _TYPING
+    ) and frame.f_back is not None:  # (typing's: a generic class called with its types, Function[X, Y](f))
         frame = frame.f_back
     return frame.f_code, frame.f_lasti
 

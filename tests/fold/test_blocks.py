@@ -300,6 +300,11 @@ def test_a_function_blocks_nodes_are_built_where_the_block_was_made() -> None:
     outs = block([[1.0, 2.0], [3.0, 4.0]])
     with pytest.raises(ml.ShapeError, match=rf"test_blocks.py:{made}\b"):
         anyio.run(ml.sum(ml.concatenate(outs, axis=0)).predict)
+    # Its types named, as the docs ask of a lambda: the call goes through typing's generic alias.
+    typed = Vector(2, np.float64) >> Function[ml.ArrayLayer, ml.ArrayLayer](lambda v: ml.matmul(v, w))
+    made = sys._getframe().f_lineno - 1
+    with pytest.raises(ml.ShapeError, match=rf"test_blocks.py:{made}\b"):  # (it named typing.py)
+        anyio.run(ml.sum(typed([1.0, 2.0])).predict)
 
 
 def test_an_error_while_building_names_the_input_of_the_batch() -> None:
