@@ -316,3 +316,36 @@ async def test_gradients_wants_a_list_of_weights() -> None:
     with pytest.raises(TypeError, match="got ndarray among them"):
         await ml.gradients(ml.sum(w), [np.ones(2)])  # type: ignore[list-item]  # an array for a weight: on purpose
     assert [g.tolist() for g in await ml.gradients(ml.sum(w * w), iter([w]))] == [[2.0, 2.0]]  # type: ignore[arg-type]
+
+
+def test_settings_of_the_wrong_type_are_refused_where_they_are_made() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"workers": 2.5}, "workers must be an int, got float 2.5"),  # (failed deep in the pool, later)
+        ({"workers": True}, "workers must be an int, got bool"),
+        ({"cuda_streams": 2.5}, "cuda_streams must be an int"),
+        ({"check_finite": "no"}, "check_finite must be True or False, got str 'no'"),  # (it turned the check on)
+        ({"finite_steps": "off"}, "finite_steps must be True or False"),
+        ({"pause_gc": "x"}, "pause_gc must be True or False"),
+        ({"batching": "yes"}, r"batching must be True, False or None"),
+        ({"fork_threshold_s": "1"}, "fork_threshold_s must be a number of seconds"),
+    ]
+    for wrong, message in cases:
+        with pytest.raises(TypeError, match=message), ml.settings(**wrong):
+            pass
+    with (
+        pytest.raises(ValueError, match="fork_threshold_s must be >= 0, got nan"),
+        ml.settings(fork_threshold_s=float("nan")),
+    ):
+        pass
+    numpy_kinds: Any = {"workers": np.int64(2), "check_finite": np.bool_(True)}  # (NumPy's ints and bools are fine)
+    with ml.settings(**numpy_kinds, batching=None) as chosen:
+        assert chosen.workers == 2 and chosen.check_finite
+
+
+def test_a_wrong_monadl_workers_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from monadl.runtime.settings import _default
+
+    for text in ("abc", "0"):
+        monkeypatch.setenv("MONADL_WORKERS", text)
+        with pytest.raises(ValueError, match=rf"environment variable MONADL_WORKERS must be an int >= 1, got '{text}'"):
+            _default()

@@ -6,12 +6,15 @@ around ``await loss.train()`` holds for everything that training runs.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Final, final
+
+import numpy as np
 
 __all__ = ["Settings", "current_settings", "settings"]
 
@@ -74,18 +77,39 @@ class Settings:
     yield_interval_s: float = 0.005
 
     def __post_init__(self) -> None:
+        # Types first: workers=2.5 failed deep in the pool later, check_finite="no" turned the check on.
+        for name in ("workers", "cuda_streams"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        for name in ("check_finite", "pause_gc", "finite_steps", "tune_process"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+        if self.batching is not None and not isinstance(self.batching, (bool, np.bool_)):
+            raise TypeError(f"batching must be True, False or None (by the cost rule), got {self.batching!r}")
+        for name in ("fork_threshold_s", "yield_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.fork_threshold_s < 0:
+        if not 0 <= self.fork_threshold_s < math.inf:  # (NaN too)
             raise ValueError(f"fork_threshold_s must be >= 0, got {self.fork_threshold_s}")
         if self.cuda_streams < 1:
             raise ValueError(f"cuda_streams must be at least 1, got {self.cuda_streams}")
-        if not self.yield_interval_s > 0:
+        if not 0 < self.yield_interval_s < math.inf:
             raise ValueError(f"yield_interval_s must be > 0, got {self.yield_interval_s}")
 
 
 def _default() -> Settings:
-    workers = int(os.environ.get("MONADL_WORKERS", "1"))
+    text = os.environ.get("MONADL_WORKERS", "1")
+    try:
+        workers = int(text)
+    except ValueError:
+        raise ValueError(f"the environment variable MONADL_WORKERS must be an int >= 1, got {text!r}") from None
+    if workers < 1:
+        raise ValueError(f"the environment variable MONADL_WORKERS must be an int >= 1, got {text!r}")
     tune = os.environ.get("MONADL_TUNE_PROCESS", "1") != "0"
     return Settings(workers=workers, tune_process=tune)
 
