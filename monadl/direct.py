@@ -28,6 +28,7 @@ outside monadl but not an ``await`` of layers.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, Final, ParamSpec, TypeVar, final, overload
@@ -45,8 +46,10 @@ D2 = TypeVar("D2")
 D3 = TypeVar("D3")
 D4 = TypeVar("D4")
 
-# Set by the machine while it steps a direct-style coroutine.
-inside_direct: Final[ContextVar[bool]] = ContextVar("monadl_inside_direct", default=False)
+# Set by the machine while it steps a direct-style coroutine: a flag that is
+# true only during that one step (a task started inside copies the variable,
+# and runs after the step: there the flag reads false).
+inside_direct: Final[ContextVar[list[bool]]] = ContextVar("monadl_inside_direct", default=[False])  # noqa: B039
 
 
 @final
@@ -63,10 +66,10 @@ class AwaitLayers:
         self.single = single
 
     def __await__(self) -> Generator[Any, Any, Any]:
-        if not inside_direct.get():
+        if not inside_direct.get()[0]:
             raise RuntimeError(
-                "a Layer can be awaited only inside an @ml.direct function, during its evaluation; "
-                "elsewhere use `await layer.predict()`"
+                "a Layer can be awaited only inside an @ml.direct function, during its evaluation, in the "
+                "function's own task (not in a task it starts); elsewhere use `await layer.predict()`"
             )
         return (yield self)
 
@@ -108,6 +111,12 @@ def direct(function: Callable[P, Coroutine[Any, Any, Expr[D, G]]]) -> Callable[P
     The coroutine runs when (and each time) the returned layer is evaluated,
     once per evaluation however many consumers the layer has.
     """
+    plain = inspect.isfunction(function) or inspect.ismethod(function)  # (not an object with an async __call__)
+    if plain and not inspect.iscoroutinefunction(function):
+        raise TypeError(
+            f"@ml.direct takes an async def (its awaits read layers' values); "
+            f"{getattr(function, '__qualname__', function)!r} is not one"
+        )
 
     @functools.wraps(function)
     def build(*args: P.args, **kwargs: P.kwargs) -> Layer[D, G]:

@@ -281,3 +281,32 @@ async def test_a_cancel_scope_inside_a_step_works_beside_other_examples() -> Non
         value = await ml.sum(ml.stack([model() for _ in range(3)])).predict()
     assert float(value) == 9.0
     assert timed_out == [True] * 3
+
+
+def test_direct_takes_an_async_def() -> None:
+    def not_async(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        return x
+
+    with pytest.raises(
+        TypeError, match=r"@ml.direct takes an async def.*'test_direct_takes_an_async_def.<locals>.not_async'"
+    ):
+        ml.direct(not_async)  # type: ignore[arg-type]  # the mistake under test (it failed at train(): no 'close')
+
+
+async def test_a_task_started_inside_a_direct_function_may_not_await_layers() -> None:
+    w = ml.Weight(np.array([1.0, -2.0]))
+
+    @ml.direct
+    async def model(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        got: dict[str, float] = {}
+
+        async def read() -> None:
+            got["a"] = await x[0]
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(read)
+        return x * got["a"]
+
+    with pytest.raises(BaseExceptionGroup) as raised:  # (asyncio's 'Task got bad yield', before)
+        await ml.sum(model(w * 1.0)).predict()
+    assert raised.group_contains(RuntimeError, match=r"in the function's own task \(not in a task it starts\)")

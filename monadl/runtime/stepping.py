@@ -19,12 +19,14 @@ __all__ = ["direct_next", "step_direct", "step_each", "step_in_task"]
 def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
     """Send into a direct-style coroutine: ``(True, result)`` when it returned,
     else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request."""
-    flag = inside_direct.set(True)
+    live = [True]  # (false once this step ends: a task the coroutine started may not await layers)
+    flag = inside_direct.set(live)
     try:
         got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
     except StopIteration as stop:
         return True, stop.value
     finally:
+        live[0] = False
         inside_direct.reset(flag)
     return False, got
 
