@@ -42,6 +42,14 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     array([0., 3.])
     """
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
+        kind = getattr(g, "dtype", None)
+        real = getattr(kind, "kind", "f") in "iuf" if kind is not None else isinstance(g, (int, float))
+        if isinstance(g, bool) or not real:  # (a complex gradient lost its imaginary part; a bool, a list passed)
+            what = f"dtype {kind}" if kind is not None else type(g).__name__
+            raise TypeError(
+                f"apply_gradients: a gradient is an array or a number of real values, got {what} for the weight "
+                f"built at {site_text(w._site)}; no weight changed"
+            )
         shape = tuple(getattr(g, "shape", ()))
         if shape != tuple(w.data.shape):
             raise ShapeError(

@@ -178,6 +178,20 @@ def test_a_gradient_of_another_shape_is_refused_not_broadcast(optimizer: ml.opti
     assert w.data.tolist() == [1.0] and m.data.tolist() == [0.0, 0.0, 0.0]  # no weight changed
 
 
+def test_a_gradient_of_no_real_numbers_is_refused() -> None:
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.5))
+    for g, what in (
+        (np.array([1 + 1j, 2]), "dtype complex128"),
+        (np.array([True, False]), "dtype bool"),
+        ([1.0, 2.0], "list"),
+    ):
+        with pytest.raises(TypeError, match=rf"a gradient is an array or a number of real values, got {what}"):
+            apply_gradients({w: g})  # (a complex one stepped with its imaginary part dropped; a list, 'shape ()')
+    assert w.data.tolist() == [1.0, 1.0]
+    apply_gradients({w: np.array([2, 0])})  # (integers are real numbers)
+    assert w.data.tolist() == [0.0, 1.0]
+
+
 def test_steps_are_atomic_across_event_loops_in_threads() -> None:
     import threading
 
