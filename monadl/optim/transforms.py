@@ -106,7 +106,13 @@ def exponential_decay(init_value: float, decay_rate: float, transition_steps: in
 
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
     """Cosine decay from ``init_value`` to ``alpha * init_value`` over
-    ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017)."""
+    ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017), then held there, as
+    optax's (PyTorch's ``CosineAnnealingLR`` climbs back up after its
+    ``T_max``: it is periodic).
+
+    >>> round(cosine_decay_schedule(1.0, 10, alpha=0.1)(25), 6)
+    0.1
+    """
     if decay_steps <= 0:
         raise ValueError("decay_steps must be positive")
 
@@ -266,7 +272,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
-    """L2 decay: add ``weight_decay * param`` to the gradient."""
+    """L2 decay: add ``weight_decay * param`` to the gradient (PyTorch's
+    ``weight_decay=`` of SGD and Adam). A sparse gradient (an embedding's
+    looked-up rows) steps those rows only, so only they decay, as in lazy
+    Adam."""
     weight_decay = _checked("weight_decay", weight_decay)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + weight_decay * p, s))
 
@@ -296,12 +305,16 @@ def nesterov(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTra
 def adagrad(
     learning_rate: float | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformation:
-    """Adagrad."""
+    """Adagrad (Duchi et al., 2011), with optax's defaults: the squared
+    gradients' sum starts at 0.1 and ``eps`` is 1e-7 (PyTorch's ``Adagrad``:
+    0 and 1e-10; pass those to match it)."""
     return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
 
 
 def rmsprop(learning_rate: float | Schedule, decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
-    """RMSprop."""
+    """RMSprop (Tieleman & Hinton, 2012), with optax's defaults: ``decay``
+    0.9 (PyTorch's ``RMSprop``: ``alpha=0.99``; pass ``decay=0.99`` to match
+    it); ``eps`` is added to the root, as PyTorch adds it."""
     return chain(scale_by_rms(decay, eps), scale_by_learning_rate(learning_rate))
 
 
