@@ -68,6 +68,18 @@ def progress_bar(description: str, steps: int, show: bool = True) -> tqdm[int]:
 SAMPLINGS = {"offline": Sampling.offline(), "online": Sampling.online(), "hybrid": Sampling.hybrid()}
 
 
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1 (a count of steps, trees, a batch size).
+
+    >>> positive("3")
+    3
+    """
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
 def add_estinet_options(p: argparse.ArgumentParser) -> None:
     """The options every Estimate-and-Replace example takes."""
     p.add_argument(

@@ -25,16 +25,21 @@ branch runs is decided while it runs.)
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import anyio
 import numpy as np
 
 import monadl as ml
+from examples._common import positive
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 
@@ -211,7 +216,7 @@ def draw(path: Path, seed: int = 0) -> Path:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="The paper's gated network, four ways.")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=positive, default=500)
     parser.add_argument("--dot", type=Path, metavar="PATH", help="also draw both branches (.svg, .png, .pdf or .dot)")
     args = parser.parse_args()
     anyio.run(main, args.steps)

@@ -21,6 +21,7 @@ trees and prints the loss before and after.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import anyio
 
 import monadl as ml
+from examples._common import positive
 from examples.tree_lstm import Params, State, Tree, init_weights, internal_node, labels, leaf_node, make_trees
 from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, OneOf
 
@@ -175,5 +177,9 @@ async def main(batch: int = 32, trees: int = 512) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    first, last = anyio.run(main)
+    options = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    options.add_argument("--batch", type=positive, default=32, help="trees a training step")
+    options.add_argument("--trees", type=positive, default=512, help="trees in the epoch")
+    args = options.parse_args()
+    first, last = anyio.run(main, args.batch, args.trees)
     print(f"Fold-block Tree-LSTM, one epoch: loss {first:.3f} -> {last:.3f}")
