@@ -28,6 +28,7 @@ WITH_OPTIONS = [
     "shift_reduce",
     "text_logic",
     "tree_lstm",
+    "tree_lstm_fold",
 ]
 
 
