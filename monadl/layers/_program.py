@@ -17,7 +17,7 @@ from typing import Any, Final, final
 
 import numpy as np
 
-from monadl._namespace import _HOST, common_namespace, namespace
+from monadl._namespace import _HOST, all_finite, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
@@ -116,6 +116,19 @@ class Program:
             self.uniform.add(key)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
         return value, _Backward(self, env, vjps, None).rules()
+
+    def first_non_finite(self, *args: Value) -> str | None:
+        """Where a run on ``args`` first makes a NaN or an infinity: its step
+        and the user's line inside the function (for `check_finite`'s
+        message; a second run, on that error's path only)."""
+        env = [*args, *self.consts]
+        for step, read in zip(self.steps, self.readers):
+            values, _ = self._operand_rule(step, read(env))
+            out, _ = step.op.rule(*values, *step.parameters(env))
+            if not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
+                return f"{step.op.name} at {_where(step)}, inside the operation {self.name}"
+            env.append(out)
+        return None
 
     def _operand_rule(self, step: Step, values: tuple[Value, ...]) -> tuple[tuple[Value, ...], bool]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,

@@ -166,8 +166,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
         raise
     if ev.check_finite and not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
+        inside = op.rule.first_non_finite(*args) if type(op.rule) is Program else None  # (an operation's step)
         raise NonFiniteError(
-            f"{op.name} produced a NaN or an infinity from {describe(args)}; layer built at {where(node)}"
+            f"{op.name} produced a NaN or an infinity from {describe(args)}"
+            + (f" (first in {inside})" if inside else "")
+            + f"; layer built at {where(node)}"
         )
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -687,3 +689,22 @@ def test_the_finite_check_reads_an_operations_outputs_deltas() -> None:
     with ml.settings(check_finite=True):
         grads = anyio.run(ml.gradients, ml.sum(a) + ml.sum(b), [w])
     np.testing.assert_allclose(grads[0], np.full((2, 2), 1.0 - np.tanh(2.0) ** 2), rtol=1e-12)
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:invalid value encountered in log")
+async def test_check_finite_names_the_line_inside_the_cell_that_made_the_nan() -> None:
+    w = ml.Weight(np.array([1.0, -1.0]))
+
+    @ml.operation
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        y = ml.log(x * w)  # the NaN
+        return y * 2.0
+
+    inner = sys._getframe().f_lineno - 3
+    out = cell(np.ones(2))
+    called = sys._getframe().f_lineno - 1
+    with ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as raised:
+        await ml.sum(out).predict()
+    assert re.search(rf"first in log at .*test_operation.py:{inner}, inside the operation .*cell\)", str(raised.value))
+    assert re.search(rf"layer built at .*test_operation.py:{called}$", str(raised.value))
