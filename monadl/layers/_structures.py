@@ -19,6 +19,7 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import is_array
+from monadl.errors import OperandError
 from monadl.layers._layer import Expr, Layer
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
@@ -50,7 +51,14 @@ def _fields(kind: type) -> tuple[str, ...]:
     """A dataclass's fields given to its constructor (looked up once per class)."""
     found = _FIELDS.get(kind)
     if found is None:
-        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind) if f.init)
+        hidden = [f.name for f in dataclasses.fields(kind) if not f.init]
+        if hidden:  # (rebuilt through the constructor, they would come back as their defaults, silently)
+            raise OperandError(
+                f"operation: the dataclass {kind.__qualname__} has fields its constructor does not take "
+                f"({', '.join(hidden)}); an operation rebuilds its arguments and results through the "
+                "constructor: pass such a value's parts, or make those fields init fields"
+            )
+        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
         if found:
             get = operator.attrgetter(*found)
             _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
@@ -84,8 +92,8 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         return (kind, items(read(x), leaves, keep, views))
     if kind is tuple or kind is list:
         return (kind, items(x, leaves, keep, views))
-    if kind is dict:
-        return (dict, tuple(x), items(x.values(), leaves, keep, views))
+    if kind is dict:  # (keys with their types: True, 1 and 1.0 are equal keys, not one signature)
+        return (dict, tuple(x), tuple(map(type, x)), items(x.values(), leaves, keep, views))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return (kind, tuple([flatten(getattr(x, name), leaves, keep, views) for name in _fields(kind)]))
     if isinstance(x, tuple):  # a named tuple
@@ -96,6 +104,11 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
     if isinstance(x, np.generic) or is_array(x):
         leaves.append(x)
         return DATA
+    if isinstance(x, dict) and any(isinstance(y, Expr) for y in x.values()):
+        raise OperandError(
+            f"operation: layers in a {kind.__name__} are not read as arguments; pass a plain dict "
+            "(or a tuple, a list or a dataclass) of them"
+        )
     try:
         hash(x)
         return ("static", kind, x)
@@ -252,7 +265,8 @@ def filler(t: tuple[Any, ...]) -> Callable[[tuple[Any, ...], list[Any]], Any]:
         if tag == "seq":
             return lambda outs, args: kind([outs[k] for k in picks])
         if picks == list(range(len(picks))):
-            return lambda outs, args: kind(*outs)
+            n = len(picks)  # (the first n outputs: a nested structure's are among more, (State(h), other))
+            return lambda outs, args: kind(*outs) if len(outs) == n else kind(*outs[:n])
         return lambda outs, args: kind(*[outs[k] for k in picks])
     if tag == "seq":
         return lambda outs, args: kind([f(outs, args) for f in parts])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import anyio
@@ -708,3 +708,70 @@ async def test_check_finite_names_the_line_inside_the_cell_that_made_the_nan() -
         await ml.sum(out).predict()
     assert re.search(rf"first in log at .*test_operation.py:{inner}, inside the operation .*cell\)", str(raised.value))
     assert re.search(rf"layer built at .*test_operation.py:{called}$", str(raised.value))
+
+
+@dataclass(frozen=True)
+class _Held:
+    x: ml.ArrayLayer
+
+
+@dataclass
+class _WithHidden:
+    h: ml.ArrayLayer
+    aux: ml.ArrayLayer | None = field(default=None, init=False)
+
+
+@pytest.mark.anyio
+async def test_a_dataclass_nested_in_a_result_keeps_its_own_outputs() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    def cell(x: ml.ArrayOperand) -> tuple[_Held, ml.ArrayLayer]:
+        return _Held(ml.tanh(x * w)), x * w  # (the dataclass got both outputs: a TypeError at every call)
+
+    (box, other), (plain_box, plain_other) = ml.operation(cell)(np.ones(2)), cell(np.ones(2))
+    np.testing.assert_allclose(await box.x.predict(), await plain_box.x.predict())
+    np.testing.assert_allclose(await other.predict(), await plain_other.predict())
+
+
+def test_a_dataclass_with_fields_its_constructor_does_not_take_is_refused() -> None:
+    # Rebuilt through its constructor, such a field came back as its default: a wrong value, silently.
+    state = _WithHidden(ml.tanh(ml.Weight(np.ones(2))))
+    state.aux = ml.tanh(ml.Weight(np.ones(2)) * 3.0)
+    with pytest.raises(ml.OperandError, match=r"_WithHidden has fields its constructor does not take \(aux\)"):
+        ml.operation(lambda s: s.h + s.aux)(state)
+
+
+@pytest.mark.anyio
+async def test_equal_dict_keys_of_other_types_are_other_signatures() -> None:
+    @ml.operation
+    def keyed(d: dict[Any, ml.Weight[ml.Array, ml.Array]]) -> ml.ArrayLayer:
+        (key,) = d
+        return d[key] * (2.0 if type(key) is bool else 3.0)
+
+    x = ml.Weight(np.ones(1))
+    assert [float((await keyed({k: x}).predict())[0]) for k in (True, 1, 1.0)] == [2.0, 3.0, 3.0]
+
+
+def test_layers_in_a_dict_subclass_are_refused_with_what_to_pass() -> None:
+    from collections import OrderedDict
+
+    x = ml.Weight(np.ones(1))
+    with pytest.raises(ml.OperandError, match="layers in a OrderedDict are not read as arguments; pass a plain dict"):
+        ml.operation(lambda d: d["a"] * 2.0)(OrderedDict(a=x))  # (it said 'built outside the call')
+
+
+@pytest.mark.anyio
+async def test_a_numpy_integer_scalar_keeps_a_float32_model_float32() -> None:
+    w = ml.Weight(np.ones(2, np.float32))
+    two: Any = np.int64(2)  # (typed operands take no NumPy integer scalar; NumPy code makes them all the same)
+
+    def cell(v: ml.ArrayOperand) -> ml.ArrayLayer:
+        scale: Any = np.int32(2)  # (as a user's NumPy code makes them)
+        shift: Any = np.bool_(True)
+        out: ml.ArrayLayer = ml.as_layer(v) * scale + shift
+        return out
+
+    for out in (w * two, ml.operation(cell)(w)):
+        assert (await out.predict()).dtype == np.float32  # (NumPy's promotion: float64)
+        [g] = await ml.gradients(ml.sum(out + np.ones(2, np.float32)), [w])  # (a DTypeError, before)
+        assert g.dtype == np.float32
