@@ -3,7 +3,7 @@
 One float dtype per operation, by one rule (PyTorch's): two float arrays of
 different precision raise `DTypeError`; an integer or boolean array beside a
 float one takes the float's dtype (NumPy alone would promote ``int64 *
-float32`` to float64), and so does a float scalar (a NumPy float, an array
+float32`` to float64), as does a NumPy integer or bool scalar, and so does a float scalar (a NumPy float, an array
 or weight of no dimensions: ``ml.Weight(0.0)`` as a float32 model's bias),
 as PyTorch's 0-d tensors do. The runtime applies it to every node
 (`monadl.runtime.node.compute`), and a traced operation (`monadl.operation`)
@@ -13,6 +13,8 @@ to every step of its program, so marking a cell changes no dtype and no error.
 >>> [a.dtype for a in one_float_dtype("mul", (np.ones(2, np.float32), np.arange(2)), "f.py:3")]
 [dtype('float32'), dtype('float32')]
 >>> [a.dtype for a in one_float_dtype("add", (np.ones(2, np.float32), np.float64(1.0)), "f.py:3")]
+[dtype('float32'), dtype('float32')]
+>>> [a.dtype for a in one_float_dtype("mul", (np.ones(2, np.float32), np.int64(2)), "f.py:3")]
 [dtype('float32'), dtype('float32')]
 """
 
@@ -54,6 +56,8 @@ def _cast(a: Any, dtype: Any) -> bool:
     integer or boolean array, or a float scalar of another precision."""
     if isinstance(a, np.floating):
         return bool(a.dtype != dtype)
+    if isinstance(a, (np.integer, np.bool_)):  # (np.int64(2): as a Python 2, not a float64 promotion)
+        return True
     if not is_array(a):
         return False
     xp = namespace(a)
@@ -63,7 +67,7 @@ def _cast(a: Any, dtype: Any) -> bool:
 
 
 def _as(a: Any, dtype: Any) -> Any:
-    if isinstance(a, np.floating):
+    if isinstance(a, np.generic):
         return np.dtype(dtype).type(a)
     return namespace(a).astype(a, dtype)
 

@@ -32,7 +32,10 @@ from monadl.runtime.evaluation import Evaluation, Record
 __all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
-_NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
+_NUMPY_SCALARS: Final = frozenset(  # (each takes the float dtype of the other operand: `one_float_dtype`)
+    {np.float16, np.float32, np.float64, np.bool_, np.int8, np.int16, np.int32, np.int64}
+    | {np.uint8, np.uint16, np.uint32, np.uint64}
+)
 _LOCAL: Final = _HOST | {Outputs}  # (an operation node's outputs: checked part by part, `_host_outputs`)
 _ARRAYS_ONLY: Final = {np.ndarray}
 _serial = attrgetter("_serial")
@@ -109,7 +112,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             and ky not in _PYTHON_NUMBERS
         ):
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
-        elif op.same_dtype and (kx in _NUMPY_FLOATS or ky in _NUMPY_FLOATS):  # (a NumPy float scalar: cast)
+        elif op.same_dtype and (kx in _NUMPY_SCALARS or ky in _NUMPY_SCALARS):  # (a NumPy scalar: cast)
             args = _check_dtypes(node, args)
     elif len(inputs) == 1:
         x = inputs[0]
