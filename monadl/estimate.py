@@ -213,22 +213,24 @@ def estimate_and_replace(
         given = await values(*arguments)
         if harden_arguments:
             given = tuple(harden(np.asarray(v)) for v in given)
-        result = black_box(*given)
-        try:
-            value = np.asarray(result, dtype=np.float64)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
-                f"{type(result).__name__} {result!r:.60}, not numbers ({error})"
-            ) from None
-        if result is None or value.dtype == object:
-            raise TypeError(
-                f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
-                f"{type(result).__name__}, not numbers (a missing return?)"
-            )
-        return as_layer(value)
+        return as_layer(_numbers(black_box, black_box(*given)))
 
     return replaced()
+
+
+def _numbers(black_box: Callable[..., Any], result: Any) -> Array:
+    """A black box's result as float64 numbers; a TypeError naming the black
+    box where it gave none (None, from a missing return, became a NaN)."""
+    try:
+        value = None if result is None else np.asarray(result, dtype=np.float64)
+    except (TypeError, ValueError):
+        value = None
+    if value is None:
+        raise TypeError(
+            f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
+            f"{type(result).__name__}, not numbers" + (" (a missing return?)" if result is None else "")
+        )
+    return value
 
 
 # ---- training the estimator ------------------------------------------------------------------
