@@ -40,7 +40,7 @@ from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.einsum import Array, ArrayAlgebra, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import check_goal, goal_layer
+from monadl.dyna.layer import Timing, check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer, Weight
@@ -198,6 +198,7 @@ class ArrayProgram:
         self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
         self.constants = [rule for rule in rules if not rule.body]
         self.heads = {rule.head[0] for rule in rules}
+        self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
         packed: list[Rule] = []
         self.subscripts: dict[int, tuple[tuple[str, ...], str]] = {}
         self.originals: dict[int, Rule] = {}
@@ -290,7 +291,12 @@ class ArrayProgram:
         """
         check_goal(goal, self.heads, axioms, weights)
         return goal_layer(
-            lambda values: self.run(values, **run_options), lambda run: run.value(goal), goal, axioms, weights
+            lambda values: self.run(values, **run_options),
+            lambda run: run.value(goal),
+            goal,
+            axioms,
+            weights,
+            self.timing,
         )
 
     def run(self, axioms: Mapping[Item, float], *, max_pops: int | None = None, tolerance: float = 0.0) -> ArrayRun:

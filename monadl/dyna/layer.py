@@ -1,16 +1,22 @@
 """A goal of a program as a monadl layer: the weights bound to functors give
 the axioms' values, and the run's gradient is the layer's backward pass.
 
-The run (forward chaining, one long Python call) goes to a worker thread, so
-the event loop keeps its turns while it chains: a timeout or a cancellation
-around ``predict()`` or ``train()`` takes effect at once (the abandoned run
-finishes in its thread and changes nothing). Its backward, the tape's pops,
-runs in the backward pass as the other layers' do."""
+A run (forward chaining) is one Python call. A goal of many axioms
+(`THREAD_AXIOMS`), and every goal layer built after one of its program's
+runs took longer than the event loop may wait
+(``ml.settings(yield_interval_s=...)``, 5 ms), chains in a worker thread, so
+the loop keeps its turns while it chains: a timeout or a cancellation around
+``predict()`` or ``train()`` takes effect at once (the abandoned run
+finishes in its thread and changes nothing). Short runs, and every run with
+no event loop (``ml.check_grads``), stay inline: a thread hop costs about
+0.2 ms. The backward, the tape's pops, runs in the backward pass as the
+other layers' do."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar, final
 
 import anyio.to_thread
 import numpy as np
@@ -18,9 +24,11 @@ import numpy as np
 from monadl.do import Do
 from monadl.dyna.syntax import Item
 from monadl.layers import Layer, Weight
+from monadl.runtime.drive import synchronous
+from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
-__all__ = ["Differentiable", "bind_weight", "check_goal", "goal_layer"]
+__all__ = ["Differentiable", "Timing", "bind_weight", "check_goal", "goal_layer"]
 
 
 class Differentiable(Protocol):
@@ -34,12 +42,29 @@ class Differentiable(Protocol):
 R = TypeVar("R", bound=Differentiable)
 
 
+THREAD_AXIOMS: Final = 1000
+"""A goal whose axioms (fixed ones and weights' entries) are this many or
+more chains in a worker thread from its first run: at a few microseconds an
+axiom its run takes milliseconds, and the hop (about 0.2 ms) is small beside it."""
+
+
+@final
+class Timing:
+    """How long a program's last run took (its goal layers' forward chaining)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
 def goal_layer(
     run: Callable[[dict[Item, float]], R],
     value: Callable[[R], float],
     goal: Item,
     axioms: Mapping[Item, float] | None,
     weights: Mapping[Any, Weight[Any, Any]] | None,
+    timing: Timing | None = None,
 ) -> Layer[float, float]:
     """A goal's value as a scalar layer over the weights bound to functors
     (what `Program.goal` and `ArrayProgram.goal` return).
@@ -50,6 +75,8 @@ def goal_layer(
         goal: the item differentiated.
         axioms: fixed axioms.
         weights: functor -> weight: the axiom ``f(i, j)`` is ``weights[f].data[i, j]``.
+        timing: the program's, shared by its goal layers: a run that took
+            longer than the loop may wait sends the next ones to a thread.
 
     >>> import anyio
     >>> from monadl.dyna.scalar import Program
@@ -89,12 +116,27 @@ def goal_layer(
 
         return Tape(result, backward)
 
-    def in_a_thread(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
-        # Forward chaining is one long Python call: in a worker thread, the event loop keeps its
-        # turns (a timeout or cancellation takes effect; an abandoned run finishes unread, changing nothing).
-        return Do.from_async(lambda: anyio.to_thread.run_sync(forward, tapes, abandon_on_cancel=True))
+    measured = Timing() if timing is None else timing
 
-    return Layer(Do.gather(bound[f].forward() for f in functors).bind(in_a_thread))
+    def timed(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+        started = time.perf_counter()
+        try:
+            return forward(tapes)
+        finally:
+            measured.seconds = time.perf_counter() - started
+
+    def in_a_thread(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
+        if synchronous():  # (no event loop to keep turns for, nor to await a thread)
+            return Do.pure(timed(tapes))
+        # The event loop keeps its turns (a timeout or a cancellation takes effect;
+        # an abandoned run finishes unread, changing nothing).
+        return Do.from_async(lambda: anyio.to_thread.run_sync(timed, tapes, abandon_on_cancel=True))
+
+    tapes = Do.gather(bound[f].forward() for f in functors)
+    entries = len(fixed) + sum(int(np.size(w.data)) for w in bound.values())
+    if measured.seconds <= current_settings().yield_interval_s and entries < THREAD_AXIOMS:  # (short)
+        return Layer(tapes.map(timed))
+    return Layer(tapes.bind(in_a_thread))
 
 
 def check_goal(

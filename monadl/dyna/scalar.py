@@ -21,7 +21,7 @@ from typing import Any, TypeAlias, final
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import check_goal, goal_layer
+from monadl.dyna.layer import Timing, check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
 from monadl.layers import Layer, Weight
@@ -165,6 +165,7 @@ class Program:
         self.rules = list(rules)
         self.semiring = semiring
         self.joins = Joins(self.rules)
+        self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
 
     def run(
         self,
@@ -328,7 +329,12 @@ class Program:
         check_goal(goal, [rule.head[0] for rule in self.rules], axioms, weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
-            lambda values: self.run(values, **run_options), lambda run: run.chart.get(goal, zero), goal, axioms, weights
+            lambda values: self.run(values, **run_options),
+            lambda run: run.chart.get(goal, zero),
+            goal,
+            axioms,
+            weights,
+            self.timing,
         )
 
 

@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AsyncExitStack
+from contextvars import ContextVar
 from typing import Any
 
 import anyio
@@ -35,7 +36,16 @@ from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each
 
-__all__ = ["abort", "drive", "drive_sync"]
+__all__ = ["abort", "drive", "drive_sync", "synchronous"]
+
+_synchronous: ContextVar[bool] = ContextVar("monadl_synchronous", default=False)
+
+
+def synchronous() -> bool:
+    """Whether the evaluation running here is driven with no event loop
+    (`drive_sync`: ``check_grads``, ``predict_sync``): nothing may be awaited."""
+    return _synchronous.get()
+
 
 Machine = Generator[Any, Any, Any]
 
@@ -121,10 +131,13 @@ def drive_sync(ev: Evaluation, machine: Machine) -> Any:
     """Run a machine that needs no event loop (a graph of primitives)."""
     settings = current_settings()
     ev.deadline = math.inf  # no event loop to give a turn to
+    token = _synchronous.set(True)
     try:
         request = advance(machine.send, None, settings.pause_gc and settings.tune_process)
     except StopIteration as stop:
         return stop.value
+    finally:
+        _synchronous.reset(token)
     machine.close()
     close: Callable[[], Any] | None = getattr(getattr(request, "awaitable", request), "close", None)
     if close is not None:

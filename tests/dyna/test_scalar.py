@@ -250,8 +250,13 @@ async def test_a_goal_layer_gives_the_event_loop_its_turns_while_it_chains() -> 
 
     from monadl.dyna import parse
 
+    program = parse("a += 1.")
     ticks = 0
     moved: list[int] = []
+
+    def slow(run: Any) -> bool:  # a run longer than the loop may wait (5 ms): later ones go to a thread
+        time.sleep(0.02)
+        return True
 
     def stop(run: Any) -> bool:  # after a pop, in the run's thread: does the event loop move meanwhile?
         start, deadline = ticks, time.monotonic() + 10.0
@@ -266,8 +271,17 @@ async def test_a_goal_layer_gives_the_event_loop_its_turns_while_it_chains() -> 
             ticks += 1
             await anyio.sleep(0.001)
 
+    assert await program.goal(("a",), stop=slow).predict() == 1.0  # (inline: a short run costs no thread hop)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(tick)
-        assert await parse("a += 1.").goal(("a",), stop=stop).predict() == 1.0
+        assert await program.goal(("a",), stop=stop).predict() == 1.0
         tasks.cancel_scope.cancel()
     assert moved and moved[0] > 0  # (run in the loop's own thread, nothing moved until it ended)
+    # With no event loop (check_grads, predict_sync) a long program's goal runs inline all the same.
+    program = parse("s += x(I) * x(I).")
+    program.timing.seconds = 1.0  # (as after a long run)
+
+    def f(x: Any) -> Any:  # (check_grads calls it on weights, then on plain data for finite differences)
+        return program.goal(("s",), weights={"x": x}) if isinstance(x, ml.Weight) else float((x * x).sum())
+
+    ml.check_grads(f, np.array([0.5, 0.25]))  # (it failed: 'this computation awaits something')
