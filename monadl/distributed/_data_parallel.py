@@ -25,7 +25,8 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
 
 Before the first step, one more exchange (`_same_model`) checks that every
 rank holds the same model: the ranks all-gather how many weights they hold
-and a digest of each one's name, shape and dtype; where these differ, no rank
+and a digest of each one's name (less any memory address in it: a dict key's
+default repr holds one), shape and dtype; where these differ, no rank
 steps and each raises `RankFailure` naming the first weight that differs and
 what it is on each rank (an all-reduce of unequal buffers would broadcast one
 into the other, truncate, or hang in MPI). Once passed, it is not repeated:
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, Final, final
@@ -392,6 +394,9 @@ def _describe(name: str, data: Any) -> str:
     return (f"{name!r} " if name else "") + f"{_dtype(data)}{list(_shape(data))}"
 
 
+_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
+
+
 async def _same_model(comm: Communicator, described: Sequence[str]) -> None:
     """Raise the same `RankFailure` on every rank unless all hold weights of
     the same names, shapes and dtypes (`_describe`), in the same order.
@@ -400,7 +405,9 @@ async def _same_model(comm: Communicator, described: Sequence[str]) -> None:
     descriptions' length and an 8-byte digest of them); the descriptions
     themselves are all-gathered only when these differ, to say how.
     """
-    text = "\n".join(described).encode()  # (a name is a repr: it holds no newline)
+    # (a name is a repr: it holds no newline; an address in it, a dict key's default repr's, differs
+    # between processes: not compared)
+    text = "\n".join([_ADDRESS.sub("0x...", d) for d in described]).encode()
     digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
     header = np.array([[len(described), len(text), digest]], np.int64)
     headers = (await comm.allgather(header, [1] * comm.size)).reshape(comm.size, 3)

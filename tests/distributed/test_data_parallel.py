@@ -345,6 +345,19 @@ def test_ranks_whose_weights_differ_in_dtype_name_or_number_stop_before_any_step
     assert all(unchanged for _, unchanged in dtype + name + number)
 
 
+def test_a_dict_keyed_by_objects_of_the_default_repr_is_the_same_model_on_every_rank() -> None:
+    class Key:  # (its repr holds its address: each rank's differs, as in separate processes)
+        pass
+
+    async def rank(comm: Communicator) -> list[float]:
+        w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.5))
+        dp = DataParallel({Key(): w}, comm)
+        await dp.train(ml.sum(w * float(comm.rank + 1)))  # (it raised 'the ranks hold different models')
+        return list(w.data)
+
+    assert run_local(2, rank) == [[0.25, 0.25], [0.25, 0.25]]  # (the mean gradient of 1 and 2, times 0.5)
+
+
 def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
     async def rank(comm: Communicator) -> list[int]:
         net = Net(0)
