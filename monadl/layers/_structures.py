@@ -48,21 +48,39 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _fields(kind: type) -> tuple[str, ...]:
-    """A dataclass's fields given to its constructor (looked up once per class)."""
+    """A dataclass's fields, those its constructor does not take included
+    (looked up once per class; `_maker` rebuilds it from them)."""
     found = _FIELDS.get(kind)
     if found is None:
-        hidden = [f.name for f in dataclasses.fields(kind) if not f.init]
-        if hidden:  # (rebuilt through the constructor, they would come back as their defaults, silently)
-            raise OperandError(
-                f"operation: the dataclass {kind.__qualname__} has fields its constructor does not take "
-                f"({', '.join(hidden)}); an operation rebuilds its arguments and results through the "
-                "constructor: pass such a value's parts, or make those fields init fields"
-            )
-        found = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+        fields = dataclasses.fields(kind)
+        found = _FIELDS[kind] = tuple(f.name for f in fields)
+        _MAKERS[kind] = kind if all(f.init for f in fields) else _setter(kind, found)
         if found:
             get = operator.attrgetter(*found)
             _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
     return found
+
+
+_MAKERS: dict[type, Callable[..., Any]] = {}
+
+
+def _maker(kind: type) -> Callable[..., Any]:
+    """What makes a dataclass from its `_fields`' values: its constructor, or,
+    where some fields are not the constructor's (``field(init=False)``), a
+    new object with each field set (the constructor would give them their
+    defaults: a value the function did not see, silently)."""
+    _fields(kind)
+    return _MAKERS[kind]
+
+
+def _setter(kind: type, names: tuple[str, ...]) -> Callable[..., Any]:
+    def make(*values: Any) -> Any:
+        made: Any = object.__new__(kind)
+        for name, value in zip(names, values):
+            object.__setattr__(made, name, value)  # (a frozen dataclass's too)
+        return made
+
+    return make
 
 
 _STATIC: Final = frozenset({int, bool, str, type(None)})
@@ -219,7 +237,7 @@ def rebuild(x: Any, leaves: Iterator[Any]) -> Any:
     if kind is dict:
         return {k: rebuild(y, leaves) for k, y in x.items()}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return kind(*[rebuild(getattr(x, name), leaves) for name in _fields(kind)])
+        return _maker(kind)(*[rebuild(getattr(x, name), leaves) for name in _fields(kind)])
     if isinstance(x, tuple):
         return kind(*[rebuild(y, leaves) for y in x])
     if isinstance(x, (Expr, np.generic)) or is_array(x):
@@ -236,7 +254,7 @@ def template(y: Any, leaf: Callable[[Any], tuple[str, Any]]) -> Any:
     if kind is dict:
         return ("dict", tuple(y), tuple(template(z, leaf) for z in y.values()))
     if dataclasses.is_dataclass(y) and not isinstance(y, type):
-        return ("call", kind, tuple(template(getattr(y, name), leaf) for name in _fields(kind)))
+        return ("call", _maker(kind), tuple(template(getattr(y, name), leaf) for name in _fields(kind)))
     if isinstance(y, tuple):
         return ("call", kind, tuple(template(z, leaf) for z in y))
     return leaf(y)
