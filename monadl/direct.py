@@ -111,8 +111,9 @@ def direct(function: Callable[P, Coroutine[Any, Any, Expr[D, G]]]) -> Callable[P
     The coroutine runs when (and each time) the returned layer is evaluated,
     once per evaluation however many consumers the layer has.
     """
-    plain = inspect.isfunction(function) or inspect.ismethod(function)  # (not an object with an async __call__)
-    if plain and not inspect.iscoroutinefunction(function):
+    inner = inspect.unwrap(function)  # (a decorator's wrapper that returns the coroutine: its function)
+    plain = inspect.isfunction(inner) or inspect.ismethod(inner)  # (not an object with an async __call__)
+    if plain and not inspect.iscoroutinefunction(inner) and not inspect.iscoroutinefunction(function):
         raise TypeError(
             f"@ml.direct takes an async def (its awaits read layers' values); "
             f"{getattr(function, '__qualname__', function)!r} is not one"

@@ -293,6 +293,25 @@ def test_direct_takes_an_async_def() -> None:
         ml.direct(not_async)  # type: ignore[arg-type]  # the mistake under test (it failed at train(): no 'close')
 
 
+async def test_direct_takes_an_async_def_under_a_plain_decorator() -> None:
+    import functools
+
+    def logged(f: Any) -> Any:
+        @functools.wraps(f)
+        def wrapper(*args: Any) -> Any:
+            return f(*args)  # (returns the coroutine)
+
+        return wrapper
+
+    @ml.direct
+    @logged
+    async def double(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        (value,) = await ml.values(x)
+        return x * 2.0 if value[0] > 0 else x
+
+    assert (await double(ml.Weight(np.array([1.0])) * 1.0).predict()).tolist() == [2.0]
+
+
 async def test_a_task_started_inside_a_direct_function_may_not_await_layers() -> None:
     w = ml.Weight(np.array([1.0, -2.0]))
 
