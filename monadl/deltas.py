@@ -86,8 +86,8 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
         # 13-17% of a batched Tree-LSTM step at batch 32); the sums' rounding
         # order differs, as any float reduction's may.
         rows = out.shape[0]
-        if index.size and index.min() < 0:  # (counted from the end, as NumPy reads them)
-            index = np.where(index < 0, index + rows, index)
+        if index.size and index.min() < 0:
+            index = _from_the_front(np, index, rows)
         one_hot = np.equal.outer(np.arange(rows), index).astype(out.dtype)
         with np.errstate(invalid="ignore"):  # (0 * inf: the sums are checked below)
             summed = one_hot @ np.reshape(values, (index.shape[0], prod(out.shape[1:])))
@@ -102,7 +102,7 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
         rows, rest = out.shape[0], out.shape[1:]
         if index.dtype == xp.bool:  # (a mask: the rows it picks, in order)
             index = xp.nonzero(index)[0]
-        index = xp.where(index < 0, index + rows, index)
+        index = _from_the_front(xp, index, rows)
         one_hot = xp.astype(xp.arange(rows, device=out.device)[:, None] == xp.reshape(index, (-1,))[None, :], out.dtype)
         picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
         return out + xp.reshape(one_hot @ xp.astype(picked, out.dtype), out.shape)
@@ -114,6 +114,14 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
     flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1,))
     one_hot = xp.astype(xp.arange(size, device=out.device)[:, None] == positions[None, :], out.dtype)
     return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
+
+
+def _from_the_front(xp: Any, index: Any, rows: int) -> Any:
+    """Row numbers counted from the end (-1: the last) counted from the
+    front, as NumPy reads them; in the platform's index dtype (an int8 index
+    plus 200 rows would overflow)."""
+    index = xp.astype(index, xp.int64 if xp is not np else np.intp, copy=False)
+    return xp.where(index < 0, index + rows, index)
 
 
 _PART_ROWS: Final = 64
