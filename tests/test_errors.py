@@ -337,6 +337,8 @@ def test_settings_of_the_wrong_type_are_refused_where_they_are_made() -> None:
         ml.settings(fork_threshold_s=float("nan")),
     ):
         pass
+    with ml.settings(fork_threshold_s=float("inf"), yield_interval_s=float("inf")) as never:  # (never fork or yield)
+        assert never.fork_threshold_s == never.yield_interval_s == float("inf")
     numpy_kinds: Any = {"workers": np.int64(2), "check_finite": np.bool_(True)}  # (NumPy's ints and bools are fine)
     with ml.settings(**numpy_kinds, batching=None) as chosen:
         assert chosen.workers == 2 and chosen.check_finite

@@ -6,7 +6,6 @@ around ``await loss.train()`` holds for everything that training runs.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -94,11 +93,11 @@ class Settings:
                 raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if not 0 <= self.fork_threshold_s < math.inf:  # (NaN too)
+        if not self.fork_threshold_s >= 0:  # (NaN too; infinity: never fork)
             raise ValueError(f"fork_threshold_s must be >= 0, got {self.fork_threshold_s}")
         if self.cuda_streams < 1:
             raise ValueError(f"cuda_streams must be at least 1, got {self.cuda_streams}")
-        if not 0 < self.yield_interval_s < math.inf:
+        if not self.yield_interval_s > 0:  # (NaN too; infinity: never a turn, as with no event loop)
             raise ValueError(f"yield_interval_s must be > 0, got {self.yield_interval_s}")
 
 
