@@ -196,9 +196,9 @@ def _constant(text: str) -> object:
     """An argument: an int or a float where it is a number (as the items of
     axioms are written in Python), else a name or a variable, as written.
 
-    >>> _constant("3"), _constant("-0.5"), _constant("X"), _constant("red")
-    (3, -0.5, 'X', 'red')
+    >>> _constant("3"), _constant("+2"), _constant("-0.5"), _constant("X"), _constant("red")
+    (3, 2, -0.5, 'X', 'red')
     """
-    if text.lstrip("-").isdigit():
+    if text.lstrip("+-").isdigit():
         return int(text)
     return float(text) if _NUMBER.match(text) else text

@@ -78,7 +78,9 @@ def array_function(self: Expr[Any, Any], func: Any, types: Any, args: Any, kwarg
 
     name = func.__name__
     if name in ("shape", "ndim", "size"):
-        hint = f"a weight has .{name} (of its data); a layer's is known when it runs (await layer.predict())"
+        if hasattr(self, name):  # (a weight: its data's)
+            return getattr(self, name)
+        hint = f"a layer's {name} is known when it runs (await layer.predict()); a weight has .{name}"
     elif hasattr(layers, name):
         hint = f"use ml.{name}(...), its differentiable counterpart"
     else:

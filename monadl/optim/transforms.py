@@ -130,7 +130,7 @@ def scale(factor: float) -> GradientTransformation:
     >>> scale(2.0).update(np.array([1.0, -0.5]), None, None)
     (array([ 2., -1.]), None)
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.number)) or not np.isfinite(factor):
+    if not _finite(factor):
         raise ValueError(f"scale: the factor must be a finite number, got {factor!r}")
     return GradientTransformation(lambda p: None, Scale(float(factor)))
 
@@ -181,14 +181,17 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     return scale(-_checked("learning_rate", learning_rate))
 
 
+def _finite(value: object) -> bool:
+    """A finite real number: a Python or NumPy int or float, or a 0-d array
+    of one (not a bool, not a complex number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.ndarray)):
+        return False
+    return np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iuf" and bool(np.isfinite(value))
+
+
 def _valid_rate(rate: object) -> bool:
-    """A real number (a Python or NumPy one, or a 0-d array of one; not a
-    bool), finite and >= 0."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number, np.ndarray)):
-        return False
-    if np.ndim(rate) != 0 or np.asarray(rate).dtype.kind not in "iuf":
-        return False
-    return bool(np.isfinite(rate)) and bool(rate >= 0)
+    """A finite real number >= 0."""
+    return _finite(rate) and bool(rate >= 0)  # type: ignore[operator]  # (a number: `_finite` said so)
 
 
 def _checked(name: str, value: float, below: float | None = None) -> float:
