@@ -19,7 +19,7 @@ bias = ml.Weight(np.random.rand())  # a scalar weight
 
 
 def guess_next_number(question: ml.Array) -> ml.ScalarLayer:
-    return ml.sum(question * weights) + bias
+    return ml.sum(weights * question) + bias
 
 
 def square_loss(answer: ml.ScalarLayer, expected: float) -> ml.ScalarLayer:

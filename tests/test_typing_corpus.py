@@ -51,6 +51,12 @@ ACCEPT = {
             return ml.sum(question * array_weight) + scalar_weight
         assert_type(guess_next_number(array), ml.ScalarLayer)
     """,
+    "data_typed_ml_array_on_the_left_is_any_the_layer_on_the_left_is_typed": """
+        def f(question: ml.Array) -> None:
+            assert_type(question * array_weight, Any)  # NumPy's stubs (the README's one blind spot)
+            assert_type(array_weight * question, ml.ArrayLayer)
+            assert_type(array * array_weight, ml.ArrayLayer)  # (data of a known dtype: typed)
+    """,
     "weight_times_array_plus_layer": """
         assert_type(array_weight * array + array_layer, ml.ArrayLayer)
         assert_type(array_weight * array, ml.ArrayLayer)

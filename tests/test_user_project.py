@@ -45,7 +45,7 @@ readout = ml.Weight(rng.normal(size=(4 * 3 * 3, 10)), optimizer=ml.optim.adam(1e
 
 
 def guess(question: ml.Array) -> ml.ScalarLayer:
-    return ml.sum(question * weights) + bias
+    return ml.sum(weights * question) + bias
 
 
 def conv_net(images: ml.Array) -> ml.ArrayLayer:
