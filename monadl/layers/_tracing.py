@@ -30,6 +30,7 @@ from typing import Any, final
 
 import numpy as np
 
+from monadl.do import Do
 from monadl.errors import OperandError
 from monadl.layers._data import Data, check_kept, params_read, take
 from monadl.layers._layer import Expr, Layer, _build, _next_serial
@@ -99,6 +100,7 @@ def traced(
         return ("const", y)
 
     shape = template(result, leaf)
+    _check_result(name, shape)
     if not outs:
         return Trace(None, (), (), (), 0, shape, keep, _maker(None, (), (), (), 0, shape))
     # The trace's layers, children first (construction order is topological).
@@ -204,6 +206,32 @@ def _maker(
         return result(tuple([_output(node, k) for k in range(outputs)]), leaves)
 
     return make
+
+
+def _check_result(name: str, shape: Any) -> None:
+    """Refuse a result that no call could rebuild: one holding no layer, no
+    weight and no argument (a number, an array, None: the trace's own object
+    for every call), or one holding a ``Do`` (a computation, not a layer)."""
+    leaves: list[tuple[str, Any]] = []
+    todo = [shape]
+    while todo:
+        t = todo.pop()
+        if t[0] in ("out", "arg", "const"):
+            leaves.append(t)
+        else:
+            todo.extend(t[2])
+    found = [v for tag, v in leaves if tag == "const" and isinstance(v, Do)]
+    if found:
+        raise OperandError(
+            f"operation {name}: returns a Do, a computation and not a layer; a cell returns layers, and "
+            "holds no Do (its structure would depend on values): leave it out of the operation"
+        )
+    if all(tag == "const" and not isinstance(v, Expr) for tag, v in leaves):
+        kinds = ", ".join(sorted({type(v).__name__ for _, v in leaves})) or "nothing"
+        raise OperandError(
+            f"operation {name}: returns no layer ({kinds}); a cell computes layers from its arguments: "
+            "return them (what it returns otherwise would be the trace's object at every call)"
+        )
 
 
 def _taker(positions: tuple[int, ...]) -> Callable[[list[Any]], tuple[Any, ...]]:

@@ -801,3 +801,17 @@ async def test_a_numpy_integer_scalar_keeps_a_float32_model_float32() -> None:
         assert (await out.predict()).dtype == np.float32  # (NumPy's promotion: float64)
         [g] = await ml.gradients(ml.sum(out + np.ones(2, np.float32)), [w])  # (a DTypeError, before)
         assert g.dtype == np.float32
+
+
+def test_a_cell_that_returns_no_layer_is_refused() -> None:
+    w = ml.Weight(np.ones(3))
+    for returns, message in [
+        (lambda a: 1.0, r"returns no layer \(float\)"),  # (the trace's own object at every call, before)
+        (lambda a: {"n": 3}, r"returns no layer \(int\)"),
+        (lambda a: None, r"returns no layer \(NoneType\)"),
+        (lambda a: (a * 2.0).forward(), "returns a Do, a computation and not a layer"),
+    ]:
+        with pytest.raises(ml.OperandError, match=message):
+            ml.operation(returns)(ml.as_layer(w))
+    assert ml.operation(lambda a: a)(w) is w  # (an argument returned as it is: fine)
+    assert ml.operation(lambda a: (a, w))(ml.as_layer(w))[1] is w  # (a weight: fine)
