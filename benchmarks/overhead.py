@@ -1,11 +1,13 @@
 """Per-operation overhead of monadl against PyTorch eager and a bare NumPy tape.
 
-Two workloads, measured in one run on the same machine:
+Three workloads, measured in one run on the same machine:
 
 * chain: forward + backward + one SGD step of a 1,000-op elementwise chain
   on a 16x64 float32 array (ops cycle through *, +, tanh, -);
 * mlp: one training step of a 3072 -> 64 -> 64 MLP (ReLU, cross-entropy,
-  SGD) at batch 16, float32.
+  SGD) at batch 16, float32;
+* branches: four independent 3072 -> 64 -> 64 columns summed (the paper's
+  multi-column shape, 21 ops), with one worker thread and with two.
 
 Prints a table: microseconds per step and per op, the ratio to PyTorch, and
 minor page faults per step. Run: ``python benchmarks/overhead.py``.

@@ -5,8 +5,7 @@ column, and balanced trees), the Tree-LSTM of `examples.tree_lstm` (leaves
 are embedding lookups, internal nodes the N-ary cell), in one run:
 
 * **monadl**: the example's model, built node by node (every op a layer);
-  **monadl batching**: the same under ``ml.settings(batching=True)``, once
-  the runtime has that setting ("n/a" until then);
+  **monadl batching**: the same under ``ml.settings(batching=True)``;
 * **monadl cell**: the same with each node's cell marked as one
   `ml.operation`, batching on; **monadl cell off**: batching off (node by
   node, an operation node each: within-tree batching of the cell, like for

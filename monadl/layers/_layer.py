@@ -396,4 +396,6 @@ def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], dept
 
 
 ScalarLayer: TypeAlias = Layer[float, float]
+"""A layer whose value and delta are floats (a loss, a sum)."""
 ArrayLayer: TypeAlias = Layer[Array, Array]
+"""A layer whose value and delta are NumPy arrays."""

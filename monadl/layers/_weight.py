@@ -217,4 +217,6 @@ class Weight(Expr[D, G]):
 
 
 ScalarWeight: TypeAlias = Weight[float, float]
+"""A weight holding one float (a bias of no dimensions)."""
 ArrayWeight: TypeAlias = Weight[Array, Array]
+"""A weight holding a NumPy array."""
