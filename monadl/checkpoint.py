@@ -5,7 +5,8 @@ dicts, lists, tuples, dataclasses and plain objects' attributes) under a
 stable dotted name (``encoder.0.weight``), and writes each weight's data and
 every array of its optimizer state (Adam's moments ...) to one safetensors
 file, with a JSON manifest (names, shapes, dtypes, the optimizer state's
-structure and its numbers, such as step counts) in the file's header.
+structure and its numbers, such as step counts, and a digest of each
+array's bytes, so that a damaged file is refused on load) in the file's header.
 `load(path, model)` restores them into a model of the same structure that the
 program has built again in code, as PyTorch's
 ``model.load_state_dict(torch.load(path))`` does.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import types
@@ -192,7 +194,13 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
                 "optimizer_state": _encode(state, f"{_STATE_PREFIX}{name}", tensors),
             }
         )
-    manifest = {"format": _FORMAT, "version": _VERSION, "weights": entries, "metadata": dict(metadata or {})}
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "weights": entries,
+        "metadata": dict(metadata or {}),
+        "digests": {key: _digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
+    }
     try:
         text = json.dumps(manifest, default=_json_scalar)
     except (TypeError, ValueError) as error:
@@ -221,6 +229,15 @@ def _put(tensors: dict[str, Any], key: str, value: Any) -> None:
     # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
     # it makes a 0-d array 1-d.)
     tensors[key] = np.asarray(_to_host(value), order="C")
+
+
+def _digest(array: Any) -> str | None:
+    """A stored array's bytes, hashed (BLAKE2b, 16 bytes, with its dtype and shape); None for no array."""
+    if array is None:
+        return None
+    hashed = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
+    hashed.update(np.ascontiguousarray(array).tobytes())
+    return hashed.hexdigest()
 
 
 def _to_host(value: Any) -> Any:
@@ -311,6 +328,12 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
         tensors = load_file(os.fspath(path))
     except SafetensorError as error:
         raise CheckpointError(f"{os.fspath(path)} is not a safetensors file: {error}") from None
+    damaged = sorted(key for key, digest in manifest.get("digests", {}).items() if _digest(tensors.get(key)) != digest)
+    if damaged:  # (a checkpoint written before digests has none: read as it is)
+        raise CheckpointError(
+            f"{os.fspath(path)} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
+            "nothing was loaded"
+        )
     weights = named_weights(model)
     saved = {entry["name"]: entry for entry in manifest["weights"]}
     problems = []

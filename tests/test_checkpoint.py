@@ -437,3 +437,37 @@ def test_numpy_scalars_in_metadata_are_kept_as_numbers(tmp_path: Path) -> None:
     assert ml.load(path, build()) == {"epoch": 3, "loss": 0.5, "done": True}
     with pytest.raises(TypeError, match=r"metadata must be JSON.*Generator is not JSON"):
         ml.save(path, build(), metadata={"rng": np.random.default_rng()})
+
+
+def test_a_damaged_checkpoint_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"w": ml.Weight(np.arange(4.0), optimizer=ml.optim.adam(0.1))})
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # (a flipped byte in the last array's data: it loaded silently)
+    path.write_bytes(bytes(raw))
+    model = {"w": ml.Weight(np.zeros(4), optimizer=ml.optim.adam(0.1))}
+    with pytest.raises(
+        ml.CheckpointError, match=r"is damaged: the bytes of .* are not those saved; nothing was loaded"
+    ):
+        ml.load(path, model)
+    np.testing.assert_array_equal(model["w"].data, np.zeros(4))
+
+
+def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "old.safetensors"
+    ml.save(path, {"w": ml.Weight(np.arange(3.0))})
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as file:
+        header = dict(file.metadata())
+    manifest = json.loads(header["monadl"])
+    del manifest["digests"]  # (as written before digests)
+    header["monadl"] = json.dumps(manifest)
+    save_file(load_file(str(path)), str(path), metadata=header)
+    model = {"w": ml.Weight(np.zeros(3))}
+    ml.load(path, model)
+    np.testing.assert_array_equal(model["w"].data, np.arange(3.0))
