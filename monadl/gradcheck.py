@@ -74,6 +74,13 @@ def check_grads(
     >>> import numpy as np, monadl as ml
     >>> check_grads(lambda a, b: ml.tanh(a * b), np.array([0.5, -1.0]), 2.0)
     """
+    for a in args:
+        given: object = a
+        if isinstance(given, Expr):  # (NumPy said 'setting an array element with a sequence')
+            raise TypeError(
+                f"check_grads: the point is floats or float arrays (function is called on them and on weights "
+                f"made from them), got a {type(given).__name__}; pass its value (w.data, await layer.predict())"
+            )
     point = [np.asarray(a, dtype=np.float64) for a in args]
     probe = _value(function(*point))
     projection = np.random.default_rng(seed).standard_normal(np.shape(probe))

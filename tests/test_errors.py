@@ -351,3 +351,10 @@ def test_a_wrong_monadl_workers_variable_is_named(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("MONADL_WORKERS", text)
         with pytest.raises(ValueError, match=rf"environment variable MONADL_WORKERS must be an int >= 1, got '{text}'"):
             _default()
+
+
+def test_check_grads_wants_the_point_as_data() -> None:
+    w = ml.Weight(np.ones(2))
+    with pytest.raises(TypeError, match=r"check_grads: the point is floats or float arrays.*got a Weight"):
+        ml.check_grads(lambda x: ml.tanh(x), w)
+    ml.check_grads(lambda x: ml.tanh(x), w.data)
