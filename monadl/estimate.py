@@ -284,16 +284,17 @@ def squared_error(prediction: ArrayOperand, target: Array) -> ScalarLayer:
     >>> float(anyio.run(squared_error(np.array([1.0, 3.0]), np.array([0.0, 1.0])).predict))
     2.5
     """
-    target = np.asarray(target)
-    site = site_text(caller_site())
+    wanted = tuple(getattr(target, "shape", np.shape(target)))  # (a CuPy target keeps its device)
+    site = caller_site()  # (its text only for the error)
 
     @direct
     async def difference(prediction: ArrayLayer) -> ArrayLayer:
         (value,) = await values(prediction)
-        if tuple(np.shape(value)) != target.shape:
+        if tuple(np.shape(value)) != wanted:
             raise ShapeError(
-                f"squared_error at {site}: the prediction has shape {tuple(np.shape(value))}, the target {target.shape}; "
-                "they must be equal (reshape one: broadcasting them would pair every prediction with every target)"
+                f"squared_error at {site_text(site)}: the prediction has shape {tuple(np.shape(value))}, the target "
+                f"{wanted}; they must be equal (reshape one: broadcasting them would pair every prediction with "
+                "every target)"
             )
         return prediction - target
 
