@@ -66,22 +66,51 @@ def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
         base = xp.asarray(a)
         return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
 
-    return out, (lambda g: g * b * a ** (b - 1), vjp_b)
+    def vjp_a(g: Value) -> Value:
+        # d(a**b)/da = b * a**(b - 1); 0 where b == 0 (a**0 is 1 everywhere: at a == 0, 0 * inf was NaN).
+        if isinstance(b, (int, float)) and b == 0:
+            return g * 0.0 * out
+        if isinstance(b, (int, float)):
+            return g * b * a ** (b - 1)
+        with np.errstate(divide="ignore", invalid="ignore"):  # (0 ** -1 and 0 * inf where b == 0: masked below)
+            grad = g * b * a ** (b - 1)
+        xp = namespace(grad)
+        return xp.where(xp.asarray(b) == 0, xp.zeros_like(grad), grad)
+
+    return out, (vjp_a, vjp_b)
 
 
 def _maximum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = _either(a, b)
     out = xp.maximum(a, b)
-    # Ties split the delta evenly, so the rule is symmetric and sums to g.
-    take_a = _mask(xp, a > b, out) + 0.5 * _mask(xp, a == b, out)
-    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
+    return out, _picked(xp, a > b, a == b, out)
 
 
 def _minimum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = _either(a, b)
     out = xp.minimum(a, b)
-    take_a = _mask(xp, a < b, out) + 0.5 * _mask(xp, a == b, out)
-    return out, (lambda g: g * take_a, lambda g: g * (1 - take_a))
+    return out, _picked(xp, a < b, a == b, out)
+
+
+def _picked(xp: Any, first: Value, tie: Value, out: Value) -> tuple[Vjp, Vjp]:
+    """The deltas of a choice between two operands: all of it to the one
+    chosen, half to each at a tie (so the rule is symmetric and sums to g)."""
+    take = _mask(xp, first, out) + 0.5 * _mask(xp, tie, out)
+    return (
+        lambda g: _chosen(xp, g, take, lambda: xp.where(first, g, xp.where(tie, 0.5 * g, xp.zeros_like(g)))),
+        lambda g: _chosen(xp, g, 1 - take, lambda: xp.where(first, xp.zeros_like(g), xp.where(tie, 0.5 * g, g))),
+    )
+
+
+def _chosen(xp: Any, g: Value, factor: Value, by_where: Callable[[], Value]) -> Value:
+    """``g`` where chosen, 0 elsewhere: ``g * factor`` (a 0/1 factor, 0.5 at
+    ties), but ``by_where()`` where the delta is not finite (inf * 0 is NaN,
+    for an operand not chosen). NumPy checks the delta first (its ``where``
+    is up to ten times slower than the product); other libraries take
+    ``where``, which reads no value back to the host."""
+    if xp is not np:
+        return by_where()
+    return g * factor if np.isfinite(g).all() else by_where()
 
 
 # ---- elementwise, unary -----------------------------------------------------
@@ -191,14 +220,15 @@ def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
 
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    if type(a) is np.ndarray or namespace(a) is np:  # NumPy multiplies by booleans: one kernel forward
-        return np.maximum(a, 0), (lambda g: g * (a > 0),)
+    # The delta where chosen (`_chosen`): an infinite delta times a 0/1 factor was NaN.
+    if type(a) is np.ndarray or namespace(a) is np:
+        return np.maximum(a, 0), (lambda g: _chosen(np, g, a > 0, lambda: np.where(a > 0, g, 0)),)
     xp = namespace(a)
     fused = _fused(xp, "relu_backward")
     if fused is not None:
         return xp.maximum(a, 0), (lambda g: fused(g, a),)
-    keep = _mask(xp, a > 0, a)
-    return a * keep, (lambda g: g * keep,)
+    keep = a > 0
+    return xp.where(keep, a, xp.zeros_like(a)), (lambda g: xp.where(keep, g, xp.zeros_like(g)),)
 
 
 # On CuPy, a rule of several elementwise steps is one kernel: the GPU is
