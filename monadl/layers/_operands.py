@@ -16,6 +16,8 @@ to every step of its program, so marking a cell changes no dtype and no error.
 [dtype('float32'), dtype('float32')]
 >>> [a.dtype for a in one_float_dtype("mul", (np.ones(2, np.float32), np.int64(2)), "f.py:3")]
 [dtype('float32'), dtype('float32')]
+>>> [a.dtype for a in one_float_dtype("mul", (np.array(0.5, np.float32), np.arange(2)), "f.py:3")]
+[dtype('float32'), dtype('float32')]
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, 
                     f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
                     f"cast one with .astype first; layer built at {where}"
                 )
+    if first is None:  # no float array with dimensions: a float of none (a 0-d weight) sets it for integers
+        floats = [a.dtype for a in args if isinstance(a, np.floating) or (is_array(a) and _real_float(a))]
+        first = floats[0] if len(set(floats)) == 1 else None
     if first is None or not any(map(_cast, args, (first,) * len(args))):
         return args  # (the same tuple: nothing to cast)
     return tuple([_as(a, first) if _cast(a, first) else a for a in args])
@@ -64,6 +69,10 @@ def _cast(a: Any, dtype: Any) -> bool:
     if xp.isdtype(a.dtype, ("integral", "bool")):
         return True
     return not a.ndim and bool(a.dtype != dtype) and bool(xp.isdtype(a.dtype, "real floating"))
+
+
+def _real_float(a: Any) -> bool:
+    return bool(namespace(a).isdtype(a.dtype, "real floating"))
 
 
 def _as(a: Any, dtype: Any) -> Any:
