@@ -57,13 +57,23 @@ def _max(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
     return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * share,)
 
 
+def _peak(xp: Any, a: Value, axis: Any) -> Value:
+    """``max(a, axis, keepdims=True)``, the shift of a stable softmax; zeros
+    where the axis is empty (no maximum to shift by: the sums of an empty
+    axis are 0, so logsumexp is -inf and a softmax empty, as PyTorch's)."""
+    return xp.sum(a, axis=axis, keepdims=True) if a.size == 0 else xp.max(a, axis=axis, keepdims=True)
+
+
 def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
     xp, shape = namespace(a), a.shape
-    peak = xp.max(a, axis=axis, keepdims=True)
+    peak = _peak(xp, a, axis)
     peak = xp.where(xp.isfinite(peak), peak, xp.zeros_like(peak))
     e = xp.exp(a - peak)
     total = xp.sum(e, axis=axis, keepdims=True)
-    out_keep = xp.log(total) + peak
+    if a.size == 0:  # (log of an empty sum: -inf, without NumPy's warning)
+        out_keep = xp.full_like(total, -xp.inf)
+    else:
+        out_keep = xp.log(total) + peak
     if keepdims:
         out = out_keep
     elif axis is None:
@@ -76,6 +86,8 @@ def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, .
 
 def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
+    if a.size == 0:  # (nothing to normalise: empty, as PyTorch's)
+        return xp.zeros_like(a), (lambda g: xp.zeros_like(a),)
     e = xp.exp(a - xp.max(a, axis=axis, keepdims=True))
     out = e / xp.sum(e, axis=axis, keepdims=True)
     return out, (lambda g: out * (g - xp.sum(g * out, axis=axis, keepdims=True)),)
@@ -83,6 +95,8 @@ def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
+    if a.size == 0:  # (nothing to normalise: empty, as PyTorch's)
+        return xp.zeros_like(a), (lambda g: xp.zeros_like(a),)
     amax, total = _reductions(xp)
     shifted = a - amax(a, axis=axis, keepdims=True)
     out = shifted - xp.log(total(xp.exp(shifted), axis=axis, keepdims=True))

@@ -327,3 +327,51 @@ def test_tanh_and_sigmoid_deltas_of_large_arrays_in_one_buffer_equal_the_closed_
         assert got.dtype == dtype and got.shape == a.shape
         np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-14)
     np.testing.assert_allclose(tanh_vjp(np.asarray(2.0, dtype)), 2 * (1 - t * t), rtol=1e-6)  # a broadcast delta
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:divide by zero encountered")  # (sqrt's delta at 0: infinite, as meant)
+async def test_an_infinite_delta_reaches_only_the_chosen_operand() -> None:
+    # sqrt'(0) is infinite: times a 0/1 factor it was NaN for what relu, maximum and minimum did not choose.
+    w = ml.Weight(np.array([-1.0, 2.0]))
+    losses: list[ml.ScalarLayer] = [
+        ml.sum(ml.sqrt(ml.relu(w))),
+        ml.sum(ml.sqrt(ml.maximum(w, 0.0))),
+        ml.sum(ml.sqrt(-ml.minimum(-w, 0.0))),
+    ]
+    for loss in losses:
+        [g] = await ml.gradients(loss, [w])
+        np.testing.assert_allclose(g, [0.0, 0.5 / np.sqrt(2.0)])
+    tie = ml.Weight(np.array([1.0, 1.0]))
+    [g] = await ml.gradients(ml.sum(ml.maximum(tie, np.ones(2)) * 3.0), [tie])
+    np.testing.assert_array_equal(g, [1.5, 1.5])  # (a tie splits the delta)
+
+
+@pytest.mark.anyio
+@pytest.mark.filterwarnings("ignore:divide by zero encountered")  # (0 ** -1 where an exponent is 0: masked)
+async def test_the_power_of_zero_has_gradient_zero_at_zero() -> None:
+    w = ml.Weight(np.array([0.0, 1.0]))
+    [g] = await ml.gradients(ml.sum(w**0.0), [w])  # (0 * 0 ** -1: NaN)
+    np.testing.assert_array_equal(g, [0.0, 0.0])
+    e = ml.Weight(np.array([0.0, 2.0]))
+    [ga, ge] = await ml.gradients(ml.sum(w**e), [w, e])
+    np.testing.assert_array_equal(ga, [0.0, 2.0])
+    np.testing.assert_array_equal(ge, [0.0, 0.0])  # (w ** e * log(w): 0 where w == 0, and log(1))
+
+
+@pytest.mark.anyio
+async def test_softmax_and_logsumexp_of_an_empty_axis_are_pytorchs() -> None:
+    w = ml.Weight(np.zeros((2, 0)))
+    assert (await ml.logsumexp(w, axis=1).predict()).tolist() == [-np.inf, -np.inf]
+    assert (await ml.softmax(w, axis=1).predict()).shape == (2, 0)
+    assert (await ml.log_softmax(w, axis=1).predict()).shape == (2, 0)
+    [g] = await ml.gradients(ml.sum(ml.softmax(w, axis=1)), [w])
+    assert g.shape == (2, 0)
+
+
+@pytest.mark.anyio
+async def test_a_float32_weight_of_no_dimensions_keeps_integer_data_float32() -> None:
+    w = ml.Weight(np.array(0.5, np.float32))
+    assert (await (w * np.array([1, 2])).predict()).dtype == np.float32  # (float64, NumPy's promotion)
+    [g] = await ml.gradients(ml.sum(w * np.array([1, 2])), [w])
+    assert g.dtype == np.float32
