@@ -134,6 +134,15 @@ def _getitem(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchR
     return PRIMITIVES["getitem"].rule(a, (slice(None), *items))
 
 
+def _member_axis(axis: int, ndim: int) -> int:
+    """A member's ``axis`` (of ``ndim``) as an axis of the stack (one more, in
+    front); out of range it raises, and the group runs node by node, where
+    the node's error names the user's line (wrapped, it named another axis)."""
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for {ndim} dimensions")
+    return axis % ndim + 1
+
+
 def _reduction(name: str) -> BatchRule:
     """sum, mean, max, logsumexp over given axes (not over everything: the
     batch axis must stay)."""
@@ -147,8 +156,8 @@ def _reduction(name: str) -> BatchRule:
         if axis is None:  # every axis of a member: all but the batch axis
             return rule(a, tuple(range(1, a.ndim)), keepdims)
         if isinstance(axis, int):
-            return rule(a, axis % ndim + 1, keepdims)
-        return rule(a, tuple(ax % ndim + 1 for ax in axis), keepdims)
+            return rule(a, _member_axis(axis, ndim), keepdims)
+        return rule(a, tuple(_member_axis(ax, ndim) for ax in axis), keepdims)
 
     return batch
 
@@ -161,7 +170,7 @@ def _per_row(name: str) -> BatchRule:
         a, axis = args
         if not batched[0]:
             return None
-        return rule(a, axis % (a.ndim - 1) + 1)
+        return rule(a, _member_axis(axis, a.ndim - 1))
 
     return batch
 
@@ -174,7 +183,7 @@ def _concatenate(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Ba
     if ndim == 0:
         return None
     lifted = [a if b else xp.broadcast_to(a, (n, *a.shape)) for a, b in zip(arrays, batched)]
-    return PRIMITIVES["concatenate"].rule(*lifted, axis % ndim + 1)
+    return PRIMITIVES["concatenate"].rule(*lifted, _member_axis(axis, ndim))
 
 
 def _embedding(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:

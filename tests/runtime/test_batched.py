@@ -455,3 +455,18 @@ def test_a_weight_inside_an_index_is_no_data_to_a_signature() -> None:
     w, x = ml.Weight(np.zeros(2)), ml.Weight(np.ones((3, 4)))
     assert _batching.signature({}, x[w, 0]) is None
     assert _batching.signature({}, x[np.zeros(2, np.intp), 0]) is not None
+
+
+def test_an_axis_out_of_range_inside_a_batched_cell_is_the_nodes_error() -> None:
+    # Batched, the axis was wrapped (axis % ndim + 1) and another axis reduced: a value, silently.
+    w = ml.Weight(np.random.default_rng(0).normal(size=(3, 4)))
+    for reduce in (
+        lambda h: ml.sum(h, axis=2),
+        lambda h: ml.logsumexp(h, axis=-3),
+        lambda h: ml.softmax(h, axis=2),
+        lambda h: ml.concatenate([h, h], axis=2),
+    ):
+        cell = ml.operation(lambda x, reduce=reduce: ml.sum(reduce(ml.tanh(x @ w))))
+        for batching in (True, False):
+            with ml.settings(batching=batching), pytest.raises(ml.ShapeError, match="out of"):
+                anyio.run(ml.sum(ml.stack([cell(np.ones((2, 3)) * i) for i in range(3)])).predict)
