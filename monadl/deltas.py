@@ -98,22 +98,33 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
     if add is not None and hasattr(add, "at"):
         add.at(out, index, values)
         return out
-    if not isinstance(index, tuple) and not is_basic_index(index):  # rows of the first axis
-        rows, rest = out.shape[0], out.shape[1:]
-        if index.dtype == xp.bool:  # (a mask: the rows it picks, in order)
+    rows_of_a_mask = not isinstance(index, tuple) and index.dtype == xp.bool and index.ndim == 1
+    if not isinstance(index, tuple) and not is_basic_index(index) and (index.dtype != xp.bool or rows_of_a_mask):
+        rows, rest = out.shape[0], out.shape[1:]  # rows of the first axis
+        if rows_of_a_mask:  # (the rows it picks, in order)
             index = xp.nonzero(index)[0]
         index = _from_the_front(xp, index, rows)
-        one_hot = xp.astype(xp.arange(rows, device=out.device)[:, None] == xp.reshape(index, (-1,))[None, :], out.dtype)
         picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
-        return out + xp.reshape(one_hot @ xp.astype(picked, out.dtype), out.shape)
-    index = index if isinstance(index, tuple) else (index,)
+        summed = _one_hot_sum(xp, rows, xp.reshape(index, (-1,)), xp.astype(picked, out.dtype))
+        return out + xp.reshape(summed, out.shape)
+    index = index if isinstance(index, tuple) else (index,)  # (a mask of several axes too: by flat positions)
     if all(is_basic_index(i) for i in index) and not any(i is Ellipsis for i in index):
         index = (*index, Ellipsis)  # the standard wants every axis of a basic index named
     size = prod(out.shape)
     positions = xp.reshape(xp.reshape(xp.arange(size, device=out.device), out.shape)[index], (-1,))
-    flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1,))
-    one_hot = xp.astype(xp.arange(size, device=out.device)[:, None] == positions[None, :], out.dtype)
-    return out + xp.reshape(one_hot @ xp.astype(flat, out.dtype), out.shape)
+    flat = xp.reshape(xp.broadcast_to(values, positions.shape if values.ndim == 0 else values.shape), (-1, 1))
+    return out + xp.reshape(_one_hot_sum(xp, size, positions, xp.astype(flat, out.dtype)), out.shape)
+
+
+def _one_hot_sum(xp: Any, count: int, positions: Any, values: Any) -> Any:
+    """``values`` (a row per position) summed into ``count`` rows by a one-hot
+    product, for a library with no scatter; where a value is not finite, by
+    ``where`` instead (in a product, 0 * inf is NaN in rows not picked)."""
+    chosen = xp.arange(count, device=values.device)[:, None] == positions[None, :]
+    if bool(xp.all(xp.isfinite(values))):
+        return xp.astype(chosen, values.dtype) @ values
+    zero = xp.zeros_like(values[None, :, :])
+    return xp.sum(xp.where(chosen[:, :, None], values[None, :, :], zero), axis=1)
 
 
 def _from_the_front(xp: Any, index: Any, rows: int) -> Any:

@@ -228,7 +228,7 @@ def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     if fused is not None:
         return xp.maximum(a, 0), (lambda g: fused(g, a),)
     keep = a > 0
-    return xp.where(keep, a, xp.zeros_like(a)), (lambda g: xp.where(keep, g, xp.zeros_like(g)),)
+    return xp.maximum(a, xp.zeros_like(a)), (lambda g: xp.where(keep, g, xp.zeros_like(g)),)  # (a NaN stays NaN)
 
 
 # On CuPy, a rule of several elementwise steps is one kernel: the GPU is
