@@ -147,3 +147,10 @@ def test_many_lookups_of_one_table_accumulate_in_linear_time() -> None:
     np.add.at(expected, np.arange(5000) % 7, np.arange(5000.0)[:, None])
     np.testing.assert_array_equal(total.to_dense(), expected)
     assert total.indices.shape == (5000,)
+
+
+@pytest.mark.anyio
+async def test_a_table_of_no_columns_has_an_empty_gradient() -> None:
+    table = ml.Weight(np.zeros((2, 0)))
+    [g] = await ml.gradients(ml.sum(ml.embedding(table, np.array([0, 1, 1]))), [table])  # (reshape(g, (-1, 0)))
+    assert np.asarray(g.to_dense() if hasattr(g, "to_dense") else g).shape == (2, 0)

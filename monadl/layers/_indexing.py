@@ -68,7 +68,9 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # (the sparse step sums a row's deltas by its index).
     flat = _checked_indices(xp, indices, shape[0], "indices", "rows", table)
     rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
-    return rows, (lambda g: SparseRows(flat, xp.reshape(g, (-1, *shape[1:])), shape),)
+    return rows, (
+        lambda g: SparseRows(flat, xp.reshape(g, (flat.shape[0], *shape[1:])), shape),
+    )  # (not -1: a row of 0)
 
 
 def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: Value) -> Value:
