@@ -23,10 +23,14 @@ computation performed, early stopping included), max-times and min-plus
 (the best derivation, `Run.best_derivation`, and the subgradient along it),
 any other forward only. The chart records which items exist apart from their
 values, so an axiom whose value is exactly zero still receives its gradient
-where no cycle runs through it: on a cycle, an update of exactly zero to an
-item already in the chart is not popped (it would change nothing, and popping
-it would never end), so the tape misses that path (``a += x * a. a += 1.``
-at ``x = 0`` gives ``da/dx = 0``, not 1; start such a weight off zero).
+when its update is the item's first. An update of exactly zero to an item
+already in the chart is not popped (it would change nothing, and on a cycle
+popping it would never end), so the tape misses that path: on a cycle
+(``a += x * a. a += 1.`` at ``x = 0`` gives ``da/dx = 0``, not 1), and
+wherever an exactly-zero product reaches an item a first update already
+made (``stop += final(I) * pathto(I)`` with ``final(2) = 0`` after
+``final(0)``: its gradient 0, not 1); batched (`ArrayProgram`), an update
+that is zero in every entry of an item. Start such a weight off zero.
 
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every

@@ -132,6 +132,8 @@ class ArrayRun:
             if g is None:
                 return 0.0
             if s is LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+                if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
+                    return 0.0
                 return math.exp(float(g[position]) + value - goal_value)
             return float(g[position])
 

@@ -119,8 +119,12 @@ class Run:
             if g is None:
                 out[x] = 0.0
             elif s is LOG_REAL:
-                # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal).
-                out[x] = math.exp(g + (self.axioms[x] if axiom else first) - self.chart[goal])
+                # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal);
+                # a goal of probability 0 stays 0 near here (exp(-inf + inf) was NaN).
+                goal_value = self.chart[goal]
+                out[x] = (
+                    0.0 if goal_value == -math.inf else math.exp(g + (self.axioms[x] if axiom else first) - goal_value)
+                )
             else:
                 out[x] = g
         return out

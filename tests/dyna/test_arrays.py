@@ -149,3 +149,13 @@ def test_an_array_axis_argument_must_be_an_index_in_range() -> None:
     assert run.value(("y",)) == 12.0 and run.value(("x", 1)) == 5.0
     with pytest.raises(ValueError, match="outside the array axes"):
         run.value(("x", -1))  # not the last entry
+
+
+def test_a_log_real_goal_of_probability_zero_has_gradient_zero_not_nan() -> None:
+    from monadl.dyna import LOG_REAL, parse
+
+    program = parse("pathto(0) += 0. pathto(J) += edge(I, J) * pathto(I). stop += final(I) * pathto(I).", LOG_REAL)
+    axioms = {("final", 1): 0.0}  # (pathto(1) is never reached: stop is -inf)
+    arrays = ArrayProgram(program.rules, LOG_REAL, arrays={"pathto": {0: 2}, "edge": {0: 2, 1: 2}, "final": {0: 2}})
+    assert arrays.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}  # (exp(-inf + x + inf): NaN)
+    assert program.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}
