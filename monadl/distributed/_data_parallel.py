@@ -23,23 +23,17 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
 3. **Commit.** Every rank computes every step from the same reduced
    gradients and then writes them (`_commit`): identical weights everywhere.
 
-Before the first step, one more exchange (`_same_model`) checks that every
-rank holds the same model: the ranks all-gather how many weights they hold
-and a digest of each one's name (less any memory address in it: a dict key's
-default repr holds one), shape and dtype; where these differ, no rank
-steps and each raises `RankFailure` naming the first weight that differs and
-what it is on each rank (an all-reduce of unequal buffers would broadcast one
-into the other, truncate, or hang in MPI). Once passed, it is not repeated:
-the weights are found once, when `DataParallel` is built, and a weight's shape
-and dtype never change (`Weight`'s setter, a step and a checkpoint keep them),
-so every later buffer has the same size and dtype on every rank.
+Before the first step, one more exchange checks that every rank holds the
+same model (`monadl.distributed._same_model`). Once passed, it is not
+repeated: the weights are found once, when `DataParallel` is built, and a
+weight's shape and dtype never change (`Weight`'s setter, a step and a
+checkpoint keep them), so every later buffer has the same size and dtype on
+every rank.
 """
 
 from __future__ import annotations
 
-import hashlib
 import pickle
-import re
 import time
 from collections.abc import Sequence
 from typing import Any, Final, final
@@ -48,12 +42,13 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from monadl._named import named_weights
 from monadl._namespace import is_array, namespace
-from monadl.checkpoint import named_weights
 from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets
 from monadl.distributed._overlap import dense as dense_like
+from monadl.distributed._same_model import describe, mismatch, same_model, shape_of
 from monadl.layers import Layer, Weight
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
@@ -130,8 +125,8 @@ class DataParallel:
         self._comm = mpi_world() if comm is None else comm
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
-        self._described = [_describe(name, weight._data) for name, weight in named.items()]
-        self._agreed = False  # every rank was shown to hold this model (`_same_model`)
+        self._described = [describe(name, weight._data) for name, weight in named.items()]
+        self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
@@ -167,7 +162,7 @@ class DataParallel:
         problem = ""
         if comm.rank != root:
             loaded = pickle.loads(data.tobytes())
-            problem = _mismatch(self._weights, [d for d, _ in loaded])
+            problem = mismatch(self._weights, [d for d, _ in loaded])
             if not problem:
                 for weight, (d, state) in zip(self._weights, loaded):
                     weight._data, weight._state = d, state
@@ -200,7 +195,7 @@ class DataParallel:
         """
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         if not self._agreed:
-            await _same_model(comm, self._described)
+            await same_model(comm, self._described)
             self._agreed = True
         # One rank has nothing to overlap: its "all-reduce" is a copy.
         overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
@@ -241,7 +236,7 @@ class DataParallel:
             if i is None:
                 problem = problem or f"the loss reached a weight outside the model: {weight!r:.60}"
             elif not _finite(grad):
-                problem = problem or f"non-finite gradient of weight {i} (shape {_shape(weight._data)})"
+                problem = problem or f"non-finite gradient of weight {i} (shape {shape_of(weight._data)})"
             elif overlap is not None and weight in overlap.bucket_of and overlap.reported(weight) is not grad:
                 problem = problem or f"the runtime reported weight {i}'s gradient final before it was"
             elif type(grad) is SparseRows:
@@ -366,7 +361,7 @@ def _unflatten(flat: Any, likes: Sequence[Any]) -> list[Any]:
     xp = namespace(flat)
     out, start = [], 0
     for like in likes:
-        shape = _shape(like)
+        shape = shape_of(like)
         n = int(np.prod(shape))
         out.append(xp.reshape(flat[start : start + n], shape))
         start += n
@@ -379,74 +374,3 @@ def _finite(grad: Any) -> bool:
         return bool(np.isfinite(values))
     xp = namespace(values)
     return bool(xp.all(xp.isfinite(values)))
-
-
-def _shape(data: Any) -> tuple[int, ...]:
-    return tuple(data.shape) if hasattr(data, "shape") else ()
-
-
-def _dtype(data: Any) -> Any:
-    return data.dtype if hasattr(data, "dtype") else np.dtype(np.float64)
-
-
-def _describe(name: str, data: Any) -> str:
-    """A weight as `_same_model` compares it: ``'layers.0.bias' float64[8]`` (no name for a bare weight)."""
-    return (f"{name!r} " if name else "") + f"{_dtype(data)}{list(_shape(data))}"
-
-
-_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
-
-
-async def _same_model(comm: Communicator, described: Sequence[str]) -> None:
-    """Raise the same `RankFailure` on every rank unless all hold weights of
-    the same names, shapes and dtypes (`_describe`), in the same order.
-
-    One all-gather of three numbers per rank (the number of weights, the
-    descriptions' length and an 8-byte digest of them); the descriptions
-    themselves are all-gathered only when these differ, to say how.
-    """
-    # (a name is a repr: it holds no newline; an address in it, a dict key's default repr's, differs
-    # between processes: not compared)
-    text = "\n".join([_ADDRESS.sub("0x...", d) for d in described]).encode()
-    digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
-    header = np.array([[len(described), len(text), digest]], np.int64)
-    headers = (await comm.allgather(header, [1] * comm.size)).reshape(comm.size, 3)
-    if (headers == headers[0]).all():
-        return
-    lengths = [int(n) for n in headers[:, 1]]
-    gathered = await comm.allgather(np.frombuffer(text, np.uint8).copy(), lengths)
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    models = [gathered[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size)]
-    raise RankFailure({}, _difference([m.split("\n") if m else [] for m in models]))
-
-
-def _difference(models: Sequence[Sequence[str]]) -> str:
-    """How the ranks' models (each a list of `_describe`'d weights) differ, first difference first."""
-
-    def at(model: Sequence[str], i: int) -> str:
-        return model[i] if i < len(model) else "absent"
-
-    counts = [len(m) for m in models]
-    i = next((i for i in range(max(counts)) if len({at(m, i) for m in models}) > 1), min(counts))
-    ranks: dict[str, list[int]] = {}
-    for rank, model in enumerate(models):
-        ranks.setdefault(at(model, i), []).append(rank)
-    where = ", ".join(
-        f"{what} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for what, rs in ranks.items()
-    )
-    text = f"the ranks hold different models: weight {i} is {where}"
-    if len(set(counts)) > 1:
-        held = (f"{n} weight{'' if n == 1 else 's'} on rank {rank}" for rank, n in enumerate(counts))
-        text += f" ({', '.join(held)})"
-    return text + "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers)"
-
-
-def _mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
-    if len(mine) != len(theirs):
-        return f"the model has {len(mine)} weights here and {len(theirs)} on the root"
-    for i, (w, d) in enumerate(zip(mine, theirs)):
-        if _shape(w._data) != _shape(d) or _dtype(w._data) != _dtype(d):
-            return (
-                f"weight {i} is {_dtype(w._data)}{list(_shape(w._data))} here, {_dtype(d)}{list(_shape(d))} on the root"
-            )
-    return ""

@@ -7,7 +7,7 @@ from typing import Any, TypeVar, overload
 
 import numpy.typing as npt
 
-from monadl.checkpoint import named_weights
+from monadl._named import named_weights
 from monadl.layers import Weight
 
 __all__ = ["find_weights", "shard"]

@@ -85,11 +85,10 @@ class Expr(Unvalued, Generic[D, G]):
     """
 
     __slots__ = ()
-    # NumPy sees a method (operators with an array on the left reach monadl,
-    # other ufuncs raise a hint); CuPy sees None (its cue to call our
-    # reflected operators). See `_UfuncHook`.
+    # NumPy sees methods (an array on an operator's left reaches monadl; other ufuncs and NumPy
+    # functions raise a hint); CuPy sees None and calls our reflected operators (`_ufunc`).
     __array_ufunc__ = UfuncHook()
-    __array_function__ = array_function  # (np.sum(w), np.concatenate([a, b]): refused with the ml spelling)
+    __array_function__ = array_function
 
     def forward(self) -> Do[Tape[D, G]]:
         """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""

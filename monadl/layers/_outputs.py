@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Final, final
 
-from monadl._namespace import namespace
+from monadl._namespace import all_finite, namespace
 from monadl.errors import OperandError
 from monadl.layers._primitives import Primitive
 
@@ -38,6 +38,11 @@ class Outputs(tuple[Value, ...]):
     def signature(self) -> tuple[Any, ...]:
         """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
         return tuple([(type(p), p.shape, p.dtype) for p in self])
+
+
+def finite_value(value: Value) -> bool:
+    """Whether a node's value holds no NaN and no infinity (an `Outputs`: any of its arrays)."""
+    return all(map(all_finite, value)) if type(value) is Outputs else all_finite(value)
 
 
 def arrays_of(values: tuple[Value, ...]) -> tuple[Value, ...]:

@@ -17,11 +17,19 @@ from typing import Any, Final, final
 
 import numpy as np
 
-from monadl._namespace import _HOST, all_finite, common_namespace, namespace
+from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import one_float_dtype
-from monadl.layers._outputs import OUTPUT, Outputs, OutputsDelta, StackedOutputs, arrays_of, batch_output
+from monadl.layers._outputs import (
+    OUTPUT,
+    Outputs,
+    OutputsDelta,
+    StackedOutputs,
+    arrays_of,
+    batch_output,
+    finite_value,
+)
 from monadl.layers._primitives import Primitive
 from monadl.layers._products import OuterRule, factors_pay
 from monadl.layers._step import Step
@@ -125,7 +133,7 @@ class Program:
         for step, read in zip(self.steps, self.readers):
             values, _ = self._operand_rule(step, read(env))
             out, _ = step.op.rule(*values, *step.parameters(env))
-            if not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
+            if not finite_value(out):
                 return f"{step.op.name} at {_where(step)}, inside the operation {self.name}"
             env.append(out)
         return None

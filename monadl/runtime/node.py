@@ -23,7 +23,7 @@ from monadl._namespace import (
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer
 from monadl.layers._operands import describe, one_float_dtype
-from monadl.layers._outputs import Outputs, arrays_of
+from monadl.layers._outputs import Outputs, arrays_of, finite_value
 from monadl.layers._program import Program
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
@@ -168,7 +168,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
         raise
-    if ev.check_finite and not (all_finite(out) if type(out) is not Outputs else all(map(all_finite, out))):
+    if ev.check_finite and not finite_value(out):
         inside = op.rule.first_non_finite(*args) if type(op.rule) is Program else None  # (an operation's step)
         raise NonFiniteError(
             f"{op.name} produced a NaN or an infinity from {describe(args)}"

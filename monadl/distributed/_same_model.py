@@ -1,0 +1,91 @@
+"""Whether every rank holds the same model, before the first step of data
+parallelism (`monadl.distributed.DataParallel`): the ranks all-gather how
+many weights they hold and a digest of each one's name (less any memory
+address in it: a dict key's default repr holds one), shape and dtype; where
+these differ, no rank steps and each raises `RankFailure` naming the first
+weight that differs and what it is on each rank (an all-reduce of unequal
+buffers would broadcast one into the other, truncate, or hang in MPI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from monadl.distributed._comm import Communicator, RankFailure
+from monadl.layers import Weight
+
+__all__ = ["describe", "mismatch", "same_model", "shape_of"]
+
+
+def shape_of(data: Any) -> tuple[int, ...]:
+    return tuple(data.shape) if hasattr(data, "shape") else ()
+
+
+def _dtype(data: Any) -> Any:
+    return data.dtype if hasattr(data, "dtype") else np.dtype(np.float64)
+
+
+def describe(name: str, data: Any) -> str:
+    """A weight as `same_model` compares it: ``'layers.0.bias' float64[8]`` (no name for a bare weight)."""
+    return (f"{name!r} " if name else "") + f"{_dtype(data)}{list(shape_of(data))}"
+
+
+_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
+
+
+async def same_model(comm: Communicator, described: Sequence[str]) -> None:
+    """Raise the same `RankFailure` on every rank unless all hold weights of
+    the same names, shapes and dtypes (`describe`), in the same order.
+
+    One all-gather of three numbers per rank (the number of weights, the
+    descriptions' length and an 8-byte digest of them); the descriptions
+    themselves are all-gathered only when these differ, to say how.
+    """
+    # (a name is a repr: it holds no newline; an address in it, a dict key's default repr's, differs
+    # between processes: not compared)
+    text = "\n".join([_ADDRESS.sub("0x...", d) for d in described]).encode()
+    digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+    header = np.array([[len(described), len(text), digest]], np.int64)
+    headers = (await comm.allgather(header, [1] * comm.size)).reshape(comm.size, 3)
+    if (headers == headers[0]).all():
+        return
+    lengths = [int(n) for n in headers[:, 1]]
+    gathered = await comm.allgather(np.frombuffer(text, np.uint8).copy(), lengths)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    models = [gathered[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size)]
+    raise RankFailure({}, _difference([m.split("\n") if m else [] for m in models]))
+
+
+def _difference(models: Sequence[Sequence[str]]) -> str:
+    """How the ranks' models (each a list of `describe`'d weights) differ, first difference first."""
+
+    def at(model: Sequence[str], i: int) -> str:
+        return model[i] if i < len(model) else "absent"
+
+    counts = [len(m) for m in models]
+    i = next((i for i in range(max(counts)) if len({at(m, i) for m in models}) > 1), min(counts))
+    ranks: dict[str, list[int]] = {}
+    for rank, model in enumerate(models):
+        ranks.setdefault(at(model, i), []).append(rank)
+    where = ", ".join(
+        f"{what} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for what, rs in ranks.items()
+    )
+    text = f"the ranks hold different models: weight {i} is {where}"
+    if len(set(counts)) > 1:
+        held = (f"{n} weight{'' if n == 1 else 's'} on rank {rank}" for rank, n in enumerate(counts))
+        text += f" ({', '.join(held)})"
+    return text + "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers)"
+
+
+def mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
+    if len(mine) != len(theirs):
+        return f"the model has {len(mine)} weights here and {len(theirs)} on the root"
+    for i, (w, d) in enumerate(zip(mine, theirs)):
+        if shape_of(w._data) != shape_of(d) or _dtype(w._data) != _dtype(d):
+            return f"weight {i} is {_dtype(w._data)}{list(shape_of(w._data))} here, {_dtype(d)}{list(shape_of(d))} on the root"
+    return ""
