@@ -177,7 +177,29 @@ async def nccl_world(host: Communicator | None = None, patience: float = DEFAULT
     """
     host = mpi_world(patience) if host is None else host
     nccl = importlib.import_module("cupy.cuda.nccl")
-    uid = np.array(nccl.get_unique_id() if host.rank == 0 else [0] * 128, np.int64)
-    uid = await host.broadcast(uid)
-    comm = nccl.NcclCommunicator(host.size, tuple(int(c) for c in uid), host.rank)
+    packed = packed_id(nccl.get_unique_id()) if host.rank == 0 else np.zeros(_ID_LENGTH + 1, np.int64)
+    uid = unpacked_id(await host.broadcast(packed))
+    comm = nccl.NcclCommunicator(host.size, uid, host.rank)
     return NcclCommunicator(host, comm, nccl=nccl, timeout=patience)
+
+
+# NCCL's unique id is 128 bytes; CuPy gives it as a tuple of ints (signed
+# chars) in older releases and as ``bytes`` from CuPy 14, and takes it back in
+# the form it gave. The broadcast array carries the form in its first entry.
+_ID_LENGTH: Final = 128
+_AS_BYTES: Final = 1
+
+
+def packed_id(uid: bytes | Sequence[int]) -> npt.NDArray[np.int64]:
+    """NCCL's unique id as an int64 array the host communicator can broadcast."""
+    form = _AS_BYTES if isinstance(uid, bytes) else 0
+    values = list(uid)
+    if len(values) != _ID_LENGTH:
+        raise ValueError(f"NCCL's unique id has {len(values)} entries, not {_ID_LENGTH}")
+    return np.array([form, *values], np.int64)
+
+
+def unpacked_id(packed: npt.NDArray[np.int64]) -> bytes | tuple[int, ...]:
+    """The id `packed_id` packed, in the form CuPy gave it."""
+    values = [int(v) for v in packed[1:]]
+    return bytes(values) if int(packed[0]) == _AS_BYTES else tuple(values)

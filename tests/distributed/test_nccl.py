@@ -152,3 +152,27 @@ def test_nccl_on_one_gpu() -> None:
         return cupy.asnumpy(weight.data)
 
     np.testing.assert_allclose(run_local(1, rank)[0], [1.0, 0.5, 0.0])
+
+
+@pytest.mark.parametrize(
+    "uid",
+    [bytes(range(128)), bytes([255] * 128), tuple(range(-64, 64)), tuple([-128] * 128)],
+    ids=["bytes", "bytes-high", "tuple", "tuple-negative"],
+)
+def test_the_unique_id_crosses_the_broadcast_in_the_form_cupy_gave(uid: bytes | tuple[int, ...]) -> None:
+    """CuPy 14 gives NCCL's id as bytes (older releases as a tuple of signed
+    chars) and takes it back in the same form: the other ranks must rebuild it."""
+    from monadl.distributed._nccl import packed_id, unpacked_id
+
+    packed = packed_id(uid)
+    assert packed.dtype == np.int64
+    back = unpacked_id(packed.copy())
+    assert type(back) is type(uid)
+    assert back == uid
+
+
+def test_an_id_of_the_wrong_length_is_refused() -> None:
+    from monadl.distributed._nccl import packed_id
+
+    with pytest.raises(ValueError, match="127 entries, not 128"):
+        packed_id(bytes(127))
