@@ -350,3 +350,42 @@ def test_host_integers_beside_a_nested_operations_device_outputs_are_a_device_er
     outer = ml.operation(lambda x, ints: ints * pair(x)[0])
     with pytest.raises(ml.DeviceError, match=r"multiply at .*inside the operation"):
         anyio.run(ml.sum(outer(ml.as_layer(device.asarray(np.ones((1, 1)))), np.array([[1, 2]]))).predict)
+
+
+def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_device(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a device, an operand whose rows come from several groups is one
+    index into their outputs concatenated, and its delta one scatter (each a
+    launch on a GPU, where a gather group by group took two a group). Rows
+    read twice add their deltas up; both give the gradients node by node."""
+    from monadl.runtime.schedule import batched_groups
+
+    rng = np.random.default_rng(11)
+    w = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
+    v = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
+    mix = ml.operation(lambda x, y: ml.tanh(x @ w) * y + ml.sigmoid(y @ v))
+    xs = [device.asarray(rng.standard_normal((1, 3))) for _ in range(8)]
+    a = [ml.tanh(x @ w) for x in xs]
+    b = [ml.sigmoid(x @ v) for x in xs]
+    firsts = [a[i] if i % 3 else b[i] for i in range(8)]  # from two groups
+    seconds = [a[1] if i % 2 else b[i % 4] for i in range(8)]  # from two groups, each row read twice or more
+    mixed = [mix(firsts[i], seconds[i]) for i in range(8)]
+    loss = ml.sum(ml.concatenate(mixed, axis=0) * ml.concatenate(a, axis=0))
+    with ml.settings(batching=False):
+        want_value, want = anyio.run(entry.gradients, loss)
+    joints: list[batched_groups.Joint] = []
+    made = batched_groups.Joint.__init__
+
+    def noted(self: batched_groups.Joint, *args: Any) -> None:
+        made(self, *args)
+        joints.append(self)
+
+    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
+    with ml.settings(batching=True):
+        value, grads = anyio.run(entry.gradients, loss)
+    assert sorted((len(j.groups), j.unique) for j in joints) == [(2, False), (2, True)]
+    assert float(value) == pytest.approx(float(want_value), rel=1e-12)
+    for weight in (w, v):
+        np.testing.assert_allclose(np.asarray(_dense(grads[weight])), np.asarray(_dense(want[weight])), rtol=1e-12)
+    assert all(j._full is None for j in joints)  # the delta's scatter dropped once every group took its rows

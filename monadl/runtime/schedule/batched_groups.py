@@ -38,14 +38,66 @@ class Source:
     ``indices`` (None: all, in order), both index arrays of the group's
     library; ``rows``: ``indices`` on the host."""
 
-    __slots__ = ("group", "indices", "positions", "rows", "unique")
+    __slots__ = ("group", "indices", "joint", "positions", "rows", "unique")
 
-    def __init__(self, group: Record, positions: Any, indices: Any, unique: bool, rows: Any = None) -> None:
+    def __init__(
+        self, group: Record, positions: Any, indices: Any, unique: bool, rows: Any = None, joint: Joint | None = None
+    ) -> None:
         self.group = group
         self.positions = positions
         self.indices = indices
         self.unique = unique
         self.rows = indices if rows is None else rows
+        self.joint = joint
+
+
+@final
+class Joint:
+    """A device's gathered operand that reads several groups: their outputs
+    concatenated, then one index (``index``, on the device) into them; its
+    delta scattered once into the concatenation, each group then taking its
+    slice (``offsets``: where each group's rows start). Two device calls each
+    way, where a gather group by group takes two a group: on a GPU each call
+    is a launch, and a random tree's level reads a dozen earlier levels."""
+
+    __slots__ = ("_delta", "_full", "_left", "groups", "index", "offsets", "total", "unique")
+
+    def __init__(self, groups: list[Record], index: Any, offsets: list[int], total: int, unique: bool) -> None:
+        self.groups = groups
+        self.index = index
+        self.offsets = offsets
+        self.total = total
+        self.unique = unique
+        self._delta: Any = None  # the delta scattered (one per backward), its scatter, and the slices still to take
+        self._full: Any = None
+        self._left = 0
+
+    def gather(self, values: list[Any]) -> Any:
+        """The gathered rows of ``values`` (the groups' outputs, in order)."""
+        return namespace(values[0]).concat(values, axis=0)[self.index]
+
+    def slice(self, delta: Any, k: int) -> Any:
+        """Group ``k``'s rows (all of them, in order) of the delta's scatter
+        into the concatenation: made at the first group's call, dropped after
+        the last's."""
+        if self._delta is not delta:
+            whole = delta.parts if type(delta) is OutputsDelta else (delta,)
+            self._delta, self._full = delta, [None if d is None else self._scattered(d) for d in whole]
+            self._left = sum(g.needs_grad for g in self.groups)
+        start, stop = self.offsets[k], self.offsets[k + 1] if k + 1 < len(self.offsets) else self.total
+        parts = tuple([None if f is None else f[start:stop] for f in self._full])
+        self._left -= 1
+        if self._left <= 0:
+            self._delta = self._full = None
+        return OutputsDelta(parts) if type(delta) is OutputsDelta else parts[0]
+
+    def _scattered(self, d: Any) -> Any:
+        xp = namespace(d)
+        full = xp.zeros((self.total, *d.shape[1:]), dtype=d.dtype, device=d.device)
+        if self.unique:
+            full[self.index] = d
+            return full
+        return scatter_add(xp, full, self.index, d)  # a row read twice: its deltas add up
 
 
 @final
@@ -87,12 +139,20 @@ class Groups:
                 rows[place[0]] = [p]
             else:
                 positions.append(p)
+        if type(_like(first)) is not np.ndarray:
+            return _joint(list(rows), places)
         return [_source(group, positions, [places[p][1] for p in positions]) for group, positions in rows.items()]
 
     def gather(self, sources: list[Source], n: int) -> Any:
         """The gathered operand: rows of earlier groups' outputs, by index (no copy
         when it is one group's whole output, in order)."""
         first = sources[0].group.value
+        joint = sources[0].joint
+        if joint is not None:
+            if type(first) is StackedOutputs:
+                parts = range(len(first.parts))
+                return StackedOutputs(tuple([joint.gather([s.group.value.parts[k] for s in sources]) for k in parts]))
+            return joint.gather([s.group.value for s in sources])
         if type(first) is StackedOutputs:
             parts = range(len(first.parts))
             return StackedOutputs(
@@ -141,8 +201,7 @@ def _source(group: Record, positions: list[int] | None, indices: list[int]) -> S
     unique = len(set(indices)) == n
     at = None if positions is None else np.array(positions)
     rows = None if whole else np.array(indices)
-    value = group.value
-    like = value.parts[0] if type(value) is StackedOutputs else value
+    like = _like(group)
     if type(like) is np.ndarray:
         return Source(group, at, rows, unique)
     # Another library's (a GPU's): its index arrays made once, for the gather and the scatter back.
@@ -156,9 +215,36 @@ def _source(group: Record, positions: list[int] | None, indices: list[int]) -> S
     )
 
 
+def _like(group: Record) -> Any:
+    """A group's output (its first part, for several)."""
+    value = group.value
+    return value.parts[0] if type(value) is StackedOutputs else value
+
+
+def _joint(groups: list[Record], places: list[Place]) -> list[Source]:
+    """The sources of a device's operand that reads several groups: one index
+    into their outputs concatenated (`Joint`), made on the host and copied
+    over once."""
+    offsets: dict[Record, int] = {}
+    total = 0
+    for group in groups:
+        offsets[group] = total
+        total += _like(group).shape[0]
+    rows = [offsets[group] + row for group, row, _ in places]
+    like = _like(groups[0])
+    index = namespace(like).asarray(np.array(rows), device=like.device)
+    joint = Joint(groups, index, list(offsets.values()), total, len(set(rows)) == len(rows))
+    return [Source(group, None, None, True, joint=joint) for group in groups]
+
+
 def _scatter(sink: Gather, source: Source) -> Callable[[Any], Gather]:
-    """A gathered operand's VJP into one source group: its rows of the delta, by index."""
-    return lambda delta: sink.add(source, delta)
+    """A gathered operand's VJP into one source group: its rows of the delta, by
+    index (a joint's: its slice of the delta's scatter, all the group's rows)."""
+    joint = source.joint
+    if joint is None:
+        return lambda delta: sink.add(source, delta)
+    k = joint.groups.index(source.group)
+    return lambda delta: sink.add(source, joint.slice(delta, k))
 
 
 @final
