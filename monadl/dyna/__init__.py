@@ -22,15 +22,17 @@ Semirings: real and log-real (the gradient pops the tape: exact for the
 computation performed, early stopping included), max-times and min-plus
 (the best derivation, `Run.best_derivation`, and the subgradient along it),
 any other forward only. The chart records which items exist apart from their
-values, so an axiom whose value is exactly zero still receives its gradient
-when its update is the item's first. An update of exactly zero to an item
-already in the chart is not popped (it would change nothing, and on a cycle
-popping it would never end), so the tape misses that path: on a cycle
-(``a += x * a. a += 1.`` at ``x = 0`` gives ``da/dx = 0``, not 1), and
-wherever an exactly-zero product reaches an item a first update already
-made (``stop += final(I) * pathto(I)`` with ``final(2) = 0`` after
-``final(0)``: its gradient 0, not 1); batched (`ArrayProgram`), an update
-that is zero in every entry of an item. Start such a weight off zero.
+values, so an axiom whose value is exactly zero still receives its gradient.
+An update that would change nothing (an exactly-zero product reaching an item
+that already has a value) does not pop, so the tape holds no pop that carried
+it on; when the run converged (tolerance 0, no early stop), the gradient gives
+each such pending update the adjoint of an amount added to its item and carried
+to the fixpoint, so exactly-zero weights get their gradients off cycles and on
+them (``a += x * a. a += 1.`` at ``x = 0``: ``da/dx = 1``). On a cycle of
+weight 1 or more whose values are all zero that adjoint never settles:
+`NonFiniteError`. After an early stop (``max_pops``, a tolerance, ``stop``)
+the gradient is the stopped computation's, pending updates contributing
+nothing.
 
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, final
 
 import numpy as np
 
-from monadl.dyna.backward import Entry, backward
+from monadl.dyna.backward import Entry, backward, settled_adjoints
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.einsum import Array, ArrayAlgebra, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
@@ -84,6 +84,10 @@ class ArrayRun:
         axioms: scalar axiom -> (batched item, index, value).
         best: per batched item, which `Record` set each entry (-1: an axiom).
         records: the contributions the back-pointers name.
+        pending: the agenda left when the run stopped.
+        converged: the run stopped because every pending update would change
+            nothing (at tolerance 0, not stopped early); the gradient carries
+            what is pending on to the fixpoint, as `monadl.dyna.Run`'s.
     """
 
     program: ArrayProgram
@@ -93,6 +97,8 @@ class ArrayRun:
     axioms: dict[Item, tuple[Item, tuple[int, ...], float]]
     best: dict[Item, Array]
     records: list[Record]
+    pending: dict[Item, Array] = field(default_factory=dict)
+    converged: bool = False
 
     def value(self, item: Item) -> float:
         """The chart's value of a scalar item, e.g. ``("alpha", 5, 3)`` (the
@@ -123,7 +129,13 @@ class ArrayRun:
         seed = np.full(np.shape(self.chart[packed_goal]), s.zero)
         seed[goal_index] = s.one
         algebra = ArrayAlgebra(s, self.program.subscripts)
-        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed)
+        pending = None
+        if self.converged and self.pending:
+            budget = 100_000 + 10 * len(self.tape)
+            joins = self.program.joins
+            moved = _moved(s.zero)
+            pending = settled_adjoints(self.chart, joins, algebra, packed_goal, seed, self.pending, moved, budget)
+        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending)
         goal_value = self.value(goal)
         out: dict[Item, float] = {}
 
@@ -338,7 +350,7 @@ class ArrayProgram:
         fifo: deque[Item] = deque(agenda)
         index_ = Index()
         tape: list[Entry[Array]] = []
-        run = ArrayRun(self, chart, tape, 0, located, {}, records)
+        run = ArrayRun(self, chart, tape, 0, located, {}, records, agenda)
         waiting = 0  # consecutive items put back (updates within tolerance)
         while fifo and waiting < len(fifo):
             if max_pops is not None and run.pops >= max_pops:
@@ -348,8 +360,10 @@ class ArrayProgram:
             old = chart.get(a)
             new = update if old is None else self.plus(old, update)
             changed = old is None or self._changed(old, new, tolerance)
-            if not changed and old is not None and tolerance > 0.0:
-                fifo.append(a)  # stays pending: later updates may add up to more than the tolerance
+            if not changed:
+                # Stays pending: later updates may add up to more than the tolerance (an
+                # update that changes nothing still came along rule instances: `gradient`).
+                fifo.append(a)
                 waiting += 1
                 continue
             waiting = 0
@@ -362,8 +376,6 @@ class ArrayProgram:
                 run.best[a] = reasons if old is None else np.where(new != old, reasons, run.best[a])
             if old is None:
                 index_.add(a)
-            if not changed:
-                continue
             for rule, i, body in self.joins.instantiations(a, old is None, chart, index_):
                 subscripts, out = self.subscripts[id(rule)]
                 values = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(body)]
@@ -386,9 +398,25 @@ class ArrayProgram:
                 else:
                     agenda[c] = contribution
                     fifo.append(c)
+        else:
+            run.converged = tolerance == 0.0
         return run
 
-    def _changed(self, old: Array, new: Array, tolerance: float) -> bool:
+    @staticmethod
+    def _changed(old: Array, new: Array, tolerance: float) -> bool:
         with np.errstate(invalid="ignore"):
             differ = new != old
             return bool(np.any(differ) and np.max(np.abs(np.where(differ, new - old, 0.0))) > tolerance)
+
+
+def _moved(zero: float) -> Callable[[Array | None, Array], bool]:
+    """Whether an adjoint changed (from none: whether it is nonzero somewhere);
+    NaN staying NaN does not."""
+
+    def moved(old: Array | None, new: Array) -> bool:
+        with np.errstate(invalid="ignore"):
+            if old is None:
+                return bool(np.any(new != zero))
+            return bool(np.any((new != old) & ~(np.isnan(new) & np.isnan(old))))
+
+    return moved

@@ -13,14 +13,16 @@ arithmetic (in log-real, as logarithms, which cannot underflow on long runs).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, final
 
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.syntax import Item, Rule, head
+from monadl.errors import NonFiniteError
 
-__all__ = ["Adjoints", "Algebra", "Entry", "backward"]
+__all__ = ["Adjoints", "Algebra", "Entry", "backward", "settled_adjoints"]
 
 V = TypeVar("V")
 
@@ -78,10 +80,18 @@ class Adjoints(Generic[V]):
 
 
 def backward(
-    tape: Sequence[Entry[V]], chart: Mapping[Item, V], joins: Joins, algebra: Algebra[V], goal: Item, seed: V
+    tape: Sequence[Entry[V]],
+    chart: Mapping[Item, V],
+    joins: Joins,
+    algebra: Algebra[V],
+    goal: Item,
+    seed: V,
+    pending: Mapping[Item, V] | None = None,
 ) -> Adjoints[V]:
     """Pop the tape in reverse from ``chart`` (the chart after the run), with
-    the adjoint ``seed`` on the goal's chart value.
+    the adjoint ``seed`` on the goal's chart value. ``pending``: the adjoint
+    of what was pushed onto an item after its last pop and never popped (a
+    converged run's zero updates: `monadl.dyna.scalar.Run`).
 
     >>> from monadl.dyna.scalar import ScalarAlgebra
     >>> from monadl.dyna.semiring import REAL
@@ -93,7 +103,7 @@ def backward(
     chart = dict(chart)
     index = Index(list(chart))
     g_chart: dict[Item, V] = {goal: seed} if goal in chart else {}
-    g_agenda: dict[Item, V] = {}
+    g_agenda: dict[Item, V] = dict(pending) if pending else {}
     first_updates: dict[Item, V] = {}
     plus = algebra.plus
 
@@ -139,3 +149,66 @@ def backward(
         else:
             chart[a] = old
     return Adjoints(g_agenda, first_updates)
+
+
+def settled_adjoints(
+    chart: Mapping[Item, V],
+    joins: Joins,
+    algebra: Algebra[V],
+    goal: Item,
+    seed: V,
+    items: Collection[Item],
+    moved: Callable[[V | None, V], bool],
+    budget: int,
+) -> dict[Item, V]:
+    """For each of ``items``, d chart[goal] / d (an amount added to it after
+    the run, carried on to the fixpoint): the adjoint equations over the final
+    chart's rule instances (an item's adjoint is the goal's seed, if it is the
+    goal, plus what each instance it takes part in passes back from its head),
+    solved by an agenda of their own. A converged run's updates that never
+    popped (they would have changed nothing) have these adjoints: they came
+    along rule instances, but the tape holds no pop that carried them on.
+
+    ``moved(old, new)``: whether an adjoint changed (None: it had none);
+    more than ``budget`` pops raise `NonFiniteError` (a cycle of weight 1 or
+    more, whose adjoint never settles).
+    """
+    if goal not in chart:
+        return {}
+    index = Index(list(chart))
+    making: dict[Item, list[tuple[Rule, list[Item]]]] = {}  # each instance once, by its head
+    seen: set[tuple[int, tuple[Item, ...]]] = set()
+    for a in chart:
+        for rule, _, body in joins.instantiations(a, False, chart, index):
+            key = (id(rule), tuple(body))
+            if key not in seen:
+                seen.add(key)
+                making.setdefault(head(rule, body), []).append((rule, body))
+    adjoint: dict[Item, V] = {goal: seed}
+    agenda: dict[Item, V] = {goal: seed}
+    fifo = deque([goal])
+    plus = algebra.plus
+    while fifo:
+        budget -= 1
+        if budget < 0:
+            raise NonFiniteError(
+                f"the gradient of {goal} does not settle: an update that changed nothing lies on a cycle "
+                "of weight 1 or more (start its weights off zero, or bound the run with max_pops)"
+            )
+        h = fifo.popleft()
+        delta = agenda.pop(h)
+        for rule, body in making.get(h, ()):
+            values = [chart[x] for x in body]
+            for j, x in enumerate(body):
+                g = algebra.vjp(rule, values, j, delta)
+                old = adjoint.get(x)
+                new = g if old is None else plus(old, g)
+                if not moved(old, new):
+                    continue
+                adjoint[x] = new
+                if x in agenda:
+                    agenda[x] = plus(agenda[x], g)
+                else:
+                    agenda[x] = g
+                    fifo.append(x)
+    return {x: adjoint[x] for x in items if x in adjoint}

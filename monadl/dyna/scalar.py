@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, final
 
-from monadl.dyna.backward import Entry, backward
+from monadl.dyna.backward import Entry, backward, settled_adjoints
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Timing, check_goal, goal_layer
@@ -70,6 +70,10 @@ class Run:
         best: back-pointers (max-times, min-plus): the rule instance that set
             each derived item's value.
         axioms: the axioms given to the run.
+        converged: the run stopped because every pending update would change
+            nothing (at tolerance 0, not stopped early): what is pending then
+            came along rule instances the tape does not hold, and the
+            gradient carries them to the fixpoint (`Run.gradient`).
     """
 
     program: Program
@@ -79,6 +83,7 @@ class Run:
     pending: dict[Item, float] = field(default_factory=dict)
     best: dict[Item, Reason] = field(default_factory=dict)
     axioms: dict[Item, float] = field(default_factory=dict)
+    converged: bool = False
 
     def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
         """d chart[goal] / d value, for the axioms of the run.
@@ -89,6 +94,13 @@ class Run:
         derivation. The keys are the axioms the computation reached (the tape:
         every axiom that popped, zeros included; a best derivation: the axioms
         on it); any other axiom's gradient is 0.
+
+        An update that never popped because it would change nothing (an
+        exactly-zero product reaching an item that already has a value) still
+        has a derivative: when the run converged, each such item's pending
+        update gets the adjoint of an amount added to it at the end and
+        carried to the fixpoint (`NonFiniteError` if that adjoint diverges,
+        on a cycle of weight 1 or more).
 
         Args:
             goal: the item differentiated.
@@ -109,7 +121,9 @@ class Run:
             return derivation_gradient(goal, self.best.get, self.chart.__getitem__, s, derived=derived)
         if s.gradient != "tape":
             raise NotImplementedError(f"the {s.name} semiring has no gradient here (forward only)")
-        adjoints = backward(self.tape, self.chart, self.program.joins, ScalarAlgebra(s), goal, s.one)
+        algebra = ScalarAlgebra(s)
+        pending = self._pending_adjoints(goal, algebra) if self.converged and self.pending else None
+        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, goal, s.one, pending)
         out: dict[Item, float] = {}
         for x, first in adjoints.first_updates.items():
             axiom = x in self.axioms
@@ -128,6 +142,17 @@ class Run:
             else:
                 out[x] = g
         return out
+
+    def _pending_adjoints(self, goal: Item, algebra: ScalarAlgebra) -> dict[Item, float]:
+        zero = self.program.semiring.zero
+
+        def moved(old: float | None, new: float) -> bool:
+            return new != zero if old is None else _moved(old, new)
+
+        budget = 1_000_000 + 10 * len(self.tape)
+        return settled_adjoints(
+            self.chart, self.program.joins, algebra, goal, self.program.semiring.one, self.pending, moved, budget
+        )
 
     def best_derivation(self, goal: Item) -> Derivation:
         """The derivation that gave the goal its value (max-times: the Viterbi
@@ -244,6 +269,7 @@ class Program:
                 break
             a = self._choose(agenda, fifo, heap, chart, tolerance, rank)
             if a is None:
+                run.converged = tolerance == 0
                 break
             update = agenda.pop(a)
             reason = because.pop(a, None)

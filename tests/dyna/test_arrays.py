@@ -12,6 +12,7 @@ import pytest
 
 from examples import dyna_programs as dp
 from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
+from monadl.dyna.syntax import parse_rules
 from tests.dyna.test_scalar import PATH, closed_form, path_axioms
 
 N = 4
@@ -159,3 +160,40 @@ def test_a_log_real_goal_of_probability_zero_has_gradient_zero_not_nan() -> None
     arrays = ArrayProgram(program.rules, LOG_REAL, arrays={"pathto": {0: 2}, "edge": {0: 2, 1: 2}, "final": {0: 2}})
     assert arrays.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}  # (exp(-inf + x + inf): NaN)
     assert program.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}
+
+
+def test_an_update_zero_in_every_entry_keeps_its_gradient() -> None:
+    """pathto gets edge(2, 4) * pathto(2) = 0 in every entry after its first
+    update: it changes nothing and waits on the agenda, and d stop / d edge(2, 4)
+    = pathto(2) * final(4) = 1 (it was 0)."""
+    from tests.dyna.test_scalar import ZEROS
+
+    n = 5
+    program = ArrayProgram(parse_rules(ZEROS), arrays={"pathto": {0: n}, "edge": {0: n, 1: n}, "final": {0: n}})
+    run = program.run({("edge", 0, 2): 1.0, ("edge", 2, 4): 0.0, ("final", 4): 1.0})
+    assert run.converged and list(run.pending) == [("pathto",)]
+    assert run.gradient(("stop",))[("edge", 2, 4)] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("semiring", [REAL, LOG_REAL], ids=lambda s: s.name)
+def test_exactly_zero_weights_batched_get_the_gradients_item_at_a_time(seed: int, semiring: Semiring) -> None:
+    """Batched and item at a time (itself checked against finite differences
+    in `test_scalar`) agree where a third of the weights are exactly zero."""
+    from tests.dyna.test_scalar import ZEROS, zero_path_axioms
+
+    axioms = zero_path_axioms(seed)
+    n = 1 + max(int(i) for item in axioms for i in item[1:])
+    if semiring is LOG_REAL:
+        axioms = {k: math.log(v) if v > 0 else -math.inf for k, v in axioms.items()}
+    rules = parse_rules(ZEROS)
+    batched = ArrayProgram(rules, semiring, arrays={"pathto": {0: n}, "edge": {0: n, 1: n}, "final": {0: n}})
+    everything = dict(axioms)  # (the batched axioms' missing entries are the semiring's zero)
+    for i in range(n):
+        everything.setdefault(("final", i), semiring.zero)
+        for j in range(n):
+            everything.setdefault(("edge", i, j), semiring.zero)
+    want = Program(rules, semiring).run(everything).gradient(("stop",))
+    got = batched.run(axioms).gradient(("stop",))
+    for item in axioms:
+        assert got.get(item, 0.0) == pytest.approx(want.get(item, 0.0), rel=1e-7, abs=1e-9), item

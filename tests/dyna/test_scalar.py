@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import Item, Program, Rule
+from monadl.dyna import Item, Program, Rule, parse
 
 SQUARE = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
 PATH = Program(
@@ -285,3 +285,54 @@ async def test_a_goal_layer_gives_the_event_loop_its_turns_while_it_chains() -> 
         return program.goal(("s",), weights={"x": x}) if isinstance(x, ml.Weight) else float((x * x).sum())
 
     ml.check_grads(f, np.array([0.5, 0.25]))  # (it failed: 'this computation awaits something')
+
+
+ZEROS = "pathto(0) += 1. pathto(J) += edge(I, J) * pathto(I). stop += final(I) * pathto(I)."
+
+
+def zero_path_axioms(seed: int) -> dict[Item, float]:
+    """A random graph (cyclic for odd seeds, of small weights so paths converge)
+    where a third of the edges and some final weights are exactly zero."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 7))
+    axioms: dict[Item, float] = {}
+    for i in range(n):
+        for j in range(n):
+            if (i < j or (seed % 2 and i != j)) and rng.random() < 0.6:
+                axioms[("edge", i, j)] = 0.0 if rng.random() < 0.4 else float(rng.uniform(0.05, 0.3))
+        axioms[("final", i)] = 0.0 if rng.random() < 0.4 else float(rng.uniform(0.1, 1.0))
+    return axioms
+
+
+def test_a_zero_product_reaching_an_item_that_has_a_value_keeps_its_gradient() -> None:
+    """final(2) = 0 after final(0) = 0: stop already has its value 0, so the
+    update final(2) * pathto(2) = 0 changes nothing and never pops; it still
+    came along a rule instance, and d stop / d final(2) = pathto(2) = 1 (it was
+    0), also for a goal further on."""
+    program = parse(ZEROS + " top += 3 * stop.")
+    axioms = {("edge", 0, 1): 1.0, ("edge", 1, 2): 1.0, ("final", 0): 0.0, ("final", 2): 0.0}
+    run = program.run(axioms)
+    assert run.converged and run.pending == {("stop",): 0.0}
+    assert run.gradient(("stop",)) == {("edge", 0, 1): 0.0, ("edge", 1, 2): 0.0, ("final", 0): 1.0, ("final", 2): 1.0}
+    assert run.gradient(("top",))[("final", 2)] == 3.0
+    cycle = parse("a += x * a. a += 1.").run({("x",): 0.0})  # a = 1 / (1 - x)
+    assert cycle.gradient(("a",)) == {("x",): 1.0}
+    assert parse("a += 0.5 * a. a += x.").run({("x",): 0.0}).gradient(("a",)) == {("x",): 2.0}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_exactly_zero_weights_get_the_gradients_of_finite_differences(seed: int) -> None:
+    program = parse(ZEROS)
+    axioms = zero_path_axioms(seed)
+    grads = program.run(axioms).gradient(("stop",))
+    numeric = finite_difference(program, axioms, ("stop",))
+    for item, value in numeric.items():
+        assert grads.get(item, 0.0) == pytest.approx(value, rel=1e-5, abs=1e-7), item
+
+
+def test_a_gradient_that_never_settles_is_an_error() -> None:
+    """A cycle of weight 1 whose values are all zero: the chart converges at
+    once, but the adjoint of its pending zero update grows without bound."""
+    run = parse("a += a. a += x.").run({("x",): 0.0})
+    with pytest.raises(ml.NonFiniteError, match="does not settle"):
+        run.gradient(("a",))
