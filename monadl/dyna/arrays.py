@@ -135,29 +135,28 @@ class ArrayRun:
             joins = self.program.joins
             moved = _moved(s.zero)
             pending = settled_adjoints(self.chart, joins, algebra, packed_goal, seed, self.pending, moved, budget)
-        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending)
+        adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending, derived)
         goal_value = self.value(goal)
         out: dict[Item, float] = {}
 
-        def gradient_at(packed: Item, position: tuple[int, ...], value: float) -> float:
-            g = adjoints.updates.get(packed)
-            if g is None:
-                return 0.0
-            if s is LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
-                if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
-                    return 0.0
-                return math.exp(float(g[position]) + value - goal_value)
-            return float(g[position])
-
         for scalar, (packed, position, value) in self.axioms.items():
             if packed in adjoints.first_updates:
-                out[scalar] = gradient_at(packed, position, value)
-        if derived:
-            for packed, first in adjoints.first_updates.items():
-                for position in np.ndindex(np.shape(first)):
+                g = adjoints.updates.get(packed)
+                out[scalar] = 0.0 if g is None else _derived(s, float(g[position]), value, goal_value)
+        if derived:  # an entry's adjoint: that of the first pop that reached it (with a nonzero entry)
+            for packed, pops in adjoints.pops.items():
+                shape = np.shape(pops[0][0])
+                g, reached = np.full(shape, s.zero), np.zeros(shape, bool)
+                for update, adjoint in pops:
+                    now = (update != s.zero) & ~reached
+                    if adjoint is not None:
+                        g[now] = adjoint[now]
+                    reached |= now
+                value = self.chart[packed]
+                for position in np.ndindex(shape):
                     scalar = self.program.unlocate(packed, position)
-                    if scalar not in self.axioms and self.chart[packed][position] != s.zero:
-                        out[scalar] = gradient_at(packed, position, float(first[position]))
+                    if reached[position] and scalar not in self.axioms and value[position] != s.zero:
+                        out[scalar] = _derived(s, float(g[position]), float(value[position]), goal_value)
         return out
 
     def best_derivation(self, goal: Item) -> Derivation:
@@ -407,6 +406,15 @@ class ArrayProgram:
         with np.errstate(invalid="ignore"):
             differ = new != old
             return bool(np.any(differ) and np.max(np.abs(np.where(differ, new - old, 0.0))) > tolerance)
+
+
+def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
+    """d goal / d x from the adjoint ``g`` of an update of ``value`` to x."""
+    if s is LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+        if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
+            return 0.0
+        return math.exp(g + value - goal_value)
+    return g
 
 
 def _moved(zero: float) -> Callable[[Array | None, Array], bool]:

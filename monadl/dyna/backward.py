@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, final
 
 from monadl.dyna.join import Index, Joins
@@ -73,10 +73,14 @@ class Adjoints(Generic[V]):
         updates: for each item that popped, the adjoint of the first update
             it popped with (for an axiom: of its value).
         first_updates: that first update, for each item that popped.
+        pops: when asked for (``every``), for each item every update it
+            popped with and that update's adjoint (None: zero), in the
+            order they popped.
     """
 
     updates: dict[Item, V]
     first_updates: dict[Item, V]
+    pops: dict[Item, list[tuple[V, V | None]]] = field(default_factory=dict)
 
 
 def backward(
@@ -87,11 +91,13 @@ def backward(
     goal: Item,
     seed: V,
     pending: Mapping[Item, V] | None = None,
+    every: bool = False,
 ) -> Adjoints[V]:
     """Pop the tape in reverse from ``chart`` (the chart after the run), with
     the adjoint ``seed`` on the goal's chart value. ``pending``: the adjoint
     of what was pushed onto an item after its last pop and never popped (a
-    converged run's zero updates: `monadl.dyna.scalar.Run`).
+    converged run's zero updates: `monadl.dyna.scalar.Run`). ``every``: keep
+    every pop's update and adjoint (`Adjoints.pops`).
 
     >>> from monadl.dyna.scalar import ScalarAlgebra
     >>> from monadl.dyna.semiring import REAL
@@ -105,6 +111,7 @@ def backward(
     g_chart: dict[Item, V] = {goal: seed} if goal in chart else {}
     g_agenda: dict[Item, V] = dict(pending) if pending else {}
     first_updates: dict[Item, V] = {}
+    pops: dict[Item, list[tuple[V, V | None]]] = {}
     plus = algebra.plus
 
     def add(target: dict[Item, V], x: Item, v: V) -> None:
@@ -141,6 +148,8 @@ def backward(
             g_agenda[a] = parts[0] if len(parts) == 1 else plus(parts[0], parts[1])
         else:
             g_agenda.pop(a, None)  # this update's adjoint is zero, whatever a later pop's was
+        if every:
+            pops.setdefault(a, []).append((update, g_agenda.get(a)))
         if old is None:
             del chart[a]
             index.remove(a)
@@ -148,7 +157,9 @@ def backward(
             first_updates[a] = update
         else:
             chart[a] = old
-    return Adjoints(g_agenda, first_updates)
+    for popped in pops.values():
+        popped.reverse()
+    return Adjoints(g_agenda, first_updates, pops)
 
 
 def settled_adjoints(

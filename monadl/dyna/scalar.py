@@ -105,9 +105,11 @@ class Run:
         Args:
             goal: the item differentiated.
             derived: also give each derived item the gradient with respect to
-                an amount added to it (its first popped update, as if an axiom
+                an amount added to it (when it first popped, as if an axiom
                 had contributed it: in an HMM, d likelihood / d alpha is the
-                backward probability beta; in log-real, alpha·beta / likelihood).
+                backward probability beta); in log-real, where values are
+                logarithms, that times the item's value over the goal's
+                (alpha·beta / likelihood: in an HMM, the state's posterior).
 
         >>> p = Program([Rule(("b",), [("a",), ("a",)]), Rule(("c",), [("b",), ("a",)])])
         >>> run = p.run({("a",): 2.0})
@@ -125,7 +127,7 @@ class Run:
         pending = self._pending_adjoints(goal, algebra) if self.converged and self.pending else None
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, goal, s.one, pending)
         out: dict[Item, float] = {}
-        for x, first in adjoints.first_updates.items():
+        for x in adjoints.first_updates:
             axiom = x in self.axioms
             if not (axiom or derived):
                 continue
@@ -133,12 +135,12 @@ class Run:
             if g is None:
                 out[x] = 0.0
             elif s is LOG_REAL:
-                # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal);
+                # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal)
+                # (a derived item's x: its value, not its first update, which may be one path of many);
                 # a goal of probability 0 stays 0 near here (exp(-inf + inf) was NaN).
                 goal_value = self.chart[goal]
-                out[x] = (
-                    0.0 if goal_value == -math.inf else math.exp(g + (self.axioms[x] if axiom else first) - goal_value)
-                )
+                value = self.axioms[x] if axiom else self.chart[x]
+                out[x] = 0.0 if goal_value == -math.inf else math.exp(g + value - goal_value)
             else:
                 out[x] = g
         return out

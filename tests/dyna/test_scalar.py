@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import Item, Program, Rule, parse
+from monadl.dyna import LOG_REAL, Item, Program, Rule, parse
 
 SQUARE = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
 PATH = Program(
@@ -336,3 +336,31 @@ def test_a_gradient_that_never_settles_is_an_error() -> None:
     run = parse("a += a. a += x.").run({("x",): 0.0})
     with pytest.raises(ml.NonFiniteError, match="does not settle"):
         run.gradient(("a",))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_derived_items_log_real_gradient_is_its_share_of_the_goal(seed: int) -> None:
+    """In log-real, ``derived=True`` gives x * (d Z / d an amount added to x) / Z
+    (an HMM's posterior): checked by finite differences of the real program with
+    an amount ``extra(J)`` added to each ``pathto(J)``. It once took x's first
+    update for x, which on a graph is one path of many."""
+    axioms = zero_path_axioms(seed)
+    n = 1 + max(int(i) for item in axioms for i in item[1:])
+    real = parse(ZEROS + " pathto(J) += extra(J).")
+    base = axioms | {("extra", j): 0.0 for j in range(n)}
+    run = real.run(base)
+    if not run.chart[("stop",)]:
+        axioms[("final", 0)] = 1.0  # (a goal of probability 0 has no shares)
+        base[("final", 0)] = 1.0
+        run = real.run(base)
+    logs = {k: float(np.log(v)) if v > 0 else -np.inf for k, v in axioms.items()}
+    derived = parse(ZEROS, LOG_REAL).run(logs).gradient(("stop",), derived=True)
+    added = finite_difference(real, base, ("stop",))
+    checked = 0
+    for j in range(n):
+        value = run.chart.get(("pathto", j), 0.0)
+        if value:
+            share = value * added[("extra", j)] / run.chart[("stop",)]
+            assert derived[("pathto", j)] == pytest.approx(share, rel=1e-5, abs=1e-8), j
+            checked += 1
+    assert checked >= 1
