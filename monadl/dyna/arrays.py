@@ -138,7 +138,6 @@ class ArrayRun:
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending, derived)
         goal_value = self.value(goal)
         out: dict[Item, float] = {}
-
         for scalar, (packed, position, value) in self.axioms.items():
             if packed in adjoints.first_updates:
                 g = adjoints.updates.get(packed)
@@ -152,11 +151,11 @@ class ArrayRun:
                     if adjoint is not None:
                         g[now] = adjoint[now]
                     reached |= now
-                value = self.chart[packed]
+                values = self.chart[packed]
                 for position in np.ndindex(shape):
                     scalar = self.program.unlocate(packed, position)
-                    if reached[position] and scalar not in self.axioms and value[position] != s.zero:
-                        out[scalar] = _derived(s, float(g[position]), float(value[position]), goal_value)
+                    if reached[position] and scalar not in self.axioms and values[position] != s.zero:
+                        out[scalar] = _derived(s, float(g[position]), float(values[position]), goal_value)
         return out
 
     def best_derivation(self, goal: Item) -> Derivation:
