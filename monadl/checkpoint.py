@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any, Final
@@ -93,7 +94,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
             f"takes the object first), got {type(path).__name__} as the path"
         )
-    weights = named_weights(model)
+    weights = _stable(named_weights(model))
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
         raise CheckpointError(_no_weights(model))
     tensors: dict[str, Any] = {}
@@ -123,6 +124,24 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
     _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
+
+
+_ADDRESS: Final = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
+def _stable(weights: dict[str, Any]) -> dict[str, Any]:
+    """The weights, if the process that loads them names them the same: not
+    if a dict key on a name's path reads as a memory address (an object of no
+    ``__str__`` of its own, a function). (Data parallelism takes such names:
+    its ranks compare them with the addresses masked.)"""
+    for name in weights:
+        if _ADDRESS.search(name):
+            raise CheckpointError(
+                f"a weight is named {name}: a dict key on its path reads as a memory address, which differs "
+                "in the process that loads the checkpoint: key weights by str or int (or give the key's type "
+                "a __str__)"
+            )
+    return weights
 
 
 def _no_weights(model: object) -> str:

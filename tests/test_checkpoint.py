@@ -471,3 +471,17 @@ def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
     model = {"w": ml.Weight(np.zeros(3))}
     ml.load(path, model)
     np.testing.assert_array_equal(model["w"].data, np.arange(3.0))
+
+
+def test_a_weight_under_a_key_that_reads_as_a_memory_address_is_refused(tmp_path: Path) -> None:
+    """Its name would differ in the process that loads it (or on another rank)."""
+
+    class Key:
+        pass
+
+    with pytest.raises(ml.CheckpointError, match="reads as a memory address"):
+        checkpoint.save(tmp_path / "c", {"experts": {Key(): ml.Weight(np.ones(2))}})
+    assert not (tmp_path / "c").exists()
+    fine = {"config": {Key(): "no weight here"}, "w": ml.Weight(np.ones(2))}  # other values under such keys are fine
+    checkpoint.save(tmp_path / "d", fine)
+    checkpoint.load(tmp_path / "d", fine)
