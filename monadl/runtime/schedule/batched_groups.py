@@ -244,7 +244,7 @@ def _scatter(sink: Gather, source: Source) -> Callable[[Any], Gather]:
     if joint is None:
         return lambda delta: sink.add(source, delta)
     k = joint.groups.index(source.group)
-    return lambda delta: sink.add(source, joint.slice(delta, k))
+    return lambda delta: sink.accumulate(joint.slice(delta, k))
 
 
 @final
@@ -257,13 +257,14 @@ class Gather:
     feeds it returns it, and ``+`` of it with itself is itself.
     """
 
-    __slots__ = ("like", "parts", "rows", "stacked")
+    __slots__ = ("like", "parts", "rows", "stacked", "whole")
 
     def __init__(self, like: Any) -> None:
         self.like = like
         self.parts: dict[int, Any] = {}
         self.rows: list[tuple[Source, Any]] = []
         self.stacked: Any = None
+        self.whole: list[Any] | None = None  # per output part: the joints' slices summed as they come
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -280,6 +281,27 @@ class Gather:
         self.rows.append((source, delta))
         return self
 
+    def accumulate(self, delta: Any) -> Gather:
+        """A joint's slice of its delta: all the group's rows, in order (an
+        `OutputsDelta` for several outputs). Summed now, into an array of the
+        group's own (a copy the first time): a slice is a view of the joint's
+        scatter, which is freed once every group it reads has taken its rows,
+        so that a group read by many levels holds one delta, not a scatter per
+        level."""
+        pieces = delta.parts if type(delta) is OutputsDelta else (delta,)
+        if self.whole is None:
+            self.whole = [None if d is None else namespace(d).asarray(d, copy=True) for d in pieces]
+            return self
+        for k, d in enumerate(pieces):
+            if d is None:
+                continue
+            held = self.whole[k]
+            if held is None:
+                self.whole[k] = namespace(d).asarray(d, copy=True)
+            else:
+                held += d
+        return self
+
     def __add__(self, other: object) -> Gather:
         assert other is self, "a group's delta combines only with itself"
         return self
@@ -288,21 +310,32 @@ class Gather:
         """The summed delta (zeros for rows that got none)."""
         if self.stacked is None:
             like = self.like
+            whole = self.whole
             if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
                 parts = []
                 for k, part in enumerate(like.parts):
                     rows = [(s, d.parts[k]) for s, d in self.rows if d.parts[k] is not None]
                     members = {i: d.parts[k] for i, d in self.parts.items() if d.parts[k] is not None}
-                    parts.append(_summed(part, rows, members) if rows or members else None)
+                    start = None if whole is None else whole[k]
+                    parts.append(_summed(part, rows, members, start) if rows or members or start is not None else None)
                 self.stacked = OutputsDelta(tuple(parts))
             else:
-                self.stacked = _summed(like, self.rows, self.parts)
-            self.rows, self.parts = [], {}
+                self.stacked = _summed(like, self.rows, self.parts, None if whole is None else whole[0])
+            self.rows, self.parts, self.whole = [], {}, None
         return self.stacked
 
 
-def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) -> Any:
-    """The delta of ``like`` (a stacked output) from gathered rows and members' own deltas."""
+def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any], start: Any = None) -> Any:
+    """The delta of ``like`` (a stacked output) from gathered rows and members'
+    own deltas, added to ``start`` (the joints' slices summed, an array of its
+    own) if there is one."""
+    if start is not None:
+        out = start
+        for source, d in rows:
+            out = _add_rows(out, source, d)
+        for i, d in members.items():
+            out[i] += d
+        return out
     if not members and len(rows) == 1:
         source, d = rows[0]
         if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
@@ -318,17 +351,25 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any]) 
     shape, dtype, device = like.shape, like.dtype, like.device
     out = xp.empty(shape, dtype=dtype, device=device) if tiled else xp.zeros(shape, dtype=dtype, device=device)
     for source, d in rows:
-        if source.positions is not None:
-            d = d[source.positions]
-        index = source.indices
         if tiled:
-            out[slice(None) if index is None else index] = d
-        elif index is None:
-            out += d
-        elif source.unique:
-            out[index] += d
-        else:  # a node read twice by one gathered operand: its rows add up
-            out = scatter_add(xp, out, index, d)
+            index = source.indices
+            out[slice(None) if index is None else index] = d if source.positions is None else d[source.positions]
+        else:
+            out = _add_rows(out, source, d)
     for i, d in members.items():
         out[i] += d
+    return out
+
+
+def _add_rows(out: Any, source: Source, d: Any) -> Any:
+    """``out`` with a gathered operand's delta ``d`` added at the rows ``source`` names."""
+    if source.positions is not None:
+        d = d[source.positions]
+    index = source.indices
+    if index is None:
+        out += d
+    elif source.unique:
+        out[index] += d
+    else:  # a node read twice by one gathered operand: its rows add up
+        out = scatter_add(namespace(out), out, index, d)
     return out
