@@ -24,15 +24,18 @@ computation performed, early stopping included), max-times and min-plus
 any other forward only. The chart records which items exist apart from their
 values, so an axiom whose value is exactly zero still receives its gradient.
 An update that would change nothing (an exactly-zero product reaching an item
-that already has a value) does not pop, so the tape holds no pop that carried
-it on; when the run converged (tolerance 0, no early stop), the gradient gives
-each such pending update the adjoint of an amount added to its item and carried
-to the fixpoint, so exactly-zero weights get their gradients off cycles and on
-them (``a += x * a. a += 1.`` at ``x = 0``: ``da/dx = 1``). On a cycle of
-weight 1 or more whose values are all zero that adjoint never settles:
-`NonFiniteError`. After an early stop (``max_pops``, a tolerance, ``stop``)
-the gradient is the stopped computation's, pending updates contributing
-nothing.
+that already has a value, or one too small to change it) does not pop: it
+waits on the agenda, and later updates add to it. When the run converged (at
+tolerance 0, with nothing pending that would change the chart), the gradient
+gives each update still waiting the adjoint of an amount added to its item
+and carried on to the fixpoint, so exactly-zero weights get their gradients,
+off cycles and on them (``a += x * a. a += 1.`` at ``x = 0``: ``da/dx = 1``).
+That adjoint is solved a strongly connected part of the program's instances
+at a time; on a cycle of weight 1 or more whose values are all zero it
+diverges, and one of weight near 1 may not settle within the pops allowed:
+both are a `NonFiniteError`. After an early stop (``max_pops``, a tolerance,
+``stop``) with updates that would still change the chart, the gradient is
+the stopped computation's, and waiting updates contribute nothing.
 
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every

@@ -85,9 +85,9 @@ class ArrayRun:
         best: per batched item, which `Record` set each entry (-1: an axiom).
         records: the contributions the back-pointers name.
         pending: the agenda left when the run stopped.
-        converged: the run stopped because every pending update would change
-            nothing (at tolerance 0, not stopped early); the gradient carries
-            what is pending on to the fixpoint, as `monadl.dyna.Run`'s.
+        converged: at tolerance 0, nothing pending would change the chart
+            (also when ``max_pops`` ended the run just there); the gradient
+            carries what is pending on to the fixpoint, as `monadl.dyna.Run`'s.
     """
 
     program: ArrayProgram
@@ -131,10 +131,11 @@ class ArrayRun:
         algebra = ArrayAlgebra(s, self.program.subscripts)
         pending = None
         if self.converged and self.pending:
-            budget = 100_000 + 10 * len(self.tape)
-            joins = self.program.joins
-            moved = _moved(s.zero)
-            pending = settled_adjoints(self.chart, joins, algebra, packed_goal, seed, self.pending, moved, budget)
+            budget = 1_000_000 + 10 * len(self.tape)
+            joins, moved, diverged = self.program.joins, _moved(s.zero), _diverged(s.zero)
+            pending = settled_adjoints(
+                self.chart, joins, algebra, packed_goal, seed, self.pending, moved, diverged, budget
+            )
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending, derived)
         goal_value = self.value(goal)
         out: dict[Item, float] = {}
@@ -346,25 +347,25 @@ class ArrayProgram:
             agenda[packed][index] = combined
         chart: dict[Item, Array] = {}
         fifo: deque[Item] = deque(agenda)
+        queued = set(agenda)  # (in the FIFO; the others wait for a contribution: popping them would change nothing)
         index_ = Index()
         tape: list[Entry[Array]] = []
         run = ArrayRun(self, chart, tape, 0, located, {}, records, agenda)
-        waiting = 0  # consecutive items put back (updates within tolerance)
-        while fifo and waiting < len(fifo):
+        stopped = False
+        while fifo:
             if max_pops is not None and run.pops >= max_pops:
+                stopped = True
                 break
             a = fifo.popleft()
+            queued.discard(a)
             update = agenda[a]
             old = chart.get(a)
             new = update if old is None else self.plus(old, update)
             changed = old is None or self._changed(old, new, tolerance)
             if not changed:
-                # Stays pending: later updates may add up to more than the tolerance (an
-                # update that changes nothing still came along rule instances: `gradient`).
-                fifo.append(a)
-                waiting += 1
+                # Waits: later contributions may add up to more than the tolerance (an update
+                # that changes nothing still came along rule instances: `ArrayRun.gradient`).
                 continue
-            waiting = 0
             del agenda[a]
             reasons = because.pop(a, None)
             tape.append(Entry(a, old, update, changed))
@@ -391,20 +392,28 @@ class ArrayProgram:
                         because[c] = np.full(np.shape(contribution), len(records) - 1, dtype=np.intp)
                 else:
                     contribution = contract(s, coeff, operands, out, {})
-                if c in agenda:
-                    agenda[c] = self.plus(agenda[c], contribution)
-                else:
-                    agenda[c] = contribution
+                agenda[c] = self.plus(agenda[c], contribution) if c in agenda else contribution
+                if c not in queued:
+                    queued.add(c)
                     fifo.append(c)
-        else:
-            run.converged = tolerance == 0.0
+        # Converged: nothing pending would change the chart (a run stopped early may have got there too).
+        run.converged = tolerance == 0.0 and not (
+            stopped
+            and any(x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo)
+        )
         return run
 
     @staticmethod
     def _changed(old: Array, new: Array, tolerance: float) -> bool:
+        """Whether some entry changed (by more than ``tolerance``); NaN staying NaN does not."""
         with np.errstate(invalid="ignore"):
-            differ = new != old
-            return bool(np.any(differ) and np.max(np.abs(np.where(differ, new - old, 0.0))) > tolerance)
+            differ = (new != old) & ~(np.isnan(new) & np.isnan(old))
+            if not np.any(differ):
+                return False
+            if tolerance == 0.0:
+                return True
+            gaps = np.abs(np.asarray(new - old)[differ])  # (an entry that became NaN has a NaN gap: it changed)
+            return bool(np.any(np.isnan(gaps)) or np.max(gaps) > tolerance)
 
 
 def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
@@ -414,6 +423,15 @@ def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
             return 0.0
         return math.exp(g + value - goal_value)
     return g
+
+
+def _diverged(zero: float) -> Callable[[Array], bool]:
+    """Whether an adjoint on a cycle diverged: NaN, +inf, or -inf where that is no zero."""
+
+    def diverged(value: Array) -> bool:
+        return bool(np.any(np.isnan(value) | (value == math.inf) | ((value == -math.inf) & (zero != -math.inf))))
+
+    return diverged
 
 
 def _moved(zero: float) -> Callable[[Array | None, Array], bool]:

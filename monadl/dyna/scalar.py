@@ -70,10 +70,10 @@ class Run:
         best: back-pointers (max-times, min-plus): the rule instance that set
             each derived item's value.
         axioms: the axioms given to the run.
-        converged: the run stopped because every pending update would change
-            nothing (at tolerance 0, not stopped early): what is pending then
-            came along rule instances the tape does not hold, and the
-            gradient carries them to the fixpoint (`Run.gradient`).
+        converged: at tolerance 0, nothing pending would change the chart
+            (also when ``max_pops`` or ``stop`` ended the run just there):
+            what is pending came along rule instances the tape does not
+            hold, and the gradient carries it to the fixpoint (`Run.gradient`).
     """
 
     program: Program
@@ -151,9 +151,13 @@ class Run:
         def moved(old: float | None, new: float) -> bool:
             return new != zero if old is None else _moved(old, new)
 
+        def diverged(value: float) -> bool:
+            return math.isnan(value) or value == math.inf or (value == -math.inf and zero != -math.inf)
+
         budget = 1_000_000 + 10 * len(self.tape)
+        one = self.program.semiring.one
         return settled_adjoints(
-            self.chart, self.program.joins, algebra, goal, self.program.semiring.one, self.pending, moved, budget
+            self.chart, self.program.joins, algebra, goal, one, self.pending, moved, diverged, budget
         )
 
     def best_derivation(self, goal: Item) -> Derivation:
@@ -239,6 +243,7 @@ class Program:
         agenda: dict[Item, float] = {}
         because: dict[Item, Reason] = {}
         fifo: deque[Item] = deque()
+        queued: set[Item] = set()  # (in the FIFO; the others wait for a push: popping them would change nothing)
         # With a priority: a heap of (rank, push order, item); an entry whose
         # rank no longer matches the item's pending value is stale, skipped.
         heap: list[tuple[float, int, Item]] = []
@@ -256,9 +261,11 @@ class Program:
             else:
                 agenda[item] = value
                 because[item] = reason
-                if rank is None:
+            if rank is None:
+                if item not in queued:
+                    queued.add(item)
                     fifo.append(item)
-            if rank is not None:
+            else:
                 heapq.heappush(heap, (rank(item, agenda[item]), next(pushes), item))
 
         for item, value in axioms.items():
@@ -266,12 +273,13 @@ class Program:
         for rule in self.rules:
             if not rule.body:
                 push(rule.head, coefficient(semiring, rule), (rule, []) if track else None)
+        stopped = False
         while agenda:
             if max_pops is not None and run.pops >= max_pops:
+                stopped = True
                 break
-            a = self._choose(agenda, fifo, heap, chart, tolerance, rank)
+            a = self._choose(agenda, fifo, queued, heap, chart, tolerance, rank)
             if a is None:
-                run.converged = tolerance == 0
                 break
             update = agenda.pop(a)
             reason = because.pop(a, None)
@@ -290,44 +298,55 @@ class Program:
                 for c, contribution, instance in self._contributions(a, old, update, first, chart, index):
                     push(c, contribution, instance if track else None)
             if stop is not None and stop(run):
+                stopped = True
                 break
+        # Converged: nothing pending would change the chart (a run stopped early may have got there too).
+        run.converged = tolerance == 0 and not (
+            stopped and any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
+        )
         return run
 
     def _choose(
         self,
         agenda: dict[Item, float],
         fifo: deque[Item],
+        queued: set[Item],
         heap: list[tuple[float, int, Item]],
         chart: dict[Item, float],
         tolerance: float,
         rank: Callable[[Item, float], float] | None,
     ) -> Item | None:
-        semiring = self.semiring
-
-        def poppable(item: Item) -> bool:
-            if item not in chart:
-                return True
-            if semiring is REAL:
-                return abs(agenda[item]) > tolerance
-            # elsewhere: pop when the update would still change the chart by more than tolerance
-            new = semiring.plus(chart[item], agenda[item])
-            return _moved(chart[item], new) and not abs(new - chart[item]) <= tolerance
-
         if rank is not None:
             while heap:
                 ranked, _, item = heapq.heappop(heap)
                 # An item that is not poppable now gets a fresh entry when its value next changes.
-                if item in agenda and ranked == rank(item, agenda[item]) and poppable(item):
+                if (
+                    item in agenda
+                    and ranked == rank(item, agenda[item])
+                    and self._poppable(item, agenda, chart, tolerance)
+                ):
                     return item
             return None
-        for _ in range(len(fifo)):
+        while fifo:
             item = fifo.popleft()
-            if item not in agenda:
-                continue
-            if poppable(item):
+            queued.discard(item)
+            # An item that is not poppable waits (out of the FIFO) until a push changes its update.
+            if item in agenda and self._poppable(item, agenda, chart, tolerance):
                 return item
-            fifo.append(item)
         return None
+
+    def _poppable(self, item: Item, agenda: dict[Item, float], chart: dict[Item, float], tolerance: float) -> bool:
+        """Whether ``item``'s pending update pops: it is new, or it would change
+        the chart (by more than ``tolerance`` when there is one; in the real
+        semiring, an update of more than it)."""
+        if item not in chart:
+            return True
+        semiring = self.semiring
+        old, update = chart[item], agenda[item]
+        if semiring is REAL and tolerance > 0:
+            return not abs(update) <= tolerance  # (NaN pops)
+        new = semiring.plus(old, update)
+        return _moved(old, new) and not abs(new - old) <= tolerance
 
     def _contributions(
         self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: Index

@@ -205,3 +205,15 @@ def test_exactly_zero_weights_batched_get_the_gradients_item_at_a_time(seed: int
     assert {x for x in got if x[0] == "pathto"} == set(derived)
     for item in derived:
         assert got[item] == pytest.approx(want[item], rel=1e-7, abs=1e-9), item
+
+
+def test_a_nan_entry_does_not_freeze_its_item() -> None:
+    """One NaN entry made the largest change NaN, so the update counted as
+    unchanged and waited forever, the other entries' changes with it."""
+    n = 3
+    rules = parse_rules("y(I) += w(I) * x(I).")
+    program = ArrayProgram(rules, arrays={"y": {0: n}, "w": {0: n}, "x": {0: n}})
+    run = program.run({("w", 0): 1.0, ("w", 1): float("nan"), ("w", 2): 3.0, ("x", 0): 1.0, ("x", 2): 1.0})
+    np.testing.assert_equal(run.chart[("y",)], [1.0, np.nan, 3.0])
+    changed = ArrayProgram._changed(np.array([1.0, 2.0]), np.array([1.5, np.nan]), 0.1)
+    assert changed and not ArrayProgram._changed(np.array([np.nan]), np.array([np.nan]), 0.0)
