@@ -126,7 +126,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
 
 
-_ADDRESS: Final = re.compile(r" at 0x[0-9a-fA-F]+>")
+_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]{6,}")  # (a default repr's " at 0x7f3a...>", or another repr's address)
 
 
 def _stable(weights: dict[str, Any]) -> dict[str, Any]:

@@ -479,9 +479,14 @@ def test_a_weight_under_a_key_that_reads_as_a_memory_address_is_refused(tmp_path
     class Key:
         pass
 
-    with pytest.raises(ml.CheckpointError, match="reads as a memory address"):
-        checkpoint.save(tmp_path / "c", {"experts": {Key(): ml.Weight(np.ones(2))}})
-    assert not (tmp_path / "c").exists()
+    class Named:
+        def __repr__(self) -> str:
+            return f"<Named {id(self):#x}>"
+
+    for key in (Key(), Named()):
+        with pytest.raises(ml.CheckpointError, match="reads as a memory address"):
+            checkpoint.save(tmp_path / "c", {"experts": {key: ml.Weight(np.ones(2))}})
+        assert not (tmp_path / "c").exists()
     fine = {"config": {Key(): "no weight here"}, "w": ml.Weight(np.ones(2))}  # other values under such keys are fine
     checkpoint.save(tmp_path / "d", fine)
     checkpoint.load(tmp_path / "d", fine)
