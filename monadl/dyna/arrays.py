@@ -120,8 +120,8 @@ class ArrayRun:
         """
         s = self.program.semiring
         packed_goal, goal_index = self.program.locate(goal)
-        if packed_goal not in self.chart:
-            return {}
+        if packed_goal not in self.chart:  # a goal never derived: 0 for all that popped, as item at a time
+            return self._zeros(derived)
         if s.gradient == "backpointer":
             if self.value(goal) == s.zero:
                 return {}
@@ -158,6 +158,18 @@ class ArrayRun:
                     if reached[position] and scalar not in self.axioms and values[position] != s.zero:
                         out[scalar] = _derived(s, float(g[position]), float(values[position]), goal_value)
         return out
+
+    def _zeros(self, derived: bool) -> dict[Item, float]:
+        """A gradient of 0 for each axiom that popped (and with ``derived``,
+        each derived entry of nonzero value)."""
+        zeros = {scalar: 0.0 for scalar, (packed, _, _) in self.axioms.items() if packed in self.chart}
+        if derived:
+            for packed, values in self.chart.items():
+                for position in np.ndindex(np.shape(values)):
+                    scalar = self.program.unlocate(packed, position)
+                    if scalar not in self.axioms and values[position] != self.program.semiring.zero:
+                        zeros[scalar] = 0.0
+        return zeros
 
     def best_derivation(self, goal: Item) -> Derivation:
         """The derivation that gave a scalar item its value, over scalar items,
@@ -351,10 +363,8 @@ class ArrayProgram:
         index_ = Index()
         tape: list[Entry[Array]] = []
         run = ArrayRun(self, chart, tape, 0, located, {}, records, agenda)
-        stopped = False
         while fifo:
             if max_pops is not None and run.pops >= max_pops:
-                stopped = True
                 break
             a = fifo.popleft()
             queued.discard(a)
@@ -397,9 +407,8 @@ class ArrayProgram:
                     queued.add(c)
                     fifo.append(c)
         # Converged: nothing pending would change the chart (a run stopped early may have got there too).
-        run.converged = tolerance == 0.0 and not (
-            stopped
-            and any(x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo)
+        run.converged = tolerance == 0.0 and not any(
+            x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo
         )
         return run
 

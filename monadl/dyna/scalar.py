@@ -222,6 +222,8 @@ class Program:
             priority: which pending item pops next (lowest first); FIFO when
                 None; "value" pops the best pending value first (idempotent
                 semirings: then each item pops once, as in Dijkstra's algorithm).
+                A function of the item and its pending value must give the same
+                rank when asked again (an entry whose rank changed is stale).
             stop: a predicate on the run so far, checked after each pop.
 
         >>> parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).").run({("edge", 0, 1): 0.5}).chart
@@ -273,10 +275,8 @@ class Program:
         for rule in self.rules:
             if not rule.body:
                 push(rule.head, coefficient(semiring, rule), (rule, []) if track else None)
-        stopped = False
         while agenda:
             if max_pops is not None and run.pops >= max_pops:
-                stopped = True
                 break
             a = self._choose(agenda, fifo, queued, heap, chart, tolerance, rank)
             if a is None:
@@ -298,12 +298,10 @@ class Program:
                 for c, contribution, instance in self._contributions(a, old, update, first, chart, index):
                     push(c, contribution, instance if track else None)
             if stop is not None and stop(run):
-                stopped = True
                 break
-        # Converged: nothing pending would change the chart (a run stopped early may have got there too).
-        run.converged = tolerance == 0 and not (
-            stopped and any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
-        )
+        # Converged: nothing pending would change the chart (a run stopped early may have got there too,
+        # and one whose priority ranked an item differently when asked again may have stopped short).
+        run.converged = tolerance == 0 and not any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
         return run
 
     def _choose(

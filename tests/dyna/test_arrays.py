@@ -217,3 +217,12 @@ def test_a_nan_entry_does_not_freeze_its_item() -> None:
     np.testing.assert_equal(run.chart[("y",)], [1.0, np.nan, 3.0])
     changed = ArrayProgram._changed(np.array([1.0, 2.0]), np.array([1.5, np.nan]), 0.1)
     assert changed and not ArrayProgram._changed(np.array([np.nan]), np.array([np.nan]), 0.0)
+
+
+def test_a_goal_never_derived_has_the_keys_of_item_at_a_time() -> None:
+    text = "p += a * b. g += p * c."  # c is never given: g is never derived
+    axioms = {("a",): 0.5, ("b",): 0.25}
+    for derived in (False, True):
+        want = Program(parse_rules(text)).run(axioms).gradient(("g",), derived=derived)
+        got = ArrayProgram(parse_rules(text), arrays={}).run(axioms).gradient(("g",), derived=derived)
+        assert got == want == dict.fromkeys(want, 0.0)

@@ -3,6 +3,7 @@ the program as a monadl layer."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from itertools import pairwise
 from typing import Any
@@ -418,3 +419,13 @@ def test_a_zero_cycle_of_weight_above_one_is_a_diverging_gradient(weight: float)
     run = parse(f"a += {weight} * a. a += x.").run({("x",): 0.0})
     with pytest.raises(ml.NonFiniteError, match="diverges"):
         run.gradient(("a",))
+
+
+def test_a_priority_that_ranks_anew_each_time_stops_short_and_says_so() -> None:
+    """Each heap entry's rank is checked again when it pops; a priority that
+    answers differently makes every entry stale, the run ends with updates
+    that would still change the chart, and it is not converged (its gradient
+    then gives pending updates nothing, as after an early stop)."""
+    ranks = itertools.count()
+    run = parse(ZEROS).run({("edge", 0, 1): 1.0, ("final", 1): 1.0}, priority=lambda item, value: next(ranks))
+    assert run.pending and not run.converged
