@@ -129,10 +129,20 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         )
     try:
         hash(x)
-        return ("static", kind, x)
     except TypeError:
         keep.append(x)
         return ("id", id(x))
+    return ("static", kind, _typed(x) if kind is frozenset else x)
+
+
+def _typed(x: Any) -> Any:
+    """A frozenset's members with their types (True, 1 and 1.0 are equal
+    members, not one signature), nested ones too."""
+    if type(x) is frozenset:
+        return frozenset([(type(y), _typed(y)) for y in x])
+    if type(x) is tuple:
+        return tuple([(type(y), _typed(y)) for y in x])
+    return x
 
 
 def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int]) -> tuple[Any, ...]:

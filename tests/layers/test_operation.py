@@ -15,6 +15,7 @@ import pytest
 import monadl as ml
 from monadl.deltas import Outer
 from monadl.layers._program import Program
+from monadl.layers._structures import flatten
 
 
 @dataclass(frozen=True, slots=True)
@@ -776,6 +777,15 @@ async def test_equal_dict_keys_of_other_types_are_other_signatures() -> None:
 
     x = ml.Weight(np.ones(1))
     assert [float((await keyed({k: x}).predict())[0]) for k in (True, 1, 1.0)] == [2.0, 3.0, 3.0]
+
+    @ml.operation
+    def flagged(x: ml.Weight[ml.Array, ml.Array], flags: frozenset[Any]) -> ml.ArrayLayer:
+        return x * (2.0 if any(type(f) is bool for f in flags) else 3.0)
+
+    sets = [frozenset({1}), frozenset({True}), frozenset({(1, frozenset({1.0}))}), frozenset({(1, frozenset({1}))})]
+    assert [float((await flagged(x, s).predict())[0]) for s in sets[:2]] == [3.0, 2.0]  # (a static frozenset too)
+    shapes = {flatten(s, [], [], []) for s in sets}  # (an operation's signature of each)
+    assert len(shapes) == 4  # nested members keep their types
 
 
 def test_layers_in_a_dict_subclass_are_refused_with_what_to_pass() -> None:
