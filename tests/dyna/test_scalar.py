@@ -429,3 +429,15 @@ def test_a_priority_that_ranks_anew_each_time_stops_short_and_says_so() -> None:
     ranks = itertools.count()
     run = parse(ZEROS).run({("edge", 0, 1): 1.0, ("final", 1): 1.0}, priority=lambda item, value: next(ranks))
     assert run.pending and not run.converged
+
+
+@pytest.mark.anyio
+async def test_a_zero_initialised_weight_learns_through_a_goal_layer() -> None:
+    """Every final weight starts at 0, so stop's updates after its first are
+    zero: all four still get their gradient, -4 * pathto(i), at the first step
+    (only final(0)'s did)."""
+    edges = ml.Weight(np.triu(np.full((4, 4), 0.5), k=1))
+    final = ml.Weight(np.zeros(4), optimizer=ml.optim.sgd(0.1))
+    value = parse(ZEROS).goal(("stop",), None, {"edge": edges, "final": final})
+    await ((value - 2.0) * (value - 2.0)).train()
+    np.testing.assert_allclose(final.data, 0.1 * 4 * np.array([1.0, 0.5, 0.75, 1.125]))
