@@ -96,11 +96,12 @@ class Run:
         on it); any other axiom's gradient is 0.
 
         An update that never popped because it would change nothing (an
-        exactly-zero product reaching an item that already has a value) still
-        has a derivative: when the run converged, each such item's pending
-        update gets the adjoint of an amount added to it at the end and
-        carried to the fixpoint (`NonFiniteError` if that adjoint diverges,
-        on a cycle of weight 1 or more).
+        exactly-zero product reaching an item that already has a value, or
+        one too small to change it) still has a derivative: when the run
+        converged, each such item's pending update gets the adjoint of an
+        amount added to it at the end and carried to the fixpoint
+        (`NonFiniteError` if that adjoint diverges, on a cycle of weight 1 or
+        more, or does not settle).
 
         Args:
             goal: the item differentiated.
