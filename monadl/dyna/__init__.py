@@ -39,8 +39,9 @@ the stopped computation's, and waiting updates contribute nothing.
 
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every
-value algebra), `derivation` (best derivations), `scalar` (item at a time),
-`einsum` and `arrays` (batched), `layer` (goals as layers).
+value algebra), `settle` (the adjoints of updates that never popped),
+`derivation` (best derivations), `scalar` (item at a time), `einsum`,
+`arrays` and `array_run` (batched), `layer` (goals as layers).
 
 >>> p = parse("a += a * a. a += r.")
 >>> run = p.run({("r",): 0.3}, max_pops=3)  # r, then a twice

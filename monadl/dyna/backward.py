@@ -13,16 +13,14 @@ arithmetic (in log-real, as logarithms, which cannot underflow on long runs).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, final
 
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.syntax import Item, Rule, head
-from monadl.errors import NonFiniteError
 
-__all__ = ["Adjoints", "Algebra", "Entry", "backward", "settled_adjoints"]
+__all__ = ["Adjoints", "Algebra", "Entry", "backward"]
 
 V = TypeVar("V")
 
@@ -96,7 +94,7 @@ def backward(
     """Pop the tape in reverse from ``chart`` (the chart after the run), with
     the adjoint ``seed`` on the goal's chart value. ``pending``: the adjoint
     of what was pushed onto an item after its last pop and never popped (a
-    converged run's zero updates: `monadl.dyna.scalar.Run`). ``every``: keep
+    converged run's zero updates: `monadl.dyna.settle`). ``every``: keep
     every pop's update and adjoint (`Adjoints.pops`).
 
     >>> from monadl.dyna.scalar import ScalarAlgebra
@@ -160,146 +158,3 @@ def backward(
     for popped in pops.values():
         popped.reverse()
     return Adjoints(g_agenda, first_updates, pops)
-
-
-def settled_adjoints(
-    chart: Mapping[Item, V],
-    joins: Joins,
-    algebra: Algebra[V],
-    goal: Item,
-    seed: V,
-    items: Collection[Item],
-    moved: Callable[[V | None, V], bool],
-    diverged: Callable[[V], bool],
-    budget: int,
-) -> dict[Item, V]:
-    """For each of ``items``, d chart[goal] / d (an amount added to it after
-    the run, carried on to the fixpoint): the adjoint equations over the final
-    chart's rule instances (an item's adjoint is the goal's seed, if it is the
-    goal, plus what each instance it takes part in passes back from its head).
-    A converged run's updates that never popped (they would have changed
-    nothing) have these adjoints: they came along rule instances, but the tape
-    holds no pop that carried them on.
-
-    The equations are solved a strongly connected component at a time, heads
-    before the items they are made of: once each, off cycles; on a cycle, by
-    an agenda of its own until its adjoints stop moving (``moved(old, new)``:
-    whether an adjoint changed; None: it had none). An adjoint on a cycle that
-    ``diverged`` (a cycle of weight 1 or more), or more than ``budget`` pops on
-    cycles, raise `NonFiniteError`.
-    """
-    if goal not in chart:
-        return {}
-    index = Index(list(chart))
-    making: dict[Item, list[tuple[Rule, list[Item]]]] = {}  # each instance once, by its head
-    seen: set[tuple[int, tuple[Item, ...]]] = set()
-    for a in chart:
-        for rule, _, body in joins.instantiations(a, False, chart, index):
-            key = (id(rule), tuple(body))
-            if key not in seen:
-                seen.add(key)
-                making.setdefault(head(rule, body), []).append((rule, body))
-    plus = algebra.plus
-    adjoint: dict[Item, V] = {goal: seed}
-
-    def add(x: Item, g: V) -> None:
-        adjoint[x] = plus(adjoint[x], g) if x in adjoint else g
-
-    def parts(h: Item) -> list[Item]:
-        return [x for _, body in making.get(h, ()) for x in body]
-
-    components, finish = _components(goal, parts)
-    for component in components:
-        if len(component) == 1 and component[0] not in parts(component[0]):
-            h = component[0]
-            if h in adjoint:
-                for rule, body in making.get(h, ()):
-                    values = [chart[x] for x in body]
-                    for j, x in enumerate(body):
-                        add(x, algebra.vjp(rule, values, j, adjoint[h]))
-            continue
-        # On a cycle: heads before what they are made of, as far as the cycle allows
-        # (reverse postorder: a topological order but for the edges that close cycles).
-        members = set(component)
-        agenda = {h: adjoint[h] for h in component if h in adjoint}
-        heap = [(-finish[h], h) for h in agenda]
-        heapq.heapify(heap)
-        while heap:
-            budget -= 1
-            if budget < 0:
-                raise NonFiniteError(
-                    f"the gradient of {goal} does not settle within the pops allowed: an update that changed "
-                    f"nothing lies on a cycle through {component[0]} whose weight is 1 or near it (start its "
-                    "weights off zero, or bound the run with max_pops)"
-                )
-            h = heapq.heappop(heap)[1]
-            delta = agenda.pop(h)
-            for rule, body in making.get(h, ()):
-                values = [chart[x] for x in body]
-                for j, x in enumerate(body):
-                    g = algebra.vjp(rule, values, j, delta)
-                    if x not in members:
-                        add(x, g)
-                        continue
-                    old = adjoint.get(x)
-                    new = g if old is None else plus(old, g)
-                    if not moved(old, new):
-                        continue
-                    if diverged(new):
-                        raise NonFiniteError(
-                            f"the gradient of {goal} diverges: an update that changed nothing lies on a cycle "
-                            f"through {x} of weight 1 or more (start its weights off zero, or bound the run "
-                            "with max_pops)"
-                        )
-                    adjoint[x] = new
-                    if x in agenda:
-                        agenda[x] = plus(agenda[x], g)
-                    else:
-                        agenda[x] = g
-                        heapq.heappush(heap, (-finish[x], x))
-    return {x: adjoint[x] for x in items if x in adjoint}
-
-
-def _components(start: Item, successors: Callable[[Item], list[Item]]) -> tuple[list[list[Item]], dict[Item, int]]:
-    """The strongly connected components reachable from ``start``, each before
-    the components its items lead to (Tarjan's algorithm, iterative), and the
-    order in which the depth-first search finished each item."""
-    finish: dict[Item, int] = {}
-    number: dict[Item, int] = {}
-    low: dict[Item, int] = {}
-    stack: list[Item] = []
-    on_stack: set[Item] = set()
-    found: list[list[Item]] = []
-    work: list[tuple[Item, list[Item], int]] = [(start, successors(start), 0)]
-    number[start] = low[start] = 0
-    stack.append(start)
-    on_stack.add(start)
-    while work:
-        v, nexts, i = work[-1]
-        if i < len(nexts):
-            work[-1] = (v, nexts, i + 1)
-            w = nexts[i]
-            if w not in number:
-                number[w] = low[w] = len(number)
-                stack.append(w)
-                on_stack.add(w)
-                work.append((w, successors(w), 0))
-            elif w in on_stack:
-                low[v] = min(low[v], number[w])
-            continue
-        work.pop()
-        finish[v] = len(finish)
-        if work:
-            u = work[-1][0]
-            low[u] = min(low[u], low[v])
-        if low[v] == number[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            found.append(component)
-    found.reverse()  # (Tarjan finds a component after those it leads to)
-    return found, finish

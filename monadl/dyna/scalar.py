@@ -18,11 +18,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, final
 
-from monadl.dyna.backward import Entry, backward, settled_adjoints
+from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Timing, check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
+from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
 from monadl.layers import Layer, Weight
 
@@ -125,7 +126,11 @@ class Run:
         if s.gradient != "tape":
             raise NotImplementedError(f"the {s.name} semiring has no gradient here (forward only)")
         algebra = ScalarAlgebra(s)
-        pending = self._pending_adjoints(goal, algebra) if self.converged and self.pending else None
+        pending = None
+        if self.converged and self.pending:
+            changed, diverged = scalar_checks(s.zero)
+            joins, popped = self.program.joins, len(self.tape)
+            pending = settled_adjoints(self.chart, joins, algebra, goal, s.one, self.pending, changed, diverged, popped)
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, goal, s.one, pending)
         out: dict[Item, float] = {}
         for x in adjoints.first_updates:
@@ -145,21 +150,6 @@ class Run:
             else:
                 out[x] = g
         return out
-
-    def _pending_adjoints(self, goal: Item, algebra: ScalarAlgebra) -> dict[Item, float]:
-        zero = self.program.semiring.zero
-
-        def moved(old: float | None, new: float) -> bool:
-            return new != zero if old is None else _moved(old, new)
-
-        def diverged(value: float) -> bool:
-            return math.isnan(value) or value == math.inf or (value == -math.inf and zero != -math.inf)
-
-        budget = 1_000_000 + 10 * len(self.tape)
-        one = self.program.semiring.one
-        return settled_adjoints(
-            self.chart, self.program.joins, algebra, goal, one, self.pending, moved, diverged, budget
-        )
 
     def best_derivation(self, goal: Item) -> Derivation:
         """The derivation that gave the goal its value (max-times: the Viterbi
@@ -287,7 +277,7 @@ class Program:
             first = a not in chart
             old = chart.get(a, semiring.zero)
             new = semiring.plus(old, update)
-            changed = first or _moved(old, new)
+            changed = first or moved(old, new)
             tape.append(Entry(a, None if first else old, update, changed))
             run.pops += 1
             chart[a] = new
@@ -345,7 +335,7 @@ class Program:
         if semiring is REAL and tolerance > 0:
             return not abs(update) <= tolerance  # (NaN pops)
         new = semiring.plus(old, update)
-        return _moved(old, new) and not abs(new - old) <= tolerance
+        return moved(old, new) and not abs(new - old) <= tolerance
 
     def _contributions(
         self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: Index
@@ -386,16 +376,6 @@ class Program:
             weights,
             self.timing,
         )
-
-
-def _moved(old: float, new: float) -> bool:
-    """Whether an item's value changed: NaN staying NaN does not (``NaN !=
-    NaN`` would pop a diverged cycle, inf + -inf, forever).
-
-    >>> _moved(1.0, 2.0), _moved(math.nan, math.nan), _moved(1.0, math.nan)
-    (True, False, True)
-    """
-    return new != old and not (math.isnan(new) and math.isnan(old))
 
 
 def parse(text: str, semiring: Semiring = REAL) -> Program:

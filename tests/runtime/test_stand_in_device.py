@@ -391,6 +391,17 @@ def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_devi
     assert all(j._full is None for j in joints)  # the delta's scatter dropped once every group took its rows
 
 
+def _group_by_group(groups: list[Any], places: list[Any]) -> list[Any]:
+    """`batched_groups._joint`'s stand-in: a source per group, each gathered on
+    its own (the path before joints), for comparison."""
+    from monadl.runtime.schedule import batched_groups
+
+    rows: dict[Any, list[int]] = {}
+    for p, place in enumerate(places):
+        rows.setdefault(place[0], []).append(p)
+    return [batched_groups._source(g, at, [places[p][1] for p in at]) for g, at in rows.items()]
+
+
 def test_a_group_read_by_many_levels_holds_one_delta_not_a_scatter_per_level(
     device: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -426,13 +437,7 @@ def test_a_group_read_by_many_levels_holds_one_delta_not_a_scatter_per_level(
     loss = ml.sum(ml.concatenate(roots, axis=0))
     jointly = peak(loss)
 
-    def group_by_group(groups: list[Any], places: list[Any]) -> list[Any]:
-        rows: dict[Any, list[int]] = {}
-        for p, place in enumerate(places):
-            rows.setdefault(place[0], []).append(p)
-        return [batched_groups._source(g, at, [places[p][1] for p in at]) for g, at in rows.items()]
-
-    monkeypatch.setattr(batched_groups, "_joint", group_by_group)
+    monkeypatch.setattr(batched_groups, "_joint", _group_by_group)
     assert jointly < 1.5 * peak(loss)
 
 
@@ -466,12 +471,6 @@ def test_a_joint_gather_takes_fewer_device_calls_than_group_by_group(
 
     jointly = step()
 
-    def group_by_group(groups: list[Any], places: list[Any]) -> list[Any]:
-        rows: dict[Any, list[int]] = {}
-        for p, place in enumerate(places):
-            rows.setdefault(place[0], []).append(p)
-        return [batched_groups._source(g, at, [places[p][1] for p in at]) for g, at in rows.items()]
-
-    monkeypatch.setattr(batched_groups, "_joint", group_by_group)
+    monkeypatch.setattr(batched_groups, "_joint", _group_by_group)
     apart = step()
     assert jointly < 0.9 * apart, (jointly, apart)
