@@ -290,8 +290,7 @@ class Gather:
         level."""
         pieces = delta.parts if type(delta) is OutputsDelta else (delta,)
         if self.whole is None:
-            self.whole = [None if d is None else namespace(d).asarray(d, copy=True) for d in pieces]
-            return self
+            self.whole = [None] * len(pieces)
         for k, d in enumerate(pieces):
             if d is None:
                 continue
@@ -330,26 +329,24 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any], 
     own deltas, added to ``start`` (the joints' slices summed, an array of its
     own) if there is one."""
     if start is not None:
-        out = start
-        for source, d in rows:
-            out = _add_rows(out, source, d)
-        for i, d in members.items():
-            out[i] += d
-        return out
-    if not members and len(rows) == 1:
-        source, d = rows[0]
-        if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
-            return d  # a consumer that read the whole output in order: its delta as it is
-    xp = namespace(like)
-    n = like.shape[0]
-    # In a tree each row is read once: the gathers' rows then tile the output,
-    # and each is written once into an empty array (no zeros, no additions).
-    tiled = not members and all(s.unique for s, _ in rows)
-    if tiled:
-        indices = [np.arange(n) if s.rows is None else s.rows for s, _ in rows]
-        tiled = sum(len(i) for i in indices) == n and bool(np.all(np.bincount(np.concatenate(indices), minlength=n)))
-    shape, dtype, device = like.shape, like.dtype, like.device
-    out = xp.empty(shape, dtype=dtype, device=device) if tiled else xp.zeros(shape, dtype=dtype, device=device)
+        out, tiled = start, False
+    else:
+        if not members and len(rows) == 1:
+            source, d = rows[0]
+            if source.indices is None and source.positions is None and d.shape == like.shape and d.dtype == like.dtype:
+                return d  # a consumer that read the whole output in order: its delta as it is
+        xp = namespace(like)
+        n = like.shape[0]
+        # In a tree each row is read once: the gathers' rows then tile the output,
+        # and each is written once into an empty array (no zeros, no additions).
+        tiled = not members and all(s.unique for s, _ in rows)
+        if tiled:
+            indices = [np.arange(n) if s.rows is None else s.rows for s, _ in rows]
+            tiled = sum(len(i) for i in indices) == n and bool(
+                np.all(np.bincount(np.concatenate(indices), minlength=n))
+            )
+        shape, dtype, device = like.shape, like.dtype, like.device
+        out = xp.empty(shape, dtype=dtype, device=device) if tiled else xp.zeros(shape, dtype=dtype, device=device)
     for source, d in rows:
         if tiled:
             index = source.indices
