@@ -19,7 +19,10 @@ The batching scheduler sees such a node as any other: nodes of one trace
 whose operands have equal shapes run as ONE call of the program on stacked
 operands, each step through its batching rule (`BATCHING_RULES`), so a weight
 used by a whole group gets one ``X_cat.T @ dY``. A step with no rule sends
-the group back to member-by-member evaluation.
+the group back to member-by-member evaluation. Floats that differ per call
+(a scale, a mask of 0.0 and 1.0) do not split a group: they are stacked as
+a column of the node's float dtype (two floats combined inside the cell
+round once more than they would alone, in float64).
 
 A *signature* is what the Python function could see: the structure of the
 arguments (tuples, lists, dicts, dataclasses), which leaves are layers or

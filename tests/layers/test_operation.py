@@ -14,6 +14,8 @@ import pytest
 
 import monadl as ml
 from monadl.deltas import Outer
+from monadl.layers import _batching_rules
+from monadl.layers._products import product
 from monadl.layers._program import Program
 from monadl.layers._structures import flatten
 
@@ -135,6 +137,46 @@ def test_a_step_without_a_batching_rule_runs_member_by_member() -> None:
     loss = ml.sum(ml.concatenate([marked(x) for x in xs], axis=0))
     assert _run(loss, (w,), True)[0] == pytest.approx(_run(plain, (w,), False)[0])
     np.testing.assert_allclose(_run(loss, (w,), True)[1][0], _run(plain, (w,), False)[1][0])
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(np.float64, 1e-12), (np.float32, 1e-6)])
+def test_numbers_that_differ_per_call_batch_with_the_values_of_each_call(
+    dtype: Any, rtol: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A number per call (a scale, a step size, a mask of 0 and 1) once made a
+    # signature per value: every call ran alone. Now the group's numbers are a
+    # column of the other operands' float dtype, and the cell runs once.
+    rng = np.random.default_rng(0)
+    w: ml.ArrayWeight = ml.Weight(rng.normal(size=(4, 4)).astype(dtype))
+
+    def scaled(x: ml.Array, s: float, k: float) -> ml.ArrayLayer:
+        return ml.tanh(ml.matmul(x, w)) * s + k  # (an int argument would be static: a trace per value)
+
+    xs = [rng.normal(size=(1, 4)).astype(dtype) for _ in range(12)]
+    scales = [0.5 * i - 2.0 for i in range(10)] + [0.0, -0.0]
+    products: list[int] = []
+
+    def counting(x: Any, y: Any) -> Any:
+        products.append(len(x))
+        return product(x, y)
+
+    monkeypatch.setattr(_batching_rules, "product", counting)
+    for f in (scaled, ml.operation(scaled)):
+        rows = ml.concatenate([f(x, s, float(i)) for i, (x, s) in enumerate(zip(xs, scales))], axis=0)
+        loss = ml.sum(rows**2)
+        products.clear()
+        with ml.settings(batching=True):
+            got = anyio.run(rows.predict)
+        assert products == [12]  # one product for the twelve calls, unmarked or marked
+        with ml.settings(batching=False):
+            want = anyio.run(rows.predict)
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=rtol)
+        assert np.array_equal(np.signbit(got[-2:]), np.signbit(want[-2:]))  # 0.0 and -0.0 kept apart
+        value, grads = _run(loss, (w,), True)
+        want_value, want_grads = _run(loss, (w,), False)
+        assert abs(value - want_value) <= rtol * abs(want_value) and grads[0].dtype == dtype
+        np.testing.assert_allclose(grads[0], want_grads[0], rtol=rtol * 10)
 
 
 def test_a_result_without_computation_is_its_arguments() -> None:

@@ -152,8 +152,8 @@ def test_chain_is_left_alone_cheaply() -> None:
 @pytest.mark.parametrize(("batching", "extra"), [(None, 0), (True, 2)])
 def test_small_groups_run_batched_only_when_forced(batching: bool | None, extra: int) -> None:
     """``extra``: a stack and a group record if batched, whose 2 members get records when read."""
-    w = ml.Weight(np.ones(3))
-    products = [w * float(i) for i in range(300)]  # 300 signatures: all different numbers
+    w = ml.Weight(np.ones(302))
+    products = [w[i : i + 3] for i in range(300)]  # 300 signatures: all different slices
     nodes = [ml.tanh(products[0]), ml.tanh(products[1]), *products]  # one group of 2
     ev = Evaluation(train=False)
     order = collect(ev, nodes)
@@ -166,6 +166,25 @@ def test_small_groups_run_batched_only_when_forced(batching: bool | None, extra:
     assert all(ev.records.computed(node) for node in nodes)
     assert (nodes[1] in ev.records) is (not extra)
     assert np.array_equal(ev.records[nodes[1]].value, np.tanh(np.ones(3)))
+
+
+def test_numbers_that_differ_per_node_are_one_column_of_the_operands_dtype() -> None:
+    w = ml.Weight(np.linspace(-1, 1, 3, dtype=np.float32))
+    products = [w * i for i in range(40)]  # ints: one signature, their column float32
+    assert len({_batching.signature({}, x) for x in products}) == 1
+    assert _batching.signature({}, w[0:2]) != _batching.signature({}, w[1:3])  # parameters stay in it
+    loss = ml.sum(ml.stack([ml.sum(ml.tanh(x)) for x in products]))
+    with ml.settings(batching=False):
+        want, (want_grad,) = anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])
+    with ml.settings(batching=True):
+        got, (grad,) = anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])
+    assert abs(got - want) <= 1e-6 * abs(want) and grad.dtype == np.float32
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
+    # The column takes the one float dtype of the other operands; with none, or two, the members run one by one.
+    args: list[Any] = [[1, 2], np.ones((2, 3), np.float32)]
+    assert _batching._columns(args, [0]) is np.ndarray and args[0].dtype == np.float32
+    assert _batching._columns([[1.0, 2.0], np.ones((2, 3), np.int64)], [0]) is None
+    assert _batching._columns([[1.0, 2.0], np.ones((2, 3), np.float32), np.ones((2, 3))], [0]) is None
 
 
 def test_small_graphs_and_coarse_members_are_left_alone() -> None:

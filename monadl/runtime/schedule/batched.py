@@ -2,10 +2,14 @@
 
 A graph's nodes are grouped by *signature* (DyNet's ``autobatch_sig``): the
 primitive, its parameters, the shapes, dtypes and array types of its operands,
-and the identity of weights and the values of plain numbers it uses. Nodes of
-one signature that are ready together run as one call of the primitive's
-batching rule (`monadl.layers._batching_rules`) on their operands stacked
-along a new leading axis.
+and the identity of weights it uses. Plain numbers among its operands are in
+it by kind for an elementwise primitive or an operation (`ml.operation`),
+whose group stacks its members' numbers as a column of the float dtype of its
+other operands (`_columns`: a Python number beside a float32 array computes in
+float32), and by value for the others. Nodes of one signature that are ready
+together run as one call of the primitive's batching rule
+(`monadl.layers._batching_rules`) on their operands stacked along a new
+leading axis.
 
 Batching is a rewrite into ordinary records (`monadl.runtime.schedule.batched_records`):
 per batched operand a gather record (rows of earlier groups' outputs, by
@@ -40,6 +44,7 @@ from operator import attrgetter, is_not, itemgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
+from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import Outputs, StackedOutputs
@@ -47,7 +52,7 @@ from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_records import Operand, batchable, group_records, signature, stack
+from monadl.runtime.schedule.batched_records import NUMBERS, Operand, batchable, group_records, signature, stack
 from monadl.runtime.schedule.batched_rule import MIN_ALIKE, MIN_NODES, REPROBE, remember, worth_batching
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
@@ -329,16 +334,26 @@ class _Run:
         batched: list[bool] = []
         operands: list[Operand] = []
         kinds: set[type] = set()
+        numbers: list[int] = []  # positions of plain numbers that differ between members
         for p, x0 in enumerate((*inputs, *first._params)):
             kind = type(x0)
             is_node = kind is Layer or kind is Weight
-            # Weights, numbers and other parameters are the same in all members (the
-            # signature holds them); arrays and layers are shared only if they are one object.
+            # Weights and parameters are the same in all members (the signature holds them);
+            # arrays and layers are shared only if they are one object; numbers, if equal.
             stacks = kind is Layer or (kind is not Weight and hasattr(x0, "shape"))
             if stacks:
                 column = list(map(itemgetter(p), inputs_of)) if p < arity else [m._params[p - arity] for m in members]
                 # (identity tested in C: `any` of `is not`, no generator frame per member)
                 stacks = n == 1 or any(map(is_not, column, repeat(x0)))  # (one: `_factors` said so)
+            elif kind in NUMBERS and p < arity:  # (the signature held the value where it must be one)
+                column = list(map(itemgetter(p), inputs_of))
+                # (all equal to a number that is not zero: counted in C; else member by member)
+                if not (x0 and column.count(x0) == n) and any(map(_differs, column, repeat(x0))):
+                    numbers.append(p)
+                    args.append(column)  # (made a column below, in the other operands' float dtype)
+                    batched.append(True)
+                    operands.append(Operand(None, [None] * n))
+                    continue
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value
@@ -361,6 +376,12 @@ class _Run:
             if p < arity:
                 kinds.add(type(value))
                 operands.append(operand)
+        if numbers:
+            library = _columns(args, numbers)
+            if library is None:
+                self.each(members)
+                return
+            kinds.add(library)
         if not batchable(op, kinds, args[:arity], batched) or (not self.forced and _coarse(args, batched, n)):
             self.each(members)
             return
@@ -377,3 +398,32 @@ class _Run:
 
 _serial = attrgetter("_serial")
 _inputs = attrgetter("_inputs")
+
+
+def _differs(x: Any, x0: Any) -> bool:
+    """Whether a member's plain number is not ``x0``'s: unequal, NaN, or a
+    zero that may be the other's negative (``-0.0 == 0.0``)."""
+    return x is not x0 and (x != x0 or not x)
+
+
+def _columns(args: list[Any], numbers: list[int]) -> type | None:
+    """Make the members' numbers at ``numbers`` (lists in ``args``) columns
+    of the float dtype of the other operands' arrays, and return their array
+    type; None where those have no float dtype, or several (the members then
+    run one by one). A Python number beside a float32 array computes in
+    float32, so the column computes as each member's number did (two numbers
+    combined inside an operation, first in float64 alone, round once more)."""
+    dtypes: dict[Any, Any] = {}
+    for i, a in enumerate(args):
+        if i in numbers:
+            continue
+        for part in a.parts if type(a) is StackedOutputs else (a,):
+            if getattr(part, "ndim", 0) and namespace(part).isdtype(part.dtype, "real floating"):
+                dtypes.setdefault(part.dtype, part)
+    if len(dtypes) != 1:
+        return None
+    ((dtype, like),) = dtypes.items()
+    xp = namespace(like)
+    for i in numbers:
+        args[i] = xp.asarray(args[i], dtype=dtype)
+    return type(like)

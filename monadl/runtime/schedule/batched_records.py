@@ -61,7 +61,9 @@ NUMBERS: Final = frozenset({float, int, bool})
 def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
     """What nodes must share to run as one kernel; None: never batched.
     ``where``: the places of earlier groups' members, whose part of the key
-    their group computed once.
+    their group computed once. A plain number is in it by kind where the
+    group may stack the members' numbers (an elementwise primitive, an
+    operation), else by value.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((3, 2)))
@@ -69,7 +71,8 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
     >>> signature({}, a) == signature({}, b) != signature({}, c)
     True
     """
-    key: tuple[Any, ...] = (node._op.name,)
+    op = node._op
+    key: tuple[Any, ...] = (op.name,)
     for x in node._inputs:
         kind = type(x)
         if kind is Layer:
@@ -89,7 +92,10 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
         elif kind is Weight:
             key += (x,)
         elif kind in NUMBERS:
-            key += (kind, x) if x else (kind, x, str(x))  # -0.0 == 0.0, but not in a product
+            if op.elementwise or type(op.rule) is Program:  # by kind: members' numbers are stacked
+                key += (kind,)
+            else:
+                key += (kind, x) if x else (kind, x, str(x))  # -0.0 == 0.0, but not in a product
         else:
             try:
                 key += (kind, x.shape, x.dtype)
