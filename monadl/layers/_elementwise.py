@@ -36,6 +36,8 @@ def _either(a: Value, b: Value) -> Any:
 
 def _mask(xp: Any, condition: Value, like: Value) -> Value:
     """A boolean array as 0/1 in the dtype of ``like`` (the standard has no bool arithmetic)."""
+    if type(condition) is bool:  # (two plain numbers compared: inside a cell, its float arguments)
+        condition = xp.asarray(condition)
     return xp.astype(condition, like.dtype)
 
 
@@ -63,7 +65,10 @@ def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     def vjp_b(g: Value) -> Value:
         # d(a**b)/db = a**b * log(a); defined as 0 where a == 0 (the limit for b > 0).
         xp = namespace(out)
-        base = xp.asarray(a)
+        # (a plain number in the value's dtype: a float64 array would make a float32 delta float64)
+        base = (
+            xp.asarray(a, dtype=out.dtype) if type(a) in (int, float, bool) and hasattr(out, "dtype") else xp.asarray(a)
+        )
         return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
 
     def vjp_a(g: Value) -> Value:

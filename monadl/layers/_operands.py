@@ -30,7 +30,12 @@ import numpy as np
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import DTypeError
 
-__all__ = ["describe", "one_float_dtype"]
+__all__ = ["Numbers", "describe", "number_dtype", "one_float_dtype"]
+
+_WEAK: dict[type, Any] = {float: 0.0, int: 0, bool: False}
+_HOLDS: dict[type, Any] = {float: np.float64, int: np.int64, bool: np.bool_}
+"""A plain number of each kind, as NumPy's promotion sees one ("weak": it
+takes the dtype of the arrays beside it)."""
 
 
 def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
@@ -99,3 +104,63 @@ def describe(args: Sequence[Any]) -> str:
 def dtype_name(dtype: Any) -> str:
     """A dtype's short name: ``array_api_strict.float32`` -> ``float32``."""
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def number_dtype(operands: Sequence[tuple[Any, bool]], kinds: Sequence[type]) -> Any:
+    """The dtype that plain Python numbers of ``kinds`` compute in beside
+    ``operands`` (each other array operand's dtype, and whether it has
+    dimensions), as in one node: `one_float_dtype`'s float dtype if it finds
+    one, else NumPy's promotion, where the number takes the arrays' dtype;
+    None where nothing decides it (no array: numbers alone compute as they
+    are) or one node would raise (two float arrays with dimensions differ),
+    and for a library whose dtypes NumPy does not know.
+
+    >>> import numpy as np
+    >>> number_dtype([(np.dtype("float32"), True)], [float]), number_dtype([(np.dtype("int64"), True)], [float])
+    (dtype('float32'), dtype('float64'))
+    >>> number_dtype([(np.dtype("int64"), True), (np.dtype("float32"), False)], [float])  # the 0-d float's
+    dtype('float32')
+    """
+    try:
+        dims = {d for d, has in operands if has and np.dtype(d).kind == "f"}
+        if len(dims) > 1:
+            return None
+        if dims:
+            return dims.pop()
+        floats = {d for d, has in operands if np.dtype(d).kind == "f"}
+        if len(floats) == 1:  # (no float with dimensions: a float of none sets it for integers)
+            return floats.pop()
+        return np.result_type(*[d for d, _ in operands], *[_WEAK[k] for k in kinds]) if operands else None
+    except TypeError:
+        return None
+
+
+class Numbers:
+    """A group's plain numbers, one per member, as a host column (float64,
+    int64 or bool) whose dtype is decided where each is used, as a Python
+    number's is (`number_dtype`): an operation's program casts it step by
+    step (`monadl.layers._program.Program.batch`)."""
+
+    __slots__ = ("kind", "values")
+
+    def __init__(self, values: Sequence[Any] | np.ndarray[Any, Any], kind: type) -> None:
+        self.kind = kind
+        # (a Python int beyond int64 raises OverflowError: the members then group by value)
+        self.values: np.ndarray[Any, Any] = np.asarray(values, dtype=_HOLDS[kind])
+
+    @staticmethod
+    def of(values: Any) -> Numbers | None:
+        """Computed numbers (a host column) as numbers still; None for a
+        dtype no plain number has."""
+        kind = {"f": float, "i": int, "u": int, "b": bool}.get(getattr(getattr(values, "dtype", None), "kind", ""))
+        if kind is None or type(values) is not np.ndarray:
+            return None
+        return Numbers(values, kind)
+
+    def cast(self, dtype: Any, like: Any) -> Any:
+        """The column in ``dtype`` and the array library of ``like``; None
+        where an integer does not fit ``dtype`` (one node raises there)."""
+        column = self.values.astype(dtype)
+        if self.values.dtype.kind in "iu" and not np.array_equal(column, self.values):
+            return None
+        return namespace(like).asarray(column)

@@ -20,7 +20,7 @@ import numpy as np
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._operands import one_float_dtype
+from monadl.layers._operands import Numbers, number_dtype, one_float_dtype
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -173,13 +173,20 @@ class Program:
         key = _dtypes(args)
         check = key not in self.uniform
         cast = False
+        numbers = Numbers in map(type, args)  # the members' plain numbers: cast step by step
         for step, read in zip(self.steps, self.readers):
             values = read(env)
+            flags = tuple([stacked[r] for r in step.refs])
+            alone = False
+            if numbers:
+                found = _numbers(step, values, flags)
+                if found is None:
+                    return None
+                values, alone = found
             if check:
                 values, casted = self._operand_rule(step, values)
                 cast = cast or casted
             params = step.parameters(env)
-            flags = tuple([stacked[r] for r in step.refs])
             pflags = step.stacked_parameters(stacked)
             if True in flags or True in pflags:
                 rule = _batching_rule(step.op)
@@ -191,6 +198,10 @@ class Program:
                     rules = _factored(step, rules, values, factored)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
+            if alone:  # numbers only: numbers still, their dtype decided where they are used
+                out = Numbers.of(out)
+                if out is None:
+                    return None
             env.append(out)
             stacked.append(True in flags or True in pflags)
             vjps.append(rules)
@@ -199,6 +210,8 @@ class Program:
         outs = []
         for o in self.outputs:
             value = env[o]
+            if type(value) is Numbers:
+                value = value.values
             if not stacked[o]:  # every member's output is this one array
                 value = namespace(value).broadcast_to(value, (n, *value.shape))
             outs.append(value)
@@ -333,6 +346,48 @@ def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...], alw
     xp = namespace(rows)
     flat = xp.reshape(rows, (-1, k))
     return (rules[0], lambda g: Outer(flat, xp.reshape(g, (-1, m))), *rules[2:])
+
+
+def _numbers(step: Step, values: tuple[Value, ...], stacked: tuple[bool, ...]) -> tuple[tuple[Value, ...], bool] | None:
+    """A step's operands with the group's plain numbers (`Numbers`) cast to
+    the dtype that each member's number computes in beside the others
+    (`number_dtype`), and whether they are numbers only (the step's value is
+    numbers then, as a Python number's would be); None where the group cannot
+    batch so: a step that is not elementwise, a dtype nothing decides, or an
+    integer that does not fit it (the members then group by value)."""
+    if Numbers not in map(type, values):
+        return values, False
+    if not step.op.elementwise:
+        return None
+    others: list[tuple[Any, bool]] = []
+    kinds: list[type] = []
+    like = None
+    for v, lifted in zip(values, stacked):
+        kind = type(v)
+        if kind is Numbers:
+            kinds.append(v.kind)
+        elif kind in (float, int, bool):
+            kinds.append(kind)
+        else:
+            dtype = getattr(v, "dtype", None)
+            if dtype is None:
+                return None
+            others.append((dtype, getattr(v, "ndim", 0) > lifted))  # (a member's dimensions)
+            if like is None:
+                like = v
+    if not others:
+        return tuple([v.values if type(v) is Numbers else v for v in values]), True
+    dtype = number_dtype(others, kinds)
+    if dtype is None:
+        return None
+    cast = []
+    for v in values:
+        if type(v) is Numbers:
+            v = v.cast(dtype, like)
+            if v is None:
+                return None
+        cast.append(v)
+    return tuple(cast), False
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -179,6 +179,73 @@ def test_numbers_that_differ_per_call_batch_with_the_values_of_each_call(
         np.testing.assert_allclose(grads[0], want_grads[0], rtol=rtol * 10)
 
 
+def _scale_cases() -> list[tuple[str, Callable[..., Any]]]:
+    w = ml.Weight(np.random.default_rng(2).normal(size=(4, 4)).astype(np.float32))
+    w0 = ml.Weight(np.float64(1.0) / 3)  # a 0-d float64 weight
+    idx = np.arange(4)
+    return [
+        # a float meets only integer data: float64, as one call's
+        ("integers", lambda x, f: (ml.tanh(ml.matmul(x, w)), ml.as_layer(idx) * f)),
+        # ... and then a float32 layer: the DTypeError one call raises
+        ("mixed", lambda x, f: ml.tanh(ml.matmul(x, w)) + ml.as_layer(idx) * f),
+        # only a 0-d float64 weight: float64
+        ("0-d weight", lambda x, f: (ml.tanh(ml.matmul(x, w)), w0 * f)),
+        # numbers alone: exp(f) in float64, and t - t0 without rounding to float32 first
+        ("alone", lambda x, f: (ml.tanh(ml.matmul(x, w)) * ((f + 1e4) - 1e4), ml.exp(f))),
+        # two numbers compared (maximum's mask of a Python bool)
+        ("compared", lambda x, f: ml.matmul(x, w) * ml.maximum(f, 0.0) + ml.minimum(f, 1.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_cells_numbers_compute_in_the_dtype_each_call_gives_them(case: int) -> None:
+    # Batched, a float per call is a column whose dtype each step decides as
+    # the float's own would be decided beside that step's other operands.
+    rng = np.random.default_rng(0)
+    name, f = _scale_cases()[case]
+    cell = ml.operation(f)
+    xs = [rng.normal(size=(1, 4)).astype(np.float32) for _ in range(12)]
+    results: list[Any] = []
+    for batching in (False, True):
+        outs = [cell(x, 0.1 * i + 0.05) for i, x in enumerate(xs)]
+        rows = ml.stack([ml.sum(o[1]) if type(o) is tuple else ml.sum(o) for o in outs])
+        firsts = ml.stack([o[0] if type(o) is tuple else o for o in outs])
+        with ml.settings(batching=batching):
+            try:
+                results.append((anyio.run(rows.predict), anyio.run(firsts.predict)))
+            except ml.DTypeError as exc:
+                results.append(str(exc))
+    alone, batched = results
+    if name == "mixed":
+        assert isinstance(alone, str) and alone == batched and "mix float32 and float64" in alone
+        return
+    for a, b in zip(alone, batched):
+        assert a.dtype == b.dtype
+        assert np.max(np.abs(b - a)) <= 1e-6 * np.max(np.abs(a))  # (float32 products of 1 and 12 rows)
+    if name != "compared":
+        assert alone[0].dtype == np.float64
+
+
+def test_numbers_a_step_cannot_stack_group_the_calls_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = Program.batch
+
+    def counting(self: Program, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Any:
+        calls.append(n)
+        return original(self, args, batched, n)
+
+    monkeypatch.setattr(Program, "batch", counting)
+    w = ml.Weight(np.random.default_rng(0).normal(size=(4, 4)))
+    cell = ml.operation(lambda x, m: ml.tanh(ml.matmul(x, w)) * ml.sum(ml.stack([m, m])))  # stack: no numbers
+    xs = [np.full((1, 4), 0.1 * i) for i in range(20)]
+    rows = ml.stack([cell(x, float(i % 2)) for i, x in enumerate(xs)])
+    with ml.settings(batching=True):
+        got = anyio.run(rows.predict)
+    assert calls == [20, 10, 10]  # stacked, refused by the stack step; then a group per value
+    with ml.settings(batching=False):
+        np.testing.assert_allclose(got, anyio.run(rows.predict), rtol=1e-12)
+
+
 def test_a_result_without_computation_is_its_arguments() -> None:
     swap = ml.operation(lambda pair: (pair[1], pair[0]))
     a, b = ml.Weight(1.0) * 1.0, ml.Weight(2.0) * 1.0

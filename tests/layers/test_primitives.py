@@ -171,6 +171,10 @@ def test_float32_is_kept_and_close_to_float64() -> None:
     w64 = ml.Weight(w.data.astype(np.float64))
     [grad64] = anyio.run(ml.gradients, ml.sum(ml.tanh(a.astype(np.float64) @ w64)), [w64])
     np.testing.assert_allclose(grad, grad64, rtol=1e-5, atol=1e-6)
+    # A plain number as the base of a power: its log in the value's dtype, not float64's.
+    [grad] = anyio.run(ml.gradients, ml.sum(2.0**w), [w])
+    assert np.asarray(grad).dtype == np.float32
+    np.testing.assert_allclose(grad, np.log(2.0) * 2.0**w.data, rtol=1e-6)
 
 
 def test_ties_share_the_delta() -> None:

@@ -13,6 +13,7 @@ import pytest
 import monadl as ml
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._operands import number_dtype
 from monadl.layers._primitives import PRIMITIVES
 from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
@@ -180,11 +181,26 @@ def test_numbers_that_differ_per_node_are_one_column_of_the_operands_dtype() -> 
         got, (grad,) = anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])
     assert abs(got - want) <= 1e-6 * abs(want) and grad.dtype == np.float32
     np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
-    # The column takes the one float dtype of the other operands; with none, or two, the members run one by one.
-    args: list[Any] = [[1, 2], np.ones((2, 3), np.float32)]
-    assert _batching._columns(args, [0]) is np.ndarray and args[0].dtype == np.float32
-    assert _batching._columns([[1.0, 2.0], np.ones((2, 3), np.int64)], [0]) is None
-    assert _batching._columns([[1.0, 2.0], np.ones((2, 3), np.float32), np.ones((2, 3))], [0]) is None
+    # The column takes the dtype each number computes in beside the node's other operands.
+    f32, f64, i64 = np.dtype("float32"), np.dtype("float64"), np.dtype("int64")
+    assert number_dtype([(f32, True)], [int]) == f32 and number_dtype([(i64, True)], [float]) == f64
+    assert number_dtype([(i64, True), (f64, False)], [float]) == f64  # a 0-d float sets it for integers
+    assert number_dtype([(f32, True), (f64, True)], [float]) is None  # one node raises: members group by value
+
+
+def test_a_number_no_column_holds_fails_as_its_node_alone() -> None:
+    w = ml.Weight(np.ones(3, np.float32))
+    loss = ml.sum(ml.stack([ml.sum(w * n) for n in (2, 3, 10**400, 5)]))  # (an int beyond any dtype)
+    notes = []
+    for batching in (False, True):
+        with ml.settings(batching=batching), pytest.raises(OverflowError) as info:
+            anyio.run(loss.predict)
+        notes.append(info.value.__notes__)
+    assert notes[0] == notes[1] and "layer built at" in notes[0][0]
+    ints = [ml.as_layer(np.arange(4) + i) + i % 3 for i in range(40)]  # integer layers, integer numbers: int64
+    with ml.settings(batching=True):
+        got = anyio.run(ml.stack(ints).predict)
+    assert got.dtype == np.int64 and np.array_equal(got, [np.arange(4) + i + i % 3 for i in range(40)])
 
 
 def test_small_graphs_and_coarse_members_are_left_alone() -> None:

@@ -4,9 +4,10 @@ A graph's nodes are grouped by *signature* (DyNet's ``autobatch_sig``): the
 primitive, its parameters, the shapes, dtypes and array types of its operands,
 and the identity of weights it uses. Plain numbers among its operands are in
 it by kind for an elementwise primitive or an operation (`ml.operation`),
-whose group stacks its members' numbers as a column of the float dtype of its
-other operands (`_columns`: a Python number beside a float32 array computes in
-float32), and by value for the others. Nodes of one signature that are ready
+whose group stacks its members' numbers as a column in the dtype that each
+member's number computes in (`_columns`: a Python number beside a float32
+array computes in float32; an operation's program decides it step by step),
+or else groups them by value; for the others, by value. Nodes of one signature that are ready
 together run as one call of the primitive's batching rule
 (`monadl.layers._batching_rules`) on their operands stacked along a new
 leading axis.
@@ -44,9 +45,9 @@ from operator import attrgetter, is_not, itemgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
-from monadl._namespace import namespace
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
+from monadl.layers._operands import Numbers, number_dtype
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
@@ -294,6 +295,16 @@ class _Run:
             self.group(members)
             arrived.extend(self._released(members, consumers, waiting))
 
+    def _by_value(self, members: list[Any], numbers: list[int]) -> None:
+        """``members`` grouped by the values of their plain numbers at
+        ``numbers``, where stacking them did not batch."""
+        groups: dict[tuple[Any, ...], list[Any]] = {}
+        for node in members:
+            inputs = node._inputs
+            groups.setdefault(tuple([_number_key(inputs[p]) for p in numbers]), []).append(node)
+        for group in groups.values():
+            self.group(group, False)
+
     def _factors(self, node: Any) -> bool:
         """Whether a product alone runs as a group of one all the same: where
         a weight's deltas are kept as factors (`Groups.outer`) and the weight
@@ -314,8 +325,10 @@ class _Run:
                     now.append(c)
         return now
 
-    def group(self, members: list[Any]) -> None:
-        """One group of equal signature: one batched call, or node by node."""
+    def group(self, members: list[Any], numbers_stack: bool = True) -> None:
+        """One group of equal signature: one batched call, or node by node.
+        ``numbers_stack``: stack plain numbers that differ between members
+        (else they are equal: the group was split by their values)."""
         first = members[0]
         op = first._op
         rule: Any = BATCHING_RULES.get(op.name)
@@ -345,12 +358,12 @@ class _Run:
                 column = list(map(itemgetter(p), inputs_of)) if p < arity else [m._params[p - arity] for m in members]
                 # (identity tested in C: `any` of `is not`, no generator frame per member)
                 stacks = n == 1 or any(map(is_not, column, repeat(x0)))  # (one: `_factors` said so)
-            elif kind in NUMBERS and p < arity:  # (the signature held the value where it must be one)
+            elif kind in NUMBERS and p < arity and numbers_stack:  # (else the signature held the value)
                 column = list(map(itemgetter(p), inputs_of))
                 # (all equal to a number that is not zero: counted in C; else member by member)
                 if not (x0 and column.count(x0) == n) and any(map(_differs, column, repeat(x0))):
                     numbers.append(p)
-                    args.append(column)  # (made a column below, in the other operands' float dtype)
+                    args.append(column)  # (made a column below)
                     batched.append(True)
                     operands.append(Operand(None, [None] * n))
                     continue
@@ -376,12 +389,9 @@ class _Run:
             if p < arity:
                 kinds.add(type(value))
                 operands.append(operand)
-        if numbers:
-            library = _columns(args, numbers)
-            if library is None:
-                self.each(members)
-                return
-            kinds.add(library)
+        if numbers and not _columns(args, numbers, batched, arity, type(op.rule) is Program, kinds):
+            self._by_value(members, numbers)
+            return
         if not batchable(op, kinds, args[:arity], batched) or (not self.forced and _coarse(args, batched, n)):
             self.each(members)
             return
@@ -390,7 +400,10 @@ class _Run:
         except Exception:  # run node by node: the same error, named at the member's own line
             result = None
         if result is None:
-            self.each(members)
+            if numbers:  # (what their values would batch, as before numbers were stacked)
+                self._by_value(members, numbers)
+            else:
+                self.each(members)
             return
         group_records(groups, members, result, operands, args)
         self.batches += 1
@@ -406,24 +419,43 @@ def _differs(x: Any, x0: Any) -> bool:
     return x is not x0 and (x != x0 or not x)
 
 
-def _columns(args: list[Any], numbers: list[int]) -> type | None:
-    """Make the members' numbers at ``numbers`` (lists in ``args``) columns
-    of the float dtype of the other operands' arrays, and return their array
-    type; None where those have no float dtype, or several (the members then
-    run one by one). A Python number beside a float32 array computes in
-    float32, so the column computes as each member's number did (two numbers
-    combined inside an operation, first in float64 alone, round once more)."""
-    dtypes: dict[Any, Any] = {}
-    for i, a in enumerate(args):
-        if i in numbers:
-            continue
-        for part in a.parts if type(a) is StackedOutputs else (a,):
-            if getattr(part, "ndim", 0) and namespace(part).isdtype(part.dtype, "real floating"):
-                dtypes.setdefault(part.dtype, part)
-    if len(dtypes) != 1:
-        return None
-    ((dtype, like),) = dtypes.items()
-    xp = namespace(like)
-    for i in numbers:
-        args[i] = xp.asarray(args[i], dtype=dtype)
-    return type(like)
+def _number_key(x: Any) -> Any:
+    """A plain number as a signature holds it (``-0.0 == 0.0``, but not in a product)."""
+    return x if x else (x, str(x))
+
+
+def _columns(
+    args: list[Any], numbers: list[int], batched: list[bool], arity: int, operation: bool, kinds: set[type]
+) -> bool:
+    """Make the members' numbers at ``numbers`` (lists in ``args``) columns:
+    for an operation, `Numbers` that its program casts step by step; else
+    arrays of the dtype that each member's number computes in beside the
+    node's other operands (`number_dtype`: a Python number beside a float32
+    array computes in float32), added to ``kinds``. False where they cannot
+    be (an integer beyond int64, or beyond that dtype; no dtype decided):
+    the members then group by value."""
+    try:
+        columns = {p: Numbers(args[p], type(args[p][0])) for p in numbers}
+    except OverflowError:
+        return False
+    if operation:
+        for p, column in columns.items():
+            args[p] = column
+        return True
+    others: list[tuple[Any, bool]] = []
+    like = None
+    for i, a in enumerate(args[:arity]):
+        if i not in columns and hasattr(a, "dtype"):
+            others.append((a.dtype, a.ndim > batched[i]))  # (a member's dimensions)
+            if like is None:
+                like = a
+    dtype = number_dtype(others, [column.kind for column in columns.values()])
+    if dtype is None:
+        return False
+    for p, column in columns.items():
+        cast = column.cast(dtype, like)
+        if cast is None:
+            return False
+        args[p] = cast
+        kinds.add(type(cast))
+    return True
