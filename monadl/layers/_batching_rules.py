@@ -211,6 +211,48 @@ def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> 
     return out, (vjp,)
 
 
+def _reshape(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """Each member to ``shape``: the stack to ``(n, *shape)`` (a ``-1`` there
+    is a member's, and an impossible shape fails as a member's would)."""
+    a, shape = args
+    if not batched[0]:
+        return None
+    return PRIMITIVES["reshape"].rule(a, (n, *shape))
+
+
+def _transpose(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    a, axes = args
+    ndim = a.ndim - 1
+    if not batched[0] or ndim == 0:
+        return None
+    members = range(ndim, 0, -1) if axes is None else [_member_axis(axis, ndim) for axis in axes]
+    return PRIMITIVES["transpose"].rule(a, (0, *members))
+
+
+def _stack(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """A member's new axis, one further in; shared operands broadcast along the batch."""
+    *arrays, axis = args
+    if not all(hasattr(a, "ndim") for a in arrays):  # (numbers: stacked as one member stacks them)
+        return None
+    first = next(a for a, b in zip(arrays, batched) if b)
+    xp = namespace(first)
+    lifted = [a if b else xp.broadcast_to(a, (n, *a.shape)) for a, b in zip(arrays, batched)]
+    return PRIMITIVES["stack"].rule(*lifted, _member_axis(axis, first.ndim))
+
+
+def _split(name: str) -> BatchRule:
+    """``split`` and ``split_part``: the cut along a member's axis."""
+    rule = PRIMITIVES[name].rule
+
+    def batch(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+        a, sections, axis, *part = args
+        if not batched[0] or a.ndim < 2:
+            return None
+        return rule(a, sections, _member_axis(axis, a.ndim - 1), *part)
+
+    return batch
+
+
 _add: Final = _elementwise("add")
 
 BATCHING_RULES: Final[dict[str, BatchRule]] = {
@@ -231,8 +273,15 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
             "tanh",
             "sigmoid",
             "relu",
+            "power",
+            "stop_gradient",
         )
     },
+    "reshape": _reshape,
+    "transpose": _transpose,
+    "stack": _stack,
+    "split": _split("split"),
+    "split_part": _split("split_part"),
     "matmul": _matmul,
     "dense": _dense,
     "getitem": _getitem,

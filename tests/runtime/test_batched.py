@@ -15,6 +15,7 @@ from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._operands import number_dtype
 from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._split import SplitDelta
 from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
@@ -373,7 +374,25 @@ CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
     ("logsumexp", [(2, 3)], (1, False)),
     ("softmax", [(2, 3)], (-1,)),
     ("log_softmax", [(2, 3)], (0,)),
+    ("power", [(3,), 3.0], ()),
+    ("power", [2.0, (2, 3)], ()),
+    ("power", [(3,), (3,)], ()),
+    ("stop_gradient", [(3,)], ()),
+    ("reshape", [(2, 3)], ((3, 2),)),
+    ("reshape", [(2, 3)], ((-1,),)),
+    ("transpose", [(2, 3)], (None,)),
+    ("transpose", [(2, 3, 4)], ((2, 0, -2),)),
+    ("stack", [(3,), (3,)], (0,)),
+    ("stack", [(2, 3), SHARED_W[:2]], (-1,)),
+    ("split", [(2, 6)], (3, -1)),
+    ("split_part", [(2, 6)], (3, -1, 1)),
+    ("split_part", [(6,)], ((2, 4), 0, 1)),
 ]
+
+
+def _whole(delta: Any) -> Any:
+    """A split part's delta (a `SplitDelta`) as one array."""
+    return delta.to_dense() if type(delta) is SplitDelta else delta
 
 
 def _member_values(rng: np.random.Generator, shapes: list[Any], n: int) -> list[list[Any]]:
@@ -391,7 +410,7 @@ def _member_values(rng: np.random.Generator, shapes: list[Any], n: int) -> list[
 def test_rule_matches_the_unbatched_rule(name: str, shapes: list[Any], params: tuple[Any, ...]) -> None:
     rng = np.random.default_rng(0)
     n = 5
-    if name in ("log", "sqrt"):
+    if name in ("log", "sqrt", "power"):
         columns = [[np.abs(v) for v in column] for column in _member_values(rng, shapes, n)]
     else:
         columns = _member_values(rng, shapes, n)
@@ -405,14 +424,67 @@ def test_rule_matches_the_unbatched_rule(name: str, shapes: list[Any], params: t
         np.testing.assert_allclose(out[i], value, rtol=1e-12)
     g = rng.standard_normal(out.shape)
     for k, vjp in enumerate(vjps):
-        want = [unbroadcast(np.asarray(s[1][k](g[i])), np.shape(columns[k][i])) for i, s in enumerate(singles)]
-        got = vjp(g)
+        want = [unbroadcast(np.asarray(_whole(s[1][k](g[i]))), np.shape(columns[k][i])) for i, s in enumerate(singles)]
+        got = _whole(vjp(g))
         if batched[k]:
             assert got.shape == args[k].shape
             for i in range(n):
                 np.testing.assert_allclose(got[i], want[i], rtol=1e-12, atol=1e-12)
         else:
             np.testing.assert_allclose(unbroadcast(got, np.shape(args[k])), sum(want), rtol=1e-12, atol=1e-12)
+
+
+def _halves(z: ml.ArrayLayer) -> ml.ArrayLayer:
+    a, b = ml.split(z, 2, axis=-1)
+    return ml.tanh(a) * ml.sigmoid(b)
+
+
+CELL_BODIES: dict[str, Callable[[ml.ArrayLayer], ml.ArrayLayer]] = {
+    "split": _halves,
+    "power": lambda z: ml.tanh(z[:, :4]) ** 2.0 + 0.5 ** z[:, 4:],
+    "stack": lambda z: ml.tanh(ml.sum(ml.stack([z[:, :4], z[:, 4:]]), axis=0)),
+    "reshape": lambda z: ml.tanh(ml.reshape(z, (2, 4)))[1:],
+    "transpose": lambda z: ml.transpose(ml.tanh(ml.reshape(z, (4, 2))))[:1],
+    "stop_gradient": lambda z: ml.tanh(z[:, :4] + ml.stop_gradient(z[:, 4:])),
+}
+
+
+@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("name", list(CELL_BODIES))
+def test_split_power_stack_reshape_transpose_and_stop_gradient_batch(
+    name: str, marked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each once sent its group, or a marked cell's whole group, back to node by node.
+    rng = np.random.default_rng(3)
+    w = ml.Weight(rng.normal(size=(4, 8)) / 2)
+    body = CELL_BODIES[name]
+
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return body(ml.matmul(x, w))
+
+    step = ml.operation(cell) if marked else cell
+    xs = [rng.normal(size=(1, 4)) for _ in range(16)]
+    calls: list[bool] = []
+    rule = BATCHING_RULES[name]
+
+    def counting(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Any:
+        result = rule(args, batched, n)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setitem(BATCHING_RULES, name, counting)
+    results = []
+    for batching in (False, True):
+        hs: list[Any] = list(xs)
+        for _ in range(3):
+            hs = [step(h) for h in hs]
+        loss = ml.sum(ml.concatenate(hs, axis=0) ** 2)
+        with ml.settings(batching=batching):
+            results.append((anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])[0]))
+    assert calls and all(calls)  # batched, by the rule
+    (value, grad), (batched_value, batched_grad) = results
+    assert batched_value == pytest.approx(value, rel=1e-12)
+    np.testing.assert_allclose(batched_grad, grad, rtol=1e-10, atol=1e-14)
 
 
 def test_embedding_and_cross_entropy_rules() -> None:

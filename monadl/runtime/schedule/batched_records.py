@@ -164,9 +164,11 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
         if rec is not None:
             rec.refcount += 1
         ins.append(rec)
-    needs = any(r is not None and r.needs_grad for r in ins)
+    needs = bool(vjps) and any(r is not None and r.needs_grad for r in ins)  # (no rules: stop_gradient)
     if needs and first._op.name in _PRODUCTS:
         vjps = _factored(vjps, operands, args, groups.outer)
+    elif first._op.name == "split_part":  # (a group's delta goes into arrays: a part's, as one array)
+        vjps = tuple([_whole(v) for v in vjps])
     group = record(out, None, tuple(ins), needs, first, False)
     records[group] = group
     if needs:
@@ -261,6 +263,11 @@ def _getters(n: int) -> tuple[itemgetter[Any], ...]:
     if found is None:
         found = _GETTERS[n] = tuple(itemgetter(i) for i in range(n))
     return found
+
+
+def _whole(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A split part's VJP, its `SplitDelta` made one array."""
+    return lambda g: vjp(g).to_dense()
 
 
 def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
