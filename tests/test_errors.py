@@ -106,6 +106,11 @@ def test_a_layers_truth_and_order_are_refused_while_building() -> None:
             eval(compare)
     assert x in [x] and x == x  # (identity: layers stay usable in containers)
 
+    # A number or an array read from one: it was a bare TypeError, or np.asarray an array of the object.
+    for read in ("float(x)", "int(x)", "complex(x)", "np.asarray(x)", "[1, 2][x]"):  # (mypy rejects most)
+        with pytest.raises(ml.OperandError, match="no value while the graph is built"):
+            eval(read)
+
     @ml.operation
     def cell(h: ml.ArrayLayer, t: float) -> ml.ArrayLayer:
         return h * 2.0 if t else h * 1.0

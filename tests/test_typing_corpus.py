@@ -206,6 +206,8 @@ REJECT = {
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
     "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
     "weight_shape_is_read_only": ("array_weight.shape = (3,)", "misc"),
+    "a_layers_value_read_as_a_float": ("float(scalar_layer)", "arg-type"),
+    "a_layers_value_read_as_an_int": ("int(scalar_layer)", "call-overload"),
     "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),
     "optimizer_factory_not_called": ("ml.Weight(np.zeros(3), optimizer=ml.optim.sgd)", "call-overload"),
     "string_learning_rate": ("ml.optim.adam('fast')", "arg-type"),

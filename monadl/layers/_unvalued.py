@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final, Never, NoReturn
 
 from monadl.errors import OperandError
 
-__all__ = ["Unvalued"]
+__all__ = ["Unvalued", "no_value"]
 
 _NO_VALUE: Final = (
     "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
@@ -51,3 +51,8 @@ class Unvalued:
 
     def __ge__(self, other: Never) -> NoReturn:
         raise OperandError(_NO_VALUE.format("a comparison (>=)"))
+
+
+def no_value(what: str) -> NoReturn:
+    """Refuse to read a layer's value as ``what`` (a number, an array)."""
+    raise OperandError(_NO_VALUE.format(what))
