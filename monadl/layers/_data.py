@@ -26,7 +26,8 @@ __all__ = ["Data", "check_kept", "params_read", "take"]
 _DATA_READ: Final = (
     "operation: a data argument of the cell went into a NumPy computation inside it; the trace would keep "
     "that computation's result from the first call for every later one: compute it before the call and pass "
-    "the result, or compute it with monadl functions"
+    "the result, or compute it with monadl functions (for an operator, make the argument a layer first: "
+    "ml.as_layer(x) * 2.0)"
 )
 
 _DATA_KEPT: Final = (
