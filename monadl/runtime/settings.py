@@ -45,7 +45,12 @@ class Settings:
         batching: run nodes of equal signature as one kernel, forward and
             backward (see `monadl.runtime.schedule.batched`): None decides by a
             cost rule, True and False force it. Under ``check_finite``
-            nothing is batched.
+            nothing is batched. The rule: a graph of fewer than 256 nodes
+            runs as it is (across control flow, a merge of fewer than 10
+            examples' graphs and 256 nodes), as does one whose widest level
+            has one node; in a graph that batches, a group of matrix
+            products, lookups or losses batches from 2 members, of another
+            op from 8, and not where each member is over 16,384 elements.
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss
@@ -124,6 +129,9 @@ def current_settings() -> Settings:
 @final
 class _Keep:
     """The default of a setting whose None means something (keep it as it is)."""
+
+    def __repr__(self) -> str:  # (as help(ml.settings) shows the default)
+        return "unchanged"
 
 
 _KEEP: Final = _Keep()

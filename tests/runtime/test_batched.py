@@ -204,6 +204,16 @@ def test_a_number_no_column_holds_fails_as_its_node_alone() -> None:
     assert got.dtype == np.int64 and np.array_equal(got, [np.arange(4) + i + i % 3 for i in range(40)])
 
 
+def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
+    from monadl.runtime.schedule.fibers import MIN_MERGED
+    from monadl.runtime.settings import Settings
+
+    doc = " ".join((Settings.__doc__ or "").split())
+    assert f"fewer than {_batching.MIN_NODES} nodes" in doc and f"fewer than {MIN_MERGED} examples'" in doc
+    assert set(_batching.MIN_GROUP.values()) == {2} and f"from {_batching.DEFAULT_MIN_GROUP}" in doc
+    assert f"over {_batching.MAX_MEMBER_SIZE:,} elements" in doc
+
+
 def test_small_graphs_and_coarse_members_are_left_alone() -> None:
     w = ml.Weight(np.ones(3))
     ev = Evaluation(train=False)
