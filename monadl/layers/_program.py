@@ -60,6 +60,7 @@ class Program:
 
     __slots__ = (
         "consts",
+        "declined",
         "live",
         "multi",
         "name",
@@ -96,6 +97,7 @@ class Program:
         # Operand dtypes under which every step's operands already had one float
         # dtype and needed no cast: calls with them skip the operand rule.
         self.uniform: set[tuple[Any, ...]] = set()
+        self.declined: Step | None = None  # the step that last kept a group from batching (for its log)
         # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
         self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
         self.tilings: dict[tuple[int, tuple[int, ...]], Tiling] = {}
@@ -181,6 +183,7 @@ class Program:
             if numbers:
                 found = _numbers(step, values, flags)
                 if found is None:
+                    self.declined = step
                     return None
                 values, alone = found
             if check:
@@ -192,6 +195,7 @@ class Program:
                 rule = _batching_rule(step.op)
                 result = None if rule is None else rule((*values, *params), flags + pflags, n)
                 if result is None:
+                    self.declined = step
                     return None
                 out, rules = result
                 if flags[:2] == (True, False) and self.weights <= step.refs[1] < self.size:
@@ -201,6 +205,7 @@ class Program:
             if alone:  # numbers only: numbers still, their dtype decided where they are used
                 out = Numbers.of(out)
                 if out is None:
+                    self.declined = step
                     return None
             env.append(out)
             stacked.append(True in flags or True in pflags)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -202,6 +203,27 @@ def test_a_number_no_column_holds_fails_as_its_node_alone() -> None:
     with ml.settings(batching=True):
         got = anyio.run(ml.stack(ints).predict)
     assert got.dtype == np.int64 and np.array_equal(got, [np.arange(4) + i + i % 3 for i in range(40)])
+
+
+def test_a_group_that_runs_one_by_one_says_why_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones((1, 1, 2, 2)))
+
+    def pooled(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.max_pool2d(w * x, 1)  # (max_pool2d has no batching rule)
+
+    cell = ml.operation(pooled)
+    for f in (pooled, cell):
+        loss = ml.sum(ml.stack([ml.sum(f(np.full((1, 1, 2, 2), float(i)))) for i in range(5)]))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
+            anyio.run(loss.predict)
+        (message,) = [r.getMessage() for r in caplog.records if "max_pool2d" in r.getMessage()]
+        assert "5 nodes of" in message and "ran one by one" in message and "no batching rule" in message
+        assert f"test_batched.py:{pooled.__code__.co_firstlineno + 1}" in message  # the cell's line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="monadl.batching"), ml.settings(batching=True):
+        anyio.run(loss.predict)
+    assert not caplog.records  # (only at DEBUG)
 
 
 def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:

@@ -39,6 +39,7 @@ batched.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
@@ -48,8 +49,9 @@ from typing import TYPE_CHECKING, Any, Final
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._operands import Numbers, number_dtype
-from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs
 from monadl.layers._program import Program
+from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
@@ -337,6 +339,8 @@ class _Run:
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
+            if rule is None and n > 1:
+                _declined(members, f"{op.name} has no batching rule")
             self.each(members)
             return
         records, groups = self.records, self.groups
@@ -392,7 +396,11 @@ class _Run:
         if numbers and not _columns(args, numbers, batched, arity, type(op.rule) is Program, kinds):
             self._by_value(members, numbers)
             return
-        if not batchable(op, kinds, args[:arity], batched) or (not self.forced and _coarse(args, batched, n)):
+        if not batchable(op, kinds, args[:arity], batched):
+            _declined(members, "their operands mix array libraries or float dtypes")
+            self.each(members)
+            return
+        if not self.forced and _coarse(args, batched, n):
             self.each(members)
             return
         try:
@@ -403,6 +411,7 @@ class _Run:
             if numbers:  # (what their values would batch, as before numbers were stacked)
                 self._by_value(members, numbers)
             else:
+                _declined(members, None)
                 self.each(members)
             return
         group_records(groups, members, result, operands, args)
@@ -411,6 +420,27 @@ class _Run:
 
 _serial = attrgetter("_serial")
 _inputs = attrgetter("_inputs")
+
+
+_log: Final = logging.getLogger("monadl.batching")
+
+
+def _declined(members: list[Any], why: str | None) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a group of equal signature that
+    runs node by node although its size would batch, and why."""
+    if not _log.isEnabledFor(logging.DEBUG):
+        return
+    node = members[0]
+    if why is None:
+        step = node._op.rule.declined if type(node._op.rule) is Program else None
+        if step is None:
+            why = "its batching rule does not take these operands"
+        else:
+            missing = step.op.name not in BATCHING_RULES and type(step.op.rule) is not Program and step.op is not OUTPUT
+            why = f"its step {step.op.name} at {site_text(step.site)} " + (
+                "has no batching rule" if missing else "does not batch with these operands"
+            )
+    _log.debug("%d nodes of %s built at %s ran one by one: %s", len(members), node._op.name, site_text(node._site), why)
 
 
 def _differs(x: Any, x0: Any) -> bool:
