@@ -107,9 +107,16 @@ class SplitDelta:
         """The whole array's: the runtime compares it with the split's value."""
         return self.layout.shape
 
-    def __add__(self, other: SplitDelta) -> SplitDelta:
+    __array_ufunc__ = None  # (an array + a SplitDelta comes to __radd__, not an object array)
+
+    def __add__(self, other: Any) -> Any:
+        if type(other) is not SplitDelta:  # (a batched group's part delta, made one array)
+            return self.to_dense() + other
         parts = tuple(a if b is None else b if a is None else a + b for a, b in zip(self.parts, other.parts))
         return SplitDelta(parts, self.layout)
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.to_dense()
 
     def to_dense(self) -> Value:
         """One array of the whole shape."""

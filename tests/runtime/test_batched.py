@@ -513,10 +513,39 @@ def test_split_power_stack_reshape_transpose_and_stop_gradient_batch(
         loss = ml.sum(ml.concatenate(hs, axis=0) ** 2)
         with ml.settings(batching=batching):
             results.append((anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])[0]))
-    assert calls and all(calls)  # batched, by the rule
+    if name == "split" and not marked:  # (unmarked, splits run one by one: `_ALONE`)
+        assert not calls
+    else:
+        assert calls and all(calls)  # batched, by the rule
     (value, grad), (batched_value, batched_grad) = results
     assert batched_value == pytest.approx(value, rel=1e-12)
     np.testing.assert_allclose(batched_grad, grad, rtol=1e-10, atol=1e-14)
+
+
+def test_split_parts_read_alone_or_in_groups_and_scalars_of_another_dtype_batch_as_one_by_one() -> None:
+    # A split's parts read by a node that runs alone, and by a group, once sent a part's delta
+    # (a SplitDelta) into a group's delta of arrays; a float32 group with a 0-d float64
+    # weight computed in float64, where each node alone casts the weight to float32.
+    w = ml.Weight(np.ones((3, 4)))
+    hs = [np.full((1, 3), float(i)) @ w for i in range(8)]
+    parts = [ml.split(h, 2) for h in hs]
+    shared = ml.split(hs[0] * 2.0, 2)
+    terms = [ml.sum(a) for a, _ in parts] + [ml.sum(parts[0][1])] + [ml.sum(a * shared[1]) for a, _ in parts]
+    s = ml.Weight(np.array(1.5))  # 0-d float64
+    v = ml.Weight(np.ones((3, 4), np.float32))
+    xs = [np.full((1, 3), float(i), np.float32) @ v for i in range(8)]
+    scaled = ml.sum(ml.stack([ml.sum(x**s + s**x + x * s) for x in xs]))
+    for loss, weights in ((ml.sum(ml.stack(terms)), [w]), (scaled, [s, v])):
+        results = []
+        for batching in (False, True):
+            with ml.settings(batching=batching):
+                results.append((anyio.run(loss.predict), anyio.run(ml.gradients, loss, weights)))
+        (value, grads), (batched_value, batched_grads) = results
+        assert np.asarray(batched_value).dtype == np.asarray(value).dtype
+        assert batched_value == pytest.approx(value, rel=1e-6)
+        for g, b in zip(grads, batched_grads):
+            assert np.asarray(b).dtype == np.asarray(g).dtype
+            np.testing.assert_allclose(b, g, rtol=1e-6)
 
 
 def test_embedding_and_cross_entropy_rules() -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, scatter_add
 from monadl.layers._outputs import OutputsDelta, StackedOutputs
+from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record, Records
 
 __all__ = ["Gather", "Groups", "Place", "Source"]
@@ -273,7 +274,7 @@ class Gather:
 
     def put(self, i: int, g: Any) -> Gather:
         """Member ``i``'s delta (its record's VJP)."""
-        self.parts[i] = g.to_dense() if type(g) is SparseRows else g
+        self.parts[i] = g.to_dense() if type(g) is SparseRows or type(g) is SplitDelta else g
         return self
 
     def add(self, source: Source, delta: Any) -> Gather:

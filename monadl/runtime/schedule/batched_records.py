@@ -53,7 +53,7 @@ from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
-__all__ = ["NUMBERS", "Operand", "Outer", "batchable", "group_records", "signature", "stack"]
+__all__ = ["NUMBERS", "Operand", "Outer", "batchable", "cast_scalars", "group_records", "signature", "stack"]
 
 NUMBERS: Final = frozenset({float, int, bool})
 
@@ -167,8 +167,6 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     needs = bool(vjps) and any(r is not None and r.needs_grad for r in ins)  # (no rules: stop_gradient)
     if needs and first._op.name in _PRODUCTS:
         vjps = _factored(vjps, operands, args, groups.outer)
-    elif first._op.name == "split_part":  # (a group's delta goes into arrays: a part's, as one array)
-        vjps = tuple([_whole(v) for v in vjps])
     group = record(out, None, tuple(ins), needs, first, False)
     records[group] = group
     if needs:
@@ -244,6 +242,25 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     return True
 
 
+def cast_scalars(args: list[Any], batched: list[bool], arity: int) -> None:
+    """Cast in place, as `monadl.layers._operands.one_float_dtype` casts one
+    node's operands, the operands of no dimensions in a member (a 0-d weight,
+    a NumPy scalar; stacked, or shared) of another dtype than the float
+    arrays with dimensions beside them (`batchable` refused two such dtypes):
+    batched, NumPy would promote the group to theirs."""
+    dtype = None
+    for a, b in zip(args[:arity], batched):
+        if getattr(a, "ndim", 0) > b and namespace(a).isdtype(a.dtype, "real floating"):
+            dtype = a.dtype
+            break
+    if dtype is None:
+        return
+    for i in range(arity):
+        a = args[i]
+        if getattr(a, "ndim", -1) == batched[i] and a.dtype != dtype:
+            args[i] = np.dtype(dtype).type(a) if isinstance(a, np.generic) else namespace(a).astype(a, dtype)
+
+
 def stack(values: list[Any]) -> Any:
     """The members' arrays along a new leading axis: one concatenation (no
     per-array Python of ``stack``) where they have axes."""
@@ -263,11 +280,6 @@ def _getters(n: int) -> tuple[itemgetter[Any], ...]:
     if found is None:
         found = _GETTERS[n] = tuple(itemgetter(i) for i in range(n))
     return found
-
-
-def _whole(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A split part's VJP, its `SplitDelta` made one array."""
-    return lambda g: vjp(g).to_dense()
 
 
 def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
