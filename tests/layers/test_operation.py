@@ -110,7 +110,8 @@ def test_static_arguments_choose_the_trace() -> None:
     assert twice[0] == pytest.approx(2 * once[0]) and len(scaled._traces) == 2
 
 
-def test_a_group_of_one_trace_runs_as_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def _batch_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the groups that programs are asked to batch, as they come."""
     calls: list[int] = []
     original = Program.batch
 
@@ -119,6 +120,11 @@ def test_a_group_of_one_trace_runs_as_one_call(monkeypatch: pytest.MonkeyPatch) 
         return original(self, args, batched, n)
 
     monkeypatch.setattr(Program, "batch", counting)
+    return calls
+
+
+def test_a_group_of_one_trace_runs_as_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _batch_calls(monkeypatch)
     weights = _weights(np.float64)
     _run(_model(marked_cell, weights, np.float64, trees=4, depth=3), weights, True)
     assert calls == [16, 8, 4] * 2  # one call per level of the four trees, in predict and in gradients
@@ -227,14 +233,7 @@ def test_a_cells_numbers_compute_in_the_dtype_each_call_gives_them(case: int) ->
 
 
 def test_numbers_a_step_cannot_stack_group_the_calls_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    original = Program.batch
-
-    def counting(self: Program, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Any:
-        calls.append(n)
-        return original(self, args, batched, n)
-
-    monkeypatch.setattr(Program, "batch", counting)
+    calls = _batch_calls(monkeypatch)
     w = ml.Weight(np.random.default_rng(0).normal(size=(4, 4)))
     cell = ml.operation(lambda x, m: ml.tanh(ml.matmul(x, w)) * ml.sum(ml.stack([m, m])))  # stack: no numbers
     xs = [np.full((1, 4), 0.1 * i) for i in range(20)]
