@@ -392,7 +392,7 @@ class Layer(Expr[D, G]):
             no_value("complex()")
 
         def __array__(self, *args: Any, **kwargs: Any) -> NoReturn:  # (np.asarray made an object array)
-            no_value("np.asarray()")
+            no_value("an array (np.asarray, an index into an array)")
 
 
 def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], depth: int) -> Layer[Any, Any]:

@@ -23,19 +23,24 @@ to every step of its program, so marking a cell changes no dtype and no error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final, final
 
 import numpy as np
 
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import DTypeError
 
-__all__ = ["Numbers", "describe", "number_dtype", "one_float_dtype"]
+__all__ = ["NUMBERS", "Numbers", "as_dtype", "cast_numbers", "describe", "number_dtype", "one_float_dtype"]
 
-_WEAK: dict[type, Any] = {float: 0.0, int: 0, bool: False}
-_HOLDS: dict[type, Any] = {float: np.float64, int: np.int64, bool: np.bool_}
+NUMBERS: Final = frozenset({float, int, bool})
+"""The types of plain Python numbers."""
+
+_WEAK: Final[dict[type, float | int | bool]] = {float: 0.0, int: 0, bool: False}
 """A plain number of each kind, as NumPy's promotion sees one ("weak": it
 takes the dtype of the arrays beside it)."""
+
+_HOLDS: Final[dict[type, type[np.generic]]] = {float: np.float64, int: np.int64, bool: np.bool_}
+"""The host dtype that holds plain numbers of each kind (ints up to 64 bits)."""
 
 
 def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
@@ -78,6 +83,11 @@ def _cast(a: Any, dtype: Any) -> bool:
 
 def _real_float(a: Any) -> bool:
     return bool(namespace(a).isdtype(a.dtype, "real floating"))
+
+
+def as_dtype(a: Any, dtype: Any) -> Any:
+    """``a`` (an array or a NumPy scalar) in ``dtype``, as the rule casts it."""
+    return _as(a, dtype)
 
 
 def _as(a: Any, dtype: Any) -> Any:
@@ -135,32 +145,67 @@ def number_dtype(operands: Sequence[tuple[Any, bool]], kinds: Sequence[type]) ->
         return None
 
 
+@final
 class Numbers:
     """A group's plain numbers, one per member, as a host column (float64,
     int64 or bool) whose dtype is decided where each is used, as a Python
-    number's is (`number_dtype`): an operation's program casts it step by
-    step (`monadl.layers._program.Program.batch`)."""
+    number's is (`cast_numbers`): a node's group casts it once, an
+    operation's program step by step (`monadl.layers._program.Program.batch`)."""
 
     __slots__ = ("kind", "values")
 
-    def __init__(self, values: Sequence[Any] | np.ndarray[Any, Any], kind: type) -> None:
+    def __init__(self, values: Sequence[Any], kind: type) -> None:
         self.kind = kind
         # (a Python int beyond int64 raises OverflowError: the members then group by value)
         self.values: np.ndarray[Any, Any] = np.asarray(values, dtype=_HOLDS[kind])
 
-    @staticmethod
-    def of(values: Any) -> Numbers | None:
-        """Computed numbers (a host column) as numbers still; None for a
-        dtype no plain number has."""
-        kind = {"f": float, "i": int, "u": int, "b": bool}.get(getattr(getattr(values, "dtype", None), "kind", ""))
-        if kind is None or type(values) is not np.ndarray:
-            return None
-        return Numbers(values, kind)
-
     def cast(self, dtype: Any, like: Any) -> Any:
         """The column in ``dtype`` and the array library of ``like``; None
-        where an integer does not fit ``dtype`` (one node raises there)."""
+        where an integer is not held exactly by ``dtype`` (the members then
+        group by value, and each computes as it would alone)."""
         column = self.values.astype(dtype)
         if self.values.dtype.kind in "iu" and not np.array_equal(column, self.values):
             return None
         return namespace(like).asarray(column)
+
+
+def cast_numbers(values: Sequence[Any], stacked: Sequence[bool]) -> tuple[Any, ...] | None:
+    """``values`` (one node's or one step's operands; ``stacked``: which hold
+    a group's members along a new first axis) with their `Numbers` cast to
+    the dtype each member's number computes in beside the other operands
+    (`number_dtype`); None where that cannot be: no array beside them (the
+    numbers compute alone, as Python numbers), a dtype nothing decides, an
+    integer it does not hold.
+
+    >>> import numpy as np
+    >>> x, n = np.ones((2, 1, 3), np.float32), Numbers([0.5, 2.0], float)
+    >>> [v.dtype for v in cast_numbers([x, n], [True, True])]
+    [dtype('float32'), dtype('float32')]
+    """
+    others: list[tuple[Any, bool]] = []
+    kinds: list[type] = []
+    like = None
+    for v, lifted in zip(values, stacked):
+        kind = type(v)
+        if kind is Numbers:
+            kinds.append(v.kind)
+        elif kind in NUMBERS:
+            kinds.append(kind)
+        else:
+            dtype = getattr(v, "dtype", None)
+            if dtype is None:
+                return None
+            others.append((dtype, getattr(v, "ndim", 0) > lifted))  # (a member's dimensions)
+            if like is None:
+                like = v
+    dtype = number_dtype(others, kinds)
+    if dtype is None:
+        return None
+    cast = []
+    for v in values:
+        if type(v) is Numbers:
+            v = v.cast(dtype, like)
+            if v is None:
+                return None
+        cast.append(v)
+    return tuple(cast)

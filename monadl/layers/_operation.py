@@ -22,9 +22,10 @@ used by a whole group gets one ``X_cat.T @ dY``. A step with no rule sends
 the group back to member-by-member evaluation. Floats that differ per call
 (a scale, a mask of 0.0 and 1.0) do not split a group: they are stacked as
 a column whose dtype each step decides as it would decide a float's alone
-(`monadl.layers._operands.Numbers`: float32 beside a float32 array, float64
-among numbers only); where a step cannot take them so (one that is not
-elementwise), the calls group by their floats' values.
+(`monadl.layers._operands.Numbers`: float32 beside a float32 array), and a
+step of floats only computes member by member, as Python does; where a step
+cannot take them so (one that is not elementwise, a float among the
+results), the calls group by their floats' values.
 
 A *signature* is what the Python function could see: the structure of the
 arguments (tuples, lists, dicts, dataclasses), which leaves are layers or

@@ -35,9 +35,14 @@ class Outputs(tuple[Value, ...]):
     shape: Final = None
     dtype: Final = None
 
-    def signature(self) -> tuple[Any, ...]:
-        """What a consumer's batching signature holds of it: its arrays' types, shapes and dtypes."""
-        return tuple([(type(p), p.shape, p.dtype) for p in self])
+    def signature(self) -> tuple[Any, ...] | None:
+        """What a consumer's batching signature holds of it: its arrays'
+        types, shapes and dtypes; None where one is a plain number (a cell
+        returning one: its consumers are not batched)."""
+        try:
+            return tuple([(type(p), p.shape, p.dtype) for p in self])
+        except AttributeError:
+            return None
 
 
 def finite_value(value: Value) -> bool:

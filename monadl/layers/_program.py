@@ -20,7 +20,7 @@ import numpy as np
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._operands import Numbers, number_dtype, one_float_dtype
+from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, one_float_dtype
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -171,28 +171,33 @@ class Program:
         ``factored``: see `factored`."""
         env = [*args, *self.consts]
         stacked = [*batched, *(False,) * len(self.consts)]
-        vjps = []
+        vjps: list[tuple[Vjp, ...]] = []
         key = _dtypes(args)
         check = key not in self.uniform
         cast = False
+        self.declined = None
         numbers = Numbers in map(type, args)  # the members' plain numbers: cast step by step
         for step, read in zip(self.steps, self.readers):
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
-            alone = False
-            if numbers:
-                found = _numbers(step, values, flags)
+            if numbers and Numbers in map(type, values):
+                found = _numbers(step, values, flags, n)
                 if found is None:
                     self.declined = step
                     return None
-                values, alone = found
+                if type(found) is Numbers:  # numbers only: numbers still (no delta to any)
+                    env.append(found)
+                    stacked.append(True)
+                    vjps.append(())
+                    continue
+                values = found
             if check:
                 values, casted = self._operand_rule(step, values)
                 cast = cast or casted
             params = step.parameters(env)
             pflags = step.stacked_parameters(stacked)
             if True in flags or True in pflags:
-                rule = _batching_rule(step.op)
+                rule = batching_rule(step.op)
                 result = None if rule is None else rule((*values, *params), flags + pflags, n)
                 if result is None:
                     self.declined = step
@@ -202,11 +207,6 @@ class Program:
                     rules = _factored(step, rules, values, factored)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
-            if alone:  # numbers only: numbers still, their dtype decided where they are used
-                out = Numbers.of(out)
-                if out is None:
-                    self.declined = step
-                    return None
             env.append(out)
             stacked.append(True in flags or True in pflags)
             vjps.append(rules)
@@ -215,8 +215,8 @@ class Program:
         outs = []
         for o in self.outputs:
             value = env[o]
-            if type(value) is Numbers:
-                value = value.values
+            if type(value) is Numbers:  # (each member's a Python number: no row of an array is one)
+                return None
             if not stacked[o]:  # every member's output is this one array
                 value = namespace(value).broadcast_to(value, (n, *value.shape))
             outs.append(value)
@@ -353,46 +353,24 @@ def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...], alw
     return (rules[0], lambda g: Outer(flat, xp.reshape(g, (-1, m))), *rules[2:])
 
 
-def _numbers(step: Step, values: tuple[Value, ...], stacked: tuple[bool, ...]) -> tuple[tuple[Value, ...], bool] | None:
+def _numbers(step: Step, values: tuple[Value, ...], stacked: tuple[bool, ...], n: int) -> Any:
     """A step's operands with the group's plain numbers (`Numbers`) cast to
-    the dtype that each member's number computes in beside the others
-    (`number_dtype`), and whether they are numbers only (the step's value is
-    numbers then, as a Python number's would be); None where the group cannot
-    batch so: a step that is not elementwise, a dtype nothing decides, or an
-    integer that does not fit it (the members then group by value)."""
-    if Numbers not in map(type, values):
-        return values, False
+    the dtype each member's number computes in beside the others
+    (`cast_numbers`); for a step of numbers only, its value as `Numbers`,
+    member by member as one call computes it (Python's arithmetic, its
+    errors and its ints); None where the group cannot batch so (the members
+    then group by value): a step that is not elementwise, a dtype nothing
+    decides, a value that is no plain number."""
     if not step.op.elementwise:
         return None
-    others: list[tuple[Any, bool]] = []
-    kinds: list[type] = []
-    like = None
-    for v, lifted in zip(values, stacked):
-        kind = type(v)
-        if kind is Numbers:
-            kinds.append(v.kind)
-        elif kind in (float, int, bool):
-            kinds.append(kind)
-        else:
-            dtype = getattr(v, "dtype", None)
-            if dtype is None:
-                return None
-            others.append((dtype, getattr(v, "ndim", 0) > lifted))  # (a member's dimensions)
-            if like is None:
-                like = v
-    if not others:
-        return tuple([v.values if type(v) is Numbers else v for v in values]), True
-    dtype = number_dtype(others, kinds)
-    if dtype is None:
+    if not all(type(v) is Numbers or type(v) in NUMBERS for v in values):
+        return cast_numbers(values, stacked)
+    columns = [v.values.tolist() if type(v) is Numbers else [v] * n for v in values]
+    results = [step.op.rule(*members)[0] for members in zip(*columns)]
+    kind = type(results[0])
+    if kind not in NUMBERS or any(type(r) is not kind for r in results):
         return None
-    cast = []
-    for v in values:
-        if type(v) is Numbers:
-            v = v.cast(dtype, like)
-            if v is None:
-                return None
-        cast.append(v)
-    return tuple(cast), False
+    return Numbers(results, kind)
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -400,7 +378,7 @@ def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple([getattr(a, "dtype", type(a)) for a in args])
 
 
-def _batching_rule(op: Primitive) -> Any:
+def batching_rule(op: Primitive) -> Any:
     """A step's batching rule: the table's, or a nested operation's own."""
     if type(op.rule) is Program:
         return op.rule.batch

@@ -49,8 +49,9 @@ class Settings:
             runs as it is (across control flow, a merge of fewer than 10
             examples' graphs and 256 nodes), as does one whose widest level
             has one node; in a graph that batches, a group of matrix
-            products, lookups or losses batches from 2 members, of another
-            op from 8, and not where each member is over 16,384 elements.
+            products, lookups, losses or marked cells (`ml.operation`)
+            batches from 2 members, of another op from 8, and not where each
+            member is over 16,384 elements.
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss

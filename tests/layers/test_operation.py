@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -230,6 +231,38 @@ def test_a_cells_numbers_compute_in_the_dtype_each_call_gives_them(case: int) ->
         assert np.max(np.abs(b - a)) <= 1e-6 * np.max(np.abs(a))  # (float32 products of 1 and 12 rows)
     if name != "compared":
         assert alone[0].dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (lambda x, f: x * (1.0 / f), ZeroDivisionError),  # Python's division, not NumPy's inf
+        (lambda x, f: x * 10.0 ** (f * 1000.0), OverflowError),
+        (lambda x, f: x * f**0.5, ml.OperandError),  # a negative float's root: a complex, refused
+        (lambda x, f: (x * f, f * 2.0), None),  # a number among the results
+    ],
+)
+def test_a_cells_steps_of_numbers_only_compute_as_python_does(body: Any, error: Any) -> None:
+    # A step of the call's floats alone is Python arithmetic in one call; batched, it is
+    # too (member by member), with its errors, or the calls group by value.
+    cell = ml.operation(body)
+    xs = [np.full((1, 3), 1.0 + i, np.float32) for i in range(10)]
+    floats = [0.5 * i - 1.0 for i in range(10)]
+    results = []
+    for batching in (False, True):
+        outs = [cell(x, f) for x, f in zip(xs, floats)]
+        loss = ml.stack([ml.sum(o[0]) + o[1] if type(o) is tuple else ml.sum(o) for o in outs])
+        # (NumPy's warnings as warnings, as a user has them: no error would stop a NumPy inf)
+        with ml.settings(batching=batching), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if error is not None:
+                with pytest.raises(error):
+                    anyio.run(loss.predict)
+                continue
+            results.append(anyio.run(loss.predict))
+    if error is None:
+        assert results[0].dtype == results[1].dtype
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-6)
 
 
 def test_numbers_a_step_cannot_stack_group_the_calls_by_value(monkeypatch: pytest.MonkeyPatch) -> None:

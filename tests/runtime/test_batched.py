@@ -190,6 +190,20 @@ def test_numbers_that_differ_per_node_are_one_column_of_the_operands_dtype() -> 
     assert number_dtype([(f32, True), (f64, True)], [float]) is None  # one node raises: members group by value
 
 
+def test_numbers_of_a_primitive_that_is_not_elementwise_are_never_stacked() -> None:
+    # stack promotes a float32 0-d array and a Python 0.0 to float64, one node alone;
+    # zeros that are other objects once made a float32 column of the group.
+    x = ml.Weight(np.array(1.0, np.float32))
+    stacks = [ml.stack([x * 1.0, float("0.0" if i % 2 else "-0.0")]) for i in range(20)]
+    loss = ml.stack(stacks)
+    values = []
+    for batching in (False, True):
+        with ml.settings(batching=batching):
+            values.append(anyio.run(loss.predict))
+    assert values[0].dtype == values[1].dtype == np.float64
+    assert np.array_equal(np.signbit(values[0]), np.signbit(values[1]))
+
+
 def test_a_number_no_column_holds_fails_as_its_node_alone() -> None:
     w = ml.Weight(np.ones(3, np.float32))
     loss = ml.sum(ml.stack([ml.sum(w * n) for n in (2, 3, 10**400, 5)]))  # (an int beyond any dtype)

@@ -48,19 +48,19 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
-from monadl.layers._operands import Numbers, number_dtype
-from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs
-from monadl.layers._program import Program
+from monadl.layers._operands import NUMBERS, Numbers, cast_numbers
+from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._program import Program, batching_rule
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_records import (
-    NUMBERS,
     Operand,
     batchable,
     cast_scalars,
     group_records,
+    number_key,
     signature,
     stack,
 )
@@ -319,7 +319,7 @@ class _Run:
         groups: dict[tuple[Any, ...], list[Any]] = {}
         for node in members:
             inputs = node._inputs
-            groups.setdefault(tuple([_number_key(inputs[p]) for p in numbers]), []).append(node)
+            groups.setdefault(tuple([number_key(inputs[p]) for p in numbers]), []).append(node)
         for group in groups.values():
             self.group(group, False)
 
@@ -354,6 +354,7 @@ class _Run:
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
+        numbers_stack = numbers_stack and (op.elementwise or type(op.rule) is Program)  # (else by value)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             if rule is None and n > 1 and op.name not in _ALONE:
                 _declined(members, f"{op.name} has no batching rule")
@@ -413,7 +414,8 @@ class _Run:
             self._by_value(members, numbers)
             return
         if not batchable(op, kinds, args[:arity], batched):
-            _declined(members, "their operands mix array libraries or float dtypes")
+            if any(batched):  # (else the members compute one thing)
+                _declined(members, "their operands mix array libraries or dtypes")
             self.each(members)
             return
         if not self.forced and _coarse(args, batched, n):
@@ -454,9 +456,8 @@ def _declined(members: list[Any], why: str | None) -> None:
         if step is None:
             why = "its batching rule does not take these operands"
         else:
-            missing = step.op.name not in BATCHING_RULES and type(step.op.rule) is not Program and step.op is not OUTPUT
             why = f"its step {step.op.name} at {site_text(step.site)} " + (
-                "has no batching rule" if missing else "does not batch with these operands"
+                "has no batching rule" if batching_rule(step.op) is None else "does not batch with these operands"
             )
     _log.debug("%d nodes of %s built at %s ran one by one: %s", len(members), node._op.name, site_text(node._site), why)
 
@@ -467,43 +468,26 @@ def _differs(x: Any, x0: Any) -> bool:
     return x is not x0 and (x != x0 or not x)
 
 
-def _number_key(x: Any) -> Any:
-    """A plain number as a signature holds it (``-0.0 == 0.0``, but not in a product)."""
-    return x if x else (x, str(x))
-
-
 def _columns(
     args: list[Any], numbers: list[int], batched: list[bool], arity: int, operation: bool, kinds: set[type]
 ) -> bool:
     """Make the members' numbers at ``numbers`` (lists in ``args``) columns:
     for an operation, `Numbers` that its program casts step by step; else
     arrays of the dtype that each member's number computes in beside the
-    node's other operands (`number_dtype`: a Python number beside a float32
-    array computes in float32), added to ``kinds``. False where they cannot
-    be (an integer beyond int64, or beyond that dtype; no dtype decided):
-    the members then group by value."""
+    node's other operands (`cast_numbers`: a Python number beside a float32
+    array computes in float32), their type added to ``kinds``. False where
+    they cannot be (an integer beyond int64, or beyond that dtype; no dtype
+    decided): the members then group by value."""
     try:
-        columns = {p: Numbers(args[p], type(args[p][0])) for p in numbers}
+        for p in numbers:
+            args[p] = Numbers(args[p], type(args[p][0]))
     except OverflowError:
         return False
     if operation:
-        for p, column in columns.items():
-            args[p] = column
         return True
-    others: list[tuple[Any, bool]] = []
-    like = None
-    for i, a in enumerate(args[:arity]):
-        if i not in columns and hasattr(a, "dtype"):
-            others.append((a.dtype, a.ndim > batched[i]))  # (a member's dimensions)
-            if like is None:
-                like = a
-    dtype = number_dtype(others, [column.kind for column in columns.values()])
-    if dtype is None:
+    cast = cast_numbers(args[:arity], batched[:arity])
+    if cast is None:
         return False
-    for p, column in columns.items():
-        cast = column.cast(dtype, like)
-        if cast is None:
-            return False
-        args[p] = cast
-        kinds.add(type(cast))
+    args[:arity] = cast
+    kinds.update(type(args[p]) for p in numbers)
     return True

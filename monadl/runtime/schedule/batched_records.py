@@ -45,6 +45,7 @@ import numpy as np
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
 from monadl.layers._layer import Layer
+from monadl.layers._operands import NUMBERS, as_dtype
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._products import factors_pay
 from monadl.layers._program import Program
@@ -53,9 +54,7 @@ from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
-__all__ = ["NUMBERS", "Operand", "Outer", "batchable", "cast_scalars", "group_records", "signature", "stack"]
-
-NUMBERS: Final = frozenset({float, int, bool})
+__all__ = ["Operand", "Outer", "batchable", "cast_scalars", "group_records", "number_key", "signature", "stack"]
 
 
 def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
@@ -83,7 +82,10 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                     continue
             value = records[x].value
             if type(value) is Outputs:  # an operation node's outputs: their shapes
-                key += value.signature()
+                part = value.signature()
+                if part is None:
+                    return None
+                key += part
                 continue
             try:
                 key += (type(value), value.shape, value.dtype)
@@ -92,10 +94,8 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
         elif kind is Weight:
             key += (x,)
         elif kind in NUMBERS:
-            if op.elementwise or type(op.rule) is Program:  # by kind: members' numbers are stacked
-                key += (kind,)
-            else:
-                key += (kind, x) if x else (kind, x, str(x))  # -0.0 == 0.0, but not in a product
+            # By kind where the group stacks its members' numbers, else by value.
+            key += (kind,) if op.elementwise or type(op.rule) is Program else (kind, number_key(x))
         else:
             try:
                 key += (kind, x.shape, x.dtype)
@@ -109,6 +109,11 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                 return None
             key += (k,)
     return key
+
+
+def number_key(x: Any) -> Any:
+    """A plain number as a key: its value (``-0.0 == 0.0``, but not in a product)."""
+    return x if x else (x, str(x))
 
 
 def _param_key(p: Any) -> Any:
@@ -174,8 +179,10 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
         group.vjps = tuple([_resolving(v) for v in vjps])
     # The members' values are rows of ``out``; a member gets a record (holding
     # the group) only when something reads it (`Records`): here, its place.
+    part: tuple[Any, ...] | None
     if type(out) is StackedOutputs:
         part = Outputs(tuple([p[0] for p in out.parts])).signature()
+        assert part is not None  # (rows of arrays)
     else:
         row = out[0]  # (as a member's record reads its row: the same type, for one signature)
         part = (type(row), row.shape, row.dtype)
@@ -234,8 +241,8 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         indices = type(op.rule) is Program and kinds - NUMBERS - foreign == {np.ndarray}
         if not indices or not all(host_integers(a) for a in operands if type(a) is np.ndarray):
             return False
-    if op.same_dtype:
-        dtypes = {a.dtype for a in operands if getattr(a, "ndim", 0)}
+    if op.same_dtype:  # (of the operands with dimensions in a member: `cast_scalars` casts the others)
+        dtypes = {a.dtype for a, b in zip(operands, batched) if getattr(a, "ndim", 0) > b}
         floats = {d for d in dtypes if getattr(d, "kind", None) == "f"}
         if len(floats) > 1 or (floats and len(dtypes) > len(floats)):
             return False  # (an integer array beside a float one is cast member by member)
@@ -245,9 +252,10 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
 def cast_scalars(args: list[Any], batched: list[bool], arity: int) -> None:
     """Cast in place, as `monadl.layers._operands.one_float_dtype` casts one
     node's operands, the operands of no dimensions in a member (a 0-d weight,
-    a NumPy scalar; stacked, or shared) of another dtype than the float
-    arrays with dimensions beside them (`batchable` refused two such dtypes):
-    batched, NumPy would promote the group to theirs."""
+    a NumPy scalar, a group's 0-d values stacked) of another dtype than the
+    float arrays with dimensions beside them (`batchable` refused two such
+    dtypes, and integer arrays with dimensions): batched, NumPy would
+    promote the group to another dtype."""
     dtype = None
     for a, b in zip(args[:arity], batched):
         if getattr(a, "ndim", 0) > b and namespace(a).isdtype(a.dtype, "real floating"):
@@ -258,7 +266,7 @@ def cast_scalars(args: list[Any], batched: list[bool], arity: int) -> None:
     for i in range(arity):
         a = args[i]
         if getattr(a, "ndim", -1) == batched[i] and a.dtype != dtype:
-            args[i] = np.dtype(dtype).type(a) if isinstance(a, np.generic) else namespace(a).astype(a, dtype)
+            args[i] = as_dtype(a, dtype)
 
 
 def stack(values: list[Any]) -> Any:
