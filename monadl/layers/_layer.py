@@ -11,7 +11,7 @@ import itertools
 import sys
 from collections.abc import Generator
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeAlias, TypeVar, final, overload
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from monadl.layers._arrays import Array, DeviceArray
 from monadl.layers._primitives import PRIMITIVES, Primitive
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
-from monadl.layers._unvalued import Unvalued, no_value
+from monadl.layers._unvalued import Unvalued
 from monadl.tape import Tape
 
 __all__ = [
@@ -376,23 +376,6 @@ class Layer(Expr[D, G]):
     def __repr__(self) -> str:
         what = self._op.name if self._op is not None else "from Do"
         return f"Layer({what}, built at {site_text(self._site)})"
-
-    if not TYPE_CHECKING:  # (to mypy a layer stays no number and no array: float(layer) is rejected)
-
-        def __float__(self) -> NoReturn:
-            no_value("float()")
-
-        def __int__(self) -> NoReturn:
-            no_value("int()")
-
-        def __index__(self) -> NoReturn:
-            no_value("an index (operator.index)")
-
-        def __complex__(self) -> NoReturn:
-            no_value("complex()")
-
-        def __array__(self, *args: Any, **kwargs: Any) -> NoReturn:  # (np.asarray made an object array)
-            no_value("an array (np.asarray, an index into an array)")
 
 
 def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], depth: int) -> Layer[Any, Any]:

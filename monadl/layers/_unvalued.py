@@ -2,10 +2,12 @@
 
 A branch on a layer's truth or order would take the same path for every
 value (inside an `monadl.operation`, for every call of its trace), and
-iterating one would never end (its lazy index raises no ``IndexError``). So
-`Unvalued`, a base of `monadl.layers._layer.Expr`, raises `OperandError`
-for them, with what to do instead. Equality stays identity: the runtime and
-users keep layers in lists and dicts.
+iterating one would never end (its lazy index raises no ``IndexError``),
+and a layer read as a number or an array (``float()``, an index,
+``np.asarray``) has none to give. So `Unvalued`, a base of
+`monadl.layers._layer.Expr`, raises `OperandError` for them, with what to
+do instead (a weight, which has a value, points at ``w.data``). Equality
+stays identity: the runtime and users keep layers in lists and dicts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Final, Never, NoReturn
 
 from monadl.errors import OperandError
 
-__all__ = ["Unvalued", "no_value"]
+__all__ = ["Unvalued"]
 
 _NO_VALUE: Final = (
     "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
@@ -52,7 +54,23 @@ class Unvalued:
     def __ge__(self, other: Never) -> NoReturn:
         raise OperandError(_NO_VALUE.format("a comparison (>=)"))
 
+    if not TYPE_CHECKING:  # (to mypy it stays no number and no array: float(layer) is rejected)
 
-def no_value(what: str) -> NoReturn:
-    """Refuse to read a layer's value as ``what`` (a number, an array)."""
-    raise OperandError(_NO_VALUE.format(what))
+        def __float__(self) -> NoReturn:
+            self._unread("float()")
+
+        def __int__(self) -> NoReturn:
+            self._unread("int()")
+
+        def __index__(self) -> NoReturn:
+            self._unread("an index")
+
+        def __complex__(self) -> NoReturn:
+            self._unread("complex()")
+
+        def __array__(self, *args: object, **kwargs: object) -> NoReturn:  # (np.asarray made an object array)
+            self._unread("an array (np.asarray, an index into an array)")
+
+    def _unread(self, what: str) -> NoReturn:
+        """Refuse to read the value as ``what`` (a weight says where its value is)."""
+        raise OperandError(_NO_VALUE.format(what))

@@ -215,29 +215,11 @@ class Weight(Expr[D, G]):
     def __repr__(self) -> str:
         return f"Weight({self._data!r})"
 
-    if not TYPE_CHECKING:  # (to mypy a weight stays no number and no array: float(w) is rejected)
-
-        def __float__(self) -> NoReturn:
-            _read_as("float()")
-
-        def __int__(self) -> NoReturn:
-            _read_as("int()")
-
-        def __index__(self) -> NoReturn:
-            _read_as("an index")
-
-        def __complex__(self) -> NoReturn:
-            _read_as("complex()")
-
-        def __array__(self, *args: Any, **kwargs: Any) -> NoReturn:  # (np.asarray made an object array)
-            _read_as("an array (np.asarray, an index into an array)")
-
-
-def _read_as(what: str) -> NoReturn:
-    raise OperandError(
-        f"a weight is not read as {what}: its value now is w.data (a model that reads it there does not learn "
-        "it; compute with the weight itself)"
-    )
+    def _unread(self, what: str) -> NoReturn:
+        raise OperandError(
+            f"a weight is not read as {what}: its value now is w.data (a model that reads it there does not "
+            "learn it; compute with the weight itself)"
+        )
 
 
 ScalarWeight: TypeAlias = Weight[float, float]
