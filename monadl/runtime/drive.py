@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Final, final
 
 import anyio
 import anyio.lowlevel
@@ -50,12 +50,32 @@ def synchronous() -> bool:
 Machine = Generator[Any, Any, Any]
 
 
+@final
+class _Turns:
+    """When a driver last gave the event loop a turn (`time.perf_counter`),
+    across evaluations: a loop of short ones (``await loss.train()`` of a
+    fraction of a millisecond, again and again) never reaches one's own
+    deadline and, awaiting nothing that suspends, would starve the loop."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0.0
+
+
+_turns: Final = _Turns()
+
+
 async def drive(ev: Evaluation, machine: Machine) -> Any:
     """Run ``machine`` (an interpreter generator of ``ev``) to its result."""
     settings = current_settings()
     pause = settings.pause_gc and settings.tune_process
     interval = ev.yield_interval_s
-    ev.deadline = time.perf_counter() + interval
+    now = time.perf_counter()
+    if now > _turns.last + interval:  # (before anything is computed: a cancellation changes nothing)
+        await anyio.lowlevel.checkpoint()
+        _turns.last = now = time.perf_counter()
+    ev.deadline = now + interval
     exits = AsyncExitStack()
     tasks: TaskGroup | None = None
     done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
@@ -64,7 +84,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         while True:
             if request is CHECKPOINT:
                 await anyio.lowlevel.checkpoint()
-                ev.deadline = time.perf_counter() + interval
+                _turns.last = time.perf_counter()
+                ev.deadline = _turns.last + interval
                 request = advance(machine.send, None, pause)
             elif type(request) is Spawn or type(request) is Steps:
                 if tasks is None:
@@ -81,7 +102,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
             elif request is NEXT:
                 assert done is not None
                 completion = await done[1].receive()
-                ev.deadline = time.perf_counter() + interval
+                _turns.last = time.perf_counter()
+                ev.deadline = _turns.last + interval
                 request = advance(machine.send, completion, pause)
             elif request is POLL:
                 assert done is not None
@@ -89,7 +111,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     completion = done[1].receive_nowait()
                 except anyio.WouldBlock:
                     await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes
-                    ev.deadline = time.perf_counter() + interval
+                    _turns.last = time.perf_counter()
+                    ev.deadline = _turns.last + interval
                     try:
                         completion = done[1].receive_nowait()
                     except anyio.WouldBlock:
@@ -102,7 +125,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     request = advance(machine.throw, exc, pause)
                 else:
                     request = advance(machine.send, result, pause)
-                ev.deadline = time.perf_counter() + interval
+                _turns.last = time.perf_counter()  # (an await that suspended, or not: as a turn)
+                ev.deadline = _turns.last + interval
     except StopIteration as stop:
         return stop.value
     finally:

@@ -169,6 +169,25 @@ async def test_a_long_step_gives_the_event_loop_turns() -> None:
     assert await turns_during(loss.train) >= 10  # 1,500 forward and as many backward nodes, a look every 32
 
 
+async def test_a_loop_of_short_steps_gives_the_event_loop_turns() -> None:
+    # Each step too short to reach its own deadline, and awaiting nothing that
+    # suspends: a loop of them starved every other task, and a timeout or Ctrl-C
+    # on asyncio waited for the loop's end (a user's trial: 0 turns in 3,000 steps).
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.0))
+
+    async def steps() -> None:
+        for _ in range(200):
+            await ml.sum(w * 2.0).train()
+
+    assert await turns_during(steps) >= 100
+    done = 0
+    with anyio.move_on_after(0.01) as scope:
+        for _ in range(100_000):  # (minutes of steps: the timeout ends the loop long before)
+            await ml.sum(w * 2.0).train()
+            done += 1
+    assert scope.cancelled_caught and done < 100_000
+
+
 async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> None:
     # 16 chains side by side: 50 levels of 16 alike nodes, each level one batched group.
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
