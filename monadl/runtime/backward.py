@@ -11,12 +11,11 @@ so their memory goes as soon as it can.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from itertools import islice
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -26,20 +25,17 @@ from monadl.errors import NonFiniteError
 from monadl.layers._outputs import OutputsDelta
 from monadl.layers._products import OuterRule
 from monadl.layers._split import SplitDelta
-from monadl.runtime.evaluation import Record
+from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import where
 
-__all__ = ["CHECK_EVERY", "backprop"]
-
-CHECK_EVERY: Final = 32
-"""Records (or nodes) between two looks at the clock: a look costs ~50 ns."""
+__all__ = ["backprop"]
 
 
 def backprop(
     records: Iterable[Record],
     check_finite: bool,
     lock: AbstractContextManager[Any] | None = None,
-    deadline: float = math.inf,
+    pace: Evaluation | None = None,
 ) -> bool:
     """Send each record's summed delta to its operands, once, in the order given.
 
@@ -54,8 +50,9 @@ def backprop(
             infinity, naming the operation and the user's line.
         lock: held while adding into an operand's accumulator, when other
             threads back-propagate records of the same evaluation.
-        deadline: stop early once `time.perf_counter` passes it (looked at
-            every few dozen records), so the caller can give the event loop a turn.
+        pace: the evaluation whose deadline stops it early, once
+            `time.perf_counter` passes it (looked at every `stride` records,
+            fitted to their cost), so the caller can give the event loop a turn.
 
     Returns:
         True if it stopped at the deadline (the iterator has records left).
@@ -64,12 +61,20 @@ def backprop(
         _backprop(records, check_finite, lock)
         return False
     remaining = iter(records)
+    if pace is None:
+        _backprop(list(remaining), check_finite, lock)
+        return False
+    started = time.perf_counter()
     while True:  # in chunks, so that looking at the clock costs nothing per record
-        chunk = list(islice(remaining, CHECK_EVERY))
+        stride = pace.stride
+        chunk = list(islice(remaining, stride))
         _backprop(chunk, check_finite, lock)
-        if len(chunk) < CHECK_EVERY:
+        if len(chunk) < stride:
             return False
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        pace.paced(started, now)
+        started = now
+        if now > pace.deadline:
             return True
 
 

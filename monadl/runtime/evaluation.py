@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from monadl.deltas import Outer
 from monadl.layers._outputs import Outputs, StackedOutputs
@@ -23,7 +23,11 @@ from monadl.tape import Tape
 if TYPE_CHECKING:
     from monadl.do import Do
 
-__all__ = ["Evaluation", "Record", "Records", "Shared", "UserRelease"]
+__all__ = ["STRIDE", "Evaluation", "Record", "Records", "Shared", "UserRelease"]
+
+STRIDE: Final = 32
+"""Nodes or records between two looks at the clock, at most (a look costs
+about 50 ns; slow nodes make the stride shorter: `Evaluation.paced`)."""
 
 
 class Record:
@@ -176,6 +180,8 @@ class Evaluation:
         timings: graphs timed for the fork rule (only when ``workers > 1``).
         nodes: layers collected so far (the collector's threshold follows it).
         deadline: when the event loop is next due a turn (`time.perf_counter`).
+        stride: nodes or records computed between two looks at the clock
+            (`paced`).
         on_gradient: told each weight's gradient the moment it is final (all
             records that use the weight back-propagated), as
             ``on_gradient(weight, gradient)``; None (the default) costs nothing.
@@ -196,6 +202,7 @@ class Evaluation:
         "pending",
         "records",
         "shared",
+        "stride",
         "timings",
         "train",
         "workers",
@@ -216,12 +223,25 @@ class Evaluation:
         self.cuda_streams = settings.cuda_streams
         self.yield_interval_s = settings.yield_interval_s
         self.deadline = 0.0  # when the event loop is next due a turn (perf_counter); set by the driver
+        self.stride = 4  # nodes or records between two looks at the clock (`paced`)
         self.forked = False
         self.effects = False
         self.gradients: dict[Weight[Any, Any], Any] | None = None
         self.timings: list[Any] = []
         self.nodes = 0
         self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
+
+    def paced(self, started: float, now: float) -> None:
+        """Fit `stride` to what the last stride of nodes took (from
+        ``started`` to ``now``): as many as take a quarter of the yield
+        interval, from 1 (nodes of milliseconds: the event loop's turn then
+        comes within about the interval, not dozens of nodes later) to
+        `STRIDE`, growing by at most twice a look. It starts at a few, so
+        that the first look comes early."""
+        took, stride = now - started, self.stride
+        fit = int(stride * 0.25 * self.yield_interval_s / took) if took > 0 else STRIDE
+        # (down at once, up by at most twice: nodes of mixed cost, a cheap one then a slow one)
+        self.stride = 1 if fit < 1 else min(fit, 2 * stride, STRIDE)
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
         """A weight's record: its data as it is now; a gradient only when training."""

@@ -67,8 +67,11 @@ class Settings:
         yield_interval_s: the longest stretch of computation between two
             checkpoints where the runtime gives the event loop a turn (other
             tasks run; cancellation, timeouts and Ctrl-C take effect there,
-            with no weight changed). Checked every few dozen nodes, so a
-            single long kernel is not interrupted.
+            with no weight changed), within an evaluation and across a loop
+            of short ones. The clock is read after as many nodes as take
+            about a quarter of it (1 to 32), so a turn comes within about
+            the interval, unless one kernel alone runs longer (it is not
+            interrupted).
     """
 
     workers: int = 1

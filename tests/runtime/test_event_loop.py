@@ -188,6 +188,23 @@ async def test_a_loop_of_short_steps_gives_the_event_loop_turns() -> None:
     assert scope.cancelled_caught and done < 100_000
 
 
+def test_the_clock_is_read_after_as_many_nodes_as_take_a_quarter_of_the_interval() -> None:
+    # Every 32 nodes, as before, let nodes of a few milliseconds block the loop for 100 ms and more.
+    from monadl.runtime.evaluation import STRIDE, Evaluation
+
+    with ml.settings(yield_interval_s=0.004):
+        ev = Evaluation(train=False)
+    assert ev.stride < STRIDE  # (the first look comes early)
+    ev.stride = STRIDE
+    ev.paced(0.0, 0.032)  # 32 nodes of 1 ms: one a stride, a quarter of the interval
+    assert ev.stride == 1
+    for want in (2, 4, 8, 16, 32, 32):  # cheap nodes again: back up, twice a look at most
+        ev.paced(0.0, 1e-7)
+        assert ev.stride == want
+    ev.paced(0.0, 0.0)
+    assert ev.stride == STRIDE
+
+
 async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> None:
     # 16 chains side by side: 50 levels of 16 alike nodes, each level one batched group.
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))

@@ -23,7 +23,7 @@ from collections.abc import Generator
 from typing import Any, Final
 
 from monadl.deltas import Outer
-from monadl.runtime.backward import CHECK_EVERY, backprop
+from monadl.runtime.backward import backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
 
@@ -49,8 +49,9 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
     places = records.places  # (batched groups' members: computed, with records or not yet)
     end = len(order)
     i = start
+    started = time.perf_counter()
     while i < end:  # in chunks, so that looking at the clock costs nothing per node
-        stop = min(i + CHECK_EVERY, end)
+        stop = min(i + ev.stride, end)
         for j in range(i, stop):
             node = order[j]
             if resumed and (node in records or node in places):  # a Do evaluated meanwhile may have computed it
@@ -59,15 +60,19 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
                 return SUSPENDED, j
             records[node] = compute(ev, node, True)
         i = stop
-        if i < end and time.perf_counter() > ev.deadline:
-            return CHECKPOINT, i
+        if i < end:
+            now = time.perf_counter()
+            ev.paced(started, now)
+            started = now
+            if now > ev.deadline:
+                return CHECKPOINT, i
     return None, end
 
 
 def sweep(ev: Evaluation) -> Machine:
     """Back-propagate a pure evaluation in one reverse pass over its records."""
     records = reversed(ev.records.values())
-    while backprop(records, ev.check_finite, deadline=ev.deadline):
+    while backprop(records, ev.check_finite, pace=ev):
         yield CHECKPOINT
 
 
@@ -95,7 +100,7 @@ def sweep_notifying(ev: Evaluation) -> Machine:
     for i in sorted(final_after, reverse=True):
         stop = len(records) - i  # backwards[:stop] ends with records[i]
         segment = iter(backwards[start:stop])
-        while backprop(segment, ev.check_finite, deadline=ev.deadline):
+        while backprop(segment, ev.check_finite, pace=ev):
             yield CHECKPOINT
         start = stop
         for weight in final_after[i]:
@@ -106,7 +111,7 @@ def sweep_notifying(ev: Evaluation) -> Machine:
         if time.perf_counter() > ev.deadline:  # short segments never reach backprop's own look at the clock
             yield CHECKPOINT
     rest = iter(backwards[start:])
-    while backprop(rest, ev.check_finite, deadline=ev.deadline):
+    while backprop(rest, ev.check_finite, pace=ev):
         yield CHECKPOINT
 
 
@@ -119,6 +124,7 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
     check = ev.check_finite
     work = [token]
     n = 0
+    started = time.perf_counter()
     while work:
         t = work.pop()
         if t is None:  # an operand that is not a layer's (data)
@@ -140,8 +146,12 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
             if t.release is not None:
                 work.append(t.release)
             n += 1
-            if not n % CHECK_EVERY and time.perf_counter() > ev.deadline:
-                yield CHECKPOINT
+            if n >= ev.stride:
+                now = time.perf_counter()
+                ev.paced(started, now)
+                started, n = now, 0
+                if now > ev.deadline:
+                    yield CHECKPOINT
         elif kind is tuple:
             work.extend(t)
         elif kind is Shared:
