@@ -36,14 +36,18 @@ class RankFailure(MonadlError, RuntimeError):
     failed (its exception, or a non-finite gradient); it is empty when no
     one rank is to blame, which ``reason`` then says: a peer never answered
     (it died, or hangs), or the ranks hold models of different shapes.
+    ``in_step``: whether the ranks may go on training. False after a
+    collective that timed out or failed: a slow rank's messages may still
+    arrive, into another exchange (then `DataParallel` refuses to step again).
 
     >>> str(RankFailure({1: "ValueError: bad batch"}))
     'no rank stepped: rank 1 failed: ValueError: bad batch'
     """
 
-    def __init__(self, failures: Mapping[int, str], reason: str = "") -> None:
+    def __init__(self, failures: Mapping[int, str], reason: str = "", in_step: bool = True) -> None:
         self.failures = dict(failures)
         self.reason = reason
+        self.in_step = in_step
         parts = [f"rank {rank} failed: {why}" for rank, why in sorted(self.failures.items())]
         super().__init__("no rank stepped: " + "; ".join(parts + ([reason] if reason else [])))
 
@@ -149,7 +153,7 @@ class Polled(Pending):
         except Exception as error:
             if self._errors is None or not isinstance(error, self._errors):
                 raise
-            raise RankFailure({}, f"rank {self._rank}: error in {self._what}: {error}") from error
+            raise RankFailure({}, f"rank {self._rank}: error in {self._what}: {error}", in_step=False) from error
 
     async def wait(self) -> Any:
         await poll(self.test, self._patience, self._what, self._rank)
@@ -264,12 +268,13 @@ async def poll(
         except Exception as error:  # a peer's process or link failed under the library's eyes
             if errors is None or not isinstance(error, errors):
                 raise
-            raise RankFailure({}, f"rank {rank}: error in {what}: {error}") from error
+            raise RankFailure({}, f"rank {rank}: error in {what}: {error}", in_step=False) from error
         waited = anyio.current_time() - started
         if waited > patience:
             raise RankFailure(
                 {},
                 f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or hangs)",
+                in_step=False,
             )
         await anyio.sleep(0.0 if waited < SPIN else 1e-3)
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final, final
 
 import anyio
@@ -100,6 +101,7 @@ class DataParallel:
 
     __slots__ = (
         "_agreed",
+        "_broken",
         "_comm",
         "_dense",
         "_described",
@@ -135,6 +137,7 @@ class DataParallel:
         self._dense: set[int] = set()  # weights (by index) that had a dense gradient on some rank
         self._order: dict[int, int] = {}  # weight index -> its gradient's earliest position, last seen
         self._times: dict[str, float] = {}
+        self._broken: str | None = None  # why the ranks may be out of step (`_in_step`)
 
     @property
     def rank(self) -> int:
@@ -151,8 +154,32 @@ class DataParallel:
         """The model's weights, in the order every rank exchanges them."""
         return self._weights
 
+    @contextmanager
+    def _in_step(self) -> Iterator[None]:
+        """Refuse to exchange once a collective failed out of step (a timed-out
+        rank's messages may still arrive, into the next exchange: the ranks
+        then waited in different collectives, and read each other's data as
+        sizes); note such a failure."""
+        if self._broken is not None:
+            raise RankFailure(
+                {},
+                f"the ranks may be out of step since an exchange failed ({self._broken}); end the job and restart "
+                "it (from a checkpoint); for a slow rank, give the communicator a longer timeout",
+                in_step=False,
+            )
+        try:
+            yield
+        except RankFailure as failure:
+            if not failure.in_step:
+                self._broken = failure.reason or str(failure)
+            raise
+
     async def broadcast(self, root: int = 0) -> None:
         """Give every rank ``root``'s weights and optimizer state (at start, or after loading a checkpoint)."""
+        with self._in_step():
+            await self._broadcast(root)
+
+    async def _broadcast(self, root: int) -> None:
         comm = self._comm
         blob = b""
         if comm.rank == root:
@@ -191,8 +218,13 @@ class DataParallel:
         Returns this rank's loss value. Raises `RankFailure` (on every rank)
         if any rank failed, or if the ranks' models differ (in their number
         of weights, or a weight's name, shape or dtype); then no weight
-        changed on any rank.
+        changed on any rank. After one whose ``in_step`` is False (a
+        collective timed out or failed), every later call raises at once.
         """
+        with self._in_step():
+            return await self._train(loss)
+
+    async def _train(self, loss: Layer[Any, Any]) -> Any:
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         if not self._agreed:
             await same_model(comm, self._described)

@@ -147,6 +147,28 @@ def test_a_rank_that_never_joins_is_reported_after_the_timeout() -> None:
     assert gone == "gone" and "rank 0" in message
 
 
+def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
+    # A slow rank (not a dead one) answers after the others gave up: its messages then
+    # met the next step's exchange, the ranks waited in different collectives, and
+    # one read the other's data as a size (a user's trial: MemoryError, 3.97 EiB).
+    async def rank(comm: Communicator) -> list[tuple[bool, str]]:
+        net = Net(0)
+        dp = DataParallel(net, comm)
+        x, y, head = batches(1)[0]
+        if comm.rank == 1:
+            await anyio.sleep(1.0)  # slower than the timeout
+        seen = []
+        for _ in range(2):
+            with pytest.raises(RankFailure) as caught:
+                await dp.train(net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head))
+            seen.append((caught.value.in_step, str(caught.value)))
+        return seen
+
+    for (first_in_step, _), (second_in_step, second) in run_local(2, rank, timeout=0.2):
+        assert not first_in_step and not second_in_step
+        assert "out of step since an exchange failed" in second and "no answer" in second
+
+
 class Counting(Communicator):
     """A communicator that counts the elements each collective sends."""
 
