@@ -37,6 +37,7 @@ array([1., 1.])
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -94,6 +95,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
             f"takes the object first), got {type(path).__name__} as the path"
         )
+    _not_a_directory(path)
     weights = _stable(named_weights(model))
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
         raise CheckpointError(_no_weights(model))
@@ -259,6 +261,7 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
         raise TypeError(
             f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"
         )
+    _not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
     try:
         manifest = _manifest(os.fspath(path))
         tensors = load_file(os.fspath(path))
@@ -303,6 +306,11 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
         weight._data = data  # checked and copied above: nothing can fail half way
         weight._state = state
     return dict(manifest["metadata"])
+
+
+def _not_a_directory(path: str | os.PathLike[str]) -> None:
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", os.fspath(path))
 
 
 def _manifest(path: str) -> dict[str, Any]:

@@ -261,6 +261,10 @@ def test_save_with_the_path_second_and_files_that_are_no_checkpoint(tmp_path: Pa
     (tmp_path / "junk").write_bytes(b"not a checkpoint at all")
     with pytest.raises(ml.CheckpointError, match="not a safetensors file"):
         ml.load(tmp_path / "junk", build())
+    for call in (ml.save, ml.load):  # (load said "No such device (os error 19)", save named a temporary file)
+        with pytest.raises(IsADirectoryError, match="a checkpoint is a file, and this is a directory"):
+            call(tmp_path, build())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk", "plain.safetensors"]  # nothing written
 
 
 def test_a_model_without_weights_is_refused_and_nothing_is_written(tmp_path: Path, saved: Path) -> None:

@@ -11,8 +11,9 @@ import numpy as np
 from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError
 from monadl.layers._layer import Array, DeviceArray, Expr
+from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
-from monadl.layers._site import Site, caller_site
+from monadl.layers._site import Site, caller_site, site_text
 
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
@@ -213,7 +214,12 @@ class Weight(Expr[D, G]):
         self._state = replace_state(self._state, value, "Weight.state")
 
     def __repr__(self) -> str:
-        return f"Weight({self._data!r})"
+        data = self._data
+        size = getattr(data, "size", 1)
+        if size <= _SHOWN:
+            return f"Weight({data!r})"
+        # (a large one's values fill a screen: its dtype, shape and line, as an error names it)
+        return f"Weight({dtype_name(data.dtype)}{list(data.shape)}, built at {site_text(self._site)})"
 
     def _unread(self, what: str) -> NoReturn:
         raise OperandError(
@@ -221,6 +227,9 @@ class Weight(Expr[D, G]):
             "learn it; compute with the weight itself)"
         )
 
+
+_SHOWN: Final = 16
+"""Elements of a weight whose repr shows its values (more: its dtype and shape)."""
 
 ScalarWeight: TypeAlias = Weight[float, float]
 """A weight holding one float (a bias of no dimensions)."""

@@ -50,3 +50,10 @@ def test_a_weight_is_still_no_array() -> None:
     assert not is_array(w)
     x = ml.Weight(np.ones((2, 3)))
     assert "[Weight(array([0., 0.])), 0]" in ml.to_dot(x[w, 0])  # an index that fails: shown as it is
+
+
+def test_a_large_weights_repr_is_its_dtype_shape_and_line() -> None:
+    big = ml.Weight(np.zeros((512, 512), np.float32))  # (its values filled a screen)
+    here = test_a_large_weights_repr_is_its_dtype_shape_and_line.__code__.co_firstlineno + 1
+    assert repr(big) == f"Weight(float32[512, 512], built at {__file__}:{here})"
+    assert repr(ml.Weight(np.zeros(2))) == "Weight(array([0., 0.]))"  # (a small one's values, as before)
