@@ -66,6 +66,7 @@ class ArrayProgram:
         self.arrays = {f: tuple(sorted(p)) for f, p in arrays.items()}
         self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
         self.constants = [rule for rule in rules if not rule.body]
+        self.rules = list(rules)
         self.heads = {rule.head[0] for rule in rules}
         self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
         packed: list[Rule] = []
@@ -158,7 +159,7 @@ class ArrayProgram:
         >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
         0.3125
         """
-        check_goal(goal, self.heads, axioms, weights)
+        check_goal(goal, self.rules, axioms, weights, dimensions=False)  # (its weights' shapes: its arrays')
         return goal_layer(
             lambda values: self.run(values, **run_options),
             lambda run: run.value(goal),

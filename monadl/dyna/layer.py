@@ -15,14 +15,14 @@ other layers' do."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, final
 
 import anyio.to_thread
 import numpy as np
 
 from monadl.do import Do
-from monadl.dyna.syntax import Item
+from monadl.dyna.syntax import Item, Rule
 from monadl.layers import Layer, Weight
 from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
@@ -141,26 +141,61 @@ def goal_layer(
 
 def check_goal(
     goal: Item,
-    heads: Iterable[str],
+    rules: Sequence[Rule],
     axioms: Mapping[Item, float] | None,
     weights: Mapping[Any, Weight[Any, Any]] | None,
+    dimensions: bool = True,
 ) -> None:
-    """Refuse a goal whose functor nothing can give a value (a misspelt name
-    would read the semiring's zero, silently): no rule's head, no axiom and
-    no weight has it.
+    """Refuse what a misspelt name or a wrong shape would make silently wrong:
+    a goal whose functor nothing can give a value (no rule's head, no axiom
+    and no weight has it: it would read the semiring's zero), a weight or an
+    axiom of a functor no rule reads or derives (it would change nothing, and
+    its gradient would be zero), and, where ``dimensions``, a weight whose
+    dimensions are not the arguments the rules read its functor with.
 
-    >>> check_goal(("stpo", 3), ["stop", "pathto"], {("edge", 0, 1): 1.0}, None)
+    >>> from monadl.dyna.syntax import parse_rules
+    >>> rules = parse_rules("stop += pathto(I) * edge(I, J).")
+    >>> check_goal(("stpo",), rules, {("edge", 0, 1): 1.0}, None)
     Traceback (most recent call last):
     ...
-    ValueError: goal ('stpo', 3): no rule derives stpo, and no axiom or weight gives it (rules derive pathto, stop)
+    ValueError: goal ('stpo',): no rule derives stpo, and no axiom or weight gives it (rules derive stop)
+    >>> check_goal(("stop",), rules, {("egde", 0, 1): 1.0}, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: axioms of egde: no rule reads or derives egde (rules read edge, pathto; derive stop)
     """
-    known = set(heads)
-    if goal[0] in known or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {}):
-        return
-    raise ValueError(
-        f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
-        f"(rules derive {', '.join(sorted(map(str, known))) or 'nothing'})"
-    )
+    heads = {rule.head[0] for rule in rules}
+    reads: dict[str, set[int]] = {}
+    for rule in rules:
+        for item in rule.body:
+            reads.setdefault(item[0], set()).add(len(item) - 1)
+    said = f"rules read {', '.join(sorted(map(str, reads))) or 'nothing'}; derive {', '.join(sorted(map(str, heads)))}"
+    if not (goal[0] in heads or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {})):
+        raise ValueError(
+            f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
+            f"(rules derive {', '.join(sorted(map(str, heads))) or 'nothing'})"
+        )
+    check_axioms(axioms or {}, heads | set(reads) | {goal[0]}, said)
+    for functor, weight in (weights or {}).items():
+        if functor not in reads:
+            raise ValueError(
+                f"weights[{functor!r}]: no rule reads {functor} ({said}): its entries would change nothing"
+            )
+        ndim = np.ndim(weight.data)
+        if dimensions and ndim not in reads[functor]:
+            arities = " or ".join(map(str, sorted(reads[functor])))
+            raise ValueError(
+                f"weights[{functor!r}] has {ndim} dimensions, and the rules read {functor} with {arities} "
+                "arguments: its entry at an index is the item of those arguments"
+            )
+
+
+def check_axioms(axioms: Mapping[Item, Any], known: set[str], said: str) -> None:
+    """Refuse axioms of functors not in ``known`` (no rule reads or derives
+    them: a misspelt name, silently ignored); ``said``: which the rules have."""
+    unread = sorted({str(item[0]) for item in axioms if item[0] not in known})
+    if unread:
+        raise ValueError(f"axioms of {', '.join(unread)}: no rule reads or derives {' or '.join(unread)} ({said})")
 
 
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:
