@@ -1,4 +1,4 @@
-"""Estimate and replace (Jacobovits et al., "Estimate and Replace", EstiNet):
+"""Estimate and replace (Jacovi et al., 2019, "Estimate and Replace", EstiNet):
 train through a differentiable estimator of a black-box function, call the
 real black box at inference.
 
