@@ -163,7 +163,7 @@ class DataParallel:
         if self._broken is not None:
             raise RankFailure(
                 {},
-                f"the ranks may be out of step since an exchange failed ({self._broken}); end the job and restart "
+                f"the ranks may be out of step after an earlier step ({self._broken}); end the job and restart "
                 "it (from a checkpoint); for a slow rank, give the communicator a longer timeout",
                 in_step=False,
             )
@@ -172,6 +172,9 @@ class DataParallel:
         except RankFailure as failure:
             if not failure.in_step:
                 self._broken = failure.reason or str(failure)
+            raise
+        except BaseException:  # (cancelled: the other ranks wait for this one, maybe inside a collective)
+            self._broken = f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)"
             raise
 
     async def broadcast(self, root: int = 0) -> None:

@@ -177,6 +177,8 @@ def check_goal(
         )
     check_axioms(axioms or {}, heads | set(reads) | {goal[0]}, said)
     for functor, weight in (weights or {}).items():
+        if functor == goal[0] and functor not in reads:  # (the goal itself, given: as it is)
+            continue
         if functor not in reads:
             raise ValueError(
                 f"weights[{functor!r}]: no rule reads {functor} ({said}): its entries would change nothing"

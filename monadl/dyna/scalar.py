@@ -21,7 +21,7 @@ from typing import Any, TypeAlias, final
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Timing, check_axioms, check_goal, goal_layer
+from monadl.dyna.layer import Timing, check_goal, goal_layer
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
@@ -191,12 +191,6 @@ class Program:
         self.rules = list(rules)
         self.semiring = semiring
         self.joins = Joins(self.rules)
-        reads = {item[0] for rule in self.rules for item in rule.body}
-        heads = {rule.head[0] for rule in self.rules}
-        self._functors = (
-            reads | heads,
-            f"rules read {', '.join(sorted(reads)) or 'nothing'}; derive {', '.join(sorted(heads))}",
-        )
         self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
 
     def run(
@@ -226,7 +220,6 @@ class Program:
         >>> parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).").run({("edge", 0, 1): 0.5}).chart
         {('edge', 0, 1): 0.5, ('pathto', 0): 1.0, ('pathto', 1): 0.5}
         """
-        check_axioms(axioms, *self._functors)
         semiring = self.semiring
         rank: Callable[[Item, float], float] | None
         if priority == "value":

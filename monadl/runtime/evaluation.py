@@ -239,9 +239,10 @@ class Evaluation:
         `STRIDE`, growing by at most twice a look. It starts at a few, so
         that the first look comes early."""
         took, stride = now - started, self.stride
-        fit = int(stride * 0.25 * self.yield_interval_s / took) if took > 0 else STRIDE
-        # (down at once, up by at most twice: nodes of mixed cost, a cheap one then a slow one)
-        self.stride = 1 if fit < 1 else min(fit, 2 * stride, STRIDE)
+        fit = stride * 0.25 * self.yield_interval_s / took if took > 0 else STRIDE
+        # (down at once, up by at most twice: nodes of mixed cost, a cheap one then a slow one;
+        # a float until bounded: an infinite interval fits infinitely many)
+        self.stride = 1 if fit < 1 else int(min(fit, 2 * stride, STRIDE))
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
         """A weight's record: its data as it is now; a gradient only when training."""

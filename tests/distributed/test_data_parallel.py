@@ -166,7 +166,24 @@ def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
 
     for (first_in_step, _), (second_in_step, second) in run_local(2, rank, timeout=0.2):
         assert not first_in_step and not second_in_step
-        assert "out of step since an exchange failed" in second and "no answer" in second
+        assert "out of step after an earlier step" in second and "no answer" in second
+
+
+def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
+    # Cancelled part way, maybe inside a collective: the others wait for it, or read its stale messages.
+    async def rank(comm: Communicator) -> str:
+        net = Net(0)
+        dp = DataParallel(net, comm)
+        x, y, head = batches(1)[0]
+        loss = net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head)
+        with anyio.move_on_after(0.0):
+            await dp.train(loss)
+        with pytest.raises(RankFailure, match="stopped part way") as caught:
+            await dp.train(loss)
+        assert not caught.value.in_step
+        return "refused"
+
+    assert run_local(2, rank, timeout=0.5) == ["refused", "refused"]
 
 
 class Counting(Communicator):

@@ -203,6 +203,9 @@ def test_the_clock_is_read_after_as_many_nodes_as_take_a_quarter_of_the_interval
         assert ev.stride == want
     ev.paced(0.0, 0.0)
     assert ev.stride == STRIDE
+    ev.yield_interval_s = float("inf")  # (never a turn: every stride fits; it overflowed an int)
+    ev.paced(0.0, 1.0)
+    assert ev.stride == STRIDE
 
 
 async def test_a_batched_forward_gives_the_event_loop_turns_between_levels() -> None:
