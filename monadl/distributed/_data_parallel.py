@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, final
 
@@ -47,7 +47,7 @@ from monadl._named import named_weights
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
-from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets
+from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
 from monadl.distributed._same_model import describe, mismatch, same_model, shape_of
 from monadl.layers import Layer, Weight
@@ -295,7 +295,7 @@ class DataParallel:
         if overlap is not None:
             for bucket, total in zip(overlap.plan, overlap.results):
                 total = self._checked(total, scale)
-                for weight, grad in zip(bucket, _unflatten(total, [w._data for w in bucket])):
+                for weight, grad in zip(bucket, unflatten(total, [w._data for w in bucket])):
                     if reached[index[weight]]:  # a weight no rank reached is not stepped
                         reduced[weight] = grad
         dense = [i for i in np.flatnonzero(any_dense).tolist() if weights[i] not in planned]
@@ -306,7 +306,7 @@ class DataParallel:
         post_start = time.perf_counter()
         for bucket, total in zip(buckets, await comm.allreduce_many(flats)):
             total = self._checked(total, scale)
-            reduced.update(zip(bucket, _unflatten(total, [w._data for w in bucket])))
+            reduced.update(zip(bucket, unflatten(total, [w._data for w in bucket])))
         for i in sparse:  # rows are concatenated, not summed: finite rows stay finite
             weight = weights[i]
             reduced[weight] = await _gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
@@ -390,17 +390,6 @@ async def _gather_rows(
     indices = await comm.allgather(xp.astype(mine.indices, xp.int64), sizes)
     rows = await comm.allgather(xp.astype(mine.rows, data.dtype), sizes)
     return SparseRows(indices, rows * scale, data.shape)
-
-
-def _unflatten(flat: Any, likes: Sequence[Any]) -> list[Any]:
-    xp = namespace(flat)
-    out, start = [], 0
-    for like in likes:
-        shape = shape_of(like)
-        n = int(np.prod(shape))
-        out.append(xp.reshape(flat[start : start + n], shape))
-        start += n
-    return out
 
 
 def _finite(grad: Any) -> bool:

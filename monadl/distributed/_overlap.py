@@ -34,7 +34,7 @@ from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, Pending
 from monadl.layers import Weight
 
-__all__ = ["FIRST_BUCKET_BYTES", "Overlap", "Plan", "dense", "flatten", "nbytes", "plan_buckets"]
+__all__ = ["FIRST_BUCKET_BYTES", "Overlap", "Plan", "dense", "flatten", "nbytes", "plan_buckets", "unflatten"]
 
 FIRST_BUCKET_BYTES: Final = 1 << 20  # DDP's first bucket: small, so the reduction starts early
 
@@ -176,6 +176,18 @@ def flatten(arrays: Sequence[Any]) -> Any:
 def nbytes(data: Any) -> int:
     """The bytes of a weight's data (a number counts as a float64)."""
     return int(data.nbytes) if is_array(data) else int(np.asarray(data).nbytes)
+
+
+def unflatten(flat: Any, likes: Sequence[Any]) -> list[Any]:
+    """A bucket's buffer cut back into arrays shaped like ``likes`` (`flatten` undone)."""
+    xp = namespace(flat)
+    out, start = [], 0
+    for like in likes:
+        shape = _shape(like)
+        n = int(np.prod(shape))
+        out.append(xp.reshape(flat[start : start + n], shape))
+        start += n
+    return out
 
 
 def _shape(data: Any) -> tuple[int, ...]:

@@ -30,7 +30,16 @@ import numpy as np
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import DTypeError
 
-__all__ = ["NUMBERS", "Numbers", "as_dtype", "cast_numbers", "describe", "number_dtype", "one_float_dtype"]
+__all__ = [
+    "NUMBERS",
+    "Numbers",
+    "as_dtype",
+    "cast_numbers",
+    "describe",
+    "number_dtype",
+    "one_float_dtype",
+    "step_numbers",
+]
 
 NUMBERS: Final = frozenset({float, int, bool})
 """The types of plain Python numbers."""
@@ -209,3 +218,24 @@ def cast_numbers(values: Sequence[Any], stacked: Sequence[bool]) -> tuple[Any, .
                 return None
         cast.append(v)
     return tuple(cast)
+
+
+def step_numbers(op: Any, values: Sequence[Any], stacked: Sequence[bool], n: int) -> Any:
+    """An operation's step (its primitive ``op``) with a group's `Numbers`
+    among its operands ``values``: the operands with them cast to the dtype
+    each member's number computes in beside the others (`cast_numbers`); for
+    a step of numbers only, its value as `Numbers`, member by member as one
+    call computes it (Python's arithmetic, its errors and its ints); None
+    where the group cannot batch so (the members then group by value): a
+    step that is not elementwise, a dtype nothing decides, a value that is
+    no plain number."""
+    if not op.elementwise:
+        return None
+    if not all(type(v) is Numbers or type(v) in NUMBERS for v in values):
+        return cast_numbers(values, stacked)
+    columns = [v.values.tolist() if type(v) is Numbers else [v] * n for v in values]
+    results = [op.rule(*members)[0] for members in zip(*columns)]
+    kind = type(results[0])
+    if kind not in NUMBERS or any(type(r) is not kind for r in results):
+        return None
+    return Numbers(results, kind)

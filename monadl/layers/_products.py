@@ -12,7 +12,10 @@ from typing import Any, Final, final
 
 import numpy as np
 
-__all__ = ["OuterRule", "by_rows", "factors_pay", "outer_rule", "product"]
+from monadl._namespace import namespace
+from monadl.deltas import Outer
+
+__all__ = ["OuterRule", "by_rows", "factored", "factors_pay", "outer_rule", "product"]
 
 Value = Any
 
@@ -165,3 +168,22 @@ def factors_pay(rows: int, k: int, m: int) -> bool:
     the factors are smaller than it."""
     size = k * m
     return size >= _FACTORED and rows * (k + m) <= size
+
+
+def factored(rules: tuple[Any, ...], rows: Value, matrix: Value, always: bool) -> tuple[Any, ...]:
+    """A batched product's VJPs (``rows @ matrix``, the members' rows stacked)
+    with the matrix's delta sent as factors (a `monadl.deltas.Outer`: the
+    rows and the delta's rows, multiplied once where the weight is released);
+    unless ``always`` (the merged runs of `monadl.runtime.schedule.fibers`),
+    only where factors pay, as for one node (`outer_rule`: a large weight,
+    and factors smaller than it: a group of few rows sends them, and the
+    weight gets one product for all groups instead of a weight-sized one per
+    group)."""
+    if getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2 or rows.shape[-1] != matrix.shape[0]:
+        return rules
+    k, m = matrix.shape
+    if not always and not factors_pay(rows.size // k, k, m):
+        return rules
+    xp = namespace(rows)
+    flat = xp.reshape(rows, (-1, k))
+    return (rules[0], lambda g: Outer(flat, xp.reshape(g, (-1, m))), *rules[2:])

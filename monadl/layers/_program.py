@@ -20,7 +20,7 @@ import numpy as np
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, one_float_dtype
+from monadl.layers._operands import Numbers, one_float_dtype, step_numbers
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -31,7 +31,8 @@ from monadl.layers._outputs import (
     finite_value,
 )
 from monadl.layers._primitives import Primitive
-from monadl.layers._products import OuterRule, factors_pay
+from monadl.layers._products import OuterRule
+from monadl.layers._products import factored as products_factored
 from monadl.layers._step import Step
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
@@ -181,7 +182,7 @@ class Program:
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
             if numbers and Numbers in map(type, values):
-                found = _numbers(step, values, flags, n)
+                found = step_numbers(step.op, values, flags, n)
                 if found is None:
                     self.declined = step
                     return None
@@ -203,8 +204,12 @@ class Program:
                     self.declined = step
                     return None
                 out, rules = result
-                if flags[:2] == (True, False) and self.weights <= step.refs[1] < self.size:
-                    rules = _factored(step, rules, values, factored)
+                if (
+                    step.op.name in _PRODUCTS
+                    and flags[:2] == (True, False)
+                    and self.weights <= step.refs[1] < self.size
+                ):
+                    rules = products_factored(rules, values[0], values[1], factored)  # (stacked rows @ a weight)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
             env.append(out)
@@ -331,46 +336,6 @@ class Program:
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
-
-
-def _factored(step: Step, rules: tuple[Vjp, ...], values: tuple[Value, ...], always: bool) -> tuple[Vjp, ...]:
-    """A product's rules with its matrix's delta (the matrix a weight, the
-    rows stacked) sent as factors: the rows and the delta's rows; unless
-    ``always``, only where factors pay, as for one node (`outer_rule`: a
-    large weight, and factors smaller than it: a group of few rows, such as
-    a level of one tree, sends them, and the weight gets one product for all
-    groups instead of a weight-sized one per group)."""
-    rows, matrix = values[0], values[1]
-    if step.op.name not in _PRODUCTS or getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2:
-        return rules
-    k, m = matrix.shape
-    if rows.shape[-1] != k:
-        return rules
-    if not always and not factors_pay(rows.size // k, k, m):
-        return rules
-    xp = namespace(rows)
-    flat = xp.reshape(rows, (-1, k))
-    return (rules[0], lambda g: Outer(flat, xp.reshape(g, (-1, m))), *rules[2:])
-
-
-def _numbers(step: Step, values: tuple[Value, ...], stacked: tuple[bool, ...], n: int) -> Any:
-    """A step's operands with the group's plain numbers (`Numbers`) cast to
-    the dtype each member's number computes in beside the others
-    (`cast_numbers`); for a step of numbers only, its value as `Numbers`,
-    member by member as one call computes it (Python's arithmetic, its
-    errors and its ints); None where the group cannot batch so (the members
-    then group by value): a step that is not elementwise, a dtype nothing
-    decides, a value that is no plain number."""
-    if not step.op.elementwise:
-        return None
-    if not all(type(v) is Numbers or type(v) in NUMBERS for v in values):
-        return cast_numbers(values, stacked)
-    columns = [v.values.tolist() if type(v) is Numbers else [v] * n for v in values]
-    results = [step.op.rule(*members)[0] for members in zip(*columns)]
-    kind = type(results[0])
-    if kind not in NUMBERS or any(type(r) is not kind for r in results):
-        return None
-    return Numbers(results, kind)
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

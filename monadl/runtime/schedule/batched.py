@@ -5,8 +5,9 @@ primitive, its parameters, the shapes, dtypes and array types of its operands,
 and the identity of weights it uses. Plain numbers among its operands are in
 it by kind for an elementwise primitive or an operation (`ml.operation`),
 whose group stacks its members' numbers as a column in the dtype that each
-member's number computes in (`_columns`: a Python number beside a float32
-array computes in float32; an operation's program decides it step by step),
+member's number computes in (`batched_records.number_columns`: a Python
+number beside a float32 array computes in float32; an operation's program
+decides it step by step),
 or else groups them by value; for the others, by value. Nodes of one signature that are ready
 together run as one call of the primitive's batching rule
 (`monadl.layers._batching_rules`) on their operands stacked along a new
@@ -22,7 +23,8 @@ back-propagates it unchanged.
 Grouping is by depth (the longest path from the graph's inputs: nodes of one
 depth never depend on each other) or by agenda (DyNet's: of the groups ready,
 run the one whose kind of operation sits earliest in the graph on average,
-the largest on ties). `STRATEGY` says which is the default, and why.
+the largest on ties: `monadl.runtime.schedule.batched_agenda`). `STRATEGY`
+says which is the default, and why.
 
 Cost rule: batching is on where it pays. Whether a graph comes here at all is
 `monadl.runtime.schedule.batched_rule`'s (cheap checks, before any signature);
@@ -39,7 +41,6 @@ batched.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
@@ -48,23 +49,39 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
-from monadl.layers._operands import NUMBERS, Numbers, cast_numbers
+from monadl.layers._operands import NUMBERS
 from monadl.layers._outputs import Outputs, StackedOutputs
-from monadl.layers._program import Program, batching_rule
-from monadl.layers._site import site_text
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
+from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_records import (
     Operand,
     batchable,
     cast_scalars,
+    differs,
     group_records,
+    number_columns,
     number_key,
     signature,
     stack,
 )
-from monadl.runtime.schedule.batched_rule import MIN_ALIKE, MIN_NODES, REPROBE, remember, worth_batching
+from monadl.runtime.schedule.batched_rule import (
+    ALONE,
+    DEFAULT_MIN_GROUP,
+    FACTORED,
+    MAX_MEMBER_SIZE,
+    MIN_ALIKE,
+    MIN_FACTORED,
+    MIN_GROUP,
+    MIN_NODES,
+    REPROBE,
+    coarse,
+    declined,
+    remember,
+    worth_batching,
+)
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 
@@ -84,36 +101,6 @@ __all__ = [
     "stepwise",
     "worth_batching",
 ]
-
-MIN_GROUP: Final = {"matmul": 2, "dense": 2, "embedding": 2, "cross_entropy": 2}
-"""The smallest group that pays, by primitive (`DEFAULT_MIN_GROUP` for the
-rest): a matrix product with a shared weight pays from two members (it also
-replaces a weight-sized outer product per member by one product); a cheap
-elementwise group must save more node dispatches than stacking costs."""
-
-DEFAULT_MIN_GROUP: Final = 8
-
-MAX_MEMBER_SIZE: Final = 1 << 14
-"""Automatic mode batches no group whose members' stacked operands exceed this
-many elements each: a node that large costs far more than its dispatch, and
-stacking would only copy it."""
-
-MIN_FACTORED: Final = 1 << 16
-"""Where weights' deltas are kept as factors (the merged runs of
-`monadl.runtime.schedule.fibers`), a lone product by a weight of at least
-this many elements runs as a group of one: its delta's rows join the other
-groups' (one product when the weight is released) instead of a weight-sized
-outer product and addition of its own; below, those cost less than a group."""
-
-_FACTORED: Final = frozenset({"matmul", "dense"})
-
-_ALONE: Final = frozenset({"split", "split_part"})
-"""Run node by node here, though they have batching rules (which an
-operation's program uses): a part's delta is a `SplitDelta`, its slot of the
-input's delta, which a group's delta (gathered into arrays) would make a
-whole array of zeros per part; grouped so, an unmarked Tree-LSTM-like graph
-that cuts its gates with ``ml.split`` ran slower than with its splits one by
-one (512 members, 5 parts, H = 256: 56.7 against 53.2 ms)."""
 
 STRATEGY: Final = "depth"
 """The default grouping, "depth" or "agenda". Depth measured faster in
@@ -182,7 +169,7 @@ def _steps(
             if perf_counter() > ev.deadline:
                 yield CHECKPOINT
     elif (strategy or STRATEGY) == "agenda" and depth is not None:
-        run.agenda(levels, depth)
+        agenda(run, levels, depth)
     else:
         for level in levels:
             run.level(level)
@@ -233,12 +220,6 @@ def _levels(order: list[Any]) -> tuple[list[list[Any]], list[Any], dict[Any, int
     return levels, left, depth
 
 
-def _coarse(args: list[Any], batched: list[bool], n: int) -> bool:
-    """Whether a member's operands are large enough that its own kernel costs
-    far more than the runtime's per-node work: then stacking only adds copies."""
-    return any(b and getattr(a, "size", 0) > n * MAX_MEMBER_SIZE for a, b in zip(args, batched))
-
-
 class _Run:
     """One scheduler run over one graph, and where each member's value sits
     in its group's output."""
@@ -275,44 +256,6 @@ class _Run:
         for members in groups.values():
             self.group(members)
 
-    def agenda(self, levels: list[list[Any]], depth: dict[Any, int]) -> None:
-        """DyNet's agenda: of the ready groups, the one whose operation lies
-        earliest in the graph on average (the largest on ties); then the
-        consumers it made ready join the agenda."""
-        kinds: dict[str, list[int]] = {}
-        waiting: dict[Any, int] = {}
-        consumers: dict[Any, list[Any]] = {}
-        for level in levels:
-            for node in level:
-                total = kinds.setdefault(node._op.name, [0, 0])
-                total[0] += depth[node]
-                total[1] += 1
-                count = 0
-                for i, x in enumerate(node._inputs):
-                    if type(x) is Layer and x in depth and all(y is not x for y in node._inputs[:i]):
-                        consumers.setdefault(x, []).append(node)
-                        count += 1
-                waiting[node] = count
-        mean = {name: s / c for name, (s, c) in kinds.items()}
-        ready: dict[Any, list[Any]] = {}
-        arrived = list(levels[0]) if levels else []
-        while True:
-            while arrived:  # iterative: a long run of unbatchable nodes must not recurse
-                node = arrived.pop()
-                sig = signature(self.records, node, self.groups.where)
-                if sig is not None:
-                    ready.setdefault(sig, []).append(node)
-                    continue
-                self.each([node])
-                arrived.extend(self._released([node], consumers, waiting))
-            if not ready:
-                return
-            best = min(ready, key=lambda s: (mean[s[0]], -len(ready[s])))
-            members = ready.pop(best)
-            members.sort(key=_serial)  # construction order, so that consumers can reuse the stack
-            self.group(members)
-            arrived.extend(self._released(members, consumers, waiting))
-
     def _by_value(self, members: list[Any], numbers: list[int]) -> None:
         """``members`` grouped by the values of their plain numbers at
         ``numbers``, where stacking them did not batch."""
@@ -328,20 +271,10 @@ class _Run:
         a weight's deltas are kept as factors (`Groups.outer`) and the weight
         is large (`MIN_FACTORED`), its rows join the other groups' instead of
         a weight-sized outer product and addition of its own."""
-        if not self.groups.outer or node._op.name not in _FACTORED or len(node._inputs) < 2:
+        if not self.groups.outer or node._op.name not in FACTORED or len(node._inputs) < 2:
             return False
         w = node._inputs[1]
         return type(w) is Weight and w._data.size >= MIN_FACTORED
-
-    @staticmethod
-    def _released(done: list[Any], consumers: dict[Any, list[Any]], waiting: dict[Any, int]) -> list[Any]:
-        now = []
-        for node in done:
-            for c in consumers.get(node, ()):
-                waiting[c] -= 1
-                if not waiting[c]:
-                    now.append(c)
-        return now
 
     def group(self, members: list[Any], numbers_stack: bool = True) -> None:
         """One group of equal signature: one batched call, or node by node.
@@ -349,15 +282,15 @@ class _Run:
         (else they are equal: the group was split by their values)."""
         first = members[0]
         op = first._op
-        rule: Any = BATCHING_RULES.get(op.name) if op.name not in _ALONE else None
+        rule: Any = BATCHING_RULES.get(op.name) if op.name not in ALONE else None
         minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
         numbers_stack = numbers_stack and (op.elementwise or type(op.rule) is Program)  # (else by value)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
-            if rule is None and n > 1 and op.name not in _ALONE:
-                _declined(members, f"{op.name} has no batching rule")
+            if rule is None and n > 1 and op.name not in ALONE:
+                declined(members, f"{op.name} has no batching rule")
             self.each(members)
             return
         records, groups = self.records, self.groups
@@ -382,7 +315,7 @@ class _Run:
             elif kind in NUMBERS and p < arity and numbers_stack:  # (else the signature held the value)
                 column = list(map(itemgetter(p), inputs_of))
                 # (all equal to a number that is not zero: counted in C; else member by member)
-                if not (x0 and column.count(x0) == n) and any(map(_differs, column, repeat(x0))):
+                if not (x0 and column.count(x0) == n) and any(map(differs, column, repeat(x0))):
                     numbers.append(p)
                     args.append(column)  # (made a column below)
                     batched.append(True)
@@ -410,15 +343,15 @@ class _Run:
             if p < arity:
                 kinds.add(type(value))
                 operands.append(operand)
-        if numbers and not _columns(args, numbers, batched, arity, type(op.rule) is Program, kinds):
+        if numbers and not number_columns(args, numbers, batched, arity, type(op.rule) is Program, kinds):
             self._by_value(members, numbers)
             return
         if not batchable(op, kinds, args[:arity], batched):
             if any(batched):  # (else the members compute one thing)
-                _declined(members, "their operands mix array libraries or dtypes")
+                declined(members, "their operands mix array libraries or dtypes")
             self.each(members)
             return
-        if not self.forced and _coarse(args, batched, n):
+        if not self.forced and coarse(args, batched, n):
             self.each(members)
             return
         if op.same_dtype:
@@ -431,63 +364,11 @@ class _Run:
             if numbers:  # (what their values would batch, as before numbers were stacked)
                 self._by_value(members, numbers)
             else:
-                _declined(members, None)
+                declined(members, None)
                 self.each(members)
             return
         group_records(groups, members, result, operands, args)
         self.batches += 1
 
 
-_serial = attrgetter("_serial")
 _inputs = attrgetter("_inputs")
-
-
-_log: Final = logging.getLogger("monadl.batching")
-
-
-def _declined(members: list[Any], why: str | None) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a group of equal signature that
-    runs node by node although its size would batch, and why."""
-    if not _log.isEnabledFor(logging.DEBUG):
-        return
-    node = members[0]
-    if why is None:
-        step = node._op.rule.declined if type(node._op.rule) is Program else None
-        if step is None:
-            why = "its batching rule does not take these operands"
-        else:
-            why = f"its step {step.op.name} at {site_text(step.site)} " + (
-                "has no batching rule" if batching_rule(step.op) is None else "does not batch with these operands"
-            )
-    _log.debug("%d nodes of %s built at %s ran one by one: %s", len(members), node._op.name, site_text(node._site), why)
-
-
-def _differs(x: Any, x0: Any) -> bool:
-    """Whether a member's plain number is not ``x0``'s: unequal, NaN, or a
-    zero that may be the other's negative (``-0.0 == 0.0``)."""
-    return x is not x0 and (x != x0 or not x)
-
-
-def _columns(
-    args: list[Any], numbers: list[int], batched: list[bool], arity: int, operation: bool, kinds: set[type]
-) -> bool:
-    """Make the members' numbers at ``numbers`` (lists in ``args``) columns:
-    for an operation, `Numbers` that its program casts step by step; else
-    arrays of the dtype that each member's number computes in beside the
-    node's other operands (`cast_numbers`: a Python number beside a float32
-    array computes in float32), their type added to ``kinds``. False where
-    they cannot be (an integer beyond int64, or beyond that dtype; no dtype
-    decided): the members then group by value."""
-    try:
-        for p in numbers:
-            args[p] = Numbers(args[p], type(args[p][0]))
-    except OverflowError:
-        return False
-    if operation:
-        return True
-    cast = cast_numbers(args[:arity], batched[:arity])
-    if cast is None:
-        return False
-    args[:arity] = cast
-    kinds.update(type(args[p]) for p in numbers)
-    return True

@@ -45,16 +45,27 @@ import numpy as np
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
 from monadl.layers._layer import Layer
-from monadl.layers._operands import NUMBERS, as_dtype
+from monadl.layers._operands import NUMBERS, Numbers, as_dtype, cast_numbers
 from monadl.layers._outputs import Outputs, StackedOutputs
-from monadl.layers._products import factors_pay
+from monadl.layers._products import factored
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
 from monadl.runtime.schedule.batched_groups import Gather, Groups, Place, Source
 
-__all__ = ["Operand", "Outer", "batchable", "cast_scalars", "group_records", "number_key", "signature", "stack"]
+__all__ = [
+    "Operand",
+    "Outer",
+    "batchable",
+    "cast_scalars",
+    "differs",
+    "group_records",
+    "number_columns",
+    "number_key",
+    "signature",
+    "stack",
+]
 
 
 def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
@@ -197,17 +208,10 @@ def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any], a
     rows) replaced by one that sends its delta as factors (an `Outer`):
     ``always`` (the merged runs of `monadl.runtime.schedule.fibers`), else
     where factors pay, as for one node (`monadl.layers._products.outer_rule`)."""
-    w, rows, matrix = operands[1].rec, args[0], args[1]
+    w = operands[1].rec
     if w is None or not w.is_weight or operands[0].rec is not None:  # (a weight, times stacked rows)
         return vjps
-    if getattr(matrix, "ndim", 0) != 2 or getattr(rows, "ndim", 0) < 2 or rows.shape[-1] != matrix.shape[0]:
-        return vjps
-    k, m = matrix.shape
-    if not always and not factors_pay(rows.size // k, k, m):
-        return vjps
-    xp = namespace(rows)
-    rows = xp.reshape(rows, (-1, k))
-    return (vjps[0], lambda g: Outer(rows, xp.reshape(g, (-1, m))), *vjps[2:])
+    return factored(vjps, args[0], args[1], always)
 
 
 class Operand:
@@ -293,3 +297,34 @@ def _getters(n: int) -> tuple[itemgetter[Any], ...]:
 def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A group VJP, reading its delta from the group's `Gather`."""
     return lambda delta: vjp(delta.dense() if type(delta) is Gather else delta)
+
+
+def differs(x: Any, x0: Any) -> bool:
+    """Whether a member's plain number is not ``x0``'s: unequal, NaN, or a
+    zero that may be the other's negative (``-0.0 == 0.0``)."""
+    return x is not x0 and (x != x0 or not x)
+
+
+def number_columns(
+    args: list[Any], numbers: list[int], batched: list[bool], arity: int, operation: bool, kinds: set[type]
+) -> bool:
+    """Make the members' numbers at ``numbers`` (lists in ``args``) columns:
+    for an operation, `Numbers` that its program casts step by step; else
+    arrays of the dtype that each member's number computes in beside the
+    node's other operands (`cast_numbers`: a Python number beside a float32
+    array computes in float32), their type added to ``kinds``. False where
+    they cannot be (an integer beyond int64, or beyond that dtype; no dtype
+    decided): the members then group by value."""
+    try:
+        for p in numbers:
+            args[p] = Numbers(args[p], type(args[p][0]))
+    except OverflowError:
+        return False
+    if operation:
+        return True
+    cast = cast_numbers(args[:arity], batched[:arity])
+    if cast is None:
+        return False
+    args[:arity] = cast
+    kinds.update(type(args[p]) for p in numbers)
+    return True
