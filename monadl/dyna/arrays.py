@@ -29,7 +29,7 @@ batched axiom gets its gradient, zeros included.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
 import numpy as np
@@ -38,7 +38,7 @@ from monadl.dyna.array_run import ArrayRun, Record
 from monadl.dyna.backward import Entry
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Timing, check_goal, goal_layer
+from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer, Weight
@@ -161,7 +161,7 @@ class ArrayProgram:
         """
         check_goal(goal, self.rules, axioms, weights, dimensions=False)  # (its weights' shapes: its arrays')
         return goal_layer(
-            lambda values: self.run(values, **run_options),
+            lambda values, stop: self.run(values, **stopping(run_options, stop)),
             lambda run: run.value(goal),
             goal,
             axioms,
@@ -169,10 +169,19 @@ class ArrayProgram:
             self.timing,
         )
 
-    def run(self, axioms: Mapping[Item, float], *, max_pops: int | None = None, tolerance: float = 0.0) -> ArrayRun:
+    def run(
+        self,
+        axioms: Mapping[Item, float],
+        *,
+        max_pops: int | None = None,
+        tolerance: float = 0.0,
+        stop: Callable[[ArrayRun], bool] | None = None,
+    ) -> ArrayRun:
         """Forward chaining from scalar ``axioms`` and the constant rules,
         packed into arrays (missing entries of a batched axiom are the
-        semiring's zero).
+        semiring's zero). ``max_pops``, ``tolerance`` and ``stop`` (a
+        predicate on the run so far, checked after each pop) as in
+        `monadl.dyna.Program.run`.
 
         >>> p = ArrayProgram([Rule(("y", "I"), [("x", "I")], 2.0), Rule(("x", 1), [], 5.0)], arrays={"x": {0: 2}, "y": {0: 2}})
         >>> p.run({("x", 0): 1.0}).chart[("y",)]
@@ -251,6 +260,8 @@ class ArrayProgram:
                 if c not in queued:
                     queued.add(c)
                     fifo.append(c)
+            if stop is not None and stop(run):
+                break
         # Converged: nothing pending would change the chart (a run stopped early may have got there too).
         run.converged = tolerance == 0.0 and not any(
             x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo

@@ -1,19 +1,22 @@
 """A goal of a program as a monadl layer: the weights bound to functors give
 the axioms' values, and the run's gradient is the layer's backward pass.
 
-A run (forward chaining) is one Python call. A goal of many axioms
-(`THREAD_AXIOMS`), and every goal layer built after one of its program's
-runs took longer than the event loop may wait
-(``ml.settings(yield_interval_s=...)``, 5 ms), chains in a worker thread, so
-the loop keeps its turns while it chains: a timeout or a cancellation around
-``predict()`` or ``train()`` takes effect at once (the abandoned run
-finishes in its thread and changes nothing). Short runs, and every run with
-no event loop (``ml.check_grads``), stay inline: a thread hop costs about
-0.2 ms. The backward, the tape's pops, runs in the backward pass as the
+A run (forward chaining) is one Python call. Under an event loop it starts
+inline (a thread hop costs about 0.2 ms) but may take no longer than the
+loop may wait (``ml.settings(yield_interval_s=...)``, 5 ms): a run still
+going then is dropped and made again in a worker thread, and so is every
+later run of that program, and of a goal of many axioms (`THREAD_AXIOMS`)
+from the first. So the loop keeps its turns while a program chains: a
+timeout or a cancellation around ``predict()`` or ``train()`` takes effect
+at once, and the abandoned run stops at its next pop, changing nothing (a
+run that never ends, ``a += -1 * a. a += 1.``, stops there too; bound it
+with ``max_pops``). With no event loop (``ml.check_grads``) a run stays
+inline. The backward, the tape's pops, runs in the backward pass as the
 other layers' do."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar, final
@@ -28,7 +31,7 @@ from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
-__all__ = ["Differentiable", "Timing", "bind_weight", "check_goal", "goal_layer"]
+__all__ = ["Differentiable", "Timing", "bind_weight", "check_goal", "goal_layer", "stopping"]
 
 
 class Differentiable(Protocol):
@@ -58,8 +61,34 @@ class Timing:
         self.seconds = 0.0
 
 
+Stop = Callable[[Any], bool]
+"""A predicate on a run so far, checked after each pop (``stop`` of `Program.run`)."""
+
+
+class _Abandoned(Exception):
+    """Raised in a run that nothing waits for any more (its wait was
+    cancelled), or that outran the loop's turn inline: it stops at once."""
+
+
+def stopping(options: Mapping[str, Any], stop: Stop | None) -> dict[str, Any]:
+    """A run's options with ``stop`` checked after each pop, before the options' own ``stop`` if any.
+
+    >>> stopping({"max_pops": 3}, None)
+    {'max_pops': 3}
+    >>> both = stopping({"stop": lambda run: run > 2}, lambda run: run < 0)["stop"]
+    >>> both(3), both(-1), both(1)
+    (True, True, False)
+    """
+    own = options.get("stop")
+    if stop is None:
+        return dict(options)
+    if own is None:
+        return {**options, "stop": stop}
+    return {**options, "stop": lambda run: stop(run) or own(run)}
+
+
 def goal_layer(
-    run: Callable[[dict[Item, float]], R],
+    run: Callable[[dict[Item, float], Stop | None], R],
     value: Callable[[R], float],
     goal: Item,
     axioms: Mapping[Item, float] | None,
@@ -70,7 +99,8 @@ def goal_layer(
     (what `Program.goal` and `ArrayProgram.goal` return).
 
     Args:
-        run: runs the program from the axioms' values.
+        run: runs the program from the axioms' values, checking the given
+            `Stop` (if not None) after each pop (`stopping`).
         value: the goal's value in a finished run.
         goal: the item differentiated.
         axioms: fixed axioms.
@@ -83,7 +113,7 @@ def goal_layer(
     >>> from monadl.dyna.syntax import Rule
     >>> p = Program([Rule(("y",), [("w", "I"), ("x", "I")])])
     >>> w = Weight(np.array([1.0, 2.0]))
-    >>> y = goal_layer(p.run, lambda run: run.chart[("y",)], ("y",), {("x", 0): 3.0, ("x", 1): 4.0}, {"w": w})
+    >>> y = goal_layer(lambda values, stop: p.run(values, stop=stop), lambda run: run.chart[("y",)], ("y",), {("x", 0): 3.0, ("x", 1): 4.0}, {"w": w})
     >>> anyio.run(y.predict)
     11.0
     """
@@ -91,13 +121,13 @@ def goal_layer(
     fixed = dict(axioms or {})
     functors = list(bound)
 
-    def forward(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+    def forward(tapes: tuple[Tape[Any, Any], ...], stop: Stop | None) -> Tape[float, float]:
         values = dict(fixed)
         for functor, tape in zip(functors, tapes):
             data = np.asarray(tape.data)
             for position in np.ndindex(data.shape):
                 values[(functor, *position)] = float(data[position])
-        done = run(values)
+        done = run(values, stop)
         result = value(done)
         wanted = [t for t in tapes if t.backward is not None]
         if not wanted:
@@ -118,25 +148,62 @@ def goal_layer(
 
     measured = Timing() if timing is None else timing
 
-    def timed(tapes: tuple[Tape[Any, Any], ...]) -> Tape[float, float]:
+    def timed(tapes: tuple[Tape[Any, Any], ...], stop: Stop | None) -> Tape[float, float]:
         started = time.perf_counter()
         try:
-            return forward(tapes)
+            return forward(tapes, stop)
         finally:
             measured.seconds = time.perf_counter() - started
 
+    def inline(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
+        budget = current_settings().yield_interval_s
+        if synchronous() or budget == float("inf"):  # (no loop to keep turns for, or never a turn)
+            return Do.pure(timed(tapes, None))
+        try:
+            return Do.pure(timed(tapes, _within(budget)))
+        except _Abandoned:  # (longer than the loop may wait: made again where the loop keeps its turns)
+            return in_a_thread(tapes)
+
     def in_a_thread(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
         if synchronous():  # (no event loop to keep turns for, nor to await a thread)
-            return Do.pure(timed(tapes))
-        # The event loop keeps its turns (a timeout or a cancellation takes effect;
-        # an abandoned run finishes unread, changing nothing).
-        return Do.from_async(lambda: anyio.to_thread.run_sync(timed, tapes, abandon_on_cancel=True))
+            return Do.pure(timed(tapes, None))
+        return Do.from_async(lambda: _threaded(timed, tapes))
 
     tapes = Do.gather(bound[f].forward() for f in functors)
     entries = len(fixed) + sum(int(np.size(w.data)) for w in bound.values())
     if measured.seconds <= current_settings().yield_interval_s and entries < THREAD_AXIOMS:  # (short)
-        return Layer(tapes.map(timed))
+        return Layer(tapes.bind(inline))
     return Layer(tapes.bind(in_a_thread))
+
+
+def _within(seconds: float) -> Stop:
+    """A `Stop` that abandons the run (`_Abandoned`) once it has taken ``seconds``."""
+    deadline = time.perf_counter() + seconds
+
+    def stop(run: object) -> bool:
+        if time.perf_counter() > deadline:
+            raise _Abandoned
+        return False
+
+    return stop
+
+
+async def _threaded(
+    timed: Callable[[tuple[Tape[Any, Any], ...], Stop | None], Tape[float, float]], tapes: tuple[Tape[Any, Any], ...]
+) -> Tape[float, float]:
+    """``timed(tapes, stop)`` in a worker thread, the event loop keeping its
+    turns; a cancelled wait abandons it, and the run stops at its next pop."""
+    abandoned = threading.Event()
+
+    def stop(run: object) -> bool:
+        if abandoned.is_set():
+            raise _Abandoned
+        return False
+
+    try:
+        return await anyio.to_thread.run_sync(timed, tapes, stop, abandon_on_cancel=True)
+    finally:
+        abandoned.set()  # (done, or cancelled: then nothing reads the run, so it stops)
 
 
 def check_goal(

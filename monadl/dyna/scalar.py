@@ -21,7 +21,7 @@ from typing import Any, TypeAlias, final
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Timing, check_goal, goal_layer
+from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
@@ -369,7 +369,7 @@ class Program:
         check_goal(goal, self.rules, axioms, weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
-            lambda values: self.run(values, **run_options),
+            lambda values, stop: self.run(values, **stopping(run_options, stop)),
             lambda run: run.chart.get(goal, zero),
             goal,
             axioms,

@@ -310,6 +310,51 @@ async def test_a_goal_layer_gives_the_event_loop_its_turns_while_it_chains() -> 
     ml.check_grads(f, np.array([0.5, 0.25]))  # (it failed: 'this computation awaits something')
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("arrays", [False, True])
+async def test_a_run_that_never_ends_is_cancelled_and_stops(arrays: bool) -> None:
+    import time
+
+    from monadl.dyna import ArrayProgram
+
+    # a = 1, 0, 1, 0, ...: the updates alternate forever. Its first run starts inline
+    # (a short program's), so it blocked the loop: a timeout never took effect, and in
+    # a thread the abandoned run went on for ever. Now it leaves the loop after its
+    # turn (5 ms), and a cancelled wait stops it at its next pop.
+    rules = parse("a += -1 * a. a += w.").rules
+    program = ArrayProgram(rules, arrays={}) if arrays else Program(rules)
+    pops = 0
+
+    def count(run: Any) -> bool:
+        nonlocal pops
+        pops += 1
+        return False
+
+    w = ml.Weight(1.0)
+    for _ in range(2):  # (the first run moves to a thread after its turn; the second starts there)
+        with anyio.fail_after(60):  # (a hang fails here; the timeout below takes effect at once)
+            with anyio.move_on_after(0.2) as scope:
+                await program.goal(("a",), weights={"w": w}, stop=count).train()
+        assert scope.cancelled_caught and w.data == 1.0  # (nothing stepped)
+        counted, deadline = -1, time.monotonic() + 30.0
+        while pops != counted and time.monotonic() < deadline:  # (the run stops: its pops stop)
+            counted = pops
+            await anyio.sleep(0.2)
+        assert pops == counted
+        assert program.timing.seconds > 0.005  # (the loop's turn, by default: later runs go to a thread)
+    # A run bounded by max_pops ends, and its goal is the value it reached (1, 0, 1, ...).
+    assert await program.goal(("a",), weights={"w": w}, max_pops=4).predict() in (0.0, 1.0)
+
+
+def test_an_array_program_stops_where_its_stop_says() -> None:
+    from monadl.dyna import ArrayProgram
+
+    program = ArrayProgram(parse("a += 0.5 * a. a += 1.").rules, arrays={})
+    stopped = program.run({}, stop=lambda run: run.pops >= 3)
+    assert stopped.pops == 3 and stopped.chart == program.run({}, max_pops=3).chart
+    assert not stopped.converged
+
+
 ZEROS = "pathto(0) += 1. pathto(J) += edge(I, J) * pathto(I). stop += final(I) * pathto(I)."
 
 
