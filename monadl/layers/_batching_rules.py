@@ -98,16 +98,45 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
             lambda g: xp.reshape(product(xp.reshape(g, (-1, m)), xp.matrix_transpose(b)), a_shape),
             lambda g: xp.matrix_transpose(rows) @ xp.reshape(g, (-1, m)),
         )
+    if ba and not bb and b.ndim == 1 and a.ndim >= 2:
+        # Every member's rows (or vector) times one vector: one matrix-vector product.
+        xp = namespace(a)
+        k = b.shape[0]
+        rows = xp.reshape(a, (-1, k))
+        return a @ b, (lambda g: g[..., None] * b, lambda g: xp.matrix_transpose(rows) @ xp.reshape(g, (-1,)))
     if bb and not ba and a.ndim == 2 and b.ndim == 2:
         # One matrix times every member's vector: (n, k) @ a.T.
         xp = namespace(b)
         out = b @ xp.matrix_transpose(a)
         return out, (lambda g: xp.matrix_transpose(g) @ b, lambda g: g @ a)
-    if ba and bb and a.ndim == b.ndim and a.ndim in (2, 3):
+    if bb and not ba and a.ndim <= 2 and b.ndim == 3:
+        # One vector or matrix times every member's matrix: a broadcast product.
+        xp = namespace(b)
+        if a.ndim == 1:  # (k,) @ (n, k, m): the vector's delta sums the members' b @ g
+            return a @ b, (
+                lambda g: xp.sum(b @ g[:, :, None], axis=0)[:, 0],
+                lambda g: a[None, :, None] * g[:, None, :],
+            )
+        return a @ b, (lambda g: xp.sum(g @ xp.matrix_transpose(b), axis=0), lambda g: xp.matrix_transpose(a) @ g)
+    if ba and bb and a.ndim == b.ndim and a.ndim >= 2:
         if a.ndim == 2:  # vector . vector per member
             xp = namespace(a)
             return xp.sum(a * b, axis=-1), (lambda g: g[:, None] * b, lambda g: g[:, None] * a)
         return PRIMITIVES["matmul"].rule(a, b)  # matrix @ matrix per member: a stacked product
+    if ba and bb and a.ndim == 3 and b.ndim == 2:
+        # A matrix times a vector per member (attention's scores: states @ query).
+        xp = namespace(a)
+        return (a @ b[:, :, None])[:, :, 0], (
+            lambda g: g[:, :, None] * b[:, None, :],
+            lambda g: (xp.matrix_transpose(a) @ g[:, :, None])[:, :, 0],
+        )
+    if ba and bb and a.ndim == 2 and b.ndim == 3:
+        # A vector times a matrix per member (attention's mix: weights @ states).
+        xp = namespace(a)
+        return (a[:, None, :] @ b)[:, 0, :], (
+            lambda g: (b @ g[:, :, None])[:, :, 0],
+            lambda g: a[:, :, None] * g[:, None, :],
+        )
     return None
 
 

@@ -1,14 +1,12 @@
 """Driving an interpreter generator on the event loop, and cleaning up after it.
 
-The interpreter yields six kinds of request: an awaitable (awaited here,
+The interpreter yields five kinds of request: an awaitable (awaited here,
 in this task), `CHECKPOINT` (the event loop is due a turn: other tasks run,
 and a cancellation or Ctrl-C takes effect here), `Spawn` (a fiber's await, to
 run concurrently in a task of this evaluation's task group), `Steps`
 (fibers' direct-style coroutine steps, one after another in a task, those
 after one that awaits something foreign in a task of their own), `NEXT` (no
-fiber can run: wait for the next completion) and `POLL` (the same, but only
-for one turn of the event loop, and none when a completion is already
-there: None if nothing completed). The task group opens only when the first
+fiber can run: wait for the next completion). The task group opens only when the first
 fiber spawns, so an evaluation without concurrent effects costs no task. A failure of an awaited thing goes back into the interpreter, which
 may hand it to a direct-style coroutine that awaited it; a failure that
 leaves the interpreter cancels every spawned task and surfaces as itself.
@@ -31,7 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.process import advance
-from monadl.runtime.requests import NEXT, POLL, Spawn, Steps
+from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each
@@ -101,22 +99,12 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                 request = advance(machine.send, None, pause)
             elif request is NEXT:
                 assert done is not None
-                completion = await done[1].receive()
-                _turns.last = time.perf_counter()
-                ev.deadline = _turns.last + interval
-                request = advance(machine.send, completion, pause)
-            elif request is POLL:
-                assert done is not None
                 try:  # one already back: no turn of the event loop for it
                     completion = done[1].receive_nowait()
                 except anyio.WouldBlock:
-                    await anyio.lowlevel.checkpoint()  # tasks that are ready run: a coroutine step finishes
+                    completion = await done[1].receive()
                     _turns.last = time.perf_counter()
                     ev.deadline = _turns.last + interval
-                    try:
-                        completion = done[1].receive_nowait()
-                    except anyio.WouldBlock:
-                        completion = None
                 request = advance(machine.send, completion, pause)
             else:
                 try:
@@ -145,7 +133,9 @@ def _steps(tasks: TaskGroup, done: MemoryObjectSendStream[Any], items: list[tupl
 async def _complete(done: MemoryObjectSendStream[Any], fiber: Any, awaitable: Awaitable[Any]) -> None:
     try:
         value = await awaitable
-    except Exception as exc:  # handed to the interpreter: the original error, not a group of one
+    except anyio.get_cancelled_exc_class():
+        raise
+    except BaseException as exc:  # handed to the interpreter: the original error (Ctrl-C too), not a group of one
         done.send_nowait((fiber, False, exc))
     else:
         done.send_nowait((fiber, True, value))

@@ -31,7 +31,7 @@ __all__ = [
 class Fiber:
     """One branch of a parallel applicative: its stack and where it stands."""
 
-    __slots__ = ("cur", "descending", "join", "slot", "stack", "tok", "val")
+    __slots__ = ("_place", "cur", "descending", "join", "slot", "stack", "tok", "val")
 
     def __init__(self, cur: Any, join: Join | None, slot: int) -> None:
         self.stack: list[Any] = []
@@ -41,6 +41,17 @@ class Fiber:
         self.descending = True
         self.join = join
         self.slot = slot
+        self._place: tuple[int, ...] | None = None
+
+    def place(self) -> tuple[int, ...]:
+        """Where this branch sits in the computation: its slots from the root
+        fiber's down (the order its branches were written in, whichever of
+        them a task finished first)."""
+        place = self._place
+        if place is None:
+            join = self.join
+            place = self._place = () if join is None else (*join.fiber.place(), self.slot)
+        return place
 
     def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:
         self.stack = stack
@@ -107,13 +118,14 @@ class Opened:
 class Graph:
     """A layer graph being computed: its roots, order, and how far it got."""
 
-    __slots__ = ("index", "order", "resumed", "roots", "started")
+    __slots__ = ("index", "order", "redo", "resumed", "roots", "started")
 
     def __init__(self, roots: list[Any]) -> None:
         self.roots = roots
         self.order: list[Any] | None = None
         self.index = 0
         self.resumed = False  # computed in part: a Do evaluated meanwhile may have computed more
+        self.redo = False  # back from its Do layers: what they held back may batch now
         self.started = 0.0  # when its inline forward began, for the fork rule (workers > 1)
 
 

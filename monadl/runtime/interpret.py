@@ -39,7 +39,7 @@ from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import collect, compute
-from monadl.runtime.requests import NEXT, POLL, Spawn, Steps
+from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule import batched, cuda, fibers, inline, pool
 from monadl.runtime.stepping import direct_next, step_direct
 from monadl.tape import Tape
@@ -61,6 +61,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     parking = fibers.enabled(ev)
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
+    away: set[F.Fiber] = set()  # those whose step awaits something foreign: the parked graphs do not wait for them
     steps: list[tuple[F.Fiber, Any, Any]] = []  # those steps not handed to the driver yet (`Steps`)
     stack = fiber.stack
     cur: Any = root
@@ -289,20 +290,23 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             if steps:  # before waiting for any completion: the steps asked for, as one
                 yield Steps(steps)
                 steps = []
-            if not parked:
+            # With graphs parked, wait only for the coroutine steps that come back
+            # with no outside event (which those are is the same every run, whichever
+            # task the event loop runs first: so is which graphs run merged).
+            if not parked or stepping > len(away):
                 completion = yield NEXT
-            elif stepping:  # wait only for coroutine steps that come back at once, with graphs to join
-                completion = yield POLL
-            else:
-                completion = None
-            if completion is None:  # nothing more can reach a graph now: run the parked ones as one
+            else:  # nothing more can reach a graph now: run the parked ones as one
                 runnable.extend((yield from fibers.run(ev, parked)))
                 break
             fiber, ok, result = completion
+            if ok is None:  # its step awaits something foreign (`step_each`)
+                away.add(fiber)
+                continue
             if not ok:
                 raise result
             if fiber.stack and type(fiber.stack[-1]) is F.Stepped:
                 stepping -= 1
+                away.discard(fiber)
             fiber.save(fiber.stack, None, result, None, False)
             runnable.append(fiber)
         fiber = runnable.popleft()
@@ -337,6 +341,11 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         elif device and all(node._op is not None for node in order):
             cuda.forward(order, ev.cuda_streams, lambda node: records.__setitem__(node, compute(ev, node, True)))
             return None
+    elif frame.redo:  # back from its Do layers (each example's `bind`): what was built on them may batch now
+        frame.redo = False
+        rest = [node for node in order[frame.index :] if not records.computed(node)]
+        if batched.worth_batching(ev, rest) and not (yield from batched.stepwise(ev, rest)):
+            frame.index = len(order)
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
         frame.index = i
@@ -361,6 +370,7 @@ def _graph(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, A
         ahead = [n for n in order[i:] if n._op is None and n not in records and n not in ev.pending]
         for n in ahead:
             ev.pending[n] = []
+        frame.redo = True  # (every Do layer still to come is one of these: a redo at most once a wait)
         if len(ahead) > 1:
             return "fork", ahead
         stack.append(F.FromDo(node))

@@ -8,15 +8,12 @@ from typing import Any, Final
 
 from monadl.runtime import frames as F
 
-__all__ = ["NEXT", "POLL", "Spawn", "Steps"]
+__all__ = ["NEXT", "Spawn", "Steps"]
 
 NEXT: Final = object()
-"""Yielded to the driver when no fiber can run: send back the next completion."""
-
-POLL: Final = object()
-"""Like `NEXT`, but after one turn of the event loop send back None if no
-completion is there: fibers are parked, and a task still stepping a
-direct-style coroutine may be waiting for one of them."""
+"""Yielded to the driver when no fiber can run: send back the next completion
+(``(fiber, ok, result)``; ``ok`` None: that fiber's coroutine step awaits
+something foreign, `monadl.runtime.stepping.step_each`)."""
 
 
 class Spawn:

@@ -7,6 +7,8 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from monadl.direct import AwaitLayers, Passthrough, inside_direct
 from monadl.do import FORWARD, ZIP, Do
 from monadl.layers._layer import Layer
@@ -61,33 +63,37 @@ async def step_in_task(
 
 async def step_each(
     items: list[tuple[Any, Any, Any]],
-    report: Callable[[tuple[Any, bool, Any]], None],
+    report: Callable[[tuple[Any, bool | None, Any]], None],
     elsewhere: Callable[[list[tuple[Any, Any, Any]]], None],
 ) -> None:
     """Step the coroutines of ``items`` (``(fiber, coroutine, sending)``) one
     after another, in this task; ``report((fiber, ok, result))`` after each.
-    A step that awaits something foreign goes on in this task, and the items
-    after it go to ``elsewhere`` first (a task of their own), so every step
-    still runs within one task and none waits for another's await. Each
+    A step that awaits something foreign says so first (``report((fiber,
+    None, None))``) and goes on in this task, and the items after it go to
+    ``elsewhere`` (a task of their own), so every step still runs within one
+    task and none waits for another's await. Each
     step runs in its own copy of this task's context variables, as it would
     in a task of its own: what one sets, the next does not see.
 
-    Items after a hand-on start a turn of the event loop later than they
-    would have in a task each, so a `POLL` of that turn may run the parked
-    graphs without theirs (they join a later merged run)."""
+    The interpreter waits for every step asked for but those that said so
+    before it runs the parked graphs: which graphs run merged does not
+    depend on the order the event loop runs its tasks in."""
     base = contextvars.copy_context()
     for k, (fiber, coroutine, sending) in enumerate(items):
         handed = False
 
-        def hand_on(k: int = k) -> None:
+        def hand_on(k: int = k, fiber: Any = fiber) -> None:
             nonlocal handed
             handed = True
+            report((fiber, None, None))  # (its step waits for something foreign: no merged run waits for it)
             if k + 1 < len(items):
                 elsewhere(items[k + 1 :])
 
         try:
             result = await step_in_task(coroutine, sending, hand_on, base.copy())
-        except Exception as exc:  # the interpreter hands it on: the original error, not a group of one
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # the interpreter hands it on: the original error (Ctrl-C too), not a group of one
             report((fiber, False, exc))
         else:
             report((fiber, True, result))

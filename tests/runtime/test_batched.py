@@ -386,6 +386,14 @@ CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
     ("matmul", [SHARED_W.T, (4,)], ()),
     ("matmul", [(4,), (4,)], ()),
     ("matmul", [(2, 4), (4, 3)], ()),
+    ("matmul", [(2, 4), SHARED_W[:, 0]], ()),  # rows times one vector
+    ("matmul", [(4,), SHARED_W[:, 0]], ()),  # a vector . one vector
+    ("matmul", [(3, 2, 4), SHARED_W[:, 0]], ()),
+    ("matmul", [SHARED_W[:, 0], (4, 3)], ()),  # one vector times each member's matrix
+    ("matmul", [SHARED_W.T, (4, 2)], ()),  # one matrix times each member's matrix
+    ("matmul", [(2, 4), (4,)], ()),  # attention's scores: states @ query, both per member
+    ("matmul", [(4,), (4, 3)], ()),  # attention's mix: weights @ states
+    ("matmul", [(2, 2, 4), (2, 4, 3)], ()),  # stacks of matrices per member
     ("dense", [(2, 4), SHARED_W, SHARED_ROW], ()),
     ("dense", [(4,), SHARED_W, SHARED_ROW], ()),
     ("dense", [(2, 4), SHARED_W, (3,)], ()),

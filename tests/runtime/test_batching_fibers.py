@@ -153,8 +153,9 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     # batching scheduler, and the last (a product among 5 nodes each).
     assert groups == [3 * 16] * STEPS + [5 * 16]
     groups.clear()
-    gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples)
-    assert groups[1:] == [3 * 16] * STEPS + [5 * 16]
+    gradients("monadic", True)  # forced: however fine (the first graph is the one holding the 16 examples,
+    # and the last its stack and sum, after the examples' bind layers)
+    assert groups[1:] == [3 * 16] * STEPS + [5 * 16, 2]
 
 
 def test_later_runs_read_earlier_groups_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,3 +373,109 @@ def test_coroutine_steps_take_no_task_or_turn_each(monkeypatch: pytest.MonkeyPat
 
 def _dense(g: Any) -> Any:
     return g.to_dense() if hasattr(g, "to_dense") else g
+
+
+def test_merged_runs_are_the_same_whichever_task_the_event_loop_runs_first() -> None:
+    """Trio runs ready tasks in random order: the examples' coroutine steps
+    came back in another order each run, and a merged run went without the
+    graphs of steps not yet back, so which graphs ran together, and the sums
+    of their groups' deltas, changed from run to run (4-6 distinct gradients
+    in 8 runs of this model)."""
+    import anyio
+
+    hidden = 16
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(hidden, hidden)) / np.sqrt(hidden))
+    v = ml.Weight(rng.normal(size=(hidden, 1)))
+    xs = [rng.normal(size=(1, hidden)) for _ in range(24)]
+
+    @ml.direct
+    async def example(x: ml.Array) -> ml.ScalarLayer:  # until its own halting value passes 0.6
+        h = ml.tanh(x @ w)
+        for _ in range(8):
+            p = await ml.sigmoid(h @ v)
+            if p[0, 0] > 0.6:
+                break
+            h = ml.tanh(h @ w)
+        return ml.sum(h * h) + ml.sum(ml.sigmoid(h @ v))
+
+    def once(backend: str) -> list[bytes]:
+        async def go() -> tuple[Any, dict[Any, Any]]:
+            return await entry.gradients(ml.sum(ml.stack([example(x) for x in xs])))
+
+        _, grads = anyio.run(go, backend=backend)
+        return [grads[w].tobytes(), grads[v].tobytes()]
+
+    reference = once("asyncio")
+    for _ in range(6):
+        assert once("trio") == reference
+
+
+class _Stop(BaseException):
+    """Not an Exception, nor a cancellation: as Ctrl-C's KeyboardInterrupt, or SystemExit."""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("way", ["monadic", "direct"])
+def test_a_base_exception_in_an_examples_code_surfaces_as_itself(backend: str, way: str) -> None:
+    # It came out of the driver's task group as a BaseExceptionGroup (a KeyboardInterrupt on trio).
+    import anyio
+
+    model = Walk()
+    before = [w.data.copy() for w in model.weights()]
+
+    @ml.direct
+    async def stops() -> ml.ScalarLayer:
+        await model.step(model.inputs[0], True)
+        raise _Stop
+
+    def stops_monadic() -> ml.ScalarLayer:
+        def stop(tape: Any) -> Any:
+            raise _Stop
+
+        return ml.Layer(model.step(model.inputs[0], True).forward().bind(stop))
+
+    examples = [getattr(model, way)(x) for x in model.inputs[1:4]]
+    loss = ml.sum(ml.stack([*examples, stops() if way == "direct" else stops_monadic()]))
+    with pytest.raises(_Stop):
+        anyio.run(loss.train, backend=backend)
+    for old, w in zip(before, model.weights()):
+        assert np.array_equal(old, w.data)
+
+
+def test_what_is_built_on_the_examples_bind_layers_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each example picks its input with `bind`; its RNN is built on that layer, outside
+    # the continuation: the graph of the batch holds the bind layers, and what was built
+    # on them ran node by node once they were computed (0 of 400 cells batched).
+    import anyio
+
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(4, 4)) / 2)
+    u = ml.Weight(rng.normal(size=(4, 4)) / 2)
+    cell = ml.operation(lambda x, h: ml.tanh(x @ w + h @ u))
+
+    def example(i: int) -> ml.ScalarLayer:
+        x = ml.as_layer(np.full((1, 4), 0.1 * i))
+        picked = ml.Layer(x.forward().bind(lambda t: (x * 2.0 if t.data.sum() > 1 else x * -1.0).forward()))
+        h: Any = np.zeros((1, 4))
+        for _ in range(6):
+            h = cell(picked, h)
+        return ml.sum(h * h)
+
+    cells: list[int] = []  # the members of each group of cells that ran batched
+    group = batched._Run.group
+
+    def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
+        before = self.batches
+        group(self, members, numbers_stack)
+        if self.batches > before and "lambda" in members[0]._op.name:
+            cells.append(len(members))
+
+    monkeypatch.setattr(batched._Run, "group", counting)
+    results = {}
+    for batching in (False, None):
+        with ml.settings(batching=batching):
+            results[batching] = anyio.run(ml.gradients, ml.sum(ml.stack([example(i) for i in range(48)])), [w, u])
+    assert cells == [48] * 6  # each step's cells, one group, after the bind layers (MIN_NODES: 256)
+    for a, b in zip(results[None], results[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-12)

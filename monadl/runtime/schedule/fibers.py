@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from itertools import pairwise
 from typing import Any, Final, final
 
 from monadl.layers._layer import Layer
@@ -151,6 +152,11 @@ class Parked:
         with `heights`). A graph that leads to a step is not held: its
         fiber's loop would run late, alone."""
         fibers, orders = self.fibers, self.orders
+        if len(fibers) > 1:  # in the order the branches were written: a merge's order, its sums', is the same every run
+            places = [f.place() for f in fibers]  # (trio resumes tasks in random order, and they park so)
+            if any(a > b for a, b in pairwise(places)):
+                ranks = sorted(range(len(fibers)), key=places.__getitem__)
+                fibers, orders = [fibers[k] for k in ranks], [orders[k] for k in ranks]
         steps = [(kind := order[-1]._site) in _steps or kind in _leads for order in orders]
         if all(steps) or not any(steps):
             self.fibers, self.orders = [], []
