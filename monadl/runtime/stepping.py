@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from monadl.direct import AwaitLayers, Passthrough, inside_direct
+from monadl.direct import AwaitLayers, Passthrough, cancel_scope, inside_direct
 from monadl.do import FORWARD, ZIP, Do
 from monadl.layers._layer import Layer
 from monadl.layers._weight import Weight
@@ -18,10 +18,13 @@ from monadl.runtime import frames as F
 __all__ = ["direct_next", "step_direct", "step_each", "step_in_task"]
 
 
-def step_direct(coroutine: Any, sending: Any, failure: BaseException | None) -> tuple[bool, Any]:
+def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, scope: object) -> tuple[bool, Any]:
     """Send into a direct-style coroutine: ``(True, result)`` when it returned,
-    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request."""
-    live = [True]  # (false once this step ends: a task the coroutine started may not await layers)
+    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request.
+    ``scope``: the task's innermost cancel scope (`cancel_scope`) when the
+    step began, before its first send (a foreign await may be inside a
+    scope of its own when the step goes on: ``anyio.sleep`` on trio)."""
+    live = [True, scope]  # (the flag is false once this step ends: a task the coroutine started may not await layers)
     flag = inside_direct.set(live)
     try:
         got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
@@ -45,11 +48,12 @@ async def step_in_task(
     stepped beside others in one task keeps its context variables to
     itself, as in a task of its own)."""
     failure: BaseException | None = None
+    scope = cancel_scope()  # (the same at each send of this task: read once)
     while True:
         if context is None:
-            done, got = step_direct(coroutine, sending, failure)
+            done, got = step_direct(coroutine, sending, failure, scope)
         else:
-            done, got = context.run(step_direct, coroutine, sending, failure)
+            done, got = context.run(step_direct, coroutine, sending, failure, scope)
         if done or type(got) is AwaitLayers:
             return done, got
         if before_waiting is not None:
