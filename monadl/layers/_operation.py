@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 from collections.abc import Callable
 from operator import is_not
@@ -75,6 +76,7 @@ R = TypeVar("R")
 
 # ---- the decorator ----------------------------------------------------------------------------
 _TRACES_LIMIT: Final = 256
+_log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 
 @final
@@ -226,6 +228,15 @@ class Operation(Generic[P, R]):
             placed = {j: (s, k) for j, s, k in views}
             trace = traced(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
+            count = len(self._traces)
+            if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
+                _log.debug(
+                    "operation %s has %d traces, one per signature: calls whose ints, strings or other static "
+                    "arguments, or data arrays' shapes or dtypes, differ never batch together (pass what differs "
+                    "per call as a float or an array)",
+                    self.__name__,
+                    count,
+                )
         if kinds is not None and not keep:
             self._learn(kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)

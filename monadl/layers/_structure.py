@@ -139,7 +139,10 @@ def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tup
 
     The backward builds the delta of ``x`` once, from the parts' deltas (zeros
     only for parts that got none), where a slice per part would build an
-    ``x``-sized array each: cut an LSTM's gate vector with it.
+    ``x``-sized array each: cut an LSTM's gate vector with it when it runs
+    node by node, or inside a marked cell (`monadl.operation`). Outside a
+    cell with batching on, slices batch and splits run one by one: there
+    slices are faster (a GRU, every op a layer: 68 against 104 ms a step).
 
     >>> import anyio, numpy as np
     >>> gates = np.arange(6.0)

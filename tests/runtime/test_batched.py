@@ -240,6 +240,33 @@ def test_a_group_that_runs_one_by_one_says_why_in_the_log(caplog: pytest.LogCapt
     assert not caplog.records  # (only at DEBUG)
 
 
+def test_the_log_says_what_else_runs_unbatched(caplog: pytest.LogCaptureFixture) -> None:
+    # A new user's checks found the log silent where batching did nothing: a graph the
+    # cost rule left alone, splits outside a cell, and calls of an operation that differ
+    # by an int (a trace, and groups, per value).
+    table = ml.Weight(np.linspace(-1, 1, 80).reshape(20, 4))
+    cell = ml.operation(lambda token, h: ml.tanh(table[token] + h))
+
+    def messages(loss: ml.ScalarLayer) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+            anyio.run(loss.predict)
+        return [r.getMessage() for r in caplog.records]
+
+    h: Any = np.zeros(4)
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        for token in range(9):
+            h = cell(token, h)  # (traced at the call)
+    (many,) = [r.getMessage() for r in caplog.records]
+    assert "<lambda> has 8 traces" in many and "never batch together" in many
+    (small,) = messages(ml.sum(h))
+    assert "a graph of 10 nodes" in small and "fewer than 256 nodes" in small
+    z = ml.as_layer(np.ones((1, 10)))
+    parts = [ml.split(z * float(i), 2, axis=1) for i in range(300)]
+    said = messages(ml.sum(ml.stack([ml.sum(a * b) for a, b in parts])))
+    assert any("300 nodes of split built at" in m and "slices batch" in m for m in said)
+
+
 def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
     from monadl.runtime.schedule.fibers import MIN_MERGED
     from monadl.runtime.settings import Settings

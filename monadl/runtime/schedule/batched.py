@@ -69,6 +69,7 @@ from monadl.runtime.schedule.batched_records import (
 )
 from monadl.runtime.schedule.batched_rule import (
     ALONE,
+    ALONE_WHY,
     DEFAULT_MIN_GROUP,
     FACTORED,
     MAX_MEMBER_SIZE,
@@ -289,8 +290,8 @@ class _Run:
         n = len(members)
         numbers_stack = numbers_stack and (op.elementwise or type(op.rule) is Program)  # (else by value)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
-            if rule is None and n > 1 and op.name not in ALONE:
-                declined(members, f"{op.name} has no batching rule")
+            if rule is None and n > 1:
+                declined(members, ALONE_WHY.get(op.name) or f"{op.name} has no batching rule")
             self.each(members)
             return
         records, groups = self.records, self.groups

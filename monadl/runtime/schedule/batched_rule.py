@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALONE",
+    "ALONE_WHY",
     "DEFAULT_MIN_GROUP",
     "FACTORED",
     "MAX_MEMBER_SIZE",
@@ -53,6 +54,9 @@ many nodes: the same step of the same model) is analysed below `MIN_NODES`:
 each of their operations has that many members of one signature."""
 
 
+_log: Final = logging.getLogger("monadl.batching")
+
+
 def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     """Whether to run ``order`` through the batching scheduler: cheap checks
     only, none that computes a signature.
@@ -77,15 +81,31 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     if forced:
         return True
     if len(order) < MIN_NODES and alike < MIN_ALIKE:
+        _unbatched(order, f"fewer than {MIN_NODES} nodes (MIN_NODES)")
         return False
     key = (order[-1]._site, len(order))
     verdict = _verdicts.get(key)
     if verdict is not None and verdict[1] % REPROBE:
         _verdicts[key] = (verdict[0], verdict[1] + 1)
+        if not verdict[0]:
+            _unbatched(order, "a chain, as when it was last judged (each node uses the one before: nothing to group)")
         return verdict[0]
     worth = not _is_chain(order)
     remember(key, worth)
+    if not worth:
+        _unbatched(order, "a chain (each node uses the one before: nothing to group)")
     return worth
+
+
+def _unbatched(order: list[Any], why: str) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a graph the cost rule leaves to run node by node."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "a graph of %d nodes (its last built at %s) runs unbatched: %s; ml.settings(batching=True) forces it",
+            len(order),
+            site_text(order[-1]._site),
+            why,
+        )
 
 
 def _is_chain(order: list[Any]) -> bool:
@@ -147,14 +167,18 @@ whole array of zeros per part; grouped so, an unmarked Tree-LSTM-like graph
 that cuts its gates with ``ml.split`` ran slower than with its splits one by
 one (512 members, 5 parts, H = 256: 56.7 against 53.2 ms)."""
 
+ALONE_WHY: Final = {
+    "split": "a split outside a marked cell runs one by one (its parts' deltas are its slots); slices batch",
+    "split_part": "a split's part outside a marked cell runs one by one; slices batch",
+    "output": "the view of one output of a marked cell, read outside a cell, runs one by one (a view, no copy)",
+}
+"""Why the groups of these primitives run node by node, for the log."""
+
 
 def coarse(args: list[Any], batched: list[bool], n: int) -> bool:
     """Whether a member's operands are large enough that its own kernel costs
     far more than the runtime's per-node work: then stacking only adds copies."""
     return any(b and getattr(a, "size", 0) > n * MAX_MEMBER_SIZE for a, b in zip(args, batched))
-
-
-_log: Final = logging.getLogger("monadl.batching")
 
 
 def declined(members: list[Any], why: str | None) -> None:
