@@ -4,8 +4,9 @@
 operation: ``z = h @ W`` (W: 32 x 64, float32) and then one body per row of
 the table, each the same arithmetic written with another op (slices,
 ``ml.split``, ``** 2.0``, ``ml.stack``, ``ml.reshape``, ``ml.transpose``,
-``ml.stop_gradient``), and one whose cell takes a Python float per call (a
-per-step scale). One ``train()`` (SGD) per round; the time is CPU seconds of
+``ml.stop_gradient``), one whose cell takes a Python float per call (a
+per-step scale), dot-product attention (a matrix times a vector, both the
+call's own), and a product by a shared vector. One ``train()`` (SGD) per round; the time is CPU seconds of
 this process, best of the rounds, BLAS limited to one thread. A cell whose
 program has a step that does not batch runs call by call with batching on:
 its "on" time is then about its "off" time.
@@ -35,6 +36,16 @@ def _halves(z: ml.ArrayLayer) -> ml.ArrayLayer:
     return ml.tanh(a) * ml.sigmoid(b)
 
 
+def _attend(z: ml.ArrayLayer) -> ml.ArrayLayer:
+    """Dot-product attention of a query over two states, all of the call's own."""
+    states = ml.reshape(z, (2, WIDTH))
+    scores = states @ ml.reshape(z[:, :WIDTH], (WIDTH,))  # (a matrix times a vector, both per call)
+    return ml.tanh(ml.reshape(ml.softmax(scores) @ states, (1, WIDTH)))
+
+
+_VECTOR = np.linspace(-0.5, 0.5, WIDTH, dtype=np.float32)
+
+
 BODIES: dict[str, Callable[[ml.ArrayLayer, float], ml.ArrayLayer]] = {
     "slices": lambda z, t: ml.tanh(z[:, :WIDTH]) * ml.sigmoid(z[:, WIDTH:]),
     "ml.split": lambda z, t: _halves(z),
@@ -44,6 +55,8 @@ BODIES: dict[str, Callable[[ml.ArrayLayer, float], ml.ArrayLayer]] = {
     "ml.transpose": lambda z, t: ml.transpose(ml.transpose(ml.tanh(z[:, :WIDTH]))),
     "ml.stop_gradient": lambda z, t: ml.tanh(z[:, :WIDTH] + ml.stop_gradient(z[:, WIDTH:])),
     "a float per call": lambda z, t: ml.tanh(z[:, :WIDTH]) * t,
+    "attention": lambda z, t: _attend(z),
+    "@ a shared vector": lambda z, t: ml.tanh(z[:, :WIDTH] * ml.reshape(z[:, WIDTH:] @ _VECTOR, (1, 1))),
 }
 
 
