@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Final
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._operands import NUMBERS
-from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs, batch_output
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
@@ -284,6 +284,8 @@ class _Run:
         first = members[0]
         op = first._op
         rule: Any = BATCHING_RULES.get(op.name) if op.name not in ALONE else None
+        if op is OUTPUT:
+            rule = batch_output
         minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2

@@ -170,7 +170,6 @@ one (512 members, 5 parts, H = 256: 56.7 against 53.2 ms)."""
 ALONE_WHY: Final = {
     "split": "a split outside a marked cell runs one by one (its parts' deltas are its slots); slices batch",
     "split_part": "a split's part outside a marked cell runs one by one; slices batch",
-    "output": "the view of one output of a marked cell, read outside a cell, runs one by one (a view, no copy)",
 }
 """Why the groups of these primitives run node by node, for the log."""
 
