@@ -169,11 +169,15 @@ def goal_layer(
             return Do.pure(timed(tapes, None))
         return Do.from_async(lambda: _threaded(timed, tapes))
 
-    tapes = Do.gather(bound[f].forward() for f in functors)
     entries = len(fixed) + sum(int(np.size(w.data)) for w in bound.values())
-    if measured.seconds <= current_settings().yield_interval_s and entries < THREAD_AXIOMS:  # (short)
-        return Layer(tapes.bind(inline))
-    return Layer(tapes.bind(in_a_thread))
+
+    def where(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
+        # (decided at each run: a layer built once and trained often follows its program's last run)
+        if measured.seconds <= current_settings().yield_interval_s and entries < THREAD_AXIOMS:  # (short)
+            return inline(tapes)
+        return in_a_thread(tapes)
+
+    return Layer(Do.gather(bound[f].forward() for f in functors).bind(where))
 
 
 def _within(seconds: float) -> Stop:

@@ -109,6 +109,9 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
         xp = namespace(b)
         out = b @ xp.matrix_transpose(a)
         return out, (lambda g: xp.matrix_transpose(g) @ b, lambda g: g @ a)
+    if bb and not ba and a.ndim == 1 and b.ndim == 2:
+        # One vector . every member's vector: (n, k) @ a.
+        return b @ a, (lambda g: g @ b, lambda g: g[:, None] * a)
     if bb and not ba and a.ndim <= 2 and b.ndim == 3:
         # One vector or matrix times every member's matrix: a broadcast product.
         xp = namespace(b)
@@ -118,7 +121,7 @@ def _matmul(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRe
                 lambda g: a[None, :, None] * g[:, None, :],
             )
         return a @ b, (lambda g: xp.sum(g @ xp.matrix_transpose(b), axis=0), lambda g: xp.matrix_transpose(a) @ g)
-    if ba and bb and a.ndim == b.ndim and a.ndim >= 2:
+    if ba and bb and a.ndim == b.ndim and a.ndim >= 2 and a.shape[:-2] == b.shape[:-2]:
         if a.ndim == 2:  # vector . vector per member
             xp = namespace(a)
             return xp.sum(a * b, axis=-1), (lambda g: g[:, None] * b, lambda g: g[:, None] * a)

@@ -48,9 +48,17 @@ class Fiber:
         fiber's down (the order its branches were written in, whichever of
         them a task finished first)."""
         place = self._place
-        if place is None:
-            join = self.join
-            place = self._place = () if join is None else (*join.fiber.place(), self.slot)
+        if place is None:  # (iteratively: fibers nest as deep as the user's recursion)
+            path: list[Fiber] = []
+            fiber: Fiber | None = self
+            while fiber is not None and fiber._place is None:
+                path.append(fiber)
+                join = fiber.join
+                fiber = None if join is None else join.fiber
+            known: tuple[int, ...] = () if fiber is None or fiber._place is None else fiber._place
+            for f in reversed(path):
+                known = f._place = () if f.join is None else (*known, f.slot)
+            return known
         return place
 
     def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:

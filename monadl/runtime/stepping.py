@@ -41,14 +41,17 @@ async def step_in_task(
     sending: Any,
     before_waiting: Callable[[], None] | None = None,
     context: contextvars.Context | None = None,
+    scope: object = None,
 ) -> tuple[bool, Any]:
     """`step_direct` until the coroutine asks for layers or returns, awaiting
     its foreign requests in this task; ``before_waiting`` is called once,
     before the first of them. ``context``: where its sends run (a coroutine
     stepped beside others in one task keeps its context variables to
-    itself, as in a task of its own)."""
+    itself, as in a task of its own). ``scope``: the task's innermost cancel
+    scope (`cancel_scope`), where the caller read it."""
     failure: BaseException | None = None
-    scope = cancel_scope()  # (the same at each send of this task: read once)
+    if scope is None:
+        scope = cancel_scope()  # (the same at each send of this task: read once)
     while True:
         if context is None:
             done, got = step_direct(coroutine, sending, failure, scope)
@@ -83,6 +86,7 @@ async def step_each(
     before it runs the parked graphs: which graphs run merged does not
     depend on the order the event loop runs its tasks in."""
     base = contextvars.copy_context()
+    scope = cancel_scope()  # (each step begins in it: read once for all)
     for k, (fiber, coroutine, sending) in enumerate(items):
         handed = False
 
@@ -94,7 +98,7 @@ async def step_each(
                 elsewhere(items[k + 1 :])
 
         try:
-            result = await step_in_task(coroutine, sending, hand_on, base.copy())
+            result = await step_in_task(coroutine, sending, hand_on, base.copy(), scope)
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # the interpreter hands it on: the original error (Ctrl-C too), not a group of one

@@ -346,6 +346,28 @@ async def test_a_run_that_never_ends_is_cancelled_and_stops(arrays: bool) -> Non
     assert await program.goal(("a",), weights={"w": w}, max_pops=4).predict() in (0.0, 1.0)
 
 
+@pytest.mark.anyio
+async def test_a_goal_layer_built_once_runs_where_its_programs_last_run_says() -> None:
+    import threading
+    import time
+
+    # The choice was made when the layer was built: a layer built once and run often
+    # started inline every time, blocked the loop for its turn, and was redone in a thread.
+    program = parse("a += 0.5 * a. a += w.")
+    starts: list[bool] = []  # per run: whether its first pop was in the loop's thread
+
+    def slow(run: Any) -> bool:
+        if run.pops == 1:
+            starts.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.003)  # (a run of 4 pops: longer than the loop's turn, 5 ms)
+        return bool(run.pops >= 4)
+
+    goal = program.goal(("a",), weights={"w": ml.Weight(1.0)}, stop=slow)
+    for _ in range(3):
+        await goal.predict()
+    assert starts == [True, False, False, False]  # (inline, dropped after its turn, then a thread each run)
+
+
 def test_an_array_program_stops_where_its_stop_says() -> None:
     from monadl.dyna import ArrayProgram
 

@@ -461,6 +461,7 @@ CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
     ("matmul", [(4,), SHARED_W[:, 0]], ()),  # a vector . one vector
     ("matmul", [(3, 2, 4), SHARED_W[:, 0]], ()),
     ("matmul", [SHARED_W[:, 0], (4, 3)], ()),  # one vector times each member's matrix
+    ("matmul", [SHARED_W[:, 0], (4,)], ()),  # one vector . each member's vector
     ("matmul", [SHARED_W.T, (4, 2)], ()),  # one matrix times each member's matrix
     ("matmul", [(2, 4), (4,)], ()),  # attention's scores: states @ query, both per member
     ("matmul", [(4,), (4, 3)], ()),  # attention's mix: weights @ states
@@ -673,6 +674,9 @@ def test_unbatchable_combinations_say_so() -> None:
     rule: Callable[..., Any] = BATCHING_RULES["getitem"]
     assert rule((np.ones((3, 4)), (np.array([0, 1]),)), (True, False), 3) is None
     assert BATCHING_RULES["matmul"]((np.ones(3), np.ones(3)), (False, False), 1) is None
+    # Stacks of matrices whose members broadcast ((1, 2, 3) @ (5, 3, 2)): the delta of the
+    # first would be of the broadcast shape, not its own; members one by one.
+    assert BATCHING_RULES["matmul"]((np.ones((4, 1, 2, 3)), np.ones((4, 5, 3, 2))), (True, True), 4) is None
 
 
 @pytest.mark.parametrize("rows", [2, 600])

@@ -479,3 +479,31 @@ def test_what_is_built_on_the_examples_bind_layers_batches(monkeypatch: pytest.M
     assert cells == [48] * 6  # each step's cells, one group, after the bind layers (MIN_NODES: 256)
     for a, b in zip(results[None], results[False]):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_fibers_nested_deeper_than_pythons_recursion_limit_park() -> None:
+    # Where a fiber sits (its branch's slots from the root, which orders a merge) was
+    # found recursively, a frame a level: 1,200 nested direct-style calls raised RecursionError.
+    import anyio
+
+    w = ml.Weight(np.array([0.5, -0.25]))
+    one = ml.as_layer(np.float64(1.0))
+
+    @ml.direct
+    async def leaf(k: int) -> ml.Expr[Any, Any]:
+        if k > 2:
+            return w  # (no graph: only the deepest fibers park)
+        h = w * float(k)
+        v = await h
+        return ml.sum(h) * (1.0 if v[0] > 0 else -1.0)
+
+    @ml.direct
+    async def nested(k: int) -> ml.ScalarLayer:
+        if k == 0:
+            return ml.sum(w * 3.0)
+        a, b = await ml.values(nested(k - 1), leaf(k))
+        return one * float(a + float(np.sum(b)))
+
+    for batching in (False, None):
+        with ml.settings(batching=batching):
+            assert anyio.run(nested(1200).predict) == 301.0

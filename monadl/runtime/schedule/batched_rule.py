@@ -39,6 +39,7 @@ __all__ = [
     "coarse",
     "declined",
     "remember",
+    "unbatched",
     "worth_batching",
 ]
 
@@ -81,23 +82,23 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     if forced:
         return True
     if len(order) < MIN_NODES and alike < MIN_ALIKE:
-        _unbatched(order, f"fewer than {MIN_NODES} nodes (MIN_NODES)")
+        unbatched(order, f"fewer than {MIN_NODES} nodes (MIN_NODES)")
         return False
     key = (order[-1]._site, len(order))
     verdict = _verdicts.get(key)
     if verdict is not None and verdict[1] % REPROBE:
         _verdicts[key] = (verdict[0], verdict[1] + 1)
         if not verdict[0]:
-            _unbatched(order, "a chain, as when it was last judged (each node uses the one before: nothing to group)")
+            unbatched(order, "a chain, as when it was last judged (each node uses the one before: nothing to group)")
         return verdict[0]
     worth = not _is_chain(order)
     remember(key, worth)
     if not worth:
-        _unbatched(order, "a chain (each node uses the one before: nothing to group)")
+        unbatched(order, "a chain (each node uses the one before: nothing to group)")
     return worth
 
 
-def _unbatched(order: list[Any], why: str) -> None:
+def unbatched(order: list[Any], why: str) -> None:
     """Log (at DEBUG, to ``monadl.batching``) a graph the cost rule leaves to run node by node."""
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(

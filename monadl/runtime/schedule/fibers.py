@@ -11,9 +11,11 @@ so (`MIN_MERGED` here, then
 `monadl.runtime.schedule.batched_rule.worth_batching`, told how many of the graphs
 are alike), so that the k examples' nodes of equal signature run as one
 kernel; then every parked fiber resumes with its values. A fiber whose
-direct-style coroutine a task is stepping is waited for one turn of the event
-loop (its step usually ends there, with a graph to join), no longer: it may be
-waiting for a parked fiber. So each example runs
+direct-style coroutine a task is stepping is waited for, unless its step said
+it awaits something foreign (it may be waiting for a parked fiber): so which
+graphs run together does not depend on the order the event loop runs tasks
+in (trio's is random), and the parked fibers are taken in the order their
+branches were written. So each example runs
 up to its next read, all pending nodes of all examples are computed together,
 each example gets its values and continues: what DyNet's autobatching (which
 stops at the first read) and Fold (which needs the whole structure first)
@@ -57,7 +59,7 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_rule import MIN_NODES
+from monadl.runtime.schedule.batched_rule import MIN_NODES, unbatched
 from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_MERGED", "PARKED", "Parked", "enabled", "heights", "merge", "parks", "run"]
@@ -192,7 +194,9 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     if order:
         # On a GPU a merged run pays however few its graphs: the host's launches are the cost.
         pays = current_settings().batching is True or len(orders) >= MIN_MERGED or len(order) >= MIN_NODES
-        if (pays or (cuda.loaded() and cuda.on_device(ev.records, order))) and batched.worth_batching(ev, order, alike):
+        if not pays and not (cuda.loaded() and cuda.on_device(ev.records, order)):
+            unbatched(order, f"a merge of {len(orders)} fibers' graphs, fewer than {MIN_MERGED} (MIN_MERGED)")
+        elif batched.worth_batching(ev, order, alike):
             if parked.groups is None:
                 parked.groups = Groups(ev.records, outer=True)
                 ev.effects = True  # (as a Do layer sets it) the counted release: it makes the factored deltas arrays
