@@ -23,8 +23,9 @@ them in one ``train()``), each step up to an ``await`` of layers runs within
 one task, in its own copy of the context variables, and what it awaits
 outside overlaps the other examples' work; a cancel scope may span awaits
 outside monadl but not an ``await`` of layers (the step after it may run in
-another task: `OperandError` says so for anyio's scopes and trio's, for one
-example as for many). Put a timeout around ``train()`` or ``predict()`` instead.
+another task, which anyio's and trio's scopes refuse to close in; with
+several examples, `OperandError` says so at the await). Put a timeout around
+``train()`` or ``predict()`` instead.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ D4 = TypeVar("D4")
 # Set by the machine while it steps a direct-style coroutine: a flag that is
 # true only during that one step (a task started inside copies the variable,
 # and runs after the step: there the flag reads false), and the innermost
-# cancel scope the step began in (`cancel_scope`).
+# cancel scope the step began in (`cancel_scope`), or `UNCHECKED` where every
+# step of the coroutine runs in one task (one example alone).
 inside_direct: Final[ContextVar[list[Any]]] = ContextVar("monadl_inside_direct", default=[False, None])  # noqa: B039
+UNCHECKED: Final = object()
+_asyncio_states: list[Any] = []  # (anyio's task states on asyncio, found once)
 
 
 def cancel_scope() -> object:
@@ -65,9 +69,13 @@ def cancel_scope() -> object:
     0.5 us on asyncio, 0.2 us on trio): no public call gives it, and where
     one of them changes, None (no check)."""
     if asyncio._get_running_loop() is not None:  # (no exception to raise where trio runs: it costs)
-        states = getattr(sys.modules.get("anyio._backends._asyncio"), "_task_states", None)
-        state = None if states is None else states.get(asyncio.current_task())
-        return getattr(state, "cancel_scope", None)
+        if not _asyncio_states:
+            states = getattr(sys.modules.get("anyio._backends._asyncio"), "_task_states", None)
+            if states is None:
+                return None
+            _asyncio_states.append(states)
+        state = _asyncio_states[0].get(asyncio.current_task())
+        return None if state is None else getattr(state, "cancel_scope", None)
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
@@ -97,7 +105,8 @@ class AwaitLayers:
                 "a Layer can be awaited only inside an @ml.direct function, during its evaluation, in the "
                 "function's own task (not in a task it starts); elsewhere use `await layer.predict()`"
             )
-        if cancel_scope() is not step[1]:  # (the next step may run in another task: the scope's exit would fail)
+        scope = step[1]
+        if scope is not UNCHECKED and cancel_scope() is not scope:  # (the next step may run in another task)
             raise OperandError(
                 "an @ml.direct function awaits layers inside a cancel scope it opened (move_on_after, "
                 "fail_after, CancelScope): the step after this await may run in another task, where the scope "

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Generator
 from typing import Any, Final
 
-from monadl.direct import AwaitLayers, Passthrough, cancel_scope
+from monadl.direct import UNCHECKED, AwaitLayers, Passthrough
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.layers._layer import Expr
 from monadl.layers._weight import Weight
@@ -199,9 +199,8 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     sending = val.data if frame.single else tuple(x.data for x in val)
                 if live == 1:
                     failure: BaseException | None = None
-                    scope = cancel_scope()  # (before its foreign awaits: a sleep opens a scope of its own)
-                    while True:
-                        done, got = step_direct(frame.coroutine, sending, failure, scope)
+                    while True:  # (one task steps it: a scope may span its awaits of layers)
+                        done, got = step_direct(frame.coroutine, sending, failure, UNCHECKED)
                         if done or type(got) is AwaitLayers:
                             break
                         try:
