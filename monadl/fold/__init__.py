@@ -23,7 +23,15 @@ inputs: blocks do no batching of their own. Blocks run as nested Python
 calls, compiled once per ``batch``; past a depth of recursion (32 routes
 and builds open) the rest of an input runs on an explicit stack (each block is a
 generator of requests for its sub-blocks' outputs), so recursion as deep as
-the input never reaches Python's recursion limit.
+the input never reaches Python's recursion limit; a recursion that makes no
+progress (a declaration resolved to itself, a case that applies its own
+declaration to the same input, an input that contains itself) raises
+`RecursionError`, as Python's would.
+
+A block of one's own subclasses `Block` and writes ``_build``, a generator
+typed `Build` of its output that asks for a sub-block's output with
+``y = yield from call(block, x)``; a sub-block's error is raised there, so
+the build may catch it.
 
 `Scalar`, `Vector` and `Zeros` make float32 rows unless given a dtype
 (``Vector(2, "float64")`` beside float64 weights: an operation's operands
@@ -41,7 +49,7 @@ The example below passes ``mypy --strict`` as it is (its lambdas' types named):
 1.523188
 """
 
-from monadl.fold._block import Block, Composition, ForwardDeclaration, call
+from monadl.fold._block import Block, Build, Composition, ForwardDeclaration, call
 from monadl.fold._blocks import (
     AllOf,
     Fold,
@@ -60,6 +68,7 @@ from monadl.fold._blocks import (
 __all__ = [
     "AllOf",
     "Block",
+    "Build",
     "Composition",
     "Fold",
     "ForwardDeclaration",

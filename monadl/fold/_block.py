@@ -198,10 +198,23 @@ def _done(y: Y) -> Build[Y]:
 def call(block: Block[X, Y], x: X) -> Build[Y]:
     """Inside a `Block._build`: ``y = yield from call(block, x)`` asks the
     evaluator for ``block``'s output on ``x``, typed as ``block``'s output.
+    An error of ``block`` is raised there, as a function's error is where
+    it is called: a build may catch it (below), and what it does not catch
+    goes on to the block that applied it, with the traceback it had. Only a
+    `StopIteration` goes straight on (thrown into a generator, it would turn
+    into a `RuntimeError`).
 
     >>> from monadl.fold import InputTransform
     >>> list(call(InputTransform(len), "ab"))[0][1]  # the request it yields
     'ab'
+    >>> class Parsed(Block[str, int]):  # a number, or -1 where the text is none
+    ...     def _build(self, text: str) -> Build[int]:
+    ...         try:
+    ...             return (yield from call(InputTransform(int), text))
+    ...         except ValueError:
+    ...             return -1
+    >>> Parsed().batch(["12", "x"])
+    [12, -1]
     """
     y: Y = yield (block, x)
     return y
@@ -305,7 +318,9 @@ class ForwardDeclaration(Route[X, Y]):
         self.name = name
 
     def resolve_to(self, block: Block[X, Y]) -> None:
-        """Define the declared block (once).
+        """Define the declared block (once). A declaration resolved to itself,
+        or to a declaration that reaches it, is refused: it would apply itself
+        to the same input for ever.
 
         >>> from monadl.fold import InputTransform
         >>> length = ForwardDeclaration[str, int]()
@@ -315,6 +330,15 @@ class ForwardDeclaration(Route[X, Y]):
         """
         if self._target is not None:
             raise ValueError(f"{self!r}.resolve_to: already resolved")
+        target: Block[X, Y] | None = block
+        while type(target) is ForwardDeclaration:  # (a chain of declarations ends: each was checked so)
+            if target is self:
+                through = "" if block is self else f" (through {block!r})"
+                raise ValueError(
+                    f"{self!r}.resolve_to: resolved to itself{through}, it would apply itself to the same input "
+                    "for ever; resolve it to a block that uses it on a part of the input"
+                )
+            target = target._target
         self._target = block
 
     def _route(self, x: X) -> Block[X, Y]:

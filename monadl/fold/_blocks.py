@@ -8,6 +8,7 @@ batching stacks the rows of equal operations across nodes and inputs.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar, cast, final, overload
 
@@ -234,6 +235,15 @@ class OneOf(Route[X, Y]):
     >>> sign = OneOf(lambda n: n >= 0, {True: InputTransform(lambda n: "+"), False: InputTransform(lambda n: "-")})
     >>> sign(-2), sign(3)
     ('-', '+')
+
+    Cases whose input types differ (`Zeros` takes any object, `Vector` a
+    sequence) are joined by mypy to ``object`` in a dict literal, which it
+    then rejects (``dict[bool, object]``: mypy joins a contravariant type
+    argument as an invariant one). Name the types where mypy can read them:
+    annotate the variable (``choose: Block[Sequence[float], ArrayLayer] =
+    OneOf(...)``), name the block's types (``OneOf[Sequence[float],
+    ArrayLayer](is_empty, {True: Zeros((2,)), False: Vector(2)})``), or
+    annotate the dict (``dict[bool, Block[Sequence[float], ArrayLayer]]``).
     """
 
     __slots__ = ("cases", "key")
@@ -247,7 +257,14 @@ class OneOf(Route[X, Y]):
         return self._case(self.key(x))
 
     def _case(self, k: Hashable) -> Block[X, Y]:
-        if k not in self.cases:
+        try:
+            known = k in self.cases
+        except TypeError:  # (a dict's: the key is unhashable)
+            raise TypeError(
+                f"{self!r}: its key function gave {k!r:.80}, a {type(k).__name__}, which is unhashable, so no "
+                f"case of the {type(self.cases).__name__} matches it; return a hashable key (a tuple for a list)"
+            ) from None
+        if not known:
             raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
         return self.cases[k]
 
@@ -327,6 +344,13 @@ class Record(Block[X, T]):
     (3,)
     >>> Record([("b", InputTransform(len)), ("a", InputTransform(len))])({"a": "x", "b": "yz"})
     (2, 1)
+
+    The tuple form is typed field by field up to four blocks, and as
+    ``tuple[Any, ...]`` beyond. In the mapping form, mypy joins blocks of
+    different input types to ``object`` (see `OneOf`) and rejects the dict
+    literal: annotate the variable (``rec: Block[Mapping[str, Any],
+    tuple[ArrayLayer, ...]] = Record({...})``) or the dict
+    (``dict[str, Block[Any, ArrayLayer]]``).
     """
 
     __slots__ = ("blocks", "keys")
@@ -359,6 +383,8 @@ class Record(Block[X, T]):
         b4: Block[X4, Y4],
         /,
     ) -> None: ...
+    @overload
+    def __init__(self: Record[tuple[Any, ...], tuple[Any, ...]], *blocks: Block[Any, Any]) -> None: ...
     def __init__(self, *fields: Any) -> None:
         if len(fields) == 1 and isinstance(fields[0], Mapping | Sequence):
             pairs = list(fields[0].items() if isinstance(fields[0], Mapping) else fields[0])
@@ -382,7 +408,16 @@ class Record(Block[X, T]):
         else:
             if not isinstance(x, Mapping):
                 raise ValueError(f"Record with keys {list(self.keys)} was given {type(x).__name__}, not a mapping")
-            fields = [x[k] for k in self.keys]
+            try:
+                fields = [x[k] for k in self.keys]
+            except KeyError:
+                missing = [k for k in self.keys if k not in x]
+                if not missing:  # (a mapping whose own lookup failed)
+                    raise
+                raise KeyError(
+                    f"{self!r} was given a {type(x).__name__} without the key{'s' * (len(missing) > 1)} "
+                    f"{', '.join(map(repr, missing))} (its keys: {reprlib.repr(list(x))})"
+                ) from None
         ys = []
         for block, field in zip(self.blocks, fields):
             ys.append((yield from call(block, field)))

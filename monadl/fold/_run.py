@@ -18,6 +18,14 @@ that input runs on `evaluate`'s explicit stack, whose pending builds are on
 the heap, and a tree of depth 100,000 never reaches Python's recursion
 limit. Compositions and parallel blocks nest as deep as the structure, so a
 structure deeper than `NESTING` runs on the explicit stack from there.
+
+A recursion that makes no progress (a declaration resolved to itself, a
+`OneOf` that routes to itself on the same input, an input that contains
+itself) raises `RecursionError` past `LIMIT` levels, as Python's own would,
+where it would spin or fill the memory. A block's error is thrown into the
+build waiting for its output (``gen.throw``), so a block of one's own may
+catch a sub-block's error around ``yield from call(...)``; one that no build
+catches is raised as it was.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 if TYPE_CHECKING:
-    from monadl.fold._block import Block
+    from monadl.fold._block import Block, Request
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -44,6 +52,12 @@ and random 128-leaf trees are 11-20 levels deep."""
 NESTING: Final = 8
 """Compositions and parallel blocks nested in one closure; with `DEPTH`,
 at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
+LIMIT: Final = 1_000_000
+"""Levels of recursion open at once on the explicit stack (its pending
+blocks, and the routes followed to the block at hand) before a run raises
+`RecursionError`. A tree's level is a few of them (a Tree-LSTM's: two), so
+trees far deeper than 100,000 levels build; an input that contains itself,
+walked by a `Map`, stops there in a few seconds, at about 350 MB."""
 
 Run = Callable[[Any], Any]
 
@@ -154,7 +168,22 @@ class _Runner:
                         sub, arg = requests.send(sent)
                     except StopIteration as done:
                         return done.value
-                    sent = (closures.get(sub) or compiled(sub))(arg)  # (a sub-block's StopIteration is its own)
+                    while True:  # (a second turn only where the build caught a sub-block's error and asks again)
+                        try:
+                            sent = (closures.get(sub) or compiled(sub))(arg)
+                            break
+                        except StopIteration:  # (not thrown in: a generator would turn it into a RuntimeError)
+                            raise
+                        except Exception as exc:  # thrown into the build, which may catch it
+                            traceback = exc.__traceback__
+                            try:
+                                sub, arg = requests.throw(exc)
+                            except StopIteration as done:
+                                return done.value
+                            except Exception as passed:
+                                if passed is exc:  # (not caught: raised as it came, the build's frames not added)
+                                    passed.__traceback__ = traceback
+                                raise
             finally:
                 self.depth -= 1
 
@@ -163,6 +192,14 @@ class _Runner:
 
 def _itself(block: Any) -> Any:
     return block
+
+
+def _too_deep(block: Block[Any, Any]) -> RecursionError:
+    return RecursionError(
+        f"monadl.fold: more than {LIMIT:,} levels of recursion open at {block!r}; probably a recursion that makes "
+        "no progress: a declaration resolved to itself, a route that reaches itself on the same input (a OneOf "
+        "case that starts with the declaration it defines), or a cyclic input (a node that is its own descendant)"
+    )
 
 
 # ---- the explicit stack ---------------------------------------------------------------------------
@@ -202,52 +239,100 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
     sent: Any = None
     sub: Any  # (a block of the kind read: typed Any, its attributes read without a cast per step)
     while True:
-        if request is not None:
-            sub, arg = request
-            request = None
-            while True:  # follow compositions and routes to a block that builds
-                kind = sub._kind
-                if kind is COMPOSITION:
-                    first = sub.first
-                    if first._kind is IMMEDIATE:  # its output now: no _Then to wait
-                        arg = first._output(arg)
-                        sub = sub.second
-                        continue
-                    stack.append(_Then(sub.second))
-                    sub = first
-                elif kind is ROUTE:
-                    sub = sub._route(arg)
-                elif kind is PARALLEL and sub.blocks:  # its first block now, the others as outputs come
-                    stack.append(_Outputs(sub.blocks, arg))
-                    sub = sub.blocks[0]
+        try:
+            if request is not None:
+                sub, arg = request
+                request = None
+                levels = len(stack)  # (the recursion open: the pending blocks, and the routes followed below)
+                while True:  # follow compositions and routes to a block that builds
+                    kind = sub._kind
+                    if kind is COMPOSITION:
+                        first = sub.first
+                        if first._kind is IMMEDIATE:  # its output now: no _Then to wait
+                            arg = first._output(arg)
+                            sub = sub.second
+                            continue
+                        stack.append(_Then(sub.second))
+                        sub = first
+                    elif kind is ROUTE:
+                        levels += 1
+                        if levels > LIMIT:
+                            raise _too_deep(sub)
+                        sub = sub._route(arg)
+                    elif kind is PARALLEL and sub.blocks:  # its first block now, the others as outputs come
+                        stack.append(_Outputs(sub.blocks, arg))
+                        sub = sub.blocks[0]
+                    else:
+                        break
+                if kind is IMMEDIATE:
+                    sent = sub._output(arg)
+                elif kind is PARALLEL:  # (of no blocks)
+                    sent = ()
                 else:
-                    break
-            if kind is IMMEDIATE:
-                sent = sub._output(arg)
-            elif kind is PARALLEL:  # (of no blocks)
-                sent = ()
-            else:
-                stack.append(sub._build(arg))
-                sent = None
-        if not stack:
-            result: Y = sent
-            return result
-        top = stack[-1]
-        if type(top) is _Then:
-            stack.pop()
-            request = (top.block, sent)
-            continue
-        if type(top) is _Outputs:
-            ys = top.ys
-            ys.append(sent)
-            if len(ys) < len(top.blocks):
-                request = (top.blocks[len(ys)], top.x)
-            else:
+                    if levels >= LIMIT:
+                        raise _too_deep(sub)
+                    stack.append(sub._build(arg))
+                    sent = None
+            if not stack:
+                result: Y = sent
+                return result
+            top = stack[-1]
+            if type(top) is _Then:
                 stack.pop()
-                sent = tuple(ys)
+                request = (top.block, sent)
+                continue
+            if type(top) is _Outputs:
+                ys = top.ys
+                ys.append(sent)
+                if len(ys) < len(top.blocks):
+                    request = (top.blocks[len(ys)], top.x)
+                else:
+                    stack.pop()
+                    sent = tuple(ys)
+                continue
+            try:
+                request = top.send(sent)
+            except StopIteration as done:
+                stack.pop()
+                sent = done.value
+            except Exception:
+                stack.pop()  # (its own code raised: it is finished)
+                raise
+        except Exception as exc:
+            caught = _unwind(stack, exc)
+            if caught is None:
+                raise  # (as it was raised: its traceback has no frames of the builds it went through)
+            request, sent = caught
+
+
+def _unwind(stack: list[Any], error: Exception) -> tuple[Request | None, Any] | None:
+    """After a block's ``error``: the stack unwound to the nearest suspended
+    build, which the error is thrown into (as a Python error goes to the
+    nearest caller), the compositions and parallel blocks that waited above
+    it dropped. What that build does next: its next request, or None and its
+    output. None where no build catches it, its traceback as it came (the
+    builds it went through add no frames: through the stack they would be
+    one a level); `StopIteration` is not thrown in (a generator would turn it
+    into a `RuntimeError`). An error a build raises in its place goes on down
+    the stack, and is raised if none catches it."""
+    if isinstance(error, StopIteration):
+        return None
+    thrown, traceback = error, error.__traceback__
+    while stack:
+        build = stack.pop()
+        if type(build) is _Then or type(build) is _Outputs:
             continue
         try:
-            request = top.send(sent)
+            request = build.throw(thrown)
         except StopIteration as done:
-            stack.pop()
-            sent = done.value
+            return None, done.value
+        except Exception as passed:
+            if passed is not thrown:  # the build's own error, in place of the one thrown
+                thrown, traceback = passed, passed.__traceback__
+            continue
+        stack.append(build)
+        return request, None
+    thrown.__traceback__ = traceback
+    if thrown is not error:
+        raise thrown
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import monadl as ml
 from monadl.fold import (
     AllOf,
     Block,
+    Build,
     Fold,
     ForwardDeclaration,
     Function,
@@ -29,7 +31,7 @@ from monadl.fold import (
     Zeros,
     call,
 )
-from monadl.fold._block import Build
+from monadl.fold._run import evaluate
 
 
 def value(layer: ml.Layer[Any, Any]) -> Any:
@@ -390,3 +392,216 @@ def test_a_block_of_your_own_prints_its_class() -> None:
 
     assert Twice()(-3) == 6
     assert repr(Twice()) == "Twice(...)"
+
+
+# ---- recursion that makes no progress ---------------------------------------------------------------
+def test_a_declaration_resolved_to_itself_is_refused() -> None:
+    loop = ForwardDeclaration[int, int]("loop")
+    with pytest.raises(ValueError, match=r"ForwardDeclaration\('loop'\)\.resolve_to: resolved to itself"):
+        loop.resolve_to(loop)
+    a, b = ForwardDeclaration[int, int]("a"), ForwardDeclaration[int, int]("b")
+    a.resolve_to(b)
+    with pytest.raises(ValueError, match=r"resolved to itself \(through ForwardDeclaration\('a'\)\)"):
+        b.resolve_to(a)
+    b.resolve_to(InputTransform(abs))  # (the refused one left it unresolved)
+    assert a(-2) == 2
+
+
+def test_a_route_that_reaches_itself_on_the_same_input_raises_recursion_error() -> None:
+    """A left-recursive `OneOf` spun for ever on the explicit stack (routes
+    leave nothing on it), or filled the memory through a composition; it
+    stops at `_run.LIMIT` levels, as Python's own recursion would."""
+    left = ForwardDeclaration[int, int]("left")
+    left.resolve_to(OneOf(lambda n: n > 0, {True: left, False: InputTransform[int, int](abs)}))
+    assert left(-3) == 3
+    with pytest.raises(RecursionError, match=r"more than 1,000,000 levels .*a route that reaches itself"):
+        left(1)
+    composed = ForwardDeclaration[int, int]("composed")
+    composed.resolve_to(
+        OneOf(
+            lambda n: n > 0, {True: composed >> InputTransform[int, int](lambda n: n + 1), False: InputTransform(abs)}
+        )
+    )
+    with pytest.raises(RecursionError, match=r"ForwardDeclaration\('composed'\)|OneOf") as info:
+        composed.batch([0, 1])
+    assert info.value.__notes__ == [f"monadl.fold: while building input 1 (a int) of the batch with {composed!r}"]
+
+
+class Node:
+    """A node of a graph: a tree, unless it is its own descendant."""
+
+    def __init__(self, *children: Node) -> None:
+        self.children = list(children)
+
+
+@pytest.mark.parametrize("kind", ["map", "all_of"])
+def test_an_input_that_contains_itself_raises_recursion_error(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input that is its own descendant grew the explicit stack without
+    bound (through `Map`'s builds, or `AllOf` and compositions, which build
+    nothing); it stops at `_run.LIMIT` levels (lowered here: the test's time)."""
+    from monadl.fold import _run
+
+    size = ForwardDeclaration[Node, int]("size")
+    if kind == "map":
+        size.resolve_to(InputTransform[Node, list[Node]](lambda n: n.children) >> Map(size) >> InputTransform(sum))
+    else:
+        pair = AllOf(
+            InputTransform[Node, Node](lambda n: n.children[0]) >> size, InputTransform[Node, int](lambda n: 1)
+        )
+        size.resolve_to(
+            OneOf(lambda n: not n.children, {True: InputTransform(lambda n: 1), False: pair >> InputTransform(sum)})
+        )
+    chain = Node()
+    for _ in range(5000):
+        chain = Node(chain)
+    assert size(chain) == (0 if kind == "map" else 5001)
+    monkeypatch.setattr(_run, "LIMIT", 20_000)
+    cyclic = Node()
+    cyclic.children.append(cyclic)
+    with pytest.raises(RecursionError, match=r"more than 20,000 levels .*ForwardDeclaration\('size'\).*a cyclic input"):
+        size(Node(Node(cyclic)))
+
+
+def test_a_tree_of_depth_100_000_still_builds() -> None:
+    """The limit is far past a deep tree's levels: a recursion through seven
+    compositions (eight levels of the explicit stack per level of the tree)."""
+    depth = ForwardDeclaration[Any, int]()
+    body: Block[Any, Any] = InputTransform[Any, Any](lambda t: t[0]) >> depth
+    for _ in range(6):
+        body = body >> InputTransform[Any, Any](lambda v: v)
+    depth.resolve_to(
+        OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: body >> InputTransform(lambda n: n + 1)})
+    )
+    deep: Any = None
+    for _ in range(100_000):
+        deep = (deep,)
+    assert depth(deep) == 100_000
+
+
+# ---- a block of one's own catches a sub-block's error -------------------------------------------------
+class Try(Block[Any, Any]):
+    """``block(x)``, or ``fallback(x)`` where ``block`` raises ValueError."""
+
+    def __init__(self, block: Block[Any, Any], fallback: Block[Any, Any]) -> None:
+        self.block, self.fallback = block, fallback
+
+    def _build(self, x: Any) -> Build[Any]:
+        try:
+            y = yield from call(self.block, x)
+        except ValueError:
+            y = yield from call(self.fallback, x)
+        return y
+
+
+class Fails(Block[Any, Any]):
+    """A build whose own code raises (after a request), as a parser might."""
+
+    def _build(self, x: Any) -> Build[Any]:
+        yield from call(InputTransform(str), x)
+        raise ValueError(f"no number in {x!r}")
+
+
+def parse(text: str) -> int:
+    return int(text)  # the user's line an uncaught error names
+
+
+@pytest.mark.parametrize("depth", [None, 0])
+def test_a_build_catches_a_sub_blocks_error(depth: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error is thrown into the build that waits for it (``gen.throw``),
+    through nested calls (``depth`` None) and the explicit stack (0: all of
+    it there), past the compositions and parallel blocks that waited on it."""
+    from monadl.fold import _run
+
+    if depth is not None:
+        monkeypatch.setattr(_run, "DEPTH", depth)
+    minus_one = InputTransform[Any, int](lambda s: -1)
+    safe = Try(InputTransform(parse), minus_one)
+    assert safe("12") == 12 and safe("x") == -1
+    assert Map(safe)(["1", "x", "3"]) == [1, -1, 3]
+    waiting = AllOf(InputTransform(len), InputTransform(str.upper) >> InputTransform(parse) >> InputTransform(str))
+    assert Map(Try(waiting, minus_one))(["7", "x"]) == [(1, "7"), -1]
+    assert Try(Fails(), minus_one)("x") == -1  # (the build that raised is finished: the error goes to the one below)
+    assert Try(Try(InputTransform(parse), Fails()), minus_one)("x") == -1  # a fallback's error, caught further down
+    tries = 0
+
+    class Retry(Block[str, int]):  # catches, asks again, and catches again
+        def _build(self, text: str) -> Build[int]:
+            nonlocal tries
+            for attempt in [text, text + "0", "5"]:
+                tries += 1
+                try:
+                    return (yield from call(InputTransform(parse), attempt))
+                except ValueError:
+                    continue
+            raise AssertionError("unreachable")
+
+    assert Retry().batch(["1", "y"]) == [1, 5] and tries == 4
+    declared = ForwardDeclaration[Any, Any]()  # caught through a route, deep on the stack
+    declared.resolve_to(
+        OneOf(lambda t: isinstance(t, tuple), {True: InputTransform[Any, Any](lambda t: t[0]) >> declared, False: safe})
+    )
+    deep: Any = "x"
+    for _ in range(3 * sys.getrecursionlimit()):
+        deep = (deep,)
+    assert declared.batch([deep, ("4",)]) == [-1, 4]
+
+
+@pytest.mark.parametrize("depth", [None, 0])
+def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its type, the runner's note and the user's line are kept, and the
+    builds it went through add no frames (a deep input's would be many)."""
+    from monadl.fold import _run
+
+    if depth is not None:
+        monkeypatch.setattr(_run, "DEPTH", depth)
+    parsed = Map(Try(InputTransform(parse), InputTransform(len) >> InputTransform(lambda n: 1 / (n - 1))))
+    assert parsed(["12", "ab"]) == [12, 1.0]
+    with pytest.raises(ZeroDivisionError) as info:
+        parsed(["1", "a"])
+    assert info.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {parsed!r}"]
+    assert isinstance(info.value.__context__, ValueError)  # raised while the build handled parse's error
+    nested = ForwardDeclaration[Any, Any]()
+    nested.resolve_to(Map(OneOf(lambda t: isinstance(t, list), {True: nested, False: InputTransform(parse)})))
+    for levels in (10, 3 * sys.getrecursionlimit()):
+        deep: Any = ["x"]
+        for _ in range(levels):
+            deep = [deep]
+        with pytest.raises(ValueError, match="invalid literal") as caught:
+            nested(deep)
+        frames = traceback.extract_tb(caught.value.__traceback__)
+        assert (
+            frames[-1].name == "parse"
+            and frames[-1].line == "return int(text)  # the user's line an uncaught error names"
+        )
+        assert len(frames) < 60  # (as many as the nested calls: never one a level of the input)
+        assert caught.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}"]
+    with pytest.raises(StopIteration):  # not thrown into the builds: a generator would make it a RuntimeError
+        Map(InputTransform[Any, Any](next))([iter([1]), iter([])])
+
+
+# ---- error messages -----------------------------------------------------------------------------------
+def letters(word: str) -> Any:  # (typed Any: mypy rejects a key function that gives an unhashable type)
+    return list(word)
+
+
+def test_a_one_of_key_that_is_unhashable_is_one_clear_error() -> None:
+    block = OneOf[str, int](letters, {("a",): InputTransform(len)})
+    with pytest.raises(
+        TypeError,
+        match=r"^OneOf\(letters, \{\('a',\): InputTransform\(len\)\}\): .*\['a'\], a list, which is unhashable",
+    ) as info:
+        block("a")
+    assert info.value.__suppress_context__  # one error, not the lookup's TypeError twice, chained
+    with pytest.raises(TypeError, match=r"\['a'\], a list, which is unhashable"):
+        evaluate(block, "a")  # (the explicit stack's route)
+
+
+def test_a_record_given_a_mapping_without_a_key_names_the_block_and_the_key() -> None:
+    record = Record({"a": Scalar(), "b": Scalar(), "c": Scalar()})
+    with pytest.raises(
+        KeyError, match=r"Record\(\{'a': Scalar\('float32'\), .*\}\) was given a dict without the keys 'a', 'c' \(its "
+    ) as info:
+        record({"b": 1.0})
+    assert str(info.value).endswith("(its keys: ['b'])\"") and info.value.__suppress_context__
+    with pytest.raises(KeyError, match=r"without the key 'a' \("):
+        record({"b": 1.0, "c": 2.0})

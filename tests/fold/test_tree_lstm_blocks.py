@@ -80,4 +80,5 @@ def test_the_block_graph_is_an_ordinary_graph_that_batching_groups() -> None:
         assert batched.worth_batching(ev, order)
         assert batched.forward(ev, order) == []  # every node ran, in groups or alone
     groups = [key for key in ev.records if type(key) is Record]  # the stack and group records batching added
-    assert 10 < len(groups) < len(order) // 4
+    cells = [g for g in groups if g.node._op.name != "output"]  # (the roots' views of h group too: 4 here)
+    assert 10 < len(cells) < len(order) // 4
