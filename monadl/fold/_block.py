@@ -300,11 +300,15 @@ class ForwardDeclaration(Route[X, Y]):
         name: what its repr, and so an error, calls it (by default its id):
             a declaration is never printed as its block, which uses it.
 
+    It passes ``mypy --strict`` as it is (the lambdas' types named):
+
     >>> from monadl.fold import InputTransform, OneOf
-    >>> depth = ForwardDeclaration[tuple[Any, ...] | None, int]()
-    >>> one_more = InputTransform(lambda t: t[0]) >> depth >> InputTransform(lambda d: d + 1)
-    >>> depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform(lambda t: 0), False: one_more}))
-    >>> nested = None
+    >>> Nested = tuple[Any, ...] | None
+    >>> depth = ForwardDeclaration[Nested, int]()
+    >>> inner = InputTransform[Nested, Nested](lambda t: t[0] if t is not None else None)
+    >>> one_more = inner >> depth >> InputTransform[int, int](lambda d: d + 1)
+    >>> depth.resolve_to(OneOf(lambda t: t is None, {True: InputTransform[Nested, int](lambda t: 0), False: one_more}))
+    >>> nested: Nested = None
     >>> for _ in range(5000):
     ...     nested = (nested,)
     >>> depth(nested)
