@@ -56,8 +56,8 @@ class Unvalued:
 
     if not TYPE_CHECKING:  # (to mypy it stays no number and no array: float(layer) is rejected)
 
-        def __float__(self) -> NoReturn:
-            self._unread("float()")
+        def __float__(self) -> NoReturn:  # (math's functions call it: math.exp(layer) is ml.exp(layer))
+            self._unread("float() (math.exp and math's other functions read one: use ml.exp, ml.log, ... on layers)")
 
         def __int__(self) -> NoReturn:
             self._unread("int()")
