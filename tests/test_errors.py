@@ -110,6 +110,8 @@ def test_a_layers_truth_and_order_are_refused_while_building() -> None:
     for read in ("float(x)", "int(x)", "complex(x)", "np.asarray(x)", "[1, 2][x]"):  # (mypy rejects most)
         with pytest.raises(ml.OperandError, match="no value while the graph is built"):
             eval(read)
+    with pytest.raises(ml.OperandError, match=r"math.exp and math's other functions read one: use ml.exp"):
+        eval("math.exp(x)", {"math": __import__("math"), "x": x})  # (a user's cell: what to use instead)
     for read in ("float(w)", "np.asarray(w)", "[1, 2][w]"):  # a weight has a value, read through .data
         with pytest.raises(ml.OperandError, match=r"its value now is w\.data"):
             eval(read, {"np": np, "w": ml.Weight(np.ones(2))})
