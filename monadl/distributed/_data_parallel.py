@@ -50,7 +50,9 @@ from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
 from monadl.distributed._same_model import describe, mismatch, same_model, shape_of
+from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 from monadl.layers import Layer, Weight
+from monadl.layers._replace import replace_state
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
@@ -127,7 +129,7 @@ class DataParallel:
         self._comm = mpi_world() if comm is None else comm
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
-        self._described = [describe(name, weight._data) for name, weight in named.items()]
+        self._described = [describe(name, weight._data, weight._state) for name, weight in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
@@ -193,8 +195,15 @@ class DataParallel:
         if comm.rank != root:
             loaded = pickle.loads(data.tobytes())
             problem = mismatch(self._weights, [d for d, _ in loaded])
+            states: list[Any] = []
+            for i, (weight, (_, state)) in enumerate(zip(self._weights, loaded) if not problem else ()):
+                try:  # (another optimizer's state would fail this rank's step after all agreed to step)
+                    states.append(replace_state(weight._state, state, f"weight {i}'s"))
+                except (OperandError, ShapeError, DTypeError, DeviceError) as exc:
+                    problem = f"the root's optimizer state does not fit here: {exc}; build every rank's weights with the same optimizers"
+                    break
             if not problem:
-                for weight, (d, state) in zip(self._weights, loaded):
+                for weight, (d, _), state in zip(self._weights, loaded, states):
                     weight._data, weight._state = d, state
         await _agree(comm, problem, None)
 

@@ -1,7 +1,9 @@
 """Whether every rank holds the same model, before the first step of data
 parallelism (`monadl.distributed.DataParallel`): the ranks all-gather how
 many weights they hold and a digest of each one's name (less any memory
-address in it: a dict key's default repr holds one), shape and dtype; where
+address in it: a dict key's default repr holds one), shape, dtype and the
+structure of its optimizer state (another optimizer's differs: a step would
+fail on one rank after all agreed to step, and the ranks part); where
 these differ, no rank steps and each raises `RankFailure` naming the first
 weight that differs and what it is on each rank (an all-reduce of unequal
 buffers would broadcast one into the other, truncate, or hang in MPI).
@@ -19,7 +21,7 @@ import numpy as np
 from monadl.distributed._comm import Communicator, RankFailure
 from monadl.layers import Weight
 
-__all__ = ["describe", "mismatch", "same_model", "shape_of"]
+__all__ = ["describe", "mismatch", "same_model", "shape_of", "structure"]
 
 
 def shape_of(data: Any) -> tuple[int, ...]:
@@ -30,9 +32,29 @@ def _dtype(data: Any) -> Any:
     return data.dtype if hasattr(data, "dtype") else np.dtype(np.float64)
 
 
-def describe(name: str, data: Any) -> str:
-    """A weight as `same_model` compares it: ``'layers.0.bias' float64[8]`` (no name for a bare weight)."""
-    return (f"{name!r} " if name else "") + f"{_dtype(data)}{list(shape_of(data))}"
+def describe(name: str, data: Any, state: Any = None) -> str:
+    """A weight as `same_model` compares it: ``'layers.0.bias' float64[8]`` (no
+    name for a bare weight), and the structure of its optimizer state where it
+    has one (`structure`: another optimizer has another; after a step taken
+    alike on every rank, still the same).
+
+    >>> import monadl as ml
+    >>> w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))
+    >>> describe("w", w.data, w.state)
+    "'w' float64[2], optimizer state (AdamState(int, float64[2], float64[2]), None)"
+    """
+    text = (f"{name!r} " if name else "") + f"{_dtype(data)}{list(shape_of(data))}"
+    return text if state is None else f"{text}, optimizer state {structure(state)}"
+
+
+def structure(state: Any) -> str:
+    """An optimizer state's tree of tuples, its arrays' dtypes and shapes, and its leaves' types."""
+    if hasattr(state, "shape") and hasattr(state, "dtype"):
+        return f"{state.dtype}{list(state.shape)}"
+    if isinstance(state, tuple):
+        kind = "" if type(state) is tuple else type(state).__name__
+        return f"{kind}({', '.join([structure(x) for x in state])})"
+    return "None" if state is None else type(state).__name__
 
 
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")
@@ -79,7 +101,10 @@ def _difference(models: Sequence[Sequence[str]]) -> str:
     if len(set(counts)) > 1:
         held = (f"{n} weight{'' if n == 1 else 's'} on rank {rank}" for rank, n in enumerate(counts))
         text += f" ({', '.join(held)})"
-    return text + "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers)"
+    return text + (
+        "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers, "
+        "with the same optimizers)"
+    )
 
 
 def mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:

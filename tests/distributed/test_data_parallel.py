@@ -260,6 +260,30 @@ def test_broadcast_refuses_a_model_of_another_shape_on_every_rank() -> None:
     assert run_local(2, rank) == ["raised", "raised"]
 
 
+def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> None:
+    # Rank 1's weight with Adam, rank 0's with SGD: broadcast copied rank 0's empty
+    # state into the Adam weight, and the step then failed on rank 1 only, after every
+    # rank had agreed to step (rank 0 stepped; rank 1 raised a bare TypeError).
+    def build(rank: int) -> ml.ArrayWeight:
+        return ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1) if rank == 0 else ml.optim.adam(0.1))
+
+    async def broadcast_then_train(comm: Communicator) -> list[float]:
+        weight = build(comm.rank)
+        dp = DataParallel(weight, comm)
+        with pytest.raises(RankFailure, match=r"rank 1 failed: the root's optimizer state does not fit here"):
+            await dp.broadcast()
+        return list(map(float, weight.data))
+
+    async def train(comm: Communicator) -> list[float]:
+        weight = build(comm.rank)
+        with pytest.raises(RankFailure, match=r"weight 0 is float64\[3\] on rank 0, float64\[3\], optimizer state"):
+            await DataParallel(weight, comm).train(ml.sum(weight * 2.0))
+        return list(map(float, weight.data))
+
+    for rank in (broadcast_then_train, train):
+        assert run_local(2, rank) == [[1.0, 1.0, 1.0]] * 2  # (no rank stepped)
+
+
 def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
     x = np.arange(10)
     parts = [shard(x, r, 3) for r in range(3)]
@@ -349,7 +373,7 @@ def run_different(models: list[Any], overlap: bool = False) -> list[tuple[str, b
     return run_local(len(models), rank)
 
 
-SAME_MODEL = "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers)"
+SAME_MODEL = "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers, with the same optimizers)"
 
 
 @pytest.mark.parametrize("overlap", [False, True])
