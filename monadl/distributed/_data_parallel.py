@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, final
+from weakref import WeakKeyDictionary
 
 import anyio
 import numpy as np
@@ -61,6 +62,11 @@ __all__ = ["DataParallel"]
 
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
+
+
+_BROKEN: Final[WeakKeyDictionary[Communicator, str]] = WeakKeyDictionary()
+"""Why each communicator's ranks may be out of step (`DataParallel._in_step`):
+a new `DataParallel` over one refuses too, where its messages would cross."""
 
 
 @final
@@ -162,10 +168,11 @@ class DataParallel:
         rank's messages may still arrive, into the next exchange: the ranks
         then waited in different collectives, and read each other's data as
         sizes); note such a failure."""
-        if self._broken is not None:
+        broken = self._broken or _BROKEN.get(self._comm)  # (another DataParallel's, on this communicator)
+        if broken is not None:
             raise RankFailure(
                 {},
-                f"the ranks may be out of step after an earlier step ({self._broken}); end the job and restart "
+                f"the ranks may be out of step after an earlier step ({broken}); end the job and restart "
                 "it (from a checkpoint); for a slow rank, give the communicator a longer timeout",
                 in_step=False,
             )
@@ -173,10 +180,12 @@ class DataParallel:
             yield
         except RankFailure as failure:
             if not failure.in_step:
-                self._broken = failure.reason or str(failure)
+                self._broken = _BROKEN[self._comm] = failure.reason or str(failure)
             raise
         except BaseException:  # (cancelled: the other ranks wait for this one, maybe inside a collective)
-            self._broken = f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)"
+            self._broken = _BROKEN[self._comm] = (
+                f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)"
+            )
             raise
 
     async def broadcast(self, root: int = 0) -> None:

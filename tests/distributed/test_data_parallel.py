@@ -181,6 +181,8 @@ def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
         with pytest.raises(RankFailure, match="stopped part way") as caught:
             await dp.train(loss)
         assert not caught.value.in_step
+        with pytest.raises(RankFailure, match="stopped part way"):  # (a new one over the same communicator too)
+            await DataParallel(net, comm).broadcast()
         return "refused"
 
     assert run_local(2, rank, timeout=0.5) == ["refused", "refused"]
