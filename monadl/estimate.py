@@ -18,6 +18,7 @@ weights.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -189,7 +190,10 @@ def estimate_and_replace(
     """The estimator in training, the black box at inference.
 
     Args:
-        black_box: a plain function of the arguments' values (arrays).
+        black_box: a plain function of the arguments' values (arrays), or
+            an async one (a remote service: the examples' calls overlap);
+            one that blocks holds the event loop, so wrap a slow one with
+            ``anyio.to_thread.run_sync``.
         estimator: a differentiable function of the argument layers.
         arguments: the layers that produce the black box's arguments
             (probability vectors for discrete arguments).
@@ -213,22 +217,29 @@ def estimate_and_replace(
         given = await values(*arguments)
         if harden_arguments:
             given = tuple(harden(np.asarray(v)) for v in given)
-        return as_layer(_numbers(black_box, black_box(*given)))
+        result = black_box(*given)
+        if inspect.isawaitable(result):
+            result = await result
+        return as_layer(_numbers(black_box, result).astype(np.float64))
 
     return replaced()
 
 
 def _numbers(black_box: Callable[..., Any], result: Any) -> Array:
-    """A black box's result as float64 numbers; a TypeError naming the black
-    box where it gave none (None, from a missing return, became a NaN)."""
+    """A black box's result as an array of numbers (booleans, integers or
+    floats); a TypeError naming the black box where it gave none (None, from
+    a missing return, became a NaN; a string of digits became its number)."""
     try:
-        value = None if result is None else np.asarray(result, dtype=np.float64)
+        value = None if result is None or isinstance(result, (str, bytes)) else np.asarray(result)
     except (TypeError, ValueError):
         value = None
-    if value is None:
+    if value is None or value.dtype.kind not in "biuf":
+        what = "a coroutine (an async function's result, not awaited)" if inspect.iscoroutine(result) else ""
+        if inspect.iscoroutine(result):
+            result.close()  # (no 'never awaited' warning besides the error)
         raise TypeError(
-            f"estimate_and_replace: the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
-            f"{type(result).__name__}, not numbers" + (" (a missing return?)" if result is None else "")
+            f"the black box {getattr(black_box, '__qualname__', black_box)!r} returned "
+            f"{what or type(result).__name__}, not numbers" + (" (a missing return?)" if result is None else "")
         )
     return value
 
@@ -313,6 +324,7 @@ def estimator_loss(
     estimator's weights: the arguments are data, whether sampled offline or
     taken from the extractor (online). ``loss`` is `squared_error` for a
     regression, `monadl.cross_entropy` for a black box that gives class labels.
+    An async black box is awaited when the loss is evaluated.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(0.5))
@@ -322,4 +334,13 @@ def estimator_loss(
     >>> np.round(w.data, 3)
     array([1., 2., 3.])
     """
-    return loss(estimator(*arguments), np.asarray(black_box(*arguments)))
+    result = black_box(*arguments)
+    if inspect.iscoroutine(result):  # an async black box: called, and awaited, in each evaluation of the loss
+        result.close()  # (not begun: its body has not run)
+
+        @direct
+        async def awaited() -> ScalarLayer:
+            return loss(estimator(*arguments), _numbers(black_box, await black_box(*arguments)))
+
+        return awaited()
+    return loss(estimator(*arguments), _numbers(black_box, result))

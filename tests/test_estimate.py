@@ -12,6 +12,7 @@ from monadl.estimate import (
     diversity_penalty,
     entropy_penalty,
     estimate_and_replace,
+    estimator_loss,
     frozen,
     gumbel_softmax,
     harden,
@@ -154,6 +155,35 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
         await estimate_and_replace(forgot_return, lambda p: p, [digit], training=False).predict()
     with pytest.raises(TypeError, match="returned str"):
         await estimate_and_replace(lambda p: "one", lambda p: p, [digit], training=False).predict()
+
+
+async def test_an_async_black_box_is_awaited_and_the_examples_calls_overlap() -> None:
+    # A remote service: it returned a coroutine, refused as 'not numbers' with a warning
+    # that it was never awaited; the estimator's loss took it as an object array.
+    import anyio
+
+    calls: list[Any] = []
+    everyone = anyio.Event()
+
+    async def service(p: Any) -> Any:  # (answers once four calls wait: only calls that overlap end)
+        calls.append(p)
+        if len(calls) >= 4:
+            everyone.set()
+        await everyone.wait()
+        return p @ np.array([0.0, 1.0, 2.0])
+
+    digits = [ml.as_layer(np.eye(3)[k]) for k in (1, 2, 0, 1)]
+    answers = [estimate_and_replace(service, lambda p: p, [d], training=False) for d in digits]
+    with anyio.fail_after(60):  # (a guard against a hang, not a timing)
+        assert (await ml.stack(answers).predict()).tolist() == [1.0, 2.0, 0.0, 1.0]
+    w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(0.5))
+    loss = estimator_loss(service, lambda p: p @ w, [np.eye(3)])
+    assert float(await loss.train()) == pytest.approx(5.0 / 3.0)
+    assert w.data.tolist() == pytest.approx([0.0, 1.0 / 3.0, 2.0 / 3.0])
+    with pytest.raises(TypeError, match=r"returned str, not numbers"):  # ("12" was taken as 12.0)
+        await estimate_and_replace(lambda p: "12", lambda p: p, [digits[0]], training=False).predict()
+    with pytest.raises(TypeError, match=r"returned NoneType, not numbers \(a missing return\?\)"):
+        estimator_loss(lambda p: None, lambda p: p @ w, [np.eye(3)])  # (it said: shapes (3,) and ())
 
 
 def test_a_nan_temperature_is_refused() -> None:
