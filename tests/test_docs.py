@@ -5,6 +5,7 @@ README's API section. (`make test` builds the pages with ``mkdocs --strict``.)
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -30,6 +31,22 @@ def test_the_python_blocks_of_a_page_run_in_order(page: str, tmp_path: Path, mon
     assert blocks
     for code in blocks:
         exec(compile(code, str(DOCS / page), "exec"), namespace)
+
+
+@pytest.mark.parametrize("page", ["tour.md", "index.md"])
+def test_the_python_blocks_of_a_page_pass_mypy_strict(page: str, tmp_path: Path) -> None:
+    # The tour says mypy --strict checks its programs before they run: a user's trial found
+    # a block it rejected (a NumPy array's @ typed as Any, returned where a Do was declared).
+    mypy_api = pytest.importorskip("mypy.api")
+    program = tmp_path / f"docs_{page.removesuffix('.md')}.py"
+    program.write_text("\n\n".join(python_blocks(DOCS / page)))
+    config = tmp_path / "mypy.ini"
+    config.write_text(
+        "[mypy]\nstrict = True\npython_version = 3.11\nplugins = returns.contrib.mypy.returns_plugin\n"
+        f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\ncache_dir = {tmp_path / '.mypy_cache'}\n"
+    )
+    stdout, stderr, status = mypy_api.run(["--config-file", str(config), str(program)])
+    assert status == 0, stdout + stderr
 
 
 def test_the_tour_trains_its_model() -> None:

@@ -20,7 +20,7 @@ __all__ = ["Unvalued"]
 
 _NO_VALUE: Final = (
     "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
-    "the layer (layer.bind(f)) or await it in an @ml.direct function; inside an ml.operation, a float "
+    "the layer's computation (ml.Layer(layer.forward().bind(f))) or await it in an @ml.direct function; inside an ml.operation, a float "
     "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
     "argument (each value its own trace)"
 )
