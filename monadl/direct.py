@@ -23,8 +23,9 @@ them in one ``train()``), each step up to an ``await`` of layers runs within
 one task, in its own copy of the context variables, and what it awaits
 outside overlaps the other examples' work; a cancel scope may span awaits
 outside monadl but not an ``await`` of layers (the step after it may run in
-another task, which anyio's and trio's scopes refuse to close in; with
-several examples, `OperandError` says so at the await). Put a timeout around
+another task, where anyio's and trio's scopes cannot close; with one
+example, the scope's cancellation would reach monadl's own waits, not the
+function: `OperandError` says so at the await). Put a timeout around
 ``train()`` or ``predict()`` instead.
 """
 
@@ -55,10 +56,8 @@ D4 = TypeVar("D4")
 # Set by the machine while it steps a direct-style coroutine: a flag that is
 # true only during that one step (a task started inside copies the variable,
 # and runs after the step: there the flag reads false), and the innermost
-# cancel scope the step began in (`cancel_scope`), or `UNCHECKED` where every
-# step of the coroutine runs in one task (one example alone).
+# cancel scope the step began in (`cancel_scope`).
 inside_direct: Final[ContextVar[list[Any]]] = ContextVar("monadl_inside_direct", default=[False, None])  # noqa: B039
-UNCHECKED: Final = object()
 _asyncio_states: list[Any] = []  # (anyio's task states on asyncio, found once)
 
 
@@ -105,11 +104,13 @@ class AwaitLayers:
                 "a Layer can be awaited only inside an @ml.direct function, during its evaluation, in the "
                 "function's own task (not in a task it starts); elsewhere use `await layer.predict()`"
             )
-        scope = step[1]
-        if scope is not UNCHECKED and cancel_scope() is not scope:  # (the next step may run in another task)
+        if (
+            cancel_scope() is not step[1]
+        ):  # (the step after it may run in another task; alone, its timeout reached monadl)
             raise OperandError(
                 "an @ml.direct function awaits layers inside a cancel scope it opened (move_on_after, "
-                "fail_after, CancelScope): the step after this await may run in another task, where the scope "
+                "fail_after, CancelScope): its cancellation would reach monadl's own waits, not this function, "
+                "and with several examples the step after this await may run in another task, where the scope "
                 "cannot close; put the timeout around train() or predict(), or around other awaits only"
             )
         return (yield self)

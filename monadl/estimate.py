@@ -231,7 +231,9 @@ def _numbers(black_box: Callable[..., Any], result: Any) -> Array:
     a missing return, became a NaN; a string of digits became its number)."""
     try:
         value = None if result is None or isinstance(result, (str, bytes)) else np.asarray(result)
-    except (TypeError, ValueError):
+        if value is not None and value.dtype.kind == "O":  # (Decimal, Fraction, an int past 64 bits: as floats)
+            value = np.asarray(result, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
         value = None
     if value is None or value.dtype.kind not in "biuf":
         what = "a coroutine (an async function's result, not awaited)" if inspect.iscoroutine(result) else ""
@@ -334,13 +336,19 @@ def estimator_loss(
     >>> np.round(w.data, 3)
     array([1., 2., 3.])
     """
+    if inspect.iscoroutinefunction(black_box):  # called, and awaited, in each evaluation of the loss
+
+        @direct
+        async def called() -> ScalarLayer:
+            return loss(estimator(*arguments), _numbers(black_box, await black_box(*arguments)))
+
+        return called()
     result = black_box(*arguments)
-    if inspect.iscoroutine(result):  # an async black box: called, and awaited, in each evaluation of the loss
-        result.close()  # (not begun: its body has not run)
+    if inspect.isawaitable(result):  # (a Future, a Task, a coroutine from a plain function): awaited once
 
         @direct
         async def awaited() -> ScalarLayer:
-            return loss(estimator(*arguments), _numbers(black_box, await black_box(*arguments)))
+            return loss(estimator(*arguments), _numbers(black_box, await result))
 
         return awaited()
     return loss(estimator(*arguments), _numbers(black_box, result))

@@ -283,12 +283,14 @@ async def test_a_cancel_scope_inside_a_step_works_beside_other_examples() -> Non
     assert timed_out == [True] * 3
 
 
-async def test_a_cancel_scope_around_an_await_of_layers_is_refused_beside_other_examples() -> None:
+@pytest.mark.parametrize("examples", [1, 4])
+async def test_a_cancel_scope_around_an_await_of_layers_is_refused(examples: int) -> None:
     """With several examples the step after the await ran in another task,
     whose exit of the scope failed (asyncio: 'a cancel scope that isn't the
-    current task's'; trio: its cancel scope stack corrupted). Refused inside
-    the scope, so that it closes in its own task; one example alone steps in
-    one task, where the scope works."""
+    current task's'; trio: its cancel scope stack corrupted); with one, a
+    timeout that fired while the layers were computed cancelled monadl's own
+    waits, and a bare cancellation left predict(). Refused inside the scope,
+    so that it closes in its own task."""
     w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
 
     @ml.direct
@@ -299,11 +301,10 @@ async def test_a_cancel_scope_around_an_await_of_layers_is_refused_beside_other_
         return ml.sum(h)
 
     with pytest.raises(ml.OperandError, match="awaits layers inside a cancel scope it opened") as info:
-        await ml.sum(ml.stack([model() for _ in range(4)])).train()
+        await ml.sum(ml.stack([model() for _ in range(examples)])).train()
     assert "await h  # (the error's line)" in "".join(__import__("traceback").format_tb(info.tb))
     assert w.data.tolist() == [1.0, 2.0]
-    assert float(await ml.sum(ml.stack([model()])).train()) == 6.0  # (alone: it works, and steps)
-    assert w.data.tolist() == pytest.approx([0.8, 1.8])
+    assert float(await ml.sum(ml.stack([w * 1.0])).train()) == 3.0  # (the loop and monadl go on)
 
 
 def test_direct_takes_an_async_def() -> None:

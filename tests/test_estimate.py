@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 
 import monadl as ml
 from monadl.estimate import (
+    _numbers,  # (the check of a black box's result)
     diversity_penalty,
     entropy_penalty,
     estimate_and_replace,
@@ -157,6 +161,17 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
         await estimate_and_replace(lambda p: "one", lambda p: p, [digit], training=False).predict()
 
 
+class _done:
+    """An awaitable of a value at once (a Future, a Task, an object with ``__await__``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        yield from ()  # (a generator that yields nothing: done at once)
+        return self.value
+
+
 async def test_an_async_black_box_is_awaited_and_the_examples_calls_overlap() -> None:
     # A remote service: it returned a coroutine, refused as 'not numbers' with a warning
     # that it was never awaited; the estimator's loss took it as an object array.
@@ -180,6 +195,10 @@ async def test_an_async_black_box_is_awaited_and_the_examples_calls_overlap() ->
     loss = estimator_loss(service, lambda p: p @ w, [np.eye(3)])
     assert float(await loss.train()) == pytest.approx(5.0 / 3.0)
     assert w.data.tolist() == pytest.approx([0.0, 1.0 / 3.0, 2.0 / 3.0])
+    # A Future (run_in_executor: a blocking box in a thread) too; and numbers of other types.
+    loop_future = estimator_loss(lambda p: _done(p @ np.array([0.0, 1.0, 2.0])), lambda p: p @ w, [np.eye(3)])
+    assert float(await loop_future.predict()) == pytest.approx(float(await loss.predict()))
+    assert (_numbers(service, [Fraction(1, 2), Decimal("2.5"), 2**70]) == [0.5, 2.5, 2.0**70]).all()
     with pytest.raises(TypeError, match=r"returned str, not numbers"):  # ("12" was taken as 12.0)
         await estimate_and_replace(lambda p: "12", lambda p: p, [digits[0]], training=False).predict()
     with pytest.raises(TypeError, match=r"returned NoneType, not numbers \(a missing return\?\)"):

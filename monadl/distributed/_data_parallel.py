@@ -38,7 +38,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final, final
-from weakref import WeakKeyDictionary
 
 import anyio
 import numpy as np
@@ -64,9 +63,32 @@ _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
 
 
-_BROKEN: Final[WeakKeyDictionary[Communicator, str]] = WeakKeyDictionary()
-"""Why each communicator's ranks may be out of step (`DataParallel._in_step`):
-a new `DataParallel` over one refuses too, where its messages would cross."""
+_BROKEN: Final[dict[int, tuple[object, str]]] = {}
+"""Why each communicator's ranks may be out of step (`DataParallel._in_step`),
+by the id of what it wraps (`_underlying`; held here, so the id stays its
+own): a new `DataParallel` over it refuses too, where its messages would
+cross, however the communicator was made again (``mpi_world()`` wraps
+``MPI.COMM_WORLD`` anew at each call) and whether or not it hashes."""
+
+
+def _underlying(comm: Communicator) -> object:
+    """What ``comm`` sends through: the innermost of its ``_comm`` wrappings
+    (an MPI communicator's mpi4py one), else ``comm`` itself."""
+    inner: object = comm
+    while (wrapped := getattr(inner, "_comm", None)) is not None and wrapped is not inner:
+        inner = wrapped
+    return inner
+
+
+def _broken(comm: Communicator) -> str | None:
+    entry = _BROKEN.get(id(_underlying(comm)))
+    return None if entry is None else entry[1]
+
+
+def _break(comm: Communicator, why: str) -> str:
+    inner = _underlying(comm)
+    _BROKEN[id(inner)] = (inner, why)
+    return why
 
 
 @final
@@ -114,6 +136,7 @@ class DataParallel:
         "_dense",
         "_described",
         "_index",
+        "_names",
         "_order",
         "_plan",
         "_times",
@@ -135,6 +158,7 @@ class DataParallel:
         self._comm = mpi_world() if comm is None else comm
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
+        self._names = tuple(named)
         self._described = [describe(name, weight._data, weight._state) for name, weight in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._index = {w: i for i, w in enumerate(self._weights)}
@@ -168,7 +192,7 @@ class DataParallel:
         rank's messages may still arrive, into the next exchange: the ranks
         then waited in different collectives, and read each other's data as
         sizes); note such a failure."""
-        broken = self._broken or _BROKEN.get(self._comm)  # (another DataParallel's, on this communicator)
+        broken = self._broken or _broken(self._comm)  # (another DataParallel's, on this communicator)
         if broken is not None:
             raise RankFailure(
                 {},
@@ -180,11 +204,12 @@ class DataParallel:
             yield
         except RankFailure as failure:
             if not failure.in_step:
-                self._broken = _BROKEN[self._comm] = failure.reason or str(failure)
+                self._broken = _break(self._comm, failure.reason or str(failure))
             raise
         except BaseException:  # (cancelled: the other ranks wait for this one, maybe inside a collective)
-            self._broken = _BROKEN[self._comm] = (
-                f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)"
+            self._broken = _break(
+                self._comm,
+                f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)",
             )
             raise
 
@@ -207,7 +232,10 @@ class DataParallel:
             states: list[Any] = []
             for i, (weight, (_, state)) in enumerate(zip(self._weights, loaded) if not problem else ()):
                 try:  # (another optimizer's state would fail this rank's step after all agreed to step)
-                    states.append(replace_state(weight._state, state, f"weight {i}'s"))
+                    name = self._names[i]
+                    states.append(
+                        replace_state(weight._state, state, f"weight {name!r}'s" if name else f"weight {i}'s")
+                    )
                 except (OperandError, ShapeError, DTypeError, DeviceError) as exc:
                     problem = f"the root's optimizer state does not fit here: {exc}; build every rank's weights with the same optimizers"
                     break

@@ -200,9 +200,10 @@ def call(block: Block[X, Y], x: X) -> Build[Y]:
     evaluator for ``block``'s output on ``x``, typed as ``block``'s output.
     An error of ``block`` is raised there, as a function's error is where
     it is called: a build may catch it (below), and what it does not catch
-    goes on to the block that applied it, with the traceback it had. Only a
-    `StopIteration` goes straight on (thrown into a generator, it would turn
-    into a `RuntimeError`).
+    goes on to the block that applied it, with the traceback it had. Only
+    an `Exception` is thrown in: a `StopIteration` goes straight on (thrown
+    into a generator, it would turn into a `RuntimeError`), and so do
+    `KeyboardInterrupt` and `SystemExit`, the pending builds closed after.
 
     >>> from monadl.fold import InputTransform
     >>> list(call(InputTransform(len), "ab"))[0][1]  # the request it yields

@@ -53,11 +53,12 @@ NESTING: Final = 8
 """Compositions and parallel blocks nested in one closure; with `DEPTH`,
 at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
 LIMIT: Final = 1_000_000
-"""Levels of recursion open at once on the explicit stack (its pending
-blocks, and the routes followed to the block at hand) before a run raises
-`RecursionError`. A tree's level is a few of them (a Tree-LSTM's: two), so
-trees far deeper than 100,000 levels build; an input that contains itself,
-walked by a `Map`, stops there in a few seconds, at about 350 MB."""
+"""Entries open at once on the explicit stack (its pending blocks, and the
+routes followed to the block at hand) before a run raises `RecursionError`.
+A tree's level holds a few of them (a Tree-LSTM's: two; a block of one's
+own around a declaration adds one), so a tree of depth 100,000 builds with
+up to ten a level; an input that contains itself, walked by a `Map`, stops
+there in a few seconds, at about 350 MB."""
 
 Run = Callable[[Any], Any]
 

@@ -31,7 +31,8 @@ class Outputs(tuple[Value, ...]):
 
     __slots__ = ()
     # Not an array: the batching scheduler's signature reads these without an
-    # exception (so its view nodes group, and run one by one, cheaply).
+    # exception (so its view nodes group, one read of the cells' group's
+    # stacked outputs: `batch_output`).
     shape: Final = None
     dtype: Final = None
 
@@ -134,7 +135,8 @@ ARGUMENT: Final = Primitive("argument", _argument_rule)
 
 
 def batch_output(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> tuple[Value, tuple[Vjp, ...]] | None:
-    """Output ``k`` of a group of a nested operation's nodes."""
+    """Output ``k`` of a group of operation nodes (a nested operation's in a
+    cell's program, or the scheduler's group of the views of one)."""
     stacked, k = args
     if type(stacked) is not StackedOutputs:
         return None

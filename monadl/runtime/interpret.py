@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Generator
 from typing import Any, Final
 
-from monadl.direct import UNCHECKED, AwaitLayers, Passthrough
+from monadl.direct import AwaitLayers, Passthrough, cancel_scope
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.layers._layer import Expr
 from monadl.layers._weight import Weight
@@ -50,6 +50,7 @@ Machine = Generator[Any, Any, Any]
 
 _START: Final = object()  # what a direct frame receives first: no awaited values yet
 _STEPPING: Final = object()  # a fiber waits for its coroutine's step, which is in `steps`
+_UNREAD: Final = object()  # (the driver's cancel scope, not read yet)
 
 
 def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
@@ -61,6 +62,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     parking = fibers.enabled(ev)
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
+    # The driver task's innermost cancel scope, read at the first direct-style step run here (one
+    # read, not one a step); the driver opens its task group, a scope, when first asked to Spawn or Steps.
+    scope: Any = _UNREAD
     away: set[F.Fiber] = set()  # those whose step awaits something foreign: the parked graphs do not wait for them
     steps: list[tuple[F.Fiber, Any, Any]] = []  # those steps not handed to the driver yet (`Steps`)
     stack = fiber.stack
@@ -162,7 +166,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             elif t is F.Graph:
                 if steps:  # a computation may take turns of the event loop: the steps asked for start first
                     yield Steps(steps)
-                    steps = []
+                    steps, scope = [], _UNREAD
                 outcome = yield from _graph(ev, frame, stack)
                 if outcome is not None:
                     kind_of, thing = outcome
@@ -199,8 +203,10 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     sending = val.data if frame.single else tuple(x.data for x in val)
                 if live == 1:
                     failure: BaseException | None = None
-                    while True:  # (one task steps it: a scope may span its awaits of layers)
-                        done, got = step_direct(frame.coroutine, sending, failure, UNCHECKED)
+                    if scope is _UNREAD:  # (before its foreign awaits: a sleep opens a scope of its own)
+                        scope = cancel_scope()
+                    while True:
+                        done, got = step_direct(frame.coroutine, sending, failure, scope)
                         if done or type(got) is AwaitLayers:
                             break
                         try:
@@ -286,10 +292,11 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 block.append(fiber)
             elif block is not fibers.PARKED and block is not _STEPPING:
                 yield Spawn(fiber, block)
+                scope = _UNREAD
         while not runnable:
             if steps:  # before waiting for any completion: the steps asked for, as one
                 yield Steps(steps)
-                steps = []
+                steps, scope = [], _UNREAD
             # With graphs parked, wait only for the coroutine steps that come back
             # with no outside event (which those are is the same every run, whichever
             # task the event loop runs first: so is which graphs run merged).

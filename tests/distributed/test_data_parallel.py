@@ -5,6 +5,8 @@ The same protocol runs across processes in test_mpi.py.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -186,6 +188,35 @@ def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
         return "refused"
 
     assert run_local(2, rank, timeout=0.5) == ["refused", "refused"]
+
+
+def test_a_communicator_of_ones_own_need_not_hash() -> None:
+    # A dataclass (equality on, so no hash): the record of communicators out of step
+    # was keyed by the communicator, and every step raised 'unhashable type'.
+    @dataclasses.dataclass
+    class Solo(Communicator):
+        name: str = "solo"
+
+        @property
+        def rank(self) -> int:
+            return 0
+
+        @property
+        def size(self) -> int:
+            return 1
+
+        async def allgather(self, send: npt.NDArray[Any], counts: Sequence[int]) -> npt.NDArray[Any]:
+            return send.copy()
+
+        async def allreduce(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return send.copy()
+
+        async def broadcast(self, buffer: npt.NDArray[Any], root: int = 0) -> npt.NDArray[Any]:
+            return buffer
+
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+    assert anyio.run(DataParallel(w, Solo()).train, ml.sum(w * w)) == 3.0
+    assert w.data.tolist() == pytest.approx([0.8, 0.8, 0.8])
 
 
 class Counting(Communicator):
