@@ -20,7 +20,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, poll
+from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, RankFailure, poll
 
 __all__ = ["LocalCommunicator", "run_local"]
 
@@ -36,6 +36,7 @@ class _Board:
     lock: threading.Lock = field(default_factory=threading.Lock)
     slots: dict[int, list[Any]] = field(default_factory=dict)
     reads: dict[int, int] = field(default_factory=dict)
+    ended: dict[int, str] = field(default_factory=dict)  # ranks whose thread is done, and how
 
 
 @final
@@ -84,7 +85,17 @@ class LocalCommunicator(Communicator):
         return key
 
     def _arrived(self, key: int) -> bool:
-        return all(part is not None for part in self._board.slots[key])
+        parts = self._board.slots[key]
+        if all(part is not None for part in parts):
+            return True
+        gone = {r: self._board.ended[r] for r, part in enumerate(parts) if part is None and r in self._board.ended}
+        if gone:  # (a rank whose thread is done never deposits: no timeout to wait for)
+            raise RankFailure(
+                {},
+                "; ".join(f"rank {r} ended ({how}) before this collective" for r, how in gone.items()),
+                in_step=False,
+            )
+        return False
 
     def _collect(self, key: int) -> list[npt.NDArray[Any]]:
         board = self._board
@@ -142,8 +153,12 @@ def run_local(
 ) -> list[T]:
     """Run ``main(comm)`` as ``size`` ranks, each in a thread with its own event loop.
 
-    ``backend`` is anyio's (``"asyncio"`` or ``"trio"``). Returns each rank's result in rank order; if a rank raised, re-raises the
-    lowest failing rank's exception once all threads are done.
+    ``backend`` is anyio's (``"asyncio"`` or ``"trio"``). Returns each
+    rank's result in rank order; if a rank raised, re-raises, once all
+    threads are done, the lowest rank's error that is no `RankFailure` (a
+    rank's own: the others' only say they lost it), else the lowest rank's,
+    with the other ranks' errors as notes. A collective waiting for a rank
+    whose thread is done raises `RankFailure` at once, not at its timeout.
 
     >>> async def main(comm: Communicator) -> float:
     ...     return float((await comm.allreduce(np.array([comm.rank + 1.0])))[0])
@@ -155,17 +170,26 @@ def run_local(
     errors: list[BaseException | None] = [None] * size
 
     def rank_thread(rank: int) -> None:
+        how = "it returned"
         try:
             results[rank] = anyio.run(main, LocalCommunicator(board, rank, timeout), backend=backend)
         except BaseException as error:
             errors[rank] = error
+            how = f"it raised {type(error).__name__}: {error}"
+        finally:
+            with board.lock:
+                board.ended[rank] = how
 
     threads = [threading.Thread(target=rank_thread, args=(rank,), name=f"rank {rank}") for rank in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for error in errors:
-        if error is not None:
-            raise error
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if failed:  # a rank's own error first (a RankFailure of the others only says that they lost it)
+        _, error = min(failed, key=lambda item: (isinstance(item[1], RankFailure), item[0]))
+        for other, theirs in failed:
+            if theirs is not error:
+                error.add_note(f"run_local: rank {other} raised {type(theirs).__name__}: {theirs}")
+        raise error
     return results

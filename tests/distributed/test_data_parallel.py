@@ -138,7 +138,8 @@ def test_a_rank_that_never_joins_is_reported_after_the_timeout() -> None:
         net = Net(0)
         before = net.weights()["0"]
         if comm.rank == 1:
-            return "gone"  # dies before the step
+            await anyio.sleep(1.0)  # hangs past the others' timeout (a dead process, to MPI)
+            return "gone"
         x, y, head = batches(1)[0]
         with pytest.raises(RankFailure, match="no answer from the other ranks") as caught:
             await DataParallel(net, comm).train(net.loss(x, y, head))
@@ -147,6 +148,23 @@ def test_a_rank_that_never_joins_is_reported_after_the_timeout() -> None:
 
     message, gone = run_local(2, rank, timeout=0.2)
     assert gone == "gone" and "rank 0" in message
+
+
+def test_a_rank_whose_thread_ended_is_reported_at_once_and_its_own_error_surfaces() -> None:
+    # run_local waited the whole timeout for a rank whose thread had ended, then raised
+    # rank 0's RankFailure: the rank's own error appeared nowhere (a user's trial).
+    async def rank(comm: Communicator) -> str:
+        net = Net(0)
+        if comm.rank == 1:
+            raise KeyError("rank 1's data loader broke")
+        x, y, head = batches(1)[0]
+        await DataParallel(net, comm).train(net.loss(x, y, head))  # (raises RankFailure: rank 1 is gone)
+        return "stepped"
+
+    with pytest.raises(KeyError, match="rank 1's data loader broke") as caught:
+        run_local(2, rank, timeout=300.0)  # (at once: no timeout waited for)
+    (note,) = caught.value.__notes__
+    assert note.startswith("run_local: rank 0 raised RankFailure: no rank stepped: rank 1 ended (it raised KeyError")
 
 
 def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
@@ -168,7 +186,7 @@ def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
 
     for (first_in_step, _), (second_in_step, second) in run_local(2, rank, timeout=0.2):
         assert not first_in_step and not second_in_step
-        assert "out of step after an earlier step" in second and "no answer" in second
+        assert "out of step after an earlier step" in second and ("no answer" in second or "ended" in second)
 
 
 def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
