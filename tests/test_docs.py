@@ -5,13 +5,13 @@ README's API section. (`make test` builds the pages with ``mkdocs --strict``.)
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 import monadl as ml
+from tests._mypy import mypy_errors as run_mypy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -37,16 +37,9 @@ def test_the_python_blocks_of_a_page_run_in_order(page: str, tmp_path: Path, mon
 def test_the_python_blocks_of_a_page_pass_mypy_strict(page: str, tmp_path: Path) -> None:
     # The tour says mypy --strict checks its programs before they run: a user's trial found
     # a block it rejected (a NumPy array's @ typed as Any, returned where a Do was declared).
-    mypy_api = pytest.importorskip("mypy.api")
-    program = tmp_path / f"docs_{page.removesuffix('.md')}.py"
-    program.write_text("\n\n".join(python_blocks(DOCS / page)))
-    config = tmp_path / "mypy.ini"
-    config.write_text(
-        "[mypy]\nstrict = True\npython_version = 3.11\nplugins = returns.contrib.mypy.returns_plugin\n"
-        f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\ncache_dir = {tmp_path / '.mypy_cache'}\n"
-    )
-    stdout, stderr, status = mypy_api.run(["--config-file", str(config), str(program)])
-    assert status == 0, stdout + stderr
+    pytest.importorskip("mypy.api")
+    name = f"docs_{page.removesuffix('.md')}"
+    assert run_mypy(tmp_path, {name: "\n\n".join(python_blocks(DOCS / page))}) == {name: []}
 
 
 def test_the_tour_trains_its_model() -> None:

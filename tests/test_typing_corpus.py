@@ -7,16 +7,13 @@ own mypy run does not see the ones written to fail.
 
 from __future__ import annotations
 
-import os
-import re
 import textwrap
-from pathlib import Path
 
 import pytest
 
-mypy_api = pytest.importorskip("mypy.api")
+from tests._mypy import mypy_errors as run_mypy
 
-ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("mypy.api")
 
 PRELUDE = """\
 from typing import Any, assert_type
@@ -287,8 +284,6 @@ REJECT = {
     ),
 }
 
-_ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: (?P<message>.*?)(?:  \[(?P<code>[\w-]+)\])?$")
-
 
 def _program(body: str) -> str:
     return PRELUDE + textwrap.dedent(body).strip() + "\n"
@@ -296,29 +291,13 @@ def _program(body: str) -> str:
 
 @pytest.fixture(scope="module")
 def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str, str]]]:
-    """Run mypy once over every program; errors by program name."""
-    folder = tmp_path_factory.mktemp("typing_corpus")
-    names = {**{f"accept_{n}": b for n, b in ACCEPT.items()}, **{f"reject_{n}": p for n, (p, _) in REJECT.items()}}
-    for name, body in names.items():
-        (folder / f"{name}.py").write_text(_program(body))
-    config = folder / "mypy.ini"
-    config.write_text(
-        "[mypy]\nstrict = True\npython_version = 3.11\nplugins = returns.contrib.mypy.returns_plugin\n"
-        f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\n"
-        f"cache_dir = {folder / '.mypy_cache'}\n"
-    )
-    stdout, stderr, _ = mypy_api.run(
-        ["--config-file", str(config), "--no-error-summary", *sorted(str(p) for p in folder.glob("*.py"))]
-    )
-    assert not stderr, stderr
-    errors: dict[str, list[tuple[int, str, str]]] = {name: [] for name in names}
+    """Run mypy once over every program; errors by program name, lines counted from the body."""
+    programs = {**{f"accept_{n}": b for n, b in ACCEPT.items()}, **{f"reject_{n}": p for n, (p, _) in REJECT.items()}}
+    found = run_mypy(tmp_path_factory.mktemp("typing_corpus"), {n: _program(b) for n, b in programs.items()})
     prelude_lines = PRELUDE.count("\n")
-    for line in stdout.splitlines():
-        match = _ERROR.match(line)
-        if match:
-            name = Path(match["file"]).stem
-            errors[name].append((int(match["line"]) - prelude_lines, match["message"], match["code"] or ""))
-    return errors
+    return {
+        name: [(line - prelude_lines, message, code) for line, message, code in errs] for name, errs in found.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(ACCEPT))

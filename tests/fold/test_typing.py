@@ -8,14 +8,15 @@ mypy's API, so the project's own mypy run does not see the ones written to fail.
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
-mypy_api = pytest.importorskip("mypy.api")
+from tests._mypy import mypy_errors as run_mypy
+
+pytest.importorskip("mypy.api")
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PAGE = ROOT / "docs" / "api" / "fold.md"
@@ -98,8 +99,6 @@ REJECT = {
     ),
 }
 
-_ERROR = re.compile(r"^(?P<file>[^:]+\.py):(?P<line>\d+): error: (?P<message>.*?)(?:  \[(?P<code>[\w-]+)\])?$")
-
 
 def _program(body: str) -> str:
     return PRELUDE + textwrap.dedent(body).strip() + "\n"
@@ -107,33 +106,21 @@ def _program(body: str) -> str:
 
 @pytest.fixture(scope="module")
 def mypy_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[int, str, str]]]:
-    """Run mypy once over every program; errors by program name."""
-    folder = tmp_path_factory.mktemp("fold_typing")
-    names = {**{f"accept_{n}": b for n, b in ACCEPT.items()}, **{f"reject_{n}": p for n, (p, _) in REJECT.items()}}
-    for name, body in names.items():
-        (folder / f"{name}.py").write_text(_program(body))
-    for i, code in enumerate(page_blocks()):  # (as they are: each imports what it uses)
-        names[f"page_{i}"] = code
-        (folder / f"page_{i}.py").write_text(code)
-    config = folder / "mypy.ini"
-    config.write_text(
-        "[mypy]\nstrict = True\npython_version = 3.11\nplugins = returns.contrib.mypy.returns_plugin\n"
-        f"mypy_path = {ROOT}{os.pathsep}{ROOT / 'typings'}\n"
-        f"cache_dir = {folder / '.mypy_cache'}\n"
-    )
-    stdout, stderr, _ = mypy_api.run(
-        ["--config-file", str(config), "--no-error-summary", *sorted(str(p) for p in folder.glob("*.py"))]
-    )
-    assert not stderr, stderr
-    errors: dict[str, list[tuple[int, str, str]]] = {name: [] for name in names}
+    """Run mypy once over every program; errors by program name, lines counted from the body
+    (a page's block: from its own first line)."""
+    programs = {f"accept_{n}": _program(b) for n, b in ACCEPT.items()}
+    programs.update({f"reject_{n}": _program(p) for n, (p, _) in REJECT.items()})
+    programs.update(
+        {f"page_{i}": code for i, code in enumerate(page_blocks())}
+    )  # (as they are: each imports what it uses)
+    found = run_mypy(tmp_path_factory.mktemp("fold_typing"), programs)
     prelude_lines = PRELUDE.count("\n")
-    for line in stdout.splitlines():
-        match = _ERROR.match(line)
-        if match:
-            name = Path(match["file"]).stem
-            offset = 0 if name.startswith("page_") else prelude_lines
-            errors[name].append((int(match["line"]) - offset, match["message"], match["code"] or ""))
-    return errors
+    return {
+        name: [
+            (line - (0 if name.startswith("page_") else prelude_lines), message, code) for line, message, code in errs
+        ]
+        for name, errs in found.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(ACCEPT))
