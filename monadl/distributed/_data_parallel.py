@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Final, final
 
 import anyio
@@ -47,12 +45,11 @@ from monadl._named import named_weights
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, mpi_world
+from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
-from monadl.distributed._same_model import describe, mismatch, same_model, shape_of
-from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
+from monadl.distributed._same_model import describe, fitting_states, mismatch, same_model, shape_of
 from monadl.layers import Layer, Weight
-from monadl.layers._replace import replace_state
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
@@ -61,34 +58,6 @@ __all__ = ["DataParallel"]
 
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
-
-
-_BROKEN: Final[dict[int, tuple[object, str]]] = {}
-"""Why each communicator's ranks may be out of step (`DataParallel._in_step`),
-by the id of what it wraps (`_underlying`; held here, so the id stays its
-own): a new `DataParallel` over it refuses too, where its messages would
-cross, however the communicator was made again (``mpi_world()`` wraps
-``MPI.COMM_WORLD`` anew at each call) and whether or not it hashes."""
-
-
-def _underlying(comm: Communicator) -> object:
-    """What ``comm`` sends through: the innermost of its ``_comm`` wrappings
-    (an MPI communicator's mpi4py one), else ``comm`` itself."""
-    inner: object = comm
-    while (wrapped := getattr(inner, "_comm", None)) is not None and wrapped is not inner:
-        inner = wrapped
-    return inner
-
-
-def _broken(comm: Communicator) -> str | None:
-    entry = _BROKEN.get(id(_underlying(comm)))
-    return None if entry is None else entry[1]
-
-
-def _break(comm: Communicator, why: str) -> str:
-    inner = _underlying(comm)
-    _BROKEN[id(inner)] = (inner, why)
-    return why
 
 
 @final
@@ -131,7 +100,6 @@ class DataParallel:
 
     __slots__ = (
         "_agreed",
-        "_broken",
         "_comm",
         "_dense",
         "_described",
@@ -169,7 +137,6 @@ class DataParallel:
         self._dense: set[int] = set()  # weights (by index) that had a dense gradient on some rank
         self._order: dict[int, int] = {}  # weight index -> its gradient's earliest position, last seen
         self._times: dict[str, float] = {}
-        self._broken: str | None = None  # why the ranks may be out of step (`_in_step`)
 
     @property
     def rank(self) -> int:
@@ -186,36 +153,9 @@ class DataParallel:
         """The model's weights, in the order every rank exchanges them."""
         return self._weights
 
-    @contextmanager
-    def _in_step(self) -> Iterator[None]:
-        """Refuse to exchange once a collective failed out of step (a timed-out
-        rank's messages may still arrive, into the next exchange: the ranks
-        then waited in different collectives, and read each other's data as
-        sizes); note such a failure."""
-        broken = self._broken or _broken(self._comm)  # (another DataParallel's, on this communicator)
-        if broken is not None:
-            raise RankFailure(
-                {},
-                f"the ranks may be out of step after an earlier step ({broken}); end the job and restart "
-                "it (from a checkpoint); for a slow rank, give the communicator a longer timeout",
-                in_step=False,
-            )
-        try:
-            yield
-        except RankFailure as failure:
-            if not failure.in_step:
-                self._broken = _break(self._comm, failure.reason or str(failure))
-            raise
-        except BaseException:  # (cancelled: the other ranks wait for this one, maybe inside a collective)
-            self._broken = _break(
-                self._comm,
-                f"rank {self._comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)",
-            )
-            raise
-
     async def broadcast(self, root: int = 0) -> None:
         """Give every rank ``root``'s weights and optimizer state (at start, or after loading a checkpoint)."""
-        with self._in_step():
+        with in_step(self._comm):
             await self._broadcast(root)
 
     async def _broadcast(self, root: int) -> None:
@@ -229,16 +169,8 @@ class DataParallel:
         if comm.rank != root:
             loaded = pickle.loads(data.tobytes())
             problem = mismatch(self._weights, [d for d, _ in loaded])
-            states: list[Any] = []
-            for i, (weight, (_, state)) in enumerate(zip(self._weights, loaded) if not problem else ()):
-                try:  # (another optimizer's state would fail this rank's step after all agreed to step)
-                    name = self._names[i]
-                    states.append(
-                        replace_state(weight._state, state, f"weight {name!r}'s" if name else f"weight {i}'s")
-                    )
-                except (OperandError, ShapeError, DTypeError, DeviceError) as exc:
-                    problem = f"the root's optimizer state does not fit here: {exc}; build every rank's weights with the same optimizers"
-                    break
+            if not problem:
+                states, problem = fitting_states(self._weights, self._names, [state for _, state in loaded])
             if not problem:
                 for weight, (d, _), state in zip(self._weights, loaded, states):
                     weight._data, weight._state = d, state
@@ -270,7 +202,7 @@ class DataParallel:
         changed on any rank. After one whose ``in_step`` is False (a
         collective timed out or failed), every later call raises at once.
         """
-        with self._in_step():
+        with in_step(self._comm):
             return await self._train(loss)
 
     async def _train(self, loss: Layer[Any, Any]) -> Any:

@@ -19,9 +19,11 @@ from typing import Any, Final
 import numpy as np
 
 from monadl.distributed._comm import Communicator, RankFailure
+from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 from monadl.layers import Weight
+from monadl.layers._replace import replace_state
 
-__all__ = ["describe", "mismatch", "same_model", "shape_of", "structure"]
+__all__ = ["describe", "fitting_states", "mismatch", "same_model", "shape_of", "structure"]
 
 
 def shape_of(data: Any) -> tuple[int, ...]:
@@ -114,3 +116,22 @@ def mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
         if shape_of(w._data) != shape_of(d) or _dtype(w._data) != _dtype(d):
             return f"weight {i} is {_dtype(w._data)}{list(shape_of(w._data))} here, {_dtype(d)}{list(shape_of(d))} on the root"
     return ""
+
+
+def fitting_states(
+    weights: Sequence[Weight[Any, Any]], names: Sequence[str], states: Sequence[Any]
+) -> tuple[list[Any], str]:
+    """The root's optimizer ``states`` checked against this rank's weights'
+    (as ``ml.load`` checks a checkpoint's), and what does not fit ("" if all
+    do): another optimizer's state would fail this rank's step after every
+    rank agreed to step."""
+    fitted: list[Any] = []
+    for i, (weight, name, state) in enumerate(zip(weights, names, states)):
+        try:
+            fitted.append(replace_state(weight._state, state, f"weight {name!r}'s" if name else f"weight {i}'s"))
+        except (OperandError, ShapeError, DTypeError, DeviceError) as exc:
+            return (
+                fitted,
+                f"the root's optimizer state does not fit here: {exc}; build every rank's weights with the same optimizers",
+            )
+    return fitted, ""
