@@ -214,17 +214,17 @@ async def test_a_step_asked_for_starts_before_another_fiber_computes_its_graph(
     """A direct-style step that a fiber asks for starts while another fiber
     computes a graph that cannot wait for it (here, with batching off), so
     what the step awaits outside overlaps that computation."""
-    from monadl.runtime import interpret
+    from monadl.runtime import graphs
 
     events: list[str] = []
-    graph = interpret._graph
+    graph = graphs.run
 
     def traced(ev: Any, frame: Any, stack: list[Any]) -> Any:
         outcome = yield from graph(ev, frame, stack)
         events.append("graph done")
         return outcome
 
-    monkeypatch.setattr(interpret, "_graph", traced)
+    monkeypatch.setattr(graphs, "run", traced)
     w = ml.Weight(np.array([1.0, 2.0]))
     m = ml.Weight(np.eye(3) * 0.5)
 

@@ -11,6 +11,7 @@ A reader's map (each module one concern; lower ones never import higher ones):
   reverse sweep, the counted release), `pool` (worker threads for coarse
   graphs), `cuda` (a CUDA stream per branch), `fibers` (fibers parked at
   their graphs, run merged and batched: batching across control flow).
+* `graphs`: one layer graph, computed by the scheduler that fits it.
 * `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches);
   `stepping`: how it steps a direct-style coroutine; `requests`: what it asks
   of its driver.
