@@ -50,20 +50,8 @@ The example below passes ``mypy --strict`` as it is (its lambdas' types named):
 """
 
 from monadl.fold._block import Block, Build, Composition, ForwardDeclaration, call
-from monadl.fold._blocks import (
-    AllOf,
-    Fold,
-    Function,
-    InputTransform,
-    Map,
-    OneOf,
-    Optional,
-    Record,
-    Reduce,
-    Scalar,
-    Vector,
-    Zeros,
-)
+from monadl.fold._blocks import Fold, Function, InputTransform, Map, Reduce, Scalar, Vector, Zeros
+from monadl.fold._structure import AllOf, OneOf, Optional, Record
 
 __all__ = [
     "AllOf",
