@@ -39,19 +39,17 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
 async def step_in_task(
     coroutine: Any,
     sending: Any,
+    scope: object,
     before_waiting: Callable[[], None] | None = None,
     context: contextvars.Context | None = None,
-    scope: object = None,
 ) -> tuple[bool, Any]:
     """`step_direct` until the coroutine asks for layers or returns, awaiting
     its foreign requests in this task; ``before_waiting`` is called once,
     before the first of them. ``context``: where its sends run (a coroutine
     stepped beside others in one task keeps its context variables to
     itself, as in a task of its own). ``scope``: the task's innermost cancel
-    scope (`cancel_scope`), where the caller read it."""
+    scope (`cancel_scope`) as the step begins."""
     failure: BaseException | None = None
-    if scope is None:
-        scope = cancel_scope()  # (the same at each send of this task: read once)
     while True:
         if context is None:
             done, got = step_direct(coroutine, sending, failure, scope)
@@ -98,7 +96,7 @@ async def step_each(
                 elsewhere(items[k + 1 :])
 
         try:
-            result = await step_in_task(coroutine, sending, hand_on, base.copy(), scope)
+            result = await step_in_task(coroutine, sending, scope, hand_on, base.copy())
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # the interpreter hands it on: the original error (Ctrl-C too), not a group of one
