@@ -26,7 +26,8 @@ values, so an axiom whose value is exactly zero still receives its gradient.
 An update that would change nothing (an exactly-zero product reaching an item
 that already has a value, or one too small to change it) does not pop: it
 waits on the agenda, and later updates add to it. When the run converged (at
-tolerance 0, with nothing pending that would change the chart), the gradient
+tolerance 0, with nothing pending that would change the chart, and no value
+gone to infinity or NaN: a divergent sum stands still there too), the gradient
 gives each update still waiting the adjoint of an amount added to its item
 and carried on to the fixpoint, so exactly-zero weights get their gradients,
 off cycles and on them (``a += x * a. a += 1.`` at ``x = 0``: ``da/dx = 1``).

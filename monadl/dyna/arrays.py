@@ -39,7 +39,7 @@ from monadl.dyna.backward import Entry
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
-from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient
+from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverged
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer, Weight
 
@@ -263,8 +263,11 @@ class ArrayProgram:
             if stop is not None and stop(run):
                 break
         # Converged: nothing pending would change the chart (a run stopped early may have got there too).
-        run.converged = tolerance == 0.0 and not any(
-            x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo
+        # A value gone to infinity or NaN stands still too, at no fixpoint: a divergent run has not converged.
+        run.converged = (
+            tolerance == 0.0
+            and not any(x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo)
+            and not diverged(s, chart.values())
         )
         return run
 

@@ -22,7 +22,7 @@ from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
-from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient
+from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient, diverged
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
 from monadl.layers import Layer, Weight
@@ -71,7 +71,9 @@ class Run:
         best: back-pointers (max-times, min-plus): the rule instance that set
             each derived item's value.
         axioms: the axioms given to the run.
-        converged: at tolerance 0, nothing pending would change the chart
+        converged: at tolerance 0, nothing pending would change the chart,
+            and no value went to infinity or NaN (a divergent run stands
+            still there but reached no fixpoint: not converged)
             (also when ``max_pops`` or ``stop`` ended the run just there):
             what is pending came along rule instances the tape does not
             hold, and the gradient carries it to the fixpoint (`Run.gradient`).
@@ -292,7 +294,12 @@ class Program:
                 break
         # Converged: nothing pending would change the chart (a run stopped early may have got there too,
         # and one whose priority ranked an item differently when asked again may have stopped short).
-        run.converged = tolerance == 0 and not any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
+        # A value gone to infinity or NaN stands still too, at no fixpoint: a divergent run has not converged.
+        run.converged = (
+            tolerance == 0
+            and not any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
+            and not diverged(semiring, chart.values())
+        )
         return run
 
     def _choose(

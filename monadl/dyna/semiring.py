@@ -55,6 +55,22 @@ MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, lambda a, b: a + b, gradient
 """Shortest paths: the best derivation's sum. Coefficients of rules add (0.0 for none)."""
 
 
+def diverged(semiring: Semiring, values: Iterable[float | np.ndarray]) -> bool:
+    """Whether a chart value left the semiring's numbers: a NaN, or an infinity
+    other than its zero (a sum along a cycle of weight 1 or more, a negative
+    cycle in min-plus). Such a run reached no fixpoint, however still it stands.
+
+    >>> diverged(REAL, [1.0, math.inf]), diverged(MIN_PLUS, [1.0, math.inf]), diverged(MIN_PLUS, [-math.inf])
+    (True, False, True)
+    """
+    for v in values:
+        a = np.asarray(v)
+        with np.errstate(invalid="ignore"):
+            if np.any(np.isnan(a) | (np.isinf(a) & (a != semiring.zero))):
+                return True
+    return False
+
+
 def coefficient(semiring: Semiring, rule: Rule) -> float:
     """A rule's coefficient as a value of the semiring. Beside body items, 1.0
     means none (the semiring's one); a constant rule's value is taken as written.

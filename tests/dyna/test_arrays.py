@@ -162,6 +162,18 @@ def test_a_log_real_goal_of_probability_zero_has_gradient_zero_not_nan() -> None
     assert program.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}
 
 
+def test_a_batched_run_whose_values_diverge_has_not_converged() -> None:
+    """pathto doubles round a cycle of weight 2 until it is infinite, and then
+    stands still: the item-at-a-time run and the batched one both say it did
+    not converge (it reached no fixpoint)."""
+    text = "pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J)."
+    axioms = {("edge", 0, 1): 2.0, ("edge", 1, 0): 1.0}
+    with np.errstate(over="ignore", invalid="ignore"):  # (NumPy's warnings of the overflow stay the user's)
+        batched = ArrayProgram(parse_rules(text), arrays={"pathto": {0: 2}, "edge": {0: 2, 1: 2}}).run(axioms)
+    assert np.isinf(batched.chart[("pathto",)]).all() and not batched.converged
+    assert not Program(parse_rules(text)).run(axioms).converged
+
+
 def test_an_update_zero_in_every_entry_keeps_its_gradient() -> None:
     """pathto gets edge(2, 4) * pathto(2) = 0 in every entry after its first
     update: it changes nothing and waits on the agenda, and d stop / d edge(2, 4)

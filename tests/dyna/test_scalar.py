@@ -4,6 +4,7 @@ the program as a monadl layer."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from itertools import pairwise
 from typing import Any
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import LOG_REAL, Item, Program, Rule, parse
+from monadl.dyna import LOG_REAL, MIN_PLUS, Item, Program, Rule, parse
+from monadl.dyna.syntax import parse_rules
 
 SQUARE = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
 PATH = Program(
@@ -520,6 +522,22 @@ def test_a_real_nan_update_pops() -> None:
     """abs(NaN) > 0 is false: a NaN update once waited unseen, the chart finite."""
     run = parse("c += 1. b += c. e += c. b += e * x.").run({("x",): float("nan")})  # b is 1 when NaN comes
     assert np.isnan(run.chart[("b",)])
+
+
+@pytest.mark.parametrize(("text", "infinite"), [("a += 2 * a. a += 1.", True), ("a += -2 * a. a += 1.", False)])
+def test_a_run_whose_values_diverge_has_not_converged(text: str, infinite: bool) -> None:
+    """A cycle of weight 2 sums to infinity, one of weight -2 to NaN (inf - inf):
+    either stands still there (nothing pending changes it), at no fixpoint."""
+    run = parse(text).run({})
+    value = run.chart[("a",)]
+    assert (math.isinf(value) if infinite else math.isnan(value)) and not run.converged
+    assert parse("a += 0.5 * a. a += 1.").run({}).converged  # (the finite fixpoint 2 is one)
+
+
+def test_infinity_as_the_semirings_zero_is_no_divergence() -> None:
+    """In min-plus, infinity is the zero (no path): a chart holding it converged."""
+    run = Program(parse_rules("d(J) += d(I) * e(I, J). d(0) += 0."), MIN_PLUS).run({("e", 0, 1): math.inf})
+    assert run.chart[("d", 1)] == math.inf and run.converged
 
 
 @pytest.mark.parametrize("weight", [1.5, 2.0])
