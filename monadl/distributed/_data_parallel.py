@@ -127,7 +127,7 @@ class DataParallel:
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
         self._names = tuple(named)
-        self._described = [describe(name, weight._data, weight._state) for name, weight in named.items()]
+        self._described = [describe(name, w._data, w._state, w.optimizer) for name, w in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes

@@ -1,10 +1,11 @@
 """Whether every rank holds the same model, before the first step of data
 parallelism (`monadl.distributed.DataParallel`): the ranks all-gather how
 many weights they hold and a digest of each one's name (less any memory
-address in it: a dict key's default repr holds one), shape, dtype and the
-structure of its optimizer state (another optimizer's differs: a step would
-fail on one rank after all agreed to step, and the ranks part); where
-these differ, no rank steps and each raises `RankFailure` naming the first
+address in it: a dict key's default repr holds one), shape, dtype, its
+optimizer's hyperparameters (another learning rate would step the ranks'
+copies apart, silently) and the structure of its optimizer state (another
+optimizer's differs: a step would fail on one rank after all agreed to
+step, and the ranks part); where these differ, no rank steps and each raises `RankFailure` naming the first
 weight that differs and what it is on each rank (an all-reduce of unequal
 buffers would broadcast one into the other, truncate, or hang in MPI).
 """
@@ -22,6 +23,7 @@ from monadl.distributed._comm import Communicator, RankFailure
 from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 from monadl.layers import Weight
 from monadl.layers._replace import replace_state
+from monadl.optim._spec import spec
 
 __all__ = ["describe", "fitting_states", "mismatch", "same_model", "shape_of", "structure"]
 
@@ -34,19 +36,30 @@ def _dtype(data: Any) -> Any:
     return data.dtype if hasattr(data, "dtype") else np.dtype(np.float64)
 
 
-def describe(name: str, data: Any, state: Any = None) -> str:
+def describe(name: str, data: Any, state: Any = None, optimizer: Any = None) -> str:
     """A weight as `same_model` compares it: ``'layers.0.bias' float64[8]`` (no
-    name for a bare weight), and the structure of its optimizer state where it
-    has one (`structure`: another optimizer has another; after a step taken
-    alike on every rank, still the same).
+    name for a bare weight), its optimizer and hyperparameters
+    (`monadl.optim._spec`: another learning rate would step the ranks'
+    copies apart, silently), and the structure of its optimizer state where
+    it has one (`structure`: after a step taken alike on every rank, still
+    the same).
 
     >>> import monadl as ml
     >>> w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))
-    >>> describe("w", w.data, w.state)
-    "'w' float64[2], optimizer state (AdamState(int, float64[2], float64[2]), None)"
+    >>> describe("w", w.data, w.state, w.optimizer).split(FIELDS)
+    ["'w' float64[2]", 'optimizer chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale(-0.1))', 'optimizer state (AdamState(int, float64[2], float64[2]), None)']
     """
-    text = (f"{name!r} " if name else "") + f"{_dtype(data)}{list(shape_of(data))}"
-    return text if state is None else f"{text}, optimizer state {structure(state)}"
+    fields = [(f"{name!r} " if name else "") + f"{_dtype(data)}{list(shape_of(data))}"]
+    if optimizer is not None:
+        fields.append(f"optimizer {spec(optimizer)}")
+    if state is not None:
+        fields.append(f"optimizer state {structure(state)}")
+    return FIELDS.join(fields)
+
+
+FIELDS: Final = "\t"
+"""Between the parts of a description (a name is a repr: it holds no tab);
+where the ranks differ, the parts they share are left out of the error."""
 
 
 def structure(state: Any) -> str:
@@ -93,9 +106,14 @@ def _difference(models: Sequence[Sequence[str]]) -> str:
 
     counts = [len(m) for m in models]
     i = next((i for i in range(max(counts)) if len({at(m, i) for m in models}) > 1), min(counts))
+    described = [at(m, i).split(FIELDS) for m in models]
+    present = [d for d, m in zip(described, models) if i < len(m)]
+    if len({len(d) for d in present}) == 1:  # (the weight, and the parts where the ranks holding it differ)
+        shown = [0] + [f for f in range(1, len(present[0])) if len({d[f] for d in present}) > 1]
+        described = [[d[f] for f in shown] if len(d) == len(present[0]) else d for d in described]
     ranks: dict[str, list[int]] = {}
-    for rank, model in enumerate(models):
-        ranks.setdefault(at(model, i), []).append(rank)
+    for rank, fields in enumerate(described):
+        ranks.setdefault(", ".join(fields), []).append(rank)
     where = ", ".join(
         f"{what} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}" for what, rs in ranks.items()
     )
@@ -105,7 +123,7 @@ def _difference(models: Sequence[Sequence[str]]) -> str:
         text += f" ({', '.join(held)})"
     return text + (
         "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers, "
-        "with the same optimizers)"
+        "with the same optimizers and hyperparameters)"
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Final, NamedTuple, TypeAlias, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.optim._spec import spec
 
 __all__ = [
     "GradientTransformation",
@@ -62,6 +63,13 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Tensor], State]
     update: Callable[[Tensor, State, Tensor], tuple[Tensor, State]]
+
+    def __repr__(self) -> str:
+        """What it does and its hyperparameters (`monadl.optim._spec`)::
+
+        GradientTransformation(chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale(-0.1)))
+        """
+        return f"GradientTransformation({spec(self)})"
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:

@@ -327,12 +327,40 @@ def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> Non
 
     async def train(comm: Communicator) -> list[float]:
         weight = build(comm.rank)
-        with pytest.raises(RankFailure, match=r"weight 0 is float64\[3\] on rank 0, float64\[3\], optimizer state"):
+        with pytest.raises(
+            RankFailure,
+            match=r"weight 0 is float64\[3\], optimizer scale\(-0.1\) on rank 0, float64\[3\], optimizer chain\(scale_by_adam",
+        ):
             await DataParallel(weight, comm).train(ml.sum(weight * 2.0))
         return list(map(float, weight.data))
 
     for rank in (broadcast_then_train, train):
         assert run_local(2, rank) == [[1.0, 1.0, 1.0]] * 2  # (no rank stepped)
+
+
+@pytest.mark.parametrize(
+    ("optimizers", "shown"),
+    [
+        ((ml.optim.adam(0.1), ml.optim.adam(0.01)), r"scale\(-0.1\)\) on rank 0, .*scale\(-0.01\)\) on rank 1"),
+        ((ml.optim.momentum(0.1, 0.9), ml.optim.momentum(0.1, 0.8)), r"trace\(decay=0.9, .* on rank 0, .*decay=0.8"),
+        ((ml.optim.sgd(lambda step: 0.1), ml.optim.sgd(lambda step: 0.2)), r"schedule=<lambda>#"),
+    ],
+    ids=["learning rate", "momentum", "a schedule's body"],
+)
+def test_ranks_whose_optimizers_have_other_hyperparameters_stop_before_any_step(
+    optimizers: tuple[ml.optim.GradientTransformation, ...], shown: str
+) -> None:
+    """The same optimizer with another learning rate has a state of the same
+    structure: the ranks stepped, each by its own rate, and their copies of
+    the weights parted silently."""
+
+    async def train(comm: Communicator) -> list[float]:
+        weight = ml.Weight(np.ones(3), optimizer=optimizers[comm.rank])
+        with pytest.raises(RankFailure, match=shown):
+            await DataParallel(weight, comm).train(ml.sum(weight * 2.0))
+        return list(map(float, weight.data))
+
+    assert run_local(2, train) == [[1.0, 1.0, 1.0]] * 2  # (no rank stepped)
 
 
 def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
@@ -424,7 +452,7 @@ def run_different(models: list[Any], overlap: bool = False) -> list[tuple[str, b
     return run_local(len(models), rank)
 
 
-SAME_MODEL = "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers, with the same optimizers)"
+SAME_MODEL = "; every rank must build the same model (the same weights, shapes and dtypes, in the same containers, with the same optimizers and hyperparameters)"
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -114,7 +114,7 @@ def test_processes_whose_weights_differ_in_shape_stop_before_any_all_reduce(tmp_
     expected = (
         "no rank stepped: the ranks hold different models: weight 0 is 'w' float64[3] on rank 0, "
         "'w' float64[1] on rank 1; every rank must build the same model (the same weights, shapes and dtypes, "
-        "in the same containers, with the same optimizers)"
+        "in the same containers, with the same optimizers and hyperparameters)"
     )
     for r in range(2):
         report: dict[str, Any] = json.loads((tmp_path / f"rank{r}.json").read_text())

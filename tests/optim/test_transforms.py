@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
 
 import monadl as ml
 from monadl import optim
+from monadl.optim._spec import spec
 
 OPTIMIZERS = {
     "sgd": lambda: optim.sgd(1e-3),
@@ -87,3 +90,40 @@ def test_bad_optimizer_arguments() -> None:
         optim.sgd(-1.0)
     with pytest.raises(ml.OperandError, match="GradientTransformation"):
         ml.Weight(np.zeros(2), optimizer="adam")  # type: ignore[call-overload]  # the mistake under test
+
+
+def test_an_optimizers_repr_shows_its_hyperparameters() -> None:
+    assert repr(optim.adam(0.1)) == (
+        "GradientTransformation(chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale(-0.1)))"
+    )
+    assert repr(optim.adagrad(0.1)) == (
+        "GradientTransformation(chain(scale_by_adagrad(eps=1e-07) with init(initial_accumulator=0.1), scale(-0.1)))"
+    )
+
+
+def test_optimizers_built_alike_read_alike_and_others_do_not() -> None:
+    """What data parallelism compares across ranks: two builds of one optimizer
+    give one text; a rate, a decay or a schedule's body of another value, another."""
+    built = [
+        lambda: optim.adam(0.1),
+        lambda: optim.adam(0.01),
+        lambda: optim.momentum(0.1, 0.8),
+        lambda: optim.sgd(optim.exponential_decay(0.1, 0.5)),
+        lambda: optim.sgd(optim.exponential_decay(0.1, 0.6)),
+        lambda: optim.sgd(lambda step: 0.1),
+        lambda: optim.sgd(lambda step: 0.2),
+        lambda: optim.chain(optim.scale(np.float32(2.0)), optim.sgd(0.1)),
+    ]
+    texts = [spec(make()) for make in built]
+    assert texts == [spec(make()) for make in built]
+    assert len(set(texts)) == len(texts)
+
+
+def test_the_text_of_an_optimizer_holding_itself_or_an_array_ends() -> None:
+    table = np.arange(4.0)
+
+    def update(g: Any, s: Any, p: Any) -> tuple[Any, Any]:
+        return update(g, s, p) if g is None else (g * table, s)
+
+    text = spec(optim.GradientTransformation(lambda p: None, update))
+    assert "table=float64[4]#" in text and "..." in text  # (its own closure, described to a depth)
