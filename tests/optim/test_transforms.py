@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -104,7 +105,7 @@ def test_an_optimizers_repr_shows_its_hyperparameters() -> None:
 def test_optimizers_built_alike_read_alike_and_others_do_not() -> None:
     """What data parallelism compares across ranks: two builds of one optimizer
     give one text; a rate, a decay or a schedule's body of another value, another."""
-    built = [
+    built: list[Callable[[], optim.GradientTransformation]] = [
         lambda: optim.adam(0.1),
         lambda: optim.adam(0.01),
         lambda: optim.momentum(0.1, 0.8),
@@ -112,7 +113,7 @@ def test_optimizers_built_alike_read_alike_and_others_do_not() -> None:
         lambda: optim.sgd(optim.exponential_decay(0.1, 0.6)),
         lambda: optim.sgd(lambda step: 0.1),
         lambda: optim.sgd(lambda step: 0.2),
-        lambda: optim.chain(optim.scale(np.float32(2.0)), optim.sgd(0.1)),
+        lambda: optim.chain(optim.scale(2.0), optim.sgd(0.1)),
     ]
     texts = [spec(make()) for make in built]
     assert texts == [spec(make()) for make in built]
