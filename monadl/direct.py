@@ -52,6 +52,7 @@ D1 = TypeVar("D1")
 D2 = TypeVar("D2")
 D3 = TypeVar("D3")
 D4 = TypeVar("D4")
+D5 = TypeVar("D5")
 
 # Set by the machine while it steps a direct-style coroutine: a flag that is
 # true only during that one step (a task started inside copies the variable,
@@ -140,7 +141,13 @@ def values(
     a: Expr[D1, Any], b: Expr[D2, Any], c: Expr[D3, Any], d: Expr[D4, Any], /
 ) -> Awaitable[tuple[D1, D2, D3, D4]]: ...
 @overload
+def values(
+    a: Expr[D1, Any], b: Expr[D2, Any], c: Expr[D3, Any], d: Expr[D4, Any], e: Expr[D5, Any], /
+) -> Awaitable[tuple[D1, D2, D3, D4, D5]]: ...
+@overload
 def values(*layers: Expr[D1, Any]) -> Awaitable[tuple[D1, ...]]: ...
+@overload
+def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]: ...  # (more than five, of mixed kinds)
 def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     """Forward values of several layers at once, evaluated in parallel
     (use inside a `direct` function)."""

@@ -50,3 +50,20 @@ async def test_a_user_type_is_an_instance_and_becomes_a_layer() -> None:
 def test_non_differentiable_values_are_refused() -> None:
     with pytest.raises(ml.OperandError, match="not differentiable"):
         forward("x")  # type: ignore[call-overload]  # the mistake under test
+
+
+def test_the_operand_aliases_are_types_at_runtime() -> None:
+    """A user's module without ``from __future__ import annotations`` evaluates
+    its annotations: ``ml.AsArray | None`` as a dataclass field's raised
+    TypeError (the aliases were strings), and get_type_hints a NameError."""
+    import typing
+
+    for alias in (ml.AsArray, ml.AsScalar, ml.ArrayOperand, ml.ScalarOperand, ml.Operand):
+        assert typing.get_origin(alias) is not None  # (a union, not a string)
+        assert typing.get_args(alias | None)[-1] is type(None)
+
+    def affine(x: ml.AsArray, w: ml.AsScalar) -> ml.ArrayLayer:
+        return ml.as_layer(x) * w
+
+    affine.__annotations__ = {"x": ml.AsArray, "w": ml.AsScalar, "return": ml.ArrayLayer}  # (as evaluated)
+    assert typing.get_type_hints(affine)["x"] == ml.AsArray

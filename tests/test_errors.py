@@ -368,3 +368,19 @@ def test_check_grads_wants_the_point_as_data() -> None:
     with pytest.raises(TypeError, match=r"check_grads: the point is floats or float arrays.*got a Weight"):
         ml.check_grads(lambda x: ml.tanh(x), w)
     ml.check_grads(lambda x: ml.tanh(x), w.data)
+
+
+def test_iterating_a_weight_or_a_layer_says_what_to_do_instead() -> None:
+    weight = ml.Weight(np.ones(3))
+    with pytest.raises(ml.OperandError, match=r"a weight is not iterated .*\(weight\[i\]\)"):
+        list(weight)  # type: ignore[call-overload]
+    with pytest.raises(ml.OperandError, match=r"a layer is not iterated .*its length is not known"):
+        list(weight * 1.0)  # type: ignore[call-overload]
+
+
+def test_a_shape_error_of_hundreds_of_operands_shows_the_first_ones_and_counts_the_rest() -> None:
+    parts = [ml.as_layer(np.ones((1, 4))) for _ in range(200)]
+    layer = ml.concatenate([ml.as_layer(np.ones((120, 10))), *parts], axis=1)
+    with pytest.raises(ml.ShapeError, match=r"float64\[1, 4\], \.\.\. and 189 more \(189 float64\[1, 4\]\)") as caught:
+        anyio.run(layer.predict)
+    assert len(str(caught.value)) < 700

@@ -297,9 +297,11 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
 
-ScalarOperand: TypeAlias = "float | Expr[float, float]"
-ArrayOperand: TypeAlias = "Array | Expr[Array, Array]"
-Operand: TypeAlias = "Array | DeviceArray | float | Expr[Any, Any]"
+# (runtime objects, not strings: a user's annotation `ml.AsArray | None` is evaluated where a module has no
+# `from __future__ import annotations`, as a dataclass field's, and `typing.get_type_hints` resolves them)
+ScalarOperand: TypeAlias = float | Expr[float, float]
+ArrayOperand: TypeAlias = Array | Expr[Array, Array]
+Operand: TypeAlias = Array | DeviceArray | float | Expr[Any, Any]
 """Anything a differentiable function accepts: plain data, weights and layers."""
 AsArray: TypeAlias = ArrayOperand
 """An alias of `ArrayOperand` (a plain array, an array weight or an array layer), the paper's name."""

@@ -105,8 +105,29 @@ def _as(a: Any, dtype: Any) -> Any:
     return namespace(a).astype(a, dtype)
 
 
+SHOWN: Final = 12
+"""How many operands a message shows (a concatenation of hundreds: the first
+ones, how many more, and those of another shape)."""
+
+
 def describe(args: Sequence[Any]) -> str:
-    """Operands as a message shows them: ``float32[16, 64], float 2.0``."""
+    """Operands as a message shows them: ``float32[16, 64], float 2.0``; of
+    more than `SHOWN`, the first ones and how many more of each kind.
+
+    >>> describe([np.ones((120, 10))] + [np.ones((1, 4))] * 200)
+    'float64[120, 10], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], float64[1, 4], ... and 189 more (189 float64[1, 4])'
+    """
+    if len(args) > SHOWN:
+        rest: dict[str, int] = {}
+        for text in _parts(args[SHOWN:]):
+            rest[text] = rest.get(text, 0) + 1
+        kinds = ", ".join(f"{n} {text}" for text, n in list(rest.items())[:SHOWN])
+        more = ", ..." if len(rest) > SHOWN else ""
+        return f"{', '.join(_parts(args[:SHOWN]))}, ... and {len(args) - SHOWN} more ({kinds}{more})"
+    return ", ".join(_parts(args))
+
+
+def _parts(args: Sequence[Any]) -> list[str]:
     parts = []
     for a in args:
         if isinstance(a, np.ndarray):
@@ -117,7 +138,7 @@ def describe(args: Sequence[Any]) -> str:
             parts.append(f"{library_name(a)} {dtype_name(a.dtype)}{list(a.shape)}")
         else:
             parts.append(f"{type(a).__name__} {a!r}")
-    return ", ".join(parts)
+    return parts
 
 
 def dtype_name(dtype: Any) -> str:

@@ -37,9 +37,14 @@ class Unvalued:
     if not TYPE_CHECKING:  # (to mypy a layer stays no Iterable, so that no Sequence parameter takes one)
 
         def __iter__(self) -> NoReturn:
+            if type(self).__name__ == "Layer":
+                raise OperandError(
+                    "a layer is not iterated while the graph is built (its length is not known): index it "
+                    "(layer[i]) or cut it into parts (ml.split)"
+                )
             raise OperandError(
-                "a layer is not iterated while the graph is built (its length is not known): index it "
-                "(layer[i]) or cut it into parts (ml.split)"
+                "a weight is not iterated (an item of it is a layer, its value not known while the graph is "
+                "built): index it (weight[i]), cut it into parts (ml.split), or iterate its value (weight.data)"
             )
 
     def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison)
