@@ -208,7 +208,10 @@ def _write_atomically(path: str, tensors: dict[str, Any], header: dict[str, str]
     temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     # Created here (not by mkstemp) to learn the permissions the umask gives a
     # new file; safetensors writes a file of its own, private to the owner.
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as exc:  # (a missing folder, no permission: the error names the user's path, not ours)
+        raise type(exc)(exc.errno, exc.strerror, path) from None
     try:
         mode = os.stat(temporary).st_mode & 0o777
         _write_tensors(tensors, temporary, header)

@@ -494,3 +494,10 @@ def test_a_weight_under_a_key_that_reads_as_a_memory_address_is_refused(tmp_path
     fine = {"config": {Key(): "no weight here"}, "w": ml.Weight(np.ones(2))}  # other values under such keys are fine
     checkpoint.save(tmp_path / "d", fine)
     checkpoint.load(tmp_path / "d", fine)
+
+
+def test_saving_into_a_missing_folder_names_the_path_asked_for(tmp_path: Path) -> None:
+    target = tmp_path / "no_such_dir" / "model.safetensors"
+    with pytest.raises(FileNotFoundError) as caught:
+        ml.save(target, ml.Weight(np.ones(2)))
+    assert caught.value.filename == str(target) and ".tmp" not in str(caught.value)

@@ -353,3 +353,18 @@ async def test_a_task_started_inside_a_direct_function_may_not_await_layers() ->
     with pytest.raises(BaseExceptionGroup) as raised:  # (asyncio's 'Task got bad yield', before)
         await ml.sum(model(w * 1.0)).predict()
     assert raised.group_contains(RuntimeError, match=r"in the function's own task \(not in a task it starts\)")
+
+
+async def test_train_inside_a_direct_function_is_refused_and_nothing_steps() -> None:
+    """Its step was taken in the middle of the outer evaluation, which then
+    read the weight half updated, and kept had the outer one failed."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model(h: ml.ArrayLayer) -> ml.ScalarLayer:
+        inner = await ml.sum(w * 3.0).train()
+        return ml.sum(h * inner)
+
+    with pytest.raises(ml.OperandError, match=r"train\(\) inside an @ml.direct function"):
+        await model(ml.as_layer(w)).train()
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])

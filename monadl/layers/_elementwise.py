@@ -69,7 +69,8 @@ def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
         base = (
             xp.asarray(a, dtype=out.dtype) if type(a) in (int, float, bool) and hasattr(out, "dtype") else xp.asarray(a)
         )
-        return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
+        with np.errstate(invalid="ignore"):  # (a negative base: NaN, as PyTorch's, without a warning)
+            return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
 
     def vjp_a(g: Value) -> Value:
         # d(a**b)/da = b * a**(b - 1); 0 where b == 0 (a**0 is 1 everywhere: at a == 0, 0 * inf was NaN).

@@ -73,14 +73,16 @@ def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, .
     if a.size == 0:  # (log of an empty sum: -inf, without NumPy's warning)
         out_keep = xp.full_like(total, -xp.inf)
     else:
-        out_keep = xp.log(total) + peak
+        with np.errstate(divide="ignore"):  # (a row of -inf only: its -inf, as PyTorch's, without a warning)
+            out_keep = xp.log(total) + peak
     if keepdims:
         out = out_keep
     elif axis is None:
         out = xp.reshape(out_keep, ())
     else:
         out = xp.squeeze(out_keep, axis=axis)
-    soft = e / total
+    with np.errstate(invalid="ignore"):  # (that row's delta: NaN, 0 / 0, as PyTorch's)
+        soft = e / total
     return out, (lambda g: _expand(xp, g, shape, axis, keepdims) * soft,)
 
 

@@ -202,6 +202,10 @@ def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> Array
         kernel: the side of the square window.
         stride: the step between windows; ``kernel`` by default (no overlap).
 
+    A window's delta goes to its maximum; where several entries tie, to the
+    first of them in row-major order, as PyTorch's (`monadl.max` shares it
+    among ties, `monadl.maximum` halves it).
+
     >>> import anyio, numpy as np
     >>> anyio.run(max_pool2d(np.arange(16.0).reshape(1, 1, 4, 4), 2).predict)[0, 0]
     array([[ 5.,  7.],

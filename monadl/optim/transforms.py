@@ -16,6 +16,7 @@ array([-0.1,  0.2])
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -102,13 +103,29 @@ def constant_schedule(value: float) -> Schedule:
 def exponential_decay(init_value: float, decay_rate: float, transition_steps: int = 1) -> Schedule:
     """``init_value * decay_rate ** (step / transition_steps)``.
 
+    The arguments are not in optax's order (``init_value, transition_steps,
+    decay_rate``): a decay rate above 1 or a fractional number of steps,
+    what a call in optax's order passes here, is refused.
+
     >>> exponential_decay(1.0, 0.5, 2)(4)
     0.25
+    >>> exponential_decay(0.1, 1000, 0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: exponential_decay(init_value, decay_rate, transition_steps): decay_rate must be at most 1 (a rate that grows), got 1000; optax's order is (init_value, transition_steps, decay_rate)
     """
-    if transition_steps <= 0:
-        raise ValueError("transition_steps must be positive")
+    order = "exponential_decay(init_value, decay_rate, transition_steps)"
+    optax = "optax's order is (init_value, transition_steps, decay_rate)"
     init_value = _checked("init_value", init_value)
     decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
+    if decay_rate > 1.0:
+        raise ValueError(f"{order}: decay_rate must be at most 1 (a rate that grows), got {decay_rate:g}; {optax}")
+    if (
+        isinstance(transition_steps, bool)
+        or not isinstance(transition_steps, (int, np.integer))
+        or transition_steps <= 0
+    ):
+        raise ValueError(f"{order}: transition_steps must be a positive int, got {transition_steps!r}; {optax}")
     return lambda step: init_value * decay_rate ** (step / transition_steps)
 
 
@@ -264,7 +281,18 @@ class AdamState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1)."""
+    """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1).
+
+    The second moment's correction divides its root, as PyTorch's does:
+    ``nu / (1 - b2 ** t)`` itself is 1,000 times ``nu`` at the first step and
+    overflows float16 from a gradient of about 256 (and float32 from 2e19), and
+    the step, an infinite denominator's, was silently 0.
+
+    >>> opt = scale_by_adam()
+    >>> u, _ = opt.update(np.float16([300.0]), opt.init(np.zeros(1, np.float16)), None)
+    >>> u  # (the first step's size is 1: mu_hat / sqrt(nu_hat) = g / |g|)
+    array([1.], dtype=float16)
+    """
     b1 = _checked("b1", b1, 1.0)
     b2 = _checked("b2", b2, 1.0)
     eps = _checked("eps", eps)
@@ -272,10 +300,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
         mu = b1 * state.mu + (1 - b1) * g
-        nu = b2 * state.nu + (1 - b2) * g * g
+        nu = b2 * state.nu + (1 - b2) * g * g  # (in this order: (1 - b2) * g first keeps g * g from overflowing)
         mu_hat = mu / (1 - b1**count)
-        nu_hat = nu / (1 - b2**count)
-        return mu_hat / (namespace(nu_hat).sqrt(nu_hat) + eps), AdamState(count, mu, nu)
+        denominator = namespace(nu).sqrt(nu) / math.sqrt(1 - b2**count) + eps
+        return mu_hat / denominator, AdamState(count, mu, nu)
 
     return GradientTransformation(
         lambda p: AdamState(0, namespace(p).zeros_like(p), namespace(p).zeros_like(p)), update

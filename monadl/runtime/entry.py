@@ -18,8 +18,9 @@ import anyio.lowlevel
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.direct import inside_direct
 from monadl.do import FORWARD, Do
-from monadl.errors import ShapeError
+from monadl.errors import OperandError, ShapeError
 from monadl.layers._weight import Weight
 from monadl.optim.apply import consume_gradients
 from monadl.runtime import process
@@ -47,6 +48,12 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
 
 async def train(root: Any) -> Any:
     """Forward, backward, and one optimizer step for every weight reached."""
+    if inside_direct.get()[0]:
+        raise OperandError(
+            "train() inside an @ml.direct function: its step would be taken in the middle of the evaluation "
+            "around it (which would then read weights half updated) and kept if that one failed; return the "
+            "loss from the model and train it outside, or add it to the outer loss"
+        )
     settings = current_settings()
     process.first_use(settings.tune_process)
     ev = Evaluation(train=True)

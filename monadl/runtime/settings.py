@@ -57,7 +57,10 @@ class Settings:
             the weight, and no weight changes), as a mixed-precision loss
             scaler skips such a step. One dot product per weight per step;
             on a GPU, one flag per step read back to the host, which waits
-            for the step's kernels (False: a step that never waits).
+            for the step's kernels (False: a step that never waits). A NaN
+            loss whose gradients are finite (``log`` of a negative number,
+            whose delta is finite) still steps: ``check_finite`` stops at the
+            operation that made it.
         tune_process: let monadl tune the process for its allocation pattern:
             glibc's malloc thresholds and the cyclic GC's young-generation
             threshold, raised on the first ``train()`` or ``predict()`` (see

@@ -385,3 +385,16 @@ async def test_a_float32_weight_of_no_dimensions_keeps_integer_data_float32() ->
     assert (await (w * np.array([1, 2])).predict()).dtype == np.float32  # (float64, NumPy's promotion)
     [g] = await ml.gradients(ml.sum(w * np.array([1, 2])), [w])
     assert g.dtype == np.float32
+
+
+@pytest.mark.anyio
+async def test_a_row_of_minus_infinity_and_a_negative_base_warn_of_nothing() -> None:
+    """Their values are PyTorch's (-inf; NaN deltas), and NumPy's warnings of
+    them pointed into monadl's files (the suite turns warnings into errors)."""
+    w = ml.Weight(np.array([[-np.inf, -np.inf], [0.0, 1.0]]))
+    loss = ml.sum(ml.logsumexp(w, axis=1))
+    (delta,) = await ml.gradients(loss, [w])
+    assert await loss.predict() == -np.inf and np.isnan(delta[0]).all()
+    base, power = ml.Weight(np.array([-2.0, 3.0])), ml.Weight(np.array([2.0, 2.0]))
+    (_, d_power) = await ml.gradients(ml.sum(base**power), [base, power])
+    assert np.isnan(d_power[0]) and d_power[1] == 9.0 * np.log(3.0)

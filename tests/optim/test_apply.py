@@ -71,6 +71,17 @@ def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(ma
         make()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "refused"),
+    [((0.1, 1000, 0.5), "decay_rate must be at most 1"), ((0.1, 0.5, 0.5), "transition_steps must be a positive int")],
+    ids=["optax's order", "fractional steps"],
+)
+def test_exponential_decay_in_optaxs_order_is_refused(arguments: tuple[Any, ...], refused: str) -> None:
+    # (optax takes (init_value, transition_steps, decay_rate): ported as written, the rate grew 1000x a step)
+    with pytest.raises(ValueError, match=rf"{refused}.*optax's order is \(init_value, transition_steps, decay_rate\)"):
+        ml.optim.exponential_decay(*arguments)
+
+
 def _arrays(state: Any) -> Any:
     if isinstance(state, np.ndarray):
         yield state

@@ -128,3 +128,14 @@ def test_the_text_of_an_optimizer_holding_itself_or_an_array_ends() -> None:
 
     text = spec(optim.GradientTransformation(lambda p: None, update))
     assert "table=float64[4]#" in text and "..." in text  # (its own closure, described to a depth)
+
+
+@pytest.mark.parametrize(("dtype", "gradient"), [(np.float16, 300.0), (np.float32, 1e20), (np.float64, 1e155)])
+def test_adams_first_step_is_the_rate_however_large_the_gradient(dtype: Any, gradient: float) -> None:
+    """The first bias-corrected step is lr * g / |g| (to eps). nu / (1 - b2)
+    overflowed the dtype where nu did not: the denominator was infinite and
+    the weight did not move, silently (PyTorch divides the root instead)."""
+    weight = ml.Weight(np.ones(2, dtype), optimizer=optim.adam(0.1))
+    optim.apply_gradients({weight: np.array([gradient, -gradient], dtype)})
+    np.testing.assert_allclose(weight.data, np.array([0.9, 1.1], dtype), rtol=1e-3)
+    assert weight.data.dtype == dtype
