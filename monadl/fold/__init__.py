@@ -47,6 +47,26 @@ The example below passes ``mypy --strict`` as it is (its lambdas' types named):
 >>> total = encode >> Reduce(Function[Pair, ml.ArrayLayer](lambda ab: ab[0] + ab[1]))
 >>> round(float(anyio.run(ml.sum(total([[0.0, 0.0], [1.0, -1.0], [0.5, 0.5]])).predict)), 6)
 1.523188
+
+A tree whose nodes have any number of children (an n-ary Tree-LSTM's
+shape): `AllOf` pairs the children's outputs (`Map` over them, recursively)
+with the node's own input, and a leaf maps no children:
+
+>>> from monadl.fold import AllOf, ForwardDeclaration, InputTransform
+>>> Node = tuple[list[float], list["Node"]]  # a node's features, its children
+>>> def children(n: Node) -> list[Node]:
+...     return n[1]
+>>> def features(n: Node) -> list[float]:
+...     return n[0]
+>>> def combine(kids_and_x: tuple[list[ml.ArrayLayer], ml.ArrayLayer]) -> ml.ArrayLayer:
+...     kids, x = kids_and_x
+...     return ml.tanh(sum(kids, start=x) @ w)  # (a leaf: x alone)
+>>> node = ForwardDeclaration[Node, ml.ArrayLayer]()
+>>> both = AllOf(InputTransform(children) >> Map(node), InputTransform(features) >> Vector(2, "float64"))
+>>> node.resolve_to(both >> Function(combine))
+>>> tree = ([1.0, 0.0], [([0.0, 1.0], []), ([0.5, 0.5], []), ([1.0, 1.0], [([0.0, -1.0], [])])])
+>>> round(float(anyio.run(ml.sum(node(tree)).predict)), 6)
+1.999793
 """
 
 from monadl.fold._block import Block, Build, Composition, ForwardDeclaration, call

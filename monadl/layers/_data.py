@@ -21,7 +21,7 @@ from monadl.errors import OperandError
 from monadl.layers._layer import Expr, Layer
 from monadl.layers._site import site_text
 
-__all__ = ["Data", "check_kept", "params_read", "take"]
+__all__ = ["Data", "check_kept", "name_the_cell", "params_read", "take"]
 
 _DATA_READ: Final = (
     "operation: a data argument of the cell went into a NumPy computation inside it; the trace would keep "
@@ -42,6 +42,14 @@ _VALUE_READ: Final = (
     "what the cell branches on as an int, a string or another static argument (each value its own trace), "
     "or compute with monadl functions (its shape and dtype may be read: each its own trace)"
 )
+
+
+def name_the_cell(exc: OperandError, name: str) -> None:
+    """Put the operation's name into one of this module's refusals, raised
+    while ``name`` was traced (a placeholder does not know its cell; a
+    nested operation's own refusal already has its name)."""
+    if exc.args and exc.args[0] in (_DATA_READ, _DATA_KEPT, _VALUE_READ):
+        exc.args = (exc.args[0].replace("operation:", f"operation {name}:", 1), *exc.args[1:])
 
 
 def _refused(message: str) -> Any:

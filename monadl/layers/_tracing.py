@@ -32,7 +32,7 @@ import numpy as np
 
 from monadl.do import Do
 from monadl.errors import OperandError
-from monadl.layers._data import Data, check_kept, params_read, take
+from monadl.layers._data import Data, check_kept, name_the_cell, params_read, take
 from monadl.layers._layer import Expr, Layer, _build, _next_serial
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import Primitive
@@ -83,7 +83,11 @@ def traced(
     start = _next_serial()  # layers built from here on are the trace's
     holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
     args, kwargs = rebuild(call, iter(holders))
-    result = f(*args, **kwargs)
+    try:
+        result = f(*args, **kwargs)
+    except OperandError as exc:
+        name_the_cell(exc, name)
+        raise
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
 
@@ -156,7 +160,11 @@ def traced(
             Step(layer._op, refs, params, layer._site, grads, takes if takes.count(None) < len(takes) else None)
         )
         grads_of.append(any(grads))
-    check_kept(leaves, consts, program_steps)
+    try:
+        check_kept(leaves, consts, program_steps)
+    except OperandError as exc:
+        name_the_cell(exc, name)
+        raise
     program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs), len(weights))
     op = Primitive(f"{name}#{next(_ids)}", program)
     make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)

@@ -383,6 +383,12 @@ def test_a_data_argument_escaping_as_a_plain_array_or_by_a_method_is_refused(
     with pytest.raises(ml.OperandError, match=message):
         ml.operation(read)(w, np.array([0, 3]))
 
+    def reads(x: Any, d: Any) -> Any:
+        return read(x, d)
+
+    with pytest.raises(ml.OperandError, match=rf"^operation {reads.__qualname__}: .*{message}"):  # (its cell named)
+        ml.operation(reads)(w, np.array([0, 3]))
+
 
 def test_a_data_arguments_shape_and_dtype_choose_the_trace() -> None:
     w = ml.Weight(np.array([[1.0, 2.0]]))
