@@ -31,11 +31,10 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Final, final
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,7 +43,9 @@ import anyio
 import numpy as np
 
 import monadl as ml
-from examples._device import DEVICES, host, on_device
+from examples._common import BagOfSymbols as Bag
+from examples._common import Curve, Labelled
+from examples._device import DEVICES, on_device
 
 DIGITS = 10
 OPERATORS = "+-*"
@@ -296,72 +297,20 @@ def symbol_counts(trees: Sequence[Tree]) -> ml.Array:
 @final
 class BagOfSymbols:
     """The structure-blind baseline: the sum of the tree's symbol embeddings
-    (digits and operators; counts @ table is that sum), then a ReLU layer."""
+    (digits and operators), then a ReLU layer (`examples._common.BagOfSymbols`)."""
 
     def __init__(self, hidden: int, seed: int = 0, learning_rate: float = 0.01) -> None:
-        rng = np.random.default_rng(seed)
-
-        def weight(shape: tuple[int, ...], scale: float) -> ml.ArrayWeight:
-            data = (rng.normal(0.0, 1.0, shape) * scale).astype(np.float32)
-            return ml.Weight(data, optimizer=ml.optim.adam(learning_rate))
-
-        self.table = weight((SYMBOLS, hidden), 0.5)
-        self.w1, self.b1 = weight((hidden, hidden), np.sqrt(2.0 / hidden)), weight((hidden,), 0.0)
-        self.w2, self.b2 = weight((hidden, DIGITS), np.sqrt(1.0 / hidden)), weight((DIGITS,), 0.0)
+        self.bag = Bag(SYMBOLS, DIGITS, hidden, seed, learning_rate)
 
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
-        bag = ml.matmul(symbol_counts(trees), self.table)
-        return ml.dense(ml.relu(ml.dense(bag, self.w1, self.b1)), self.w2, self.b2)
+        return self.bag.logits_of_counts(symbol_counts(trees))
 
     def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(self.logits(trees), labels(trees))
 
 
 # ---- training -------------------------------------------------------------------------------------
-Model = TreeLSTM | BagOfSymbols
-
-
-async def accuracy(model: Model, trees: Sequence[Tree], batch: int = 256) -> float:
-    right = 0
-    for start in range(0, len(trees), batch):
-        chunk = trees[start : start + batch]
-        scores = host(await model.logits(chunk).predict())
-        right += int(np.count_nonzero(np.argmax(scores, axis=1) == labels(chunk)))
-    return right / len(trees)
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class Curve:
-    """Per epoch: mean training loss and test accuracy; and the seconds spent."""
-
-    losses: list[float]
-    accuracies: list[float]
-    seconds: float
-
-
-async def fit(
-    model: Model, train: list[Tree], test: list[Tree], epochs: int, batch: int, seed: int, name: str, progress: bool
-) -> Curve:
-    from tqdm import tqdm
-
-    rng = np.random.default_rng(seed)
-    epoch_losses: list[float] = []
-    accuracies: list[float] = []
-    started = time.perf_counter()
-    steps = epochs * -(-len(train) // batch)
-    with tqdm(total=steps, desc=f"{name:14}", disable=not progress, leave=True) as bar:
-        for _ in range(epochs):
-            order = rng.permutation(len(train))
-            losses = []
-            for start in range(0, len(train), batch):
-                losses.append(float(await model.loss([train[i] for i in order[start : start + batch]]).train()))
-                bar.update()
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-            epoch_losses.append(float(np.mean(losses)))
-            accuracies.append(await accuracy(model, test))
-            bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", test_accuracy=f"{accuracies[-1]:.3f}")
-    return Curve(epoch_losses, accuracies, time.perf_counter() - started)
+LABELLED: Final[Labelled[Tree]] = Labelled(labels)
 
 
 @final
@@ -389,13 +338,13 @@ async def run(
     test = make_trees(test_size, 2, max_leaves, seed + 1_000_003)
     majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=DIGITS))))
     model = TreeLSTM(init_weights(hidden, seed), device=device)
-    tree_lstm = await fit(model, train, test, epochs, batch, seed, "Tree-LSTM", progress)
+    tree_lstm = await LABELLED.fit(model, train, test, epochs, batch, seed, "Tree-LSTM", progress)
     bag = BagOfSymbols(hidden, seed)
-    baseline = await fit(bag, train, test, epochs, batch, seed, "bag of symbols", progress)
+    baseline = await LABELLED.fit(bag, train, test, epochs, batch, seed, "bag of symbols", progress)
     return Result(tree_lstm, baseline, majority)
 
 
-def plot(result: Result, path: str) -> None:
+def plot(result: Result, path: str, task: str = "value mod 10, test trees") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,7 +357,7 @@ def plot(result: Result, path: str) -> None:
         accuracy_axis.plot(epochs, curve.accuracies, label=name)
     accuracy_axis.axhline(result.majority, color="gray", linestyle=":", label="majority label")
     loss_axis.set(xlabel="epoch", ylabel="training cross-entropy", title="training loss")
-    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title="value mod 10, test trees")
+    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1), title=task)
     loss_axis.legend()
     accuracy_axis.legend()
     figure.tight_layout()

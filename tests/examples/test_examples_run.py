@@ -23,6 +23,7 @@ WITH_OPTIONS = [
     "conv_digits",
     "digits",
     "gated_network",
+    "halide_tree_lstm",
     "image_addition",
     "image_lookup",
     "shift_reduce",

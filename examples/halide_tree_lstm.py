@@ -1,0 +1,344 @@
+"""An N-ary Tree-LSTM on the Halide expressions of the HISS paper, against a bag-of-tokens baseline.
+
+The data are the HISS paper's (``../shared/data/hiss/``, read from there when
+present; ``--data`` names another folder): each line pairs a random Halide
+expression with a simpler equivalent its authors found by brute force. The
+task: from the expression's tree alone, how short is its simplest known
+equivalent? Five classes of the equivalent's length in tokens: 1 (the
+expression is a constant or a variable in disguise), 2-7, 8-11, 12-15, and
+16 or more. Whether ``v0 - (v0 + v0)`` or ``select(v0 < v0, v1, v2)``
+collapses depends on which subtrees meet at which operator, which a bag of
+the same tokens cannot see.
+
+Trees: ``min`` and ``max`` take two arguments and ``select`` three, ``!``
+one, the infix operators two (by Halide's precedence: ``||`` below ``&&``
+below comparisons below ``+ -`` below ``* /``); leaves are constants and
+variables. So a node has 0 to 3 children.
+
+The model is the N-ary Tree-LSTM of Tai et al. (2015, section 3.2) with
+N = 3, one matrix and one forget gate per child position: at a node with
+symbol x and children (h_k, c_k), k < its arity,
+
+    i, o, u, f_1, f_2, f_3 = E[x] + sum_k h_k U_k    (six slices of the gates)
+    c = sigmoid(i) * tanh(u) + sum_k sigmoid(f_k) * c_k
+    h = sigmoid(o) * tanh(c)
+
+One Python function computes a node from its children's states, whatever
+their number; marked as one `ml.operation`, it is traced once per arity, and
+the runtime batches each arity's nodes across the batch's trees.
+
+Run: ``python examples/halide_tree_lstm.py`` (``--help`` for the sizes).
+Shows a progress bar, prints both models' test accuracy beside the majority
+class's, and writes the training curves to ``halide_tree_lstm.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, final
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import anyio
+import numpy as np
+
+import monadl as ml
+from examples._common import BagOfSymbols, Labelled
+from examples.tree_lstm import Result, State, plot
+
+DATA: Final = Path(__file__).resolve().parents[2] / "shared" / "data" / "hiss"
+"""Where the project's shared data keeps the HISS pairs (``--data`` for elsewhere)."""
+FILE: Final = "halide_var3_d3.jsonl"
+
+FUNCTIONS: Final = {"min": 2, "max": 2, "select": 3}
+PRECEDENCE: Final = {
+    "||": 1,
+    "&&": 2,
+    "==": 3,
+    "!=": 3,
+    "<": 4,
+    "<=": 4,
+    ">": 4,
+    ">=": 4,
+    "+": 5,
+    "-": 5,
+    "*": 6,
+    "/": 6,
+}
+ARITY: Final = 3  # the most children a node has (select's)
+BUCKETS: Final = (1, 7, 11, 15)  # the simplest equivalent's tokens: <= 1, <= 7, <= 11, <= 15, more
+CLASSES: Final = len(BUCKETS) + 1
+
+
+# ---- data -----------------------------------------------------------------------------------------
+@final
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """An expression's tree, its nodes numbered children first (the root last).
+
+    Attributes:
+        tokens: per node, its operator or leaf token.
+        children: per node, its children's numbers (smaller than its own).
+        label: the class of its simplest known equivalent's length (`bucket`).
+    """
+
+    tokens: tuple[str, ...]
+    children: tuple[tuple[int, ...], ...]
+    label: int
+
+    def text(self) -> str:
+        """The expression, its infix operations parenthesised.
+
+        >>> parse_tree("v0 - ( v0 + v0 )".split(), 0).text()
+        '(v0 - (v0 + v0))'
+        """
+        parts: list[str] = []
+        for token, kids in zip(self.tokens, self.children):
+            args = [parts[k] for k in kids]
+            if token in FUNCTIONS:
+                parts.append(f"{token}({', '.join(args)})")
+            elif token == "!":
+                parts.append(f"!{args[0]}")
+            else:
+                parts.append(f"({args[0]} {token} {args[1]})" if args else token)
+        return parts[-1]
+
+
+def parse_tree(tokens: Sequence[str], label: int) -> Tree:
+    """The tree of one expression's tokens (precedence climbing; infix
+    operators of equal precedence group to the left).
+
+    >>> parse_tree("select ( v0 < v1 , ! v2 , v0 * v1 + v2 )".split(), 0).text()
+    'select((v0 < v1), !v2, ((v0 * v1) + v2))'
+    >>> parse_tree("v0 + ( v1".split(), 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: expected ')' at token 5 of 'v0 + ( v1', found the end
+    """
+    nodes: list[str] = []
+    children: list[tuple[int, ...]] = []
+    at = 0
+
+    def fail(expected: str) -> ValueError:
+        found = repr(tokens[at]) if at < len(tokens) else "the end"
+        return ValueError(f"expected {expected} at token {at + 1} of {' '.join(tokens)!r}, found {found}")
+
+    def take(token: str) -> None:
+        nonlocal at
+        if at >= len(tokens) or tokens[at] != token:
+            raise fail(repr(token))
+        at += 1
+
+    def node(token: str, kids: list[int]) -> int:
+        nodes.append(token)
+        children.append(tuple(kids))
+        return len(nodes) - 1
+
+    def operand() -> int:
+        nonlocal at
+        if at >= len(tokens) or tokens[at] in PRECEDENCE or tokens[at] in ",)":
+            raise fail("an operand")
+        token = tokens[at]
+        at += 1
+        if token == "(":
+            inside = expression(0)
+            take(")")
+            return inside
+        if token == "!":
+            return node("!", [operand()])
+        if token in FUNCTIONS:
+            take("(")
+            args = [expression(0)]
+            for _ in range(FUNCTIONS[token] - 1):
+                take(",")
+                args.append(expression(0))
+            take(")")
+            return node(token, args)
+        return node(token, [])
+
+    def expression(weakest: int) -> int:
+        nonlocal at
+        left = operand()
+        while at < len(tokens) and PRECEDENCE.get(tokens[at], 0) > weakest:
+            operator = tokens[at]
+            at += 1
+            left = node(operator, [left, expression(PRECEDENCE[operator])])
+        return left
+
+    expression(0)
+    if at != len(tokens):
+        raise fail("the end")
+    return Tree(tuple(nodes), tuple(children), label)
+
+
+def bucket(length: int) -> int:
+    """The class of an equivalent of ``length`` tokens.
+
+    >>> [bucket(n) for n in (1, 2, 7, 8, 15, 16)]
+    [0, 1, 1, 2, 3, 4]
+    """
+    return bisect_left(BUCKETS, length)
+
+
+def load(path: Path, limit: int | None = None) -> list[Tree]:
+    """The trees of a file of ``[lhs_tokens, rhs_tokens]`` lines (the first ``limit``)."""
+    trees: list[Tree] = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            if limit is not None and len(trees) >= limit:
+                break
+            lhs, rhs = json.loads(line)
+            try:
+                trees.append(parse_tree(lhs, bucket(len(rhs))))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+    return trees
+
+
+def split(trees: Sequence[Tree], seed: int, test: float = 0.2) -> tuple[list[Tree], list[Tree]]:
+    """A shuffled split into training and test trees."""
+    order = np.random.default_rng(seed).permutation(len(trees))
+    cut = round(len(trees) * (1.0 - test))
+    return [trees[i] for i in order[:cut]], [trees[i] for i in order[cut:]]
+
+
+def vocabulary(trees: Sequence[Tree]) -> dict[str, int]:
+    """Every token of ``trees`` by an index from 1 (0: a token they lack)."""
+    return {token: i for i, token in enumerate(sorted({t for tree in trees for t in tree.tokens}), 1)}
+
+
+def labels(trees: Sequence[Tree]) -> ml.Array:
+    return np.array([t.label for t in trees])
+
+
+# ---- the N-ary Tree-LSTM ----------------------------------------------------------------------------
+def init_weights(symbols: int, hidden: int, seed: int = 0) -> dict[str, ml.Array]:
+    """``embed`` is E (the six gate slices of each symbol: i o u f_1 f_2 f_3),
+    ``U1``-``U3`` the children's matrices, ``out``/``out_bias`` classify the
+    root. The forget slices start at +1, so that memory flows up at first."""
+    rng = np.random.default_rng(seed)
+    gates = (3 + ARITY) * hidden
+    forget = np.zeros(gates)
+    forget[3 * hidden :] = 1.0
+    weights = {"embed": rng.normal(0.0, 0.5, (symbols, gates)) + forget}
+    for k in range(1, ARITY + 1):
+        weights[f"U{k}"] = rng.normal(0.0, 1.0, (hidden, gates)) / np.sqrt(ARITY * hidden)
+    weights["out"] = rng.normal(0.0, 1.0, (hidden, CLASSES)) / np.sqrt(hidden)
+    weights["out_bias"] = np.zeros(CLASSES)
+    return {k: v.astype(np.float32) for k, v in weights.items()}
+
+
+def node_state(
+    params: Mapping[str, ml.ArrayOperand], hidden: int, symbol: ml.Array, children: tuple[State, ...]
+) -> State:
+    """A node's state from its symbol (a one-element index array) and its children's states."""
+    n = hidden
+    gates = ml.embedding(params["embed"], symbol)
+    for k, child in enumerate(children, 1):
+        gates = gates + child.h @ params[f"U{k}"]
+    c = ml.sigmoid(gates[:, :n]) * ml.tanh(gates[:, 2 * n : 3 * n])
+    for k, child in enumerate(children):
+        c = c + ml.sigmoid(gates[:, (3 + k) * n : (4 + k) * n]) * child.c
+    return State(ml.sigmoid(gates[:, n : 2 * n]) * ml.tanh(c), c)
+
+
+@final
+class TreeLSTM:
+    """The N-ary Tree-LSTM's weights, each trained with Adam, and its cell."""
+
+    def __init__(
+        self,
+        tokens: Mapping[str, int],
+        weights: dict[str, ml.Array],
+        learning_rate: float = 0.01,
+        operation: bool = True,
+    ) -> None:
+        """``tokens``: the `vocabulary`; ``operation``: each node one `ml.operation`
+        node of the graph (False: every op of the cell a layer; the same values)."""
+        self.tokens = tokens
+        self.hidden = int(weights["U1"].shape[0])
+        self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
+        cell = functools.partial(node_state, self.w, self.hidden)
+        self.cell = ml.operation(cell) if operation else cell
+
+    def encode(self, tree: Tree) -> ml.ArrayLayer:
+        """The root's hidden vector, ``(1, hidden)``: one cell per node, children first."""
+        states: list[State] = []
+        for token, kids in zip(tree.tokens, tree.children):
+            symbol = np.array([self.tokens.get(token, 0)])
+            states.append(self.cell(symbol, tuple([states[k] for k in kids])))
+        return states[-1].h
+
+    def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
+        roots = ml.concatenate([self.encode(t) for t in trees], axis=0)
+        return ml.dense(roots, self.w["out"], self.w["out_bias"])
+
+
+@final
+class BagOfTokens:
+    """The structure-blind baseline: the tree's token counts, embedded and summed, then a ReLU layer."""
+
+    def __init__(self, tokens: Mapping[str, int], hidden: int, seed: int = 0) -> None:
+        self.tokens = tokens
+        self.bag = BagOfSymbols(len(tokens) + 1, CLASSES, hidden, seed)
+
+    def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
+        counts = np.zeros((len(trees), len(self.tokens) + 1), np.float32)
+        for row, tree in enumerate(trees):
+            for token in tree.tokens:
+                counts[row, self.tokens.get(token, 0)] += 1.0
+        return self.bag.logits_of_counts(counts)
+
+
+# ---- training -------------------------------------------------------------------------------------
+LABELLED: Final[Labelled[Tree]] = Labelled(labels)
+
+
+async def run(
+    trees: Sequence[Tree], epochs: int = 5, hidden: int = 64, batch: int = 32, seed: int = 0, progress: bool = True
+) -> Result:
+    """Train both models on 80% of ``trees``, test them on the rest."""
+    train, test = split(trees, seed)
+    tokens = vocabulary(train)
+    majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=CLASSES))))
+    model = TreeLSTM(tokens, init_weights(len(tokens) + 1, hidden, seed))
+    tree_lstm = await LABELLED.fit(model, train, test, epochs, batch, seed, "Tree-LSTM", progress)
+    bag = BagOfTokens(tokens, hidden, seed)
+    baseline = await LABELLED.fit(bag, train, test, epochs, batch, seed, "bag of tokens", progress)
+    return Result(tree_lstm, baseline, majority)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Train an N-ary Tree-LSTM on the HISS paper's Halide expressions: how short is each "
+        "one's simplest known equivalent?"
+    )
+    parser.add_argument("--data", type=Path, default=DATA, help=f"the folder holding {FILE} (default: {DATA})")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="trees per training step")
+    parser.add_argument("--limit", type=int, default=None, help="use the file's first LIMIT expressions")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="halide_tree_lstm.png", help="where to write the training curves (PNG)")
+    args = parser.parse_args()
+    path = args.data / FILE
+    if not path.is_file():
+        parser.exit(2, f"{parser.prog}: no {FILE} in {args.data}: pass the folder of the HISS data with --data\n")
+    trees = load(path, args.limit)
+    result = anyio.run(lambda: run(trees, args.epochs, args.hidden, args.batch, args.seed))
+    plot(result, args.plot, "simplest equivalent's length, test")
+    for curve, name in ((result.tree_lstm, "Tree-LSTM"), (result.baseline, "bag of tokens")):
+        print(f"{name:15} test accuracy {curve.accuracies[-1]:.3f}  ({curve.seconds:.1f} s of training)")
+    print(f"{'majority class':15} test accuracy {result.majority:.3f}  (curves in {args.plot})")
+
+
+if __name__ == "__main__":
+    main()
