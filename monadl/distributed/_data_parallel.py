@@ -202,6 +202,7 @@ class DataParallel:
         changed on any rank. After one whose ``in_step`` is False (a
         collective timed out or failed), every later call raises at once.
         """
+        entry.refuse_inside_direct("DataParallel.train()")  # (on every rank alike, before any exchange)
         with in_step(self._comm):
             return await self._train(loss)
 

@@ -62,6 +62,9 @@ class ArrayRun:
         converged: at tolerance 0, nothing pending would change the chart,
             and no value went to infinity or NaN (a divergent run stands
             still there but reached no fixpoint: not converged)
+        settled: at tolerance 0, nothing pending would change the chart,
+            diverged values or not: the gradient carries the pending updates
+            to the fixpoint (a finite item's, beside another that diverged)
             (also when ``max_pops`` ended the run just there); the gradient
             carries what is pending on to the fixpoint, as `monadl.dyna.Run`'s.
     """
@@ -75,6 +78,7 @@ class ArrayRun:
     records: list[Record]
     pending: dict[Item, Array] = field(default_factory=dict)
     converged: bool = False
+    settled: bool = False
 
     def value(self, item: Item) -> float:
         """The chart's value of a scalar item, e.g. ``("alpha", 5, 3)`` (the
@@ -106,7 +110,7 @@ class ArrayRun:
         seed[goal_index] = s.one
         algebra = ArrayAlgebra(s, self.program.subscripts)
         pending = None
-        if self.converged and self.pending:
+        if self.settled and self.pending:
             changed, diverged = array_checks(s.zero)
             joins, popped = self.program.joins, len(self.tape)
             pending = settled_adjoints(

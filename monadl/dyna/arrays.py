@@ -263,12 +263,11 @@ class ArrayProgram:
             if stop is not None and stop(run):
                 break
         # Converged: nothing pending would change the chart (a run stopped early may have got there too).
-        # A value gone to infinity or NaN stands still too, at no fixpoint: a divergent run has not converged.
-        run.converged = (
-            tolerance == 0.0
-            and not any(x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo)
-            and not diverged(s, chart.values())
+        run.settled = tolerance == 0.0 and not any(
+            x not in chart or self._changed(chart[x], self.plus(chart[x], agenda[x]), 0.0) for x in fifo
         )
+        # A value gone to infinity or NaN stands still too, at no fixpoint: a divergent run has not converged.
+        run.converged = run.settled and not diverged(s, chart.values())
         return run
 
     @staticmethod

@@ -74,6 +74,9 @@ class Run:
         converged: at tolerance 0, nothing pending would change the chart,
             and no value went to infinity or NaN (a divergent run stands
             still there but reached no fixpoint: not converged)
+        settled: at tolerance 0, nothing pending would change the chart,
+            diverged values or not: the gradient carries the pending updates
+            to the fixpoint (a finite item's, beside another that diverged)
             (also when ``max_pops`` or ``stop`` ended the run just there):
             what is pending came along rule instances the tape does not
             hold, and the gradient carries it to the fixpoint (`Run.gradient`).
@@ -87,6 +90,7 @@ class Run:
     best: dict[Item, Reason] = field(default_factory=dict)
     axioms: dict[Item, float] = field(default_factory=dict)
     converged: bool = False
+    settled: bool = False
 
     def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
         """d chart[goal] / d value, for the axioms of the run.
@@ -129,7 +133,7 @@ class Run:
             raise NotImplementedError(f"the {s.name} semiring has no gradient here (forward only)")
         algebra = ScalarAlgebra(s)
         pending = None
-        if self.converged and self.pending:
+        if self.settled and self.pending:
             changed, diverged = scalar_checks(s.zero)
             joins, popped = self.program.joins, len(self.tape)
             pending = settled_adjoints(self.chart, joins, algebra, goal, s.one, self.pending, changed, diverged, popped)
@@ -294,12 +298,9 @@ class Program:
                 break
         # Converged: nothing pending would change the chart (a run stopped early may have got there too,
         # and one whose priority ranked an item differently when asked again may have stopped short).
+        run.settled = tolerance == 0 and not any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
         # A value gone to infinity or NaN stands still too, at no fixpoint: a divergent run has not converged.
-        run.converged = (
-            tolerance == 0
-            and not any(self._poppable(x, agenda, chart, tolerance) for x in agenda)
-            and not diverged(semiring, chart.values())
-        )
+        run.converged = run.settled and not diverged(semiring, chart.values())
         return run
 
     def _choose(

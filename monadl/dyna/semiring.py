@@ -57,16 +57,18 @@ MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, lambda a, b: a + b, gradient
 
 def diverged(semiring: Semiring, values: Iterable[float | np.ndarray]) -> bool:
     """Whether a chart value left the semiring's numbers: a NaN, or an infinity
-    other than its zero (a sum along a cycle of weight 1 or more, a negative
-    cycle in min-plus). Such a run reached no fixpoint, however still it stands.
+    other than its zero or its one (a sum along a cycle of weight 1 or more, a
+    negative cycle in min-plus; a widest path's one is infinite). Such a run
+    reached no fixpoint, however still it stands.
 
-    >>> diverged(REAL, [1.0, math.inf]), diverged(MIN_PLUS, [1.0, math.inf]), diverged(MIN_PLUS, [-math.inf])
-    (True, False, True)
+    >>> widest = Semiring("widest", 0.0, math.inf, max, min)
+    >>> diverged(REAL, [1.0, math.inf]), diverged(MIN_PLUS, [math.inf]), diverged(widest, [math.inf])
+    (True, False, False)
     """
     for v in values:
         a = np.asarray(v)
         with np.errstate(invalid="ignore"):
-            if np.any(np.isnan(a) | (np.isinf(a) & (a != semiring.zero))):
+            if np.any(np.isnan(a) | (np.isinf(a) & (a != semiring.zero) & (a != semiring.one))):
                 return True
     return False
 

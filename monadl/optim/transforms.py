@@ -100,7 +100,7 @@ def constant_schedule(value: float) -> Schedule:
     return lambda step: value
 
 
-def exponential_decay(init_value: float, decay_rate: float, transition_steps: int = 1) -> Schedule:
+def exponential_decay(init_value: float, decay_rate: float, transition_steps: float = 1) -> Schedule:
     """``init_value * decay_rate ** (step / transition_steps)``.
 
     The arguments are not in optax's order (``init_value, transition_steps,
@@ -120,12 +120,11 @@ def exponential_decay(init_value: float, decay_rate: float, transition_steps: in
     decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
     if decay_rate > 1.0:
         raise ValueError(f"{order}: decay_rate must be at most 1 (a rate that grows), got {decay_rate:g}; {optax}")
-    if (
-        isinstance(transition_steps, bool)
-        or not isinstance(transition_steps, (int, np.integer))
-        or transition_steps <= 0
-    ):
-        raise ValueError(f"{order}: transition_steps must be a positive int, got {transition_steps!r}; {optax}")
+    steps: object = transition_steps  # (100.0 read from a config is 100 steps)
+    whole = isinstance(steps, (int, np.integer, float, np.floating)) and float(steps).is_integer()
+    if isinstance(steps, bool) or not whole or transition_steps <= 0:
+        raise ValueError(f"{order}: transition_steps must be a positive whole number, got {steps!r}; {optax}")
+    transition_steps = int(transition_steps)
     return lambda step: init_value * decay_rate ** (step / transition_steps)
 
 

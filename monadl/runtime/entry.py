@@ -31,7 +31,7 @@ from monadl.runtime.node import where
 from monadl.runtime.schedule import cuda, inline, pool
 from monadl.runtime.settings import current_settings
 
-__all__ = ["acquire", "gradients", "gradients_sync", "predict", "predict_sync", "run", "train"]
+__all__ = ["acquire", "gradients", "gradients_sync", "predict", "predict_sync", "refuse_inside_direct", "run", "train"]
 
 Machine = Generator[Any, Any, Any]
 
@@ -46,14 +46,22 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
         raise
 
 
-async def train(root: Any) -> Any:
-    """Forward, backward, and one optimizer step for every weight reached."""
+def refuse_inside_direct(what: str) -> None:
+    """`OperandError` where a step of an ``@ml.direct`` function calls ``what``
+    (a training step): its step would land in the middle of the evaluation
+    around it, which would then read weights half updated, and stay if that
+    evaluation failed."""
     if inside_direct.get()[0]:
         raise OperandError(
-            "train() inside an @ml.direct function: its step would be taken in the middle of the evaluation "
+            f"{what} inside an @ml.direct function: its step would be taken in the middle of the evaluation "
             "around it (which would then read weights half updated) and kept if that one failed; return the "
             "loss from the model and train it outside, or add it to the outer loss"
         )
+
+
+async def train(root: Any) -> Any:
+    """Forward, backward, and one optimizer step for every weight reached."""
+    refuse_inside_direct("train()")
     settings = current_settings()
     process.first_use(settings.tune_process)
     ev = Evaluation(train=True)

@@ -343,9 +343,12 @@ def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> Non
     [
         ((ml.optim.adam(0.1), ml.optim.adam(0.01)), r"scale\(-0.1\)\) on rank 0, .*scale\(-0.01\)\) on rank 1"),
         ((ml.optim.momentum(0.1, 0.9), ml.optim.momentum(0.1, 0.8)), r"trace\(decay=0.9, .* on rank 0, .*decay=0.8"),
-        ((ml.optim.sgd(lambda step: 0.1), ml.optim.sgd(lambda step: 0.2)), r"schedule=<lambda>#"),
+        (
+            (ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.5)), ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.6))),
+            r"decay_rate=0.5, .* on rank 0, .*decay_rate=0.6",
+        ),
     ],
-    ids=["learning rate", "momentum", "a schedule's body"],
+    ids=["learning rate", "momentum", "a schedule's parameter"],
 )
 def test_ranks_whose_optimizers_have_other_hyperparameters_stop_before_any_step(
     optimizers: tuple[ml.optim.GradientTransformation, ...], shown: str
@@ -513,3 +516,21 @@ def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
 
     status = 1 + 3 * 5  # a failure's length; per weight of Net: kind, rows, position
     assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2
+
+
+def test_a_data_parallel_step_inside_a_direct_function_is_refused_on_every_rank() -> None:
+    async def rank(comm: Communicator) -> list[float]:
+        weight = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(weight, comm)
+
+        @ml.direct
+        async def model(h: ml.ArrayLayer) -> ml.ScalarLayer:
+            await dp.train(ml.sum(weight * 3.0))
+            return ml.sum(h * 2.0)
+
+        with pytest.raises(ml.OperandError, match=r"DataParallel.train\(\) inside an @ml.direct function"):
+            await model(ml.as_layer(weight)).train()
+        await dp.train(ml.sum(weight * 0.0))  # (the communicator is still in step)
+        return list(map(float, weight.data))
+
+    assert run_local(2, rank) == [[1.0, 2.0]] * 2

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import LOG_REAL, MIN_PLUS, Item, Program, Rule, parse
+from monadl.dyna import LOG_REAL, MIN_PLUS, Item, Program, Rule, Semiring, parse
 from monadl.dyna.syntax import parse_rules
 
 SQUARE = Program([Rule(("a",), [("a",), ("a",)]), Rule(("a",), [("r",)])])
@@ -534,10 +534,25 @@ def test_a_run_whose_values_diverge_has_not_converged(text: str, infinite: bool)
     assert parse("a += 0.5 * a. a += 1.").run({}).converged  # (the finite fixpoint 2 is one)
 
 
-def test_infinity_as_the_semirings_zero_is_no_divergence() -> None:
-    """In min-plus, infinity is the zero (no path): a chart holding it converged."""
+def test_an_item_that_diverges_leaves_a_finite_items_gradient_as_it_was() -> None:
+    """d goes to infinity apart from a: the run has not converged, yet it
+    settled, and a's pending zero update still gets its adjoint (da/dx = 1
+    at x = 0, as without d)."""
+    run = parse("a += x * a. a += 1. d += 2 * d. d += 1.").run({("x",): 0.0})
+    assert math.isinf(run.chart[("d",)]) and not run.converged and run.settled
+    assert run.gradient(("a",)) == {("x",): 1.0} == parse("a += x * a. a += 1.").run({("x",): 0.0}).gradient(("a",))
+
+
+def test_infinity_as_the_semirings_zero_or_one_is_no_divergence() -> None:
+    """In min-plus, infinity is the zero (no path); in widest paths (max, min),
+    the one (the source's width): a chart holding it converged."""
     run = Program(parse_rules("d(J) += d(I) * e(I, J). d(0) += 0."), MIN_PLUS).run({("e", 0, 1): math.inf})
     assert run.chart[("d", 1)] == math.inf and run.converged
+    widest = Semiring("widest", 0.0, math.inf, max, min)
+    run = Program(parse_rules("w(J) += w(I) * cap(I, J). w(I) += src(I)."), widest).run(
+        {("src", 0): math.inf, ("cap", 0, 1): 3.0, ("cap", 1, 2): 2.0}
+    )
+    assert run.chart[("w", 0)] == math.inf and run.chart[("w", 2)] == 2.0 and run.converged
 
 
 @pytest.mark.parametrize("weight", [1.5, 2.0])

@@ -73,13 +73,17 @@ def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(ma
 
 @pytest.mark.parametrize(
     ("arguments", "refused"),
-    [((0.1, 1000, 0.5), "decay_rate must be at most 1"), ((0.1, 0.5, 0.5), "transition_steps must be a positive int")],
+    [
+        ((0.1, 1000, 0.5), "decay_rate must be at most 1"),
+        ((0.1, 0.5, 0.5), "transition_steps must be a positive whole number"),
+    ],
     ids=["optax's order", "fractional steps"],
 )
 def test_exponential_decay_in_optaxs_order_is_refused(arguments: tuple[Any, ...], refused: str) -> None:
     # (optax takes (init_value, transition_steps, decay_rate): ported as written, the rate grew 1000x a step)
     with pytest.raises(ValueError, match=rf"{refused}.*optax's order is \(init_value, transition_steps, decay_rate\)"):
         ml.optim.exponential_decay(*arguments)
+    assert ml.optim.exponential_decay(1.0, 0.5, 2.0)(4) == 0.25  # (a whole number of steps read from a config)
 
 
 def _arrays(state: Any) -> Any:
