@@ -89,9 +89,9 @@ def common_namespace(values: tuple[Any, ...], op: str) -> Namespace:
             found, first = xp, v
         elif xp is not found:
             raise DeviceError(
-                f"{op}: operands mix a {_where(first)} array and a {_where(v)} array; monadl never copies between "
-                "libraries or devices by itself: move one explicitly (for CuPy: cupy.asarray(x) to the device, "
-                "x.get() to the host)"
+                f"{op}: operands mix an array of {_where(first)} and an array of {_where(v)}; monadl never copies "
+                "between libraries or devices by itself: move one explicitly (xp.asarray(x) with the other's "
+                "namespace xp; for CuPy: cupy.asarray(x) to the device, x.get() to the host)"
             )
     return np if found is None else found
 

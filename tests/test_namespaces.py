@@ -167,10 +167,63 @@ def test_weights_stay_in_their_library_and_dtype_after_a_step() -> None:
     np.testing.assert_allclose(np.asarray(w.data), [0.9, 1.8], rtol=1e-6)
 
 
-def test_an_embedding_table_of_a_library_without_scatter_steps_densely() -> None:
+def test_an_embedding_table_of_a_library_without_scatter_steps_the_rows_looked_up() -> None:
     table = ml.Weight(xs.asarray(np.arange(8.0).reshape(4, 2)), optimizer=ml.optim.sgd(1.0))
     anyio.run(ml.sum(ml.embedding(table, xs.asarray([1, 1, 3]))).train)
     np.testing.assert_array_equal(np.asarray(table.data), [[0, 1], [0, 1], [4, 5], [5, 6]])
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam", "decay"])
+def test_an_embedding_step_of_a_library_without_scatter_leaves_the_rows_not_looked_up(optimizer: str) -> None:
+    """Their values and their optimizer state (momentum, Adam's moments) stay
+    as they were, as NumPy's lazy step leaves them; the dense step moved
+    row 0 on its second step by its momentum, and decayed every row."""
+    makers: dict[str, Callable[[], ml.optim.GradientTransformation]] = {
+        "momentum": lambda: ml.optim.momentum(0.1, 0.9),
+        "adam": lambda: ml.optim.adam(0.1),
+        "decay": lambda: ml.optim.chain(ml.optim.add_decayed_weights(0.1), ml.optim.sgd(0.1)),
+    }
+    make = makers[optimizer]
+    values = []
+    for library in (np.asarray, _strict):
+        table = ml.Weight(library(np.arange(1.0, 9.0).reshape(4, 2)), optimizer=make())
+        for row in (0, 1):
+            anyio.run(ml.sum(ml.embedding(table, library(np.array([row])))).train)
+        values.append(np.asarray(table.data))
+    np.testing.assert_allclose(values[1], values[0], rtol=1e-12)
+    np.testing.assert_array_equal(values[1][2:], [[5.0, 6.0], [7.0, 8.0]])
+
+
+@pytest.mark.parametrize("kind", ["layers", "marked cell", "direct style"])
+def test_a_graph_of_strict_arrays_that_batching_would_group_runs_node_by_node(kind: str) -> None:
+    """Batching indexes stacked arrays by an int and by NumPy index arrays,
+    which the array API leaves to each library (array_api_strict refuses
+    them: every batched run raised IndexError); such arrays run node by node,
+    with NumPy's values and gradients, batching forced or not."""
+    rng = np.random.default_rng(0)
+    w0, xs0 = rng.normal(size=(4, 4)), [rng.normal(size=(1, 4)) for _ in range(16)]
+
+    def value_and_gradient(library: Callable[[np.ndarray], Any]) -> tuple[float, np.ndarray]:
+        w = ml.Weight(library(w0))
+
+        @ml.direct
+        async def chosen(x: ml.ArrayLayer) -> ml.ArrayLayer:
+            return ml.tanh(x @ w) if float(await ml.sum(x)) > 0.0 else x @ w
+
+        steps: dict[str, Callable[[Any], Any]] = {
+            "layers": lambda x: ml.tanh(x @ w),
+            "marked cell": ml.operation(lambda x: ml.tanh(x @ w)),
+            "direct style": chosen,
+        }
+        step = steps[kind]
+        loss = ml.sum(ml.concatenate([step(step(ml.as_layer(library(x)))) for x in xs0], axis=0))
+        with ml.settings(batching=True):
+            (grad,) = anyio.run(ml.gradients, loss, [w])
+            return float(np.asarray(anyio.run(loss.predict))), np.asarray(grad)
+
+    results = [value_and_gradient(library) for library in (np.asarray, _strict)]
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-12)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-10)
 
 
 def test_a_numpy_scalar_weight_meets_a_strict_array() -> None:
@@ -185,7 +238,7 @@ def test_a_numpy_scalar_weight_meets_a_strict_array() -> None:
 def test_mixing_numpy_and_another_library_is_an_error_that_names_both() -> None:
     w = ml.Weight(np.ones(3))
     with pytest.raises(
-        ml.DeviceError, match=r"multiply: operands mix a numpy \(host\) array and a array_api_strict"
+        ml.DeviceError, match=r"multiply: operands mix an array of numpy \(host\) and an array of array_api_strict"
     ) as info:
         anyio.run((w * xs.asarray([1.0, 2.0, 3.0])).predict)
     assert "move one explicitly" in str(info.value)

@@ -65,7 +65,7 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, 
             elif a.dtype != first:
                 raise DTypeError(
                     f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
-                    f"cast one with .astype first; layer built at {where}"
+                    f"cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API); layer built at {where}"
                 )
     if first is None:  # no float array with dimensions: a float of none (a 0-d weight) sets it for integers
         floats = [a.dtype for a in args if isinstance(a, np.floating) or (is_array(a) and _real_float(a))]

@@ -47,7 +47,9 @@ def _check_array(old: Any, new: Any, where: str) -> None:
     if isinstance(new, (float, int)):
         return  # a Python number has no dtype of its own: it takes the weight's
     if new.dtype != old.dtype:
-        raise DTypeError(f"{where}: expected dtype {old.dtype}, got {new.dtype} (convert it with .astype first)")
+        raise DTypeError(
+            f"{where}: expected dtype {old.dtype}, got {new.dtype} (convert it first: x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API)"
+        )
 
 
 def replace_data(old: Any, new: Any, where: str) -> Any:

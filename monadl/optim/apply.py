@@ -237,15 +237,31 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     old = weight._data
     xp = namespace(old)
     if not hasattr(getattr(xp, "add", None), "at"):
-        # No scatter in this library: step densely (every row, every row's state).
+        # No scatter in this library (the array API has none): step densely, then keep
+        # the rows not looked up, and their state, as they were (a mask of the rows).
         update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
-        return xp.astype(old + update, old.dtype, copy=False), state
+        n = old.shape[0]
+        used = xp.any(xp.arange(n)[:, None] == xp.asarray(grad.indices)[None, :], axis=1)
+        used = xp.reshape(used, (n, *([1] * (old.ndim - 1))))
+        new = xp.where(used, xp.astype(old + update, old.dtype, copy=False), old)
+        return new, _keep_state_rows(weight._state, state, old.shape, used)
     rows, summed = grad.summed()
     state_rows = _state_rows(weight._state, old.shape, rows)
     update, new_state_rows = weight._optimizer.update(summed, state_rows, old[rows])
     new = xp.asarray(old, copy=True)
     new[rows] = xp.astype(old[rows] + update, old.dtype, copy=False)
     return new, _put_state_rows(weight._state, new_state_rows, old.shape, rows)
+
+
+def _keep_state_rows(old: Any, new: Any, shape: tuple[int, ...], used: Any) -> Any:
+    """``new`` state where its leaves shaped like the weight take ``old``'s
+    rows outside ``used`` (a mask)."""
+    if is_array(old) and old.shape == shape:
+        return namespace(old).where(used, new, old)
+    if isinstance(old, tuple):
+        parts = [_keep_state_rows(o, n, shape, used) for o, n in zip(old, new)]
+        return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
+    return new
 
 
 def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:

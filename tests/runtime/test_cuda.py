@@ -81,7 +81,7 @@ def test_a_step_that_would_write_an_infinity_is_refused_on_the_gpu_too() -> None
 def test_mixing_host_and_device_arrays_is_an_error_that_says_so() -> None:
     w = ml.Weight(cupy.ones(3))
     with pytest.raises(
-        ml.DeviceError, match=r"mix a cupy \(.*\) array and a numpy \(host\) array.*move one explicitly"
+        ml.DeviceError, match=r"mix an array of cupy \(.*\) and an array of numpy \(host\).*move one explicitly"
     ):
         anyio.run((w * ml.as_layer(np.ones(3))).predict)
 

@@ -35,12 +35,14 @@ after all of them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from itertools import repeat
 from operator import itemgetter
 from typing import Any, Final
 
 import numpy as np
+from numpy import ndarray
 
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
@@ -96,22 +98,27 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                 part = value.signature()
                 if part is None:
                     return None
+                for p in part:
+                    if p[0] is not ndarray and not batched_kind(p[0]):
+                        return None
                 key += part
                 continue
-            try:
-                key += (type(value), value.shape, value.dtype)
-            except AttributeError:  # a plain number: not batched
-                return None
+            value_kind = type(value)
+            if value_kind is not ndarray and not batched_kind(value_kind):
+                return None  # a plain number, or another library's array
+            key += (value_kind, value.shape, value.dtype)
         elif kind is Weight:
+            data_kind = type(x._data)
+            if data_kind is not ndarray and data_kind is not float and not batched_kind(data_kind):
+                return None  # (another library's weight: its node runs alone)
             key.append(x)
         elif kind in NUMBERS:
             # By kind where the group stacks its members' numbers, else by value.
             key += (kind,) if op.elementwise or type(op.rule) is Program else (kind, number_key(x))
+        elif kind is ndarray or batched_kind(kind):
+            key += (kind, x.shape, x.dtype)
         else:
-            try:
-                key += (kind, x.shape, x.dtype)
-            except AttributeError:
-                return None
+            return None  # (another library's array, or an object)
     params = node._params
     if params:
         for p in params:
@@ -120,6 +127,32 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                 return None
             key.append(k)
     return tuple(key)
+
+
+_KINDS: Final[dict[type, bool]] = {}
+_log: Final = logging.getLogger("monadl.batching")
+
+
+def batched_kind(kind: type) -> bool:
+    """Whether values of type ``kind`` batch: NumPy's arrays and scalars and
+    CuPy's arrays. The batched records index stacked arrays by an int and by
+    NumPy index arrays, which the array API standard leaves to each library
+    (``array_api_strict`` refuses both): another library's arrays run node by
+    node, with the same values. A plain number does not batch either.
+
+    >>> batched_kind(np.ndarray), batched_kind(np.float32), batched_kind(float)
+    (True, True, False)
+    """
+    found = _KINDS.get(kind)
+    if found is None:
+        found = _KINDS[kind] = issubclass(kind, (np.ndarray, np.generic)) or kind.__module__.split(".")[0] == "cupy"
+        if not found and hasattr(kind, "__array_namespace__"):  # (said once a type: a plain number is not news)
+            _log.debug(
+                "arrays of %s.%s run node by node: batching stacks NumPy's and CuPy's arrays only",
+                kind.__module__,
+                kind.__qualname__,
+            )
+    return found
 
 
 def number_key(x: Any) -> Any:
