@@ -159,7 +159,15 @@ class ArrayProgram:
         >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
         0.3125
         """
-        check_goal(goal, self.rules, axioms, weights, dimensions=False)  # (its weights' shapes: its arrays')
+        check_goal(goal, self.rules, axioms, weights)
+        for functor, weight in (weights or {}).items():
+            shape = np.shape(weight.data)
+            for k, size in zip(sorted(self.arrays.get(functor, {})), self.shapes.get(functor, ())):
+                if k < len(shape) and shape[k] > size:
+                    raise ValueError(
+                        f"weights[{functor!r}] has shape {shape}, and {functor}'s argument {k} is an array axis "
+                        f"of {size}: its entries past {size - 1} would be items outside it"
+                    )
         return goal_layer(
             lambda values, stop: self.run(values, **stopping(run_options, stop)),
             lambda run: run.value(goal),

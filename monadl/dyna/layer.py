@@ -237,9 +237,12 @@ def check_goal(
     """
     heads = {rule.head[0] for rule in rules}
     reads: dict[str, set[int]] = {}
+    arities: dict[str, set[int]] = {}  # (the numbers of arguments the rules read or derive each functor with)
     for rule in rules:
+        arities.setdefault(rule.head[0], set()).add(len(rule.head) - 1)
         for item in rule.body:
             reads.setdefault(item[0], set()).add(len(item) - 1)
+            arities.setdefault(item[0], set()).add(len(item) - 1)
     said = f"rules read {', '.join(sorted(map(str, reads))) or 'nothing'}; derive {', '.join(sorted(map(str, heads)))}"
     if not (goal[0] in heads or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {})):
         raise ValueError(
@@ -247,6 +250,14 @@ def check_goal(
             f"(rules derive {', '.join(sorted(map(str, heads))) or 'nothing'})"
         )
     check_axioms(axioms or {}, heads | set(reads) | {goal[0]}, said)
+    for what, item in [("goal", goal), *[("axiom", tuple(a)) for a in axioms or {}]]:
+        known = arities.get(item[0])
+        if known is not None and len(item) - 1 not in known:  # (an item of another arity: no rule meets it)
+            raise ValueError(
+                f"{what} {item} has {len(item) - 1} arguments, and the rules read or derive {item[0]} with "
+                f"{' or '.join(map(str, sorted(known)))}: "
+                + ("its value would be the semiring's zero" if what == "goal" else "no rule would read it")
+            )
     for functor, weight in (weights or {}).items():
         if functor == goal[0] and functor not in reads:  # (the goal itself, given: as it is)
             continue
@@ -256,9 +267,9 @@ def check_goal(
             )
         ndim = np.ndim(weight.data)
         if dimensions and ndim not in reads[functor]:
-            arities = " or ".join(map(str, sorted(reads[functor])))
+            read = " or ".join(map(str, sorted(reads[functor])))
             raise ValueError(
-                f"weights[{functor!r}] has {ndim} dimensions, and the rules read {functor} with {arities} "
+                f"weights[{functor!r}] has {ndim} dimensions, and the rules read {functor} with {read} "
                 "arguments: its entry at an index is the item of those arguments"
             )
 

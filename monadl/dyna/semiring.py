@@ -74,12 +74,12 @@ def diverged(semiring: Semiring, values: Iterable[float | np.ndarray]) -> bool:
 
 
 def coefficient(semiring: Semiring, rule: Rule) -> float:
-    """A rule's coefficient as a value of the semiring. Beside body items, 1.0
-    means none (the semiring's one); a constant rule's value is taken as written.
+    """A rule's coefficient as a value of the semiring: as written, or the
+    semiring's one where the rule has none.
 
     >>> coefficient(MIN_PLUS, Rule(("a",), [("b",)])), coefficient(MIN_PLUS, Rule(("a",), [("b",)], 2.0))
     (0.0, 2.0)
-    >>> coefficient(MIN_PLUS, Rule(("a",), [], 1.0))  # a += 1: distance 1
+    >>> coefficient(MIN_PLUS, Rule(("a",), [("b",)], 1.0))  # a += 1 * b: b's distance and 1 more
     1.0
     """
-    return semiring.one if rule.coeff == 1.0 and rule.body else rule.coeff
+    return semiring.one if rule.coeff is None else rule.coeff

@@ -34,20 +34,23 @@ def is_variable(term: Any) -> bool:
 class Rule:
     """``head += coeff * body[0] * ... * body[k-1]``.
 
-    A coefficient is a value of the program's semiring, 1.0 meaning none in
-    every semiring (it is the semiring's one). A rule with no body item is a
-    constant, ``head += coeff`` with a ground head; its value is taken as
-    written (in log-real a logarithm, in min-plus a distance).
+    A coefficient is a value of the program's semiring, taken as written (in
+    log-real a logarithm, in min-plus a distance: ``d += 1 * e`` adds 1);
+    None, a rule written without one, is the semiring's one. A rule with no
+    body item is a constant, ``head += coeff`` with a ground head, and needs
+    its value.
 
-    >>> str(Rule(("pathto", 0), [], 1.0)), str(Rule(("b", "X"), [("a", "X")], 0.5))
-    ('pathto(0) += 1.0', 'b(X) += 0.5 * a(X)')
+    >>> str(Rule(("pathto", 0), [], 1.0)), str(Rule(("b", "X"), [("a", "X")], 0.5)), str(Rule(("b",), [("a",)]))
+    ('pathto(0) += 1.0', 'b(X) += 0.5 * a(X)', 'b += a')
     """
 
     head: Pattern
     body: Sequence[Pattern]
-    coeff: float = 1.0
+    coeff: float | None = None
 
     def __post_init__(self) -> None:
+        if not self.body and self.coeff is None:
+            raise ValueError(f"rule {self.head} += (nothing): a constant rule needs its value (Rule(head, [], value))")
         bound = {t for b in self.body for t in b[1:] if is_variable(t)}
         free = [t for t in self.head[1:] if is_variable(t) and t not in bound]
         if free:
@@ -61,7 +64,7 @@ class Rule:
 
         if not self.body:
             return f"{show(self.head)} += {self.coeff}"
-        coeff = "" if self.coeff == 1.0 else f"{self.coeff} * "
+        coeff = "" if self.coeff is None else f"{self.coeff} * "
         return f"{show(self.head)} += {coeff}{' * '.join(show(b) for b in self.body)}"
 
 
@@ -120,6 +123,7 @@ def head(rule: Rule, body: Sequence[Item]) -> Item:
 
 
 _TERM = re.compile(r"\s*([a-z_][A-Za-z0-9_]*)\s*(?:\(([^()]*)\))?\s*$")
+_ARGUMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$|[-+]?(\d+\.?\d*(e[-+]?\d+)?|\.\d+(e[-+]?\d+)?)$", re.IGNORECASE)
 _NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*(e[-+]?\d+)?|\.\d+(e[-+]?\d+)?)\s*$", re.IGNORECASE)
 
 
@@ -147,7 +151,7 @@ def parse_rules(text: str) -> list[Rule]:
             raise ValueError(f"rule {number + 1} ({statement!r}): expected 'head += body'")
         head_text, body_text = statement.split("+=", 1)
         factors = _split_top(body_text, "*")
-        coeff = 1.0
+        coeff = None  # (no number: the semiring's one; a written 1 is 1, a distance in min-plus)
         if factors and _NUMBER.match(factors[0]):
             coeff = float(factors.pop(0))
         elif not factors:
@@ -181,6 +185,8 @@ def _split_top(text: str, separator: str) -> list[str]:
         else:
             current += ch
     parts.append(current)
+    if len(parts) > 1 and not all(p.strip() for p in parts):  # ("a += b * ." lost a factor)
+        raise ValueError(f"{text.strip()!r}: a {separator!r} with nothing on one side")
     return [p for p in parts if p.strip()]
 
 
@@ -188,7 +194,14 @@ def _term(text: str, statement: str) -> Pattern:
     found = _TERM.match(text)
     if found is None:
         raise ValueError(f"in {statement!r}: {text.strip()!r} is not an item like name(X, 3)")
-    args = [a.strip() for a in found.group(2).split(",")] if found.group(2) else []
+    args = [a.strip() for a in found.group(2).split(",")] if found.group(2) is not None else []
+    if found.group(2) is not None and not any(args):
+        args = []  # (c() is c)
+    for a in args:  # (an empty argument, b(X,), or two words, b(x y), is no argument)
+        if not _ARGUMENT.match(a):
+            raise ValueError(
+                f"in {statement!r}: {text.strip()!r} has the argument {a!r}: not a name, a variable or a number"
+            )
     return (found.group(1), *(_constant(a) for a in args))
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import monadl as ml
 from examples import dyna_programs as dp
 from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
 from monadl.dyna.syntax import parse_rules
@@ -238,3 +239,21 @@ def test_a_goal_never_derived_has_the_keys_of_item_at_a_time() -> None:
         want = Program(parse_rules(text)).run(axioms).gradient(("g",), derived=derived)
         got = ArrayProgram(parse_rules(text), arrays={}).run(axioms).gradient(("g",), derived=derived)
         assert got == want == dict.fromkeys(want, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "refused"),
+    [
+        ((4, 4, 4), r"has 3 dimensions, and the rules read edge with 2"),
+        ((4,), r"has 1 dimensions"),
+        ((5, 5), r"has shape \(5, 5\), .* entries past 3"),
+    ],
+)
+def test_a_weight_of_another_shape_than_its_arrays_is_refused(shape: tuple[int, ...], refused: str) -> None:
+    """A 4 x 4 x 4 weight bound to edge(I, J) read as 0 silently; a 1-D or a
+    5 x 5 one failed at its run with an error that named neither."""
+    text = "pathto(0) += 1. pathto(J) += edge(I, J) * pathto(I). stop(I) += edgezero(I) * pathto(I)."
+    arrays = {"pathto": {0: 4}, "edge": {0: 4, 1: 4}, "stop": {0: 4}, "edgezero": {0: 4}}
+    program = ArrayProgram(parse_rules(text), arrays=arrays)
+    with pytest.raises(ValueError, match=rf"weights\['edge'\] {refused}"):
+        program.goal(("stop", 3), {("edgezero", 3): 1.0}, {"edge": ml.Weight(np.full(shape, 0.5))})

@@ -582,3 +582,24 @@ async def test_a_zero_initialised_weight_learns_through_a_goal_layer() -> None:
     value = parse(ZEROS).goal(("stop",), None, {"edge": edges, "final": final})
     await ((value - 2.0) * (value - 2.0)).train()
     np.testing.assert_allclose(final.data, 0.1 * 4 * np.array([1.0, 0.5, 0.75, 1.125]))
+
+
+@pytest.mark.parametrize("semiring", [MIN_PLUS, LOG_REAL], ids=lambda s: s.name)
+def test_a_written_coefficient_of_one_is_one_in_every_semiring(semiring: Semiring) -> None:
+    """`d += 1 * e` adds 1 in min-plus (a distance) and in log-real (a log):
+    a coefficient of exactly 1 was taken for none, d was e, and 1.0000001 jumped to e + 1."""
+    for coeff in (1.0, 1.0000001, 2.0):
+        run = Program(parse_rules(f"d += {coeff} * e."), semiring).run({("e",): 3.0})
+        assert run.chart[("d",)] == pytest.approx(3.0 + coeff, rel=1e-12)
+    assert Program(parse_rules("d += e."), semiring).run({("e",): 3.0}).chart[("d",)] == 3.0  # (none: the one)
+    with pytest.raises(ValueError, match="a constant rule needs its value"):
+        Rule(("d",), [])
+
+
+def test_a_goal_or_an_axiom_of_another_arity_than_the_rules_is_refused() -> None:
+    # (no rule meets it: the goal read the semiring's zero, the axiom changed nothing, silently)
+    program = parse("a += b(X) * c(X).")
+    with pytest.raises(ValueError, match=r"axiom \('b', 0, 1\) has 2 arguments, and the rules read or derive b with 1"):
+        program.goal(("a",), {("b", 0, 1): 1.0, ("c", 0): 2.0})
+    with pytest.raises(ValueError, match=r"goal \('a', 1\) has 1 arguments, .* a with 0: its value would be"):
+        program.goal(("a", 1), {("b", 0): 1.0, ("c", 0): 2.0})

@@ -40,3 +40,20 @@ def test_numbers_in_rules_as_python_writes_them() -> None:
     rule = parse("q(0.5, X) += r(X, -2, 1e3).").rules[0]
     assert rule.head == ("q", 0.5, "X") and rule.body == [("r", "X", -2, 1000.0)]  # (0.5 was the string '0.5')
     assert parse("q(0.5, X) += r(X).").run({("r", 1): 2.0}).chart[("q", 0.5, 1)] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [
+        ("a += b * .", r"a '\*' with nothing on one side"),  # (read as a += b)
+        ("a += b(X,).", r"has the argument '': not a name"),  # (an argument '')
+        ("a += b(x y).", r"has the argument 'x y'"),  # (one constant 'x y')
+    ],
+)
+def test_malformed_rules_are_refused_not_read_as_others(text: str, refused: str) -> None:
+    with pytest.raises(ValueError, match=refused):
+        parse(text)
+
+
+def test_an_empty_argument_list_is_none() -> None:
+    assert parse("a += b(X) * c().").rules[0].body == [("b", "X"), ("c",)]
