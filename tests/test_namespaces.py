@@ -194,6 +194,15 @@ def test_an_embedding_step_of_a_library_without_scatter_leaves_the_rows_not_look
     np.testing.assert_array_equal(values[1][2:], [[5.0, 6.0], [7.0, 8.0]])
 
 
+def test_an_embedding_step_on_a_table_of_another_device_stays_on_it() -> None:
+    device = xs.Device("device1")
+    table = ml.Weight(xs.asarray(np.ones((5, 2)), device=device), optimizer=ml.optim.momentum(0.1, 0.9))
+    anyio.run(ml.sum(ml.embedding(table, np.array([1, 1, 3]))).train)
+    assert table.data.device == device
+    column = np.asarray(xs.asarray(table.data, device=xs.Device("CPU_DEVICE")))[:, 0]
+    np.testing.assert_allclose(column, [1.0, 0.8, 1.0, 0.9, 1.0])
+
+
 @pytest.mark.parametrize("kind", ["layers", "marked cell", "direct style"])
 def test_a_graph_of_strict_arrays_that_batching_would_group_runs_node_by_node(kind: str) -> None:
     """Batching indexes stacked arrays by an int and by NumPy index arrays,

@@ -195,8 +195,8 @@ def _term(text: str, statement: str) -> Pattern:
     if found is None:
         raise ValueError(f"in {statement!r}: {text.strip()!r} is not an item like name(X, 3)")
     args = [a.strip() for a in found.group(2).split(",")] if found.group(2) is not None else []
-    if found.group(2) is not None and not any(args):
-        args = []  # (c() is c)
+    if found.group(2) is not None and not found.group(2).strip():
+        args = []  # (c() is c; b(,) is refused below)
     for a in args:  # (an empty argument, b(X,), or two words, b(x y), is no argument)
         if not _ARGUMENT.match(a):
             raise ValueError(

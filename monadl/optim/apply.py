@@ -241,7 +241,8 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
         # the rows not looked up, and their state, as they were (a mask of the rows).
         update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
         n = old.shape[0]
-        used = xp.any(xp.arange(n)[:, None] == xp.asarray(grad.indices)[None, :], axis=1)
+        rows = xp.asarray(grad.indices, device=old.device)  # (the table's device, not the default one)
+        used = xp.any(xp.arange(n, device=old.device)[:, None] == rows[None, :], axis=1)
         used = xp.reshape(used, (n, *([1] * (old.ndim - 1))))
         new = xp.where(used, xp.astype(old + update, old.dtype, copy=False), old)
         return new, _keep_state_rows(weight._state, state, old.shape, used)

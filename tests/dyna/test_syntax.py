@@ -48,6 +48,7 @@ def test_numbers_in_rules_as_python_writes_them() -> None:
         ("a += b * .", r"a '\*' with nothing on one side"),  # (read as a += b)
         ("a += b(X,).", r"has the argument '': not a name"),  # (an argument '')
         ("a += b(x y).", r"has the argument 'x y'"),  # (one constant 'x y')
+        ("a += b( , ).", r"has the argument ''"),
     ],
 )
 def test_malformed_rules_are_refused_not_read_as_others(text: str, refused: str) -> None:

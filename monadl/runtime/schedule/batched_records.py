@@ -146,7 +146,7 @@ def batched_kind(kind: type) -> bool:
     found = _KINDS.get(kind)
     if found is None:
         found = _KINDS[kind] = issubclass(kind, (np.ndarray, np.generic)) or kind.__module__.split(".")[0] == "cupy"
-        if not found and hasattr(kind, "__array_namespace__"):  # (said once a type: a plain number is not news)
+        if not found and hasattr(kind, "shape"):  # (said once a type of array: a plain number is not news)
             _log.debug(
                 "arrays of %s.%s run node by node: batching stacks NumPy's and CuPy's arrays only",
                 kind.__module__,
