@@ -164,7 +164,9 @@ def _split_rules(text: str) -> list[str]:
     """Split at the '.' that ends a rule, not the one inside a number."""
     out, current = [], ""
     for i, ch in enumerate(text):
-        if ch == "." and not (i + 1 < len(text) and text[i + 1].isdigit()):  # (a rule starts with a name)
+        after = text[i + 1 : i + 3]
+        exponent = i > 0 and text[i - 1].isdigit() and after[:1] in ("e", "E") and after[1:2] in tuple("+-0123456789")
+        if ch == "." and not (after[:1].isdigit() or exponent):  # (a rule starts with a name; 1.e-3 is a number)
             out.append(current)
             current = ""
         else:

@@ -58,3 +58,10 @@ def test_malformed_rules_are_refused_not_read_as_others(text: str, refused: str)
 
 def test_an_empty_argument_list_is_none() -> None:
     assert parse("a += b(X) * c().").rules[0].body == [("b", "X"), ("c",)]
+
+
+def test_a_number_with_a_dot_before_its_exponent_is_one_number() -> None:
+    # ("a += 1.e-3 * b." was split after "1.": rule 2 'e-3 * b')
+    (rule,) = parse("a += 1.e-3 * b.").rules
+    assert rule.coeff == 1e-3 and rule.body == [("b",)]
+    assert [str(r) for r in parse("a += 1.e(X) += b(X).").rules] == ["a += 1.0", "e(X) += b(X)"]  # (a name after)
