@@ -132,9 +132,14 @@ def goal_layer(
         wanted = [t for t in tapes if t.backward is not None]
         if not wanted:
             return Tape(result)
+        # The gradient now, where the run was made: in its worker thread for a long
+        # run, not in the backward on the event loop's thread (as long as the run);
+        # an abandoned run stops first.
+        if stop is not None:
+            stop(done)
+        grads = done.gradient(goal)
 
         def backward(delta: float) -> None:
-            grads = done.gradient(goal)
             for functor, tape in zip(functors, tapes):
                 if tape.backward is None:
                     continue

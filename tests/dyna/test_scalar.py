@@ -370,6 +370,39 @@ async def test_a_goal_layer_built_once_runs_where_its_programs_last_run_says() -
     assert starts == [True, False, False, False]  # (inline, dropped after its turn, then a thread each run)
 
 
+@pytest.mark.anyio
+async def test_the_gradient_of_a_run_in_a_worker_thread_is_taken_there() -> None:
+    """The backward popped the tape on the event loop's thread: a run long
+    enough for a thread held the loop as long again in train()'s backward
+    (a user's HMM: 0.5 s, past a deadline around train())."""
+    import threading
+    import time
+
+    from monadl.dyna.scalar import Run
+
+    program = parse("a += 0.5 * a. a += w.")
+    where: list[bool] = []  # per gradient: whether it was taken on the loop's thread
+    gradient = Run.gradient
+
+    def recorded(self: Run, goal: Item, *, derived: bool = False) -> dict[Item, float]:
+        where.append(threading.current_thread() is threading.main_thread())
+        return gradient(self, goal, derived=derived)
+
+    def slow(run: Any) -> bool:
+        time.sleep(0.003)  # (longer than the loop's turn, 5 ms, in 4 pops: then a thread each run)
+        return bool(run.pops >= 4)
+
+    w = ml.Weight(1.0, optimizer=ml.optim.sgd(0.1))
+    goal = program.goal(("a",), weights={"w": w}, stop=slow)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Run, "gradient", recorded)
+        for _ in range(3):
+            await goal.train()
+        await goal.predict()  # (no gradient where nothing wants one)
+    assert where == [False, False, False]
+    assert w.data < 1.0
+
+
 def test_an_array_program_stops_where_its_stop_says() -> None:
     from monadl.dyna import ArrayProgram
 
