@@ -59,14 +59,8 @@ class ArrayRun:
         best: per batched item, which `Record` set each entry (-1: an axiom).
         records: the contributions the back-pointers name.
         pending: the agenda left when the run stopped.
-        converged: at tolerance 0, nothing pending would change the chart,
-            and no value went to infinity or NaN (a divergent run stands
-            still there but reached no fixpoint: not converged)
-        settled: at tolerance 0, nothing pending would change the chart,
-            diverged values or not: the gradient carries the pending updates
-            to the fixpoint (a finite item's, beside another that diverged)
-            (also when ``max_pops`` ended the run just there); the gradient
-            carries what is pending on to the fixpoint, as `monadl.dyna.Run`'s.
+        settled, converged: as `monadl.dyna.Run`'s (nothing pending would
+            change the chart; and no value diverged).
     """
 
     program: ArrayProgram

@@ -71,15 +71,12 @@ class Run:
         best: back-pointers (max-times, min-plus): the rule instance that set
             each derived item's value.
         axioms: the axioms given to the run.
-        converged: at tolerance 0, nothing pending would change the chart,
-            and no value went to infinity or NaN (a divergent run stands
-            still there but reached no fixpoint: not converged)
-        settled: at tolerance 0, nothing pending would change the chart,
-            diverged values or not: the gradient carries the pending updates
-            to the fixpoint (a finite item's, beside another that diverged)
-            (also when ``max_pops`` or ``stop`` ended the run just there):
-            what is pending came along rule instances the tape does not
-            hold, and the gradient carries it to the fixpoint (`Run.gradient`).
+        settled: at tolerance 0, nothing pending would change the chart (also
+            when ``max_pops`` or ``stop`` ended the run just there): what is
+            pending came along rule instances the tape does not hold, and the
+            gradient carries it to the fixpoint (`Run.gradient`).
+        converged: settled, and no value went to infinity or NaN (a divergent
+            run stands still there too, at no fixpoint).
     """
 
     program: Program

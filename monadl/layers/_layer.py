@@ -297,9 +297,7 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
 
-# (runtime objects, not strings: a user's annotation `ml.AsArray | None` is evaluated where a module has no
-# `from __future__ import annotations`, as a dataclass field's, and `typing.get_type_hints` resolves them)
-ScalarOperand: TypeAlias = float | Expr[float, float]
+ScalarOperand: TypeAlias = float | Expr[float, float]  # (not a string: a user's `ml.AsScalar | None` runs)
 ArrayOperand: TypeAlias = Array | Expr[Array, Array]
 Operand: TypeAlias = Array | DeviceArray | float | Expr[Any, Any]
 """Anything a differentiable function accepts: plain data, weights and layers."""

@@ -55,7 +55,7 @@ def _text(x: Any, depth: int) -> str:
         return _transformation(x.init, x.update, depth)
     if isinstance(x, Scale):
         return f"scale({x.factor!r})"
-    if isinstance(x, tuple) and type(x) is tuple:
+    if type(x) is tuple:
         return f"({', '.join(_text(v, depth - 1) for v in x)})"
     if isinstance(x, types.FunctionType) and _ours(x):
         values = _closure(x)

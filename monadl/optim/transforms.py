@@ -103,9 +103,8 @@ def constant_schedule(value: float) -> Schedule:
 def exponential_decay(init_value: float, decay_rate: float, transition_steps: float = 1) -> Schedule:
     """``init_value * decay_rate ** (step / transition_steps)``.
 
-    The arguments are not in optax's order (``init_value, transition_steps,
-    decay_rate``): a decay rate above 1 or a fractional number of steps,
-    what a call in optax's order passes here, is refused.
+    Not optax's order (``init_value, transition_steps, decay_rate``): what a
+    call in its order passes here, a rate above 1 or fractional steps, is refused.
 
     >>> exponential_decay(1.0, 0.5, 2)(4)
     0.25
@@ -120,11 +119,9 @@ def exponential_decay(init_value: float, decay_rate: float, transition_steps: fl
     decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
     if decay_rate > 1.0:
         raise ValueError(f"{order}: decay_rate must be at most 1 (a rate that grows), got {decay_rate:g}; {optax}")
-    steps: object = transition_steps  # (100.0 read from a config is 100 steps)
-    whole = isinstance(steps, (int, np.integer, float, np.floating)) and float(steps).is_integer()
-    if isinstance(steps, bool) or not whole or transition_steps <= 0:
-        raise ValueError(f"{order}: transition_steps must be a positive whole number, got {steps!r}; {optax}")
-    transition_steps = int(transition_steps)
+    if not (_finite(transition_steps) and float(transition_steps).is_integer() and transition_steps > 0):
+        raise ValueError(f"{order}: transition_steps must be a whole number > 0, got {transition_steps!r}; {optax}")
+    transition_steps = int(transition_steps)  # (100.0 read from a config is 100 steps)
     return lambda step: init_value * decay_rate ** (step / transition_steps)
 
 

@@ -75,7 +75,7 @@ def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(ma
     ("arguments", "refused"),
     [
         ((0.1, 1000, 0.5), "decay_rate must be at most 1"),
-        ((0.1, 0.5, 0.5), "transition_steps must be a positive whole number"),
+        ((0.1, 0.5, 0.5), "transition_steps must be a whole number > 0"),
     ],
     ids=["optax's order", "fractional steps"],
 )
