@@ -260,6 +260,7 @@ async def poll(
     long wait (a slow or dead rank) does not spin a core that the other
     ranks on a shared node need.
     """
+    await anyio.lowlevel.checkpoint_if_cancelled()  # (a cancelled wait is that, even where a peer is gone)
     started = anyio.current_time()
     while True:
         try:

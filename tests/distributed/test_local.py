@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+
+import anyio
 import numpy as np
 import pytest
 
@@ -43,3 +46,22 @@ def test_an_all_gather_refuses_rows_of_another_shape_or_dtype_and_takes_rows_of_
         ]
         * 2
     )
+
+
+def test_a_collective_in_a_cancelled_scope_is_cancelled_even_where_a_peer_has_ended() -> None:
+    # Under load, a rank can reach its collective after its peer's thread is done: the
+    # collective's first test found the peer gone and raised RankFailure, past the
+    # cancellation the caller asked for (a flaky test of data parallelism's, on a busy VM).
+    rank_0_done = threading.Event()
+
+    async def rank(comm: Communicator) -> str:
+        if comm.rank == 0:
+            rank_0_done.set()
+            return "returned"
+        await anyio.to_thread.run_sync(rank_0_done.wait)
+        await anyio.sleep(0.05)  # (rank 0's thread is done: its end is on the board)
+        with anyio.move_on_after(0.0) as scope:
+            await comm.allreduce(np.ones(1))
+        return "cancelled" if scope.cancelled_caught else "not cancelled"
+
+    assert run_local(2, rank) == ["returned", "cancelled"]
