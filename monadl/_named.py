@@ -5,6 +5,7 @@ orders them on every rank (`monadl.distributed`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
@@ -17,13 +18,13 @@ from monadl.layers._operation import Operation
 
 __all__ = ["named_weights"]
 
-# Objects that hold no weights worth walking into: code, classes, modules, arrays.
+# Objects that hold no weights worth walking into: classes, modules, arrays.
+# (A function, a bound method and a partial hold what their code reads:
+# `_held_by_code`.)
 _OPAQUE: Final = (
     type,
     types.ModuleType,
-    types.FunctionType,
     types.BuiltinFunctionType,
-    types.MethodType,
     Layer,  # a built expression: its weights belong to whoever built it
     np.ndarray,
     np.generic,
@@ -40,9 +41,14 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     order the model's containers hold them.
 
     Dict keys, list and tuple indices, dataclass fields and attribute names
-    (``__dict__`` and ``__slots__``) make up the names. A weight reached twice
-    (shared) is named once, by its first path. Built layers are not walked
-    into. The walk is iterative, so deep models are fine.
+    (``__dict__`` and ``__slots__``) make up the names. What code holds is
+    walked too, by the names its code reads: a closure's free variables and
+    a function's defaults by their names, a ``functools.partial``'s
+    arguments by position (``0``) and keyword, its function under ``func``;
+    a bound method and an `ml.operation` hold what their object or function
+    holds. A weight reached twice (shared) is named once, by its first path.
+    Built layers are not walked into, nor a module's globals. The walk is
+    iterative, so deep models are fine.
 
     >>> import numpy as np, monadl as ml
     >>> from dataclasses import dataclass
@@ -53,6 +59,12 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     >>> model = {"layers": [Dense(ml.Weight(np.ones((2, 2))), ml.Weight(np.zeros(2)))]}
     >>> list(named_weights(model))
     ['layers.0.weight', 'layers.0.bias']
+    >>> import functools
+    >>> scale = ml.Weight(np.ones(2))
+    >>> def scaled(w: ml.ArrayWeight, x: ml.Array) -> ml.ArrayLayer:
+    ...     return w * x
+    >>> list(named_weights({"head": functools.partial(scaled, scale), "tail": lambda x: scale * x}))
+    ['head.0']
     """
     found: dict[str, Weight[Any, Any]] = {}
     seen: set[int] = set()
@@ -63,6 +75,11 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
             continue
         if isinstance(node, Weight):
             seen.add(id(node))
+            if name in found:  # (the checkpoint would keep one of them, and load it into one)
+                raise CheckpointError(
+                    f"two weights have the name {name!r} (a key with a dot, or 0 and '0'): rename a key, so that "
+                    "each weight has a name of its own"
+                )
             found[name] = node
             continue
         children = _children(node)
@@ -88,8 +105,8 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         return list(enumerate(node))
     if dataclasses.is_dataclass(node):
         return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if hasattr(node, f.name)]
-    if type(node) is Operation:  # what its function holds, not its traces' weights (a global's would get their path)
-        return [("_closure", node._closure)]
+    if isinstance(node, (types.FunctionType, types.MethodType, functools.partial, Operation)):
+        return _held_by_code(node)
     attributes: dict[str, object] = dict(getattr(node, "__dict__", {}))
     for cls in type(node).__mro__:
         slots = cls.__dict__.get("__slots__", ())
@@ -97,3 +114,26 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
             if slot not in ("__dict__", "__weakref__") and slot not in attributes and hasattr(node, slot):
                 attributes[slot] = getattr(node, slot)
     return list(attributes.items()) or None
+
+
+def _held_by_code(f: object) -> Iterable[tuple[object, object]] | None:
+    """What a callable holds, by the names its code reads (not a module's
+    globals: those belong to the module; not an operation's traces)."""
+    if type(f) is Operation:
+        return _children(f.__wrapped__)
+    if isinstance(f, types.MethodType):
+        return _children(f.__self__)
+    if isinstance(f, functools.partial):
+        return [("func", f.func), *enumerate(f.args), *f.keywords.items()]
+    assert isinstance(f, types.FunctionType)
+    code = f.__code__
+    held: list[tuple[object, object]] = []
+    for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+        try:
+            held.append((name, cell.cell_contents))
+        except ValueError:  # (a cell not yet filled)
+            continue
+    positional = code.co_varnames[: code.co_argcount]
+    held += zip(positional[len(positional) - len(f.__defaults__ or ()) :], f.__defaults__ or ())
+    held += (f.__kwdefaults__ or {}).items()
+    return held or None

@@ -189,6 +189,67 @@ def test_an_operations_names_are_its_functions_not_its_traces() -> None:
     assert list(fold_style.values()) == [model.params["u"]]
 
 
+_BIAS = ml.Weight(np.full(2, 4.0))  # (a default's weight)
+
+
+def test_weights_held_by_code_are_named_by_what_the_code_reads(tmp_path: Path) -> None:
+    # A partial's, a closure's and a default's weights were not walked: save wrote
+    # the model without them and load left them as they were, without a word.
+    import functools
+
+    def scaled(w: ml.ArrayWeight, x: ml.Array, *, by: ml.ArrayWeight) -> ml.ArrayLayer:
+        return w * x * by
+
+    def make_head() -> Any:
+        head = ml.Weight(np.full(2, 3.0))
+        return lambda x: head * x
+
+    def with_default(x: ml.Array, bias: ml.ArrayWeight = _BIAS) -> ml.ArrayLayer:
+        return bias + x
+
+    class Net:
+        def __init__(self) -> None:
+            self.w = ml.Weight(np.full(2, 5.0))
+
+        def forward(self, x: ml.Array) -> ml.ArrayLayer:
+            return self.w * x
+
+    def build_it() -> dict[str, Any]:
+        shared = ml.Weight(np.full(2, 1.0))
+        return {
+            "scale": functools.partial(scaled, shared, by=ml.Weight(np.full(2, 2.0))),
+            "head": make_head(),
+            "default": with_default,
+            "step": Net().forward,
+            "cell": ml.operation(functools.partial(scaled, shared, by=shared)),  # all seen before
+        }
+
+    model = build_it()
+    names = ml.checkpoint.named_weights(model)
+    assert list(names) == ["scale.0", "scale.by", "head.head", "default.bias", "step.w"]
+    assert [float(w.data[0]) for w in names.values()] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    ml.save(tmp_path / "m.safetensors", model)
+    fresh = ml.checkpoint.named_weights(build_it())
+    for w in fresh.values():
+        w.data = np.zeros(2)
+    ml.load(tmp_path / "m.safetensors", build_it())
+    assert [float(w.data[0]) for w in fresh.values()] == [0.0, 0.0, 0.0, 4.0, 0.0]  # (only the default is shared)
+    ml.load(tmp_path / "m.safetensors", fresh)
+    assert [float(w.data[0]) for w in fresh.values()] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("keys", [("a.b", "a"), (0, "0")])
+def test_two_weights_of_one_name_are_refused(keys: tuple[Any, Any], tmp_path: Path) -> None:
+    # {"a.b": w1, "a": {"b": w2}}: save kept one of them, and load restored one.
+    first, second = keys
+    model = {
+        first: ml.Weight(np.ones(1)),
+        second: {"b": ml.Weight(np.ones(1))} if second == "a" else ml.Weight(np.ones(1)),
+    }
+    with pytest.raises(ml.CheckpointError, match="two weights have the name"):
+        ml.save(tmp_path / "m.safetensors", model)
+
+
 # ---- errors ---------------------------------------------------------------------------------
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
