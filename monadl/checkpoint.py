@@ -55,6 +55,7 @@ from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
+from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 
 __all__ = ["load", "named_weights", "save"]
 
@@ -305,9 +306,11 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
                 "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ)"
             )
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
-    for weight, data, state in updates:
-        weight._data = data  # checked and copied above: nothing can fail half way
-        weight._state = state
+    with COMMIT_LOCK:
+        pin_for_readers([weight for weight, _, _ in updates])
+        for weight, data, state in updates:
+            weight._data = data  # checked and copied above: nothing can fail half way
+            weight._state = state
     return dict(manifest["metadata"])
 
 

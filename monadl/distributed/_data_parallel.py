@@ -50,6 +50,7 @@ from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatt
 from monadl.distributed._overlap import dense as dense_like
 from monadl.distributed._same_model import describe, fitting_states, mismatch, same_model, shape_of
 from monadl.layers import Layer, Weight
+from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.settings import current_settings
@@ -172,8 +173,10 @@ class DataParallel:
             if not problem:
                 states, problem = fitting_states(self._weights, self._names, [state for _, state in loaded])
             if not problem:
-                for weight, (d, _), state in zip(self._weights, loaded, states):
-                    weight._data, weight._state = d, state
+                with COMMIT_LOCK:
+                    pin_for_readers(self._weights)
+                    for weight, (d, _), state in zip(self._weights, loaded, states):
+                        weight._data, weight._state = d, state
         await _agree(comm, problem, None)
 
     @property

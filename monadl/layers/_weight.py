@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from math import prod
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, final, overload
 
@@ -18,12 +19,34 @@ from monadl.layers._site import Site, caller_site, site_text
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
 
-__all__ = ["COMMIT_LOCK", "ArrayWeight", "ScalarWeight", "Weight"]
+__all__ = ["COMMIT_LOCK", "READERS", "ArrayWeight", "ScalarWeight", "Weight", "pin_for_readers"]
 
 COMMIT_LOCK: Final = threading.RLock()  # (re-entrant: an optimizer may read a weight's data)
 """Held while weights step (`monadl.optim.apply`) and while their data is
 taken to be read: a step may write into an array nobody holds, and it must
 not gain a reader on another thread half way."""
+
+READERS: Final[dict[int, dict[Any, Any]]] = {}
+"""The evaluations running now (`monadl.runtime.drive`), by id: the data
+each keeps of weights written since it began (`pin_for_readers`). Changed
+under `COMMIT_LOCK`."""
+
+
+def pin_for_readers(weights: Iterable[Weight[Any, Any]]) -> None:
+    """Before their data is replaced, under `COMMIT_LOCK`: every evaluation
+    running keeps these weights' data as it is, and reads that, not the new.
+
+    So an evaluation reads the model as it was when it began, whatever
+    commits while it runs: a prediction beside a ``train()``, whose weights
+    an ``@ml.direct`` function reaches after an await, sees one model, not
+    the old value of one weight and the new of another. (A kept array is
+    held, so a step never writes into it.)
+    """
+    for pinned in READERS.values():
+        for weight in weights:
+            if weight not in pinned:
+                pinned[weight] = weight._data
+
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -130,7 +153,10 @@ class Weight(Expr[D, G]):
         >>> w.data
         array([1., 2.])
         """
-        self._data = replace_data(self._data, value, "Weight.data")
+        data = replace_data(self._data, value, "Weight.data")
+        with COMMIT_LOCK:
+            pin_for_readers((self,))
+            self._data = data
 
     # Shape and dtype never change (the setter, a step and a checkpoint keep them), and
     # an in-place step leaves them alone: read without `COMMIT_LOCK`.

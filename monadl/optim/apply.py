@@ -18,7 +18,7 @@ from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
-from monadl.layers._weight import COMMIT_LOCK, Weight
+from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
@@ -78,6 +78,8 @@ def consume_gradients(gradients: dict[Weight[Any, Any], Any], *, finite: bool = 
 
 def _commit(gradients: Mapping[Weight[Any, Any], Any], finite: bool, owned: bool) -> None:
     with COMMIT_LOCK:
+        if READERS:  # (first: data a running evaluation keeps is no step's to write into)
+            pin_for_readers(gradients)
         steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
         in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
         if owned:

@@ -77,6 +77,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     exits = AsyncExitStack()
     tasks: TaskGroup | None = None
     done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
+    ev.reads(True)
     try:
         request = advance(machine.send, None, pause)
         while True:
@@ -118,6 +119,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     except StopIteration as stop:
         return stop.value
     finally:
+        ev.reads(False)
         machine.close()
         if tasks is not None:
             tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
@@ -146,11 +148,13 @@ def drive_sync(ev: Evaluation, machine: Machine) -> Any:
     settings = current_settings()
     ev.deadline = math.inf  # no event loop to give a turn to
     token = _synchronous.set(True)
+    ev.reads(True)
     try:
         request = advance(machine.send, None, settings.pause_gc and settings.tune_process)
     except StopIteration as stop:
         return stop.value
     finally:
+        ev.reads(False)
         _synchronous.reset(token)
     machine.close()
     close: Callable[[], Any] | None = getattr(getattr(request, "awaitable", request), "close", None)

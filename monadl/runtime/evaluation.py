@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.deltas import Outer
 from monadl.layers._outputs import Outputs, StackedOutputs
-from monadl.layers._weight import COMMIT_LOCK, Weight
+from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
@@ -200,6 +200,7 @@ class Evaluation:
         "on_gradient",
         "open",
         "pending",
+        "pinned",
         "records",
         "shared",
         "stride",
@@ -230,6 +231,7 @@ class Evaluation:
         self.timings: list[Any] = []
         self.nodes = 0
         self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
+        self.pinned: dict[Weight[Any, Any], Any] = {}  # data of weights written while this runs (`pin_for_readers`)
 
     def paced(self, started: float, now: float) -> None:
         """Fit `stride` to what the last stride of nodes took (from
@@ -244,10 +246,22 @@ class Evaluation:
         # a float until bounded: an infinite interval fits infinitely many)
         self.stride = 1 if fit < 1 else int(min(fit, 2 * stride, STRIDE))
 
+    def reads(self, running: bool) -> None:
+        """While ``running`` (its driver's run), a write of a weight's data
+        leaves this evaluation what it read, or would have, before the write
+        (`monadl.layers._weight.pin_for_readers`); after, what it kept goes."""
+        with COMMIT_LOCK:
+            if running:
+                READERS[id(self)] = self.pinned
+            else:
+                del READERS[id(self)]
+                self.pinned = {}
+
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
-        """A weight's record: its data as it is now; a gradient only when training."""
+        """A weight's record: its data as it was when this evaluation began; a
+        gradient only when training."""
         with COMMIT_LOCK:  # (a step in another thread may be writing into an array that nobody holds)
-            data = weight._data
+            data = self.pinned.get(weight, weight._data) if self.pinned else weight._data
         rec = Record(data, None, (), self.train, weight)
         rec.is_weight = True
         self.records[weight] = rec

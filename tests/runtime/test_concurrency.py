@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import numpy as np
 import pytest
@@ -71,3 +73,68 @@ async def test_shared_resource_in_two_layers_opens_once_per_evaluation() -> None
     assert await (w * a + w * b).train() == 9.0
     assert log == ["open", "close"]
     assert w.data == pytest.approx(1.0 - 0.1 * 9.0)
+
+
+# ---- an evaluation reads the model as it was when it began --------------------------------------
+# A direct-style function reaches weights after an await: a step (or a load, or an
+# assignment) landing in between gave it one weight's old value and another's new.
+A_WEIGHT_CHANGES = ["a step", "an assignment", "a checkpoint's load"]
+
+
+@pytest.mark.parametrize("change", A_WEIGHT_CHANGES)
+async def test_a_prediction_across_a_commit_sees_the_model_it_began_with(change: str, tmp_path: Any) -> None:
+    a = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(0.5))
+    b = ml.Weight(np.array([10.0]), optimizer=ml.optim.sgd(0.5))
+    read_a, changed = anyio.Event(), anyio.Event()
+    ml.save(tmp_path / "later.safetensors", {"a": ml.Weight(np.array([0.5])), "b": ml.Weight(np.array([9.5]))})
+
+    @ml.direct
+    async def model(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        await ml.values(x * a)  # a is read here ...
+        read_a.set()
+        await changed.wait()
+        return ml.concatenate([x * a, x * b])  # ... and b first here
+
+    async def change_the_model() -> None:
+        await read_a.wait()
+        if change == "a step":
+            await ml.sum((a + b) * 1.0).train()  # each steps by -0.5
+        elif change == "an assignment":
+            a.data, b.data = np.array([0.5]), np.array([9.5])
+        else:
+            ml.load(tmp_path / "later.safetensors", {"a": a, "b": b})
+        changed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(change_the_model)
+        seen = await model(ml.as_layer(np.array([1.0]))).predict()
+    assert seen.tolist() == [1.0, 10.0]  # (it read [1.0, 9.5])
+    assert (float(a.data[0]), float(b.data[0])) == (0.5, 9.5)
+    assert (await model(ml.as_layer(np.array([1.0]))).predict()).tolist() == [0.5, 9.5]
+
+
+async def test_a_training_step_across_anothers_commit_steps_from_the_newer_data() -> None:
+    # Its gradient is the model's it began with; its step lands on the data as
+    # it is then (no update lost), and nothing it kept stays behind it.
+    from monadl.layers._weight import READERS
+
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    read, stepped = anyio.Event(), anyio.Event()
+
+    @ml.direct
+    async def loss() -> ml.ScalarLayer:
+        await ml.values(w * 1.0)
+        read.set()
+        await stepped.wait()
+        return ml.sum(w * w)  # gradient 2w at w = [1, 2]
+
+    async def other() -> None:
+        await read.wait()
+        await ml.sum(w * np.array([10.0, 0.0])).train()  # w -> [0, 2]
+        stepped.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        assert await loss().train() == 5.0
+    np.testing.assert_allclose(w.data, [0.0 - 0.2, 2.0 - 0.4])
+    assert READERS == {}
