@@ -47,7 +47,7 @@ def product(x: Value, y: Value) -> Value:
     """
     if type(x) is np.ndarray and type(y) is np.ndarray and x.ndim == 2 and y.ndim == 2:
         rows, inner = x.shape
-        if inner == 1:
+        if inner == 1 and y.shape[0] == 1:
             return x * y
         if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
             return by_rows(x, y)

@@ -115,6 +115,21 @@ def test_matmul_over_shapes() -> None:
     check_grads(ml.dot, np.arange(3.0), np.ones(3))
 
 
+@pytest.mark.parametrize(("left", "right"), [((1, 1), (3, 2)), ((3, 1), (3, 2)), ((3, 1), (2,))])
+def test_matmul_of_an_inner_size_of_one_refuses_what_numpy_refuses(
+    left: tuple[int, ...], right: tuple[int, ...]
+) -> None:
+    # The one-column product is a broadcast multiplication: (3, 1) @ (3, 2) gave the
+    # elementwise product, with gradients, where NumPy raises.
+    with pytest.raises(ValueError):
+        np.ones(left) @ np.ones(right)
+    with pytest.raises(ml.ShapeError, match="do not fit together"):
+        anyio.run(ml.matmul(ml.as_layer(np.ones(left)), ml.as_layer(np.ones(right))).predict)
+    with pytest.raises(ml.ShapeError, match="do not fit together"):
+        anyio.run(ml.dense(np.ones(left), ml.Weight(np.ones(right)), ml.Weight(np.zeros(right[-1]))).predict)
+    check_grads(lambda a, b: a @ b, np.arange(3.0).reshape(3, 1), np.arange(2.0).reshape(1, 2))
+
+
 def test_concatenate_and_stack() -> None:
     rng = np.random.default_rng(2)
     a, b, c = rng.standard_normal((2, 3)), rng.standard_normal((1, 3)), rng.standard_normal((4, 3))
