@@ -273,6 +273,11 @@ REJECT = {
         "from monadl.fold import Record, Scalar, Vector\nRecord(Scalar(), Vector(2))((1.0, 'ab'))",
         "arg-type",
     ),
+    "fold_record_field_mismatch_against_an_annotation": (  # (it fell to the overload of any number of blocks)
+        "from monadl.fold import Block, InputTransform, Record, Vector\n"
+        "rec: Block[tuple[list[float], float], tuple[ml.ArrayLayer, str]] = Record(Vector(2), InputTransform(str.upper))",
+        "arg-type",
+    ),
     "fold_forward_declaration_resolved_to_another_type": (
         "from monadl.fold import ForwardDeclaration, InputTransform\n"
         "node = ForwardDeclaration[str, int]()\nnode.resolve_to(InputTransform(str.upper))",

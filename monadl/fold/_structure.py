@@ -189,7 +189,16 @@ class Record(Block[X, T]):
         /,
     ) -> None: ...
     @overload
-    def __init__(self: Record[tuple[Any, ...], tuple[Any, ...]], *blocks: Block[Any, Any]) -> None: ...
+    def __init__(  # (five or more: of one to four, a wrong field is an error, not this)
+        self: Record[tuple[Any, ...], tuple[Any, ...]],
+        b1: Block[Any, Any],
+        b2: Block[Any, Any],
+        b3: Block[Any, Any],
+        b4: Block[Any, Any],
+        b5: Block[Any, Any],
+        /,
+        *blocks: Block[Any, Any],
+    ) -> None: ...
     def __init__(self, *fields: Any) -> None:
         if len(fields) == 1 and isinstance(fields[0], Mapping | Sequence):
             pairs = list(fields[0].items() if isinstance(fields[0], Mapping) else fields[0])
