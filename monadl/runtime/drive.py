@@ -34,7 +34,7 @@ from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each
 
-__all__ = ["abort", "drive", "drive_sync", "synchronous"]
+__all__ = ["abort", "drive", "drive_sync", "synchronous", "turn_if_due"]
 
 _synchronous: ContextVar[bool] = ContextVar("monadl_synchronous", default=False)
 
@@ -124,6 +124,16 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         if tasks is not None:
             tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
         await exits.aclose()
+
+
+async def turn_if_due(ev: Evaluation) -> None:
+    """A turn for the event loop if ``ev``'s is due: between pieces of work
+    done outside its machine (the commit's steps, `monadl.runtime.entry`)."""
+    now = time.perf_counter()
+    if now > ev.deadline:
+        await anyio.lowlevel.checkpoint()
+        _turns.last = now = time.perf_counter()
+        ev.deadline = now + ev.yield_interval_s
 
 
 def _steps(tasks: TaskGroup, done: MemoryObjectSendStream[Any], items: list[tuple[Any, Any, Any]]) -> None:
