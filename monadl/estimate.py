@@ -197,7 +197,9 @@ def estimate_and_replace(
         estimator: a differentiable function of the argument layers.
         arguments: the layers that produce the black box's arguments
             (probability vectors for discrete arguments).
-        training: which of the two to use.
+        training: which of the two to use. At inference the black box's
+            answer (numbers: booleans, integers or floats) is taken in the
+            arguments' float dtype, as the estimator's would be.
         harden_arguments: at inference, turn each argument into the one-hot of
             its argmax before calling the black box.
 
@@ -220,9 +222,19 @@ def estimate_and_replace(
         result = black_box(*given)
         if inspect.isawaitable(result):
             result = await result
-        return as_layer(_numbers(black_box, result).astype(np.float64))
+        return as_layer(_as_float(_numbers(black_box, result), given))
 
     return replaced()
+
+
+def _as_float(value: Array, given: tuple[Any, ...]) -> Array:
+    """A black box's numbers in the arguments' float dtype, the estimator's
+    (float32 arguments give float32: the layers after it take no float64);
+    without float arguments, its own float dtype, or float64."""
+    floats = [np.asarray(v).dtype for v in given if np.asarray(v).dtype.kind == "f"]
+    if floats:
+        return value.astype(np.result_type(*floats), copy=False)
+    return value if value.dtype.kind == "f" else value.astype(np.float64)
 
 
 def _numbers(black_box: Callable[..., Any], result: Any) -> Array:
@@ -237,6 +249,8 @@ def _numbers(black_box: Callable[..., Any], result: Any) -> Array:
         value = None
     if value is None or value.dtype.kind not in "biuf":
         what = "a coroutine (an async function's result, not awaited)" if inspect.iscoroutine(result) else ""
+        if value is not None:  # (complex, dates, ...: say which)
+            what = f"{type(result).__name__} of dtype {value.dtype}"
         if inspect.iscoroutine(result):
             result.close()  # (no 'never awaited' warning besides the error)
         raise TypeError(

@@ -159,6 +159,23 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
         await estimate_and_replace(forgot_return, lambda p: p, [digit], training=False).predict()
     with pytest.raises(TypeError, match="returned str"):
         await estimate_and_replace(lambda p: "one", lambda p: p, [digit], training=False).predict()
+    with pytest.raises(TypeError, match="returned ndarray of dtype complex128, not numbers"):
+        await estimate_and_replace(lambda p: p + 1j, lambda p: p, [digit], training=False).predict()
+
+
+@pytest.mark.parametrize("answer", [np.float32, np.float64, np.int64, bool])
+async def test_the_black_boxs_answer_takes_the_arguments_float_dtype(answer: Any) -> None:
+    # A float32 model trained through its estimator failed at inference: the
+    # answer was cast to float64, which the float32 layers after it refused.
+    digit = ml.as_layer(np.array([[0.1, 0.7, 0.2]], np.float32))
+    head = ml.Weight(np.ones(1, np.float32))
+
+    def box(p: Any) -> Any:
+        return np.argmax(p, axis=-1).astype(answer)[:, None]
+
+    for training in (True, False):
+        out = estimate_and_replace(box, lambda q: q @ np.ones((3, 1), np.float32), [digit], training=training) * head
+        assert (await out.predict()).dtype == np.float32
 
 
 class _done:
