@@ -239,10 +239,17 @@ def _fsync(path: str, flags: int) -> None:
         os.close(descriptor)
 
 
-def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool = True) -> dict[str, Any]:
     """Restore the weights and optimizer state saved at ``path`` into
     ``model``, a model built again in code the way the saved one was (with
     the same optimizers). Returns the ``metadata`` given to `save`.
+
+    With ``optimizer_state=False``, only the weights' values are restored
+    and each weight keeps its own optimizer and state: a model for inference,
+    or one fine-tuned with other optimizers, from a training checkpoint (as
+    PyTorch's ``model.load_state_dict`` without the optimizer's). The
+    optimizers' hyperparameters (a learning rate) are never in a checkpoint:
+    they are the code's.
 
     Everything is checked before anything changes: the names of the weights
     (none missing, none extra), each one's shape and dtype, and the structure
@@ -291,10 +298,18 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
         if name not in saved:
             continue
         try:
-            data = replace_data(weight.data, _to_library(tensors[name], weight.data), f"weight {name!r}")
-            where = f"weight {name!r}, optimizer state"
-            decoded = _decode(saved[name]["optimizer_state"], weight.state, tensors, where)
-            state = replace_state(weight.state, decoded, where)
+            stored = tensors[name]
+            if isinstance(weight.dtype, np.dtype) and stored.dtype != weight.dtype:  # (a file is not converted)
+                raise CheckpointError(
+                    f"weight {name!r}: the checkpoint holds {stored.dtype}, the model's weight is {weight.dtype}; "
+                    "build the weight in the dtype it was saved in (a checkpoint loads as saved, not converted)"
+                )
+            data = replace_data(weight.data, _to_library(stored, weight.data), f"weight {name!r}")
+            state = weight.state
+            if optimizer_state:
+                where = f"weight {name!r}, optimizer state"
+                decoded = _decode(saved[name]["optimizer_state"], weight.state, tensors, where)
+                state = replace_state(weight.state, decoded, where)
         except MonadlError as error:
             problems.append(str(error))
             continue
@@ -303,7 +318,8 @@ def load(path: str | os.PathLike[str], model: object) -> dict[str, Any]:
         if any(", optimizer state" in problem for problem in problems):  # (say why a state may differ)
             problems.append(
                 "an optimizer state of another structure comes from another optimizer: build the model with "
-                "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ)"
+                "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ), "
+                "or load the weights' values alone: load(path, model, optimizer_state=False)"
             )
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     with COMMIT_LOCK:

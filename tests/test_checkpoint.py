@@ -250,6 +250,26 @@ def test_two_weights_of_one_name_are_refused(keys: tuple[Any, Any], tmp_path: Pa
         ml.save(tmp_path / "m.safetensors", model)
 
 
+def test_the_weights_values_alone_load_into_a_model_of_other_optimizers(tmp_path: Path) -> None:
+    # A training checkpoint (Adam's moments) into a model for inference, built with the default optimizer.
+    trained = {"w": ml.Weight(np.arange(3.0), optimizer=ml.optim.adam(0.1))}
+    ml.optim.apply_gradients({trained["w"]: np.ones(3)})
+    ml.save(tmp_path / "m.safetensors", trained)
+    serving = {"w": ml.Weight(np.zeros(3))}
+    with pytest.raises(ml.CheckpointError, match=r"optimizer_state=False"):
+        ml.load(tmp_path / "m.safetensors", serving)
+    state = serving["w"].state
+    ml.load(tmp_path / "m.safetensors", serving, optimizer_state=False)
+    np.testing.assert_array_equal(serving["w"].data, trained["w"].data)
+    assert serving["w"].state is state
+
+
+def test_a_weight_of_another_dtype_than_the_checkpoints_is_told_what_to_build(tmp_path: Path) -> None:
+    ml.save(tmp_path / "m.safetensors", {"w": ml.Weight(np.ones(2))})
+    with pytest.raises(ml.CheckpointError, match=r"the checkpoint holds float64, the model's weight is float32"):
+        ml.load(tmp_path / "m.safetensors", {"w": ml.Weight(np.ones(2, np.float32))})
+
+
 # ---- errors ---------------------------------------------------------------------------------
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
@@ -284,7 +304,7 @@ def test_shape_and_dtype_mismatches_name_the_weight_and_change_nothing(saved: Pa
         ml.load(saved, model)
     message = str(error.value)
     assert "weight 'encoder.0.weight': expected shape (4, 9), got (4, 8)" in message
-    assert "weight 'encoder.1.bias': expected dtype float32, got float64" in message
+    assert "weight 'encoder.1.bias': the checkpoint holds float64, the model's weight is float32" in message
     np.testing.assert_array_equal(model["head"]["embedding"].data, np.full((5, 4), 3.0))
 
 
