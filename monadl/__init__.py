@@ -18,7 +18,7 @@ from monadl.errors import (
     OperandError,
     ShapeError,
 )
-from monadl.gradcheck import check_grads, gradients
+from monadl.gradcheck import check_grads, gradients, value_and_gradients
 from monadl.graph import render_graph, to_dot
 from monadl.layers import (
     Array,
@@ -140,5 +140,6 @@ __all__ = [
     "tanh",
     "to_dot",
     "transpose",
+    "value_and_gradients",
     "values",
 ]

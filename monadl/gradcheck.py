@@ -19,7 +19,7 @@ from monadl.layers._layer import Expr
 from monadl.layers._weight import Weight
 from monadl.runtime import entry
 
-__all__ = ["check_grads", "check_grads_over_shapes", "gradients"]
+__all__ = ["check_grads", "check_grads_over_shapes", "gradients", "value_and_gradients"]
 
 
 async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
@@ -32,6 +32,21 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     >>> anyio.run(gradients, ml.sum(w * w), [w])
     [array([2., 4.])]
     """
+    return (await value_and_gradients(loss, weights))[1]
+
+
+async def value_and_gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> tuple[Any, list[Any]]:
+    """The value of ``loss`` and its `gradients`, from one forward and one
+    backward pass (as JAX's ``value_and_grad``), without changing any weight:
+    what a step of one's own needs (clipping by a global norm, accumulating
+    gradients over micro-batches), which then commits with
+    `monadl.optim.apply_gradients`.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.array([1.0, 2.0]))
+    >>> anyio.run(value_and_gradients, ml.sum(w * w), [w])
+    (np.float64(5.0), [array([2., 4.])])
+    """
     given: object = weights  # (typed a sequence; a user may pass one weight all the same)
     if isinstance(given, Expr):  # (a layer is not iterated: its message would not say what to pass)
         raise TypeError(
@@ -41,8 +56,8 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     others = sorted({type(w).__name__ for w in weights if not isinstance(w, Weight)})
     if others:
         raise TypeError(f"gradients(loss, weights): weights is a list of Weights, got {', '.join(others)} among them")
-    _, grads = await entry.gradients(loss)
-    return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
+    value, grads = await entry.gradients(loss)
+    return value, [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
 
 
 def _dense(grad: Any) -> Any:

@@ -247,6 +247,13 @@ OPTIMIZERS: list[tuple[str, Callable[[], ml.optim.GradientTransformation], Calla
     ),
     ("rmsprop", lambda: ml.optim.rmsprop(0.01), lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9, eps=1e-8)),
     ("adam", lambda: ml.optim.adam(0.01), lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-8)),
+    (  # (the tour's recipe)
+        "adamw",
+        lambda: ml.optim.chain(
+            ml.optim.scale_by_adam(), ml.optim.add_decayed_weights(0.05), ml.optim.scale_by_learning_rate(0.01)
+        ),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05, eps=1e-8),
+    ),
 ]
 
 
