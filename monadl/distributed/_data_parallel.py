@@ -7,7 +7,10 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    weight that had a dense gradient on some rank so far, in a fixed order,
    all-reduced bucket by bucket while the backward runs, each as soon as
    its gradients are final; a failing rank contributes what it has (zeros
-   for the rest), so every rank takes part in every bucket.
+   for the rest), so every rank takes part in every bucket. A planned weight
+   steps by its bucket's total only at a step where some rank's gradient of
+   it is dense; where every rank has sparse rows (an embedding table that
+   was once reached densely), it steps by the rows, as without overlap.
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
    gradients, no step) and all-gathers a small status: whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
@@ -272,17 +275,19 @@ class DataParallel:
         # Dense where any rank's gradient is dense (the other ranks' rows or
         # absences made dense); rows where the ranks that have one have rows.
         any_dense = (kinds == _DENSE).any(axis=0)
-        reached = (kinds != _ABSENT).any(axis=0)
         planned = overlap.bucket_of if overlap is not None else {}
         if overlap is not None:
             for bucket, total in zip(overlap.plan, overlap.results):
                 total = self._checked(total, scale)
                 for weight, grad in zip(bucket, unflatten(total, [w._data for w in bucket])):
-                    if reached[index[weight]]:  # a weight no rank reached is not stepped
+                    # A planned weight is stepped by its bucket only where some rank's gradient is
+                    # dense: where every rank has rows (or none), the rows below step it, as
+                    # without overlap (a dense total would step every row: under Adam, the rows
+                    # no rank looked up would move on their momentum).
+                    if any_dense[index[weight]]:
                         reduced[weight] = grad
         dense = [i for i in np.flatnonzero(any_dense).tolist() if weights[i] not in planned]
         sparse = np.flatnonzero((kinds == _SPARSE).any(axis=0) & ~any_dense).tolist()
-        sparse = [i for i in sparse if weights[i] not in planned]
         buckets = plan_buckets([weights[i] for i in dense], self.bucket_bytes, self.bucket_bytes)
         flats = [flatten([dense_like(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
         post_start = time.perf_counter()
@@ -316,8 +321,8 @@ class DataParallel:
 
         Every weight that has had a dense gradient on some rank so far, as
         DDP buckets every parameter (an unreached one contributes zeros, and
-        is not stepped), so a dynamic network's changing paths keep the same
-        buckets. Ordered by when the earliest rank made their gradients
+        is not stepped; one with rows on every rank steps by its rows), so a
+        dynamic network's changing paths keep the same buckets. Ordered by when the earliest rank made their gradients
         final, as last seen; rebuilt only when a weight joins.
         """
         late = np.iinfo(np.int64).max

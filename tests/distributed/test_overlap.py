@@ -224,3 +224,45 @@ def test_plan_buckets_keep_order_dtype_runs_and_a_small_first_bucket() -> None:
     ws = [ml.Weight(np.zeros(n, dtype)) for n, dtype in [(10, "f8"), (10, "f8"), (10, "f4"), (1000, "f4"), (5, "f4")]]
     buckets = plan_buckets(ws, limit=8000, first=100)
     assert [[ws.index(w) for w in b] for b in buckets] == [[0], [1], [2, 3, 4]]
+
+
+@pytest.mark.parametrize("optimizer", [ml.optim.sgd(0.1), ml.optim.adam(0.1)], ids=["sgd", "adam"])
+def test_a_table_once_dense_steps_by_rows_when_every_rank_has_rows(optimizer: ml.optim.GradientTransformation) -> None:
+    # Step 1 reaches the whole table densely; from then on it was planned into a dense bucket
+    # and stepped by that bucket's total whatever the ranks' gradients were: at step 2 (rows
+    # on both ranks) Adam moved the rows no rank looked up, on their momentum alone.
+    ids = [[0, 1], [2, 3], [0, 2]]  # per step, rank 0 looks up ids[s][0] and rank 1 ids[s][1]
+
+    def build() -> tuple[ml.ArrayWeight, ml.ArrayWeight]:
+        rng = np.random.default_rng(0)
+        return (
+            ml.Weight(rng.standard_normal((6, 2)), optimizer=optimizer),
+            ml.Weight(rng.standard_normal(2), optimizer=optimizer),
+        )
+
+    def loss(table: ml.ArrayWeight, v: ml.ArrayWeight, step: int, rows: list[int]) -> ml.ScalarLayer:
+        out = ml.sum(ml.matmul(ml.embedding(table, np.array(rows)), v)) * (1.0 / len(rows))
+        return out + ml.sum(table) if step == 1 else out
+
+    def two_ranks(overlap: bool) -> list[npt.NDArray[Any]]:
+        async def rank(comm: Communicator) -> npt.NDArray[Any]:
+            table, v = build()
+            dp = DataParallel([table, v], comm, overlap=overlap)
+            for step, pair in enumerate(ids):
+                await dp.train(loss(table, v, step, [pair[comm.rank]]))
+            assert any(table in bucket for bucket in dp.buckets)  # (planned, as once dense)
+            return table.data
+
+        return run_local(2, rank)
+
+    async def one_process() -> npt.NDArray[Any]:
+        table, v = build()
+        for step, pair in enumerate(ids):
+            await loss(table, v, step, pair).train()  # the mean of the ranks' losses
+        return table.data
+
+    expected = anyio.run(one_process)
+    for overlap in (False, True):
+        zero, one = two_ranks(overlap)
+        np.testing.assert_array_equal(zero, one)
+        np.testing.assert_allclose(zero, expected, rtol=1e-12, atol=1e-15)
