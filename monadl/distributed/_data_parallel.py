@@ -27,8 +27,9 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    gradients and then writes them (`_commit`): identical weights everywhere.
 
 Before the first step, one more exchange checks that every rank holds the
-same model (`monadl.distributed._same_model`). Once passed, it is not
-repeated: the weights are found once, when `DataParallel` is built, and a
+same model (`monadl.distributed._same_model`), its values included (a
+checksum per weight: ranks built from different seeds without a
+`DataParallel.broadcast` are refused). Once passed, it is not repeated: the weights are found once, when `DataParallel` is built, and a
 weight's shape and dtype never change (`Weight`'s setter, a step and a
 checkpoint keep them), so every later buffer has the same size and dtype on
 every rank.
@@ -51,7 +52,7 @@ from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
-from monadl.distributed._same_model import describe, fitting_states, mismatch, same_model, shape_of
+from monadl.distributed._same_model import checksums, describe, fitting_states, label, mismatch, same_model, shape_of
 from monadl.layers import Layer, Weight
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
@@ -108,6 +109,7 @@ class DataParallel:
         "_dense",
         "_described",
         "_index",
+        "_labels",
         "_names",
         "_order",
         "_plan",
@@ -131,6 +133,7 @@ class DataParallel:
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
         self._names = tuple(named)
+        self._labels = tuple(label(name, i) for i, name in enumerate(named))
         self._described = [describe(name, w._data, w._state, w.optimizer) for name, w in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._index = {w: i for i, w in enumerate(self._weights)}
@@ -204,8 +207,9 @@ class DataParallel:
         while the backward still runs (see `monadl.distributed._overlap`).
         Returns this rank's loss value. Raises `RankFailure` (on every rank)
         if any rank failed, or if the ranks' models differ (in their number
-        of weights, or a weight's name, shape or dtype); then no weight
-        changed on any rank. After one whose ``in_step`` is False (a
+        of weights, or a weight's name, shape, dtype, optimizer, or, at the
+        first step, its values or optimizer state: call `broadcast` first);
+        then no weight changed on any rank. After one whose ``in_step`` is False (a
         collective timed out or failed), every later call raises at once.
         """
         entry.refuse_inside_direct("DataParallel.train()")  # (on every rank alike, before any exchange)
@@ -215,7 +219,7 @@ class DataParallel:
     async def _train(self, loss: Layer[Any, Any]) -> Any:
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         if not self._agreed:
-            await same_model(comm, self._described)
+            await same_model(comm, self._described, checksums(weights), self._labels)
             self._agreed = True
         # One rank has nothing to overlap: its "all-reduce" is a copy.
         overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None

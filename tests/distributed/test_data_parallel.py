@@ -490,6 +490,46 @@ def test_ranks_whose_weights_differ_in_dtype_name_or_number_stop_before_any_step
     assert all(unchanged for _, unchanged in dtype + name + number)
 
 
+def test_ranks_whose_weights_hold_different_values_stop_before_any_step() -> None:
+    # Ranks built from different seeds without dp.broadcast() (a new user's trial): the
+    # models matched in names, shapes, dtypes and optimizers, every rank stepped alike
+    # from its own starting point, and the copies trained apart for good, silently.
+    models = [Net(seed) for seed in (0, 1, 0)]
+    expected = (
+        "no rank stepped: the ranks hold different values of weights 'w1', 'heads.0', 'heads.1' (ranks 0, 2 hold "
+        "one set of values, rank 1 another); call dp.broadcast() before the first step, to give every rank the "
+        "root's weights and optimizer state (or load the same checkpoint on every rank)"
+    )
+    assert run_different(models) == [(expected, True)] * 3
+
+
+def test_ranks_whose_optimizer_states_differ_stop_before_any_step() -> None:
+    # Only rank 0 loaded a checkpoint's optimizer state (momentum that is not the initial one).
+    def build(rank: int) -> dict[str, ml.ArrayWeight]:
+        weight = ml.Weight(np.ones(3), optimizer=ml.optim.momentum(0.1))
+        if rank == 0:
+            weight.state = (np.full(3, 0.5), None)
+        return {"w": weight}
+
+    (message, unchanged), _ = run_different([build(0), build(1)])
+    assert unchanged
+    assert message.startswith(
+        "no rank stepped: the ranks hold different values of weight 'w' (its optimizer state) (rank 0 holds one "
+        "set of values, rank 1 another); call dp.broadcast()"
+    )
+
+
+def test_ranks_that_build_the_same_values_need_no_broadcast() -> None:
+    async def rank(comm: Communicator) -> list[float]:
+        weight = ml.Weight(np.arange(6.0).reshape(2, 3).T, optimizer=ml.optim.adam(0.1))  # (a strided view)
+        number = ml.Weight(np.float32(0.5), optimizer=ml.optim.sgd(1.0))
+        await DataParallel([weight, number], comm).train(ml.sum(weight) + number)
+        return [float(number.data), *map(float, weight.data.reshape(-1))]
+
+    zero, one = run_local(2, rank)
+    assert zero == one and zero[0] == -0.5
+
+
 def test_a_dict_keyed_by_objects_of_the_default_repr_is_the_same_model_on_every_rank() -> None:
     class Key:  # (its repr holds its address: each rank's differs, as in separate processes)
         pass
