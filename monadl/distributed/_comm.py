@@ -40,16 +40,21 @@ class RankFailure(MonadlError, RuntimeError):
     collective that timed out or failed: a slow rank's messages may still
     arrive, into another exchange (then `DataParallel` refuses to step again).
 
+    ``outcome`` begins the message: what no rank did (`DataParallel.broadcast`'s
+    says no rank took the root's weights).
+
     >>> str(RankFailure({1: "ValueError: bad batch"}))
     'no rank stepped: rank 1 failed: ValueError: bad batch'
     """
 
-    def __init__(self, failures: Mapping[int, str], reason: str = "", in_step: bool = True) -> None:
+    def __init__(
+        self, failures: Mapping[int, str], reason: str = "", in_step: bool = True, *, outcome: str = "no rank stepped"
+    ) -> None:
         self.failures = dict(failures)
         self.reason = reason
         self.in_step = in_step
         parts = [f"rank {rank} failed: {why}" for rank, why in sorted(self.failures.items())]
-        super().__init__("no rank stepped: " + "; ".join(parts + ([reason] if reason else [])))
+        super().__init__(f"{outcome}: " + "; ".join(parts + ([reason] if reason else [])))
 
 
 class Communicator(ABC):

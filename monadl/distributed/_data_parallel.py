@@ -52,7 +52,7 @@ from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
-from monadl.distributed._same_model import checksums, describe, fitting_states, label, mismatch, same_model, shape_of
+from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model, shape_of
 from monadl.layers import Layer, Weight
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
@@ -63,6 +63,7 @@ __all__ = ["DataParallel"]
 
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
+_NOT_BROADCAST: Final = "no rank took the root's weights"
 
 
 @final
@@ -110,7 +111,6 @@ class DataParallel:
         "_described",
         "_index",
         "_labels",
-        "_names",
         "_order",
         "_plan",
         "_times",
@@ -132,7 +132,6 @@ class DataParallel:
         self._comm = mpi_world() if comm is None else comm
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
-        self._names = tuple(named)
         self._labels = tuple(label(name, i) for i, name in enumerate(named))
         self._described = [describe(name, w._data, w._state, w.optimizer) for name, w in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
@@ -161,12 +160,22 @@ class DataParallel:
         return self._weights
 
     async def broadcast(self, root: int = 0) -> None:
-        """Give every rank ``root``'s weights and optimizer state (at start, or after loading a checkpoint)."""
-        with in_step(self._comm):
-            await self._broadcast(root)
+        """Give every rank ``root``'s weights and optimizer state (at start, or after loading a checkpoint).
+
+        Raises `RankFailure` on every rank, and no weight changes, if the
+        ranks' models differ (as `train` checks them: names, shapes, dtypes,
+        optimizers) or a collective fails.
+        """
+        try:
+            with in_step(self._comm):
+                await self._broadcast(root)
+        except RankFailure as failure:  # (told as what did not happen: no rank tried to step)
+            told = RankFailure(failure.failures, failure.reason, failure.in_step, outcome=_NOT_BROADCAST)
+            raise told.with_traceback(failure.__traceback__) from failure.__cause__
 
     async def _broadcast(self, root: int) -> None:
         comm = self._comm
+        await same_model(comm, self._described)  # (the weights' values are what differs, and what is sent)
         blob = b""
         if comm.rank == root:
             blob = pickle.dumps([(w._data, w._state) for w in self._weights], protocol=pickle.HIGHEST_PROTOCOL)
@@ -175,9 +184,7 @@ class DataParallel:
         problem = ""
         if comm.rank != root:
             loaded = pickle.loads(data.tobytes())
-            problem = mismatch(self._weights, [d for d, _ in loaded])
-            if not problem:
-                states, problem = fitting_states(self._weights, self._names, [state for _, state in loaded])
+            states, problem = fitting_states(self._weights, self._labels, [state for _, state in loaded])
             if not problem:
                 with COMMIT_LOCK:
                     pin_for_readers(self._weights)
@@ -260,9 +267,9 @@ class DataParallel:
             if i is None:
                 problem = problem or f"the loss reached a weight outside the model: {weight!r:.60}"
             elif not _finite(grad):
-                problem = problem or f"non-finite gradient of weight {i} (shape {shape_of(weight._data)})"
+                problem = problem or f"non-finite gradient of weight {self._labels[i]} (shape {shape_of(weight._data)})"
             elif overlap is not None and weight in overlap.bucket_of and overlap.reported(weight) is not grad:
-                problem = problem or f"the runtime reported weight {i}'s gradient final before it was"
+                problem = problem or f"the runtime reported weight {self._labels[i]}'s gradient final before it was"
             elif type(grad) is SparseRows:
                 status[1 + i], status[1 + n + i] = _SPARSE, grad.indices.shape[0]
             else:

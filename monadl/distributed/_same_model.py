@@ -33,7 +33,7 @@ from monadl.layers import Weight
 from monadl.layers._replace import replace_state
 from monadl.optim._spec import spec
 
-__all__ = ["checksums", "describe", "fitting_states", "label", "mismatch", "same_model", "shape_of", "structure"]
+__all__ = ["checksums", "describe", "fitting_states", "label", "same_model", "shape_of", "structure"]
 
 
 def shape_of(data: Any) -> tuple[int, ...]:
@@ -219,26 +219,18 @@ def _difference(models: Sequence[Sequence[str]]) -> str:
     )
 
 
-def mismatch(mine: Sequence[Weight[Any, Any]], theirs: Sequence[Any]) -> str:
-    if len(mine) != len(theirs):
-        return f"the model has {len(mine)} weights here and {len(theirs)} on the root"
-    for i, (w, d) in enumerate(zip(mine, theirs)):
-        if shape_of(w._data) != shape_of(d) or _dtype(w._data) != _dtype(d):
-            return f"weight {i} is {_dtype(w._data)}{list(shape_of(w._data))} here, {_dtype(d)}{list(shape_of(d))} on the root"
-    return ""
-
-
 def fitting_states(
-    weights: Sequence[Weight[Any, Any]], names: Sequence[str], states: Sequence[Any]
+    weights: Sequence[Weight[Any, Any]], labels: Sequence[str], states: Sequence[Any]
 ) -> tuple[list[Any], str]:
     """The root's optimizer ``states`` checked against this rank's weights'
     (as ``ml.load`` checks a checkpoint's), and what does not fit ("" if all
     do): another optimizer's state would fail this rank's step after every
-    rank agreed to step."""
+    rank agreed to step. (`same_model` has compared the states' structures;
+    this also checks their arrays' libraries.)"""
     fitted: list[Any] = []
-    for i, (weight, name, state) in enumerate(zip(weights, names, states)):
+    for weight, name, state in zip(weights, labels, states):
         try:
-            fitted.append(replace_state(weight._state, state, f"weight {name!r}'s" if name else f"weight {i}'s"))
+            fitted.append(replace_state(weight._state, state, f"weight {name}'s"))
         except (OperandError, ShapeError, DTypeError, DeviceError) as exc:
             return (
                 fitted,

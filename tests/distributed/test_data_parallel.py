@@ -130,7 +130,7 @@ def test_a_rank_with_a_non_finite_gradient_stops_every_rank() -> None:
         assert unchanged
         assert isinstance(error, RankFailure)
         assert list(error.failures) == [1]
-        assert "non-finite gradient of weight" in error.failures[1]
+        assert error.failures[1] == "non-finite gradient of weight 'w1' (shape (4, 8))"  # (it said 'weight 0')
 
 
 def test_a_rank_that_never_joins_is_reported_after_the_timeout() -> None:
@@ -301,14 +301,46 @@ def test_broadcast_gives_every_rank_the_roots_weights_and_optimizer_state() -> N
     assert repr(s0) == repr(s1)
 
 
+NOT_BROADCAST = "no rank took the root's weights: the ranks hold different models: "
+
+
 def test_broadcast_refuses_a_model_of_another_shape_on_every_rank() -> None:
     async def rank(comm: Communicator) -> str:
         weight = ml.Weight(np.zeros(2 + comm.rank))
-        with pytest.raises(RankFailure, match=r"rank 1 failed: weight 0 is float64\[3\] here, float64\[2\]"):
+        with pytest.raises(RankFailure) as caught:
             await DataParallel(weight, comm).broadcast()
-        return "raised"
+        return str(caught.value)
 
-    assert run_local(2, rank) == ["raised", "raised"]
+    expected = NOT_BROADCAST + "weight 0 is float64[2] on rank 0, float64[3] on rank 1" + SAME_MODEL
+    assert run_local(2, rank) == [expected] * 2
+
+
+def test_broadcast_names_the_weights_that_differ_and_says_what_it_did() -> None:
+    # It named weights by number ('weight 1 is float32[3] here, float64[3] on the root', 'the
+    # model has 3 weights here and 2 on the root'), and began 'no rank stepped' though no rank
+    # had tried to step.
+    def build(rank: int) -> dict[str, ml.ArrayWeight]:
+        model = {
+            "embed": ml.Weight(np.zeros(3)),
+            "head": ml.Weight(np.zeros(3, np.float64 if rank == 0 else np.float32)),
+        }
+        if rank == 2:
+            model["extra"] = ml.Weight(np.zeros(1))
+        return model
+
+    async def rank(comm: Communicator) -> str:
+        with pytest.raises(RankFailure) as caught:
+            await DataParallel(build(comm.rank), comm).broadcast()
+        assert caught.value.failures == {}
+        return str(caught.value)
+
+    expected = (
+        NOT_BROADCAST
+        + "weight 1 is 'head' float64[3] on rank 0, 'head' float32[3] on ranks 1, 2 "
+        + "(2 weights on rank 0, 2 weights on rank 1, 3 weights on rank 2)"
+        + SAME_MODEL
+    )
+    assert run_local(3, rank) == [expected] * 3
 
 
 def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> None:
@@ -318,19 +350,19 @@ def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> Non
     def build(rank: int) -> ml.ArrayWeight:
         return ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1) if rank == 0 else ml.optim.adam(0.1))
 
+    # (broadcast said only 'expected tuple of 2, got None'; it now describes both optimizers as train does)
+    shown = r"weight 0 is float64\[3\], optimizer scale\(-0.1\) on rank 0, float64\[3\], optimizer chain\(scale_by_adam"
+
     async def broadcast_then_train(comm: Communicator) -> list[float]:
         weight = build(comm.rank)
         dp = DataParallel(weight, comm)
-        with pytest.raises(RankFailure, match=r"rank 1 failed: the root's optimizer state does not fit here"):
+        with pytest.raises(RankFailure, match="^no rank took the root's weights: .*" + shown):
             await dp.broadcast()
         return list(map(float, weight.data))
 
     async def train(comm: Communicator) -> list[float]:
         weight = build(comm.rank)
-        with pytest.raises(
-            RankFailure,
-            match=r"weight 0 is float64\[3\], optimizer scale\(-0.1\) on rank 0, float64\[3\], optimizer chain\(scale_by_adam",
-        ):
+        with pytest.raises(RankFailure, match="^no rank stepped: .*" + shown):
             await DataParallel(weight, comm).train(ml.sum(weight * 2.0))
         return list(map(float, weight.data))
 
