@@ -74,6 +74,11 @@ class DataParallel:
     over the ranks (as PyTorch's DDP and Horovod do, so with equal shards the
     step is the full batch's) and steps every weight identically on every
     rank; if any rank failed, no rank steps and each raises `RankFailure`.
+    With unequal shards each rank's mean loss still counts as one rank's
+    share (`shard`'s ``drop_last`` makes them equal); a rank whose shard is
+    empty (a batch of fewer examples than ranks) has a NaN mean loss and a
+    zero gradient that the average would count, so `train` refuses that
+    step, on every rank, rather than take a smaller one.
 
     Args:
         model: the weights to keep in sync: a `Weight`, or any object,
@@ -274,6 +279,8 @@ class DataParallel:
                 status[1 + i], status[1 + n + i] = _SPARSE, grad.indices.shape[0]
             else:
                 status[1 + i] = _DENSE
+        if not problem and _is_nan(value):
+            problem = _EMPTY_SHARD
         if overlap is not None:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
@@ -388,6 +395,22 @@ async def _gather_rows(
     indices = await comm.allgather(xp.astype(mine.indices, xp.int64), sizes)
     rows = await comm.allgather(xp.astype(mine.rows, data.dtype), sizes)
     return SparseRows(indices, rows * scale, data.shape)
+
+
+_EMPTY_SHARD: Final = (
+    "the loss is NaN and its gradients finite, as a mean over an empty shard makes them (a batch of fewer "
+    "examples than ranks); the average would still count this rank's zero gradient, and shrink the step; give "
+    "every rank at least one example (batches of at least as many examples as ranks; shard's drop_last=True "
+    "also makes the shards equal)"
+)
+
+
+def _is_nan(value: Any) -> bool:
+    """Whether a loss value is NaN (where the ranks' gradients are finite, an empty shard's mean)."""
+    if value is None:
+        return False
+    xp = namespace(value)
+    return bool(xp.any(xp.isnan(xp.asarray(value))))
 
 
 def _finite(grad: Any) -> bool:

@@ -46,7 +46,11 @@ def shard(data: Any, rank: int, size: int, *, drop_last: bool = False) -> Any:
     Shards differ in length by at most one; ``drop_last`` drops the last
     ``len(data) % size`` items so that all are equal (then averaging the
     ranks' mean losses is the full batch's mean, as with PyTorch's
-    ``DistributedSampler(drop_last=True)``).
+    ``DistributedSampler(drop_last=True)``). A batch of fewer than ``size``
+    items leaves some ranks an empty shard (and ``drop_last`` leaves every
+    rank one): a mean over it is NaN, with NumPy's warnings, and
+    `DataParallel.train` refuses such a step on every rank rather than count
+    that rank's zero gradient in the average.
 
     >>> shard(list(range(7)), 1, 3)
     [1, 4]

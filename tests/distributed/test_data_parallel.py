@@ -410,6 +410,30 @@ def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
         shard(x, 0, 0)  # (it said 'rank 0 is not in 0..-1')
 
 
+# (NumPy warns of the empty mean: layers/_reductions.py)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+def test_a_step_where_a_rank_has_no_examples_is_refused_on_every_rank() -> None:
+    # A batch of 1 on 2 ranks: rank 1's shard was empty, its loss NaN and its gradient
+    # zeros, which the average still counted: the step was half the batch's, silently.
+    x, y = np.array([[1.0, 2.0], [3.0, 1.0]]), np.array([1, 0])
+
+    async def rank(comm: Communicator) -> tuple[str, list[list[float]]]:
+        w = ml.Weight(np.zeros((2, 2)), optimizer=ml.optim.sgd(1.0))
+        dp = DataParallel(w, comm)
+        with pytest.raises(RankFailure) as caught:
+            await dp.train(ml.cross_entropy(ml.matmul(shard(x[:1], comm.rank, 2), w), shard(y[:1], comm.rank, 2)))
+        assert list(caught.value.failures) == [1] and caught.value.in_step
+        unchanged = w.data.tolist()
+        await dp.train(ml.cross_entropy(ml.matmul(shard(x, comm.rank, 2), w), shard(y, comm.rank, 2)))  # (goes on)
+        return caught.value.failures[1], unchanged
+
+    (message, unchanged), _ = run_local(2, rank)
+    assert message.startswith("the loss is NaN and its gradients finite, as a mean over an empty shard makes them")
+    assert "give every rank at least one example" in message
+    assert unchanged == [[0.0, 0.0], [0.0, 0.0]]
+
+
 def test_mpi_without_mpi4py_says_how_to_get_it_or_do_without(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
