@@ -6,6 +6,8 @@ The same protocol runs across processes in test_mpi.py.
 from __future__ import annotations
 
 import dataclasses
+import time
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy.typing as npt
 import pytest
 
 import monadl as ml
+import monadl.distributed._data_parallel
 from monadl.distributed import Communicator, DataParallel, RankFailure, find_weights, run_local, shard
 
 BACKENDS = ["asyncio", "trio"]
@@ -612,6 +615,30 @@ def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
 
     status = 1 + 3 * 5  # a failure's length; per weight of Net: kind, rows, position
     assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2
+
+
+def test_the_first_steps_wait_for_a_late_rank_is_in_its_agree_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank 2 s late for the first step: train took 2 s and last_step_seconds summed to
+    # milliseconds (the wait fell in the same-model check, before the step's clock started).
+    # The lateness is a clock's jump, at the first exchange: no test of real time.
+    late = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + late[0])
+    monkeypatch.setattr(monadl.distributed._data_parallel, "time", clock)
+
+    class Late(Counting):
+        async def allgather(self, send: npt.NDArray[Any], counts: Any) -> npt.NDArray[Any]:
+            if not self.gathered:
+                late[0] += 100.0  # the other ranks arrive 100 s after this one
+            return await super().allgather(send, counts)
+
+    async def rank(comm: Communicator) -> dict[str, float]:
+        weight = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(weight, Late(comm))
+        await dp.train(ml.sum(weight * 2.0))
+        return dp.last_step_seconds
+
+    (seconds,) = run_local(1, rank)
+    assert seconds["agree"] >= 100.0 and seconds["backward"] < 100.0
 
 
 def test_a_data_parallel_step_inside_a_direct_function_is_refused_on_every_rank() -> None:
