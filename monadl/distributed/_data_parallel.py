@@ -29,7 +29,8 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
 Before the first step, one more exchange checks that every rank holds the
 same model (`monadl.distributed._same_model`), its values included (a
 checksum per weight: ranks built from different seeds without a
-`DataParallel.broadcast` are refused). Once passed, it is not repeated: the weights are found once, when `DataParallel` is built, and a
+`DataParallel.broadcast` are refused). Once passed, it is not repeated:
+the weights are found once, when `DataParallel` is built, and a
 weight's shape and dtype never change (`Weight`'s setter, a step and a
 checkpoint keep them), so every later buffer has the same size and dtype on
 every rank.
@@ -52,6 +53,7 @@ from monadl.distributed._comm import Communicator, RankFailure, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
+from monadl.distributed._rows import gather_rows
 from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model, shape_of
 from monadl.layers import Layer, Weight
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
@@ -319,7 +321,7 @@ class DataParallel:
             reduced.update(zip(bucket, unflatten(total, [w._data for w in bucket])))
         for i in sparse:  # rows are concatenated, not summed: finite rows stay finite
             weight = weights[i]
-            reduced[weight] = await _gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
+            reduced[weight] = await gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
         post = time.perf_counter() - post_start
         self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n :])
         self._times = {
@@ -345,7 +347,8 @@ class DataParallel:
         Every weight that has had a dense gradient on some rank so far, as
         DDP buckets every parameter (an unreached one contributes zeros, and
         is not stepped; one with rows on every rank steps by its rows), so a
-        dynamic network's changing paths keep the same buckets. Ordered by when the earliest rank made their gradients
+        dynamic network's changing paths keep the same buckets. Ordered by
+        when the earliest rank made their gradients
         final, as last seen; rebuilt only when a weight joins.
         """
         late = np.iinfo(np.int64).max
@@ -385,21 +388,6 @@ def _commit(grads: dict[Weight[Any, Any], Any]) -> None:
     """Step every weight by its gradient, as ``train()`` commits: every step
     computed before any is written, atomically, never NaN into a weight."""
     apply_gradients(grads, finite=current_settings().finite_steps)
-
-
-async def _gather_rows(
-    comm: Communicator, grad: Any, data: Any, counts: npt.NDArray[np.int64], scale: float
-) -> SparseRows:
-    """A sparse delta of every rank as one `SparseRows`: indices and rows, not tables."""
-    xp = namespace(data)
-    if type(grad) is SparseRows:
-        mine = grad
-    else:
-        mine = SparseRows(xp.zeros(0, dtype=xp.int64, device=data.device), data[:0], data.shape)
-    sizes = [int(c) for c in counts]
-    indices = await comm.allgather(xp.astype(mine.indices, xp.int64), sizes)
-    rows = await comm.allgather(xp.astype(mine.rows, data.dtype), sizes)
-    return SparseRows(indices, rows * scale, data.shape)
 
 
 _EMPTY_SHARD: Final = (
