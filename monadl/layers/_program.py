@@ -19,7 +19,9 @@ import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
+from monadl.errors import NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
+from monadl.layers._non_finite import backward_made, finite_delta, made
 from monadl.layers._operands import Numbers, one_float_dtype, step_numbers
 from monadl.layers._outputs import (
     OUTPUT,
@@ -103,7 +105,11 @@ class Program:
         self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
         self.tilings: dict[tuple[int, tuple[int, ...]], Tiling] = {}
 
-    def __call__(self, *args: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    def __call__(self, *args: Value, called: str | None = None) -> tuple[Value, tuple[Vjp, ...]]:
+        """``called``: where the node running it was built, under ``check_finite``:
+        then each step's value, and each delta of its backward, is checked
+        for a NaN or an infinity, which raises `NonFiniteError` at that step's
+        line inside the function, as it would unmarked."""
         env = [*args, *self.consts]
         vjps = []
         key = _dtypes(args)
@@ -115,9 +121,14 @@ class Program:
                 values, casted = self._operand_rule(step, values)
                 cast = cast or casted
             try:
-                out, rules = step.op.rule(*values, *step.parameters(env))
+                if called is None:
+                    out, rules = step.op.rule(*values, *step.parameters(env))
+                else:
+                    out, rules = self._checked(step, values, step.parameters(env), called)
             except ValueError as exc:
                 raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
+            except NonFiniteError:
+                raise
             except Exception as exc:
                 exc.add_note(f"monadl: in {step.op.name} at {_where(step)}, inside the operation {self.name}")
                 raise
@@ -126,20 +137,21 @@ class Program:
         if check and not cast:
             self.uniform.add(key)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
-        return value, _Backward(self, env, vjps, None).rules()
+        return value, _Backward(self, env, vjps, None, called).rules()
 
-    def first_non_finite(self, *args: Value) -> str | None:
-        """Where a run on ``args`` first makes a NaN or an infinity: its step
-        and the user's line inside the function (for `check_finite`'s
-        message; a second run, on that error's path only)."""
-        env = [*args, *self.consts]
-        for step, read in zip(self.steps, self.readers):
-            values, _ = self._operand_rule(step, read(env))
-            out, _ = step.op.rule(*values, *step.parameters(env))
-            if not finite_value(out):
-                return f"{step.op.name} at {_where(step)}, inside the operation {self.name}"
-            env.append(out)
-        return None
+    def _checked(
+        self, step: Step, values: tuple[Value, ...], params: tuple[Any, ...], called: str
+    ) -> tuple[Value, tuple[Vjp, ...]]:
+        """A step under ``check_finite`` (see `__call__`); a nested operation's own steps checked too."""
+        site = self._site(step, called)
+        rule = step.op.rule
+        out, rules = rule(*values, *params, called=site) if type(rule) is Program else rule(*values, *params)
+        if not finite_value(out):
+            raise NonFiniteError(made(step.op.name, values, site))
+        return out, rules
+
+    def _site(self, step: Step, called: str) -> str:
+        return f"{_where(step)}, inside the operation {self.name} called at {called}"
 
     def _operand_rule(self, step: Step, values: tuple[Value, ...]) -> tuple[tuple[Value, ...], bool]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
@@ -225,14 +237,21 @@ class Program:
             if not stacked[o]:  # every member's output is this one array
                 value = namespace(value).broadcast_to(value, (n, *value.shape))
             outs.append(value)
-        return (StackedOutputs(tuple(outs)) if self.multi else outs[0]), _Backward(self, env, vjps, stacked).rules()
+        value = StackedOutputs(tuple(outs)) if self.multi else outs[0]
+        return value, _Backward(self, env, vjps, stacked, None).rules()
 
     def backward(
-        self, env: list[Value], vjps: list[tuple[Vjp, ...]], g: Value, stacked: list[bool] | None = None
+        self,
+        env: list[Value],
+        vjps: list[tuple[Vjp, ...]],
+        g: Value,
+        stacked: list[bool] | None = None,
+        called: str | None = None,
     ) -> list[Value | None]:
         """The deltas of the node's operands from the delta ``g`` of its value:
         the steps' VJPs in reverse, each share fitted to its operand's shape.
         ``stacked``: per slot, whether it holds a group's stacked values.
+        ``called``: see `__call__`.
 
         Slices (a cell cutting its gate vector) add their deltas into one
         zero buffer of the sliced array, in place, instead of each building a
@@ -305,9 +324,13 @@ class Program:
                     shape = getattr(value, "shape", ())
                     if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:
                         share = unbroadcast(share, shape)
+                except NonFiniteError:  # (a nested operation's step: named already)
+                    raise
                 except Exception as exc:
                     exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
                     raise
+                if called is not None and not finite_delta(share):
+                    raise NonFiniteError(backward_made(step.op.name, self._site(step, called)))
                 deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
         for r, unwritten in assigned.items():  # (operands and constants that were sliced)
             self._fill(deltas, r, unwritten, stacked)
@@ -364,15 +387,21 @@ class _Backward:
     called, shared by the others (the runtime calls them one after another
     with the same delta)."""
 
-    __slots__ = ("deltas", "env", "g", "program", "stacked", "vjps")
+    __slots__ = ("called", "deltas", "env", "g", "program", "stacked", "vjps")
 
     def __init__(
-        self, program: Program, env: list[Value], vjps: list[tuple[Vjp, ...]], stacked: list[bool] | None
+        self,
+        program: Program,
+        env: list[Value],
+        vjps: list[tuple[Vjp, ...]],
+        stacked: list[bool] | None,
+        called: str | None,
     ) -> None:
         self.program = program
         self.env = env
         self.vjps = vjps
         self.stacked = stacked
+        self.called = called
         self.g: Value = None
         self.deltas: list[Value | None] | None = None
 
@@ -387,6 +416,6 @@ class _Backward:
         outputs the graph did not use, as an unmarked function's unused
         layers are never reached: no gradient, no step)."""
         if self.deltas is None or self.g is not g:
-            self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked)
+            self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked, self.called)
             self.g = g
         return self.deltas[k]

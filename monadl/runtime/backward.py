@@ -19,12 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from monadl._namespace import all_finite
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
-from monadl.layers._outputs import OutputsDelta
+from monadl.layers._non_finite import backward_made, finite_delta
 from monadl.layers._products import OuterRule
-from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import where
 
@@ -112,6 +110,8 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                             value = r.value
                             if type(g) is not np.ndarray or type(value) is not np.ndarray or g.shape != value.shape:
                                 g = _fit(g, value)
+                    except NonFiniteError:  # (a step inside an operation's: named already)
+                        raise
                     except Exception as exc:
                         exc.add_note(
                             f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}"
@@ -119,11 +119,8 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                         raise
                     if check_finite and type(g) is Outer:  # (an operation's weight delta, as factors)
                         g = g.dense()
-                    if check_finite and not _finite_delta(g):
-                        raise NonFiniteError(
-                            f"the backward of {rec.node._op.name} produced a NaN or an infinity; "
-                            f"layer built at {where(rec.node)}"
-                        )
+                    if check_finite and not finite_delta(g):
+                        raise NonFiniteError(backward_made(rec.node._op.name, where(rec.node)))
                     if lock is None:
                         r.delta = g if r.delta is None else r.delta + g
                     else:
@@ -132,16 +129,6 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                 i += 1
         rec.delta = None
         rec.vjps = None
-
-
-def _finite_delta(delta: Any) -> bool:
-    if type(delta) is SparseRows:
-        return all_finite(delta.rows)
-    if type(delta) is OutputsDelta:  # an operation's outputs' deltas (None: zero)
-        return all(p is None or _finite_delta(p) for p in delta.parts)
-    if type(delta) is SplitDelta:
-        return all_finite(delta.to_dense())
-    return all_finite(delta)
 
 
 def _fit(delta: Any, value: Any) -> Any:

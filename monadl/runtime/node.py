@@ -22,6 +22,7 @@ from monadl._namespace import (
 )
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._layer import Layer
+from monadl.layers._non_finite import data_held, made
 from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs, arrays_of, finite_value
 from monadl.layers._program import Program
@@ -160,24 +161,38 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
     params = node._params
     try:
-        out, vjps = op.rule(*args, *params) if params else op.rule(*args)
+        if ev.check_finite:
+            out, vjps = _checked(node, args, params)
+        else:
+            out, vjps = op.rule(*args, *params) if params else op.rule(*args)
     except ValueError as exc:
         raise ShapeError(
             f"{op.name}: operands {describe(args)} do not fit together ({exc}); layer built at {where(node)}"
         ) from exc
+    except NonFiniteError:
+        raise
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
         raise
-    if ev.check_finite and not finite_value(out):
-        inside = op.rule.first_non_finite(*args) if type(op.rule) is Program else None  # (an operation's step)
-        raise NonFiniteError(
-            f"{op.name} produced a NaN or an infinity from {describe(args)}"
-            + (f" (first in {inside})" if inside else "")
-            + f"; layer built at {where(node)}"
-        )
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
     return Record(out, vjps if needs else None, ins, needs, node, fits)
+
+
+def _checked(node: Any, args: tuple[Any, ...], params: tuple[Any, ...]) -> tuple[Any, Any]:
+    """A node's rule under ``check_finite``: `NonFiniteError` where its value
+    holds a NaN or an infinity, and where any step inside a marked cell's
+    does (at that step's line), naming the operand that already held one."""
+    op = node._op
+    if type(op.rule) is Program:
+        out, vjps = op.rule(*args, *params, called=where(node))
+    else:
+        out, vjps = op.rule(*args, *params)
+    if not finite_value(out):
+        if op.name == "stop_gradient" and type(node._inputs[0]) is not Layer and type(node._inputs[0]) is not Weight:
+            raise NonFiniteError(data_held(args[0], where(node)))  # (`ml.as_layer(data)`)
+        raise NonFiniteError(made(op.name, args, where(node)))
+    return out, vjps
 
 
 def _operands(

@@ -1,0 +1,75 @@
+"""What ``ml.settings(check_finite=True)`` says when a value or a delta holds a NaN or an infinity.
+
+The runtime checks each node's value and each delta it sends upstream
+(`monadl.runtime.node`, `monadl.runtime.backward`); a marked cell's program
+checks each of its steps the same way (`monadl.layers._program.Program`),
+with these same words, so that marking a cell changes a message only by its
+place: the line inside the cell, then "inside the operation ... called at"
+the line that called it.
+
+>>> import numpy as np
+>>> made("multiply", (np.ones(2), 10.0), "f.py:8")
+'multiply produced a NaN or an infinity from float64[2], float 10.0; layer built at f.py:8'
+>>> made("dense", (np.array([np.nan]), np.ones((1, 2))), "f.py:9")
+"dense's operand 0 (float64[1]) already holds a NaN or an infinity; layer built at f.py:9"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import all_finite, is_array
+from monadl.deltas import Outer, SparseRows
+from monadl.layers._operands import describe
+from monadl.layers._outputs import Outputs, OutputsDelta, finite_value
+from monadl.layers._split import SplitDelta
+
+__all__ = ["backward_made", "data_held", "finite_delta", "made", "non_finite"]
+
+
+def non_finite(a: Any) -> bool:
+    """Whether an operand (an array, an `Outputs`, a number) holds a NaN or
+    an infinity; other operands (indices as tuples ...) never do."""
+    kind = type(a)
+    if kind is Outputs or kind is float or is_array(a) or isinstance(a, np.generic):
+        return not finite_value(a)
+    return False
+
+
+def made(name: str, operands: Sequence[Any], site: str) -> str:
+    """The message of a forward value that holds a NaN or an infinity: the
+    first operand that already held one, else the operation ``name`` made it
+    (``site``: where the layer, or the step inside a cell, was built)."""
+    for i, a in enumerate(operands):
+        if non_finite(a):
+            return f"{name}'s operand {i} ({describe([a])}) already holds a NaN or an infinity; layer built at {site}"
+    return f"{name} produced a NaN or an infinity from {describe(operands)}; layer built at {site}"
+
+
+def data_held(data: Any, site: str) -> str:
+    """The message of plain data given to the graph (``ml.as_layer(x)``) that
+    holds a NaN or an infinity: no operation made it."""
+    return f"the data given at {site} already holds a NaN or an infinity ({describe([data])})"
+
+
+def backward_made(name: str, site: str) -> str:
+    """The message of a delta that the backward of ``name`` made with a NaN or an infinity."""
+    return f"the backward of {name} produced a NaN or an infinity; layer built at {site}"
+
+
+def finite_delta(delta: Any) -> bool:
+    """Whether a delta (an array, sparse rows, a weight's as factors, an
+    operation's outputs' or a split's) holds no NaN and no infinity."""
+    kind = type(delta)
+    if kind is Outer:
+        return all_finite(delta.dense())
+    if kind is SparseRows:
+        return all_finite(delta.rows)
+    if kind is OutputsDelta:  # an operation's outputs' deltas (None: zero)
+        return all(p is None or finite_delta(p) for p in delta.parts)
+    if kind is SplitDelta:
+        return all_finite(delta.to_dense())
+    return all_finite(delta)
