@@ -112,10 +112,24 @@ def direct_next(frame: F.Direct, stack: list[Any], done: bool, got: Any) -> Do[A
     layer it returned."""
     if done:
         if not isinstance(got, (Layer, Weight)):
-            raise TypeError(f"a direct-style layer function must return a Layer or a Weight, got {type(got).__name__}")
+            raise TypeError(_not_a_layer(frame.coroutine, got))
         stack.append(F.DirectDone(tuple(frame.held)))
         return Do(FORWARD, got)
     frame.single = got.single
     stack.append(frame)
     layers = got.layers
     return Do(FORWARD, layers[0]) if got.single else Do(ZIP, tuple(Do(FORWARD, x) for x in layers))
+
+
+def _not_a_layer(coroutine: Any, got: Any) -> str:
+    """The message of a direct-style function that returned ``got``, not a
+    layer: the function's name and line (its frame is gone: it returned)."""
+    code = getattr(coroutine, "cr_code", None)
+    name = "a direct-style layer function" if code is None else f"the @ml.direct function {code.co_qualname}"
+    place = "" if code is None else f" (defined at {code.co_filename}:{code.co_firstlineno})"
+    if got is None:
+        return f"{name}{place} returned None; it must return a Layer or a Weight (a missing return?)"
+    return (
+        f"{name}{place} returned a value of type {type(got).__name__}; it must return a Layer or a Weight"
+        " (make plain data one with ml.as_layer(x))"
+    )
