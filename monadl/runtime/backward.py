@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from itertools import islice
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -27,6 +27,8 @@ from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import where
 
 __all__ = ["backprop"]
+
+_QUIET: Final = {"divide": "ignore", "over": "ignore", "under": "ignore", "invalid": "ignore"}
 
 
 def backprop(
@@ -55,6 +57,9 @@ def backprop(
     Returns:
         True if it stopped at the deadline (the iterator has records left).
     """
+    if check_finite and np.geterr() != _QUIET:  # NumPy's warnings of what the check finds (errors under -W error)
+        with np.errstate(all="ignore"):
+            return backprop(records, check_finite, lock, pace)
     if type(records) is tuple:  # a record or a few (the counted release, the pool): no chunks, no clock
         _backprop(records, check_finite, lock)
         return False

@@ -182,12 +182,14 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
 def _checked(node: Any, args: tuple[Any, ...], params: tuple[Any, ...]) -> tuple[Any, Any]:
     """A node's rule under ``check_finite``: `NonFiniteError` where its value
     holds a NaN or an infinity, and where any step inside a marked cell's
-    does (at that step's line), naming the operand that already held one."""
+    does (at that step's line), naming the operand that already held one;
+    NumPy's warnings of the same (an error under ``-W error``) are quiet."""
     op = node._op
-    if type(op.rule) is Program:
-        out, vjps = op.rule(*args, *params, called=where(node))
-    else:
-        out, vjps = op.rule(*args, *params)
+    with np.errstate(all="ignore"):
+        if type(op.rule) is Program:
+            out, vjps = op.rule(*args, *params, called=where(node))
+        else:
+            out, vjps = op.rule(*args, *params)
     if not finite_value(out):
         if op.name == "stop_gradient" and type(node._inputs[0]) is not Layer and type(node._inputs[0]) is not Weight:
             raise NonFiniteError(data_held(args[0], where(node)))  # (`ml.as_layer(data)`)

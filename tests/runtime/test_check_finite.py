@@ -3,7 +3,9 @@
 A marked cell (`ml.operation`) is one node of the graph; the check looks at
 each of its steps, forward and backward, and names the line inside the cell
 as it would unmarked, followed by the line that called it. Batching is off
-under the check, whatever ``batching`` says: both settings are run.
+under the check, whatever ``batching`` says: both settings are run. NumPy's
+RuntimeWarnings are errors here (pyproject's filterwarnings): under the
+check, the error is the check's, not NumPy's warning.
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ def site(marker: str) -> str:
 
 
 def raised(run: Callable[[], object], batching: bool) -> str:
-    with (
-        np.errstate(all="ignore"),
-        ml.settings(check_finite=True, batching=batching),
-        pytest.raises(ml.NonFiniteError) as error,
-    ):
+    """The message of the `NonFiniteError` that ``run`` raises under the check
+    (with NumPy's RuntimeWarnings as errors, as this project's pytest has them)."""
+    with ml.settings(check_finite=True, batching=batching), pytest.raises(ml.NonFiniteError) as error:
         run()
     return str(error.value)
 
@@ -132,3 +132,16 @@ def test_a_checked_cell_trains_as_an_unchecked_one(batching: bool) -> None:
             return anyio.run(ml.gradients, loss, [w])
 
     np.testing.assert_allclose(grads(True)[0], grads(False)[0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_an_infinity_in_one_examples_data_is_named_as_its_operand(batching: bool) -> None:
+    w = ml.Weight(np.ones((4, 3)))
+    xs = [np.ones((1, 4)) for _ in range(32)]
+    xs[17] = np.array([[np.inf, 1.0, 1.0, 1.0]])
+    loss = ml.sum(ml.stack([ml.sum(ml.tanh(x @ w)) for x in xs]))  # EXAMPLES
+    message = raised(lambda: anyio.run(loss.train), batching)
+    assert message == (
+        f"matmul's operand 0 (float64[1, 4]) already holds a NaN or an infinity; layer built at {site('EXAMPLES')}"
+    )
+    np.testing.assert_array_equal(w.data, np.ones((4, 3)))
