@@ -230,13 +230,7 @@ class Operation(Generic[P, R]):
             self._traces[key] = trace
             count = len(self._traces)
             if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
-                _log.debug(
-                    "operation %s has %d traces, one per signature: calls whose ints, strings or other static "
-                    "arguments, or data arrays' shapes or dtypes, differ never batch together (pass what differs "
-                    "per call as a float or an array)",
-                    self.__name__,
-                    count,
-                )
+                _log.debug("operation %s has %d traces, %s", self.__name__, count, _why_traces(self._traces))
         if kinds is not None and not keep:
             self._learn(kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)
@@ -274,6 +268,35 @@ class Operation(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
+
+
+def _why_traces(traces: dict[Any, Trace]) -> str:
+    """The DEBUG log's advice for an operation of many traces: where lists or
+    tuples among the arguments differ in length, to make each one layer."""
+    if len({_lengths(key) for key in traces}) > 1:
+        return (
+            "one per signature: a list or tuple argument whose length differs per call traces each length apart, "
+            "and calls of different lengths never batch together (concatenate or stack its items into one layer, "
+            "ml.concatenate or ml.stack, and pass that)"
+        )
+    return (
+        "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
+        "differ never batch together (pass what differs per call as a float or an array)"
+    )
+
+
+def _lengths(key: Any) -> tuple[int, ...]:
+    """The lengths of the lists and tuples of a signature's key (`items`
+    writes one as ``(list, items)``), in order, without recursion."""
+    found: list[int] = []
+    todo = [key]
+    while todo:
+        part = todo.pop()
+        if type(part) is tuple:
+            if len(part) == 2 and (part[0] is list or part[0] is tuple) and type(part[1]) is tuple:
+                found.append(len(part[1]))
+            todo.extend(reversed(part))
+    return tuple(found)
 
 
 def _same(read: list[Any] | None, leaves: list[Any]) -> bool:

@@ -1,0 +1,42 @@
+"""The DEBUG log of an operation's many traces says what to change, by their cause."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+
+
+def traces_message(
+    caplog: pytest.LogCaptureFixture, calls: Sequence[tuple[object, ...]], cell: Callable[..., Any]
+) -> str:
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        for args in calls:
+            cell(*args)
+    (message,) = [r.getMessage() for r in caplog.records if "traces" in r.getMessage()]
+    return message
+
+
+def test_lists_of_varying_length_are_told_to_become_one_layer(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda xs: ml.sum(ml.stack(xs) * w))
+    calls = [([w * float(i) for i in range(n)],) for n in range(1, 9)]  # one list per call, 1 to 8 long
+    message = traces_message(caplog, calls, cell)
+    assert "has 8 traces" in message
+    assert "a list or tuple argument whose length differs per call" in message
+    assert "ml.concatenate or ml.stack" in message
+    assert "as a float or an array" not in message
+
+
+def test_static_arguments_are_told_to_become_data(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda xs, k: ml.sum(ml.stack(xs) * w) * float(k))
+    calls = [([w, w], k) for k in range(8)]  # lists of one length; an int that differs
+    message = traces_message(caplog, calls, cell)
+    assert "has 8 traces" in message and "pass what differs per call as a float or an array" in message
+    assert "ml.stack" not in message
