@@ -36,17 +36,32 @@ _OPAQUE: Final = (
 )
 
 
+_CODE: Final = (types.FunctionType, types.MethodType, functools.partial, Operation)
+
+_LARGEST_HELD_BY_CODE: Final = 10_000
+"""A list, tuple or mapping of more items than this that only code holds is
+not walked: a million samples a loss's partial holds took 3 s a save."""
+
+# Leaves that hold no weight, left out of a container's children before they are named
+# (a partial over a million samples made a million names for nothing).
+_LEAVES: Final = (str, bytes, int, float, complex, np.generic, np.ndarray)
+
+
 def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     """Every weight reachable from ``model``, by a stable dotted name, in the
     order the model's containers hold them.
 
     Dict keys, list and tuple indices, dataclass fields and attribute names
     (``__dict__`` and ``__slots__``) make up the names. What code holds is
-    walked too, by the names its code reads: a closure's free variables and
-    a function's defaults by their names, a ``functools.partial``'s
-    arguments by position (``0``) and keyword, its function under ``func``;
-    a bound method and an `ml.operation` hold what their object or function
-    holds. A weight reached twice (shared) is named once, by its first path.
+    walked after all that data holds (so a weight data reaches keeps its
+    name), by the names its code reads: a closure's free variables and a
+    function's defaults by their names, a ``functools.partial``'s arguments
+    by position (``0``) and keyword, its function under ``func``; a bound
+    method and an `ml.operation` hold what their object or function holds;
+    a path without a private name (``_x``) first; a list, tuple or mapping
+    of more than 10,000 items that only code holds (a data set) is not
+    walked. A weight reached twice
+    (shared) is named once, by its first path.
     Built layers are not walked into, nor a module's globals. The walk is
     iterative, so deep models are fine.
 
@@ -68,9 +83,26 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     """
     found: dict[str, Weight[Any, Any]] = {}
     seen: set[int] = set()
-    stack: list[tuple[str, object]] = [("", model)]
+    held_by_code: list[tuple[str, object]] = []
+    _walk([("", model)], found, seen, held_by_code)  # what data holds: its names as before code was walked
+    _walk(sorted(held_by_code, key=_private), found, seen, None)  # then what code holds, public paths first
+    return found
+
+
+def _walk(
+    start: list[tuple[str, object]],
+    found: dict[str, Weight[Any, Any]],
+    seen: set[int],
+    defer: list[tuple[str, object]] | None,
+) -> None:
+    """Name the weights below ``start``, depth first; code met is put in
+    ``defer``, or (None) walked too: a bound method as its object and an
+    operation as its function, each named once where first met."""
+    stack = start[::-1]
     while stack:
         name, node = stack.pop()
+        while defer is None and type(node) in (types.MethodType, Operation):
+            node = node.__self__ if type(node) is types.MethodType else node.__wrapped__  # type: ignore[attr-defined]
         if id(node) in seen:
             continue
         if isinstance(node, Weight):
@@ -82,19 +114,27 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
                 )
             found[name] = node
             continue
+        if defer is not None and isinstance(node, _CODE):
+            defer.append((name, node))
+            continue
+        if defer is None and isinstance(node, (list, tuple, Mapping)) and len(node) > _LARGEST_HELD_BY_CODE:
+            continue  # (a data set a loss closes over: seconds to walk, and no weights)
         children = _children(node)
         if children is None:
             continue
         seen.add(id(node))  # cycles (a child pointing back at its parent) end here
         stack.extend(reversed([(f"{name}.{key}" if name else str(key), child) for key, child in children]))
-    return found
+
+
+def _private(entry: tuple[str, object]) -> bool:
+    return any(part.startswith("_") for part in entry[0].split("."))
 
 
 def _children(node: object) -> Iterable[tuple[object, object]] | None:
     if isinstance(node, _OPAQUE) or node is None:
         return None
     if isinstance(node, Mapping):
-        return list(node.items())
+        return [(k, v) for k, v in node.items() if v is not None and not isinstance(v, _LEAVES)]
     if isinstance(node, (set, frozenset)):
         if any(isinstance(item, Weight) for item in node):
             raise CheckpointError("weights in a set have no stable name: keep them in a list or a dict")
@@ -102,10 +142,10 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return list(zip(node._fields, node))
     if isinstance(node, (list, tuple)):
-        return list(enumerate(node))
+        return [(i, x) for i, x in enumerate(node) if x is not None and not isinstance(x, _LEAVES)]
     if dataclasses.is_dataclass(node):
         return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if hasattr(node, f.name)]
-    if isinstance(node, (types.FunctionType, types.MethodType, functools.partial, Operation)):
+    if isinstance(node, (types.FunctionType, functools.partial)):
         return _held_by_code(node)
     attributes: dict[str, object] = dict(getattr(node, "__dict__", {}))
     for cls in type(node).__mro__:
@@ -117,12 +157,8 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
 
 
 def _held_by_code(f: object) -> Iterable[tuple[object, object]] | None:
-    """What a callable holds, by the names its code reads (not a module's
-    globals: those belong to the module; not an operation's traces)."""
-    if type(f) is Operation:
-        return _children(f.__wrapped__)
-    if isinstance(f, types.MethodType):
-        return _children(f.__self__)
+    """What a function or a partial holds, by the names its code reads (not a
+    module's globals: those belong to the module)."""
     if isinstance(f, functools.partial):
         return [("func", f.func), *enumerate(f.args), *f.keywords.items()]
     assert isinstance(f, types.FunctionType)

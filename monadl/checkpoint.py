@@ -43,6 +43,7 @@ import json
 import os
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -239,7 +240,9 @@ def _fsync(path: str, flags: int) -> None:
         os.close(descriptor)
 
 
-def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool = True) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], model: object, *, optimizer_state: bool = True, strict: bool = True
+) -> dict[str, Any]:
     """Restore the weights and optimizer state saved at ``path`` into
     ``model``, a model built again in code the way the saved one was (with
     the same optimizers). Returns the ``metadata`` given to `save`.
@@ -249,7 +252,11 @@ def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool =
     or one fine-tuned with other optimizers, from a training checkpoint (as
     PyTorch's ``model.load_state_dict`` without the optimizer's). The
     optimizers' hyperparameters (a learning rate) are never in a checkpoint:
-    they are the code's.
+    they are the code's. With ``strict=False`` (PyTorch's word), weights of
+    the model missing from the checkpoint keep their values and weights the
+    model does not have are passed over, with a warning that names them: a
+    model grown since, or a checkpoint written before `named_weights` walked
+    what closures, partials and defaults hold.
 
     Everything is checked before anything changes: the names of the weights
     (none missing, none extra), each one's shape and dtype, and the structure
@@ -288,12 +295,16 @@ def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool =
     saved = {entry["name"]: entry for entry in manifest["weights"]}
     problems = []
     missing = [name for name in weights if name not in saved]
-    if missing:
-        problems.append(f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}")
     extra = [name for name in saved if name not in weights]
-    if extra:
-        problems.append(f"weights in the checkpoint that the model does not have: {', '.join(map(repr, extra))}")
-    updates = []
+    unmatched = [
+        *([f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}"] if missing else []),
+        *([f"weights in the checkpoint that the model does not have: {', '.join(map(repr, extra))}"] if extra else []),
+    ]
+    if strict:
+        problems += unmatched
+    elif unmatched:
+        warnings.warn(f"{os.fspath(path)}: {'; '.join(unmatched)} (strict=False: passed over)", stacklevel=2)
+    updates: list[tuple[Any, Any, Any]] = []
     for name, weight in weights.items():
         if name not in saved:
             continue
@@ -305,7 +316,7 @@ def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool =
                     "build the weight in the dtype it was saved in (a checkpoint loads as saved, not converted)"
                 )
             data = replace_data(weight.data, _to_library(stored, weight.data), f"weight {name!r}")
-            state = weight.state
+            state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
                 where = f"weight {name!r}, optimizer state"
                 decoded = _decode(saved[name]["optimizer_state"], weight.state, tensors, where)
@@ -321,12 +332,15 @@ def load(path: str | os.PathLike[str], model: object, *, optimizer_state: bool =
                 "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ), "
                 "or load the weights' values alone: load(path, model, optimizer_state=False)"
             )
+        if unmatched:
+            problems.append("load(path, model, strict=False) loads the weights both have and passes the others over")
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     with COMMIT_LOCK:
         pin_for_readers([weight for weight, _, _ in updates])
         for weight, data, state in updates:
             weight._data = data  # checked and copied above: nothing can fail half way
-            weight._state = state
+            if state is not None:
+                weight._state = state
     return dict(manifest["metadata"])
 
 

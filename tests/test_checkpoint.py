@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -236,6 +237,41 @@ def test_weights_held_by_code_are_named_by_what_the_code_reads(tmp_path: Path) -
     assert [float(w.data[0]) for w in fresh.values()] == [0.0, 0.0, 0.0, 4.0, 0.0]  # (only the default is shared)
     ml.load(tmp_path / "m.safetensors", fresh)
     assert [float(w.data[0]) for w in fresh.values()] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_what_data_holds_keeps_its_name_before_what_code_holds() -> None:
+    # Code is walked after data: a method or closure met first must not rename the
+    # weights a checkpoint written before code was walked names by their data path.
+    class Net:
+        def __init__(self) -> None:
+            self.activation = self.swish  # (a bound method, before the weights)
+            self.w = ml.Weight(np.ones(2))
+
+        def swish(self, x: ml.ArrayLayer) -> ml.ArrayLayer:
+            return x * ml.sigmoid(x * self.w)
+
+    params = {"w": ml.Weight(np.ones(2))}
+    teacher = {"t": ml.Weight(np.ones(2))}
+    model = {"loss": lambda x: ml.sum(params["w"] * teacher["t"] * x), "params": params, "net": Net()}
+    assert list(ml.checkpoint.named_weights(model)) == ["params.w", "net.w", "loss.teacher.t"]
+
+
+def test_a_large_sequence_that_only_code_holds_is_not_walked() -> None:
+    # A loss's partial over a million samples took seconds a save, for no weight.
+    samples = [(np.zeros(3), i) for i in range(20_000)]
+    w = ml.Weight(np.ones(3))
+    model = {"w": w, "loss": functools.partial(lambda data, i: ml.sum(w), samples)}
+    assert ml.checkpoint.named_weights(model) == {"w": w}
+
+
+def test_strict_false_loads_the_weights_both_have_and_names_the_others(tmp_path: Path) -> None:
+    ml.save(tmp_path / "m.safetensors", {"a": ml.Weight(np.ones(2)), "b": ml.Weight(np.ones(2))})
+    model = {"a": ml.Weight(np.zeros(2)), "c": ml.Weight(np.zeros(2))}
+    with pytest.raises(ml.CheckpointError, match="strict=False"):
+        ml.load(tmp_path / "m.safetensors", model)
+    with pytest.warns(UserWarning, match=r"missing from the checkpoint: 'c'; .* does not have: 'b'"):
+        ml.load(tmp_path / "m.safetensors", model, strict=False)
+    assert model["a"].data.tolist() == [1.0, 1.0] and model["c"].data.tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("keys", [("a.b", "a"), (0, "0")])
