@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
+from monadl.fold._inputs import a_type
+
 if TYPE_CHECKING:
     from monadl.fold._block import Block, Request
 
@@ -76,9 +78,7 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
         try:
             outputs.append(f(x))
         except Exception as exc:  # which input, and the block: the blocks' own lines are in the traceback
-            exc.add_note(
-                f"monadl.fold: while building input {len(outputs)} (a {type(x).__name__}) of the batch with {block!r}"
-            )
+            exc.add_note(f"monadl.fold: while building input {len(outputs)} ({a_type(x)}) of the batch with {block!r}")
             raise
     return outputs
 

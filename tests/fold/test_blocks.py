@@ -424,7 +424,7 @@ def test_a_route_that_reaches_itself_on_the_same_input_raises_recursion_error() 
     )
     with pytest.raises(RecursionError, match=r"ForwardDeclaration\('composed'\)|OneOf") as info:
         composed.batch([0, 1])
-    assert info.value.__notes__ == [f"monadl.fold: while building input 1 (a int) of the batch with {composed!r}"]
+    assert info.value.__notes__ == [f"monadl.fold: while building input 1 (an int) of the batch with {composed!r}"]
 
 
 class Node:
