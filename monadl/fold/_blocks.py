@@ -9,12 +9,13 @@ batching stacks the rows of equal operations across nodes and inputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar, final
+from typing import Final, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
 
 from monadl.fold._block import Block, Build, Immediate, call
+from monadl.fold._inputs import shown
 from monadl.layers import ArrayLayer
 from monadl.layers._operation import Operation
 from monadl.layers._site import caller_site
@@ -26,13 +27,47 @@ S = TypeVar("S")
 
 
 # ---- inputs to layers -----------------------------------------------------------------------------
+REAL: Final = "iuf"
+"""The NumPy dtype kinds of real numbers (integers, unsigned, floating) that
+`Scalar` and `Vector` take; a bool is no number to them: a flag that reaches
+a number block (a JSON ``true`` routed to the number case) is more often a
+mistake than a feature, and ``float(flag)`` says it is meant."""
+
+
+def _is_real(x: object) -> bool:
+    """Whether ``x`` is one real number: an int, a float, a NumPy integer or
+    floating scalar, a 0-d array of one; not a bool."""
+    if isinstance(x, int | float | np.integer | np.floating):
+        return not isinstance(x, bool)
+    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in REAL
+
+
+def _hint(x: object) -> str:
+    """What to do instead, for the inputs a number block is most often given
+    by mistake (``x``: the input, or a sequence's numbers as an array)."""
+    kind = x.dtype.kind if isinstance(x, np.ndarray | np.generic) else ""
+    if isinstance(x, bool) or kind == "b":
+        return "; for flags as numbers, convert them (float(flag), mask.astype(np.float32))"
+    if isinstance(x, str) or kind == "U":
+        return "; parse a number's text first (float(text))"
+    if isinstance(x, np.ndarray) and x.ndim > 1:
+        return "; np.ravel(x) if its numbers are one row"
+    return ""
+
+
 @final
 class Scalar(Immediate[float, ArrayLayer]):
-    """A Python number as a constant layer of shape ``(1,)`` (no gradient).
+    """A real number (an int, a float, a NumPy real scalar) as a constant
+    layer of shape ``(1,)`` (no gradient). Anything else is refused with a
+    `TypeError`: None, a bool, a string, a sequence (``Vector(n)``'s).
 
     >>> import anyio
     >>> anyio.run(Scalar("float64")(2).predict)
     array([2.])
+    >>> Scalar()(None)
+    Traceback (most recent call last):
+    TypeError: Scalar('float32') takes a real number (an int, a float, a NumPy real scalar), and was given None
+    monadl.fold: while building input 0 (None) of the batch with Scalar('float32')
     """
 
     __slots__ = ("dtype",)
@@ -42,16 +77,32 @@ class Scalar(Immediate[float, ArrayLayer]):
         self.dtype = np.dtype(dtype)
 
     def _output(self, x: float) -> ArrayLayer:
+        if type(x) is not float and not _is_real(x):  # (the usual input first: a float)
+            raise TypeError(
+                f"{self!r} takes a real number (an int, a float, a NumPy real scalar), and was given {shown(x)}"
+                + _hint(x)
+            )
         return as_layer(np.array([x], self.dtype))
 
 
 @final
 class Vector(Immediate[Sequence[float], ArrayLayer]):
-    """A sequence of ``size`` numbers as a constant row of shape ``(1, size)``.
+    """Exactly ``size`` real numbers, in a flat sequence or a 1-D array, as a
+    constant row of shape ``(1, size)``. A nested list or an array of another
+    shape is refused, an ``(n, 1)`` or ``(1, n)`` array included: taking any
+    shape of ``n`` numbers would flatten a ``(2, 2)`` matrix into
+    ``Vector(4)`` without a word, and a list of lists is refused likewise;
+    ``np.ravel(x)`` says a column is meant as a row. Numbers NumPy does not
+    infer as real (strings, None, a list of bools: see `Scalar`) are
+    refused with a `TypeError`, a wrong count or shape with a `ValueError`.
 
     >>> import anyio
     >>> anyio.run(Vector(2, "float64")([1, 2]).predict)
     array([[1., 2.]])
+    >>> Vector(2)([[1.0, 2.0]])
+    Traceback (most recent call last):
+    ValueError: Vector(2) takes 2 real numbers in a flat sequence or a 1-D array, and was given [[1.0, 2.0]] (a list) of shape (1, 2); np.ravel(x) if its numbers are one row
+    monadl.fold: while building input 0 (a list) of the batch with Vector(2, 'float32')
     """
 
     __slots__ = ("dtype", "size")
@@ -62,9 +113,21 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
         self.dtype = np.dtype(dtype)
 
     def _output(self, x: Sequence[float]) -> ArrayLayer:
-        if len(x) != self.size:
-            raise ValueError(f"Vector({self.size}) was given {len(x)} numbers")
-        return as_layer(np.asarray(x, self.dtype).reshape(1, self.size))
+        given: object = x  # (typed as it may come: an array is no Sequence to mypy)
+        try:
+            numbers = np.asarray(x)  # (its dtype as NumPy infers it: a string or a None is no number then)
+        except ValueError:  # (a ragged nesting)
+            numbers = np.asarray(None)
+        if numbers.ndim != 1 or numbers.dtype.kind not in REAL:
+            takes = f"Vector({self.size}) takes {self.size} real numbers in a flat sequence or a 1-D array"
+            if numbers.dtype.kind not in REAL or numbers.ndim == 0:
+                raise TypeError(f"{takes}, and was given {shown(x)}{_hint(numbers)}")
+            shape = "" if isinstance(given, np.ndarray) else f" of shape {numbers.shape}"  # (an array's: shown)
+            raise ValueError(f"{takes}, and was given {shown(x)}{shape}{_hint(numbers)}")
+        if len(numbers) != self.size:
+            n = len(numbers)
+            raise ValueError(f"Vector({self.size}) was given {n} number{'s' * (n != 1)}: {shown(x)}")
+        return as_layer(numbers.astype(self.dtype, copy=False).reshape(1, self.size))
 
 
 @final
