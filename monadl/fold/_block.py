@@ -238,10 +238,11 @@ class Route(Block[In, Out]):
         resolved declaration): the runner then calls it directly."""
         return None
 
-    def _keyed(self) -> tuple[Callable[[In], Hashable], Callable[[Hashable], Block[In, Out]]] | None:
+    def _keyed(self) -> tuple[Callable[[In], Hashable], Callable[[Hashable, In], Block[In, Out]]] | None:
         """Where the block chosen depends on one value of the input (`OneOf`'s
-        key): that value's function, and the block of each value (raising
-        for a value with none). The runner then keeps a closure per value."""
+        key): that value's function, and the block of each value, given the
+        value and the input (raising for a value with none, the input named).
+        The runner then keeps a closure per value."""
         return None
 
     @final

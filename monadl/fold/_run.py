@@ -127,8 +127,8 @@ class _Runner:
             return self._route(block, key, case)
         return self._build(block)
 
-    def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any], Any]) -> Run:
-        """A route (a `OneOf`, a forward declaration) that picks ``case(k)``
+    def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any, Any], Any]) -> Run:
+        """A route (a `OneOf`, a forward declaration) that picks ``case(k, x)``
         for its input's key ``k``: the closure of each key's block, compiled
         when first picked (a declaration refers to itself); the key is
         computed once per input (it may be random)."""
@@ -142,10 +142,10 @@ class _Runner:
             try:
                 f = table.get(k)
             except TypeError:  # (an unhashable key, which a mapping of cases may take: no closure kept)
-                f = compiled(case(k))
+                f = compiled(case(k, x))
             else:
                 if f is None:
-                    f = table[k] = compiled(case(k))  # (a key with no case: the route's error)
+                    f = table[k] = compiled(case(k, x))  # (a key with no case: the route's error)
             self.depth += 1
             try:
                 return f(x)
@@ -191,7 +191,7 @@ class _Runner:
         return built
 
 
-def _itself(block: Any) -> Any:
+def _itself(block: Any, x: Any) -> Any:
     return block
 
 

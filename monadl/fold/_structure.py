@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar, cast, final, overload
 
 from monadl.fold._block import Block, Build, Parallel, Route, call
+from monadl.fold._inputs import shown
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -31,7 +32,7 @@ __all__ = ["AllOf", "OneOf", "Optional", "Record"]
 class OneOf(Route[X, Y]):
     """The case chosen by ``key(x)``, applied to ``x``: a dispatch on the
     input (a leaf or an internal node). ``key`` runs once per input, so it
-    may be random; a key with no case raises `KeyError`.
+    may be random; a key with no case raises `KeyError`, naming the input.
 
     >>> from monadl.fold import InputTransform
     >>> sign = OneOf(lambda n: n >= 0, {True: InputTransform(lambda n: "+"), False: InputTransform(lambda n: "-")})
@@ -56,9 +57,9 @@ class OneOf(Route[X, Y]):
         self.cases: Mapping[Any, Block[X, Y]] = cases  # keys as K, read back by key(x)
 
     def _route(self, x: X) -> Block[X, Y]:
-        return self._case(self.key(x))
+        return self._case(self.key(x), x)
 
-    def _case(self, k: Hashable) -> Block[X, Y]:
+    def _case(self, k: Hashable, x: X) -> Block[X, Y]:
         try:
             known = k in self.cases
         except TypeError:  # (a dict's: the key is unhashable)
@@ -67,10 +68,13 @@ class OneOf(Route[X, Y]):
                 f"case of the {type(self.cases).__name__} matches it; return a hashable key (a tuple for a list)"
             ) from None
         if not known:
-            raise KeyError(f"OneOf: no case for key {k!r} (cases: {list(self.cases)})")
+            raise KeyError(
+                f"{self!r}: no case for key {k!r}, the key of its input {shown(x)}"
+                f"; the keys of its cases: {reprlib.repr(list(self.cases))}"
+            )
         return self.cases[k]
 
-    def _keyed(self) -> tuple[Callable[[X], Hashable], Callable[[Hashable], Block[X, Y]]]:
+    def _keyed(self) -> tuple[Callable[[X], Hashable], Callable[[Hashable, X], Block[X, Y]]]:
         return self.key, self._case
 
 

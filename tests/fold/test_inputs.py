@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.fold import Scalar, Vector
+from monadl.fold import ForwardDeclaration, Function, InputTransform, Map, OneOf, Reduce, Scalar, Vector
 
 
 def value(layer: ml.Layer[Any, Any]) -> Any:
@@ -73,3 +73,34 @@ def test_a_wrong_count_of_numbers_is_said_in_words() -> None:
     three: Any = np.ones(3)  # (an array: no Sequence[float] to mypy, though Vector takes a 1-D one)
     with pytest.raises(ValueError, match=r"(?m)^Vector\(4\) was given 3 numbers: a float64 array of shape \(3,\)$"):
         Vector(4)(three)
+
+
+Pair = tuple[ml.ArrayLayer, ml.ArrayLayer]
+
+
+@pytest.mark.parametrize("depth", [None, 0])
+def test_a_one_of_with_no_case_names_the_input_it_was_given_deep_in_the_structure(
+    depth: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error named the OneOf and the batch's input, not the sub-input
+    four levels down that has no case (through nested calls, ``depth``
+    None, and the explicit stack, 0: all of it there)."""
+    from monadl.fold import _run
+
+    if depth is not None:
+        monkeypatch.setattr(_run, "DEPTH", depth)
+    node = ForwardDeclaration[Any, ml.ArrayLayer]("node")
+    leaf = InputTransform[float, list[float]](lambda x: [x]) >> Vector(1, "float64")
+    inner = Map(node) >> Reduce(Function[Pair, ml.ArrayLayer](lambda ab: ab[0] + ab[1]))
+    node.resolve_to(OneOf(type, {float: leaf, list: inner}))
+    good = [[1.0, 2.0], [3.0, [4.0, 5.0]]]
+    assert value(node(good)).tolist() == [[15.0]]
+    with pytest.raises(KeyError) as info:
+        node.batch([good, [[1.0, 2.0], [3.0, [4.0, "five"]]]])
+    assert str(info.value) == repr(
+        f"{node._target!r}: no case for key <class 'str'>, the key of its input 'five' (a str); "
+        "the keys of its cases: [<class 'float'>, <class 'list'>]"
+    )
+    assert info.value.__notes__ == [
+        "monadl.fold: while building input 1 (a list) of the batch with ForwardDeclaration('node')"
+    ]
