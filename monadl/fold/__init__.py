@@ -26,7 +26,9 @@ generator of requests for its sub-blocks' outputs), so recursion as deep as
 the input never reaches Python's recursion limit; a recursion that makes no
 progress (a declaration resolved to itself, a case that applies its own
 declaration to the same input, an input that contains itself) raises
-`RecursionError`, as Python's would.
+`RecursionError`, as Python's would: on the explicit stack at once where a
+declaration meets the same input object it is already building (see
+`ForwardDeclaration`), else at a million levels.
 
 A block of one's own subclasses `Block` and writes ``_build``, a generator
 typed `Build` of its output that asks for a sub-block's output with

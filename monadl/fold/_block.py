@@ -228,6 +228,9 @@ class Route(Block[In, Out]):
 
     __slots__ = ()
     _kind: ClassVar[str] = ROUTE
+    _declares: ClassVar[bool] = False
+    """A forward declaration: where a block may reach itself, so the runner
+    refuses to apply it to an input object it is already building."""
 
     @abstractmethod
     def _route(self, x: In) -> Block[In, Out]:
@@ -298,6 +301,16 @@ class ForwardDeclaration(Route[X, Y]):
     ``resolve_to`` the definition. Deep recursion is safe: the evaluator
     keeps the pending builds on its own stack, not Python's.
 
+    A declaration applied to an input object that it is already building
+    (the same object, further down the same input: an input that contains
+    itself, or a case that applies its declaration to its own input) raises
+    `RecursionError` at once, where the explicit stack has taken over (past
+    `monadl.fold._run.DEPTH` levels): blocks are functions of their input,
+    so that recursion would never end. A recursion whose progress the
+    input's identity does not show (a random key on the same input, a token
+    stream consumed in place) is refused there too: pass each level a new
+    object (the stream and a count, say).
+
     Args:
         name: what its repr, and so an error, calls it (by default its id):
             a declaration is never printed as its block, which uses it.
@@ -318,6 +331,7 @@ class ForwardDeclaration(Route[X, Y]):
     """
 
     __slots__ = ("_target", "name")
+    _declares: ClassVar[bool] = True
 
     def __init__(self, name: str | None = None) -> None:
         self._target: Block[X, Y] | None = None

@@ -19,10 +19,13 @@ the heap, and a tree of depth 100,000 never reaches Python's recursion
 limit. Compositions and parallel blocks nest as deep as the structure, so a
 structure deeper than `NESTING` runs on the explicit stack from there.
 
-A recursion that makes no progress (a declaration resolved to itself, a
-`OneOf` that routes to itself on the same input, an input that contains
-itself) raises `RecursionError` past `LIMIT` levels, as Python's own would,
-where it would spin or fill the memory. A block's error is thrown into the
+A recursion that makes no progress raises `RecursionError`, as Python's
+own would, where it would spin or fill the memory: on the explicit stack, a
+forward declaration applied to an input object it is already building (an
+input that contains itself, a `OneOf` case that applies its own declaration
+to its input) at once, since a block's output is a function of its input;
+any other (an input that makes a new object a level, a block of one's own
+that calls itself) past `LIMIT` levels. A block's error is thrown into the
 build waiting for its output (``gen.throw``), so a block of one's own may
 catch a sub-block's error around ``yield from call(...)``; one that no build
 catches is raised as it was.
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
-from monadl.fold._inputs import a_type
+from monadl.fold._inputs import a_type, shown
 
 if TYPE_CHECKING:
     from monadl.fold._block import Block, Request
@@ -55,14 +58,19 @@ NESTING: Final = 8
 """Compositions and parallel blocks nested in one closure; with `DEPTH`,
 at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
 LIMIT: Final = 1_000_000
-"""Entries open at once on the explicit stack (its pending blocks, and the
-routes followed to the block at hand) before a run raises `RecursionError`.
-A tree's level holds a few of them (a Tree-LSTM's: two; a block of one's
-own around a declaration adds one), so a tree of depth 100,000 builds with
-up to ten a level; an input that contains itself, walked by a `Map`, stops
-there in a few seconds, at about 350 MB."""
+"""Entries open at once on the explicit stack (its pending blocks, the
+declarations open, and the routes followed to the block at hand) before a
+run raises `RecursionError`. A tree's level holds a few of them (a
+Tree-LSTM's: three; a block of one's own around a declaration adds one), so
+a tree of depth 100,000 builds with up to ten a level; a recursion that
+makes no progress and is not caught sooner (a new input object a level,
+walked by a `Map`) stops there in a few seconds, at about 350 MB."""
 
 Run = Callable[[Any], Any]
+Open = tuple[tuple[int, int], Any]
+"""On the evaluator's stack: a forward declaration building an input, until
+its output comes: the two objects' ids (its key in the set of those open)
+and the input, held so that no other object takes its id meanwhile."""
 
 
 def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
@@ -195,6 +203,15 @@ def _itself(block: Any, x: Any) -> Any:
     return block
 
 
+def _cyclic(block: Block[Any, Any], x: Any) -> RecursionError:
+    return RecursionError(
+        f"monadl.fold: {block!r} was applied to {shown(x)} while building that same object: a recursion that makes "
+        "no progress, since a block's output is a function of its input; a cyclic input (a node that is its own "
+        "descendant), or a route that reaches itself on the same input (a OneOf case that starts with the "
+        "declaration it defines)"
+    )
+
+
 def _too_deep(block: Block[Any, Any]) -> RecursionError:
     return RecursionError(
         f"monadl.fold: more than {LIMIT:,} levels of recursion open at {block!r}; probably a recursion that makes "
@@ -235,7 +252,8 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
     >>> evaluate(InputTransform(len) >> InputTransform(str), "abc")
     '3'
     """
-    stack: list[Any] = []  # suspended builds, and compositions' second blocks (`_Then`)
+    stack: list[Any] = []  # suspended builds, compositions' second blocks (`_Then`), declarations open (`Open`)
+    opened: set[tuple[int, int]] = set()  # (the keys of the declarations open)
     request: tuple[Block[Any, Any], Any] | None = (block, x)
     sent: Any = None
     sub: Any  # (a block of the kind read: typed Any, its attributes read without a cast per step)
@@ -259,6 +277,12 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
                         levels += 1
                         if levels > LIMIT:
                             raise _too_deep(sub)
+                        if sub._declares:
+                            key = (id(sub), id(arg))
+                            if key in opened:
+                                raise _cyclic(sub, arg)
+                            opened.add(key)
+                            stack.append((key, arg))  # (a tuple: made without a call; it holds the input's id)
                         sub = sub._route(arg)
                     elif kind is PARALLEL and sub.blocks:  # its first block now, the others as outputs come
                         stack.append(_Outputs(sub.blocks, arg))
@@ -291,6 +315,10 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
                     stack.pop()
                     sent = tuple(ys)
                 continue
+            if type(top) is tuple:  # (an `Open`)
+                stack.pop()
+                opened.discard(top[0])
+                continue
             try:
                 request = top.send(sent)
             except StopIteration as done:
@@ -300,18 +328,19 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
                 stack.pop()  # (its own code raised: it is finished)
                 raise
         except Exception as exc:
-            caught = _unwind(stack, exc)
+            caught = _unwind(stack, opened, exc)
             if caught is None:
                 raise  # (as it was raised: its traceback has no frames of the builds it went through)
             request, sent = caught
 
 
-def _unwind(stack: list[Any], error: Exception) -> tuple[Request | None, Any] | None:
+def _unwind(stack: list[Any], opened: set[tuple[int, int]], error: Exception) -> tuple[Request | None, Any] | None:
     """After a block's ``error``: the stack unwound to the nearest suspended
     build, which the error is thrown into (as a Python error goes to the
-    nearest caller), the compositions and parallel blocks that waited above
-    it dropped. What that build does next: its next request, or None and its
-    output. None where no build catches it, its traceback as it came (the
+    nearest caller), the compositions, parallel blocks and declarations that
+    waited above it dropped (their inputs no longer ``opened``). What that
+    build does next: its next request, or None and its output. None where
+    no build catches it, its traceback as it came (the
     builds it went through add no frames: through the stack they would be
     one a level); `StopIteration` is not thrown in (a generator would turn it
     into a `RuntimeError`). An error a build raises in its place goes on down
@@ -322,6 +351,9 @@ def _unwind(stack: list[Any], error: Exception) -> tuple[Request | None, Any] | 
     while stack:
         build = stack.pop()
         if type(build) is _Then or type(build) is _Outputs:
+            continue
+        if type(build) is tuple:  # (an `Open`)
+            opened.discard(build[0])
             continue
         try:
             request = build.throw(thrown)
