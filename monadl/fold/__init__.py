@@ -5,7 +5,8 @@ A `Block[In, Out]` turns a Python input (a tree, a sequence, a record) into
 layers. ``a >> b`` composes blocks, and mypy rejects it unless ``a``'s output
 type is ``b``'s input type. `Scalar`, `Vector` and `Zeros` make constant
 rows; `Function` applies a function over layers (a cell using weights);
-`InputTransform` pre-processes plain data; `Map`, `Fold` (left, an RNN) and
+`InputTransform` pre-processes plain data; `Identity` passes its input on
+(an RNN step's state, in a `Record`); `Map`, `Fold` (left, an RNN) and
 `Reduce` (balanced, depth log n) run over sequences; `OneOf` dispatches on
 the input, `Optional` maps None to a default, `AllOf` and `Record` make
 tuples; `ForwardDeclaration` lets a block use itself (recursion over trees).
@@ -72,7 +73,7 @@ with the node's own input, and a leaf maps no children:
 """
 
 from monadl.fold._block import Block, Build, Composition, ForwardDeclaration, call
-from monadl.fold._blocks import Fold, Function, InputTransform, Map, Reduce, Scalar, Vector, Zeros
+from monadl.fold._blocks import Fold, Function, Identity, InputTransform, Map, Reduce, Scalar, Vector, Zeros
 from monadl.fold._structure import AllOf, OneOf, Optional, Record
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "Fold",
     "ForwardDeclaration",
     "Function",
+    "Identity",
     "InputTransform",
     "Map",
     "OneOf",

@@ -184,8 +184,10 @@ class Function(Immediate[X, Y]):
 
 @final
 class InputTransform(Immediate[X, Y]):
-    """Plain Python pre-processing of an input (no layers: Fold's
-    ``InputTransform``); reads as the boundary between data and network.
+    """Plain Python pre-processing of an input (Fold's ``InputTransform``):
+    its function builds no operation of the graph, so it reads as the
+    boundary between data and network. (Given layers, it hands them to its
+    function as they are: `Identity` passes them on unchanged.)
 
     >>> InputTransform(str.upper)("tree")
     'TREE'
@@ -202,6 +204,22 @@ class InputTransform(Immediate[X, Y]):
 
     def _function(self) -> Callable[[X], Y]:
         return self.f
+
+
+@final
+class Identity(Immediate[X, X]):
+    """Its input as it is (data or layers): the field of a `Record` that
+    passes the state of a `Fold`'s step through to the cell.
+
+    >>> Identity[str]()("tree")
+    'tree'
+    """
+
+    __slots__ = ()
+    _shown = ()
+
+    def _output(self, x: X) -> X:
+        return x
 
 
 # ---- sequences ----------------------------------------------------------------------------------
@@ -233,6 +251,29 @@ class Fold(Block[Sequence[X], S]):
 
     >>> Fold(InputTransform(lambda sx: sx[0] * 10 + sx[1]), InputTransform(lambda _: 0))([1, 2, 3])
     123
+
+    The step is given ``(state, element)`` as they are: the state a layer,
+    the element the sequence's raw item. An RNN's step is then a `Record`
+    that passes the state through (`Identity`, its type named) and makes
+    the element a row, composed with the cell over both layers:
+
+    >>> import anyio, monadl as ml
+    >>> from monadl.fold import Record
+    >>> w = ml.Weight(np.eye(2) * 0.5)
+    >>> def cell(state_x: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:
+    ...     state, x = state_x
+    ...     return ml.tanh(state @ w + x)
+    >>> step = Record(Identity[ml.ArrayLayer](), Vector(2, "float64")) >> Function(cell)
+    >>> rnn = Fold(step, Zeros((2,), "float64"))
+    >>> anyio.run(rnn([[1.0, 0.0], [0.0, 1.0]]).predict).round(6)
+    array([[0.363399, 0.761594]])
+
+    mypy types ``S``, the state, from both blocks. Its error ``Cannot infer
+    value of type parameter "S" of "Fold"`` means that no one type fits
+    both: ``init``'s output is not the state that ``step`` takes (the first
+    field of its input) and returns, or the step's fields are swapped (the
+    state comes first). ``reveal_type(step)`` and ``reveal_type(init)``
+    show which.
     """
 
     __slots__ = ("init", "step")
