@@ -178,6 +178,16 @@ ACCEPT = {
         node.resolve_to(InputTransform(len))
         assert_type(node.batch(["a"]), list[int])
     """,
+    "fold_rnn_step_passes_the_state_through_identity": """
+        from collections.abc import Sequence
+        from monadl.fold import Fold, Function, Identity, Record, Vector, Zeros
+
+        def cell(sx: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:
+            return ml.tanh(sx[0] + sx[1])
+
+        rnn = Fold(Record(Identity[ml.ArrayLayer](), Vector(2)) >> Function(cell), Zeros((2,)))
+        assert_type(rnn, Fold[Sequence[float], ml.ArrayLayer])
+    """,
 }
 
 # name: (program, the error code mypy must report)
@@ -276,6 +286,12 @@ REJECT = {
     "fold_record_field_mismatch_against_an_annotation": (  # (it fell to the overload of any number of blocks)
         "from monadl.fold import Block, InputTransform, Record, Vector\n"
         "rec: Block[tuple[list[float], float], tuple[ml.ArrayLayer, str]] = Record(Vector(2), InputTransform(str.upper))",
+        "arg-type",
+    ),
+    "fold_identity_of_no_named_type_in_a_fold": (  # (inferred as Never: its type must be named)
+        "from monadl.fold import Fold, Function, Identity, Record, Vector, Zeros\n"
+        "def cell(sx: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> ml.ArrayLayer:\n    return sx[0] + sx[1]\n"
+        "Fold(Record(Identity(), Vector(2)) >> Function(cell), Zeros((2,)))",
         "arg-type",
     ),
     "fold_forward_declaration_resolved_to_another_type": (
