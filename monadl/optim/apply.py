@@ -22,7 +22,7 @@ from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
-__all__ = ["Prepared", "apply_gradients", "consume_gradients", "prepare", "stateful", "step"]
+__all__ = ["Prepared", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -85,8 +85,9 @@ def consume_gradients(
     _commit(gradients, finite, True, ready)
 
 
-Prepared = tuple[Any, Any, Any, Any]
-"""A step computed ahead of its commit: the weight's data and state it read, and the new ones."""
+Prepared = tuple[Any, Any, Any, Any, Any]
+"""A step computed ahead of its commit: the weight's data, state and
+optimizer it read, and the new data and state."""
 
 
 def stateful(weight: Weight[Any, Any]) -> bool:
@@ -104,8 +105,15 @@ def prepare(weight: Weight[Any, Any], grad: Any) -> Prepared:
     if type(grad) is Outer:
         grad = grad.dense()
     with COMMIT_LOCK:
-        old, state = weight._data, weight._state
-        return (old, state, *step(weight, grad))
+        return (weight._data, weight._state, weight._optimizer, *step(weight, grad))
+
+
+def current(weight: Weight[Any, Any], done: Prepared) -> bool:
+    """Whether a step computed ahead is still the one to take: nothing wrote
+    its weight since (a step leaves new data and state objects; an in-place
+    one is plain SGD's, which is never computed ahead), nor changed its
+    optimizer (a fresh state may be the very same object: a count of 0)."""
+    return done[0] is weight._data and done[1] is weight._state and done[2] is weight._optimizer
 
 
 def _commit(
@@ -124,8 +132,8 @@ def _commit(
             pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
             for weight in gradients:
                 done = ready.get(weight) if ready else None
-                if done is not None and done[0] is weight._data and done[1] is weight._state:
-                    steps.append((weight, done[2], done[3], None))
+                if done is not None and current(weight, done):
+                    steps.append((weight, done[3], done[4], None))
                     continue
                 # Read by key, not bound to a name or taken from items() (whose
                 # iterator keeps the last pair): `_owned_step` counts references.

@@ -27,7 +27,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.evaluation import READING, Evaluation
 from monadl.runtime.process import advance
 from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule.inline import CHECKPOINT
@@ -78,6 +78,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     tasks: TaskGroup | None = None
     done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
     ev.reads(True)
+    reading = READING.set(ev)
     try:
         request = advance(machine.send, None, pause)
         while True:
@@ -119,6 +120,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     except StopIteration as stop:
         return stop.value
     finally:
+        READING.reset(reading)
         ev.reads(False)
         machine.close()
         if tasks is not None:
@@ -159,11 +161,13 @@ def drive_sync(ev: Evaluation, machine: Machine) -> Any:
     ev.deadline = math.inf  # no event loop to give a turn to
     token = _synchronous.set(True)
     ev.reads(True)
+    reading = READING.set(ev)
     try:
         request = advance(machine.send, None, settings.pause_gc and settings.tune_process)
     except StopIteration as stop:
         return stop.value
     finally:
+        READING.reset(reading)
         ev.reads(False)
         _synchronous.reset(token)
     machine.close()

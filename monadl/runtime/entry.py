@@ -22,7 +22,7 @@ from monadl.direct import inside_direct
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError, ShapeError
 from monadl.layers._weight import Weight
-from monadl.optim.apply import Prepared, consume_gradients, prepare, stateful
+from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
 from monadl.runtime.drive import abort, drive, drive_sync, turn_if_due
 from monadl.runtime.evaluation import Evaluation
@@ -92,10 +92,14 @@ async def _prepare(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) -> dict[W
     heavy = [w for w in grads if stateful(w)]
     if sum(w._data.size for w in heavy) < PREPARE_ELEMENTS:
         return {}
-    ready = {}
-    for weight in heavy:
-        ready[weight] = prepare(weight, grads[weight])
-        await turn_if_due(ev)
+    ready: dict[Weight[Any, Any], Prepared] = {}
+    for _ in range(3):  # (again for those another commit wrote meanwhile: another train() on this loop)
+        for weight in heavy:
+            ready[weight] = prepare(weight, grads[weight])
+            await turn_if_due(ev)
+        heavy = [w for w in heavy if not current(w, ready[w])]
+        if not heavy:
+            break
     return ready
 
 

@@ -11,6 +11,7 @@ order is topological: the reverse sweep (`schedule.inline.sweep`) relies on it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
@@ -161,6 +162,10 @@ class UserRelease:
         self.done = False
 
 
+READING: Final[ContextVar[Evaluation | None]] = ContextVar("monadl_reading", default=None)
+"""The evaluation whose driver runs in this context (tasks it starts inherit it)."""
+
+
 class Evaluation:
     """The state of one run: records, shared values, open resources.
 
@@ -249,13 +254,19 @@ class Evaluation:
     def reads(self, running: bool) -> None:
         """While ``running`` (its driver's run), a write of a weight's data
         leaves this evaluation what it read, or would have, before the write
-        (`monadl.layers._weight.pin_for_readers`); after, what it kept goes."""
+        (`monadl.layers._weight.pin_for_readers`); after, what it kept goes.
+        An evaluation begun inside another's run (a ``predict()`` awaited in
+        an ``@ml.direct`` model, in a black box) reads that one's model."""
         with COMMIT_LOCK:
             if running:
+                outer = READING.get()
+                if outer is not None and outer.pinned:
+                    self.pinned = dict(outer.pinned)
                 READERS[id(self)] = self.pinned
             else:
                 del READERS[id(self)]
-                self.pinned = {}
+                if self.pinned:
+                    self.pinned = {}
 
     def weight_record(self, weight: Weight[Any, Any]) -> Record:
         """A weight's record: its data as it was when this evaluation began; a

@@ -128,3 +128,43 @@ async def test_a_non_finite_step_computed_ahead_writes_no_weight(ahead: list[str
     assert ahead == ["step"] * 4
     for w, data in zip([*weights, sgd], before):
         np.testing.assert_array_equal(w.data, data)
+
+
+async def test_a_step_computed_ahead_that_another_commit_made_stale_is_computed_again_ahead(
+    ahead: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two train()s on one loop: the other's commit lands between this one's steps
+    # computed ahead; they were computed again inside the commit, in one stretch.
+    weights = adam_weights()
+    recorded: Callable[[Any, Any], apply.Prepared] = vars(entry)["prepare"]
+
+    first: list[Any] = []
+
+    def another_commit_after_the_first(weight: Any, grad: Any) -> apply.Prepared:
+        done = recorded(weight, grad)
+        if not first:
+            first.append(weight)
+            ml.optim.apply_gradients({weight: np.ones((3, 3))})
+        return done
+
+    monkeypatch.setattr(entry, "prepare", another_commit_after_the_first)
+    computed_in_the_commit: list[object] = []
+    step = apply.step
+
+    def counted(weight: Any, grad: Any) -> tuple[Any, Any]:
+        computed_in_the_commit.append(weight)
+        return step(weight, grad)
+
+    monkeypatch.setattr(apply, "step", counted)
+    await loss_of(weights).train()
+    assert len(ahead) == 5  # the first weight's step again, ahead
+    assert len(computed_in_the_commit) == 6  # (the other commit's, and five ahead: none in the commit)
+    assert first[0].state[0].step == 2
+
+
+def test_a_step_computed_ahead_of_a_weight_given_another_optimizer_since_is_computed_again() -> None:
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(ml.optim.constant_schedule(0.1)))
+    ready = {w: apply.prepare(w, np.ones(2))}
+    w.optimizer = ml.optim.sgd(ml.optim.constant_schedule(10.0))  # (its fresh state: the same small int)
+    apply.consume_gradients({w: np.ones(2)}, ready=ready)
+    np.testing.assert_array_equal(w.data, [-9.0, -9.0])

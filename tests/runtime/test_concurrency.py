@@ -138,3 +138,30 @@ async def test_a_training_step_across_anothers_commit_steps_from_the_newer_data(
         assert await loss().train() == 5.0
     np.testing.assert_allclose(w.data, [0.0 - 0.2, 2.0 - 0.4])
     assert READERS == {}
+
+
+async def test_a_prediction_awaited_inside_a_model_reads_the_outer_evaluations_model() -> None:
+    # The eager way (a predict() awaited in an @ml.direct model) began an evaluation of
+    # its own after the commit: it read b's new value beside the outer's old a.
+    a = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(0.5))
+    b = ml.Weight(np.array([10.0]), optimizer=ml.optim.sgd(0.5))
+    read_a, changed = anyio.Event(), anyio.Event()
+
+    @ml.direct
+    async def model(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        await ml.values(x * a)
+        read_a.set()
+        await changed.wait()
+        gate = await (x * b).predict()
+        return ml.concatenate([x * a, ml.as_layer(gate)])
+
+    async def change_the_model() -> None:
+        await read_a.wait()
+        await ml.sum((a + b) * 1.0).train()
+        changed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(change_the_model)
+        seen = await model(ml.as_layer(np.array([1.0]))).predict()
+    assert seen.tolist() == [1.0, 10.0]
+    assert (await (ml.as_layer(np.array([1.0])) * b).predict()).tolist() == [9.5]  # (a new one: the new model)
