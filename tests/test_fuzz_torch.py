@@ -284,3 +284,12 @@ def test_optimizer_steps_match_torch(
         th_loss.backward()
         step.step()
     np.testing.assert_allclose(w.data, t.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_torch_tensor_weight_trains_with_adam_and_shows_itself() -> None:
+    # A tensor's size is a method: the commit's count of stateful elements, the
+    # factored-product check and the repr read it as a number and raised TypeError.
+    w = ml.Weight(torch.zeros((3, 4), dtype=torch.float64), optimizer=ml.optim.adam(0.1))
+    assert repr(w).startswith("Weight(tensor(")
+    anyio.run(ml.sum(w * torch.ones((3, 4), dtype=torch.float64)).train)
+    np.testing.assert_allclose(w.data.numpy(), -0.1)

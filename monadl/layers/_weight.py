@@ -241,7 +241,7 @@ class Weight(Expr[D, G]):
 
     def __repr__(self) -> str:
         data = self._data
-        size = getattr(data, "size", 1)
+        size = self.size  # (not data.size: PyTorch's is a method)
         if size <= _SHOWN:
             return f"Weight({data!r})"
         # (a large one's values fill a screen: its dtype, shape and line, as an error names it)

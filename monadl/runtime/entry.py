@@ -90,7 +90,7 @@ async def _prepare(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) -> dict[W
     512 x 512 held it 33 ms in one commit), for the commit to write all at
     once; none for a commit shorter than a turn's interval."""
     heavy = [w for w in grads if stateful(w)]
-    if sum(w._data.size for w in heavy) < PREPARE_ELEMENTS:
+    if sum(w.size for w in heavy) < PREPARE_ELEMENTS:
         return {}
     ready: dict[Weight[Any, Any], Prepared] = {}
     for _ in range(3):  # (again for those another commit wrote meanwhile: another train() on this loop)

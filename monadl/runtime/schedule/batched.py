@@ -275,7 +275,7 @@ class _Run:
         if not self.groups.outer or node._op.name not in FACTORED or len(node._inputs) < 2:
             return False
         w = node._inputs[1]
-        return type(w) is Weight and w._data.size >= MIN_FACTORED
+        return type(w) is Weight and w.size >= MIN_FACTORED  # (prod of the shape: a tensor's size is a method)
 
     def group(self, members: list[Any], numbers_stack: bool = True) -> None:
         """One group of equal signature: one batched call, or node by node.
