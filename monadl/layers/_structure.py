@@ -189,9 +189,23 @@ def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int 
     array([[ 8., 12.],
            [20., 24.]])
     """
+    _whole_numbers("conv2d", stride=stride, padding=padding)
     if stride < 1 or padding < 0:
         raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
     return apply_primitive("conv2d", (x, kernel), (stride, padding))
+
+
+def _whole_numbers(name: str, **given: object) -> None:
+    """`OperandError` for a window's argument that is no int: one step or
+    padding for both axes (PyTorch's ``(sh, sw)`` and ``'same'`` are not
+    taken; a tuple failed comparing it, a float at the run, with no line)."""
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            same = "; the padding that keeps the size at stride 1 is (k - 1) // 2 for an odd kernel k"
+            raise OperandError(
+                f"{name}: {key} is an int, the same on both spatial axes (a pair is not taken), got {value!r}"
+                + (same if value == "same" else "")
+            )
 
 
 def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
@@ -212,6 +226,7 @@ def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> Array
            [13., 15.]])
     """
     stride = kernel if stride is None else stride
+    _whole_numbers("max_pool2d", kernel=kernel, stride=stride)
     if kernel < 1 or stride < 1:
         raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")
     return apply_primitive("max_pool2d", (x,), (kernel, stride))

@@ -3,6 +3,7 @@ over a table of shapes that includes broadcasting."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -413,3 +414,19 @@ async def test_a_row_of_minus_infinity_and_a_negative_base_warn_of_nothing() -> 
     base, power = ml.Weight(np.array([-2.0, 3.0])), ml.Weight(np.array([2.0, 2.0]))
     (_, d_power) = await ml.gradients(ml.sum(base**power), [base, power])
     assert np.isnan(d_power[0]) and d_power[1] == 9.0 * np.log(3.0)
+
+
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [
+        (lambda: ml.conv2d(np.ones((1, 1, 4, 4)), np.ones((1, 1, 3, 3)), stride=(1, 2)), "stride is an int"),  # type: ignore[arg-type]
+        (lambda: ml.conv2d(np.ones((1, 1, 4, 4)), np.ones((1, 1, 3, 3)), padding="same"), "(k - 1) // 2"),  # type: ignore[arg-type]
+        (lambda: ml.conv2d(np.ones((1, 1, 4, 4)), np.ones((1, 1, 3, 3)), stride=2.0), "got 2.0"),  # type: ignore[arg-type]
+        (lambda: ml.max_pool2d(np.ones((1, 1, 4, 4)), 2.0), "kernel is an int"),  # type: ignore[arg-type]
+        (lambda: ml.max_pool2d(np.ones((1, 1, 4, 4)), (2, 2)), "a pair is not taken"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_window_argument_of_pytorchs_other_forms_is_refused_where_it_is_given(build: Any, said: str) -> None:
+    # A tuple raised "'<' not supported", a float failed at the run without the layer's line.
+    with pytest.raises(ml.OperandError, match=re.escape(said)):
+        build()
