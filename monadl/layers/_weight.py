@@ -29,7 +29,9 @@ not gain a reader on another thread half way."""
 READERS: Final[dict[int, dict[Any, Any]]] = {}
 """The evaluations running now (`monadl.runtime.drive`), by id: the data
 each keeps of weights written since it began (`pin_for_readers`). Changed
-under `COMMIT_LOCK`."""
+under `COMMIT_LOCK`. Process-wide, as the weights are: a write (a step, an
+assignment, a load) on any thread or event loop must reach every evaluation
+that may read the weight, and nothing else knows them all."""
 
 
 def pin_for_readers(weights: Iterable[Weight[Any, Any]]) -> None:
@@ -146,6 +148,8 @@ class Weight(Expr[D, G]):
         array library (a Python number takes the weight's dtype), else
         `ShapeError`, `DTypeError` or `DeviceError`. The weight keeps its
         type in memory (a NumPy scalar stays one); the optimizer state stays.
+        An evaluation running meanwhile goes on with the value it began with
+        (even one that assigned it: its model is the one it began with).
 
         >>> import numpy as np, monadl as ml
         >>> w = ml.Weight(np.zeros(2))
