@@ -71,7 +71,7 @@ async def train(root: Any) -> Any:
             await cuda.ready()
         await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
         grads = ev.weight_gradients(factored=True)
-        ready = await _prepare(ev, grads)
+        ready = await _prepare(ev, grads) if _long(grads) else None
         consume_gradients(grads, finite=settings.finite_steps, ready=ready)
     if settings.tune_process:
         process.fit_gc(ev.nodes)
@@ -84,14 +84,24 @@ computes their steps ahead, with turns for the event loop between them (at
 Adam's 8 ns an element, about 2 ms)."""
 
 
+def _long(grads: dict[Weight[Any, Any], Any]) -> bool:
+    """Whether a commit's steps of optimizers with state are long enough to be
+    computed ahead (`PREPARE_ELEMENTS`): a loop, no list, no coroutine, since
+    every step of a small model pays it."""
+    elements = 0
+    for w in grads:
+        if stateful(w):
+            data = w._data
+            elements += data.size if type(data) is np.ndarray else w.size  # (a tensor's size is a method)
+    return elements >= PREPARE_ELEMENTS
+
+
 async def _prepare(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) -> dict[Weight[Any, Any], Prepared]:
     """The steps of weights whose optimizers keep state, computed one by one
     with a turn for the event loop whenever one is due (16 Adam weights of
     512 x 512 held it 33 ms in one commit), for the commit to write all at
-    once; none for a commit shorter than a turn's interval."""
+    once."""
     heavy = [w for w in grads if stateful(w)]
-    if sum(w.size for w in heavy) < PREPARE_ELEMENTS:
-        return {}
     ready: dict[Weight[Any, Any], Prepared] = {}
     for _ in range(3):  # (again for those another commit wrote meanwhile: another train() on this loop)
         for weight in heavy:
