@@ -75,7 +75,7 @@ R = TypeVar("R")
 
 
 # ---- the decorator ----------------------------------------------------------------------------
-_TRACES_LIMIT: Final = 256
+_TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, the oldest goes)
 _log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 
@@ -87,6 +87,7 @@ class Operation(Generic[P, R]):
         "__name__",
         "__wrapped__",
         "_closure",
+        "_evictions",
         "_ids",
         "_method",
         "_planned",
@@ -117,6 +118,7 @@ class Operation(Generic[P, R]):
         fixed = self._closure is not None and all(type(c) is _Held for c in self._closure)
         self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
         self._traces: dict[Any, Trace] = {}
+        self._evictions = 0  # (traces forgotten past the limit: `_evict`'s turn)
         self._plans: dict[tuple[type, ...], _Plan | None] = {}  # (None: these types fix no signature)
         self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
         self._site = site
@@ -222,8 +224,7 @@ class Operation(Generic[P, R]):
         trace = self._traces.get(key)
         if trace is None:
             if len(self._traces) >= _TRACES_LIMIT:
-                self._traces.clear()
-                self._plans.clear()
+                self._evict()
             keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
             placed = {j: (s, k) for j, s, k in views}
             trace = traced(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
@@ -234,6 +235,21 @@ class Operation(Generic[P, R]):
         if kinds is not None and not keep:
             self._learn(kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)
+
+    def _evict(self) -> None:
+        """Forget one trace, and its plans' entries, picked in turn by a
+        stride through them all (deterministic, and as good as a random pick
+        where the shapes come round in turn: a batch's lengths, epoch after
+        epoch, where forgetting the oldest misses every call). Clearing all
+        made a 257th shape retrace almost every call."""
+        keys = list(self._traces)
+        self._evictions += 1
+        old = self._traces.pop(keys[(self._evictions * 97) % len(keys)])
+        for plan in self._plans.values():
+            if plan is not None:
+                for entry in plan.entries.values():
+                    for k in [k for k, t in entry.traces.items() if t is old]:
+                        del entry.traces[k]
 
     def _learn(
         self, kinds: tuple[type, ...], args: tuple[Any, ...], leaves: list[Any], views: tuple[Any, ...], trace: Trace

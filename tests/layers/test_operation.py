@@ -975,3 +975,32 @@ def test_a_cell_that_returns_no_layer_is_refused() -> None:
             ml.operation(returns)(ml.as_layer(w))
     assert ml.operation(lambda a: a)(w) is w  # (an argument returned as it is: fine)
     assert ml.operation(lambda a: (a, w))(ml.as_layer(w))[1] is w  # (a weight: fine)
+
+
+def test_past_its_limit_an_operation_forgets_one_trace_not_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cache was cleared when full: a cell called with 257 shapes in turn retraced
+    # on almost every call (82 -> 186 us a call in a user's attention cell).
+    from monadl.layers import _operation
+
+    made: list[int] = []
+    traced = _operation.traced
+
+    def counted(*args: Any) -> Any:
+        made.append(1)
+        return traced(*args)
+
+    monkeypatch.setattr(_operation, "traced", counted)
+    w = ml.Weight(np.ones((2, 2)))
+
+    @ml.operation
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.tanh(x @ w)
+
+    shapes = range(1, _operation._TRACES_LIMIT + 2)  # (one more than it keeps, in turn, round after round)
+    for _ in range(3):
+        for n in shapes:
+            cell(np.ones((n, 2)))
+    again = len(made) - len(shapes)
+    assert again < len(shapes) // 4  # (clearing all: about 2 x 257)
+    assert len(cell._traces) == _operation._TRACES_LIMIT
+    anyio.run(ml.sum(cell(np.ones((3, 2)))).predict)
