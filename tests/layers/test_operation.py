@@ -980,10 +980,10 @@ def test_a_cell_that_returns_no_layer_is_refused() -> None:
 def test_past_its_limit_an_operation_forgets_one_trace_not_all(monkeypatch: pytest.MonkeyPatch) -> None:
     # The cache was cleared when full: a cell called with 257 shapes in turn retraced
     # on almost every call (82 -> 186 us a call in a user's attention cell).
-    from monadl.layers import _operation
+    from monadl.layers import _operation, _tracing
 
     made: list[int] = []
-    traced = _operation.traced
+    traced = _tracing.traced
 
     def counted(*args: Any) -> Any:
         made.append(1)
