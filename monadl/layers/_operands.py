@@ -22,7 +22,7 @@ to every step of its program, so marking a cell changes no dtype and no error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
 import numpy as np
@@ -52,11 +52,12 @@ _HOLDS: Final[dict[type, type[np.generic]]] = {float: np.float64, int: np.int64,
 """The host dtype that holds plain numbers of each kind (ints up to 64 bits)."""
 
 
-def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], str]) -> tuple[Any, ...]:
     """``args`` with integer and boolean arrays, and float scalars (NumPy
     floats, arrays of no dimensions) of another precision, cast to the float
     dtype of the others; `DTypeError` (naming ``name``, the operands and
-    ``where``) if two float arrays with dimensions differ."""
+    ``where``, or what it returns: a node's line is found only for an error)
+    if two float arrays with dimensions differ."""
     first = None
     for a in args:
         if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
@@ -65,7 +66,8 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str) -> tuple[Any, 
             elif a.dtype != first:
                 raise DTypeError(
                     f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
-                    f"cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API); layer built at {where}"
+                    "cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API); "
+                    f"layer built at {where() if callable(where) else where}"
                 )
     if first is None:  # no float array with dimensions: a float of none (a 0-d weight) sets it for integers
         floats = [a.dtype for a in args if isinstance(a, np.floating) or (is_array(a) and _real_float(a))]

@@ -33,6 +33,7 @@ from monadl.runtime.evaluation import Evaluation, Record
 __all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
+_NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
 _NUMPY_SCALARS: Final = frozenset(  # (each takes the float dtype of the other operand: `one_float_dtype`)
     {np.float16, np.float32, np.float64, np.bool_, np.int8, np.int16, np.int32, np.int64}
     | {np.uint8, np.uint16, np.uint32, np.uint64}
@@ -113,7 +114,12 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             and ky not in _PYTHON_NUMBERS
         ):
             args = _foreign_operands(node, args)  # (a Python number fits any library as it is)
-        elif op.same_dtype and (kx in _NUMPY_SCALARS or ky in _NUMPY_SCALARS):  # (a NumPy scalar: cast)
+        elif (
+            op.same_dtype
+            and (kx in _NUMPY_SCALARS or ky in _NUMPY_SCALARS)  # (a NumPy scalar: cast it where it differs)
+            and not (kx is np.ndarray and ky in _NUMPY_FLOATS and x.dtype == y.dtype)
+            and not (ky is np.ndarray and kx in _NUMPY_FLOATS and x.dtype == y.dtype)
+        ):  # (not an array and a NumPy float of its dtype, as `/ np.sqrt(d)` gives: nothing to cast there)
             args = _check_dtypes(node, args)
     elif len(inputs) == 1:
         x = inputs[0]
@@ -251,4 +257,4 @@ def where(node: Any) -> str:
 
 def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """One float dtype per operation (`one_float_dtype`). Returns the operands to use."""
-    return one_float_dtype(node._op.name, args, where(node))
+    return one_float_dtype(node._op.name, args, lambda: where(node))
