@@ -9,7 +9,7 @@ SGD with a constant rate (`monadl.optim.transforms.Scale`):
   bound the last step left, and added into the weight's own array when
   nothing else holds it;
 * `private`: whether an array is referred to only by its caller, so that a
-  step may write into it.
+  step may write into it (`alone`: whether any object is).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from monadl.deltas import Outer
 from monadl.layers._products import product
 from monadl.layers._weight import Weight
 
-__all__ = ["SMALL", "factored_step", "norm_bound", "poolable", "pooled_steps", "private"]
+__all__ = ["SMALL", "alone", "factored_step", "norm_bound", "poolable", "pooled_steps", "private"]
 
 SMALL: Final = 1 << 14
 """Float arrays below this many elements are checked together."""
@@ -175,6 +175,12 @@ def private(x: Any, like: Any, held: int) -> bool:
         and x.flags.owndata
         and x.flags.writeable
     )
+
+
+def alone(x: Any, held: int) -> bool:
+    """Whether nothing refers to ``x`` but the caller's ``held`` references
+    (a container whose arrays `private` may then find private)."""
+    return COUNTS_EVERY_REFERENCE and sys.getrefcount(x) == held + 2  # and our parameter, and getrefcount's
 
 
 # From CPython 3.14 the interpreter may hold borrowed references that

@@ -4,12 +4,18 @@
 before any is written, so a failing update (or a refused one) changes
 nothing; the whole commit holds one lock, so two threads training the same
 weight never lose an update (each reads the state the other wrote).
+
+A sparse step (a table's looked-up rows, `SparseRows`) costs its rows, not
+its table: it computes the new rows (`Rows`), the check reads them alone,
+and they are written into the table and its state's arrays themselves where
+nothing else refers to those (`private`), else into copies, as any step
+whose old arrays someone holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, final
 
 import numpy as np
 
@@ -19,10 +25,10 @@ from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
+from monadl.optim._sgd import SMALL, alone, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
-__all__ = ["Prepared", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
+__all__ = ["Prepared", "Rows", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -102,18 +108,28 @@ def prepare(weight: Weight[Any, Any], grad: Any) -> Prepared:
     commit (``consume_gradients(..., ready=...)``), so that a long commit
     can be computed a few weights at a time with the event loop's turns in
     between, and still be written all at once."""
+    if type(grad) is SparseRows:
+        return IN_COMMIT
     if type(grad) is Outer:
         grad = grad.dense()
     with COMMIT_LOCK:
         return (weight._data, weight._state, weight._optimizer, *step(weight, grad))
 
 
+IN_COMMIT: Final[Prepared] = (None, None, None, None, None)
+"""What `prepare` leaves of a sparse step: nothing. It is computed in the
+commit, which may write its rows in place: a step computed ahead could not
+tell whether another commit wrote them since, and the entry would hold the
+table (a reference: never private). It costs its rows, not its table."""
+
+
 def current(weight: Weight[Any, Any], done: Prepared) -> bool:
     """Whether a step computed ahead is still the one to take: nothing wrote
     its weight since (a step leaves new data and state objects; an in-place
-    one is plain SGD's, which is never computed ahead), nor changed its
-    optimizer (a fresh state may be the very same object: a count of 0)."""
-    return done[0] is weight._data and done[1] is weight._state and done[2] is weight._optimizer
+    one is plain SGD's or a sparse one's, never computed ahead: `IN_COMMIT`),
+    nor changed its optimizer (a fresh state may be the very same object: a
+    count of 0)."""
+    return done is IN_COMMIT or (done[0] is weight._data and done[1] is weight._state and done[2] is weight._optimizer)
 
 
 def _commit(
@@ -132,7 +148,7 @@ def _commit(
             pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
             for weight in gradients:
                 done = ready.get(weight) if ready else None
-                if done is not None and current(weight, done):
+                if done is not None and done is not IN_COMMIT and current(weight, done):
                     steps.append((weight, done[3], done[4], None))
                     continue
                 # Read by key, not bound to a name or taken from items() (whose
@@ -151,14 +167,20 @@ def _commit(
         else:
             steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
-            for weight, data, _, _ in _non_finite(steps):
+            for weight, _, _, _ in _non_finite(steps):
                 raise NonFiniteError(
                     f"the optimizer step would write a NaN or an infinity into the weight built at "
-                    f"{site_text(weight._site)} (shape {list(getattr(data, 'shape', ()))}); no weight was changed. "
+                    f"{site_text(weight._site)} (shape {list(weight.shape)}); no weight was changed. "
                     "ml.settings(check_finite=True) finds the operation that made it"
                 )
+        writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
+        for i, (weight, data, state, bound) in enumerate(steps):
+            if type(data) is Rows:
+                steps[i] = (weight, *_rows_written(weight, data, state, writes), bound)
         for data, factor, left, right in in_place:
             add_product(data, factor, left, right)
+        for data, rows, values in writes:
+            data[rows] = values
         for weight, data, state, bound in steps:
             weight._data = data
             weight._state = state
@@ -171,14 +193,14 @@ def _non_finite(
     """The steps whose new data holds a NaN or an infinity.
 
     A step with a bound (`_factored_step` proved its data finite) is not
-    read. A float NumPy array is checked with one BLAS pass, its dot product
-    with itself (NaN and infinity reach it; about half the cost of
+    read; of a sparse step, its new rows are (`Rows`), not its table. A
+    float NumPy array is checked with one BLAS pass, its dot product with
+    itself (NaN and infinity reach it; about half the cost of
     ``isfinite(x).all()``), under one error state for the whole commit; the
-    small ones (biases, scalars) are checked
-    together, as one concatenation, since for them a call costs more than its
-    pass (24 weights' checks took 75 us one by one). A dot product may also
-    overflow on finite values past 1e154, so a non-finite one is confirmed
-    element by element.
+    small ones (biases, scalars) are checked together, as one concatenation,
+    since for them a call costs more than its pass (24 weights' checks took
+    75 us one by one). A dot product may also overflow on finite values past
+    1e154, so a non-finite one is confirmed element by element.
     """
     suspects = []
     foreign = []
@@ -187,7 +209,7 @@ def _non_finite(
         for entry in steps:
             if entry[3] is not None:
                 continue
-            x = entry[1]
+            x = _written(entry[1])
             if type(x) is np.ndarray:
                 if x.dtype.kind == "f":
                     if x.size < SMALL:
@@ -202,18 +224,23 @@ def _non_finite(
             else:
                 foreign.append(entry)
         if small:
-            flat = np.concatenate([entry[1] for entry in small], axis=None)
+            flat = np.concatenate([_written(entry[1]) for entry in small], axis=None)
             if not np.isfinite(np.dot(flat, flat)):
                 suspects += small
     by_library: dict[int, list[tuple[Weight[Any, Any], Any, Any, float | None]]] = {}
     for entry in foreign:
-        by_library.setdefault(id(namespace(entry[1])), []).append(entry)
+        by_library.setdefault(id(namespace(_written(entry[1]))), []).append(entry)
     for entries in by_library.values():
         # Another library's arrays (a GPU's): one flag each on the device, one wait for them all.
-        xp = namespace(entries[0][1])
-        if not bool(xp.all(xp.stack([xp.all(xp.isfinite(entry[1])) for entry in entries]))):
+        xp = namespace(_written(entries[0][1]))
+        if not bool(xp.all(xp.stack([xp.all(xp.isfinite(_written(entry[1]))) for entry in entries]))):
             suspects += entries
-    return [entry for entry in suspects if not all_finite(entry[1])]
+    return [entry for entry in suspects if not all_finite(_written(entry[1]))]
+
+
+def _written(data: Any) -> Any:
+    """What a step writes: its new data, or a sparse step's new rows."""
+    return data.values if type(data) is Rows else data
 
 
 def _owned_step(
@@ -276,6 +303,20 @@ def _like(new: Any, old: Any) -> Any:
 _ELIDE_BYTES: Final = 1 << 16  # below this, checking costs about what it saves
 
 
+@final
+class Rows:
+    """A sparse step's new data, not yet written: the rows it steps, each
+    once, and their new values. The commit checks the values, then writes
+    them (`_rows_written`); the step's state beside it holds the same rows
+    of each state array shaped like the weight."""
+
+    __slots__ = ("indices", "values")
+
+    def __init__(self, indices: Any, values: Any) -> None:
+        self.indices = indices
+        self.values = values
+
+
 def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     """Step only the rows a sparse delta touches.
 
@@ -284,6 +325,11 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     leaf shaped like the weight (moments, velocities), and the other rows keep
     theirs ("lazy" updates, as TensorFlow's lazy Adam); state that is not per
     row, such as a step count, is shared.
+
+    Where the library scatters, the step is its rows (`Rows`, and the state
+    with its rows), which the commit writes: what it costs, and what its
+    finite check reads, is the rows. A NaN already in a row not looked up
+    (data assigned so) is not refused: the step does not write it.
     """
     old = weight._data
     xp = namespace(old)
@@ -299,10 +345,26 @@ def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
         return new, _keep_state_rows(weight._state, state, old.shape, used)
     rows, summed = grad.summed()
     state_rows = _state_rows(weight._state, old.shape, rows)
-    update, new_state_rows = weight._optimizer.update(summed, state_rows, old[rows])
-    new = xp.asarray(old, copy=True)
-    new[rows] = xp.astype(old[rows] + update, old.dtype, copy=False)
-    return new, _put_state_rows(weight._state, new_state_rows, old.shape, rows)
+    stepped = old[rows]
+    update, new_state_rows = weight._optimizer.update(summed, state_rows, stepped)
+    return Rows(rows, xp.astype(stepped + update, old.dtype, copy=False)), new_state_rows
+
+
+def _rows_written(
+    weight: Weight[Any, Any], new: Rows, state: Any, writes: list[tuple[Any, Any, Any]]
+) -> tuple[Any, Any]:
+    """A sparse step's data and state: the weight's own arrays where nothing
+    else refers to them (no user's ``w.data``, no running evaluation's pin,
+    no user's ``w.state`` or part of it), else copies, as the step's own;
+    either way their rows are to be written (``writes``), after every check
+    and every copy."""
+    old = weight._data
+    # (held by the weight, `old`, and `private`'s second parameter)
+    data = old if private(old, old, 3) else namespace(old).asarray(old, copy=True)
+    writes.append((data, new.indices, new.values))
+    top = weight._state
+    sole = alone(top, 2)  # (held by the weight and `top`; asked before `top` is an argument too)
+    return data, _put_state_rows(top, state, data.shape, new.indices, writes, sole)
 
 
 def _keep_state_rows(old: Any, new: Any, shape: tuple[int, ...], used: Any) -> Any:
@@ -325,12 +387,24 @@ def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
     return state
 
 
-def _put_state_rows(old: Any, new: Any, shape: tuple[int, ...], rows: Any) -> Any:
+def _put_state_rows(
+    old: Any, new: Any, shape: tuple[int, ...], rows: Any, writes: list[tuple[Any, Any, Any]], sole: bool
+) -> Any:
+    """``old`` state with ``new``'s rows (`_state_rows`', stepped) in its
+    leaves shaped like the weight, to be written (``writes``) into the leaves
+    themselves where ``sole`` (nothing but the weight's state refers to
+    ``old``, nor to a container of it) and they are private, else into copies.
+    Its containers are new ones, and its other leaves ``new``'s (a count)."""
     if is_array(old) and old.shape == shape:
-        full = namespace(old).asarray(old, copy=True)
-        full[rows] = new
+        # (held by its container, the caller's name, `old`, and `private`'s second parameter)
+        full = old if sole and private(old, old, 4) else namespace(old).asarray(old, copy=True)
+        writes.append((full, rows, new))
         return full
     if isinstance(old, tuple):
-        parts = [_put_state_rows(o, n, shape, rows) for o, n in zip(old, new)]
+        parts = []
+        for i in range(len(old)):
+            part = old[i]
+            alone_too = sole and alone(part, 2)  # (held by its container and `part`)
+            parts.append(_put_state_rows(part, new[i], shape, rows, writes, alone_too))
         return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
     return new
