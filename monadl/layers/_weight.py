@@ -237,11 +237,14 @@ class Weight(Expr[D, G]):
         >>> w.state
         (array([1., 1.]), None)
         """
-        return self._state
+        with COMMIT_LOCK:  # (a sparse step may write rows into state arrays nobody holds, as into data)
+            return self._state
 
     @state.setter
     def state(self, value: Any) -> None:
-        self._state = replace_state(self._state, value, "Weight.state")
+        state = replace_state(self._state, value, "Weight.state")
+        with COMMIT_LOCK:
+            self._state = state
 
     def __repr__(self) -> str:
         data = self._data

@@ -15,20 +15,21 @@ whose old arrays someone holds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final, final
+from typing import Any, Final
 
 import numpy as np
 
 from monadl._blas import add_product
-from monadl._namespace import all_finite, is_array, namespace
+from monadl._namespace import all_finite, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._sgd import SMALL, alone, factored_step, poolable, pooled_steps, private
+from monadl.optim._rows import Rows, rows_written, sparse_step
+from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
-__all__ = ["Prepared", "Rows", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
+__all__ = ["Prepared", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -176,7 +177,7 @@ def _commit(
         writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
         for i, (weight, data, state, bound) in enumerate(steps):
             if type(data) is Rows:
-                steps[i] = (weight, *_rows_written(weight, data, state, writes), bound)
+                steps[i] = (weight, *rows_written(weight, data, state, writes), bound)
         for data, factor, left, right in in_place:
             add_product(data, factor, left, right)
         for data, rows, values in writes:
@@ -279,7 +280,7 @@ def _owned_step(
 def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     """A weight's new data and optimizer state after one step; nothing is written."""
     if type(grad) is SparseRows:
-        return _sparse_step(weight, grad)
+        return sparse_step(weight, grad)
     old = weight._data
     update, state = weight._optimizer.update(grad, weight._state, old)
     if type(update) is np.ndarray and update.nbytes >= _ELIDE_BYTES and private(update, old, 1):
@@ -301,110 +302,3 @@ def _like(new: Any, old: Any) -> Any:
 
 
 _ELIDE_BYTES: Final = 1 << 16  # below this, checking costs about what it saves
-
-
-@final
-class Rows:
-    """A sparse step's new data, not yet written: the rows it steps, each
-    once, and their new values. The commit checks the values, then writes
-    them (`_rows_written`); the step's state beside it holds the same rows
-    of each state array shaped like the weight."""
-
-    __slots__ = ("indices", "values")
-
-    def __init__(self, indices: Any, values: Any) -> None:
-        self.indices = indices
-        self.values = values
-
-
-def _sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
-    """Step only the rows a sparse delta touches.
-
-    Equal indices are summed first, so a row looked up twice steps once with
-    both deltas. The optimizer sees those rows of the weight and of every state
-    leaf shaped like the weight (moments, velocities), and the other rows keep
-    theirs ("lazy" updates, as TensorFlow's lazy Adam); state that is not per
-    row, such as a step count, is shared.
-
-    Where the library scatters, the step is its rows (`Rows`, and the state
-    with its rows), which the commit writes: what it costs, and what its
-    finite check reads, is the rows. A NaN already in a row not looked up
-    (data assigned so) is not refused: the step does not write it.
-    """
-    old = weight._data
-    xp = namespace(old)
-    if not hasattr(getattr(xp, "add", None), "at"):
-        # No scatter in this library (the array API has none): step densely, then keep
-        # the rows not looked up, and their state, as they were (a mask of the rows).
-        update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
-        n = old.shape[0]
-        rows = xp.asarray(grad.indices, device=old.device)  # (the table's device, not the default one)
-        used = xp.any(xp.arange(n, device=old.device)[:, None] == rows[None, :], axis=1)
-        used = xp.reshape(used, (n, *([1] * (old.ndim - 1))))
-        new = xp.where(used, xp.astype(old + update, old.dtype, copy=False), old)
-        return new, _keep_state_rows(weight._state, state, old.shape, used)
-    rows, summed = grad.summed()
-    state_rows = _state_rows(weight._state, old.shape, rows)
-    stepped = old[rows]
-    update, new_state_rows = weight._optimizer.update(summed, state_rows, stepped)
-    return Rows(rows, xp.astype(stepped + update, old.dtype, copy=False)), new_state_rows
-
-
-def _rows_written(
-    weight: Weight[Any, Any], new: Rows, state: Any, writes: list[tuple[Any, Any, Any]]
-) -> tuple[Any, Any]:
-    """A sparse step's data and state: the weight's own arrays where nothing
-    else refers to them (no user's ``w.data``, no running evaluation's pin,
-    no user's ``w.state`` or part of it), else copies, as the step's own;
-    either way their rows are to be written (``writes``), after every check
-    and every copy."""
-    old = weight._data
-    # (held by the weight, `old`, and `private`'s second parameter)
-    data = old if private(old, old, 3) else namespace(old).asarray(old, copy=True)
-    writes.append((data, new.indices, new.values))
-    top = weight._state
-    sole = alone(top, 2)  # (held by the weight and `top`; asked before `top` is an argument too)
-    return data, _put_state_rows(top, state, data.shape, new.indices, writes, sole)
-
-
-def _keep_state_rows(old: Any, new: Any, shape: tuple[int, ...], used: Any) -> Any:
-    """``new`` state where its leaves shaped like the weight take ``old``'s
-    rows outside ``used`` (a mask)."""
-    if is_array(old) and old.shape == shape:
-        return namespace(old).where(used, new, old)
-    if isinstance(old, tuple):
-        parts = [_keep_state_rows(o, n, shape, used) for o, n in zip(old, new)]
-        return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
-    return new
-
-
-def _state_rows(state: Any, shape: tuple[int, ...], rows: Any) -> Any:
-    if is_array(state) and state.shape == shape:
-        return state[rows]
-    if isinstance(state, tuple):
-        parts = [_state_rows(s, shape, rows) for s in state]
-        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
-    return state
-
-
-def _put_state_rows(
-    old: Any, new: Any, shape: tuple[int, ...], rows: Any, writes: list[tuple[Any, Any, Any]], sole: bool
-) -> Any:
-    """``old`` state with ``new``'s rows (`_state_rows`', stepped) in its
-    leaves shaped like the weight, to be written (``writes``) into the leaves
-    themselves where ``sole`` (nothing but the weight's state refers to
-    ``old``, nor to a container of it) and they are private, else into copies.
-    Its containers are new ones, and its other leaves ``new``'s (a count)."""
-    if is_array(old) and old.shape == shape:
-        # (held by its container, the caller's name, `old`, and `private`'s second parameter)
-        full = old if sole and private(old, old, 4) else namespace(old).asarray(old, copy=True)
-        writes.append((full, rows, new))
-        return full
-    if isinstance(old, tuple):
-        parts = []
-        for i in range(len(old)):
-            part = old[i]
-            alone_too = sole and alone(part, 2)  # (held by its container and `part`)
-            parts.append(_put_state_rows(part, new[i], shape, rows, writes, alone_too))
-        return type(old)(*parts) if hasattr(old, "_fields") else tuple(parts)
-    return new

@@ -18,6 +18,7 @@ import anyio.lowlevel
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.deltas import SparseRows
 from monadl.direct import inside_direct
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError, ShapeError
@@ -89,8 +90,8 @@ def _long(grads: dict[Weight[Any, Any], Any]) -> bool:
     computed ahead (`PREPARE_ELEMENTS`): a loop, no list, no coroutine, since
     every step of a small model pays it."""
     elements = 0
-    for w in grads:
-        if stateful(w):
+    for w, g in grads.items():
+        if stateful(w) and type(g) is not SparseRows:  # (a table's sparse step is its rows': in the commit)
             data = w._data
             elements += data.size if type(data) is np.ndarray else w.size  # (a tensor's size is a method)
     return elements >= PREPARE_ELEMENTS

@@ -232,3 +232,28 @@ def test_sparse_steps_across_threads_lose_no_update(optimizer: str) -> None:
     else:
         assert w.state[0].step == 200
     np.testing.assert_array_equal(w.data[0], np.zeros(D))
+
+
+def test_a_state_read_on_another_thread_during_a_commit_waits_for_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sparse step writes rows into moment arrays nobody holds: a thread that took
+    # w.state between the commit's check and its writes saw the count of one step
+    # beside the moments of the next.
+    w = ml.Weight(np.zeros((10, 2)), optimizer=ml.optim.adam(0.1))
+    anyio.run(ml.sum(ml.embedding(w, np.array([1]))).train)
+    seen: list[Any] = []
+    readers: list[threading.Thread] = []
+    written: Callable[..., Any] = vars(apply)["rows_written"]  # (the name the commit calls)
+
+    def read_meanwhile(*args: Any) -> Any:
+        out = written(*args)
+        reader = threading.Thread(target=lambda: seen.append(w.state))
+        reader.start()
+        reader.join(timeout=0.2)  # (it waits for the lock this commit holds)
+        readers.append(reader)
+        return out
+
+    monkeypatch.setattr(apply, "rows_written", read_meanwhile)
+    anyio.run(ml.sum(ml.embedding(w, np.array([1]))).train)
+    readers[0].join()
+    adam = seen[0][0]
+    assert adam.step == 2 and adam is w.state[0]  # (the state the commit wrote, read after it)
