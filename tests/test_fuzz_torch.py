@@ -293,3 +293,23 @@ def test_a_torch_tensor_weight_trains_with_adam_and_shows_itself() -> None:
     assert repr(w).startswith("Weight(tensor(")
     anyio.run(ml.sum(w * torch.ones((3, 4), dtype=torch.float64)).train)
     np.testing.assert_allclose(w.data.numpy(), -0.1)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_torch_weights_train_data_parallel_and_differing_ones_are_refused(broadcast: bool) -> None:
+    # The first step's checksum of the weights' values viewed them as NumPy's
+    # view("u8") does: a tensor's view takes a torch dtype, and every step raised.
+    from monadl.distributed import Communicator, DataParallel, RankFailure, run_local
+
+    async def rank(comm: Communicator) -> Any:
+        w = ml.Weight(torch.full((3,), float(comm.rank), dtype=torch.float64), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm)
+        if broadcast:
+            await dp.broadcast()
+        try:
+            await dp.train(ml.sum(w * torch.arange(3.0, dtype=torch.float64)))
+        except RankFailure as failure:
+            return "different values" in str(failure) or str(failure)
+        return w.data.tolist()
+
+    assert run_local(2, rank) == ([[0.0, -0.1, -0.2]] * 2 if broadcast else [True, True])

@@ -392,9 +392,10 @@ def _commit(grads: dict[Weight[Any, Any], Any]) -> None:
 
 _EMPTY_SHARD: Final = (
     "the loss is NaN and its gradients finite, as a mean over an empty shard makes them (a batch of fewer "
-    "examples than ranks); the average would still count this rank's zero gradient, and shrink the step; give "
-    "every rank at least one example (batches of at least as many examples as ranks; shard's drop_last=True "
-    "also makes the shards equal)"
+    "examples than ranks), and any NaN loss is refused here: an empty shard's zero gradient would still count "
+    "in the average, and shrink the step; give every rank at least one example (batches of at least as many "
+    "examples as ranks; shard's drop_last=True also makes the shards equal), or keep NaN out of the loss "
+    "(a metric added with a factor of 0 still makes it NaN)"
 )
 
 

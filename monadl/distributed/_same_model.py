@@ -26,7 +26,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from monadl._namespace import is_array
+from monadl._namespace import is_array, library_name
 from monadl.distributed._comm import Communicator, RankFailure
 from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 from monadl.layers import Weight
@@ -108,6 +108,11 @@ def checksums(weights: Sequence[Weight[Any, Any]]) -> npt.NDArray[np.int64]:
 
 def _bits_sum(value: Any) -> int:
     array = value if is_array(value) else np.asarray(value)
+    if library_name(array) not in ("numpy", "cupy"):  # (a tensor's view takes a dtype of its own: read it on the host)
+        try:
+            array = np.from_dlpack(array)
+        except (TypeError, RuntimeError, BufferError, ValueError):
+            array = np.asarray(array)
     size = array.dtype.itemsize
     unsigned = f"u{math.gcd(size, 8)}"
     if math.gcd(size, 8) != size:  # (complex128, longdouble: read as several integers, which needs one block)

@@ -82,7 +82,10 @@ class Scalar(Immediate[float, ArrayLayer]):
                 f"{self!r} takes a real number (an int, a float, a NumPy real scalar), and was given {shown(x)}"
                 + _hint(x)
             )
-        return as_layer(np.array([x], self.dtype))
+        try:
+            return as_layer(np.array([x], self.dtype))
+        except OverflowError:  # (an int past every float: 10**400)
+            raise ValueError(f"{self!r} was given {shown(x)}, past the largest {self.dtype}") from None
 
 
 @final

@@ -75,7 +75,7 @@ R = TypeVar("R")
 
 
 # ---- the decorator ----------------------------------------------------------------------------
-_TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, the oldest goes)
+_TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, one goes: `Operation._evict`)
 _log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 

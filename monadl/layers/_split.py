@@ -118,13 +118,10 @@ class SplitDelta:
     def __add__(self, other: Any) -> Any:
         if type(other) is not SplitDelta:  # (a batched group's part delta, made one array)
             return self.to_dense() + other
-        mine, theirs = self.parts, other.parts
-        if len(mine) < len(theirs):  # (the smaller into the larger)
-            mine, theirs = theirs, mine
-        for i, part in theirs.items():
+        mine = self.parts  # (the left one: the accumulator; the right, a part's, is only read)
+        for i, part in other.parts.items():
             held = mine.get(i)
             mine[i] = part if held is None else held + part
-        self.parts = mine
         return self
 
     def __radd__(self, other: Any) -> Any:

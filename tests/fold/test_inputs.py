@@ -104,3 +104,8 @@ def test_a_one_of_with_no_case_names_the_input_it_was_given_deep_in_the_structur
     assert info.value.__notes__ == [
         "monadl.fold: while building input 1 (a list) of the batch with ForwardDeclaration('node')"
     ]
+
+
+def test_scalar_refuses_an_int_past_every_float_naming_itself() -> None:
+    with pytest.raises(ValueError, match=r"Scalar\('float32'\) was given .* past the largest float32"):
+        Scalar()(10**400)

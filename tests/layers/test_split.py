@@ -88,6 +88,9 @@ def test_split_deltas_combine_part_by_part() -> None:
 
     np.testing.assert_array_equal((a() + b()).to_dense(), [3.0, 3.0, 4.0])
     np.testing.assert_array_equal((b() + a()).to_dense(), [3.0, 3.0, 4.0])
+    right = b()
+    a() + right
+    np.testing.assert_array_equal(right.to_dense(), [2.0, 3.0, 4.0])  # (only the left one grows)
     np.testing.assert_array_equal((a() + a()).to_dense(), [2.0, 0.0, 0.0])
     assert (a() + b()).shape == (3,)
 
