@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Final
 
 from monadl.distributed._comm import Communicator, RankFailure
+from monadl.errors import OperandError
 
 __all__ = ["in_step"]
 
@@ -35,11 +36,23 @@ def _break(comm: Communicator, why: str) -> None:
     _BROKEN[id(inner)] = (inner, why)
 
 
+_RUNNING: Final[set[int]] = set()
+"""The communicators (by `_underlying`'s id) a step or a broadcast is exchanging over now."""
+
+
 @contextmanager
 def in_step(comm: Communicator) -> Iterator[None]:
-    """Refuse to exchange over ``comm`` once its ranks may be out of step;
-    note a failure that leaves them so."""
-    entry = _BROKEN.get(id(_underlying(comm)))
+    """Refuse to exchange over ``comm`` once its ranks may be out of step, or
+    while another step exchanges over it here; note a failure that leaves
+    them out of step."""
+    inner = _underlying(comm)
+    if id(inner) in _RUNNING:  # (refused here alone, before any exchange: the ranks stay in step)
+        raise OperandError(
+            "a step or a broadcast over this communicator is already running on this rank (another task's "
+            "train() or broadcast(), of this DataParallel or another over the same communicator): their "
+            "collectives would interleave and pair differently on each rank; await one before the next"
+        )
+    entry = _BROKEN.get(id(inner))
     if entry is not None:
         raise RankFailure(
             {},
@@ -47,6 +60,7 @@ def in_step(comm: Communicator) -> Iterator[None]:
             "it (from a checkpoint); for a slow rank, give the communicator a longer timeout",
             in_step=False,
         )
+    _RUNNING.add(id(inner))
     try:
         yield
     except RankFailure as failure:
@@ -56,3 +70,5 @@ def in_step(comm: Communicator) -> Iterator[None]:
     except BaseException:  # (cancelled: the other ranks wait for this one, maybe inside a collective)
         _break(comm, f"rank {comm.rank}'s step was stopped part way (cancelled, or an error of the runtime)")
         raise
+    finally:
+        _RUNNING.discard(id(inner))

@@ -657,3 +657,34 @@ def test_a_data_parallel_step_inside_a_direct_function_is_refused_on_every_rank(
         return list(map(float, weight.data))
 
     assert run_local(2, rank) == [[1.0, 2.0]] * 2
+
+
+def test_a_second_step_over_a_communicator_while_one_runs_is_refused_and_the_first_steps() -> None:
+    # Two tasks' train() at once: their collectives interleaved and paired differently
+    # on each rank, one step averaged one task's gradient with the other's, and every
+    # later step was refused as out of step.
+    async def rank(comm: Communicator) -> tuple[str, list[float]]:
+        w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm)
+        await dp.broadcast()
+        first_in = anyio.Event()
+        refused = ""
+
+        async def first() -> None:
+            first_in.set()
+            await dp.train(ml.sum(w * 1.0))
+
+        async def second() -> None:
+            nonlocal refused
+            await first_in.wait()
+            with pytest.raises(ml.OperandError, match="already running on this rank") as caught:
+                await DataParallel(w, comm).train(ml.sum(w * 2.0))  # (another over the same communicator too)
+            refused = str(caught.value)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(second)
+        await dp.train(ml.sum(w * 1.0))  # (still in step)
+        return refused[:20], w.data.tolist()
+
+    assert run_local(2, rank) == [("a step or a broadcas", [0.8, 0.8])] * 2
