@@ -32,21 +32,6 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     >>> anyio.run(gradients, ml.sum(w * w), [w])
     [array([2., 4.])]
     """
-    return (await value_and_gradients(loss, weights))[1]
-
-
-async def value_and_gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> tuple[Any, list[Any]]:
-    """The value of ``loss`` and its `gradients`, from one forward and one
-    backward pass (as JAX's ``value_and_grad``), without changing any weight:
-    what a step of one's own needs (clipping by a global norm, accumulating
-    gradients over micro-batches), which then commits with
-    `monadl.optim.apply_gradients`.
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> w = ml.Weight(np.array([1.0, 2.0]))
-    >>> anyio.run(value_and_gradients, ml.sum(w * w), [w])
-    (np.float64(5.0), [array([2., 4.])])
-    """
     given: object = weights  # (typed a sequence; a user may pass one weight all the same)
     if isinstance(given, Expr):  # (a layer is not iterated: its message would not say what to pass)
         raise TypeError(
@@ -56,8 +41,30 @@ async def value_and_gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any
     others = sorted({type(w).__name__ for w in weights if not isinstance(w, Weight)})
     if others:
         raise TypeError(f"gradients(loss, weights): weights is a list of Weights, got {', '.join(others)} among them")
+    _, grads = await entry.gradients(loss)
+    return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
+
+
+async def value_and_gradients(loss: Expr[Any, Any]) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    """The value of ``loss`` (summed, if not a scalar) and the gradient of
+    each weight it reaches, as ``train()`` would step them, from one forward
+    and one backward pass, without changing any weight (as JAX's
+    ``value_and_grad``): what a step of one's own needs (clipping by the
+    global norm, `monadl.optim.clip_by_global_norm`; accumulating over
+    micro-batches), which `monadl.optim.apply_gradients` then takes as
+    ``train()`` would. A weight the loss does not reach (or reaches only
+    through `stop_gradient`) has no entry, since a step of zeros still moves
+    Adam; an embedding table's gradient is its rows (`monadl.deltas.SparseRows`,
+    ``.to_dense()`` for the array), so that only they step.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w, frozen = ml.Weight(np.array([1.0, 2.0])), ml.Weight(np.array([3.0, 4.0]))
+    >>> value, grads = anyio.run(value_and_gradients, ml.sum(w * w + ml.stop_gradient(frozen)))
+    >>> float(value), grads[w], frozen in grads
+    (12.0, array([2., 4.]), False)
+    """
     value, grads = await entry.gradients(loss)
-    return value, [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
+    return value, grads
 
 
 def _dense(grad: Any) -> Any:

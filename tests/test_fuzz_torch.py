@@ -313,3 +313,19 @@ def test_torch_weights_train_data_parallel_and_differing_ones_are_refused(broadc
         return w.data.tolist()
 
     assert run_local(2, rank) == ([[0.0, -0.1, -0.2]] * 2 if broadcast else [True, True])
+
+
+def test_a_clipped_step_of_ones_own_matches_torchs_clip_grad_norm() -> None:
+    rng = np.random.default_rng(11)
+    start, x = rng.standard_normal((4, 3)), rng.standard_normal((5, 4))
+    w = ml.Weight(start.copy(), optimizer=ml.optim.adam(0.05))
+    t = torch.tensor(start, requires_grad=True)
+    adam = torch.optim.Adam([t], lr=0.05, eps=1e-8)
+    for _ in range(4):
+        _, grads = anyio.run(ml.value_and_gradients, ml.sum(ml.tanh(x @ w) ** 2.0) * 10.0)
+        ml.optim.apply_gradients(ml.optim.clip_by_global_norm(grads, 0.5))
+        adam.zero_grad()
+        ((torch.tanh(torch.as_tensor(x) @ t) ** 2.0).sum() * 10.0).backward()
+        torch.nn.utils.clip_grad_norm_([t], 0.5)
+        adam.step()
+    np.testing.assert_allclose(w.data, t.detach().numpy(), rtol=1e-12, atol=1e-14)

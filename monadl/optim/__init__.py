@@ -9,7 +9,7 @@ and the one place where they step weights (`apply_gradients`).
 array([-0.1,  0.2])
 """
 
-from monadl.optim.apply import apply_gradients
+from monadl.optim.apply import apply_gradients, clip_by_global_norm
 from monadl.optim.transforms import (
     DEFAULT_LEARNING_RATE,
     AdagradState,
@@ -52,6 +52,7 @@ __all__ = [
     "add_l1_decay",
     "apply_gradients",
     "chain",
+    "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",
     "default_optimizer",

@@ -14,13 +14,14 @@ whose old arrays someone holds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
 
 from monadl._blas import add_product
-from monadl._namespace import all_finite, namespace
+from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
@@ -29,7 +30,7 @@ from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
-__all__ = ["Prepared", "apply_gradients", "consume_gradients", "current", "prepare", "stateful", "step"]
+__all__ = ["Prepared", "apply_gradients", "clip_by_global_norm", "consume_gradients", "current", "prepare", "stateful", "step"]
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
@@ -64,6 +65,33 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
                 f"(built at {site_text(w._site)}); no weight changed"
             )
     _commit(gradients, finite, False)
+
+
+def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: float) -> dict[Weight[Any, Any], Any]:
+    """``gradients`` scaled by ``max_norm / (norm + 1e-6)`` where that is
+    below 1, ``norm`` being all of them as one vector's (an embedding's rows
+    with a row looked up twice summed first, as its dense gradient has them),
+    as PyTorch's ``clip_grad_norm_``; an embedding's stays its rows. For a
+    step of one's own between ``value_and_gradients`` and `apply_gradients`.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.zeros(2))
+    >>> clip_by_global_norm({w: np.array([3.0, 4.0])}, 1.0)[w].round(6)
+    array([0.6, 0.8])
+    """
+    if not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
+    squares = 0.0
+    for g in gradients.values():
+        values = g.summed()[1] if type(g) is SparseRows else g
+        squares += float(namespace(values).sum(values * values)) if is_array(values) else float(values) ** 2
+    factor = max_norm / (math.sqrt(squares) + 1e-6)
+    if factor >= 1:
+        return dict(gradients)
+    return {
+        w: SparseRows(g.indices, g.rows * factor, g.table_shape) if type(g) is SparseRows else g * factor
+        for w, g in gradients.items()
+    }
 
 
 def consume_gradients(

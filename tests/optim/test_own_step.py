@@ -1,0 +1,60 @@
+"""A step of one's own: `ml.value_and_gradients`, then `ml.optim.apply_gradients`
+(clipped by `ml.optim.clip_by_global_norm` or not), is the step `train()` takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.deltas import SparseRows
+
+
+def model() -> dict[str, Any]:
+    rng = np.random.default_rng(3)
+    return {
+        "w": ml.Weight(rng.standard_normal((3, 2)), optimizer=ml.optim.adam(0.1)),
+        "frozen": ml.Weight(rng.standard_normal(2), optimizer=ml.optim.adam(0.1)),
+        "table": ml.Weight(rng.standard_normal((5, 3)), optimizer=ml.optim.adam(0.1)),
+    }
+
+
+def loss(m: dict[str, Any], rows: list[int]) -> ml.ScalarLayer:
+    h = ml.tanh(ml.embedding(m["table"], np.array(rows)) @ m["w"])
+    return ml.sum(h * ml.stop_gradient(m["frozen"]))
+
+
+def test_an_unclipped_step_of_ones_own_is_the_step_train_takes() -> None:
+    # It gave a weight the loss reaches only through stop_gradient a zero gradient,
+    # which Adam stepped on its momentum, and an embedding table a dense one, whose
+    # rows not looked up moved on theirs (a user's clipping steps beside train()'s).
+    by_train, by_hand = model(), model()
+    for rows in ([0, 1], [2, 2], [1, 4]):
+        trained = anyio.run(loss(by_train, rows).train)
+        value, grads = anyio.run(ml.value_and_gradients, loss(by_hand, rows))
+        assert value == trained
+        assert by_hand["frozen"] not in grads and type(grads[by_hand["table"]]) is SparseRows
+        ml.optim.apply_gradients(ml.optim.clip_by_global_norm(grads, 1e9))
+    ml.optim.apply_gradients({by_train["frozen"]: np.ones(2)})  # (give both the same momentum ...)
+    ml.optim.apply_gradients({by_hand["frozen"]: np.ones(2)})
+    anyio.run(loss(by_train, [3]).train)  # (... which a step of zeros would spend)
+    _, grads = anyio.run(ml.value_and_gradients, loss(by_hand, [3]))
+    ml.optim.apply_gradients(grads)
+    for name in by_train:
+        np.testing.assert_array_equal(by_train[name].data, by_hand[name].data, err_msg=name)
+
+
+def test_clip_by_global_norm_counts_a_row_looked_up_twice_as_its_dense_gradient_does() -> None:
+    table, w = ml.Weight(np.zeros((4, 2))), ml.Weight(np.zeros(1))
+    twice = SparseRows(np.array([1, 1]), np.array([[3.0, 0.0], [0.0, 4.0]]), (4, 2))  # (row 1: [3, 4])
+    clipped = ml.optim.clip_by_global_norm({table: twice, w: np.array([0.0])}, 1.0)
+    got = clipped[table]
+    assert type(got) is SparseRows
+    np.testing.assert_allclose(got.to_dense()[1], [0.6, 0.8], rtol=1e-6)
+    unclipped = ml.optim.clip_by_global_norm({table: twice}, 10.0)
+    assert unclipped[table] is twice
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        ml.optim.clip_by_global_norm({w: np.ones(1)}, 0.0)
