@@ -265,7 +265,8 @@ def test_two_threads_training_one_weight_lose_no_update() -> None:
 
 
 CTRL_C_PROGRAM = """
-import sys, anyio, numpy as np, monadl as ml
+import signal, sys, anyio, numpy as np, monadl as ml
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell's background job inherits Ctrl-C ignored)
 w = ml.Weight(np.ones(64), optimizer=ml.optim.sgd(1e-3))
 h = w * 1.0
 for _ in range(3000):
