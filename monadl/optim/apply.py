@@ -30,7 +30,16 @@ from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 
-__all__ = ["Prepared", "apply_gradients", "clip_by_global_norm", "consume_gradients", "current", "prepare", "stateful", "step"]
+__all__ = [
+    "Prepared",
+    "apply_gradients",
+    "clip_by_global_norm",
+    "consume_gradients",
+    "current",
+    "prepare",
+    "stateful",
+    "step",
+]
 
 
 def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool = True) -> None:
