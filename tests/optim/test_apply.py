@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 
 import monadl as ml
 from monadl.optim import apply_gradients
 from monadl.optim.apply import consume_gradients
+from tests._threads import train_in_threads
 
 pytestmark = pytest.mark.anyio
 
@@ -208,25 +208,9 @@ def test_a_gradient_of_no_real_numbers_is_refused() -> None:
 
 
 def test_steps_are_atomic_across_event_loops_in_threads() -> None:
-    import threading
-
     w = ml.Weight(np.zeros(2), optimizer=ml.optim.adam(0.5))
-    counts = []
-
-    def trainer() -> None:
-        async def loop() -> None:
-            for _ in range(200):
-                await ml.sum(w).train()
-
-        anyio.run(loop)
-
-    threads = [threading.Thread(target=trainer) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    counts.append(w.optimizer and w._state[0].step)  # Adam's step count: every step counted once
-    assert counts == [400]
+    train_in_threads(lambda: ml.sum(w), 200)
+    assert w.state[0].step == 400  # Adam's step count: every step counted once
 
 
 async def test_large_finite_weights_are_not_mistaken_for_overflow() -> None:

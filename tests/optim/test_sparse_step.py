@@ -19,6 +19,7 @@ import monadl as ml
 from monadl.deltas import SparseRows
 from monadl.optim import apply
 from monadl.runtime import entry
+from tests._threads import train_in_threads
 
 pytestmark = pytest.mark.anyio
 
@@ -214,19 +215,7 @@ async def test_a_long_commits_sparse_step_is_taken_in_the_commit_in_place() -> N
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_sparse_steps_across_threads_lose_no_update(optimizer: str) -> None:
     w = ml.Weight(np.zeros((V, D)), optimizer=ml.optim.sgd(0.5) if optimizer == "sgd" else ml.optim.adam(0.5))
-
-    def trainer() -> None:
-        async def loop() -> None:
-            for _ in range(100):
-                await ml.sum(ml.embedding(w, np.array([1, 2, 1]))).train()
-
-        anyio.run(loop)
-
-    threads = [threading.Thread(target=trainer) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    train_in_threads(lambda: ml.sum(ml.embedding(w, np.array([1, 2, 1]))), 100)
     if optimizer == "sgd":
         np.testing.assert_array_equal(w.data[[1, 2]], [[-200.0] * D, [-100.0] * D])  # (exact: halves)
     else:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from tests._threads import train_in_threads
 
 pytestmark = pytest.mark.anyio
 
@@ -248,19 +248,7 @@ def test_two_threads_training_one_weight_lose_no_update() -> None:
     w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(1.0))
     loss = ml.sum(w)
     steps = 2000
-
-    def trainer() -> None:
-        async def loop() -> None:
-            for _ in range(steps):
-                await loss.train()
-
-        anyio.run(loop)
-
-    threads = [threading.Thread(target=trainer) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    train_in_threads(lambda: loss, steps)
     np.testing.assert_array_equal(w.data, [-2.0 * steps] * 3)
 
 
