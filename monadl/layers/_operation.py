@@ -56,7 +56,6 @@ import inspect
 import logging
 import types
 from collections.abc import Callable
-from operator import is_not
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
@@ -64,8 +63,9 @@ import numpy as np
 from monadl.errors import OperandError
 from monadl.layers._layer import Layer
 from monadl.layers._outputs import OUTPUT
+from monadl.layers._plans import UNSEEN, Entry, Plan, keyed, same
 from monadl.layers._site import Site
-from monadl.layers._structures import LEAVES, MISMATCH, flatten, items, read_parts, reader
+from monadl.layers._structures import LEAVES, flatten, items, reader
 from monadl.layers._tracing import Trace, traced
 
 __all__ = ["Operation", "operation"]
@@ -119,7 +119,7 @@ class Operation(Generic[P, R]):
         self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
         self._traces: dict[Any, Trace] = {}
         self._evictions = 0  # (traces forgotten past the limit: `_evict`'s turn)
-        self._plans: dict[tuple[type, ...], _Plan | None] = {}  # (None: these types fix no signature)
+        self._plans: dict[tuple[type, ...], Plan | None] = {}  # (None: these types fix no signature)
         self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
         self._site = site
         self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
@@ -148,13 +148,13 @@ class Operation(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
-        # batch), so it is kept lean: a call that a plan reads (see `_Plan`)
+        # batch), so it is kept lean: a call that a plan reads (see `Plan`)
         # finds its trace by its leaves' types and views, with no walk; a
         # trace's node and result are made by closures compiled with the trace.
         kinds = None
         if not kwargs and self._planned:
             kinds = tuple(map(type, args))
-            plan = self._plans.get(kinds, _UNSEEN)
+            plan = self._plans.get(kinds, UNSEEN)
             if plan is None:  # (these types do not fix a signature: the walk, as before plans)
                 kinds = None
             else:
@@ -180,11 +180,11 @@ class Operation(Generic[P, R]):
                     arrays = entry.arrays
                     if not arrays:
                         trace = entry.traces.get(tuple(views))
-                    elif len(arrays) == 1:  # (`_keyed`, unrolled: a tree's node has its symbol)
+                    elif len(arrays) == 1:  # (`keyed`, unrolled: a tree's node has its symbol)
                         x = leaves[arrays[0]]
                         trace = entry.traces.get((tuple(views), x.shape, x.dtype))
                     else:
-                        trace = entry.traces.get(_keyed(views, leaves, arrays))
+                        trace = entry.traces.get(keyed(views, leaves, arrays))
                     if trace is not None:
                         result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
                         return result
@@ -264,23 +264,23 @@ class Operation(Generic[P, R]):
             if any(kind not in LEAVES and read is None for kind, read in zip(kinds, readers)):
                 self._plans[kinds] = None  # (a dict, a named tuple, an int: never read by types)
                 return
-            plan = _Plan(None if readers == [None] * len(kinds) else tuple(readers))
-            if not _same(plan.leaves(args), leaves):
+            plan = Plan(None if readers == [None] * len(kinds) else tuple(readers))
+            if not same(plan.leaves(args), leaves):
                 self._plans[kinds] = None  # (its first call's values are not leaves in the places types say)
                 return
             self._plans[kinds] = plan
-        elif not _same(plan.leaves(args), leaves):
+        elif not same(plan.leaves(args), leaves):
             return
         leaf_kinds = tuple(map(type, leaves))
         entry = plan.entries.get(leaf_kinds)
         if entry is None:
             if not set(leaf_kinds) <= LEAVES:
                 return
-            entry = plan.entries[leaf_kinds] = _Entry(
+            entry = plan.entries[leaf_kinds] = Entry(
                 tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer]),
                 tuple([j for j, kind in enumerate(leaf_kinds) if kind is np.ndarray]),
             )
-        entry.traces[_keyed(list(views), leaves, entry.arrays) if entry.arrays else views] = trace
+        entry.traces[keyed(list(views), leaves, entry.arrays) if entry.arrays else views] = trace
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
@@ -313,58 +313,6 @@ def _lengths(key: Any) -> tuple[int, ...]:
                 found.append(len(part[1]))
             todo.extend(reversed(part))
     return tuple(found)
-
-
-def _same(read: list[Any] | None, leaves: list[Any]) -> bool:
-    """Whether a plan's reading of a call is the walk's leaves, object for object."""
-    return read is not None and len(read) == len(leaves) and not any(map(is_not, read, leaves))
-
-
-@final
-class _Plan:
-    """How calls of one operation whose arguments have one tuple of types
-    are read without the signature's walk: per argument, the `reader` of its
-    leaves (None: the argument is a leaf; ``readers`` None when all are),
-    and per tuple of the leaves' types, an `_Entry` (those of a call whose
-    leaves' types are none of them take the walk)."""
-
-    __slots__ = ("entries", "readers")
-
-    def __init__(self, readers: tuple[Any, ...] | None) -> None:
-        self.readers = readers
-        self.entries: dict[tuple[type, ...], _Entry] = {}
-
-    def leaves(self, args: tuple[Any, ...]) -> list[Any] | None:
-        """The leaves of a call's arguments, in `items`' order; None if a
-        tuple or list among them has other items' types than the plan's."""
-        if self.readers is None:
-            return list(args)
-        leaves = read_parts(args, self.readers)
-        return None if leaves is MISMATCH else leaves
-
-
-_UNSEEN: Final = _Plan(None)  # (for arguments' types no call has had yet: it finds nothing)
-
-
-@final
-class _Entry:
-    """The calls of a plan whose leaves have one tuple of types: which leaves
-    are layers (other operations' outputs among them are views) and which
-    are NumPy arrays (data), and the traces by views and the arrays' shapes
-    and dtypes (`_keyed`)."""
-
-    __slots__ = ("arrays", "layers", "traces")
-
-    def __init__(self, layers: tuple[int, ...], arrays: tuple[int, ...]) -> None:
-        self.layers = layers
-        self.arrays = arrays
-        self.traces: dict[Any, Trace] = {}
-
-
-def _keyed(views: list[tuple[int, int, int]], leaves: list[Any], arrays: tuple[int, ...]) -> Any:
-    """A plan's key of a call's trace where some leaves are data arrays: the
-    views and each array's shape and dtype (the function may read them)."""
-    return (tuple(views), *[v for j in arrays for v in (leaves[j].shape, leaves[j].dtype)])
 
 
 @final
