@@ -52,7 +52,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from monadl._named import named_weights
-from monadl._namespace import is_array, library_name, namespace
+from monadl._namespace import library_name
+from monadl._state_file import decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
@@ -105,7 +106,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     entries = []
     for name, weight in weights.items():
         data, state = weight.data, weight.state
-        _put(tensors, name, data)
+        put(tensors, name, data)
         entries.append(
             {
                 "name": name,
@@ -113,7 +114,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
                 "dtype": str(data.dtype),
                 "scalar": isinstance(data, np.generic),
                 "library": library_name(data),
-                "optimizer_state": _encode(state, f"{_STATE_PREFIX}{name}", tensors),
+                "optimizer_state": encode(state, f"{_STATE_PREFIX}{name}", tensors),
             }
         )
     manifest = {
@@ -162,15 +163,6 @@ def _no_weights(model: object) -> str:
     return text
 
 
-def _put(tensors: dict[str, Any], key: str, value: Any) -> None:
-    if key in tensors:
-        raise CheckpointError(f"save: two arrays would be stored under the name {key!r}; rename one of them")
-    # C order: safetensors writes an array's memory as it lies, so a transposed
-    # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
-    # it makes a 0-d array 1-d.)
-    tensors[key] = np.asarray(_to_host(value), order="C")
-
-
 def _digest(array: Any) -> str | None:
     """A stored array's bytes, hashed (BLAKE2b, 16 bytes, with its dtype and shape); None for no array."""
     if array is None:
@@ -178,31 +170,6 @@ def _digest(array: Any) -> str | None:
     hashed = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
     hashed.update(np.ascontiguousarray(array).tobytes())
     return hashed.hexdigest()
-
-
-def _to_host(value: Any) -> Any:
-    if isinstance(value, (np.ndarray, np.generic)):
-        return np.asarray(value)
-    if library_name(value) == "cupy":
-        return value.get()  # CuPy refuses implicit host copies, so ask for one
-    return np.from_dlpack(value)
-
-
-def _encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
-    """The JSON form of an optimizer state; its arrays go to ``tensors``."""
-    if state is None:
-        return {"kind": "none"}
-    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
-        return {"kind": type(state).__name__, "value": state}
-    if isinstance(state, tuple):
-        fields = getattr(state, "_fields", None)
-        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
-        items = [_encode(s, key + label, tensors) for s, label in zip(state, labels)]
-        return {"kind": "tuple", "type": type(state).__name__, "items": items}
-    if isinstance(state, np.generic) or hasattr(state, "shape"):
-        _put(tensors, key, state)
-        return {"kind": "array", "tensor": key, "scalar": isinstance(state, np.generic)}
-    raise CheckpointError(f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}")
 
 
 def _write_atomically(path: str, tensors: dict[str, Any], header: dict[str, str]) -> None:
@@ -315,11 +282,11 @@ def load(
                     f"weight {name!r}: the checkpoint holds {stored.dtype}, the model's weight is {weight.dtype}; "
                     "build the weight in the dtype it was saved in (a checkpoint loads as saved, not converted)"
                 )
-            data = replace_data(weight.data, _to_library(stored, weight.data), f"weight {name!r}")
+            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {name!r}")
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
                 where = f"weight {name!r}, optimizer state"
-                decoded = _decode(saved[name]["optimizer_state"], weight.state, tensors, where)
+                decoded = decode(saved[name]["optimizer_state"], weight.state, tensors, where)
                 state = replace_state(weight.state, decoded, where)
         except MonadlError as error:
             problems.append(str(error))
@@ -371,41 +338,3 @@ def _json_scalar(x: object) -> Any:
     if isinstance(x, np.generic) and x.dtype.kind in "biuf":
         return x.item()
     raise TypeError(f"{type(x).__name__} is not JSON")
-
-
-def _to_library(array: Any, like: Any) -> Any:
-    """``array`` (NumPy, from the file) in the array library of ``like``."""
-    if isinstance(like, (np.ndarray, np.generic, float, int)):
-        return array
-    return namespace(like).asarray(array)
-
-
-def _decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any:
-    """The saved optimizer state ``node`` rebuilt in the shape of ``like``,
-    the model's own state (whose NamedTuple classes it reuses)."""
-    kind = node["kind"]
-    if kind == "tuple":
-        items = node["items"]
-        if not isinstance(like, tuple) or type(like).__name__ != node["type"] or len(like) != len(items):
-            found = f"{type(like).__name__} of {len(like)}" if isinstance(like, tuple) else type(like).__name__
-            raise CheckpointError(
-                f"{where}: the checkpoint has {node['type']} of {len(items)}, the model's optimizer has {found} "
-                "(was the weight built with the same optimizer?)"
-            )
-        fields = getattr(like, "_fields", None)
-        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(like))]
-        parts = [_decode(n, s, tensors, where + label) for n, s, label in zip(items, like, labels)]
-        return type(like)(*parts) if fields is not None else tuple(parts)
-    if kind == "array":
-        array = tensors[node["tensor"]]
-        if not isinstance(like, (np.generic, float, int)) and not is_array(like):
-            raise CheckpointError(
-                f"{where}: the checkpoint has an array, the model's optimizer has {type(like).__name__} "
-                "(was the weight built with the same optimizer?)"
-            )
-        if node["scalar"] and isinstance(like, (np.ndarray, np.generic)):
-            return array[()]
-        return _to_library(array, like)
-    if kind == "none":
-        return None
-    return node["value"]

@@ -1,0 +1,89 @@
+"""An optimizer state's tree as a checkpoint holds it: its structure and its
+numbers as JSON, in the manifest, its arrays beside the weights' in the
+safetensors file (`encode`), and back, in the shape of the model's own state
+(`decode`); and an array's way into the file (`put`) and out of it, into
+the model's array library (`to_library`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from monadl._namespace import is_array, library_name, namespace
+from monadl.errors import CheckpointError
+
+__all__ = ["decode", "encode", "put", "to_library"]
+
+
+def put(tensors: dict[str, Any], key: str, value: Any) -> None:
+    if key in tensors:
+        raise CheckpointError(f"save: two arrays would be stored under the name {key!r}; rename one of them")
+    # C order: safetensors writes an array's memory as it lies, so a transposed
+    # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
+    # it makes a 0-d array 1-d.)
+    tensors[key] = np.asarray(_to_host(value), order="C")
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, (np.ndarray, np.generic)):
+        return np.asarray(value)
+    if library_name(value) == "cupy":
+        return value.get()  # CuPy refuses implicit host copies, so ask for one
+    return np.from_dlpack(value)
+
+
+def encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
+    """The JSON form of an optimizer state; its arrays go to ``tensors``."""
+    if state is None:
+        return {"kind": "none"}
+    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
+        return {"kind": type(state).__name__, "value": state}
+    if isinstance(state, tuple):
+        fields = getattr(state, "_fields", None)
+        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
+        items = [encode(s, key + label, tensors) for s, label in zip(state, labels)]
+        return {"kind": "tuple", "type": type(state).__name__, "items": items}
+    if isinstance(state, np.generic) or hasattr(state, "shape"):
+        put(tensors, key, state)
+        return {"kind": "array", "tensor": key, "scalar": isinstance(state, np.generic)}
+    raise CheckpointError(f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}")
+
+
+def to_library(array: Any, like: Any) -> Any:
+    """``array`` (NumPy, from the file) in the array library of ``like``."""
+    if isinstance(like, (np.ndarray, np.generic, float, int)):
+        return array
+    return namespace(like).asarray(array)
+
+
+def decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any:
+    """The saved optimizer state ``node`` rebuilt in the shape of ``like``,
+    the model's own state (whose NamedTuple classes it reuses)."""
+    kind = node["kind"]
+    if kind == "tuple":
+        items = node["items"]
+        if not isinstance(like, tuple) or type(like).__name__ != node["type"] or len(like) != len(items):
+            found = f"{type(like).__name__} of {len(like)}" if isinstance(like, tuple) else type(like).__name__
+            raise CheckpointError(
+                f"{where}: the checkpoint has {node['type']} of {len(items)}, the model's optimizer has {found} "
+                "(was the weight built with the same optimizer?)"
+            )
+        fields = getattr(like, "_fields", None)
+        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(like))]
+        parts = [decode(n, s, tensors, where + label) for n, s, label in zip(items, like, labels)]
+        return type(like)(*parts) if fields is not None else tuple(parts)
+    if kind == "array":
+        array = tensors[node["tensor"]]
+        if not isinstance(like, (np.generic, float, int)) and not is_array(like):
+            raise CheckpointError(
+                f"{where}: the checkpoint has an array, the model's optimizer has {type(like).__name__} "
+                "(was the weight built with the same optimizer?)"
+            )
+        if node["scalar"] and isinstance(like, (np.ndarray, np.generic)):
+            return array[()]
+        return to_library(array, like)
+    if kind == "none":
+        return None
+    return node["value"]
