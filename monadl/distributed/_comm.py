@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from monadl.errors import MonadlError
 
-__all__ = ["Communicator", "MpiCommunicator", "Pending", "RankFailure", "mpi_world"]
+__all__ = ["Communicator", "MpiCommunicator", "Pending", "RankFailure", "agree", "mpi_world"]
 
 DEFAULT_TIMEOUT: Final = 300.0  # seconds a collective may wait for the slowest rank
 
@@ -298,3 +298,23 @@ def mpi_world(timeout: float = DEFAULT_TIMEOUT) -> MpiCommunicator:
     2
     """
     return MpiCommunicator(None, timeout)
+
+
+async def agree(
+    comm: Communicator, problem: str, cause: Exception | None, status: npt.NDArray[np.int64] | None = None
+) -> npt.NDArray[np.int64]:
+    """All-gather each rank's status (element 0: the length of its failure
+    message, 0 if none); if any rank failed, all-gather the messages and raise
+    the same `RankFailure` everywhere."""
+    message = problem.encode()
+    if status is None:
+        status = np.zeros(1, np.int64)
+    status[0] = len(message)
+    statuses = (await comm.allgather(status[None], [1] * comm.size)).reshape(comm.size, -1)
+    lengths = statuses[:, 0]
+    if lengths.any():
+        text = await comm.allgather(np.frombuffer(message, np.uint8).copy(), [int(n) for n in lengths])
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        failures = {r: text[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size) if lengths[r]}
+        raise RankFailure(failures) from cause
+    return statuses

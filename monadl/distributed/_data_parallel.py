@@ -47,9 +47,9 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl._named import named_weights
-from monadl._namespace import is_array, namespace
+from monadl._namespace import all_finite, namespace
 from monadl.deltas import SparseRows
-from monadl.distributed._comm import Communicator, RankFailure, mpi_world
+from monadl.distributed._comm import Communicator, RankFailure, agree, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
@@ -197,7 +197,7 @@ class DataParallel:
                     pin_for_readers(self._weights)
                     for weight, (d, _), state in zip(self._weights, loaded, states):
                         weight._data, weight._state = d, state
-        await _agree(comm, problem, None)
+        await agree(comm, problem, None)
 
     @property
     def buckets(self) -> tuple[tuple[Weight[Any, Any], ...], ...]:
@@ -292,7 +292,7 @@ class DataParallel:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
         exposed = agree_start - backward_end
-        statuses = await _agree(comm, problem, cause, status)
+        statuses = await agree(comm, problem, cause, status)
         agree_end = time.perf_counter()
         kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0
@@ -364,26 +364,6 @@ class DataParallel:
         return plan_buckets([self._weights[i] for i in chosen], limit, min(limit, FIRST_BUCKET_BYTES))
 
 
-async def _agree(
-    comm: Communicator, problem: str, cause: Exception | None, status: npt.NDArray[np.int64] | None = None
-) -> npt.NDArray[np.int64]:
-    """All-gather each rank's status (element 0: the length of its failure
-    message, 0 if none); if any rank failed, all-gather the messages and raise
-    the same `RankFailure` everywhere."""
-    message = problem.encode()
-    if status is None:
-        status = np.zeros(1, np.int64)
-    status[0] = len(message)
-    statuses = (await comm.allgather(status[None], [1] * comm.size)).reshape(comm.size, -1)
-    lengths = statuses[:, 0]
-    if lengths.any():
-        text = await comm.allgather(np.frombuffer(message, np.uint8).copy(), [int(n) for n in lengths])
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        failures = {r: text[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size) if lengths[r]}
-        raise RankFailure(failures) from cause
-    return statuses
-
-
 def _commit(grads: dict[Weight[Any, Any], Any]) -> None:
     """Step every weight by its gradient, as ``train()`` commits: every step
     computed before any is written, atomically, never NaN into a weight."""
@@ -408,8 +388,4 @@ def _is_nan(value: Any) -> bool:
 
 
 def _finite(grad: Any) -> bool:
-    values = grad.rows if type(grad) is SparseRows else grad
-    if not is_array(values):
-        return bool(np.isfinite(values))
-    xp = namespace(values)
-    return bool(xp.all(xp.isfinite(values)))
+    return all_finite(grad.rows if type(grad) is SparseRows else grad)
