@@ -368,3 +368,58 @@ async def test_train_inside_a_direct_function_is_refused_and_nothing_steps() -> 
     with pytest.raises(ml.OperandError, match=r"train\(\) inside an @ml.direct function"):
         await model(ml.as_layer(w)).train()
     np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
+@pytest.mark.parametrize("settings", [{"batching": False}, {"workers": 2}, {}])
+async def test_examples_step_in_the_order_written_on_either_event_loop(settings: dict[str, Any]) -> None:
+    """Where examples are not parked (batching off, the worker pool), each
+    request of steps had a task of its own, which trio runs in random order:
+    twelve examples drawing from one generator drew in another order, and
+    trained to other weights, run after run."""
+    w = ml.Weight(np.linspace(-1.0, 1.0, 12).reshape(4, 3))
+    runs: list[tuple[list[int], bytes]] = []
+    order: list[int] = []
+    rng = np.random.default_rng(0)
+
+    @ml.direct
+    async def episode(seed: int) -> ml.ScalarLayer:
+        logp = ml.log_softmax(np.full((1, 4), float(seed)) @ w)
+        terms = []
+        for _ in range(3):
+            await ml.values(logp)
+            order.append(seed)
+            terms.append(ml.sum(logp[:, int(rng.integers(3))]))
+        return -ml.sum(ml.stack(terms))
+
+    for _ in range(6):
+        order, rng = [], np.random.default_rng(0)
+        with ml.settings(**settings):
+            _, grads = await ml.value_and_gradients(ml.sum(ml.stack([episode(s) for s in range(12)])))
+        runs.append((order, grads[w].tobytes()))
+    assert all(order == list(range(12)) * 3 for order, _ in runs)
+    assert len({g for _, g in runs}) == 1
+
+
+async def test_a_step_that_waits_for_a_later_one_last_in_its_request_does_not_stop_it() -> None:
+    """The last step of a request awaits an event that the next step of an
+    earlier example sets. Steps run in one task at a time, in order: one
+    that waits for something foreign hands the steps asked for later to a
+    new task even where none follow it in its own request, else they wait
+    behind it for ever."""
+    event = anyio.Event()
+    w = ml.Weight(2.0)
+
+    @ml.direct
+    async def setter() -> ml.ScalarLayer:
+        value = await (w * 1.0)
+        event.set()
+        return w * value
+
+    @ml.direct
+    async def waiter() -> ml.ScalarLayer:
+        await event.wait()
+        return w * 3.0
+
+    with anyio.fail_after(30):  # (a deadlock guard: this takes milliseconds)
+        with ml.settings(batching=False):
+            assert await (setter() + waiter()).predict() == 10.0

@@ -4,8 +4,8 @@ The interpreter yields five kinds of request: an awaitable (awaited here,
 in this task), `CHECKPOINT` (the event loop is due a turn: other tasks run,
 and a cancellation or Ctrl-C takes effect here), `Spawn` (a fiber's await, to
 run concurrently in a task of this evaluation's task group), `Steps`
-(fibers' direct-style coroutine steps, one after another in a task, those
-after one that awaits something foreign in a task of their own), `NEXT` (no
+(fibers' direct-style coroutine steps, one after another in the order
+asked for, in one task at a time: `_Stepper`), `NEXT` (no
 fiber can run: wait for the next completion). The task group opens only when the first
 fiber spawns, so an evaluation without concurrent effects costs no task. A failure of an awaited thing goes back into the interpreter, which
 may hand it to a direct-style coroutine that awaited it; a failure that
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
@@ -77,6 +78,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     exits = AsyncExitStack()
     tasks: TaskGroup | None = None
     done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
+    stepper: _Stepper | None = None
     ev.reads(True)
     reading = READING.set(ev)
     try:
@@ -93,11 +95,12 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     exits.push_async_callback(done[1].aclose)
                     exits.push_async_callback(done[0].aclose)
                     tasks = await exits.enter_async_context(anyio.create_task_group())
-                assert done is not None
+                    stepper = _Stepper(tasks, done[0].send_nowait)
+                assert done is not None and stepper is not None
                 if isinstance(request, Spawn):
                     tasks.start_soon(_complete, done[0], request.fiber, request.awaitable)
                 else:
-                    _steps(tasks, done[0], request.items)
+                    stepper.ask(request.items)
                 request = advance(machine.send, None, pause)
             elif request is NEXT:
                 assert done is not None
@@ -138,10 +141,45 @@ async def turn_if_due(ev: Evaluation) -> None:
         ev.deadline = now + ev.yield_interval_s
 
 
-def _steps(tasks: TaskGroup, done: MemoryObjectSendStream[Any], items: list[tuple[Any, Any, Any]]) -> None:
-    """Start a task that steps ``items``' coroutines (`step_each`); the rest of
-    them after one that awaits something foreign, in a task of their own."""
-    tasks.start_soon(step_each, items, done.send_nowait, lambda rest: _steps(tasks, done, rest))
+@final
+class _Stepper:
+    """Steps direct-style coroutines (`step_each`) in the order the
+    interpreter asked for them, in one task at a time. A task per request
+    stepped them in the order the event loop ran those tasks, random on
+    trio: examples that drew from one random generator, or appended to one
+    list, drew in another order every run. A step that awaits something
+    foreign keeps its task; the steps after it, and those asked for later,
+    go on in a new one, so none waits for another's await."""
+
+    __slots__ = ("queue", "report", "running", "tasks")
+
+    def __init__(self, tasks: TaskGroup, report: Callable[[tuple[Any, bool | None, Any]], None]) -> None:
+        self.tasks = tasks
+        self.report = report
+        self.queue: deque[tuple[Any, Any, Any]] = deque()
+        self.running = False  # (a task steps the queue, or will: the next request joins it)
+
+    def ask(self, items: list[tuple[Any, Any, Any]]) -> None:
+        self.queue.extend(items)
+        if not self.running:
+            self.running = True
+            self.tasks.start_soon(self._run)
+
+    async def _run(self) -> None:
+        handed = False
+
+        def elsewhere(rest: list[tuple[Any, Any, Any]]) -> None:
+            nonlocal handed  # (this task waits for something foreign: a new one steps the rest)
+            handed = True
+            self.queue.extendleft(reversed(rest))
+            self.tasks.start_soon(self._run)
+
+        while self.queue and not handed:
+            items = list(self.queue)
+            self.queue.clear()
+            await step_each(items, self.report, elsewhere)
+        if not handed:
+            self.running = False
 
 
 async def _complete(done: MemoryObjectSendStream[Any], fiber: Any, awaitable: Awaitable[Any]) -> None:

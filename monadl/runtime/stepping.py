@@ -74,9 +74,10 @@ async def step_each(
     """Step the coroutines of ``items`` (``(fiber, coroutine, sending)``) one
     after another, in this task; ``report((fiber, ok, result))`` after each.
     A step that awaits something foreign says so first (``report((fiber,
-    None, None))``) and goes on in this task, and the items after it go to
-    ``elsewhere`` (a task of their own), so every step still runs within one
-    task and none waits for another's await. Each
+    None, None))``) and goes on in this task, and the items after it (none,
+    where it was the last) go to ``elsewhere`` (a task of their own), so
+    every step still runs within one task and none waits for another's
+    await. Each
     step runs in its own copy of this task's context variables, as it would
     in a task of its own: what one sets, the next does not see.
 
@@ -92,8 +93,7 @@ async def step_each(
             nonlocal handed
             handed = True
             report((fiber, None, None))  # (its step waits for something foreign: no merged run waits for it)
-            if k + 1 < len(items):
-                elsewhere(items[k + 1 :])
+            elsewhere(items[k + 1 :])
 
         try:
             result = await step_in_task(coroutine, sending, scope, hand_on, base.copy())
