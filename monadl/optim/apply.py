@@ -202,15 +202,14 @@ def _commit(
                 else:  # (a pool of one costs more than its own step)
                     weight = members.pop()[0]
                     steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
+        elif finite:  # (NumPy's warnings quiet: the check below refuses the step, naming the weight)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         else:
             steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
             for weight, _, _, _ in _non_finite(steps):
-                raise NonFiniteError(
-                    f"the optimizer step would write a NaN or an infinity into the weight built at "
-                    f"{site_text(weight._site)} (shape {list(weight.shape)}); no weight was changed. "
-                    "ml.settings(check_finite=True) finds the operation that made it"
-                )
+                raise NonFiniteError(_refused(weight, gradients[weight], owned))
         writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
         for i, (weight, data, state, bound) in enumerate(steps):
             if type(data) is Rows:
@@ -223,6 +222,29 @@ def _commit(
             weight._data = data
             weight._state = state
             weight._bound = None if bound is None else (data, bound)
+
+
+def _refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
+    """Why a step is refused: its gradient (one given to `apply_gradients`
+    that holds a NaN or an infinity was blamed on an operation of a model),
+    or the step itself (an optimizer's state, a learning rate)."""
+    where = f"the weight built at {site_text(weight._site)} (shape {list(weight.shape)})"
+    given = gradient.rows if type(gradient) is SparseRows else gradient.dense() if type(gradient) is Outer else gradient
+    if not owned and not all_finite(given):
+        return (
+            f"apply_gradients: the gradient given for {where} holds a NaN or an infinity; no weight was changed "
+            "(where it came from ml.value_and_gradients, ml.settings(check_finite=True) finds the operation "
+            "that made it)"
+        )
+    if not owned:
+        return (
+            f"apply_gradients: the optimizer step would write a NaN or an infinity into {where}, its gradient "
+            "finite (the optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
+        )
+    return (
+        f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "
+        "ml.settings(check_finite=True) finds the operation that made it"
+    )
 
 
 def _non_finite(

@@ -4,6 +4,7 @@ make sense, and the value types a user gave."""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,24 @@ def test_apply_gradients_is_all_or_nothing() -> None:
     np.testing.assert_array_equal(a.data, [1.0, 1.0])
     apply_gradients({a: np.ones(2), b: np.ones(3)})
     np.testing.assert_array_equal(a.data, [0.0, 0.0])
+
+
+@pytest.mark.parametrize("optimizer", [ml.optim.sgd(1.0), ml.optim.adam(1.0)])
+def test_a_given_gradient_of_an_infinity_is_named_as_the_cause(optimizer: ml.optim.GradientTransformation) -> None:
+    """It was refused as an optimizer step that would write an infinity,
+    with advice to find the operation of a model that made it (none did),
+    after NumPy's warnings of the step's arithmetic."""
+    w = ml.Weight(np.ones(2), optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no RuntimeWarning first)
+        with pytest.raises(ml.NonFiniteError, match=r"the gradient given for the weight built at .* holds a NaN or an"):
+            apply_gradients({w: np.array([np.inf, 0.0])})
+    huge = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(1e308))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ml.NonFiniteError, match=r"would write a NaN or an infinity into .*, its gradient finite"):
+            apply_gradients({huge: np.array([1e308, 0.0])})
+    assert w.data.tolist() == [1.0, 1.0] and huge.data.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("optimizer", [ml.optim.sgd(1.0), ml.optim.momentum(1.0), ml.optim.adam(1.0)])
