@@ -73,6 +73,9 @@ class Unvalued:
         def __complex__(self) -> NoReturn:
             self._unread("complex()")
 
+        def __round__(self, ndigits: object = None) -> NoReturn:  # (round(layer): "doesn't define __round__")
+            self._unread("round()")
+
         def __array__(self, *args: object, **kwargs: object) -> NoReturn:  # (np.asarray made an object array)
             self._unread("an array (np.asarray, an index into an array)")
 
