@@ -22,7 +22,7 @@ import numpy as np
 
 from monadl._blas import add_product
 from monadl._namespace import all_finite, is_array, namespace
-from monadl.deltas import Outer, SparseRows
+from monadl.deltas import Outer, SparseRows, in_dtype_of
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
@@ -338,9 +338,11 @@ def _owned_step(
 
 def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     """A weight's new data and optimizer state after one step; nothing is written."""
+    old = weight._data
+    if getattr(grad, "dtype", None) != getattr(old, "dtype", None):  # (a float64 gradient given for a float32 weight)
+        grad = in_dtype_of(grad, old)
     if type(grad) is SparseRows:
         return sparse_step(weight, grad)
-    old = weight._data
     update, state = weight._optimizer.update(grad, weight._state, old)
     if type(update) is np.ndarray and update.nbytes >= _ELIDE_BYTES and private(update, old, 1):
         new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill

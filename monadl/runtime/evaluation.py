@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
-from monadl.deltas import Outer
+from monadl.deltas import Outer, in_dtype_of
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
 from monadl.runtime.settings import current_settings
@@ -285,10 +285,12 @@ class Evaluation:
         grads = self.gradients
         if grads is None:
             grads = {rec.node: rec.delta for rec in self.records.values() if rec.is_weight and rec.delta is not None}
-        if not factored:
-            for weight, grad in grads.items():
-                if type(grad) is Outer:
-                    grads[weight] = grad.dense()
+        for weight, grad in grads.items():
+            if type(grad) is Outer and not factored:
+                grads[weight] = grad = grad.dense()
+            data = weight._data
+            if getattr(grad, "dtype", None) != getattr(data, "dtype", None):  # (a float64 delta, a float32 weight)
+                grads[weight] = in_dtype_of(grad, data)
         return grads
 
     def finish(self) -> None:

@@ -330,3 +330,37 @@ def test_a_non_finite_gradient_in_a_pool_names_its_weight_and_changes_nothing() 
         consume_gradients(grads)
     for w in [*ws, bad]:
         np.testing.assert_array_equal(w.data, np.ones_like(w.data))
+
+
+async def test_a_float32_weights_gradient_and_optimizer_state_stay_float32_beside_float64_numbers(
+    tmp_path: Any,
+) -> None:
+    """A float32 loss divided by a NumPy float64 (or by a scalar weight,
+    float64) back-propagated float64 deltas: the gradients were float64,
+    Adam's moments became float64, and the model's own checkpoint was
+    refused by the same model ("expected dtype float32, got float64")."""
+    w = ml.Weight(np.ones((3, 2), np.float32), optimizer=ml.optim.adam(0.01))
+    table = ml.Weight(np.ones((4, 2), np.float32), optimizer=ml.optim.adam(0.01))
+    temperature = ml.Weight(2.0, optimizer=ml.optim.adam(0.01))
+    x = np.ones((5, 3), np.float32)
+    rows = ml.embedding(table, np.array([0, 1, 1]))
+    loss = ml.cross_entropy(x @ w, np.zeros(5, int)) / np.float64(2.0) + ml.sum(rows) / temperature
+    _, grads = await ml.value_and_gradients(loss)
+    assert grads[w].dtype == np.float32 and grads[table].dtype == np.float32 and grads[temperature].dtype == np.float64
+    await loss.train()
+    moments = arrays_of(w.state)
+    assert moments and all(a.dtype == np.float32 for a in moments)
+    ml.save(tmp_path / "model.npz", {"w": w, "table": table, "temperature": temperature})
+    ml.load(tmp_path / "model.npz", {"w": w, "table": table, "temperature": temperature})
+    given = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.adam(0.1))
+    apply_gradients({given: np.array([1.0, -1.0])})  # float64, given by hand
+    assert given.data.dtype == np.float32 and all(a.dtype == np.float32 for a in arrays_of(given.state))
+
+
+def arrays_of(state: Any) -> list[Any]:
+    """The arrays of an optimizer state (nested tuples, named tuples)."""
+    if isinstance(state, np.ndarray):
+        return [state]
+    if isinstance(state, tuple):
+        return [a for part in state for a in arrays_of(part)]
+    return []
