@@ -51,6 +51,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from monadl._interrupts import hold, release
 from monadl._named import named_weights
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
@@ -304,10 +305,14 @@ def load(
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     with COMMIT_LOCK:
         pin_for_readers([weight for weight, _, _ in updates])
-        for weight, data, state in updates:
-            weight._data = data  # checked and copied above: nothing can fail half way
-            if state is not None:
-                weight._state = state
+        held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
+        try:
+            for weight, data, state in updates:
+                weight._data = data
+                if state is not None:
+                    weight._state = state
+        finally:
+            release(held)
     return dict(manifest["metadata"])
 
 

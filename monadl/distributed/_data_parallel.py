@@ -46,6 +46,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from monadl._interrupts import hold, release
 from monadl._named import named_weights
 from monadl._namespace import all_finite, namespace
 from monadl.deltas import SparseRows
@@ -195,8 +196,12 @@ class DataParallel:
             if not problem:
                 with COMMIT_LOCK:
                     pin_for_readers(self._weights)
-                    for weight, (d, _), state in zip(self._weights, loaded, states):
-                        weight._data, weight._state = d, state
+                    held = hold()  # (a Ctrl-C waits for the last write)
+                    try:
+                        for weight, (d, _), state in zip(self._weights, loaded, states):
+                            weight._data, weight._state = d, state
+                    finally:
+                        release(held)
         await agree(comm, problem, None)
 
     @property

@@ -21,6 +21,7 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._blas import add_product
+from monadl._interrupts import hold, release
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows, in_dtype_of
 from monadl.errors import NonFiniteError, ShapeError
@@ -214,14 +215,18 @@ def _commit(
         for i, (weight, data, state, bound) in enumerate(steps):
             if type(data) is Rows:
                 steps[i] = (weight, *rows_written(weight, data, state, writes), bound)
-        for data, factor, left, right in in_place:
-            add_product(data, factor, left, right)
-        for data, rows, values in writes:
-            data[rows] = values
-        for weight, data, state, bound in steps:
-            weight._data = data
-            weight._state = state
-            weight._bound = None if bound is None else (data, bound)
+        held = hold()  # (a Ctrl-C from here on acts after the last write: every weight stepped, or none)
+        try:
+            for data, factor, left, right in in_place:
+                add_product(data, factor, left, right)
+            for data, rows, values in writes:
+                data[rows] = values
+            for weight, data, state, bound in steps:
+                weight._data = data
+                weight._state = state
+                weight._bound = None if bound is None else (data, bound)
+        finally:
+            release(held)
 
 
 def _refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
