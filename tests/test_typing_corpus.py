@@ -85,6 +85,13 @@ ACCEPT = {
         assert_type(ml.tanh(array_weight[:2]), ml.ArrayLayer)
         assert_type(array_layer[0], ml.Layer[Any, Any])  # an element or a row: not known statically
     """,
+    "gathers_keep_arrays": """
+        sources = np.array([0, 2, 2])
+        assert_type(array_layer[sources], ml.ArrayLayer)  # (a GNN's gather: it was Layer[Any, Any])
+        assert_type(array_weight[np.arange(2)] * 0.5, ml.ArrayLayer)
+        assert_type(array_layer[array > 0.0], ml.ArrayLayer)
+        assert_type(array_layer[[0, 1]], ml.ArrayLayer)
+    """,
     "frozen_keeps_weight_types": """
         from monadl.estimate import frozen
         assert_type(frozen([array_weight]), list[ml.ArrayLayer])

@@ -38,6 +38,14 @@ __all__ = [
 ]
 
 _Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
+_Gathering: TypeAlias = "np.ndarray[Any, Any] | list[int]"
+"""An index array (a GNN's ``h[sources]``, a mask) or a list of ints: its
+result is an array. Any NumPy array: an index array's dtype is often
+unknown to mypy (``np.array([0, 2])``), and one of floats raises anyway."""
+_Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | list[Any] | None"
+"""The other indices, whose result may be an element or a row. Not a NumPy
+array: where both matched (an index array of a dtype mypy does not know),
+mypy gave up for ``Layer[Any, Any]``."""
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -221,11 +229,12 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["abs"], (self,))
 
     @overload
-    def __getitem__(self: Expr[Array, Array], index: _Slicing) -> Layer[Array, Array]: ...
+    def __getitem__(self: Expr[Array, Array], index: _Slicing | _Gathering) -> Layer[Array, Array]: ...
     @overload
-    def __getitem__(self, index: Any) -> Layer[Any, Any]: ...
+    def __getitem__(self, index: _Indexing) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
-        """Indexing and slicing; slices alone (with ``...`` and ``None``) keep an array an array."""
+        """Indexing and slicing; slices alone (with ``...`` and ``None``), an
+        integer or boolean array or a list of ints keep an array an array."""
         if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
         # A cell cuts its gates with several slices a node: built here, as `binary` builds.
