@@ -2,9 +2,11 @@
 
 Both read the input through strided slices, one per kernel position
 (`_window`): the convolution as one product with the im2col matrix, the
-pooling as a max over the stacked windows. Their input deltas add each
-position's slice back into an array of zeros; in a pool the first maximum
-of a window takes the whole delta, as in PyTorch.
+pooling as the elementwise maximum of the slices. Their input deltas add
+each position's slice back into an array of zeros; in a pool the first
+maximum of a window takes the whole delta, as in PyTorch (a window holding
+NaN has NaN for its maximum, and its first NaN takes the delta, as NumPy's
+argmax would pick).
 """
 
 from __future__ import annotations
@@ -74,16 +76,22 @@ def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, .
     oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
     if oh < 1 or ow < 1:
         raise ValueError(f"max_pool2d: kernel {kernel} is larger than the input {h}x{w}")
-    cols = xp.stack([x[_window(i, j, stride, oh, ow)] for i in range(kernel) for j in range(kernel)], axis=-1)
-    winner = xp.argmax(cols, axis=-1)  # the first maximum takes the whole delta, like PyTorch
-    out = xp.max(cols, axis=-1)
+    # Elementwise over the strided slices: a max or argmax along a stacked axis
+    # of kernel*kernel elements costs NumPy a loop per window, ten times slower.
+    indices = [_window(i, j, stride, oh, ow) for i in range(kernel) for j in range(kernel)]
+    out = x[indices[0]]
+    for index in indices[1:]:
+        out = xp.maximum(out, x[index])
 
     def vjp(g: Value) -> Value:
-        dx = xp.zeros(x.shape, dtype=g.dtype, device=x.device)
-        for k in range(kernel * kernel):
-            i, j = divmod(k, kernel)
-            index = _window(i, j, stride, oh, ow)
-            dx[index] = dx[index] + g * _mask(xp, winner == k, g)
+        dx = xp.zeros_like(x, dtype=g.dtype)  # in x's layout (NumPy's and PyTorch's keep it)
+        rest = g  # the delta of the windows whose maximum no earlier position was
+        for k, index in enumerate(indices):
+            seen = x[index]
+            share = rest * _mask(xp, xp.logical_or(seen == out, xp.isnan(seen)), rest)
+            dx[index] = share if stride >= kernel else dx[index] + share
+            if k + 1 < len(indices):
+                rest = rest - share
         return dx
 
     return out, (vjp,)
