@@ -1,4 +1,4 @@
-"""``conv2d`` and ``max_pool2d`` against PyTorch's.
+"""``conv2d`` and ``max_pool2d`` against PyTorch's, and the layout they hand on.
 
 Values and every gradient are compared in float64 over a table of the shapes
 the rules treat apart: stride 2, padding, a kernel larger than its stride,
@@ -115,3 +115,12 @@ def test_a_small_conv_net_gives_pytorchs_gradients() -> None:
         anyio.run(_value_and_grads, out, weights, projection),
         _torch_value_and_grads(want_out, tensors, projection),
     )
+
+
+def test_conv2d_hands_on_its_batch_last_layout_through_elementwise_operations() -> None:
+    # The output is an NCHW view of (O, OH, OW, N) memory; ReLU keeps that
+    # layout, so the next convolution's batch-last view of it needs no copy.
+    x, k = np.ones((4, 2, 5, 5)), np.ones((3, 2, 3, 3))
+    out = anyio.run(ml.relu(ml.conv2d(x, k, padding=1)).predict)
+    assert out.shape == (4, 3, 5, 5)
+    assert np.transpose(out, (1, 2, 3, 0)).flags.c_contiguous
