@@ -6,6 +6,7 @@ weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
 from monadl import optim
+from monadl._scope import entered_only
 from monadl.checkpoint import load, save
 from monadl.direct import direct, values
 from monadl.do import Do
@@ -66,11 +67,16 @@ from monadl.layers import (
     tanh,
     transpose,
 )
-from monadl.runtime.settings import Settings, current_settings, settings
+from monadl.runtime.settings import Settings, current_settings
+from monadl.runtime.settings import settings as _settings
 from monadl.tape import Tape
 from monadl.typeclasses import DeepLearning, as_layer, forward
 
 __version__ = "0.1.0"
+
+# Called without `with`, it warns that it changed nothing (monadl/_scope.py); the API page follows
+# the wrapper to the docstring in runtime/settings.py.
+settings = entered_only("ml.settings")(_settings)
 
 __all__ = [
     "Array",

@@ -156,6 +156,12 @@ ACCEPT = {
             return x * s if value > 0 else x
         assert_type(chosen(array_layer, scalar_layer), ml.ArrayLayer)
     """,
+    "scopes_entered_with_with": """
+        with ml.settings(check_finite=True) as s:
+            assert_type(s, ml.Settings)
+        with ml.optim.using_default(ml.optim.adam(1e-3)) as nothing:
+            assert_type(nothing, None)
+    """,
     "optimizers": """
         w = ml.Weight(np.zeros(3), optimizer=ml.optim.chain(ml.optim.add_decayed_weights(1e-4), ml.optim.adam(1e-3)))
         v = ml.Weight(0.5, optimizer=ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.9)))

@@ -9,9 +9,9 @@ and the one place where they step weights (`apply_gradients`).
 array([-0.1,  0.2])
 """
 
+from monadl.optim._default import DEFAULT_LEARNING_RATE, default_optimizer, using_default
 from monadl.optim.apply import apply_gradients, clip_by_global_norm
 from monadl.optim.transforms import (
-    DEFAULT_LEARNING_RATE,
     AdagradState,
     AdamState,
     GradientTransformation,
@@ -24,7 +24,6 @@ from monadl.optim.transforms import (
     chain,
     constant_schedule,
     cosine_decay_schedule,
-    default_optimizer,
     exponential_decay,
     momentum,
     nesterov,
@@ -36,7 +35,6 @@ from monadl.optim.transforms import (
     scale_by_rms,
     sgd,
     trace,
-    using_default,
 )
 
 __all__ = [

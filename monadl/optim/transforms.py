@@ -17,9 +17,7 @@ array([-0.1,  0.2])
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple, TypeAlias, final
 
 import numpy as np
@@ -37,7 +35,6 @@ __all__ = [
     "chain",
     "constant_schedule",
     "cosine_decay_schedule",
-    "default_optimizer",
     "exponential_decay",
     "momentum",
     "nesterov",
@@ -49,7 +46,6 @@ __all__ = [
     "scale_by_rms",
     "sgd",
     "trace",
-    "using_default",
 ]
 
 Tensor: TypeAlias = Any  # an ndarray or a NumPy scalar
@@ -365,36 +361,3 @@ def adam(
     array([-0.1])
     """
     return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
-
-
-# ---- the default -----------------------------------------------------------------------
-DEFAULT_LEARNING_RATE = 0.0005
-"""The learning rate of the default optimizer, plain SGD (the paper's first listing)."""
-
-_default: ContextVar[GradientTransformation | None] = ContextVar("monadl_default_optimizer", default=None)
-
-
-def default_optimizer() -> GradientTransformation:
-    """What a `Weight` built without ``optimizer=`` gets: ``sgd(0.0005)``,
-    unless `using_default` says otherwise."""
-    chosen = _default.get()
-    return sgd(DEFAULT_LEARNING_RATE) if chosen is None else chosen
-
-
-@contextmanager
-def using_default(optimizer: GradientTransformation) -> Iterator[None]:
-    """Weights built inside the block default to ``optimizer``.
-
-    >>> import numpy as np, monadl as ml
-    >>> with using_default(adam(1e-3)):
-    ...     w = ml.Weight(np.zeros(3))
-    >>> len(w.optimizer.init(np.zeros(3)))  # adam's chain: two states
-    2
-    """
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(f"expected a GradientTransformation, got {type(optimizer).__name__}")
-    token = _default.set(optimizer)
-    try:
-        yield
-    finally:
-        _default.reset(token)

@@ -1,0 +1,82 @@
+"""A scope such as ``ml.settings(...)`` that says so when it is built and never entered.
+
+``ml.settings(check_finite=True)`` on a line of its own (natural in a notebook
+cell) builds a context manager and drops it: nothing changed, and nothing said
+so. `entered_only` wraps such a factory so that what it returns warns, when it
+is dropped without ever being entered, with the line that built it and what to
+write instead; in a notebook, where the cell's last value is kept, its repr
+says the same.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import wraps
+from types import TracebackType
+from typing import Generic, ParamSpec, TypeVar, final
+
+__all__ = ["Scope", "entered_only"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+@final
+class Scope(Generic[T]):
+    """A context manager that warns if it is dropped without being entered.
+
+    >>> import monadl as ml
+    >>> with ml.settings(check_finite=True) as s:
+    ...     s.check_finite
+    True
+    """
+
+    __slots__ = ("_context", "_entered", "_line", "_name")
+
+    def __init__(self, context: AbstractContextManager[T], name: str, line: tuple[str, int]) -> None:
+        self._context = context
+        self._name = name
+        self._line = line
+        self._entered = False
+
+    def __enter__(self) -> T:
+        self._entered = True
+        return self._context.__enter__()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> bool | None:
+        return self._context.__exit__(kind, error, traceback)
+
+    def __repr__(self) -> str:
+        state = "entered" if self._entered else f"not in force: write `with {self._name}(...):`"
+        return f"<{self._name}(...) scope, {state}>"
+
+    def __del__(self) -> None:
+        if self._entered or sys.is_finalizing():
+            return
+        filename, line = self._line  # (where it was built: where it is dropped may be a later line, or none)
+        warnings.warn_explicit(
+            f"{self._name}(...) was never entered, so it changed nothing: it acts only inside a with block "
+            f"(write `with {self._name}(...):` and indent what it is for)",
+            UserWarning,
+            filename,
+            line,
+        )
+
+
+def entered_only(name: str) -> Callable[[Callable[P, AbstractContextManager[T]]], Callable[P, Scope[T]]]:
+    """Wrap a context manager factory, published as ``name``, in a `Scope`."""
+
+    def wrap(factory: Callable[P, AbstractContextManager[T]]) -> Callable[P, Scope[T]]:
+        @wraps(factory)
+        def build(*args: P.args, **kwargs: P.kwargs) -> Scope[T]:
+            caller = sys._getframe(1)
+            return Scope(factory(*args, **kwargs), name, (caller.f_code.co_filename, caller.f_lineno))
+
+        return build
+
+    return wrap

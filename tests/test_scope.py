@@ -1,0 +1,51 @@
+"""A scope called without ``with`` says so: a user's ``ml.settings(check_finite=True)`` on a line of its
+own in a notebook cell, or ``ml.optim.using_default(adam)``, changed nothing, silently."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import monadl as ml
+
+
+def test_settings_called_without_with_warns_at_its_line_with_what_to_write() -> None:
+    with pytest.warns(UserWarning, match=r"never entered.*`with ml\.settings\(\.\.\.\):`") as caught:
+        line = sys._getframe().f_lineno + 1
+        ml.settings(check_finite=True)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    assert not ml.current_settings().check_finite
+
+
+def test_using_default_called_without_with_warns() -> None:
+    with pytest.warns(UserWarning, match=r"`with ml\.optim\.using_default\(\.\.\.\):`") as caught:
+        line = sys._getframe().f_lineno + 1
+        scope = ml.optim.using_default(ml.optim.adam(1e-3))
+        del scope  # (as a later cell's assignment drops it: the warning names the line that built it)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+def test_a_scope_entered_says_nothing_and_acts() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ml.settings(check_finite=True) as s:
+            assert s.check_finite and ml.current_settings().check_finite
+        with ml.optim.using_default(ml.optim.sgd(0.5)):
+            w = ml.Weight(np.zeros(1))
+        scope = ml.settings(workers=2)  # (entered by hand, as a script may do for its whole run)
+        scope.__enter__()
+        scope.__exit__(None, None, None)
+        del scope
+    update, _ = w.optimizer.update(np.ones(1), w.optimizer.init(w.data), w.data)
+    np.testing.assert_allclose(update, [-0.5])
+
+
+def test_a_scope_not_entered_says_so_in_its_repr() -> None:
+    # A notebook keeps a cell's last value (Out[n]), so the scope is not dropped: its repr is what is seen.
+    scope = ml.settings(check_finite=True)
+    assert "not in force: write `with ml.settings(...):`" in repr(scope)
+    with scope:
+        assert "not in force" not in repr(scope)
