@@ -120,9 +120,7 @@ class Weight(Expr[D, G]):
         if optimizer is None:
             optimizer = optim.default_optimizer()
         elif not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(
-                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
-            )
+            raise OperandError(f"Weight(...): {optim.transforms.refusal(optimizer, 'optimizer')}")
         self._data = data
         self._bound = None
         self._optimizer = optimizer
@@ -214,9 +212,7 @@ class Weight(Expr[D, G]):
         from monadl import optim
 
         if not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(
-                f"optimizer must be a monadl.optim.GradientTransformation, got {type(optimizer).__name__}"
-            )
+            raise OperandError(f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}")
         state = optimizer.init(self._data)
         self._optimizer = optimizer
         self._state = state

@@ -16,6 +16,7 @@ array([-0.1,  0.2])
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple, TypeAlias, final
@@ -76,6 +77,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     >>> len(opt.init(0.0))
     2
     """
+    for position, transform in enumerate(
+        transforms, 1
+    ):  # (not at the first step: Weight(...) said 'no attribute init')
+        if not (callable(getattr(transform, "init", None)) and callable(getattr(transform, "update", None))):
+            raise TypeError(f"chain: {refusal(transform, f'argument {position}')}")
 
     def init(param: Tensor) -> State:
         return tuple(t.init(param) for t in transforms)
@@ -88,6 +94,30 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return grad, tuple(new_state)
 
     return GradientTransformation(init, update)
+
+
+def refusal(value: object, what: str) -> str:
+    """Why ``value``, given as ``what`` (``"argument 2"``), is no optimizer, and what to write instead.
+
+    >>> refusal(sgd, "optimizer")
+    'optimizer is the function sgd, not called: call it, as in sgd(learning_rate)'
+    """
+    name = getattr(value, "__name__", None)
+    if callable(value) and name == "clip_by_global_norm":  # (optax's habit: chain(clip_by_global_norm(1.0), adam(...)))
+        return (
+            f"{what} is clip_by_global_norm, which clips the gradients of all weights together, not one weight's "
+            "step: clipping by the global norm is done with ml.value_and_gradients(loss), then "
+            "ml.optim.clip_by_global_norm(gradients, max_norm), then ml.optim.apply_gradients(...) "
+            '(the tour\'s "Coming from PyTorch")'
+        )
+    if callable(value) and isinstance(name, str) and str(getattr(value, "__module__", "")).startswith("monadl.optim"):
+        needed = [p.name for p in inspect.signature(value).parameters.values() if p.default is p.empty]
+        return f"{what} is the function {name}, not called: call it, as in {name}({', '.join(needed)})"
+    kind = f"the function {name}" if callable(value) and name else f"{type(value).__name__} {value!r}"
+    return (
+        f"{what} is {kind}, not a GradientTransformation: an optimizer such as ml.optim.sgd(0.1), "
+        "or GradientTransformation(init, update)"
+    )
 
 
 # ---- schedules -------------------------------------------------------------------

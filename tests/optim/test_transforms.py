@@ -155,3 +155,42 @@ def test_adams_first_step_is_the_rate_however_large_the_gradient(dtype: Any, gra
     optim.apply_gradients({weight: np.array([gradient, -gradient], dtype)})
     np.testing.assert_allclose(weight.data, np.array([0.9, 1.1], dtype), rtol=1e-3)
     assert weight.data.dtype == dtype
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # optax's habit: clipping is a transformation there; here it is a step of one's own.
+        ((optim.clip_by_global_norm, optim.sgd(0.1)), r"argument 1 is clip_by_global_norm.*ml\.value_and_gradients"),
+        (
+            (optim.sgd, optim.adam(0.1)),
+            r"argument 1 is the function sgd, not called: call it, as in sgd\(learning_rate\)",
+        ),
+        ((optim.sgd(0.1), 3), r"argument 2 is int 3, not a GradientTransformation"),
+        ((optim.sgd(0.1), lambda g: g), r"argument 2 is the function <lambda>, not a GradientTransformation"),
+    ],
+)
+def test_chain_refuses_what_is_no_transformation_naming_it(arguments: tuple[Any, ...], message: str) -> None:
+    # They were accepted, and ml.Weight(..., optimizer=...) failed: 'function' object has no attribute 'init'.
+    with pytest.raises(TypeError, match=rf"^chain: {message}"):
+        optim.chain(*arguments)
+
+
+def test_chain_takes_any_init_update_pair() -> None:
+    pair = optim.GradientTransformation(lambda p: (), lambda g, s, p: (2.0 * g, s))
+    opt = optim.chain(pair, optim.sgd(0.5))
+    assert opt.update(1.0, opt.init(0.0), 0.0)[0] == -1.0
+
+
+def test_a_weight_given_an_uncalled_optimizer_or_clipping_says_what_to_write() -> None:
+    bad: Any = optim.sgd
+    with pytest.raises(ml.OperandError, match=r"optimizer is the function sgd, not called: call it"):
+        ml.Weight(np.zeros(2), optimizer=bad)
+    bad = optim.clip_by_global_norm
+    with pytest.raises(
+        ml.OperandError, match=r"ml\.optim\.clip_by_global_norm\(gradients, max_norm\), then ml\.optim\.apply_gradients"
+    ):
+        ml.Weight(np.zeros(2), optimizer=bad)
+    w, bad = ml.Weight(np.zeros(2)), optim.adam
+    with pytest.raises(ml.OperandError, match=r"the function adam, not called: call it, as in adam\(learning_rate\)"):
+        w.optimizer = bad
