@@ -16,8 +16,10 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
 from monadl.layers._layer import Expr
+from monadl.layers._operation import Operation
 from monadl.layers._weight import Weight
 from monadl.runtime import entry
+from monadl.typeclasses import as_layer
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients", "value_and_gradients"]
 
@@ -84,8 +86,9 @@ def check_grads(
 
     Args:
         function: takes one operand per arg (plain arrays, weights or layers:
-            it is called both ways) and returns a layer built only from
-            primitives (no awaited effects).
+            it is called both ways; a marked cell, `monadl.operation`, on
+            weights and on layers of the plain arrays) and returns a layer
+            built only from primitives (no awaited effects).
         args: the point, as floats or float arrays; they are converted to
             float64.
         eps: the finite-difference step.
@@ -104,7 +107,10 @@ def check_grads(
                 f"made from them), got a {type(given).__name__}; pass its value (w.data, await layer.predict())"
             )
     point = [np.asarray(a, dtype=np.float64) for a in args]
-    probe = _value(function(*point))
+    # A marked cell refuses plain data that its operators would compute on (its trace would keep the
+    # result): it gets the point as layers. Other functions get plain data, which some compute on apart.
+    data = as_layer if isinstance(function, Operation) else _plain
+    probe = _value(function(*map(data, point)))
     projection = np.random.default_rng(seed).standard_normal(np.shape(probe))
 
     def scalar(*operands: Any) -> Any:
@@ -120,14 +126,18 @@ def check_grads(
             up, down = [q.copy() for q in point], [q.copy() for q in point]
             up[i][j] += eps
             down[i][j] -= eps
-            hi = float(_value(scalar(*(u if u.ndim else u[()] for u in up))))
-            lo = float(_value(scalar(*(d if d.ndim else d[()] for d in down))))
+            hi = float(_value(scalar(*(data(u if u.ndim else u[()]) for u in up))))
+            lo = float(_value(scalar(*(data(d if d.ndim else d[()]) for d in down))))
             numeric[j] = (hi - lo) / (2 * eps)
         if analytic.shape != p.shape or not np.allclose(analytic, numeric, rtol=rtol, atol=atol):
             raise AssertionError(
                 f"gradient of argument {i} (shape {p.shape}) disagrees with finite differences:\n"
                 f"backward: {analytic}\nnumeric:  {numeric}"
             )
+
+
+def _plain(data: Any) -> Any:
+    return data
 
 
 def _value(result: Any) -> Any:
