@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from monadl.layers._layer import Expr, Layer
+from monadl.layers._primitives import shown
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 
@@ -105,7 +106,7 @@ def to_dot(
             text, style = _evaluate(layer, args, known) if values else (None, "shape=box")
             if layer._op.name == "getitem":
                 text = f"[{_index_text(layer._params[0])}]" + ("" if text is None else f" {text}")
-        head = layer._op.name if layer._op is not None else "dynamic"
+        head = shown(layer._op) if layer._op is not None else "dynamic"
         label = _join(labels.get(layer, head), text, _short_site(layer))
         tooltip = _quote(_long_site(layer))
         lines.append(f"  {me} [label={_quote(label)}, tooltip={tooltip}, {style}{_root_style(layer, roots)}];")

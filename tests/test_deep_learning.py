@@ -67,3 +67,16 @@ def test_the_operand_aliases_are_types_at_runtime() -> None:
 
     affine.__annotations__ = {"x": ml.AsArray, "w": ml.AsScalar, "return": ml.ArrayLayer}  # (as evaluated)
     assert typing.get_type_hints(affine)["x"] == ml.AsArray
+
+
+def test_as_layer_goes_by_its_own_name_and_stop_gradient_by_its() -> None:
+    # ml.as_layer(x) showed as Layer(stop_gradient, ...), in ml.to_dot too, and refused a ragged list as stop_gradient.
+    x = ml.as_layer(np.ones((2, 3)))
+    assert repr(x).startswith("Layer(as_layer, built at ")
+    assert 'label="as_layer\\n' in ml.to_dot(ml.sum(x))
+    ragged: Any = [[1.0, 2.0], [3.0]]  # (a GNN's messages; mypy refuses it, a notebook does not)
+    with pytest.raises(ml.OperandError, match=r"^as_layer: operand of type list is not a Layer"):
+        ml.as_layer(ragged)
+    assert repr(ml.stop_gradient(np.ones(3))).startswith("Layer(stop_gradient, built at ")
+    with pytest.raises(ml.OperandError, match=r"^stop_gradient: operand of type list is not a Layer"):
+        ml.stop_gradient(ragged)

@@ -19,12 +19,13 @@ from monadl.layers._layer import (
     _build,
     _operand,
 )
-from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._primitives import AS_LAYER, PRIMITIVES
 from monadl.layers._weight import Weight
 
 __all__ = [
     "abs",
     "apply_primitive",
+    "data_layer",
     "dense",
     "dot",
     "exp",
@@ -162,6 +163,14 @@ def stop_gradient(x: Operand) -> Layer[Any, Any]:
     [array([1., 2.])]
     """
     return apply_primitive("stop_gradient", (x,))
+
+
+def data_layer(x: Operand) -> Layer[Any, Any]:
+    """Plain data as a layer, for `monadl.as_layer`: a `stop_gradient` node,
+    named ``as_layer`` in a refusal of its operand, its repr and `monadl.to_dot`."""
+    if type(x) not in _CHECKED:
+        _operand(x, "as_layer")
+    return _build(AS_LAYER, (x,), (), 3)
 
 
 # ---- linear algebra ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._arrays import Array, DeviceArray
-from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._primitives import PRIMITIVES, Primitive, shown
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
 from monadl.layers._unvalued import Unvalued
@@ -383,7 +383,7 @@ class Layer(Expr[D, G]):
         return _build(op, inputs, params, 2)
 
     def __repr__(self) -> str:
-        what = self._op.name if self._op is not None else "from Do"
+        what = shown(self._op) if self._op is not None else "from Do"
         return f"Layer({what}, built at {site_text(self._site)})"
 
 

@@ -111,3 +111,12 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("max_pool2d", _max_pool2d),
     )
 }
+
+AS_LAYER: Final = Primitive("stop_gradient", _stop_gradient)
+"""Plain data lifted into a graph by `monadl.as_layer`: `stop_gradient` to whatever runs a layer (batching,
+the runtime's message of data that holds a NaN), shown as ``as_layer`` where a layer is shown (`shown`)."""
+
+
+def shown(op: Primitive) -> str:
+    """The name a layer of ``op`` goes by in its repr and in `monadl.to_dot`: what the user called."""
+    return "as_layer" if op is AS_LAYER else op.name

@@ -20,7 +20,7 @@ import numpy as np
 
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._functions import stop_gradient
+from monadl.layers._functions import data_layer
 from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.tape import Tape
 
@@ -92,5 +92,5 @@ def as_layer(x: Any) -> Layer[Any, Any]:
     # Plain data (NumPy's first: the protocol's isinstance walks its attributes, 4 us):
     # a constant node of the layer graph (it gets no delta).
     if type(x) is np.ndarray or (not isinstance(x, Expr) and not isinstance(x, DeepLearning)):
-        return stop_gradient(x)
+        return data_layer(x)
     return Layer(forward(x))
