@@ -384,3 +384,14 @@ def test_a_shape_error_of_hundreds_of_operands_shows_the_first_ones_and_counts_t
     with pytest.raises(ml.ShapeError, match=r"float64\[1, 4\], \.\.\. and 189 more \(189 float64\[1, 4\]\)") as caught:
         anyio.run(layer.predict)
     assert len(str(caught.value)) < 700
+
+
+def test_a_shape_error_in_a_shared_helper_names_the_weight_that_does_not_fit() -> None:
+    # The helper's line is every layer's: the message named it alone, not which weight was wrong.
+    def linear(x: ml.Array | ml.ArrayLayer, w: ml.ArrayWeight) -> ml.ArrayLayer:
+        return ml.dense(x, w)
+
+    good = ml.Weight(np.ones((4, 8)))
+    wrong = ml.Weight(np.ones((9, 8)))  # WRONG-WEIGHT
+    with pytest.raises(ml.ShapeError, match=rf"; operand 1 is the weight built at .*:{line_of('WRONG-WEIGHT')}$"):
+        anyio.run(ml.sum(linear(linear(np.ones((3, 4)), good), wrong)).predict)

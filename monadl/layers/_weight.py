@@ -19,7 +19,7 @@ from monadl.layers._site import Site, caller_site, site_text
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
 
-__all__ = ["COMMIT_LOCK", "READERS", "ArrayWeight", "ScalarWeight", "Weight", "pin_for_readers"]
+__all__ = ["COMMIT_LOCK", "READERS", "ArrayWeight", "ScalarWeight", "Weight", "pin_for_readers", "weight_sites"]
 
 COMMIT_LOCK: Final = threading.RLock()  # (re-entrant: an optimizer may read a weight's data)
 """Held while weights step (`monadl.optim.apply`) and while their data is
@@ -264,3 +264,19 @@ ScalarWeight: TypeAlias = Weight[float, float]
 """A weight holding one float (a bias of no dimensions)."""
 ArrayWeight: TypeAlias = Weight[Array, Array]
 """A weight holding a NumPy array."""
+
+
+def weight_sites(inputs: tuple[Any, ...]) -> str:
+    """Where the weights among an operation's operands were built, for its
+    error message (``; operand 1 is the weight built at f.py:16``): a helper
+    shared by every layer of a model names only its own line, not which
+    weight does not fit. Only read when a message is made.
+
+    >>> import numpy as np
+    >>> weight_sites((np.ones(2), Weight(np.ones(2)))).startswith("; operand 1 is the weight built at ")
+    True
+    """
+    sites = [
+        f"; operand {i} is the weight built at {site_text(w._site)}" for i, w in enumerate(inputs) if type(w) is Weight
+    ]
+    return "".join(sites[:3]) + (f"; and {len(sites) - 3} more weights" if len(sites) > 3 else "")

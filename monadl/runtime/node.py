@@ -27,7 +27,7 @@ from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs, arrays_of, finite_value
 from monadl.layers._program import Program
 from monadl.layers._site import site_text
-from monadl.layers._weight import Weight
+from monadl.layers._weight import Weight, weight_sites
 from monadl.runtime.evaluation import Evaluation, Record
 
 __all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
@@ -174,6 +174,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
     except ValueError as exc:
         raise ShapeError(
             f"{op.name}: operands {describe(args)} do not fit together ({exc}); layer built at {where(node)}"
+            + weight_sites(node._inputs)
         ) from exc
     except NonFiniteError:
         raise
