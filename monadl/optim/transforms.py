@@ -77,9 +77,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     >>> len(opt.init(0.0))
     2
     """
-    for position, transform in enumerate(
-        transforms, 1
-    ):  # (not at the first step: Weight(...) said 'no attribute init')
+    if not transforms:  # (its update is the gradient, which a step adds: w went 0 -> 2, up the gradient)
+        raise TypeError(
+            "chain() of no transformations would add the gradient to the weight (an ascent): give at least one, "
+            "a rate last (chain(trace(0.9), scale_by_learning_rate(0.1)), or sgd(0.1), adam(1e-3))"
+        )
+    for position, transform in enumerate(transforms, 1):  # (here, not at Weight(...): 'no attribute init')
         if not (callable(getattr(transform, "init", None)) and callable(getattr(transform, "update", None))):
             raise TypeError(f"chain: {refusal(transform, f'argument {position}')}")
 

@@ -176,6 +176,12 @@ def test_chain_refuses_what_is_no_transformation_naming_it(arguments: tuple[Any,
         optim.chain(*arguments)
 
 
+def test_chain_of_nothing_is_refused() -> None:
+    # Its update was the gradient itself, which a step adds: a weight went up the gradient, 0 -> 2.
+    with pytest.raises(TypeError, match=r"chain\(\) of no transformations would add the gradient"):
+        optim.chain()
+
+
 def test_chain_takes_any_init_update_pair() -> None:
     pair = optim.GradientTransformation(lambda p: (), lambda g, s, p: (2.0 * g, s))
     opt = optim.chain(pair, optim.sgd(0.5))
