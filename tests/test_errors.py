@@ -395,3 +395,15 @@ def test_a_shape_error_in_a_shared_helper_names_the_weight_that_does_not_fit() -
     wrong = ml.Weight(np.ones((9, 8)))  # WRONG-WEIGHT
     with pytest.raises(ml.ShapeError, match=rf"; operand 1 is the weight built at .*:{line_of('WRONG-WEIGHT')}$"):
         anyio.run(ml.sum(linear(linear(np.ones((3, 4)), good), wrong)).predict)
+
+
+def test_an_input_or_a_kernel_of_another_rank_is_told_what_to_write() -> None:
+    """A CHW image (PyTorch takes one unbatched) gave Python's 'not enough
+    values to unpack (expected 4, got 3)'."""
+    kernel = np.ones((2, 3, 3, 3))
+    with pytest.raises(ml.ShapeError, match=r"an NCHW input \(4-D\).*got shapes \(3, 8, 8\) and .*x\[None\]"):
+        anyio.run(ml.conv2d(np.ones((3, 8, 8)), kernel).predict)
+    with pytest.raises(ml.ShapeError, match=r"\(out, in, kh, kw\) kernel \(4-D\).*\(3, 3\).*w\[None, None\]"):
+        anyio.run(ml.conv2d(np.ones((1, 1, 8, 8)), np.ones((3, 3))).predict)
+    with pytest.raises(ml.ShapeError, match=r"max_pool2d: an NCHW input \(4-D\), got shape \(8, 8\)"):
+        anyio.run(ml.max_pool2d(np.ones((8, 8)), 2).predict)

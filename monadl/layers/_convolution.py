@@ -39,6 +39,11 @@ def _window(i: int, j: int, stride: int, oh: int, ow: int) -> tuple[slice, slice
 
 def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(x)
+    if len(x.shape) != 4 or len(w.shape) != 4:
+        raise ValueError(
+            f"conv2d: an NCHW input (4-D) and an (out, in, kh, kw) kernel (4-D), got shapes {tuple(x.shape)} and "
+            f"{tuple(w.shape)}; one image of CHW is x[None], a kernel of one channel in and out w[None, None]"
+        )
     n, c, h, wd = x.shape
     o, c2, kh, kw = w.shape
     if c != c2:
@@ -79,6 +84,8 @@ def _conv2d(x: Value, w: Value, stride: int, padding: int) -> tuple[Value, tuple
 
 def _max_pool2d(x: Value, kernel: int, stride: int) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(x)
+    if len(x.shape) != 4:
+        raise ValueError(f"max_pool2d: an NCHW input (4-D), got shape {tuple(x.shape)}; one image of CHW is x[None]")
     h, w = x.shape[2:]
     oh, ow = (h - kernel) // stride + 1, (w - kernel) // stride + 1
     if oh < 1 or ow < 1:

@@ -124,3 +124,4 @@ def test_conv2d_hands_on_its_batch_last_layout_through_elementwise_operations() 
     out = anyio.run(ml.relu(ml.conv2d(x, k, padding=1)).predict)
     assert out.shape == (4, 3, 5, 5)
     assert np.transpose(out, (1, 2, 3, 0)).flags.c_contiguous
+
