@@ -78,6 +78,15 @@ ACCEPT = {
         assert_type(ml.mean(array_layer, keepdims=False), ml.ScalarLayer)
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
     """,
+    "numpy_integer_axes_and_sizes": """
+        i = np.int64(1)
+        assert_type(ml.sum(array_layer, axis=i), ml.ArrayLayer)
+        assert_type(array_layer.max(axis=(i, -1)), ml.ArrayLayer)
+        assert_type(ml.softmax(array_layer, axis=i), ml.ArrayLayer)
+        assert_type(ml.concatenate([array_layer], axis=i), ml.ArrayLayer)
+        assert_type(ml.split(array_layer, i), tuple[ml.ArrayLayer, ...])
+        assert_type(ml.reshape(array_layer, np.array([3, 1])), ml.ArrayLayer)
+    """,
     "slices_keep_arrays": """
         assert_type(array_layer[1:], ml.ArrayLayer)
         assert_type(array_layer[:, 2:5], ml.ArrayLayer)
@@ -271,6 +280,7 @@ REJECT = {
     "scalar_weight_data_set_to_an_array": ("scalar_weight.data = np.zeros(3)", "assignment"),
     "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
     "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
+    "axis_a_string": ("ml.sum(array_layer, axis='0')", "arg-type"),
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
     "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
     "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),

@@ -7,8 +7,9 @@ they need no backward rule of their own.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, overload
+from typing import Any, Final, Literal, SupportsIndex, overload
 
+from monadl.layers._axes import Axis, as_axis, as_int
 from monadl.layers._layer import (
     ArrayLayer,
     ArrayOperand,
@@ -215,17 +216,17 @@ def sum(x: Operand, axis: None = None, *, keepdims: Literal[True]) -> ArrayLayer
 @overload
 def sum(x: Operand, axis: None, keepdims: Literal[True]) -> ArrayLayer: ...
 @overload
-def sum(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def sum(x: Operand, axis: Axis, keepdims: bool = False) -> ArrayLayer: ...
 @overload
 def sum(x: Operand, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-def sum(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+def sum(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
     """Sum over ``axis``, or over everything.
 
     >>> import anyio, numpy as np
     >>> anyio.run(sum(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=0).predict)
     array([4., 6.])
     """
-    return apply_primitive("sum", (x,), (axis, keepdims))
+    return apply_primitive("sum", (x,), (as_axis(axis, "sum"), bool(keepdims)))
 
 
 @overload
@@ -235,17 +236,17 @@ def mean(x: Operand, axis: None = None, *, keepdims: Literal[True]) -> ArrayLaye
 @overload
 def mean(x: Operand, axis: None, keepdims: Literal[True]) -> ArrayLayer: ...
 @overload
-def mean(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def mean(x: Operand, axis: Axis, keepdims: bool = False) -> ArrayLayer: ...
 @overload
 def mean(x: Operand, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-def mean(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+def mean(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
     """Mean over ``axis``, or over everything.
 
     >>> import anyio, numpy as np
     >>> anyio.run(mean(np.array([[1.0, 2.0], [3.0, 4.0]]), axis=1).predict)
     array([1.5, 3.5])
     """
-    return apply_primitive("mean", (x,), (axis, keepdims))
+    return apply_primitive("mean", (x,), (as_axis(axis, "mean"), bool(keepdims)))
 
 
 @overload
@@ -255,17 +256,17 @@ def max(x: Operand, axis: None = None, *, keepdims: Literal[True]) -> ArrayLayer
 @overload
 def max(x: Operand, axis: None, keepdims: Literal[True]) -> ArrayLayer: ...
 @overload
-def max(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def max(x: Operand, axis: Axis, keepdims: bool = False) -> ArrayLayer: ...
 @overload
 def max(x: Operand, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-def max(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+def max(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
     """Maximum over ``axis``, or over everything; tied maxima share the delta.
 
     >>> import anyio, numpy as np
     >>> float(anyio.run(max(np.array([1.0, 5.0, 3.0])).predict))
     5.0
     """
-    return apply_primitive("max", (x,), (axis, keepdims))
+    return apply_primitive("max", (x,), (as_axis(axis, "max"), bool(keepdims)))
 
 
 @overload
@@ -275,24 +276,24 @@ def logsumexp(x: Operand, axis: None = None, *, keepdims: Literal[True]) -> Arra
 @overload
 def logsumexp(x: Operand, axis: None, keepdims: Literal[True]) -> ArrayLayer: ...
 @overload
-def logsumexp(x: Operand, axis: int | tuple[int, ...], keepdims: bool = False) -> ArrayLayer: ...
+def logsumexp(x: Operand, axis: Axis, keepdims: bool = False) -> ArrayLayer: ...
 @overload
 def logsumexp(x: Operand, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-def logsumexp(x: Operand, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+def logsumexp(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
     """``log(sum(exp(x)))`` computed without overflow."""
-    return apply_primitive("logsumexp", (x,), (axis, keepdims))
+    return apply_primitive("logsumexp", (x,), (as_axis(axis, "logsumexp"), bool(keepdims)))
 
 
-def softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
+def softmax(x: ArrayOperand, axis: SupportsIndex = -1) -> ArrayLayer:
     """``exp(x) / sum(exp(x))`` along ``axis``, without overflow.
 
     >>> import anyio, numpy as np
     >>> anyio.run(softmax(np.array([0.0, 0.0, 1000.0])).predict)
     array([0., 0., 1.])
     """
-    return apply_primitive("softmax", (x,), (axis,))
+    return apply_primitive("softmax", (x,), (as_int(axis, "softmax", "axis"),))
 
 
-def log_softmax(x: ArrayOperand, axis: int = -1) -> ArrayLayer:
+def log_softmax(x: ArrayOperand, axis: SupportsIndex = -1) -> ArrayLayer:
     """``log(softmax(x))`` along ``axis``, computed stably."""
-    return apply_primitive("log_softmax", (x,), (axis,))
+    return apply_primitive("log_softmax", (x,), (as_int(axis, "log_softmax", "axis"),))

@@ -19,6 +19,7 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._arrays import Array, DeviceArray
+from monadl.layers._axes import Axis, as_axis, as_ints
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
@@ -257,12 +258,12 @@ class Expr(Unvalued, Generic[D, G]):
     @overload
     def sum(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
-    def sum(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    def sum(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
     @overload
     def sum(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def sum(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    def sum(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Sum over ``axis`` (all axes by default)."""
-        return Layer._make(PRIMITIVES["sum"], (self,), (axis, keepdims))
+        return Layer._make(PRIMITIVES["sum"], (self,), (as_axis(axis, "sum"), bool(keepdims)))
 
     @overload
     def mean(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
@@ -271,12 +272,12 @@ class Expr(Unvalued, Generic[D, G]):
     @overload
     def mean(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
-    def mean(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    def mean(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
     @overload
     def mean(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def mean(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    def mean(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Mean over ``axis`` (all axes by default)."""
-        return Layer._make(PRIMITIVES["mean"], (self,), (axis, keepdims))
+        return Layer._make(PRIMITIVES["mean"], (self,), (as_axis(axis, "mean"), bool(keepdims)))
 
     @overload
     def max(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
@@ -285,20 +286,20 @@ class Expr(Unvalued, Generic[D, G]):
     @overload
     def max(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
     @overload
-    def max(self, axis: int | tuple[int, ...], keepdims: bool = False) -> Layer[Array, Array]: ...
+    def max(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
     @overload
     def max(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Layer[Any, Any]:
+    def max(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
         """Maximum over ``axis``; tied maxima share the delta."""
-        return Layer._make(PRIMITIVES["max"], (self,), (axis, keepdims))
+        return Layer._make(PRIMITIVES["max"], (self,), (as_axis(axis, "max"), bool(keepdims)))
 
     def reshape(self, *shape: int) -> Layer[Array, Array]:
         """A view of the same values in another shape."""
-        return Layer._make(PRIMITIVES["reshape"], (self,), (shape,))
+        return Layer._make(PRIMITIVES["reshape"], (self,), (as_ints(shape, "reshape", "shape"),))
 
     def transpose(self, *axes: int) -> Layer[Array, Array]:
         """Permute axes (reverse them when none are given)."""
-        return Layer._make(PRIMITIVES["transpose"], (self,), (axes or None,))
+        return Layer._make(PRIMITIVES["transpose"], (self,), (as_ints(axes, "transpose", "axes") if axes else None,))
 
     @property
     def T(self) -> Layer[Array, Array]:

@@ -30,7 +30,7 @@ def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool
     """Give a reduced delta back the reduced axes, ready to broadcast."""
     if axis is None or keepdims:
         return g if keepdims or axis is not None else xp.broadcast_to(xp.asarray(g), shape)
-    axes = (axis,) if isinstance(axis, int) else axis
+    axes = axis if isinstance(axis, tuple) else (axis,)  # (an int, or any integer a rule was called with)
     return xp.expand_dims(g, axis=tuple(ax % len(shape) for ax in axes))
 
 

@@ -4,12 +4,13 @@ convolutions. Each accepts plain data, weights and layers alike."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 
 from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError
+from monadl.layers._axes import as_int, as_ints, is_sizes
 from monadl.layers._functions import apply_primitive
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, DeviceArray, Operand, ScalarLayer, _build
 from monadl.layers._primitives import PRIMITIVES
@@ -91,7 +92,7 @@ def _integers(x: Any, what: str) -> Any:
 
 
 # ---- shapes ----------------------------------------------------------------------------------
-def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
+def reshape(x: Operand, shape: Sequence[SupportsIndex] | Array) -> ArrayLayer:
     """The same values in another shape (one axis may be ``-1``).
 
     >>> import anyio, numpy as np
@@ -99,15 +100,15 @@ def reshape(x: Operand, shape: Sequence[int]) -> ArrayLayer:
     array([[0., 1.],
            [2., 3.]])
     """
-    return apply_primitive("reshape", (x,), (tuple(shape),))
+    return apply_primitive("reshape", (x,), (as_ints(shape, "reshape", "shape"),))
 
 
-def transpose(x: Operand, axes: Sequence[int] | None = None) -> ArrayLayer:
+def transpose(x: Operand, axes: Sequence[SupportsIndex] | Array | None = None) -> ArrayLayer:
     """Permute axes (reverse them by default)."""
-    return apply_primitive("transpose", (x,), (None if axes is None else tuple(axes),))
+    return apply_primitive("transpose", (x,), (None if axes is None else as_ints(axes, "transpose", "axes"),))
 
 
-def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+def concatenate(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
     """Join along an existing axis.
 
     >>> import anyio, numpy as np, monadl as ml
@@ -116,10 +117,10 @@ def concatenate(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
     """
     if len(xs) == 0:
         raise OperandError("concatenate: needs at least one operand")
-    return apply_primitive("concatenate", tuple(xs), (axis,))
+    return apply_primitive("concatenate", tuple(xs), (as_int(axis, "concatenate", "axis"),))
 
 
-def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
+def stack(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
     """Join along a new axis.
 
     >>> import anyio, numpy as np, monadl as ml
@@ -129,10 +130,12 @@ def stack(xs: Sequence[Operand], axis: int = 0) -> ArrayLayer:
     """
     if len(xs) == 0:
         raise OperandError("stack: needs at least one operand")
-    return apply_primitive("stack", tuple(xs), (axis,))
+    return apply_primitive("stack", tuple(xs), (as_int(axis, "stack", "axis"),))
 
 
-def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tuple[ArrayLayer, ...]:
+def split(
+    x: ArrayOperand, sections: SupportsIndex | Sequence[SupportsIndex] | Array, axis: SupportsIndex = -1
+) -> tuple[ArrayLayer, ...]:
     """Cut ``x`` along ``axis`` (the last by default, where ``np.split``'s is
     the first) into parts: ``sections`` equal ones (it must divide the axis,
     as in ``np.split``), or parts of the given sizes (as in ``torch.split``).
@@ -152,18 +155,20 @@ def split(x: ArrayOperand, sections: int | Sequence[int], axis: int = -1) -> tup
     >>> [anyio.run(p.predict).shape for p in split(np.zeros((2, 5)), [1, 4])]
     [(2, 1), (2, 4)]
     """
-    if isinstance(sections, bool) or not isinstance(sections, (int, Sequence)):
-        raise OperandError(f"split: sections must be a count or a sequence of sizes, got {sections!r}")
     params: int | tuple[int, ...]
-    if isinstance(sections, int):
-        count = params = sections
+    try:
+        params = as_ints(sections, "split", "sizes") if is_sizes(sections) else as_int(sections, "split", "count")
+    except OperandError:
+        raise OperandError(f"split: sections must be a count or a sequence of sizes, got {sections!r}") from None
+    if isinstance(params, int):
+        count = params
         if count < 1:
             raise OperandError(f"split: needs at least one part, got {count}")
     else:
-        sizes = tuple(int(size) for size in sections)
-        count, params = len(sizes), sizes
-        if count == 0 or min(sizes) < 0:
-            raise OperandError(f"split: sizes must be a non-empty list of sizes >= 0, got {list(sections)}")
+        count = len(params)
+        if count == 0 or min(params) < 0:
+            raise OperandError(f"split: sizes must be a non-empty list of sizes >= 0, got {list(params)}")
+    axis = as_int(axis, "split", "axis")
     whole = apply_primitive("split", (x,), (params, axis))
     # Each part's site is the user's line too (_build walks out of monadl's frames).
     return tuple(_build(PRIMITIVES["split_part"], (whole,), (params, axis, i), 2) for i in range(count))
@@ -189,16 +194,17 @@ def conv2d(x: ArrayOperand, kernel: ArrayOperand, stride: int = 1, padding: int 
     array([[ 8., 12.],
            [20., 24.]])
     """
-    _whole_numbers("conv2d", stride=stride, padding=padding)
+    stride, padding = _whole_numbers("conv2d", stride=stride, padding=padding)
     if stride < 1 or padding < 0:
         raise OperandError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride} and {padding}")
     return apply_primitive("conv2d", (x, kernel), (stride, padding))
 
 
-def _whole_numbers(name: str, **given: object) -> None:
-    """`OperandError` for a window's argument that is no int: one step or
-    padding for both axes (PyTorch's ``(sh, sw)`` and ``'same'`` are not
-    taken; a tuple failed comparing it, a float at the run, with no line)."""
+def _whole_numbers(name: str, **given: object) -> tuple[int, ...]:
+    """A window's arguments as Python ints, or an `OperandError` for one that
+    is no int: one step or padding for both axes (PyTorch's ``(sh, sw)`` and
+    ``'same'`` are not taken; a tuple failed comparing it, a float at the
+    run, with no line)."""
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             same = "; the padding that keeps the size at stride 1 is (k - 1) // 2 for an odd kernel k"
@@ -206,6 +212,7 @@ def _whole_numbers(name: str, **given: object) -> None:
                 f"{name}: {key} is an int, the same on both spatial axes (a pair is not taken), got {value!r}"
                 + (same if value == "same" else "")
             )
+    return tuple(as_int(value, name, key) for key, value in given.items())
 
 
 def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> ArrayLayer:
@@ -226,7 +233,7 @@ def max_pool2d(x: ArrayOperand, kernel: int, stride: int | None = None) -> Array
            [13., 15.]])
     """
     stride = kernel if stride is None else stride
-    _whole_numbers("max_pool2d", kernel=kernel, stride=stride)
+    kernel, stride = _whole_numbers("max_pool2d", kernel=kernel, stride=stride)
     if kernel < 1 or stride < 1:
         raise OperandError(f"max_pool2d: kernel and stride must be >= 1, got {kernel} and {stride}")
     return apply_primitive("max_pool2d", (x,), (kernel, stride))
