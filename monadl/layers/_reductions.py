@@ -30,6 +30,8 @@ def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool
     """Give a reduced delta back the reduced axes, ready to broadcast."""
     if axis is None or keepdims:
         return g if keepdims or axis is not None else xp.broadcast_to(xp.asarray(g), shape)
+    if not shape:  # (NumPy's sum and max of a 0-d array over axis 0 or -1: the array itself, no axis to give back)
+        return g
     axes = axis if isinstance(axis, tuple) else (axis,)  # (an int, or any integer a rule was called with)
     return xp.expand_dims(g, axis=tuple(ax % len(shape) for ax in axes))
 
