@@ -141,8 +141,11 @@ def _stack(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
         first = np.asarray(arrays[0])
     xp = namespace(first)
     ndim = first.ndim + 1
-    if xp is not np:  # strict libraries stack arrays only
-        arrays = [x if hasattr(x, "ndim") else xp.asarray(x, dtype=first.dtype, device=first.device) for x in arrays]
+    if not all(hasattr(x, "ndim") for x in arrays):
+        # A Python number takes the arrays' dtype, as beside an array in a binary
+        # operation (NEP 50's weak scalars): np.stack made 1.0 float64 beside float32.
+        dtype = np.result_type(*arrays) if xp is np else first.dtype
+        arrays = [x if hasattr(x, "ndim") else xp.asarray(x, dtype=dtype, device=first.device) for x in arrays]
 
     def piece(i: int) -> Vjp:
         return lambda g: g[_axis_index(ndim, axis, i)]

@@ -191,8 +191,8 @@ def test_numbers_that_differ_per_node_are_one_column_of_the_operands_dtype() -> 
 
 
 def test_numbers_of_a_primitive_that_is_not_elementwise_are_never_stacked() -> None:
-    # stack promotes a float32 0-d array and a Python 0.0 to float64, one node alone;
-    # zeros that are other objects once made a float32 column of the group.
+    # stack keeps a Python 0.0 beside a float32 0-d array in float32 (as a binary operation), one
+    # node alone; zeros that are other objects once made one column of the group, losing -0.0's sign.
     x = ml.Weight(np.array(1.0, np.float32))
     stacks = [ml.stack([x * 1.0, float("0.0" if i % 2 else "-0.0")]) for i in range(20)]
     loss = ml.stack(stacks)
@@ -200,7 +200,7 @@ def test_numbers_of_a_primitive_that_is_not_elementwise_are_never_stacked() -> N
     for batching in (False, True):
         with ml.settings(batching=batching):
             values.append(anyio.run(loss.predict))
-    assert values[0].dtype == values[1].dtype == np.float64
+    assert values[0].dtype == values[1].dtype == np.float32
     assert np.array_equal(np.signbit(values[0]), np.signbit(values[1]))
 
 
