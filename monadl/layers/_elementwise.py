@@ -63,14 +63,16 @@ def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = a**b
 
     def vjp_b(g: Value) -> Value:
-        # d(a**b)/db = a**b * log(a); defined as 0 where a == 0 (the limit for b > 0).
+        # d(a**b)/db = a**b * log(a); where a == 0, PyTorch's: 0 for b >= 0 (the limit for b > 0),
+        # and inf * log(0) = -inf for b < 0.
         xp = namespace(out)
         # (a plain number in the value's dtype: a float64 array would make a float32 delta float64)
         base = (
             xp.asarray(a, dtype=out.dtype) if type(a) in (int, float, bool) and hasattr(out, "dtype") else xp.asarray(a)
         )
-        with np.errstate(invalid="ignore"):  # (a negative base: NaN, as PyTorch's, without a warning)
-            return g * out * xp.log(xp.where(base == 0, xp.ones_like(base), base))
+        with np.errstate(divide="ignore", invalid="ignore"):  # (log(0), and a negative base's NaN, as PyTorch's)
+            d = out * xp.log(base)
+        return g * xp.where((base == 0) & (xp.asarray(b) >= 0), xp.zeros_like(d), d)
 
     def vjp_a(g: Value) -> Value:
         # d(a**b)/da = b * a**(b - 1); 0 where b == 0 (a**0 is 1 everywhere: at a == 0, 0 * inf was NaN).
