@@ -91,22 +91,28 @@ def _pow(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _maximum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = _either(a, b)
     out = xp.maximum(a, b)
-    return out, _picked(xp, a > b, a == b, out)
+    return out, _picked(xp, a < b, a > b, a == b, out)
 
 
 def _minimum(a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = _either(a, b)
     out = xp.minimum(a, b)
-    return out, _picked(xp, a < b, a == b, out)
+    return out, _picked(xp, a > b, a < b, a == b, out)
 
 
-def _picked(xp: Any, first: Value, tie: Value, out: Value) -> tuple[Vjp, Vjp]:
+def _picked(xp: Any, first_lost: Value, second_lost: Value, tie: Value, out: Value) -> tuple[Vjp, Vjp]:
     """The deltas of a choice between two operands: all of it to the one
-    chosen, half to each at a tie (so the rule is symmetric and sums to g)."""
-    take = _mask(xp, first, out) + 0.5 * _mask(xp, tie, out)
+    chosen, half to each at a tie (so the rule is symmetric and sums to g).
+    An operand gets the delta unless it lost the comparison, as PyTorch's: a
+    NaN loses none, so a NaN, which the value carries, passes its delta to
+    both operands."""
+    half = 0.5 * _mask(xp, tie, out)
+    take_first, take_second = 1 - _mask(xp, first_lost, out) - half, 1 - _mask(xp, second_lost, out) - half
     return (
-        lambda g: _chosen(xp, g, take, lambda: xp.where(first, g, xp.where(tie, 0.5 * g, xp.zeros_like(g)))),
-        lambda g: _chosen(xp, g, 1 - take, lambda: xp.where(first, xp.zeros_like(g), xp.where(tie, 0.5 * g, g))),
+        lambda g: _chosen(xp, g, take_first, lambda: xp.where(first_lost, xp.zeros_like(g), xp.where(tie, 0.5 * g, g))),
+        lambda g: _chosen(
+            xp, g, take_second, lambda: xp.where(second_lost, xp.zeros_like(g), xp.where(tie, 0.5 * g, g))
+        ),
     )
 
 
@@ -228,15 +234,19 @@ def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
 
 
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
-    # The delta where chosen (`_chosen`): an infinite delta times a 0/1 factor was NaN.
+    # The delta where the value is not 0, as PyTorch's (its threshold_backward reads the value):
+    # where a > 0, and where a is NaN. Where chosen (`_chosen`): an infinite delta times 0 was NaN.
     if type(a) is np.ndarray or namespace(a) is np:
-        return np.maximum(a, 0), (lambda g: _chosen(np, g, a > 0, lambda: np.where(a > 0, g, 0)),)
+        out = np.maximum(a, 0)
+        return out, (lambda g: _chosen(np, g, out != 0, lambda: np.where(out != 0, g, 0)),)
     xp = namespace(a)
     fused = _fused(xp, "relu_backward")
     if fused is not None:
-        return xp.maximum(a, 0), (lambda g: fused(g, a),)
-    keep = a > 0
-    return xp.maximum(a, xp.zeros_like(a)), (lambda g: xp.where(keep, g, xp.zeros_like(g)),)  # (a NaN stays NaN)
+        out = xp.maximum(a, 0)
+        return out, (lambda g: fused(g, out),)
+    out = xp.maximum(a, xp.zeros_like(a))  # (a NaN stays NaN)
+    keep = out != 0
+    return out, (lambda g: xp.where(keep, g, xp.zeros_like(g)),)
 
 
 # On CuPy, a rule of several elementwise steps is one kernel: the GPU is
@@ -245,7 +255,7 @@ _CUPY_KERNELS: Final = {
     "tanh_backward": ("T g, T out", "T r", "r = g * (1 - out * out)"),
     "sigmoid": ("T a", "T r", "T e = exp(-fabs(a)); r = a >= 0 ? 1 / (1 + e) : e / (1 + e)"),
     "sigmoid_backward": ("T g, T out", "T r", "r = g * out * (1 - out)"),
-    "relu_backward": ("T g, T a", "T r", "r = a > 0 ? g : (T)0"),
+    "relu_backward": ("T g, T y", "T r", "r = y != 0 ? g : (T)0"),  # (y: relu's value, NaN where a is)
 }
 _FUSED: dict[str, Callable[..., Value]] = {}
 
