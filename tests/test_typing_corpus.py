@@ -87,6 +87,15 @@ ACCEPT = {
         assert_type(ml.split(array_layer, i), tuple[ml.ArrayLayer, ...])
         assert_type(ml.reshape(array_layer, np.array([3, 1])), ml.ArrayLayer)
     """,
+    "reshape_and_transpose_methods_take_numpys_forms": """
+        assert_type(array_layer.reshape((3, 1)), ml.ArrayLayer)
+        assert_type(array_weight.reshape(3, 1), ml.ArrayLayer)
+        assert_type(array_layer.reshape(np.array([3, 1])), ml.ArrayLayer)
+        assert_type(array_layer.transpose((0,)), ml.ArrayLayer)
+        assert_type(array_weight.transpose(0), ml.ArrayLayer)
+        assert_type(array_layer.transpose(None), ml.ArrayLayer)
+        assert_type(array_layer.transpose(), ml.ArrayLayer)
+    """,
     "slices_keep_arrays": """
         assert_type(array_layer[1:], ml.ArrayLayer)
         assert_type(array_layer[:, 2:5], ml.ArrayLayer)
@@ -281,6 +290,7 @@ REJECT = {
     "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
     "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
     "axis_a_string": ("ml.sum(array_layer, axis='0')", "arg-type"),
+    "reshape_method_given_both_forms": ("array_layer.reshape((3, 1), 2)", "call-overload"),
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
     "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
     "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),

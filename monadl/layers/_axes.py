@@ -18,7 +18,7 @@ from typing import SupportsIndex, TypeAlias, TypeGuard
 
 from monadl.errors import OperandError
 
-__all__ = ["Axis", "as_axis", "as_int", "as_ints", "is_sizes"]
+__all__ = ["Axis", "as_axis", "as_int", "as_ints", "as_shape", "is_sizes"]
 
 Axis: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
 """An axis or a tuple (or list) of axes: Python or NumPy integers."""
@@ -55,3 +55,9 @@ def as_axis(axis: object, op: str) -> int | tuple[int, ...] | None:
     if axis is None or type(axis) is int:
         return axis
     return as_ints(axis, op, "axis") if is_sizes(axis) else as_int(axis, op, "axis")
+
+
+def as_shape(given: tuple[object, ...], op: str, what: str) -> tuple[int, ...]:
+    """A method's shape or axes given as NumPy's methods take them: one
+    sequence, ``x.reshape((3, 2))``, or the integers, ``x.reshape(3, 2)``."""
+    return as_ints(given[0] if len(given) == 1 and is_sizes(given[0]) else given, op, what)

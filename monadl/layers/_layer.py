@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from types import EllipsisType
-from typing import Any, Generic, Literal, TypeAlias, TypeVar, final, overload
+from typing import Any, Generic, Literal, SupportsIndex, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._arrays import Array, DeviceArray
-from monadl.layers._axes import Axis, as_axis, as_ints
+from monadl.layers._axes import Axis, as_axis, as_shape
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
@@ -293,13 +293,24 @@ class Expr(Unvalued, Generic[D, G]):
         """Maximum over ``axis``; tied maxima share the delta."""
         return Layer._make(PRIMITIVES["max"], (self,), (as_axis(axis, "max"), bool(keepdims)))
 
-    def reshape(self, *shape: int) -> Layer[Array, Array]:
-        """A view of the same values in another shape."""
-        return Layer._make(PRIMITIVES["reshape"], (self,), (as_ints(shape, "reshape", "shape"),))
+    @overload
+    def reshape(self, shape: Sequence[SupportsIndex] | Array, /) -> Layer[Array, Array]: ...
+    @overload
+    def reshape(self, *shape: SupportsIndex) -> Layer[Array, Array]: ...
+    def reshape(self, *shape: Any) -> Layer[Array, Array]:
+        """A view of the same values in another shape: ``(3, 2)`` or ``3, 2``, as NumPy's method."""
+        return Layer._make(PRIMITIVES["reshape"], (self,), (as_shape(shape, "reshape", "shape"),))
 
-    def transpose(self, *axes: int) -> Layer[Array, Array]:
-        """Permute axes (reverse them when none are given)."""
-        return Layer._make(PRIMITIVES["transpose"], (self,), (as_ints(axes, "transpose", "axes") if axes else None,))
+    @overload
+    def transpose(self, axes: Sequence[SupportsIndex] | Array | None, /) -> Layer[Array, Array]: ...
+    @overload
+    def transpose(self, *axes: SupportsIndex) -> Layer[Array, Array]: ...
+    def transpose(self, *axes: Any) -> Layer[Array, Array]:
+        """Permute axes (reverse them when none or None are given): ``(1, 0)`` or ``1, 0``, as NumPy's method."""
+        reverse = not axes or (len(axes) == 1 and axes[0] is None)
+        return Layer._make(
+            PRIMITIVES["transpose"], (self,), (None if reverse else as_shape(axes, "transpose", "axes"),)
+        )
 
     @property
     def T(self) -> Layer[Array, Array]:

@@ -84,3 +84,35 @@ def test_an_int32_axis_trains() -> None:
 def test_what_is_no_integer_is_refused_where_it_is_given(build: Any, said: str) -> None:
     with pytest.raises(ml.OperandError, match=said):
         build(ml.Weight(np.ones((2, 3))))
+
+
+METHODS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("reshape((3, 2))", lambda x: x.reshape((3, 2))),
+    ("reshape([6])", lambda x: x.reshape([6])),
+    ("reshape(np.array([3, -1]))", lambda x: x.reshape(np.array([3, -1]))),
+    ("reshape(3, 2)", lambda x: x.reshape(3, 2)),
+    ("transpose((1, 0))", lambda x: x.transpose((1, 0))),
+    ("transpose([1, 0])", lambda x: x.transpose([1, 0])),
+    ("transpose(None)", lambda x: x.transpose(None)),
+    ("transpose()", lambda x: x.transpose()),
+]
+
+
+@pytest.mark.parametrize(("name", "method"), METHODS, ids=[m[0] for m in METHODS])
+def test_reshape_and_transpose_methods_take_numpys_forms(name: str, method: Callable[[Any], Any]) -> None:
+    # A tuple built a layer that failed when run ("'tuple' object cannot be interpreted as an integer").
+    data = np.arange(6.0).reshape(2, 3)
+    w = ml.Weight(data.copy())
+    for layer in (method(w), method(w * 1.0)):
+        value = anyio.run(layer.predict)
+        np.testing.assert_array_equal(value, method(data))
+        [delta] = anyio.run(ml.gradients, ml.sum(layer * np.arange(6.0).reshape(value.shape)), [w])
+        np.testing.assert_array_equal(delta, method(np.arange(6.0).reshape(value.shape)).reshape(2, 3))
+
+
+def test_a_shape_given_both_ways_at_once_is_refused_where_it_is_given() -> None:
+    w = ml.Weight(np.ones((2, 3)))
+    with pytest.raises(ml.OperandError, match=r"reshape: shape must be an integer, got \(3, 2\)"):
+        w.reshape((3, 2), 1)  # type: ignore[call-overload]  # the mistake under test
+    with pytest.raises(ml.ShapeError, match="transpose"):  # (NumPy's: axes don't match array)
+        anyio.run(w.transpose(()).predict)
