@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import EllipsisType
 from typing import Any, Protocol, TypeAlias
 
+import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Array", "DeviceArray"]
+__all__ = ["Array", "DeviceArray", "Gathering", "Indexing", "Slicing"]
 
 Array: TypeAlias = npt.NDArray[Any]
 """A NumPy array (any dtype monadl computes with: float32 or float64)."""
@@ -19,3 +21,16 @@ class DeviceArray(Protocol):
     precisely as NumPy's (a weight of one is a ``Weight[Any, Any]``)."""
 
     def __array_namespace__(self, /, *, api_version: str | None = None) -> Any: ...
+
+
+# The indices of a layer (`monadl.layers._layer.Expr.__getitem__`), by what they give an array.
+Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
+"""Slices alone (with ``...`` and ``None``): an array stays an array."""
+Gathering: TypeAlias = "np.ndarray[Any, Any] | list[int]"
+"""An index array (a GNN's ``h[sources]``, a mask) or a list of ints: its
+result is an array. Any NumPy array: an index array's dtype is often
+unknown to mypy (``np.array([0, 2])``), and one of floats raises anyway."""
+Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | list[Any] | None"
+"""The other indices, whose result may be an element or a row. Not a NumPy
+array: where both matched (an index array of a dtype mypy does not know),
+mypy gave up for ``Layer[Any, Any]``."""

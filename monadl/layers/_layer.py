@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Generator, Sequence
-from types import EllipsisType
 from typing import Any, Generic, Literal, SupportsIndex, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._arrays import Array, DeviceArray
+from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, Slicing
 from monadl.layers._axes import Axis, as_axis, as_shape
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
@@ -37,16 +36,6 @@ __all__ = [
     "Operand",
     "ScalarLayer",
 ]
-
-_Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
-_Gathering: TypeAlias = "np.ndarray[Any, Any] | list[int]"
-"""An index array (a GNN's ``h[sources]``, a mask) or a list of ints: its
-result is an array. Any NumPy array: an index array's dtype is often
-unknown to mypy (``np.array([0, 2])``), and one of floats raises anyway."""
-_Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | list[Any] | None"
-"""The other indices, whose result may be an element or a row. Not a NumPy
-array: where both matched (an index array of a dtype mypy does not know),
-mypy gave up for ``Layer[Any, Any]``."""
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -230,9 +219,9 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["abs"], (self,))
 
     @overload
-    def __getitem__(self: Expr[Array, Array], index: _Slicing | _Gathering) -> Layer[Array, Array]: ...
+    def __getitem__(self: Expr[Array, Array], index: Slicing | Gathering) -> Layer[Array, Array]: ...
     @overload
-    def __getitem__(self, index: _Indexing) -> Layer[Any, Any]: ...
+    def __getitem__(self, index: Indexing) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
         """Indexing and slicing; slices alone (with ``...`` and ``None``), an
         integer or boolean array or a list of ints keep an array an array."""
