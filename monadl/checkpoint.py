@@ -51,7 +51,6 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
-from monadl._interrupts import hold, release
 from monadl._named import named_weights
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
@@ -59,6 +58,7 @@ from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
+from monadl.runtime.process import hold, release
 
 __all__ = ["load", "named_weights", "save"]
 

@@ -46,7 +46,6 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from monadl._interrupts import hold, release
 from monadl._named import named_weights
 from monadl._namespace import all_finite, namespace
 from monadl.deltas import SparseRows
@@ -60,6 +59,7 @@ from monadl.layers import Layer, Weight
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
+from monadl.runtime.process import hold, release
 from monadl.runtime.settings import current_settings
 
 __all__ = ["DataParallel"]

@@ -21,7 +21,6 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._blas import add_product
-from monadl._interrupts import hold, release
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows, in_dtype_of
 from monadl.errors import NonFiniteError, ShapeError
@@ -30,6 +29,7 @@ from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
+from monadl.runtime.process import hold, release
 
 __all__ = [
     "Prepared",

@@ -64,8 +64,9 @@ class Settings:
         tune_process: let monadl tune the process for its allocation pattern:
             glibc's malloc thresholds and the cyclic GC's young-generation
             threshold, raised on the first ``train()`` or ``predict()`` (see
-            `monadl.runtime.process`), and the GC pause above. False leaves the whole process as it is (``pause_gc`` is
-            then ignored). The environment variable ``MONADL_TUNE_PROCESS=0``
+            `monadl.runtime.process`), the GC pause above, and Ctrl-C held
+            while a step writes its weights (so that it lands whole). False
+            leaves the whole process as it is (``pause_gc`` is then ignored). The environment variable ``MONADL_TUNE_PROCESS=0``
             sets the default.
         yield_interval_s: the longest stretch of computation between two
             checkpoints where the runtime gives the event loop a turn (other
