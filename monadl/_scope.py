@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ContextDecorator
 from functools import wraps
 from types import TracebackType
 from typing import Generic, ParamSpec, TypeVar, final
@@ -21,7 +21,9 @@ from typing import Generic, ParamSpec, TypeVar, final
 __all__ = ["Scope", "entered_only"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 P = ParamSpec("P")
+Q = ParamSpec("Q")
 
 
 @final
@@ -50,6 +52,14 @@ class Scope(Generic[T]):
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> bool | None:
         return self._context.__exit__(kind, error, traceback)
+
+    def __call__(self, function: Callable[Q, R]) -> Callable[Q, R]:
+        """As a decorator (``@ml.settings(check_finite=True)`` over a
+        function), as contextlib's scopes are: in force during each call."""
+        self._entered = True
+        if not isinstance(self._context, ContextDecorator):
+            raise TypeError(f"{self._name}(...) is not a decorator: use it in a with block")
+        return self._context(function)
 
     def __repr__(self) -> str:
         state = "entered" if self._entered else f"not in force: write `with {self._name}(...):`"

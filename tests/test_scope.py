@@ -3,6 +3,7 @@ own in a notebook cell, or ``ml.optim.using_default(adam)``, changed nothing, si
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from monadl.runtime.settings import current_settings
 
 
 def test_settings_called_without_with_warns_at_its_line_with_what_to_write() -> None:
@@ -49,3 +51,24 @@ def test_a_scope_not_entered_says_so_in_its_repr() -> None:
     assert "not in force: write `with ml.settings(...):`" in repr(scope)
     with scope:
         assert "not in force" not in repr(scope)
+
+
+def test_a_scope_decorates_a_function_as_contextlibs_do() -> None:
+    """``@ml.settings(...)`` over a function worked before scopes warned
+    (contextlib's scopes are decorators): it raised 'Scope' object is not
+    callable, after a false warning of a scope never entered."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        @ml.settings(check_finite=True)
+        def inside() -> bool:
+            return current_settings().check_finite
+
+        @ml.optim.using_default(ml.optim.adam(0.1))
+        def weight() -> ml.ArrayWeight:
+            return ml.Weight(np.zeros(2))
+
+        assert inside() and inside()
+        assert not current_settings().check_finite
+        assert len(weight().state) == 2 and len(weight().state) == 2
+        gc.collect()
