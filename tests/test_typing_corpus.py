@@ -109,6 +109,11 @@ ACCEPT = {
         assert_type(array_weight[np.arange(2)] * 0.5, ml.ArrayLayer)
         assert_type(array_layer[array > 0.0], ml.ArrayLayer)
         assert_type(array_layer[[0, 1]], ml.ArrayLayer)
+        assert_type(array_layer[range(2)], ml.ArrayLayer)
+        assert_type(array_layer[0, 1], ml.Layer[Any, Any])  # (a tuple: an element, not a gather)
+        from collections.abc import Sequence
+        def rows(h: ml.ArrayLayer, at: Sequence[int]) -> ml.Layer[Any, Any]:
+            return h[at]  # (a Sequence may be a tuple, an element's index: accepted, not known to gather)
     """,
     "frozen_keeps_weight_types": """
         from monadl.estimate import frozen

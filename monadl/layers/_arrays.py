@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import EllipsisType
 from typing import Any, Protocol, TypeAlias
 
@@ -26,11 +27,11 @@ class DeviceArray(Protocol):
 # The indices of a layer (`monadl.layers._layer.Expr.__getitem__`), by what they give an array.
 Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
 """Slices alone (with ``...`` and ``None``): an array stays an array."""
-Gathering: TypeAlias = "np.ndarray[Any, Any] | list[int]"
-"""An index array (a GNN's ``h[sources]``, a mask) or a list of ints: its
-result is an array. Any NumPy array: an index array's dtype is often
+Gathering: TypeAlias = "np.ndarray[Any, Any] | DeviceArray | list[int] | range"
+"""An index array (a GNN's ``h[sources]``, a mask; a CuPy array) or a list of
+ints or a range: its result is an array. Any NumPy array: an index array's dtype is often
 unknown to mypy (``np.array([0, 2])``), and one of floats raises anyway."""
-Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | list[Any] | None"
+Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | Sequence[Any] | None"
 """The other indices, whose result may be an element or a row. Not a NumPy
 array: where both matched (an index array of a dtype mypy does not know),
 mypy gave up for ``Layer[Any, Any]``."""
