@@ -174,6 +174,7 @@ def private(x: Any, like: Any, held: int) -> bool:
         and x.shape == like.shape
         and x.flags.owndata
         and x.flags.writeable
+        and x.flags.c_contiguous  # (it becomes the weight's data: a transposed layout would stay the weight's)
     )
 
 

@@ -132,3 +132,13 @@ def test_conv2d_hands_on_its_batch_last_layout_through_elementwise_operations() 
     out = anyio.run(ml.relu(ml.conv2d(x, k, padding=1)).predict)
     assert out.shape == (4, 3, 5, 5)
     assert np.transpose(out, (1, 2, 3, 0)).flags.c_contiguous
+
+
+def test_a_kernel_trained_by_plain_sgd_keeps_its_c_order() -> None:
+    """Its gradient was a transposed view, which plain SGD's in-place step
+    made the kernel's data: non-contiguous from the first step on (a
+    safetensors file of it, written by another library, scrambled)."""
+    kernel = ml.Weight(np.ones((64, 32, 3, 3), np.float32), optimizer=ml.optim.sgd(0.1))  # (72 KiB: a step in place)
+    loss = ml.sum(ml.conv2d(np.ones((2, 32, 6, 6), np.float32), kernel, padding=1))
+    anyio.run(loss.train)
+    assert kernel.data.flags.c_contiguous
