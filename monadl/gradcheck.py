@@ -15,6 +15,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
+from monadl.errors import OperandError
 from monadl.layers._layer import Expr
 from monadl.layers._operation import Operation
 from monadl.layers._weight import Weight
@@ -110,7 +111,13 @@ def check_grads(
     # A marked cell refuses plain data that its operators would compute on (its trace would keep the
     # result): it gets the point as layers. Other functions get plain data, which some compute on apart.
     data = as_layer if isinstance(function, Operation) else _plain
-    probe = _value(function(*map(data, point)))
+    try:
+        probe = _value(function(*map(data, point)))
+    except OperandError:
+        if data is as_layer:
+            raise
+        data = as_layer  # (a marked cell behind a wrapper: a lambda, a partial)
+        probe = _value(function(*map(data, point)))
     projection = np.random.default_rng(seed).standard_normal(np.shape(probe))
 
     def scalar(*operands: Any) -> Any:

@@ -3,6 +3,7 @@ cell refuses data that its operators would compute on, so a user's correct cell 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import anyio
@@ -35,3 +36,9 @@ def test_check_grads_still_finds_a_wrong_gradient_in_a_marked_cell() -> None:
     half: Any = ml.operation(lambda a: a * ml.stop_gradient(a))  # (its backward misses one of the two factors)
     with pytest.raises(AssertionError, match="gradient of argument 0"):
         ml.check_grads(half, np.array([0.5, -1.5]))
+
+
+def test_check_grads_checks_a_marked_cell_behind_a_wrapper() -> None:
+    # A lambda or a partial over the cell is no Operation: it was called on plain arrays, and refused.
+    ml.check_grads(lambda a, b: marked(a, b) * 2.0, A, B)
+    ml.check_grads(functools.partial(marked, A), B)
