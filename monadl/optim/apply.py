@@ -30,6 +30,7 @@ from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 from monadl.runtime.process import hold, release
+from monadl.runtime.settings import current_settings
 
 __all__ = [
     "Prepared",
@@ -234,6 +235,12 @@ def _refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
     that holds a NaN or an infinity was blamed on an operation of a model),
     or the step itself (an optimizer's state, a learning rate)."""
     where = f"the weight built at {site_text(weight._site)} (shape {list(weight.shape)})"
+    if not all_finite(weight._data):  # (a LOG_REAL rule mask of -inf, the semiring's zero: was sent to check_finite)
+        return (
+            f"the optimizer step would write a NaN or an infinity into {where}, which already holds one (a mask "
+            "of -inf, a log semiring's zero?); no weight was changed. ml.settings(finite_steps=False) lets steps "
+            "write such values; or keep the weight finite and mask elsewhere"
+        )
     given = gradient.rows if type(gradient) is SparseRows else gradient.dense() if type(gradient) is Outer else gradient
     if not owned and not all_finite(given):
         return (
@@ -245,6 +252,11 @@ def _refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
         return (
             f"apply_gradients: the optimizer step would write a NaN or an infinity into {where}, its gradient "
             "finite (the optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
+        )
+    if current_settings().check_finite:  # (it found no operation that made one: the step did)
+        return (
+            f"the optimizer step would write a NaN or an infinity into {where}, its gradient finite (the "
+            "optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
         )
     return (
         f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "

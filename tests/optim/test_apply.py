@@ -412,3 +412,22 @@ def test_a_ctrl_c_while_a_commit_writes_acts_after_its_last_write(
     assert interrupted
     for w, want in zip(weights, expected):
         np.testing.assert_allclose(w.data, want, rtol=1e-12)
+
+
+async def test_a_step_refused_for_a_weight_that_already_holds_an_infinity_says_so() -> None:
+    """A LOG_REAL rule mask of -inf (the semiring's zero) could not step, and
+    the message sent the user to check_finite, under check_finite too."""
+    mask = ml.Weight(np.array([0.0, -np.inf]), optimizer=ml.optim.sgd(0.1))
+    loss = ml.sum(ml.exp(mask))
+    with (
+        ml.settings(check_finite=True),
+        pytest.raises(ml.NonFiniteError, match=r"which already holds one .*finite_steps=False"),
+    ):
+        await loss.train()
+    with ml.settings(finite_steps=False):
+        await loss.train()
+    assert mask.data[1] == -np.inf and mask.data[0] < 0.0
+    growing = ml.Weight(np.array([-1e308]), optimizer=ml.optim.sgd(1e308))  # (a step past the largest float)
+    with np.errstate(over="ignore"), ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as refused:
+        await ml.sum(growing * 1.0).train()
+    assert "its gradient finite" in str(refused.value) and "check_finite=True) finds" not in str(refused.value)
