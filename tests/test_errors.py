@@ -407,3 +407,14 @@ def test_an_input_or_a_kernel_of_another_rank_is_told_what_to_write() -> None:
         anyio.run(ml.conv2d(np.ones((1, 1, 8, 8)), np.ones((3, 3))).predict)
     with pytest.raises(ml.ShapeError, match=r"max_pool2d: an NCHW input \(4-D\), got shape \(8, 8\)"):
         anyio.run(ml.max_pool2d(np.ones((8, 8)), 2).predict)
+
+
+def test_a_join_of_no_list_says_what_it_takes() -> None:
+    """A generator gave "object of type 'generator' has no len()"; a layer, "has no len()" too."""
+    parts = [ml.as_layer(np.ones(2)), ml.as_layer(np.zeros(2))]
+    with pytest.raises(ml.OperandError, match=r"concatenate: takes a list or tuple of operands .*got a generator"):
+        ml.concatenate(p for p in parts)  # type: ignore[arg-type]
+    with pytest.raises(ml.OperandError, match=r"stack: takes a list or tuple of operands .*got a Layer"):
+        ml.stack(parts[0])  # type: ignore[arg-type]
+    with pytest.raises(ml.OperandError, match=r"stack: needs at least one operand"):
+        ml.stack([])

@@ -3,6 +3,7 @@ convolutions. Each accepts plain data, weights and layers alike."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, SupportsIndex
 
@@ -115,9 +116,7 @@ def concatenate(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
     >>> anyio.run(concatenate([np.zeros(2), ml.Weight(np.ones(1))]).predict)
     array([0., 0., 1.])
     """
-    if len(xs) == 0:
-        raise OperandError("concatenate: needs at least one operand")
-    return apply_primitive("concatenate", tuple(xs), (as_int(axis, "concatenate", "axis"),))
+    return apply_primitive("concatenate", _joined(xs, "concatenate"), (as_int(axis, "concatenate", "axis"),))
 
 
 def stack(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
@@ -128,9 +127,18 @@ def stack(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
     array([[0., 1.],
            [0., 1.]])
     """
-    if len(xs) == 0:
-        raise OperandError("stack: needs at least one operand")
-    return apply_primitive("stack", tuple(xs), (as_int(axis, "stack", "axis"),))
+    return apply_primitive("stack", _joined(xs, "stack"), (as_int(axis, "stack", "axis"),))
+
+
+def _joined(xs: object, name: str) -> tuple[Any, ...]:
+    """The operands of a join, refused where they are no list or tuple of
+    them (a generator gave "object of type 'generator' has no len()")."""
+    if not isinstance(xs, (list, tuple)):
+        what = "a generator" if inspect.isgenerator(xs) else f"a {type(xs).__name__}"
+        raise OperandError(f"{name}: takes a list or tuple of operands ({name}([a, b])), got {what}")
+    if not xs:
+        raise OperandError(f"{name}: needs at least one operand")
+    return tuple(xs)
 
 
 def split(
