@@ -48,7 +48,11 @@ def encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
     if isinstance(state, np.generic) or hasattr(state, "shape"):
         put(tensors, key, state)
         return {"kind": "array", "tensor": key, "scalar": isinstance(state, np.generic)}
-    raise CheckpointError(f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}")
+    raise CheckpointError(
+        f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}: a state is stored as "
+        "None, a number, an array, or a tuple or NamedTuple of these (an optimizer of your own: make its state one; "
+        "a NamedTuple's arrays shaped like the weight also step row by row for an embedding's rows)"
+    )
 
 
 def to_library(array: Any, like: Any) -> Any:

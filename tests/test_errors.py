@@ -418,3 +418,49 @@ def test_a_join_of_no_list_says_what_it_takes() -> None:
         ml.stack(parts[0])  # type: ignore[arg-type]
     with pytest.raises(ml.OperandError, match=r"stack: needs at least one operand"):
         ml.stack([])
+
+
+def test_a_backward_of_ones_own_that_sends_a_delta_of_another_shape_is_refused() -> None:
+    """A Tape's backward that stacked its delta gave a weight a gradient of
+    another shape, and a step then gave the weight that shape, in silence."""
+    w = ml.Weight(np.ones((4, 3)), optimizer=ml.optim.sgd(0.1))
+
+    def stacked(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        back = t.backward
+        assert back is not None
+        return ml.Tape(t.data, lambda d: back(np.stack([d, d])))
+
+    mine: ml.ArrayLayer = ml.Layer(ml.as_layer(w).forward().map(stacked))  # BACKWARD-OF-ONES-OWN
+    with pytest.raises(
+        ml.ShapeError, match=r"sent a delta of shape \(2, 4, 3\) to the layer built at .*, of shape \(4, 3\)"
+    ):
+        anyio.run(ml.sum(mine).train)
+    assert w.data.shape == (4, 3) and (w.data == 1.0).all()
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        (lambda g: g, r"returned ndarray, not \(update, state\)"),
+        (lambda g: (g[0], None), r"update of shape \(3,\) and dtype float64, for a weight of shape \(4, 3\)"),
+        (lambda g: (np.stack([g, g]), None), r"update of shape \(2, 4, 3\)"),
+        (lambda g: (g + 1j, None), r"dtype complex128"),
+    ],
+)
+def test_an_optimizers_update_of_another_shape_or_kind_is_refused(update: Any, message: str) -> None:
+    """A transformation of one's own that returned a row for a matrix added it
+    to every row; one of another shape gave the weight that shape; a complex
+    one lost its imaginary part; one that returned no state said 'too many
+    values to unpack'."""
+    mine = ml.optim.GradientTransformation(lambda p: None, lambda g, s, p: update(g))
+    w = ml.Weight(np.ones((4, 3)), optimizer=mine)
+    with pytest.raises((TypeError, ml.ShapeError), match=rf"the optimizer of the weight built at .*{message}"):
+        anyio.run(ml.sum(w * 2.0).train)
+    assert w.data.shape == (4, 3) and (w.data == 1.0).all()
+
+
+def test_a_state_that_cannot_be_stored_says_what_can(tmp_path: Any) -> None:
+    mine = ml.optim.GradientTransformation(lambda p: {"count": 0}, lambda g, s, p: (-0.1 * g, s))
+    w = ml.Weight(np.ones(2), optimizer=mine)
+    with pytest.raises(ml.CheckpointError, match=r"type dict .*None, a number, an array, or a tuple or NamedTuple"):
+        ml.save(tmp_path / "w.safetensors", {"w": w})

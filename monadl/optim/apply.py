@@ -360,12 +360,33 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         grad = in_dtype_of(grad, old)
     if type(grad) is SparseRows:
         return sparse_step(weight, grad)
-    update, state = weight._optimizer.update(grad, weight._state, old)
+    stepped = weight._optimizer.update(grad, weight._state, old)
+    if type(stepped) is not tuple or len(stepped) != 2:  # (an optimizer of one's own: 'too many values to unpack')
+        raise TypeError(_not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
+    update, state = stepped
+    shape = getattr(update, "shape", ())
+    if (shape != old.shape and shape != ()) or getattr(getattr(update, "dtype", None), "kind", "f") == "c":
+        # (broadcast, it changed the weight's shape or added a row to every row; complex, it lost
+        # its imaginary part: each in silence)
+        kind = getattr(update, "dtype", type(update).__name__)
+        raise ShapeError(
+            _not_an_update(
+                weight,
+                f"returned an update of shape {tuple(shape)} and dtype {kind}, for a weight "
+                f"of shape {tuple(old.shape)}",
+            )
+        )
     if type(update) is np.ndarray and update.nbytes >= _ELIDE_BYTES and private(update, old, 1):
         new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill
     else:
         new = old + update
     return _like(new, old), state
+
+
+def _not_an_update(weight: Weight[Any, Any], what: str) -> str:
+    """An optimizer's update refused (a transformation of one's own; the
+    weight's shape changed, in silence, where it broadcast)."""
+    return f"the optimizer of the weight built at {site_text(weight._site)} {what}; no weight was changed"
 
 
 def _like(new: Any, old: Any) -> Any:

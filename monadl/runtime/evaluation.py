@@ -16,7 +16,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 from monadl.deltas import Outer, in_dtype_of
+from monadl.errors import ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
@@ -83,7 +85,23 @@ class Record:
         self.delta = delta if self.delta is None else self.delta + delta
 
     def tape(self) -> Tape[Any, Any]:
-        return Tape(self.value, self.accumulate if self.needs_grad else None)
+        """The record as a tape handed to a ``Do`` (``bind``, a backward of
+        one's own): its deltas are checked for shape, as nothing else sends
+        one of another (a user's backward that stacked its delta made a
+        weight's gradient, and after a step the weight, of another shape)."""
+        return Tape(self.value, self._delivered if self.needs_grad else None)
+
+    def _delivered(self, delta: Any) -> None:
+        value = self.value
+        if hasattr(value, "shape") and hasattr(delta, "shape") and delta.shape != value.shape:
+            site = getattr(self.node, "_site", None)
+            built = "" if site is None else f" built at {site_text(site)}"
+            raise ShapeError(
+                f"a backward of your own (a Tape's) sent a delta of shape {tuple(delta.shape)} to the "
+                f"{'weight' if self.is_weight else 'layer'}{built}, of shape {tuple(value.shape)}: a delta has "
+                "its operand's shape"
+            )
+        self.accumulate(delta)
 
 
 class Records(dict[Any, Record]):
@@ -291,6 +309,12 @@ class Evaluation:
             data = weight._data
             if getattr(grad, "dtype", None) != getattr(data, "dtype", None):  # (a float64 delta, a float32 weight)
                 grads[weight] = in_dtype_of(grad, data)
+            if type(grad) is not Outer and getattr(grad, "shape", ()) != getattr(data, "shape", ()):
+                raise ShapeError(  # (a step would have made it the weight's data, of that shape)
+                    f"the gradient of the weight built at {site_text(weight._site)} has shape "
+                    f"{tuple(getattr(grad, 'shape', ()))}, the weight {tuple(getattr(data, 'shape', ()))}: a backward "
+                    "of your own (a Tape's) that sends a delta of another shape than its operand's?"
+                )
         return grads
 
     def finish(self) -> None:
