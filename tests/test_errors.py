@@ -464,3 +464,12 @@ def test_a_state_that_cannot_be_stored_says_what_can(tmp_path: Any) -> None:
     w = ml.Weight(np.ones(2), optimizer=mine)
     with pytest.raises(ml.CheckpointError, match=r"type dict .*None, a number, an array, or a tuple or NamedTuple"):
         ml.save(tmp_path / "w.safetensors", {"w": w})
+
+
+def test_an_object_with_a_forward_as_an_operand_is_told_to_lift_it() -> None:
+    class Affine:  # (a DeepLearning instance of one's own)
+        def forward(self) -> ml.Do[ml.Tape[ml.Array, ml.Array]]:
+            return ml.as_layer(np.ones(2)).forward()
+
+    with pytest.raises(ml.OperandError, match=r"operand of type Affine .*lift it with ml\.as_layer\(x\)"):
+        ml.sum(Affine())  # type: ignore[call-overload]

@@ -18,8 +18,8 @@ from monadl.layers._layer import (
     ScalarLayer,
     ScalarOperand,
     _build,
-    _operand,
 )
+from monadl.layers._operand import operand as _operand
 from monadl.layers._primitives import AS_LAYER, PRIMITIVES
 from monadl.layers._weight import Weight
 

@@ -12,13 +12,11 @@ import sys
 from collections.abc import Generator, Sequence
 from typing import Any, Generic, Literal, SupportsIndex, TypeAlias, TypeVar, final, overload
 
-import numpy as np
-
-from monadl._namespace import is_array, namespace
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, Slicing
 from monadl.layers._axes import Axis, as_axis, as_shape
+from monadl.layers._operand import operand as _operand
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
@@ -45,32 +43,6 @@ _serials = itertools.count()
 _next_serial = _serials.__next__
 _getframe = sys._getframe
 _new = object.__new__
-
-
-_NUMERIC_KINDS = frozenset("fiub")
-
-
-def _operand(x: object, op: str) -> Any:
-    """Check an operand early, where the user's line is still on the stack."""
-    kind = type(x)
-    if kind is Layer or kind is float or isinstance(x, Expr):
-        return x
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in _NUMERIC_KINDS:
-            raise OperandError(f"{op}: array operand has dtype {x.dtype}; monadl computes with numbers")
-        return x
-    if isinstance(x, (float, int, np.number, np.bool_)):
-        return x
-    if is_array(x):  # an array of another library (CuPy, array API ...)
-        dtype = getattr(x, "dtype", None)
-        if not namespace(x).isdtype(dtype, ("numeric", "bool")):
-            raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
-        return x
-    hint = ""
-    if isinstance(x, (list, tuple)):  # (layers in it: a join, not an array of objects)
-        joined = any(isinstance(y, Expr) for y in x)
-        hint = " (join its layers with ml.stack or ml.concatenate)" if joined else " (wrap it with np.asarray first)"
-    raise OperandError(f"{op}: operand of type {type(x).__name__} is not a Layer, a Weight, an array or a number{hint}")
 
 
 class Expr(Unvalued, Generic[D, G]):

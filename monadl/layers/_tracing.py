@@ -275,7 +275,8 @@ def _check_inner(name: str, layer: Layer[Any, Any], start: int) -> None:
     if layer._op is None:
         raise OperandError(
             f"operation {name}: the layer built at {site_text(layer._site)} comes from a Do (bind, await, "
-            "ml.direct): its structure depends on values, so it cannot be traced; leave it out of the operation"
+            "ml.direct, or a Do of your own: a Tape with a backward of your own): its structure depends on "
+            "values, so it cannot be traced; leave it out of the operation (build it outside and pass it in)"
         )
 
 
