@@ -26,11 +26,11 @@ from monadl.deltas import Outer, SparseRows, in_dtype_of
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
+from monadl.optim._refusals import not_an_update, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 from monadl.runtime.process import hold, release
-from monadl.runtime.settings import current_settings
 
 __all__ = [
     "Prepared",
@@ -211,7 +211,7 @@ def _commit(
             steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
         if finite:
             for weight, _, _, _ in _non_finite(steps):
-                raise NonFiniteError(_refused(weight, gradients[weight], owned))
+                raise NonFiniteError(refused(weight, gradients[weight], owned))
         writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
         for i, (weight, data, state, bound) in enumerate(steps):
             if type(data) is Rows:
@@ -228,40 +228,6 @@ def _commit(
                 weight._bound = None if bound is None else (data, bound)
         finally:
             release(held)
-
-
-def _refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
-    """Why a step is refused: its gradient (one given to `apply_gradients`
-    that holds a NaN or an infinity was blamed on an operation of a model),
-    or the step itself (an optimizer's state, a learning rate)."""
-    where = f"the weight built at {site_text(weight._site)} (shape {list(weight.shape)})"
-    if not all_finite(weight._data):  # (a LOG_REAL rule mask of -inf, the semiring's zero: was sent to check_finite)
-        return (
-            f"the optimizer step would write a NaN or an infinity into {where}, which already holds one (a mask "
-            "of -inf, a log semiring's zero?); no weight was changed. ml.settings(finite_steps=False) lets steps "
-            "write such values; or keep the weight finite and mask elsewhere"
-        )
-    given = gradient.rows if type(gradient) is SparseRows else gradient.dense() if type(gradient) is Outer else gradient
-    if not owned and not all_finite(given):
-        return (
-            f"apply_gradients: the gradient given for {where} holds a NaN or an infinity; no weight was changed "
-            "(where it came from ml.value_and_gradients, ml.settings(check_finite=True) finds the operation "
-            "that made it)"
-        )
-    if not owned:
-        return (
-            f"apply_gradients: the optimizer step would write a NaN or an infinity into {where}, its gradient "
-            "finite (the optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
-        )
-    if current_settings().check_finite:  # (it found no operation that made one: the step did)
-        return (
-            f"the optimizer step would write a NaN or an infinity into {where}, its gradient finite (the "
-            "optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
-        )
-    return (
-        f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "
-        "ml.settings(check_finite=True) finds the operation that made it"
-    )
 
 
 def _non_finite(
@@ -362,7 +328,7 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         return sparse_step(weight, grad)
     stepped = weight._optimizer.update(grad, weight._state, old)
     if type(stepped) is not tuple or len(stepped) != 2:  # (an optimizer of one's own: 'too many values to unpack')
-        raise TypeError(_not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
+        raise TypeError(not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
     update, state = stepped
     shape = getattr(update, "shape", ())
     if (shape != old.shape and shape != ()) or getattr(getattr(update, "dtype", None), "kind", "f") == "c":
@@ -370,7 +336,7 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         # its imaginary part: each in silence)
         kind = getattr(update, "dtype", type(update).__name__)
         raise ShapeError(
-            _not_an_update(
+            not_an_update(
                 weight,
                 f"returned an update of shape {tuple(shape)} and dtype {kind}, for a weight "
                 f"of shape {tuple(old.shape)}",
@@ -381,12 +347,6 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
     else:
         new = old + update
     return _like(new, old), state
-
-
-def _not_an_update(weight: Weight[Any, Any], what: str) -> str:
-    """An optimizer's update refused (a transformation of one's own; the
-    weight's shape changed, in silence, where it broadcast)."""
-    return f"the optimizer of the weight built at {site_text(weight._site)} {what}; no weight was changed"
 
 
 def _like(new: Any, old: Any) -> Any:
