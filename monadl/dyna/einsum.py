@@ -5,7 +5,6 @@ keeps back-pointers: for each output entry, where its best term came from."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, final
@@ -52,26 +51,51 @@ def contract(
     >>> contract(LOG_REAL, 0.0, [("i", np.log(np.array([1.0, 3.0])))], "", {})  # log(1 + 3)
     array(1.38629436)
     """
-    present = {c for s, _ in operands for c in s}
-    one = semiring.one
-    operands = [*operands, *((c, np.full(sizes[c], one)) for c in out if c not in present)]
-    spec = ",".join(s for s, _ in operands) + "->" + out
     if semiring is REAL:
-        result: Array = np.asarray(coeff * np.einsum(spec, *(x for _, x in operands)))
+        present = {c for s, _ in operands for c in s}
+        ones = [(c, np.ones(sizes[c])) for c in out if c not in present]
+        spec = ",".join(s for s, _ in [*operands, *ones]) + "->" + out
+        result: Array = np.asarray(coeff * np.einsum(spec, *(x for _, x in [*operands, *ones])))
         return result
     if semiring is not LOG_REAL:
         raise ValueError(f"an einsum sums in the real or log-real semiring, not {semiring.name}")
-    # A max-shifted einsum: exp of each operand less its largest entry, so long runs do not underflow.
-    shift = coeff
-    scaled = []
-    for _, x in operands:
-        top = float(np.max(x)) if x.size else -math.inf
-        top = top if math.isfinite(top) else 0.0
-        scaled.append(np.exp(x - top))
-        shift += top
+    # Log-sum-exp over the whole terms, shifted by each output entry's largest term: shifting
+    # each operand by its own largest entry underflows wherever the operands peak apart
+    # (a(I) * b(I) with a = [0, -800], b = [-800, 0] is -799.3, not -inf).
+    sizes = {**sizes, **{c: n for s, x in operands for c, n in zip(s, np.shape(x))}}
+    letters, total = _terms(coeff, operands, out, sizes, np.add)
+    axes = tuple(range(len(out), len(letters)))
+    if not axes:
+        return np.asarray(total)
+    top = np.max(total, axis=axes, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)  # (every term -inf: the sum is -inf, not NaN)
     with np.errstate(divide="ignore"):
-        logged: Array = np.asarray(np.log(np.einsum(spec, *scaled)) + shift)
+        logged: Array = np.asarray(np.log(np.sum(np.exp(total - top), axis=axes)) + top.reshape(top.shape[: len(out)]))
     return logged
+
+
+def _terms(
+    coeff: float,
+    operands: Sequence[Operand],
+    out: str,
+    sizes: Mapping[str, int],
+    times: Callable[[Array, Array], Array],
+) -> tuple[str, Array]:
+    """Every term of a rule's product, ``coeff`` times the operands, on the
+    axes ``out`` then the summed-out letters (in order), ``sizes`` giving
+    every letter's size: the letters and the terms.
+
+    >>> _terms(1.0, [("ij", np.array([[1.0, 2.0]])), ("j", np.array([3.0, 4.0]))], "i", {"i": 1, "j": 2}, np.multiply)
+    ('ij', array([[3., 8.]]))
+    """
+    letters = out + "".join(sorted({c for s, _ in operands for c in s} - set(out)))
+    total: Array = np.full(tuple(sizes[c] for c in letters), coeff)
+    for s, x in operands:
+        # x's axes in the order of ``letters`` (a letter twice: its diagonal), length 1 where it has none.
+        own = "".join(c for c in letters if c in s)
+        aligned = np.einsum(f"{s}->{own}", x).reshape([sizes[c] if c in s else 1 for c in letters])
+        total = times(total, aligned)
+    return letters, total
 
 
 def best_contract(semiring: Semiring, coeff: float, operands: Sequence[Operand], out: str) -> tuple[Array, str, Array]:
@@ -92,15 +116,9 @@ def best_contract(semiring: Semiring, coeff: float, operands: Sequence[Operand],
     missing = [c for c in out if c not in sizes]
     if missing:
         raise ValueError(f"the head's array axes {missing} do not occur in the body")
-    summed = "".join(sorted(set(sizes) - set(out)))
-    letters = out + summed
     times = np.multiply if semiring is MAX_TIMES else np.add
-    total: Array = np.full(tuple(sizes[c] for c in letters), coeff)
-    for s, x in operands:
-        # Put x's axes in the order of ``letters``, with length-1 axes where it has none, to broadcast.
-        order = sorted(range(len(s)), key=lambda k: letters.index(s[k]))
-        aligned = np.transpose(x, order).reshape([sizes[c] if c in s else 1 for c in letters])
-        total = times(total, aligned)
+    letters, total = _terms(coeff, operands, out, sizes, times)
+    summed = letters[len(out) :]
     out_shape = tuple(sizes[c] for c in out)
     flat = total.reshape((*out_shape, -1))
     pick = np.argmax(flat, axis=-1) if semiring is MAX_TIMES else np.argmin(flat, axis=-1)

@@ -163,6 +163,35 @@ def test_a_log_real_goal_of_probability_zero_has_gradient_zero_not_nan() -> None
     assert program.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}
 
 
+def test_log_real_operands_that_peak_apart_do_not_underflow() -> None:
+    """a(I) * b(I) with a = [0, -800] and b = [-800, 0] is log(2 e^-800),
+    finite: shifting each operand by its own largest entry made every term
+    e^-800, 0.0 in floats, and the batched value -inf with gradients 0."""
+    rules = parse_rules("y += a(I) * b(I).")
+    axioms = {("a", 0): 0.0, ("a", 1): -800.0, ("b", 0): -800.0, ("b", 1): 0.0}
+    run = ArrayProgram(rules, LOG_REAL, arrays={"a": {0: 2}, "b": {0: 2}}).run(axioms)
+    assert run.value(("y",)) == pytest.approx(math.log(2.0) - 800.0, rel=1e-15)
+    assert run.gradient(("y",)) == pytest.approx(dict.fromkeys(axioms, 0.5), rel=1e-12)
+
+
+def test_a_log_real_hmm_with_soft_masks_batched_agrees_with_item_at_a_time() -> None:
+    """-1000 for an impossible emission or transition (a common stand-in for
+    -inf) made the batched likelihood -inf; the true one is about -1001."""
+    half, sure = math.log(0.5), 0.0
+    trans = np.array([[math.log(0.9), -1000.0], [half, half]])  # (state 0 never goes to 1)
+    emit = np.array([[sure, -1000.0], [-1000.0, sure]])  # (state s emits only s)
+    logs = dp.hmm_axioms(np.array([half, half]), trans, emit, [0, 1, 1])
+    logs.update({k: 0.0 for k in logs if k[0] in ("obs", "succ", "final")})  # (log 1)
+    arrays = {"alpha": {1: 2}, "init": {0: 2}, "trans": {0: 2, 1: 2}, "emit": {0: 2}}
+    want = Program(dp.HMM.rules, LOG_REAL).run(logs)
+    got = ArrayProgram(dp.HMM.rules, LOG_REAL, arrays=arrays).run(logs)
+    assert math.isfinite(want.chart[("likelihood",)])
+    assert got.value(("likelihood",)) == pytest.approx(want.chart[("likelihood",)], rel=1e-12)
+    expected = want.gradient(("likelihood",))
+    for item, g in got.gradient(("likelihood",)).items():
+        assert g == pytest.approx(expected.get(item, 0.0), rel=1e-9, abs=1e-12), item
+
+
 def test_a_batched_run_whose_values_diverge_has_not_converged() -> None:
     """pathto doubles round a cycle of weight 2 until it is infinite, and then
     stands still: the item-at-a-time run and the batched one both say it did
