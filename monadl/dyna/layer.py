@@ -26,6 +26,7 @@ import numpy as np
 
 from monadl.do import Do
 from monadl.dyna.syntax import Item, Rule
+from monadl.errors import NonFiniteError
 from monadl.layers import Layer, Weight
 from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
@@ -35,7 +36,16 @@ __all__ = ["Differentiable", "Timing", "bind_weight", "check_goal", "goal_layer"
 
 
 class Differentiable(Protocol):
-    """A finished run that differentiates a goal with respect to its axioms."""
+    """A finished run that differentiates a goal with respect to its axioms.
+
+    ``settled``: nothing pending would change the chart; ``converged``:
+    settled, and no value went to infinity or NaN."""
+
+    @property
+    def settled(self) -> bool: ...
+
+    @property
+    def converged(self) -> bool: ...
 
     def gradient(self, goal: Item, *, derived: bool = False) -> dict[Item, float]:
         """d goal / d axiom for the axioms of the run."""
@@ -96,7 +106,9 @@ def goal_layer(
     timing: Timing | None = None,
 ) -> Layer[float, float]:
     """A goal's value as a scalar layer over the weights bound to functors
-    (what `Program.goal` and `ArrayProgram.goal` return).
+    (what `Program.goal` and `ArrayProgram.goal` return). A run that
+    settled without converging (a value went to infinity or NaN) is a
+    `NonFiniteError`: its goal's value is no sum's.
 
     Args:
         run: runs the program from the axioms' values, checking the given
@@ -129,6 +141,11 @@ def goal_layer(
                 values[(functor, *position)] = float(data[position])
         done = run(values, stop)
         result = value(done)
+        if done.settled and not done.converged:  # (an early stop, with max_pops or stop, is the user's)
+            raise NonFiniteError(
+                f"goal {goal}: the program's run reached no fixpoint: values went to infinity or NaN "
+                f"(the goal's is {result}): the sum along a cycle of weight 1 or more diverges"
+            )
         wanted = [t for t in tapes if t.backward is not None]
         if not wanted:
             return Tape(result)

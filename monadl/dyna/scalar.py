@@ -22,7 +22,7 @@ from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
-from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, coefficient, diverged
+from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, annihilated, coefficient, diverged
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
 from monadl.layers import Layer, Weight
@@ -280,6 +280,10 @@ class Program:
             first = a not in chart
             old = chart.get(a, semiring.zero)
             new = semiring.plus(old, update)
+            if math.isinf(new) and math.isfinite(update) and not first:
+                # The sum overflowed (a cycle of weight 1 or more): its consumers get the infinity, not
+                # the finite update that overflowed it, else they stand still short of it, finite.
+                update = new
             changed = first or moved(old, new)
             tape.append(Entry(a, None if first else old, update, changed))
             run.pops += 1
@@ -351,6 +355,9 @@ class Program:
             for j, item in enumerate(body):
                 if j != i:
                     product = times(product, chart[item] if (j < i or item != a) else old)
+            if product != product:  # (NaN: where a sum diverged, an infinity times a zero, or a NaN)
+                factors = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(body)]
+                product = annihilated(self.semiring, [coefficient(self.semiring, rule), *factors], product)
             yield head(rule, body), product, (rule, body)
 
     def goal(
@@ -365,6 +372,9 @@ class Program:
         ``weights`` binds functors to weights: the axiom ``f(i, j)`` is
         ``weights[f].data[i, j]`` for every entry of the array (zeros
         included). Its backward pass runs the tape, only when a delta is wanted.
+        A run that stood still at no fixpoint, a value gone to infinity or NaN
+        (a cycle of weight 1 or more), is a `NonFiniteError`; one stopped early
+        (``max_pops``, ``stop``) gives the value it reached.
 
         >>> import anyio, numpy as np, monadl as ml
         >>> w = ml.Weight(np.array([0.5, 0.25]))

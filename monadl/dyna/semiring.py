@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from monadl.dyna.syntax import Rule
 
-__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Semiring", "coefficient"]
+__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Semiring", "annihilated", "coefficient"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,20 @@ def diverged(semiring: Semiring, values: Iterable[float | np.ndarray]) -> bool:
             if np.any(np.isnan(a) | (np.isinf(a) & (a != semiring.zero) & (a != semiring.one))):
                 return True
     return False
+
+
+def annihilated(semiring: Semiring, factors: Sequence[float], product: float) -> float:
+    """A product of ``factors`` that came out NaN: the semiring's zero where a
+    factor is zero and none is NaN (zero times anything is zero, a divergent
+    sum too: each of its terms is zero, where floats give inf * 0 = NaN),
+    else ``product``.
+
+    >>> annihilated(REAL, [0.0, math.inf], math.nan), annihilated(LOG_REAL, [-math.inf, math.inf], math.nan)
+    (0.0, -inf)
+    """
+    if any(math.isnan(v) for v in factors) or not any(v == semiring.zero for v in factors):
+        return product
+    return semiring.zero
 
 
 def coefficient(semiring: Semiring, rule: Rule) -> float:

@@ -567,6 +567,20 @@ def test_a_run_whose_values_diverge_has_not_converged(text: str, infinite: bool)
     assert parse("a += 0.5 * a. a += 1.").run({}).converged  # (the finite fixpoint 2 is one)
 
 
+def test_an_infinity_reaches_what_a_divergent_cycle_feeds() -> None:
+    """c(1) and c(2) overflowed first, and later updates left them inf,
+    changing nothing: c(0) and the goal stood still at 8.7e307, finite, where
+    the batched run gives inf. The consumers get the infinity; goal's terms
+    c(X) * top(X) with top(X) = 0 stay 0, not NaN."""
+    text = "c(X) += lex(X). c(X) += unary(X, Y) * c(Y). goal += c(X) * top(X)."
+    u = [[0.475, 0.201, 0.031], [0.012, 0.607, 0.681], [0.453, 0.544, 0.406]]  # (spectral radius 1.2)
+    axioms: dict[Item, float] = {("unary", x, y): u[x][y] for x in range(3) for y in range(3)}
+    axioms.update({("lex", x): 0.5 for x in range(3)} | {("top", 0): 1.0, ("top", 1): 0.0, ("top", 2): 0.0})
+    run = parse(text).run(axioms)
+    assert run.chart[("goal",)] == math.inf and not run.converged
+    assert all(run.chart[("c", x)] == math.inf for x in range(3))
+
+
 def test_an_item_that_diverges_leaves_a_finite_items_gradient_as_it_was() -> None:
     """d goes to infinity apart from a: the run has not converged, yet it
     settled, and a's pending zero update still gets its adjoint (da/dx = 1

@@ -1,0 +1,44 @@
+"""Goals as layers: what a goal layer refuses, and what it gives."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.dyna import REAL, ArrayProgram, parse
+
+CYCLE = "c(X) += lex(X). c(X) += unary(X, Y) * c(Y). goal += c(X) * top(X)."
+LEX_TOP = {("lex", x): 0.5 for x in range(3)} | {("top", 0): 1.0, ("top", 1): 0.0, ("top", 2): 0.0}
+DIVERGENT = np.array([[0.475, 0.201, 0.031], [0.012, 0.607, 0.681], [0.453, 0.544, 0.406]])  # (spectral radius 1.2)
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["item at a time", "batched"])
+def test_a_goal_whose_run_diverged_is_an_error(arrays: bool) -> None:
+    """The goal layer gave the run's value, 8.7e307 item at a time, inf
+    batched, though the run reached no fixpoint (``converged`` False)."""
+    program = parse(CYCLE)
+    if arrays:
+        shapes = {"c": {0: 3}, "lex": {0: 3}, "unary": {0: 3, 1: 3}, "top": {0: 3}}
+        goal = ArrayProgram(program.rules, REAL, arrays=shapes).goal(
+            ("goal",), LEX_TOP, {"unary": ml.Weight(DIVERGENT)}
+        )
+    else:
+        goal = program.goal(("goal",), LEX_TOP, {"unary": ml.Weight(DIVERGENT)})
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(ml.NonFiniteError, match="no fixpoint"):
+        anyio.run(goal.predict)
+
+
+def test_a_goal_stopped_early_gives_the_stopped_value() -> None:
+    """``max_pops`` is early stopping, documented: its run has not converged,
+    and the goal layer gives the value it reached."""
+    goal = parse(CYCLE).goal(("goal",), LEX_TOP, {"unary": ml.Weight(DIVERGENT)}, max_pops=40)
+    value = anyio.run(goal.predict)
+    assert (
+        np.isfinite(value)
+        and value
+        == parse(CYCLE)
+        .run({**LEX_TOP, **{("unary", x, y): DIVERGENT[x, y] for x in range(3) for y in range(3)}}, max_pops=40)
+        .chart[("goal",)]
+    )
