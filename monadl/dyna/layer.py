@@ -272,6 +272,13 @@ def check_goal(
             f"(rules derive {', '.join(sorted(map(str, heads))) or 'nothing'})"
         )
     check_axioms(axioms or {}, heads | set(reads) | {goal[0]}, said)
+    for functor in weights or {}:
+        given = [a for a in axioms or {} if a[0] == functor]
+        if given:  # (the weight's entries would replace them silently, each run)
+            raise ValueError(
+                f"{functor}: both axioms ({given[0]}{', ...' if len(given) > 1 else ''}) and weights[{functor!r}] "
+                f"give it: the weight's entries would replace the axioms; give {functor} one way"
+            )
     for what, item in [("goal", goal), *[("axiom", tuple(a)) for a in axioms or {}]]:
         known = arities.get(item[0])
         if known is not None and len(item) - 1 not in known:  # (an item of another arity: no rule meets it)

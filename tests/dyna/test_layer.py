@@ -42,3 +42,10 @@ def test_a_goal_stopped_early_gives_the_stopped_value() -> None:
         .run({**LEX_TOP, **{("unary", x, y): DIVERGENT[x, y] for x in range(3) for y in range(3)}}, max_pops=40)
         .chart[("goal",)]
     )
+
+
+def test_a_functor_given_both_as_axioms_and_as_a_weight_is_refused() -> None:
+    """x(0) = 5 was replaced by the weight's entry, silently."""
+    program = parse("s += x(I) * y(I).")
+    with pytest.raises(ValueError, match=r"x: both axioms \(\('x', 0\)\) and weights\['x'\] give it"):
+        program.goal(("s",), {("x", 0): 5.0, ("y", 0): 1.0}, {"x": ml.Weight(np.ones(2))})
