@@ -401,7 +401,8 @@ def parse(text: str, semiring: Semiring = REAL) -> Program:
         pathto(0) += 1.                        % a constant: no body item
         b(X) += 0.5 * a(X) * w(X, Y) * a(Y).   % a leading number is the coefficient
 
-    Upper-case arguments are variables; integers and lower-case words are
+    Upper-case arguments are variables (``_`` alone: a fresh one at each
+    occurrence); integers and lower-case words are
     constants; ``%`` starts a comment.
 
     >>> parse("a += a * a. a += r.").rules[0].body

@@ -1,13 +1,16 @@
 """Items, rules and their text form.
 
 An item is a functor and its arguments, ``("edge", 0, 1)``; a pattern is an
-item some of whose arguments are variables (upper-case strings). A rule is
+item some of whose arguments are variables (strings that start upper-case or
+with ``_``; as in Prolog and Dyna, ``_`` alone is a fresh variable at each
+occurrence, one nothing else reads). A rule is
 ``head += coeff * body_1 * ... * body_k``; with no body item it is a constant,
 ``pathto(0) += 1``.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,23 +21,25 @@ __all__ = ["Item", "Pattern", "Rule", "bindings", "ground", "head", "is_variable
 Item: TypeAlias = tuple[Any, ...]
 """A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
 Pattern: TypeAlias = tuple[Any, ...]
-"""An item with variables: arguments that are upper-case strings."""
+"""An item with variables: arguments that are strings starting upper-case or with ``_``."""
 
 
 def is_variable(term: Any) -> bool:
-    """Whether a term of a pattern is a variable (an upper-case string).
+    """Whether a term of a pattern is a variable (a string that starts
+    upper-case or with ``_``).
 
-    >>> is_variable("I"), is_variable("edge"), is_variable(3)
-    (True, False, False)
+    >>> is_variable("I"), is_variable("_I"), is_variable("_"), is_variable("edge"), is_variable(3)
+    (True, True, True, False, False)
     """
-    return isinstance(term, str) and term[:1].isupper()
+    return isinstance(term, str) and (term[:1].isupper() or term[:1] == "_")
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
     """``head += coeff * body[0] * ... * body[k-1]``.
 
-    A coefficient is a value of the program's semiring, taken as written (in
+    Each ``_`` in it becomes a variable of its own (``_0``, ``_1``, ... not
+    otherwise in the rule). A coefficient is a value of the program's semiring, taken as written (in
     log-real a logarithm, in min-plus a distance: ``d += 1 * e`` adds 1);
     None, a rule written without one, is the semiring's one. A rule with no
     body item is a constant, ``head += coeff`` with a ground head, and needs
@@ -49,6 +54,13 @@ class Rule:
     coeff: float | None = None
 
     def __post_init__(self) -> None:
+        patterns = [self.head, *self.body]
+        if any(t == "_" for p in patterns for t in p[1:]):  # (anonymous: each _ a variable of its own)
+            taken = {t for p in patterns for t in p[1:] if is_variable(t)}
+            fresh = (name for name in map("_{}".format, itertools.count()) if name not in taken)
+            head, *body = [(p[0], *(next(fresh) if t == "_" else t for t in p[1:])) for p in patterns]
+            object.__setattr__(self, "head", head)
+            object.__setattr__(self, "body", body)
         if not self.body and self.coeff is None:
             raise ValueError(f"rule {self.head} += (nothing): a constant rule needs its value (Rule(head, [], value))")
         bound = {t for b in self.body for t in b[1:] if is_variable(t)}
@@ -135,7 +147,8 @@ def parse_rules(text: str) -> list[Rule]:
         pathto(0) += 1.                        % a constant: no body item
         b(X) += 0.5 * a(X) * w(X, Y) * a(Y).   % a leading number is the coefficient
 
-    Upper-case arguments are variables; integers and lower-case words are
+    Upper-case arguments are variables (``_`` alone: a fresh one at each
+    occurrence); integers and lower-case words are
     constants; ``%`` starts a comment. (`monadl.dyna.parse` makes a `Program`
     of them.)
 

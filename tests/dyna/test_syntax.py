@@ -65,3 +65,18 @@ def test_a_number_with_a_dot_before_its_exponent_is_one_number() -> None:
     (rule,) = parse("a += 1.e-3 * b.").rules
     assert rule.coeff == 1e-3 and rule.body == [("b",)]
     assert [str(r) for r in parse("a += 1.e(X) += b(X).").rules] == ["a += 1.0", "e(X) += b(X)"]  # (a name after)
+
+
+def test_the_anonymous_variable_is_a_fresh_variable_at_each_occurrence() -> None:
+    """``_`` and ``_I`` were read as the constants '_' and '_I': goal was
+    never derived. As in Prolog and Dyna they are variables, and two ``_`` are
+    two variables."""
+    axioms = {("word", 0, 1): 1.0, ("word", 1, 2): 1.0, ("score", 1): 0.5, ("score", 2): 0.25}
+    assert parse("goal += word(_, W) * score(W).").run(axioms).chart[("goal",)] == 0.75
+    assert parse("goal += word(_I, W) * score(W).").run(axioms).chart[("goal",)] == 0.75
+    pairs = parse("n += pair(_, _).")
+    assert str(pairs.rules[0]) == "n += pair(_0, _1)"
+    assert pairs.run({("pair", 0, 1): 1.0, ("pair", 2, 2): 1.0}).chart[("n",)] == 2.0  # (not only pair(2, 2))
+    assert Rule(("n",), [("pair", "_", "_0")]).body == [("pair", "_1", "_0")]  # (a fresh name, not one in use)
+    with pytest.raises(ValueError, match="range-restricted"):
+        parse("a(_) += b.")
