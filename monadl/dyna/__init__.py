@@ -13,7 +13,8 @@ items with arguments (upper-case arguments are variables), or constants
 
 Axioms are ground items with values, plain numbers or entries of a monadl
 `Weight` (``bind_weight("edge", w)`` makes ``edge(i, j)`` the entry
-``w.data[i, j]``). `Program.run` computes the chart item at a time;
+``w.data[i, j]``) or of a layer's value (rule probabilities normalised in the
+graph, ``ml.log_softmax(scores)``). `Program.run` computes the chart item at a time;
 `ArrayProgram` batches dense arguments into arrays. ``goal`` gives a goal
 item's value as a monadl layer, so the weights bound to axioms train with
 ``await loss.train()``.

@@ -39,10 +39,10 @@ from monadl.dyna.array_run import ArrayRun, Record
 from monadl.dyna.backward import Entry
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, bound_data, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverged
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
-from monadl.layers import Layer, Weight
+from monadl.layers import Layer
 
 __all__ = ["ArrayProgram", "ArrayRun", "Record"]
 
@@ -149,26 +149,31 @@ class ArrayProgram:
         self,
         goal: Item,
         axioms: Mapping[Item, float] | None = None,
-        weights: Mapping[Any, Weight[Any, Any]] | None = None,
+        weights: Mapping[Any, Source] | None = None,
         **run_options: Any,
     ) -> Layer[float, float]:
         """``value(goal)`` as a differentiable scalar layer, as `monadl.dyna.Program.goal`:
-        ``weights`` binds functors to weights whose entries are the axioms.
+        ``weights`` binds functors to weights, layers or arrays whose entries are the axioms.
 
         >>> import anyio, monadl as ml
         >>> p = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 2}})
         >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
         0.3125
         """
-        check_goal(goal, self.rules, axioms, weights)
-        for functor, weight in (weights or {}).items():
-            shape = np.shape(weight.data)
-            for k, size in zip(sorted(self.arrays.get(functor, {})), self.shapes.get(functor, ())):
-                if k < len(shape) and shape[k] > size:
-                    raise ValueError(
-                        f"weights[{functor!r}] has shape {shape}, and {functor}'s argument {k} is an array axis "
-                        f"of {size}: its entries past {size - 1} would be items outside it"
-                    )
+
+        def check(bound: Mapping[Any, Source] | None) -> None:
+            check_goal(goal, self.rules, axioms, bound)
+            for functor, weight in (bound or {}).items():
+                data = bound_data(functor, weight)
+                shape = () if data is None else data.shape  # (a layer's: when it is computed)
+                for k, size in zip(sorted(self.arrays.get(functor, {})), self.shapes.get(functor, ())):
+                    if k < len(shape) and shape[k] > size:
+                        raise ValueError(
+                            f"weights[{functor!r}] has shape {shape}, and {functor}'s argument {k} is an array axis "
+                            f"of {size}: its entries past {size - 1} would be items outside it"
+                        )
+
+        check(weights)
         return goal_layer(
             lambda values, stop: self.run(values, **stopping(run_options, stop)),
             lambda run: run.value(goal),
@@ -176,6 +181,7 @@ class ArrayProgram:
             axioms,
             weights,
             self.timing,
+            check,
         )
 
     def run(

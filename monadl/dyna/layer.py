@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Protocol, TypeVar, final
+from typing import Any, Final, Protocol, TypeAlias, TypeVar, final
 
 import anyio.to_thread
 import numpy as np
@@ -27,12 +27,12 @@ import numpy as np
 from monadl.do import Do
 from monadl.dyna.syntax import Item, Rule
 from monadl.errors import NonFiniteError
-from monadl.layers import Layer, Weight
+from monadl.layers import Expr, Layer, Weight
 from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
-__all__ = ["Differentiable", "Timing", "bind_weight", "check_goal", "goal_layer", "stopping"]
+__all__ = ["Differentiable", "Source", "Timing", "bind_weight", "bound_data", "check_goal", "goal_layer", "stopping"]
 
 
 class Differentiable(Protocol):
@@ -71,6 +71,12 @@ class Timing:
         self.seconds = 0.0
 
 
+Source: TypeAlias = "Expr[Any, Any] | np.ndarray[Any, Any] | float"
+"""What ``weights`` binds a functor to: a `Weight` or a `Layer` (the entries of
+its value are the axioms, and get their gradients; a layer computes them in
+the graph, a PCFG's rule probabilities as ``ml.log_softmax`` of scores), or
+plain data (fixed axioms)."""
+
 Stop = Callable[[Any], bool]
 """A predicate on a run so far, checked after each pop (``stop`` of `Program.run`)."""
 
@@ -102,8 +108,9 @@ def goal_layer(
     value: Callable[[R], float],
     goal: Item,
     axioms: Mapping[Item, float] | None,
-    weights: Mapping[Any, Weight[Any, Any]] | None,
+    weights: Mapping[Any, Source] | None,
     timing: Timing | None = None,
+    check: Callable[[Mapping[Any, Source]], None] | None = None,
 ) -> Layer[float, float]:
     """A goal's value as a scalar layer over the weights bound to functors
     (what `Program.goal` and `ArrayProgram.goal` return). A run that
@@ -116,9 +123,11 @@ def goal_layer(
         value: the goal's value in a finished run.
         goal: the item differentiated.
         axioms: fixed axioms.
-        weights: functor -> weight: the axiom ``f(i, j)`` is ``weights[f].data[i, j]``.
+        weights: functor -> `Source`: the axiom ``f(i, j)`` is the entry ``[i, j]`` of its value.
         timing: the program's, shared by its goal layers: a run that took
             longer than the loop may wait sends the next ones to a thread.
+        check: refuses bindings (`check_goal`), called on the layers'
+            values once computed (with the other bindings as given).
 
     >>> import anyio
     >>> from monadl.dyna.scalar import Program
@@ -132,8 +141,12 @@ def goal_layer(
     bound = dict(weights or {})
     fixed = dict(axioms or {})
     functors = list(bound)
+    known = {f: bound_data(f, x) for f, x in bound.items()}
+    computed = [f for f, data in known.items() if data is None]  # (layers: values known when they ran)
 
     def forward(tapes: tuple[Tape[Any, Any], ...], stop: Stop | None) -> Tape[float, float]:
+        if computed and check is not None:
+            check({**bound, **{f: np.asarray(t.data) for f, t in zip(functors, tapes) if f in computed}})
         values = dict(fixed)
         for functor, tape in zip(functors, tapes):
             data = np.asarray(tape.data)
@@ -191,7 +204,7 @@ def goal_layer(
             return Do.pure(timed(tapes, None))
         return Do.from_async(lambda: _threaded(timed, tapes))
 
-    entries = len(fixed) + sum(int(np.size(w.data)) for w in bound.values())
+    entries = len(fixed) + sum(data.size for data in known.values() if data is not None)
 
     def where(tapes: tuple[Tape[Any, Any], ...]) -> Do[Tape[float, float]]:
         # (decided at each run: a layer built once and trained often follows its program's last run)
@@ -199,7 +212,10 @@ def goal_layer(
             return inline(tapes)
         return in_a_thread(tapes)
 
-    return Layer(Do.gather(bound[f].forward() for f in functors).bind(where))
+    def source(x: Source) -> Do[Tape[Any, Any]]:
+        return x.forward() if isinstance(x, Expr) else Do.pure(Tape(np.asarray(x)))
+
+    return Layer(Do.gather(source(bound[f]) for f in functors).bind(where))
 
 
 def _within(seconds: float) -> Stop:
@@ -236,12 +252,13 @@ def check_goal(
     goal: Item,
     rules: Sequence[Rule],
     axioms: Mapping[Item, float] | None,
-    weights: Mapping[Any, Weight[Any, Any]] | None,
+    weights: Mapping[Any, Source] | None,
     dimensions: bool = True,
 ) -> None:
     """Refuse what a misspelt name or a wrong shape would make silently wrong:
     a goal whose functor nothing can give a value (no rule's head, no axiom
-    and no weight has it: it would read the semiring's zero), a weight or an
+    and no weight has it: it would read the semiring's zero), a binding that
+    is no `Source` (`bound_data`), a weight or an
     axiom of a functor no rule reads or derives (it would change nothing, and
     its gradient would be zero), and, where ``dimensions``, a weight whose
     dimensions are not the arguments the rules read its functor with.
@@ -294,13 +311,39 @@ def check_goal(
             raise ValueError(
                 f"weights[{functor!r}]: no rule reads {functor} ({said}): its entries would change nothing"
             )
-        ndim = np.ndim(weight.data)
-        if dimensions and ndim not in reads[functor]:
+        data = bound_data(functor, weight)
+        ndim = None if data is None else data.ndim  # (a layer's: when it is computed)
+        if dimensions and ndim is not None and ndim not in reads[functor]:
             read = " or ".join(map(str, sorted(reads[functor])))
             raise ValueError(
                 f"weights[{functor!r}] has {ndim} dimensions, and the rules read {functor} with {read} "
                 "arguments: its entry at an index is the item of those arguments"
             )
+
+
+def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
+    """What a functor is bound to, as an array: a weight's data or plain
+    data; None for a layer (its value is known when it ran). Anything else
+    is refused, saying what a functor takes.
+
+    >>> bound_data("x", Weight(np.ones(2))), bound_data("x", 2.0), bound_data("x", Weight(np.ones(2)) * 2.0)
+    (array([1., 1.]), array(2.), None)
+    >>> bound_data("x", "0.5")
+    Traceback (most recent call last):
+    ...
+    TypeError: weights['x'] is a str: a functor is bound to a Weight, a Layer or an array of numbers, whose entries are its axioms
+    """
+    if isinstance(source, Weight):
+        return np.asarray(source.data)
+    if isinstance(source, Expr):
+        return None
+    data = np.asarray(source)
+    if not (np.issubdtype(data.dtype, np.number) or data.dtype == np.bool_):
+        raise TypeError(
+            f"weights[{functor!r}] is a {type(source).__name__}: a functor is bound to a Weight, a Layer or an "
+            "array of numbers, whose entries are its axioms"
+        )
+    return data
 
 
 def check_axioms(axioms: Mapping[Item, Any], known: set[str], said: str) -> None:

@@ -16,16 +16,17 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeAlias, final
 
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Timing, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, annihilated, coefficient, diverged
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
-from monadl.layers import Layer, Weight
+from monadl.layers import Layer
 
 __all__ = ["Program", "Run", "ScalarAlgebra", "parse"]
 
@@ -364,14 +365,15 @@ class Program:
         self,
         goal: Item,
         axioms: Mapping[Item, float] | None = None,
-        weights: Mapping[Any, Weight[Any, Any]] | None = None,
+        weights: Mapping[Any, Source] | None = None,
         **run_options: Any,
     ) -> Layer[float, float]:
         """``chart[goal]`` as a differentiable scalar layer.
 
-        ``weights`` binds functors to weights: the axiom ``f(i, j)`` is
-        ``weights[f].data[i, j]`` for every entry of the array (zeros
-        included). Its backward pass runs the tape, only when a delta is wanted.
+        ``weights`` binds functors to weights, layers or arrays (`Source`):
+        the axiom ``f(i, j)`` is the entry ``[i, j]`` of ``weights[f]``'s value
+        for every entry of the array (zeros included). Its backward pass runs
+        the tape, only when a delta is wanted.
         A run that stood still at no fixpoint, a value gone to infinity or NaN
         (a cycle of weight 1 or more), is a `NonFiniteError`; one stopped early
         (``max_pops``, ``stop``) gives the value it reached.
@@ -381,7 +383,8 @@ class Program:
         >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
         0.3125
         """
-        check_goal(goal, self.rules, axioms, weights)
+        check = partial(check_goal, goal, self.rules, axioms)
+        check(weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
             lambda values, stop: self.run(values, **stopping(run_options, stop)),
@@ -390,6 +393,7 @@ class Program:
             axioms,
             weights,
             self.timing,
+            check,
         )
 
 

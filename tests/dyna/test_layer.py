@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import REAL, ArrayProgram, parse
+from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Program, parse
 
 CYCLE = "c(X) += lex(X). c(X) += unary(X, Y) * c(Y). goal += c(X) * top(X)."
 LEX_TOP = {("lex", x): 0.5 for x in range(3)} | {("top", 0): 1.0, ("top", 1): 0.0, ("top", 2): 0.0}
@@ -49,3 +49,31 @@ def test_a_functor_given_both_as_axioms_and_as_a_weight_is_refused() -> None:
     program = parse("s += x(I) * y(I).")
     with pytest.raises(ValueError, match=r"x: both axioms \(\('x', 0\)\) and weights\['x'\] give it"):
         program.goal(("s",), {("x", 0): 5.0, ("y", 0): 1.0}, {"x": ml.Weight(np.ones(2))})
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["item at a time", "batched"])
+def test_a_functor_bound_to_a_layer_or_to_plain_data(arrays: bool) -> None:
+    """A layer (rule probabilities normalised in the graph) or an array
+    failed with AttributeError ('Layer' object has no attribute 'data')."""
+    rules = parse("s += x(I) * y(I).", LOG_REAL).rules
+    program = ArrayProgram(rules, LOG_REAL, arrays={"x": {0: 3}, "y": {0: 3}}) if arrays else Program(rules, LOG_REAL)
+    scores = ml.Weight(np.array([0.1, 0.2, 0.3]))
+    y = np.log(np.array([1.0, 2.0, 3.0]))
+    p = np.exp(scores.data) / np.exp(scores.data).sum()
+    goal = program.goal(("s",), None, {"x": ml.log_softmax(scores), "y": y})
+    value, grads = anyio.run(ml.value_and_gradients, goal)
+    assert value == pytest.approx(np.log(p @ np.exp(y)), rel=1e-12)
+    share = p * np.exp(y) / (p @ np.exp(y))  # (d s / d log x, through log_softmax)
+    np.testing.assert_allclose(grads[scores], share - p, rtol=1e-9, atol=1e-15)
+    ml.check_grads(lambda x: program.goal(("s",), None, {"x": x, "y": y}), np.log(p))
+
+
+def test_a_binding_that_is_no_weight_layer_or_array_or_of_other_dimensions_is_refused() -> None:
+    program = parse("s += x(I) * y(I).")
+    with pytest.raises(
+        TypeError, match=r"weights\['x'\] is a dict: a functor is bound to a Weight, a Layer or an array"
+    ):
+        program.goal(("s",), {("y", 0): 1.0}, {"x": {0: 1.0}})  # type: ignore[dict-item]
+    goal = program.goal(("s",), {("y", 0): 1.0}, {"x": ml.Weight(np.ones((2, 2))) * 2.0})  # (known when it ran)
+    with pytest.raises(ValueError, match=r"weights\['x'\] has 2 dimensions, and the rules read x with 1"):
+        anyio.run(goal.predict)
