@@ -134,8 +134,9 @@ def settled_adjoints(
                 if budget < 0:
                     raise NonFiniteError(
                         f"the gradient of {goal} does not settle within the pops allowed: an update that changed "
-                        f"nothing lies on a cycle through {component[0]} whose weight is 1 or near it (start its "
-                        "weights off zero, or bound the run with max_pops)"
+                        f"nothing lies on a cycle through {component[0]} whose weight is 1 or near it, and a sum "
+                        "along it diverges or settles too slowly: make the cycle's weight less than 1, or bound "
+                        "the run with max_pops (the gradient of the stopped computation)"
                     )
                 for rule, body in making.get(h, ()):
                     values = [chart[x] for x in body]
@@ -151,8 +152,9 @@ def settled_adjoints(
                         if diverged(new):
                             raise NonFiniteError(
                                 f"the gradient of {goal} diverges: an update that changed nothing lies on a cycle "
-                                f"through {x} of weight 1 or more (start its weights off zero, or bound the run "
-                                "with max_pops)"
+                                f"through {x} of weight 1 or more, and a sum along it diverges (for any amount off "
+                                "zero): make the cycle's weight less than 1, or bound the run with max_pops (the "
+                                "gradient of the stopped computation)"
                             )
                         adjoint[x] = new
                         agenda[x] = plus(agenda[x], g) if x in agenda else g
