@@ -39,7 +39,7 @@ from monadl.dyna.array_run import ArrayRun, Record
 from monadl.dyna.backward import Entry
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Source, Timing, bound_data, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, bound_data, check_axioms, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverged
 from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
 from monadl.layers import Layer
@@ -175,7 +175,7 @@ class ArrayProgram:
 
         check(weights)
         return goal_layer(
-            lambda values, stop: self.run(values, **stopping(run_options, stop)),
+            lambda values, stop: self._run(values, **stopping(run_options, stop)),
             lambda run: run.value(goal),
             goal,
             axioms,
@@ -202,6 +202,17 @@ class ArrayProgram:
         >>> p.run({("x", 0): 1.0}).chart[("y",)]
         array([ 2., 10.])
         """
+        check_axioms(axioms, self.rules)  # (a goal checks its own, once: `check_goal`)
+        return self._run(axioms, max_pops=max_pops, tolerance=tolerance, stop=stop)
+
+    def _run(
+        self,
+        axioms: Mapping[Item, float],
+        *,
+        max_pops: int | None = None,
+        tolerance: float = 0.0,
+        stop: Callable[[ArrayRun], bool] | None = None,
+    ) -> ArrayRun:
         s = self.semiring
         track = s.gradient == "backpointer"
         located = {tuple(k): (*self.locate(tuple(k)), float(v)) for k, v in axioms.items()}

@@ -282,13 +282,15 @@ def check_goal(
         for item in rule.body:
             reads.setdefault(item[0], set()).add(len(item) - 1)
             arities.setdefault(item[0], set()).add(len(item) - 1)
-    said = f"rules read {', '.join(sorted(map(str, reads))) or 'nothing'}; derive {', '.join(sorted(map(str, heads)))}"
+    said = _said(rules)
+    if not isinstance(goal, tuple) or not goal:
+        raise TypeError(f"goal {goal!r} is a {type(goal).__name__}: an item is a tuple, ({goal!r},)")
     if not (goal[0] in heads or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {})):
         raise ValueError(
             f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
             f"(rules derive {', '.join(sorted(map(str, heads))) or 'nothing'})"
         )
-    check_axioms(axioms or {}, heads | set(reads) | {goal[0]}, said)
+    check_axioms(axioms or {}, rules, goal)
     for functor in weights or {}:
         given = [a for a in axioms or {} if a[0] == functor]
         if given:  # (the weight's entries would replace them silently, each run)
@@ -346,12 +348,33 @@ def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
     return data
 
 
-def check_axioms(axioms: Mapping[Item, Any], known: set[str], said: str) -> None:
-    """Refuse axioms of functors not in ``known`` (no rule reads or derives
-    them: a misspelt name, silently ignored); ``said``: which the rules have."""
-    unread = sorted({str(item[0]) for item in axioms if item[0] not in known})
+def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item | None = None) -> None:
+    """Refuse axioms that are no items (a string: ``"start"`` for
+    ``("start",)``) or of functors no rule reads or derives, nor the goal (a
+    misspelt name, silently ignored): what a run and a goal check.
+
+    >>> from monadl.dyna.syntax import parse_rules
+    >>> check_axioms({"start": 1.0}, parse_rules("goal += start."))
+    Traceback (most recent call last):
+    ...
+    TypeError: axiom 'start' is a str: an item is a tuple, ('start',)
+    """
+    for item in axioms:
+        if not isinstance(item, tuple) or not item:
+            raise TypeError(f"axiom {item!r} is a {type(item).__name__}: an item is a tuple, ({item!r},)")
+    known = {rule.head[0] for rule in rules} | {item[0] for rule in rules for item in rule.body}
+    unread = sorted({str(item[0]) for item in axioms if item[0] not in known and (goal is None or item[0] != goal[0])})
     if unread:
-        raise ValueError(f"axioms of {', '.join(unread)}: no rule reads or derives {' or '.join(unread)} ({said})")
+        raise ValueError(
+            f"axioms of {', '.join(unread)}: no rule reads or derives {' or '.join(unread)} ({_said(rules)})"
+        )
+
+
+def _said(rules: Sequence[Rule]) -> str:
+    """Which functors the rules read and derive, for an error."""
+    reads = sorted({str(item[0]) for rule in rules for item in rule.body})
+    heads = sorted({str(rule.head[0]) for rule in rules})
+    return f"rules read {', '.join(reads) or 'nothing'}; derive {', '.join(heads)}"
 
 
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:

@@ -22,7 +22,7 @@ from typing import Any, TypeAlias, final
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Source, Timing, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, check_axioms, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, annihilated, coefficient, diverged
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule, head, parse_rules
@@ -210,7 +210,8 @@ class Program:
 
         Args:
             axioms: ground items and their values (zero values included: they
-                exist, and get gradients).
+                exist, and get gradients); an item is a tuple, and one of a
+                functor no rule reads or derives is refused (a misspelt name).
             max_pops: stop after this many pops (early stopping).
             tolerance: updates smaller than this in magnitude are not popped
                 (the run stops when only such updates are pending).
@@ -224,6 +225,18 @@ class Program:
         >>> parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).").run({("edge", 0, 1): 0.5}).chart
         {('edge', 0, 1): 0.5, ('pathto', 0): 1.0, ('pathto', 1): 0.5}
         """
+        check_axioms(axioms, self.rules)  # (a goal checks its own, once: `check_goal`)
+        return self._run(axioms, max_pops=max_pops, tolerance=tolerance, priority=priority, stop=stop)
+
+    def _run(
+        self,
+        axioms: Mapping[Item, float],
+        *,
+        max_pops: int | None = None,
+        tolerance: float = 0.0,
+        priority: Callable[[Item, float], float] | str | None = None,
+        stop: Callable[[Run], bool] | None = None,
+    ) -> Run:
         semiring = self.semiring
         rank: Callable[[Item, float], float] | None
         if priority == "value":
@@ -387,7 +400,7 @@ class Program:
         check(weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
-            lambda values, stop: self.run(values, **stopping(run_options, stop)),
+            lambda values, stop: self._run(values, **stopping(run_options, stop)),
             lambda run: run.chart.get(goal, zero),
             goal,
             axioms,

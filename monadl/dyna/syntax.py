@@ -55,6 +55,9 @@ class Rule:
 
     def __post_init__(self) -> None:
         patterns = [self.head, *self.body]
+        for p in patterns:
+            if not isinstance(p, tuple) or not p:  # (("goal") is "goal", read as g(o, a, l))
+                raise TypeError(f"rule: {p!r} is a {type(p).__name__}: an item or a pattern is a tuple, ({p!r},)")
         if any(t == "_" for p in patterns for t in p[1:]):  # (anonymous: each _ a variable of its own)
             taken = {t for p in patterns for t in p[1:] if is_variable(t)}
             fresh = (name for name in map("_{}".format, itertools.count()) if name not in taken)

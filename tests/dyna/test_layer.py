@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Program, parse
+from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Program, Rule, parse
 
 CYCLE = "c(X) += lex(X). c(X) += unary(X, Y) * c(Y). goal += c(X) * top(X)."
 LEX_TOP = {("lex", x): 0.5 for x in range(3)} | {("top", 0): 1.0, ("top", 1): 0.0, ("top", 2): 0.0}
@@ -77,3 +77,19 @@ def test_a_binding_that_is_no_weight_layer_or_array_or_of_other_dimensions_is_re
     goal = program.goal(("s",), {("y", 0): 1.0}, {"x": ml.Weight(np.ones((2, 2))) * 2.0})  # (known when it ran)
     with pytest.raises(ValueError, match=r"weights\['x'\] has 2 dimensions, and the rules read x with 1"):
         anyio.run(goal.predict)
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["item at a time", "batched"])
+def test_a_run_refuses_the_axioms_a_goal_refuses(arrays: bool) -> None:
+    """``"start"`` for ``("start",)`` ran as s(t, a, r, t), and a misspelt
+    functor was ignored: run() said nothing where goal() refused."""
+    rules = parse("goal += start * word(I).").rules
+    program = ArrayProgram(rules, REAL, arrays={"word": {0: 2}}) if arrays else Program(rules)
+    with pytest.raises(TypeError, match=r"axiom 'start' is a str: an item is a tuple, \('start',\)"):
+        program.run({"start": 2.0, ("word", 0): 1.0})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"axioms of strat: no rule reads or derives strat \(rules read start, word"):
+        program.run({("strat",): 2.0, ("word", 0): 1.0})
+    with pytest.raises(TypeError, match=r"goal 'goal' is a str: an item is a tuple"):
+        program.goal("goal", {("start",): 1.0})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"rule: 'goal' is a str: an item or a pattern is a tuple, \('goal',\)"):
+        Rule(("goal"), [("word", "I")])  # type: ignore[arg-type]  # (what mypy refuses, without mypy)
