@@ -41,7 +41,7 @@ from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Source, Timing, bound_data, check_axioms, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverged
-from monadl.dyna.syntax import Item, Pattern, Rule, head, is_variable
+from monadl.dyna.syntax import Item, Pattern, Rule, is_variable
 from monadl.layers import Layer
 
 __all__ = ["ArrayProgram", "ArrayRun", "Record"]
@@ -265,12 +265,11 @@ class ArrayProgram:
                 run.best[a] = reasons if old is None else np.where(new != old, reasons, run.best[a])
             if old is None:
                 index_.add(a)
-            for rule, i, body in self.joins.instantiations(a, old is None, chart, index_):
+            for rule, i, body, c in self.joins.instantiations(a, old is None, chart, index_):
                 subscripts, out = self.subscripts[id(rule)]
                 values = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(body)]
                 operands = [(sub, v) for sub, v in zip(subscripts, values) if v is not None]
                 coeff = coefficient(s, rule)
-                c = head(rule, body)
                 if track:
                     contribution, summed, where = best_contract(s, coeff, operands, out)
                     records.append(Record(self.originals[id(rule)], tuple(body), subscripts, out, summed, where))

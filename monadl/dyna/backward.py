@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, final
 
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.syntax import Item, Rule, head
+from monadl.dyna.syntax import Item, Rule
 
 __all__ = ["Adjoints", "Algebra", "Entry", "backward"]
 
@@ -121,8 +121,8 @@ def backward(
         to_chart_t: dict[Item, V] = {}  # into gchart(t): passes through to gchart(t-1)
         to_chart_prev: dict[Item, V] = {}  # into gchart(t-1)
         if entry.changed:
-            for rule, i, body in joins.instantiations(a, entry.first, chart, index):
-                g = g_agenda.get(head(rule, body))
+            for rule, i, body, c in joins.instantiations(a, entry.first, chart, index):
+                g = g_agenda.get(c)
                 if g is None:
                     continue
                 # The values the forward pass multiplied: a's update at i, a's old value after i.

@@ -62,8 +62,8 @@ class Joins:
 
     >>> joins = Joins([Rule(("p", "J"), [("e", "I", "J"), ("p", "I")])])
     >>> chart = {("p", 0): 1.0, ("e", 0, 1): 0.5}
-    >>> [(str(rule), i, body) for rule, i, body in joins.instantiations(("p", 0), True, chart, Index(list(chart)))]
-    [('p(J) += e(I, J) * p(I)', 1, [('e', 0, 1), ('p', 0)])]
+    >>> [(str(rule), i, body, c) for rule, i, body, c in joins.instantiations(("p", 0), True, chart, Index(list(chart)))]
+    [('p(J) += e(I, J) * p(I)', 1, [('e', 0, 1), ('p', 0)], ('p', 1))]
     """
 
     __slots__ = ("_drives",)
@@ -77,10 +77,11 @@ class Joins:
 
     def instantiations(
         self, a: Item, first: bool, chart: Container[Item], index: Index
-    ) -> Iterator[tuple[Rule, int, list[Item]]]:
-        """Each (rule, i, ground body) with ``a`` as body item i, the other body
-        items existing (at time t for j < i, at t-1 for j > i: ``first`` says
-        that ``a`` did not exist at t-1)."""
+    ) -> Iterator[tuple[Rule, int, list[Item], Item]]:
+        """Each (rule, i, ground body, head item) with ``a`` as body item i, the
+        other body items existing (at time t for j < i, at t-1 for j > i:
+        ``first`` says that ``a`` did not exist at t-1). The head comes from the
+        join's bindings (matching the body again cost as much as the join)."""
         for rule, i in self._drives.get(a[0], ()):
             start = match(rule.body[i], a, {})
             if start is None:
@@ -90,7 +91,7 @@ class Joins:
             while stack:
                 j, bound, body = stack.pop()
                 if j == len(rule.body):
-                    yield rule, i, body
+                    yield rule, i, body, ground(rule.head, bound)
                     continue
                 if j == i:
                     stack.append((j + 1, bound, [*body, a]))

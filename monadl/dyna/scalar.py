@@ -25,7 +25,7 @@ from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Source, Timing, check_axioms, check_goal, goal_layer, stopping
 from monadl.dyna.semiring import LOG_REAL, REAL, Semiring, annihilated, coefficient, diverged
 from monadl.dyna.settle import moved, scalar_checks, settled_adjoints
-from monadl.dyna.syntax import Item, Rule, head, parse_rules
+from monadl.dyna.syntax import Item, Rule, parse_rules
 from monadl.layers import Layer
 
 __all__ = ["Program", "Run", "ScalarAlgebra", "parse"]
@@ -364,7 +364,7 @@ class Program:
         self, a: Item, old: float, update: float, first: bool, chart: dict[Item, float], index: Index
     ) -> Iterator[tuple[Item, float, tuple[Rule, list[Item]]]]:
         times = self.semiring.times
-        for rule, i, body in self.joins.instantiations(a, first, chart, index):
+        for rule, i, body, c in self.joins.instantiations(a, first, chart, index):
             product = times(coefficient(self.semiring, rule), update)
             for j, item in enumerate(body):
                 if j != i:
@@ -372,7 +372,7 @@ class Program:
             if product != product:  # (NaN: where a sum diverged, an infinity times a zero, or a NaN)
                 factors = [update if j == i else chart[x] if (j < i or x != a) else old for j, x in enumerate(body)]
                 product = annihilated(self.semiring, [coefficient(self.semiring, rule), *factors], product)
-            yield head(rule, body), product, (rule, body)
+            yield c, product, (rule, body)
 
     def goal(
         self,

@@ -14,7 +14,7 @@ import numpy as np
 from monadl.dyna.backward import Algebra
 from monadl.dyna.einsum import Array
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.syntax import Item, Rule, head
+from monadl.dyna.syntax import Item, Rule
 from monadl.errors import NonFiniteError
 
 __all__ = ["array_checks", "moved", "scalar_checks", "settled_adjoints"]
@@ -92,11 +92,11 @@ def settled_adjoints(
     making: dict[Item, list[tuple[Rule, list[Item]]]] = {}  # each instance once, by its head
     seen: set[tuple[int, tuple[Item, ...]]] = set()
     for a in chart:
-        for rule, _, body in joins.instantiations(a, False, chart, index):
+        for rule, _, body, c in joins.instantiations(a, False, chart, index):
             key = (id(rule), tuple(body))
             if key not in seen:
                 seen.add(key)
-                making.setdefault(head(rule, body), []).append((rule, body))
+                making.setdefault(c, []).append((rule, body))
     plus = algebra.plus
     budget = 1_000_000 + 10 * pops
     adjoint: dict[Item, V] = {goal: seed}
