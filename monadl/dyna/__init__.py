@@ -42,7 +42,7 @@ the stopped computation's, and waiting updates contribute nothing.
 The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every
 value algebra), `settle` (the adjoints of updates that never popped),
-`derivation` (best derivations), `scalar` (item at a time), `einsum`,
+`derivation` (best derivations), `scalar` and `scalar_run` (item at a time), `einsum`,
 `arrays` and `array_run` (batched), `layer` (goals as layers).
 
 >>> p = parse("a += a * a. a += r.")
