@@ -179,7 +179,7 @@ class ArrayRun:
 
 def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
     """d goal / d x from the adjoint ``g`` of an update of ``value`` to x."""
-    if s is LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+    if s == LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
         if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
             return 0.0
         return math.exp(g + value - goal_value)

@@ -275,7 +275,7 @@ class ArrayProgram:
                     records.append(Record(self.originals[id(rule)], tuple(body), subscripts, out, summed, where))
                     if c in agenda:
                         pending = agenda[c]
-                        better = contribution > pending if s is MAX_TIMES else contribution < pending
+                        better = contribution > pending if s == MAX_TIMES else contribution < pending
                         because[c] = np.where(better, len(records) - 1, because[c])
                     else:
                         because[c] = np.full(np.shape(contribution), len(records) - 1, dtype=np.intp)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias, final
 
-from monadl.dyna.semiring import MIN_PLUS, Semiring, coefficient
+from monadl.dyna.semiring import Semiring, coefficient
 from monadl.dyna.syntax import Item, Rule
 
 __all__ = ["BackPointer", "Derivation", "best_derivation", "derivation_gradient"]
@@ -104,6 +104,7 @@ def derivation_gradient(
     >>> derivation_gradient(("a",), back, {("b",): 0.5}.__getitem__, MAX_TIMES)  # a = b * b
     {('b',): 1.0}
     """
+    additive = times_is_plus(semiring)
     order = _order(goal, back)
     adjoint: dict[Item, float] = {goal: 1.0}
     for item in order:  # every parent of an item comes before it
@@ -114,7 +115,7 @@ def derivation_gradient(
         g = adjoint.get(item, 0.0)
         coeff = coefficient(semiring, rule)
         for k, child in enumerate(body):
-            if semiring is MIN_PLUS:  # times is +: each operand has derivative 1
+            if additive:  # times is +: each operand has derivative 1
                 d = g
             else:  # times is *: the coefficient times the other operands
                 d = g * coeff
@@ -123,3 +124,20 @@ def derivation_gradient(
                         d *= value(other)
             adjoint[child] = adjoint.get(child, 0.0) + d
     return {x: adjoint.get(x, 0.0) for x in order if derived or back(x) is None}
+
+
+def times_is_plus(semiring: Semiring) -> bool:
+    """Whether ``semiring``'s times is addition (min-plus, max-plus) rather
+    than multiplication (max-times): what a backpointer's gradient needs to
+    know. Asked of ``times`` itself, not of the semiring's identity: a
+    max-plus semiring of one's own, or a copy of min-plus, got zero
+    gradients as if its times multiplied."""
+    probe = semiring.times(2.0, 3.0)
+    if probe == 5.0:
+        return True
+    if probe == 6.0:
+        return False
+    raise ValueError(
+        f"semiring {semiring.name}: a backpointer gradient needs times to be + or * (times(2, 3) gave {probe!r}); "
+        "use gradient=None for forward only"
+    )

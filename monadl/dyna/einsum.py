@@ -34,7 +34,7 @@ def array_plus(semiring: Semiring) -> Callable[[Array, Array], Array]:
     >>> array_plus(MIN_PLUS)(np.array([1.0, 5.0]), np.array([2.0, 3.0]))
     array([1., 3.])
     """
-    if not any(semiring is known for known in (REAL, LOG_REAL, MAX_TIMES, MIN_PLUS)):
+    if not any(semiring == known for known in (REAL, LOG_REAL, MAX_TIMES, MIN_PLUS)):
         raise ValueError(f"batched items need the real, log-real, max-times or min-plus semiring, not {semiring.name}")
     return _PLUS[semiring.name]
 
@@ -51,13 +51,13 @@ def contract(
     >>> contract(LOG_REAL, 0.0, [("i", np.log(np.array([1.0, 3.0])))], "", {})  # log(1 + 3)
     array(1.38629436)
     """
-    if semiring is REAL:
+    if semiring == REAL:
         present = {c for s, _ in operands for c in s}
         ones = [(c, np.ones(sizes[c])) for c in out if c not in present]
         spec = ",".join(s for s, _ in [*operands, *ones]) + "->" + out
         result: Array = np.asarray(coeff * np.einsum(spec, *(x for _, x in [*operands, *ones])))
         return result
-    if semiring is not LOG_REAL:
+    if semiring != LOG_REAL:
         raise ValueError(f"an einsum sums in the real or log-real semiring, not {semiring.name}")
     # Log-sum-exp over the whole terms, shifted by each output entry's largest term: shifting
     # each operand by its own largest entry underflows wherever the operands peak apart
@@ -116,12 +116,12 @@ def best_contract(semiring: Semiring, coeff: float, operands: Sequence[Operand],
     missing = [c for c in out if c not in sizes]
     if missing:
         raise ValueError(f"the head's array axes {missing} do not occur in the body")
-    times = np.multiply if semiring is MAX_TIMES else np.add
+    times = np.multiply if semiring == MAX_TIMES else np.add
     letters, total = _terms(coeff, operands, out, sizes, times)
     summed = letters[len(out) :]
     out_shape = tuple(sizes[c] for c in out)
     flat = total.reshape((*out_shape, -1))
-    pick = np.argmax(flat, axis=-1) if semiring is MAX_TIMES else np.argmin(flat, axis=-1)
+    pick = np.argmax(flat, axis=-1) if semiring == MAX_TIMES else np.argmin(flat, axis=-1)
     values: Array = np.take_along_axis(flat, pick[..., None], axis=-1)[..., 0]
     if not summed:
         return values, summed, np.zeros((*out_shape, 0), dtype=np.intp)

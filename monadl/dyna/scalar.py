@@ -212,7 +212,7 @@ class Program:
             return True
         semiring = self.semiring
         old, update = chart[item], agenda[item]
-        if semiring is REAL and tolerance > 0:
+        if semiring == REAL and tolerance > 0:
             return not abs(update) <= tolerance  # (NaN pops)
         new = semiring.plus(old, update)
         return moved(old, new) and not abs(new - old) <= tolerance

@@ -136,7 +136,7 @@ class Run:
             g = adjoints.updates.get(x)
             if g is None:
                 out[x] = 0.0
-            elif s is LOG_REAL:
+            elif s == LOG_REAL:
                 # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal)
                 # (a derived item's x: its value, not its first update, which may be one path of many);
                 # a goal of probability 0 stays 0 near here (exp(-inf + inf) was NaN).

@@ -129,3 +129,37 @@ def test_other_semirings_run_forward_only() -> None:
         run.gradient(("reach", 2))
     with pytest.raises(ValueError, match="idempotent"):
         Program(reach.rules).run({}, priority="value")
+
+
+def test_a_copy_of_a_semiring_is_that_semiring() -> None:
+    """The built-ins were told apart by identity: a copy (dataclasses.replace,
+    a pickle) got other gradients, and ArrayProgram refused it as 'not
+    log-real' while naming log-real."""
+    import dataclasses
+
+    from monadl.dyna import LOG_REAL, MIN_PLUS, parse
+
+    text = "path(0) += {one}. path(J) += edge(I, J) * path(I)."
+    edges = {(0, 1): 0.3, (0, 2): 0.5, (1, 3): 0.4, (2, 3): 0.2, (1, 2): 0.6}
+    for semiring, one, of in ((LOG_REAL, 0.0, math.log), (MIN_PLUS, 0.0, float)):
+        axioms = {("edge", i, j): of(v) for (i, j), v in edges.items()}
+        runs = [parse(text.format(one=one), s).run(axioms) for s in (semiring, dataclasses.replace(semiring))]
+        assert runs[0].chart == runs[1].chart
+        assert runs[0].gradient(("path", 3)) == runs[1].gradient(("path", 3))
+
+
+def test_a_max_plus_semiring_of_ones_own_gets_its_backpointer_gradient() -> None:
+    """Its times is +, but the backpointer's gradient took it for *: zeros."""
+    from monadl.dyna import Semiring, parse
+
+    max_plus = Semiring(
+        "max-plus", -math.inf, 0.0, max, lambda a, b: a + b, gradient="backpointer", better=lambda v: -v
+    )
+    run = parse("path(0) += 0. path(J) += edge(I, J) * path(I).", max_plus).run(
+        {("edge", 0, 1): 3.0, ("edge", 1, 2): 4.0, ("edge", 0, 2): 5.0}
+    )
+    assert run.chart[("path", 2)] == 7.0
+    gradient = run.gradient(("path", 2))
+    assert (
+        gradient[("edge", 0, 1)] == 1.0 and gradient[("edge", 1, 2)] == 1.0 and gradient.get(("edge", 0, 2), 0.0) == 0.0
+    )
