@@ -152,7 +152,7 @@ def prepare(weight: Weight[Any, Any], grad: Any) -> Prepared:
         return IN_COMMIT
     if type(grad) is Outer:
         grad = grad.dense()
-    with COMMIT_LOCK:
+    with COMMIT_LOCK, np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # (the commit's check refuses it)
         return (weight._data, weight._state, weight._optimizer, *step(weight, grad))
 
 
@@ -184,26 +184,15 @@ def _commit(
         steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
         in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
         if owned:
-            norms: dict[int, float] = {}
-            pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
-            for weight in gradients:
-                done = ready.get(weight) if ready else None
-                if done is not None and done is not IN_COMMIT and current(weight, done):
-                    steps.append((weight, done[3], done[4], None))
-                    continue
-                # Read by key, not bound to a name or taken from items() (whose
-                # iterator keeps the last pair): `_owned_step` counts references.
-                update = weight._optimizer.update
-                if type(update) is Scale and poolable(gradients[weight], weight._data):
-                    pools.setdefault((weight._data.dtype, update.factor), []).append((weight, gradients[weight]))
-                    continue
-                steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
-            for (_, factor), members in pools.items():
-                if len(members) > 1:
-                    steps += pooled_steps(members, factor, finite)
-                else:  # (a pool of one costs more than its own step)
-                    weight = members.pop()[0]
-                    steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
+            try:
+                _owned_steps(gradients, finite, ready, steps, in_place)
+            except RuntimeWarning as warning:  # (python -W error: NumPy's warning of a step's arithmetic)
+                if not finite:
+                    raise
+                raise NonFiniteError(
+                    "the optimizer step would write a NaN or an infinity into a weight (NumPy warned of its "
+                    f"arithmetic: {warning}); no weight was changed"
+                ) from warning
         elif finite:  # (NumPy's warnings quiet: the check below refuses the step, naming the weight)
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
@@ -228,6 +217,38 @@ def _commit(
                 weight._bound = None if bound is None else (data, bound)
         finally:
             release(held)
+
+
+def _owned_steps(
+    gradients: Mapping[Weight[Any, Any], Any],
+    finite: bool,
+    ready: Mapping[Weight[Any, Any], Prepared] | None,
+    steps: list[tuple[Weight[Any, Any], Any, Any, float | None]],
+    in_place: list[tuple[Any, float, Any, Any]],
+) -> None:
+    """The steps of the runtime's own gradients (`consume_gradients`), into
+    ``steps`` and ``in_place``: those computed ahead where still current, plain
+    SGD's pooled, the rest one by one (`_owned_step`)."""
+    norms: dict[int, float] = {}
+    pools: dict[tuple[Any, float], list[tuple[Weight[Any, Any], Any]]] = {}
+    for weight in gradients:
+        done = ready.get(weight) if ready else None
+        if done is not None and done is not IN_COMMIT and current(weight, done):
+            steps.append((weight, done[3], done[4], None))
+            continue
+        # Read by key, not bound to a name or taken from items() (whose
+        # iterator keeps the last pair): `_owned_step` counts references.
+        update = weight._optimizer.update
+        if type(update) is Scale and poolable(gradients[weight], weight._data):
+            pools.setdefault((weight._data.dtype, update.factor), []).append((weight, gradients[weight]))
+            continue
+        steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
+    for (_, factor), members in pools.items():
+        if len(members) > 1:
+            steps += pooled_steps(members, factor, finite)
+        else:  # (a pool of one costs more than its own step)
+            weight = members.pop()[0]
+            steps.append((weight, *_owned_step(weight, gradients[weight], finite, norms, in_place)))
 
 
 def _non_finite(

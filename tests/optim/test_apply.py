@@ -431,3 +431,15 @@ async def test_a_step_refused_for_a_weight_that_already_holds_an_infinity_says_s
     with np.errstate(over="ignore"), ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as refused:
         await ml.sum(growing * 1.0).train()
     assert "its gradient finite" in str(refused.value) and "check_finite=True) finds" not in str(refused.value)
+
+
+async def test_under_warnings_as_errors_a_refused_step_is_a_non_finite_error() -> None:
+    """Under python -W error an Adam step over an infinite gradient raised
+    NumPy's RuntimeWarning from the optimizer's division, not NonFiniteError."""
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.adam(0.1))
+    loss = ml.sum(w * np.array([np.inf, 1.0, 1.0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ml.NonFiniteError, match=r"no weight was changed"):
+            await loss.train()
+    assert w.data.tolist() == [1.0, 1.0, 1.0]
