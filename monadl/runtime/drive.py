@@ -219,7 +219,10 @@ async def abort(ev: Evaluation) -> None:
     """After a failure: close every direct-style coroutine still suspended and
     every resource still open, newest first."""
     for coroutine in reversed(ev.coroutines):
-        coroutine.close()
+        # (a finally or an async with that awaits in the closing coroutine: 'coroutine ignored
+        # GeneratorExit', which stood in for the original failure and skipped every release below)
+        with contextlib.suppress(Exception):
+            coroutine.close()
     with anyio.CancelScope(shield=True):
         for held in reversed(ev.open):
             if not held.done:

@@ -19,8 +19,10 @@ Both give the event loop a turn every ``yield_interval_s`` of work (a
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Final
+
+import anyio
 
 from monadl.deltas import Outer
 from monadl.runtime.backward import backprop
@@ -161,6 +163,14 @@ def release(ev: Evaluation, token: Any, backward: bool) -> Machine:
         elif kind is UserRelease:
             if not t.done:
                 t.done = True
-                yield t.release(t.value)
+                yield _shielded(t.release, t.value)
         else:
             raise AssertionError(t)
+
+
+async def _shielded(release: Callable[[Any], Awaitable[Any]], value: Any) -> None:
+    """A resource's release, which a cancellation does not cut short: marked
+    done, it is never tried again (`monadl.runtime.drive.abort` shields its
+    releases likewise), so a timeout during it left it half done."""
+    with anyio.CancelScope(shield=True):
+        await release(value)
