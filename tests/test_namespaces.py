@@ -75,6 +75,12 @@ CASES: dict[str, tuple[list[np.ndarray], Build]] = {
     ),
     "max_pool2d": ([RNG.normal(size=(1, 2, 4, 4))], lambda w, ix: ml.max_pool2d(w[0], 2)),
     "cross_entropy": ([RNG.normal(size=(4, 3))], lambda w, ix: ml.cross_entropy(w[0], ix([0, 2, 1, 2]))),
+    "segment_sum": (
+        [RNG.normal(size=(5, 3)), RNG.normal(size=(4,))],
+        lambda w, ix: (
+            ml.segment_sum(w[0], ix([2, 0, 2, 3, 0]), 4) + ml.reshape(ml.segment_sum(w[1], ix([1, 1, 0, 2]), 4), (4, 1))
+        ),
+    ),
     # A mask of two axes picks elements, not rows (its gradient gave whole rows, once per element picked).
     "getitem_mask_2d": ([RNG.normal(size=(3, 4))], lambda w, ix: w[0][ix(np.arange(12).reshape(3, 4) % 3 == 0)] * 1.0),
     "getitem_mask_rows": ([RNG.normal(size=(3, 4))], lambda w, ix: w[0][ix(np.array([True, False, True]))] * 1.0),
@@ -201,6 +207,19 @@ def test_an_embedding_step_on_a_table_of_another_device_stays_on_it() -> None:
     assert table.data.device == device
     column = np.asarray(xs.asarray(table.data, device=xs.Device("CPU_DEVICE")))[:, 0]
     np.testing.assert_allclose(column, [1.0, 0.8, 1.0, 0.9, 1.0])
+
+
+def test_a_segment_sum_of_data_on_another_device_takes_numpy_ids_and_stays_on_it() -> None:
+    # The ids are host data (a graph's edges): checked there and copied over, as an embedding's indices.
+    device = xs.Device("device1")
+    data = ml.Weight(xs.asarray(np.arange(6.0).reshape(3, 2), device=device))
+    sums = ml.segment_sum(data, np.array([2, 0, 2]), 3)
+    [grad] = anyio.run(ml.gradients, ml.sum(sums * ml.as_layer(xs.asarray(np.eye(3, 2), device=device))), [data])
+    value = anyio.run(sums.predict)
+    assert value.device == grad.device == device
+    host = xs.Device("CPU_DEVICE")
+    np.testing.assert_array_equal(np.asarray(xs.asarray(value, device=host)), [[2, 3], [0, 0], [4, 6]])
+    np.testing.assert_array_equal(np.asarray(xs.asarray(grad, device=host)), [[0, 0], [1, 0], [0, 0]])
 
 
 @pytest.mark.parametrize("kind", ["layers", "marked cell", "direct style"])

@@ -115,6 +115,12 @@ ACCEPT = {
         def rows(h: ml.ArrayLayer, at: Sequence[int]) -> ml.Layer[Any, Any]:
             return h[at]  # (a Sequence may be a tuple, an element's index: accepted, not known to gather)
     """,
+    "segment_sums_are_arrays": """
+        targets = np.array([0, 2, 2])
+        assert_type(ml.segment_sum(array_layer, targets, 3), ml.ArrayLayer)
+        assert_type(ml.segment_sum(array_weight, targets, np.int64(3)), ml.ArrayLayer)
+        assert_type(ml.segment_sum(array, targets, 3) * 0.5, ml.ArrayLayer)
+    """,
     "frozen_keeps_weight_types": """
         from monadl.estimate import frozen
         assert_type(frozen([array_weight]), list[ml.ArrayLayer])
@@ -247,6 +253,9 @@ REJECT = {
     "scalar_layer_in_a_matrix_product": ("scalar_layer @ array_weight", "operator"),
     "scalar_weight_in_a_matrix_product": ("array @ scalar_weight", "operator"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
+    "layer_where_plain_segment_ids_expected": ("ml.segment_sum(array_layer, array_layer, 2)", "arg-type"),
+    "scalar_where_array_required_segment_sum": ("ml.segment_sum(scalar_layer, np.array([0]), 1)", "arg-type"),
+    "segment_count_a_float": ("ml.segment_sum(array_layer, np.array([0, 0, 1]), 2.0)", "arg-type"),
     "do_int_where_do_tape_expected": ("ml.Layer(ml.Do.pure(3))", "arg-type"),
     "weight_shape_is_read_only": ("array_weight.shape = (3,)", "misc"),
     "a_layers_value_read_as_a_float": ("float(scalar_layer)", "arg-type"),

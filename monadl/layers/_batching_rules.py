@@ -224,6 +224,29 @@ def _embedding(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Batc
     return PRIMITIVES["embedding"].rule(*args)  # the stacked indices are just more indices
 
 
+def _segment_sum(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """Member ``i``'s segments as rows ``i * num_segments ...`` of one sum:
+    its ids offset by that much, so the group is one scatter of all its rows
+    and its delta one gather (a shared operand is broadcast to the members)."""
+    data, ids, segments = args
+    xp = namespace(data)
+    if not batched[0]:
+        data = xp.broadcast_to(data, (n, *data.shape))
+    if not batched[1]:
+        ids = namespace(ids).broadcast_to(ids, (n, *ids.shape))
+    if data.ndim < 2 or data.shape[1] != ids.shape[1]:
+        return None  # members one by one: each node's error names its line
+    rows, rest = data.shape[1], data.shape[2:]
+    # Checked per member first (an id past its member's segments would land in the next member's).
+    ids = xp.reshape(_checked_indices(xp, ids, segments, "segment_ids", "segments", data), (n, rows))
+    offsets = xp.arange(n, dtype=xp.int64, device=data.device)[:, None] * segments
+    flat = xp.reshape(xp.astype(ids, xp.int64) + offsets, (-1,))  # (int64: an int8 id plus the offset overflows)
+    out, (vjp,) = PRIMITIVES["segment_sum"].rule(xp.reshape(data, (n * rows, *rest)), flat, n * segments)
+    return xp.reshape(out, (n, segments, *rest)), (
+        lambda g: xp.reshape(vjp(xp.reshape(g, (n * segments, *rest))), (n, rows, *rest)),
+    )
+
+
 def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
     logits, _, labels = args
     if not batched[0] or not batched[2] or logits.ndim != 3:
@@ -321,5 +344,6 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
     **{name: _per_row(name) for name in ("softmax", "log_softmax")},
     "concatenate": _concatenate,
     "embedding": _embedding,
+    "segment_sum": _segment_sum,
     "cross_entropy": _cross_entropy,
 }

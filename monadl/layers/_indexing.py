@@ -1,13 +1,15 @@
 """The rules of shape and indexing: ``reshape``, ``transpose``, ``getitem``,
-``embedding``, and the joins ``concatenate`` and ``stack``.
+``embedding``, ``segment_sum``, and the joins ``concatenate`` and ``stack``.
 
 Each delta puts the output's delta back where the operand's values came
 from: a reshape or an inverse permutation, a scatter into zeros for an index
 (fancy indices may repeat, so they add), one slice per joined operand. An
 embedding's delta is sparse, the rows looked up (`SparseRows`), so a
-weight's step touches only those. Its indices are checked to lie in range by
-`_checked_indices`, which ``cross_entropy`` and the batching rules use for
-labels too: a negative one is refused, not counted from the end.
+weight's step touches only those. ``segment_sum`` is a lookup turned around:
+its value a scatter of rows into zeros, its delta the gather of the rows
+back. Their indices are checked to lie in range by `_checked_indices`, which
+``cross_entropy`` and the batching rules use for labels too: a negative one
+is refused, not counted from the end.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
     return rows, (
         lambda g: SparseRows(flat, xp.reshape(g, (flat.shape[0], *shape[1:])), shape),
     )  # (not -1: a row of 0)
+
+
+def _segment_sum(data: Value, segment_ids: Value, num_segments: int) -> tuple[Value, tuple[Vjp, ...]]:
+    # Row i of data goes to row segment_ids[i] of zeros, repeated ids adding up (scatter_add: add.at, or
+    # one BLAS product for few segments); the delta of row i is the delta of its segment, a gather.
+    xp = namespace(data)
+    if data.ndim == 0 or data.shape[0] != segment_ids.shape[0]:
+        raise ValueError(
+            f"segment_ids must hold one id per row of the data, got {segment_ids.shape[0]} ids"
+            f" for data of shape {tuple(data.shape)}"
+        )
+    ids = _checked_indices(xp, segment_ids, num_segments, "segment_ids", "segments", data)
+    out = xp.zeros((num_segments, *data.shape[1:]), dtype=data.dtype, device=data.device)
+    return scatter_add(xp, out, ids, data), (lambda g: xp.take(g, ids, axis=0),)
 
 
 def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: Value) -> Value:

@@ -45,7 +45,15 @@ from monadl.layers._elementwise import (
     _sub,
     _tanh,
 )
-from monadl.layers._indexing import _concatenate, _embedding, _getitem, _reshape, _stack, _transpose
+from monadl.layers._indexing import (
+    _concatenate,
+    _embedding,
+    _getitem,
+    _reshape,
+    _segment_sum,
+    _stack,
+    _transpose,
+)
 from monadl.layers._matmul import _dense, _matmul
 from monadl.layers._reductions import _cross_entropy, _log_softmax, _logsumexp, _max, _mean, _softmax, _sum
 from monadl.layers._split import split_part_rule, split_rule
@@ -103,6 +111,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("transpose", _transpose),
         Primitive("getitem", _getitem),
         Primitive("embedding", _embedding),
+        Primitive("segment_sum", _segment_sum),
         Primitive("concatenate", _concatenate, same_dtype=True),
         Primitive("stack", _stack, same_dtype=True),
         Primitive("split", split_rule),

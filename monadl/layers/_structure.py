@@ -1,5 +1,5 @@
-"""Differentiable functions of structure: losses, table lookups, shapes and
-convolutions. Each accepts plain data, weights and layers alike."""
+"""Differentiable functions of structure: losses, table lookups and segment
+sums, shapes and convolutions. Each accepts plain data, weights and layers alike."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ from typing import Any, SupportsIndex
 import numpy as np
 
 from monadl._namespace import is_array, namespace
-from monadl.errors import OperandError
+from monadl.errors import OperandError, ShapeError
 from monadl.layers._axes import as_int, as_ints, is_sizes
 from monadl.layers._functions import apply_primitive
-from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, DeviceArray, Operand, ScalarLayer, _build
+from monadl.layers._layer import (
+    Array,
+    ArrayLayer,
+    ArrayOperand,
+    DeviceArray,
+    Layer,
+    Operand,
+    ScalarLayer,
+    _build,
+)
 from monadl.layers._primitives import PRIMITIVES
 
 __all__ = [
@@ -23,6 +32,7 @@ __all__ = [
     "embedding",
     "max_pool2d",
     "reshape",
+    "segment_sum",
     "split",
     "stack",
     "transpose",
@@ -79,6 +89,64 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     """
     indices = _integers(indices, "embedding: indices")
     return apply_primitive("embedding", (table,), (indices,))
+
+
+def segment_sum(data: ArrayOperand, segment_ids: Array | DeviceArray, num_segments: SupportsIndex) -> ArrayLayer:
+    """The rows of ``data`` summed by segment: row ``i`` is added into row
+    ``segment_ids[i]`` of ``num_segments`` rows of zeros, as JAX's
+    ``jax.ops.segment_sum``, TensorFlow's ``unsorted_segment_sum`` and
+    PyTorch's ``zeros(...).index_add_(0, segment_ids, data)``. A segment no
+    row goes to stays zero. The delta of row ``i`` is its segment's delta
+    (a gather). It is how a graph network batched by hand sums each edge's
+    message into its node: a one-hot ``(nodes, edges)`` matrix product does
+    the same in ``nodes x edges x features`` multiply-adds, this in
+    ``edges x features``.
+
+    Args:
+        data: ``(rows, ...)``: one row per item (a message per edge).
+        segment_ids: integers of shape ``(rows,)``, plain data, in any order.
+            An id outside ``[0, num_segments)`` raises `monadl.ShapeError`
+            when the layer runs (a negative one is not counted from the end,
+            nor dropped as JAX drops it).
+        num_segments: the number of rows of the result, an int ``>= 0``.
+
+    Raises:
+        OperandError: ids that are no 1-D integer array, or a count that is
+            no int ``>= 0``.
+        ShapeError: not one id per row of ``data`` (plain data or a
+            weight; a layer's rows are checked when it runs).
+
+    Returns:
+        ``(num_segments, ...)``, in ``data``'s dtype.
+
+    With batching on, the segment sums of several graphs that have the same
+    ``num_segments`` (and data of one shape) run as one scatter.
+
+    >>> import anyio, numpy as np
+    >>> messages = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    >>> anyio.run(segment_sum(messages, np.array([2, 0, 2]), 4).predict)
+    array([[3., 4.],
+           [0., 0.],
+           [6., 8.],
+           [0., 0.]])
+    """
+    ids = _integers(segment_ids, "segment_sum: segment_ids")
+    if ids.ndim != 1:
+        raise OperandError(
+            f"segment_sum: segment_ids must be a 1-D integer array, one per row of data, got {ids.dtype}{list(ids.shape)}"
+        )
+    count = as_int(num_segments, "segment_sum", "num_segments")
+    if count < 0:
+        raise OperandError(f"segment_sum: num_segments must be >= 0, got {count}")
+    shape: tuple[int, ...] | None = (
+        None if isinstance(data, Layer) else getattr(data, "shape", ())
+    )  # (a layer's: at the run)
+    if shape is not None and (len(shape) == 0 or shape[0] != ids.shape[0]):
+        raise ShapeError(
+            f"segment_sum: segment_ids must hold one id per row of the data, got {ids.shape[0]} ids"
+            f" for data of shape {tuple(shape)}"
+        )
+    return apply_primitive("segment_sum", (data,), (ids, count))
 
 
 def _integers(x: Any, what: str) -> Any:
