@@ -68,6 +68,25 @@ def test_scatter_add_of_masks_negative_indices_and_infinities_is_add_at(rows: in
         np.testing.assert_allclose(got, expected, rtol=1e-12)  # (inf and NaN where add.at has them)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(300,), (300, 4), (300, 2, 3)])
+def test_many_rows_into_a_large_table_sum_as_add_at_in_its_dtype(
+    shape: tuple[int, ...], dtype: type[np.floating[Any]]
+) -> None:
+    # More rows than the table has, of more than 256 (a graph's messages into its nodes): summed by bincount.
+    rng = np.random.default_rng(len(shape))
+    index = rng.integers(-300, 300, 700)
+    values = rng.standard_normal((700, *shape[1:])).astype(dtype)
+    values[3] = np.inf
+    expected = np.zeros(shape, dtype)
+    np.add.at(expected, index, values)
+    got = scatter_add(np, np.zeros(shape, dtype), index, values)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, expected, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+    with pytest.raises(IndexError):  # (as add.at: bincount would have made the table longer)
+        scatter_add(np, np.zeros(shape, dtype), np.append(index, 300), np.concatenate([values, values[:1]]))
+
+
 @pytest.mark.anyio
 async def test_the_gradient_of_a_full_mask_and_of_negative_indices() -> None:
     w = ml.Weight(np.ones((4, 2)))
