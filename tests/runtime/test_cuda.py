@@ -220,3 +220,27 @@ def test_the_examples_cell_takes_host_symbols_with_weights_on_the_gpu() -> None:
     for name, g in zip(w, grads):
         dense = g.to_dense() if hasattr(g, "to_dense") else g
         np.testing.assert_allclose(cupy.asnumpy(dense), want[name], rtol=1e-8, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("ids_on", ["host", "device"])
+def test_segment_sums_batched_on_the_gpu_give_the_cpus(ids_on: str) -> None:
+    """Per-graph sums of messages into nodes, grouped into one scatter, with
+    the ids NumPy (checked on the host, copied over) or CuPy."""
+    rng = np.random.default_rng(5)
+    w0 = rng.normal(size=(3, 4))
+    graphs = [(rng.normal(size=(6, 3)), rng.integers(0, 5, 6)) for _ in range(16)]
+
+    def value_and_gradient(xp: Any) -> tuple[float, np.ndarray]:
+        w = ml.Weight(xp.asarray(w0))
+        ids = [xp.asarray(i) if ids_on == "device" else i for _, i in graphs]
+        sums = [ml.segment_sum(ml.as_layer(xp.asarray(x)) @ w, i, 5) for (x, _), i in zip(graphs, ids)]
+        loss = ml.sum(ml.stack([ml.sum(ml.tanh(s) ** 2.0) for s in sums]))
+        with ml.settings(batching=True):
+            [g] = anyio.run(ml.gradients, loss, [w])
+            value = anyio.run(loss.predict)
+        return float(value), cupy.asnumpy(g) if xp is cupy else g
+
+    gpu_value, gpu_grad = value_and_gradient(cupy)
+    cpu_value, cpu_grad = value_and_gradient(np)
+    assert gpu_value == pytest.approx(cpu_value, rel=1e-12)
+    np.testing.assert_allclose(gpu_grad, cpu_grad, rtol=1e-10, atol=1e-14)
