@@ -76,8 +76,8 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _segment_sum(data: Value, segment_ids: Value, num_segments: int) -> tuple[Value, tuple[Vjp, ...]]:
-    # Row i of data goes to row segment_ids[i] of zeros, repeated ids adding up (scatter_add: add.at, or
-    # one BLAS product for few segments); the delta of row i is the delta of its segment, a gather.
+    # Row i of data goes to row segment_ids[i] of zeros, repeated ids adding up (`scatter_add`, which
+    # picks the fastest way); the delta of row i is the delta of its segment, a gather.
     xp = namespace(data)
     if data.ndim == 0 or data.shape[0] != segment_ids.shape[0]:
         raise ValueError(
