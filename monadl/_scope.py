@@ -10,13 +10,14 @@ says the same.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ContextDecorator
 from functools import wraps
 from types import TracebackType
-from typing import Generic, ParamSpec, TypeVar, final
+from typing import Any, Generic, ParamSpec, TypeVar, cast, final
 
 __all__ = ["Scope", "entered_only"]
 
@@ -55,11 +56,23 @@ class Scope(Generic[T]):
 
     def __call__(self, function: Callable[Q, R]) -> Callable[Q, R]:
         """As a decorator (``@ml.settings(check_finite=True)`` over a
-        function), as contextlib's scopes are: in force during each call."""
+        function), as contextlib's scopes are: in force during each call, and
+        over an ``async def`` during each run of its coroutine (contextlib's
+        entered and left it around making the coroutine: in force for none
+        of it, in silence)."""
         self._entered = True
         if not isinstance(self._context, ContextDecorator):
             raise TypeError(f"{self._name}(...) is not a decorator: use it in a with block")
-        return self._context(function)
+        context = self._context
+        if not inspect.iscoroutinefunction(function):
+            return context(function)
+
+        @wraps(function)
+        async def scoped(*args: Q.args, **kwargs: Q.kwargs) -> Any:
+            with context._recreate_cm():  # (a fresh one a call, as ContextDecorator does)
+                return await function(*args, **kwargs)
+
+        return cast(Callable[Q, R], scoped)
 
     def __repr__(self) -> str:
         state = "entered" if self._entered else f"not in force: write `with {self._name}(...):`"

@@ -7,6 +7,8 @@ import gc
 import sys
 import warnings
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -72,3 +74,23 @@ def test_a_scope_decorates_a_function_as_contextlibs_do() -> None:
         assert not current_settings().check_finite
         assert len(weight().state) == 2 and len(weight().state) == 2
         gc.collect()
+
+
+@pytest.mark.anyio
+async def test_a_scope_decorates_an_async_function_during_its_run() -> None:
+    """contextlib's decorator entered and left the scope around making the
+    coroutine: an async train step under @ml.settings(finite_steps=False) was
+    refused all the same."""
+
+    @ml.settings(check_finite=True)
+    async def inside() -> bool:
+        await anyio.lowlevel.checkpoint()
+        return current_settings().check_finite
+
+    @ml.optim.using_default(ml.optim.adam(0.1))
+    async def weight() -> ml.ArrayWeight:
+        return ml.Weight(np.zeros(2))
+
+    assert await inside() and await inside()
+    assert not current_settings().check_finite
+    assert len((await weight()).state) == 2
