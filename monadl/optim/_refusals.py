@@ -8,11 +8,12 @@ from typing import Any
 
 from monadl._namespace import all_finite
 from monadl.deltas import Outer, SparseRows
+from monadl.errors import ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime.settings import current_settings
 
-__all__ = ["not_an_update", "refused"]
+__all__ = ["checked_update", "not_an_update", "refused"]
 
 
 def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
@@ -53,3 +54,21 @@ def not_an_update(weight: Weight[Any, Any], what: str) -> str:
     """An optimizer's update refused (a transformation of one's own; the
     weight's shape changed, in silence, where it broadcast)."""
     return f"the optimizer of the weight built at {site_text(weight._site)} {what}; no weight was changed"
+
+
+def checked_update(weight: Weight[Any, Any], stepped: object, like: Any) -> tuple[Any, Any]:
+    """An optimizer's ``(update, state)``, refused where the update is not of
+    the shape of ``like`` (the weight's data, or a sparse step's rows) nor a
+    number, or is complex: broadcast, it changed the weight's shape or added a
+    row to every row, and a complex one lost its imaginary part, each in
+    silence. A pair is any tuple or list of two (a NamedTuple of one's own)."""
+    if not isinstance(stepped, (tuple, list)) or len(stepped) != 2:  # ('too many values to unpack')
+        raise TypeError(not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
+    update, state = stepped
+    shape = tuple(getattr(update, "shape", ()))
+    if (shape != tuple(like.shape) and shape != ()) or getattr(getattr(update, "dtype", None), "kind", "f") == "c":
+        kind = getattr(update, "dtype", type(update).__name__)
+        raise ShapeError(
+            not_an_update(weight, f"returned an update of shape {shape} and dtype {kind}, for {tuple(like.shape)}")
+        )
+    return update, state

@@ -11,6 +11,7 @@ from typing import Any, final
 from monadl._namespace import is_array, namespace
 from monadl.deltas import SparseRows
 from monadl.layers._weight import Weight
+from monadl.optim._refusals import checked_update
 from monadl.optim._sgd import alone, private
 
 __all__ = ["Rows", "rows_written", "sparse_step"]
@@ -49,7 +50,7 @@ def sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     if not hasattr(getattr(xp, "add", None), "at"):
         # No scatter in this library (the array API has none): step densely, then keep
         # the rows not looked up, and their state, as they were (a mask of the rows).
-        update, state = weight._optimizer.update(grad.to_dense(), weight._state, old)
+        update, state = checked_update(weight, weight._optimizer.update(grad.to_dense(), weight._state, old), old)
         n = old.shape[0]
         rows = xp.asarray(grad.indices, device=old.device)  # (the table's device, not the default one)
         used = xp.any(xp.arange(n, device=old.device)[:, None] == rows[None, :], axis=1)
@@ -59,7 +60,7 @@ def sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     rows, summed = grad.summed()
     state_rows = _state_rows(weight._state, old.shape, rows)
     stepped = old[rows]
-    update, new_state_rows = weight._optimizer.update(summed, state_rows, stepped)
+    update, new_state_rows = checked_update(weight, weight._optimizer.update(summed, state_rows, stepped), stepped)
     return Rows(rows, xp.astype(stepped + update, old.dtype, copy=False)), new_state_rows
 
 

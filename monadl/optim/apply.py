@@ -26,7 +26,7 @@ from monadl.deltas import Outer, SparseRows, in_dtype_of
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._refusals import not_an_update, refused
+from monadl.optim._refusals import checked_update, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
@@ -347,22 +347,7 @@ def step(weight: Weight[Any, Any], grad: Any) -> tuple[Any, Any]:
         grad = in_dtype_of(grad, old)
     if type(grad) is SparseRows:
         return sparse_step(weight, grad)
-    stepped = weight._optimizer.update(grad, weight._state, old)
-    if type(stepped) is not tuple or len(stepped) != 2:  # (an optimizer of one's own: 'too many values to unpack')
-        raise TypeError(not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
-    update, state = stepped
-    shape = getattr(update, "shape", ())
-    if (shape != old.shape and shape != ()) or getattr(getattr(update, "dtype", None), "kind", "f") == "c":
-        # (broadcast, it changed the weight's shape or added a row to every row; complex, it lost
-        # its imaginary part: each in silence)
-        kind = getattr(update, "dtype", type(update).__name__)
-        raise ShapeError(
-            not_an_update(
-                weight,
-                f"returned an update of shape {tuple(shape)} and dtype {kind}, for a weight "
-                f"of shape {tuple(old.shape)}",
-            )
-        )
+    update, state = checked_update(weight, weight._optimizer.update(grad, weight._state, old), old)
     if type(update) is np.ndarray and update.nbytes >= _ELIDE_BYTES and private(update, old, 1):
         new = np.add(update, old, out=update)  # one weight-sized array less to allocate and fill
     else:
