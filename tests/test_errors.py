@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -418,6 +419,8 @@ def test_a_join_of_no_list_says_what_it_takes() -> None:
         ml.stack(parts[0])  # type: ignore[arg-type]
     with pytest.raises(ml.OperandError, match=r"stack: needs at least one operand"):
         ml.stack([])
+    assert anyio.run(ml.stack(collections.deque(parts)).predict).shape == (2, 2)  # (any sequence, as before)
+    assert anyio.run(ml.concatenate(np.ones((2, 3))).predict).shape == (6,)  # type: ignore[arg-type]  # (its rows)
 
 
 def test_a_backward_of_ones_own_that_sends_a_delta_of_another_shape_is_refused() -> None:
@@ -437,12 +440,21 @@ def test_a_backward_of_ones_own_that_sends_a_delta_of_another_shape_is_refused()
         anyio.run(ml.sum(mine).train)
     assert w.data.shape == (4, 3) and (w.data == 1.0).all()
 
+    def number(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        back = t.backward
+        assert back is not None
+        return ml.Tape(t.data, lambda d: back(1.0))  # type: ignore[arg-type]
+
+    scalar: ml.ArrayLayer = ml.Layer(ml.exp(w).forward().map(number))
+    with pytest.raises(ml.ShapeError, match=r"sent a delta of shape \(\) to the layer"):  # (a number, broadcast before)
+        anyio.run(ml.sum(scalar).train)
+
 
 @pytest.mark.parametrize(
     ("update", "message"),
     [
         (lambda g: g, r"returned ndarray, not \(update, state\)"),
-        (lambda g: (g[0], None), r"update of shape \(3,\) and dtype float64, for a weight of shape \(4, 3\)"),
+        (lambda g: (g[0], None), r"update of shape \(3,\) and dtype float64, for \(4, 3\)"),
         (lambda g: (np.stack([g, g]), None), r"update of shape \(2, 4, 3\)"),
         (lambda g: (g + 1j, None), r"dtype complex128"),
     ],
@@ -473,3 +485,32 @@ def test_an_object_with_a_forward_as_an_operand_is_told_to_lift_it() -> None:
 
     with pytest.raises(ml.OperandError, match=r"operand of type Affine .*lift it with ml\.as_layer\(x\)"):
         ml.sum(Affine())  # type: ignore[call-overload]
+
+
+def test_an_embedding_tables_update_is_checked_as_a_dense_weights() -> None:
+    """A table's sparse step added its update unchecked: a stacked one failed
+    half way through the commit's writes, the first table already stepped."""
+    mine = ml.optim.GradientTransformation(lambda p: None, lambda g, s, p: (np.stack([g, g]), s))
+    first = ml.Weight(np.ones((4, 2)), optimizer=ml.optim.sgd(0.1))
+    second = ml.Weight(np.ones((4, 2)), optimizer=mine)
+    loss = ml.sum(ml.embedding(first, np.array([0, 1]))) + ml.sum(ml.embedding(second, np.array([2])))
+    with pytest.raises(ml.ShapeError, match=r"the optimizer of the weight built at .*update of shape \(2, 1, 2\)"):
+        anyio.run(loss.train)
+    assert (first.data == 1.0).all() and (second.data == 1.0).all()
+
+
+def test_an_optimizer_may_return_its_pair_as_a_named_tuple_or_a_list() -> None:
+    class Stepped(NamedTuple):
+        update: Any
+        state: Any
+
+    def named(g: Any, s: Any, p: Any) -> Any:
+        return Stepped(-0.5 * g, s)
+
+    def listed(g: Any, s: Any, p: Any) -> Any:
+        return [-0.5 * g, s]
+
+    for update in (named, listed):
+        w = ml.Weight(np.ones(2), optimizer=ml.optim.GradientTransformation(lambda p: None, update))
+        anyio.run(ml.sum(w * 2.0).train)
+        assert w.data.tolist() == [0.0, 0.0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from monadl.layers._layer import (
     _build,
 )
 from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._unvalued import Unvalued
 
 __all__ = [
     "concatenate",
@@ -199,14 +200,17 @@ def stack(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
 
 
 def _joined(xs: object, name: str) -> tuple[Any, ...]:
-    """The operands of a join, refused where they are no list or tuple of
-    them (a generator gave "object of type 'generator' has no len()")."""
-    if not isinstance(xs, (list, tuple)):
+    """The operands of a join, refused where they are no sequence of them
+    (a generator gave "object of type 'generator' has no len()"; a single
+    layer, the same of a Layer). A NumPy array is a sequence of its rows, as
+    NumPy's joins read it."""
+    if isinstance(xs, Unvalued) or not (isinstance(xs, Sequence) or is_array(xs)):  # (a deque, an array: taken)
         what = "a generator" if inspect.isgenerator(xs) else f"a {type(xs).__name__}"
         raise OperandError(f"{name}: takes a list or tuple of operands ({name}([a, b])), got {what}")
-    if not xs:
+    parts = tuple(cast(Sequence[Any], xs))
+    if not parts:
         raise OperandError(f"{name}: needs at least one operand")
-    return tuple(xs)
+    return parts
 
 
 def split(

@@ -15,6 +15,8 @@ from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
+
 from monadl.deltas import Outer, in_dtype_of
 from monadl.errors import ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs
@@ -93,15 +95,21 @@ class Record:
 
     def _delivered(self, delta: Any) -> None:
         value = self.value
-        if hasattr(value, "shape") and hasattr(delta, "shape") and delta.shape != value.shape:
+        if hasattr(value, "shape") and tuple(value.shape) != _shape(delta):
             site = getattr(self.node, "_site", None)
             built = "" if site is None else f" built at {site_text(site)}"
             raise ShapeError(
-                f"a backward of your own (a Tape's) sent a delta of shape {tuple(delta.shape)} to the "
+                f"a backward of your own (a Tape's) sent a delta of shape {_shape(delta)} to the "
                 f"{'weight' if self.is_weight else 'layer'}{built}, of shape {tuple(value.shape)}: a delta has "
                 "its operand's shape"
             )
         self.accumulate(delta)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    """An array's shape, a number's (), a list's as NumPy reads it."""
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else np.shape(x)
 
 
 class Records(dict[Any, Record]):
