@@ -67,7 +67,7 @@ def contract(
     axes = tuple(range(len(out), len(letters)))
     if not axes:
         return np.asarray(total)
-    top = np.max(total, axis=axes, keepdims=True)
+    top = np.max(total, axis=axes, keepdims=True, initial=-np.inf)  # (no terms: the sum is -inf)
     top = np.where(np.isfinite(top), top, 0.0)  # (every term -inf: the sum is -inf, not NaN)
     with np.errstate(divide="ignore"):
         logged: Array = np.asarray(np.log(np.sum(np.exp(total - top), axis=axes)) + top.reshape(top.shape[: len(out)]))
