@@ -11,7 +11,8 @@ scalar instances it replaces).
 
 Real and log-real: the backward pass is the appendix's, popping the tape, with
 each product replaced by the einsum's vector-Jacobian product (log-real
-sums each output entry's terms shifted by the largest of them, so neither a
+contracts with one einsum of the operands each shifted by its largest entry,
+and sums again from its terms any output entry that underflowed, so neither a
 long run nor operands that peak at different entries underflow).
 Max-times and min-plus: the einsum's sum is a max or a min that keeps
 back-pointers (which summed-out indices won, per entry), so each scalar item

@@ -5,6 +5,7 @@ keeps back-pointers: for each output entry, where its best term came from."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, final
@@ -15,6 +16,9 @@ from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, Semiring, 
 from monadl.dyna.syntax import Rule
 
 __all__ = ["Array", "ArrayAlgebra", "Operand", "array_plus", "best_contract", "contract"]
+
+_TERMS = 1 << 16
+"""How many terms the log-real sum of underflowed entries builds at once (512 KiB)."""
 
 Array: TypeAlias = np.ndarray[Any, np.dtype[Any]]
 Operand: TypeAlias = tuple[str, Array]
@@ -51,27 +55,66 @@ def contract(
     >>> contract(LOG_REAL, 0.0, [("i", np.log(np.array([1.0, 3.0])))], "", {})  # log(1 + 3)
     array(1.38629436)
     """
+    present = {c for s, _ in operands for c in s}
+    ones = [(c, np.ones(sizes[c])) for c in out if c not in present]
+    spec = ",".join(s for s, _ in [*operands, *ones]) + "->" + out
     if semiring == REAL:
-        present = {c for s, _ in operands for c in s}
-        ones = [(c, np.ones(sizes[c])) for c in out if c not in present]
-        spec = ",".join(s for s, _ in [*operands, *ones]) + "->" + out
         result: Array = np.asarray(coeff * np.einsum(spec, *(x for _, x in [*operands, *ones])))
         return result
     if semiring != LOG_REAL:
         raise ValueError(f"an einsum sums in the real or log-real semiring, not {semiring.name}")
-    # Log-sum-exp over the whole terms, shifted by each output entry's largest term: shifting
-    # each operand by its own largest entry underflows wherever the operands peak apart
-    # (a(I) * b(I) with a = [0, -800], b = [-800, 0] is -799.3, not -inf).
     sizes = {**sizes, **{c: n for s, x in operands for c, n in zip(s, np.shape(x))}}
-    letters, total = _terms(coeff, operands, out, sizes, np.add)
-    axes = tuple(range(len(out), len(letters)))
-    if not axes:
-        return np.asarray(total)
-    top = np.max(total, axis=axes, keepdims=True, initial=-np.inf)  # (no terms: the sum is -inf)
-    top = np.where(np.isfinite(top), top, 0.0)  # (every term -inf: the sum is -inf, not NaN)
+    if present <= set(out):  # (nothing summed: each entry is one term, exact as it stands)
+        return np.asarray(_terms(coeff, operands, out, sizes, np.add)[1])
+    # One einsum of the operands, each shifted by its own largest entry: it holds no more than
+    # the operands and the output, where every term (n^3 for a matrix product) would not fit.
+    shift, scaled = coeff, []
+    for _, x in operands:
+        top = float(np.max(x, initial=-np.inf))  # (an empty operand: no terms, the sum is -inf)
+        top = top if math.isfinite(top) else 0.0
+        scaled.append(np.exp(x - top))
+        shift += top
+    sums = np.einsum(spec, *scaled, *(x for _, x in ones))
     with np.errstate(divide="ignore"):
-        logged: Array = np.asarray(np.log(np.sum(np.exp(total - top), axis=axes)) + top.reshape(top.shape[: len(out)]))
+        logged: Array = np.asarray(np.log(sums) + shift)
+    # Where the operands peak apart, an entry's terms can all fall below the smallest normal
+    # float though the entry does not (a(I) * b(I), a = [0, -800], b = [-800, 0] is -799.3):
+    # those entries, and only those, are summed again from their terms.
+    lost = np.flatnonzero(sums < np.finfo(sums.dtype).tiny)
+    if lost.size:
+        logged.reshape(-1)[lost] = _log_sums(coeff, operands, out, sizes, lost)
     return logged
+
+
+def _log_sums(coeff: float, operands: Sequence[Operand], out: str, sizes: Mapping[str, int], entries: Array) -> Array:
+    """The log-sum-exp of the terms of the output's entries ``entries`` (flat
+    indices), each shifted by its own largest term, building at most about
+    ``_TERMS`` terms at a time.
+
+    >>> _log_sums(0.0, [("i", np.array([0.0, -800.0])), ("i", np.array([-800.0, 0.0]))], "", {"i": 2}, np.array([0]))
+    array([-799.30685282])
+    """
+    summed = "".join(sorted({c for s, _ in operands for c in s} - set(out)))
+    shape = [sizes[c] for c in summed]
+    # Each operand's axes in the order of ``out`` then ``summed`` (a letter twice: its diagonal).
+    aligned = [(s, np.einsum(f"{s}->{''.join(c for c in out + summed if c in s)}", x)) for s, x in operands]
+    step = max(1, _TERMS // max(1, math.prod(shape)))
+    parts = []
+    for first in range(0, entries.size, step):
+        chunk = entries[first : first + step]
+        at = np.unravel_index(chunk, [sizes[c] for c in out]) if out else ()
+        total = np.full((chunk.size, *shape), coeff)
+        for s, x in aligned:
+            picked = x[tuple(at[out.index(c)] for c in out if c in s)]
+            lead = chunk.size if set(s) & set(out) else 1
+            total += picked.reshape([lead] + [n if c in s else 1 for c, n in zip(summed, shape)])
+        axes = tuple(range(1, total.ndim))
+        top = np.max(total, axis=axes, keepdims=True, initial=-np.inf)
+        top = np.where(np.isfinite(top), top, 0.0)  # (every term -inf: the sum is -inf, not NaN)
+        np.exp(np.subtract(total, top, out=total), out=total)
+        with np.errstate(divide="ignore"):
+            parts.append(np.log(np.sum(total, axis=axes)) + top.reshape(-1))
+    return np.concatenate(parts)
 
 
 def _terms(
