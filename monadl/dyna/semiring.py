@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -44,14 +45,21 @@ class Semiring:
         return result
 
 
-REAL = Semiring("real", 0.0, 1.0, lambda a, b: a + b, lambda a, b: a * b, gradient="tape")
+def _unchanged(value: float) -> float:
+    """The value itself: min-plus's order, where smaller is better."""
+    return value
+
+
+# Named functions, never lambdas: a pickled built-in then unpickles to functions that
+# are the same objects, so the copy equals the built-in and runs as it does.
+REAL = Semiring("real", 0.0, 1.0, operator.add, operator.mul, gradient="tape")
 """Sums of products: probabilities, path sums."""
-LOG_REAL = Semiring("log-real", -math.inf, 0.0, np.logaddexp, lambda a, b: a + b, gradient="tape")
+LOG_REAL = Semiring("log-real", -math.inf, 0.0, np.logaddexp, operator.add, gradient="tape")
 """Values are logarithms: plus is log-add-exp, times is +. Coefficients of
 rules are logs too (0.0 for 1)."""
-MAX_TIMES = Semiring("max-times", 0.0, 1.0, max, lambda a, b: a * b, gradient="backpointer", better=lambda v: -v)
+MAX_TIMES = Semiring("max-times", 0.0, 1.0, max, operator.mul, gradient="backpointer", better=operator.neg)
 """Viterbi: the best derivation's product."""
-MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, lambda a, b: a + b, gradient="backpointer", better=lambda v: v)
+MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, operator.add, gradient="backpointer", better=_unchanged)
 """Shortest paths: the best derivation's sum. Coefficients of rules add (0.0 for none)."""
 
 

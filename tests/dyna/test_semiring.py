@@ -163,3 +163,17 @@ def test_a_max_plus_semiring_of_ones_own_gets_its_backpointer_gradient() -> None
     assert (
         gradient[("edge", 0, 1)] == 1.0 and gradient[("edge", 1, 2)] == 1.0 and gradient.get(("edge", 0, 2), 0.0) == 0.0
     )
+
+
+def test_a_pickled_built_in_semiring_is_that_semiring() -> None:
+    """The built-ins were made of lambdas, which pickle refused (and
+    cloudpickle copied by value, into a semiring equal to none of them)."""
+    import copy
+    import pickle
+
+    from monadl.dyna import REAL
+
+    for semiring in (REAL, LOG_REAL, MAX_TIMES, MIN_PLUS):
+        back = pickle.loads(pickle.dumps(semiring))
+        assert back == semiring and back.times is semiring.times and back.better is semiring.better
+        assert copy.deepcopy(semiring) == semiring
