@@ -25,7 +25,7 @@ import anyio.to_thread
 import numpy as np
 
 from monadl.do import Do
-from monadl.dyna.syntax import Item, Rule
+from monadl.dyna.syntax import Item, Rule, as_item
 from monadl.errors import NonFiniteError
 from monadl.layers import Expr, Layer, Weight
 from monadl.runtime.drive import synchronous
@@ -284,7 +284,7 @@ def check_goal(
             arities.setdefault(item[0], set()).add(len(item) - 1)
     said = _said(rules)
     if not isinstance(goal, tuple) or not goal:
-        raise TypeError(f"goal {goal!r} is a {type(goal).__name__}: an item is a tuple, ({goal!r},)")
+        raise TypeError(f"goal {goal!r} is a {type(goal).__name__}: an item is a tuple, {as_item(goal)}")
     if not (goal[0] in heads or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {})):
         raise ValueError(
             f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
@@ -361,7 +361,7 @@ def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item |
     """
     for item in axioms:
         if not isinstance(item, tuple) or not item:
-            raise TypeError(f"axiom {item!r} is a {type(item).__name__}: an item is a tuple, ({item!r},)")
+            raise TypeError(f"axiom {item!r} is a {type(item).__name__}: an item is a tuple, {as_item(item)}")
     known = {rule.head[0] for rule in rules} | {item[0] for rule in rules for item in rule.body}
     unread = sorted({str(item[0]) for item in axioms if item[0] not in known and (goal is None or item[0] != goal[0])})
     if unread:

@@ -3,7 +3,10 @@
 An item is a functor and its arguments, ``("edge", 0, 1)``; a pattern is an
 item some of whose arguments are variables (strings that start upper-case or
 with ``_``; as in Prolog and Dyna, ``_`` alone is a fresh variable at each
-occurrence, one nothing else reads). A rule is
+occurrence, one nothing else reads). So a constant string that starts with
+``_`` (``"_pad"``) is a variable, which matches any value: spell such
+constants otherwise (``"pad_"``). Items and patterns are tuples,
+``("edge", "I", "J")``, never lists. A rule is
 ``head += coeff * body_1 * ... * body_k``; with no body item it is a constant,
 ``pathto(0) += 1``.
 """
@@ -16,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-__all__ = ["Item", "Pattern", "Rule", "bindings", "ground", "head", "is_variable", "match", "parse_rules"]
+__all__ = ["Item", "Pattern", "Rule", "as_item", "bindings", "ground", "head", "is_variable", "match", "parse_rules"]
 
 Item: TypeAlias = tuple[Any, ...]
 """A ground item: a functor and its arguments, ``("edge", 0, 1)``."""
@@ -26,12 +29,24 @@ Pattern: TypeAlias = tuple[Any, ...]
 
 def is_variable(term: Any) -> bool:
     """Whether a term of a pattern is a variable (a string that starts
-    upper-case or with ``_``).
+    upper-case or with ``_``, as in Prolog: ``"_pad"`` too).
 
     >>> is_variable("I"), is_variable("_I"), is_variable("_"), is_variable("edge"), is_variable(3)
     (True, True, True, False, False)
     """
     return isinstance(term, str) and (term[:1].isupper() or term[:1] == "_")
+
+
+def as_item(term: Any) -> str:
+    """How ``term``, refused as an item or a pattern, is written as one: a
+    list's tuple, a name alone in a tuple of one; for the errors that refuse it.
+
+    >>> as_item(["p", "J"]), as_item("goal"), as_item(())
+    ("('p', 'J')", "('goal',)", "('edge', 0, 1): a functor, then its arguments")
+    """
+    if isinstance(term, (list, tuple)):
+        return repr(tuple(term)) if term else "('edge', 0, 1): a functor, then its arguments"
+    return repr((term,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +72,7 @@ class Rule:
         patterns = [self.head, *self.body]
         for p in patterns:
             if not isinstance(p, tuple) or not p:  # (("goal") is "goal", read as g(o, a, l))
-                raise TypeError(f"rule: {p!r} is a {type(p).__name__}: an item or a pattern is a tuple, ({p!r},)")
+                raise TypeError(f"rule: {p!r} is a {type(p).__name__}: an item or a pattern is a tuple, {as_item(p)}")
         if any(t == "_" for p in patterns for t in p[1:]):  # (anonymous: each _ a variable of its own)
             taken = {t for p in patterns for t in p[1:] if is_variable(t)}
             fresh = (name for name in map("_{}".format, itertools.count()) if name not in taken)

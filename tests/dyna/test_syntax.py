@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monadl.dyna import MIN_PLUS, Rule, parse
+from monadl.dyna import MIN_PLUS, Program, Rule, parse
 
 
 def test_a_constant_rule_reads_and_prints_as_dyna_writes_it() -> None:
@@ -80,3 +80,22 @@ def test_the_anonymous_variable_is_a_fresh_variable_at_each_occurrence() -> None
     assert Rule(("n",), [("pair", "_", "_0")]).body == [("pair", "_1", "_0")]  # (a fresh name, not one in use)
     with pytest.raises(ValueError, match="range-restricted"):
         parse("a(_) += b.")
+
+
+def test_a_list_pattern_is_refused_with_its_tuple() -> None:
+    """The hint for ``["p", "J"]`` was ``(['p', 'J'],)``, a pattern whose
+    functor is a list: it said to wrap the list where it has to become one."""
+    with pytest.raises(TypeError, match=r"an item or a pattern is a tuple, \('p', 'J'\)$"):
+        Rule(["p", "J"], [("e", "I", "J")])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"an item or a pattern is a tuple, \('e', 'I', 'J'\)$"):
+        Rule(("p", "J"), [["e", "I", "J"]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"goal \['p', 1\] is a list: an item is a tuple, \('p', 1\)$"):
+        parse("p(J) += e(I, J).").goal(["p", 1], {("e", 0, 1): 1.0})  # type: ignore[arg-type]
+
+
+def test_a_constant_that_starts_with_an_underscore_is_a_variable() -> None:
+    """As in Prolog (and said in the syntax's docstring and the README):
+    ``"_pad"`` matches every tag, so pads counts all three."""
+    axioms = {("tag", 0, "_pad"): 1.0, ("tag", 1, "noun"): 1.0, ("tag", 2, "verb"): 1.0}
+    assert Program([Rule(("pads",), [("tag", "I", "_pad")])]).run(axioms).chart[("pads",)] == 3.0
+    assert Program([Rule(("pads",), [("tag", "I", "pad_")])]).run({("tag", 0, "pad_"): 1.0}).chart[("pads",)] == 1.0
