@@ -79,8 +79,11 @@ def contract(
         logged: Array = np.asarray(np.log(sums) + shift)
     # Where the operands peak apart, an entry's terms can all fall below the smallest normal
     # float though the entry does not (a(I) * b(I), a = [0, -800], b = [-800, 0] is -799.3):
-    # those entries, and only those, are summed again from their terms.
-    lost = np.flatnonzero(sums < np.finfo(sums.dtype).tiny)
+    # those entries, and only those, are summed again from their terms. (With a margin of
+    # 1 / eps: what a term loses below the smallest normal float, even flushed to zero, then
+    # weighs no more than rounding in any entry kept.)
+    floor = np.finfo(sums.dtype)
+    lost = np.flatnonzero(sums < floor.tiny / floor.eps)
     if lost.size:
         logged.reshape(-1)[lost] = _log_sums(coeff, operands, out, sizes, lost)
     return logged

@@ -3,9 +3,11 @@ where the terms underflow, and empty sums."""
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from monadl.dyna.einsum import contract
 from monadl.dyna.semiring import LOG_REAL, REAL
@@ -45,3 +47,15 @@ def test_a_log_real_matrix_product_holds_no_more_than_its_operands() -> None:
         terms = x[:8, :, None] + y[None, :, :]
         want = np.logaddexp.reduce(terms, axis=1)
         assert np.all(np.isfinite(got)) and np.allclose(got[:8], want, rtol=1e-13, atol=0.0)
+
+
+def test_an_entry_summed_from_subnormal_terms_is_summed_again_exactly() -> None:
+    """2^20 terms of e^b each, 2^-1040.3, below the smallest normal float
+    (2^-1022) though their sum is not: each lost bits to rounding, the same
+    way, and the log of their sum was 130 units in the last place off."""
+    n = 2**20 + 1
+    deep = -1040.3 * math.log(2.0)
+    a, b = np.zeros(n), np.full(n, deep)
+    a[0], b[0] = -np.inf, 0.0  # (b's largest entry, 0, where a's term is zero: b shifts by nothing)
+    got = contract(LOG_REAL, 0.0, [("i", a), ("i", b)], "", {})
+    assert got == pytest.approx(math.log(n - 1) + deep, rel=4e-16)
