@@ -83,7 +83,13 @@ def contract(
     # 1 / eps: what a term loses below the smallest normal float, even flushed to zero, then
     # weighs no more than rounding in any entry kept.)
     floor = np.finfo(sums.dtype)
-    lost = np.flatnonzero(sums < floor.tiny / floor.eps)
+    small = sums < floor.tiny / floor.eps
+    if not np.any(small):
+        return logged
+    # (An entry whose every term is -inf is -inf, rightly: counting its terms above -inf
+    # costs one einsum, where summing its terms again cost every one of them.)
+    some = np.einsum(spec, *((x > -np.inf).astype(sums.dtype) for _, x in operands), *(x for _, x in ones))
+    lost = np.flatnonzero(small & (some > 0))
     if lost.size:
         logged.reshape(-1)[lost] = _log_sums(coeff, operands, out, sizes, lost)
     return logged

@@ -59,3 +59,14 @@ def test_an_entry_summed_from_subnormal_terms_is_summed_again_exactly() -> None:
     a[0], b[0] = -np.inf, 0.0  # (b's largest entry, 0, where a's term is zero: b shifts by nothing)
     got = contract(LOG_REAL, 0.0, [("i", a), ("i", b)], "", {})
     assert got == pytest.approx(math.log(n - 1) + deep, rel=4e-16)
+
+
+def test_entries_with_no_term_above_minus_infinity_are_minus_infinity() -> None:
+    """Rows of b that are impossible (-inf) give rows of -inf, which are not
+    summed again; a row whose terms underflow, with one of them finite, is."""
+    b = np.log(np.random.default_rng(1).random((4, 3)))
+    c = np.zeros((3, 2))
+    b[1], b[2] = -np.inf, [-np.inf, -900.0, -np.inf]
+    got = contract(LOG_REAL, 0.0, [("ij", b), ("jk", c)], "ik", {})
+    assert np.isneginf(got[1]).all() and got[2].tolist() == [-900.0, -900.0]
+    assert np.allclose(got[[0, 3]], np.logaddexp.reduce(b[[0, 3], :, None] + c[None], axis=1), rtol=1e-15, atol=0.0)
