@@ -63,9 +63,8 @@ def contract(
         return result
     if semiring != LOG_REAL:
         raise ValueError(f"an einsum sums in the real or log-real semiring, not {semiring.name}")
-    sizes = {**sizes, **{c: n for s, x in operands for c, n in zip(s, np.shape(x))}}
     if present <= set(out):  # (nothing summed: each entry is one term, exact as it stands)
-        return np.asarray(_terms(coeff, operands, out, sizes, np.add)[1])
+        return np.asarray(_terms(coeff, operands, out, _sizes(operands, sizes), np.add)[1])
     # One einsum of the operands, each shifted by its own largest entry: it holds no more than
     # the operands and the output, where every term (n^3 for a matrix product) would not fit.
     shift, scaled = coeff, []
@@ -84,15 +83,20 @@ def contract(
     # weighs no more than rounding in any entry kept.)
     floor = np.finfo(sums.dtype)
     small = sums < floor.tiny / floor.eps
-    if not np.any(small):
+    if not small.any():
         return logged
     # (An entry whose every term is -inf is -inf, rightly: counting its terms above -inf
     # costs one einsum, where summing its terms again cost every one of them.)
     some = np.einsum(spec, *((x > -np.inf).astype(sums.dtype) for _, x in operands), *(x for _, x in ones))
     lost = np.flatnonzero(small & (some > 0))
     if lost.size:
-        logged.reshape(-1)[lost] = _log_sums(coeff, operands, out, sizes, lost)
+        logged.reshape(-1)[lost] = _log_sums(coeff, operands, out, _sizes(operands, sizes), lost)
     return logged
+
+
+def _sizes(operands: Sequence[Operand], sizes: Mapping[str, int]) -> dict[str, int]:
+    """Every letter's size: the operands' axes', and ``sizes`` for the others."""
+    return {**sizes, **{c: n for s, x in operands for c, n in zip(s, np.shape(x))}}
 
 
 def _log_sums(coeff: float, operands: Sequence[Operand], out: str, sizes: Mapping[str, int], entries: Array) -> Array:
