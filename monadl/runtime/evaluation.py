@@ -315,8 +315,8 @@ class Evaluation:
             if type(grad) is Outer and not factored:
                 grads[weight] = grad = grad.dense()
             data = weight._data
-            if getattr(grad, "dtype", None) != getattr(data, "dtype", None):  # (a float64 delta, a float32 weight)
-                grads[weight] = in_dtype_of(grad, data)
+            if type(grad) is not Outer and getattr(grad, "dtype", None) != getattr(data, "dtype", None):
+                grads[weight] = in_dtype_of(grad, data)  # (a float64 delta into a float32 weight)
             if type(grad) is not Outer and getattr(grad, "shape", ()) != getattr(data, "shape", ()):
                 raise ShapeError(  # (a step would have made it the weight's data, of that shape)
                     f"the gradient of the weight built at {site_text(weight._site)} has shape "

@@ -61,6 +61,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import importlib
 import os
 import signal
 import sys
@@ -238,12 +239,17 @@ def cores() -> int:
 # ---- Ctrl-C held while weights are written -------------------------------------------------
 Held = tuple[Any, list[FrameType | None]] | None
 
+_getsignal: Callable[[int], Any] = getattr(importlib.import_module("_signal"), "getsignal", signal.getsignal)
+"""The C module's: `signal.getsignal` tries the handler as an enum first, and
+the failed try formats its repr, under asyncio's runner a partial holding
+the main task, whose repr formats the coroutine: 30 us on every step."""
+
 
 def hold() -> Held:
     """Note Ctrl-C instead of acting on it, until `release` (see the module)."""
     if threading.get_ident() != threading.main_thread().ident or not current_settings().tune_process:
         return None
-    handler = signal.getsignal(signal.SIGINT)
+    handler = _getsignal(signal.SIGINT)
     if handler is not signal.default_int_handler and not getattr(handler, "__module__", "").startswith("trio"):
         return None  # (asyncio's runner: a cancellation at an await; ignored; the system's; set outside Python)
     noted: list[FrameType | None] = []
