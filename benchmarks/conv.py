@@ -11,7 +11,7 @@ threads and BLAS both), at each batch size and side:
   built anew each step as a user writes it, ``await loss.train()``;
 * **torch**: the same in PyTorch eager, ``torch.optim.SGD``;
 * **numpy**: the limit: the forward and backward written by hand in NumPy,
-  channels first (C, N, H, W) all the way so that every convolution is one
+  batch last, (C, H, W, N), all the way, so that every convolution is one
   product over the whole batch, im2col a strided view.
 
 Before timing, the three must give the same loss and gradients from the same
