@@ -514,3 +514,40 @@ def test_an_optimizer_may_return_its_pair_as_a_named_tuple_or_a_list() -> None:
         w = ml.Weight(np.ones(2), optimizer=ml.optim.GradientTransformation(lambda p: None, update))
         anyio.run(ml.sum(w * 2.0).train)
         assert w.data.tolist() == [0.0, 0.0]
+
+
+def test_check_finite_names_a_tape_of_ones_own_that_makes_a_nan() -> None:
+    """A NaN made by a backward of one's own (or its forward) was blamed on
+    the next primitive: 'sum's operand 0 already holds a NaN', 'the backward
+    of multiply produced a NaN'."""
+    w = ml.Weight(np.array([1.0, 0.0]), optimizer=ml.optim.sgd(0.1))
+
+    def logged(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        back = t.backward
+        assert back is not None
+        with np.errstate(divide="ignore"):
+            return ml.Tape(np.log(t.data), lambda d: back(d / t.data))
+
+    def divided(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        back = t.backward
+        assert back is not None
+
+        def backward(d: ml.Array) -> None:
+            with np.errstate(divide="ignore"):
+                back(d / t.data)
+
+        return ml.Tape(t.data * 1.0, backward)
+
+    mine: ml.ArrayLayer = ml.Layer((w * 1.0).forward().map(logged))  # FORWARD-OF-ONES-OWN
+    with (
+        ml.settings(check_finite=True),
+        pytest.raises(ml.NonFiniteError, match=rf":{line_of('FORWARD-OF-ONES-OWN')} from a Do"),
+    ):
+        anyio.run(ml.sum(mine).train)
+    through: ml.ArrayLayer = ml.Layer((w * 1.0).forward().map(divided))
+    with (
+        ml.settings(check_finite=True),
+        pytest.raises(ml.NonFiniteError, match=r"a backward of your own .* sent a NaN or an"),
+    ):
+        anyio.run(ml.sum(through).train)
+    assert w.data.tolist() == [1.0, 0.0]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from monadl.deltas import Outer, in_dtype_of
-from monadl.errors import ShapeError
-from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.errors import NonFiniteError, ShapeError
+from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
 from monadl.runtime.settings import current_settings
@@ -103,6 +103,10 @@ class Record:
                 f"{'weight' if self.is_weight else 'layer'}{built}, of shape {tuple(value.shape)}: a delta has "
                 "its operand's shape"
             )
+        if current_settings().check_finite and not finite_value(delta):  # (the next backward was blamed)
+            site = getattr(self.node, "_site", None)
+            built = "" if site is None else f" built at {site_text(site)}"
+            raise NonFiniteError(f"a backward of your own (a Tape's) sent a NaN or an infinity to the layer{built}")
         self.accumulate(delta)
 
 

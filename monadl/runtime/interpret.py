@@ -32,7 +32,10 @@ from typing import Any, Final
 
 from monadl.direct import AwaitLayers, Passthrough, cancel_scope
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
+from monadl.errors import NonFiniteError
 from monadl.layers._layer import Expr
+from monadl.layers._outputs import finite_value
+from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime import graphs
@@ -344,6 +347,11 @@ def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
             "its value is stale and its backward leads nowhere; build the layer itself into this graph instead"
         )
     ev.effects = True
+    if ev.check_finite and not finite_value(val.data):  # (the next primitive was blamed: "already holds a NaN")
+        raise NonFiniteError(
+            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds a "
+            "NaN or an infinity"
+        )
     rec = Record(val.data, None, (), backward is not None, node)
     rec.tape_backward = backward
     rec.release = tok
