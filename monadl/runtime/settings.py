@@ -46,7 +46,7 @@ class Settings:
             backward (see `monadl.runtime.schedule.batched`): None decides by a
             cost rule, True and False force it. Under ``check_finite``
             nothing is batched. The rule: a graph of fewer than 256 nodes
-            runs as it is (across control flow, a merge of fewer than 10
+            (a marked cell's node counted as its ops) runs as it is (across control flow, a merge of fewer than 10
             examples' graphs and 256 nodes), as does one whose widest level
             has one node; in a graph that batches, a group of matrix
             products, lookups, losses or marked cells (`ml.operation`)

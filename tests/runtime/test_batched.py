@@ -21,6 +21,7 @@ from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched as _batching
+from monadl.runtime.schedule import batched_rule
 
 HERE = __file__
 Tree: TypeAlias = "int | tuple[Tree, Tree]"
@@ -334,6 +335,26 @@ def test_small_graphs_and_coarse_members_are_left_alone() -> None:
     assert _batching.worth_batching(ev, order)
     _batching.forward(ev, order)
     assert all(type(key) is not Record for key in ev.records)  # no stack, no group
+
+
+def test_a_small_graph_of_marked_cells_counts_their_ops() -> None:
+    """32 calls of a 6-op cell are 32 nodes, and 192 ops: worth batching (an
+    attention cell of 12 ops, 32 calls, ran 3.7x faster batched than the
+    rule's node-by-node verdict), where 32 single ops alone are not."""
+    w = ml.Weight(np.ones((3, 3)))
+
+    @ml.operation
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        h = ml.tanh(x @ w)
+        return ml.sigmoid(h @ w) * h + 1.0
+
+    xs = [np.full((2, 3), float(i)) for i in range(48)]
+    ev = Evaluation(train=False)
+    order = collect(ev, [cell(x) for x in xs])
+    assert len(order) < _batching.MIN_NODES <= batched_rule.ops(order) == 48 * 6
+    assert _batching.worth_batching(ev, order)
+    order = collect(ev, [ml.tanh(x @ w) for x in xs])
+    assert not _batching.worth_batching(ev, order)
 
 
 def test_lookups_and_losses_per_example_batch_with_equal_gradients() -> None:
