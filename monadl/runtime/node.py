@@ -172,9 +172,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
     except ValueError as exc:
+        what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
+            f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
+        )
         raise ShapeError(
-            f"{op.name}: operands {describe(args)} do not fit together ({exc}); layer built at {where(node)}"
-            + weight_sites(node._inputs)
+            f"{op.name}: {what} ({exc}); layer built at {where(node)}" + weight_sites(node._inputs)
         ) from exc
     except NonFiniteError:
         raise

@@ -131,6 +131,15 @@ def test_matmul_of_an_inner_size_of_one_refuses_what_numpy_refuses(
     check_grads(lambda a, b: a @ b, np.arange(3.0).reshape(3, 1), np.arange(2.0).reshape(1, 2))
 
 
+def test_a_one_operand_refusal_names_its_operand_not_a_fit() -> None:
+    # 'max: operands float64[0, 4] do not fit together' said of one operand.
+    with pytest.raises(ml.ShapeError) as caught:
+        anyio.run(ml.max(ml.as_layer(np.ones((0, 4))), axis=0).predict)
+    message = str(caught.value)
+    assert message.startswith("max: cannot take float64[0, 4] (zero-size array to reduction operation maximum")
+    assert "fit together" not in message and "test_primitives.py" in message
+
+
 def test_concatenate_and_stack() -> None:
     rng = np.random.default_rng(2)
     a, b, c = rng.standard_normal((2, 3)), rng.standard_normal((1, 3)), rng.standard_normal((4, 3))
