@@ -67,6 +67,7 @@ from monadl.layers import (
     sum,
     tanh,
     transpose,
+    where,
 )
 from monadl.runtime.settings import Settings, current_settings
 from monadl.runtime.settings import settings as _settings
@@ -150,4 +151,5 @@ __all__ = [
     "transpose",
     "value_and_gradients",
     "values",
+    "where",
 ]

@@ -21,6 +21,7 @@ from monadl.layers._functions import (
     stop_gradient,
     sum,
     tanh,
+    where,
 )
 from monadl.layers._layer import (
     Array,
@@ -99,4 +100,5 @@ __all__ = [
     "tanh",
     "transpose",
     "unbroadcast",
+    "where",
 ]

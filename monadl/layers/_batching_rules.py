@@ -320,6 +320,7 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
             "divide",
             "maximum",
             "minimum",
+            "where",
             "negative",
             "exp",
             "log",

@@ -233,6 +233,27 @@ def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
     return d
 
 
+def _where(condition: Value, a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # Each delta where its side was chosen, 0 elsewhere: no product by a mask,
+    # so an infinite side (a -inf attention mask) sends no NaN to the other.
+    xp = namespace(condition)
+    if xp is np:
+        xp = _either(a, b)
+    out = xp.where(condition, a, b)
+
+    def first(g: Value) -> Value:
+        return xp.where(condition, g, xp.zeros((), dtype=g.dtype))
+
+    def second(g: Value) -> Value:
+        return xp.where(condition, xp.zeros((), dtype=g.dtype), g)
+
+    return out, (_no_delta, first, second)
+
+
+def _no_delta(g: Value) -> None:  # (a condition is data: never asked for its delta)
+    return None
+
+
 def _relu(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     # The delta where the value is not 0, as PyTorch's (its threshold_backward reads the value):
     # where a > 0, and where a is NaN. Where chosen (`_chosen`): an infinite delta times 0 was NaN.

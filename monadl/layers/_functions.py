@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal, SupportsIndex, overload
 
+import numpy as np
+
+from monadl._namespace import is_array, namespace
+from monadl.errors import OperandError
+from monadl.layers._arrays import Array, DeviceArray
 from monadl.layers._axes import Axis, as_axis, as_int
 from monadl.layers._layer import (
     ArrayLayer,
     ArrayOperand,
+    Expr,
     Layer,
     Operand,
     ScalarLayer,
@@ -20,6 +26,7 @@ from monadl.layers._layer import (
     _build,
 )
 from monadl.layers._operand import operand as _operand
+from monadl.layers._operands import describe
 from monadl.layers._primitives import AS_LAYER, PRIMITIVES
 from monadl.layers._weight import Weight
 
@@ -45,6 +52,7 @@ __all__ = [
     "stop_gradient",
     "sum",
     "tanh",
+    "where",
 ]
 
 
@@ -149,6 +157,40 @@ def minimum(a: Operand, b: ArrayOperand) -> ArrayLayer: ...
 def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
     """Elementwise minimum; at ties each side gets half the delta."""
     return apply_primitive("minimum", (a, b))
+
+
+def where(condition: Array | DeviceArray | list[bool], a: Operand, b: Operand) -> ArrayLayer:
+    """``a`` where ``condition`` holds, else ``b`` (NumPy's ``where``, PyTorch's
+    ``masked_fill`` as ``where(mask, -inf, x)``); the three broadcast together.
+    ``condition`` is data, a boolean array (a mask built from lengths, say):
+    a layer's value is not known while the graph is built. Each side's delta
+    is the result's where it was chosen and 0 elsewhere, so an infinite side
+    sends no NaN back to the other (as a mask added or multiplied in would).
+    Under ``check_finite``, whose values must all be finite, mask with a
+    large negative number (-1e9) instead of -inf.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> scores = ml.Weight(np.array([[1.0, 2.0, 3.0]]))
+    >>> mask = np.array([[True, True, False]])  # the third position is padding
+    >>> attention = ml.softmax(where(mask, scores, -np.inf), axis=-1)
+    >>> anyio.run(attention.predict).round(3)
+    array([[0.269, 0.731, 0.   ]])
+    >>> anyio.run(ml.gradients, ml.sum(attention * np.array([1.0, 0.0, 5.0])), [scores])[0].round(3)
+    array([[ 0.197, -0.197,  0.   ]])
+    """
+    if isinstance(condition, Expr):
+        raise OperandError(
+            "where: the condition is a layer or a weight, whose value is not known while the graph is built; "
+            "a condition is data, a boolean array (a mask: lengths[:, None] > np.arange(n)); "
+            "to choose by a layer's value, read it with bind or ml.direct, or use ml.maximum"
+        )
+    if isinstance(condition, list):
+        condition = np.asarray(condition)
+    kind = getattr(condition, "dtype", None)
+    if kind is None or not is_array(condition) or not namespace(condition).isdtype(kind, "bool"):
+        what = describe((condition,)) if is_array(condition) else type(condition).__name__
+        raise OperandError(f"where: the condition must be a boolean array, got {what}; compare to make one (x > 0)")
+    return apply_primitive("where", (condition, a, b))
 
 
 @overload

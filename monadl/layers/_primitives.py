@@ -44,6 +44,7 @@ from monadl.layers._elementwise import (
     _stop_gradient,
     _sub,
     _tanh,
+    _where,
 )
 from monadl.layers._indexing import (
     _concatenate,
@@ -89,6 +90,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("power", _pow, same_dtype=True, elementwise=True),
         Primitive("maximum", _maximum, same_dtype=True, elementwise=True),
         Primitive("minimum", _minimum, same_dtype=True, elementwise=True),
+        Primitive("where", _where, elementwise=True),
         Primitive("negative", _neg, elementwise=True),
         Primitive("stop_gradient", _stop_gradient),
         Primitive("exp", _exp, elementwise=True),

@@ -461,3 +461,49 @@ def test_a_numpy_float_of_the_arrays_dtype_is_taken_without_the_dtype_walk(
     out = anyio.run((w * scalar).predict)
     assert len(walks) == casts and out.dtype == np.float64
     np.testing.assert_array_equal(out, np.ones(3) * float(scalar))
+
+
+@pytest.mark.anyio
+async def test_where_chooses_and_sends_each_side_its_delta() -> None:
+    rng = np.random.default_rng(5)
+    condition = rng.random((3, 4)) > 0.5
+    check_grads(lambda a, b: ml.where(condition, a, b), rng.normal(size=(3, 4)), rng.normal(size=(4,)))
+    check_grads(lambda a: ml.where(condition[0], a, 2.0), rng.normal(size=(3, 4)))  # (a condition broadcast)
+    # An infinite side (a -inf mask) sends no NaN to the other, where a mask added or multiplied in would.
+    scores = ml.Weight(np.array([[1.0, 2.0, 3.0]], np.float32))
+    mask = np.array([[True, True, False]])
+    attention = ml.softmax(ml.where(mask, scores, -np.inf), axis=-1)
+    [g] = await ml.gradients(ml.sum(attention * np.array([1.0, 0.0, 5.0], np.float32)), [scores])
+    p = np.exp([1.0, 2.0]) / np.exp([1.0, 2.0]).sum()
+    np.testing.assert_allclose(g, [[p[0] * p[1], -p[0] * p[1], 0.0]], rtol=1e-6)
+    assert g.dtype == np.float32 and (await attention.predict()).dtype == np.float32
+
+
+def test_where_refuses_a_condition_that_is_not_a_boolean_array() -> None:
+    w = ml.Weight(np.ones(3))
+    with pytest.raises(ml.OperandError, match=r"where: the condition is a layer or a weight.*ml.direct"):
+        ml.where(w, w, 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ml.OperandError, match=r"must be a boolean array, got float64\[3\]; compare to make one"):
+        ml.where(np.ones(3), w, 0.0)
+    assert ml.where([True, False, True], w, 0.0)._op is PRIMITIVES["where"]  # (a list of bools: an array)
+
+
+def test_where_with_per_example_masks_batches_to_the_same_gradients() -> None:
+    rng = np.random.default_rng(6)
+    w = ml.Weight(rng.normal(size=(4, 4)))
+    lengths = [3, 1, 4, 2] * 80  # (320 examples: the cost rule batches them)
+    xs = [rng.normal(size=(1, 4)) for _ in lengths]
+
+    def loss() -> ml.ScalarLayer:
+        parts = [
+            ml.logsumexp(ml.where(np.arange(4) < n, ml.tanh(x @ w), -np.inf), axis=-1) for x, n in zip(xs, lengths)
+        ]
+        return ml.sum(ml.concatenate(parts, axis=0))
+
+    results = []
+    for batching in (False, True):
+        with ml.settings(batching=batching):
+            results.append(anyio.run(ml.value_and_gradients, loss()))
+    (v0, g0), (v1, g1) = results
+    np.testing.assert_allclose(v1, v0, rtol=1e-12)
+    np.testing.assert_allclose(g1[w], g0[w], rtol=1e-12)
