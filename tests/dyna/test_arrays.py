@@ -286,3 +286,44 @@ def test_a_weight_of_another_shape_than_its_arrays_is_refused(shape: tuple[int, 
     program = ArrayProgram(parse_rules(text), arrays=arrays)
     with pytest.raises(ValueError, match=rf"weights\['edge'\] {refused}"):
         program.goal(("stop", 3), {("edgezero", 3): 1.0}, {"edge": ml.Weight(np.full(shape, 0.5))})
+
+
+def test_one_variable_of_two_sizes_is_refused_naming_the_rule() -> None:
+    """J of 3 in w and 2 in y made y a vector of 3 (its entry 2 then refused
+    as outside y's axes); I of 3 in w and 2 in x failed in NumPy's einsum."""
+    rules = parse_rules("y(J) += w(I, J) * x(I).")
+    with pytest.raises(ValueError) as refused:
+        ArrayProgram(rules, arrays={"w": {0: 2, 1: 3}, "x": {0: 2}, "y": {0: 2}})
+    assert str(refused.value) == (
+        "rule y(J) += w(I, J) * x(I): J is argument 1 of w, an array axis of 3, "
+        "and argument 0 of y, one of 2: give J one size"
+    )
+    with pytest.raises(ValueError) as refused:
+        ArrayProgram(rules, arrays={"w": {0: 3, 1: 2}, "x": {0: 2}, "y": {0: 2}})
+    assert str(refused.value) == (
+        "rule y(J) += w(I, J) * x(I): I is argument 0 of w, an array axis of 3, "
+        "and argument 0 of x, one of 2: give I one size"
+    )
+    run = ArrayProgram(rules, arrays={"w": {0: 2, 1: 3}, "x": {0: 2}, "y": {0: 3}}).run(
+        {("w", 0, 2): 5.0, ("w", 0, 1): 1.0, ("x", 0): 1.0}
+    )
+    assert run.value(("y", 2)) == 5.0 and np.shape(run.chart[("y",)]) == (3,)
+
+
+def test_an_array_axis_past_its_functors_arguments_is_refused() -> None:
+    """{5: 2} for a w of 2 arguments was accepted, and its run blamed the
+    well-formed axiom w(0, 0): 'argument 5 of w is None'."""
+    rules = parse_rules("y(J) += w(I, J) * x(I).")
+    with pytest.raises(ValueError) as refused:
+        ArrayProgram(rules, arrays={"w": {0: 2, 1: 2, 5: 2}, "x": {0: 2}, "y": {0: 2}})
+    assert str(refused.value) == (
+        "arrays['w'] makes argument 5 an array axis, but the rules read or derive w with 2 arguments (0..1): "
+        "there is no argument 5"
+    )
+    with pytest.raises(ValueError, match=r"arrays\['x'\] has the position -1: an argument's position is an int"):
+        ArrayProgram(rules, arrays={"x": {-1: 2}})
+    with pytest.raises(ValueError, match=r"arrays\['x'\]\[0\] is 0: an array axis's size is an int, 1 or more"):
+        ArrayProgram(rules, arrays={"x": {0: 0}})
+    program = ArrayProgram(rules, arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}})
+    with pytest.raises(ValueError, match=r"\('w', 0\): w has 1 arguments here, and its argument 1 is an array axis"):
+        program.locate(("w", 0))
