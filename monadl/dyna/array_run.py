@@ -19,7 +19,15 @@ from monadl.dyna.syntax import Item, Rule
 if TYPE_CHECKING:
     from monadl.dyna.arrays import ArrayProgram
 
-__all__ = ["ArrayRun", "Record"]
+__all__ = ["GIVEN", "UNDERIVED", "ArrayRun", "Record"]
+
+GIVEN = -1
+"""An entry of `ArrayRun.best` that an axiom gave (its own value: a leaf)."""
+UNDERIVED = -2
+"""An entry of `ArrayRun.best` that nothing derived nor gave (an entry of an
+array that other entries made exist): not an item of the item-at-a-time run.
+Any other entry derived, its value the semiring's zero too (every derivation
+tied there: in max-times, weights of 0; in min-plus, distances of inf)."""
 
 
 @final
@@ -56,7 +64,7 @@ class ArrayRun:
         tape: the pops, in order.
         pops: how many batched items popped.
         axioms: scalar axiom -> (batched item, index, value).
-        best: per batched item, which `Record` set each entry (-1: an axiom).
+        best: per batched item, which `Record` set each entry (or `GIVEN`, `UNDERIVED`).
         records: the contributions the back-pointers name.
         pending: the agenda left when the run stopped.
         settled, converged: as `monadl.dyna.Run`'s (nothing pending would
@@ -94,12 +102,12 @@ class ArrayRun:
         """
         s = self.program.semiring
         packed_goal, goal_index = self.program.locate(goal)
-        if packed_goal not in self.chart:  # a goal never derived: 0 for all that popped, as item at a time
-            return self._zeros(derived)
-        if s.gradient == "backpointer":
-            if self.value(goal) == s.zero:
+        if s.gradient == "backpointer":  # (a goal never derived has no best derivation: {}, as item at a time)
+            if not self._derived(goal):
                 return {}
             return derivation_gradient(goal, self._back, self.value, s, derived=derived)
+        if packed_goal not in self.chart:  # a goal never derived: 0 for all that popped, as item at a time
+            return self._zeros(derived)
         seed = np.full(np.shape(self.chart[packed_goal]), s.zero)
         seed[goal_index] = s.one
         algebra = ArrayAlgebra(s, self.program.subscripts)
@@ -160,9 +168,17 @@ class ArrayRun:
         s = self.program.semiring
         if s.gradient != "backpointer":
             raise ValueError(f"a best derivation needs an idempotent semiring with back-pointers, not {s.name}")
-        if self.value(goal) == s.zero:
+        if not self._derived(goal):
             raise KeyError(f"{goal} was not derived")
         return best_derivation(goal, self._back)
+
+    def _derived(self, item: Item) -> bool:
+        """Whether an axiom gave the scalar item or a rule derived it (at
+        the semiring's zero too: where every derivation ties there, its
+        subgradient is along the one kept, as item at a time)."""
+        packed, index = self.program.locate(item)
+        reasons = self.best.get(packed)
+        return reasons is not None and int(reasons[index]) != UNDERIVED
 
     def _back(self, item: Item) -> tuple[Rule, list[Item]] | None:
         packed, index = self.program.locate(item)

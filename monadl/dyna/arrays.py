@@ -36,7 +36,7 @@ from typing import Any, final
 
 import numpy as np
 
-from monadl.dyna.array_run import ArrayRun, Record
+from monadl.dyna.array_run import GIVEN, UNDERIVED, ArrayRun, Record
 from monadl.dyna.backward import Entry
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
@@ -233,16 +233,17 @@ class ArrayProgram:
             packed, index = self.locate(scalar)
             if packed not in agenda:
                 agenda[packed] = np.full(self.shapes.get(packed[0], ()), s.zero)
-                because[packed] = np.full(agenda[packed].shape, -1, dtype=np.intp)
+                because[packed] = np.full(agenda[packed].shape, UNDERIVED, dtype=np.intp)
             return packed, index
 
         for scalar, (_, _, value) in located.items():
             packed, index = entry_of(scalar)
             agenda[packed][index] = value
+            because[packed][index] = GIVEN
         for rule in self.constants:  # head += coeff, combined with an axiom of the same entry
             packed, index = entry_of(rule.head)
             combined = s.plus(float(agenda[packed][index]), coefficient(s, rule))
-            if track and combined != agenda[packed][index]:
+            if track and (combined != agenda[packed][index] or because[packed][index] == UNDERIVED):
                 records.append(Record(rule, (), (), "", "", np.zeros((0,), dtype=np.intp)))
                 because[packed][index] = len(records) - 1
             agenda[packed][index] = combined
@@ -271,7 +272,9 @@ class ArrayProgram:
             run.pops += 1
             chart[a] = new
             if track and reasons is not None:
-                run.best[a] = reasons if old is None else np.where(new != old, reasons, run.best[a])
+                # (an entry's first derivation sets it, as item at a time, though its value ties at the zero)
+                kept = run.best[a] if old is not None else None
+                run.best[a] = reasons if kept is None else np.where((new != old) | (kept == UNDERIVED), reasons, kept)
             if old is None:
                 index_.add(a)
             for rule, i, body, c in self.joins.instantiations(a, old is None, chart, index_):
@@ -285,6 +288,7 @@ class ArrayProgram:
                     if c in agenda:
                         pending = agenda[c]
                         better = contribution > pending if s == MAX_TIMES else contribution < pending
+                        better |= because[c] == UNDERIVED
                         because[c] = np.where(better, len(records) - 1, because[c])
                     else:
                         because[c] = np.full(np.shape(contribution), len(records) - 1, dtype=np.intp)

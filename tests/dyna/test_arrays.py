@@ -7,12 +7,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
 import monadl as ml
 from examples import dyna_programs as dp
-from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
+from monadl.dyna import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, ArrayProgram, Item, Program, Rule, Semiring, bind_weight
 from monadl.dyna.syntax import parse_rules
 from tests.dyna.test_scalar import PATH, closed_form, path_axioms
 
@@ -327,3 +328,47 @@ def test_an_array_axis_past_its_functors_arguments_is_refused() -> None:
     program = ArrayProgram(rules, arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}})
     with pytest.raises(ValueError, match=r"\('w', 0\): w has 1 arguments here, and its argument 1 is an array axis"):
         program.locate(("w", 0))
+
+
+@pytest.mark.parametrize(
+    ("semiring", "w", "c", "dc"),
+    [(MAX_TIMES, 0.0, 1.0, 0.0), (MIN_PLUS, math.inf, 0.0, 1.0)],
+    ids=["max-times", "min-plus"],
+)
+def test_a_goal_whose_derivations_tie_at_the_zero_keeps_its_best_derivation(
+    semiring: Semiring, w: float, c: float, dc: float
+) -> None:
+    """goal = max(w0 c0, w1 c1) at w = 0 (min-plus: min at w = inf) is derived,
+    its value the semiring's zero: item at a time its subgradient is 1 for w0;
+    batched it was taken for underived (value == zero): no gradient and no
+    best derivation ('was not derived')."""
+    rules = parse_rules("goal += w(I) * c(I).")
+    axioms = {("w", 0): w, ("w", 1): w, ("c", 0): c, ("c", 1): c}
+    scalar = Program(rules, semiring).run(axioms)
+    batched = ArrayProgram(rules, semiring, arrays={"w": {0: 2}, "c": {0: 2}}).run(axioms)
+    assert batched.value(("goal",)) == scalar.chart[("goal",)] == semiring.zero
+    assert batched.gradient(("goal",)) == scalar.gradient(("goal",)) == {("w", 0): 1.0, ("c", 0): dc}
+    assert batched.best_derivation(("goal",)).leaves() == scalar.best_derivation(("goal",)).leaves()
+    assert scalar.best_derivation(("goal",)).leaves() == [("w", 0), ("c", 0)]
+
+    weight = ml.Weight(np.full(2, w))
+    program = ArrayProgram(rules, semiring, arrays={"w": {0: 2}, "c": {0: 2}})
+    goal = program.goal(("goal",), None, {"w": weight, "c": np.full(2, c)})
+    _, gradients = anyio.run(lambda: ml.value_and_gradients(goal))
+    np.testing.assert_array_equal(gradients[weight], [1.0, 0.0])
+
+
+def test_a_best_derivation_needs_a_derivation_though_its_array_exists() -> None:
+    """e(1, 1), a missing entry of the batched axiom e, is neither given nor
+    derived: not derived, as item at a time; a goal never derived has no
+    gradient in min-plus, as item at a time (it was every popped axiom's 0)."""
+    rules = parse_rules("d(0) += 0. d(J) += d(I) * e(I, J). g += h(1) * d(I).")
+    axioms = {("e", 0, 1): 1.0, ("h", 0): 2.0}
+    batched = ArrayProgram(rules, MIN_PLUS, arrays={"d": {0: 3}, "e": {0: 3, 1: 3}}).run(axioms)
+    assert batched.value(("d", 1)) == 1.0 and batched.best_derivation(("d", 1)).leaves() == [("e", 0, 1)]
+    scalar = Program(rules, MIN_PLUS).run(axioms)
+    assert batched.gradient(("g",)) == scalar.gradient(("g",)) == {}
+    with pytest.raises(KeyError, match=r"\('g',\) was not derived"):
+        batched.best_derivation(("g",))
+    with pytest.raises(KeyError, match=r"\('e', 1, 1\) was not derived"):
+        batched.best_derivation(("e", 1, 1))
