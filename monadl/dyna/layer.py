@@ -298,14 +298,12 @@ def check_goal(
                 f"{functor}: both axioms ({given[0]}{', ...' if len(given) > 1 else ''}) and weights[{functor!r}] "
                 f"give it: the weight's entries would replace the axioms; give {functor} one way"
             )
-    for what, item in [("goal", goal), *[("axiom", tuple(a)) for a in axioms or {}]]:
-        known = arities.get(item[0])
-        if known is not None and len(item) - 1 not in known:  # (an item of another arity: no rule meets it)
-            raise ValueError(
-                f"{what} {item} has {len(item) - 1} arguments, and the rules read or derive {item[0]} with "
-                f"{' or '.join(map(str, sorted(known)))}: "
-                + ("its value would be the semiring's zero" if what == "goal" else "no rule would read it")
-            )
+    known = arities.get(goal[0])
+    if known is not None and len(goal) - 1 not in known:  # (an item of another arity: no rule meets it)
+        raise ValueError(
+            f"goal {goal} has {len(goal) - 1} arguments, and the rules read or derive {goal[0]} with "
+            f"{' or '.join(map(str, sorted(known)))}: its value would be the semiring's zero"
+        )
     for functor, weight in (weights or {}).items():
         if functor == goal[0] and functor not in reads:  # (the goal itself, given: as it is)
             continue
@@ -350,8 +348,10 @@ def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
 
 def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item | None = None) -> None:
     """Refuse axioms that are no items (a string: ``"start"`` for
-    ``("start",)``) or of functors no rule reads or derives, nor the goal (a
-    misspelt name, silently ignored): what a run and a goal check.
+    ``("start",)``), of functors no rule reads or derives, nor the goal (a
+    misspelt name, silently ignored), or of another number of arguments than
+    the rules read or derive their functor with (no rule would read them):
+    what a run and a goal check.
 
     >>> from monadl.dyna.syntax import parse_rules
     >>> check_axioms({"start": 1.0}, parse_rules("goal += start."))
@@ -362,12 +362,22 @@ def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item |
     for item in axioms:
         if not isinstance(item, tuple) or not item:
             raise TypeError(f"axiom {item!r} is a {type(item).__name__}: an item is a tuple, {as_item(item)}")
-    known = {rule.head[0] for rule in rules} | {item[0] for rule in rules for item in rule.body}
-    unread = sorted({str(item[0]) for item in axioms if item[0] not in known and (goal is None or item[0] != goal[0])})
+    arities: dict[Any, set[int]] = {}  # (the numbers of arguments the rules read or derive each functor with)
+    for rule in rules:
+        for pattern in (rule.head, *rule.body):
+            arities.setdefault(pattern[0], set()).add(len(pattern) - 1)
+    unread = sorted({str(item[0]) for item in axioms if item[0] not in arities and (goal is None or item[0] != goal[0])})
     if unread:
         raise ValueError(
             f"axioms of {', '.join(unread)}: no rule reads or derives {' or '.join(unread)} ({_said(rules)})"
         )
+    for item in axioms:
+        known = arities.get(item[0])
+        if known is not None and len(item) - 1 not in known:  # (an item of another arity: no rule meets it)
+            raise ValueError(
+                f"axiom {tuple(item)} has {len(item) - 1} arguments, and the rules read or derive {item[0]} with "
+                f"{' or '.join(map(str, sorted(known)))}: no rule would read it"
+            )
 
 
 def _said(rules: Sequence[Rule]) -> str:

@@ -372,3 +372,13 @@ def test_a_best_derivation_needs_a_derivation_though_its_array_exists() -> None:
         batched.best_derivation(("g",))
     with pytest.raises(KeyError, match=r"\('e', 1, 1\) was not derived"):
         batched.best_derivation(("e", 1, 1))
+
+
+def test_a_batched_run_refuses_an_axiom_of_another_arity_as_a_goal_does() -> None:
+    arrays = {"pathto": {0: 4}, "edge": {0: 4, 1: 4}}
+    paths = ArrayProgram(parse_rules("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J)."), arrays=arrays)
+    with pytest.raises(ValueError) as error:
+        paths.run({("edge", 0, 1): 0.5, ("edge", 0, 1, 2): 0.5})
+    assert str(error.value) == (
+        "axiom ('edge', 0, 1, 2) has 3 arguments, and the rules read or derive edge with 2: no rule would read it"
+    )

@@ -259,6 +259,19 @@ def test_axioms_and_weights_of_a_functor_no_rule_reads_or_of_other_dimensions_ar
     assert await_value(sums.goal(("g",), weights={"g": ml.Weight(3.0)})) == 3.0
 
 
+PATHS = "pathto(0) += 1. pathto(J) += {} * edge(I, J). goal += pathto(3)."
+
+
+def test_a_run_refuses_an_axiom_of_another_arity_as_a_goal_does() -> None:
+    """run() kept edge(0, 1, 2), which no rule reads, unread in its chart."""
+    paths = parse(PATHS.format("pathto(I)"))
+    refused = "axiom ('edge', 0, 1, 2) has 3 arguments, and the rules read or derive edge with 2: no rule would read it"
+    for check in (lambda: paths.run({("edge", 0, 1, 2): 0.5}), lambda: paths.goal(("goal",), {("edge", 0, 1, 2): 0.5})):
+        with pytest.raises(ValueError) as error:
+            check()
+        assert str(error.value) == refused
+
+
 def test_a_cycle_that_diverges_to_nan_stops() -> None:
     from monadl.dyna import parse
 
