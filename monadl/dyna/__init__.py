@@ -43,7 +43,8 @@ The modules: `syntax` (items, rules, text), `semiring`, `join` (the index and
 the join of rule instances), `backward` (the tape's backward pass, for every
 value algebra), `settle` (the adjoints of updates that never popped),
 `derivation` (best derivations), `scalar` and `scalar_run` (item at a time), `einsum`,
-`arrays` and `array_run` (batched), `layer` (goals as layers).
+`arrays` and `array_run` (batched), `layer` (goals as layers), `checks` (what a
+run and a goal refuse: misspelt names, wrong numbers of arguments).
 
 >>> p = parse("a += a * a. a += r.")
 >>> run = p.run({("r",): 0.3}, max_pops=3)  # r, then a twice

@@ -31,16 +31,17 @@ batched axiom gets its gradient, zeros included.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, final
 
 import numpy as np
 
 from monadl.dyna.array_run import GIVEN, UNDERIVED, ArrayRun, Record
 from monadl.dyna.backward import Entry
+from monadl.dyna.checks import check_axioms, check_goal, check_reads, declared_inputs
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Source, Timing, bound_data, check_axioms, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, bound_data, goal_layer, stopping
 from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverged
 from monadl.dyna.syntax import Item, Pattern, Rule, is_variable
 from monadl.layers import Layer
@@ -59,10 +60,16 @@ class ArrayProgram:
             (from 0, an argument the rules give the functor) -> size. In every
             rule, a variable at an array position appears only at array
             positions, at most once per item, and has one size at all of them.
+        inputs: as for `monadl.dyna.Program`: functors a run may give none of.
     """
 
     def __init__(
-        self, rules: Sequence[Rule], semiring: Semiring = REAL, *, arrays: Mapping[str, Mapping[int, int]]
+        self,
+        rules: Sequence[Rule],
+        semiring: Semiring = REAL,
+        *,
+        arrays: Mapping[str, Mapping[int, int]],
+        inputs: Iterable[str] = (),
     ) -> None:
         self.plus = array_plus(semiring)  # refuses the semirings it cannot batch
         _check_positions(rules, arrays)
@@ -71,6 +78,7 @@ class ArrayProgram:
         self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
         self.constants = [rule for rule in rules if not rule.body]
         self.rules = list(rules)
+        self.inputs = declared_inputs(inputs, self.rules)
         self.heads = {rule.head[0] for rule in rules}
         self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
         packed: list[Rule] = []
@@ -171,7 +179,7 @@ class ArrayProgram:
         """
 
         def check(bound: Mapping[Any, Source] | None) -> None:
-            check_goal(goal, self.rules, axioms, bound)
+            check_goal(goal, self.rules, axioms, bound, inputs=self.inputs)
             for functor, weight in (bound or {}).items():
                 data = bound_data(functor, weight)
                 shape = () if data is None else data.shape  # (a layer's: when it is computed)
@@ -212,6 +220,7 @@ class ArrayProgram:
         array([ 2., 10.])
         """
         check_axioms(axioms, self.rules)  # (a goal checks its own, once: `check_goal`)
+        check_reads(self.rules, axioms, {}, self.inputs)
         return self._run(axioms, max_pops=max_pops, tolerance=tolerance, stop=stop)
 
     def _run(
@@ -338,7 +347,9 @@ def _check_positions(rules: Sequence[Rule], arrays: Mapping[str, Mapping[int, in
     for functor, positions in arrays.items():
         for k, size in positions.items():
             if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ValueError(f"arrays[{functor!r}] has the position {k!r}: an argument's position is an int, from 0")
+                raise ValueError(
+                    f"arrays[{functor!r}] has the position {k!r}: an argument's position is an int, from 0"
+                )
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
                 raise ValueError(f"arrays[{functor!r}][{k}] is {size!r}: an array axis's size is an int, 1 or more")
             for arity in sorted(arities.get(functor, ())):

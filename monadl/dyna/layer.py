@@ -18,21 +18,29 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol, TypeAlias, TypeVar, final
 
 import anyio.to_thread
 import numpy as np
 
 from monadl.do import Do
-from monadl.dyna.syntax import Item, Rule, as_item
+from monadl.dyna.syntax import Item
 from monadl.errors import NonFiniteError
 from monadl.layers import Expr, Layer, Weight
 from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
-__all__ = ["Differentiable", "Source", "Timing", "bind_weight", "bound_data", "check_goal", "goal_layer", "stopping"]
+__all__ = [
+    "Differentiable",
+    "Source",
+    "Timing",
+    "bind_weight",
+    "bound_data",
+    "goal_layer",
+    "stopping",
+]
 
 
 class Differentiable(Protocol):
@@ -248,79 +256,6 @@ async def _threaded(
         abandoned.set()  # (done, or cancelled: then nothing reads the run, so it stops)
 
 
-def check_goal(
-    goal: Item,
-    rules: Sequence[Rule],
-    axioms: Mapping[Item, float] | None,
-    weights: Mapping[Any, Source] | None,
-    dimensions: bool = True,
-) -> None:
-    """Refuse what a misspelt name or a wrong shape would make silently wrong:
-    a goal whose functor nothing can give a value (no rule's head, no axiom
-    and no weight has it: it would read the semiring's zero), a binding that
-    is no `Source` (`bound_data`), a weight or an
-    axiom of a functor no rule reads or derives (it would change nothing, and
-    its gradient would be zero), and, where ``dimensions``, a weight whose
-    dimensions are not the arguments the rules read its functor with.
-
-    >>> from monadl.dyna.syntax import parse_rules
-    >>> rules = parse_rules("stop += pathto(I) * edge(I, J).")
-    >>> check_goal(("stpo",), rules, {("edge", 0, 1): 1.0}, None)
-    Traceback (most recent call last):
-    ...
-    ValueError: goal ('stpo',): no rule derives stpo, and no axiom or weight gives it (rules derive stop)
-    >>> check_goal(("stop",), rules, {("egde", 0, 1): 1.0}, None)
-    Traceback (most recent call last):
-    ...
-    ValueError: axioms of egde: no rule reads or derives egde (rules read edge, pathto; derive stop)
-    """
-    heads = {rule.head[0] for rule in rules}
-    reads: dict[str, set[int]] = {}
-    arities: dict[str, set[int]] = {}  # (the numbers of arguments the rules read or derive each functor with)
-    for rule in rules:
-        arities.setdefault(rule.head[0], set()).add(len(rule.head) - 1)
-        for item in rule.body:
-            reads.setdefault(item[0], set()).add(len(item) - 1)
-            arities.setdefault(item[0], set()).add(len(item) - 1)
-    said = _said(rules)
-    if not isinstance(goal, tuple) or not goal:
-        raise TypeError(f"goal {goal!r} is a {type(goal).__name__}: an item is a tuple, {as_item(goal)}")
-    if not (goal[0] in heads or any(item[0] == goal[0] for item in axioms or {}) or goal[0] in (weights or {})):
-        raise ValueError(
-            f"goal {goal}: no rule derives {goal[0]}, and no axiom or weight gives it "
-            f"(rules derive {', '.join(sorted(map(str, heads))) or 'nothing'})"
-        )
-    check_axioms(axioms or {}, rules, goal)
-    for functor in weights or {}:
-        given = [a for a in axioms or {} if a[0] == functor]
-        if given:  # (the weight's entries would replace them silently, each run)
-            raise ValueError(
-                f"{functor}: both axioms ({given[0]}{', ...' if len(given) > 1 else ''}) and weights[{functor!r}] "
-                f"give it: the weight's entries would replace the axioms; give {functor} one way"
-            )
-    known = arities.get(goal[0])
-    if known is not None and len(goal) - 1 not in known:  # (an item of another arity: no rule meets it)
-        raise ValueError(
-            f"goal {goal} has {len(goal) - 1} arguments, and the rules read or derive {goal[0]} with "
-            f"{' or '.join(map(str, sorted(known)))}: its value would be the semiring's zero"
-        )
-    for functor, weight in (weights or {}).items():
-        if functor == goal[0] and functor not in reads:  # (the goal itself, given: as it is)
-            continue
-        if functor not in reads:
-            raise ValueError(
-                f"weights[{functor!r}]: no rule reads {functor} ({said}): its entries would change nothing"
-            )
-        data = bound_data(functor, weight)
-        ndim = None if data is None else data.ndim  # (a layer's: when it is computed)
-        if dimensions and ndim is not None and ndim not in reads[functor]:
-            read = " or ".join(map(str, sorted(reads[functor])))
-            raise ValueError(
-                f"weights[{functor!r}] has {ndim} dimensions, and the rules read {functor} with {read} "
-                "arguments: its entry at an index is the item of those arguments"
-            )
-
-
 def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
     """What a functor is bound to, as an array: a weight's data or plain
     data; None for a layer (its value is known when it ran). Anything else
@@ -344,47 +279,6 @@ def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
             "array of numbers, whose entries are its axioms"
         )
     return data
-
-
-def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item | None = None) -> None:
-    """Refuse axioms that are no items (a string: ``"start"`` for
-    ``("start",)``), of functors no rule reads or derives, nor the goal (a
-    misspelt name, silently ignored), or of another number of arguments than
-    the rules read or derive their functor with (no rule would read them):
-    what a run and a goal check.
-
-    >>> from monadl.dyna.syntax import parse_rules
-    >>> check_axioms({"start": 1.0}, parse_rules("goal += start."))
-    Traceback (most recent call last):
-    ...
-    TypeError: axiom 'start' is a str: an item is a tuple, ('start',)
-    """
-    for item in axioms:
-        if not isinstance(item, tuple) or not item:
-            raise TypeError(f"axiom {item!r} is a {type(item).__name__}: an item is a tuple, {as_item(item)}")
-    arities: dict[Any, set[int]] = {}  # (the numbers of arguments the rules read or derive each functor with)
-    for rule in rules:
-        for pattern in (rule.head, *rule.body):
-            arities.setdefault(pattern[0], set()).add(len(pattern) - 1)
-    unread = sorted({str(item[0]) for item in axioms if item[0] not in arities and (goal is None or item[0] != goal[0])})
-    if unread:
-        raise ValueError(
-            f"axioms of {', '.join(unread)}: no rule reads or derives {' or '.join(unread)} ({_said(rules)})"
-        )
-    for item in axioms:
-        known = arities.get(item[0])
-        if known is not None and len(item) - 1 not in known:  # (an item of another arity: no rule meets it)
-            raise ValueError(
-                f"axiom {tuple(item)} has {len(item) - 1} arguments, and the rules read or derive {item[0]} with "
-                f"{' or '.join(map(str, sorted(known)))}: no rule would read it"
-            )
-
-
-def _said(rules: Sequence[Rule]) -> str:
-    """Which functors the rules read and derive, for an error."""
-    reads = sorted({str(item[0]) for rule in rules for item in rule.body})
-    heads = sorted({str(rule.head[0]) for rule in rules})
-    return f"rules read {', '.join(reads) or 'nothing'}; derive {', '.join(heads)}"
 
 
 def bind_weight(functor: str, weight: Weight[Any, Any]) -> dict[str, Weight[Any, Any]]:

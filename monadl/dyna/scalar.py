@@ -14,13 +14,14 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, final
 
 from monadl.dyna.backward import Entry
+from monadl.dyna.checks import check_axioms, check_goal, check_reads, declared_inputs
 from monadl.dyna.join import Index, Joins
-from monadl.dyna.layer import Source, Timing, check_axioms, check_goal, goal_layer, stopping
+from monadl.dyna.layer import Source, Timing, goal_layer, stopping
 from monadl.dyna.scalar_run import Reason, Run, ScalarAlgebra
 from monadl.dyna.semiring import REAL, Semiring, annihilated, coefficient, diverged
 from monadl.dyna.settle import moved
@@ -46,11 +47,16 @@ class Program:
     Args:
         rules: the rules.
         semiring: what the values are (`REAL` by default).
+        inputs: functors that only axioms give (or weights), which a run may
+            give none of (a graph of no edges). A rule reading a functor
+            that nothing derives or gives in a run is refused there, as a
+            misspelt name, unless it is declared here.
     """
 
-    def __init__(self, rules: Sequence[Rule], semiring: Semiring = REAL) -> None:
+    def __init__(self, rules: Sequence[Rule], semiring: Semiring = REAL, *, inputs: Iterable[str] = ()) -> None:
         self.rules = list(rules)
         self.semiring = semiring
+        self.inputs = declared_inputs(inputs, self.rules)
         self.joins = Joins(self.rules)
         self.timing = Timing()  # (its goal layers': a long run sends the next ones to a thread)
 
@@ -83,6 +89,7 @@ class Program:
         {('edge', 0, 1): 0.5, ('pathto', 0): 1.0, ('pathto', 1): 0.5}
         """
         check_axioms(axioms, self.rules)  # (a goal checks its own, once: `check_goal`)
+        check_reads(self.rules, axioms, {}, self.inputs)
         return self._run(axioms, max_pops=max_pops, tolerance=tolerance, priority=priority, stop=stop)
 
     def _run(
@@ -253,7 +260,7 @@ class Program:
         >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
         0.3125
         """
-        check = partial(check_goal, goal, self.rules, axioms)
+        check = partial(check_goal, goal, self.rules, axioms, inputs=self.inputs)
         check(weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
@@ -267,7 +274,7 @@ class Program:
         )
 
 
-def parse(text: str, semiring: Semiring = REAL) -> Program:
+def parse(text: str, semiring: Semiring = REAL, *, inputs: Iterable[str] = ()) -> Program:
     """A program from text, one rule per ``.``::
 
         stop(I) += edgezero(I) * pathto(I).
@@ -282,4 +289,4 @@ def parse(text: str, semiring: Semiring = REAL) -> Program:
     >>> parse("a += a * a. a += r.").rules[0].body
     [('a',), ('a',)]
     """
-    return Program(parse_rules(text), semiring)
+    return Program(parse_rules(text), semiring, inputs=inputs)

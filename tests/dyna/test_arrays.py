@@ -98,7 +98,7 @@ def test_what_cannot_be_batched_is_refused_clearly() -> None:
         ArrayProgram([Rule(("y",), [("w", "I", "I")])], arrays={"w": {0: 2, 1: 2}})
     program = ArrayProgram([rule], arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}})
     with pytest.raises(ValueError, match="outside the array axes"):
-        program.run({("x", 5): 1.0})
+        program.run({("w", 0, 0): 1.0, ("x", 5): 1.0})
 
 
 def test_a_batched_goal_is_a_layer_whose_weights_train() -> None:
@@ -157,9 +157,11 @@ def test_an_array_axis_argument_must_be_an_index_in_range() -> None:
 def test_a_log_real_goal_of_probability_zero_has_gradient_zero_not_nan() -> None:
     from monadl.dyna import LOG_REAL, parse
 
-    program = parse("pathto(0) += 0. pathto(J) += edge(I, J) * pathto(I). stop += final(I) * pathto(I).", LOG_REAL)
+    text = "pathto(0) += 0. pathto(J) += edge(I, J) * pathto(I). stop += final(I) * pathto(I)."
+    program = parse(text, LOG_REAL, inputs={"edge"})  # (a graph of no edges)
     axioms = {("final", 1): 0.0}  # (pathto(1) is never reached: stop is -inf)
-    arrays = ArrayProgram(program.rules, LOG_REAL, arrays={"pathto": {0: 2}, "edge": {0: 2, 1: 2}, "final": {0: 2}})
+    shapes = {"pathto": {0: 2}, "edge": {0: 2, 1: 2}, "final": {0: 2}}
+    arrays = ArrayProgram(program.rules, LOG_REAL, arrays=shapes, inputs={"edge"})
     assert arrays.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}  # (exp(-inf + x + inf): NaN)
     assert program.run(axioms).gradient(("stop",)) == {("final", 1): 0.0}
 
@@ -266,8 +268,8 @@ def test_a_goal_never_derived_has_the_keys_of_item_at_a_time() -> None:
     text = "p += a * b. g += p * c."  # c is never given: g is never derived
     axioms = {("a",): 0.5, ("b",): 0.25}
     for derived in (False, True):
-        want = Program(parse_rules(text)).run(axioms).gradient(("g",), derived=derived)
-        got = ArrayProgram(parse_rules(text), arrays={}).run(axioms).gradient(("g",), derived=derived)
+        want = Program(parse_rules(text), inputs={"c"}).run(axioms).gradient(("g",), derived=derived)
+        got = ArrayProgram(parse_rules(text), arrays={}, inputs={"c"}).run(axioms).gradient(("g",), derived=derived)
         assert got == want == dict.fromkeys(want, 0.0)
 
 
@@ -382,3 +384,23 @@ def test_a_batched_run_refuses_an_axiom_of_another_arity_as_a_goal_does() -> Non
     assert str(error.value) == (
         "axiom ('edge', 0, 1, 2) has 3 arguments, and the rules read or derive edge with 2: no rule would read it"
     )
+
+
+def test_a_batched_rule_reading_what_nothing_gives_is_refused() -> None:
+    """As item at a time: a rule reading a misspelt functor; a functor
+    declared an input may be given nothing."""
+    typo = ArrayProgram(
+        parse_rules("y(J) += w(I, J) * x(I). total += scael * y(J)."),
+        arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}},
+    )
+    refused = r"^rule total \+= scael \* y\(J\): no rule derives scael, and no axiom or weight gives it"
+    with pytest.raises(ValueError, match=refused):
+        typo.goal(("total",), {("x", 0): 1.0}, {"w": ml.Weight(np.ones((2, 2)))})
+    with pytest.raises(ValueError, match=refused):
+        typo.run({("w", 0, 1): 0.5, ("x", 0): 1.0})
+    arrays = {"pathto": {0: 4}, "edge": {0: 4, 1: 4}}
+    paths = parse_rules("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).")
+    with pytest.raises(ValueError, match="no rule derives edge, and no axiom or weight gives it"):
+        ArrayProgram(paths, arrays=arrays).run({})
+    empty = ArrayProgram(paths, arrays=arrays, inputs={"edge"}).run({})
+    np.testing.assert_array_equal(empty.chart[("pathto",)], [1.0, 0.0, 0.0, 0.0])

@@ -244,7 +244,7 @@ def await_value(layer: ml.ScalarLayer) -> float:
 
 def test_axioms_and_weights_of_a_functor_no_rule_reads_or_of_other_dimensions_are_refused() -> None:
     # Each was silently wrong: an axiom ignored, a weight's gradient zero (a user's trial).
-    paths = parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).")
+    paths = parse("pathto(0) += 1. pathto(J) += pathto(I) * edge(I, J).", inputs={"edge"})
     with pytest.raises(ValueError, match=r"axioms of egde: no rule reads or derives egde \(rules read edge, pathto"):
         paths.goal(("pathto", 1), {("egde", 0, 1): 0.5})
     with pytest.raises(ValueError, match=r"weights\['edg'\]: no rule reads edg"):
@@ -254,12 +254,50 @@ def test_axioms_and_weights_of_a_functor_no_rule_reads_or_of_other_dimensions_ar
             paths.goal(("pathto", 1), weights={"edge": ml.Weight(data)})
     assert paths.run({("pathto", 0): 2.0}).chart[("pathto", 0)] == 3.0  # (a derived functor's axiom: as before)
     # The goal given by an axiom or a weight that no rule reads: its value, as before.
-    sums = parse("s += x(I).")
+    sums = parse("s += x(I).", inputs={"x"})
     assert await_value(sums.goal(("g",), {("g",): 2.0})) == 2.0
     assert await_value(sums.goal(("g",), weights={"g": ml.Weight(3.0)})) == 3.0
 
 
 PATHS = "pathto(0) += 1. pathto(J) += {} * edge(I, J). goal += pathto(3)."
+
+
+def test_a_rule_reading_what_nothing_gives_is_refused_naming_the_rule() -> None:
+    """patho for pathto, or pathto(I, J) where pathto has one argument, made the
+    rule never apply: the goal 0 and its gradient 0, silently (a user's trial)."""
+    edges = {"edge": ml.Weight(np.full((4, 4), 0.1))}
+    assert await_value(parse(PATHS.format("pathto(I)")).goal(("goal",), None, edges)) == pytest.approx(1 / 6)
+    typo = parse(PATHS.format("patho(I)"))
+    refused = (
+        "rule pathto(J) += patho(I) * edge(I, J): no rule derives patho, and no axiom or weight gives it, so the rule "
+        "never applies (rules derive goal, pathto; axioms and weights give edge): correct its name, or give patho "
+        "(one that a run may leave empty: declare it, inputs={'patho'})"
+    )
+    with pytest.raises(ValueError) as error:
+        typo.goal(("goal",), None, edges)
+    assert str(error.value) == refused
+    with pytest.raises(ValueError) as error:
+        typo.run({("edge", 0, 1): 0.5})
+    assert str(error.value) == refused
+    arity = parse(PATHS.format("pathto(I, J)"))
+    with pytest.raises(ValueError) as error:
+        arity.run({("edge", 0, 1): 0.5})
+    assert str(error.value) == (
+        "rule pathto(J) += pathto(I, J) * edge(I, J): it reads pathto with 2 arguments, and pathto is derived or "
+        "given with 1, so the rule never applies: write pathto with 1 arguments"
+    )
+    # A functor the axioms alone give: given in this run, or declared an input that a run may leave empty.
+    paths = parse(PATHS.format("pathto(I)"))
+    assert paths.run({("edge", 0, 3): 0.5}).chart[("goal",)] == 0.5
+    with pytest.raises(ValueError, match="no rule derives edge, and no axiom or weight gives it"):
+        paths.run({})
+    no_edges = parse(PATHS.format("pathto(I)"), inputs={"edge"})
+    assert no_edges.run({}).chart == {("pathto", 0): 1.0}
+    assert await_value(no_edges.goal(("pathto", 0))) == 1.0
+    with pytest.raises(
+        ValueError, match=r"inputs: no rule reads egde \(rules read edge, pathto; derive goal, pathto\)"
+    ):
+        parse(PATHS.format("pathto(I)"), inputs={"egde"})
 
 
 def test_a_run_refuses_an_axiom_of_another_arity_as_a_goal_does() -> None:

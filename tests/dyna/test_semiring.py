@@ -128,7 +128,7 @@ def test_other_semirings_run_forward_only() -> None:
     with pytest.raises(NotImplementedError, match="boolean"):
         run.gradient(("reach", 2))
     with pytest.raises(ValueError, match="idempotent"):
-        Program(reach.rules).run({}, priority="value")
+        Program(reach.rules, inputs={"edge"}).run({}, priority="value")
 
 
 def test_a_copy_of_a_semiring_is_that_semiring() -> None:
