@@ -14,6 +14,7 @@ leaves the interpreter cancels every spawned task and surfaces as itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -72,7 +73,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     interval = ev.yield_interval_s
     now = time.perf_counter()
     if now > _turns.last + interval:  # (before anything is computed: a cancellation changes nothing)
-        await anyio.lowlevel.checkpoint()
+        await _turn()
         _turns.last = now = time.perf_counter()
     ev.deadline = now + interval
     exits = AsyncExitStack()
@@ -85,7 +86,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         request = advance(machine.send, None, pause)
         while True:
             if request is CHECKPOINT:
-                await anyio.lowlevel.checkpoint()
+                await _turn()
                 _turns.last = time.perf_counter()
                 ev.deadline = _turns.last + interval
                 request = advance(machine.send, None, pause)
@@ -136,9 +137,37 @@ async def turn_if_due(ev: Evaluation) -> None:
     done outside its machine (the commit's steps, `monadl.runtime.entry`)."""
     now = time.perf_counter()
     if now > ev.deadline:
-        await anyio.lowlevel.checkpoint()
+        await _turn()
         _turns.last = now = time.perf_counter()
         ev.deadline = now + ev.yield_interval_s
+
+
+async def _turn() -> None:
+    """A turn for the event loop: other tasks run, and a timeout, a
+    cancellation or Ctrl-C takes effect here (it raises).
+
+    On asyncio a timer that came due while this task computed (a timeout's
+    deadline) joins the loop's queue behind this task's own wake-up: after
+    one turn the task went on, and the timeout's callback ran only after the
+    next piece of work, 5 ms of it or the commit (a step of 5-10 ms under an
+    expired deadline committed every time). Then, and only then, a second
+    turn lets it run first; trio looks at its deadlines before it wakes a
+    task."""
+    loop = asyncio._get_running_loop()  # (None on trio, and cheaply so)
+    due = loop is not None and _timer_due(loop)
+    await anyio.lowlevel.checkpoint()
+    if due:
+        await anyio.lowlevel.checkpoint()
+
+
+def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether one of ``loop``'s timers is due: its earliest (asyncio's
+    timers are a heap), or, on a loop that keeps them elsewhere (uvloop),
+    whether the deadline of anyio's scopes around this task has passed."""
+    scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
+    if scheduled is None:
+        return anyio.current_effective_deadline() <= anyio.current_time()
+    return bool(scheduled) and scheduled[0].when() <= loop.time()
 
 
 @final

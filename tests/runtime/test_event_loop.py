@@ -243,6 +243,49 @@ async def test_a_small_cancelled_step_changes_no_weight() -> None:
     assert not np.array_equal(w.data, before)
 
 
+def slow_then_short(w: ml.ArrayWeight) -> ml.ScalarLayer:
+    """A node that holds the thread 0.2 s (past any deadline set below, and
+    past the 0.1 s yield interval: the look at the clock after it gives the
+    loop a turn), then a rest of a millisecond or so, far less than the
+    interval: no other turn comes before the commit."""
+
+    def hold(tape: ml.Tape[np.ndarray, np.ndarray]) -> ml.Tape[np.ndarray, np.ndarray]:
+        time.sleep(0.2)
+        return tape
+
+    h: ml.ArrayLayer = ml.Layer((w * 1.0).forward().map(hold))
+    for _ in range(60):
+        h = h + ml.tanh(h) * 0.001
+    return ml.sum(h)
+
+
+async def test_a_deadline_that_passes_during_a_step_stops_it_at_the_next_turn() -> None:
+    # On asyncio the deadline's callback, due while the step computed, queued behind the
+    # task's own wake-up: the step went on after the turn, and committed before the next
+    # (a user's trial: 20 of 20 steps of 5-10 ms under a 0.5 ms deadline).
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    loss = slow_then_short(w)
+    with ml.settings(yield_interval_s=0.1):
+        with anyio.move_on_after(0.02) as scope:
+            await loss.train()
+        assert scope.cancelled_caught
+        np.testing.assert_array_equal(w.data, np.ones(4))
+        await loss.train()  # (and one with no deadline steps)
+    assert not np.array_equal(w.data, np.ones(4))
+
+
+async def test_asyncio_timeout_that_passes_during_a_step_stops_it_at_the_next_turn(anyio_backend: str) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's own timeout")
+    import asyncio
+
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    with ml.settings(yield_interval_s=0.1), pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await slow_then_short(w).train()
+    np.testing.assert_array_equal(w.data, np.ones(4))
+
+
 def test_two_threads_training_one_weight_lose_no_update() -> None:
     # The gradient is exactly 1 and the rate 1: every step subtracts exactly 1.0.
     w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(1.0))
