@@ -25,8 +25,11 @@ outside overlaps the other examples' work; a cancel scope may span awaits
 outside monadl but not an ``await`` of layers (the step after it may run in
 another task, where anyio's and trio's scopes cannot close; with one
 example, the scope's cancellation would reach monadl's own waits, not the
-function: `OperandError` says so at the await). Put a timeout around
-``train()`` or ``predict()`` instead.
+function: `OperandError` says so at the await). The same holds for a task
+group or a nursery (a cancel scope too). Put a timeout around ``train()``
+or ``predict()`` instead; to overlap a service with the model's work, make
+the service a layer and await it with the model's layers in one
+``values(...)``.
 """
 
 from __future__ import annotations
@@ -85,6 +88,27 @@ def cancel_scope() -> object:
     return None
 
 
+def refused_scope(scope: str, timeout: bool, group: bool) -> str:
+    """The message of an ``await`` of layers inside ``scope`` (which the
+    function opened): advice for a ``timeout``, for a task ``group``, or for
+    both (anyio's scopes do not say which they are: a task group's is a
+    cancel scope like any other)."""
+    advice = []
+    if timeout:
+        advice.append("Put a timeout around train() or predict(), or around other awaits only.")
+    if group:
+        advice.append(
+            "To overlap a service with the model's work, close the task group before this await, or make the "
+            "service a layer, ml.Layer(ml.Do.from_async(service).map(ml.Tape)), and await it with the model's "
+            "layers in one ml.values(...), which runs them concurrently."
+        )
+    return (
+        f"an @ml.direct function awaits layers inside {scope}: its cancellation would reach "
+        "monadl's own waits, not this function, and with several examples the step after this await may run "
+        f"in another task, where it cannot close. {' '.join(advice)}"
+    )
+
+
 @final
 class AwaitLayers:
     """What a direct-style coroutine yields to ask the machine for forward values."""
@@ -109,10 +133,12 @@ class AwaitLayers:
             cancel_scope() is not step[1]
         ):  # (the step after it may run in another task; alone, its timeout reached monadl)
             raise OperandError(
-                "an @ml.direct function awaits layers inside a cancel scope it opened (move_on_after, "
-                "fail_after, CancelScope): its cancellation would reach monadl's own waits, not this function, "
-                "and with several examples the step after this await may run in another task, where the scope "
-                "cannot close; put the timeout around train() or predict(), or around other awaits only"
+                refused_scope(
+                    "a cancel scope it opened (move_on_after, fail_after, CancelScope, or a task group or a "
+                    "nursery, which opens one)",
+                    True,
+                    True,
+                )
             )
         return (yield self)
 

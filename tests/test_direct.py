@@ -307,6 +307,60 @@ async def test_a_cancel_scope_around_an_await_of_layers_is_refused(examples: int
     assert float(await ml.sum(ml.stack([w * 1.0])).train()) == 3.0  # (the loop and monadl go on)
 
 
+OVERLAP_ADVICE = (
+    "To overlap a service with the model's work, close the task group before this await, or make the service a "
+    "layer, ml.Layer(ml.Do.from_async(service).map(ml.Tape)), and await it with the model's layers in one "
+    "ml.values(...), which runs them concurrently."
+)
+
+
+@pytest.mark.parametrize("examples", [1, 4])
+async def test_a_task_group_around_an_await_of_layers_is_refused_with_advice_for_task_groups(examples: int) -> None:
+    """A task group is a cancel scope: refused as one, and the message said
+    only how to place a timeout, which the user never wrote."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        h = w * 2.0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 0)
+            await h
+        return ml.sum(h)
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        await ml.sum(ml.stack([model() for _ in range(examples)])).train()
+    errors = info.value.exceptions
+    assert {type(e) for e in errors} == {ml.OperandError}
+    message = str(errors[0])
+    assert message.startswith(
+        "an @ml.direct function awaits layers inside a cancel scope it opened (move_on_after, fail_after, "
+        "CancelScope, or a task group or a nursery, which opens one): "
+    )
+    assert message.endswith(OVERLAP_ADVICE)
+    assert w.data.tolist() == [1.0, 2.0]
+
+
+async def test_the_advice_for_overlapping_a_service_computes_what_the_task_group_would() -> None:
+    """The message's way: the service as a layer, awaited in one values(...)
+    with the model's layer; both values are data, and the gradient reaches
+    the weight through the returned layer only."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    async def service() -> np.ndarray:
+        await anyio.sleep(0.001)
+        return np.array([10.0, 20.0])
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        h = w * 2.0
+        fetched, computed = await ml.values(ml.Layer(ml.Do.from_async(service).map(ml.Tape)), ml.sum(h))
+        return ml.sum(h * np.asarray(fetched)) + float(computed)
+
+    assert float(await ml.sum(ml.stack([model() for _ in range(2)])).train()) == 2 * (100.0 + 6.0)
+    np.testing.assert_array_equal(w.data, [1.0 - 0.1 * 2 * 2 * 10.0, 2.0 - 0.1 * 2 * 2 * 20.0])
+
+
 def test_direct_takes_an_async_def() -> None:
     def not_async(x: ml.ArrayLayer) -> ml.ArrayLayer:
         return x
