@@ -26,18 +26,20 @@ outside monadl but not an ``await`` of layers (the step after it may run in
 another task, where anyio's and trio's scopes cannot close; with one
 example, the scope's cancellation would reach monadl's own waits, not the
 function: `OperandError` says so at the await). The same holds for a task
-group or a nursery (a cancel scope too). Put a timeout around ``train()``
-or ``predict()`` instead; to overlap a service with the model's work, make
-the service a layer and await it with the model's layers in one
-``values(...)``.
+group or a nursery (a cancel scope too), for ``asyncio.timeout`` and for
+``asyncio.TaskGroup``. Put a timeout around ``train()`` or ``predict()``
+instead; to overlap a service with the model's work, make the service a
+layer and await it with the model's layers in one ``values(...)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import inspect
 import sys
+import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, Final, ParamSpec, TypeVar, final, overload
@@ -68,7 +70,7 @@ _asyncio_states: list[Any] = []  # (anyio's task states on asyncio, found once)
 def cancel_scope() -> object:
     """The current task's innermost cancel scope of anyio's or trio's (an
     object to compare by identity; asyncio's own ``asyncio.timeout`` is not
-    one of them); None elsewhere. Read from each library's task state (about
+    one of them: `asyncio_scope_around`); None elsewhere. Read from each library's task state (about
     0.5 us on asyncio, 0.2 us on trio): no public call gives it, and where
     one of them changes, None (no check)."""
     if asyncio._get_running_loop() is not None:  # (no exception to raise where trio runs: it costs)
@@ -85,6 +87,43 @@ def cancel_scope() -> object:
             return getattr(trio.lowlevel.current_task(), "_cancel_status", None)
         except RuntimeError:  # (no trio run here)
             return None
+    return None
+
+
+_ASYNCIO_SCOPES: Final[tuple[tuple[Callable[..., Any], str, bool, bool], ...]] = (
+    (asyncio.Timeout.__aexit__, "an asyncio.timeout it opened", True, False),
+    (asyncio.TaskGroup.__aexit__, "an asyncio.TaskGroup it opened", False, True),
+)
+
+
+def asyncio_scope_around(coroutine: Any) -> tuple[str, bool, bool] | None:
+    """What of asyncio's own that cancels its task (``asyncio.timeout``,
+    ``asyncio.TaskGroup``) a suspended direct-style coroutine opened around
+    the await it waits in (``async with``, in it or in a coroutine it
+    awaits), as `refused_scope`'s arguments; None where there is none or no
+    asyncio.
+
+    Neither is an anyio scope (`cancel_scope` does not see them), and their
+    cancellation goes to a task, not a scope: it reached monadl's own wait
+    (a bare ``CancelledError`` out of ``train()``) or the task that stepped
+    another example (the timeout was lost). An ``async with`` keeps its
+    ``__aexit__`` on the frame's stack, which the garbage collector's view
+    of a suspended coroutine shows (a few microseconds an await of layers,
+    on asyncio only)."""
+    if asyncio._get_running_loop() is None:
+        return None
+    awaiting = coroutine
+    while awaiting is not None:
+        for held in gc.get_referents(awaiting):
+            kind = type(held)
+            if kind is types.MethodType:  # (Python 3.11 to 3.13: the bound __aexit__)
+                held = held.__func__
+            elif kind is not types.FunctionType:  # (later: the function, and the manager beside it)
+                continue
+            for exit_, scope, timeout, group in _ASYNCIO_SCOPES:
+                if held is exit_:
+                    return scope, timeout, group
+        awaiting = getattr(awaiting, "cr_await", None) or getattr(awaiting, "gi_yieldfrom", None)
     return None
 
 

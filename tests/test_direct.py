@@ -307,6 +307,67 @@ async def test_a_cancel_scope_around_an_await_of_layers_is_refused(examples: int
     assert float(await ml.sum(ml.stack([w * 1.0])).train()) == 3.0  # (the loop and monadl go on)
 
 
+@pytest.mark.parametrize("examples", [1, 4])
+@pytest.mark.parametrize("delay", [0.0, 30.0])
+async def test_an_asyncio_timeout_around_an_await_of_layers_is_refused(
+    anyio_backend: str, examples: int, delay: float
+) -> None:
+    """anyio's check did not see asyncio's own timeout: one that fired while
+    the layers were computed cancelled monadl's wait, and a bare
+    CancelledError left train() (one example), or cancelled the task that
+    stepped the examples and was lost (several); one that did not fire
+    passed unnoticed. Refused at the await, as anyio's scopes are, and its
+    timer goes with it: nothing is cancelled later."""
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's own timeout")
+    import asyncio
+    import traceback
+
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        h = w * 2.0
+        async with asyncio.timeout(delay):
+            await h  # (the error's line)
+        return ml.sum(h)
+
+    with pytest.raises(ml.OperandError) as info:
+        await ml.sum(ml.stack([model() for _ in range(examples)])).train()
+    assert str(info.value) == (
+        "an @ml.direct function awaits layers inside an asyncio.timeout it opened: its cancellation would reach "
+        "monadl's own waits, not this function, and with several examples the step after this await may run in "
+        "another task, where it cannot close. Put a timeout around train() or predict(), or around other awaits "
+        "only."
+    )
+    assert "await h  # (the error's line)" in "".join(traceback.format_tb(info.tb))
+    assert w.data.tolist() == [1.0, 2.0]
+    await anyio.sleep(0.01)  # (a timer left behind would cancel this task here)
+    assert float(await ml.sum(ml.stack([w * 1.0])).train()) == 3.0
+
+
+async def test_an_asyncio_timeout_around_other_awaits_still_times_them_out(anyio_backend: str) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's own timeout")
+    import asyncio
+
+    w = ml.Weight(np.array([1.0, 2.0]))
+    timed_out: list[bool] = []
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        try:
+            async with asyncio.timeout(0.01):
+                await anyio.sleep(30)
+        except TimeoutError:
+            timed_out.append(True)
+        return ml.sum(w * float((await w)[0]))
+
+    with anyio.fail_after(60):  # a guard against a hang, not a timing
+        assert float(await ml.sum(ml.stack([model() for _ in range(3)])).predict()) == 9.0
+    assert timed_out == [True] * 3
+
+
 OVERLAP_ADVICE = (
     "To overlap a service with the model's work, close the task group before this await, or make the service a "
     "layer, ml.Layer(ml.Do.from_async(service).map(ml.Tape)), and await it with the model's layers in one "
@@ -339,6 +400,33 @@ async def test_a_task_group_around_an_await_of_layers_is_refused_with_advice_for
     )
     assert message.endswith(OVERLAP_ADVICE)
     assert w.data.tolist() == [1.0, 2.0]
+
+
+async def test_an_asyncio_task_group_around_an_await_of_layers_is_refused(anyio_backend: str) -> None:
+    """Its cancellation (a task of it failed) went to the task that stepped
+    the function: monadl's own, as an asyncio.timeout's did."""
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's own task group")
+    import asyncio
+
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        h = w * 2.0
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(asyncio.sleep(0))
+            await h
+        return ml.sum(h)
+
+    for examples in (1, 4):
+        with pytest.raises(BaseExceptionGroup) as info:
+            await ml.sum(ml.stack([model() for _ in range(examples)])).predict()
+        (error,) = {type(e): e for e in info.value.exceptions}.values()
+        assert isinstance(error, ml.OperandError)
+        assert str(error).startswith("an @ml.direct function awaits layers inside an asyncio.TaskGroup it opened: ")
+        assert str(error).endswith(OVERLAP_ADVICE)
+        assert "Put a timeout" not in str(error)
 
 
 async def test_the_advice_for_overlapping_a_service_computes_what_the_task_group_would() -> None:

@@ -9,8 +9,9 @@ from typing import Any
 
 import anyio
 
-from monadl.direct import AwaitLayers, Passthrough, cancel_scope, inside_direct
+from monadl.direct import AwaitLayers, Passthrough, asyncio_scope_around, cancel_scope, inside_direct, refused_scope
 from monadl.do import FORWARD, ZIP, Do
+from monadl.errors import OperandError
 from monadl.layers._layer import Layer
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
@@ -23,11 +24,18 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
     else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request.
     ``scope``: the task's innermost cancel scope (`cancel_scope`) when the
     step began, before its first send (a foreign await may be inside a
-    scope of its own when the step goes on: ``anyio.sleep`` on trio)."""
+    scope of its own when the step goes on: ``anyio.sleep`` on trio).
+
+    An await of layers inside an ``asyncio.timeout`` or an
+    ``asyncio.TaskGroup`` the coroutine opened is refused as anyio's scopes
+    are (`AwaitLayers`), once it waits there, where its frame shows them:
+    the error is raised at that await."""
     live = [True, scope]  # (the flag is false once this step ends: a task the coroutine started may not await layers)
     flag = inside_direct.set(live)
     try:
         got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
+        while type(got) is AwaitLayers and (opened := asyncio_scope_around(coroutine)) is not None:
+            got = coroutine.throw(OperandError(refused_scope(*opened)))
     except StopIteration as stop:
         return True, stop.value
     finally:
