@@ -80,6 +80,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     tasks: TaskGroup | None = None
     done: tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]] | None = None
     stepper: _Stepper | None = None
+    failure: BaseException | None = None
     ev.reads(True)
     reading = READING.set(ev)
     try:
@@ -123,13 +124,24 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                 ev.deadline = _turns.last + interval
     except StopIteration as stop:
         return stop.value
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
         READING.reset(reading)
         ev.reads(False)
         machine.close()
         if tasks is not None:
             tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
-        await exits.aclose()
+        try:
+            await exits.aclose()
+        except anyio.get_cancelled_exc_class():
+            # (the group's scope, closing while this task was cancelled from outside, raised a
+            # cancellation of its own, 'Cancelled via cancel scope ...': the caller's, with its
+            # message, task.cancel('why'), is the one to hand on)
+            if not isinstance(failure, anyio.get_cancelled_exc_class()):
+                raise
+            raise failure from None
 
 
 async def turn_if_due(ev: Evaluation) -> None:

@@ -286,6 +286,40 @@ async def test_asyncio_timeout_that_passes_during_a_step_stops_it_at_the_next_tu
     np.testing.assert_array_equal(w.data, np.ones(4))
 
 
+@pytest.mark.parametrize("examples", [1, 3])
+async def test_a_cancelled_train_hands_on_the_callers_cancellation_with_its_message(
+    anyio_backend: str, examples: int
+) -> None:
+    # With examples waiting in services beside each other, the task group they wait in
+    # raised a cancellation of its own on closing: 'Cancelled via cancel scope 7f83... by
+    # <Task ...>', not the CancelledError('user stopped the job') that task.cancel gave.
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's cancellation message")
+    import asyncio
+
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.1))
+    waiting = 0
+    all_wait = anyio.Event()
+
+    @ml.direct
+    async def example(k: int) -> ml.ScalarLayer:
+        nonlocal waiting
+        waiting += 1
+        if waiting == examples:
+            all_wait.set()
+        await anyio.sleep(DEADLOCK_GUARD_S)  # (a slow service)
+        return ml.sum(w * float(k))
+
+    task = asyncio.ensure_future(ml.sum(ml.stack([example(k) for k in range(examples)])).train())
+    with anyio.fail_after(DEADLOCK_GUARD_S):
+        await all_wait.wait()
+    task.cancel("user stopped the job")
+    with pytest.raises(asyncio.CancelledError) as info:
+        await task
+    assert info.value.args == ("user stopped the job",)
+    np.testing.assert_array_equal(w.data, np.ones(2))
+
+
 def test_two_threads_training_one_weight_lose_no_update() -> None:
     # The gradient is exactly 1 and the rate 1: every step subtracts exactly 1.0.
     w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(1.0))
