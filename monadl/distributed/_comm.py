@@ -35,10 +35,12 @@ class RankFailure(MonadlError, RuntimeError):
     Raised on every rank alike. ``failures`` maps each failed rank to why it
     failed (its exception, or a non-finite gradient); it is empty when no
     one rank is to blame, which ``reason`` then says: a peer never answered
-    (it died, or hangs), or the ranks hold models of different shapes.
+    (it died, or hangs), the ranks hold models of different shapes, or they
+    have parted (at different steps, or some ended their training).
     ``in_step``: whether the ranks may go on training. False after a
     collective that timed out or failed: a slow rank's messages may still
-    arrive, into another exchange (then `DataParallel` refuses to step again).
+    arrive, into another exchange (then `DataParallel` refuses to step again);
+    and where the ranks parted: each would pair its batches with others'.
 
     ``outcome`` begins the message: what no rank did (`DataParallel.broadcast`'s
     says no rank took the root's weights).
@@ -279,7 +281,9 @@ async def poll(
         if waited > patience:
             raise RankFailure(
                 {},
-                f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or hangs)",
+                f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or "
+                "hangs, or ended without this exchange: a rank with fewer batches, which DataParallel.finish() "
+                "reports at once)",
                 in_step=False,
             )
         await anyio.sleep(0.0 if waited < SPIN else 1e-3)
@@ -301,20 +305,29 @@ def mpi_world(timeout: float = DEFAULT_TIMEOUT) -> MpiCommunicator:
 
 
 async def agree(
-    comm: Communicator, problem: str, cause: Exception | None, status: npt.NDArray[np.int64] | None = None
+    comm: Communicator,
+    problem: str,
+    cause: Exception | None,
+    status: npt.NDArray[np.int64] | None = None,
+    parted: Callable[[npt.NDArray[np.int64]], str] | None = None,
 ) -> npt.NDArray[np.int64]:
     """All-gather each rank's status (element 0: the length of its failure
     message, 0 if none); if any rank failed, all-gather the messages and raise
-    the same `RankFailure` everywhere."""
+    the same `RankFailure` everywhere. ``parted`` reads the gathered statuses
+    (the same on every rank) and says how the ranks have parted, if they have
+    (at different steps, or some done): then that `RankFailure` is out of step."""
     message = problem.encode()
     if status is None:
         status = np.zeros(1, np.int64)
     status[0] = len(message)
     statuses = (await comm.allgather(status[None], [1] * comm.size)).reshape(comm.size, -1)
     lengths = statuses[:, 0]
+    failures: dict[int, str] = {}
     if lengths.any():
         text = await comm.allgather(np.frombuffer(message, np.uint8).copy(), [int(n) for n in lengths])
         bounds = np.concatenate([[0], np.cumsum(lengths)])
         failures = {r: text[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size) if lengths[r]}
-        raise RankFailure(failures) from cause
+    reason = "" if parted is None else parted(statuses)
+    if failures or reason:
+        raise RankFailure(failures, reason, in_step=not reason) from cause
     return statuses

@@ -14,9 +14,14 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
    gradients, no step) and all-gathers a small status: whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
-   sparse `SparseRows` (and how many rows). If any rank failed (an
-   exception, a non-finite gradient), the ranks all-gather the reasons and
-   every rank raises the same `RankFailure`; no rank steps.
+   sparse `SparseRows` (and how many rows), and its step: the number of
+   its batch (``train``'s ``step``, by default its count of ``train`` calls)
+   and whether it has finished (`DataParallel.finish`). If any rank failed
+   (an exception, a non-finite gradient), the ranks all-gather the reasons and
+   every rank raises the same `RankFailure`; no rank steps. So they do where
+   the ranks' steps differ, or some have finished: each rank's call meets the
+   others' in order, so a rank that skipped a batch (an uneven data loader)
+   would otherwise average its next batch with the others' current one.
 2. **Reduce.** Dense gradients not in the plan (all of them at the first
    step) are packed into buckets (one flat buffer per
    run of same-dtype weights, up to ``bucket_bytes``) and all buckets are
@@ -81,7 +86,10 @@ class DataParallel:
     share (`shard`'s ``drop_last`` makes them equal); a rank whose shard is
     empty (a batch of fewer examples than ranks) has a NaN mean loss and a
     zero gradient that the average would count, so `train` refuses that
-    step, on every rank, rather than take a smaller one.
+    step, on every rank, rather than take a smaller one. Each rank's
+    ``train`` calls meet the others' in order: call `finish` on every rank
+    when its data ends, and pass each batch's number as ``step`` to have the
+    ranks checked to be on the same batch at every step.
 
     Args:
         model: the weights to keep in sync: a `Weight`, or any object,
@@ -114,6 +122,7 @@ class DataParallel:
 
     __slots__ = (
         "_agreed",
+        "_calls",
         "_comm",
         "_dense",
         "_described",
@@ -143,6 +152,7 @@ class DataParallel:
         self._labels = tuple(label(name, i) for i, name in enumerate(named))
         self._described = [describe(name, w._data, w._state, w.optimizer) for name, w in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
+        self._calls = 0  # train() calls so far: the step of the next, unless the caller numbers them
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
@@ -221,7 +231,7 @@ class DataParallel:
         wait shows there)."""
         return dict(self._times)
 
-    async def train(self, loss: Layer[Any, Any]) -> Any:
+    async def train(self, loss: Layer[Any, Any], *, step: int | None = None) -> Any:
         """One data-parallel step: local forward and backward, then all ranks step alike.
 
         From the second step on, dense gradient buckets are all-reduced
@@ -231,13 +241,50 @@ class DataParallel:
         of weights, or a weight's name, shape, dtype, optimizer, or, at the
         first step, its values or optimizer state: call `broadcast` first);
         then no weight changed on any rank. After one whose ``in_step`` is False (a
-        collective timed out or failed), every later call raises at once.
+        collective timed out or failed, or the ranks parted), every later call raises at once.
+
+        The ranks also compare their steps and refuse one where they differ,
+        naming each rank's step, or where some rank has called `finish` (it
+        had fewer batches). ``step`` is this batch's number in your loop (the
+        same on every rank for the same global batch); by default, how many
+        times ``train`` was called before, which catches a call that one rank
+        alone made or had refused, but not a batch your loop skipped on one
+        rank: number the batches for that.
         """
+        at = self._calls if step is None else step
+        self._calls += 1  # (a call refused here alone still took a batch of this rank's loop)
         entry.refuse_inside_direct("DataParallel.train()")  # (on every rank alike, before any exchange)
         with in_step(self._comm):
-            return await self._train(loss)
+            return await self._train(loss, at)
 
-    async def _train(self, loss: Layer[Any, Any]) -> Any:
+    async def finish(self) -> None:
+        """This rank's training is over: say so, on every rank, after its last `train`.
+
+        Returns once every rank has finished after as many `train` calls.
+        Where some rank is still in `train` (its data had more batches), that
+        `train` and every rank's `finish` raise the same `RankFailure`, which
+        names each rank's step; no rank steps. (Without it, that rank waits
+        for the finished one's answer until its timeout: under MPI, it cannot
+        tell a rank that returned from one that died.)
+        """
+        with in_step(self._comm):
+            await self._finish()
+
+    async def _finish(self) -> None:
+        # The collectives a step makes up to its status, the same on every
+        # rank: the model check before the first step, the overlap's buckets
+        # (zeros from this rank, as from a rank that reached no weight).
+        comm = self._comm
+        if not self._agreed:
+            await same_model(comm, self._described, checksums(self._weights), self._labels)
+            self._agreed = True
+        if self.overlap and self._plan and comm.size > 1:
+            overlap = Overlap(comm, self._plan)
+            overlap.finish({})
+            await overlap.wait()
+        await agree(comm, "", None, _status(len(self._weights), self._calls, finished=True), _parted)
+
+    async def _train(self, loss: Layer[Any, Any], step: int) -> Any:
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         checked = 0.0  # the first step's model check: where the ranks first meet, and wait for a late one
         if not self._agreed:
@@ -272,8 +319,7 @@ class DataParallel:
         if overlap is not None:
             overlap.finish(grads)
         backward_end = time.perf_counter()
-        status = np.zeros(1 + 3 * n, np.int64)
-        status[1 + 2 * n :] = -1
+        status = _status(n, step, finished=False)
         for position, weight in enumerate(order):
             i = index.get(weight)
             if i is not None and status[1 + 2 * n + i] < 0:
@@ -297,7 +343,7 @@ class DataParallel:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
         exposed = agree_start - backward_end
-        statuses = await agree(comm, problem, cause, status)
+        statuses = await agree(comm, problem, cause, status, _parted)
         agree_end = time.perf_counter()
         kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0
@@ -328,7 +374,7 @@ class DataParallel:
             weight = weights[i]
             reduced[weight] = await gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
         post = time.perf_counter() - post_start
-        self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n :])
+        self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n : 1 + 3 * n])
         self._times = {
             "backward": backward_end - started,
             "allreduce": (agree_start - overlap.started_at if overlap is not None else 0.0) + post,
@@ -367,6 +413,57 @@ class DataParallel:
         chosen = sorted(self._dense, key=lambda i: (self._order.get(i, late), i))
         limit = self.bucket_bytes
         return plan_buckets([self._weights[i] for i in chosen], limit, min(limit, FIRST_BUCKET_BYTES))
+
+
+def _status(n: int, step: int, finished: bool) -> npt.NDArray[np.int64]:
+    """A rank's status for ``n`` weights: its failure's length (filled by `agree`);
+    per weight its gradient's kind, rows and position in the backward's order
+    (-1: none); its step; whether it has finished."""
+    status = np.zeros(3 + 3 * n, np.int64)
+    status[1 + 2 * n : 1 + 3 * n] = -1
+    status[-2] = step
+    status[-1] = finished
+    return status
+
+
+def _parted(statuses: npt.NDArray[np.int64]) -> str:
+    """How the ranks' calls fail to pair (the same words on every rank), or ``""``."""
+    tail = statuses[:, -2:]
+    if (tail == tail[0]).all():
+        return ""
+    steps, finished = tail.T
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, key in enumerate(zip(finished.tolist(), steps.tolist())):
+        groups.setdefault(key, []).append(rank)
+    at = [f"{_ranks(ranks)} at step {step}" for (done, step), ranks in groups.items() if not done]
+    ended = [
+        f"{_ranks(ranks)} finished after {step} train() call{'s' * (step != 1)}"
+        for (done, step), ranks in groups.items()
+        if done
+    ]
+    if ended and at:
+        return (
+            f"{'; '.join(ended)}, while {'; '.join(at)} still trained: the ranks had different numbers of "
+            "batches; give every rank as many (shard each global batch, with drop_last=True where it does not "
+            "divide, or stop every rank where the shortest data ends)"
+        )
+    return (
+        f"the ranks are at different steps: {'; '.join(ended or at)}; each rank's train() meets the others' "
+        "in call order, so a rank that skipped or repeated a batch, or made a call the others did not, pairs "
+        "its batches with the others' next ones"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, or ``ranks 0-2, 5``: a group of ranks, in runs."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and runs[-1][-1] == rank - 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _commit(grads: dict[Weight[Any, Any], Any]) -> None:

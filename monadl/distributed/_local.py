@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import anyio
 import numpy as np
@@ -92,7 +92,8 @@ class LocalCommunicator(Communicator):
         if gone:  # (a rank whose thread is done never deposits: no timeout to wait for)
             raise RankFailure(
                 {},
-                "; ".join(f"rank {r} ended ({how}) before this collective" for r, how in gone.items()),
+                "; ".join(f"rank {r} ended ({how}) before this collective" for r, how in gone.items())
+                + (_FEWER if "it returned" in gone.values() else ""),
                 in_step=False,
             )
         return False
@@ -121,6 +122,12 @@ class _LocalPending(Pending):
         comm = self._comm
         await poll(self.test, comm.timeout, "all-reduce", comm.rank)
         return _sum(comm._collect(self._key))
+
+
+_FEWER: Final = (
+    " (a rank that returned made fewer exchanges: fewer batches, say; DataParallel.finish() at the end of "
+    "every rank's data names each rank's step)"
+)
 
 
 def _alike(parts: list[npt.NDArray[Any]], what: str, rows: bool = False) -> list[npt.NDArray[Any]]:

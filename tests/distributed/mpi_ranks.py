@@ -14,6 +14,10 @@ of its first step; the survivor writes what it raised to ``OUT/rank0.json``.
 shapes (3 and 1 numbers) and train them, overlapped, twice; each writes what
 it raised and whether its weight changed to ``OUT/rank{r}.json``.
 
+``python mpi_ranks.py uneven OUT``: rank 1 has one batch fewer than rank 0,
+and calls ``finish()`` after its last; each writes what every call gave and
+its weight to ``OUT/rank{r}.json``.
+
 The models and batches come from `model_batches`, which the test also uses
 for its one-process reference.
 """
@@ -142,11 +146,33 @@ async def mismatch(out: Path) -> None:
     (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
 
 
+async def uneven(out: Path) -> None:
+    from monadl.distributed import DataParallel, RankFailure, mpi_world
+
+    comm = mpi_world(timeout=60.0)
+    weight = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+    dp = DataParallel(weight, comm, overlap=True)
+    report: dict[str, Any] = {"seen": []}
+    for x in [1.0, 10.0, 100.0][: 3 - comm.rank]:  # rank 1's data ends a batch early
+        try:
+            await dp.train(ml.mean(weight * (x * (comm.rank + 1))))
+            report["seen"].append("stepped")
+        except RankFailure as error:
+            report["seen"].append(str(error))
+    if comm.rank == 1:
+        try:
+            await dp.finish()
+        except RankFailure as error:
+            report["seen"].append(str(error))
+    report["weight"] = float(weight.data[0])
+    (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
+
+
 def main() -> None:
     import anyio
 
     mode, out = sys.argv[1], Path(sys.argv[2])
-    anyio.run({"train": train, "kill": kill, "mismatch": mismatch}[mode], out)
+    anyio.run({"train": train, "kill": kill, "mismatch": mismatch, "uneven": uneven}[mode], out)
     if mode == "kill":
         # After a dead peer MPI cannot finalize (its finalize would wait for
         # the dead rank): leave without it, as a real job would after the error.

@@ -613,7 +613,7 @@ def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
             gathered.append(counting.gathered)
         return gathered
 
-    status = 1 + 3 * 5  # a failure's length; per weight of Net: kind, rows, position
+    status = 1 + 3 * 5 + 2  # a failure's length; per weight of Net: kind, rows, position; the step, finished
     assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2
 
 
@@ -688,3 +688,115 @@ def test_a_second_step_over_a_communicator_while_one_runs_is_refused_and_the_fir
         return refused[:20], w.data.tolist()
 
     assert run_local(2, rank) == [("a step or a broadcas", [0.8, 0.8])] * 2
+
+
+UNEVEN = [np.array([1.0, 2.0]), np.array([10.0, 20.0]), np.array([100.0, 200.0])]  # rank r's example: [r]
+
+
+def test_a_rank_that_skipped_a_numbered_batch_is_refused_at_that_step_on_every_rank() -> None:
+    # Rank 1's loader skipped batch 1: its batch 2 met rank 0's batch 1, both ranks stepped
+    # by their mean (to w = -10.65) and no one was told (a user's trial).
+    async def rank(comm: Communicator) -> tuple[list[str], float]:
+        w = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm)
+        seen = []
+        for step, x in enumerate(UNEVEN):
+            if comm.rank == 1 and step == 1:
+                continue
+            try:
+                await dp.train(ml.mean(w * x[comm.rank]), step=step)
+                seen.append("stepped")
+            except RankFailure as error:
+                seen.append(f"{error.in_step}: {error}")
+        return seen, float(w.data[0])
+
+    parted = (
+        "the ranks are at different steps: rank 0 at step 1; rank 1 at step 2; each rank's train() meets the "
+        "others' in call order, so a rank that skipped or repeated a batch, or made a call the others did not, "
+        "pairs its batches with the others' next ones"
+    )
+    (first, w0), (second, w1) = run_local(2, rank)
+    assert first[:2] == ["stepped", f"False: no rank stepped: {parted}"] and second[:2] == first[:2]
+    assert first[2].startswith(f"False: no rank stepped: the ranks may be out of step after an earlier step ({parted})")
+    assert len(second) == 2 and w0 == w1 == pytest.approx(-0.15)  # (the first step's alone: (1 + 2) / 2 * 0.1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_rank_with_fewer_batches_that_finishes_is_named_by_every_rank(overlap: bool) -> None:
+    # Its peer waited in the next step's exchange until the timeout, told under MPI
+    # that "a rank died or hangs", though the rank had returned normally.
+    async def rank(comm: Communicator) -> tuple[list[str], float]:
+        w = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm, overlap=overlap)  # (overlapped, the third step's buckets are in flight)
+        seen = []
+        for x in UNEVEN[: 3 - comm.rank]:
+            try:
+                await dp.train(ml.mean(w * x[comm.rank]))
+                seen.append("stepped")
+            except RankFailure as error:
+                seen.append(str(error))
+        try:
+            await dp.finish()
+            seen.append("finished")
+        except RankFailure as error:
+            seen.append(str(error))
+        return seen, float(w.data[0])
+
+    ended = (
+        "no rank stepped: rank 1 finished after 2 train() calls, while rank 0 at step 2 still trained: the ranks "
+        "had different numbers of batches; give every rank as many (shard each global batch, with drop_last=True "
+        "where it does not divide, or stop every rank where the shortest data ends)"
+    )
+    (first, w0), (second, w1) = run_local(2, rank, timeout=300.0)  # (at once: no timeout waited for)
+    assert first[:3] == ["stepped", "stepped", ended] and f"earlier step ({ended[17:]}); end the job" in first[3]
+    assert second == ["stepped", "stepped", ended]
+    assert w0 == w1 == pytest.approx(-1.65)  # the first two steps: -0.1 * (1.5 + 15)
+
+
+def test_ranks_that_finish_together_return_and_name_uneven_counts() -> None:
+    async def rank(comm: Communicator) -> str:
+        w = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm, overlap=True)
+        for x in UNEVEN:
+            await dp.train(ml.mean(w * x[comm.rank]))
+        await dp.finish()
+        alone = DataParallel(w, comm)
+        if comm.rank == 1:  # a call on this rank alone, refused here (the counter still counts it)
+            with pytest.raises(ml.OperandError, match=r"inside an @ml\.direct function"):
+                await direct_step(alone, w)
+        with pytest.raises(RankFailure) as caught:
+            await alone.finish()
+        return str(caught.value)
+
+    uneven = (
+        "no rank stepped: the ranks are at different steps: rank 0 finished after 0 train() calls; rank 1 "
+        "finished after 1 train() call; each rank's train() meets the others' in call order, so a rank that "
+        "skipped or repeated a batch, or made a call the others did not, pairs its batches with the others' "
+        "next ones"
+    )
+    assert run_local(2, rank) == [uneven] * 2
+
+
+async def direct_step(dp: DataParallel, w: ml.Weight[Any, Any]) -> None:
+    @ml.direct
+    async def model(h: ml.ArrayLayer) -> ml.ScalarLayer:
+        await dp.train(ml.sum(w * 3.0))
+        return ml.sum(h * 2.0)
+
+    await model(ml.as_layer(w)).train()
+
+
+def test_a_rank_that_returned_without_finish_is_said_to_have_returned() -> None:
+    async def rank(comm: Communicator) -> str:
+        w = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm)
+        for x in UNEVEN[: 3 - comm.rank]:
+            await dp.train(ml.mean(w * x[comm.rank]))
+        return "returned"
+
+    with pytest.raises(RankFailure) as caught:
+        run_local(2, rank, timeout=300.0)
+    assert str(caught.value) == (
+        "no rank stepped: rank 1 ended (it returned) before this collective (a rank that returned made fewer "
+        "exchanges: fewer batches, say; DataParallel.finish() at the end of every rank's data names each rank's step)"
+    )

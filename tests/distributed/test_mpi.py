@@ -105,7 +105,10 @@ def test_a_rank_killed_mid_step_is_reported_by_the_survivor(tmp_path: Path) -> N
     launch("kill", tmp_path, "-disable-auto-cleanup", shell=True)
     report: dict[str, Any] = json.loads((tmp_path / "rank0.json").read_text())
     assert report["unchanged"]
-    assert "rank 0: no answer from the other ranks in all-gather within 5 s (a rank died or hangs)" in report["error"]
+    assert report["error"].endswith(
+        "rank 0: no answer from the other ranks in all-gather within 5 s (a rank died or hangs, or ended without "
+        "this exchange: a rank with fewer batches, which DataParallel.finish() reports at once)"
+    )
     assert not (tmp_path / "rank1.json").exists()
 
 
@@ -122,3 +125,19 @@ def test_processes_whose_weights_differ_in_shape_stop_before_any_all_reduce(tmp_
     for r in range(2):
         report: dict[str, Any] = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert report == {"errors": [expected, expected], "unchanged": True}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mpi")
+def test_a_process_with_fewer_batches_that_finishes_is_named_at_once(tmp_path: Path) -> None:
+    # Rank 0 waited for the returned rank 1 until its timeout, then blamed "a rank [that] died or hangs".
+    done = launch("uneven", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ended = (
+        "no rank stepped: rank 1 finished after 2 train() calls, while rank 0 at step 2 still trained: the ranks "
+        "had different numbers of batches; give every rank as many (shard each global batch, with drop_last=True "
+        "where it does not divide, or stop every rank where the shortest data ends)"
+    )
+    for r in range(2):
+        report: dict[str, Any] = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert report == {"seen": ["stepped", "stepped", ended], "weight": pytest.approx(-0.1 * 1.5 * 11)}
