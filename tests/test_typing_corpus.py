@@ -230,6 +230,18 @@ ACCEPT = {
         rnn = Fold(Record(Identity[ml.ArrayLayer](), Vector(2)) >> Function(cell), Zeros((2,)))
         assert_type(rnn, Fold[Sequence[float], ml.ArrayLayer])
     """,
+    "dyna_goal_takes_its_runs_options": """
+        from monadl.dyna import ArrayProgram, ArrayRun, ArrayRunOptions, Rule, RunOptions, parse
+
+        def early(run: ArrayRun) -> bool:
+            return run.pops > 3
+
+        options: RunOptions = {"max_pops": 3, "priority": "value"}
+        assert_type(parse("s += x(I) * x(I).").goal(("s",), weights={"x": array_weight}, **options), ml.ScalarLayer)
+        program = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 3}})
+        batched: ArrayRunOptions = {"tolerance": 1e-9, "stop": early}
+        assert_type(program.goal(("s",), weights={"x": array_weight}, **batched), ml.ScalarLayer)
+    """,
 }
 
 # name: (program, the error code mypy must report)
@@ -349,6 +361,28 @@ REJECT = {
     "fold_block_output_used_as_data": (
         "from monadl.fold import Vector\nx: ml.Array = Vector(2)([1.0, 2.0])",
         "assignment",
+    ),
+    # A goal passes its options on to its runs: they are the run's keywords (and refused at goal() too).
+    "dyna_goal_with_a_misspelt_run_option": (
+        "from monadl.dyna import parse\nparse('s += x(I) * x(I).').goal(('s',), weights={'x': array_weight}, max_pop=3)",
+        "call-arg",
+    ),
+    "dyna_array_goal_with_a_priority": (  # (Program's run has one; ArrayProgram's agenda is FIFO)
+        "from monadl.dyna import ArrayProgram, Rule\n"
+        "program = ArrayProgram([Rule(('s',), [('x', 'I'), ('x', 'I')])], arrays={'x': {0: 3}})\n"
+        "program.goal(('s',), weights={'x': array_weight}, priority='value')",
+        "call-arg",
+    ),
+    "dyna_goal_option_of_the_wrong_type": (
+        "from monadl.dyna import parse\nparse('s += x(I).').goal(('s',), weights={'x': array_weight}, max_pops='3')",
+        "arg-type",
+    ),
+    "dyna_array_goal_stop_on_an_item_at_a_time_run": (
+        "from monadl.dyna import ArrayProgram, Rule, Run\n"
+        "def early(run: Run) -> bool:\n    return run.pops > 3\n"
+        "program = ArrayProgram([Rule(('s',), [('x', 'I')])], arrays={'x': {0: 3}})\n"
+        "program.goal(('s',), weights={'x': array_weight}, stop=early)",
+        "arg-type",
     ),
 }
 

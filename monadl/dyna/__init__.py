@@ -52,10 +52,10 @@ run and a goal refuse: misspelt names, wrong numbers of arguments).
 (0.39, 1.6)
 """
 
-from monadl.dyna.arrays import ArrayProgram, ArrayRun
+from monadl.dyna.arrays import ArrayProgram, ArrayRun, ArrayRunOptions
 from monadl.dyna.derivation import Derivation
 from monadl.dyna.layer import bind_weight
-from monadl.dyna.scalar import Program, Run, parse
+from monadl.dyna.scalar import Program, Run, RunOptions, parse
 from monadl.dyna.semiring import LOG_REAL, MAX_TIMES, MIN_PLUS, REAL, Semiring
 from monadl.dyna.syntax import Item, Pattern, Rule
 
@@ -66,12 +66,14 @@ __all__ = [
     "REAL",
     "ArrayProgram",
     "ArrayRun",
+    "ArrayRunOptions",
     "Derivation",
     "Item",
     "Pattern",
     "Program",
     "Rule",
     "Run",
+    "RunOptions",
     "Semiring",
     "bind_weight",
     "parse",

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, final
+from typing import Any, TypedDict, Unpack, final
 
 import numpy as np
 
 from monadl.dyna.array_run import GIVEN, UNDERIVED, ArrayRun, Record
 from monadl.dyna.backward import Entry
-from monadl.dyna.checks import check_axioms, check_goal, check_reads, declared_inputs
+from monadl.dyna.checks import check_axioms, check_goal, check_options, check_reads, declared_inputs
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Source, Timing, bound_data, goal_layer, stopping
@@ -46,7 +46,17 @@ from monadl.dyna.semiring import MAX_TIMES, REAL, Semiring, coefficient, diverge
 from monadl.dyna.syntax import Item, Pattern, Rule, is_variable
 from monadl.layers import Layer
 
-__all__ = ["ArrayProgram", "ArrayRun", "Record"]
+__all__ = ["ArrayProgram", "ArrayRun", "ArrayRunOptions", "Record"]
+
+
+class ArrayRunOptions(TypedDict, total=False):
+    """The keywords of `ArrayProgram.run`, which `ArrayProgram.goal` passes on
+    to each of its goal's runs: `monadl.dyna.RunOptions` but ``priority`` (the
+    agenda is FIFO)."""
+
+    max_pops: int | None
+    tolerance: float
+    stop: Callable[[ArrayRun], bool] | None
 
 
 @final
@@ -167,10 +177,12 @@ class ArrayProgram:
         goal: Item,
         axioms: Mapping[Item, float] | None = None,
         weights: Mapping[Any, Source] | None = None,
-        **run_options: Any,
+        **options: Unpack[ArrayRunOptions],
     ) -> Layer[float, float]:
         """``value(goal)`` as a differentiable scalar layer, as `monadl.dyna.Program.goal`:
-        ``weights`` binds functors to weights, layers or arrays whose entries are the axioms.
+        ``weights`` binds functors to weights, layers or arrays whose entries are the axioms,
+        and ``options`` are `run`'s (`ArrayRunOptions`: ``max_pops``, ``tolerance``, ``stop``;
+        no ``priority``), given to each run; any other is refused here.
 
         >>> import anyio, monadl as ml
         >>> p = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 2}})
@@ -190,9 +202,10 @@ class ArrayProgram:
                             f"of {size}: its entries past {size - 1} would be items outside it"
                         )
 
+        check_options(options, list(ArrayRunOptions.__annotations__), "ArrayProgram.goal")
         check(weights)
         return goal_layer(
-            lambda values, stop: self._run(values, **stopping(run_options, stop)),
+            lambda values, stop: self._run(values, **stopping(options, stop)),
             lambda run: run.value(goal),
             goal,
             axioms,

@@ -1,17 +1,19 @@
-"""What a program refuses in the rules, axioms and weights it is run or
-differentiated with: what a misspelt name or a wrong number of arguments
-would make silently wrong (an axiom never read, a weight whose gradient is
-zero, a rule that never applies)."""
+"""What a program refuses in the rules, axioms, weights and options it is
+run or differentiated with: what a misspelt name or a wrong number of
+arguments would make silently wrong (an axiom never read, a weight whose
+gradient is zero, a rule that never applies), or would fail only when a
+goal's layer first runs (an option its run does not take)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from monadl.dyna.layer import Source, bound_data
 from monadl.dyna.syntax import Item, Rule, as_item
 
-__all__ = ["check_axioms", "check_goal", "check_reads", "declared_inputs"]
+__all__ = ["check_axioms", "check_goal", "check_options", "check_reads", "declared_inputs"]
 
 
 def check_goal(
@@ -89,6 +91,24 @@ def check_goal(
                 "arguments: its entry at an index is the item of those arguments"
             )
     check_reads(rules, axioms or {}, weights or {}, inputs)
+
+
+def check_options(options: Mapping[str, object], known: Sequence[str], method: str) -> None:
+    """Refuse a run option that ``method`` does not take, when the goal is
+    built: a goal passes its options on to each of its runs, so a misspelt one
+    (``max_pop``) or one this kind of program has not (``priority`` for an
+    `ArrayProgram`) failed only at ``predict()``, naming a private method.
+
+    >>> check_options({"max_pop": 3}, ["max_pops", "tolerance", "stop"], "ArrayProgram.goal")
+    Traceback (most recent call last):
+    ...
+    TypeError: ArrayProgram.goal() takes no option max_pop (did you mean max_pops?): its options are max_pops, tolerance, stop
+    """
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise TypeError(f"{method}() takes no option {name}{hint}: its options are {', '.join(known)}")
 
 
 def check_axioms(axioms: Mapping[Item, Any], rules: Sequence[Rule], goal: Item | None = None) -> None:

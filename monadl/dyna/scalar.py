@@ -16,10 +16,10 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, final
+from typing import Any, TypedDict, Unpack, final
 
 from monadl.dyna.backward import Entry
-from monadl.dyna.checks import check_axioms, check_goal, check_reads, declared_inputs
+from monadl.dyna.checks import check_axioms, check_goal, check_options, check_reads, declared_inputs
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Source, Timing, goal_layer, stopping
 from monadl.dyna.scalar_run import Reason, Run, ScalarAlgebra
@@ -28,7 +28,22 @@ from monadl.dyna.settle import moved
 from monadl.dyna.syntax import Item, Rule, parse_rules
 from monadl.layers import Layer
 
-__all__ = ["Program", "Run", "ScalarAlgebra", "parse"]
+__all__ = ["Program", "Run", "RunOptions", "ScalarAlgebra", "parse"]
+
+
+class RunOptions(TypedDict, total=False):
+    """The keywords of `Program.run`, which `Program.goal` passes on to each
+    of its goal's runs (so mypy refuses a misspelt one where the goal is built).
+
+    >>> options: RunOptions = {"max_pops": 3}
+    >>> parse("a += a * a. a += r.").run({("r",): 0.3}, **options).pops
+    3
+    """
+
+    max_pops: int | None
+    tolerance: float
+    priority: Callable[[Item, float], float] | str | None
+    stop: Callable[[Run], bool] | None
 
 
 @final
@@ -102,16 +117,7 @@ class Program:
         stop: Callable[[Run], bool] | None = None,
     ) -> Run:
         semiring = self.semiring
-        rank: Callable[[Item, float], float] | None
-        if priority == "value":
-            better = semiring.better
-            if better is None:
-                raise ValueError(f"an agenda by value needs an idempotent semiring, not {semiring.name}")
-            rank = lambda item, value: better(value)  # noqa: E731
-        elif isinstance(priority, str):
-            raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
-        else:
-            rank = priority
+        rank = _rank(semiring, priority)
         chart: dict[Item, float] = {}
         index = Index()
         agenda: dict[Item, float] = {}
@@ -243,7 +249,7 @@ class Program:
         goal: Item,
         axioms: Mapping[Item, float] | None = None,
         weights: Mapping[Any, Source] | None = None,
-        **run_options: Any,
+        **options: Unpack[RunOptions],
     ) -> Layer[float, float]:
         """``chart[goal]`` as a differentiable scalar layer.
 
@@ -251,6 +257,8 @@ class Program:
         the axiom ``f(i, j)`` is the entry ``[i, j]`` of ``weights[f]``'s value
         for every entry of the array (zeros included). Its backward pass runs
         the tape, only when a delta is wanted.
+        ``options`` are `run`'s (`RunOptions`: ``max_pops``, ``tolerance``,
+        ``priority``, ``stop``), given to each run; any other is refused here.
         A run that stood still at no fixpoint, a value gone to infinity or NaN
         (a cycle of weight 1 or more), is a `NonFiniteError`; one stopped early
         (``max_pops``, ``stop``) gives the value it reached.
@@ -260,11 +268,13 @@ class Program:
         >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
         0.3125
         """
+        check_options(options, list(RunOptions.__annotations__), "Program.goal")
+        _rank(self.semiring, options.get("priority"))  # (refused here, not at the first run)
         check = partial(check_goal, goal, self.rules, axioms, inputs=self.inputs)
         check(weights)
         zero = self.semiring.zero  # (a goal never derived: the semiring's zero, as `ArrayRun.value`)
         return goal_layer(
-            lambda values, stop: self._run(values, **stopping(run_options, stop)),
+            lambda values, stop: self._run(values, **stopping(options, stop)),
             lambda run: run.chart.get(goal, zero),
             goal,
             axioms,
@@ -272,6 +282,31 @@ class Program:
             self.timing,
             check,
         )
+
+
+def _rank(
+    semiring: Semiring, priority: Callable[[Item, float], float] | str | None
+) -> Callable[[Item, float], float] | None:
+    """What ranks the agenda's items (lowest pops first) for a run's
+    ``priority``; None: FIFO. A string other than ``"value"``, or ``"value"``
+    in a semiring with no order of better values, is refused.
+
+    >>> from monadl.dyna.semiring import MIN_PLUS
+    >>> _rank(MIN_PLUS, "value")(("a",), 2.0)
+    2.0
+    >>> _rank(REAL, "value")
+    Traceback (most recent call last):
+    ...
+    ValueError: an agenda by value needs an idempotent semiring, not real
+    """
+    if priority == "value":
+        better = semiring.better
+        if better is None:
+            raise ValueError(f"an agenda by value needs an idempotent semiring, not {semiring.name}")
+        return lambda item, value: better(value)
+    if isinstance(priority, str):
+        raise ValueError(f"priority must be a function, None or 'value', not {priority!r}")
+    return priority
 
 
 def parse(text: str, semiring: Semiring = REAL, *, inputs: Iterable[str] = ()) -> Program:

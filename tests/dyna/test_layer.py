@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import anyio
 import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.dyna import LOG_REAL, REAL, ArrayProgram, Program, Rule, parse
+from monadl.dyna import LOG_REAL, REAL, ArrayProgram, ArrayRunOptions, Program, Rule, RunOptions, parse
 
 CYCLE = "c(X) += lex(X). c(X) += unary(X, Y) * c(Y). goal += c(X) * top(X)."
 LEX_TOP = {("lex", x): 0.5 for x in range(3)} | {("top", 0): 1.0, ("top", 1): 0.0, ("top", 2): 0.0}
@@ -93,3 +95,43 @@ def test_a_run_refuses_the_axioms_a_goal_refuses(arrays: bool) -> None:
         program.goal("goal", {("start",): 1.0})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"rule: 'goal' is a str: an item or a pattern is a tuple, \('goal',\)"):
         Rule(("goal"), [("word", "I")])  # type: ignore[arg-type]  # (what mypy refuses, without mypy)
+
+
+def test_a_goal_refuses_an_option_its_run_has_not_where_it_is_built() -> None:
+    """``max_pop=3`` (for ``max_pops``), or ``priority`` for an `ArrayProgram`
+    (its agenda is FIFO), passed ``goal()`` and failed at ``predict()``:
+    'Program._run() got an unexpected keyword argument', a private name."""
+    w = ml.Weight(np.array([0.5, 0.25]))
+    with pytest.raises(TypeError) as refused:
+        parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}, max_pop=3)  # type: ignore[call-arg]
+    assert str(refused.value) == (
+        "Program.goal() takes no option max_pop (did you mean max_pops?): "
+        "its options are max_pops, tolerance, priority, stop"
+    )
+    program = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 2}})
+    with pytest.raises(TypeError) as refused:
+        program.goal(("s",), weights={"x": w}, priority="value")  # type: ignore[call-arg]
+    assert str(refused.value) == (
+        "ArrayProgram.goal() takes no option priority: its options are max_pops, tolerance, stop"
+    )
+    # (the options it takes still reach its runs: x pops, s does not)
+    assert anyio.run(program.goal(("s",), weights={"x": w}, max_pops=1).predict) == 0.0
+
+
+def test_a_goal_refuses_a_priority_its_run_would_refuse_where_it_is_built() -> None:
+    """A priority other than a function, None or "value" (or "value" in a
+    semiring with no better value) failed at ``predict()``, with no line."""
+    w = ml.Weight(np.array([0.5, 0.25]))
+    program = parse("s += x(I) * x(I).")
+    with pytest.raises(ValueError, match=r"^priority must be a function, None or 'value', not 'vlaue'$"):
+        program.goal(("s",), weights={"x": w}, priority="vlaue")
+    with pytest.raises(ValueError, match=r"^an agenda by value needs an idempotent semiring, not real$"):
+        program.goal(("s",), weights={"x": w}, priority="value")
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["item at a time", "batched"])
+def test_a_goals_options_are_its_runs_keywords(arrays: bool) -> None:
+    """`RunOptions` types what ``goal()`` passes on to ``run()``: one list."""
+    program_type, options = (ArrayProgram, ArrayRunOptions) if arrays else (Program, RunOptions)
+    run = inspect.signature(program_type.run).parameters.values()
+    assert list(options.__annotations__) == [p.name for p in run if p.kind is p.KEYWORD_ONLY]
