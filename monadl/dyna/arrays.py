@@ -17,9 +17,10 @@ long run nor operands that peak at different entries underflow).
 Max-times and min-plus: the einsum's sum is a max or a min that keeps
 back-pointers (which summed-out indices won, per entry), so each scalar item
 has its best derivation, and the gradient is the subgradient along it, as item
-at a time. Agenda: FIFO; stops on an empty agenda, ``max_pops`` or
-``tolerance``. Items batched this way exist as whole arrays: every entry of a
-batched axiom gets its gradient, zeros included.
+at a time. Agenda: FIFO (no ``priority``); stops on an empty agenda,
+``max_pops``, ``tolerance`` or ``stop``. Items batched this way exist as
+whole arrays: every entry of a batched axiom gets its gradient, zeros
+included.
 
 >>> rules = [Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])]
 >>> p = ArrayProgram(rules, arrays={"w": {0: 2, 1: 2}, "x": {0: 2}, "y": {0: 2}})
@@ -226,7 +227,9 @@ class ArrayProgram:
         packed into arrays (missing entries of a batched axiom are the
         semiring's zero). ``max_pops``, ``tolerance`` and ``stop`` (a
         predicate on the run so far, checked after each pop) as in
-        `monadl.dyna.Program.run`.
+        `monadl.dyna.Program.run`, whose refusals (axioms of a misspelt
+        functor or another number of arguments, a rule reading what nothing
+        gives) this run makes too.
 
         >>> p = ArrayProgram([Rule(("y", "I"), [("x", "I")], 2.0), Rule(("x", 1), [], 5.0)], arrays={"x": {0: 2}, "y": {0: 2}})
         >>> p.run({("x", 0): 1.0}).chart[("y",)]

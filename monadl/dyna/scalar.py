@@ -89,7 +89,10 @@ class Program:
         Args:
             axioms: ground items and their values (zero values included: they
                 exist, and get gradients); an item is a tuple, and one of a
-                functor no rule reads or derives is refused (a misspelt name).
+                functor no rule reads or derives, or of another number of
+                arguments than the rules read, is refused (a misspelt name),
+                as is a rule that reads what no rule derives and no axiom
+                gives, unless it is one of the program's ``inputs``.
             max_pops: stop after this many pops (early stopping).
             tolerance: updates smaller than this in magnitude are not popped
                 (the run stops when only such updates are pending).
@@ -319,7 +322,8 @@ def parse(text: str, semiring: Semiring = REAL, *, inputs: Iterable[str] = ()) -
 
     Upper-case arguments are variables (``_`` alone: a fresh one at each
     occurrence); integers and lower-case words are
-    constants; ``%`` starts a comment.
+    constants; ``%`` starts a comment. ``semiring`` and ``inputs`` (functors
+    a run may give none of) are `Program`'s.
 
     >>> parse("a += a * a. a += r.").rules[0].body
     [('a',), ('a',)]
