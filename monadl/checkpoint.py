@@ -84,9 +84,14 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     Raises:
         CheckpointError: ``model`` holds no weight (nothing is written).
 
-    Save between steps, not while a ``train()`` of the same weights is in
-    flight on another thread. It blocks on file I/O: inside an event loop,
-    ``await anyio.to_thread.run_sync(ml.save, path, model)`` keeps the loop free.
+    The file holds one model that existed: every weight's data and state as
+    they were at one instant, between two steps. A ``train()`` in flight
+    meanwhile on another thread or event loop commits its step either before
+    that instant (all of it is saved) or after it (none of it is), and goes
+    on while the file is written: the snapshot holds references, not copies,
+    and a step never writes into an array someone holds. So, as save blocks
+    on file I/O, ``await anyio.to_thread.run_sync(ml.save, path, model)``
+    inside the event loop that trains keeps the loop, and the training, going.
 
     >>> import os, tempfile, numpy as np, monadl as ml
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -103,10 +108,11 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     weights = _stable(named_weights(model))
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
         raise CheckpointError(_no_weights(model))
+    with COMMIT_LOCK:  # (a step commits under it: before the whole snapshot or after it, never inside)
+        taken = [(name, weight._data, weight._state) for name, weight in weights.items()]
     tensors: dict[str, Any] = {}
     entries = []
-    for name, weight in weights.items():
-        data, state = weight.data, weight.state
+    for name, data, state in taken:
         put(tensors, name, data)
         entries.append(
             {
@@ -232,7 +238,8 @@ def load(
     every offending weight by name, and leaves the model as it was. Each
     weight keeps the array library and the type it has in memory (a NumPy
     scalar stays one; a CuPy weight gets its values copied to its device).
-    Load between steps, as with `save`.
+    Load between steps: a ``train()`` in flight would then step the loaded
+    weights along gradients of the weights it read before the load.
 
     >>> import os, tempfile, numpy as np, monadl as ml
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")

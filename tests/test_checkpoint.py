@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -431,6 +432,35 @@ def test_a_failing_rename_keeps_the_previous_checkpoint(saved: Path, monkeypatch
         ml.save(saved, build())
     assert saved.read_bytes() == before
     assert os.listdir(saved.parent) == [saved.name]
+
+
+def test_a_step_committed_on_another_thread_during_a_save_is_in_none_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``anyio.to_thread.run_sync(ml.save, ...)`` beside a ``train()``: a step
+    that committed after the first weight was read and before the second
+    was saved, as weights of steps k and k+1 mixed, which loaded silently.
+    The step is forced between the two (no reliance on thread timing)."""
+    model = build()
+    anyio.run(train, model, range(3))
+    ml.save(tmp_path / "before.safetensors", model)
+    stored = checkpoint.put
+    stepped = []
+
+    def put_then_step(tensors: dict[str, Any], key: str, value: Any) -> None:
+        stored(tensors, key, value)
+        if not stepped:  # (after the first weight: a whole train() commits on a thread of its own)
+            stepped.append(threading.Thread(target=anyio.run, args=(train, model, range(3, 4))))
+            stepped[0].start()
+            stepped[0].join(timeout=60)
+            assert not stepped[0].is_alive(), "the step waited for the save: it should go on beside it"
+
+    monkeypatch.setattr(checkpoint, "put", put_then_step)
+    ml.save(tmp_path / "during.safetensors", model)
+    assert model["encoder"][0].bias.state[0].step == 4  # (the step was taken, during the save)
+    # Every weight as it was before the step, the embedding's rows too (its sparse step
+    # writes in place into arrays nobody holds: the snapshot holds them).
+    assert contents(tmp_path / "during.safetensors") == contents(tmp_path / "before.safetensors")
 
 
 def test_a_checkpoint_gets_the_permissions_of_a_new_file(tmp_path: Path) -> None:
