@@ -4,22 +4,28 @@ weight's own data, the optimizer's state or update)."""
 
 from __future__ import annotations
 
+import math
+import types
 from typing import Any
+
+import numpy as np
 
 from monadl._namespace import all_finite
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
+from monadl.optim._spec import closure, maker, ours
 from monadl.runtime.settings import current_settings
 
 __all__ = ["checked_update", "not_an_update", "refused"]
 
 
 def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
-    """Why a step is refused: its gradient (one given to `apply_gradients`
-    that holds a NaN or an infinity was blamed on an operation of a model),
-    or the step itself (an optimizer's state, a learning rate)."""
+    """Why a step is refused: its gradient (one given to `apply_gradients`,
+    or one a model's operation made, which ``check_finite`` finds), or, the
+    gradient finite, the step itself (an optimizer's state, a learning rate,
+    an ``eps`` that the weight's dtype rounds to 0)."""
     where = f"the weight built at {site_text(weight._site)} (shape {list(weight.shape)})"
     if not all_finite(weight._data):  # (a LOG_REAL rule mask of -inf, the semiring's zero: was sent to check_finite)
         return (
@@ -27,27 +33,64 @@ def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
             "of -inf, a log semiring's zero?); no weight was changed. ml.settings(finite_steps=False) lets steps "
             "write such values; or keep the weight finite and mask elsewhere"
         )
+    # (Under check_finite, the runtime's gradients were found finite already. Plain SGD may
+    # have stepped into its gradient's own buffer: a refused step's gradient is then its data.)
     given = gradient.rows if type(gradient) is SparseRows else gradient.dense() if type(gradient) is Outer else gradient
-    if not owned and not all_finite(given):
+    if not (owned and current_settings().check_finite) and not all_finite(given):
+        if owned:
+            return (
+                f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "
+                "ml.settings(check_finite=True) finds the operation that made it"
+            )
         return (
             f"apply_gradients: the gradient given for {where} holds a NaN or an infinity; no weight was changed "
             "(where it came from ml.value_and_gradients, ml.settings(check_finite=True) finds the operation "
             "that made it)"
         )
-    if not owned:
-        return (
-            f"apply_gradients: the optimizer step would write a NaN or an infinity into {where}, its gradient "
-            "finite (the optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
-        )
-    if current_settings().check_finite:  # (it found no operation that made one: the step did)
-        return (
-            f"the optimizer step would write a NaN or an infinity into {where}, its gradient finite (the "
-            "optimizer's state or its settings: a learning rate, a schedule); no weight was changed"
-        )
     return (
-        f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "
-        "ml.settings(check_finite=True) finds the operation that made it"
+        f"{'' if owned else 'apply_gradients: '}the optimizer step would write a NaN or an infinity into {where}, "
+        "its gradient finite: the optimizer's state or its settings made it (a learning rate, a schedule, an eps); "
+        f"no weight was changed{_underflowing_eps(weight)}"
     )
+
+
+def _underflowing_eps(weight: Weight[Any, Any]) -> str:
+    """Where an ``eps`` of the weight's optimizer is 0 in the weight's dtype
+    (Adam's default 1e-8 in float16): why that refuses a step, and the fix.
+    A gradient entry of 0 where every one before it was 0 too (a dead unit, a
+    class missing from the batches) then divides 0 by 0."""
+    dtype = weight.dtype
+    if not (isinstance(dtype, np.dtype) and dtype.kind == "f"):
+        return ""
+    for maker, eps in _epsilons(weight._optimizer):
+        if eps > 0 and dtype.type(eps) == 0:
+            smallest = float(np.finfo(dtype).smallest_normal)
+            fit = f"{10.0 ** math.ceil(math.log10(smallest)):.0e}"
+            example = {"scale_by_adam": "adam", "scale_by_rms": "rmsprop", "scale_by_adagrad": "adagrad"}.get(maker)
+            return (
+                f". The optimizer's eps={eps!r} (of {maker}) is 0 in {dtype}, whose smallest normal number is "
+                f"{smallest:.2g}: where a gradient entry and every one before it were 0 (a dead unit, a class missing "
+                "from the batches), the step divides 0 by 0. Give it an eps that "
+                f"{dtype} holds: eps={fit}" + (f", as in ml.optim.{example}(1e-3, eps={fit})" if example else "")
+            )
+    return ""
+
+
+def _epsilons(optimizer: Any) -> list[tuple[str, float]]:
+    """The ``eps`` of each of monadl's transformations in ``optimizer`` (its
+    chains opened), by the function that made it (``scale_by_adam``)."""
+    found = []
+    pending = [optimizer]
+    while pending:
+        update = getattr(pending.pop(), "update", None)
+        if not (isinstance(update, types.FunctionType) and ours(update)):
+            continue
+        values = closure(update)
+        if isinstance(values.get("transforms"), tuple):  # (a chain's)
+            pending.extend(reversed(values["transforms"]))
+        if isinstance(values.get("eps"), float):
+            found.append((maker(update), values["eps"]))
+    return found
 
 
 def not_an_update(weight: Weight[Any, Any], what: str) -> str:

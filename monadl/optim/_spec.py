@@ -3,7 +3,8 @@ hyperparameters they hold (their functions are closures: ``adam(0.1)``
 closes over ``b1``, ``b2``, ``eps`` and the rate). Two optimizers built alike
 read alike, in any process; another rate, another text. Data parallelism
 compares it across ranks (`monadl.distributed`), and a transformation's repr
-shows it.
+shows it; a refused step looks in it for an ``eps`` its weight's dtype
+rounds to 0 (`monadl.optim._refusals`).
 
 Only monadl's own closures are read, and only their numbers: a function or
 object of the user's (a schedule, a transformation of one's own) is named,
@@ -28,7 +29,7 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["spec"]
+__all__ = ["closure", "maker", "ours", "spec"]
 
 DEPTH: Final = 8
 """How deeply monadl's closures are described (deeper: ``...``)."""
@@ -57,12 +58,12 @@ def _text(x: Any, depth: int) -> str:
         return f"scale({x.factor!r})"
     if type(x) is tuple:
         return f"({', '.join(_text(v, depth - 1) for v in x)})"
-    if isinstance(x, types.FunctionType) and _ours(x):
-        values = _closure(x)
+    if isinstance(x, types.FunctionType) and ours(x):
+        values = closure(x)
         if x.__qualname__ == "chain.<locals>.update":
             return f"chain({', '.join(_text(t, depth - 1) for t in values['transforms'])})"
         shown = ", ".join(f"{k}={_text(v, depth - 1)}" for k, v in sorted(values.items()))
-        return f"{_maker(x)}({shown})" if values else _maker(x)
+        return f"{maker(x)}({shown})" if values else maker(x)
     return _named(x)
 
 
@@ -77,7 +78,7 @@ def _named(x: Any) -> str:
     return type(x).__qualname__
 
 
-def _ours(f: types.FunctionType) -> bool:
+def ours(f: types.FunctionType) -> bool:
     return (f.__module__ or "").startswith("monadl.")
 
 
@@ -85,16 +86,16 @@ def _transformation(init: Any, update: Any, depth: int) -> str:
     """A transformation: its update's text, the numbers only its init holds
     added (adagrad's initial accumulator)."""
     text = _text(update, depth)
-    if not (isinstance(init, types.FunctionType) and _ours(init)):
+    if not (isinstance(init, types.FunctionType) and ours(init)):
         return text
-    extra = {k: v for k, v in _closure(init).items() if not _closure_holds(update, k)}
+    extra = {k: v for k, v in closure(init).items() if not _closure_holds(update, k)}
     if not extra:
         return text
     shown = ", ".join(f"{k}={_text(v, depth - 1)}" for k, v in sorted(extra.items()))
     return f"{text} with init({shown})"
 
 
-def _closure(f: types.FunctionType) -> dict[str, Any]:
+def closure(f: types.FunctionType) -> dict[str, Any]:
     """The values a function closes over, by name (a cell not yet filled: skipped)."""
     values: dict[str, Any] = {}
     for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
@@ -109,7 +110,7 @@ def _closure_holds(f: Any, name: str) -> bool:
     return isinstance(f, types.FunctionType) and name in f.__code__.co_freevars
 
 
-def _maker(f: types.FunctionType) -> str:
+def maker(f: types.FunctionType) -> str:
     """The function that made a closure (``scale_by_adam`` for its ``update``),
     or the function's own qualified name."""
     head, _, _ = f.__qualname__.partition(".<locals>.")

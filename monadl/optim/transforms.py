@@ -313,6 +313,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     overflows float16 from a gradient of about 256 (and float32 from 2e19), and
     the step, an infinite denominator's, was silently 0.
 
+    ``eps`` is added in the weight's dtype: the default 1e-8 is 0 in float16
+    (its smallest normal number is 6.1e-5), and a gradient entry that is 0
+    at every step so far (a dead unit) then makes 0/0, a step that is
+    refused; give a float16 weight an eps it holds, such as 1e-4.
+
     >>> opt = scale_by_adam()
     >>> u, _ = opt.update(np.float16([300.0]), opt.init(np.zeros(1, np.float16)), None)
     >>> u  # (the first step's size is 1: mu_hat / sqrt(nu_hat) = g / |g|)

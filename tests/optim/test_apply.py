@@ -443,3 +443,40 @@ async def test_under_warnings_as_errors_a_refused_step_is_a_non_finite_error() -
         with pytest.raises(ml.NonFiniteError, match=r"no weight was changed"):
             await loss.train()
     assert w.data.tolist() == [1.0, 1.0, 1.0]
+
+
+async def test_a_step_that_an_eps_of_0_in_float16_refuses_names_the_eps_not_an_operation() -> None:
+    """float16 with Adam's default eps (1e-8, 0 in float16): a gradient entry
+    of 0 made 0/0, and the refusal sent the user to check_finite to find the
+    operation that made a NaN, though the gradient was finite."""
+    w = ml.Weight(np.array([1.0, 2.0], np.float16), optimizer=ml.optim.adam(1e-3))
+    loss = ml.sum(w * np.array([3.0, 0.0], np.float16))  # (a dead unit's entry: 0)
+    for settings in (ml.settings(), ml.settings(check_finite=True)):
+        with settings, np.errstate(invalid="ignore"), pytest.raises(ml.NonFiniteError) as refused:
+            await loss.train()
+        message = str(refused.value)
+        assert "its gradient finite: the optimizer's state or its settings made it" in message
+        assert "The optimizer's eps=1e-08 (of scale_by_adam) is 0 in float16, whose smallest normal number" in message
+        assert message.endswith("Give it an eps that float16 holds: eps=1e-04, as in ml.optim.adam(1e-3, eps=1e-04)")
+        assert "check_finite=True) finds" not in message
+        assert w.data.tolist() == [1.0, 2.0] and w.state[0].step == 0
+    fixed = ml.Weight(np.array([1.0, 2.0], np.float16), optimizer=ml.optim.adam(1e-3, eps=1e-4))
+    await ml.sum(fixed * np.array([3.0, 0.0], np.float16)).train()
+    assert fixed.data.tolist() == [np.float16(1.0 - 1e-3), 2.0]
+    rms = ml.Weight(np.zeros(2, np.float16), optimizer=ml.optim.rmsprop(1e-3))
+    with pytest.raises(ml.NonFiniteError, match=r"eps=1e-08 \(of scale_by_rms\) .*ml.optim.rmsprop\(1e-3, eps=1e-04\)"):
+        apply_gradients({rms: np.zeros(2, np.float16)})
+
+
+async def test_a_step_made_non_finite_by_the_optimizers_state_blames_the_state_not_an_operation() -> None:
+    w = ml.Weight(np.ones(2, np.float32), optimizer=ml.optim.adam(1e-3))
+    state = w.state
+    w.state = (state[0]._replace(nu=np.array([-1.0, 1.0], np.float32)), state[1])  # (a root of -1)
+    with np.errstate(invalid="ignore"), pytest.raises(ml.NonFiniteError) as refused:
+        await ml.sum(w * np.ones(2, np.float32)).train()
+    message = str(refused.value)
+    assert message.endswith(
+        "its gradient finite: the optimizer's state or its settings made it (a learning rate, a schedule, an eps); "
+        "no weight was changed"
+    )
+    assert w.data.tolist() == [1.0, 1.0]
