@@ -62,13 +62,13 @@ def _underflowing_eps(weight: Weight[Any, Any]) -> str:
     dtype = weight.dtype
     if not (isinstance(dtype, np.dtype) and dtype.kind == "f"):
         return ""
-    for maker, eps in _epsilons(weight._optimizer):
+    for made_by, eps in _epsilons(weight._optimizer):
         if eps > 0 and dtype.type(eps) == 0:
             smallest = float(np.finfo(dtype).smallest_normal)
             fit = f"{10.0 ** math.ceil(math.log10(smallest)):.0e}"
-            example = {"scale_by_adam": "adam", "scale_by_rms": "rmsprop", "scale_by_adagrad": "adagrad"}.get(maker)
+            example = {"scale_by_adam": "adam", "scale_by_rms": "rmsprop", "scale_by_adagrad": "adagrad"}.get(made_by)
             return (
-                f". The optimizer's eps={eps!r} (of {maker}) is 0 in {dtype}, whose smallest normal number is "
+                f". The optimizer's eps={eps!r} (of {made_by}) is 0 in {dtype}, whose smallest normal number is "
                 f"{smallest:.2g}: where a gradient entry and every one before it were 0 (a dead unit, a class missing "
                 "from the batches), the step divides 0 by 0. Give it an eps that "
                 f"{dtype} holds: eps={fit}" + (f", as in ml.optim.{example}(1e-3, eps={fit})" if example else "")
