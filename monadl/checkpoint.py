@@ -21,7 +21,9 @@ refused with a message that says so.
 Why safetensors: it stores arrays and a text header only, so loading a file
 never runs code (pickle does), and PyTorch, JAX and Hugging Face tools read it.
 Why one file: a single ``os.replace`` of a fully written temporary file makes
-the save atomic; a crash mid-save leaves the previous checkpoint intact.
+the save atomic; a crash mid-save leaves the previous checkpoint intact, and
+the next save of the same path removes what the crash left
+(`monadl._atomic_file`).
 
 >>> import os, tempfile, numpy as np, monadl as ml
 >>> model = {"w": ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))}
@@ -36,13 +38,11 @@ array([1., 1.])
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import re
-import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Any, Final
@@ -51,6 +51,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from monadl._atomic_file import write_atomically
 from monadl._named import named_weights
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
@@ -74,8 +75,9 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
 
     Args:
         path: where to write; a previous file there is replaced only once the
-            new one is complete (written to a temporary file beside it, synced,
-            then renamed over it).
+            new one is complete (written in a hidden folder beside it,
+            ``.NAME.<hex>.tmp``, synced, then renamed over it). Such a folder
+            that a killed save left is removed by the next save of ``path``.
         model: any object that holds weights (see `named_weights`).
         metadata: JSON data to keep beside the weights (an epoch, a data
             loader's position); `load` returns it. NumPy scalars in it
@@ -135,7 +137,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         text = json.dumps(manifest, default=_json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
-    _write_atomically(os.fspath(path), tensors, {_MANIFEST_KEY: text})
+    write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, {_MANIFEST_KEY: text}))
 
 
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]{6,}")  # (a default repr's " at 0x7f3a...>", or another repr's address)
@@ -179,39 +181,8 @@ def _digest(array: Any) -> str | None:
     return hashed.hexdigest()
 
 
-def _write_atomically(path: str, tensors: dict[str, Any], header: dict[str, str]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    # Created here (not by mkstemp) to learn the permissions the umask gives a
-    # new file; safetensors writes a file of its own, private to the owner.
-    try:
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    except OSError as exc:  # (a missing folder, no permission: the error names the user's path, not ours)
-        raise type(exc)(exc.errno, exc.strerror, path) from None
-    try:
-        mode = os.stat(temporary).st_mode & 0o777
-        _write_tensors(tensors, temporary, header)
-        os.chmod(temporary, mode)
-        _fsync(temporary, os.O_RDONLY)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-    if os.name == "posix":
-        _fsync(directory, os.O_RDONLY)  # the rename itself survives a power cut
-
-
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
     save_file(tensors, path, metadata=header)
-
-
-def _fsync(path: str, flags: int) -> None:
-    descriptor = os.open(path, flags)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def load(

@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -444,8 +445,9 @@ def test_a_step_committed_on_another_thread_during_a_save_is_in_none_of_the_file
     model = build()
     anyio.run(train, model, range(3))
     ml.save(tmp_path / "before.safetensors", model)
-    stored = checkpoint.put
-    stepped = []
+    from monadl._state_file import put as stored
+
+    stepped: list[threading.Thread] = []
 
     def put_then_step(tensors: dict[str, Any], key: str, value: Any) -> None:
         stored(tensors, key, value)
@@ -461,6 +463,85 @@ def test_a_step_committed_on_another_thread_during_a_save_is_in_none_of_the_file
     # Every weight as it was before the step, the embedding's rows too (its sparse step
     # writes in place into arrays nobody holds: the snapshot holds them).
     assert contents(tmp_path / "during.safetensors") == contents(tmp_path / "before.safetensors")
+
+
+KILLED_SAVE = """
+import os, signal, sys, numpy as np, monadl as ml
+from monadl import checkpoint
+written = checkpoint._write_tensors
+def write_then_die(tensors, target, header):
+    written(tensors, target, header)
+    with open(os.path.join(os.path.dirname(target), ".tmpAbC123"), "wb") as file:  # (safetensors' own, mid-write)
+        file.write(bytes(100))
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint._write_tensors = write_then_die
+ml.save(sys.argv[1], {"w": ml.Weight(np.arange(4.0))})
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: leftovers are not removed there")
+def test_what_a_killed_save_left_is_removed_by_the_next_save_of_its_path_and_nothing_else(tmp_path: Path) -> None:
+    """kill -9 during a save left a checkpoint-sized .NAME.<uuid>.tmp and
+    safetensors' own .tmpXXXXXX (named after nothing) that no save removed:
+    a preempted job gathered one per kill."""
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"w": ml.Weight(np.zeros(4))})
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(path)], cwd=ROOT, timeout=600)
+    assert killed.returncode == -9
+    (left,) = [name for name in os.listdir(tmp_path) if name != path.name]
+    assert re.fullmatch(r"\.m\.safetensors\.[0-9a-f]{32}\.tmp", left)
+    assert sorted(os.listdir(tmp_path / left)) == [".lock", ".tmpAbC123", "m.safetensors"]  # (all in one folder)
+    not_ours = [".tmpXyZ789", "notes.txt", f".other.safetensors.{'0' * 32}.tmp", f".m.safetensors.{'0' * 31}.tmp"]
+    for name in not_ours:
+        (tmp_path / name).write_bytes(b"keep")
+    model = {"w": ml.Weight(np.ones(4))}
+    ml.load(path, model)  # (the previous checkpoint, intact)
+    assert model["w"].data.tolist() == [0.0] * 4
+    ml.save(path, model)
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, *not_ours])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock")
+def test_a_save_of_the_same_path_still_at_work_is_left_alone(tmp_path: Path) -> None:
+    import fcntl
+
+    path = tmp_path / "m.safetensors"
+    workspace = tmp_path / f".m.safetensors.{'a' * 32}.tmp"  # (as another process's save makes it, and locks it)
+    workspace.mkdir()
+    (workspace / "m.safetensors").write_bytes(b"half written")
+    lock = os.open(workspace / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ml.save(path, {"w": ml.Weight(np.zeros(4))})
+        assert sorted(os.listdir(workspace)) == [".lock", "m.safetensors"]
+    finally:
+        os.close(lock)  # (its writer gone)
+    ml.save(path, {"w": ml.Weight(np.zeros(4))})
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_saves_of_one_path_on_several_threads_each_complete_and_leave_nothing(tmp_path: Path) -> None:
+    """Each save removes the leftovers of its path: never another's at work."""
+    path = tmp_path / "m.safetensors"
+    failures: list[BaseException] = []
+
+    def saves(value: float) -> None:
+        try:
+            for _ in range(5):
+                ml.save(path, {"w": ml.Weight(np.full(1000, value))})
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=saves, args=(float(i),)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert os.listdir(tmp_path) == [path.name]
+    model = {"w": ml.Weight(np.zeros(1000))}
+    ml.load(path, model)
+    assert len(set(model["w"].data.tolist())) == 1
 
 
 def test_a_checkpoint_gets_the_permissions_of_a_new_file(tmp_path: Path) -> None:
