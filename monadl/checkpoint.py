@@ -6,7 +6,8 @@ stable dotted name (``encoder.0.weight``), and writes each weight's data and
 every array of its optimizer state (Adam's moments ...) to one safetensors
 file, with a JSON manifest (names, shapes, dtypes, the optimizer state's
 structure and its numbers, such as step counts, and a digest of each
-array's bytes, so that a damaged file is refused on load) in the file's header.
+array's bytes) in the file's header, with a digest of the manifest itself
+beside it: a damaged file, its arrays or its header, is refused on load.
 `load(path, model)` restores them into a model of the same structure that the
 program has built again in code, as PyTorch's
 ``model.load_state_dict(torch.load(path))`` does.
@@ -64,6 +65,7 @@ from monadl.runtime.process import hold, release
 __all__ = ["load", "named_weights", "save"]
 
 _MANIFEST_KEY: Final = "monadl"
+_MANIFEST_DIGEST_KEY: Final = "monadl.digest"  # (beside the manifest, not in it: it covers the manifest's exact text)
 _FORMAT: Final = "monadl.checkpoint"
 _VERSION: Final = 1
 _STATE_PREFIX: Final = "optimizer_state/"
@@ -137,7 +139,8 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         text = json.dumps(manifest, default=_json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
-    write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, {_MANIFEST_KEY: text}))
+    header = {_MANIFEST_KEY: text, _MANIFEST_DIGEST_KEY: _text_digest(text)}  # (a damaged step count is refused)
+    write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, header))
 
 
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]{6,}")  # (a default repr's " at 0x7f3a...>", or another repr's address)
@@ -179,6 +182,12 @@ def _digest(array: Any) -> str | None:
     hashed = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
     hashed.update(np.ascontiguousarray(array).tobytes())
     return hashed.hexdigest()
+
+
+def _text_digest(text: str) -> str:
+    """The manifest's text, hashed (BLAKE2b, 16 bytes): its names, shapes,
+    the optimizer states' numbers (Adam's step counts) and the metadata."""
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
@@ -304,6 +313,12 @@ def _manifest(path: str) -> dict[str, Any]:
         header = file.metadata() or {}
     if _MANIFEST_KEY not in header:
         raise CheckpointError(f"{path} is a safetensors file but not a monadl checkpoint (no manifest in its header)")
+    digest = header.get(_MANIFEST_DIGEST_KEY)  # (none in a checkpoint written before it: read as it is)
+    if digest is not None and _text_digest(header[_MANIFEST_KEY]) != digest:
+        raise CheckpointError(
+            f"{path} is damaged: its manifest (the weights' names and shapes, the optimizer states' numbers "
+            "such as step counts, the metadata) is not the one saved; nothing was loaded"
+        )
     try:
         manifest: dict[str, Any] = json.loads(header[_MANIFEST_KEY])
     except json.JSONDecodeError as error:

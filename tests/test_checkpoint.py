@@ -685,6 +685,30 @@ def test_a_damaged_checkpoint_is_refused_and_changes_nothing(tmp_path: Path) -> 
     np.testing.assert_array_equal(model["w"].data, np.zeros(4))
 
 
+def test_a_damaged_manifest_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """A byte changed in the header (an Adam step count 0 -> 7, the metadata's
+    epoch 3 -> 9) loaded silently: the digests covered the arrays alone, and a
+    wrong step count changes the bias correction of every later step."""
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"w": ml.Weight(np.ones(3), optimizer=ml.optim.adam(1e-3))}, metadata={"epoch": 3})
+    raw = path.read_bytes()
+    step = raw.index(b'\\"value\\": 0') + len(b'\\"value\\": ')
+    epoch = raw.index(b'\\"epoch\\": 3') + len(b'\\"epoch\\": ')
+    digest = raw.index(b'"monadl.digest":"') + len(b'"monadl.digest":"')
+    for at, byte in ((step, b"7"), (epoch, b"9"), (digest, b"0" if raw[digest : digest + 1] != b"0" else b"1")):
+        path.write_bytes(raw[:at] + byte + raw[at + 1 :])
+        model = {"w": ml.Weight(np.zeros(3), optimizer=ml.optim.adam(1e-3))}
+        with pytest.raises(ml.CheckpointError) as refused:
+            ml.load(path, model)
+        assert str(refused.value) == (
+            f"{path} is damaged: its manifest (the weights' names and shapes, the optimizer states' numbers such as "
+            "step counts, the metadata) is not the one saved; nothing was loaded"
+        )
+        assert model["w"].data.tolist() == [0.0] * 3 and model["w"].state[0].step == 0
+    path.write_bytes(raw)
+    assert ml.load(path, model) == {"epoch": 3}
+
+
 def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
     import json
 
@@ -697,8 +721,9 @@ def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
     with safe_open(str(path), framework="numpy") as file:
         header = dict(file.metadata())
     manifest = json.loads(header["monadl"])
-    del manifest["digests"]  # (as written before digests)
+    del manifest["digests"]  # (as written before digests: of the arrays, and of the manifest)
     header["monadl"] = json.dumps(manifest)
+    del header["monadl.digest"]
     save_file(load_file(str(path)), str(path), metadata=header)
     model = {"w": ml.Weight(np.zeros(3))}
     ml.load(path, model)
