@@ -239,7 +239,7 @@ def load(
         manifest = _manifest(os.fspath(path))
         tensors = load_file(os.fspath(path))
     except SafetensorError as error:
-        raise CheckpointError(f"{os.fspath(path)} is not a safetensors file: {error}") from None
+        raise CheckpointError(_unreadable(os.fspath(path), error)) from None
     damaged = sorted(key for key, digest in manifest.get("digests", {}).items() if _digest(tensors.get(key)) != digest)
     if damaged:  # (a checkpoint written before digests has none: read as it is)
         raise CheckpointError(
@@ -306,6 +306,57 @@ def load(
 def _not_a_directory(path: str | os.PathLike[str]) -> None:
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", os.fspath(path))
+
+
+_MAX_HEADER: Final = 100_000_000  # (safetensors' own limit: a longer one is no header)
+
+
+def _unreadable(path: str, error: SafetensorError) -> str:
+    """Why safetensors cannot read ``path``: cut short (a full disk, a copy
+    interrupted), or with bytes after its end, as its own header's numbers
+    (its length, the arrays' offsets) tell; else it is no safetensors file."""
+    size = os.path.getsize(path)
+    if size < 8:
+        return (
+            f"{path} is {size} bytes long, too short for a checkpoint (a safetensors file begins with 8 bytes that "
+            "give its header's length): truncated, or never written?; nothing was loaded"
+        )
+    expected = _expected_size(path)
+    if expected is not None and size < expected[0]:
+        return (
+            f"{path} is truncated: {size} bytes, and its header expects {'' if expected[1] else 'at least '}"
+            f"{expected[0]} (a full disk, a copy cut short?); nothing was loaded"
+        )
+    if expected is not None and size > expected[0]:
+        return (
+            f"{path} has {size - expected[0]} bytes after its end ({size} bytes, and its header expects "
+            f"{expected[0]}: written over a longer file, or appended to?); nothing was loaded"
+        )
+    return f"{path} is not a safetensors file: {error}"
+
+
+def _expected_size(path: str) -> tuple[int, bool] | None:
+    """The size that ``path``'s header gives it, and whether the header was
+    there whole (else the size is where the header would end: a floor);
+    None where its first bytes are no safetensors header, or where the
+    length they give is not that of the header that follows them."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if length > _MAX_HEADER:
+            return None
+        header = file.read(length)
+    if len(header) < length:
+        try:  # (a whole header in what there is: its length, not the file, is damaged)
+            json.JSONDecoder().raw_decode(header.decode("utf-8", "replace"))
+        except ValueError:
+            return 8 + length, False
+        return None
+    try:
+        entries = json.loads(header)
+        end = max((int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # (its JSON damaged, or not of safetensors)
+        return None
+    return 8 + length + end, True
 
 
 def _manifest(path: str) -> dict[str, Any]:

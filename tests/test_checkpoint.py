@@ -709,6 +709,38 @@ def test_a_damaged_manifest_is_refused_and_changes_nothing(tmp_path: Path) -> No
     assert ml.load(path, model) == {"epoch": 3}
 
 
+def test_a_truncated_checkpoint_is_called_truncated_with_its_size_and_the_size_its_header_gives(
+    tmp_path: Path,
+) -> None:
+    """A file cut short (a full disk, a copy interrupted) was 'not a safetensors
+    file: Error while deserializing header: incomplete metadata, file not fully
+    covered', as was one with bytes appended."""
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"w": ml.Weight(np.ones(1000), optimizer=ml.optim.adam(1e-3))})
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    cases = {
+        raw[:-100]: f"is truncated: {len(raw) - 100} bytes, and its header expects {len(raw)} (a full disk, a copy "
+        "cut short?); nothing was loaded",
+        raw[: 8 + length // 2]: f"is truncated: {8 + length // 2} bytes, and its header expects at least "
+        f"{8 + length} (a full disk, a copy cut short?); nothing was loaded",
+        raw + b"garbage": f"has 7 bytes after its end ({len(raw) + 7} bytes, and its header expects {len(raw)}: "
+        "written over a longer file, or appended to?); nothing was loaded",
+        b"": "is 0 bytes long, too short for a checkpoint (a safetensors file begins with 8 bytes that give its "
+        "header's length): truncated, or never written?; nothing was loaded",
+    }
+    for content, told in cases.items():
+        path.write_bytes(content)
+        model = {"w": ml.Weight(np.zeros(1000), optimizer=ml.optim.adam(1e-3))}
+        with pytest.raises(ml.CheckpointError) as refused:
+            ml.load(path, model)
+        assert str(refused.value) == f"{path} {told}"
+        assert not model["w"].data.any()
+    path.write_bytes((length * 1000).to_bytes(8, "little") + raw[8:])  # (the length damaged, not the file cut)
+    with pytest.raises(ml.CheckpointError, match=r"is not a safetensors file: .*invalid header length"):
+        ml.load(path, {"w": ml.Weight(np.zeros(1000), optimizer=ml.optim.adam(1e-3))})
+
+
 def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
     import json
 
