@@ -203,6 +203,10 @@ class Weight(Expr[D, G]):
     def optimizer(self, optimizer: GradientTransformation) -> None:
         """Step with ``optimizer`` from now on, from its fresh state (``init``).
 
+        To change a learning rate and keep the state (Adam's moments and step
+        count), set it back after: ``state = w.state``, ``w.optimizer =
+        ml.optim.adam(1e-4)``, ``w.state = state``.
+
         >>> import numpy as np, monadl as ml
         >>> w = ml.Weight(np.zeros(2))
         >>> w.optimizer = ml.optim.adam(1e-3)
