@@ -42,7 +42,7 @@ import sys
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
-from typing import Any, Final, ParamSpec, TypeVar, final, overload
+from typing import Any, Final, NoReturn, ParamSpec, TypeVar, final, overload
 
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
@@ -180,6 +180,17 @@ class AwaitLayers:
                 )
             )
         return (yield self)
+
+    def _unawaited(self, *_: object, **__: object) -> NoReturn:
+        """NumPy, ``if``, unpacking and numbers on the awaitable itself, not
+        on its values: ``np.argmax(ml.values(p))`` was silently 0 (an object
+        array of one element), which routed every example to expert 0."""
+        raise TypeError(
+            "ml.values(...) is an awaitable, not the values: write `(value,) = await ml.values(layer)` "
+            "(or `value = await layer`) inside the @ml.direct function"
+        )
+
+    __array__ = __bool__ = __iter__ = __len__ = __getitem__ = __float__ = __int__ = __index__ = _unawaited
 
 
 @final

@@ -565,3 +565,28 @@ async def test_a_step_that_waits_for_a_later_one_last_in_its_request_does_not_st
     with anyio.fail_after(30):  # (a deadlock guard: this takes milliseconds)
         with ml.settings(batching=False):
             assert await (setter() + waiter()).predict() == 10.0
+
+
+@pytest.mark.anyio
+async def test_values_not_awaited_are_refused_where_they_are_used_as_values() -> None:
+    # np.argmax(ml.values(p)) was 0 (an object array of one element): every example routed to expert 0.
+    w = ml.Weight(np.array([0.0, 3.0, 1.0]))
+    used: list[str] = []
+
+    @ml.direct
+    async def route(x: ml.Array) -> ml.ScalarLayer:
+        probs = ml.softmax(w * x)
+        pending: Any = ml.values(probs)  # (Any: the mistakes under test, which mypy rejects)
+        for use in (np.argmax, bool, len, float, list):
+            with pytest.raises(TypeError, match=r"ml.values\(\.\.\.\) is an awaitable, not the values: write"):
+                use(pending)
+            used.append(use.__name__)
+        (p,) = await pending
+        with pytest.raises(TypeError, match=r"inside @ml.direct: \(value,\) = await ml.values\(layer\)"):
+            np.argmax(probs)  # type: ignore[call-overload]
+        return ml.sum(probs) * float(np.argmax(p))
+
+    assert await route(np.ones(3)).predict() == pytest.approx(1.0)
+    assert used == ["argmax", "bool", "len", "float", "list"]
+    with pytest.raises(TypeError, match=r"compute on a forward value \(await layer.predict\(\);"):
+        np.argmax(w * 2.0)  # type: ignore[call-overload]  # (outside: predict)

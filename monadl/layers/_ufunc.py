@@ -56,7 +56,7 @@ def _array_ufunc(self: Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **
     if kwargs.get("out") is not None:  # `x += layer` on an array, or out=
         hint = "a layer is lazy and cannot be written into an array: write `x = x + layer`"
     elif ufunc in _COMPARISONS:
-        hint = "layers are not compared; compare forward values (await layer.predict())"
+        hint = f"layers are not compared; compare forward values ({_read()})"
     elif ufunc in _UFUNC_HINTS:
         hint = f"use {_UFUNC_HINTS[ufunc]}"
     elif ufunc.__name__ in DIFFERENTIABLE:
@@ -64,7 +64,7 @@ def _array_ufunc(self: Expr[Any, Any], ufunc: Any, method: str, *inputs: Any, **
     else:
         hint = (
             "monadl has no differentiable counterpart: compose one from monadl's functions, "
-            "or compute on a forward value (await layer.predict())"
+            f"or compute on a forward value ({_read()})"
         )
     raise TypeError(f"{what} cannot take a monadl {type(self).__name__}: {hint}")
 
@@ -80,15 +80,26 @@ def array_function(self: Expr[Any, Any], func: Any, types: Any, args: Any, kwarg
     if name in ("shape", "ndim", "size"):
         if hasattr(self, name):  # (a weight: its data's)
             return getattr(self, name)
-        hint = f"a layer's {name} is known when it runs (await layer.predict()); a weight has .{name}"
+        hint = f"a layer's {name} is known when it runs ({_read()}); a weight has .{name}"
     elif hasattr(layers, name):
         hint = f"use ml.{name}(...), its differentiable counterpart"
     else:
         hint = (
             "monadl has no differentiable counterpart: compose one from monadl's functions, "
-            "or compute on a forward value (await layer.predict(); a weight's is w.data)"
+            f"or compute on a forward value ({_read()}; a weight's is w.data)"
         )
     raise TypeError(f"np.{name} cannot take a monadl {type(self).__name__}: {hint}")
+
+
+def _read() -> str:
+    """How to read a layer's value where the refusal happens: inside an
+    ``@ml.direct`` function, by awaiting it (its ``predict()`` would run a
+    second evaluation, which the tour forbids there); elsewhere, ``predict()``."""
+    from monadl.direct import inside_direct  # (at call time, on an error's path: direct imports layers)
+
+    if inside_direct.get()[0]:
+        return "inside @ml.direct: (value,) = await ml.values(layer)"
+    return "await layer.predict()"
 
 
 # NumPy ufuncs with a monadl function of the same name (a test keeps this true).
