@@ -45,7 +45,15 @@ def made(name: str, operands: Sequence[Any], site: str) -> str:
     (``site``: where the layer, or the step inside a cell, was built)."""
     for i, a in enumerate(operands):
         if non_finite(a):
-            return f"{name}'s operand {i} ({describe([a])}) already holds a NaN or an infinity; layer built at {site}"
+            mask = (  # (an attention mask of -inf: the check wants every value finite)
+                "; under check_finite, mask with a large negative number (-1e9) instead of -inf"
+                if name == "where" and i
+                else ""
+            )
+            return (
+                f"{name}'s operand {i} ({describe([a])}) already holds a NaN or an infinity; layer built at {site}"
+                + mask
+            )
     return f"{name} produced a NaN or an infinity from {describe(operands)}; layer built at {site}"
 
 

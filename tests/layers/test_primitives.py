@@ -507,3 +507,16 @@ def test_where_with_per_example_masks_batches_to_the_same_gradients() -> None:
     (v0, g0), (v1, g1) = results
     np.testing.assert_allclose(v1, v0, rtol=1e-12)
     np.testing.assert_allclose(g1[w], g0[w], rtol=1e-12)
+
+
+def test_a_minus_infinity_mask_under_check_finite_is_refused_with_what_to_mask_with() -> None:
+    scores = ml.Weight(np.array([[1.0, 2.0, 3.0]]))
+    masked = ml.softmax(ml.where(np.array([[True, True, False]]), scores, -np.inf), axis=-1)
+    with ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as caught:
+        anyio.run(ml.sum(masked).predict)
+    assert str(caught.value).startswith("where's operand 2 (float -inf) already holds a NaN or an infinity")
+    assert str(caught.value).endswith("mask with a large negative number (-1e9) instead of -inf")
+    unchecked = anyio.run(masked.predict)
+    with ml.settings(check_finite=True):  # (as it advises)
+        finite = ml.softmax(ml.where(np.array([[True, True, False]]), scores, -1e9), axis=-1)
+        np.testing.assert_allclose(anyio.run(finite.predict), unchecked, atol=1e-300)

@@ -266,6 +266,13 @@ def test_the_log_says_what_else_runs_unbatched(caplog: pytest.LogCaptureFixture)
     parts = [ml.split(z * float(i), 2, axis=1) for i in range(300)]
     said = messages(ml.sum(ml.stack([ml.sum(a * b) for a, b in parts])))
     assert any("300 nodes of split built at" in m and "slices batch" in m for m in said)
+    # A graph whose analysis batched nothing (branches of different shapes) was silent at its
+    # first evaluation and then called 'a chain' (a new user's 150 independent branches).
+    ws = [ml.Weight(np.ones(k + 1)) for k in range(150)]
+    for turn in range(2):
+        said = [m for m in messages(ml.sum(ml.stack([ml.sum(w * 2.0) for w in ws]))) if "runs unbatched" in m]
+        assert len(said) == 1 and "its analysis batched nothing" in said[0] and "chain" not in said[0]
+        assert ("as when it was last judged" in said[0]) == (turn == 1)
 
 
 def test_the_outputs_of_a_marked_cell_read_outside_cells_batch(monkeypatch: pytest.MonkeyPatch) -> None:

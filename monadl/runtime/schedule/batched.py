@@ -77,10 +77,12 @@ from monadl.runtime.schedule.batched_rule import (
     MIN_FACTORED,
     MIN_GROUP,
     MIN_NODES,
+    NOTHING_PAID,
     REPROBE,
     coarse,
     declined,
     remember,
+    unbatched,
     worth_batching,
 )
 from monadl.runtime.schedule.inline import CHECKPOINT
@@ -177,7 +179,8 @@ def _steps(
             if perf_counter() > ev.deadline:
                 yield CHECKPOINT
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
-        remember((order[-1]._site, len(order)), False)
+        remember((order[-1]._site, len(order)), False, NOTHING_PAID)
+        unbatched(order, f"{NOTHING_PAID}; not analysed again for {REPROBE} evaluations")
     return left
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALONE",
     "ALONE_WHY",
+    "CHAIN",
     "DEFAULT_MIN_GROUP",
     "FACTORED",
     "MAX_MEMBER_SIZE",
@@ -36,6 +37,7 @@ __all__ = [
     "MIN_FACTORED",
     "MIN_GROUP",
     "MIN_NODES",
+    "NOTHING_PAID",
     "REPROBE",
     "coarse",
     "declined",
@@ -89,15 +91,19 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     key = (order[-1]._site, len(order))
     verdict = _verdicts.get(key)
     if verdict is not None and verdict[1] % REPROBE:
-        _verdicts[key] = (verdict[0], verdict[1] + 1)
+        _verdicts[key] = (verdict[0], verdict[1] + 1, verdict[2])
         if not verdict[0]:
-            unbatched(order, "a chain, as when it was last judged (each node uses the one before: nothing to group)")
+            unbatched(order, f"{verdict[2]}, as when it was last judged")
         return verdict[0]
     worth = not _is_chain(order)
-    remember(key, worth)
+    remember(key, worth, CHAIN)
     if not worth:
-        unbatched(order, "a chain (each node uses the one before: nothing to group)")
+        unbatched(order, CHAIN)
     return worth
+
+
+CHAIN: Final = "a chain (each node uses the one before: nothing to group)"
+NOTHING_PAID: Final = "its analysis batched nothing (no group of one signature ready together that pays)"
 
 
 def ops(order: list[Any]) -> int:
@@ -147,15 +153,18 @@ REPROBE: Final = 32
 """A graph found not worth batching is analysed again once in this many evaluations."""
 
 _VERDICTS_LIMIT: Final = 4096
-_verdicts: dict[tuple[Site, int], tuple[bool, int]] = {}  # (last site, nodes) -> (worth it, evaluations since)
+_verdicts: dict[
+    tuple[Site, int], tuple[bool, int, str]
+] = {}  # (last site, nodes) -> (worth it, evaluations since, why)
 
 
-def remember(key: tuple[Site, int], worth: bool) -> None:
+def remember(key: tuple[Site, int], worth: bool, why: str) -> None:
     """The verdict on a graph built at the same line with as many nodes, for
-    the next evaluations (models rebuild the same graph every step)."""
+    the next evaluations (models rebuild the same graph every step), and why
+    (`CHAIN`, `NOTHING_PAID`), for the log."""
     if len(_verdicts) >= _VERDICTS_LIMIT:
         _verdicts.clear()
-    _verdicts[key] = (worth, 1)
+    _verdicts[key] = (worth, 1, why)
 
 
 # ---- per group ---------------------------------------------------------------------------------
