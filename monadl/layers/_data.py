@@ -89,8 +89,10 @@ class Data(np.ndarray[Any, Any]):
 def check_kept(leaves: list[Any], consts: list[Any], steps: list[Any]) -> None:
     """Refuse a constant or parameter of the traced ``steps`` that is a data
     argument's memory under another name (``np.asarray(d)``,
-    ``d.view(np.ndarray)``): the trace would keep the first call's array."""
-    data = [x for x in leaves if isinstance(x, np.ndarray)]
+    ``d.view(np.ndarray)``): the trace would keep the first call's array.
+    A nested operation's data arguments are its caller's placeholders: they
+    are compared as plain arrays (a placeholder refuses NumPy's functions)."""
+    data = [np.ndarray.view(x, np.ndarray) for x in leaves if isinstance(x, np.ndarray)]
     if not data:
         return
     kept = [c for c in consts if isinstance(c, np.ndarray)]

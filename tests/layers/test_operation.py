@@ -410,6 +410,17 @@ def test_a_data_index_inside_an_index_tuple_is_each_calls(batching: bool) -> Non
     assert grads[0].tolist() == [[1.0, 3.0, 6.0]]
 
 
+def test_an_inner_operation_holding_an_array_takes_its_callers_data_argument() -> None:
+    # Its data argument is the caller's placeholder, which refuses NumPy's functions: the check for
+    # a kept argument compared the constant with it through np.may_share_memory and was refused.
+    h = ml.Weight(np.arange(12.0).reshape(3, 4))
+    inner = ml.operation(lambda h, idx: h[idx] * np.full(4, 2.0))
+    outer = ml.operation(lambda h, idx: ml.tanh(inner(h, idx)))
+    got = [anyio.run(outer(h, np.array(idx)).predict) for idx in ([0, 1], [2, 0])]
+    for value, idx in zip(got, ([0, 1], [2, 0])):
+        np.testing.assert_allclose(value, np.tanh(np.arange(12.0).reshape(3, 4)[idx] * 2.0), rtol=1e-15)
+
+
 def test_a_data_argument_nested_deeper_in_a_parameter_is_refused() -> None:
     w = ml.Weight(np.array([[1.0, 2.0, 3.0]]))
     with pytest.raises(ml.OperandError, match="nested inside a parameter"):
