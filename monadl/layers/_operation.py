@@ -30,13 +30,13 @@ results), the calls group by their floats' values.
 A *signature* is what the Python function could see: the structure of the
 arguments (tuples, lists, dicts, dataclasses), which leaves are layers or
 weights (operands with a delta) and which are arrays or floats (data), the
-other leaves (ints, strings, objects: by value if hashable, else by
-identity), and the objects its closure holds. Shapes are not part of it:
-layers are lazy, so a trace is a program over any shapes, and its groups
-are by shape at run time. Control flow on values cannot be traced: a layer
-built from a ``Do`` (``bind``, ``@ml.direct``) or one built before the call
-and not passed in is refused with `OperandError`. Reading a weight's
-``.data`` in ``f`` reads it once, at the trace: don't.
+other leaves (ints and bools, NumPy's too, strings, objects: by value if
+hashable, else by identity), and the objects its closure holds. Shapes are
+not part of it: layers are lazy, so a trace is a program over any shapes,
+and its groups are by shape at run time. Control flow on values cannot be
+traced: a layer built from a ``Do`` (``bind``, ``@ml.direct``) or one
+built before the call and not passed in is refused with `OperandError`.
+Reading a weight's ``.data`` in ``f`` reads it once, at the trace: don't.
 
 Most calls skip the signature's walk. Where each argument is a layer,
 weight, array or float, or a dataclass, tuple or list of them (`reader`),
@@ -337,13 +337,15 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
 
     Called with a new signature (the structure of the arguments: tuples,
     lists, dicts, dataclasses; which leaves are layers or weights, which are
-    data (arrays, by shape and dtype, and floats), the other arguments by
-    value, and the objects its closure holds), ``f`` runs once on placeholder
-    layers and its layers become a program; every call then builds ONE node
-    of the graph (and one view per output when ``f`` returns several layers
-    in a tuple, list, dict or dataclass). Values and gradients are those of
-    ``f`` unmarked; the batching scheduler runs nodes of one operation that
-    are ready together as one call of the program on stacked operands.
+    data (arrays, by shape and dtype, and floats, NumPy's too), the other
+    arguments by value (ints and bools, NumPy's too: ``np.int64(3)`` is
+    static as ``3`` is), and the objects its closure holds), ``f`` runs
+    once on placeholder layers and its layers become a program; every call
+    then builds ONE node of the graph (and one view per output when ``f``
+    returns several layers in a tuple, list, dict or dataclass). Values and
+    gradients are those of ``f`` unmarked; the batching scheduler runs nodes
+    of one operation that are ready together as one call of the program on
+    stacked operands.
 
     ``f`` may use its arguments, weights and constants (arrays, numbers),
     and Python control flow on its static arguments (each value is its own

@@ -3,9 +3,10 @@ a call's signature is made of, and how a traced result is rebuilt per call.
 
 A structure is tuples, lists, dicts and dataclasses (named tuples too) of
 *leaves*: layers and weights (operands with a delta, `NODE`), arrays and
-floats (data, `DATA`), and anything else, static (by value if hashable,
-else by identity). `flatten` gives a call's hashable shape and its operand
-leaves; `rebuild` puts placeholders in their places; `template` and `filler`
+floats, NumPy's among them (data, `DATA`), and anything else, static (by
+value if hashable, else by identity; NumPy's integers and bools too, as
+Python's). `flatten` gives a call's hashable shape and its operand leaves;
+`rebuild` puts placeholders in their places; `template` and `filler`
 rebuild a traced function's result around each call's nodes.
 """
 
@@ -84,6 +85,7 @@ def _setter(kind: type, names: tuple[str, ...]) -> Callable[..., Any]:
 
 
 _STATIC: Final = frozenset({int, bool, str, type(None)})
+_STATIC_SCALARS: Final = (np.integer, np.bool_)  # (NumPy's ints and bools, by value as Python's; its floats are data)
 
 
 def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any:
@@ -119,6 +121,8 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
     if isinstance(x, Expr):
         leaves.append(x)
         return NODE
+    if isinstance(x, _STATIC_SCALARS):  # (a count read from a NumPy array or record: static, as an int is)
+        return (kind, x)
     if isinstance(x, np.generic) or is_array(x):
         leaves.append(x)
         return DATA
@@ -250,7 +254,7 @@ def rebuild(x: Any, leaves: Iterator[Any]) -> Any:
         return _maker(kind)(*[rebuild(getattr(x, name), leaves) for name in _fields(kind)])
     if isinstance(x, tuple):
         return kind(*[rebuild(y, leaves) for y in x])
-    if isinstance(x, (Expr, np.generic)) or is_array(x):
+    if isinstance(x, Expr) or (isinstance(x, np.generic) and not isinstance(x, _STATIC_SCALARS)) or is_array(x):
         return next(leaves)
     return x
 

@@ -974,6 +974,27 @@ async def test_a_numpy_integer_scalar_keeps_a_float32_model_float32() -> None:
         assert g.dtype == np.float32
 
 
+def test_numpy_integers_and_bools_are_static_arguments_as_pythons_are() -> None:
+    # A node count read from a NumPy record was a layer inside the cell: 'segment_sum: num_segments
+    # must be an integer, got Layer(argument, ...)'.
+    w = ml.Weight(np.eye(2))
+
+    def mp(h: Any, src: Any, dst: Any, n: Any, relu: Any) -> Any:
+        out = ml.segment_sum(h[src] @ w, dst, n)
+        return ml.relu(out) if relu else out
+
+    marked = ml.operation(mp)
+    h = ml.as_layer(np.arange(6.0).reshape(3, 2) - 2.0)
+    src, dst = np.array([0, 1]), np.array([1, 2])
+    for n, relu in ((np.int64(3), np.bool_(False)), (np.int32(4), np.bool_(True)), (np.int64(3), np.bool_(False))):
+        got = anyio.run(marked(h, src, dst, n, relu).predict)
+        np.testing.assert_array_equal(got, anyio.run(mp(h, src, dst, n, relu).predict))
+        assert got.shape == (int(n), 2)
+    assert len(marked._traces) == 2  # (by value, as 3 and False)
+    with pytest.raises(ml.OperandError, match="a float argument is data"):
+        ml.operation(lambda x, t: x * 2.0 if t else x)(h, np.float64(0.5))  # (NumPy's floats stay data)
+
+
 def test_a_cell_that_returns_no_layer_is_refused() -> None:
     w = ml.Weight(np.ones(3))
     for returns, message in [
