@@ -8,7 +8,9 @@ trace would keep from the first call is refused with `OperandError`: NumPy
 computation on it, its values read in Python (a branch, an int, an item),
 methods that compute without a ufunc, and the argument taken as a plain
 array (`check_kept`). Its shape and dtype may be read: they are part of the
-signature (`monadl.layers._operation`), each its own trace.
+signature (`monadl.layers._operation`), each its own trace. What NumPy
+reads in C, past these hooks (a constant indexed by it, ``np.array(x)``),
+is found by a second trace on other values (`monadl.layers._unread`).
 """
 
 from __future__ import annotations

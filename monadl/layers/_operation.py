@@ -352,12 +352,16 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     trace) and on a data array's shape and dtype; not a layer built outside
     the call (pass it in), nor values (a layer from ``bind`` or
     ``@ml.direct``, a data argument's items, ``int()``, ``bool()``,
-    ``.item()`` or NumPy computation): `OperandError`. A float argument is
-    data too, a layer inside ``f``: ``if bond:`` and ``bond > 1.5`` are
-    refused, but ``bond == 2.0``, ``bond != 2.0``, ``bond in (1.0, 2.0)``
-    and a dict lookup by it compare the layer's identity, not its value
-    (False, True, False, KeyError), silently: pass what the cell branches
-    on as an int or a string (each value its own trace). What ``f`` reads from
+    ``.item()``, NumPy computation on it, a constant indexed by it,
+    ``TABLE[idx]``, or a copy, ``np.array(x)``): `OperandError` (NumPy
+    reads an array past its placeholder, so where ``f`` has array
+    arguments it runs a second time, on other values of the same shapes,
+    and a trace that changes is refused). A float argument is data too, a
+    layer inside ``f``: ``if bond:`` and ``bond > 1.5`` are refused, but
+    ``bond == 2.0``, ``bond != 2.0``, ``bond in (1.0, 2.0)`` and a dict
+    lookup by it compare the layer's identity, not its value (False, True,
+    False, KeyError), silently: pass what the cell branches on as an int or
+    a string (each value its own trace). What ``f`` reads from
     elsewhere (a global, an attribute, a dict a partial holds) is read once,
     at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
     pass a new weight as an argument. Mark a method per object, bound

@@ -16,8 +16,9 @@ no view nodes in the graph.
 Control flow on values cannot be traced: a layer built from a ``Do``
 (``bind``, ``@ml.direct``) or one built before the call and not passed in is
 refused with `OperandError`; a NumPy data argument computed with inside the
-function is refused too (`monadl.layers._data`), since the trace would keep the first
-call's result.
+function is refused too (`monadl.layers._data`, and `monadl.layers._unread`
+where NumPy reads it past its placeholder), since the trace would keep the
+first call's result.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from monadl.layers._program import Program
 from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
+from monadl.layers._unread import Recorded, check_unread
 from monadl.layers._weight import Weight
 
 __all__ = ["Trace", "traced"]
@@ -79,7 +81,28 @@ def traced(
 
     ``views``: the leaves that are outputs of other operations' nodes, each
     as (its node's index among the call's distinct such nodes, output): the
-    node becomes the operand, and the program reads the output itself."""
+    node becomes the operand, and the program reads the output itself.
+
+    Where some leaves are NumPy arrays, ``f`` runs a second time on arrays
+    of other values (`check_unread`): NumPy reads an array's buffer in C,
+    past the placeholder's hooks (``TABLE[idx]``, ``M.dot(x)``,
+    ``np.array(x)``), and only a trace that comes out the same shows that
+    none of the first call's values were kept."""
+    first = _record(name, f, call, leaves, views)
+    check_unread(name, f, call, leaves, first, lambda other: _record(name, f, call, other, views))
+    if not first.outputs:
+        return Trace(None, (), (), (), 0, first.shape, keep, _maker(None, (), (), (), 0, first.shape))
+    program = Program(name, first.size, first.consts, first.steps, first.outputs, len(first.weights))
+    op = Primitive(f"{name}#{next(_ids)}", program)
+    count = len(first.outputs)
+    make = _maker(op, first.used, first.sources, first.weights, count, first.shape)
+    return Trace(op, first.used, first.sources, first.weights, count, first.shape, keep, make)
+
+
+def _record(
+    name: str, f: Callable[..., Any], call: Any, leaves: list[Any], views: dict[int, tuple[int, int]]
+) -> Recorded:
+    """One run of ``f`` on placeholders for ``leaves`` (see `traced`)."""
     start = _next_serial()  # layers built from here on are the trace's
     holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
     args, kwargs = rebuild(call, iter(holders))
@@ -106,7 +129,7 @@ def traced(
     shape = template(result, leaf)
     _check_result(name, shape)
     if not outs:
-        return Trace(None, (), (), (), 0, shape, keep, _maker(None, (), (), (), 0, shape))
+        return Recorded(shape)
     # The trace's layers, children first (construction order is topological).
     inner: dict[Layer[Any, Any], None] = dict.fromkeys(outs)
     todo = list(outs)
@@ -165,10 +188,10 @@ def traced(
     except OperandError as exc:
         name_the_cell(exc, name)
         raise
-    program = Program(name, size, tuple(consts), tuple(program_steps), tuple(slot[id(o)] for o in outs), len(weights))
-    op = Primitive(f"{name}#{next(_ids)}", program)
-    make = _maker(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape)
-    return Trace(op, tuple(used), tuple(sources), tuple(weights), len(outs), shape, keep, make)
+    outputs = tuple(slot[id(o)] for o in outs)
+    return Recorded(
+        shape, tuple(used), tuple(sources), tuple(weights), size, tuple(consts), tuple(program_steps), outputs
+    )
 
 
 def _maker(
