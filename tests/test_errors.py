@@ -106,6 +106,10 @@ def test_a_layers_truth_and_order_are_refused_while_building() -> None:
         with pytest.raises(ml.OperandError, match="a comparison"):
             eval(compare)
     assert x in [x] and x == x  # (identity: layers stay usable in containers)
+    # max(), min() and sorted() compare (mypy rejects them): what max(a, b) meant is ml.maximum.
+    for pick in ("max(x, x * 2.0)", "min([x, x * 2.0])", "sorted([x, x])"):
+        with pytest.raises(ml.OperandError, match=r"comparison \([<>]\) .* write ml\.maximum\(a, b\) or ml\.minimum"):
+            eval(pick)
 
     # A number or an array read from one: it was a bare TypeError, or np.asarray an array of the object.
     for read in ("float(x)", "int(x)", "complex(x)", "np.asarray(x)", "[1, 2][x]"):  # (mypy rejects most)

@@ -358,6 +358,21 @@ REJECT = {
         "node = ForwardDeclaration[str, int]()\nnode.resolve_to(InputTransform(str.upper))",
         "arg-type",
     ),
+    # A layer's truth is refused at run time; to mypy it is a bool (a NoReturn __bool__ made the rest of the
+    # function unreachable, unchecked), so what follows a truth test is checked.
+    "code_after_a_truth_test_of_a_layer_is_checked": (
+        "def f(x: ml.ScalarLayer) -> int:\n    if x:\n        return 1\n    y: str = 3\n    return 0",
+        "assignment",
+    ),
+    "code_after_assert_of_a_layer_is_checked": (
+        "def f(x: ml.ScalarLayer) -> int:\n    assert ml.sum(x * 2.0)\n    return 'not an int'",
+        "return-value",
+    ),
+    # Comparisons are refused at run time; max(), min() and sorted() compare, so mypy rejects them too.
+    "comparison_of_layers": ("scalar_layer < scalar_layer * 2.0", "operator"),
+    "builtin_max_of_layers": ("max(scalar_layer, scalar_layer * 2.0)", "call-overload"),
+    "builtin_min_of_a_list_of_layers": ("min([array_layer, array_layer * 2.0])", "type-var"),
+    "builtin_sorted_layers": ("sorted([scalar_layer, scalar_weight])", "type-var"),
     "fold_block_output_used_as_data": (
         "from monadl.fold import Vector\nx: ml.Array = Vector(2)([1.0, 2.0])",
         "assignment",

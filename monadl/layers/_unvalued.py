@@ -12,17 +12,21 @@ stays identity: the runtime and users keep layers in lists and dicts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, Never, NoReturn
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from monadl.errors import OperandError
 
 __all__ = ["Unvalued"]
 
 _NO_VALUE: Final = (
-    "a layer has no value while the graph is built, so {} cannot be read: to choose by a value, bind "
+    "a layer has no value while the graph is built, so {} cannot be read: {}to choose by a value, bind "
     "the layer's computation (ml.Layer(layer.forward().bind(f))) or await it in an @ml.direct function; inside an ml.operation, a float "
     "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
     "argument (each value its own trace)"
+)
+_NO_ORDER: Final = (
+    "for the larger or the smaller of layers (what max(a, b) and min(a, b) compare for), write "
+    "ml.maximum(a, b) or ml.minimum(a, b) (elementwise; the largest element of one layer is ml.max(x)); "
 )
 
 
@@ -31,10 +35,18 @@ class Unvalued:
 
     __slots__ = ()
 
-    def __bool__(self) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("its truth"))
+    def __bool__(self) -> bool:  # (not NoReturn: see below)
+        raise OperandError(_NO_VALUE.format("its truth", ""))
 
-    if not TYPE_CHECKING:  # (to mypy a layer stays no Iterable, so that no Sequence parameter takes one)
+    # Typed NoReturn, __bool__ made mypy take the code after `if layer:` or `assert layer` as
+    # unreachable, and mypy --strict checked none of it; hidden, it did the same (Layer and Weight
+    # are final: without __bool__ they are always true), so it is typed bool, and the truth test
+    # is refused only when it runs (mypy has no check that rejects it: the README's Types section).
+    # Hidden from mypy: iteration, so that a layer stays no Iterable and no Sequence parameter
+    # takes one; order, because even taking Never these made a layer SupportsRichComparison, and
+    # max(a, b), min(...) and sorted(...) of layers passed mypy: unseen, they are rejected as
+    # `a < b` is.
+    if not TYPE_CHECKING:
 
         def __iter__(self) -> NoReturn:
             if type(self).__name__ == "Layer":
@@ -47,17 +59,17 @@ class Unvalued:
                 "built): index it (weight[i]), cut it into parts (ml.split), or iterate its value (weight.data)"
             )
 
-    def __lt__(self, other: Never) -> NoReturn:  # (Never: mypy rejects a comparison)
-        raise OperandError(_NO_VALUE.format("a comparison (<)"))
+        def __lt__(self, other: object) -> NoReturn:
+            raise OperandError(_NO_VALUE.format("a comparison (<)", _NO_ORDER))
 
-    def __le__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (<=)"))
+        def __le__(self, other: object) -> NoReturn:
+            raise OperandError(_NO_VALUE.format("a comparison (<=)", _NO_ORDER))
 
-    def __gt__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (>)"))
+        def __gt__(self, other: object) -> NoReturn:
+            raise OperandError(_NO_VALUE.format("a comparison (>)", _NO_ORDER))
 
-    def __ge__(self, other: Never) -> NoReturn:
-        raise OperandError(_NO_VALUE.format("a comparison (>=)"))
+        def __ge__(self, other: object) -> NoReturn:
+            raise OperandError(_NO_VALUE.format("a comparison (>=)", _NO_ORDER))
 
     if not TYPE_CHECKING:  # (to mypy it stays no number and no array: float(layer) is rejected)
 
@@ -81,4 +93,4 @@ class Unvalued:
 
     def _unread(self, what: str) -> NoReturn:
         """Refuse to read the value as ``what`` (a weight says where its value is)."""
-        raise OperandError(_NO_VALUE.format(what))
+        raise OperandError(_NO_VALUE.format(what, ""))
