@@ -595,7 +595,8 @@ def test_the_data_setter_copies_and_checks_shape_dtype_and_library() -> None:
         w.data = w * 2.0  # type: ignore[assignment]  # a layer, on purpose
     scalar = ml.Weight(np.float32(1.0))
     scalar.data = 0.25
-    assert type(scalar.data) is np.float32 and scalar.data == 0.25
+    data: object = scalar.data  # (typed float, as a float32 layer's value is: the README's Types section)
+    assert type(data) is np.float32 and data == 0.25
 
 
 def test_the_state_setter_checks_the_structure_and_the_optimizer_setter_starts_afresh() -> None:

@@ -54,6 +54,26 @@ ACCEPT = {
             assert_type(array_weight * question, ml.ArrayLayer)
             assert_type(array * array_weight, ml.ArrayLayer)  # (data of a known dtype: typed)
     """,
+    "numpy_scalars_are_numbers": """
+        w32 = ml.Weight(np.ones(3, dtype=np.float32))
+        assert_type(w32 * np.float32(2.0), ml.ArrayLayer)  # (a float32 model keeps its arrays)
+        assert_type(np.float32(2.0) * w32, ml.ArrayLayer)
+        assert_type(ml.mean(array_weight * array) - np.mean(array), ml.ScalarLayer)  # (np.mean: floating[Any])
+        assert_type(ml.sum(array_weight) + np.int64(2), ml.ScalarLayer)
+        assert_type(scalar_weight * np.float32(0.5), ml.ScalarLayer)
+        assert_type(np.float32(0.5) * scalar_layer, ml.ScalarLayer)
+        assert_type(np.int64(2) - scalar_layer, ml.ScalarLayer)
+        assert_type(scalar_layer ** np.float32(2.0), ml.ScalarLayer)
+        assert_type(scalar_layer * np.float32(2.0) + array_layer, ml.ArrayLayer)
+        assert_type(ml.maximum(array_weight, np.float32(0.0)), ml.ArrayLayer)
+        assert_type(ml.maximum(scalar_layer, np.float32(0.0)), ml.ScalarLayer)
+        assert_type(ml.exp(np.mean(array)), ml.ScalarLayer)
+        assert_type(ml.as_layer(np.float32(1.0)), ml.ScalarLayer)
+        assert_type(ml.Weight(np.float32(1.0)), ml.ScalarWeight)  # (its value typed float, as a float32 sum's)
+        assert_type(ml.Weight(np.int64(1)), ml.ScalarWeight)
+        assert_type(ml.optim.sgd(np.float32(0.1)), ml.optim.GradientTransformation)
+        assert_type(ml.optim.adam(np.mean(array)), ml.optim.GradientTransformation)
+    """,
     "weight_times_array_plus_layer": """
         assert_type(array_weight * array + array_layer, ml.ArrayLayer)
         assert_type(array_weight * array, ml.ArrayLayer)
@@ -313,6 +333,12 @@ REJECT = {
     # Weight.data is settable (checkpoints, issue 16), but only to data of the weight's kind.
     "weight_data_set_to_a_layer": ("array_weight.data = array_layer", "assignment"),
     "scalar_weight_data_set_to_an_array": ("scalar_weight.data = np.zeros(3)", "assignment"),
+    # NumPy's scalars are numbers; a string or a complex one is none that monadl computes with.
+    "numpy_string_operand": ("array_weight * np.str_('a')", "operator"),
+    "numpy_complex_operand": ("scalar_weight + np.complex128(1j)", "operator"),
+    "numpy_complex_to_a_function": ("ml.maximum(scalar_layer, np.complex64(1j))", "call-overload"),
+    # A float64 scalar weight refuses a float32 scalar (DTypeError): `float(x)` takes the weight's dtype.
+    "scalar_weight_data_set_to_a_float32": ("scalar_weight.data = np.float32(0.5)", "assignment"),
     "settings_with_a_string": ("ml.settings(workers='2')", "arg-type"),
     "reshape_to_an_int": ("ml.reshape(array_layer, 3)", "arg-type"),
     "axis_a_string": ("ml.sum(array_layer, axis='0')", "arg-type"),

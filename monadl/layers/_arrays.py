@@ -1,4 +1,4 @@
-"""The arrays operands may be: NumPy's (`Array`), or any array API library's (`DeviceArray`)."""
+"""The arrays operands may be: NumPy's (`Array`), or any array API library's (`DeviceArray`); and NumPy's scalars."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Array", "DeviceArray", "Gathering", "Indexing", "Slicing"]
+__all__ = ["Array", "DeviceArray", "Gathering", "Indexing", "NumPyScalar", "Slicing"]
 
 Array: TypeAlias = npt.NDArray[Any]
 """A NumPy array (any dtype monadl computes with: float32 or float64)."""
@@ -19,10 +19,21 @@ class DeviceArray(Protocol):
     """An array of any library of the Python array API standard: a CuPy array
     on a GPU, an ``array_api_strict`` array ... Weights and layers of such
     arrays compute in their own library; their types are not tracked as
-    precisely as NumPy's (a weight of one is a ``Weight[Any, Any]``)."""
+    precisely as NumPy's (a weight of one is a ``Weight[Any, Any]``).
+
+    NumPy's own arrays and scalars do not match it (their ``api_version`` is
+    a ``Literal`` of versions, narrower than ``str``): they are `Array` and
+    `NumPyScalar`, and a NumPy string does not pass as an array. A mypy note
+    "Following member(s) of ... have conflicts: ... __array_namespace__" on a
+    NumPy operand says that it is neither a number nor an array of numbers."""
 
     def __array_namespace__(self, /, *, api_version: str | None = None) -> Any: ...
 
+
+NumPyScalar: TypeAlias = np.floating[Any] | np.integer[Any]
+"""A NumPy number that is no Python ``float`` (``np.float32(0.5)``, ``np.int64(2)``,
+``np.mean(x)``'s ``floating[Any]``; ``np.float64`` is a ``float``): an operand
+as a Python number is, taking the dtype of the arrays beside it."""
 
 # The indices of a layer (`monadl.layers._layer.Expr.__getitem__`), by what they give an array.
 Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"

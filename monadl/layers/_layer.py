@@ -14,7 +14,7 @@ from typing import Any, Generic, Literal, SupportsIndex, TypeAlias, TypeVar, fin
 
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, Slicing
+from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, NumPyScalar, Slicing
 from monadl.layers._axes import Axis, as_axis, as_shape
 from monadl.layers._operand import operand as _operand
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
@@ -98,12 +98,12 @@ class Expr(Unvalued, Generic[D, G]):
         return binary(_ADD, self, other)
 
     @overload
-    def __radd__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __radd__(self: Expr[float, float], other: float | NumPyScalar) -> Layer[float, float]: ...
     @overload
     def __radd__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __radd__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
-    def __radd__(self, other: Array | float) -> Layer[Any, Any]:
+    def __radd__(self: Expr[Array, Array], other: Array | float | NumPyScalar) -> Layer[Array, Array]: ...
+    def __radd__(self, other: Array | float | NumPyScalar) -> Layer[Any, Any]:
         return binary(_ADD, other, self)
 
     @overload
@@ -116,12 +116,12 @@ class Expr(Unvalued, Generic[D, G]):
         return binary(_SUB, self, other)
 
     @overload
-    def __rsub__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rsub__(self: Expr[float, float], other: float | NumPyScalar) -> Layer[float, float]: ...
     @overload
     def __rsub__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rsub__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
-    def __rsub__(self, other: Array | float) -> Layer[Any, Any]:
+    def __rsub__(self: Expr[Array, Array], other: Array | float | NumPyScalar) -> Layer[Array, Array]: ...
+    def __rsub__(self, other: Array | float | NumPyScalar) -> Layer[Any, Any]:
         return binary(_SUB, other, self)
 
     @overload
@@ -134,12 +134,12 @@ class Expr(Unvalued, Generic[D, G]):
         return binary(_MUL, self, other)
 
     @overload
-    def __rmul__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rmul__(self: Expr[float, float], other: float | NumPyScalar) -> Layer[float, float]: ...
     @overload
     def __rmul__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rmul__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
-    def __rmul__(self, other: Array | float) -> Layer[Any, Any]:
+    def __rmul__(self: Expr[Array, Array], other: Array | float | NumPyScalar) -> Layer[Array, Array]: ...
+    def __rmul__(self, other: Array | float | NumPyScalar) -> Layer[Any, Any]:
         return binary(_MUL, other, self)
 
     @overload
@@ -152,12 +152,12 @@ class Expr(Unvalued, Generic[D, G]):
         return binary(_DIV, self, other)
 
     @overload
-    def __rtruediv__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rtruediv__(self: Expr[float, float], other: float | NumPyScalar) -> Layer[float, float]: ...
     @overload
     def __rtruediv__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rtruediv__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
-    def __rtruediv__(self, other: Array | float) -> Layer[Any, Any]:
+    def __rtruediv__(self: Expr[Array, Array], other: Array | float | NumPyScalar) -> Layer[Array, Array]: ...
+    def __rtruediv__(self, other: Array | float | NumPyScalar) -> Layer[Any, Any]:
         return binary(_DIV, other, self)
 
     @overload
@@ -170,12 +170,12 @@ class Expr(Unvalued, Generic[D, G]):
         return binary(_POW, self, other)
 
     @overload
-    def __rpow__(self: Expr[float, float], other: float) -> Layer[float, float]: ...
+    def __rpow__(self: Expr[float, float], other: float | NumPyScalar) -> Layer[float, float]: ...
     @overload
     def __rpow__(self: Expr[float, float], other: Array) -> Layer[Array, Array]: ...
     @overload
-    def __rpow__(self: Expr[Array, Array], other: Array | float) -> Layer[Array, Array]: ...
-    def __rpow__(self, other: Array | float) -> Layer[Any, Any]:
+    def __rpow__(self: Expr[Array, Array], other: Array | float | NumPyScalar) -> Layer[Array, Array]: ...
+    def __rpow__(self, other: Array | float | NumPyScalar) -> Layer[Any, Any]:
         return binary(_POW, other, self)
 
     def __matmul__(self: Expr[Array, Array], other: ArrayOperand) -> Layer[Array, Array]:  # (no scalar's)
@@ -279,14 +279,14 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
 
-ScalarOperand: TypeAlias = float | Expr[float, float]  # (not a string: a user's `ml.AsScalar | None` runs)
+ScalarOperand: TypeAlias = float | NumPyScalar | Expr[float, float]  # (not a string: `ml.AsScalar | None` runs)
 ArrayOperand: TypeAlias = Array | Expr[Array, Array]
-Operand: TypeAlias = Array | DeviceArray | float | Expr[Any, Any]
+Operand: TypeAlias = Array | DeviceArray | float | NumPyScalar | Expr[Any, Any]
 """Anything a differentiable function accepts: plain data, weights and layers."""
 AsArray: TypeAlias = ArrayOperand
 """An alias of `ArrayOperand` (a plain array, an array weight or an array layer), the paper's name."""
 AsScalar: TypeAlias = ScalarOperand
-"""An alias of `ScalarOperand` (a plain float, a scalar weight or a scalar layer), the paper's name."""
+"""An alias of `ScalarOperand` (a plain number, a scalar weight or a scalar layer), the paper's name."""
 
 
 _ADD, _SUB, _MUL, _DIV, _POW, _MATMUL, _GETITEM = (

@@ -11,6 +11,7 @@ import numpy as np
 
 from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError
+from monadl.layers._arrays import NumPyScalar
 from monadl.layers._layer import Array, DeviceArray, Expr
 from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
@@ -81,8 +82,8 @@ class Weight(Expr[D, G]):
     _site: Site
 
     @overload
-    def __init__(
-        self: Weight[float, float], data: float, *, optimizer: GradientTransformation | None = None
+    def __init__(  # (a NumPy scalar too: a float32 one stays float32, as a float32 array's sum, also typed float)
+        self: Weight[float, float], data: float | NumPyScalar, *, optimizer: GradientTransformation | None = None
     ) -> None: ...
     @overload
     def __init__(
@@ -91,10 +92,6 @@ class Weight(Expr[D, G]):
     @overload
     def __init__(
         self: Weight[Any, Any], data: DeviceArray, *, optimizer: GradientTransformation | None = None
-    ) -> None: ...
-    @overload
-    def __init__(  # a NumPy scalar of any float type (np.float32 is no Python float)
-        self: Weight[Any, Any], data: np.floating[Any], *, optimizer: GradientTransformation | None = None
     ) -> None: ...
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim

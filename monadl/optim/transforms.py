@@ -24,6 +24,7 @@ from typing import Any, Final, NamedTuple, TypeAlias, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.layers._arrays import NumPyScalar
 from monadl.optim._spec import spec
 
 __all__ = [
@@ -53,6 +54,8 @@ Tensor: TypeAlias = Any  # an ndarray or a NumPy scalar
 State: TypeAlias = Any
 Schedule: TypeAlias = Callable[[int], float]
 """A learning rate as a function of the step count (0 for the first step)."""
+Rate: TypeAlias = float | NumPyScalar
+"""A constant learning rate: a Python or NumPy number (made a Python float)."""
 
 
 class GradientTransformation(NamedTuple):
@@ -204,7 +207,7 @@ class Scale:
         return g * self.factor, state
 
 
-def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
+def scale_by_learning_rate(learning_rate: Rate | Schedule) -> GradientTransformation:
     """Multiply by ``-learning_rate`` (descent), a constant or a schedule of the step.
 
     A rate must be finite and >= 0 (0 freezes a weight, as in PyTorch and
@@ -244,7 +247,7 @@ def _valid_rate(rate: object) -> bool:
     return _finite(rate) and bool(rate >= 0)  # type: ignore[operator]  # (a number: `_finite` said so)
 
 
-def _checked(name: str, value: float, below: float | None = None) -> float:
+def _checked(name: str, value: Rate, below: float | None = None) -> float:
     """A hyperparameter as a Python float, refused where it is no finite
     number >= 0 (or not below ``below``), where the optimizer is made, as
     PyTorch's optimizers do. (A NumPy float64 would make a float32 weight's
@@ -356,23 +359,23 @@ def add_l1_decay(l1: float) -> GradientTransformation:
 
 
 # ---- the usual optimizers ------------------------------------------------------------
-def sgd(learning_rate: float | Schedule) -> GradientTransformation:
+def sgd(learning_rate: Rate | Schedule) -> GradientTransformation:
     """Plain stochastic gradient descent."""
     return scale_by_learning_rate(learning_rate)
 
 
-def momentum(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTransformation:
+def momentum(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
     """SGD with heavy-ball momentum."""
     return chain(trace(decay), scale_by_learning_rate(learning_rate))
 
 
-def nesterov(learning_rate: float | Schedule, decay: float = 0.9) -> GradientTransformation:
+def nesterov(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
     """SGD with Nesterov momentum."""
     return chain(trace(decay, nesterov=True), scale_by_learning_rate(learning_rate))
 
 
 def adagrad(
-    learning_rate: float | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
+    learning_rate: Rate | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformation:
     """Adagrad (Duchi et al., 2011), with optax's defaults: the squared
     gradients' sum starts at 0.1 and ``eps`` is 1e-7 (PyTorch's ``Adagrad``:
@@ -380,7 +383,7 @@ def adagrad(
     return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
 
 
-def rmsprop(learning_rate: float | Schedule, decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
+def rmsprop(learning_rate: Rate | Schedule, decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """RMSprop (Tieleman & Hinton, 2012), with optax's defaults: ``decay``
     0.9 (PyTorch's ``RMSprop``: ``alpha=0.99``; pass ``decay=0.99`` to match
     it); ``eps`` is added to the root, as PyTorch adds it."""
@@ -388,7 +391,7 @@ def rmsprop(learning_rate: float | Schedule, decay: float = 0.9, eps: float = 1e
 
 
 def adam(
-    learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+    learning_rate: Rate | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformation:
     """Adam with bias correction.
 
