@@ -74,6 +74,29 @@ ACCEPT = {
         assert_type(ml.optim.sgd(np.float32(0.1)), ml.optim.GradientTransformation)
         assert_type(ml.optim.adam(np.mean(array)), ml.optim.GradientTransformation)
     """,
+    "an_expression_of_any_is_not_taken_for_a_scalar": """
+        def untyped(data: Any, layer: ml.Layer[Any, Any]) -> None:
+            v = ml.Weight(data)  # (Xavier's rng.normal(size=(4, 3)) / np.sqrt(4) is Any to NumPy's stubs)
+            assert_type(v, ml.Weight[Any, Any])
+            assert_type(v * 2.0, ml.Layer[Any, Any])  # (it was the first overload's: ml.ScalarLayer)
+            assert_type(2.0 * v, ml.Layer[Any, Any])
+            h: ml.ArrayLayer = v * 2.0
+            assert_type(v * array, ml.ArrayLayer)  # (arrays win)
+            assert_type(v + array_layer, ml.ArrayLayer)
+            assert_type(v * scalar_layer, ml.Layer[Any, Any])
+            assert_type(layer - v, ml.Layer[Any, Any])
+            assert_type(layer ** 2.0 + layer, ml.Layer[Any, Any])
+            assert_type(array_layer[0] * 2.0, ml.Layer[Any, Any])
+            typed: ml.ArrayWeight = ml.Weight(data)  # (the README's advice: annotate it where it is made)
+            assert_type(typed * 2.0, ml.ArrayLayer)
+    """,
+    "another_librarys_weight_is_not_typed_numpy": """
+        import array_api_strict as xp
+        a = xp.asarray([1.0, 2.0])
+        w = ml.Weight(a)
+        assert_type(w * a, ml.Layer[Any, Any])  # (it was ml.ArrayLayer, whose value is typed np.ndarray)
+        assert_type(w * 2.0, ml.Layer[Any, Any])
+    """,
     "weight_times_array_plus_layer": """
         assert_type(array_weight * array + array_layer, ml.ArrayLayer)
         assert_type(array_weight * array, ml.ArrayLayer)
@@ -333,6 +356,7 @@ REJECT = {
     # Weight.data is settable (checkpoints, issue 16), but only to data of the weight's kind.
     "weight_data_set_to_a_layer": ("array_weight.data = array_layer", "assignment"),
     "scalar_weight_data_set_to_an_array": ("scalar_weight.data = np.zeros(3)", "assignment"),
+    "string_operand_of_an_expression_of_any": ("def f(v: ml.Weight[Any, Any]) -> None:\n    v * 'a'", "operator"),
     # NumPy's scalars are numbers; a string or a complex one is none that monadl computes with.
     "numpy_string_operand": ("array_weight * np.str_('a')", "operator"),
     "numpy_complex_operand": ("scalar_weight + np.complex128(1j)", "operator"),
