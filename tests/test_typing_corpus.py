@@ -89,6 +89,18 @@ ACCEPT = {
             assert_type(array_layer[0] * 2.0, ml.Layer[Any, Any])
             typed: ml.ArrayWeight = ml.Weight(data)  # (the README's advice: annotate it where it is made)
             assert_type(typed * 2.0, ml.ArrayLayer)
+            assert_type(ml.tanh(v), ml.Layer[Any, Any])
+            assert_type(ml.maximum(0.0, layer), ml.Layer[Any, Any])
+            rows = [ml.tanh(data @ v) for _ in range(2)]  # (in the list's context it took the scalar overload)
+            assert_type(ml.concatenate([ml.relu(r) for r in rows]), ml.ArrayLayer)
+    """,
+    "array_methods_keep_arrays_and_scalars_join_by_stack": """
+        assert_type(array_layer.T, ml.ArrayLayer)
+        assert_type(array_weight.transpose(), ml.ArrayLayer)
+        assert_type(scalar_layer.reshape(1), ml.ArrayLayer)  # (a scalar reshaped is an array)
+        assert_type(ml.reshape(scalar_weight, (1, 1)), ml.ArrayLayer)
+        assert_type(ml.stack([scalar_layer, scalar_weight, 2.0]), ml.ArrayLayer)
+        assert_type(ml.concatenate([array_layer, array_weight, array]), ml.ArrayLayer)
     """,
     "another_librarys_weight_is_not_typed_numpy": """
         import array_api_strict as xp
@@ -356,6 +368,14 @@ REJECT = {
     # Weight.data is settable (checkpoints, issue 16), but only to data of the weight's kind.
     "weight_data_set_to_a_layer": ("array_weight.data = array_layer", "assignment"),
     "scalar_weight_data_set_to_an_array": ("scalar_weight.data = np.zeros(3)", "assignment"),
+    # A scalar has no index, no axes to permute and none to join along (an IndexError, a scalar for .T, a
+    # ShapeError at run time).
+    "index_of_a_scalar_layer": ("scalar_layer[0]", "misc"),
+    "slice_of_a_scalar_weight": ("scalar_weight[1:]", "misc"),
+    "transpose_of_a_scalar_layer": ("scalar_layer.T", "misc"),
+    "transpose_method_of_a_scalar_weight": ("scalar_weight.transpose()", "misc"),
+    "transpose_function_of_a_scalar": ("ml.transpose(scalar_layer)", "arg-type"),
+    "concatenate_scalars": ("ml.concatenate([scalar_layer, scalar_weight])", "list-item"),
     "string_operand_of_an_expression_of_any": ("def f(v: ml.Weight[Any, Any]) -> None:\n    v * 'a'", "operator"),
     # NumPy's scalars are numbers; a string or a complex one is none that monadl computes with.
     "numpy_string_operand": ("array_weight * np.str_('a')", "operator"),

@@ -7,7 +7,7 @@ they need no backward rule of their own.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, SupportsIndex, overload
+from typing import Any, Final, Literal, Never, SupportsIndex, overload
 
 import numpy as np
 
@@ -69,6 +69,11 @@ def apply_primitive(name: str, operands: tuple[object, ...], params: tuple[Any, 
 
 
 # ---- elementwise ------------------------------------------------------------------------
+# Each first takes `Expr[Never, Never]`, which only a weight or layer of Any matches: its result is a
+# `Layer[Any, Any]`, as an operator's (`monadl.layers._layer.Expr`), where mypy took the scalar
+# overload in some contexts (a list passed to `concatenate`) and rejected correct code.
+@overload
+def exp(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def exp(x: ScalarOperand) -> ScalarLayer: ...
 @overload
@@ -79,6 +84,8 @@ def exp(x: Operand) -> Layer[Any, Any]:
 
 
 @overload
+def log(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
 def log(x: ScalarOperand) -> ScalarLayer: ...
 @overload
 def log(x: ArrayOperand) -> ArrayLayer: ...
@@ -87,6 +94,8 @@ def log(x: Operand) -> Layer[Any, Any]:
     return apply_primitive("log", (x,))
 
 
+@overload
+def sqrt(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def sqrt(x: ScalarOperand) -> ScalarLayer: ...
 @overload
@@ -97,6 +106,8 @@ def sqrt(x: Operand) -> Layer[Any, Any]:
 
 
 @overload
+def abs(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
 def abs(x: ScalarOperand) -> ScalarLayer: ...
 @overload
 def abs(x: ArrayOperand) -> ArrayLayer: ...
@@ -105,6 +116,8 @@ def abs(x: Operand) -> Layer[Any, Any]:
     return apply_primitive("abs", (x,))
 
 
+@overload
+def tanh(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def tanh(x: ScalarOperand) -> ScalarLayer: ...
 @overload
@@ -115,6 +128,8 @@ def tanh(x: Operand) -> Layer[Any, Any]:
 
 
 @overload
+def sigmoid(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
 def sigmoid(x: ScalarOperand) -> ScalarLayer: ...
 @overload
 def sigmoid(x: ArrayOperand) -> ArrayLayer: ...
@@ -123,6 +138,8 @@ def sigmoid(x: Operand) -> Layer[Any, Any]:
     return apply_primitive("sigmoid", (x,))
 
 
+@overload
+def relu(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def relu(x: ScalarOperand) -> ScalarLayer: ...
 @overload
@@ -138,6 +155,10 @@ def relu(x: Operand) -> Layer[Any, Any]:
 
 
 @overload
+def maximum(a: Expr[Never, Never], b: Operand) -> Layer[Any, Any]: ...
+@overload
+def maximum(a: Operand, b: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
 def maximum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
 @overload
 def maximum(a: ArrayOperand, b: Operand) -> ArrayLayer: ...
@@ -148,6 +169,10 @@ def maximum(a: Operand, b: Operand) -> Layer[Any, Any]:
     return apply_primitive("maximum", (a, b))
 
 
+@overload
+def minimum(a: Expr[Never, Never], b: Operand) -> Layer[Any, Any]: ...
+@overload
+def minimum(a: Operand, b: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def minimum(a: ScalarOperand, b: ScalarOperand) -> ScalarLayer: ...
 @overload
@@ -193,6 +218,8 @@ def where(condition: Array | DeviceArray | list[bool], a: Operand, b: Operand) -
     return apply_primitive("where", (condition, a, b))
 
 
+@overload
+def stop_gradient(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
 @overload
 def stop_gradient(x: ScalarOperand) -> ScalarLayer: ...
 @overload

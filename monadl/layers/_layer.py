@@ -247,10 +247,11 @@ class Expr(Unvalued, Generic[D, G]):
     @overload
     def __getitem__(self: Expr[Array, Array], index: Slicing | Gathering) -> Layer[Array, Array]: ...
     @overload
-    def __getitem__(self, index: Indexing) -> Layer[Any, Any]: ...
+    def __getitem__(self: Expr[Array, Array], index: Indexing) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
         """Indexing and slicing; slices alone (with ``...`` and ``None``), an
-        integer or boolean array or a list of ints keep an array an array."""
+        integer or boolean array or a list of ints keep an array an array. (A
+        scalar layer has no index: mypy rejects one, as NumPy's IndexError would.)"""
         if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
         # A cell cuts its gates with several slices a node: built here, as `binary` builds.
@@ -317,19 +318,20 @@ class Expr(Unvalued, Generic[D, G]):
         return Layer._make(PRIMITIVES["reshape"], (self,), (as_shape(shape, "reshape", "shape"),))
 
     @overload
-    def transpose(self, axes: Sequence[SupportsIndex] | Array | None, /) -> Layer[Array, Array]: ...
+    def transpose(self: Expr[Array, Array], axes: Sequence[SupportsIndex] | Array | None, /) -> Layer[Array, Array]: ...
     @overload
-    def transpose(self, *axes: SupportsIndex) -> Layer[Array, Array]: ...
+    def transpose(self: Expr[Array, Array], *axes: SupportsIndex) -> Layer[Array, Array]: ...
     def transpose(self, *axes: Any) -> Layer[Array, Array]:
-        """Permute axes (reverse them when none or None are given): ``(1, 0)`` or ``1, 0``, as NumPy's method."""
+        """Permute axes (reverse them when none or None are given): ``(1, 0)`` or ``1, 0``, as NumPy's method.
+        An array's (a scalar's transpose is the scalar, no array)."""
         reverse = not axes or (len(axes) == 1 and axes[0] is None)
         return Layer._make(
             PRIMITIVES["transpose"], (self,), (None if reverse else as_shape(axes, "transpose", "axes"),)
         )
 
     @property
-    def T(self) -> Layer[Array, Array]:
-        """The transpose."""
+    def T(self: Expr[Array, Array]) -> Layer[Array, Array]:
+        """The transpose (an array's: see `transpose`)."""
         return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
 
 

@@ -173,13 +173,13 @@ def reshape(x: Operand, shape: Sequence[SupportsIndex] | Array) -> ArrayLayer:
     return apply_primitive("reshape", (x,), (as_ints(shape, "reshape", "shape"),))
 
 
-def transpose(x: Operand, axes: Sequence[SupportsIndex] | Array | None = None) -> ArrayLayer:
-    """Permute axes (reverse them by default)."""
+def transpose(x: ArrayOperand | DeviceArray, axes: Sequence[SupportsIndex] | Array | None = None) -> ArrayLayer:
+    """Permute axes (reverse them by default). An array's: a scalar's transpose is the scalar, no array."""
     return apply_primitive("transpose", (x,), (None if axes is None else as_ints(axes, "transpose", "axes"),))
 
 
-def concatenate(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
-    """Join along an existing axis.
+def concatenate(xs: Sequence[ArrayOperand | DeviceArray], axis: SupportsIndex = 0) -> ArrayLayer:
+    """Join along an existing axis: of arrays (scalars have none; `stack` joins them).
 
     >>> import anyio, numpy as np, monadl as ml
     >>> anyio.run(concatenate([np.zeros(2), ml.Weight(np.ones(1))]).predict)
