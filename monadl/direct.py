@@ -46,7 +46,7 @@ from typing import Any, Final, NoReturn, ParamSpec, TypeVar, final, overload
 
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
-from monadl.layers._layer import Expr, Layer
+from monadl.layers._layer import Array, Expr, Layer
 
 __all__ = ["direct", "values"]
 
@@ -222,8 +222,10 @@ def values(
 ) -> Awaitable[tuple[D1, D2, D3, D4, D5]]: ...
 @overload
 def values(*layers: Expr[D1, Any]) -> Awaitable[tuple[D1, ...]]: ...
+@overload  # (more than five, scalars and arrays: each either)
+def values(*layers: Expr[float, float] | Expr[Array, Array]) -> Awaitable[tuple[float | Array, ...]]: ...
 @overload
-def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]: ...  # (more than five, of mixed kinds)
+def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]: ...  # (more than five, of other kinds)
 def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     """Forward values of several layers at once, evaluated in parallel
     (use inside a `direct` function)."""

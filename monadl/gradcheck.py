@@ -9,26 +9,39 @@ so the whole vector-Jacobian product is checked, not only its sum.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
 from monadl.errors import OperandError
-from monadl.layers._layer import Expr
+from monadl.layers._layer import Array, Expr
 from monadl.layers._operation import Operation
-from monadl.layers._weight import Weight
+from monadl.layers._weight import ArrayWeight, ScalarWeight, Weight
 from monadl.runtime import entry
 from monadl.typeclasses import as_layer
 
 __all__ = ["check_grads", "check_grads_over_shapes", "gradients", "value_and_gradients"]
 
 
+D = TypeVar("D")
+
+
+@overload
+async def gradients(loss: Expr[Any, Any], weights: Sequence[ArrayWeight]) -> list[Array]: ...
+@overload
+async def gradients(loss: Expr[Any, Any], weights: Sequence[ScalarWeight]) -> list[float]: ...
+@overload
+async def gradients(loss: Expr[Any, Any], weights: Sequence[ScalarWeight | ArrayWeight]) -> list[float | Array]: ...
+@overload
+async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]: ...
 async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -> list[Any]:
     """The gradient of ``loss`` (summed, if not a scalar) for each weight,
     without changing any weight, as a dense array (an embedding table's sparse
     delta is scattered into one). A weight the loss does not reach gets zeros.
+    Each is of its weight's kind: a list of array weights gives arrays, of
+    scalar weights floats, of both either.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.array([1.0, 2.0]))
@@ -48,7 +61,7 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
 
 
-async def value_and_gradients(loss: Expr[Any, Any]) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, Any], Any]]:
     """The value of ``loss`` (summed, if not a scalar) and the gradient of
     each weight it reaches, as ``train()`` would step them, from one forward
     and one backward pass, without changing any weight (as JAX's
@@ -58,7 +71,9 @@ async def value_and_gradients(loss: Expr[Any, Any]) -> tuple[Any, dict[Weight[An
     ``train()`` would. A weight the loss does not reach (or reaches only
     through `stop_gradient`) has no entry, since a step of zeros still moves
     Adam; an embedding table's gradient is its rows (`monadl.deltas.SparseRows`,
-    ``.to_dense()`` for the array), so that only they step.
+    ``.to_dense()`` for the array), so that only they step. The value is typed
+    as ``train()``'s (a float for a scalar loss); a gradient as ``Any``, since
+    a weight's may be its array, its float or its rows.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w, frozen = ml.Weight(np.array([1.0, 2.0])), ml.Weight(np.array([3.0, 4.0]))

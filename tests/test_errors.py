@@ -327,10 +327,10 @@ async def test_integer_data_takes_the_float_weights_dtype() -> None:
 async def test_gradients_wants_a_list_of_weights() -> None:
     w = ml.Weight(np.ones(2))
     with pytest.raises(TypeError, match=r"a list of Weights \(\[w\] for one\), got a Weight"):
-        await ml.gradients(ml.sum(w), w)  # type: ignore[arg-type]  # one weight, not a list: on purpose
+        await ml.gradients(ml.sum(w), w)  # type: ignore[call-overload]  # one weight, not a list: on purpose
     with pytest.raises(TypeError, match="got ndarray among them"):
         await ml.gradients(ml.sum(w), [np.ones(2)])  # type: ignore[list-item]  # an array for a weight: on purpose
-    assert [g.tolist() for g in await ml.gradients(ml.sum(w * w), iter([w]))] == [[2.0, 2.0]]  # type: ignore[arg-type]
+    assert [g.tolist() for g in await ml.gradients(ml.sum(w * w), iter([w]))] == [[2.0, 2.0]]  # type: ignore[call-overload]
 
 
 def test_settings_of_the_wrong_type_are_refused_where_they_are_made() -> None:

@@ -194,6 +194,21 @@ ACCEPT = {
             assert_type(await scalar_layer.predict(), float)
             assert_type(await array_layer.train(), ml.Array)
     """,
+    "gradients_and_values_are_typed_by_their_layers": """
+        async def gradients(ws: list[ml.Weight[Any, Any]]) -> None:
+            assert_type(await ml.gradients(scalar_layer, [array_weight]), list[ml.Array])
+            assert_type(await ml.gradients(scalar_layer, [scalar_weight]), list[float])
+            assert_type(await ml.gradients(scalar_layer, [array_weight, scalar_weight]), list[float | ml.Array])
+            assert_type(await ml.gradients(scalar_layer, ws), Any)  # (weights of Any match every overload)
+            value, grads = await ml.value_and_gradients(scalar_layer)
+            assert_type(value, float)  # (as train()'s)
+            assert_type((await ml.value_and_gradients(array_layer))[0], ml.Array)
+        @ml.direct
+        async def six(s: ml.ScalarLayer, x: ml.ArrayLayer) -> ml.ScalarLayer:
+            assert_type(await ml.values(s, s, s, s, s, x), tuple[float | ml.Array, ...])
+            assert_type(await ml.values(s, s, s, s, s, s), tuple[float, ...])
+            return s
+    """,
     "do_combinators": """
         assert_type(ml.Do.pure(1).map(str), ml.Do[str])
         assert_type(ml.Do.pure(1).bind(lambda v: ml.Do.pure(v * 2.0)), ml.Do[float])
@@ -358,6 +373,14 @@ REJECT = {
     "predict_result_misused": (
         "async def f() -> None:\n    s: str = await scalar_layer.predict()",
         "assignment",
+    ),
+    "array_gradients_taken_for_floats": (
+        "async def f() -> None:\n    g: list[float] = await ml.gradients(scalar_layer, [array_weight])",
+        "assignment",
+    ),
+    "a_scalar_losss_value_taken_for_an_array": (
+        "async def f() -> None:\n    v, _ = await ml.value_and_gradients(scalar_layer)\n    v.shape",
+        "attr-defined",
     ),
     "train_with_an_argument": ("scalar_layer.train(1)", "call-arg"),
     "await_a_layer_outside_a_coroutine": ("def f() -> float:\n    return await scalar_layer", "await-not-async"),

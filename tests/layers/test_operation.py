@@ -923,8 +923,8 @@ async def test_a_dataclass_keeps_the_fields_its_constructor_does_not_take() -> N
         np.testing.assert_allclose(await a.predict(), await b.predict())
     got = await ml.gradients(ml.sum(marked.h) + ml.sum(marked.aux), [w, v])
     want = await ml.gradients(ml.sum(plain.h) + ml.sum(plain.aux), [w, v])
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h)
     derived = ml.operation(lambda d: d.twice + 1.0)(_Derived(ml.tanh(w)))  # (one derived in __post_init__)
     np.testing.assert_allclose(await derived.predict(), 2.0 * np.tanh(1.0) + 1.0)
 
