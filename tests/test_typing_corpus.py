@@ -209,6 +209,14 @@ ACCEPT = {
             assert_type(await ml.values(s, s, s, s, s, s), tuple[float, ...])
             return s
     """,
+    "pythons_sum_of_layers_with_a_start_or_ml_sum_of_a_stack": """
+        from typing import Literal
+        losses = [ml.sum(array_weight * x) for x in (array, array)]
+        assert_type(sum(losses, start=ml.as_layer(0.0)), ml.ScalarLayer)  # (the README's Types section)
+        assert_type(ml.sum(ml.stack(losses)), ml.ScalarLayer)
+        assert_type(sum((array_weight * x for x in (array, array)), start=ml.as_layer(np.zeros(3))), ml.ArrayLayer)
+        assert_type(sum(losses), ml.ScalarLayer | Literal[0])  # (typeshed's: the 0 it starts from)
+    """,
     "do_combinators": """
         assert_type(ml.Do.pure(1).map(str), ml.Do[str])
         assert_type(ml.Do.pure(1).bind(lambda v: ml.Do.pure(v * 2.0)), ml.Do[float])
@@ -382,6 +390,7 @@ REJECT = {
         "async def f() -> None:\n    v, _ = await ml.value_and_gradients(scalar_layer)\n    v.shape",
         "attr-defined",
     ),
+    "train_on_pythons_sum_without_a_start": ("sum([scalar_layer, scalar_layer]).train()", "union-attr"),
     "train_with_an_argument": ("scalar_layer.train(1)", "call-arg"),
     "await_a_layer_outside_a_coroutine": ("def f() -> float:\n    return await scalar_layer", "await-not-async"),
     "await_a_forward_expecting_a_tape": (
