@@ -16,7 +16,7 @@ delta for the group, and the matmul rule makes it one ``X_cat.T @ dY``.
 
 Rules compute with the unbatched rules of `PRIMITIVES` wherever stacking is
 enough (elementwise ops, embedding lookups), so the arithmetic stays in one
-place.
+place; the lookups by index are `monadl.layers._batching_lookups`'.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from monadl._namespace import namespace
 from monadl.deltas import unbroadcast
+from monadl.layers._batching_lookups import batch_embedding, batch_getitem, batch_segment_sum
 from monadl.layers._indexing import _checked_indices
 from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._products import product
@@ -156,16 +157,6 @@ def _dense(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchRes
     return total, (lambda g: da(d_out(g)), lambda g: db(d_out(g)), d_bias)
 
 
-def _getitem(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
-    a, index = args
-    if not batched[0] or batched[1]:
-        return None
-    items = index if isinstance(index, tuple) else (index,)
-    if not all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items):
-        return None  # fancy indices: members run one by one
-    return PRIMITIVES["getitem"].rule(a, (slice(None), *items))
-
-
 def _member_axis(axis: int, ndim: int) -> int:
     """A member's ``axis`` (of ``ndim``) as an axis of the stack (one more, in
     front); out of range it raises, and the group runs node by node, where
@@ -216,35 +207,6 @@ def _concatenate(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Ba
         return None
     lifted = [a if b else xp.broadcast_to(a, (n, *a.shape)) for a, b in zip(arrays, batched)]
     return PRIMITIVES["concatenate"].rule(*lifted, _member_axis(axis, ndim))
-
-
-def _embedding(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
-    if batched[0] or not batched[1]:
-        return None
-    return PRIMITIVES["embedding"].rule(*args)  # the stacked indices are just more indices
-
-
-def _segment_sum(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
-    """Member ``i``'s segments as rows ``i * num_segments ...`` of one sum:
-    its ids offset by that much, so the group is one scatter of all its rows
-    and its delta one gather (a shared operand is broadcast to the members)."""
-    data, ids, segments = args
-    xp = namespace(data)
-    if not batched[0]:
-        data = xp.broadcast_to(data, (n, *data.shape))
-    if not batched[1]:
-        ids = namespace(ids).broadcast_to(ids, (n, *ids.shape))
-    if data.ndim < 2 or data.shape[1] != ids.shape[1]:
-        return None  # members one by one: each node's error names its line
-    rows, rest = data.shape[1], data.shape[2:]
-    # Checked per member first (an id past its member's segments would land in the next member's).
-    ids = xp.reshape(_checked_indices(xp, ids, segments, "segment_ids", "segments", data), (n, rows))
-    offsets = xp.arange(n, dtype=xp.int64, device=data.device)[:, None] * segments
-    flat = xp.reshape(xp.astype(ids, xp.int64) + offsets, (-1,))  # (int64: an int8 id plus the offset overflows)
-    out, (vjp,) = PRIMITIVES["segment_sum"].rule(xp.reshape(data, (n * rows, *rest)), flat, n * segments)
-    return xp.reshape(out, (n, segments, *rest)), (
-        lambda g: xp.reshape(vjp(xp.reshape(g, (n * segments, *rest))), (n, rows, *rest)),
-    )
 
 
 def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
@@ -340,11 +302,11 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
     "split_part": _split("split_part"),
     "matmul": _matmul,
     "dense": _dense,
-    "getitem": _getitem,
+    "getitem": batch_getitem,
     **{name: _reduction(name) for name in ("sum", "mean", "max", "logsumexp")},
     **{name: _per_row(name) for name in ("softmax", "log_softmax")},
     "concatenate": _concatenate,
-    "embedding": _embedding,
-    "segment_sum": _segment_sum,
+    "embedding": batch_embedding,
+    "segment_sum": batch_segment_sum,
     "cross_entropy": _cross_entropy,
 }

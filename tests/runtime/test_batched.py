@@ -700,7 +700,13 @@ def test_embedding_and_cross_entropy_rules() -> None:
 
 def test_unbatchable_combinations_say_so() -> None:
     rule: Callable[..., Any] = BATCHING_RULES["getitem"]
-    assert rule((np.ones((3, 4)), (np.array([0, 1]),)), (True, False), 3) is None
+    # Fancy indices other than one integer array in the first place (`test_batched_lookups`).
+    stack, ids = np.ones((3, 4, 2)), np.array([0, 1])
+    assert rule((stack, (np.array([True, False, True, False]),)), (True, False), 3) is None  # a mask
+    assert rule((stack, (slice(None), ids)), (True, False), 3) is None  # an array after a slice
+    assert rule((stack, (ids, ids)), (True, False), 3) is None  # two arrays
+    rows = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(rule((rows, (ids,)), (True, False), 3)[0], rows[:, ids])  # one array: batched now
     assert BATCHING_RULES["matmul"]((np.ones(3), np.ones(3)), (False, False), 1) is None
     # Stacks of matrices whose members broadcast ((1, 2, 3) @ (5, 3, 2)): the delta of the
     # first would be of the broadcast shape, not its own; members one by one.

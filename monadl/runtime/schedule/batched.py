@@ -66,6 +66,7 @@ from monadl.runtime.schedule.batched_records import (
     number_key,
     signature,
     stack,
+    stack_index,
 )
 from monadl.runtime.schedule.batched_rule import (
     ALONE,
@@ -326,6 +327,12 @@ class _Run:
                     args.append(column)  # (made a column below)
                     batched.append(True)
                     operands.append(Operand(None, [None] * n))
+                    continue
+            elif kind is tuple and p >= arity:  # an index: its arrays, where members' differ, stacked
+                indices = stack_index([m._params[p - arity] for m in members])
+                if indices is not None:
+                    args.append(indices)
+                    batched.append(True)
                     continue
             if not stacks:
                 rec = records[x0] if is_node else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from itertools import repeat
-from operator import itemgetter
+from operator import is_not, itemgetter
 from typing import Any, Final
 
 import numpy as np
@@ -67,6 +67,7 @@ __all__ = [
     "number_key",
     "signature",
     "stack",
+    "stack_index",
 ]
 
 
@@ -314,6 +315,23 @@ def stack(values: list[Any]) -> Any:
     if getattr(first, "ndim", 0):
         return xp.reshape(xp.concat(values, axis=0), (len(values), *first.shape))
     return xp.stack(values)
+
+
+def stack_index(column: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    """The members' index tuples (a parameter, ``h[src, 0]``'s) as one: each
+    array in it that is not one object in all of them stacked along a new
+    leading axis; None where all are the first member's. Their signature held
+    only the arrays' shapes and dtypes (and the other items' values): read
+    as one, every member would take the first member's rows."""
+    first = column[0]
+    items: list[Any] = []
+    for j, q in enumerate(first):
+        if hasattr(q, "shape"):
+            arrays = [index[j] for index in column]
+            if any(map(is_not, arrays, repeat(q))):
+                q = stack(arrays)
+        items.append(q)
+    return tuple(items) if any(map(is_not, items, first)) else None
 
 
 _GETTERS: dict[int, tuple[itemgetter[Any], ...]] = {}
