@@ -22,6 +22,7 @@ HERE = __file__
 ROWS, EDGES, D, MEMBERS = 5, 6, 3, 8
 Ints = npt.NDArray[np.int64]
 Form = Callable[[ml.ArrayLayer, Any], ml.ArrayLayer]
+SHARED = np.array([4, 0, 0, 2])  # one index for every example's rows
 
 FORMS: dict[str, tuple[str, Form, Callable[[Ints], Any]]] = {
     # (the primitive, the lookup, what each example passes as its index: its sources, or made of them)
@@ -35,7 +36,9 @@ FORMS: dict[str, tuple[str, Form, Callable[[Ints], Any]]] = {
     "h[k]": ("getitem", lambda h, k: h[k], lambda src: np.array(src[0])),  # a 0-d index array of each example's
     "h[k, 1:]": ("getitem", lambda h, k: h[k, 1:], lambda src: np.array(src[0])),
     "h[uint8 src]": ("getitem", lambda h, s: h[s], lambda src: src.astype(np.uint8)),
+    "h[shared]": ("getitem", lambda h, s: h[SHARED] * s, lambda src: 1.0),
     "embedding(h, src)": ("embedding", lambda h, s: ml.embedding(h, s), lambda src: src),
+    "embedding(h, shared)": ("embedding", lambda h, s: ml.embedding(h, SHARED) * s, lambda src: 1.0),
 }
 
 
