@@ -328,7 +328,8 @@ class _Run:
                     batched.append(True)
                     operands.append(Operand(None, [None] * n))
                     continue
-            elif kind is tuple and p >= arity:  # an index: its arrays, where members' differ, stacked
+            elif kind is tuple and p >= arity and True in [hasattr(q, "shape") for q in x0]:
+                # An index holding arrays (h[src, 0]): those that differ between members stacked.
                 indices = stack_index([m._params[p - arity] for m in members])
                 if indices is not None:
                     args.append(indices)
