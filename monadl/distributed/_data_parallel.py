@@ -234,8 +234,9 @@ class DataParallel:
     async def train(self, loss: Layer[Any, Any], *, step: int | None = None) -> Any:
         """One data-parallel step: local forward and backward, then all ranks step alike.
 
-        From the second step on, dense gradient buckets are all-reduced
-        while the backward still runs (see `monadl.distributed._overlap`).
+        With ``overlap=True``, from the second step on, dense gradient
+        buckets are all-reduced while the backward still runs (see
+        `monadl.distributed._overlap`); by default they are reduced after it.
         Returns this rank's loss value. Raises `RankFailure` (on every rank)
         if any rank failed, or if the ranks' models differ (in their number
         of weights, or a weight's name, shape, dtype, optimizer, or, at the

@@ -45,12 +45,19 @@ _VALUE_READ: Final = (
     "or compute with monadl functions (its shape and dtype may be read: each its own trace)"
 )
 
+_INDEXED: Final = (
+    "operation: the cell indexed or sliced a data argument (x[0], x[:, None]); inside a cell a data "
+    "argument is whole, its values unread: index or reshape it before the call and pass the result (a "
+    "mask for ml.where, indices), or make it a layer first where its values feed the computation "
+    "(ml.as_layer(x)[:, None])"
+)
+
 
 def name_the_cell(exc: OperandError, name: str) -> None:
     """Put the operation's name into one of this module's refusals, raised
     while ``name`` was traced (a placeholder does not know its cell; a
     nested operation's own refusal already has its name)."""
-    if exc.args and exc.args[0] in (_DATA_READ, _DATA_KEPT, _VALUE_READ):
+    if exc.args and exc.args[0] in (_DATA_READ, _DATA_KEPT, _VALUE_READ, _INDEXED):
         exc.args = (exc.args[0].replace("operation:", f"operation {name}:", 1), *exc.args[1:])
 
 
@@ -76,7 +83,8 @@ class Data(np.ndarray[Any, Any]):
         raise OperandError(_DATA_READ)
 
     # Its values read in Python (a branch, an int, an index): the trace would keep the first call's.
-    __getitem__ = __iter__ = __bool__ = __int__ = __float__ = __complex__ = __index__ = _refused(_VALUE_READ)
+    __iter__ = __bool__ = __int__ = __float__ = __complex__ = __index__ = _refused(_VALUE_READ)
+    __getitem__ = _refused(_INDEXED)
     item = tolist = _refused(_VALUE_READ)
     flat = property(_refused(_VALUE_READ))
     # Methods that compute without a ufunc.

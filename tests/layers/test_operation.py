@@ -358,9 +358,23 @@ def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
 def test_a_data_arguments_values_read_in_python_are_refused(read: Callable[[Any, Any], Any]) -> None:
     # The trace would keep the first call's values for every later call: refused, not wrong.
     w = ml.Weight(np.array([[1.0, 2.0]]))
-    with pytest.raises(ml.OperandError, match="read the values of a data argument in Python"):
+    said = "read the values of a data argument in Python|indexed or sliced a data argument"  # (d[0]: indexed)
+    with pytest.raises(ml.OperandError, match=said):
         ml.operation(read)(w, np.array([1.0]))
     assert anyio.run(ml.sum(read(w, np.array([8.0]))).predict) != 0.0  # (unmarked, the same function runs)
+
+
+def test_a_data_argument_sliced_inside_a_cell_is_refused_with_what_to_do() -> None:
+    # A mask sliced for ml.where inside the cell was told the cell read values "in Python (an item, int(),
+    # ...)", which it did not, and to compute with monadl functions, which where's condition cannot be.
+    h = ml.Weight(np.ones((3, 2)))
+    cell = ml.operation(lambda h, m: ml.where(m[:, None], h, 0.0))
+    with pytest.raises(
+        ml.OperandError, match=r"^operation \S*<lambda>: the cell indexed or sliced a data argument \(x\[0\]"
+    ):
+        cell(h, np.array([True, False, True]))
+    shaped = ml.operation(lambda h, m: ml.where(m, h, 0.0))(h, np.array([[True], [False], [True]]))  # (as advised)
+    np.testing.assert_array_equal(anyio.run(shaped.predict), [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
 
 
 @pytest.mark.parametrize(
