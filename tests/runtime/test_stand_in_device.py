@@ -391,6 +391,40 @@ def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_devi
     assert all(j._full is None for j in joints)  # the delta's scatter dropped once every group took its rows
 
 
+def test_a_joint_gather_sends_no_delta_to_the_group_its_stopped_rows_read(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joint's ``tanh`` group reads the online and the target network's
+    products; only the online's rows get a delta (the target's feed
+    ``stop_gradient``), and some of them none (read only): the target's
+    weight gets no gradient, as node by node, and the others theirs."""
+    from monadl.runtime.schedule import batched_groups
+
+    rng = np.random.default_rng(3)
+    online = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
+    target = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
+    xs = [device.asarray(rng.standard_normal((1, 3))) for _ in range(6)]
+    guesses = [ml.tanh(x @ online) for x in xs]
+    targets = [ml.stop_gradient(ml.tanh(x @ target)) for x in xs]
+    terms = [ml.sum((g - t) ** 2.0) for g, t in zip(guesses[:4], targets[:4])]
+    loss = ml.Layer(ml.Do.gather([ml.sum(ml.stack(terms)).forward(), guesses[5].forward()]).map(lambda t: t[0]))
+    with ml.settings(batching=False):
+        want = anyio.run(entry.gradients, loss)[1]
+    joints: list[batched_groups.Joint] = []
+    made = batched_groups.Joint.__init__
+
+    def noted(self: batched_groups.Joint, *args: Any) -> None:
+        made(self, *args)
+        joints.append(self)
+
+    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
+    with ml.settings(batching=True):
+        got = anyio.run(entry.gradients, loss)[1]
+    assert [len(j.groups) for j in joints] == [2]
+    assert list(got) == list(want) == [online]
+    np.testing.assert_allclose(np.asarray(got[online]), np.asarray(want[online]), rtol=1e-12)
+
+
 def _group_by_group(groups: list[Any], places: list[Any]) -> list[Any]:
     """`batched_groups._joint`'s stand-in: a source per group, each gathered on
     its own (the path before joints), for comparison."""

@@ -7,7 +7,9 @@ and a gather record reads them by index (see
 `monadl.runtime.schedule.batched_records`). A group's delta is a
 `Gather`: the rows its gather records sent back (one scatter per source
 group) and what its members' own records got, summed once when the
-backward reaches the group.
+backward reaches the group, and which members got a delta at all: a member
+that got none sends none (`Groups.narrow`), as it would run alone, so a
+weight that only such members read is not reached and takes no step.
 """
 
 from __future__ import annotations
@@ -37,12 +39,19 @@ class Source:
     """The rows one gathered operand reads from one earlier group: the
     gathered rows ``positions`` (None: all, in order) are the group's rows
     ``indices`` (None: all, in order), both index arrays of the group's
-    library; ``rows``: ``indices`` on the host."""
+    library; ``rows`` and ``at``: ``indices`` and ``positions`` on the host."""
 
-    __slots__ = ("group", "indices", "joint", "positions", "rows", "unique")
+    __slots__ = ("at", "group", "indices", "joint", "positions", "rows", "unique")
 
     def __init__(
-        self, group: Record, positions: Any, indices: Any, unique: bool, rows: Any = None, joint: Joint | None = None
+        self,
+        group: Record,
+        positions: Any,
+        indices: Any,
+        unique: bool,
+        rows: Any = None,
+        joint: Joint | None = None,
+        at: Any = None,
     ) -> None:
         self.group = group
         self.positions = positions
@@ -50,6 +59,7 @@ class Source:
         self.unique = unique
         self.rows = indices if rows is None else rows
         self.joint = joint
+        self.at = positions if at is None else at
 
 
 @final
@@ -61,14 +71,18 @@ class Joint:
     way, where a gather group by group takes two a group: on a GPU each call
     is a launch, and a random tree's level reads a dozen earlier levels."""
 
-    __slots__ = ("_delta", "_full", "_left", "groups", "index", "offsets", "total", "unique")
+    __slots__ = ("_delta", "_full", "_left", "_read", "groups", "host", "index", "offsets", "total", "unique")
 
-    def __init__(self, groups: list[Record], index: Any, offsets: list[int], total: int, unique: bool) -> None:
+    def __init__(
+        self, groups: list[Record], index: Any, offsets: list[int], total: int, unique: bool, host: Any
+    ) -> None:
         self.groups = groups
         self.index = index
         self.offsets = offsets
         self.total = total
         self.unique = unique
+        self.host = host  # (``index`` on the host)
+        self._read: dict[int, Any] = {}
         self._delta: Any = None  # the delta scattered (one per backward), its scatter, and the slices still to take
         self._full: Any = None
         self._left = 0
@@ -85,12 +99,26 @@ class Joint:
             whole = delta.parts if type(delta) is OutputsDelta else (delta,)
             self._delta, self._full = delta, [None if d is None else self._scattered(d) for d in whole]
             self._left = sum(g.needs_grad for g in self.groups)
-        start, stop = self.offsets[k], self.offsets[k + 1] if k + 1 < len(self.offsets) else self.total
+        start, stop = self.bounds(k)
         parts = tuple([None if f is None else f[start:stop] for f in self._full])
         self._left -= 1
         if self._left <= 0:
             self._delta = self._full = None
         return OutputsDelta(parts) if type(delta) is OutputsDelta else parts[0]
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        """Where group ``k``'s rows sit in the concatenation."""
+        return self.offsets[k], self.offsets[k + 1] if k + 1 < len(self.offsets) else self.total
+
+    def read(self, k: int) -> Any:
+        """Group ``k``'s rows that the index reads (on the host): those its
+        slice of a delta carries one for, the others' zeros."""
+        found = self._read.get(k)
+        if found is None:
+            start, stop = self.bounds(k)
+            host = self.host
+            found = self._read[k] = host[(host >= start) & (host < stop)] - start
+        return found
 
     def _scattered(self, d: Any) -> Any:
         xp = namespace(d)
@@ -190,6 +218,20 @@ class Groups:
         self.records[rec] = rec
         return rec
 
+    def narrow(self, rec: Record, sources: list[Source], reached: Any) -> None:
+        """Make ``rec``, the gather record of ``sources``, send back the delta
+        of the gathered rows ``reached`` (a host mask: those whose member of
+        the group that read them got a delta) alone. The others' rows hold
+        zeros, which are no delta: alone, those members would have sent
+        none, so a group that only they read gets nothing, and the weights
+        behind it are not reached (a target network's under
+        ``stop_gradient``, a value read and left out of the loss)."""
+        vjps = rec.vjps
+        if vjps is not None:
+            rec.vjps = tuple(
+                [None if v is None else _narrowed(self.sinks[s.group], s, reached) for v, s in zip(vjps, sources)]
+            )
+
 
 _group = itemgetter(0)
 _row = itemgetter(1)
@@ -201,7 +243,11 @@ def _source(group: Record, positions: list[int] | None, indices: list[int]) -> S
     whole = n == group.value.shape[0] and indices == list(range(n))
     unique = len(set(indices)) == n
     at = None if positions is None else np.array(positions)
-    rows = None if whole else np.array(indices)
+    return _made(group, at, None if whole else np.array(indices), unique)
+
+
+def _made(group: Record, at: Any, rows: Any, unique: bool) -> Source:
+    """A `Source` from host index arrays (None: all, in order)."""
     like = _like(group)
     if type(like) is np.ndarray:
         return Source(group, at, rows, unique)
@@ -213,6 +259,7 @@ def _source(group: Record, positions: list[int] | None, indices: list[int]) -> S
         None if rows is None else xp.asarray(rows, device=like.device),
         unique,
         rows,
+        at=at,
     )
 
 
@@ -233,8 +280,9 @@ def _joint(groups: list[Record], places: list[Place]) -> list[Source]:
         total += _like(group).shape[0]
     rows = [offsets[group] + row for group, row, _ in places]
     like = _like(groups[0])
-    index = namespace(like).asarray(np.array(rows), device=like.device)
-    joint = Joint(groups, index, list(offsets.values()), total, len(set(rows)) == len(rows))
+    host = np.array(rows)
+    index = namespace(like).asarray(host, device=like.device)
+    joint = Joint(groups, index, list(offsets.values()), total, len(set(rows)) == len(rows), host)
     return [Source(group, None, None, True, joint=joint) for group in groups]
 
 
@@ -245,7 +293,34 @@ def _scatter(sink: Gather, source: Source) -> Callable[[Any], Gather]:
     if joint is None:
         return lambda delta: sink.add(source, delta)
     k = joint.groups.index(source.group)
-    return lambda delta: sink.accumulate(joint.slice(delta, k))
+    return lambda delta: sink.accumulate(joint.slice(delta, k), joint.read(k))
+
+
+def _narrowed(sink: Gather, source: Source, reached: Any) -> Callable[[Any], Gather | None]:
+    """`_scatter`, where only the gathered rows ``reached`` (a host mask)
+    carry a delta: its rows of those alone, or nothing if it has none."""
+    joint = source.joint
+    if joint is None:
+        picked = reached if source.at is None else reached[source.at]
+        if picked.all():
+            return _scatter(sink, source)
+        at = np.flatnonzero(picked) if source.at is None else source.at[picked]
+        rows = np.flatnonzero(picked) if source.rows is None else source.rows[picked]
+    else:  # (one group's rows by index, not its slice of the joint's scatter: that holds zeros for the rest)
+        start, stop = joint.bounds(joint.groups.index(source.group))
+        host = joint.host
+        picked = reached & (host >= start) & (host < stop)
+        at = np.flatnonzero(picked)
+        rows = host[at] - start
+    if not len(at):
+        return _nothing
+    narrowed = _made(source.group, at, rows, source.unique)  # (rows of unique rows are unique)
+    return lambda delta: sink.add(narrowed, delta)
+
+
+def _nothing(delta: Any) -> None:
+    """The VJP of an operand that gets no delta."""
+    return None
 
 
 @final
@@ -253,12 +328,14 @@ class Gather:
     """The delta of a group's stacked output: the rows that gathered
     operands sent back (by index), and a slot per member for what its own
     record got (from a consumer that ran alone); summed once, when read.
+    ``reached``, once summed: which members got a delta (a host mask;
+    None: all), for `Groups.narrow`.
 
     The group record's accumulator holds this one object: each VJP that
     feeds it returns it, and ``+`` of it with itself is itself.
     """
 
-    __slots__ = ("like", "parts", "rows", "stacked", "whole")
+    __slots__ = ("like", "parts", "reached", "read", "rows", "stacked", "whole")
 
     def __init__(self, like: Any) -> None:
         self.like = like
@@ -266,6 +343,8 @@ class Gather:
         self.rows: list[tuple[Source, Any]] = []
         self.stacked: Any = None
         self.whole: list[Any] | None = None  # per output part: the joints' slices summed as they come
+        self.read: list[Any] = []  # per joint's slice: the rows it carries a delta for (host)
+        self.reached: Any = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -282,13 +361,15 @@ class Gather:
         self.rows.append((source, delta))
         return self
 
-    def accumulate(self, delta: Any) -> Gather:
+    def accumulate(self, delta: Any, read: Any) -> Gather:
         """A joint's slice of its delta: all the group's rows, in order (an
-        `OutputsDelta` for several outputs). Summed now, into an array of the
+        `OutputsDelta` for several outputs), of which ``read`` (host indices)
+        carry one. Summed now, into an array of the
         group's own (a copy the first time): a slice is a view of the joint's
         scatter, which is freed once every group it reads has taken its rows,
         so that a group read by many levels holds one delta, not a scatter per
         level."""
+        self.read.append(read)
         pieces = delta.parts if type(delta) is OutputsDelta else (delta,)
         if self.whole is None:
             self.whole = [None] * len(pieces)
@@ -311,6 +392,7 @@ class Gather:
         if self.stacked is None:
             like = self.like
             whole = self.whole
+            self.reached = reached = _reached(like.shape[0], self.rows, self.parts, self.read)
             if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
                 parts = []
                 for k, part in enumerate(like.parts):
@@ -320,15 +402,37 @@ class Gather:
                     parts.append(_summed(part, rows, members, start) if rows or members or start is not None else None)
                 self.stacked = OutputsDelta(tuple(parts))
             else:
-                self.stacked = _summed(like, self.rows, self.parts, None if whole is None else whole[0])
-            self.rows, self.parts, self.whole = [], {}, None
+                start = None if whole is None else whole[0]
+                self.stacked = _summed(like, self.rows, self.parts, start, reached is None)
+            self.rows, self.parts, self.whole, self.read = [], {}, None, []
         return self.stacked
 
 
-def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any], start: Any = None) -> Any:
+def _reached(n: int, rows: list[tuple[Source, Any]], members: dict[int, Any], read: list[Any]) -> Any:
+    """Which of a group's ``n`` members got a delta from ``rows`` (gathered
+    operands'), ``members`` (their own records') and ``read`` (joints' rows):
+    a host mask, or None for all."""
+    if len(members) == n:
+        return None
+    mask = np.zeros(n, dtype=bool)
+    for source, _ in rows:
+        if source.rows is None:
+            return None
+        mask[source.rows] = True
+    for r in read:
+        mask[r] = True
+    if members:
+        mask[list(members)] = True
+    return None if mask.all() else mask
+
+
+def _summed(
+    like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any], start: Any = None, covered: bool | None = None
+) -> Any:
     """The delta of ``like`` (a stacked output) from gathered rows and members'
     own deltas, added to ``start`` (the joints' slices summed, an array of its
-    own) if there is one."""
+    own) if there is one. ``covered``: whether ``rows`` and ``members`` hold
+    a delta for every row, when known."""
     if start is not None:
         out, tiled = start, False
     else:
@@ -342,10 +446,9 @@ def _summed(like: Any, rows: list[tuple[Source, Any]], members: dict[int, Any], 
         # and each is written once into an empty array (no zeros, no additions).
         tiled = not members and all(s.unique for s, _ in rows)
         if tiled:
-            indices = [np.arange(n) if s.rows is None else s.rows for s, _ in rows]
-            tiled = sum(len(i) for i in indices) == n and bool(
-                np.all(np.bincount(np.concatenate(indices), minlength=n))
-            )
+            if covered is None:
+                covered = _reached(n, rows, members, []) is None
+            tiled = covered and sum(n if s.rows is None else len(s.rows) for s, _ in rows) == n
         shape, dtype, device = like.shape, like.dtype, like.device
         out = xp.empty(shape, dtype=dtype, device=device) if tiled else xp.zeros(shape, dtype=dtype, device=device)
     for source, d in rows:

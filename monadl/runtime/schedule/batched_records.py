@@ -221,7 +221,7 @@ def group_records(groups: Groups, members: list[Any], result: Any, operands: lis
     records[group] = group
     if needs:
         groups.sinks[group] = Gather(out)
-        group.vjps = tuple([_resolving(v) for v in vjps])
+        group.vjps = tuple([_resolving(v, r, o, groups) for v, r, o in zip(vjps, ins, operands)])
     # The members' values are rows of ``out``; a member gets a record (holding
     # the group) only when something reads it (`Records`): here, its place.
     part: tuple[Any, ...] | None
@@ -345,9 +345,38 @@ def _getters(n: int) -> tuple[itemgetter[Any], ...]:
     return found
 
 
-def _resolving(vjp: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A group VJP, reading its delta from the group's `Gather`."""
-    return lambda delta: vjp(delta.dense() if type(delta) is Gather else delta)
+def _resolving(vjp: Callable[[Any], Any], rec: Record | None, operand: Operand, groups: Groups) -> Callable[[Any], Any]:
+    """A group VJP, reading its delta from the group's `Gather`; where only
+    some members got a delta, ``rec`` (the operand's gather or stack
+    record) is narrowed to send back theirs alone (`_narrow`)."""
+
+    def resolved(delta: Any) -> Any:
+        if type(delta) is Gather:
+            dense = delta.dense()
+            if delta.reached is not None and rec is not None:
+                _narrow(rec, operand, delta.reached, groups)
+            return vjp(dense)
+        return vjp(delta)
+
+    return resolved
+
+
+def _narrow(rec: Record, operand: Operand, reached: Any, groups: Groups) -> None:
+    """Where only the members ``reached`` (a host mask) of a group got a
+    delta, its operand's record ``rec`` sends back their rows of the
+    operand's delta alone: the rest are zeros, which would reach the
+    members' operands (and the weights behind them) as a delta they never
+    got, and a step. A record shared by all members is left as it is: it
+    gets a delta when some member got one."""
+    if operand.sources is not None:
+        groups.narrow(rec, operand.sources, reached)
+    elif operand.stacked is not None and rec.vjps is not None:
+        rec.vjps = tuple([g if hit else _nothing for g, hit in zip(rec.vjps, reached.tolist())])
+
+
+def _nothing(delta: Any) -> None:
+    """The VJP of a member's operand where the member got no delta."""
+    return None
 
 
 def differs(x: Any, x0: Any) -> bool:
