@@ -8,7 +8,8 @@ tokens), in one run, rounds alternating between the contenders:
 
 * one by one: a ``train()`` per sentence (nothing to batch across);
 * fibers off: one ``train()`` over the batch, ``Settings.batching=False``
-  (the sentences are fibers, each graph computed alone, node by node);
+  (the sentences are fibers that park and merge as with batching on, so that
+  they step in the same order; each merged graph runs node by node);
 * fibers on: the same with batching automatic: fibers park at their graphs,
   which run merged and batched (`monadl.runtime.schedule.fibers`);
 * direct on: the same parser in direct style (``await`` at each decision,

@@ -60,7 +60,6 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     main = fiber = F.Fiber(root, None, 0)
     runnable: deque[F.Fiber] = deque()
     live = 1  # fibers not finished, running or waiting
-    parking = fibers.enabled(ev)
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
     # The driver task's innermost cancel scope, read at the first direct-style step run here (one
@@ -161,7 +160,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
         elif stack:
             frame = stack.pop()
             t = type(frame)
-            if t is F.Graph and parking and (runnable or parked or stepping) and fibers.parks(ev, frame):
+            if t is F.Graph and (runnable or parked or stepping) and fibers.parks(ev, frame):
                 parked.add(fiber, frame)  # other fibers may reach graphs too: computed together
                 block = fibers.PARKED
             elif t is F.Graph:

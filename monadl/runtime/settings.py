@@ -44,8 +44,11 @@ class Settings:
             code makes meanwhile are collected later, as usual.
         batching: run nodes of equal signature as one kernel, forward and
             backward (see `monadl.runtime.schedule.batched`): None decides by a
-            cost rule, True and False force it. Under ``check_finite``
-            nothing is batched. The rule: a graph of fewer than 256 nodes
+            cost rule, True and False force it (False: the examples of a
+            batch still park at their graphs and merge, as
+            `monadl.runtime.schedule.fibers` says, each merged graph run
+            node by node, so that they step in one order on or off).
+            Under ``check_finite`` nothing is batched. The rule: a graph of fewer than 256 nodes
             (a marked cell's node counted as its ops) runs as it is (across control flow, a merge of fewer than 10
             examples' graphs and 256 nodes), as does one whose widest level
             has one node; in a graph that batches, a group of matrix

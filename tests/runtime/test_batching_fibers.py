@@ -2,7 +2,8 @@
 
 Each example below chooses its path by its own values (``bind`` or direct
 style); the whole batch is one ``train()``. Parking must give the same values,
-gradients and errors as evaluating with it off, and must batch.
+gradients and errors as batching off (whose fibers park too, and run merged
+node by node, so that the examples step in the same order), and must batch.
 """
 
 from __future__ import annotations
@@ -97,9 +98,12 @@ def merges(monkeypatch: pytest.MonkeyPatch) -> Generator[list[int], None, None]:
 
 
 @pytest.mark.parametrize("way", ["monadic", "direct"])
-def test_same_values_and_gradients_as_without_parking(way: str, merges: list[int]) -> None:
+def test_same_values_and_gradients_as_with_batching_off(way: str, merges: list[int]) -> None:
     off_value, off = gradients(way, False)
-    assert merges == []  # batching forced off: no fiber parks
+    # Batching forced off: the fibers park and merge all the same (the examples step in
+    # one order, on or off), and each merged run goes node by node.
+    assert len(merges) == STEPS + 1 and all(size >= 16 for size in merges)
+    merges.clear()
     for batching in (None, True):  # parked, run merged and batched (16 graphs a merge: MIN_MERGED or more)
         value, grads = gradients(way, batching)
         assert value == pytest.approx(off_value, rel=1e-12)
@@ -122,6 +126,7 @@ def test_with_the_worker_pool_examples_park_and_merge_too(way: str, merges: list
     """With ``workers=2`` no fiber parked: a batch of a policy's episodes ran
     one graph at a time, 3-4x slower than with one worker."""
     off_value, off = gradients(way, False)
+    merges.clear()  # (batching off parks too: `test_same_values_and_gradients_as_with_batching_off`)
     model = Walk()
     with ml.settings(workers=2):  # (async: the synchronous entry never forks)
         value, by_weight = _async(model, way, 16)
@@ -130,6 +135,70 @@ def test_with_the_worker_pool_examples_park_and_merge_too(way: str, merges: list
     assert value == pytest.approx(off_value, rel=1e-12)
     for a, b in zip(grads, off):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("way", ["bind", "direct"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_examples_step_in_one_order_whether_batching_is_on_or_off(
+    way: str, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every example's first step, then every second step: with batching off,
+    ``bind`` examples stepped one after another (example 0's every step, then
+    example 1's), so a model that samples from one generator drew other
+    samples than with batching on. Off, nothing batches."""
+    w = ml.Weight(np.eye(2))
+    grouped: list[int] = []
+    record = batched_records.group_records
+
+    def counted(groups: Any, members: list[Any], *args: Any) -> None:
+        grouped.append(len(members))
+        record(groups, members, *args)
+
+    monkeypatch.setattr(batched, "group_records", counted)
+
+    def steps(batching: bool | None) -> tuple[list[tuple[int, int]], list[int], float]:
+        import anyio
+
+        rng, log = np.random.default_rng(0), []
+
+        def bind(e: int) -> ml.ScalarLayer:
+            def step(h: ml.ArrayLayer, d: int) -> ml.Do[ml.Tape[Any, Any]]:
+                if d == 3:
+                    return ml.sum(h).forward()
+
+                def then(_: Any) -> ml.Do[ml.Tape[Any, Any]]:
+                    log.append((e, d))
+                    return step(ml.tanh(h @ w) * (1.0 + float(rng.integers(2))), d + 1)
+
+                return h.forward().bind(then)
+
+            return ml.Layer(step(ml.as_layer(np.full((1, 2), float(e))) @ w, 0))
+
+        @ml.direct
+        async def direct(e: int) -> ml.ScalarLayer:
+            h = ml.as_layer(np.full((1, 2), float(e))) @ w
+            for d in range(3):
+                await h
+                log.append((e, d))
+                h = ml.tanh(h @ w) * (1.0 + float(rng.integers(2)))
+            return ml.sum(h)
+
+        example = bind if way == "bind" else direct
+        loss = ml.sum(ml.stack([example(e) for e in range(12)]))
+
+        async def go() -> float:
+            with ml.settings(batching=batching, workers=workers):
+                return float(await loss.predict())
+
+        grouped.clear()
+        value = anyio.run(go)
+        return log, list(grouped), value
+
+    written = [(e, d) for d in range(3) for e in range(12)]
+    off, on, auto = steps(False), steps(True), steps(None)
+    assert off[0] == on[0] == auto[0] == written
+    assert off[1] == [] and 12 in on[1]
+    assert off[2] == pytest.approx(on[2], rel=1e-12) and off[2] == pytest.approx(auto[2], rel=1e-12)
 
 
 def test_paths_differ_per_example() -> None:

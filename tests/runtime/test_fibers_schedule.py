@@ -84,9 +84,9 @@ def test_last_graphs_wait_for_the_steps_and_run_together(runs: list[list[str]]) 
     gradients(True)  # the first evaluation learns which kinds of graph are steps (fibers park again)
     # (In it, a loss may still run beside the steps of a kind not yet seen to continue.)
     assert sum(run.count("sum") for run in runs) == EXAMPLES
+    off_value, off = gradients(False)  # (its fibers park too, and run merged node by node: before the runs counted)
     runs.clear()
     value, grads = gradients(True)
-    off_value, off = gradients(False)
     assert value == pytest.approx(off_value, rel=1e-12)
     for a, b in zip(grads, off):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -164,8 +164,11 @@ def test_a_graph_between_two_loops_is_not_held(runs: list[list[str]]) -> None:
         entry.gradients_sync(loss())  # (learns which kinds are steps, and which lead to them)
         runs.clear()
         value, grads = entry.gradients_sync(loss())
-    with ml.settings(batching=False):
+    counted = list(runs)
+    with ml.settings(batching=False):  # (its fibers park too, and its merged runs go node by node)
         off_value, off = entry.gradients_sync(loss())
+    assert runs[len(counted) :] == counted  # the same runs: the examples step in one order, on or off
+    runs[:] = counted
     assert float(value) == pytest.approx(float(off_value), rel=1e-12)
     for w in model.weights():
         np.testing.assert_allclose(grads[w], off[w], rtol=1e-10, atol=1e-12)

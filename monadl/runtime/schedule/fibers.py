@@ -42,8 +42,13 @@ Nothing else changes: a node is computed by the same `compute`, back-propagated
 by the same backward, shared nodes once; a failure raises the node's own error
 (at the user's line) and fails the evaluation. Graphs holding a layer built
 from a ``Do`` keep their own path (with the worker pool, ``workers > 1``,
-the fork rule still decides for them); ``Settings.batching=False`` turns parking off. On a GPU a
-merged run batches however few its graphs (`run`).
+the fork rule still decides for them). On a GPU a merged run batches however
+few its graphs (`run`). ``Settings.batching=False`` parks all the same and
+runs the merged graph node by node (its branches on CUDA streams on a GPU, as
+`monadl.runtime.graphs` runs one graph that does not batch): the examples
+then step in the same order, every example's first step, then every second
+step, and examples that draw from one random generator draw the same numbers
+with batching on or off.
 """
 
 from __future__ import annotations
@@ -56,13 +61,13 @@ from typing import Any, Final, final
 from monadl.layers._layer import Layer
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.node import collect
+from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_rule import MIN_NODES, unbatched
 from monadl.runtime.settings import current_settings
 
-__all__ = ["MIN_MERGED", "PARKED", "Parked", "enabled", "heights", "merge", "parks", "run"]
+__all__ = ["MIN_MERGED", "PARKED", "Parked", "heights", "merge", "parks", "run"]
 
 MIN_MERGED: Final = 10
 """Automatic mode batches a merge of at least this many fibers' graphs (or
@@ -84,15 +89,6 @@ member to the same groups."""
 
 PARKED: Final = object()
 """What a fiber waits on while parked: the next merged run."""
-
-
-def enabled(ev: Evaluation) -> bool:
-    """Whether fibers of ``ev`` park at their graphs: not with batching
-    forced off. With the worker pool too: a graph that is not parked (a
-    fiber's alone, one that meets a layer built from a ``Do``) still forks
-    by the pool's rule; a batch of examples' graphs run merged (without
-    parking, 24 episodes of a policy ran 3-4x slower with ``workers=2``)."""
-    return current_settings().batching is not False
 
 
 _KINDS_LIMIT: Final = 4096
@@ -195,9 +191,14 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     fibers, orders = parked.take()
     order, alike = merge(ev, orders)
     if order:
+        batching = current_settings().batching
         # On a GPU a merged run pays however few its graphs: the host's launches are the cost.
-        pays = current_settings().batching is True or len(orders) >= MIN_MERGED or len(order) >= MIN_NODES
-        if not pays and not (cuda.loaded() and cuda.on_device(ev.records, order)):
+        pays = batching is True or len(orders) >= MIN_MERGED or len(order) >= MIN_NODES
+        if batching is False:  # node by node; on a GPU as one graph that does not batch (parks(): no Do layers)
+            if cuda.loaded() and cuda.on_device(ev.records, order):
+                cuda.forward(order, ev.cuda_streams, lambda node: ev.records.__setitem__(node, compute(ev, node, True)))
+                order = []
+        elif not pays and not (cuda.loaded() and cuda.on_device(ev.records, order)):
             unbatched(order, f"a merge of {len(orders)} fibers' graphs, fewer than {MIN_MERGED} (MIN_MERGED)")
         elif batched.worth_batching(ev, order, alike):
             if parked.groups is None:
