@@ -311,6 +311,40 @@ def test_a_parser_batched_across_control_flow_on_the_device_has_the_hosts_gradie
         assert len(alone) <= 10
 
 
+def test_with_batching_off_fibers_park_on_the_device_and_run_merged_on_streams(
+    device: Any, grouped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batching off, the parser's sentences still park (they step in the
+    order they would batched) and each merged graph runs as one graph that
+    does not batch runs on a GPU: its branches on CUDA streams, nothing grouped."""
+    from examples.shift_reduce import Log, Parser, make_sentences
+
+    sentences = make_sentences(6, 2, 5, seed=1)
+    logs: list[Log] = []
+    host = Parser(8, seed=0)
+    with ml.settings(batching=False):
+        want_loss, want = anyio.run(entry.gradients, host.loss(sentences, logs))
+    merged: list[int] = []
+    forward = cuda_schedule.forward
+
+    def counted(order: list[Any], *args: Any) -> None:
+        merged.append(len(order))
+        forward(order, *args)
+
+    monkeypatch.setattr(cuda_schedule, "forward", counted)
+    parser = Parser(8, seed=0, device="cuda")
+    with ml.settings(batching=False):
+        loss, grads = anyio.run(entry.gradients, parser.loss(sentences, logs))
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-12)
+    for w, v in zip(host.weights(), parser.weights()):
+        g = _dense(grads[v])
+        assert type(g) is DeviceArray
+        np.testing.assert_allclose(np.asarray(g), _dense(want[w]), rtol=1e-10, atol=1e-13)
+    # Ten merged runs, the first of every sentence's first graph (60 nodes); not
+    # parked, a graph at a time: 30 runs of 6 to 27 nodes, example 0's steps first.
+    assert grouped == [] and len(merged) < 15 and merged[0] >= 50
+
+
 def _dense(g: Any) -> Any:
     return g.to_dense() if hasattr(g, "to_dense") else g
 
