@@ -63,6 +63,14 @@ class Block(ABC, Generic[In, Out]):
     def _build(self, x: In) -> Build[Out]:
         """Build the output of one input, yielding a request per sub-block output."""
 
+    def _step(self, build: Mapping[str, Any]) -> str:
+        """Where an error's path goes through this block: the part of its
+        input its build was at (``[2]``, ``['children']``), read from the
+        build's live variables ``build`` (its ``_build``'s names, beside it),
+        and only on an error's way out; empty where the block passes its
+        input on whole. A block of one's own is shown by its class."""
+        return f"<{type(self).__name__}>"
+
     @final
     def __repr__(self) -> str:
         """Its constructor's call, short: a declaration by its name, never its
@@ -253,6 +261,10 @@ class Route(Block[In, Out]):
         y: Out = yield from call(self._route(x), x)
         return y
 
+    @final
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return ""
+
 
 class Parallel(Block[In, Out]):
     """Blocks applied to the same input, their outputs as a tuple (`AllOf`).
@@ -270,6 +282,10 @@ class Parallel(Block[In, Out]):
         for block in self.blocks:
             ys.append((yield from call(block, x)))
         return cast(Out, tuple(ys))  # (the subclass's constructor types the tuple per block)
+
+    @final
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return f"<block {len(build['ys'])} of AllOf>"
 
 
 @final
@@ -292,6 +308,9 @@ class Composition(Block[X, Z]):
         y = yield from call(self.first, x)
         z = yield from call(self.second, y)
         return z
+
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return ""
 
 
 @final

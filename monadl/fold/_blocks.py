@@ -8,8 +8,8 @@ batching stacks the rows of equal operations across nodes and inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Final, TypeVar, final
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -226,6 +226,16 @@ class Identity(Immediate[X, X]):
 
 
 # ---- sequences ----------------------------------------------------------------------------------
+def _elements(block: Block[Any, Any], xs: Iterable[X]) -> Iterator[X]:
+    """An iterator over a sequence block's input; anything else (None, a
+    number) refused naming the block, where Python's own error names
+    neither it nor the input."""
+    try:
+        return iter(xs)
+    except TypeError:
+        raise TypeError(f"{block!r} takes a sequence, and was given {shown(xs)}") from None
+
+
 @final
 class Map(Block[Sequence[X], list[Y]]):
     """A block applied to each element of a sequence.
@@ -242,9 +252,12 @@ class Map(Block[Sequence[X], list[Y]]):
 
     def _build(self, xs: Sequence[X]) -> Build[list[Y]]:
         ys = []
-        for x in xs:
+        for x in _elements(self, xs):
             ys.append((yield from call(self.block, x)))
         return ys
+
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return f"[{len(build['ys'])}]"
 
 
 @final
@@ -287,10 +300,14 @@ class Fold(Block[Sequence[X], S]):
         self.init = init
 
     def _build(self, xs: Sequence[X]) -> Build[S]:
+        elements = _elements(self, xs)
         state = yield from call(self.init, None)
-        for x in xs:
+        for _i, x in enumerate(elements):  # (``_i``: for `_step`)
             state = yield from call(self.step, (state, x))
         return state
+
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return f"[{build['_i']}]" if "_i" in build else "<init of Fold>"
 
 
 @final
@@ -310,12 +327,22 @@ class Reduce(Block[Sequence[Y], Y]):
         self.block = block
 
     def _build(self, xs: Sequence[Y]) -> Build[Y]:
-        level = list(xs)
+        level = list(_elements(self, xs))
         if not level:
-            raise ValueError("Reduce of an empty sequence")
+            raise ValueError(
+                f"{self!r} joins one or more elements, and was given {shown(xs)}; an input that may be empty "
+                "needs a case of its own (a OneOf on its length, with Zeros for none)"
+            )
+        _n, width = len(level), 1  # (an element of ``level`` joins ``width`` of the input's: `_step` reads them)
         while len(level) > 1:
             joined = []
             for i in range(0, len(level) - 1, 2):
                 joined.append((yield from call(self.block, (level[i], level[i + 1]))))
             level = joined + level[len(level) - len(level) % 2 :]
+            width *= 2
         return level[0]
+
+    def _step(self, build: Mapping[str, Any]) -> str:
+        """The input's elements the failing join joins, as a slice: ``[4:8]``."""
+        i, width = build["i"], build["width"]
+        return f"[{i * width}:{min((i + 2) * width, build['_n'])}]"

@@ -29,11 +29,19 @@ that calls itself) past `LIMIT` levels. A block's error is thrown into the
 build waiting for its output (``gen.throw``), so a block of one's own may
 catch a sub-block's error around ``yield from call(...)``; one that no build
 catches is raised as it was.
+
+Where it came from is gathered on its way out, and only then (a `_Trail`):
+each build it leaves says which part of its input it was building, read
+from the build's live variables (`Block._step`), and a parallel block which
+of its blocks; `run` adds them to its note as a path into the input
+(``input 0['children'][1]``), and what the innermost block was given.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
+from types import GeneratorType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 from monadl.fold._inputs import a_type, shown
@@ -80,26 +88,99 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
     >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
     ['2', '1']
     """
-    f = _Runner().compiled(block)
+    runner = _Runner()
+    f = runner.compiled(block)
     outputs: list[Y] = []
     for x in xs:  # (an error of ``xs`` itself is no input's: no note)
         try:
             outputs.append(f(x))
         except Exception as exc:  # which input, and the block: the blocks' own lines are in the traceback
-            exc.add_note(f"monadl.fold: while building input {len(outputs)} ({a_type(x)}) of the batch with {block!r}")
+            n = len(outputs)
+            where = runner.trail.where(exc, f"input {n}")
+            exc.add_note(f"monadl.fold: while building input {n} ({a_type(x)}) of the batch with {block!r}{where}")
             raise
     return outputs
+
+
+SHOWN: Final = 10
+"""Steps of an error's path shown at each end: a tree thousands of levels
+deep has a path as long, whose middle is cut."""
+
+
+@final
+class _Trail:
+    """Where the error going out of the blocks came from: the steps of its
+    path into the input (``[2]``, ``['children']``, ``<block 1 of AllOf>``),
+    innermost first, the first and last `SHOWN` of them kept, and the block
+    and input the innermost build had asked for. Marked by each build and
+    parallel block the error leaves (none on the way in: building a node
+    pays nothing for it); a build that catches the error forgets it."""
+
+    __slots__ = ("block", "error", "inner", "outer", "skipped", "x")
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.inner: list[str] = []
+        self.outer: deque[str] = deque(maxlen=SHOWN)
+        self.skipped = 0
+        self.block: Block[Any, Any] | None = None
+        self.x: Any = None
+
+    def mark(self, error: BaseException, step: str, block: Block[Any, Any], x: Any) -> None:
+        """``error`` leaves a build at ``step``, which had asked ``block`` for its output on ``x``."""
+        if error is not self.error:  # (a new error: its path starts here)
+            self.error, self.block, self.x = error, block, x
+            self.inner, self.outer, self.skipped = [], deque(maxlen=SHOWN), 0
+        if not step:
+            return
+        if len(self.inner) < SHOWN:
+            self.inner.append(step)
+            return
+        self.skipped += len(self.outer) == SHOWN
+        self.outer.append(step)
+
+    def forget(self) -> None:
+        """The error was caught by a build: its path is no error's."""
+        self.error = None
+
+    def where(self, error: BaseException, name: str) -> str:
+        """For the note of ``error``: the path into the input ``name``, the
+        part there and the block it was given to; empty where no build or
+        parallel block marked it."""
+        if error is not self.error or self.block is None:
+            return ""
+        cut = f"...{self.skipped:,} more..." if self.skipped else ""
+        path = "".join([*reversed(self.outer), cut, *reversed(self.inner)])
+        return f", at {name}{path}: {shown(self.x)}, given to {self.block!r}"
+
+
+def _step(build: GeneratorType[Any, Any, Any]) -> str:
+    """The step of a suspended build's path (`Block._step`, from its live
+    variables: its ``self``, the block, among them); read before an error
+    is thrown into it, which ends it."""
+    state = build.gi_frame.f_locals if build.gi_frame is not None else {}
+    block = state.get("self")
+    return block._step(state) if block is not None and hasattr(block, "_step") else "<...>"
+
+
+def _asked(build: GeneratorType[Any, Any, Any]) -> tuple[Any, Any]:
+    """The block and input a suspended build asked for (through `call`: that generator's variables)."""
+    inner = build.gi_yieldfrom
+    frame = getattr(inner, "gi_frame", None)  # (None where it asked with a bare ``yield``)
+    state = frame.f_locals if frame is not None else {}
+    return state.get("block"), state.get("x")
 
 
 @final
 class _Runner:
     """The closures of one run, by block, and the routes and builds now open."""
 
-    __slots__ = ("closures", "depth")
+    __slots__ = ("closures", "depth", "trail")
 
     def __init__(self) -> None:
         self.closures: dict[Block[Any, Any], Run] = {}
         self.depth = 0
+        self.trail = _Trail()
 
     def compiled(self, block: Block[Any, Any], nesting: int = 0) -> Run:
         f = self.closures.get(block)
@@ -113,19 +194,12 @@ class _Runner:
             f: Run = block._function()
             return f
         if nesting >= NESTING:
-            return lambda x: evaluate(block, x)
+            return lambda x: evaluate(block, x, self.trail)
         if kind is COMPOSITION:
             first, second = self.compiled(block.first, nesting + 1), self.compiled(block.second, nesting + 1)
             return lambda x: second(first(x))
         if kind is PARALLEL:
-            parts = [self.compiled(b, nesting + 1) for b in block.blocks]
-            if len(parts) == 2:
-                a, b = parts
-                return lambda x: (a(x), b(x))
-            if len(parts) == 3:
-                a, b, c = parts
-                return lambda x: (a(x), b(x), c(x))
-            return lambda x: tuple([f(x) for f in parts])
+            return self._parallel(block, [self.compiled(b, nesting + 1) for b in block.blocks])
         if kind is ROUTE:
             fixed = block._fixed()
             if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
@@ -135,17 +209,67 @@ class _Runner:
             return self._route(block, key, case)
         return self._build(block)
 
+    def _parallel(self, block: Any, parts: list[Run]) -> Run:
+        """A parallel block's tuple, and on an error the step of its block that raised it (``i``: a local's store a block)."""
+        mark = self.trail.mark
+
+        def failed(exc: Exception, i: int, x: Any) -> None:
+            mark(exc, f"<block {i} of AllOf>", block.blocks[i], x)
+
+        if len(parts) == 2:
+            a, b = parts
+
+            def pair(x: Any) -> Any:
+                i = 0
+                try:
+                    y = a(x)
+                    i = 1
+                    return (y, b(x))
+                except Exception as exc:
+                    failed(exc, i, x)
+                    raise
+
+            return pair
+        if len(parts) == 3:
+            a, b, c = parts
+
+            def triple(x: Any) -> Any:
+                i = 0
+                try:
+                    y = a(x)
+                    i = 1
+                    z = b(x)
+                    i = 2
+                    return (y, z, c(x))
+                except Exception as exc:
+                    failed(exc, i, x)
+                    raise
+
+            return triple
+
+        def every(x: Any) -> Any:
+            ys: list[Any] = []
+            try:
+                for f in parts:
+                    ys.append(f(x))
+            except Exception as exc:
+                failed(exc, len(ys), x)
+                raise
+            return tuple(ys)
+
+        return every
+
     def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any, Any], Any]) -> Run:
         """A route (a `OneOf`, a forward declaration) that picks ``case(k, x)``
         for its input's key ``k``: the closure of each key's block, compiled
         when first picked (a declaration refers to itself); the key is
         computed once per input (it may be random)."""
         table: dict[Any, Run] = {}
-        compiled = self.compiled
+        compiled, trail = self.compiled, self.trail
 
         def routed(x: Any) -> Any:
             if self.depth >= DEPTH:
-                return evaluate(block, x)  # (the rest of this input, on the heap)
+                return evaluate(block, x, trail)  # (the rest of this input, on the heap)
             k = key(x)
             try:
                 f = table.get(k)
@@ -163,11 +287,11 @@ class _Runner:
         return routed
 
     def _build(self, block: Any) -> Run:
-        closures, compiled = self.closures, self.compiled
+        closures, compiled, trail = self.closures, self.compiled, self.trail
 
         def built(x: Any) -> Any:
             if self.depth >= DEPTH:
-                return evaluate(block, x)
+                return evaluate(block, x, trail)
             requests = block._build(x)
             sent = None
             self.depth += 1
@@ -185,14 +309,19 @@ class _Runner:
                             raise
                         except Exception as exc:  # thrown into the build, which may catch it
                             traceback = exc.__traceback__
+                            step = block._step(requests.gi_frame.f_locals)  # (before the throw ends it)
                             try:
+                                asked = sub, arg
                                 sub, arg = requests.throw(exc)
                             except StopIteration as done:
+                                trail.forget()
                                 return done.value
                             except Exception as passed:
                                 if passed is exc:  # (not caught: raised as it came, the build's frames not added)
                                     passed.__traceback__ = traceback
+                                    trail.mark(exc, step, *asked)
                                 raise
+                            trail.forget()
             finally:
                 self.depth -= 1
 
@@ -244,9 +373,10 @@ class _Then:
         self.block = block
 
 
-def evaluate(block: Block[X, Y], x: X) -> Y:
+def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None) -> Y:
     """Run ``block`` on ``x`` with an explicit stack of suspended builds
-    (for inputs deeper than `DEPTH`: its memory is the heap's).
+    (for inputs deeper than `DEPTH`: its memory is the heap's); an error's
+    path marked on ``trail``.
 
     >>> from monadl.fold import InputTransform
     >>> evaluate(InputTransform(len) >> InputTransform(str), "abc")
@@ -328,13 +458,15 @@ def evaluate(block: Block[X, Y], x: X) -> Y:
                 stack.pop()  # (its own code raised: it is finished)
                 raise
         except Exception as exc:
-            caught = _unwind(stack, opened, exc)
+            caught = _unwind(stack, opened, exc, trail)
             if caught is None:
                 raise  # (as it was raised: its traceback has no frames of the builds it went through)
             request, sent = caught
 
 
-def _unwind(stack: list[Any], opened: set[tuple[int, int]], error: Exception) -> tuple[Request | None, Any] | None:
+def _unwind(
+    stack: list[Any], opened: set[tuple[int, int]], error: Exception, trail: _Trail | None
+) -> tuple[Request | None, Any] | None:
     """After a block's ``error``: the stack unwound to the nearest suspended
     build, which the error is thrown into (as a Python error goes to the
     nearest caller), the compositions, parallel blocks and declarations that
@@ -344,25 +476,39 @@ def _unwind(stack: list[Any], opened: set[tuple[int, int]], error: Exception) ->
     builds it went through add no frames: through the stack they would be
     one a level); `StopIteration` is not thrown in (a generator would turn it
     into a `RuntimeError`). An error a build raises in its place goes on down
-    the stack, and is raised if none catches it."""
+    the stack, and is raised if none catches it. Each build and parallel
+    block it leaves marks its step on ``trail``."""
     if isinstance(error, StopIteration):
         return None
     thrown, traceback = error, error.__traceback__
     while stack:
         build = stack.pop()
-        if type(build) is _Then or type(build) is _Outputs:
+        if type(build) is _Then:
+            continue
+        if type(build) is _Outputs:
+            if trail is not None:
+                i = len(build.ys)
+                trail.mark(thrown, f"<block {i} of AllOf>", build.blocks[i], build.x)
             continue
         if type(build) is tuple:  # (an `Open`)
             opened.discard(build[0])
             continue
+        if trail is not None:
+            step, asked = _step(build), _asked(build)
         try:
             request = build.throw(thrown)
         except StopIteration as done:
+            if trail is not None:
+                trail.forget()
             return None, done.value
         except Exception as passed:
             if passed is not thrown:  # the build's own error, in place of the one thrown
                 thrown, traceback = passed, passed.__traceback__
+            elif trail is not None:
+                trail.mark(thrown, step, *asked)
             continue
+        if trail is not None:
+            trail.forget()
         stack.append(build)
         return request, None
     thrown.__traceback__ = traceback

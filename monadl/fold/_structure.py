@@ -103,6 +103,9 @@ class Optional(Block[X | None, Y]):
             y = yield from call(self.block, x)
         return y
 
+    def _step(self, build: Mapping[str, Any]) -> str:
+        return ""
+
 
 @final
 class AllOf(Parallel[X, T]):
@@ -240,3 +243,7 @@ class Record(Block[X, T]):
         for block, field in zip(self.blocks, fields):
             ys.append((yield from call(block, field)))
         return cast(T, tuple(ys))  # the overloads of __init__ type it per field
+
+    def _step(self, build: Mapping[str, Any]) -> str:
+        i = len(build["ys"])
+        return f"[{i if self.keys is None else repr(self.keys[i])}]"

@@ -623,10 +623,14 @@ def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkey
     assert parsed(["12", "ab"]) == [12, 1.0]
     with pytest.raises(ZeroDivisionError) as info:
         parsed(["1", "a"])
-    assert info.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {parsed!r}"]
+    assert info.value.__notes__ == [  # (where the fallback failed: Try's own step is its class)
+        f"monadl.fold: while building input 0 (a list) of the batch with {parsed!r}, at input 0[1]<Try>: 'a' (a str), "
+        "given to InputTransform(len) >> InputTransform(<lambda>)"
+    ]
     assert isinstance(info.value.__context__, ValueError)  # raised while the build handled parse's error
     nested = ForwardDeclaration[Any, Any]()
-    nested.resolve_to(Map(OneOf(lambda t: isinstance(t, list), {True: nested, False: InputTransform(parse)})))
+    each = OneOf(lambda t: isinstance(t, list), {True: nested, False: InputTransform(parse)})
+    nested.resolve_to(Map(each))
     for levels in (10, 3 * sys.getrecursionlimit()):
         deep: Any = ["x"]
         for _ in range(levels):
@@ -639,7 +643,11 @@ def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkey
             and frames[-1].line == "return int(text)  # the user's line an uncaught error names"
         )
         assert len(frames) < 60  # (as many as the nested calls: never one a level of the input)
-        assert caught.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}"]
+        path = "[0]" * (levels + 1) if levels < 20 else "[0]" * 10 + f"...{levels - 19:,} more..." + "[0]" * 10
+        assert caught.value.__notes__ == [
+            f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}, at input 0{path}: 'x' (a str), "
+            f"given to {each!r}"  # (what the Map gave the bad element to)
+        ]
     with pytest.raises(StopIteration):  # not thrown into the builds: a generator would make it a RuntimeError
         Map(InputTransform[Any, Any](next))([iter([1]), iter([])])
 

@@ -1,0 +1,144 @@
+"""An error while building names where in the input it came from: the path
+of parts the builds were at, and the block the innermost part was given to,
+the same on nested calls and on the explicit stack, however deep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.fold import (
+    AllOf,
+    Fold,
+    ForwardDeclaration,
+    Function,
+    Identity,
+    InputTransform,
+    Map,
+    OneOf,
+    Record,
+    Reduce,
+    Vector,
+    Zeros,
+)
+
+Pair = tuple[ml.ArrayLayer, ml.ArrayLayer]
+
+
+def add(ab: Pair) -> ml.ArrayLayer:
+    return ab[0] + ab[1]
+
+
+def tree_model() -> ForwardDeclaration[Any, ml.ArrayLayer]:
+    node = ForwardDeclaration[Any, ml.ArrayLayer]("node")
+    leaf = Record({"x": Vector(2, "float64")}) >> InputTransform[Any, ml.ArrayLayer](lambda t: t[0])
+    children = Record({"children": Map(node) >> Reduce(Function(add))}) >> InputTransform[Any, ml.ArrayLayer](
+        lambda t: t[0]
+    )
+    node.resolve_to(OneOf(lambda d: d["kind"], {"leaf": leaf, "op": children}))
+    return node
+
+
+LEAF = {"kind": "leaf", "x": [0.1, 0.2]}
+
+
+def op(*kids: Any) -> dict[str, Any]:
+    return {"kind": "op", "children": list(kids)}
+
+
+@pytest.mark.parametrize("depth", [None, 0])
+def test_the_note_has_the_path_to_the_bad_node_and_the_block_given_it(
+    depth: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from monadl.fold import _run
+
+    if depth is not None:
+        monkeypatch.setattr(_run, "DEPTH", depth)
+    node = tree_model()
+    empty = op(op(LEAF, LEAF), op(LEAF, op(LEAF, LEAF, op()), LEAF), LEAF)
+    with pytest.raises(ValueError) as info:
+        node.batch([op(LEAF, LEAF), empty])
+    assert str(info.value) == (
+        "Reduce(Function(add)) joins one or more elements, and was given [] (a list); an input that may be empty "
+        "needs a case of its own (a OneOf on its length, with Zeros for none)"
+    )
+    assert info.value.__notes__ == [
+        "monadl.fold: while building input 1 (a dict) of the batch with ForwardDeclaration('node'), "
+        "at input 1['children'][1]['children'][1]['children'][2]['children']: [] (a list), "
+        "given to Map(ForwardDeclaration('node')) >> Reduce(Function(add))"
+    ]
+    missing = op(op(LEAF, LEAF), op(LEAF, {"kind": "leaf", "x": None}))
+    with pytest.raises(TypeError) as refused:
+        node(missing)
+    assert refused.value.__notes__ == [
+        "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), "
+        "at input 0['children'][1]['children'][1]['x']: None, given to Vector(2, 'float64')"
+    ]
+
+
+def test_a_tree_thousands_of_levels_deep_has_its_paths_middle_cut() -> None:
+    node = tree_model()
+    tree: Any = {"kind": "leaf", "x": [1.0]}  # (one number: Vector(2) refuses it)
+    for _ in range(3000):
+        tree = op(LEAF, tree)
+    with pytest.raises(ValueError, match=r"^Vector\(2\) was given 1 number") as info:
+        node(tree)
+    (note,) = info.value.__notes__
+    step = "['children'][1]"
+    assert note == (
+        "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), at input 0"
+        + step * 5
+        + "...5,981 more..."  # (6,001 steps: a level's two, and the leaf's field)
+        + "[1]"
+        + step * 4
+        + "['x']: [1.0] (a list), given to Vector(2, 'float64')"
+    )
+
+
+def test_the_steps_of_fold_reduce_and_all_of() -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    step = Record(Identity[ml.ArrayLayer](), Vector(2, "float64")) >> Function[Pair, ml.ArrayLayer](
+        lambda sx: ml.tanh(sx[0] @ w + sx[1])
+    )
+    rnn = Fold(step, Zeros((2,), "float64"))
+    with pytest.raises(ValueError) as info:
+        rnn([[1.0, 2.0], [3.0, 4.0], [5.0]])
+    assert info.value.__notes__[0].endswith(
+        "at input 0[2][1]: [5.0] (a list), given to Vector(2, 'float64')"
+    )  # (element 2; the step's Record, field 1)
+
+    def refuse_long(ab: tuple[str, str]) -> str:
+        if len(ab[0]) + len(ab[1]) > 4:
+            raise ValueError("too long")
+        return ab[0] + ab[1]
+
+    joined = Map(InputTransform[str, str](str.strip)) >> Reduce(InputTransform(refuse_long))
+    with pytest.raises(ValueError, match="too long") as info:
+        joined([" a", "b", "c", "d", "e", "f", "g", "h", "i"])
+    assert info.value.__notes__[0].endswith(
+        "at input 0[0:8]: ('abcd', 'efgh') (a tuple), given to InputTransform(refuse_long)"
+    )  # (the third level's first join: the input's elements 0 to 7, as a slice)
+    both = AllOf(InputTransform[list[float], float](len), Vector(2, "float64"))
+    with pytest.raises(ValueError) as info:
+        Map(both)([[1.0, 2.0], [3.0]])
+    assert info.value.__notes__[0].endswith(
+        "at input 0[1]<block 1 of AllOf>: [3.0] (a list), given to Vector(2, 'float64')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("block", "name"),
+    [
+        (Map(Vector(1)), "Map(Vector(1, 'float32'))"),
+        (Reduce(Function(add)), "Reduce(Function(add))"),
+        (Fold(Identity[Any](), Zeros((1,))), "Fold(Identity(), Zeros((1,), 'float32'))"),
+    ],
+)
+def test_a_sequence_block_given_no_sequence_names_itself_and_the_input(block: Any, name: str) -> None:
+    for given, text in ((None, "None"), (3, "3 (an int)")):
+        with pytest.raises(TypeError) as info:
+            block(given)
+        assert str(info.value) == f"{name} takes a sequence, and was given {text}"
