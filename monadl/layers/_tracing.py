@@ -35,6 +35,7 @@ from monadl.do import Do
 from monadl.errors import OperandError
 from monadl.layers._data import Data, check_kept, name_the_cell, params_read, take
 from monadl.layers._layer import Expr, Layer, _build, _next_serial
+from monadl.layers._operand import numbers_given
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import Primitive
 from monadl.layers._program import Program
@@ -110,6 +111,7 @@ def _record(
         result = f(*args, **kwargs)
     except OperandError as exc:
         name_the_cell(exc, name)
+        numbers_given(exc, {id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)})
         raise
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
@@ -187,6 +189,7 @@ def _record(
         check_kept(leaves, consts, program_steps)
     except OperandError as exc:
         name_the_cell(exc, name)
+        numbers_given(exc, {id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)})
         raise
     outputs = tuple(slot[id(o)] for o in outs)
     return Recorded(

@@ -1050,3 +1050,28 @@ def test_past_its_limit_an_operation_forgets_one_trace_not_all(monkeypatch: pyte
     assert again < len(shapes) // 4  # (clearing all: about 2 x 257)
     assert len(cell._traces) == _operation._TRACES_LIMIT
     anyio.run(ml.sum(cell(np.ones((3, 2)))).predict)
+
+
+def test_a_cell_given_a_list_of_numbers_is_told_to_pass_an_array_not_to_join_layers() -> None:
+    """Inside a trace the numbers are placeholder layers: the hint for a
+    list of layers (join them) would mislead; a real list of layers keeps it."""
+    w = ml.Weight(np.ones((2, 2)))
+
+    @ml.operation
+    def cell(x: Any) -> ml.ArrayLayer:
+        return ml.tanh(x @ w)
+
+    with pytest.raises(ml.OperandError) as info:
+        cell([1.0, 2.0])
+    assert type(info.value) is ml.OperandError
+    assert str(info.value) == (
+        "matmul: operand of type list is not a Layer, a Weight, an array or a number (inside the cell, a list of "
+        "the numbers it was given: pass them as one array, np.asarray(xs); in monadl.fold, put Vector(n) before "
+        "the Function)"
+    )
+    rows = [ml.as_layer(np.ones((1, 2))), ml.as_layer(np.ones((1, 2)))]
+    with pytest.raises(ml.OperandError, match=r"\(join its layers with ml\.stack or ml\.concatenate\)$"):
+        cell(rows)
+    with pytest.raises(ml.OperandError, match=r"\(join its layers with ml\.stack or ml\.concatenate\)$"):
+        cell([1.0, rows[0]])  # (a layer among the numbers: a join still)
+    assert np.allclose(anyio.run(cell(np.array([1.0, 2.0])).predict), np.tanh([3.0, 3.0]))
