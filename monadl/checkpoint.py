@@ -336,21 +336,24 @@ def _unreadable(path: str, error: SafetensorError) -> str:
 
 
 def _expected_size(path: str) -> tuple[int, bool] | None:
-    """The size that ``path``'s header gives it, and whether the header was
-    there whole (else the size is where the header would end: a floor);
-    None where its first bytes are no safetensors header, or where the
-    length they give is not that of the header that follows them."""
+    """The size that ``path``'s header gives it, and whether the header's
+    JSON was there whole (else the size is where the header would end: a
+    floor); None where its first bytes are no safetensors header, or where
+    the length they give is not that of the header that follows them."""
     with open(path, "rb") as file:
         length = int.from_bytes(file.read(8), "little")
         if length > _MAX_HEADER:
             return None
         header = file.read(length)
     if len(header) < length:
-        try:  # (a whole header in what there is: its length, not the file, is damaged)
-            json.JSONDecoder().raw_decode(header.decode("utf-8", "replace"))
+        text = header.decode("utf-8", "replace")
+        try:
+            stop = json.JSONDecoder().raw_decode(text)[1]
         except ValueError:
             return 8 + length, False
-        return None
+        if text[stop:].strip(" "):  # (other bytes after a whole header: its length, not the file, is damaged)
+            return None
+        header = text[:stop].encode()  # (cut inside the spaces that pad a header: its JSON is whole)
     try:
         entries = json.loads(header)
         end = max((int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"), default=0)

@@ -742,6 +742,29 @@ def test_a_truncated_checkpoint_is_called_truncated_with_its_size_and_the_size_i
         ml.load(path, {"w": ml.Weight(np.zeros(1000), optimizer=ml.optim.adam(1e-3))})
 
 
+def test_a_checkpoint_cut_inside_its_headers_padding_is_called_truncated(tmp_path: Path) -> None:
+    """The header's JSON whole, the spaces that pad it to 8 bytes cut, and
+    every array byte gone: it was 'not a safetensors file: ... invalid header
+    length'."""
+    path = tmp_path / "m.safetensors"
+    for k in range(8):  # (a note's length that leaves the header padded)
+        ml.save(path, {"w": ml.Weight(np.ones(1000))}, metadata={"note": "x" * k})
+        raw = path.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        json_end = len(raw[8 : 8 + length].rstrip(b" "))
+        if json_end < length:
+            break
+    assert len(raw) == 8 + length + 8000
+    for cut in (8 + length - 1, 8 + json_end):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(ml.CheckpointError) as refused:
+            ml.load(path, {"w": ml.Weight(np.zeros(1000))})
+        assert str(refused.value) == (
+            f"{path} is truncated: {cut} bytes, and its header expects {len(raw)} (a full disk, a copy cut short?); "
+            "nothing was loaded"
+        )
+
+
 def test_a_checkpoint_without_digests_still_loads(tmp_path: Path) -> None:
     import json
 
