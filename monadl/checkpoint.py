@@ -50,7 +50,7 @@ from typing import Any, Final
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from monadl._atomic_file import write_atomically
 from monadl._named import named_weights
@@ -236,8 +236,7 @@ def load(
         )
     _not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
     try:
-        manifest = _manifest(os.fspath(path))
-        tensors = load_file(os.fspath(path))
+        manifest, tensors = _read(os.fspath(path))
     except SafetensorError as error:
         raise CheckpointError(_unreadable(os.fspath(path), error)) from None
     damaged = sorted(key for key, digest in manifest.get("digests", {}).items() if _digest(tensors.get(key)) != digest)
@@ -362,9 +361,17 @@ def _expected_size(path: str) -> tuple[int, bool] | None:
     return 8 + length + end, True
 
 
-def _manifest(path: str) -> dict[str, Any]:
+def _read(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest and the arrays of ``path``, read through one opening of
+    it: a save that replaces the file meanwhile (another process saving the
+    checkpoint that this one evaluates) must not pair one file's manifest
+    with the next one's arrays, which their digests then call damaged."""
     with safe_open(path, framework="numpy") as file:
-        header = file.metadata() or {}
+        manifest = _manifest(path, file.metadata() or {})
+        return manifest, {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 - not iterable
+
+
+def _manifest(path: str, header: dict[str, str]) -> dict[str, Any]:
     if _MANIFEST_KEY not in header:
         raise CheckpointError(f"{path} is a safetensors file but not a monadl checkpoint (no manifest in its header)")
     digest = header.get(_MANIFEST_DIGEST_KEY)  # (none in a checkpoint written before it: read as it is)
