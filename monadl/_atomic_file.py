@@ -140,17 +140,27 @@ def _remove_leftovers(directory: str, name: str) -> None:
 
 def _remove(workspace: str, lock: int) -> None:
     """Remove a workspace whose lock ``lock`` holds: its files, then the lock
-    file (last: a workspace with files in it always has its lock), then it."""
-    with contextlib.suppress(OSError), os.scandir(workspace) as entries:
-        for entry in entries:
-            if entry.name != _LOCK and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-    os.close(lock)
-    with contextlib.suppress(OSError):
-        os.unlink(os.path.join(workspace, _LOCK))
-    with contextlib.suppress(OSError):
-        os.rmdir(workspace)
+    file (last: a workspace with files in it always has its lock), then it,
+    and only then let the lock go. A writer that made that lock file and
+    has yet to lock it (`_locked`) then finds it locked, or gone: released
+    first, the writer could lock it and take as its own a folder about to
+    be removed, under the file it was writing. (Windows cannot remove an
+    open file, and there no write removes another's: closed first.)"""
+    if sys.platform == "win32":
+        os.close(lock)
+    try:
+        with contextlib.suppress(OSError), os.scandir(workspace) as entries:
+            for entry in entries:
+                if entry.name != _LOCK and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(workspace, _LOCK))
+        with contextlib.suppress(OSError):
+            os.rmdir(workspace)
+    finally:
+        if sys.platform != "win32":
+            os.close(lock)
 
 
 def _fsync(path: str, flags: int) -> None:

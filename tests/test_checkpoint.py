@@ -520,6 +520,38 @@ def test_a_save_of_the_same_path_still_at_work_is_left_alone(tmp_path: Path) -> 
     assert os.listdir(tmp_path) == [path.name]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock")
+def test_a_writer_never_takes_the_lock_of_a_workspace_being_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save removing another's leftover released its lock before removing
+    the lock file and the folder: a writer that had just made that folder
+    and its lock file (a process's new save, its folder taken for a killed
+    writer's) could lock it then and write into a folder being removed."""
+    from monadl import _atomic_file
+
+    workspace = tmp_path / f".m.safetensors.{'b' * 32}.tmp"
+    workspace.mkdir()
+    lock_path = str(workspace / ".lock")
+    writers = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # (made, not locked yet)
+    taken: list[bool] = []
+    close = os.close
+
+    def close_then_writer_locks(descriptor: int) -> None:
+        close(descriptor)
+        if descriptor != writers and not taken:
+            taken.append(_atomic_file._locked(writers, lock_path))
+
+    monkeypatch.setattr(os, "close", close_then_writer_locks)
+    try:
+        _atomic_file._remove_leftovers(str(tmp_path), "m.safetensors")
+    finally:
+        monkeypatch.undo()
+        os.close(writers)
+    assert taken == [False]
+    assert os.listdir(tmp_path) == []
+
+
 def test_saves_of_one_path_on_several_threads_each_complete_and_leave_nothing(tmp_path: Path) -> None:
     """Each save removes the leftovers of its path: never another's at work."""
     path = tmp_path / "m.safetensors"
