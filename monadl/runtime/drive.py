@@ -175,11 +175,17 @@ async def _turn() -> None:
 def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether one of ``loop``'s timers is due: its earliest (asyncio's
     timers are a heap), or, on a loop that keeps them elsewhere (uvloop),
-    whether the deadline of anyio's scopes around this task has passed."""
-    scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
-    if scheduled is None:
-        return anyio.current_effective_deadline() <= anyio.current_time()
-    return bool(scheduled) and scheduled[0].when() <= loop.time()
+    whether the deadline of anyio's scopes around this task has passed.
+    False where a loop of its own keeps other things there (items with no
+    ``when()``): one turn, as before the second was added, and no error
+    from a private attribute of asyncio's."""
+    try:
+        scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
+        if scheduled is None:
+            return anyio.current_effective_deadline() <= anyio.current_time()
+        return bool(scheduled) and bool(scheduled[0].when() <= loop.time())
+    except Exception:
+        return False
 
 
 @final

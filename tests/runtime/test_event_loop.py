@@ -7,6 +7,7 @@ by branches that can only finish together, turns by a task that counts them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from types import SimpleNamespace
+from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -284,6 +287,32 @@ async def test_asyncio_timeout_that_passes_during_a_step_stops_it_at_the_next_tu
         async with asyncio.timeout(0.02):
             await slow_then_short(w).train()
     np.testing.assert_array_equal(w.data, np.ones(4))
+
+
+def own_loop(scheduled: object) -> asyncio.AbstractEventLoop:
+    """A loop of its own making that keeps other things in ``_scheduled``
+    (a stand-in: only what `_timer_due` reads)."""
+    return cast(asyncio.AbstractEventLoop, SimpleNamespace(_scheduled=scheduled, time=lambda: 0.0))
+
+
+async def test_a_loop_whose_scheduled_items_are_not_asyncios_timers_gets_one_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The turn read the earliest of asyncio's private _scheduled timers with .when(): on a
+    # loop keeping other things there, every step raised AttributeError.
+    from monadl.runtime import drive
+
+    class Due:
+        def when(self) -> float:
+            return -1.0
+
+    assert drive._timer_due(own_loop([Due()]))  # (asyncio's way: a due timer)
+    for scheduled in ([object()], [("when", 0.0)], 3, {"a": 1}):
+        assert drive._timer_due(own_loop(scheduled)) is False
+    monkeypatch.setattr(drive, "asyncio", SimpleNamespace(_get_running_loop=lambda: own_loop([object()])))
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    assert await turns_during(long_chain(w, 100).train) >= 2
+    assert not np.array_equal(w.data, np.ones(4))
 
 
 @pytest.mark.parametrize("examples", [1, 3])
