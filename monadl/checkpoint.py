@@ -23,8 +23,8 @@ Why safetensors: it stores arrays and a text header only, so loading a file
 never runs code (pickle does), and PyTorch, JAX and Hugging Face tools read it.
 Why one file: a single ``os.replace`` of a fully written temporary file makes
 the save atomic; a crash mid-save leaves the previous checkpoint intact, and
-the next save of the same path removes what the crash left
-(`monadl._atomic_file`).
+the next save of the same path removes the folder the crash left
+(`monadl._atomic_file`: not the plain ``.tmp`` files an earlier monadl left).
 
 >>> import os, tempfile, numpy as np, monadl as ml
 >>> model = {"w": ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))}
