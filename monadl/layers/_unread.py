@@ -23,7 +23,9 @@ first step of about 41 ms; a graph cell's ``segment_sum(h[src] @ W, dst,
 n)`` traced for 200 sizes, 0.17 ms more a size, 85 ms against 52 ms).
 The other values take one array the size of each data argument, for the
 second run: a 160 MB float64 argument takes 160 MB more, for that run, and
-about 0.04 s at its first call (the pages' first touch most of it).
+0.04 s at its first call, up to 0.4 s where the system must first find the
+memory (measured on a shared 2-core machine; the first touch of the pages
+is most of it).
 
 A cell that records another program on the *same* arguments (a random
 constant drawn inside it) is left as before: it reads something other than
