@@ -314,7 +314,9 @@ def _narrowed(sink: Gather, source: Source, reached: Any) -> Callable[[Any], Gat
         rows = host[at] - start
     if not len(at):
         return _nothing
-    narrowed = _made(source.group, at, rows, source.unique)  # (rows of unique rows are unique)
+    # (rows of unique rows are unique; a joint's source says unique of its slice, its rows may repeat)
+    unique = source.unique if joint is None else joint.unique
+    narrowed = _made(source.group, at, rows, unique)
     return lambda delta: sink.add(narrowed, delta)
 
 
