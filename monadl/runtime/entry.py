@@ -129,10 +129,14 @@ async def gradients(
     given, is called once between the forward and the backward with the
     weights the forward reached: no other weight will have a gradient.
     """
+    tune = current_settings().tune_process  # (as train() and predict(): a clipping loop calls neither)
+    process.first_use(tune)
     ev = Evaluation(train=True)
     ev.on_gradient = on_gradient
     async with _transaction(ev):
         value = await drive(ev, forward_backward(ev, root, scalar=False, reached=on_reached))
+    if tune:
+        process.fit_gc(ev.nodes)
     return value, ev.weight_gradients()
 
 

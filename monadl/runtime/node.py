@@ -20,7 +20,7 @@ from monadl._namespace import (
     common_namespace,
     host_scalars_to_python,
 )
-from monadl.errors import NonFiniteError, ShapeError
+from monadl.errors import DTypeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, made
 from monadl.layers._operands import describe, one_float_dtype
@@ -179,6 +179,10 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             f"{op.name}: {what} ({exc}); layer built at {where(node)}" + weight_sites(node._inputs)
         ) from exc
     except NonFiniteError:
+        raise
+    except DTypeError as exc:
+        if type(op.rule) is Program and exc.args and type(exc.args[0]) is str:  # (as a ShapeError: the call's line too)
+            exc.args = (f"{exc.args[0]} called at {where(node)}", *exc.args[1:])
         raise
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")

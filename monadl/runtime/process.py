@@ -10,7 +10,7 @@ computes, and only when the settings allow it:
   small MLP step). Raising the mmap threshold (to its maximum, 32 MiB on
   64-bit) and the trim threshold keeps freed blocks in the heap for the next
   step, as other frameworks' caching allocators do; freed memory then stays
-  with the process. Applied once, on the first ``train()`` or ``predict()``,
+  with the process. Applied once, on the first ``train()``, ``predict()`` or gradients,
   when ``Settings.tune_process`` is on (``MONADL_TUNE_PROCESS=0`` in the
   environment turns it off by default), on glibc only.
 * **The cyclic GC** (`advance`): paused during each synchronous stretch of
@@ -142,7 +142,7 @@ def tune_malloc() -> bool:
 
 def first_use(allowed: bool) -> None:
     """The tuning that ``Settings.tune_process`` allows, once, on the first
-    ``train()`` or ``predict()`` (a cheap test after that)."""
+    ``train()``, ``predict()`` or gradients (a cheap test after that)."""
     if allowed and not _malloc_tried:
         tune_malloc()
         tune_gc()

@@ -66,7 +66,7 @@ class Settings:
             operation that made it.
         tune_process: let monadl tune the process for its allocation pattern:
             glibc's malloc thresholds and the cyclic GC's young-generation
-            threshold, raised on the first ``train()`` or ``predict()`` (see
+            threshold, raised on the first ``train()``, ``predict()`` or gradients (see
             `monadl.runtime.process`), the GC pause above, and Ctrl-C held
             while a step writes its weights (so that it lands whole). False
             leaves the whole process as it is (``pause_gc`` is then ignored). The environment variable ``MONADL_TUNE_PROCESS=0``

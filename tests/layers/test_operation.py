@@ -1075,3 +1075,15 @@ def test_a_cell_given_a_list_of_numbers_is_told_to_pass_an_array_not_to_join_lay
     with pytest.raises(ml.OperandError, match=r"\(join its layers with ml\.stack or ml\.concatenate\)$"):
         cell([1.0, rows[0]])  # (a layer among the numbers: a join still)
     assert np.allclose(anyio.run(cell(np.array([1.0, 2.0])).predict), np.tanh([3.0, 3.0]))
+
+
+def test_a_dtype_refused_inside_a_cell_names_the_call_as_a_shape_does() -> None:
+    # A float64 state into a float32 cell named the line inside the cell alone: with 64
+    # sequences' calls, not which call got it.
+    w = ml.Weight(np.ones((4, 4), np.float32))
+    cell = ml.operation(lambda h, c: ml.tanh(h @ w) * c)
+    out = cell(np.ones((2, 4), np.float32), np.ones((2, 4)))  # the call
+    call = f"{__file__}:{sys._getframe().f_lineno - 1}"
+    with pytest.raises(ml.DTypeError) as caught:
+        anyio.run(ml.sum(out).predict)
+    assert str(caught.value).endswith(f", inside the operation {cell.__name__} called at {call}")

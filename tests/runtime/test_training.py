@@ -412,6 +412,27 @@ print(gc.get_threshold()[0], process._malloc_tried)
     assert outputs[1] == ["700", "False"]  # CPython's default, untouched
 
 
+def test_a_loop_of_gradients_alone_tunes_the_process_as_train_does() -> None:
+    # The clipping recipe (value_and_gradients, clip, apply_gradients) calls neither train() nor
+    # predict(): the collector stayed at 700 and a new user's LSTM step ran 1.7-4x slower.
+    import subprocess
+    import sys
+
+    from monadl.runtime.process import GC_THRESHOLD
+
+    program = """
+import gc, anyio, numpy as np, monadl as ml
+from monadl.runtime import process
+w = ml.Weight(np.ones(2))
+value, grads = anyio.run(ml.value_and_gradients, ml.sum(w * w))
+grads = ml.optim.clip_by_global_norm(grads, 1.0)
+ml.optim.apply_gradients(grads)
+print(gc.get_threshold()[0], process._malloc_tried)
+"""
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(GC_THRESHOLD), "True"]
+
+
 def test_the_collector_threshold_follows_the_largest_graph_so_that_a_loop_over_it_collects_nothing() -> None:
     import subprocess
     import sys
