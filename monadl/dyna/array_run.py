@@ -12,7 +12,7 @@ import numpy as np
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.einsum import Array, ArrayAlgebra
-from monadl.dyna.semiring import LOG_REAL, Semiring
+from monadl.dyna.semiring import Semiring, tape_arithmetic
 from monadl.dyna.settle import array_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule
 
@@ -195,7 +195,9 @@ class ArrayRun:
 
 def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
     """d goal / d x from the adjoint ``g`` of an update of ``value`` to x."""
-    if s == LOG_REAL:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+    if (
+        tape_arithmetic(s) == "log-real"
+    ):  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
         if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
             return 0.0
         return math.exp(g + value - goal_value)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeAlias, final
 
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
-from monadl.dyna.semiring import LOG_REAL, Semiring, coefficient
+from monadl.dyna.semiring import Semiring, coefficient, tape_arithmetic
 from monadl.dyna.settle import scalar_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule
 
@@ -136,7 +136,7 @@ class Run:
             g = adjoints.updates.get(x)
             if g is None:
                 out[x] = 0.0
-            elif s == LOG_REAL:
+            elif tape_arithmetic(s) == "log-real":
                 # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal)
                 # (a derived item's x: its value, not its first update, which may be one path of many);
                 # a goal of probability 0 stays 0 near here (exp(-inf + inf) was NaN).

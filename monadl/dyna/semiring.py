@@ -7,12 +7,16 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from monadl.dyna.syntax import Rule
 
-__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Semiring", "annihilated", "coefficient"]
+__all__ = ["LOG_REAL", "MAX_TIMES", "MIN_PLUS", "REAL", "Semiring", "annihilated", "coefficient", "tape_arithmetic"]
+
+_GRADIENTS = ("tape", "backpointer", None)
+"""What a semiring's ``gradient`` may be."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +27,11 @@ class Semiring:
     arithmetic: the real and log-real semirings), "backpointer" (subgradients
     along the best derivation: max-times, min-plus) or None (forward only).
     ``better`` orders values for an agenda by value (idempotent semirings).
+
+    A gradient is refused here, not at the first ``train()``, where it is
+    none of these, and "tape" where the arithmetic is neither real nor
+    log-real (`tape_arithmetic`): the tape's adjoints are the gradient only
+    there, and in any other arithmetic they were numbers of no meaning.
 
     >>> boolean = Semiring("boolean", 0.0, 1.0, max, min)
     >>> boolean.product([1.0, 0.0]), REAL.product([2.0, 3.0]), MIN_PLUS.product([2.0, 3.0])
@@ -37,12 +46,54 @@ class Semiring:
     gradient: str | None = None
     better: Callable[[float], float] | None = None
 
+    def __post_init__(self) -> None:
+        if self.gradient not in _GRADIENTS:
+            raise ValueError(
+                f"semiring {self.name}: gradient={self.gradient!r} is none of 'tape' (real and log-real), "
+                "'backpointer' (max or min: max-times, min-plus) or None (forward only)"
+            )
+        if self.gradient == "tape" and tape_arithmetic(self) is None:
+            raise ValueError(
+                f"semiring {self.name}: gradient='tape' differentiates the real semiring (zero 0, one 1, plus +, "
+                "times *) and the log-real one (zero -inf, one 0, plus np.logaddexp, times +) only, and this one's "
+                f"arithmetic is neither (plus(2, 3) gave {self.plus(2.0, 3.0)!r}, times(2, 3) {self.times(2.0, 3.0)!r}): "
+                "its adjoints would be no gradient; where plus is max or min (max-times, min-plus, max-plus) use "
+                "gradient='backpointer', otherwise gradient=None (forward only)"
+            )
+
     def product(self, values: Iterable[float]) -> float:
         """The ``times`` of the values (``one`` for none)."""
         result = self.one
         for v in values:
             result = self.times(result, v)
         return result
+
+
+def tape_arithmetic(semiring: Semiring) -> Literal["real", "log-real"] | None:
+    """Which arithmetic the semiring computes in, real or log-real, asked of
+    its zero, one, plus and times themselves, not of its name or identity
+    (None for any other): where the tape's adjoints are a gradient, and in
+    log-real, of the logarithms, to convert.
+
+    >>> tape_arithmetic(Semiring("mine", -math.inf, 0.0, np.logaddexp, lambda a, b: a + b))
+    'log-real'
+    >>> tape_arithmetic(REAL), tape_arithmetic(MAX_TIMES)
+    ('real', None)
+    """
+    zero, one, plus, times = semiring.zero, semiring.one, semiring.plus, semiring.times
+    probes = ((2.0, 3.0), (-1.5, 0.25))
+    if zero == 0.0 and one == 1.0 and all(plus(a, b) == a + b and times(a, b) == a * b for a, b in probes):
+        return "real"
+    if (
+        zero == -math.inf
+        and one == 0.0
+        and all(
+            times(a, b) == a + b and math.isclose(plus(a, b), math.log(math.exp(a) + math.exp(b)), rel_tol=1e-12)
+            for a, b in probes
+        )
+    ):
+        return "log-real"
+    return None
 
 
 def _unchanged(value: float) -> float:

@@ -177,3 +177,61 @@ def test_a_pickled_built_in_semiring_is_that_semiring() -> None:
         back = pickle.loads(pickle.dumps(semiring))
         assert back == semiring and back.times is semiring.times and back.better is semiring.better
         assert copy.deepcopy(semiring) == semiring
+
+
+def test_a_log_real_semiring_of_ones_own_gets_the_log_real_gradient() -> None:
+    """Its tape's adjoints were converted only where it equalled LOG_REAL, name
+    included: under another name the gradient was the raw log adjoints
+    (-0.288 where finite differences give 0.333), with no error."""
+    import operator
+
+    from monadl.dyna import parse
+
+    text = "path(0) += 0. path(J) += edge(I, J) * path(I)."
+    axioms = {("edge", i, j): math.log(0.5) for i in range(4) for j in range(i + 1, 4)}
+    mine = Semiring("my-log-real", -math.inf, 0.0, np.logaddexp, operator.add, gradient="tape")
+    mine_by_lambda = Semiring("mine", -math.inf, 0, np.logaddexp, lambda a, b: a + b, gradient="tape")
+    real_by_numpy = Semiring("my-real", 0, 1, np.add, np.multiply, gradient="tape")
+    expected = {(0, 1): 1 / 3, (0, 2): 2 / 9, (0, 3): 4 / 9, (1, 2): 1 / 9, (1, 3): 2 / 9, (2, 3): 1 / 3}
+    for semiring in (LOG_REAL, mine, mine_by_lambda):
+        run = parse(text, semiring).run(axioms)
+        assert math.exp(run.chart[("path", 3)]) == pytest.approx(1.125)  # 0.5 + 0.25 + 0.25 + 0.125
+        gradient = run.gradient(("path", 3))
+        for (i, j), g in expected.items():
+            assert gradient[("edge", i, j)] == pytest.approx(g, rel=1e-12), (semiring.name, i, j)
+    real = parse(text.replace("+= 0.", "+= 1."), real_by_numpy).run(dict.fromkeys(axioms, 0.5))
+    assert real.gradient(("path", 3))[("edge", 0, 1)] == pytest.approx(0.75)  # path 0-1-3 and 0-1-2-3 over 0.5
+
+
+@pytest.mark.parametrize(
+    ("plus", "times", "zero", "one", "shown"),
+    [
+        (max, lambda a, b: a + b, -math.inf, 0.0, "plus(2, 3) gave 3.0, times(2, 3) 5.0"),  # max-plus
+        (max, lambda a, b: a * b, 0.0, 1.0, "plus(2, 3) gave 3.0, times(2, 3) 6.0"),  # max-times
+        (lambda a, b: a + b, lambda a, b: a * b, 0.0, 2.0, "plus(2, 3) gave 5.0, times(2, 3) 6.0"),  # one is 2
+    ],
+)
+def test_a_tape_gradient_in_other_arithmetic_is_refused_at_construction(
+    plus: Any, times: Any, zero: float, one: float, shown: str
+) -> None:
+    """A max-plus semiring with gradient='tape' trained on the log adjoints
+    (-0.69 where the subgradient is 1): the tape is a gradient in real and
+    log-real arithmetic only."""
+    with pytest.raises(ValueError) as caught:
+        Semiring("mine", zero, one, plus, times, gradient="tape")
+    message = str(caught.value)
+    assert message.startswith("semiring mine: gradient='tape' differentiates the real semiring")
+    assert shown in message and "use gradient='backpointer'" in message and "gradient=None (forward only)" in message
+
+
+def test_an_unknown_gradient_is_refused_at_construction() -> None:
+    """A typo, 'tapee', was taken for forward only, and train() said 'no
+    gradient here' without naming it."""
+    import operator
+
+    with pytest.raises(ValueError) as caught:
+        Semiring("myreal", 0.0, 1.0, operator.add, operator.mul, gradient="tapee")
+    assert str(caught.value) == (
+        "semiring myreal: gradient='tapee' is none of 'tape' (real and log-real), "
+        "'backpointer' (max or min: max-times, min-plus) or None (forward only)"
+    )
