@@ -1,20 +1,22 @@
 """An optimizer state's tree as a checkpoint holds it: its structure and its
 numbers as JSON, in the manifest, its arrays beside the weights' in the
 safetensors file (`encode`), and back, in the shape of the model's own state
-(`decode`); and an array's way into the file (`put`) and out of it, into
-the model's array library (`to_library`)."""
+(`decode`); an array's way into the file (`put`) and out of it, into the
+model's array library (`to_library`); and what a state may be at all
+(`unstorable`, which a weight asks of its optimizer's state when ``init``
+makes it and at each step, not at the first save)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final, Literal
 
 import numpy as np
 
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import CheckpointError
 
-__all__ = ["decode", "encode", "put", "to_library"]
+__all__ = ["STATE_RULE", "decode", "encode", "put", "to_library", "unstorable"]
 
 
 def put(tensors: dict[str, Any], key: str, value: Any) -> None:
@@ -34,25 +36,64 @@ def _to_host(value: Any) -> Any:
     return np.from_dlpack(value)
 
 
+STATE_RULE: Final = (
+    "a state is stored as None, a number, an array, or a tuple or NamedTuple of these (an optimizer of your own: "
+    "make its state one; a NamedTuple's arrays shaped like the weight also step row by row for an embedding's rows)"
+)
+"""What an optimizer's state may be, in the words of every refusal of one."""
+
+
+def _kind(state: Any) -> Literal["none", "number", "tuple", "array"] | None:
+    """How a checkpoint stores ``state`` itself (a tuple: its items, each so);
+    None where it cannot (a dict, a list, a dataclass, a str)."""
+    if state is None:
+        return "none"
+    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
+        return "number"
+    if isinstance(state, tuple):
+        return "tuple"
+    if isinstance(state, np.generic) or hasattr(state, "shape"):
+        return "array"
+    return None
+
+
+def _labels(state: tuple[Any, ...]) -> list[str]:
+    fields = getattr(state, "_fields", None)
+    return [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
+
+
+def unstorable(state: Any, key: str) -> str | None:
+    """Where in ``state`` (named ``key``) lies the first part a checkpoint
+    cannot store, and its type; None where every part can be.
+
+    >>> unstorable((np.zeros(2), {"count": 0}), "state"), unstorable((None, 3, np.float32(1)), "state")
+    ("dict at 'state[1]'", None)
+    """
+    pending = [(state, key)]
+    while pending:
+        part, where = pending.pop()
+        kind = _kind(part)
+        if kind is None:
+            return f"{type(part).__name__} at {where!r}"
+        if kind == "tuple":
+            pending.extend(reversed([(s, where + label) for s, label in zip(part, _labels(part))]))
+    return None
+
+
 def encode(state: Any, key: str, tensors: dict[str, Any]) -> Any:
     """The JSON form of an optimizer state; its arrays go to ``tensors``."""
-    if state is None:
+    kind = _kind(state)
+    if kind == "none":
         return {"kind": "none"}
-    if type(state) in (bool, int, float):  # exactly: np.float64 is a float too, and goes with the arrays
+    if kind == "number":
         return {"kind": type(state).__name__, "value": state}
-    if isinstance(state, tuple):
-        fields = getattr(state, "_fields", None)
-        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
-        items = [encode(s, key + label, tensors) for s, label in zip(state, labels)]
+    if kind == "tuple":
+        items = [encode(s, key + label, tensors) for s, label in zip(state, _labels(state))]
         return {"kind": "tuple", "type": type(state).__name__, "items": items}
-    if isinstance(state, np.generic) or hasattr(state, "shape"):
+    if kind == "array":
         put(tensors, key, state)
         return {"kind": "array", "tensor": key, "scalar": isinstance(state, np.generic)}
-    raise CheckpointError(
-        f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}: a state is stored as "
-        "None, a number, an array, or a tuple or NamedTuple of these (an optimizer of your own: make its state one; "
-        "a NamedTuple's arrays shaped like the weight also step row by row for an embedding's rows)"
-    )
+    raise CheckpointError(f"save: cannot store optimizer state of type {type(state).__name__} at {key!r}: {STATE_RULE}")
 
 
 def to_library(array: Any, like: Any) -> Any:
@@ -74,10 +115,8 @@ def decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any:
                 f"{where}: the checkpoint has {node['type']} of {len(items)}, the model's optimizer has {found} "
                 "(was the weight built with the same optimizer?)"
             )
-        fields = getattr(like, "_fields", None)
-        labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(like))]
-        parts = [decode(n, s, tensors, where + label) for n, s, label in zip(items, like, labels)]
-        return type(like)(*parts) if fields is not None else tuple(parts)
+        parts = [decode(n, s, tensors, where + label) for n, s, label in zip(items, like, _labels(like))]
+        return type(like)(*parts) if hasattr(like, "_fields") else tuple(parts)
     if kind == "array":
         array = tensors[node["tensor"]]
         if not isinstance(like, (np.generic, float, int)) and not is_array(like):

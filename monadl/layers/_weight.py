@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, fina
 import numpy as np
 
 from monadl._namespace import is_array, namespace
+from monadl._state_file import STATE_RULE, unstorable
 from monadl.errors import OperandError
 from monadl.layers._arrays import NumPyScalar
 from monadl.layers._layer import Array, DeviceArray, Expr
@@ -121,8 +122,8 @@ class Weight(Expr[D, G]):
         self._data = data
         self._bound = None
         self._optimizer = optimizer
-        self._state = optimizer.init(data)
         self._site = caller_site()
+        self._state = self._initial_state(optimizer, "Weight(...)")
 
     @property
     def data(self) -> D:
@@ -214,9 +215,22 @@ class Weight(Expr[D, G]):
 
         if not isinstance(optimizer, optim.GradientTransformation):
             raise OperandError(f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}")
-        state = optimizer.init(self._data)
+        state = self._initial_state(optimizer, "Weight.optimizer")
         self._optimizer = optimizer
         self._state = state
+
+    def _initial_state(self, optimizer: GradientTransformation, what: str) -> Any:
+        """``optimizer.init``'s state for this weight, refused where a
+        checkpoint could not store it (a dict, a list, a dataclass): found
+        here, not at the first ``ml.save`` after a long run."""
+        state = optimizer.init(self._data)
+        found = unstorable(state, "state")
+        if found is not None:
+            raise TypeError(
+                f"{what}: the optimizer's init made a state that a checkpoint cannot store ({found}), for the weight "
+                f"built at {site_text(self._site)}: {STATE_RULE}"
+            )
+        return state
 
     @property
     def state(self) -> Any:

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from monadl._namespace import all_finite
+from monadl._namespace import all_finite, is_array
+from monadl._state_file import STATE_RULE, unstorable
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import ShapeError
 from monadl.layers._site import site_text
@@ -104,10 +105,23 @@ def checked_update(weight: Weight[Any, Any], stepped: object, like: Any) -> tupl
     the shape of ``like`` (the weight's data, or a sparse step's rows) nor a
     number, or is complex: broadcast, it changed the weight's shape or added a
     row to every row, and a complex one lost its imaginary part, each in
-    silence. A pair is any tuple or list of two (a NamedTuple of one's own)."""
+    silence; and where the update is no array nor number (a str), or the
+    state is one a checkpoint cannot store (`monadl._state_file.unstorable`:
+    its init's was refused when the weight was made, this is the one a step
+    made). A pair is any tuple or list of two (a NamedTuple of one's own)."""
     if not isinstance(stepped, (tuple, list)) or len(stepped) != 2:  # ('too many values to unpack')
         raise TypeError(not_an_update(weight, f"returned {type(stepped).__name__}, not (update, state)"))
     update, state = stepped
+    dtype = getattr(update, "dtype", None)
+    numeric = getattr(dtype, "kind", "f") in "iufc"
+    if isinstance(update, bool) or not (numeric and (is_array(update) or isinstance(update, (int, float, np.number)))):
+        shown = type(update).__name__ if numeric else f"{type(update).__name__} of dtype {dtype}"
+        raise TypeError(not_an_update(weight, f"returned an update of type {shown}, not an array or a number"))
+    found = unstorable(state, "state")
+    if found is not None:
+        raise TypeError(
+            not_an_update(weight, f"returned a state that a checkpoint cannot store ({found}): {STATE_RULE}")
+        )
     shape = tuple(getattr(update, "shape", ()))
     if (shape != tuple(like.shape) and shape != ()) or getattr(getattr(update, "dtype", None), "kind", "f") == "c":
         kind = getattr(update, "dtype", type(update).__name__)

@@ -60,7 +60,18 @@ Rate: TypeAlias = float | NumPyScalar
 
 class GradientTransformation(NamedTuple):
     """An optimizer: ``init(param) -> state`` and
-    ``update(grad, state, param) -> (update, state)``."""
+    ``update(grad, state, param) -> (update, state)``.
+
+    The state is what a checkpoint stores: None, a number, an array, or a
+    tuple or NamedTuple of these (not a dict, a list, a dataclass or a str,
+    as optax's pytrees may be); a weight refuses another when ``init`` makes
+    it, and a step when ``update`` returns one, not at the first ``ml.save``.
+    For an embedding's looked-up rows, ``update`` gets the rows' gradient and
+    those rows of the weight and of each state array shaped like the weight
+    (the other rows keep theirs), and any other part of the state whole (a
+    step count). The update is an array shaped like ``param`` (those rows),
+    or a number, added to it.
+    """
 
     init: Callable[[Tensor], State]
     update: Callable[[Tensor, State, Tensor], tuple[Tensor, State]]
