@@ -14,7 +14,8 @@ its program, so cells chained by their states (a Tree-LSTM's h and c) need
 no view nodes in the graph.
 
 Control flow on values cannot be traced: a layer built from a ``Do``
-(``bind``, ``@ml.direct``) or one built before the call and not passed in is
+(``bind``, ``@ml.direct``, an object's own ``forward()``, whose ``Do`` a
+trace cannot see inside either) or one built before the call and not passed in is
 refused with `OperandError`; a NumPy data argument computed with inside the
 function is refused too (`monadl.layers._data`, and `monadl.layers._unread`
 where NumPy reads it past its placeholder), since the trace would keep the
@@ -301,8 +302,9 @@ def _check_inner(name: str, layer: Layer[Any, Any], start: int) -> None:
     if layer._op is None:
         raise OperandError(
             f"operation {name}: the layer built at {site_text(layer._site)} comes from a Do (bind, await, "
-            "ml.direct, or a Do of your own: a Tape with a backward of your own): its structure depends on "
-            "values, so it cannot be traced; leave it out of the operation (build it outside and pass it in)"
+            "ml.direct, ml.as_layer of an object with a forward() of its own, or a Tape with a backward of your "
+            "own): a trace cannot see inside a Do, whose structure may depend on values, so it cannot be traced; "
+            "build that layer outside the operation and pass it in as an argument"
         )
 
 

@@ -324,7 +324,7 @@ def test_layers_from_outside_and_values_are_refused() -> None:
     async def reads(x: ml.ArrayLayer) -> ml.ArrayLayer:
         return x * float(np.sum(await x))
 
-    with pytest.raises(ml.OperandError, match="depends on values, so it cannot be traced"):
+    with pytest.raises(ml.OperandError, match="whose structure may depend on values, so it cannot be traced"):
         ml.operation(lambda x: reads(ml.Weight(np.ones(2)) * x))(np.ones(2))
 
     async def awaits(x: ml.ArrayLayer) -> ml.ArrayLayer:
@@ -332,6 +332,47 @@ def test_layers_from_outside_and_values_are_refused() -> None:
 
     with pytest.raises(ml.OperandError, match="is async"):
         ml.operation(awaits)
+
+
+def test_an_object_with_a_forward_of_its_own_is_built_outside_the_cell_and_passed_in() -> None:
+    """ml.as_layer(obj) inside a cell was refused as 'its structure depends on
+    values', of an object whose forward() is a plain product: the reason is
+    that a trace cannot see inside its Do, and the fix is to pass it in."""
+
+    class Scaled:
+        def __init__(self, w: ml.ArrayWeight, k: float) -> None:
+            self.w, self.k = w, k
+
+        def forward(self) -> ml.Do[ml.Tape[ml.Array, ml.Array]]:
+            return (self.w * self.k).forward()
+
+    w: ml.ArrayWeight = ml.Weight(np.array([1.0, 2.0]))
+    module = Scaled(w, 3.0)
+
+    @ml.operation
+    def inside(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(x * ml.as_layer(module))
+
+    line = sys._getframe().f_lineno - 2
+    with pytest.raises(ml.OperandError) as caught:
+        inside(ml.as_layer(np.ones(2)))
+    assert str(caught.value) == (
+        f"operation {sys._getframe().f_code.co_name}.<locals>.inside: the layer built at {__file__}:{line} "
+        "comes from a Do (bind, await, ml.direct, ml.as_layer of an object with a forward() of its own, or a Tape "
+        "with a backward of your own): a trace cannot see inside a Do, whose structure may depend on values, so it "
+        "cannot be traced; build that layer outside the operation and pass it in as an argument"
+    )
+
+    @ml.operation
+    def passed(x: ml.ArrayLayer, scale: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(x * scale)
+
+    xs = np.random.default_rng(0).standard_normal((20, 2))
+    scale = ml.as_layer(module)
+    cells = ml.sum(ml.stack([passed(ml.as_layer(x), scale) for x in xs]))
+    value, grads = anyio.run(ml.value_and_gradients, cells)
+    assert value == pytest.approx(np.tanh(xs * [3.0, 6.0]).sum(), rel=1e-12)
+    np.testing.assert_allclose(grads[w], (3.0 * xs / np.cosh(xs * [3.0, 6.0]) ** 2).sum(axis=0), rtol=1e-12)
 
 
 def test_data_arguments_are_parameters_and_not_numpy_inputs() -> None:
