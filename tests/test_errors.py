@@ -454,6 +454,45 @@ def test_a_backward_of_ones_own_that_sends_a_delta_of_another_shape_is_refused()
         anyio.run(ml.sum(scalar).train)
 
 
+@pytest.mark.parametrize(("sent", "shown"), [([2.0, 2.0, 2.0], "a list"), (None, "None"), ("2", "a str")])
+def test_a_backward_of_ones_own_that_sends_no_array_is_named_for_what_it_sent(sent: Any, shown: str) -> None:
+    """A list of 3 was reported as a gradient of shape (), and None as a
+    delta of shape ()."""
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))  # WEIGHT-SENT-TO
+
+    def sends(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        back = t.backward
+        assert back is not None
+        return ml.Tape(t.data * 2.0, lambda d: back(sent))
+
+    mine: ml.ArrayLayer = ml.Layer(ml.forward(w).map(sends))
+    with pytest.raises(ml.OperandError) as caught:
+        anyio.run(ml.sum(mine).train)
+    assert str(caught.value) == (
+        f"a backward of your own (a Tape's) sent {shown}, not an array, to the weight built at "
+        f"{__file__}:{line_of('WEIGHT-SENT-TO')}, of shape (3,): a delta is an array of its operand's shape (a "
+        "number where its operand is one)"
+    )
+    assert (w.data == 1.0).all()
+
+
+def test_a_tape_whose_data_is_no_array_names_its_layers_line() -> None:
+    """A Tape of a list was refused by the next operation, as 'builtins.list
+    is not an array of a known array library', with no layer or line."""
+    w = ml.Weight(np.ones(3))
+
+    def listed_data(t: ml.Tape[ml.Array, ml.Array]) -> ml.Tape[ml.Array, ml.Array]:
+        return ml.Tape(list(t.data), t.backward)  # type: ignore[arg-type]  # (the mistake under test)
+
+    listed: ml.ArrayLayer = ml.Layer(ml.forward(w).map(listed_data))  # LIST-DATA
+    with pytest.raises(ml.OperandError) as caught:
+        anyio.run(ml.sum(listed).predict)
+    assert str(caught.value) == (
+        f"the layer built at {__file__}:{line_of('LIST-DATA')} from a Do (a Tape of your own, bind, ml.direct) "
+        "holds a list, not an array or a number: a Tape's data is an array or a number (np.asarray of a list)"
+    )
+
+
 @pytest.mark.parametrize(
     ("update", "message"),
     [

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from monadl.deltas import Outer, in_dtype_of
-from monadl.errors import NonFiniteError, ShapeError
+from monadl.errors import NonFiniteError, OperandError, ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
@@ -95,6 +95,15 @@ class Record:
 
     def _delivered(self, delta: Any) -> None:
         value = self.value
+        if not is_value(delta):  # (a list's shape was NumPy's reading of it, and None's was ())
+            site = getattr(self.node, "_site", None)
+            built = "" if site is None else f" built at {site_text(site)}"
+            sent = "None" if delta is None else f"a {type(delta).__name__}"
+            raise OperandError(
+                f"a backward of your own (a Tape's) sent {sent}, not an array, to the "
+                f"{'weight' if self.is_weight else 'layer'}{built}, of shape {_shape(value)}: a delta is an array "
+                "of its operand's shape (a number where its operand is one)"
+            )
         if hasattr(value, "shape") and tuple(value.shape) != _shape(delta):
             site = getattr(self.node, "_site", None)
             built = "" if site is None else f" built at {site_text(site)}"
@@ -114,6 +123,17 @@ def _shape(x: Any) -> tuple[int, ...]:
     """An array's shape, a number's (), a list's as NumPy reads it."""
     shape = getattr(x, "shape", None)
     return tuple(shape) if shape is not None else np.shape(x)
+
+
+def is_value(x: object) -> bool:
+    """Whether ``x`` may be a Tape's data or delta: an array (of any library,
+    or a sparse or factored delta) or a number; not a list, None or a str,
+    which failed later, where no layer was named.
+
+    >>> is_value(np.zeros(2)), is_value(1.0), is_value([1.0]), is_value(None)
+    (True, True, False, False)
+    """
+    return hasattr(x, "shape") or (isinstance(x, (int, float, complex)) and not isinstance(x, bool))
 
 
 class Records(dict[Any, Record]):

@@ -32,14 +32,14 @@ from typing import Any, Final
 
 from monadl.direct import AwaitLayers, Passthrough, cancel_scope
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
-from monadl.errors import NonFiniteError
+from monadl.errors import NonFiniteError, OperandError
 from monadl.layers._layer import Expr
 from monadl.layers._outputs import finite_value
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime import graphs
-from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
+from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease, is_value
 from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule import fibers
 from monadl.runtime.stepping import direct_next, step_direct
@@ -344,6 +344,12 @@ def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
         raise RuntimeError(
             f"the Do of {node!r} yielded a Tape of another evaluation (a past train() or predict()): "
             "its value is stale and its backward leads nowhere; build the layer itself into this graph instead"
+        )
+    if not is_value(val.data):  # (it failed where a consumer read it: 'builtins.list is not an array ...')
+        raise OperandError(
+            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds "
+            f"{'None' if val.data is None else 'a ' + type(val.data).__name__}, not an array or a number: a "
+            "Tape's data is an array or a number (np.asarray of a list)"
         )
     ev.effects = True
     if ev.check_finite and not finite_value(val.data):  # (the next primitive was blamed: "already holds a NaN")
