@@ -51,6 +51,7 @@ keys their contents).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -123,6 +124,25 @@ class Operation(Generic[P, R]):
         self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
         self._site = site
         self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
+
+    def __copy__(self) -> Operation[P, R]:
+        return self._remade(copy.copy(self.__wrapped__))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Operation[P, R]:
+        """An operation over the copy's objects: a bound method's copy binds
+        the copied object, a partial's holds copied arguments, and none of
+        this one's traces (they hold the objects it was traced with, and are
+        keyed by their ids: a copied model would read and train the
+        original's weights). A plain function copies as itself (Python
+        copies no function), so the copy is this operation, traces and all."""
+        wrapped = copy.deepcopy(self.__wrapped__, memo)
+        return self if wrapped is self.__wrapped__ else self._remade(wrapped)
+
+    def _remade(self, f: Callable[P, R]) -> Operation[P, R]:
+        """A new operation of ``f`` as this one was made: no trace or plan."""
+        made = Operation(f, self._site)
+        made._method = self._method
+        return made
 
     def __set_name__(self, owner: type, name: str) -> None:
         inner = self.__wrapped__

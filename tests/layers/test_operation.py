@@ -845,6 +845,57 @@ def test_a_function_as_a_class_attribute_binds_no_object() -> None:
         assert anyio.run(f(np.full(2, 3.0)).predict).tolist() == [3.0, 3.0]
 
 
+def test_a_deep_copy_of_a_traced_model_trains_its_own_weights() -> None:
+    """A target network or a "best model" snapshot made by deepcopy after
+    the cell was traced read and stepped the original's weight: the copied
+    operation kept the original's traces, keyed by the original's id."""
+    import copy
+
+    model = _Scaled(1.0)
+    model.w.optimizer = ml.optim.sgd(0.5)
+    x = np.ones((1, 2))
+    anyio.run(ml.sum(model.bound(x)).train)  # (traced: its trace holds model.w)
+    before = model.w.data.copy()
+    snapshot = copy.deepcopy(model)
+    assert snapshot.bound is not model.bound
+    anyio.run(ml.sum(snapshot.bound(x)).train)
+    np.testing.assert_array_equal(model.w.data, before)
+    np.testing.assert_allclose(snapshot.w.data, before - 0.5 * (1 - np.tanh(2 * before) ** 2), rtol=1e-12)
+    snapshot.w.data = np.zeros((2, 2))
+    assert anyio.run(ml.sum(snapshot.bound(x)).predict) == 0.0
+    assert anyio.run(ml.sum(model.bound(x)).predict) == pytest.approx(2 * np.tanh(2 * before[0, 0]), rel=1e-12)
+
+
+def test_a_copied_partials_operation_reads_the_copied_arguments() -> None:
+    import copy
+    import functools
+
+    def scaled(w: ml.ArrayWeight, x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return w * x
+
+    w = ml.Weight(np.ones(2))
+    op = ml.operation(functools.partial(scaled, w))
+    assert anyio.run(op(np.ones(2)).predict).tolist() == [1.0, 1.0]
+    (copied_w, copied) = copy.deepcopy((w, op))
+    copied_w.data = np.full(2, 5.0)
+    assert anyio.run(copied(np.ones(2)).predict).tolist() == [5.0, 5.0]
+    assert anyio.run(op(np.ones(2)).predict).tolist() == [1.0, 1.0]
+    shallow = copy.copy(op)  # (the same arguments: the same values, its own traces)
+    assert shallow is not op and shallow.__name__ == op.__name__
+    assert anyio.run(shallow(np.ones(2)).predict).tolist() == [1.0, 1.0]
+
+
+def test_a_copied_function_operation_is_itself() -> None:
+    """Python copies no function (nor what its closure holds): an operation
+    of one copies as itself, keeping its traces."""
+    import copy
+
+    w = ml.Weight(np.ones(2))
+    op = ml.operation(lambda x: w * x)
+    assert copy.deepcopy(op) is op
+    assert copy.deepcopy({"cell": op})["cell"] is op
+
+
 @pytest.mark.parametrize("batching", [False, True])
 @pytest.mark.parametrize(
     "reads",
