@@ -4,12 +4,15 @@ and a branch's exception surfaces as itself."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -253,3 +256,32 @@ async def test_a_graph_slower_on_the_pool_goes_back_inline() -> None:
     forked = await run_branches(Sleeper(lambda name: 0.0025 if name == "MainThread" else 0.02), 8)
     assert forked[:4] == [False, False, True, True]  # inline twice, then the pool twice
     assert not any(forked[4:])  # then inline
+
+
+# ---- a fork()ed child --------------------------------------------------------------------------
+def _forked_child(conn: Any) -> None:
+    probe = Probe()
+    value, _ = anyio.run(gradients, 2, probe)
+    conn.send((value, any(name.startswith("monadl-worker") for name in probe.threads)))
+    conn.close()
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork() here")
+def test_a_forked_child_runs_on_its_own_pool() -> None:
+    """A child that fork() made from a parent that used the pool inherited it
+    without its threads, and waited forever for the work it gave it."""
+    value, _ = anyio.run(gradients, 2, Probe())
+    assert _parallel._pool.pool is not None  # (the parent's pool, with its threads)
+    parent, child = multiprocessing.get_context("fork").Pipe(duplex=False)
+    process = multiprocessing.get_context("fork").Process(target=_forked_child, args=(child,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (Python 3.12: fork() with threads running)
+        process.start()
+    try:
+        assert parent.poll(120), "the forked child did not finish in 120 s: it waits for the parent's threads"
+        child_value, child_forked = parent.recv()
+    finally:
+        process.kill()
+        process.join()
+    assert child_forked  # the child ran on a pool of its own
+    assert child_value == pytest.approx(value, rel=1e-12)
