@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anyio
@@ -510,6 +511,102 @@ async def test_train_inside_a_direct_function_is_refused_and_nothing_steps() -> 
     with pytest.raises(ml.OperandError, match=r"train\(\) inside an @ml.direct function"):
         await model(ml.as_layer(w)).train()
     np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
+_INSIDE = r"train\(\) inside a running evaluation \(from a Do.from_async effect, a task that a model started, or a backward\)"
+
+
+async def test_train_from_an_effect_inside_an_evaluation_is_refused_and_nothing_steps() -> None:
+    """A train() from a Do.from_async in a bind ran, stepped mid-evaluation,
+    and its step stayed when the outer train() failed (w became [0.8, 1.6])."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    def then(tape: ml.Tape[Any, Any]) -> ml.Do[ml.Tape[Any, Any]]:
+        async def nested() -> Any:
+            return await ml.sum(w * w).train()
+
+        return ml.Do.from_async(nested).map(lambda _: tape)
+
+    outer = ml.sum(ml.Layer((w * 1.0).forward().bind(then)) * np.array([1.0, np.nan]))
+    with pytest.raises(ml.OperandError, match=_INSIDE):
+        await outer.train()
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
+async def test_train_from_a_task_a_model_starts_is_refused_and_nothing_steps() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model(x: ml.ArrayLayer) -> ml.ScalarLayer:
+        async def inner() -> None:
+            await ml.sum(w * w).train()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(inner)
+        return ml.sum(x * w)
+
+    with pytest.raises(BaseExceptionGroup) as raised:
+        await model(ml.as_layer(np.ones(2))).train()
+    assert raised.group_contains(ml.OperandError, match=_INSIDE)
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
+async def test_train_from_inside_a_backward_is_refused() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    v = ml.Weight(np.array([3.0, 4.0]), optimizer=ml.optim.sgd(0.1))
+    errors: list[str] = []
+
+    def by_hand(tape: ml.Tape[Any, Any]) -> ml.Tape[Any, Any]:
+        inner = tape.backward
+        assert inner is not None
+
+        def backward(delta: Any) -> None:
+            step = ml.sum(v * v).train()
+            try:
+                step.send(None)
+            except ml.OperandError as error:
+                errors.append(str(error))
+            finally:
+                step.close()
+            inner(delta)
+
+        return ml.Tape(tape.data, backward)
+
+    await ml.sum(ml.Layer((w * 1.0).forward().map(by_hand))).train()
+    assert len(errors) == 1 and re.match(_INSIDE, errors[0])
+    np.testing.assert_array_equal(v.data, [3.0, 4.0])
+    np.testing.assert_allclose(w.data, [0.9, 1.9])
+
+
+async def test_predict_and_gradients_inside_an_evaluation_and_trains_side_by_side_are_allowed() -> None:
+    """What changes no weight may run inside an evaluation (the eager style);
+    train()s that the user's own tasks run side by side each step."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    seen: list[Any] = []
+
+    def then(tape: ml.Tape[Any, Any]) -> ml.Do[ml.Tape[Any, Any]]:
+        async def nested() -> None:
+            seen.append(await ml.sum(w * w).predict())
+            seen.append((await ml.gradients(ml.sum(w * w), [w]))[0].tolist())
+
+        return ml.Do.from_async(nested).map(lambda _: tape)
+
+    @ml.direct
+    async def model(x: ml.ArrayLayer) -> ml.ScalarLayer:
+        async def inner() -> None:
+            seen.append(await ml.sum(w * 3.0).predict())
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(inner)
+        return ml.sum(x * w)
+
+    await (ml.sum(ml.Layer((w * 1.0).forward().bind(then))) + model(ml.as_layer(np.ones(2)))).train()
+    assert sorted(seen, key=str) == [5.0, 9.0, [2.0, 4.0]]  # (the effect and the task in either order)
+    np.testing.assert_allclose(w.data, [0.8, 1.8])
+    async with anyio.create_task_group() as tasks:
+        for _ in range(3):
+            tasks.start_soon(ml.sum(w).train)
+    np.testing.assert_allclose(w.data, [0.5, 1.5])
 
 
 @pytest.mark.parametrize("settings", [{"batching": False}, {"workers": 2}, {}])

@@ -254,7 +254,7 @@ class DataParallel:
         """
         at = self._calls if step is None else step
         self._calls += 1  # (a call refused here alone still took a batch of this rank's loop)
-        entry.refuse_inside_direct("DataParallel.train()")  # (on every rank alike, before any exchange)
+        entry.refuse_inside_evaluation("DataParallel.train()")  # (on every rank alike, before any exchange)
         with in_step(self._comm):
             return await self._train(loss, at)
 

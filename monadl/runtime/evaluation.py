@@ -240,6 +240,11 @@ class Evaluation:
         on_gradient: told each weight's gradient the moment it is final (all
             records that use the weight back-propagated), as
             ``on_gradient(weight, gradient)``; None (the default) costs nothing.
+        running: its driver runs (`reads`): a ``train()`` from inside it, by
+            a task it started or one of its effects, is refused
+            (`monadl.runtime.entry.refuse_inside_evaluation`).
+        outer: the evaluation whose driver ran where this one's began (a
+            ``predict()`` awaited inside a model), if any.
     """
 
     __slots__ = (
@@ -254,9 +259,11 @@ class Evaluation:
         "nodes",
         "on_gradient",
         "open",
+        "outer",
         "pending",
         "pinned",
         "records",
+        "running",
         "shared",
         "stride",
         "timings",
@@ -287,6 +294,8 @@ class Evaluation:
         self.nodes = 0
         self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
         self.pinned: dict[Weight[Any, Any], Any] = {}  # data of weights written while this runs (`pin_for_readers`)
+        self.running = False
+        self.outer: Evaluation | None = None
 
     def paced(self, started: float, now: float) -> None:
         """Fit `stride` to what the last stride of nodes took (from
@@ -307,9 +316,10 @@ class Evaluation:
         (`monadl.layers._weight.pin_for_readers`); after, what it kept goes.
         An evaluation begun inside another's run (a ``predict()`` awaited in
         an ``@ml.direct`` model, in a black box) reads that one's model."""
+        self.running = running
         with COMMIT_LOCK:
             if running:
-                outer = READING.get()
+                outer = self.outer = READING.get()
                 if outer is not None and outer.pinned:
                     self.pinned = dict(outer.pinned)
                 READERS[id(self)] = self.pinned
