@@ -386,7 +386,7 @@ class Layer(Expr[D, G]):
     np.float64(9.0)
     """
 
-    __slots__ = ("_do", "_inputs", "_op", "_params", "_serial", "_site")
+    __slots__ = ("__weakref__", "_do", "_inputs", "_op", "_params", "_serial", "_site")
 
     _op: Primitive | None
     _inputs: tuple[Any, ...]
