@@ -57,3 +57,21 @@ def test_a_large_weights_repr_is_its_dtype_shape_and_line() -> None:
     here = test_a_large_weights_repr_is_its_dtype_shape_and_line.__code__.co_firstlineno + 1
     assert repr(big) == f"Weight(float32[512, 512], built at {__file__}:{here})"
     assert repr(ml.Weight(np.zeros(2))) == "Weight(array([0., 0.]))"  # (a small one's values, as before)
+
+
+def test_a_weight_deep_copies_with_its_own_state_and_does_not_pickle() -> None:
+    """As README's "Save and resume" says: a deep copy is independent, and
+    pickling (between processes) is not the way: ml.save and ml.load are."""
+    import copy
+    import pickle
+
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.adam(0.1))
+    anyio.run(ml.sum(w * w).train)
+    copied = copy.deepcopy(w)
+    anyio.run(ml.sum(copied * copied).train)
+    np.testing.assert_allclose(w.data, [0.9, 1.9])  # (Adam's first step: the rate, per element)
+    anyio.run(ml.sum(w * w).train)
+    assert copied.data.tobytes() == w.data.tobytes()  # (its second step: the state went with the copy)
+    assert copied.data is not w.data
+    with pytest.raises(AttributeError, match=r"Can't pickle local object 'chain.<locals>.init'"):
+        pickle.dumps(w)
