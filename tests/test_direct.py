@@ -513,7 +513,9 @@ async def test_train_inside_a_direct_function_is_refused_and_nothing_steps() -> 
     np.testing.assert_array_equal(w.data, [1.0, 2.0])
 
 
-_INSIDE = r"train\(\) inside a running evaluation \(from a Do.from_async effect, a task that a model started, or a backward\)"
+_INSIDE = (
+    r"train\(\) inside a running evaluation \(from a Do.from_async effect, a task that a model started, or a backward\)"
+)
 
 
 async def test_train_from_an_effect_inside_an_evaluation_is_refused_and_nothing_steps() -> None:
