@@ -85,8 +85,8 @@ def to_dot(
         lines.append(f"  w{i} [label={_quote(label)}, {_WEIGHT_STYLE}{_root_style(weight, roots)}];")
     known: dict[int, Any] = {id(w): w._data for w in weights} if values else {}
     constants = 0
-    for layer in layers:
-        me = ids[id(layer)] = f"n{layer._serial}"
+    for i, layer in enumerate(layers):  # (numbered in the graph, not by serial: one graph, one text)
+        me = ids[id(layer)] = f"n{i}"
         edges = []
         args: list[Any] = []
         for x in layer._inputs:

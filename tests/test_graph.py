@@ -43,6 +43,22 @@ def test_a_shared_node_is_drawn_once_with_an_edge_per_use() -> None:
     assert f"{__file__}:{line_of('GRAPH-SITE-1')}: h = ml.tanh" in found[tanh]  # the tooltip
 
 
+def test_a_graphs_nodes_are_numbered_in_the_graph_so_its_text_repeats() -> None:
+    """Layers were numbered by a counter of the whole process: the third
+    graph of a session began at n34004, and one graph's text changed from
+    one build to the next."""
+
+    def build() -> ml.ScalarLayer:
+        w = ml.Weight(np.ones(2))
+        return ml.sum(ml.tanh(w * 2.0) + 1.0)
+
+    first = ml.to_dot(build())
+    _ = [ml.Weight(np.ones(2)) * 1.0 for _ in range(100)]  # (layers built between: no other numbers)
+    second = ml.to_dot(build())
+    assert [k for k in nodes(first) if k.startswith("n")] == ["n0", "n1", "n2", "n3"]
+    assert second == first
+
+
 def test_weights_are_distinct_and_named_and_roots_have_a_double_border() -> None:
     w1, w2 = ml.Weight(np.ones((2, 3))), ml.Weight(np.ones(3, np.float32))
     out = (np.ones(2) @ w1) * 2.0

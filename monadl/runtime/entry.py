@@ -32,7 +32,16 @@ from monadl.runtime.node import where
 from monadl.runtime.schedule import cuda, inline, pool
 from monadl.runtime.settings import current_settings
 
-__all__ = ["acquire", "gradients", "gradients_sync", "predict", "predict_sync", "refuse_inside_evaluation", "run", "train"]
+__all__ = [
+    "acquire",
+    "gradients",
+    "gradients_sync",
+    "predict",
+    "predict_sync",
+    "refuse_inside_evaluation",
+    "run",
+    "train",
+]
 
 Machine = Generator[Any, Any, Any]
 
@@ -209,8 +218,8 @@ def forward_backward(
     data = tape.data
     if scalar and prod(getattr(data, "shape", ())) != 1:  # (not ``size``: PyTorch's is a method)
         raise ShapeError(
-            f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the layer built at "
-            f"{where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
+            f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the "
+            f"{'weight made' if isinstance(root, Weight) else 'layer built'} at {where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
         )
     if reached is not None:
         reached([rec.node for rec in ev.records.values() if rec.is_weight])

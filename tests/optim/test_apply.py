@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import threading
 import warnings
 from typing import Any
@@ -79,7 +80,10 @@ def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(ma
 @pytest.mark.parametrize(
     ("arguments", "refused"),
     [
-        ((0.1, 1000, 0.5), "decay_rate must be at most 1"),
+        (
+            (0.1, 1000, 0.5),
+            r"decay_rate must be at most 1 \(above 1, the learning rate would grow at every step\), got 1000",
+        ),
         ((0.1, 0.5, 0.5), "transition_steps must be a whole number > 0"),
     ],
     ids=["optax's order", "fractional steps"],
@@ -149,6 +153,13 @@ async def test_train_refuses_a_loss_that_is_not_a_scalar() -> None:
     np.testing.assert_array_equal(w.data, [1.0, 1.0, 1.0])
     [grad] = await ml.gradients(w * 2.0, [w])  # gradients() documents the sum
     np.testing.assert_array_equal(grad, [2.0, 2.0, 2.0])
+
+
+async def test_train_of_an_array_weight_says_it_is_a_weight() -> None:
+    line = sys._getframe().f_lineno + 1
+    w = ml.Weight(np.ones(2))
+    with pytest.raises(ml.ShapeError, match=rf"shape \[2\] from the weight made at .*test_apply.py:{line};"):
+        await w.train()
 
 
 async def test_a_zero_d_loss_of_a_library_whose_size_is_a_method_trains() -> None:
