@@ -161,7 +161,10 @@ def exponential_decay(init_value: float, decay_rate: float, transition_steps: fl
     init_value = _checked("init_value", init_value)
     decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
     if decay_rate > 1.0:
-        raise ValueError(f"{order}: decay_rate must be at most 1 (above 1, the learning rate would grow at every step), got {decay_rate:g}; {optax}")
+        raise ValueError(
+            f"{order}: decay_rate must be at most 1 (above 1, the learning rate would grow at every step), "
+            f"got {decay_rate:g}; {optax}"
+        )
     if not (_finite(transition_steps) and float(transition_steps).is_integer() and transition_steps > 0):
         raise ValueError(f"{order}: transition_steps must be a whole number > 0, got {transition_steps!r}; {optax}")
     transition_steps = int(transition_steps)  # (100.0 read from a config is 100 steps)

@@ -219,7 +219,8 @@ def forward_backward(
     if scalar and prod(getattr(data, "shape", ())) != 1:  # (not ``size``: PyTorch's is a method)
         raise ShapeError(
             f"train() needs a scalar loss, got an array of shape {list(data.shape)} from the "
-            f"{'weight made' if isinstance(root, Weight) else 'layer built'} at {where(root)}; reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
+            f"{'weight made' if isinstance(root, Weight) else 'layer built'} at {where(root)}; "
+            "reduce it first (ml.sum or ml.mean), as PyTorch's backward() asks"
         )
     if reached is not None:
         reached([rec.node for rec in ev.records.values() if rec.is_weight])
