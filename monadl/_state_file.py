@@ -62,6 +62,15 @@ def _labels(state: tuple[Any, ...]) -> list[str]:
     return [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(state))]
 
 
+def _storable(state: Any) -> bool:
+    """Whether a checkpoint can store every part of ``state`` (`_kind`'s rule, with no names)."""
+    if state is None or type(state) is np.ndarray:
+        return True
+    if isinstance(state, tuple):
+        return all(map(_storable, state))
+    return _kind(state) is not None
+
+
 def unstorable(state: Any, key: str) -> str | None:
     """Where in ``state`` (named ``key``) lies the first part a checkpoint
     cannot store, and its type; None where every part can be.
@@ -69,6 +78,8 @@ def unstorable(state: Any, key: str) -> str | None:
     >>> unstorable((np.zeros(2), {"count": 0}), "state"), unstorable((None, 3, np.float32(1)), "state")
     ("dict at 'state[1]'", None)
     """
+    if _storable(state):  # (every step checks its state: the places are named only for a refusal)
+        return None
     pending = [(state, key)]
     while pending:
         part, where = pending.pop()

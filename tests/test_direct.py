@@ -535,6 +535,27 @@ async def test_train_from_an_effect_inside_an_evaluation_is_refused_and_nothing_
     np.testing.assert_array_equal(w.data, [1.0, 2.0])
 
 
+async def test_a_step_by_hand_from_an_effect_inside_a_train_is_refused_and_one_inside_a_predict_runs() -> None:
+    """A reviewer's case: ml.gradients then apply_gradients, the step of one's own, stepped from an
+    effect of a train() that then failed (w became [0.8, 1.6]). Inside a predict(), which reads the
+    weights as they were when it began and changes none, a step is fine (train() there ran before)."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    def then(tape: ml.Tape[Any, Any]) -> ml.Do[ml.Tape[Any, Any]]:
+        async def nested() -> Any:
+            _, grads = await ml.value_and_gradients(ml.sum(w * w))
+            ml.optim.apply_gradients(grads)
+
+        return ml.Do.from_async(nested).map(lambda _: tape)
+
+    outer = ml.sum(ml.Layer((w * 1.0).forward().bind(then)) * np.array([1.0, np.nan]))
+    with pytest.raises(ml.OperandError, match=r"^apply_gradients inside a running evaluation"):
+        await outer.train()
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+    assert await ml.sum(ml.Layer((w * 1.0).forward().bind(then))).predict() == 3.0  # (the weights it began with)
+    np.testing.assert_allclose(w.data, [0.8, 1.6])  # (the step inside the predict)
+
+
 async def test_train_from_a_task_a_model_starts_is_refused_and_nothing_steps() -> None:
     w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
 

@@ -12,7 +12,7 @@ import numpy as np
 from monadl.dyna.backward import Entry, backward
 from monadl.dyna.derivation import Derivation, best_derivation, derivation_gradient
 from monadl.dyna.einsum import Array, ArrayAlgebra
-from monadl.dyna.semiring import Semiring, tape_arithmetic
+from monadl.dyna.semiring import tape_arithmetic
 from monadl.dyna.settle import array_checks, settled_adjoints
 from monadl.dyna.syntax import Item, Rule
 
@@ -120,11 +120,12 @@ class ArrayRun:
             )
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, packed_goal, seed, pending, derived)
         goal_value = self.value(goal)
+        log_real = tape_arithmetic(s) == "log-real"  # (asked once: a few calls of plus and times)
         out: dict[Item, float] = {}
         for scalar, (packed, position, value) in self.axioms.items():
             if packed in adjoints.first_updates:
                 g = adjoints.updates.get(packed)
-                out[scalar] = 0.0 if g is None else _derived(s, float(g[position]), value, goal_value)
+                out[scalar] = 0.0 if g is None else _derived(log_real, float(g[position]), value, goal_value)
         if derived:  # an entry's adjoint: that of the first pop that reached it (with a nonzero entry)
             for packed, pops in adjoints.pops.items():
                 shape = np.shape(pops[0][0])
@@ -138,7 +139,7 @@ class ArrayRun:
                 for position in np.ndindex(shape):
                     scalar = self.program.unlocate(packed, position)
                     if reached[position] and scalar not in self.axioms and values[position] != s.zero:
-                        out[scalar] = _derived(s, float(g[position]), float(values[position]), goal_value)
+                        out[scalar] = _derived(log_real, float(g[position]), float(values[position]), goal_value)
         return out
 
     def _zeros(self, derived: bool) -> dict[Item, float]:
@@ -193,11 +194,10 @@ class ArrayRun:
         return record.rule, body
 
 
-def _derived(s: Semiring, g: float, value: float, goal_value: float) -> float:
-    """d goal / d x from the adjoint ``g`` of an update of ``value`` to x."""
-    if (
-        tape_arithmetic(s) == "log-real"
-    ):  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
+def _derived(log_real: bool, g: float, value: float, goal_value: float) -> float:
+    """d goal / d x from the adjoint ``g`` of an update of ``value`` to x
+    (``log_real``: the semiring's `tape_arithmetic` is log-real)."""
+    if log_real:  # g is log d exp(goal) / d exp(x): d goal / d x in log space is exp(g + x - goal)
         if goal_value == -math.inf:  # (a goal of probability 0 stays 0 near here: exp(-inf + inf) was NaN)
             return 0.0
         return math.exp(g + value - goal_value)

@@ -129,6 +129,7 @@ class Run:
             pending = settled_adjoints(self.chart, joins, algebra, goal, s.one, self.pending, changed, diverged, popped)
         adjoints = backward(self.tape, self.chart, self.program.joins, algebra, goal, s.one, pending)
         out: dict[Item, float] = {}
+        log_real = tape_arithmetic(s) == "log-real"  # (asked once: a few calls of plus and times)
         for x in adjoints.first_updates:
             axiom = x in self.axioms
             if not (axiom or derived):
@@ -136,7 +137,7 @@ class Run:
             g = adjoints.updates.get(x)
             if g is None:
                 out[x] = 0.0
-            elif tape_arithmetic(s) == "log-real":
+            elif log_real:
                 # g is log d exp(goal) / d exp(x): in log space d goal / d x = exp(g + x - goal)
                 # (a derived item's x: its value, not its first update, which may be one path of many);
                 # a goal of probability 0 stays 0 near here (exp(-inf + inf) was NaN).

@@ -30,6 +30,7 @@ from monadl.optim._refusals import checked_update, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
+from monadl.runtime.evaluation import refuse_inside_evaluation
 from monadl.runtime.process import hold, release
 
 __all__ = [
@@ -60,6 +61,7 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     >>> w.data
     array([0., 3.])
     """
+    refuse_inside_evaluation("apply_gradients")  # (a step inside a train(): as a train() there)
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
         kind = getattr(g, "dtype", None)
         real = getattr(kind, "kind", "f") in "iuf" if kind is not None else isinstance(g, (int, float))

@@ -19,14 +19,13 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
-from monadl.direct import inside_direct
 from monadl.do import FORWARD, Do
-from monadl.errors import OperandError, ShapeError
+from monadl.errors import ShapeError
 from monadl.layers._weight import Weight
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
 from monadl.runtime.drive import abort, drive, drive_sync, turn_if_due
-from monadl.runtime.evaluation import READING, Evaluation
+from monadl.runtime.evaluation import Evaluation, refuse_inside_evaluation
 from monadl.runtime.interpret import evaluate
 from monadl.runtime.node import where
 from monadl.runtime.schedule import cuda, inline, pool
@@ -54,32 +53,6 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
     except BaseException:
         await abort(ev)
         raise
-
-
-def refuse_inside_evaluation(what: str) -> None:
-    """`OperandError` where ``what`` (a training step) is called inside a
-    running evaluation: by a step of an ``@ml.direct`` function, or by an
-    effect, a task or a backward of the evaluation (`READING`, which the
-    tasks it starts inherit, names it while its driver runs). Its step
-    would land in the middle of that evaluation, which would then read
-    weights half updated, and stay if that evaluation failed. A
-    ``predict()`` or ``gradients()`` there changes no weight, and is fine."""
-    if inside_direct.get()[0]:
-        raise OperandError(
-            f"{what} inside an @ml.direct function: its step would be taken in the middle of the evaluation "
-            "around it (which would then read weights half updated) and kept if that one failed; return the "
-            "loss from the model and train it outside, or add it to the outer loss"
-        )
-    ev = READING.get()
-    while ev is not None:
-        if ev.running:
-            raise OperandError(
-                f"{what} inside a running evaluation (from a Do.from_async effect, a task that a model started, or "
-                "a backward): its step would be taken in the middle of that evaluation (which would then read "
-                "weights half updated) and kept if that one failed; return the loss from the model and train it "
-                "outside, or add it to the outer loss"
-            )
-        ev = ev.outer
 
 
 async def train(root: Any) -> Any:

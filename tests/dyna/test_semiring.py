@@ -191,14 +191,18 @@ def test_a_log_real_semiring_of_ones_own_gets_the_log_real_gradient() -> None:
     axioms = {("edge", i, j): math.log(0.5) for i in range(4) for j in range(i + 1, 4)}
     mine = Semiring("my-log-real", -math.inf, 0.0, np.logaddexp, operator.add, gradient="tape")
     mine_by_lambda = Semiring("mine", -math.inf, 0, np.logaddexp, lambda a, b: a + b, gradient="tape")
+    in_float32 = Semiring(  # (a reviewer's: refused as 'neither' by a float64 tolerance)
+        "mine32", -math.inf, 0.0, lambda a, b: np.logaddexp(np.float32(a), np.float32(b)), operator.add, gradient="tape"
+    )
     real_by_numpy = Semiring("my-real", 0, 1, np.add, np.multiply, gradient="tape")
     expected = {(0, 1): 1 / 3, (0, 2): 2 / 9, (0, 3): 4 / 9, (1, 2): 1 / 9, (1, 3): 2 / 9, (2, 3): 1 / 3}
-    for semiring in (LOG_REAL, mine, mine_by_lambda):
+    for semiring in (LOG_REAL, mine, mine_by_lambda, in_float32):
         run = parse(text, semiring).run(axioms)
-        assert math.exp(run.chart[("path", 3)]) == pytest.approx(1.125)  # 0.5 + 0.25 + 0.25 + 0.125
+        rel = 1e-6 if semiring is in_float32 else 1e-12
+        assert math.exp(run.chart[("path", 3)]) == pytest.approx(1.125, rel=rel)  # 0.5 + 0.25 + 0.25 + 0.125
         gradient = run.gradient(("path", 3))
         for (i, j), g in expected.items():
-            assert gradient[("edge", i, j)] == pytest.approx(g, rel=1e-12), (semiring.name, i, j)
+            assert gradient[("edge", i, j)] == pytest.approx(g, rel=rel), (semiring.name, i, j)
     real = parse(text.replace("+= 0.", "+= 1."), real_by_numpy).run(dict.fromkeys(axioms, 0.5))
     assert real.gradient(("path", 3))[("edge", 0, 1)] == pytest.approx(0.75)  # path 0-1-3 and 0-1-2-3 over 0.5
 
@@ -222,6 +226,15 @@ def test_a_tape_gradient_in_other_arithmetic_is_refused_at_construction(
     message = str(caught.value)
     assert message.startswith("semiring mine: gradient='tape' differentiates the real semiring")
     assert shown in message and "use gradient='backpointer'" in message and "gradient=None (forward only)" in message
+
+
+def test_a_tape_semiring_whose_arithmetic_takes_no_float_is_refused_with_what_it_raised() -> None:
+    with pytest.raises(ValueError, match=r"arithmetic is neither \(plus\(2, 3\) gave TypeError: no floats"):
+
+        def tensors_only(a: float, b: float) -> float:
+            raise TypeError("no floats")
+
+        Semiring("mine", -math.inf, 0.0, tensors_only, lambda a, b: a + b, gradient="tape")
 
 
 def test_an_unknown_gradient_is_refused_at_construction() -> None:
