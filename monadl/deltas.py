@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from monadl._namespace import is_array, namespace
 
-__all__ = ["Outer", "SparseRows", "in_dtype_of", "is_basic_index", "scatter_add", "unbroadcast"]
+__all__ = ["Outer", "SparseRows", "dtype_differs", "in_dtype_of", "is_basic_index", "scatter_add", "unbroadcast"]
 
 _ONE_HOT_LIMIT: Final = 1 << 22
 """The largest one-hot matrix (rows x indices) `scatter_add` builds (16 MiB in float32)."""
@@ -365,6 +365,22 @@ class Outer:
         return out
 
 
+def dtype_differs(grad: Value, data: Value) -> bool:
+    """Whether ``grad`` has a dtype other than ``data``'s (neither without
+    one). A NumPy dtype and another library's are never compared: they
+    never are equal, and array_api_strict warns where it is asked.
+
+    >>> dtype_differs(np.ones(2), np.zeros(2, np.float32)), dtype_differs(np.ones(2), 1.0)
+    (True, False)
+    """
+    g, d = getattr(grad, "dtype", None), getattr(data, "dtype", None)
+    if g is None or d is None or g is d:
+        return False
+    if isinstance(g, np.dtype) is not isinstance(d, np.dtype):
+        return True
+    return bool(g != d)
+
+
 def in_dtype_of(grad: Value, data: Value) -> Value:
     """A weight's gradient in the dtype of the weight's ``data``, as PyTorch
     gives it. A float32 model whose loss met a float64 number (a NumPy
@@ -378,7 +394,7 @@ def in_dtype_of(grad: Value, data: Value) -> Value:
     dtype('float32')
     """
     dtype = getattr(data, "dtype", None)
-    if dtype is None or getattr(grad, "dtype", dtype) == dtype or type(grad) is Outer:
+    if dtype is None or type(grad) is Outer or not dtype_differs(grad, data):
         return grad
     if type(grad) is SparseRows:
         return SparseRows(grad.indices, in_dtype_of(grad.rows, data), grad.table_shape)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from monadl.deltas import Outer, in_dtype_of
+from monadl.deltas import Outer, dtype_differs, in_dtype_of
 from monadl.direct import inside_direct
 from monadl.errors import NonFiniteError, OperandError, ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
@@ -350,7 +350,7 @@ class Evaluation:
             if type(grad) is Outer and not factored:
                 grads[weight] = grad = grad.dense()
             data = weight._data
-            if type(grad) is not Outer and getattr(grad, "dtype", None) != getattr(data, "dtype", None):
+            if type(grad) is not Outer and dtype_differs(grad, data):
                 grads[weight] = in_dtype_of(grad, data)  # (a float64 delta into a float32 weight)
             if type(grad) is not Outer and getattr(grad, "shape", ()) != getattr(data, "shape", ()):
                 raise ShapeError(  # (a step would have made it the weight's data, of that shape)
