@@ -126,6 +126,7 @@ class DataParallel:
         "_comm",
         "_dense",
         "_described",
+        "_finished",
         "_index",
         "_labels",
         "_order",
@@ -153,6 +154,7 @@ class DataParallel:
         self._described = [describe(name, w._data, w._state, w.optimizer) for name, w in named.items()]
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._calls = 0  # train() calls so far: the step of the next, unless the caller numbers them
+        self._finished = False  # finish() was called: no train() nor finish() after it
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
@@ -252,6 +254,11 @@ class DataParallel:
         alone made or had refused, but not a batch your loop skipped on one
         rank: number the batches for that.
         """
+        if self._finished:  # (every rank that does so raises here alike, with no exchange to wait for)
+            raise RuntimeError(
+                "DataParallel.train() after finish(): this rank said its training was over; call finish() once, "
+                "after the last batch (a new DataParallel over the same weights trains again)"
+            )
         at = self._calls if step is None else step
         self._calls += 1  # (a call refused here alone still took a batch of this rank's loop)
         entry.refuse_inside_evaluation("DataParallel.train()")  # (on every rank alike, before any exchange)
@@ -264,10 +271,14 @@ class DataParallel:
         Returns once every rank has finished after as many `train` calls.
         Where some rank is still in `train` (its data had more batches), that
         `train` and every rank's `finish` raise the same `RankFailure`, which
-        names each rank's step; no rank steps. (Without it, that rank waits
+        names each rank's step; no rank steps. A `train` or a `finish` after
+        it raises `RuntimeError`. (Without it, that rank waits
         for the finished one's answer until its timeout: under MPI, it cannot
         tell a rank that returned from one that died.)
         """
+        if self._finished:
+            raise RuntimeError("DataParallel.finish() called twice: call it once, after the last batch")
+        self._finished = True
         with in_step(self._comm):
             await self._finish()
 

@@ -777,6 +777,34 @@ def test_ranks_that_finish_together_return_and_name_uneven_counts() -> None:
     assert run_local(2, rank) == [uneven] * 2
 
 
+def test_a_train_or_a_finish_after_finish_is_refused_on_the_rank_that_makes_it() -> None:
+    # A loop that called finish() inside it stepped on after it, every rank alike, silently.
+    async def rank(comm: Communicator) -> list[str]:
+        w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.001))
+        dp = DataParallel(w, comm)
+        await dp.train(ml.sum(w * w), step=0)
+        await dp.finish()
+        said = []
+        for late in (dp.finish(), dp.train(ml.sum(w * w), step=1)):
+            with pytest.raises(RuntimeError) as caught:
+                await late
+            said.append(str(caught.value))
+        np.testing.assert_allclose(w.data, 0.998)  # (the one step before finish())
+        return said
+
+    assert (
+        run_local(2, rank)
+        == [
+            [
+                "DataParallel.finish() called twice: call it once, after the last batch",
+                "DataParallel.train() after finish(): this rank said its training was over; call finish() once, "
+                "after the last batch (a new DataParallel over the same weights trains again)",
+            ]
+        ]
+        * 2
+    )
+
+
 async def direct_step(dp: DataParallel, w: ml.Weight[Any, Any]) -> None:
     @ml.direct
     async def model(h: ml.ArrayLayer) -> ml.ScalarLayer:
