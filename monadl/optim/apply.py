@@ -21,8 +21,9 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._blas import add_product
+from monadl._in_dtype import in_dtype_of
 from monadl._namespace import all_finite, is_array, namespace
-from monadl.deltas import Outer, SparseRows, in_dtype_of
+from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
@@ -30,7 +31,7 @@ from monadl.optim._refusals import checked_update, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
-from monadl.runtime.evaluation import refuse_inside_evaluation
+from monadl.runtime.nested import refuse_inside_evaluation
 from monadl.runtime.process import hold, release
 
 __all__ = [

@@ -3,7 +3,8 @@
 A reader's map (each module one concern; lower ones never import higher ones):
 
 * `settings`: the knobs (``ml.settings``), scoped by a context variable.
-* `evaluation`: one evaluation's records, shared values, open resources.
+* `evaluation`: one evaluation's records, shared values, open resources;
+  `nested`: the steps refused inside a running one.
 * `frames`: the interpreter's continuation frames and fibers.
 * `node`: collecting a layer graph; one node's forward, its checks and error text.
 * `backward`: ONE function that back-propagates one node; every scheduler calls it.

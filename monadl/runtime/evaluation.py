@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from monadl.deltas import Outer, dtype_differs, in_dtype_of
-from monadl.direct import inside_direct
+from monadl._in_dtype import dtype_differs, in_dtype_of
+from monadl.deltas import Outer
 from monadl.errors import NonFiniteError, OperandError, ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._site import site_text
@@ -29,7 +29,7 @@ from monadl.tape import Tape
 if TYPE_CHECKING:
     from monadl.do import Do
 
-__all__ = ["STRIDE", "Evaluation", "Record", "Records", "Shared", "UserRelease", "refuse_inside_evaluation"]
+__all__ = ["STRIDE", "Evaluation", "Record", "Records", "Shared", "UserRelease"]
 
 STRIDE: Final = 32
 """Nodes or records between two looks at the clock, at most (a look costs
@@ -243,7 +243,7 @@ class Evaluation:
             ``on_gradient(weight, gradient)``; None (the default) costs nothing.
         running: its driver runs (`reads`): a ``train()`` from inside it, by
             a task it started or one of its effects, is refused
-            (`refuse_inside_evaluation`).
+            (`monadl.runtime.nested.refuse_inside_evaluation`).
         outer: the evaluation whose driver ran where this one's began (a
             ``predict()`` awaited inside a model), if any.
     """
@@ -371,31 +371,3 @@ class Evaluation:
         if self.train:
             self.gradients = self.weight_gradients(factored=True)
         self.records.clear()
-
-
-def refuse_inside_evaluation(what: str) -> None:
-    """`OperandError` where ``what`` (a training step) is called inside a
-    running evaluation: by a step of an ``@ml.direct`` function, or by an
-    effect, a task or a backward of the evaluation (`READING`, which the
-    tasks it starts inherit, names it while its driver runs). Its step
-    would land in the middle of that evaluation, which would then read
-    weights half updated, and stay if that evaluation failed. A
-    ``predict()`` or ``gradients()`` there changes no weight, and is fine;
-    so is a step inside a ``predict()``'s effect (it reads the weights as
-    they were when it began, and keeps nothing to undo)."""
-    if inside_direct.get()[0]:
-        raise OperandError(
-            f"{what} inside an @ml.direct function: its step would be taken in the middle of the evaluation "
-            "around it (which would then read weights half updated) and kept if that one failed; return the "
-            "loss from the model and train it outside, or add it to the outer loss"
-        )
-    ev = READING.get()
-    while ev is not None:
-        if ev.running and ev.train:
-            raise OperandError(
-                f"{what} inside a running evaluation (from a Do.from_async effect, a task that a model started, or "
-                "a backward): its step would be taken in the middle of that evaluation (which would then read "
-                "weights half updated) and kept if that one failed; return the loss from the model and train it "
-                "outside, or add it to the outer loss"
-            )
-        ev = ev.outer
