@@ -39,7 +39,15 @@ import numpy as np
 
 from monadl.dyna.array_run import GIVEN, UNDERIVED, ArrayRun, Record
 from monadl.dyna.backward import Entry
-from monadl.dyna.checks import check_axioms, check_goal, check_options, check_reads, declared_inputs
+from monadl.dyna.checks import (
+    check_array_positions,
+    check_array_sizes,
+    check_axioms,
+    check_goal,
+    check_options,
+    check_reads,
+    declared_inputs,
+)
 from monadl.dyna.einsum import Array, array_plus, best_contract, contract
 from monadl.dyna.join import Index, Joins
 from monadl.dyna.layer import Source, Timing, bound_data, goal_layer, stopping
@@ -83,7 +91,7 @@ class ArrayProgram:
         inputs: Iterable[str] = (),
     ) -> None:
         self.plus = array_plus(semiring)  # refuses the semirings it cannot batch
-        _check_positions(rules, arrays)
+        check_array_positions(rules, arrays)
         self.semiring = semiring
         self.arrays = {f: tuple(sorted(p)) for f, p in arrays.items()}
         self.shapes = {f: tuple(p[k] for k in sorted(p)) for f, p in arrays.items()}
@@ -99,7 +107,7 @@ class ArrayProgram:
             if not rule.body:
                 continue
             letters: dict[str, str] = {}
-            _check_sizes(rule, arrays)
+            check_array_sizes(rule, arrays)
             head_pattern, head_subs = self._split(rule, rule.head, letters)
             body = [self._split(rule, b, letters) for b in rule.body]
             for pattern in (rule.head, *rule.body):  # an array variable never at a plain position
@@ -344,61 +352,3 @@ class ArrayProgram:
                 return True
             gaps = np.abs(np.asarray(new - old)[differ])  # (an entry that became NaN has a NaN gap: it changed)
             return bool(np.any(np.isnan(gaps)) or np.max(gaps) > tolerance)
-
-
-def _check_positions(rules: Sequence[Rule], arrays: Mapping[str, Mapping[int, int]]) -> None:
-    """Refuse an array axis that is no argument of its functor: one past the
-    arity the rules give it (``{5: 2}`` for a ``w`` of 2 arguments) or a
-    negative one made every axiom of it fail, blaming the axiom.
-
-    >>> _check_positions([Rule(("y",), [("w", "I", "J")])], {"w": {0: 2, 5: 2}})
-    Traceback (most recent call last):
-    ...
-    ValueError: arrays['w'] makes argument 5 an array axis, but the rules read or derive w with 2 arguments (0..1): there is no argument 5
-    """
-    arities: dict[str, set[int]] = {}
-    for rule in rules:
-        for pattern in (rule.head, *rule.body):
-            arities.setdefault(pattern[0], set()).add(len(pattern) - 1)
-    for functor, positions in arrays.items():
-        for k, size in positions.items():
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ValueError(
-                    f"arrays[{functor!r}] has the position {k!r}: an argument's position is an int, from 0"
-                )
-            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
-                raise ValueError(f"arrays[{functor!r}][{k}] is {size!r}: an array axis's size is an int, 1 or more")
-            for arity in sorted(arities.get(functor, ())):
-                if k >= arity:
-                    raise ValueError(
-                        f"arrays[{functor!r}] makes argument {k} an array axis, but the rules read or derive "
-                        f"{functor} with {arity} arguments"
-                        + (f" (0..{arity - 1})" if arity else "")
-                        + f": there is no argument {k}"
-                    )
-
-
-def _check_sizes(rule: Rule, arrays: Mapping[str, Mapping[int, int]]) -> None:
-    """Refuse a variable that indexes array axes of different sizes in one
-    rule: its einsum made the head an array of the other size (not the one
-    declared), or failed in NumPy naming no rule.
-
-    >>> rule = Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])
-    >>> _check_sizes(rule, {"w": {0: 2, 1: 3}, "x": {0: 2}, "y": {0: 2}})
-    Traceback (most recent call last):
-    ...
-    ValueError: rule y(J) += w(I, J) * x(I): J is argument 1 of w, an array axis of 3, and argument 0 of y, one of 2: give J one size
-    """
-    seen: dict[str, tuple[str, int, int]] = {}
-    for pattern in (*rule.body, rule.head):
-        positions = arrays.get(pattern[0], {})
-        for k, term in enumerate(pattern[1:]):
-            if k not in positions or not is_variable(term):
-                continue
-            size = positions[k]
-            first = seen.setdefault(term, (pattern[0], k, size))
-            if first[2] != size:
-                raise ValueError(
-                    f"rule {rule}: {term} is argument {first[1]} of {first[0]}, an array axis of {first[2]}, "
-                    f"and argument {k} of {pattern[0]}, one of {size}: give {term} one size"
-                )

@@ -10,10 +10,20 @@ import difflib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from monadl.dyna.layer import Source, bound_data
-from monadl.dyna.syntax import Item, Rule, as_item
+import numpy as np
 
-__all__ = ["check_axioms", "check_goal", "check_options", "check_reads", "declared_inputs"]
+from monadl.dyna.layer import Source, bound_data
+from monadl.dyna.syntax import Item, Rule, as_item, is_variable
+
+__all__ = [
+    "check_array_positions",
+    "check_array_sizes",
+    "check_axioms",
+    "check_goal",
+    "check_options",
+    "check_reads",
+    "declared_inputs",
+]
 
 
 def check_goal(
@@ -231,3 +241,61 @@ def declared_inputs(inputs: Iterable[str], rules: Sequence[Rule]) -> frozenset[s
     if unread:
         raise ValueError(f"inputs: no rule reads {', '.join(unread)} ({_said(rules)})")
     return declared
+
+
+def check_array_positions(rules: Sequence[Rule], arrays: Mapping[str, Mapping[int, int]]) -> None:
+    """Refuse an array axis that is no argument of its functor: one past the
+    arity the rules give it (``{5: 2}`` for a ``w`` of 2 arguments) or a
+    negative one made every axiom of it fail, blaming the axiom.
+
+    >>> check_array_positions([Rule(("y",), [("w", "I", "J")])], {"w": {0: 2, 5: 2}})
+    Traceback (most recent call last):
+    ...
+    ValueError: arrays['w'] makes argument 5 an array axis, but the rules read or derive w with 2 arguments (0..1): there is no argument 5
+    """
+    arities: dict[str, set[int]] = {}
+    for rule in rules:
+        for pattern in (rule.head, *rule.body):
+            arities.setdefault(pattern[0], set()).add(len(pattern) - 1)
+    for functor, positions in arrays.items():
+        for k, size in positions.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(
+                    f"arrays[{functor!r}] has the position {k!r}: an argument's position is an int, from 0"
+                )
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise ValueError(f"arrays[{functor!r}][{k}] is {size!r}: an array axis's size is an int, 1 or more")
+            for arity in sorted(arities.get(functor, ())):
+                if k >= arity:
+                    raise ValueError(
+                        f"arrays[{functor!r}] makes argument {k} an array axis, but the rules read or derive "
+                        f"{functor} with {arity} arguments"
+                        + (f" (0..{arity - 1})" if arity else "")
+                        + f": there is no argument {k}"
+                    )
+
+
+def check_array_sizes(rule: Rule, arrays: Mapping[str, Mapping[int, int]]) -> None:
+    """Refuse a variable that indexes array axes of different sizes in one
+    rule: its einsum made the head an array of the other size (not the one
+    declared), or failed in NumPy naming no rule.
+
+    >>> rule = Rule(("y", "J"), [("w", "I", "J"), ("x", "I")])
+    >>> check_array_sizes(rule, {"w": {0: 2, 1: 3}, "x": {0: 2}, "y": {0: 2}})
+    Traceback (most recent call last):
+    ...
+    ValueError: rule y(J) += w(I, J) * x(I): J is argument 1 of w, an array axis of 3, and argument 0 of y, one of 2: give J one size
+    """
+    seen: dict[str, tuple[str, int, int]] = {}
+    for pattern in (*rule.body, rule.head):
+        positions = arrays.get(pattern[0], {})
+        for k, term in enumerate(pattern[1:]):
+            if k not in positions or not is_variable(term):
+                continue
+            size = positions[k]
+            first = seen.setdefault(term, (pattern[0], k, size))
+            if first[2] != size:
+                raise ValueError(
+                    f"rule {rule}: {term} is argument {first[1]} of {first[0]}, an array axis of {first[2]}, "
+                    f"and argument {k} of {pattern[0]}, one of {size}: give {term} one size"
+                )
