@@ -10,21 +10,18 @@ array([-0.1,  0.2])
 """
 
 from monadl.optim._default import DEFAULT_LEARNING_RATE, default_optimizer, using_default
+from monadl.optim._schedules import Schedule, constant_schedule, cosine_decay_schedule, exponential_decay
 from monadl.optim.apply import apply_gradients, clip_by_global_norm
 from monadl.optim.transforms import (
     AdagradState,
     AdamState,
     GradientTransformation,
     RmsState,
-    Schedule,
     adagrad,
     adam,
     add_decayed_weights,
     add_l1_decay,
     chain,
-    constant_schedule,
-    cosine_decay_schedule,
-    exponential_decay,
     momentum,
     nesterov,
     rmsprop,

@@ -13,7 +13,7 @@ it logs on, a set whose order follows the process's hash seed, an object's
 addresses) or be large (a table of rates), and two ranks would part over it
 or wait for it.
 
->>> from monadl.optim.transforms import adam, exponential_decay, sgd
+>>> from monadl.optim import adam, exponential_decay, sgd
 >>> spec(adam(0.1))
 'chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale(-0.1))'
 >>> spec(sgd(exponential_decay(0.5, 0.9)))

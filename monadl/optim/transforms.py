@@ -21,23 +21,18 @@ import math
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple, TypeAlias, final
 
-import numpy as np
-
 from monadl._namespace import namespace
-from monadl.layers._arrays import NumPyScalar
+from monadl.optim._hyper import Rate, checked, finite, valid_rate
+from monadl.optim._schedules import Schedule
 from monadl.optim._spec import spec
 
 __all__ = [
     "GradientTransformation",
-    "Schedule",
     "adagrad",
     "adam",
     "add_decayed_weights",
     "add_l1_decay",
     "chain",
-    "constant_schedule",
-    "cosine_decay_schedule",
-    "exponential_decay",
     "momentum",
     "nesterov",
     "rmsprop",
@@ -52,10 +47,6 @@ __all__ = [
 
 Tensor: TypeAlias = Any  # an ndarray or a NumPy scalar
 State: TypeAlias = Any
-Schedule: TypeAlias = Callable[[int], float]
-"""A learning rate as a function of the step count (0 for the first step)."""
-Rate: TypeAlias = float | NumPyScalar
-"""A constant learning rate: a Python or NumPy number (made a Python float)."""
 
 
 class GradientTransformation(NamedTuple):
@@ -137,67 +128,15 @@ def refusal(value: object, what: str) -> str:
     )
 
 
-# ---- schedules -------------------------------------------------------------------
-def constant_schedule(value: float) -> Schedule:
-    """The same learning rate at every step."""
-    return lambda step: value
-
-
-def exponential_decay(init_value: float, decay_rate: float, transition_steps: float = 1) -> Schedule:
-    """``init_value * decay_rate ** (step / transition_steps)``.
-
-    Not optax's order (``init_value, transition_steps, decay_rate``): what a
-    call in its order passes here, a rate above 1 or fractional steps, is refused.
-
-    >>> exponential_decay(1.0, 0.5, 2)(4)
-    0.25
-    >>> exponential_decay(0.1, 1000, 0.5)
-    Traceback (most recent call last):
-    ...
-    ValueError: exponential_decay(init_value, decay_rate, transition_steps): decay_rate must be at most 1 (above 1, the learning rate would grow at every step), got 1000; optax's order is (init_value, transition_steps, decay_rate)
-    """
-    order = "exponential_decay(init_value, decay_rate, transition_steps)"
-    optax = "optax's order is (init_value, transition_steps, decay_rate)"
-    init_value = _checked("init_value", init_value)
-    decay_rate = _checked("decay_rate", decay_rate)  # (a negative one gave negative or complex rates)
-    if decay_rate > 1.0:
-        raise ValueError(
-            f"{order}: decay_rate must be at most 1 (above 1, the learning rate would grow at every step), "
-            f"got {decay_rate:g}; {optax}"
-        )
-    if not (_finite(transition_steps) and float(transition_steps).is_integer() and transition_steps > 0):
-        raise ValueError(f"{order}: transition_steps must be a whole number > 0, got {transition_steps!r}; {optax}")
-    transition_steps = int(transition_steps)  # (100.0 read from a config is 100 steps)
-    return lambda step: init_value * decay_rate ** (step / transition_steps)
-
-
-def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
-    """Cosine decay from ``init_value`` to ``alpha * init_value`` over
-    ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017), then held there, as
-    optax's (PyTorch's ``CosineAnnealingLR`` climbs back up after its
-    ``T_max``: it is periodic).
-
-    >>> round(cosine_decay_schedule(1.0, 10, alpha=0.1)(25), 6)
-    0.1
-    """
-    if decay_steps <= 0:
-        raise ValueError("decay_steps must be positive")
-
-    def schedule(step: int) -> float:
-        t = min(step, decay_steps) / decay_steps
-        return init_value * ((1 - alpha) * 0.5 * (1 + float(np.cos(np.pi * t))) + alpha)
-
-    return schedule
-
-
 # ---- building blocks --------------------------------------------------------------
 def scale(factor: float) -> GradientTransformation:
     """Multiply the update by a constant.
 
+    >>> import numpy as np
     >>> scale(2.0).update(np.array([1.0, -0.5]), None, None)
     (array([ 2., -1.]), None)
     """
-    if not _finite(factor):
+    if not finite(factor):
         raise ValueError(f"scale: the factor must be a finite number, got {factor!r}")
     return GradientTransformation(lambda p: None, Scale(float(factor)))
 
@@ -238,44 +177,20 @@ def scale_by_learning_rate(learning_rate: Rate | Schedule) -> GradientTransforma
 
         def update(g: Tensor, step: int, p: Tensor) -> tuple[Tensor, int]:
             rate = schedule(step)
-            if not _valid_rate(rate):
+            if not valid_rate(rate):
                 raise ValueError(
                     f"the learning-rate schedule gave {rate!r} at step {step}; a rate must be finite and >= 0"
                 )
             return g * -float(rate), step + 1
 
         return GradientTransformation(lambda p: 0, update)
-    return scale(-_checked("learning_rate", learning_rate))
-
-
-def _finite(value: object) -> bool:
-    """A finite real number: a Python or NumPy int or float, or a 0-d array
-    of one (not a bool, not a complex number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number, np.ndarray)):
-        return False
-    return np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iuf" and bool(np.isfinite(value))
-
-
-def _valid_rate(rate: object) -> bool:
-    """A finite real number >= 0."""
-    return _finite(rate) and bool(rate >= 0)  # type: ignore[operator]  # (a number: `_finite` said so)
-
-
-def _checked(name: str, value: Rate, below: float | None = None) -> float:
-    """A hyperparameter as a Python float, refused where it is no finite
-    number >= 0 (or not below ``below``), where the optimizer is made, as
-    PyTorch's optimizers do. (A NumPy float64 would make a float32 weight's
-    state float64: its memory twice, and a checkpoint of another dtype.)"""
-    if not _valid_rate(value) or (below is not None and not value < below):
-        bound = f" and < {below}" if below is not None else ""
-        raise ValueError(f"{name} must be a finite number >= 0{bound}, got {value!r}")
-    return float(value)
+    return scale(-checked("learning_rate", learning_rate))
 
 
 def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     """Momentum: a decaying sum of past gradients (Polyak 1964; Nesterov 1983
     in the form of Sutskever et al. 2013 when ``nesterov``)."""
-    decay = _checked("decay", decay, 1.0)
+    decay = checked("decay", decay, 1.0)
 
     def update(g: Tensor, velocity: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         velocity = g + decay * velocity
@@ -290,8 +205,8 @@ class AdagradState(NamedTuple):
 
 def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """Divide by the root of the summed squared gradients (Duchi et al., 2011)."""
-    initial_accumulator = _checked("initial_accumulator", initial_accumulator)
-    eps = _checked("eps", eps)
+    initial_accumulator = checked("initial_accumulator", initial_accumulator)
+    eps = checked("eps", eps)
 
     def update(g: Tensor, state: AdagradState, p: Tensor) -> tuple[Tensor, AdagradState]:
         total = state.sum_of_squares + g * g
@@ -306,8 +221,8 @@ class RmsState(NamedTuple):
 
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """Divide by a moving root mean square of gradients (Tieleman & Hinton, 2012)."""
-    decay = _checked("decay", decay, 1.0)
-    eps = _checked("eps", eps)
+    decay = checked("decay", decay, 1.0)
+    eps = checked("eps", eps)
 
     def update(g: Tensor, state: RmsState, p: Tensor) -> tuple[Tensor, RmsState]:
         ms = decay * state.mean_square + (1 - decay) * g * g
@@ -335,14 +250,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     at every step so far (a dead unit) then makes 0/0, a step that is
     refused; give a float16 weight an eps it holds, such as 1e-4.
 
+    >>> import numpy as np
     >>> opt = scale_by_adam()
     >>> u, _ = opt.update(np.float16([300.0]), opt.init(np.zeros(1, np.float16)), None)
     >>> u  # (the first step's size is 1: mu_hat / sqrt(nu_hat) = g / |g|)
     array([1.], dtype=float16)
     """
-    b1 = _checked("b1", b1, 1.0)
-    b2 = _checked("b2", b2, 1.0)
-    eps = _checked("eps", eps)
+    b1 = checked("b1", b1, 1.0)
+    b2 = checked("b2", b2, 1.0)
+    eps = checked("eps", eps)
 
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
@@ -362,13 +278,13 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     ``weight_decay=`` of SGD and Adam). A sparse gradient (an embedding's
     looked-up rows) steps those rows only, so only they decay, as in lazy
     Adam."""
-    weight_decay = _checked("weight_decay", weight_decay)
+    weight_decay = checked("weight_decay", weight_decay)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + weight_decay * p, s))
 
 
 def add_l1_decay(l1: float) -> GradientTransformation:
     """L1 decay: add ``l1 * sign(param)`` to the gradient (a subgradient of ``l1 * |param|``)."""
-    l1 = _checked("l1", l1)
+    l1 = checked("l1", l1)
     return GradientTransformation(lambda p: None, lambda g, s, p: (g + l1 * namespace(p).sign(p), s))
 
 
