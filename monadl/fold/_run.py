@@ -30,21 +30,21 @@ build waiting for its output (``gen.throw``), so a block of one's own may
 catch a sub-block's error around ``yield from call(...)``; one that no build
 catches is raised as it was.
 
-Where it came from is gathered on its way out, and only then (a `_Trail`):
-each build it leaves says which part of its input it was building, read
-from the build's live variables (`Block._step`), and a parallel block which
-of its blocks; `run` adds them to its note as a path into the input
-(``input 0['children'][1]``), and what the innermost block was given.
+Where it came from is gathered on its way out, and only then (a `_Trail`,
+in `monadl.fold._trail`): each build it leaves says which part of its input
+it was building, read from the build's live variables (`Block._step`), and
+a parallel block which of its blocks; `run` adds them to its note as a path
+into the input (``input 0['children'][1]``), and what the innermost block
+was given.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
-from types import GeneratorType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 from monadl.fold._inputs import a_type, shown
+from monadl.fold._trail import _asked, _step, _Trail, parallel
 
 if TYPE_CHECKING:
     from monadl.fold._block import Block, Request
@@ -102,75 +102,6 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
     return outputs
 
 
-SHOWN: Final = 10
-"""Steps of an error's path shown at each end: a tree thousands of levels
-deep has a path as long, whose middle is cut."""
-
-
-@final
-class _Trail:
-    """Where the error going out of the blocks came from: the steps of its
-    path into the input (``[2]``, ``['children']``, ``<block 1 of AllOf>``),
-    innermost first, the first and last `SHOWN` of them kept, and the block
-    and input the innermost build had asked for. Marked by each build and
-    parallel block the error leaves (none on the way in: building a node
-    pays nothing for it); a build that catches the error forgets it."""
-
-    __slots__ = ("block", "error", "inner", "outer", "skipped", "x")
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.inner: list[str] = []
-        self.outer: deque[str] = deque(maxlen=SHOWN)
-        self.skipped = 0
-        self.block: Block[Any, Any] | None = None
-        self.x: Any = None
-
-    def mark(self, error: BaseException, step: str, block: Block[Any, Any], x: Any) -> None:
-        """``error`` leaves a build at ``step``, which had asked ``block`` for its output on ``x``."""
-        if error is not self.error:  # (a new error: its path starts here)
-            self.error, self.block, self.x = error, block, x
-            self.inner, self.outer, self.skipped = [], deque(maxlen=SHOWN), 0
-        if not step:
-            return
-        if len(self.inner) < SHOWN:
-            self.inner.append(step)
-            return
-        self.skipped += len(self.outer) == SHOWN
-        self.outer.append(step)
-
-    def forget(self) -> None:
-        """The error was caught by a build: its path is no error's."""
-        self.error = None
-
-    def where(self, error: BaseException, name: str) -> str:
-        """For the note of ``error``: the path into the input ``name``, the
-        part there and the block it was given to; empty where no build or
-        parallel block marked it."""
-        if error is not self.error or self.block is None:
-            return ""
-        cut = f"...{self.skipped:,} more..." if self.skipped else ""
-        path = "".join([*reversed(self.outer), cut, *reversed(self.inner)])
-        return f", at {name}{path}: {shown(self.x)}, given to {self.block!r}"
-
-
-def _step(build: GeneratorType[Any, Any, Any]) -> str:
-    """The step of a suspended build's path (`Block._step`, from its live
-    variables: its ``self``, the block, among them); read before an error
-    is thrown into it, which ends it."""
-    state = build.gi_frame.f_locals if build.gi_frame is not None else {}
-    block = state.get("self")
-    return block._step(state) if block is not None and hasattr(block, "_step") else "<...>"
-
-
-def _asked(build: GeneratorType[Any, Any, Any]) -> tuple[Any, Any]:
-    """The block and input a suspended build asked for (through `call`: that generator's variables)."""
-    inner = build.gi_yieldfrom
-    frame = getattr(inner, "gi_frame", None)  # (None where it asked with a bare ``yield``)
-    state = frame.f_locals if frame is not None else {}
-    return state.get("block"), state.get("x")
-
-
 @final
 class _Runner:
     """The closures of one run, by block, and the routes and builds now open."""
@@ -199,7 +130,7 @@ class _Runner:
             first, second = self.compiled(block.first, nesting + 1), self.compiled(block.second, nesting + 1)
             return lambda x: second(first(x))
         if kind is PARALLEL:
-            return self._parallel(block, [self.compiled(b, nesting + 1) for b in block.blocks])
+            return parallel(block, [self.compiled(b, nesting + 1) for b in block.blocks], self.trail)
         if kind is ROUTE:
             fixed = block._fixed()
             if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
@@ -208,56 +139,6 @@ class _Runner:
             key, case = (block._route, _itself) if keyed is None else keyed
             return self._route(block, key, case)
         return self._build(block)
-
-    def _parallel(self, block: Any, parts: list[Run]) -> Run:
-        """A parallel block's tuple, and on an error the step of its block that raised it (``i``: a local's store a block)."""
-        mark = self.trail.mark
-
-        def failed(exc: Exception, i: int, x: Any) -> None:
-            mark(exc, f"<block {i} of AllOf>", block.blocks[i], x)
-
-        if len(parts) == 2:
-            a, b = parts
-
-            def pair(x: Any) -> Any:
-                i = 0
-                try:
-                    y = a(x)
-                    i = 1
-                    return (y, b(x))
-                except Exception as exc:
-                    failed(exc, i, x)
-                    raise
-
-            return pair
-        if len(parts) == 3:
-            a, b, c = parts
-
-            def triple(x: Any) -> Any:
-                i = 0
-                try:
-                    y = a(x)
-                    i = 1
-                    z = b(x)
-                    i = 2
-                    return (y, z, c(x))
-                except Exception as exc:
-                    failed(exc, i, x)
-                    raise
-
-            return triple
-
-        def every(x: Any) -> Any:
-            ys: list[Any] = []
-            try:
-                for f in parts:
-                    ys.append(f(x))
-            except Exception as exc:
-                failed(exc, len(ys), x)
-                raise
-            return tuple(ys)
-
-        return every
 
     def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any, Any], Any]) -> Run:
         """A route (a `OneOf`, a forward declaration) that picks ``case(k, x)``
