@@ -12,7 +12,7 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    it is dense; where every rank has sparse rows (an embedding table that
    was once reached densely), it steps by the rows, as without overlap.
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
-   gradients, no step) and all-gathers a small status: whether it failed,
+   gradients, no step) and all-gathers a small status (`monadl.distributed._rank_status`): whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
    sparse `SparseRows` (and how many rows), and its step: the number of
    its batch (``train``'s ``step``, by default its count of ``train`` calls)
@@ -49,17 +49,15 @@ from typing import Any, Final, final
 
 import anyio
 import numpy as np
-import numpy.typing as npt
 
 from monadl._named import named_weights
-from monadl._namespace import all_finite, namespace
-from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, RankFailure, agree, mpi_world
 from monadl.distributed._in_step import in_step
-from monadl.distributed._overlap import FIRST_BUCKET_BYTES, Overlap, Plan, flatten, plan_buckets, unflatten
+from monadl.distributed._overlap import Overlap, Plan, flatten, next_plan, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
+from monadl.distributed._rank_status import _DENSE, _SPARSE, _finite, _parted, _rank_status, _status
 from monadl.distributed._rows import gather_rows
-from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model, shape_of
+from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model
 from monadl.layers import Layer, Weight
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
@@ -69,7 +67,6 @@ from monadl.runtime.settings import current_settings
 
 __all__ = ["DataParallel"]
 
-_ABSENT, _DENSE, _SPARSE = 0, 1, 2
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
 _NOT_BROADCAST: Final = "no rank took the root's weights"
 
@@ -331,26 +328,7 @@ class DataParallel:
         if overlap is not None:
             overlap.finish(grads)
         backward_end = time.perf_counter()
-        status = _status(n, step, finished=False)
-        for position, weight in enumerate(order):
-            i = index.get(weight)
-            if i is not None and status[1 + 2 * n + i] < 0:
-                status[1 + 2 * n + i] = position
-        # In the model's order, so that a failure names the same weight whatever the graph's order.
-        for weight, grad in sorted(grads.items(), key=lambda item: index.get(item[0], n)):
-            i = index.get(weight)
-            if i is None:
-                problem = problem or f"the loss reached a weight outside the model: {weight!r:.60}"
-            elif not _finite(grad):
-                problem = problem or f"non-finite gradient of weight {self._labels[i]} (shape {shape_of(weight._data)})"
-            elif overlap is not None and weight in overlap.bucket_of and overlap.reported(weight) is not grad:
-                problem = problem or f"the runtime reported weight {self._labels[i]}'s gradient final before it was"
-            elif type(grad) is SparseRows:
-                status[1 + i], status[1 + n + i] = _SPARSE, grad.indices.shape[0]
-            else:
-                status[1 + i] = _DENSE
-        if not problem and _is_nan(value):
-            problem = _EMPTY_SHARD
+        status, problem = _rank_status(n, step, order, grads, index, self._labels, overlap, value, problem)
         if overlap is not None:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
@@ -386,7 +364,8 @@ class DataParallel:
             weight = weights[i]
             reduced[weight] = await gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
         post = time.perf_counter() - post_start
-        self._plan = self._next_plan(any_dense, statuses[:, 1 + 2 * n : 1 + 3 * n])
+        positions = statuses[:, 1 + 2 * n : 1 + 3 * n]
+        self._plan = next_plan(self._plan, weights, self._dense, self._order, any_dense, positions, self.bucket_bytes)
         self._times = {
             "backward": backward_end - started,
             "allreduce": (agree_start - overlap.started_at if overlap is not None else 0.0) + post,
@@ -404,102 +383,8 @@ class DataParallel:
             raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
         return total
 
-    def _next_plan(self, any_dense: npt.NDArray[np.bool_], positions: npt.NDArray[np.int64]) -> Plan:
-        """The buckets of the next steps, the same on every rank (made from statuses all ranks hold).
-
-        Every weight that has had a dense gradient on some rank so far, as
-        DDP buckets every parameter (an unreached one contributes zeros, and
-        is not stepped; one with rows on every rank steps by its rows), so a
-        dynamic network's changing paths keep the same buckets. Ordered by
-        when the earliest rank made their gradients
-        final, as last seen; rebuilt only when a weight joins.
-        """
-        late = np.iinfo(np.int64).max
-        first = np.where(positions >= 0, positions, late).min(axis=0)
-        for i in np.flatnonzero(first < late).tolist():
-            self._order[i] = int(first[i])
-        grown = [i for i in np.flatnonzero(any_dense).tolist() if i not in self._dense]
-        if not grown:
-            return self._plan
-        self._dense.update(grown)
-        chosen = sorted(self._dense, key=lambda i: (self._order.get(i, late), i))
-        limit = self.bucket_bytes
-        return plan_buckets([self._weights[i] for i in chosen], limit, min(limit, FIRST_BUCKET_BYTES))
-
-
-def _status(n: int, step: int, finished: bool) -> npt.NDArray[np.int64]:
-    """A rank's status for ``n`` weights: its failure's length (filled by `agree`);
-    per weight its gradient's kind, rows and position in the backward's order
-    (-1: none); its step; whether it has finished."""
-    status = np.zeros(3 + 3 * n, np.int64)
-    status[1 + 2 * n : 1 + 3 * n] = -1
-    status[-2] = step
-    status[-1] = finished
-    return status
-
-
-def _parted(statuses: npt.NDArray[np.int64]) -> str:
-    """How the ranks' calls fail to pair (the same words on every rank), or ``""``."""
-    tail = statuses[:, -2:]
-    if (tail == tail[0]).all():
-        return ""
-    steps, finished = tail.T
-    groups: dict[tuple[int, int], list[int]] = {}
-    for rank, key in enumerate(zip(finished.tolist(), steps.tolist())):
-        groups.setdefault(key, []).append(rank)
-    at = [f"{_ranks(ranks)} at step {step}" for (done, step), ranks in groups.items() if not done]
-    ended = [
-        f"{_ranks(ranks)} finished after {step} train() call{'s' * (step != 1)}"
-        for (done, step), ranks in groups.items()
-        if done
-    ]
-    if ended and at:
-        return (
-            f"{'; '.join(ended)}, while {'; '.join(at)} still trained: the ranks had different numbers of "
-            "batches; give every rank as many (shard each global batch, with drop_last=True where it does not "
-            "divide, or stop every rank where the shortest data ends)"
-        )
-    return (
-        f"the ranks are at different steps: {'; '.join(ended or at)}; each rank's train() meets the others' "
-        "in call order, so a rank that skipped or repeated a batch, or made a call the others did not, pairs "
-        "its batches with the others' next ones"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``rank 3``, or ``ranks 0-2, 5``: a group of ranks, in runs."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and runs[-1][-1] == rank - 1:
-            runs[-1].append(rank)
-        else:
-            runs.append([rank])
-    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
-
 
 def _commit(grads: dict[Weight[Any, Any], Any]) -> None:
     """Step every weight by its gradient, as ``train()`` commits: every step
     computed before any is written, atomically, never NaN into a weight."""
     apply_gradients(grads, finite=current_settings().finite_steps)
-
-
-_EMPTY_SHARD: Final = (
-    "the loss is NaN and its gradients finite, as a mean over an empty shard makes them (a batch of fewer "
-    "examples than ranks), and any NaN loss is refused here: an empty shard's zero gradient would still count "
-    "in the average, and shrink the step; give every rank at least one example (batches of at least as many "
-    "examples as ranks; shard's drop_last=True also makes the shards equal), or keep NaN out of the loss "
-    "(a metric added with a factor of 0 still makes it NaN)"
-)
-
-
-def _is_nan(value: Any) -> bool:
-    """Whether a loss value is NaN (where the ranks' gradients are finite, an empty shard's mean)."""
-    if value is None:
-        return False
-    xp = namespace(value)
-    return bool(xp.any(xp.isnan(xp.asarray(value))))
-
-
-def _finite(grad: Any) -> bool:
-    return all_finite(grad.rows if type(grad) is SparseRows else grad)

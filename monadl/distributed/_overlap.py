@@ -34,7 +34,17 @@ from monadl.deltas import SparseRows
 from monadl.distributed._comm import Communicator, Pending
 from monadl.layers import Weight
 
-__all__ = ["FIRST_BUCKET_BYTES", "Overlap", "Plan", "dense", "flatten", "nbytes", "plan_buckets", "unflatten"]
+__all__ = [
+    "FIRST_BUCKET_BYTES",
+    "Overlap",
+    "Plan",
+    "dense",
+    "flatten",
+    "nbytes",
+    "next_plan",
+    "plan_buckets",
+    "unflatten",
+]
 
 FIRST_BUCKET_BYTES: Final = 1 << 20  # DDP's first bucket: small, so the reduction starts early
 
@@ -61,6 +71,36 @@ def plan_buckets(weights: Sequence[Weight[Any, Any]], limit: int, first: int = F
             buckets.append([weight])
             size = n
     return tuple(tuple(b) for b in buckets)
+
+
+def next_plan(
+    plan: Plan,
+    weights: Sequence[Weight[Any, Any]],
+    seen_dense: set[int],
+    order: dict[int, int],
+    any_dense: npt.NDArray[np.bool_],
+    positions: npt.NDArray[np.int64],
+    limit: int,
+) -> Plan:
+    """The buckets of the next steps, the same on every rank (made from statuses all ranks hold).
+
+    Every weight that has had a dense gradient on some rank so far, as
+    DDP buckets every parameter (an unreached one contributes zeros, and
+    is not stepped; one with rows on every rank steps by its rows), so a
+    dynamic network's changing paths keep the same buckets. Ordered by
+    when the earliest rank made their gradients
+    final, as last seen; rebuilt only when a weight joins.
+    """
+    late = np.iinfo(np.int64).max
+    first = np.where(positions >= 0, positions, late).min(axis=0)
+    for i in np.flatnonzero(first < late).tolist():
+        order[i] = int(first[i])
+    grown = [i for i in np.flatnonzero(any_dense).tolist() if i not in seen_dense]
+    if not grown:
+        return plan
+    seen_dense.update(grown)
+    chosen = sorted(seen_dense, key=lambda i: (order.get(i, late), i))
+    return plan_buckets([weights[i] for i in chosen], limit, min(limit, FIRST_BUCKET_BYTES))
 
 
 @final
