@@ -18,7 +18,7 @@ import monadl as ml
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, batched_groups, batched_records, fibers
+from monadl.runtime.schedule import batched, batched_gather, batched_records, fibers
 
 HERE = __file__
 STEPS = 4
@@ -247,13 +247,13 @@ def test_later_runs_read_earlier_groups_by_index(monkeypatch: pytest.MonkeyPatch
     # group: by index (a gather, whose delta goes back in one scatter), not stacked
     # from the members' records (whose deltas would come back one member at a time).
     puts = [0]
-    put = batched_groups.Gather.put
+    put = batched_gather.Gather.put
 
-    def counting(self: batched_groups.Gather, i: int, g: Any) -> batched_groups.Gather:
+    def counting(self: batched_gather.Gather, i: int, g: Any) -> batched_gather.Gather:
         puts[0] += 1
         return put(self, i, g)
 
-    monkeypatch.setattr(batched_groups.Gather, "put", counting)
+    monkeypatch.setattr(batched_gather.Gather, "put", counting)
     value, grads = gradients("monadic", True, hidden=128)
     off_value, off = gradients("monadic", False, hidden=128)
     assert value == pytest.approx(off_value, rel=1e-12)

@@ -63,8 +63,6 @@ from monadl.runtime.schedule.batched_records import (
     differs,
     group_records,
     number_columns,
-    number_key,
-    signature,
     stack,
     stack_index,
 )
@@ -86,6 +84,7 @@ from monadl.runtime.schedule.batched_rule import (
     unbatched,
     worth_batching,
 )
+from monadl.runtime.schedule.batched_signature import number_key, signature
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 

@@ -9,7 +9,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from monadl.layers._layer import Layer
-from monadl.runtime.schedule.batched_records import signature
+from monadl.runtime.schedule.batched_signature import signature
 
 __all__ = ["agenda"]
 
