@@ -44,9 +44,11 @@ a *plan* per tuple of the arguments' types reads the leaves, and the
 leaves' types and which of them are outputs of which other operations'
 nodes find the trace (a Tree-LSTM cell's call: 0.3-0.4 us of about 4 less).
 The rest take the walk, about 0.2-0.6 us slower than before plans: a dict
-or an int among the arguments, a dataclass whose fields hold other
-structures, and a function with a closure (its cells may change: the walk
-keys their contents).
+or an int among the arguments, or a dataclass whose fields hold other
+structures. A function with a closure is planned while its cells hold the
+objects they held when its plans were learned (checked each call: a cell
+may be rebound); one whose cells change takes the walk from then on, which
+keys their contents.
 """
 
 from __future__ import annotations
@@ -57,16 +59,17 @@ import inspect
 import logging
 import types
 from collections.abc import Callable
+from operator import attrgetter, is_
 from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
 from monadl.errors import OperandError
-from monadl.layers._layer import Layer
 from monadl.layers._outputs import OUTPUT
-from monadl.layers._plans import UNSEEN, Entry, Plan, keyed, same
+from monadl.layers._plans import UNSEEN, Plan, keyed, learn
 from monadl.layers._site import Site
-from monadl.layers._structures import LEAVES, flatten, items, reader
+from monadl.layers._structures import flatten, items
+from monadl.layers._trace_advice import why_traces
 from monadl.layers._tracing import Trace, traced
 
 __all__ = ["Operation", "operation"]
@@ -77,6 +80,7 @@ R = TypeVar("R")
 
 # ---- the decorator ----------------------------------------------------------------------------
 _TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, one goes: `Operation._evict`)
+_CONTENTS: Final = attrgetter("cell_contents")
 _log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 
@@ -90,9 +94,11 @@ class Operation(Generic[P, R]):
         "_closure",
         "_evictions",
         "_ids",
+        "_live",
         "_method",
         "_planned",
         "_plans",
+        "_seen",
         "_site",
         "_traces",
     )
@@ -121,7 +127,11 @@ class Operation(Generic[P, R]):
         self._traces: dict[Any, Trace] = {}
         self._evictions = 0  # (traces forgotten past the limit: `_evict`'s turn)
         self._plans: dict[tuple[type, ...], Plan | None] = {}  # (None: these types fix no signature)
-        self._planned = self._closure is None or self._ids is not None  # (else its cells are keyed per call)
+        # A closure's cells may come to hold other objects: its plans hold for the objects they were
+        # learned with (`_seen`), checked each call; cells that change stop its plans (`_learned_under`).
+        self._live = self._closure if self._ids is None else None
+        self._seen: tuple[Any, ...] | None = None
+        self._planned = True
         self._site = site
         self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
 
@@ -177,7 +187,7 @@ class Operation(Generic[P, R]):
             plan = self._plans.get(kinds, UNSEEN)
             if plan is None:  # (these types do not fix a signature: the walk, as before plans)
                 kinds = None
-            else:
+            elif self._live is None or self._unchanged():
                 if plan.readers is None:  # every argument a leaf: its type is its leaf's
                     leaves: list[Any] | None = list(args)
                     entry = plan.entries.get(kinds)
@@ -251,10 +261,35 @@ class Operation(Generic[P, R]):
             self._traces[key] = trace
             count = len(self._traces)
             if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
-                _log.debug("operation %s has %d traces, %s", self.__name__, count, _why_traces(self._traces))
-        if kinds is not None and not keep:
-            self._learn(kinds, args, leaves, views, trace)
+                _log.debug("operation %s has %d traces, %s", self.__name__, count, why_traces(self._traces))
+        if kinds is not None and (self._live is None or self._learned_under(held)) and not keep:
+            learn(self._plans, kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)
+
+    def _unchanged(self) -> bool:
+        """Whether the closure's cells hold the objects its plans were learned with."""
+        seen = self._seen
+        if seen is None:  # (no plan learned yet)
+            return True
+        assert self._live is not None
+        try:
+            return all(map(is_, map(_CONTENTS, self._live), seen))
+        except ValueError:  # (a cell emptied: the walk's `_contents` reads it as None)
+            return False
+
+    def _learned_under(self, held: list[Any]) -> bool:
+        """Whether plans may be learned under the closure's contents ``held``:
+        the first seen, or the same objects again. Other objects stop this
+        operation's plans for good (its cells change from call to call, a
+        loop's variable say: every call takes the walk, which keys them)."""
+        if self._seen is None:
+            self._seen = tuple(held)
+            return True
+        if all(map(is_, held, self._seen)):
+            return True
+        self._planned, self._seen = False, None
+        self._plans.clear()
+        return False
 
     def _evict(self) -> None:
         """Forget one trace, and its plans' entries, picked in turn by a
@@ -271,68 +306,8 @@ class Operation(Generic[P, R]):
                     for k in [k for k, t in entry.traces.items() if t is old]:
                         del entry.traces[k]
 
-    def _learn(
-        self, kinds: tuple[type, ...], args: tuple[Any, ...], leaves: list[Any], views: tuple[Any, ...], trace: Trace
-    ) -> None:
-        """Let the plan of ``kinds`` (the arguments' types) find ``trace``,
-        where its readers read exactly the walk's ``leaves`` (else the types
-        do not fix the signature: a field holding a tuple, or an int) and
-        each leaf is a layer, weight, array or float (`LEAVES`)."""
-        plan = self._plans.get(kinds)
-        if plan is None:
-            readers = [None if kind in LEAVES else reader(x) for kind, x in zip(kinds, args)]
-            if any(kind not in LEAVES and read is None for kind, read in zip(kinds, readers)):
-                self._plans[kinds] = None  # (a dict, a named tuple, an int: never read by types)
-                return
-            plan = Plan(None if readers == [None] * len(kinds) else tuple(readers))
-            if not same(plan.leaves(args), leaves):
-                self._plans[kinds] = None  # (its first call's values are not leaves in the places types say)
-                return
-            self._plans[kinds] = plan
-        elif not same(plan.leaves(args), leaves):
-            return
-        leaf_kinds = tuple(map(type, leaves))
-        entry = plan.entries.get(leaf_kinds)
-        if entry is None:
-            if not set(leaf_kinds) <= LEAVES:
-                return
-            entry = plan.entries[leaf_kinds] = Entry(
-                tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer]),
-                tuple([j for j, kind in enumerate(leaf_kinds) if kind is np.ndarray]),
-            )
-        entry.traces[keyed(list(views), leaves, entry.arrays) if entry.arrays else views] = trace
-
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
-
-
-def _why_traces(traces: dict[Any, Trace]) -> str:
-    """The DEBUG log's advice for an operation of many traces: where lists or
-    tuples among the arguments differ in length, to make each one layer."""
-    if len({_lengths(key) for key in traces}) > 1:
-        return (
-            "one per signature: a list or tuple argument whose length differs per call traces each length apart, "
-            "and calls of different lengths never batch together (concatenate or stack its items into one layer, "
-            "ml.concatenate or ml.stack, and pass that)"
-        )
-    return (
-        "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
-        "differ never batch together (pass what differs per call as a float or an array)"
-    )
-
-
-def _lengths(key: Any) -> tuple[int, ...]:
-    """The lengths of the lists and tuples of a signature's key (`items`
-    writes one as ``(list, items)``), in order, without recursion."""
-    found: list[int] = []
-    todo = [key]
-    while todo:
-        part = todo.pop()
-        if type(part) is tuple:
-            if len(part) == 2 and (part[0] is list or part[0] is tuple) and type(part[1]) is tuple:
-                found.append(len(part[1]))
-            todo.extend(reversed(part))
-    return tuple(found)
 
 
 @final

@@ -7,10 +7,13 @@ from __future__ import annotations
 from operator import is_not
 from typing import Any, Final, final
 
-from monadl.layers._structures import MISMATCH, read_parts
+import numpy as np
+
+from monadl.layers._layer import Layer
+from monadl.layers._structures import LEAVES, MISMATCH, read_parts, reader
 from monadl.layers._tracing import Trace
 
-__all__ = ["UNSEEN", "Entry", "Plan", "keyed", "same"]
+__all__ = ["UNSEEN", "Entry", "Plan", "keyed", "learn", "same"]
 
 
 def same(read: list[Any] | None, leaves: list[Any]) -> bool:
@@ -63,3 +66,40 @@ def keyed(views: list[tuple[int, int, int]], leaves: list[Any], arrays: tuple[in
     """A plan's key of a call's trace where some leaves are data arrays: the
     views and each array's shape and dtype (the function may read them)."""
     return (tuple(views), *[v for j in arrays for v in (leaves[j].shape, leaves[j].dtype)])
+
+
+def learn(
+    plans: dict[tuple[type, ...], Plan | None],
+    kinds: tuple[type, ...],
+    args: tuple[Any, ...],
+    leaves: list[Any],
+    views: tuple[Any, ...],
+    trace: Trace,
+) -> None:
+    """Let an operation's plan of ``kinds`` (the arguments' types) find
+    ``trace``, where its readers read exactly the walk's ``leaves`` (else
+    the types do not fix the signature: a field holding a tuple, or an int)
+    and each leaf is a layer, weight, array or float (`LEAVES`)."""
+    plan = plans.get(kinds)
+    if plan is None:
+        readers = [None if kind in LEAVES else reader(x) for kind, x in zip(kinds, args)]
+        if any(kind not in LEAVES and read is None for kind, read in zip(kinds, readers)):
+            plans[kinds] = None  # (a dict, a named tuple, an int: never read by types)
+            return
+        plan = Plan(None if readers == [None] * len(kinds) else tuple(readers))
+        if not same(plan.leaves(args), leaves):
+            plans[kinds] = None  # (its first call's values are not leaves in the places types say)
+            return
+        plans[kinds] = plan
+    elif not same(plan.leaves(args), leaves):
+        return
+    leaf_kinds = tuple(map(type, leaves))
+    entry = plan.entries.get(leaf_kinds)
+    if entry is None:
+        if not set(leaf_kinds) <= LEAVES:
+            return
+        entry = plan.entries[leaf_kinds] = Entry(
+            tuple([j for j, kind in enumerate(leaf_kinds) if kind is Layer]),
+            tuple([j for j, kind in enumerate(leaf_kinds) if kind is np.ndarray]),
+        )
+    entry.traces[keyed(list(views), leaves, entry.arrays) if entry.arrays else views] = trace

@@ -774,9 +774,11 @@ def test_a_tuple_or_list_argument_is_read_by_its_items_types(monkeypatch: pytest
     assert first == len(inputs) and len(walks) - first == 3
 
 
-def test_a_closure_is_keyed_by_its_cells_contents() -> None:
-    """A function whose closure's cells may change gets no plan: the walk
-    keys each call by what the cells hold now."""
+def test_a_closure_is_planned_while_its_cells_hold_the_same_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function with a closure is found by its plan while its cells hold
+    the objects they held when the plan was learned; a cell rebound takes
+    the walk, which keys each call by what the cells hold now, and stops the
+    plans for good (a loop's variable would relearn them every call)."""
     scale = 2.0
 
     def scaled(x: ml.ArrayWeight) -> ml.ArrayLayer:
@@ -784,10 +786,36 @@ def test_a_closure_is_keyed_by_its_cells_contents() -> None:
 
     op = ml.operation(scaled)
     w = ml.Weight(np.ones(2))
-    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
+    walks = _walks(monkeypatch)
+    for _ in range(3):
+        assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
+    assert len(walks) == 2 and op._plans  # traced, then learned: the third call found by its plan
     scale = 3.0
     assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(6.0)
-    assert len(op._traces) == 2 and not op._plans
+    assert len(op._traces) == 2 and not op._plans and not op._planned
+    scale = 2.0
+    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
+    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
+    assert len(walks) == 5 and len(op._traces) == 2 and not op._plans
+
+
+def test_a_closure_over_a_weight_rebound_reads_the_new_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case that matters for training: a cell closing over a weight
+    variable that is later rebound to another weight (a model rebuilt)
+    trains the new weight, also once the plan was learned on the old."""
+    weight = ml.Weight(np.ones(2))
+
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.tanh(x * weight)
+
+    op = ml.operation(cell)
+    x = np.full(2, 0.5)
+    for _ in range(3):
+        anyio.run(ml.sum(op(x)).predict)
+    old, weight = weight, ml.Weight(np.full(2, 2.0))
+    (grad,) = anyio.run(ml.gradients, ml.sum(op(x)), [weight])
+    np.testing.assert_allclose(grad, 0.5 * (1 - np.tanh(1.0) ** 2), rtol=1e-12)
+    np.testing.assert_array_equal(old.data, np.ones(2))
 
 
 def _parts(xs: Any) -> list[Any]:
