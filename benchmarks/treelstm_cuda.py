@@ -6,9 +6,10 @@ The same trees, weights and model as the CPU benchmark, on one CUDA device:
 * **monadl cell**: each node's cell marked as one `ml.operation`, batching
   on and off, its embedding lookups outside the operation (a node's symbol
   is host data: a lookup checks it on the host and copies it over). This is
-  the form measured on the H200 in `BENCHMARKS.md`; the example's own cell,
-  with the lookups inside, takes host symbols with device weights since
-  (an operation's integer data arguments are indices);
+  the form measured on the H200 in `BENCHMARKS.md` before 2026-11-27;
+* **monadl cell inside**: the example's own marked cells, the lookups inside
+  them (one node a tree node: an operation's integer data arguments are
+  indices, copied over by its lookups);
 * **torch per-node** and **torch by depth**: PyTorch CUDA eager, as on the CPU.
 
 Every step reads its loss back to the host, so the GPU's work is inside the
@@ -59,13 +60,17 @@ def _device_cells(params: Any, hidden: int) -> Cells:
     )
 
 
-def _monadl(weights: Weights, batching: bool, operation: bool) -> Variant:
+def _monadl(weights: Weights, batching: bool, operation: bool, inside: bool = False) -> Variant:
+    """``inside``: the example's own marked cells, their lookups inside them (one node a tree node)."""
     import cupy
 
     hidden = int(weights["children"].shape[0]) // 2
     w = {k: ml.Weight(cupy.asarray(v), optimizer=ml.optim.adam(0.01)) for k, v in weights.items()}
     names = list(w)
-    cells = _device_cells(w, hidden) if operation else Cells.of(w, hidden)
+    if inside:
+        cells = Cells.of(w, hidden, operation=True)
+    else:
+        cells = _device_cells(w, hidden) if operation else Cells.of(w, hidden)
 
     def loss(trees: list[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(logits(trees), labels(trees))  # host labels: checked there, copied over
@@ -116,6 +121,7 @@ VARIANTS: dict[str, Callable[[Weights], Variant | None]] = {
     "monadl batching": lambda w: _monadl(w, batching=True, operation=False),
     "monadl cell off": lambda w: _monadl(w, batching=False, operation=True),
     "monadl cell": lambda w: _monadl(w, batching=True, operation=True),
+    "monadl cell inside": lambda w: _monadl(w, batching=True, operation=True, inside=True),
     "torch per-node": _torch(_treelstm_torch.per_node),
     "torch by depth": _torch(_treelstm_torch.by_depth),
 }

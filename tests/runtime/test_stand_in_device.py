@@ -224,6 +224,19 @@ def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
     assert sum(grouped) > (20_000 if not operation else 2_500) if batching else not grouped
 
 
+def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients(device: Any) -> None:
+    """`benchmarks.treelstm_cuda`'s "monadl cell inside": the example's own marked cells."""
+    from benchmarks import treelstm_cuda
+
+    weights, trees, want_loss, want = host_reference(6)
+    variant = treelstm_cuda.VARIANTS["monadl cell inside"](weights)
+    assert variant is not None
+    loss, grads = anyio.run(variant.loss_and_gradients, trees)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-12)
+    for name, g in want.items():
+        np.testing.assert_allclose(np.asarray(grads[name]), g, rtol=1e-10, atol=1e-13, err_msg=name)
+
+
 @pytest.mark.parametrize("batching", [False, True], ids=["node-by-node", "batched"])
 def test_the_examples_cell_takes_host_symbols_with_device_weights(
     device: Any, alone: list[Program], batching: bool
