@@ -65,6 +65,7 @@ from typing import Any, Final, Generic, ParamSpec, TypeVar, final
 import numpy as np
 
 from monadl.errors import OperandError
+from monadl.layers._held import Held, reach
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._plans import UNSEEN, Plan, keyed, learn
 from monadl.layers._site import Site
@@ -81,6 +82,7 @@ R = TypeVar("R")
 # ---- the decorator ----------------------------------------------------------------------------
 _TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, one goes: `Operation._evict`)
 _CONTENTS: Final = attrgetter("cell_contents")
+_REBINDS: Final = 4  # (times a closure's cells may change before its plans stop: `_learned_under`)
 _log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 
@@ -98,6 +100,7 @@ class Operation(Generic[P, R]):
         "_method",
         "_planned",
         "_plans",
+        "_rebinds",
         "_seen",
         "_site",
         "_traces",
@@ -114,23 +117,26 @@ class Operation(Generic[P, R]):
         held: list[Any] = []
         inner: Any = f
         while isinstance(inner, functools.partial):  # its arguments are held as a closure's
-            held += [_Held(x) for x in (*inner.args, *inner.keywords.values())]
+            held += [Held(x) for x in (*inner.args, *inner.keywords.values())]
             inner = inner.func
         self.__name__: str = getattr(inner, "__qualname__", None) or type(inner).__name__
         owner = getattr(inner, "__self__", None)  # a bound method: its object is part of the signature
         held += getattr(inner, "__closure__", None) or ()
         if owner is not None:
-            held.append(_Held(owner))
+            held.append(Held(owner))
         self._closure: tuple[Any, ...] | None = tuple(held) or None
-        fixed = self._closure is not None and all(type(c) is _Held for c in self._closure)
-        self._ids = tuple([id(c.cell_contents) for c in held]) if fixed else None
+        cells, objects = reach(self._closure or ())
+        fixed = self._closure is not None and all(type(c) is Held for c in cells)  # (no cell: nothing rebinds)
+        self._ids = tuple([id(x) for x in objects]) if fixed else None
         self._traces: dict[Any, Trace] = {}
         self._evictions = 0  # (traces forgotten past the limit: `_evict`'s turn)
         self._plans: dict[tuple[type, ...], Plan | None] = {}  # (None: these types fix no signature)
-        # A closure's cells may come to hold other objects: its plans hold for the objects they were
-        # learned with (`_seen`), checked each call; cells that change stop its plans (`_learned_under`).
-        self._live = self._closure if self._ids is None else None
+        # A closure's cells (and those of functions it holds: `reach`) may come to hold other objects:
+        # its plans hold for the cells and objects they were learned with (`_live`, `_seen`), checked
+        # each call; cells that change make them learned again, and past a few times, stop them.
+        self._live: tuple[Any, ...] | None = None if fixed or self._closure is None else ()
         self._seen: tuple[Any, ...] | None = None
+        self._rebinds = 0
         self._planned = True
         self._site = site
         self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
@@ -245,11 +251,12 @@ class Operation(Generic[P, R]):
         data = [(x.shape, x.dtype) for x in leaves if isinstance(x, np.ndarray)]
         if data:  # (the function may read a data array's shape and dtype: they are part of the signature)
             key = (key, tuple(data))
+        cells: list[Any] = []
         held: list[Any] = []
         if self._ids is not None:  # what a partial or a bound method holds: the same objects every call
             key = (key, self._ids)
         elif self._closure is not None:
-            held = [_contents(c) for c in self._closure]
+            cells, held = reach(self._closure)
             key = (key, tuple([id(x) for x in held]))
         trace = self._traces.get(key)
         if trace is None:
@@ -262,7 +269,7 @@ class Operation(Generic[P, R]):
             count = len(self._traces)
             if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
                 _log.debug("operation %s has %d traces, %s", self.__name__, count, why_traces(self._traces))
-        if kinds is not None and (self._live is None or self._learned_under(held)) and not keep:
+        if kinds is not None and (self._live is None or self._learned_under(cells, held)) and not keep:
             learn(self._plans, kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)
 
@@ -274,22 +281,26 @@ class Operation(Generic[P, R]):
         assert self._live is not None
         try:
             return all(map(is_, map(_CONTENTS, self._live), seen))
-        except ValueError:  # (a cell emptied: the walk's `_contents` reads it as None)
+        except ValueError:  # (a cell emptied: the walk's `contents` reads it as None)
             return False
 
-    def _learned_under(self, held: list[Any]) -> bool:
-        """Whether plans may be learned under the closure's contents ``held``:
-        the first seen, or the same objects again. Other objects stop this
-        operation's plans for good (its cells change from call to call, a
-        loop's variable say: every call takes the walk, which keys them)."""
-        if self._seen is None:
-            self._seen = tuple(held)
+    def _learned_under(self, cells: list[Any], held: list[Any]) -> bool:
+        """Whether plans may be learned under ``cells`` (those `reach` finds)
+        holding ``held``: the first seen, or the same objects again. Other
+        objects (a model rebuilt) drop the plans, to be learned under them;
+        past `_REBINDS` times (a loop's variable, rebound every call) this
+        operation's calls take the walk for good, which keys them."""
+        seen = self._seen
+        if seen is not None and len(held) == len(seen) and all(map(is_, held, seen)):
             return True
-        if all(map(is_, held, self._seen)):
-            return True
-        self._planned, self._seen = False, None
         self._plans.clear()
-        return False
+        if seen is not None:
+            self._rebinds += 1
+            if self._rebinds > _REBINDS:
+                self._planned, self._seen = False, None
+                return False
+        self._live, self._seen = tuple(cells), tuple(held)
+        return True
 
     def _evict(self) -> None:
         """Forget one trace, and its plans' entries, picked in turn by a
@@ -310,23 +321,6 @@ class Operation(Generic[P, R]):
         return f"operation({self.__name__})"
 
 
-@final
-class _Held:
-    """An object held by an operation's signature as a closure cell holds one."""
-
-    __slots__ = ("cell_contents",)
-
-    def __init__(self, x: Any) -> None:
-        self.cell_contents = x
-
-
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # a cell not yet filled
-        return None
-
-
 def operation(f: Callable[P, R]) -> Operation[P, R]:
     """Mark a Python function over layers (a cell) as one operation.
 
@@ -334,7 +328,8 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     lists, dicts, dataclasses; which leaves are layers or weights, which are
     data (arrays, by shape and dtype, and floats, NumPy's too), the other
     arguments by value (ints and bools, NumPy's too: ``np.int64(3)`` is
-    static as ``3`` is), and the objects its closure holds), ``f`` runs
+    static as ``3`` is), and the objects its closure holds, and those that
+    functions among them hold: a helper closure, a decorator's wrapper), ``f`` runs
     once on placeholder layers and its layers become a program; every call
     then builds ONE node of the graph (and one view per output when ``f``
     returns several layers in a tuple, list, dict or dataclass). Values and
@@ -357,7 +352,8 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     lookup by it compare the layer's identity, not its value (False, True,
     False, KeyError), silently: pass what the cell branches on as an int or
     a string (each value its own trace). What ``f`` reads from
-    elsewhere (a global, an attribute, a dict a partial holds) is read once,
+    elsewhere (a global, an attribute, the items of a dict or list that a
+    partial or the closure holds) is read once,
     at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
     pass a new weight as an argument. Mark a method per object, bound
     (``self.cell = ml.operation(self._cell)``): marked in its class body,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import warnings
@@ -777,8 +778,11 @@ def test_a_tuple_or_list_argument_is_read_by_its_items_types(monkeypatch: pytest
 def test_a_closure_is_planned_while_its_cells_hold_the_same_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     """A function with a closure is found by its plan while its cells hold
     the objects they held when the plan was learned; a cell rebound takes
-    the walk, which keys each call by what the cells hold now, and stops the
-    plans for good (a loop's variable would relearn them every call)."""
+    the walk, which keys each call by what the cells hold now, and the plan
+    is learned again under the new objects (a model rebuilt), up to a few
+    times: past them (a loop's variable, rebound every call) every call walks."""
+    from monadl.layers._operation import _REBINDS
+
     scale = 2.0
 
     def scaled(x: ml.ArrayWeight) -> ml.ArrayLayer:
@@ -790,13 +794,65 @@ def test_a_closure_is_planned_while_its_cells_hold_the_same_objects(monkeypatch:
     for _ in range(3):
         assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
     assert len(walks) == 2 and op._plans  # traced, then learned: the third call found by its plan
-    scale = 3.0
-    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(6.0)
-    assert len(op._traces) == 2 and not op._plans and not op._planned
-    scale = 2.0
+    for k in range(1, _REBINDS + 1):  # rebound: traced, learned again, then found by the plan
+        scale = 2.0 + k
+        before = len(walks)
+        for _ in range(3):
+            assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(2 * scale)
+        assert len(walks) - before == 2 and op._planned
+    scale = 10.0
+    for _ in range(3):
+        assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(20.0)
+    assert not op._plans and not op._planned
+    scale = 2.0  # (its first trace, found by the walk)
+    before = len(walks)
     assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
-    assert anyio.run(ml.sum(op(w)).predict) == pytest.approx(4.0)
-    assert len(walks) == 5 and len(op._traces) == 2 and not op._plans
+    assert len(walks) == before + 1 and len(op._traces) == _REBINDS + 2
+
+
+def _loss_and_gradients(cells: list[Any], weights: list[ml.ArrayWeight]) -> list[tuple[float, list[Any]]]:
+    """Each cell's loss and gradients (None: not reached)."""
+    x = np.full((1, 2), 0.5)
+    out = []
+    for f in cells:
+        for _ in range(3):  # (learned, then found by its plan)
+            f(x)
+        loss = ml.sum(f(x))
+        value, grads = anyio.run(ml.value_and_gradients, loss)
+        out.append((float(value), [grads.get(w) for w in weights]))
+    return out
+
+
+def test_a_closure_over_a_helper_closure_reads_the_helpers_variables() -> None:
+    """A cell whose closure holds a function that closes over a weight (a
+    helper, a decorator's wrapper, another operation): the helper's
+    variable rebound is the cell's own rebound (a new trace, the new weight
+    trained), as for the same cell unmarked."""
+    w1, w2 = ml.Weight(np.ones((2, 2))), ml.Weight(np.full((2, 2), 2.0))
+    current = w1
+
+    def helper(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.tanh(x @ current)
+
+    def decorated(f: Callable[[ml.ArrayOperand], ml.ArrayLayer]) -> Callable[[ml.ArrayOperand], ml.ArrayLayer]:
+        @functools.wraps(f)
+        def wrapper(x: ml.ArrayOperand) -> ml.ArrayLayer:
+            return f(x) * 2.0
+
+        return wrapper
+
+    inner_op = ml.operation(helper)
+    cells = [lambda x: helper(x) + 1.0, decorated(helper), lambda x: inner_op(x) + 1.0]
+    for cell in cells:
+        current = w1
+        marked = ml.operation(cell)
+        for _ in range(3):
+            marked(np.ones((1, 2)))
+        current = w2
+        want, got = _loss_and_gradients([cell, marked], [w1, w2])
+        assert got[0] == pytest.approx(want[0], rel=1e-12)
+        assert got[1][0] is None and want[1][0] is None
+        np.testing.assert_allclose(got[1][1], want[1][1], rtol=1e-12)
 
 
 def test_a_closure_over_a_weight_rebound_reads_the_new_weight(monkeypatch: pytest.MonkeyPatch) -> None:
