@@ -398,8 +398,29 @@ def test_a_shape_error_in_a_shared_helper_names_the_weight_that_does_not_fit() -
 
     good = ml.Weight(np.ones((4, 8)))
     wrong = ml.Weight(np.ones((9, 8)))  # WRONG-WEIGHT
-    with pytest.raises(ml.ShapeError, match=rf"; operand 1 is the weight built at .*:{line_of('WRONG-WEIGHT')}$"):
+    with pytest.raises(
+        ml.ShapeError, match=rf"; operand 1 is the weight float64\[9, 8\] built at .*:{line_of('WRONG-WEIGHT')}$"
+    ):
         anyio.run(ml.sum(linear(linear(np.ones((3, 4)), good), wrong)).predict)
+
+
+def test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape() -> None:
+    """A marked cell given an earlier cell's several outputs (an `Outputs`
+    operand) and an input of the wrong width: the message shows the outputs'
+    shapes, not their values (at H = 256 it printed 20,000 characters of them)."""
+
+    @ml.operation
+    def cell(x: ml.ArrayOperand, state: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        h, c = state
+        return ml.tanh(x + h), c * 2.0
+
+    zeros = ml.as_layer(np.zeros((1, 256)))
+    state = cell(np.ones((1, 256)), (zeros, zeros))
+    with pytest.raises(ml.ShapeError) as caught:
+        anyio.run(ml.sum(cell(np.ones((1, 257)), state)[0]).predict)
+    message = str(caught.value)
+    assert "Outputs (float64[1, 256], float64[1, 256])" in message and "array(" not in message
+    assert len(message) < 700
 
 
 def test_an_input_or_a_kernel_of_another_rank_is_told_what_to_write() -> None:

@@ -138,9 +138,15 @@ def _parts(args: Sequence[Any]) -> list[str]:
             parts.append(f"{a.dtype} scalar")
         elif is_array(a):
             parts.append(f"{library_name(a)} {dtype_name(a.dtype)}{list(a.shape)}")
+        elif isinstance(a, tuple):  # (an operation node's several outputs, `Outputs`: their shapes, not values)
+            parts.append(f"{type(a).__name__} ({', '.join(_parts(a))})")
         else:
-            parts.append(f"{type(a).__name__} {a!r}")
+            text = repr(a)
+            parts.append(f"{type(a).__name__} {text if len(text) <= _REPR else text[: _REPR - 3] + '...'}")
     return parts
+
+
+_REPR: Final = 60  # (the most of an object's repr a message shows)
 
 
 def dtype_name(dtype: Any) -> str:

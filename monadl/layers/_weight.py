@@ -292,6 +292,15 @@ def weight_sites(inputs: tuple[Any, ...]) -> str:
     True
     """
     sites = [
-        f"; operand {i} is the weight built at {site_text(w._site)}" for i, w in enumerate(inputs) if type(w) is Weight
+        f"; operand {i} is the weight {_shape_text(w._data)}built at {site_text(w._site)}"
+        for i, w in enumerate(inputs)
+        if type(w) is Weight
     ]
     return "".join(sites[:3]) + (f"; and {len(sites) - 3} more weights" if len(sites) > 3 else "")
+
+
+def _shape_text(data: Any) -> str:
+    """A weight's dtype and shape, as messages write an operand's (``float32[4, 8] ``;
+    none for a number): weights built on one line (a dict of them) told apart."""
+    shape = getattr(data, "shape", None)
+    return "" if shape is None else f"{str(data.dtype).rsplit('.', 1)[-1]}{list(shape)} "
