@@ -283,12 +283,12 @@ ArrayWeight: TypeAlias = Weight[Array, Array]
 
 def weight_sites(inputs: tuple[Any, ...]) -> str:
     """Where the weights among an operation's operands were built, for its
-    error message (``; operand 1 is the weight built at f.py:16``): a helper
+    error message (``; operand 1 is the weight float64[2] built at f.py:16``): a helper
     shared by every layer of a model names only its own line, not which
     weight does not fit. Only read when a message is made.
 
     >>> import numpy as np
-    >>> weight_sites((np.ones(2), Weight(np.ones(2)))).startswith("; operand 1 is the weight built at ")
+    >>> weight_sites((np.ones(2), Weight(np.ones(2)))).startswith("; operand 1 is the weight float64[2] built at ")
     True
     """
     sites = [
