@@ -23,6 +23,7 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.layers._operands import one_float_dtype
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]
@@ -239,6 +240,7 @@ def _where(condition: Value, a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]
     xp = namespace(condition)
     if xp is np:
         xp = _either(a, b)
+    a, b = one_float_dtype("where", (a, b), None)  # (as a binary op's: float32 and float64 arrays refused)
     out = xp.where(condition, a, b)
 
     def first(g: Value) -> Value:

@@ -184,7 +184,7 @@ def minimum(a: Operand, b: Operand) -> Layer[Any, Any]:
     return apply_primitive("minimum", (a, b))
 
 
-def where(condition: Array | DeviceArray | list[bool], a: Operand, b: Operand) -> ArrayLayer:
+def where(condition: Array | DeviceArray | list[bool] | bool | np.bool_, a: Operand, b: Operand) -> ArrayLayer:
     """``a`` where ``condition`` holds, else ``b`` (NumPy's ``where``, PyTorch's
     ``masked_fill`` as ``where(mask, -inf, x)``); the three broadcast together.
     ``condition`` is data, a boolean array (a mask built from lengths, say):
@@ -209,7 +209,7 @@ def where(condition: Array | DeviceArray | list[bool], a: Operand, b: Operand) -
             "a condition is data, a boolean array (a mask: lengths[:, None] > np.arange(n)); "
             "to choose by a layer's value, read it with bind or ml.direct, or use ml.maximum"
         )
-    if isinstance(condition, list):
+    if isinstance(condition, (list, bool, np.bool_)):  # (a Python or NumPy bool: a 0-d mask, as NumPy's)
         condition = np.asarray(condition)
     kind = getattr(condition, "dtype", None)
     if kind is None or not is_array(condition) or not namespace(condition).isdtype(kind, "bool"):

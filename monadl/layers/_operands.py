@@ -52,26 +52,31 @@ _HOLDS: Final[dict[type, type[np.generic]]] = {float: np.float64, int: np.int64,
 """The host dtype that holds plain numbers of each kind (ints up to 64 bits)."""
 
 
-def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], str]) -> tuple[Any, ...]:
+def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], str] | None) -> tuple[Any, ...]:
     """``args`` with integer and boolean arrays, and float scalars (NumPy
     floats, arrays of no dimensions) of another precision, cast to the float
     dtype of the others; `DTypeError` (naming ``name``, the operands and
-    ``where``, or what it returns: a node's line is found only for an error)
-    if two float arrays with dimensions differ."""
+    ``where``, or what it returns: a node's line is found only for an error;
+    None: the caller's caller adds it) if two float arrays with dimensions
+    differ. Of float scalars alone, an array of no dimensions (a scalar
+    layer's value) sets the dtype for NumPy floats, as PyTorch's 0-d tensor
+    does for a Python number."""
     first = None
     for a in args:
         if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
             if first is None:
                 first = a.dtype
             elif a.dtype != first:
+                line = "" if where is None else f"; layer built at {where() if callable(where) else where}"
                 raise DTypeError(
                     f"{name}: operands {describe(args)} mix {dtype_name(first)} and {dtype_name(a.dtype)} arrays; "
-                    "cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API); "
-                    f"layer built at {where() if callable(where) else where}"
+                    "cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API)" + line
                 )
     if first is None:  # no float array with dimensions: a float of none (a 0-d weight) sets it for integers
-        floats = [a.dtype for a in args if isinstance(a, np.floating) or (is_array(a) and _real_float(a))]
-        first = floats[0] if len(set(floats)) == 1 else None
+        floats = {a.dtype for a in args if not isinstance(a, np.generic) and is_array(a) and _real_float(a)}
+        if not floats:  # (NumPy floats alone: beside a 0-d array, they are numbers, as PyTorch's)
+            floats = {a.dtype for a in args if isinstance(a, np.floating)}
+        first = next(iter(floats)) if len(floats) == 1 else None
     if first is None or not any(map(_cast, args, (first,) * len(args))):
         return args  # (the same tuple: nothing to cast)
     return tuple([_as(a, first) if _cast(a, first) else a for a in args])

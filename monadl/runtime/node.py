@@ -183,6 +183,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
     except DTypeError as exc:
         if type(op.rule) is Program and exc.args and type(exc.args[0]) is str:  # (as a ShapeError: the call's line too)
             exc.args = (f"{exc.args[0]} called at {where(node)}", *exc.args[1:])
+        elif exc.args and type(exc.args[0]) is str and "layer built at" not in exc.args[0]:  # (a rule's own: `where`)
+            exc.args = (f"{exc.args[0]}; layer built at {where(node)}", *exc.args[1:])
         raise
     except Exception as exc:
         exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")

@@ -16,6 +16,12 @@ import monadl as ml
 from monadl.gradcheck import check_grads, check_grads_over_shapes
 from monadl.layers._primitives import PRIMITIVES
 
+
+def line_of(marker: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, text in enumerate(source, 1) if marker in text and "line_of" not in text)
+
+
 BROADCAST_PAIRS: list[list[tuple[int, ...]]] = [
     [(), ()],
     [(3,), (3,)],
@@ -486,6 +492,31 @@ def test_where_refuses_a_condition_that_is_not_a_boolean_array() -> None:
     with pytest.raises(ml.OperandError, match=r"must be a boolean array, got float64\[3\]; compare to make one"):
         ml.where(np.ones(3), w, 0.0)
     assert ml.where([True, False, True], w, 0.0)._op is PRIMITIVES["where"]  # (a list of bools: an array)
+
+
+@pytest.mark.anyio
+async def test_where_refuses_float32_beside_float64_as_a_binary_op_does() -> None:
+    """Its two sides take one float dtype, as ``a * b``'s do: float32 and
+    float64 arrays refused at the where's own line (it promoted silently,
+    and the matmul after it failed instead); a NumPy float beside a float32
+    array takes its dtype; a Python or NumPy bool is a 0-d condition."""
+    w32 = ml.Weight(np.ones((2, 2), np.float32))
+    mask = np.array([[True, False], [False, True]])
+    layer = ml.where(mask, w32, np.zeros((2, 2)))  # WHERE-MIX
+    with pytest.raises(ml.DTypeError, match=rf"where: operands .* mix float32 and float64.*:{line_of('WHERE-MIX')}$"):
+        await layer.predict()
+    assert (await ml.where(mask, w32, np.float64(0.0)).predict()).dtype == np.float32
+    for condition in (True, np.True_, np.False_):
+        got = await ml.where(condition, w32, 0.0).predict()
+        np.testing.assert_array_equal(got, np.ones((2, 2)) * bool(condition))
+
+
+@pytest.mark.anyio
+async def test_a_numpy_float_beside_a_0d_float32_array_takes_its_dtype() -> None:
+    """PyTorch's rule for a number beside a 0-d tensor: a NumPy float is a number there too."""
+    w = ml.Weight(np.array(2.0, np.float32))
+    assert (await (w + np.float64(1.0)).predict()).dtype == np.float32
+    assert (await (w + np.array(1.0)).predict()).dtype == np.float64  # (two 0-d arrays: NumPy's promotion)
 
 
 def test_where_with_per_example_masks_batches_to_the_same_gradients() -> None:
