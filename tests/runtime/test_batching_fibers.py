@@ -8,6 +8,7 @@ node by node, so that the examples step in the same order), and must batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -119,6 +120,17 @@ def test_same_values_and_gradients_as_with_batching_off(way: str, merges: list[i
     assert value == pytest.approx(off_value, rel=1e-12)
     for a, b in zip(grads, off):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_log_says_which_merges_ran_batched(caplog: pytest.LogCaptureFixture) -> None:
+    """At DEBUG, `monadl.batching` names each merge that ran batched, not
+    only those that did not (a new user could tell batching across control
+    flow happened only by timing it off)."""
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        gradients("direct", None)
+    said = [r.getMessage() for r in caplog.records if "fibers' graphs" in r.getMessage()]
+    assert sum("runs batched" in line for line in said) == STEPS + 1
+    assert all(line.startswith("a merge of 16 fibers' graphs (") for line in said if "runs batched" in line)
 
 
 @pytest.mark.parametrize("way", ["monadic", "direct"])

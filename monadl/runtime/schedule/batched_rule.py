@@ -136,6 +136,18 @@ def unbatched(order: list[Any], why: str) -> None:
         )
 
 
+def merged(order: list[Any], fibers: int) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a merge of fibers' graphs that
+    runs batched: batching across control flow, one line a merge."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "a merge of %d fibers' graphs (%d nodes, the last built at %s) runs batched",
+            fibers,
+            len(order),
+            site_text(order[-1]._site),
+        )
+
+
 def _is_chain(order: list[Any]) -> bool:
     """Each node uses the one before: one node per depth, nothing to group."""
     previous = order[0]

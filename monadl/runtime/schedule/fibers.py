@@ -64,7 +64,7 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_rule import MIN_NODES, unbatched
+from monadl.runtime.schedule.batched_rule import MIN_NODES, merged, unbatched
 from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_MERGED", "PARKED", "Parked", "heights", "merge", "parks", "run"]
@@ -201,6 +201,7 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
         elif not pays and not (cuda.loaded() and cuda.on_device(ev.records, order)):
             unbatched(order, f"a merge of {len(orders)} fibers' graphs, fewer than {MIN_MERGED} (MIN_MERGED)")
         elif batched.worth_batching(ev, order, alike):
+            merged(order, len(orders))
             if parked.groups is None:
                 parked.groups = Groups(ev.records, outer=True)
                 ev.effects = True  # (as a Do layer sets it) the counted release: it makes the factored deltas arrays
