@@ -359,6 +359,38 @@ def test_settings_of_the_wrong_type_are_refused_where_they_are_made() -> None:
         assert chosen.workers == 2 and chosen.check_finite
 
 
+def test_one_settings_object_serves_several_blocks_nested_and_in_tasks() -> None:
+    """``s = ml.settings(...)`` entered twice raised AttributeError (a
+    generator's context manager is used once); each entry now overrides the
+    settings where it is entered, and each exit restores them."""
+    from monadl.runtime.settings import current_settings
+
+    forced, finite = ml.settings(batching=True), ml.settings(check_finite=True)
+    base = current_settings()
+    for _ in range(2):
+        with forced as s:
+            assert s.batching is True and s.check_finite == base.check_finite
+            with finite, forced as both:  # (the same object inside itself: over the settings there)
+                assert both.batching is True and both.check_finite
+            assert current_settings() is s
+        assert current_settings() is base
+
+    async def task(ready: anyio.Event, other: anyio.Event) -> None:
+        with forced:
+            ready.set()
+            await other.wait()  # (both tasks inside the block at once)
+        assert current_settings() is base
+
+    async def main() -> None:
+        a, b = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(task, a, b)
+            tg.start_soon(task, b, a)
+
+    anyio.run(main)
+    assert current_settings() is base
+
+
 def test_a_wrong_monadl_workers_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from monadl.runtime.settings import _default
 

@@ -7,9 +7,8 @@ around ``await loss.train()`` holds for everything that training runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from contextlib import ContextDecorator
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, replace
 from typing import Final, final
 
@@ -148,7 +147,6 @@ class _Keep:
 _KEEP: Final = _Keep()
 
 
-@contextmanager
 def settings(
     *,
     workers: int | None = None,
@@ -160,28 +158,56 @@ def settings(
     finite_steps: bool | None = None,
     tune_process: bool | None = None,
     yield_interval_s: float | None = None,
-) -> Iterator[Settings]:
-    """Override settings inside a ``with`` block.
+) -> Override:
+    """Override settings inside a ``with`` block (each time it is entered:
+    one object may serve several blocks, over the settings of each).
 
     >>> with settings(check_finite=True) as s:
     ...     s.check_finite
     True
     """
-    old = _current.get()
-    new = replace(
-        old,
-        workers=old.workers if workers is None else workers,
-        fork_threshold_s=old.fork_threshold_s if fork_threshold_s is None else fork_threshold_s,
-        check_finite=old.check_finite if check_finite is None else check_finite,
-        cuda_streams=old.cuda_streams if cuda_streams is None else cuda_streams,
-        pause_gc=old.pause_gc if pause_gc is None else pause_gc,
-        batching=old.batching if isinstance(batching, _Keep) else batching,
-        finite_steps=old.finite_steps if finite_steps is None else finite_steps,
-        tune_process=old.tune_process if tune_process is None else tune_process,
-        yield_interval_s=old.yield_interval_s if yield_interval_s is None else yield_interval_s,
+    return Override(
+        {
+            "workers": workers,
+            "fork_threshold_s": fork_threshold_s,
+            "check_finite": check_finite,
+            "cuda_streams": cuda_streams,
+            "pause_gc": pause_gc,
+            "finite_steps": finite_steps,
+            "tune_process": tune_process,
+            "yield_interval_s": yield_interval_s,
+        },
+        batching,
     )
-    token = _current.set(new)
-    try:
-        yield new
-    finally:
-        _current.reset(token)
+
+
+@final
+class Override(ContextDecorator):
+    """What `settings` returns: a context manager that overrides the settings
+    given (the others as they are where it is entered), re-entrant; a
+    decorator too (in force during each call: `monadl._scope.Scope`)."""
+
+    __slots__ = ("_batching", "_given", "_tokens")
+
+    def __init__(self, given: dict[str, object], batching: bool | _Keep | None) -> None:
+        self._given = {k: v for k, v in given.items() if v is not None}
+        self._batching = batching
+        self._tokens: list[Token[Settings]] = []
+
+    def __enter__(self) -> Settings:
+        old = _current.get()
+        changes = dict(self._given)
+        if not isinstance(self._batching, _Keep):
+            changes["batching"] = self._batching
+        new = replace(old, **changes)  # type: ignore[arg-type]
+        self._tokens.append(_current.set(new))
+        return new
+
+    def __exit__(self, *_: object) -> None:
+        for i in range(len(self._tokens) - 1, -1, -1):  # (this context's own: one object in two tasks at once)
+            try:
+                _current.reset(self._tokens[i])
+            except ValueError:
+                continue
+            del self._tokens[i]
+            return
