@@ -157,6 +157,32 @@ async def test_exception_in_a_branch_surfaces_as_itself_and_changes_nothing() ->
         assert w.data.tobytes() == b.tobytes() == a.tobytes()
 
 
+def test_the_helpers_run_in_the_callers_context() -> None:
+    """A helper thread sees the evaluation running (`READING`) and the
+    settings, as the calling thread does: a backward of one's own run there
+    that called train() was not refused (the refusal reads `READING`)."""
+    from monadl.runtime.evaluation import READING
+
+    ev = Evaluation(train=True)
+    seen: list[tuple[str, Any, bool]] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(3)
+
+    def worker() -> None:
+        barrier.wait(timeout=30)  # (each thread runs one: the helpers are in use at once)
+        with lock:
+            seen.append((threading.current_thread().name, READING.get(), ml.current_settings().check_finite))
+
+    token = READING.set(ev)
+    try:
+        with ml.settings(check_finite=True):
+            _parallel._run(3, worker)
+    finally:
+        READING.reset(token)
+    assert len({name for name, _, _ in seen}) == 3
+    assert all(reading is ev and finite for _, reading, finite in seen)
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="workers"), ml.settings(workers=0):
         pass

@@ -38,6 +38,7 @@ nodes and surfaces as itself once every branch has stopped.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 import time
@@ -196,8 +197,12 @@ def _helpers(workers: int) -> ThreadPoolExecutor:
 
 
 def _run(workers: int, worker: Callable[[], None]) -> None:
-    """Run ``worker`` on this thread and ``workers - 1`` helpers; re-raise the first error."""
-    futures = [_helpers(workers).submit(worker) for _ in range(workers - 1)]
+    """Run ``worker`` on this thread and ``workers - 1`` helpers, each in a
+    copy of this thread's context (the evaluation running, `READING`, and the
+    settings: a backward of one's own that a helper runs sees them, so a
+    train() there is refused as on this thread); re-raise the first error."""
+    helpers = _helpers(workers)
+    futures = [helpers.submit(contextvars.copy_context().run, worker) for _ in range(workers - 1)]
     try:
         worker()
     finally:
