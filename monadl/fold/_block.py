@@ -20,7 +20,8 @@ from typing import Any, ClassVar, Final, Generic, TypeVar, cast, final
 
 import numpy as np
 
-from monadl.fold._run import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE, run
+from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
+from monadl.fold._run import run
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -237,6 +238,8 @@ class Route(Block[In, Out]):
     __slots__ = ()
     _kind: ClassVar[str] = ROUTE
     _declares: ClassVar[bool] = False
+    _cases: ClassVar[bool] = False
+    """A `OneOf`: an error's path names the case its input took (`_taken`)."""
     """A forward declaration: where a block may reach itself, so the runner
     refuses to apply it to an input object it is already building."""
 
@@ -263,6 +266,10 @@ class Route(Block[In, Out]):
 
     @final
     def _step(self, build: Mapping[str, Any]) -> str:
+        return ""
+
+    def _taken(self, chosen: Block[In, Out] | None) -> str:
+        """The step of an error's path through this route that took ``chosen``: none (a `OneOf`'s names its case)."""
         return ""
 
 

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast, final, overload
 
 from monadl.fold._block import Block, Build, Parallel, Route, call
 from monadl.fold._inputs import shown
+from monadl.fold._trail import Case
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -51,6 +52,7 @@ class OneOf(Route[X, Y]):
 
     __slots__ = ("cases", "key")
     _shown = ("key", "cases")
+    _cases = True
 
     def __init__(self, key: Callable[[X], K], cases: Mapping[K, Block[X, Y]]) -> None:
         self.key: Callable[[X], Hashable] = key
@@ -73,6 +75,11 @@ class OneOf(Route[X, Y]):
                 f"; the keys of its cases: {reprlib.repr(list(self.cases))}"
             )
         return self.cases[k]
+
+    def _taken(self, chosen: Block[X, Y] | None) -> str:
+        """``<case 'leaf' of OneOf>``: the key of the case ``chosen`` (the first of several keys of one block)."""
+        keys = [k for k, block in self.cases.items() if block is chosen]
+        return Case.of(keys[0]) if keys else ""
 
     def _keyed(self) -> tuple[Callable[[X], Hashable], Callable[[Hashable, X], Block[X, Y]]]:
         return self.key, self._case

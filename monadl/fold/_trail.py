@@ -13,6 +13,7 @@ error leaves a block.
 
 from __future__ import annotations
 
+import reprlib
 from collections import deque
 from collections.abc import Callable
 from types import GeneratorType
@@ -31,6 +32,18 @@ deep has a path as long, whose middle is cut."""
 
 
 @final
+class Case(str):
+    """A `OneOf`'s step of an error's path, ``<case 'leaf' of OneOf>``: the
+    case its input took, named for the innermost `OneOf` the error left."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def of(key: Any) -> Case:
+        return Case(f"<case {reprlib.repr(key)} of OneOf>")
+
+
+@final
 class _Trail:
     """Where the error going out of the blocks came from: the steps of its
     path into the input (``[2]``, ``['children']``, ``<block 1 of AllOf>``),
@@ -39,7 +52,7 @@ class _Trail:
     parallel block the error leaves (none on the way in: building a node
     pays nothing for it); a build that catches the error forgets it."""
 
-    __slots__ = ("block", "error", "inner", "outer", "skipped", "x")
+    __slots__ = ("block", "cased", "error", "inner", "outer", "skipped", "x")
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
@@ -48,14 +61,19 @@ class _Trail:
         self.skipped = 0
         self.block: Block[Any, Any] | None = None
         self.x: Any = None
+        self.cased = False  # (the error's path names a OneOf's case: `case`)
 
     def mark(self, error: BaseException, step: str, block: Block[Any, Any], x: Any) -> None:
         """``error`` leaves a build at ``step``, which had asked ``block`` for its output on ``x``."""
         if error is not self.error:  # (a new error: its path starts here)
             self.error, self.block, self.x = error, block, x
-            self.inner, self.outer, self.skipped = [], deque(maxlen=SHOWN), 0
+            self.inner, self.outer, self.skipped, self.cased = [], deque(maxlen=SHOWN), 0, False
         if not step:
             return
+        if type(step) is Case:  # (the innermost case alone: each level's of a tree would double a deep path)
+            if self.cased:
+                return
+            self.cased = True
         if len(self.inner) < SHOWN:
             self.inner.append(step)
             return

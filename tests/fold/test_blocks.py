@@ -30,9 +30,10 @@ from monadl.fold import (
     Vector,
     Zeros,
     _run,
+    _stack,
     call,
 )
-from monadl.fold._run import evaluate
+from monadl.fold._stack import evaluate
 
 
 def value(layer: ml.Layer[Any, Any]) -> Any:
@@ -411,7 +412,7 @@ def test_a_declaration_resolved_to_itself_is_refused() -> None:
 def test_a_route_that_reaches_itself_on_the_same_input_raises_recursion_error() -> None:
     """A left-recursive `OneOf` spun for ever on the explicit stack (routes
     leave nothing on it), or filled the memory through a composition; then
-    it stopped at `_run.LIMIT` levels (a million keys computed); now at once,
+    it stopped at `_stack.LIMIT` levels (a million keys computed); now at once,
     where the declaration meets the input it is building."""
     keys = 0
 
@@ -439,7 +440,10 @@ def test_a_route_that_reaches_itself_on_the_same_input_raises_recursion_error() 
     )
     with pytest.raises(RecursionError, match=r"ForwardDeclaration\('composed'\)|OneOf") as info:
         composed.batch([0, 1])
-    assert info.value.__notes__ == [f"monadl.fold: while building input 1 (an int) of the batch with {composed!r}"]
+    assert info.value.__notes__ == [
+        f"monadl.fold: while building input 1 (an int) of the batch with {composed!r}, at input 1<case True of OneOf>: "
+        "1 (an int), given to ForwardDeclaration('composed') >> InputTransform(<lambda>)"
+    ]
 
 
 class Node:
@@ -453,7 +457,7 @@ class Node:
 def test_an_input_that_contains_itself_raises_recursion_error(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An input that is its own descendant grew the explicit stack without
     bound (through `Map`'s builds, or `AllOf` and compositions, which build
-    nothing) to `_run.LIMIT` levels: a user's JSON list that contains itself
+    nothing) to `_stack.LIMIT` levels: a user's JSON list that contains itself
     took 30-60 s and 772 MiB. Now it stops where the declaration meets the
     node it is building, a level of the cycle into the explicit stack."""
     walked = 0
@@ -518,9 +522,9 @@ def test_a_declaration_whose_error_was_caught_may_build_the_same_input_again(mon
 
 
 def test_a_recursion_that_makes_a_new_input_a_level_still_stops_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No object repeats, so no declaration meets its own input: `_run.LIMIT`
+    """No object repeats, so no declaration meets its own input: `_stack.LIMIT`
     stops it (lowered here: the test's time), as Python's own recursion would."""
-    monkeypatch.setattr(_run, "LIMIT", 20_000)
+    monkeypatch.setattr(_stack, "LIMIT", 20_000)
     grow = ForwardDeclaration[Any, int]("grow")
     grow.resolve_to(InputTransform[Any, Any](lambda x: [x]) >> grow)
     with pytest.raises(RecursionError, match=r"more than 20,000 levels .*ForwardDeclaration\('grow'\).*no progress"):
@@ -643,10 +647,11 @@ def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkey
             and frames[-1].line == "return int(text)  # the user's line an uncaught error names"
         )
         assert len(frames) < 60  # (as many as the nested calls: never one a level of the input)
-        path = "[0]" * (levels + 1) if levels < 20 else "[0]" * 10 + f"...{levels - 19:,} more..." + "[0]" * 10
+        case = "<case False of OneOf>"  # (the innermost OneOf's, the step of the path it adds)
+        path = "[0]" * (levels + 1) if levels < 20 else "[0]" * 10 + f"...{levels - 18:,} more..." + "[0]" * 9
         assert caught.value.__notes__ == [
-            f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}, at input 0{path}: 'x' (a str), "
-            f"given to {each!r}"  # (what the Map gave the bad element to)
+            f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}, at input 0{path}{case}: "
+            "'x' (a str), given to InputTransform(parse)"  # (the case the OneOf gave the bad element to)
         ]
     with pytest.raises(StopIteration):  # not thrown into the builds: a generator would make it a RuntimeError
         Map(InputTransform[Any, Any](next))([iter([1]), iter([])])

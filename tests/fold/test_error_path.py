@@ -67,7 +67,7 @@ def test_the_note_has_the_path_to_the_bad_node_and_the_block_given_it(
     )
     assert info.value.__notes__ == [
         "monadl.fold: while building input 1 (a dict) of the batch with ForwardDeclaration('node'), "
-        "at input 1['children'][1]['children'][1]['children'][2]['children']: [] (a list), "
+        "at input 1['children'][1]['children'][1]['children'][2]<case 'op' of OneOf>['children']: [] (a list), "
         "given to Map(ForwardDeclaration('node')) >> Reduce(Function(add))"
     ]
     missing = op(op(LEAF, LEAF), op(LEAF, {"kind": "leaf", "x": None}))
@@ -75,7 +75,7 @@ def test_the_note_has_the_path_to_the_bad_node_and_the_block_given_it(
         node(missing)
     assert refused.value.__notes__ == [
         "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), "
-        "at input 0['children'][1]['children'][1]['x']: None, given to Vector(2, 'float64')"
+        "at input 0['children'][1]['children'][1]<case 'leaf' of OneOf>['x']: None, given to Vector(2, 'float64')"
     ]
 
 
@@ -91,10 +91,9 @@ def test_a_tree_thousands_of_levels_deep_has_its_paths_middle_cut() -> None:
     assert note == (
         "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), at input 0"
         + step * 5
-        + "...5,981 more..."  # (6,001 steps: a level's two, and the leaf's field)
-        + "[1]"
+        + "...5,982 more..."  # (6,002 steps: a level's two, the leaf's case and its field)
         + step * 4
-        + "['x']: [1.0] (a list), given to Vector(2, 'float64')"
+        + "<case 'leaf' of OneOf>['x']: [1.0] (a list), given to Vector(2, 'float64')"
     )
 
 
@@ -127,6 +126,18 @@ def test_the_steps_of_fold_reduce_and_all_of() -> None:
     assert info.value.__notes__[0].endswith(
         "at input 0[1]<block 1 of AllOf>: [3.0] (a list), given to Vector(2, 'float64')"
     )
+
+
+def test_the_step_of_one_of_names_its_case() -> None:
+    """A `OneOf`'s path step names the case its input took (it named the
+    `OneOf`, not which of its blocks the error left)."""
+    leaf = InputTransform[dict[str, Any], list[float]](lambda t: [1.0]) >> Vector(1, "float64")
+    node = InputTransform[dict[str, Any], list[float]](lambda t: [0.0] * t["size"]) >> Vector(2, "float64")
+    chosen = Map(OneOf[dict[str, Any], ml.ArrayLayer](lambda t: t["kind"], {"leaf": leaf, "node": node}))
+    with pytest.raises(KeyError) as info:
+        chosen([{"kind": "leaf"}, {"kind": "node"}])
+    note = info.value.__notes__[0]
+    assert note.endswith("at input 0[1]<case 'node' of OneOf>: {'kind': 'node'} (a dict), given to " + repr(node))
 
 
 @pytest.mark.parametrize(

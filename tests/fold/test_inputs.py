@@ -103,7 +103,7 @@ def test_a_one_of_with_no_case_names_the_input_it_was_given_deep_in_the_structur
     )
     assert info.value.__notes__ == [
         "monadl.fold: while building input 1 (a list) of the batch with ForwardDeclaration('node'), "
-        "at input 1[1][1][1]: 'five' (a str), given to ForwardDeclaration('node')"
+        "at input 1[1][1]<case <class 'list'> of OneOf>[1]: 'five' (a str), given to ForwardDeclaration('node')"
     ]
 
 
