@@ -12,8 +12,10 @@ the same tokens cannot see.
 
 Trees: ``min`` and ``max`` take two arguments and ``select`` three, ``!``
 one, the infix operators two (by Halide's precedence: ``||`` below ``&&``
-below comparisons below ``+ -`` below ``* /``); leaves are constants and
-variables. So a node has 0 to 3 children.
+below comparisons below ``+ -`` below ``* /``); leaves are constants (``0``,
+``1``, ..., ``True``, ``False``, and in ``halide_var3_d2.jsonl`` the symbolic
+``c0``, ``c1``, ...) and variables (``v0``, ``v1``, ...). So a node has 0 to 3
+children.
 
 The model is the N-ary Tree-LSTM of Tai et al. (2015, section 3.2) with
 N = 3, one matrix and one forget gate per child position: at a node with
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
@@ -76,6 +79,8 @@ PRECEDENCE: Final = {
 ARITY: Final = 3  # the most children a node has (select's)
 BUCKETS: Final = (1, 7, 11, 15)  # the simplest equivalent's tokens: <= 1, <= 7, <= 11, <= 15, more
 CLASSES: Final = len(BUCKETS) + 1
+LEAF: Final = re.compile(r"[vc]\d+|\d+|True|False")  # a variable, a symbolic or literal constant
+TOKENS: Final = "min max select ! || && == != < <= > >= + - * / ( ) , v0 v1 ... c0 c1 ... 0 1 ... True False"
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -189,18 +194,70 @@ def bucket(length: int) -> int:
 
 
 def load(path: Path, limit: int | None = None) -> list[Tree]:
-    """The trees of a file of ``[lhs_tokens, rhs_tokens]`` lines (the first ``limit``)."""
+    """The trees of a file of ``[lhs_tokens, rhs_tokens]`` lines (the first ``limit``), blank lines skipped.
+
+    Raises:
+        ValueError: ``{path}:{line}: ...`` for the first malformed line: not UTF-8, not JSON, not a
+            pair of lists of `TOKENS`, or an lhs that does not parse.
+    """
     trees: list[Tree] = []
-    with path.open() as lines:
+    with path.open("rb") as lines:  # (bytes, so that a line that is not UTF-8 is told by its number)
         for number, line in enumerate(lines, 1):
             if limit is not None and len(trees) >= limit:
                 break
-            lhs, rhs = json.loads(line)
+            if not line.strip():
+                continue
             try:
+                lhs, rhs = pair(line)
                 trees.append(parse_tree(lhs, bucket(len(rhs))))
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: {exc}") from None
     return trees
+
+
+def pair(line: bytes) -> tuple[list[str], list[str]]:
+    """The two token lists of one line of the data.
+
+    >>> pair(b'[["v0", "+", "v1"], "v0"]')
+    Traceback (most recent call last):
+    ...
+    ValueError: expected [lhs_tokens, rhs_tokens], two lists of tokens, found '[["v0", "+", "v1"], "v0"]'
+    """
+    try:
+        text = line.decode().rstrip()  # (rstrip: a JSON error at the line's end says its column, not "line 2")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start + 1})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(side, list) for side in value)):
+        raise ValueError(f"expected [lhs_tokens, rhs_tokens], two lists of tokens, found {shorten(text)!r}")
+    for side, tokens in zip(("lhs", "rhs"), value):
+        if not tokens:
+            raise ValueError(f"the {side} has no tokens")
+        for at, token in enumerate(tokens, 1):
+            if not isinstance(token, str):
+                raise ValueError(f"token {at} of the {side} is {shorten(json.dumps(token))}, not a string")
+            if not known(token):
+                raise ValueError(f"token {at} of the {side}, {token!r}, is none of {TOKENS}")
+    return value[0], value[1]
+
+
+def known(token: str) -> bool:
+    """Whether ``token`` is one of the data's `TOKENS`.
+
+    >>> [known(t) for t in ("select", "<=", "v3", "c0", "12", "True", "abs", "x", "%")]
+    [True, True, True, True, True, True, False, False, False]
+    """
+    return (
+        token in FUNCTIONS or token in PRECEDENCE or token in ("!", "(", ")", ",") or LEAF.fullmatch(token) is not None
+    )
+
+
+def shorten(text: str, most: int = 60) -> str:
+    """``text``, its middle cut to keep it about ``most`` characters."""
+    return text if len(text) <= most else f"{text[: most // 2]} ... {text[-most // 2 :]}"
 
 
 def split(trees: Sequence[Tree], seed: int, test: float = 0.2) -> tuple[list[Tree], list[Tree]]:

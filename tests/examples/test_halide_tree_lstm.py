@@ -91,3 +91,47 @@ def test_without_the_data_it_says_where_to_point_it(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 2 and f"no {ht.FILE} in {tmp_path}: pass the folder" in done.stderr
+
+
+GOOD = '[["v0", "+", "v1"], ["v0"]]'
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('[["v0", "+", "v1"], ["v0"', "not JSON (Expecting ',' delimiter at column 26)"),
+        ("hello", "not JSON (Expecting value at column 1)"),
+        ('{"lhs": ["v0"], "rhs": ["v0"]}', "expected [lhs_tokens, rhs_tokens], two lists of tokens, found '{"),
+        ('[["v0", "+", "v1"]]', "expected [lhs_tokens, rhs_tokens]"),
+        ('[["v0"], ["v0"], ["v1"]]', "expected [lhs_tokens, rhs_tokens]"),
+        ('["v0 + v1", ["v0"]]', "expected [lhs_tokens, rhs_tokens]"),
+        ('[["v0", "+", "v1"], "v0"]', "expected [lhs_tokens, rhs_tokens]"),  # (was the label of 2 tokens)
+        ('[["v0", "+", "v1"], []]', "the rhs has no tokens"),
+        ('[["v0", "+", 1], ["v0"]]', "token 3 of the lhs is 1, not a string"),
+        ('[["v0"], [null]]', "token 1 of the rhs is null, not a string"),
+        ('[["abs", "(", "v0", ")"], ["v0"]]', "token 1 of the lhs, 'abs', is none of min max select"),
+        ('[["v0", "%", "v1"], ["v0"]]', "token 2 of the lhs, '%', is none of"),
+        ('[["v0"], ["x"]]', "token 1 of the rhs, 'x', is none of"),
+        ('[["v0", "+", "v1", ")"], ["v0"]]', "expected the end at token 4 of 'v0 + v1 )', found ')'"),
+    ],
+)
+def test_a_malformed_line_is_refused_with_its_file_and_line(tmp_path: Path, line: str, says: str) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(f"{GOOD}\n\n{GOOD}\n{line}\n{GOOD}\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{path}:4: {says}')}"):
+        ht.load(path)
+
+
+def test_a_line_not_utf8_is_refused_with_its_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(f"{GOOD}\n".encode() + b'[["v\xff"], ["v0"]]\n')
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{path}:2: not UTF-8 (invalid start byte at byte 5)')}$"):
+        ht.load(path)
+
+
+def test_blank_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(f"\n{GOOD}\r\n  \n{GOOD}\n\n")
+    trees = ht.load(path)
+    assert [(t.text(), t.label) for t in trees] == [("(v0 + v1)", 0)] * 2
+    assert len(ht.load(path, limit=1)) == 1
