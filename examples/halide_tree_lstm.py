@@ -79,6 +79,7 @@ PRECEDENCE: Final = {
 ARITY: Final = 3  # the most children a node has (select's)
 BUCKETS: Final = (1, 7, 11, 15)  # the simplest equivalent's tokens: <= 1, <= 7, <= 11, <= 15, more
 CLASSES: Final = len(BUCKETS) + 1
+FEWEST: Final = 10  # the fewest trees `run` takes: a fifth of them, at least 2, to test on
 LEAF: Final = re.compile(r"[vc]\d+|\d+|True|False")  # a variable, a symbolic or literal constant
 TOKENS: Final = "min max select ! || && == != < <= > >= + - * / ( ) , v0 v1 ... c0 c1 ... 0 1 ... True False"
 
@@ -362,7 +363,9 @@ LABELLED: Final[Labelled[Tree]] = Labelled(labels)
 async def run(
     trees: Sequence[Tree], epochs: int = 5, hidden: int = 64, batch: int = 32, seed: int = 0, progress: bool = True
 ) -> Result:
-    """Train both models on 80% of ``trees``, test them on the rest."""
+    """Train both models on 80% of ``trees``, test them on the rest (`FEWEST` trees at least)."""
+    if len(trees) < FEWEST:
+        raise ValueError(f"{len(trees)} trees are too few: the example needs {FEWEST} at least, a fifth to test on")
     train, test = split(trees, seed)
     tokens = vocabulary(train)
     majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=CLASSES))))
@@ -382,14 +385,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="trees per training step")
-    parser.add_argument("--limit", type=int, default=None, help="use the file's first LIMIT expressions")
+    parser.add_argument(
+        "--limit", type=int, default=None, help=f"use the file's first LIMIT expressions ({FEWEST} at least)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="halide_tree_lstm.png", help="where to write the training curves (PNG)")
     args = parser.parse_args()
+    if args.limit is not None and args.limit < FEWEST:
+        parser.error(f"--limit {args.limit}: the example needs {FEWEST} expressions at least, a fifth to test on")
     path = args.data / FILE
     if not path.is_file():
         parser.exit(2, f"{parser.prog}: no {FILE} in {args.data}: pass the folder of the HISS data with --data\n")
     trees = load(path, args.limit)
+    if len(trees) < FEWEST:
+        parser.exit(2, f"{parser.prog}: {path} has {len(trees)} expressions: the example needs {FEWEST} at least\n")
     result = anyio.run(lambda: run(trees, args.epochs, args.hidden, args.batch, args.seed))
     plot(result, args.plot, "simplest equivalent's length, test")
     for curve, name in ((result.tree_lstm, "Tree-LSTM"), (result.baseline, "bag of tokens")):

@@ -135,3 +135,48 @@ def test_blank_lines_are_skipped(tmp_path: Path) -> None:
     trees = ht.load(path)
     assert [(t.text(), t.label) for t in trees] == [("(v0 + v1)", 0)] * 2
     assert len(ht.load(path, limit=1)) == 1
+
+
+def _example(data: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    plot = str(data / "curves.png")
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.halide_tree_lstm",
+            "--data",
+            str(data),
+            "--plot",
+            plot,
+            "--epochs",
+            "1",
+            *args,
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("limit", [-1, 0, 1, 3, ht.FEWEST - 1])
+def test_a_limit_too_small_to_split_is_refused(tmp_path: Path, limit: int) -> None:
+    # (0 was a TypeError in np.bincount, 1 a ZeroDivisionError, 3 printed the accuracy of one test tree)
+    (tmp_path / ht.FILE).write_text(f"{GOOD}\n" * 20)
+    done = _example(tmp_path, "--limit", str(limit))
+    assert done.returncode == 2
+    assert f"--limit {limit}: the example needs {ht.FEWEST} expressions at least" in done.stderr
+    assert "accuracy" not in done.stdout
+
+
+def test_a_file_too_short_to_split_is_refused_and_the_fewest_run(tmp_path: Path) -> None:
+    (tmp_path / ht.FILE).write_text(f"{GOOD}\n" * (ht.FEWEST - 1))
+    done = _example(tmp_path)
+    assert done.returncode == 2
+    assert f"has {ht.FEWEST - 1} expressions: the example needs {ht.FEWEST} at least" in done.stderr
+    with pytest.raises(ValueError, match=f"^{ht.FEWEST - 1} trees are too few: the example needs {ht.FEWEST}"):
+        anyio.run(ht.run, ht.load(tmp_path / ht.FILE))
+    (tmp_path / ht.FILE).write_text(f"{GOOD}\n" * ht.FEWEST)
+    done = _example(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "majority class  test accuracy 1.000" in done.stdout
