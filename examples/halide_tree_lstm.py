@@ -43,7 +43,7 @@ import re
 import sys
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, final
 
@@ -76,6 +76,7 @@ PRECEDENCE: Final = {
     "*": 6,
     "/": 6,
 }
+TIGHTNESS: Final = {**PRECEDENCE, "!": max(PRECEDENCE.values()) + 1}  # (a prefix: tighter than all)
 ARITY: Final = 3  # the most children a node has (select's)
 BUCKETS: Final = (1, 7, 11, 15)  # the simplest equivalent's tokens: <= 1, <= 7, <= 11, <= 15, more
 CLASSES: Final = len(BUCKETS) + 1
@@ -118,9 +119,21 @@ class Tree:
         return parts[-1]
 
 
+@final
+@dataclass(slots=True)
+class _Bracket:
+    """A bracket `parse_tree` is inside (or the whole expression): its function, if any, the commas it
+    still needs, and its operators still waiting for their right operand (the tightest last)."""
+
+    function: str | None = None
+    commas: int = 0
+    operators: list[str] = field(default_factory=list)
+
+
 def parse_tree(tokens: Sequence[str], label: int) -> Tree:
-    """The tree of one expression's tokens (precedence climbing; infix
-    operators of equal precedence group to the left).
+    """The tree of one expression's tokens (shunting-yard, with one stack of waiting operators per
+    open bracket and no recursion, so that any depth parses; infix operators of equal precedence
+    group to the left, ``!`` binds tighter than all of them).
 
     >>> parse_tree("select ( v0 < v1 , ! v2 , v0 * v1 + v2 )".split(), 0).text()
     'select((v0 < v1), !v2, ((v0 * v1) + v2))'
@@ -131,58 +144,64 @@ def parse_tree(tokens: Sequence[str], label: int) -> Tree:
     """
     nodes: list[str] = []
     children: list[tuple[int, ...]] = []
+    roots: list[int] = []  # the subtrees read and not yet any node's children, left to right
+    brackets = [_Bracket()]  # the innermost last; the first is the whole expression
     at = 0
 
     def fail(expected: str) -> ValueError:
         found = repr(tokens[at]) if at < len(tokens) else "the end"
-        return ValueError(f"expected {expected} at token {at + 1} of {' '.join(tokens)!r}, found {found}")
+        return ValueError(f"expected {expected} at token {at + 1} of {shorten(' '.join(tokens))!r}, found {found}")
 
-    def take(token: str) -> None:
-        nonlocal at
-        if at >= len(tokens) or tokens[at] != token:
-            raise fail(repr(token))
-        at += 1
-
-    def node(token: str, kids: list[int]) -> int:
+    def node(token: str, arity: int) -> None:
         nodes.append(token)
-        children.append(tuple(kids))
-        return len(nodes) - 1
+        children.append(tuple(roots[len(roots) - arity :]))
+        del roots[len(roots) - arity :]
+        roots.append(len(nodes) - 1)
 
-    def operand() -> int:
-        nonlocal at
-        if at >= len(tokens) or tokens[at] in PRECEDENCE or tokens[at] in ",)":
-            raise fail("an operand")
-        token = tokens[at]
+    def close(weakest: int) -> None:  # the innermost bracket's operators binding at least as tightly
+        waiting = brackets[-1].operators
+        while waiting and TIGHTNESS[waiting[-1]] >= weakest:
+            operator = waiting.pop()
+            node(operator, 1 if operator == "!" else 2)
+
+    operand = True  # whether an operand comes next (else an infix operator or the bracket's end)
+    while True:
+        token = tokens[at] if at < len(tokens) else None
+        bracket = brackets[-1]
+        if operand:
+            if token == "!":
+                bracket.operators.append(token)
+            elif token == "(":
+                brackets.append(_Bracket())
+            elif token in FUNCTIONS:
+                at += 1
+                if at >= len(tokens) or tokens[at] != "(":
+                    raise fail("'('")
+                brackets.append(_Bracket(token, FUNCTIONS[token] - 1))
+            elif token is not None and LEAF.fullmatch(token):
+                node(token, 0)
+                operand = False
+            else:
+                raise fail("an operand")
+        elif token in PRECEDENCE:
+            close(PRECEDENCE[token])
+            bracket.operators.append(token)
+            operand = True
+        else:  # the end of an argument, of a bracket, or of the whole
+            end = None if len(brackets) == 1 else "," if bracket.commas else ")"
+            if token != end:
+                raise fail("the end" if end is None else repr(end))
+            close(0)
+            if end is None:
+                return Tree(tuple(nodes), tuple(children), label)
+            if end == ",":
+                bracket.commas -= 1
+                operand = True
+            else:
+                brackets.pop()
+                if bracket.function is not None:
+                    node(bracket.function, FUNCTIONS[bracket.function])
         at += 1
-        if token == "(":
-            inside = expression(0)
-            take(")")
-            return inside
-        if token == "!":
-            return node("!", [operand()])
-        if token in FUNCTIONS:
-            take("(")
-            args = [expression(0)]
-            for _ in range(FUNCTIONS[token] - 1):
-                take(",")
-                args.append(expression(0))
-            take(")")
-            return node(token, args)
-        return node(token, [])
-
-    def expression(weakest: int) -> int:
-        nonlocal at
-        left = operand()
-        while at < len(tokens) and PRECEDENCE.get(tokens[at], 0) > weakest:
-            operator = tokens[at]
-            at += 1
-            left = node(operator, [left, expression(PRECEDENCE[operator])])
-        return left
-
-    expression(0)
-    if at != len(tokens):
-        raise fail("the end")
-    return Tree(tuple(nodes), tuple(children), label)
 
 
 def bucket(length: int) -> int:
@@ -258,7 +277,7 @@ def known(token: str) -> bool:
 
 def shorten(text: str, most: int = 60) -> str:
     """``text``, its middle cut to keep it about ``most`` characters."""
-    return text if len(text) <= most else f"{text[: most // 2]} ... {text[-most // 2 :]}"
+    return text if len(text) <= most else f"{text[: most // 2].rstrip()} ... {text[-most // 2 :].lstrip()}"
 
 
 def split(trees: Sequence[Tree], seed: int, test: float = 0.2) -> tuple[list[Tree], list[Tree]]:

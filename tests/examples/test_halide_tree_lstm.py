@@ -180,3 +180,32 @@ def test_a_file_too_short_to_split_is_refused_and_the_fewest_run(tmp_path: Path)
     done = _example(tmp_path)
     assert done.returncode == 0, done.stderr
     assert "majority class  test accuracy 1.000" in done.stdout
+
+
+DEEP = 10_000
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens", "under_the_root"),
+    [
+        ("v0 + ( " * DEEP + "v1" + " )" * DEEP, ("v0",) * DEEP + ("v1",) + ("+",) * DEEP, (0, 2 * DEEP - 1)),
+        ("! " * DEEP + "v0", ("v0",) + ("!",) * DEEP, (DEEP - 1,)),
+        ("( " * DEEP + "v0" + " )" * DEEP, ("v0",), ()),
+        ("min ( v0 , " * DEEP + "v1" + " )" * DEEP, ("v0",) * DEEP + ("v1",) + ("min",) * DEEP, (0, 2 * DEEP - 1)),
+    ],
+)
+def test_deep_expressions_parse(text: str, tokens: tuple[str, ...], under_the_root: tuple[int, ...]) -> None:
+    # (the parser recursed: a RecursionError at 400 levels of v0 + ( ... ), 1,000 of ! or of brackets)
+    tree = ht.parse_tree(text.split(), 0)
+    assert (tree.tokens, tree.children[-1]) == (tokens, under_the_root)
+
+
+def test_a_deep_expressions_error_keeps_its_file_and_line(tmp_path: Path) -> None:
+    tokens = ("v0 + ( " * DEEP + "v1" + " )" * (DEEP - 1)).split()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(f"{GOOD}\n{json.dumps([tokens, ['v0']])}\n")
+    with pytest.raises(ValueError) as refused:
+        ht.load(path)
+    says = str(refused.value)
+    assert says.startswith(f"{path}:2: expected ')' at token {len(tokens) + 1} of 'v0 + ( v0 + ( ")
+    assert says.endswith(" ... ) ) ) ) ) ) ) ) ) ) ) ) ) ) )', found the end")  # (not its 40,000 tokens)
