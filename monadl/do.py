@@ -18,6 +18,7 @@ long chain of `bind`s nor a deep layer graph grows the Python stack.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, Final, Never, TypeVar, final, overload
@@ -101,7 +102,7 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         >>> anyio.run(Do.from_async(fetch).run)
         7
         """
-        return Do(EFFECT, thunk, None)
+        return Do(EFFECT, _thunk(thunk, "Do.from_async"), None)
 
     @staticmethod
     def resource(
@@ -122,7 +123,7 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         >>> log
         ['open', 'close handle']
         """
-        return Do(EFFECT, acquire, release)
+        return Do(EFFECT, _thunk(acquire, "Do.resource"), release)
 
     @overload
     @staticmethod
@@ -147,7 +148,7 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         >>> anyio.run(Do.zip(Do.pure(1), Do.pure("a")).run)
         (1, 'a')
         """
-        return Do(ZIP, tuple(dos))
+        return Do(ZIP, _dos(dos, "Do.zip"))
 
     @staticmethod
     def gather(dos: Iterable[Do[B]]) -> Do[tuple[B, ...]]:
@@ -157,7 +158,7 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
         >>> anyio.run(Do.gather(Do.pure(i) for i in range(3)).run)
         (0, 1, 2)
         """
-        return Do(ZIP, tuple(dos))
+        return Do(ZIP, _dos(dos, "Do.gather"))
 
     # ---- combinators --------------------------------------------------
     def map(self, function: Callable[[A], B]) -> Do[B]:
@@ -218,3 +219,31 @@ class Do(  # type: ignore[type-var]  # covariant A in returns' invariant kinds, 
 
 def _call_pair(pair: tuple[Callable[[B], C], B]) -> C:
     return pair[0](pair[1])
+
+
+def _thunk(thunk: Any, name: str) -> Any:
+    """``thunk``, a function that makes an awaitable when the computation
+    runs; a coroutine already made (``fetch()`` for ``fetch``) is refused
+    here, where it was given, and closed (it would run at most once, and
+    Python warns of one never awaited)."""
+    if inspect.isawaitable(thunk):
+        if inspect.iscoroutine(thunk):
+            thunk.close()
+        raise TypeError(
+            f"{name} takes a function that makes the awaitable each time the computation runs, and was given "
+            f"{type(thunk).__name__} {getattr(thunk, '__qualname__', '')}: pass the async function, not its call "
+            f"({name}(fetch), or lambda: fetch(x) for arguments)"
+        )
+    if not callable(thunk):
+        raise TypeError(f"{name} takes a function that makes an awaitable, and was given {type(thunk).__name__}")
+    return thunk
+
+
+def _dos(dos: Iterable[Any], name: str) -> tuple[Do[Any], ...]:
+    """``dos`` as a tuple, each a `Do`: another object refused here, by its place."""
+    made = tuple(dos)
+    for i, d in enumerate(made):
+        if not isinstance(d, Do):
+            hint = " (a layer's Do is layer.forward())" if hasattr(d, "forward") else ""
+            raise TypeError(f"{name}: operand {i} is {type(d).__name__}, not a Do{hint}")
+    return made

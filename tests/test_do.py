@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -144,8 +147,60 @@ async def test_bind_must_return_a_do() -> None:
     def doubled(v: Any) -> Any:  # (a layer where its Do is due: the message says so)
         return w * 2.0
 
-    with pytest.raises(TypeError, match=r"doubled given to bind returned Layer, not a Do \(return layer\.forward"):
+    with pytest.raises(
+        TypeError, match=rf"doubled \({re.escape(__file__)}:\d+\) given to bind returned Layer, not a Do \(return"
+    ):
         await ml.Layer(w.forward().bind(doubled)).predict()
+
+
+def test_newcomers_mistakes_are_refused_where_the_do_is_built() -> None:
+    """A coroutine given for its function (``from_async(fetch())``) failed when
+    run, with "'coroutine' object is not callable" from the interpreter and a
+    warning of a coroutine never awaited; an operand of gather that is no
+    Do failed as an AttributeError of the interpreter's."""
+
+    async def fetch() -> int:
+        return 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the coroutine is closed: no "never awaited")
+        with pytest.raises(TypeError, match=r"Do.from_async takes a function .* pass the async function, not its call"):
+            Do.from_async(fetch())  # type: ignore[arg-type]  # the mistake under test
+        with pytest.raises(TypeError, match=r"Do.resource takes a function"):
+            Do.resource(fetch(), lambda h: fetch())  # type: ignore[arg-type, return-value]  # the mistake under test
+        gc.collect()
+    with pytest.raises(TypeError, match=r"Do.gather: operand 1 is int, not a Do"):
+        Do.gather([Do.pure(1), 2])  # type: ignore[arg-type]  # the mistake under test
+    with pytest.raises(TypeError, match=r"Do.zip: operand 0 is Layer, not a Do \(a layer's Do is layer.forward\(\)\)"):
+        Do.zip(ml.Weight(np.ones(2)) * 2.0)  # type: ignore[call-overload]  # the mistake under test
+
+
+@pytest.mark.anyio
+async def test_a_release_that_raises_after_a_failure_is_noted_on_it() -> None:
+    """The failure stays the one raised; the release's error was dropped
+    without a trace, and now is a note on it; the other releases run."""
+    released: list[str] = []
+
+    async def acquire() -> str:
+        return "conn"
+
+    async def broken(handle: str) -> None:
+        released.append("broken")
+        raise OSError("close failed: data not flushed")
+
+    async def fine(handle: str) -> None:
+        released.append("fine")
+
+    def boom(_: Any) -> Do[int]:
+        raise ValueError("the original failure")
+
+    both = Do.zip(Do.resource(acquire, fine), Do.resource(acquire, broken))
+    with pytest.raises(ValueError, match="the original failure") as info:
+        await both.bind(boom).run()
+    assert sorted(released) == ["broken", "fine"]
+    assert info.value.__notes__ == [
+        "monadl: while releasing after this failure, a resource's release raised OSError: close failed: data not flushed"
+    ]
 
 
 @pytest.mark.anyio

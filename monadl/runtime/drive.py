@@ -262,9 +262,10 @@ def drive_sync(ev: Evaluation, machine: Machine) -> Any:
     raise RuntimeError("this computation awaits something: run it inside an event loop with await")
 
 
-async def abort(ev: Evaluation) -> None:
-    """After a failure: close every direct-style coroutine still suspended and
-    every resource still open, newest first."""
+async def abort(ev: Evaluation, failure: BaseException | None = None) -> None:
+    """After ``failure``: close every direct-style coroutine still suspended and
+    every resource still open, newest first. A release that raises is noted
+    on ``failure`` (which stays the one raised) and every other release runs."""
     for coroutine in reversed(ev.coroutines):
         # (a finally or an async with that awaits in the closing coroutine: 'coroutine ignored
         # GeneratorExit', which stood in for the original failure and skipped every release below)
@@ -274,5 +275,11 @@ async def abort(ev: Evaluation) -> None:
         for held in reversed(ev.open):
             if not held.done:
                 held.done = True
-                with contextlib.suppress(Exception):  # the original failure is the one to report
+                try:
                     await held.release(held.value)
+                except Exception as error:  # (the original failure is the one to report: this one beside it)
+                    if failure is not None:
+                        failure.add_note(
+                            f"monadl: while releasing after this failure, a resource's release raised "
+                            f"{type(error).__name__}: {error}"
+                        )

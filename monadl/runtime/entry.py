@@ -51,8 +51,8 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
     """Evaluate-then-commit-or-abort: on any failure, clean ``ev`` up and re-raise."""
     try:
         yield
-    except BaseException:
-        await abort(ev)
+    except BaseException as failure:
+        await abort(ev, failure)
         raise
 
 

@@ -249,8 +249,10 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 cur = frame.function(val)
                 if not isinstance(cur, Do):
                     hint = " (return layer.forward(): the layer's Do)" if isinstance(cur, Expr) else ""
-                    where = getattr(frame.function, "__qualname__", repr(frame.function))
-                    raise TypeError(f"the function {where} given to bind returned {type(cur).__name__}, not a Do{hint}")
+                    raise TypeError(
+                        f"the function {_named(frame.function)} given to bind returned {type(cur).__name__}, "
+                        f"not a Do{hint}"
+                    )
                 descending = True
                 continue
             elif t is F.BindDone:
@@ -361,3 +363,10 @@ def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
     rec.tape_backward = backward
     rec.release = tok
     ev.records[node] = rec
+
+
+def _named(function: Any) -> str:
+    """A function as a message names it: its name and, for Python code, its file and line."""
+    name = getattr(function, "__qualname__", None) or repr(function)
+    code = getattr(function, "__code__", None)
+    return name if code is None else f"{name} ({code.co_filename}:{code.co_firstlineno})"

@@ -201,8 +201,8 @@ def _run(workers: int, worker: Callable[[], None]) -> None:
     copy of this thread's context (the evaluation running, `READING`, and the
     settings: a backward of one's own that a helper runs sees them, so a
     train() there is refused as on this thread); re-raise the first error."""
-    helpers = _helpers(workers)
-    futures = [helpers.submit(contextvars.copy_context().run, worker) for _ in range(workers - 1)]
+    helpers = _helpers(workers) if workers > 1 else None  # (one worker: this thread alone)
+    futures = [helpers.submit(contextvars.copy_context().run, worker) for _ in range(workers - 1) if helpers]
     try:
         worker()
     finally:
