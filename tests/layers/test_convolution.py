@@ -106,6 +106,26 @@ def test_a_window_holding_nan_gives_its_first_nan_the_delta() -> None:
     np.testing.assert_array_equal(grad, [[[[0.0, 2.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0]]]])
 
 
+def test_a_nan_or_an_infinity_of_the_delta_goes_to_the_windows_maximum_alone() -> None:
+    """It was multiplied by each position's 0/1 mask, and 0 * NaN, 0 * inf
+    are NaN: the whole window's delta was NaN (PyTorch gives the maximum it)."""
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    weight = ml.Weight(x.copy())
+    for bad in (np.nan, np.inf):
+        delta = np.array([[[[bad, 1.0], [1.0, 1.0]]]])
+        _, (grad,) = anyio.run(_value_and_grads, ml.max_pool2d(weight, 2), [weight], delta)
+        want = np.zeros((4, 4))
+        want[1, 1], want[1, 3], want[3, 1], want[3, 3] = bad, 1.0, 1.0, 1.0
+        np.testing.assert_array_equal(grad[0, 0], want)
+
+
+def test_an_nhwc_image_is_told_the_layout() -> None:
+    kernel = ml.Weight(np.ones((4, 3, 3, 3)))
+    nhwc = np.ones((2, 8, 8, 3))
+    with pytest.raises(ml.ShapeError, match=r"input has 8 channels, kernel expects 3 \(NCHW: is it an NHWC image"):
+        anyio.run(ml.conv2d(nhwc, kernel).predict)
+
+
 @needs_torch
 def test_a_small_conv_net_gives_pytorchs_gradients() -> None:
     # conv (pad 1) -> relu -> pool -> conv -> relu -> pool -> sum: each rule
