@@ -81,7 +81,7 @@ ARITY: Final = 3  # the most children a node has (select's)
 BUCKETS: Final = (1, 7, 11, 15)  # the simplest equivalent's tokens: <= 1, <= 7, <= 11, <= 15, more
 CLASSES: Final = len(BUCKETS) + 1
 FEWEST: Final = 10  # the fewest trees `run` takes: a fifth of them, at least 2, to test on
-LEAF: Final = re.compile(r"[vc]\d+|\d+|True|False")  # a variable, a symbolic or literal constant
+LEAF: Final = re.compile(r"[vc][0-9]+|[0-9]+|True|False")  # a variable, a symbolic or literal constant
 TOKENS: Final = "min max select ! || && == != < <= > >= + - * / ( ) , v0 v1 ... c0 c1 ... 0 1 ... True False"
 
 

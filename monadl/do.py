@@ -226,12 +226,13 @@ def _thunk(thunk: Any, name: str) -> Any:
     runs; a coroutine already made (``fetch()`` for ``fetch``) is refused
     here, where it was given, and closed (it would run at most once, and
     Python warns of one never awaited)."""
-    if inspect.isawaitable(thunk):
+    if inspect.isawaitable(thunk) and not callable(thunk):  # (an object that is both: a job of one's own, fine)
         if inspect.iscoroutine(thunk):
             thunk.close()
+        made = f" {thunk.__qualname__}" if hasattr(thunk, "__qualname__") else ""
         raise TypeError(
             f"{name} takes a function that makes the awaitable each time the computation runs, and was given "
-            f"{type(thunk).__name__} {getattr(thunk, '__qualname__', '')}: pass the async function, not its call "
+            f"{type(thunk).__name__}{made}: pass the async function, not its call "
             f"({name}(fetch), or lambda: fetch(x) for arguments)"
         )
     if not callable(thunk):

@@ -169,6 +169,15 @@ def test_newcomers_mistakes_are_refused_where_the_do_is_built() -> None:
         with pytest.raises(TypeError, match=r"Do.resource takes a function"):
             Do.resource(fetch(), lambda h: fetch())  # type: ignore[arg-type, return-value]  # the mistake under test
         gc.collect()
+
+    class Job:  # (both callable and awaitable: a job of one's own, taken as its function)
+        def __call__(self) -> Any:
+            return fetch()
+
+        def __await__(self) -> Any:
+            return fetch().__await__()
+
+    assert anyio.run(Do.from_async(Job()).run) == 1
     with pytest.raises(TypeError, match=r"Do.gather: operand 1 is int, not a Do"):
         Do.gather([Do.pure(1), 2])  # type: ignore[arg-type]  # the mistake under test
     with pytest.raises(TypeError, match=r"Do.zip: operand 0 is Layer, not a Do \(a layer's Do is layer.forward\(\)\)"):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -388,6 +391,41 @@ def test_one_settings_object_serves_several_blocks_nested_and_in_tasks() -> None
             tg.start_soon(task, b, a)
 
     anyio.run(main)
+    assert current_settings() is base
+
+    errors: list[BaseException] = []
+
+    @ml.settings(check_finite=True)
+    def decorated() -> bool:
+        return current_settings().check_finite
+
+    def calls() -> None:  # (one object, decorating a function called from several threads at once)
+        try:
+            for _ in range(2_000):
+                assert decorated() and not current_settings().check_finite
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=calls) for _ in range(4)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads interleave inside enter and exit)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors
+
+    async def left_elsewhere() -> None:
+        with forced:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, forced.__exit__, None, None, None)
+
+    with pytest.raises(BaseExceptionGroup) as raised:  # (it must end where it began: here, it stays in force)
+        anyio.run(left_elsewhere)
+    assert raised.group_contains(RuntimeError, match=r"left in a thread or task that did not enter it")
     assert current_settings() is base
 
 

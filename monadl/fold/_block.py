@@ -238,10 +238,10 @@ class Route(Block[In, Out]):
     __slots__ = ()
     _kind: ClassVar[str] = ROUTE
     _declares: ClassVar[bool] = False
-    _cases: ClassVar[bool] = False
-    """A `OneOf`: an error's path names the case its input took (`_taken`)."""
     """A forward declaration: where a block may reach itself, so the runner
     refuses to apply it to an input object it is already building."""
+    _cases: ClassVar[bool] = False
+    """A `OneOf`: an error's path names the case its input took (`_taken`)."""
 
     @abstractmethod
     def _route(self, x: In) -> Block[In, Out]:

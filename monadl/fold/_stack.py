@@ -34,7 +34,8 @@ LIMIT: Final = 1_000_000
 """Entries open at once on the explicit stack (its pending blocks, the
 declarations open, and the routes followed to the block at hand) before a
 run raises `RecursionError`. A tree's level holds a few of them (a
-Tree-LSTM's: three; a block of one's own around a declaration adds one), so
+Tree-LSTM's: three, and one for its `OneOf`'s case taken; a block of one's
+own around a declaration adds one), so
 a tree of depth 100,000 builds with up to ten a level; a recursion that
 makes no progress and is not caught sooner (a new input object a level,
 walked by a `Map`) stops there in a few seconds, at about 350 MB."""

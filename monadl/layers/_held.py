@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, final
+from typing import Any, Final, final
 
-__all__ = ["Held", "contents", "reach"]
+__all__ = ["REACHED", "Held", "contents", "reach"]
 
 
 @final
@@ -55,7 +55,7 @@ def reach(roots: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
         x = contents(cell)
         cells.append(cell)
         objects.append(x)
-        if id(x) in met:
+        if id(x) in met or len(todo) > REACHED:
             continue
         met.add(id(x))
         kind = type(x)
@@ -65,6 +65,11 @@ def reach(roots: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
             todo += [Held(y) for y in (x.func, *x.args, *x.keywords.values())]
         elif kind is types.MethodType:
             todo.append(Held(x.__func__))
-        elif hasattr(x, "__wrapped__") and callable(x):  # (a marked operation: its function)
-            todo.append(Held(x.__wrapped__))
+        elif getattr(kind, "holds_a_function", False):  # (a marked operation: its function; not any
+            todo.append(Held(x.__wrapped__))  # object answering ``__wrapped__``, a proxy's: a new one each read)
     return cells, objects
+
+
+REACHED: Final = 1_000
+"""Objects `reach` walks past at most (a closure over a large web of helper
+functions: the rest are held by their holders' identity alone)."""

@@ -57,10 +57,11 @@ import copy
 import functools
 import inspect
 import logging
+import threading
 import types
 from collections.abc import Callable
 from operator import attrgetter, is_
-from typing import Any, Final, Generic, ParamSpec, TypeVar, final
+from typing import Any, ClassVar, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
@@ -90,12 +91,15 @@ _log: Final = logging.getLogger("monadl.batching")  # (how many traces an operat
 class Operation(Generic[P, R]):
     """A function over layers marked as one operation (see `operation`)."""
 
+    holds_a_function: ClassVar[bool] = True  # (its ``__wrapped__``: what `reach` walks into)
+
     __slots__ = (
         "__name__",
         "__wrapped__",
         "_closure",
         "_evictions",
         "_ids",
+        "_learning",
         "_live",
         "_method",
         "_planned",
@@ -137,6 +141,7 @@ class Operation(Generic[P, R]):
         self._live: tuple[Any, ...] | None = None if fixed or self._closure is None else ()
         self._seen: tuple[Any, ...] | None = None
         self._rebinds = 0
+        self._learning = threading.Lock()
         self._planned = True
         self._site = site
         self._method = False  # a function defined in a class body, marked there (see `__set_name__`)
@@ -269,8 +274,10 @@ class Operation(Generic[P, R]):
             count = len(self._traces)
             if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
                 _log.debug("operation %s has %d traces, %s", self.__name__, count, why_traces(self._traces))
-        if kinds is not None and (self._live is None or self._learned_under(cells, held)) and not keep:
-            learn(self._plans, kinds, args, leaves, views, trace)
+        if kinds is not None:
+            with self._learning:  # (another thread's walk may rebind between the check and the plan's store)
+                if (self._live is None or self._learned_under(cells, held)) and not keep:
+                    learn(self._plans, kinds, args, leaves, views, trace)
         return trace.make(leaves, sources, self._site)
 
     def _unchanged(self) -> bool:
@@ -352,8 +359,8 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     lookup by it compare the layer's identity, not its value (False, True,
     False, KeyError), silently: pass what the cell branches on as an int or
     a string (each value its own trace). What ``f`` reads from
-    elsewhere (a global, an attribute, the items of a dict or list that a
-    partial or the closure holds) is read once,
+    elsewhere (a global, an attribute, the items of a dict, list or tuple
+    that a partial or the closure holds: functions there too) is read once,
     at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
     pass a new weight as an argument. Mark a method per object, bound
     (``self.cell = ml.operation(self._cell)``): marked in its class body,

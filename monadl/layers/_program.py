@@ -19,7 +19,7 @@ import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
-from monadl.errors import NonFiniteError
+from monadl.errors import DTypeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import backward_made, finite_delta, made
 from monadl.layers._operands import Numbers, one_float_dtype, step_numbers
@@ -128,6 +128,10 @@ class Program:
             except ValueError as exc:
                 raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
             except NonFiniteError:
+                raise
+            except DTypeError as exc:  # (a rule's own, `where`'s: the step's line, as `_operand_rule`'s say)
+                if exc.args and type(exc.args[0]) is str and "layer built at" not in exc.args[0]:
+                    exc.args = (f"{exc.args[0]}; layer built at {_where(step)}, inside the operation {self.name}",)
                 raise
             except Exception as exc:
                 exc.add_note(f"monadl: in {step.op.name} at {_where(step)}, inside the operation {self.name}")

@@ -184,15 +184,17 @@ def settings(
 @final
 class Override(ContextDecorator):
     """What `settings` returns: a context manager that overrides the settings
-    given (the others as they are where it is entered), re-entrant; a
-    decorator too (in force during each call: `monadl._scope.Scope`)."""
+    given (the others as they are where it is entered), re-entrant, and in
+    several threads and tasks at once; a decorator too (in force during each
+    call: `monadl._scope.Scope`)."""
 
     __slots__ = ("_batching", "_given", "_tokens")
 
     def __init__(self, given: dict[str, object], batching: bool | _Keep | None) -> None:
         self._given = {k: v for k, v in given.items() if v is not None}
         self._batching = batching
-        self._tokens: list[Token[Settings]] = []
+        # Each context's own entries (a thread's, a task's): the tokens to reset, innermost last.
+        self._tokens: ContextVar[tuple[Token[Settings], ...]] = ContextVar("monadl_settings_entered", default=())
 
     def __enter__(self) -> Settings:
         old = _current.get()
@@ -200,14 +202,18 @@ class Override(ContextDecorator):
         if not isinstance(self._batching, _Keep):
             changes["batching"] = self._batching
         new = replace(old, **changes)  # type: ignore[arg-type]
-        self._tokens.append(_current.set(new))
+        self._tokens.set((*self._tokens.get(), _current.set(new)))
         return new
 
     def __exit__(self, *_: object) -> None:
-        for i in range(len(self._tokens) - 1, -1, -1):  # (this context's own: one object in two tasks at once)
-            try:
-                _current.reset(self._tokens[i])
-            except ValueError:
-                continue
-            del self._tokens[i]
-            return
+        entered = self._tokens.get()
+        try:
+            if not entered:
+                raise ValueError
+            _current.reset(entered[-1])  # (ValueError: a token of another context, a thread's that copied it)
+        except ValueError:
+            raise RuntimeError(
+                "ml.settings(...) was left in a thread or task that did not enter it (a with block must end "
+                "where it began)"
+            ) from None
+        self._tokens.set(entered[:-1])

@@ -823,6 +823,64 @@ def _loss_and_gradients(cells: list[Any], weights: list[ml.ArrayWeight]) -> list
     return out
 
 
+def test_a_plan_is_never_learned_under_contents_another_thread_has_rebound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread A learns a plan under the old weight; the cell is rebound and
+    thread B walks (clearing the plans) before A stores it: the stale plan
+    made later calls read the old weight. Learning is one step now."""
+    import threading
+
+    from monadl.layers import _operation, _plans
+
+    w1, w2 = ml.Weight(np.ones(2)), ml.Weight(np.full(2, 2.0))
+    w = w1
+
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        return x * w
+
+    op = ml.operation(cell)
+    x = np.full(2, 0.5)
+    op(x)  # (traced under w1; the next call learns its plan)
+    learning, go = threading.Event(), threading.Event()
+    real = _plans.learn
+
+    def slow(*args: Any) -> None:
+        if threading.current_thread().name == "A":
+            learning.set()
+            go.wait(timeout=10)  # (a thread switch here)
+        real(*args)
+
+    monkeypatch.setattr(_operation, "learn", slow)
+    a = threading.Thread(target=op, args=(x,), name="A")
+    a.start()
+    assert learning.wait(timeout=10)
+    w = w2
+    b = threading.Thread(target=op, args=(x,), name="B")  # (its walk waits for A's learning to end)
+    b.start()
+    b.join(timeout=0.2)
+    go.set()
+    a.join(timeout=10)
+    b.join(timeout=10)
+    assert not a.is_alive() and not b.is_alive()
+    for _ in range(3):
+        assert anyio.run(ml.sum(op(x)).predict) == pytest.approx(2.0)  # (0.5 * w2, not 0.5 * w1)
+
+
+def test_a_closure_over_a_proxy_that_makes_a_wrapped_per_read_is_marked_at_once() -> None:
+    """`reach` followed any callable's ``__wrapped__``: a proxy or a mock
+    that answers it with a new object each read walked for ever."""
+    from unittest import mock
+
+    stub = mock.MagicMock()
+    w = ml.Weight(np.ones(2))
+
+    def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+        _ = stub  # (held, never called)
+        return x * w
+
+    op = ml.operation(cell)
+    assert anyio.run(ml.sum(op(np.ones(2))).predict) == pytest.approx(2.0)
+
+
 def test_a_closure_over_a_helper_closure_reads_the_helpers_variables() -> None:
     """A cell whose closure holds a function that closes over a weight (a
     helper, a decorator's wrapper, another operation): the helper's

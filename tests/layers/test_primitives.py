@@ -506,6 +506,18 @@ async def test_where_refuses_float32_beside_float64_as_a_binary_op_does() -> Non
     with pytest.raises(ml.DTypeError, match=rf"where: operands .* mix float32 and float64.*:{line_of('WHERE-MIX')}$"):
         await layer.predict()
     assert (await ml.where(mask, w32, np.float64(0.0)).predict()).dtype == np.float32
+
+    @ml.operation
+    def cell(a: ml.ArrayOperand, b: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.where(mask, a, b) * 2.0  # WHERE-IN-CELL
+
+    called = cell(w32, np.zeros((2, 2)))  # WHERE-CALLED
+    with pytest.raises(
+        ml.DTypeError,
+        match=rf"mix float32 and float64 arrays; .*; layer built at .*:{line_of('WHERE-IN-CELL')}, inside the "
+        rf"operation .*cell called at .*:{line_of('WHERE-CALLED')}$",
+    ):
+        await called.predict()
     for condition in (True, np.True_, np.False_):
         got = await ml.where(condition, w32, 0.0).predict()
         np.testing.assert_array_equal(got, np.ones((2, 2)) * bool(condition))
