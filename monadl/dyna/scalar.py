@@ -263,8 +263,12 @@ class Program:
         ``options`` are `run`'s (`RunOptions`: ``max_pops``, ``tolerance``,
         ``priority``, ``stop``), given to each run; any other is refused here.
         A run that stood still at no fixpoint, a value gone to infinity or NaN
-        (a cycle of weight 1 or more), is a `NonFiniteError`; one stopped early
-        (``max_pops``, ``stop``) gives the value it reached.
+        (a cycle of weight more than 1), is a `NonFiniteError`; one stopped early
+        (``max_pops``, ``stop``) gives the value it reached. A sum that grows
+        without end by steps that do not grow (a cycle of weight exactly 1, a
+        negative cycle in min-plus) reaches no infinity: the run goes on until
+        the float's steps stop changing it, which is for ever in practice;
+        bound such a program with ``max_pops`` or a timeout around the await.
 
         >>> import anyio, numpy as np, monadl as ml
         >>> w = ml.Weight(np.array([0.5, 0.25]))

@@ -134,9 +134,11 @@ MIN_PLUS = Semiring("min-plus", math.inf, 0.0, min, operator.add, gradient="back
 
 def diverged(semiring: Semiring, values: Iterable[float | np.ndarray]) -> bool:
     """Whether a chart value left the semiring's numbers: a NaN, or an infinity
-    other than its zero or its one (a sum along a cycle of weight 1 or more, a
-    negative cycle in min-plus; a widest path's one is infinite). Such a run
-    reached no fixpoint, however still it stands.
+    other than its zero or its one (a sum along a cycle of weight more than 1,
+    a negative cycle in min-plus whose steps grow; a widest path's one is
+    infinite). Such a run reached no fixpoint, however still it stands. A sum
+    that grows by steps that do not grow (a cycle of weight exactly 1, a
+    negative cycle of a fixed cost) never gets there: bound its run.
 
     >>> widest = Semiring("widest", 0.0, math.inf, max, min)
     >>> diverged(REAL, [1.0, math.inf]), diverged(MIN_PLUS, [math.inf]), diverged(widest, [math.inf])
