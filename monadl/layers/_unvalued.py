@@ -24,6 +24,7 @@ _NO_VALUE: Final = (
     "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
     "argument (each value its own trace)"
 )
+_SHAPED: Final = frozenset({"shape", "dtype", "ndim", "size"})
 _NO_ORDER: Final = (
     "for the larger or the smaller of layers (what max(a, b) and min(a, b) compare for), write "
     "ml.maximum(a, b) or ml.minimum(a, b) (elementwise; the largest element of one layer is ml.max(x)); "
@@ -70,6 +71,21 @@ class Unvalued:
 
         def __ge__(self, other: object) -> NoReturn:
             raise OperandError(_NO_VALUE.format("a comparison (>=)", _NO_ORDER))
+
+    if not TYPE_CHECKING:  # (to mypy a layer has no shape: `layer.shape` is rejected before it runs)
+
+        def __getattr__(self, name: str) -> NoReturn:
+            """Called only for an attribute a layer does not have: for its shape
+            and dtype, what to read instead (a weight inside a marked cell is a
+            layer: its ``.shape`` was a bare AttributeError there)."""
+            if name in _SHAPED:
+                raise AttributeError(
+                    f"a layer's {name} is not known while the graph is built (a layer is lazy: its shape is "
+                    f"found when it runs); read it from the data (an array's .{name}) or a weight's "
+                    f"(w.shape, w.data.dtype); inside an ml.operation, a weight argument is a layer too: read "
+                    f"its .{name} outside and pass it as an int, or let the cell close over the weight"
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     if not TYPE_CHECKING:  # (to mypy it stays no number and no array: float(layer) is rejected)
 

@@ -485,6 +485,22 @@ async def test_where_chooses_and_sends_each_side_its_delta() -> None:
     assert g.dtype == np.float32 and (await attention.predict()).dtype == np.float32
 
 
+def test_a_layers_shape_is_refused_with_what_to_read_instead() -> None:
+    """A weight argument of a marked cell is a layer there: its ``.shape``
+    raised a bare AttributeError (a new user's attention cell read Wq.shape)."""
+    w = ml.Weight(np.ones((3, 2)))
+
+    def scaled(x: ml.ArrayOperand, weight: ml.ArrayOperand) -> ml.ArrayLayer:
+        return ml.dense(x, weight) * (1.0 / weight.shape[1])  # type: ignore[union-attr, no-any-return]  # the mistake
+
+    assert anyio.run(ml.sum(scaled(np.ones((4, 3)), w)).predict) == pytest.approx(12.0)  # (unmarked: a weight)
+    with pytest.raises(AttributeError, match=r"a layer's shape is not known while the graph is built .* pass it as"):
+        ml.operation(scaled)(np.ones((4, 3)), w)
+    with pytest.raises(AttributeError, match=r"'Layer' object has no attribute 'colour'"):
+        _ = (w * 2.0).colour  # type: ignore[attr-defined]  # (any other name: Python's own message)
+    assert not hasattr(w * 2.0, "dtype") and w.dtype == np.float64
+
+
 def test_where_refuses_a_condition_that_is_not_a_boolean_array() -> None:
     w = ml.Weight(np.ones(3))
     with pytest.raises(ml.OperandError, match=r"where: the condition is a layer or a weight.*ml.direct"):
