@@ -254,6 +254,11 @@ OPTIMIZERS: list[tuple[str, Callable[[], ml.optim.GradientTransformation], Calla
         ),
         lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05, eps=1e-8),
     ),
+    (
+        "adamw()",
+        lambda: ml.optim.adamw(0.01, weight_decay=0.05),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05, eps=1e-8),
+    ),
 ]
 
 

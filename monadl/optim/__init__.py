@@ -10,8 +10,16 @@ array([-0.1,  0.2])
 """
 
 from monadl.optim._default import DEFAULT_LEARNING_RATE, default_optimizer, using_default
-from monadl.optim._schedules import Schedule, constant_schedule, cosine_decay_schedule, exponential_decay
-from monadl.optim.apply import apply_gradients, clip_by_global_norm
+from monadl.optim._schedules import (
+    Schedule,
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    warmup_cosine_decay_schedule,
+)
+from monadl.optim.apply import apply_gradients, clip_by_global_norm, global_norm
 from monadl.optim.transforms import (
     AdagradState,
     AdamState,
@@ -19,6 +27,7 @@ from monadl.optim.transforms import (
     RmsState,
     adagrad,
     adam,
+    adamw,
     add_decayed_weights,
     add_l1_decay,
     chain,
@@ -43,6 +52,7 @@ __all__ = [
     "Schedule",
     "adagrad",
     "adam",
+    "adamw",
     "add_decayed_weights",
     "add_l1_decay",
     "apply_gradients",
@@ -52,6 +62,9 @@ __all__ = [
     "cosine_decay_schedule",
     "default_optimizer",
     "exponential_decay",
+    "global_norm",
+    "join_schedules",
+    "linear_schedule",
     "momentum",
     "nesterov",
     "rmsprop",
@@ -63,4 +76,5 @@ __all__ = [
     "sgd",
     "trace",
     "using_default",
+    "warmup_cosine_decay_schedule",
 ]

@@ -4,14 +4,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 import numpy as np
 
 from monadl.optim._hyper import checked, finite
 
-__all__ = ["Schedule", "constant_schedule", "cosine_decay_schedule", "exponential_decay"]
+__all__ = [
+    "Schedule",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "exponential_decay",
+    "join_schedules",
+    "linear_schedule",
+    "warmup_cosine_decay_schedule",
+]
 
 Schedule: TypeAlias = Callable[[int], float]
 """A learning rate as a function of the step count (0 for the first step)."""
@@ -67,3 +76,63 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         return init_value * ((1 - alpha) * 0.5 * (1 + float(np.cos(np.pi * t))) + alpha)
 
     return schedule
+
+
+def linear_schedule(init_value: float, end_value: float, transition_steps: int) -> Schedule:
+    """From ``init_value`` to ``end_value`` in a straight line over
+    ``transition_steps``, then held there (optax's; a warmup from 0).
+
+    >>> [linear_schedule(0.0, 1.0, 4)(s) for s in (0, 2, 4, 9)]
+    [0.0, 0.5, 1.0, 1.0]
+    """
+    if transition_steps <= 0:
+        raise ValueError(f"linear_schedule: transition_steps must be positive, got {transition_steps!r}")
+    return lambda step: init_value + (end_value - init_value) * min(step, transition_steps) / transition_steps
+
+
+def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """``schedules[0]`` until ``boundaries[0]``, then ``schedules[1]`` counting
+    its steps from there, and so on (optax's): a warmup, then a decay.
+
+    >>> warm = join_schedules([linear_schedule(0.0, 1.0, 2), cosine_decay_schedule(1.0, 4)], [2])
+    >>> [round(warm(s), 3) for s in (0, 1, 2, 4, 6)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    if len(schedules) != len(boundaries) + 1:
+        raise ValueError(
+            f"join_schedules: one more schedule than boundaries, got {len(schedules)} and {len(boundaries)}"
+        )
+    if any(b <= a for a, b in zip([0, *boundaries], boundaries)):
+        raise ValueError(f"join_schedules: boundaries must be positive and increasing, got {list(boundaries)}")
+    starts = [0, *boundaries]
+
+    def schedule(step: int) -> float:
+        k = bisect.bisect_right(boundaries, step)
+        return schedules[k](step - starts[k])
+
+    return schedule
+
+
+def warmup_cosine_decay_schedule(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> Schedule:
+    """A linear warmup from ``init_value`` to ``peak_value`` over
+    ``warmup_steps``, then a cosine decay to ``end_value`` by step
+    ``decay_steps`` (counted from 0, the warmup included), as optax's.
+
+    >>> s = warmup_cosine_decay_schedule(0.0, 1.0, 2, 6)
+    >>> [round(s(k), 3) for k in (0, 1, 2, 4, 6, 9)]
+    [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    """
+    if not 0 < warmup_steps < decay_steps:
+        raise ValueError(
+            f"warmup_cosine_decay_schedule: 0 < warmup_steps < decay_steps, got {warmup_steps!r} and {decay_steps!r}"
+        )
+    alpha = end_value / peak_value if peak_value else 0.0
+    return join_schedules(
+        [
+            linear_schedule(init_value, peak_value, warmup_steps),
+            cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha),
+        ],
+        [warmup_steps],
+    )

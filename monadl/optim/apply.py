@@ -81,6 +81,23 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     _commit(gradients, finite, False)
 
 
+def global_norm(gradients: Mapping[Weight[Any, Any], Any]) -> float:
+    """The norm of all of ``gradients`` as one vector (what `clip_by_global_norm`
+    clips, and what PyTorch's ``clip_grad_norm_`` returns, to log); an
+    embedding's rows with a row looked up twice summed first, as its dense
+    gradient has them.
+
+    >>> import numpy as np, monadl as ml
+    >>> global_norm({ml.Weight(np.zeros(2)): np.array([3.0, 4.0]), ml.Weight(0.0): 12.0})
+    13.0
+    """
+    squares = 0.0
+    for g in gradients.values():
+        values = g.summed()[1] if type(g) is SparseRows else g
+        squares += float(namespace(values).sum(values * values)) if is_array(values) else float(values) ** 2
+    return math.sqrt(squares)
+
+
 def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: float) -> dict[Weight[Any, Any], Any]:
     """``gradients`` scaled by ``max_norm / (norm + 1e-6)`` where that is
     below 1, ``norm`` being all of them as one vector's (an embedding's rows
@@ -95,11 +112,7 @@ def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: flo
     """
     if not max_norm > 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
-    squares = 0.0
-    for g in gradients.values():
-        values = g.summed()[1] if type(g) is SparseRows else g
-        squares += float(namespace(values).sum(values * values)) if is_array(values) else float(values) ** 2
-    factor = max_norm / (math.sqrt(squares) + 1e-6)
+    factor = max_norm / (global_norm(gradients) + 1e-6)
     if factor >= 1:
         return dict(gradients)
     return {

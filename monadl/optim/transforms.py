@@ -30,6 +30,7 @@ __all__ = [
     "GradientTransformation",
     "adagrad",
     "adam",
+    "adamw",
     "add_decayed_weights",
     "add_l1_decay",
     "chain",
@@ -332,3 +333,25 @@ def adam(
     array([-0.1])
     """
     return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
+def adamw(
+    learning_rate: Rate | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay (``torch.optim.AdamW``, optax's
+    ``adamw``): the decay is added to Adam's scaled step, not to the
+    gradient, so it is not divided by Adam's running scale;
+    ``chain(add_decayed_weights(wd), adam(lr))`` is Adam with L2 instead
+    (PyTorch's ``Adam(weight_decay=)``).
+
+    >>> import numpy as np
+    >>> opt = adamw(0.1, weight_decay=0.5)
+    >>> u, _ = opt.update(np.array([3.0]), opt.init(np.ones(1)), np.ones(1))
+    >>> np.round(u, 6)  # -lr * (Adam's first step of size 1 + wd * param)
+    array([-0.15])
+    """
+    return chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
