@@ -199,9 +199,13 @@ def estimate_and_replace(
             (probability vectors for discrete arguments).
         training: which of the two to use. At inference the black box's
             answer (numbers: booleans, integers or floats) is taken in the
-            arguments' float dtype, as the estimator's would be.
-        harden_arguments: at inference, turn each argument into the one-hot of
-            its argmax before calling the black box.
+            arguments' float dtype, as the estimator's would be, and in the
+            shape it comes in: give the estimator's (an ``(n, 1)`` column
+            where the estimator gives ``(n,)`` broadcasts in what follows).
+        harden_arguments: at inference, turn each argument (a probability
+            vector along its last axis; another is refused) into the one-hot
+            of its argmax before calling the black box; False passes the
+            arguments' values as they are (a real-valued argument).
 
     >>> import anyio, numpy as np, monadl as ml
     >>> digit = ml.as_layer(np.array([0.1, 0.7, 0.2]))  # probabilities of 0, 1, 2
@@ -213,18 +217,38 @@ def estimate_and_replace(
     """
     if training:
         return as_layer(estimator(*arguments))
+    layers = [a if isinstance(a, Expr) else as_layer(a) for a in arguments]  # (data: an array read as it is)
 
     @direct
     async def replaced() -> Layer[Any, Any]:
-        given = await values(*arguments)
+        given = await values(*layers)
         if harden_arguments:
-            given = tuple(harden(np.asarray(v)) for v in given)
+            given = tuple(harden(_distribution(i, np.asarray(v))) for i, v in enumerate(given))
         result = black_box(*given)
         if inspect.isawaitable(result):
             result = await result
         return as_layer(_as_float(_numbers(black_box, result), given))
 
     return replaced()
+
+
+def _distribution(i: int, p: Array) -> Array:
+    """``p`` where its rows (along the last axis) are probability vectors,
+    as `harden` takes: finite, in [0, 1], each summing to 1 (to 1e-3, a
+    float32 softmax's rounding); else a ValueError that says what to pass
+    (a real-valued argument hardened to a one-hot was a wrong answer, and a
+    NaN one looked valid)."""
+    if p.ndim and p.dtype.kind in "fc":
+        with np.errstate(invalid="ignore"):
+            ok = bool(np.all(np.isfinite(p)) and np.all((p >= 0) & (p <= 1)))
+            ok = ok and bool(np.all(np.abs(np.sum(p, axis=-1) - 1) <= 1e-3))
+        if not ok:
+            raise ValueError(
+                f"estimate_and_replace: argument {i} is no probability vector along its last axis (values "
+                f"finite, in [0, 1], each row summing to 1), so harden_arguments cannot make it a one-hot; a "
+                f"real-valued argument goes to the black box as it is with harden_arguments=False"
+            )
+    return p
 
 
 def _as_float(value: Array, given: tuple[Any, ...]) -> Array:
@@ -358,7 +382,15 @@ def estimator_loss(
 
         return called()
     result = black_box(*arguments)
-    if inspect.isawaitable(result):  # (a Future, a Task, a coroutine from a plain function): awaited once
+    if inspect.iscoroutine(result):  # (a plain function that makes one, `anyio.to_thread.run_sync`'s): one each run
+        result.close()  # (a coroutine is awaited once: the loss trained twice raised "cannot reuse")
+
+        @direct
+        async def again() -> ScalarLayer:
+            return loss(estimator(*arguments), _numbers(black_box, await black_box(*arguments)))
+
+        return again()
+    if inspect.isawaitable(result):  # (a Future, a Task: awaited once, its result kept)
 
         @direct
         async def awaited() -> ScalarLayer:

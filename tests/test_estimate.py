@@ -163,6 +163,42 @@ async def test_a_black_box_that_returns_no_numbers_is_refused_at_inference() -> 
         await estimate_and_replace(lambda p: p + 1j, lambda p: p, [digit], training=False).predict()
 
 
+async def test_hardening_refuses_what_is_no_probability_vector_and_arrays_are_arguments_too() -> None:
+    """A real-valued argument was hardened to a one-hot (the black box got a
+    wrong question), and NaN probabilities to a valid-looking one; an array
+    argument at inference raised an internal function's refusal."""
+    value = lambda p: p @ np.array([0.0, 1.0, 2.0])  # noqa: E731
+    for bad in ([0.3, 2.5, 1.0], [np.nan, 0.5, 0.5], [0.2, 0.2, 0.2]):
+        layer = estimate_and_replace(value, value, [ml.as_layer(np.array(bad))], training=False)
+        with pytest.raises(ValueError, match=r"argument 0 is no probability vector .* harden_arguments=False"):
+            await layer.predict()
+    real = estimate_and_replace(
+        value, value, [ml.as_layer(np.array([0.3, 2.5, 1.0]))], training=False, harden_arguments=False
+    )
+    assert float(await real.predict()) == pytest.approx(4.5)
+    on_data = estimate_and_replace(value, value, [np.array([0.1, 0.7, 0.2])], training=False)  # type: ignore[list-item]
+    assert float(await on_data.predict()) == 1.0
+
+
+async def test_a_black_box_that_makes_a_coroutine_is_called_each_time_the_loss_is_trained() -> None:
+    """A plain function returning a coroutine (``lambda x: anyio.to_thread.run_sync(f, x)``,
+    as the docstring advises for a blocking box) was called once when the loss
+    was built: the second train() raised "cannot reuse already awaited coroutine"."""
+    import anyio.to_thread
+
+    calls: list[int] = []
+
+    def blocking(p: Any) -> Any:
+        calls.append(1)
+        return p @ np.array([1.0, 2.0, 3.0])
+
+    w = ml.Weight(np.zeros(3), optimizer=ml.optim.sgd(0.5))
+    loss = estimator_loss(lambda p: anyio.to_thread.run_sync(blocking, p), lambda p: p @ w, [np.eye(3)])
+    for _ in range(3):
+        await loss.train()
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("answer", [np.float32, np.float64, np.int64, bool])
 async def test_the_black_boxs_answer_takes_the_arguments_float_dtype(answer: Any) -> None:
     # A float32 model trained through its estimator failed at inference: the
