@@ -220,6 +220,20 @@ def test_a_number_no_column_holds_fails_as_its_node_alone() -> None:
     assert got.dtype == np.int64 and np.array_equal(got, [np.arange(4) + i + i % 3 for i in range(40)])
 
 
+def test_the_log_says_what_a_batched_run_grouped(caplog: pytest.LogCaptureFixture) -> None:
+    """Examples of different lengths never group (a group's members have one
+    shape): forced batching then ran them one by one, and the log was silent."""
+    w = ml.Weight(np.ones((3, 3)))
+    same = ml.sum(ml.stack([ml.sum(ml.tanh(np.ones((2, 3)) @ w)) for _ in range(8)]))
+    lengths = ml.sum(ml.stack([ml.sum(ml.tanh(np.ones((n, 3)) @ w)) for n in range(1, 9)]))
+    for loss, grouped in ((same, True), (lengths, False)):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
+            anyio.run(loss.predict)
+        (line,) = [r.getMessage() for r in caplog.records if "ran batched:" in r.getMessage()]
+        assert ("in 0 groups" not in line) == grouped, line
+
+
 def test_a_group_that_runs_one_by_one_says_why_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
     w = ml.Weight(np.ones((1, 1, 2, 2)))
 

@@ -80,6 +80,7 @@ from monadl.runtime.schedule.batched_rule import (
     REPROBE,
     coarse,
     declined,
+    ran,
     remember,
     unbatched,
     worth_batching,
@@ -181,6 +182,8 @@ def _steps(
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
         remember((order[-1]._site, len(order)), False, NOTHING_PAID)
         unbatched(order, f"{NOTHING_PAID}; not analysed again for {REPROBE} evaluations")
+    elif order:
+        ran(order, run.batches, run.batched)
     return left
 
 
@@ -228,13 +231,14 @@ class _Run:
     """One scheduler run over one graph, and where each member's value sits
     in its group's output."""
 
-    __slots__ = ("batches", "ev", "forced", "groups", "records")
+    __slots__ = ("batched", "batches", "ev", "forced", "groups", "records")
 
     def __init__(self, ev: Evaluation, forced: bool, groups: Groups | None = None) -> None:
         self.ev = ev
         self.records = ev.records
         self.forced = forced
         self.batches = 0  # groups that ran batched
+        self.batched = 0  # and their members
         self.groups = Groups(ev.records) if groups is None else groups
 
     def each(self, nodes: list[Any]) -> None:
@@ -382,6 +386,7 @@ class _Run:
             return
         group_records(groups, members, result, operands, args)
         self.batches += 1
+        self.batched += n
 
 
 _inputs = attrgetter("_inputs")

@@ -136,6 +136,22 @@ def unbatched(order: list[Any], why: str) -> None:
         )
 
 
+def ran(order: list[Any], groups: int, members: int) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) what a batched run of a graph
+    grouped: how many nodes ran in how many groups, the rest one by one (a
+    new user forced batching on examples of different lengths, which never
+    group, and the log said nothing)."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "a graph of %d nodes (its last built at %s) ran batched: %d nodes in %d groups, %d one by one",
+            len(order),
+            site_text(order[-1]._site),
+            members,
+            groups,
+            len(order) - members,
+        )
+
+
 def merged(order: list[Any], fibers: int) -> None:
     """Log (at DEBUG, to ``monadl.batching``) a merge of fibers' graphs that
     runs batched: batching across control flow, one line a merge."""
