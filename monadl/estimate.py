@@ -238,7 +238,7 @@ def _distribution(i: int, p: Array) -> Array:
     float32 softmax's rounding); else a ValueError that says what to pass
     (a real-valued argument hardened to a one-hot was a wrong answer, and a
     NaN one looked valid)."""
-    if p.ndim and p.dtype.kind in "fc":
+    if p.ndim and p.dtype.kind in "fciub":  # (integers and booleans too: labels are no distribution)
         with np.errstate(invalid="ignore"):
             ok = bool(np.all(np.isfinite(p)) and np.all((p >= 0) & (p <= 1)))
             ok = ok and bool(np.all(np.abs(np.sum(p, axis=-1) - 1) <= 1e-3))

@@ -264,6 +264,35 @@ async def test_each_examples_step_keeps_its_context_variables_to_itself() -> Non
     assert seen == [None] * 4
 
 
+@pytest.mark.parametrize("examples", [1, 32])
+async def test_an_examples_context_variables_last_across_its_awaits_of_layers(examples: int) -> None:
+    """Each example's steps ran in a fresh copy of the stepping task's
+    context: what it set before ``await ml.values(...)`` was gone after it
+    (31 of 32 examples), and a set reset across one (a tracing span, an
+    ``ml.settings`` block) raised 'created in a different Context'. Its own
+    context now, as in a task of its own; none of it reaches the caller."""
+    import contextvars
+
+    span: contextvars.ContextVar[str] = contextvars.ContextVar("span", default="none")
+    w = ml.Weight(np.array([1.0, 2.0]))
+    kept: list[bool] = []
+
+    @ml.direct
+    async def model(k: int) -> ml.ScalarLayer:
+        token = span.set(f"span-{k}")
+        with ml.settings(check_finite=True):
+            (first,) = await ml.values(w * 2.0)
+            await anyio.lowlevel.checkpoint()  # (a foreign await too)
+            (second,) = await ml.values(w * 3.0)
+            kept.append(span.get() == f"span-{k}" and ml.current_settings().check_finite)
+        span.reset(token)
+        return ml.sum(w * float(first[0] + second[0]))
+
+    await ml.sum(ml.stack([model(k) for k in range(examples)])).predict()
+    assert kept == [True] * examples
+    assert span.get() == "none" and not ml.current_settings().check_finite
+
+
 async def test_a_cancel_scope_inside_a_step_works_beside_other_examples() -> None:
     """A scope that cancels a wait inside one step (asyncio delivers the
     cancellation as a BaseException) reaches the user's coroutine, as it

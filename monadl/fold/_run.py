@@ -148,6 +148,8 @@ class _Runner:
             self.depth += 1
             try:
                 return found[0](x)
+            except StopIteration:  # (not thrown into the builds, which mark no step for it: none here either)
+                raise
             except Exception as exc:
                 if cases:
                     trail.mark(exc, block._taken(found[1]), found[1], x)

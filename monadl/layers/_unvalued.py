@@ -78,7 +78,7 @@ class Unvalued:
             """Called only for an attribute a layer does not have: for its shape
             and dtype, what to read instead (a weight inside a marked cell is a
             layer: its ``.shape`` was a bare AttributeError there)."""
-            if name in _SHAPED:
+            if name in _SHAPED and type(self).__name__ == "Layer":  # (a weight has them: one failing inside is its own)
                 raise AttributeError(
                     f"a layer's {name} is not known while the graph is built (a layer is lazy: its shape is "
                     f"found when it runs); read it from the data (an array's .{name}) or a weight's "

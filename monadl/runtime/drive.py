@@ -208,10 +208,10 @@ class _Stepper:
     def __init__(self, tasks: TaskGroup, report: Callable[[tuple[Any, bool | None, Any]], None]) -> None:
         self.tasks = tasks
         self.report = report
-        self.queue: deque[tuple[Any, Any, Any]] = deque()
+        self.queue: deque[tuple[Any, Any, Any, Any]] = deque()
         self.running = False  # (a task steps the queue, or will: the next request joins it)
 
-    def ask(self, items: list[tuple[Any, Any, Any]]) -> None:
+    def ask(self, items: list[tuple[Any, Any, Any, Any]]) -> None:
         self.queue.extend(items)
         if not self.running:
             self.running = True
@@ -220,7 +220,7 @@ class _Stepper:
     async def _run(self) -> None:
         handed = False
 
-        def elsewhere(rest: list[tuple[Any, Any, Any]]) -> None:
+        def elsewhere(rest: list[tuple[Any, Any, Any, Any]]) -> None:
             nonlocal handed  # (this task waits for something foreign: a new one steps the rest)
             handed = True
             self.queue.extendleft(reversed(rest))

@@ -7,6 +7,7 @@ branch of a parallel applicative, with a stack of its own.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -165,15 +166,19 @@ class FromDo:
 
 
 class Direct:
-    """A direct-style coroutine, the release tokens of what it awaited, and
-    whether it awaited one layer or several."""
+    """A direct-style coroutine, the release tokens of what it awaited,
+    whether it awaited one layer or several, and its context variables: its
+    own, from the task that made it, as a task of its own would have them
+    (its steps run in whatever task the runtime chose: what it set before an
+    await of layers was lost after it, and a set reset across one failed)."""
 
-    __slots__ = ("coroutine", "held", "single")
+    __slots__ = ("context", "coroutine", "held", "single")
 
     def __init__(self, coroutine: Any) -> None:
         self.coroutine = coroutine
         self.held: list[Any] = []
         self.single = False
+        self.context = contextvars.copy_context()
 
 
 class Stepped:

@@ -26,6 +26,7 @@ batching across the fibers' data-dependent control flow.
 
 from __future__ import annotations
 
+import contextvars
 from collections import deque
 from collections.abc import Generator
 from typing import Any, Final
@@ -66,7 +67,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     # read, not one a step); the driver opens its task group, a scope, when first asked to Spawn or Steps.
     scope: Any = _UNREAD
     away: set[F.Fiber] = set()  # those whose step awaits something foreign: the parked graphs do not wait for them
-    steps: list[tuple[F.Fiber, Any, Any]] = []  # those steps not handed to the driver yet (`Steps`)
+    steps: list[
+        tuple[F.Fiber, Any, Any, contextvars.Context]
+    ] = []  # those steps not handed to the driver yet (`Steps`)
     stack = fiber.stack
     cur: Any = root
     val: Any = None
@@ -206,7 +209,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     if scope is _UNREAD:  # (before its foreign awaits: a sleep opens a scope of its own)
                         scope = cancel_scope()
                     while True:
-                        done, got = step_direct(frame.coroutine, sending, failure, scope)
+                        done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
                         if done or type(got) is AwaitLayers:
                             break
                         try:
@@ -219,7 +222,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 # Several fibers: the coroutine's foreign awaits must be made in the task
                 # that awaits them (trio ties a wait to the task that asked), so a task steps it.
                 stack.append(F.Stepped(frame))
-                steps.append((fiber, frame.coroutine, sending))
+                steps.append((fiber, frame.coroutine, sending, frame.context))
                 block = _STEPPING
                 stepping += 1
             elif t is F.Stepped:

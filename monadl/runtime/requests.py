@@ -28,7 +28,7 @@ class Spawn:
 
 class Steps:
     """Yielded to the driver: step these fibers' direct-style coroutines
-    (``(fiber, coroutine, sending)``), one after another in a task, each
+    (``(fiber, coroutine, sending, context)``), one after another in a task, each
     reported for its fiber (`monadl.runtime.stepping.step_each`). Once the
     fibers that can run have stopped, the steps they asked for go as one: a
     task each cost more than most steps (which return at once, asking for
@@ -36,5 +36,5 @@ class Steps:
 
     __slots__ = ("items",)
 
-    def __init__(self, items: list[tuple[F.Fiber, Any, Any]]) -> None:
+    def __init__(self, items: list[tuple[F.Fiber, Any, Any, Any]]) -> None:
         self.items = items

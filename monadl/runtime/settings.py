@@ -129,6 +129,8 @@ def _default() -> Settings:
 
 
 _current: ContextVar[Settings] = ContextVar("monadl_settings", default=_default())  # noqa: B039 - frozen, not mutable
+_entered: ContextVar[tuple[tuple[Override, Token[Settings]], ...]] = ContextVar("monadl_settings_entered", default=())
+"""Each context's entries of `settings` objects (a thread's, a task's): with the tokens that undo them, innermost last."""
 
 
 def current_settings() -> Settings:
@@ -188,13 +190,11 @@ class Override(ContextDecorator):
     several threads and tasks at once; a decorator too (in force during each
     call: `monadl._scope.Scope`)."""
 
-    __slots__ = ("_batching", "_given", "_tokens")
+    __slots__ = ("_batching", "_given")
 
     def __init__(self, given: dict[str, object], batching: bool | _Keep | None) -> None:
         self._given = {k: v for k, v in given.items() if v is not None}
         self._batching = batching
-        # Each context's own entries (a thread's, a task's): the tokens to reset, innermost last.
-        self._tokens: ContextVar[tuple[Token[Settings], ...]] = ContextVar("monadl_settings_entered", default=())
 
     def __enter__(self) -> Settings:
         old = _current.get()
@@ -202,18 +202,23 @@ class Override(ContextDecorator):
         if not isinstance(self._batching, _Keep):
             changes["batching"] = self._batching
         new = replace(old, **changes)  # type: ignore[arg-type]
-        self._tokens.set((*self._tokens.get(), _current.set(new)))
+        _entered.set((*_entered.get(), (self, _current.set(new))))
         return new
 
-    def __exit__(self, *_: object) -> None:
-        entered = self._tokens.get()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+        entered = _entered.get()
+        at = next((i for i in range(len(entered) - 1, -1, -1) if entered[i][0] is self), None)
         try:
-            if not entered:
+            if at is None:
                 raise ValueError
-            _current.reset(entered[-1])  # (ValueError: a token of another context, a thread's that copied it)
+            _current.reset(entered[at][1])  # (ValueError: a token of another context, a thread's that copied it)
         except ValueError:
-            raise RuntimeError(
-                "ml.settings(...) was left in a thread or task that did not enter it (a with block must end "
-                "where it began)"
-            ) from None
-        self._tokens.set(entered[:-1])
+            said = (
+                "ml.settings(...) was left in a thread or task that did not enter it (a with block must end where "
+                "it began); its settings stay in force where it was entered"
+            )
+            if error is not None:  # (the body's own failure, or a generator closed elsewhere, is the one raised)
+                error.add_note(f"monadl: {said}")
+                return
+            raise RuntimeError(said)  # noqa: B904  (the ValueError is the context: a token of another context)
+        _entered.set(entered[:at] + entered[at + 1 :])

@@ -75,26 +75,26 @@ async def step_in_task(
 
 
 async def step_each(
-    items: list[tuple[Any, Any, Any]],
+    items: list[tuple[Any, Any, Any, contextvars.Context]],
     report: Callable[[tuple[Any, bool | None, Any]], None],
-    elsewhere: Callable[[list[tuple[Any, Any, Any]]], None],
+    elsewhere: Callable[[list[tuple[Any, Any, Any, contextvars.Context]]], None],
 ) -> None:
-    """Step the coroutines of ``items`` (``(fiber, coroutine, sending)``) one
+    """Step the coroutines of ``items`` (``(fiber, coroutine, sending, context)``) one
     after another, in this task; ``report((fiber, ok, result))`` after each.
     A step that awaits something foreign says so first (``report((fiber,
     None, None))``) and goes on in this task, and the items after it (none,
     where it was the last) go to ``elsewhere`` (a task of their own), so
     every step still runs within one task and none waits for another's
     await. Each
-    step runs in its own copy of this task's context variables, as it would
-    in a task of its own: what one sets, the next does not see.
+    step runs in its coroutine's own context (`monadl.runtime.frames.Direct`),
+    as it would in a task of its own: what one sets, the next coroutine does
+    not see, and its own next step does.
 
     The interpreter waits for every step asked for but those that said so
     before it runs the parked graphs: which graphs run merged does not
     depend on the order the event loop runs its tasks in."""
-    base = contextvars.copy_context()
     scope = cancel_scope()  # (each step begins in it: read once for all)
-    for k, (fiber, coroutine, sending) in enumerate(items):
+    for k, (fiber, coroutine, sending, context) in enumerate(items):
         handed = False
 
         def hand_on(k: int = k, fiber: Any = fiber) -> None:
@@ -104,7 +104,7 @@ async def step_each(
             elsewhere(items[k + 1 :])
 
         try:
-            result = await step_in_task(coroutine, sending, scope, hand_on, base.copy())
+            result = await step_in_task(coroutine, sending, scope, hand_on, context)
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:  # the interpreter hands it on: the original error (Ctrl-C too), not a group of one
