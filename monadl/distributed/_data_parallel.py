@@ -59,6 +59,7 @@ from monadl.distributed._rank_status import _DENSE, _SPARSE, _finite, _parted, _
 from monadl.distributed._rows import gather_rows
 from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model
 from monadl.layers import Layer, Weight
+from monadl.layers._layer import Expr
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
@@ -255,6 +256,11 @@ class DataParallel:
             raise RuntimeError(
                 "DataParallel.train() after finish(): this rank said its training was over; call finish() once, "
                 "after the last batch (a new DataParallel over the same weights trains again)"
+            )
+        if not isinstance(loss, Expr):  # (a number reached the runtime: "'float' object has no attribute '_inputs'")
+            raise TypeError(
+                f"DataParallel.train() takes the loss as a layer (what loss.train() would train), got "
+                f"{type(loss).__name__}: pass the layer, not its value"
             )
         at = self._calls if step is None else step
         self._calls += 1  # (a call refused here alone still took a batch of this rank's loop)

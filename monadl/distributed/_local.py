@@ -22,6 +22,11 @@ import numpy.typing as npt
 
 from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, RankFailure, poll
 
+THREADS_IDLE: Final = 1e-4
+"""Seconds between a thread rank's tests of an exchange: its event loop
+waits them out without the interpreter's lock, which the rank it waits for
+needs (testing back to back, as an MPI rank does, starved it)."""
+
 __all__ = ["LocalCommunicator", "run_local"]
 
 T = TypeVar("T")
@@ -74,7 +79,7 @@ class LocalCommunicator(Communicator):
 
     async def _exchange(self, send: npt.NDArray[Any], what: str) -> list[npt.NDArray[Any]]:
         key = self._deposit(send)
-        await poll(lambda: self._arrived(key), self.timeout, what, self._rank)
+        await poll(lambda: self._arrived(key), self.timeout, what, self._rank, spin=0.0, idle=THREADS_IDLE)
         return self._collect(key)
 
     def _deposit(self, send: npt.NDArray[Any]) -> int:
@@ -120,7 +125,7 @@ class _LocalPending(Pending):
 
     async def wait(self) -> npt.NDArray[Any]:
         comm = self._comm
-        await poll(self.test, comm.timeout, "all-reduce", comm.rank)
+        await poll(self.test, comm.timeout, "all-reduce", comm.rank, spin=0.0, idle=THREADS_IDLE)
         return _sum(comm._collect(self._key))
 
 

@@ -805,6 +805,25 @@ def test_a_train_or_a_finish_after_finish_is_refused_on_the_rank_that_makes_it()
     )
 
 
+def test_a_loss_that_is_no_layer_is_refused_with_what_to_pass() -> None:
+    # (a float reached the runtime: AttributeError: 'float' object has no attribute '_inputs')
+    async def rank(comm: Communicator) -> str:
+        w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.001))
+        dp = DataParallel(w, comm)
+        with pytest.raises(TypeError) as caught:
+            await dp.train(3.0)  # type: ignore[arg-type]  # the mistake under test
+        return str(caught.value)
+
+    assert (
+        run_local(2, rank)
+        == [
+            "DataParallel.train() takes the loss as a layer (what loss.train() would train), "
+            "got float: pass the layer, not its value"
+        ]
+        * 2
+    )
+
+
 async def direct_step(dp: DataParallel, w: ml.Weight[Any, Any]) -> None:
     @ml.direct
     async def model(h: ml.ArrayLayer) -> ml.ScalarLayer:
