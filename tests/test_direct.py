@@ -264,6 +264,38 @@ async def test_each_examples_step_keeps_its_context_variables_to_itself() -> Non
     assert seen == [None] * 4
 
 
+async def test_a_failed_evaluation_closes_each_coroutine_in_its_own_context() -> None:
+    """Closed after a failure in the caller's context, a coroutine's
+    ``finally`` read the caller's context variables, and a settings object
+    entered by both left the caller's block reset midway."""
+    import contextvars
+
+    span: contextvars.ContextVar[str] = contextvars.ContextVar("span", default="caller's")
+    w = ml.Weight(np.array([1.0, 2.0]))
+    same = ml.settings(check_finite=True)
+    seen: list[tuple[int, str]] = []
+
+    @ml.direct
+    async def model(k: int) -> ml.ScalarLayer:
+        span.set(f"example {k}")
+        with same:
+            try:
+                await ml.values(w * 2.0)
+                if k == 1:
+                    raise ValueError("example 1 fails")
+                await ml.values(w * 3.0)
+            finally:
+                seen.append((k, span.get()))
+        return ml.sum(w)
+
+    with same:
+        with pytest.raises(ValueError, match="example 1 fails"):
+            await ml.sum(ml.stack([model(k) for k in range(2)])).predict()
+        assert ml.current_settings().check_finite
+    assert not ml.current_settings().check_finite
+    assert sorted(seen) == [(0, "example 0"), (1, "example 1")]
+
+
 @pytest.mark.parametrize("examples", [1, 32])
 async def test_an_examples_context_variables_last_across_its_awaits_of_layers(examples: int) -> None:
     """Each example's steps ran in a fresh copy of the stepping task's

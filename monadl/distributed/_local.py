@@ -23,9 +23,10 @@ import numpy.typing as npt
 from monadl.distributed._comm import DEFAULT_TIMEOUT, Communicator, Pending, RankFailure, poll
 
 THREADS_IDLE: Final = 1e-4
-"""Seconds between a thread rank's tests of an exchange: its event loop
-waits them out without the interpreter's lock, which the rank it waits for
-needs (testing back to back, as an MPI rank does, starved it)."""
+"""Seconds between a thread rank's tests of an exchange (about a millisecond
+in fact: the event loop's timer rounds up to its own): its event loop waits
+them out without the interpreter's lock, which the rank it waits for needs
+(testing back to back, as an MPI rank does, starved it)."""
 
 __all__ = ["LocalCommunicator", "run_local"]
 

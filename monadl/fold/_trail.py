@@ -128,6 +128,8 @@ def parallel(block: Any, parts: list[Run], trail: _Trail) -> Run:
                 y = a(x)
                 i = 1
                 return (y, b(x))
+            except StopIteration:  # (not marked, as builds and routes leave it)
+                raise
             except Exception as exc:
                 failed(exc, i, x)
                 raise
@@ -144,6 +146,8 @@ def parallel(block: Any, parts: list[Run], trail: _Trail) -> Run:
                 z = b(x)
                 i = 2
                 return (y, z, c(x))
+            except StopIteration:
+                raise
             except Exception as exc:
                 failed(exc, i, x)
                 raise
@@ -155,6 +159,8 @@ def parallel(block: Any, parts: list[Run], trail: _Trail) -> Run:
         try:
             for f in parts:
                 ys.append(f(x))
+        except StopIteration:
+            raise
         except Exception as exc:
             failed(exc, len(ys), x)
             raise

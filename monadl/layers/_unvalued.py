@@ -78,7 +78,10 @@ class Unvalued:
             """Called only for an attribute a layer does not have: for its shape
             and dtype, what to read instead (a weight inside a marked cell is a
             layer: its ``.shape`` was a bare AttributeError there)."""
-            if name in _SHAPED and type(self).__name__ == "Layer":  # (a weight has them: one failing inside is its own)
+            made = getattr(type(self), name, None)
+            if isinstance(made, property) and made.fget is not None:  # (a weight's, failing inside: its own error)
+                made.fget(self)
+            if name in _SHAPED and any(c.__name__ == "Layer" for c in type(self).__mro__):
                 raise AttributeError(
                     f"a layer's {name} is not known while the graph is built (a layer is lazy: its shape is "
                     f"found when it runs); read it from the data (an array's .{name}) or a weight's "

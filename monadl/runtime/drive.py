@@ -112,7 +112,10 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     completion = await done[1].receive()
                     _turns.last = time.perf_counter()
                     ev.deadline = _turns.last + interval
-                request = advance(machine.send, completion, pause)
+                try:
+                    request = advance(machine.send, completion, pause)
+                finally:
+                    completion = None  # (it may hold a step's failure: this frame would keep it in a cycle)
             else:
                 try:
                     result = await request
@@ -271,11 +274,15 @@ async def abort(ev: Evaluation, failure: BaseException | None = None) -> None:
     """After ``failure``: close every direct-style coroutine still suspended and
     every resource still open, newest first. A release that raises is noted
     on ``failure`` (which stays the one raised) and every other release runs."""
-    for coroutine in reversed(ev.coroutines):
+    for direct in reversed(ev.coroutines):
         # (a finally or an async with that awaits in the closing coroutine: 'coroutine ignored
-        # GeneratorExit', which stood in for the original failure and skipped every release below)
+        # GeneratorExit', which stood in for the original failure and skipped every release below;
+        # closed in its own context, where its `with` blocks and context variables are)
         with contextlib.suppress(Exception):
-            coroutine.close()
+            try:
+                direct.context.run(direct.coroutine.close)
+            except RuntimeError:  # (its context entered: a failure raised from inside it) closed here
+                direct.coroutine.close()
     with anyio.CancelScope(shield=True):
         for held in reversed(ev.open):
             if not held.done:

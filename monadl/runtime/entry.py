@@ -54,6 +54,10 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
     except BaseException as failure:
         await abort(ev, failure)
         raise
+    finally:
+        # (their frames hold the contexts they ran in, which hold the evaluation: a cycle, kept
+        # until a full collection, of the evaluation's records and arrays)
+        ev.coroutines.clear()
 
 
 async def train(root: Any) -> Any:

@@ -228,7 +228,7 @@ class Evaluation:
             a layer built from a ``Do``), with the event that says it is done:
             another branch that needs it waits instead of computing it twice.
         open: resources acquired, released at the end or on failure.
-        coroutines: direct-style coroutines started here (closed on failure).
+        coroutines: direct-style coroutines started here, their frames (closed on failure, each in its context).
         effects: something beyond primitives ran (a ``Do`` layer, a resource,
             direct style): the counted release back-propagates, not the sweep.
         forked: some graph ran on the worker pool.

@@ -142,9 +142,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     cur = cur._a
             elif kind == DIRECT:
                 ev.effects = True
-                coroutine = cur._a()
-                ev.coroutines.append(coroutine)
-                stack.append(F.Direct(coroutine))
+                made = F.Direct(cur._a())
+                ev.coroutines.append(made)
+                stack.append(made)
                 val, tok = _START, None
                 descending = False
             else:  # EFFECT
@@ -314,8 +314,12 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             if ok is None:  # its step awaits something foreign (`step_each`)
                 away.add(fiber)
                 continue
-            if not ok:
-                raise result
+            if not ok:  # (its failure: this frame, which the traceback holds, keeps no hold on it)
+                failure, result, completion = result, None, None
+                try:
+                    raise failure
+                finally:
+                    failure = None
             if fiber.stack and type(fiber.stack[-1]) is F.Stepped:
                 stepping -= 1
                 away.discard(fiber)

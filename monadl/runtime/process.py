@@ -181,12 +181,18 @@ def fit_gc(nodes: int) -> None:
 def advance(step: Callable[[Any], Any], arg: Any, pause_gc: bool) -> Any:
     """One synchronous stretch of the runtime, with the cyclic GC paused if
     asked (and if it is on: a caller who turned it off keeps it off)."""
+    # (``arg`` dropped once sent: where the step fails, this frame is in the traceback, and ``arg``
+    # may hold an earlier failure, a cycle that kept the evaluation until a full collection)
     if not pause_gc or not gc.isenabled():
-        return step(arg)
+        try:
+            return step(arg)
+        finally:
+            del arg
     gc.disable()
     try:
         return step(arg)
     finally:
+        del arg
         gc.enable()
 
 

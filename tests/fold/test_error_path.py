@@ -128,6 +128,16 @@ def test_the_steps_of_fold_reduce_and_all_of() -> None:
     )
 
 
+def test_a_stop_iteration_marks_no_path_step_through_all_of() -> None:
+    """Builds and routes leave a StopIteration unmarked (it is not thrown into
+    them); a compiled AllOf marked it, a path that was wrong and depended on
+    the input's depth."""
+    pair = Map(AllOf(InputTransform[Any, int](lambda it: 1), InputTransform[Any, Any](next)))
+    with pytest.raises(StopIteration) as info:
+        pair([iter([1]), iter([])])
+    assert info.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {pair!r}"]
+
+
 def test_the_step_of_one_of_names_its_case() -> None:
     """A `OneOf`'s path step names the case its input took (it named the
     `OneOf`, not which of its blocks the error left)."""

@@ -499,6 +499,10 @@ def test_a_layers_shape_is_refused_with_what_to_read_instead() -> None:
     with pytest.raises(AttributeError, match=r"'Layer' object has no attribute 'colour'"):
         _ = (w * 2.0).colour  # type: ignore[attr-defined]  # (any other name: Python's own message)
     assert not hasattr(w * 2.0, "dtype") and w.dtype == np.float64
+    broken = ml.Weight(np.ones(2))
+    broken._data = [1.0, 2.0]  # (a weight's own property failing inside: its error)
+    with pytest.raises(AttributeError, match=r"'list' object has no attribute 'shape'"):
+        _ = broken.shape
 
 
 def test_where_refuses_a_condition_that_is_not_a_boolean_array() -> None:
