@@ -17,9 +17,10 @@ import numpy.typing as npt
 from monadl.fold._block import Block, Build, Immediate, call
 from monadl.fold._inputs import shown
 from monadl.layers import ArrayLayer
+from monadl.layers._layer import built_at
 from monadl.layers._operation import Operation
+from monadl.layers._primitives import AS_LAYER
 from monadl.layers._site import caller_site
-from monadl.typeclasses import as_layer
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -70,11 +71,12 @@ class Scalar(Immediate[float, ArrayLayer]):
     monadl.fold: while building input 0 (None) of the batch with Scalar('float32')
     """
 
-    __slots__ = ("dtype",)
+    __slots__ = ("_site", "dtype")
     _shown = ("dtype",)
 
     def __init__(self, dtype: npt.DTypeLike = np.float32) -> None:
         self.dtype = np.dtype(dtype)
+        self._site = caller_site()  # (its rows' line: where it was made, found once, as `Function`'s)
 
     def _output(self, x: float) -> ArrayLayer:
         if type(x) is not float and not _is_real(x):  # (the usual input first: a float)
@@ -83,7 +85,7 @@ class Scalar(Immediate[float, ArrayLayer]):
                 + _hint(x)
             )
         try:
-            return as_layer(np.array([x], self.dtype))
+            return built_at(AS_LAYER, (np.array([x], self.dtype),), self._site)
         except OverflowError:  # (an int past every float: 10**400)
             raise ValueError(f"{self!r} was given {shown(x)}, past the largest {self.dtype}") from None
 
@@ -108,12 +110,13 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
     monadl.fold: while building input 0 (a list) of the batch with Vector(2, 'float32')
     """
 
-    __slots__ = ("dtype", "size")
+    __slots__ = ("_site", "dtype", "size")
     _shown = ("size", "dtype")
 
     def __init__(self, size: int, dtype: npt.DTypeLike = np.float32) -> None:
         self.size = size
         self.dtype = np.dtype(dtype)
+        self._site = caller_site()
 
     def _output(self, x: Sequence[float]) -> ArrayLayer:
         given: object = x  # (typed as it may come: an array is no Sequence to mypy)
@@ -130,7 +133,7 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
         if len(numbers) != self.size:
             n = len(numbers)
             raise ValueError(f"Vector({self.size}) was given {n} number{'s' * (n != 1)}: {shown(x)}")
-        return as_layer(numbers.astype(self.dtype, copy=False).reshape(1, self.size))
+        return built_at(AS_LAYER, (numbers.astype(self.dtype, copy=False).reshape(1, self.size),), self._site)
 
 
 @final
@@ -142,15 +145,16 @@ class Zeros(Immediate[object, ArrayLayer]):
     array([[0., 0.]])
     """
 
-    __slots__ = ("dtype", "shape")
+    __slots__ = ("_site", "dtype", "shape")
     _shown = ("shape", "dtype")
 
     def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> None:
         self.shape = shape
         self.dtype = np.dtype(dtype)
+        self._site = caller_site()
 
     def _output(self, x: object) -> ArrayLayer:
-        return as_layer(np.zeros((1, *self.shape), self.dtype))
+        return built_at(AS_LAYER, (np.zeros((1, *self.shape), self.dtype),), self._site)
 
 
 # ---- functions ----------------------------------------------------------------------------------

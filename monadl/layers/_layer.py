@@ -416,6 +416,18 @@ class Layer(Expr[D, G]):
         return f"Layer({what}, built at {site_text(self._site)})"
 
 
+def built_at(op: Primitive, inputs: tuple[Any, ...], site: Site) -> Layer[Any, Any]:
+    """A primitive layer built at ``site``, found once by its caller (a Fold
+    block's constant rows: its line, where the block was made), not per node."""
+    layer: Layer[Any, Any] = _new(Layer)
+    layer._op = op
+    layer._inputs = inputs
+    layer._params = ()
+    layer._site = site
+    layer._serial = _next_serial()
+    return layer
+
+
 def _build(op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...], depth: int) -> Layer[Any, Any]:
     """A primitive layer; its site is found from the frame ``depth`` levels up
     from here (the first that may be the user's) outwards. ``_do``, read only
