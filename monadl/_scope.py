@@ -64,6 +64,11 @@ class Scope(Generic[T]):
         if not isinstance(self._context, ContextDecorator):
             raise TypeError(f"{self._name}(...) is not a decorator: use it in a with block")
         context = self._context
+        if inspect.isgeneratorfunction(function) or inspect.isasyncgenfunction(function):
+            raise TypeError(
+                f"{self._name}(...) over a generator function would be in force while the generator is made, not "
+                f"while it runs (its body runs at each next()); write `with {self._name}(...):` inside it"
+            )
         if not inspect.iscoroutinefunction(function):
             return context(function)
 

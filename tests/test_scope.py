@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from collections.abc import AsyncIterator, Iterator
 
 import anyio
 import anyio.lowlevel
@@ -94,3 +95,18 @@ async def test_a_scope_decorates_an_async_function_during_its_run() -> None:
     assert await inside() and await inside()
     assert not current_settings().check_finite
     assert len((await weight()).state) == 2
+
+
+def test_a_scope_over_a_generator_function_is_refused_with_what_to_write() -> None:
+    """Over a generator function it was in force while the generator was made,
+    not while its body ran, in silence."""
+
+    def numbers() -> Iterator[int]:
+        yield 1
+
+    async def stream() -> AsyncIterator[int]:
+        yield 1
+
+    for function in (numbers, stream):
+        with pytest.raises(TypeError, match=r"over a generator function .* write `with ml.settings\(...\):` inside it"):
+            ml.settings(check_finite=True)(function)

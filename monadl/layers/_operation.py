@@ -265,14 +265,16 @@ class Operation(Generic[P, R]):
             key = (key, tuple([id(x) for x in held]))
         trace = self._traces.get(key)
         if trace is None:
-            if len(self._traces) >= _TRACES_LIMIT:
+            full = len(self._traces) >= _TRACES_LIMIT
+            if full:
                 self._evict()
             keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
             placed = {j: (s, k) for j, s, k in views}
             trace = traced(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
             self._traces[key] = trace
             count = len(self._traces)
-            if count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):  # (8, 16, 32, ...)
+            # (8, 16, 32, ...: said once each; at the limit, where each new trace replaces one, not again)
+            if not full and count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):
                 _log.debug("operation %s has %d traces, %s", self.__name__, count, why_traces(self._traces))
         if kinds is not None:
             with self._learning:  # (another thread's walk may rebind between the check and the plan's store)

@@ -74,6 +74,15 @@ class Unvalued:
 
     if not TYPE_CHECKING:  # (to mypy a layer has no shape: `layer.shape` is rejected before it runs)
 
+        def __format__(self, spec: str) -> str:
+            """``f"{layer}"`` is its repr; a number's format (``f"{loss:.3f}"``) has
+            no value to format: said as float() says it (a bare TypeError before)."""
+            if not spec:
+                return repr(self)
+            if type(self).__name__ == "Weight":
+                raise OperandError(f"a weight is formatted by its value: format weight.data (a format {spec!r})")
+            raise OperandError(_NO_VALUE.format(f"a format ({spec!r})", "format the value predict() gives; "))
+
         def __getattr__(self, name: str) -> NoReturn:
             """Called only for an attribute a layer does not have: for its shape
             and dtype, what to read instead (a weight inside a marked cell is a

@@ -40,3 +40,23 @@ def test_static_arguments_are_told_to_become_data(caplog: pytest.LogCaptureFixtu
     message = traces_message(caplog, calls, cell)
     assert "has 8 traces" in message and "pass what differs per call as a float or an array" in message
     assert "ml.stack" not in message
+
+
+def test_the_count_of_traces_is_said_once_each_not_at_every_call_past_the_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At the limit each new signature replaces a trace, so the count stayed
+    256, a power of two: the line was said at every call (1,380 lines for a
+    new user's 600 batch sizes)."""
+    from monadl.layers._operation import _TRACES_LIMIT
+
+    @ml.operation
+    def scaled(x: ml.ArrayWeight, n: int) -> ml.ArrayLayer:
+        return x * float(n)
+
+    w = ml.Weight(np.ones(2))
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        for n in range(_TRACES_LIMIT + 100):
+            scaled(w, n)
+    said = [r.getMessage() for r in caplog.records if " traces, " in r.getMessage()]
+    assert [int(line.split(" has ")[1].split()[0]) for line in said] == [8, 16, 32, 64, 128, 256]

@@ -499,6 +499,11 @@ def test_a_layers_shape_is_refused_with_what_to_read_instead() -> None:
     with pytest.raises(AttributeError, match=r"'Layer' object has no attribute 'colour'"):
         _ = (w * 2.0).colour  # type: ignore[attr-defined]  # (any other name: Python's own message)
     assert not hasattr(w * 2.0, "dtype") and w.dtype == np.float64
+    with pytest.raises(ml.OperandError, match=r"so a format \('.3f'\) cannot be read: format the value predict"):
+        _ = f"{w * 2.0:.3f}"
+    with pytest.raises(ml.OperandError, match=r"a weight is formatted by its value: format weight.data"):
+        _ = f"{w:.3f}"
+    assert f"{w * 2.0}".startswith("Layer(multiply, built at ")
     broken = ml.Weight(np.ones(2))
     broken._data = [1.0, 2.0]  # (a weight's own property failing inside: its error)
     with pytest.raises(AttributeError, match=r"'list' object has no attribute 'shape'"):
