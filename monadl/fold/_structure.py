@@ -69,9 +69,10 @@ class OneOf(Route[X, Y]):
                 f"{self!r}: its key function gave {k!r:.80}, a {type(k).__name__}, which is unhashable, so no "
                 f"case of the {type(self.cases).__name__} matches it; return a hashable key (a tuple for a list)"
             ) from None
-        if not known:
+        if not known:  # (named by its key function alone: its cases are listed by key, not each block again)
+            key = getattr(self.key, "__qualname__", None) or reprlib.repr(self.key)
             raise KeyError(
-                f"{self!r}: no case for key {k!r}, the key of its input {shown(x)}"
+                f"OneOf({key}, ...): no case for key {k!r}, the key of its input {shown(x)}"
                 f"; the keys of its cases: {reprlib.repr(list(self.cases))}"
             )
         return self.cases[k]
