@@ -6,7 +6,7 @@ weight it reaches once; ``await layer.predict()`` runs the forward pass.
 """
 
 from monadl import optim
-from monadl._scope import entered_only
+from monadl._scope import entered_only as _entered_only
 from monadl.checkpoint import load, save
 from monadl.direct import direct, values
 from monadl.do import Do
@@ -78,7 +78,7 @@ __version__ = "0.1.0"
 
 # Called without `with`, it warns that it changed nothing (monadl/_scope.py); the API page follows
 # the wrapper to the docstring in runtime/settings.py.
-settings = entered_only("ml.settings")(_settings)
+settings = _entered_only("ml.settings")(_settings)
 
 __all__ = [
     "Array",

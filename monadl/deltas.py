@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from math import prod
-from typing import Any, Final, final
+from typing import Any, Final, cast, final
 
 import numpy as np
 import numpy.typing as npt
@@ -165,6 +165,13 @@ def _joined_flat(parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
     return xp.concat([index for index, _ in parts]), xp.concat([rows for _, rows in parts])
 
 
+def _is_number(x: object) -> bool:
+    """A plain or NumPy number, or a 0-d array: what scales a table's rows."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int | float | np.number) or (is_array(x) and getattr(x, "ndim", None) == 0)
+
+
 @final
 class SparseRows:
     """A delta of a table that is zero except on some rows.
@@ -304,6 +311,34 @@ class SparseRows:
         return NotImplemented
 
     __radd__ = __add__
+
+    def __mul__(self, other: object) -> Any:
+        """The rows scaled by a number (a mean of micro-batches' gradients:
+        ``sum(grads) / n``), still sparse. Another table or an array is not a
+        scale: ``.to_dense()`` first."""
+        if not _is_number(other):
+            return NotImplemented
+        return SparseRows(self.indices, self.rows * other, self.table_shape)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: object) -> Any:
+        if not _is_number(other):
+            return NotImplemented
+        return SparseRows(self.indices, self.rows / other, self.table_shape)
+
+    def __neg__(self) -> SparseRows:
+        return SparseRows(self.indices, -self.rows, self.table_shape)
+
+    def __sub__(self, other: object) -> Any:
+        if isinstance(other, SparseRows) or is_array(other):
+            return self + -cast(Any, other)
+        return NotImplemented
+
+    def __rsub__(self, other: object) -> Any:
+        if is_array(other):
+            return -self + other
+        return NotImplemented
 
     def __repr__(self) -> str:
         return f"SparseRows(indices={self.indices!r}, rows={self.rows!r}, table_shape={self.table_shape!r})"

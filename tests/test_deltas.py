@@ -95,3 +95,53 @@ async def test_the_gradient_of_a_full_mask_and_of_negative_indices() -> None:
     np.testing.assert_array_equal(g, c)
     [g] = await ml.gradients(ml.sum(w[np.array([-1, 3])]), [w])
     np.testing.assert_array_equal(g, [[0, 0], [0, 0], [0, 0], [2, 2]])
+
+
+@pytest.mark.anyio
+async def test_micro_batches_gradients_of_a_table_average_as_one_step_of_the_mean() -> None:
+    # The tour's accumulation recipe: a table's gradient (its rows) summed over micro-batches and
+    # divided by their count steps as one train() of the mean loss, with Adam's lazy rows.
+    def model(seed: int) -> tuple[ml.Weight[Any, Any], ml.Weight[Any, Any]]:
+        rng = np.random.default_rng(seed)
+        adam = ml.optim.adam(0.1)
+        return ml.Weight(rng.standard_normal((6, 3)), optimizer=adam), ml.Weight(rng.standard_normal(3), optimizer=adam)
+
+    ids = [np.array([0, 2, 2]), np.array([5, 0]), np.array([1])]
+
+    def loss(table: Any, v: Any, i: int) -> Any:
+        return ml.sum(ml.tanh(ml.embedding(table, ids[i]) @ v))
+
+    table, v = model(0)
+    await ml.mean(ml.stack([loss(table, v, i) for i in range(3)])).train()
+    other, u = model(0)
+    summed: dict[Any, Any] = {}
+    for i in range(3):
+        _, grads = await ml.value_and_gradients(loss(other, u, i))
+        for w, g in grads.items():
+            summed[w] = summed[w] + g if w in summed else g
+    assert type(summed[other]) is SparseRows
+    ml.optim.apply_gradients({w: g / 3 for w, g in summed.items()})
+    np.testing.assert_allclose(other.data, table.data, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(u.data, v.data, rtol=1e-12, atol=1e-12)
+
+
+def test_a_tables_rows_scale_by_numbers_and_nothing_else() -> None:
+    d = SparseRows(np.array([2, 0, 2]), np.ones((3, 2), np.float32), (4, 2))
+    dense = d.to_dense()
+    for got, want in [
+        (d * 0.5, dense * 0.5),
+        (2 * d, 2 * dense),
+        (d / np.float32(4), dense / 4),
+        (d * np.array(3.0, np.float32), dense * 3),
+        (-d, -dense),
+        (d - d * 2, -dense),
+        (np.ones((4, 2), np.float32) - d, 1 - dense),
+        (d - np.ones((4, 2), np.float32), dense - 1),
+    ]:
+        got = got.to_dense() if type(got) is SparseRows else got
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == np.float32
+    assert type(d / 2) is SparseRows  # (still its rows: the step stays sparse)
+    for other in [np.ones((4, 2)), True, "2", d]:
+        with pytest.raises(TypeError):
+            d * other
