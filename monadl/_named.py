@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableSequence, ValuesView
 from typing import Any, Final
 
 import numpy as np
@@ -36,6 +36,10 @@ _OPAQUE: Final = (
 )
 
 
+# What a class attribute may hold that is the model's (a weight, a container of them), not its
+# code: its methods, properties and other descriptors are not walked.
+_CLASS_DATA: Final = (Weight, list, tuple, dict, MutableSequence)
+
 _CODE: Final = (types.FunctionType, types.MethodType, functools.partial, Operation)
 
 _LARGEST_HELD_BY_CODE: Final = 10_000
@@ -51,8 +55,11 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     """Every weight reachable from ``model``, by a stable dotted name, in the
     order the model's containers hold them.
 
-    Dict keys, list and tuple indices, dataclass fields and attribute names
-    (``__dict__`` and ``__slots__``) make up the names. What code holds is
+    Dict keys, list and tuple indices (a deque's, a dict's values', an
+    array of objects' flat ones), dataclass fields and attribute names
+    (``__dict__`` and ``__slots__``, and the weights and containers an
+    object's classes hold as class attributes) make up the names. A
+    generator or an iterator is not walked (that would consume it). What code holds is
     walked after all that data holds (so a weight data reaches keeps its
     name), by the names its code reads: a closure's free variables and a
     function's defaults by their names, a ``functools.partial``'s arguments
@@ -131,6 +138,8 @@ def _private(entry: tuple[str, object]) -> bool:
 
 
 def _children(node: object) -> Iterable[tuple[object, object]] | None:
+    if type(node) is np.ndarray and node.dtype == object:  # (an array of objects: by flat index)
+        return [(i, x) for i, x in enumerate(node.flat) if x is not None and not isinstance(x, _LEAVES)]
     if isinstance(node, _OPAQUE) or node is None:
         return None
     if isinstance(node, Mapping):
@@ -141,7 +150,7 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         return None
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return list(zip(node._fields, node))
-    if isinstance(node, (list, tuple)):
+    if isinstance(node, (list, tuple, MutableSequence, ValuesView)):  # (a deque too, and a dict's values)
         return [(i, x) for i, x in enumerate(node) if x is not None and not isinstance(x, _LEAVES)]
     if dataclasses.is_dataclass(node):
         return [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node) if hasattr(node, f.name)]
@@ -153,6 +162,10 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         for slot in (slots,) if isinstance(slots, str) else slots:
             if slot not in ("__dict__", "__weakref__") and slot not in attributes and hasattr(node, slot):
                 attributes[slot] = getattr(node, slot)
+    for cls in type(node).__mro__[:-1]:  # (what its classes hold as data, as `self.name` reads it; not object's)
+        for key, value in vars(cls).items():
+            if key not in attributes and isinstance(value, _CLASS_DATA):
+                attributes[key] = value
     return list(attributes.items()) or None
 
 

@@ -25,7 +25,9 @@ def put(tensors: dict[str, Any], key: str, value: Any) -> None:
     # C order: safetensors writes an array's memory as it lies, so a transposed
     # (Fortran-ordered) array would come back scrambled. (Not ascontiguousarray:
     # it makes a 0-d array 1-d.)
-    tensors[key] = np.asarray(_to_host(value), order="C")
+    # Native byte order: safetensors stores little-endian, and a digest of big-endian bytes would not match.
+    array = np.asarray(_to_host(value), order="C")
+    tensors[key] = array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _to_host(value: Any) -> Any:

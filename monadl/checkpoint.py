@@ -82,11 +82,16 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             that a killed save left is removed by the next save of ``path``.
         model: any object that holds weights (see `named_weights`).
         metadata: JSON data to keep beside the weights (an epoch, a data
-            loader's position); `load` returns it. NumPy scalars in it
-            (``np.int64(3)``, a float32 loss) are kept as Python numbers.
+            loader's position), a dict with str keys; `load` returns it.
+            NumPy scalars in it (``np.int64(3)``, a float32 loss) are kept
+            as Python numbers, tuples come back as lists; a key that is no
+            str (JSON would make ``{3: 0.9}`` ``{'3': 0.9}``) is refused.
 
     Raises:
         CheckpointError: ``model`` holds no weight (nothing is written).
+        TypeError: metadata that would not load as given.
+        OSError: the file could not be written (a full disk, a read-only
+            folder); the previous checkpoint at ``path`` is intact.
 
     The file holds one model that existed: every weight's data and state as
     they were at one instant, between two steps. A ``train()`` in flight
@@ -128,6 +133,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
                 "optimizer_state": encode(state, f"{_STATE_PREFIX}{name}", tensors),
             }
         )
+    _check_metadata(metadata)
     manifest = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -191,7 +197,10 @@ def _text_digest(text: str) -> str:
 
 
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
-    save_file(tensors, path, metadata=header)
+    try:
+        save_file(tensors, path, metadata=header)
+    except SafetensorError as error:  # (its own error for a failed write, a full disk: an OSError as open's)
+        raise OSError(f"save: writing {path} failed: {error}") from error
 
 
 def load(
@@ -256,8 +265,6 @@ def load(
     ]
     if strict:
         problems += unmatched
-    elif unmatched:
-        warnings.warn(f"{os.fspath(path)}: {'; '.join(unmatched)} (strict=False: passed over)", stacklevel=2)
     updates: list[tuple[Any, Any, Any]] = []
     for name, weight in weights.items():
         if name not in saved:
@@ -265,9 +272,15 @@ def load(
         try:
             stored = tensors[name]
             if isinstance(weight.dtype, np.dtype) and stored.dtype != weight.dtype:  # (a file is not converted)
+                shapes = (
+                    f" and shape {tuple(stored.shape)} (the model's: {weight.shape})"
+                    if tuple(stored.shape) != weight.shape
+                    else ""
+                )
                 raise CheckpointError(
-                    f"weight {name!r}: the checkpoint holds {stored.dtype}, the model's weight is {weight.dtype}; "
-                    "build the weight in the dtype it was saved in (a checkpoint loads as saved, not converted)"
+                    f"weight {name!r}: the checkpoint holds {stored.dtype}{shapes}, the model's weight is "
+                    f"{weight.dtype}; build the weight in the dtype it was saved in (a checkpoint loads as saved, "
+                    "not converted)"
                 )
             data = replace_data(weight.data, to_library(stored, weight.data), f"weight {name!r}")
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
@@ -286,9 +299,11 @@ def load(
                 "the optimizers it was saved with (a schedule where a float rate was, or another chain, differ), "
                 "or load the weights' values alone: load(path, model, optimizer_state=False)"
             )
-        if unmatched:
+        if unmatched and strict:
             problems.append("load(path, model, strict=False) loads the weights both have and passes the others over")
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
+    if unmatched:  # (strict=False, and everything else fits: said once it loads)
+        warnings.warn(f"{os.fspath(path)}: {'; '.join(unmatched)} (strict=False: passed over)", stacklevel=2)
     with COMMIT_LOCK:
         pin_for_readers([weight for weight, _, _ in updates])
         held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
@@ -390,6 +405,29 @@ def _manifest(path: str, header: dict[str, str]) -> dict[str, Any]:
             f"this monadl reads {_FORMAT!r} up to version {_VERSION}"
         )
     return manifest
+
+
+def _check_metadata(metadata: object) -> None:
+    """Refuse metadata that would not come back as it was given: not a
+    mapping, or a mapping with a key that is not a str (JSON's keys are
+    strings: ``{3: 0.9}`` would load as ``{'3': 0.9}``)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"save: metadata is a dict of JSON data (str keys), got a {type(metadata).__name__}")
+    todo: list[tuple[str, object]] = [("metadata", metadata)]
+    while todo:
+        where, x = todo.pop()
+        if isinstance(x, Mapping):
+            for key, value in x.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"save: {where} has a key that is no str, {key!r} ({type(key).__name__}); JSON keys are "
+                        f"strings, so it would load as {str(key)!r}: use str keys, or a list of pairs"
+                    )
+                todo.append((f"{where}[{key!r}]", value))
+        elif isinstance(x, (list, tuple)):
+            todo.extend((f"{where}[{i}]", value) for i, value in enumerate(x))
 
 
 def _json_scalar(x: object) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import json
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any, NamedTuple
 import anyio
 import numpy as np
 import pytest
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 import monadl as ml
@@ -869,3 +871,84 @@ def test_saving_into_a_missing_folder_names_the_path_asked_for(tmp_path: Path) -
     with pytest.raises(FileNotFoundError) as caught:
         ml.save(target, ml.Weight(np.ones(2)))
     assert caught.value.filename == str(target) and ".tmp" not in str(caught.value)
+
+
+# ---- from a new user's trial: what a checkpoint missed or said wrongly ----------------------
+@pytest.mark.anyio
+async def test_a_big_endian_array_trains_saves_and_loads_as_any_other(tmp_path: Path) -> None:
+    # (a FITS or network-order file's array: the checkpoint's digests were of its bytes, and every load
+    # called the file damaged)
+    w = ml.Weight(np.arange(4.0).astype(">f8"), optimizer=ml.optim.adam(0.1))
+    assert w.dtype == np.float64 and w.data.dtype.isnative
+    await ml.sum(w * w).train()
+    ml.save(tmp_path / "w.safetensors", {"w": w})
+    fresh = ml.Weight(np.zeros(4), optimizer=ml.optim.adam(0.1))
+    ml.load(tmp_path / "w.safetensors", {"w": fresh})
+    np.testing.assert_array_equal(fresh.data, w.data)
+    fresh.data = np.ones(4).astype(">f8")  # (its values: the weight keeps its own byte order)
+    assert fresh.data.dtype.isnative and fresh.data.tolist() == [1.0] * 4
+
+
+class _Held:
+    shared = ml.Weight(np.zeros(2))  # (a class attribute, as a quick script keeps one)
+
+    def __init__(self) -> None:
+        objects = np.empty(1, dtype=object)
+        objects[0] = ml.Weight(np.ones(1))
+        self.deque = collections.deque([ml.Weight(np.ones(3)), ml.Weight(np.ones(3))])
+        self.objects = objects
+        self.values = {"x": ml.Weight(np.ones(2))}.values()
+
+
+def test_weights_in_a_deque_an_object_array_a_dicts_values_and_a_class_are_saved() -> None:
+    # (they were left out without a word, and a load "succeeded" with them as built)
+    assert list(checkpoint.named_weights(_Held())) == ["deque.0", "deque.1", "objects.0", "values.0", "shared"]
+
+
+def test_a_load_that_fails_under_strict_false_says_nothing_of_passing_over(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"a": ml.Weight(np.zeros(3)), "b": ml.Weight(np.zeros(2))})
+    with pytest.raises(ml.CheckpointError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (it warned that the others were passed over, though nothing loaded)
+        ml.load(path, {"a": ml.Weight(np.zeros(4)), "c": ml.Weight(np.zeros(2))}, strict=False)
+    assert "expected shape (4,), got (3,)" in str(raised.value)
+    assert "strict=False" not in str(raised.value)  # (it advised what was given)
+    with pytest.warns(UserWarning, match=r"missing from the checkpoint: 'c'.*passed over"):
+        ml.load(path, {"a": ml.Weight(np.zeros(3)), "c": ml.Weight(np.zeros(2))}, strict=False)
+
+
+def test_a_weight_of_another_dtype_and_shape_is_told_both(tmp_path: Path) -> None:
+    ml.save(tmp_path / "m.safetensors", {"w": ml.Weight(np.zeros((3, 4)))})
+    with pytest.raises(ml.CheckpointError, match=r"holds float64 and shape \(3, 4\) \(the model's: \(4, 3\)\)"):
+        ml.load(tmp_path / "m.safetensors", {"w": ml.Weight(np.zeros((4, 3), np.float32))})
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"best": {3: 0.9}}, r"metadata\['best'\] has a key that is no str, 3 \(int\).*load as '3'"),
+        ([("epoch", 3)], "metadata is a dict of JSON data .*got a list"),
+    ],
+)
+def test_metadata_that_would_not_load_as_given_is_refused(tmp_path: Path, metadata: Any, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        ml.save(tmp_path / "m.safetensors", {"w": ml.Weight(np.zeros(2))}, metadata=metadata)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_failed_write_is_an_os_error_and_keeps_the_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.safetensors"
+    ml.save(path, {"w": ml.Weight(np.ones(2))})
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        ml.save(path, {"w": ml.Weight(np.zeros(2))})
+    monkeypatch.undo()
+    fresh = {"w": ml.Weight(np.zeros(2))}
+    ml.load(path, fresh)
+    assert fresh["w"].data.tolist() == [1.0, 1.0]

@@ -35,6 +35,12 @@ def _library(x: object) -> str:
     return "numpy" if isinstance(x, (float, int, np.generic, np.ndarray)) else library_name(x)
 
 
+def _byte_order_apart(a: Any, b: Any) -> bool:
+    """Whether two NumPy dtypes differ in byte order alone (a big-endian
+    array read from a file, given to a weight: its values convert)."""
+    return isinstance(a, np.dtype) and isinstance(b, np.dtype) and a.newbyteorder("=") == b.newbyteorder("=")
+
+
 def _check_array(old: Any, new: Any, where: str) -> None:
     if _library(new) != _library(old):
         raise DeviceError(
@@ -46,7 +52,7 @@ def _check_array(old: Any, new: Any, where: str) -> None:
         raise ShapeError(f"{where}: expected shape {tuple(old.shape)}, got {shape}")
     if isinstance(new, (float, int)):
         return  # a Python number has no dtype of its own: it takes the weight's
-    if new.dtype != old.dtype:
+    if new.dtype != old.dtype and not _byte_order_apart(new.dtype, old.dtype):
         raise DTypeError(
             f"{where}: expected dtype {old.dtype}, got {new.dtype} (convert it first: x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API)"
         )
@@ -87,6 +93,8 @@ def replace_state(old: Any, new: Any, where: str) -> Any:
         _check_array(old, new, where)
         if isinstance(new, np.generic):
             return new  # immutable
+        if isinstance(new, np.ndarray):  # (in the old's byte order: the native one)
+            return np.array(new, dtype=old.dtype, copy=True)
         return namespace(new).asarray(new, copy=True)
     if isinstance(old, tuple):
         if type(new) is not type(old) or len(new) != len(old):

@@ -112,7 +112,8 @@ class Weight(Expr[D, G]):
         elif isinstance(data, np.ndarray):
             if data.dtype.kind != "f":
                 raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
-            data = data.copy()
+            # (in native byte order: a big-endian array read from a file steps, saves and loads as any other)
+            data = data.astype(data.dtype.newbyteorder("="))
         elif not isinstance(data, np.floating):
             data = np.float64(data)
         if optimizer is None:
