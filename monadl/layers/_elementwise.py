@@ -241,15 +241,22 @@ def _where(condition: Value, a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]
     if xp is np:
         xp = _either(a, b)
     a, b = one_float_dtype("where", (a, b), None)  # (as a binary op's: float32 and float64 arrays refused)
-    out = xp.where(condition, a, b)
+    out = _scalar(xp, xp.where(condition, a, b))
 
     def first(g: Value) -> Value:
-        return xp.where(condition, g, xp.zeros((), dtype=g.dtype))
+        return _scalar(xp, xp.where(condition, g, xp.zeros((), dtype=g.dtype)))
 
     def second(g: Value) -> Value:
-        return xp.where(condition, xp.zeros((), dtype=g.dtype), g)
+        return _scalar(xp, xp.where(condition, xp.zeros((), dtype=g.dtype), g))
 
     return out, (_no_delta, first, second)
+
+
+def _scalar(xp: Any, x: Value) -> Value:
+    """NumPy's 0-d array as its scalar, as NumPy's other functions give one
+    and a batched group's member is one (else a float32 0-d value beside a
+    float64 number made float32, where the batched one made float64)."""
+    return x[()] if xp is np and not x.ndim else x
 
 
 def _no_delta(g: Value) -> None:  # (a condition is data: never asked for its delta)

@@ -15,7 +15,7 @@ is refused, not counted from the end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -23,16 +23,23 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add
 
 Value = Any  # an ndarray or a NumPy scalar
+PLAIN: Final = (float, int)
+"""A plain number reduced or reshaped (data, or a number an operation was given): as NumPy's 0-d array."""
 Vjp = Callable[[Value], Value]
 
 
 # ---- shape and indexing -------------------------------------------------------------
 def _reshape(a: Value, shape: tuple[int, ...]) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, old = namespace(a), a.shape
-    return xp.reshape(a, shape), (lambda g: xp.reshape(g, old),)
+    out = xp.reshape(a, shape)
+    return out[()] if xp is np and not shape else out, (lambda g: xp.reshape(g, old),)
 
 
 def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp = namespace(a)
     axes = tuple(range(a.ndim - 1, -1, -1)) if axes is None else tuple(_axis(ax, a.ndim) for ax in axes)
     inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
@@ -48,6 +55,8 @@ def _axis(axis: int, ndim: int) -> int:
 
 
 def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, shape, dtype, device = namespace(a), a.shape, a.dtype, a.device
 
     def vjp(g: Value) -> Value:

@@ -19,7 +19,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.layers._elementwise import _mask
-from monadl.layers._indexing import _checked_indices
+from monadl.layers._indexing import PLAIN, _checked_indices
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]
@@ -37,6 +37,8 @@ def _expand(xp: Any, g: Value, shape: tuple[int, ...], axis: Any, keepdims: bool
 
 
 def _sum(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, shape = namespace(a), a.shape
     return xp.sum(a, axis=axis, keepdims=keepdims), (
         lambda g: xp.broadcast_to(_expand(xp, g, shape, axis, keepdims), shape),
@@ -44,6 +46,8 @@ def _sum(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _mean(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, shape = namespace(a), a.shape
     out = xp.mean(a, axis=axis, keepdims=keepdims)
     scale = prod(out.shape) / max(prod(shape), 1)
@@ -51,6 +55,8 @@ def _mean(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _max(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, shape = namespace(a), a.shape
     out = xp.max(a, axis=axis, keepdims=keepdims)
     winners = _mask(xp, a == _expand(xp, out, shape, axis, keepdims), a)
@@ -67,6 +73,8 @@ def _peak(xp: Any, a: Value, axis: Any) -> Value:
 
 
 def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp, shape = namespace(a), a.shape
     peak = _peak(xp, a, axis)
     peak = xp.where(xp.isfinite(peak), peak, xp.zeros_like(peak))
@@ -79,8 +87,8 @@ def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, .
             out_keep = xp.log(total) + peak
     if keepdims:
         out = out_keep
-    elif axis is None:
-        out = xp.reshape(out_keep, ())
+    elif axis is None:  # (NumPy's scalar, as its sum's)
+        out = out_keep.reshape(())[()] if xp is np else xp.reshape(out_keep, ())
     else:
         out = xp.squeeze(out_keep, axis=axis)
     with np.errstate(invalid="ignore"):  # (that row's delta: NaN, 0 / 0, as PyTorch's)
@@ -89,6 +97,8 @@ def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, .
 
 
 def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp = namespace(a)
     if a.size == 0:  # (nothing to normalise: empty, as PyTorch's)
         return xp.zeros_like(a), (lambda g: xp.zeros_like(a),)
@@ -98,6 +108,8 @@ def _softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
 
 
 def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
+    if type(a) in PLAIN:
+        a = np.asarray(a)
     xp = namespace(a)
     if a.size == 0:  # (nothing to normalise: empty, as PyTorch's)
         return xp.zeros_like(a), (lambda g: xp.zeros_like(a),)

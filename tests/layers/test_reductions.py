@@ -47,3 +47,52 @@ def test_what_numpy_refuses_of_a_0d_operand_is_a_shape_error(build: Any, said: s
     w = ml.Weight(np.array(0.4))
     with pytest.raises(ml.ShapeError, match=said):
         anyio.run(ml.gradients, ml.sum(build(w)), [w])
+
+
+# ---- from a new user's fuzzing of batching: plain numbers, and NumPy's scalars -----------------
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("reduce", "want"),
+    [
+        (ml.sum, 1.5),
+        (ml.mean, 1.5),
+        (ml.max, 1.5),
+        (ml.logsumexp, 1.5),
+        (lambda x: ml.reshape(x, (1,)), [1.5]),
+        (lambda x: ml.softmax(ml.reshape(x, (1,))), [1.0]),
+    ],
+)
+async def test_a_plain_number_reduces_and_reshapes_as_numpys_would(reduce: Any, want: Any) -> None:
+    # (a bare AttributeError, 'float' object has no attribute 'shape', where mypy accepted the call)
+    got = await reduce(1.5).predict()
+    np.testing.assert_array_equal(got, want)
+
+    @ml.operation
+    def cell(h: ml.Expr[ml.Array, ml.Array], t: Any) -> ml.ScalarLayer:  # (a float argument: a layer in the cell)
+        return ml.sum(h * ml.reshape(t, (1,)))
+
+    assert await cell(ml.Weight(np.ones(2)), 0.5).predict() == 1.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("batching", [False, True])
+async def test_a_scalar_result_is_numpys_scalar_whether_batched_or_not(batching: bool) -> None:
+    # Unbatched, logsumexp over every axis, where of scalars and a reshape to () gave 0-d arrays, and a
+    # float64 number beside them took their float32 (the batched ones, scalars, made float64).
+    w = ml.Weight(np.array([[0.3, 0.2], [0.5, -0.1]], np.float32))
+    s = ml.Weight(np.float32(-0.5))
+    xs = [np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), np.array([[1.0, 0.5], [-3.0, 4.0]], np.float32)]
+    terms: list[Any] = [
+        *[ml.logsumexp(x @ w) for x in xs],
+        *[ml.where(np.array(True), ml.tanh(s) + 1.5, c) for c in (0.73, -0.86)],
+        *[ml.reshape(ml.sum(x @ w, axis=0, keepdims=True)[:, :1], ()) for x in xs],
+    ]
+    with ml.settings(batching=batching):
+        values = await ml.stack(terms).predict()
+        for term in terms:
+            assert type(await term.predict()) is np.float32
+        loss = await (ml.sum(ml.Weight(np.array([0.1, 0.2])) ** 2.0) + terms[0] + terms[2]).predict()
+        _, grads = await ml.value_and_gradients(terms[2] * terms[3])
+    assert values.dtype == np.float32
+    assert type(loss) is np.float64  # (float64 beside float32 scalars: float64, as NumPy's)
+    assert type(grads[s]) is np.float32  # (a scalar weight's gradient: a scalar, as ml.gradients says)
