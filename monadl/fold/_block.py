@@ -92,7 +92,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len)("abc")
         3
         """
-        return run(self, [x])[0]
+        return run(self, [x], batch=False)[0]
 
     @final
     def batch(self, xs: Iterable[In]) -> list[Out]:

@@ -68,7 +68,7 @@ class Scalar(Immediate[float, ArrayLayer]):
     >>> Scalar()(None)
     Traceback (most recent call last):
     TypeError: Scalar('float32') takes a real number (an int, a float, a NumPy real scalar), and was given None
-    monadl.fold: while building input 0 (None) of the batch with Scalar('float32')
+    monadl.fold: while building the call's input (None) with Scalar('float32')
     """
 
     __slots__ = ("_site", "dtype")
@@ -107,7 +107,7 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
     >>> Vector(2)([[1.0, 2.0]])
     Traceback (most recent call last):
     ValueError: Vector(2) takes 2 real numbers in a flat sequence or a 1-D array, and was given [[1.0, 2.0]] (a list) of shape (1, 2); np.ravel(x) if its numbers are one row
-    monadl.fold: while building input 0 (a list) of the batch with Vector(2, 'float32')
+    monadl.fold: while building the call's input (a list) with Vector(2, 'float32')
     """
 
     __slots__ = ("_site", "dtype", "size")

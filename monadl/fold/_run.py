@@ -64,8 +64,9 @@ at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
 Run = Callable[[Any], Any]
 
 
-def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
-    """The outputs of ``block`` on each of ``xs``, its sub-blocks compiled once for all of them.
+def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True) -> list[Y]:
+    """The outputs of ``block`` on each of ``xs``, its sub-blocks compiled once
+    for all of them (``batch`` False: ``xs`` is a call's one input).
 
     >>> from monadl.fold import InputTransform
     >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
@@ -80,7 +81,10 @@ def run(block: Block[X, Y], xs: Iterable[X]) -> list[Y]:
         except Exception as exc:  # which input, and the block: the blocks' own lines are in the traceback
             n = len(outputs)
             where = runner.trail.where(exc, f"input {n}")
-            exc.add_note(f"monadl.fold: while building input {n} ({a_type(x)}) of the batch with {block!r}{where}")
+            if batch:
+                exc.add_note(f"monadl.fold: while building input {n} ({a_type(x)}) of the batch with {block!r}{where}")
+            else:  # (a call's one input, a list too: `Block.batch` takes a batch)
+                exc.add_note(f"monadl.fold: while building the call's input ({a_type(x)}) with {block!r}{where}")
             raise
     return outputs
 

@@ -628,7 +628,7 @@ def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkey
     with pytest.raises(ZeroDivisionError) as info:
         parsed(["1", "a"])
     assert info.value.__notes__ == [  # (where the fallback failed: Try's own step is its class)
-        f"monadl.fold: while building input 0 (a list) of the batch with {parsed!r}, at input 0[1]<Try>: 'a' (a str), "
+        f"monadl.fold: while building the call's input (a list) with {parsed!r}, at input 0[1]<Try>: 'a' (a str), "
         "given to InputTransform(len) >> InputTransform(<lambda>)"
     ]
     assert isinstance(info.value.__context__, ValueError)  # raised while the build handled parse's error
@@ -650,7 +650,7 @@ def test_an_error_no_build_catches_is_raised_as_it_was(depth: int | None, monkey
         case = "<case False of OneOf>"  # (the innermost OneOf's, the step of the path it adds)
         path = "[0]" * (levels + 1) if levels < 20 else "[0]" * 10 + f"...{levels - 18:,} more..." + "[0]" * 9
         assert caught.value.__notes__ == [
-            f"monadl.fold: while building input 0 (a list) of the batch with {nested!r}, at input 0{path}{case}: "
+            f"monadl.fold: while building the call's input (a list) with {nested!r}, at input 0{path}{case}: "
             "'x' (a str), given to InputTransform(parse)"  # (the case the OneOf gave the bad element to)
         ]
     with pytest.raises(StopIteration):  # not thrown into the builds: a generator would make it a RuntimeError

@@ -74,7 +74,7 @@ def test_the_note_has_the_path_to_the_bad_node_and_the_block_given_it(
     with pytest.raises(TypeError) as refused:
         node(missing)
     assert refused.value.__notes__ == [
-        "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), "
+        "monadl.fold: while building the call's input (a dict) with ForwardDeclaration('node'), "
         "at input 0['children'][1]['children'][1]<case 'leaf' of OneOf>['x']: None, given to Vector(2, 'float64')"
     ]
 
@@ -89,7 +89,7 @@ def test_a_tree_thousands_of_levels_deep_has_its_paths_middle_cut() -> None:
     (note,) = info.value.__notes__
     step = "['children'][1]"
     assert note == (
-        "monadl.fold: while building input 0 (a dict) of the batch with ForwardDeclaration('node'), at input 0"
+        "monadl.fold: while building the call's input (a dict) with ForwardDeclaration('node'), at input 0"
         + step * 5
         + "...5,982 more..."  # (6,002 steps: a level's two, the leaf's case and its field)
         + step * 4
@@ -135,7 +135,7 @@ def test_a_stop_iteration_marks_no_path_step_through_all_of() -> None:
     pair = Map(AllOf(InputTransform[Any, int](lambda it: 1), InputTransform[Any, Any](next)))
     with pytest.raises(StopIteration) as info:
         pair([iter([1]), iter([])])
-    assert info.value.__notes__ == [f"monadl.fold: while building input 0 (a list) of the batch with {pair!r}"]
+    assert info.value.__notes__ == [f"monadl.fold: while building the call's input (a list) with {pair!r}"]
 
 
 def test_the_step_of_one_of_names_its_case() -> None:
