@@ -59,7 +59,7 @@ from monadl._state_file import decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
-from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
+from monadl.layers._weight import COMMIT_LOCK, TRAINING, pin_for_readers
 from monadl.runtime.process import hold, release
 
 __all__ = ["load", "named_weights", "save"]
@@ -228,7 +228,8 @@ def load(
     weight keeps the array library and the type it has in memory (a NumPy
     scalar stays one; a CuPy weight gets its values copied to its device).
     Load between steps: a ``train()`` in flight would then step the loaded
-    weights along gradients of the weights it read before the load.
+    weights along gradients of the weights it read before the load (a load
+    that replaces weights such a ``train()`` has read warns, naming them).
 
     >>> import os, tempfile, numpy as np, monadl as ml
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
@@ -305,6 +306,7 @@ def load(
     if unmatched:  # (strict=False, and everything else fits: said once it loads)
         warnings.warn(f"{os.fspath(path)}: {'; '.join(unmatched)} (strict=False: passed over)", stacklevel=2)
     with COMMIT_LOCK:
+        _warn_in_flight(weights, updates)
         pin_for_readers([weight for weight, _, _ in updates])
         held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
         try:
@@ -315,6 +317,23 @@ def load(
         finally:
             release(held)
     return dict(manifest["metadata"])
+
+
+def _warn_in_flight(weights: dict[str, Any], updates: list[tuple[Any, Any, Any]]) -> None:
+    """Warn where a ``train()`` (or ``gradients()``) running now read some of
+    the weights a load replaces: its step will be taken from the loaded
+    values along gradients of the ones it read (a mix of two models)."""
+    loaded = {weight for weight, _, _ in updates}
+    read = [
+        name for name, weight in weights.items() if weight in loaded and any(weight in r for r in TRAINING.values())
+    ]
+    if read:
+        shown = ", ".join(map(repr, read[:5])) + (f" and {len(read) - 5} more" if len(read) > 5 else "")
+        warnings.warn(
+            f"load: a train() in flight has read {shown}; its step will be taken from the loaded values along "
+            "gradients of the values it read: load between steps (await the train() first)",
+            stacklevel=3,
+        )
 
 
 def _not_a_directory(path: str | os.PathLike[str]) -> None:

@@ -952,3 +952,31 @@ def test_a_failed_write_is_an_os_error_and_keeps_the_previous_file(
     fresh = {"w": ml.Weight(np.zeros(2))}
     ml.load(path, fresh)
     assert fresh["w"].data.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.anyio
+async def test_a_load_while_a_train_reads_its_weights_warns_and_one_between_steps_does_not(tmp_path: Path) -> None:
+    # (the step in flight was taken from the loaded values along the old ones' gradients, without a word)
+    path = tmp_path / "m.safetensors"
+    ws = [ml.Weight(np.full((2, 2), 0.5)), ml.Weight(np.ones(2))]
+    ml.save(path, ws)
+    reached = anyio.Event()
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        h = await ml.tanh(np.ones((1, 2)) @ ws[0])  # (the first weight read, then the train() waits)
+        reached.set()
+        await anyio.sleep(0.05)
+        return ml.sum(ml.as_layer(h) * ws[1] + ws[0])
+
+    async def load_meanwhile() -> None:
+        await reached.wait()
+        with pytest.warns(UserWarning, match=r"load: a train\(\) in flight has read '0'.*load between steps"):
+            ml.load(path, ws)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(load_meanwhile)
+        await model().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ml.load(path, ws)  # (between steps: nothing in flight)

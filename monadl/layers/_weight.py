@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from math import prod
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, final, overload
 
@@ -21,7 +21,16 @@ from monadl.layers._site import Site, caller_site, site_text
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
 
-__all__ = ["COMMIT_LOCK", "READERS", "ArrayWeight", "ScalarWeight", "Weight", "pin_for_readers", "weight_sites"]
+__all__ = [
+    "COMMIT_LOCK",
+    "READERS",
+    "TRAINING",
+    "ArrayWeight",
+    "ScalarWeight",
+    "Weight",
+    "pin_for_readers",
+    "weight_sites",
+]
 
 COMMIT_LOCK: Final = threading.RLock()  # (re-entrant: an optimizer may read a weight's data)
 """Held while weights step (`monadl.optim.apply`) and while their data is
@@ -34,6 +43,12 @@ each keeps of weights written since it began (`pin_for_readers`). Changed
 under `COMMIT_LOCK`. Process-wide, as the weights are: a write (a step, an
 assignment, a load) on any thread or event loop must reach every evaluation
 that may read the weight, and nothing else knows them all."""
+
+TRAINING: Final[dict[int, Mapping[Any, Any]]] = {}
+"""The evaluations that send deltas to weights (``train()``, ``gradients()``)
+running now, by id: their records, by layer and weight (a weight among them
+was read, and its step or gradient is of that value). Changed under
+`COMMIT_LOCK`; a checkpoint's load warns of the weights it replaces there."""
 
 
 def pin_for_readers(weights: Iterable[Weight[Any, Any]]) -> None:

@@ -22,7 +22,7 @@ from monadl.deltas import Outer
 from monadl.errors import NonFiniteError, OperandError, ShapeError
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._site import site_text
-from monadl.layers._weight import COMMIT_LOCK, READERS, Weight
+from monadl.layers._weight import COMMIT_LOCK, READERS, TRAINING, Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
@@ -324,8 +324,11 @@ class Evaluation:
                 if outer is not None and outer.pinned:
                     self.pinned = dict(outer.pinned)
                 READERS[id(self)] = self.pinned
+                if self.train:
+                    TRAINING[id(self)] = self.records
             else:
                 del READERS[id(self)]
+                TRAINING.pop(id(self), None)
                 if self.pinned:
                     self.pinned = {}
 
