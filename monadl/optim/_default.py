@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from monadl._scope import entered_only
-from monadl.optim.transforms import GradientTransformation, sgd
+from monadl.optim.transforms import GradientTransformation, refusal, sgd
 
 __all__ = ["DEFAULT_LEARNING_RATE", "default_optimizer", "using_default"]
 
@@ -36,7 +36,7 @@ def using_default(optimizer: GradientTransformation) -> Iterator[None]:
     2
     """
     if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(f"expected a GradientTransformation, got {type(optimizer).__name__}")
+        raise TypeError(f"ml.optim.using_default: {refusal(optimizer, 'the optimizer')}")
     token = _default.set(optimizer)
     try:
         yield

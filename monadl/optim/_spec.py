@@ -6,18 +6,21 @@ compares it across ranks (`monadl.distributed`), and a transformation's repr
 shows it; a refused step looks in it for an ``eps`` its weight's dtype
 rounds to 0 (`monadl.optim._refusals`).
 
-Only monadl's own closures are read, and only their numbers: a function or
+Only monadl's own closures are read, and only their numbers (in full: the
+lists and tuples they hold opened, `join_schedules`' pieces): a function or
 object of the user's (a schedule, a transformation of one's own) is named,
 not opened. What it holds may rightly differ between processes (the rank
 it logs on, a set whose order follows the process's hash seed, an object's
 addresses) or be large (a table of rates), and two ranks would part over it
 or wait for it.
 
->>> from monadl.optim import adam, exponential_decay, sgd
+>>> from monadl.optim import adam, constant_schedule, exponential_decay, join_schedules, sgd
 >>> spec(adam(0.1))
 'chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale(-0.1))'
 >>> spec(sgd(exponential_decay(0.5, 0.9)))
 'scale_by_learning_rate(schedule=exponential_decay(decay_rate=0.9, init_value=0.5, transition_steps=1))'
+>>> spec(sgd(join_schedules([constant_schedule(0.1), constant_schedule(0.01)], [100])))
+'scale_by_learning_rate(schedule=join_schedules(boundaries=[100], schedules=[constant_schedule(value=0.1), constant_schedule(value=0.01)]))'
 >>> spec(sgd(lambda step: 0.1 / (step + 1)))
 'scale_by_learning_rate(schedule=<lambda>)'
 """
@@ -58,6 +61,8 @@ def _text(x: Any, depth: int) -> str:
         return f"scale({x.factor!r})"
     if type(x) is tuple:
         return f"({', '.join(_text(v, depth - 1) for v in x)})"
+    if type(x) is list:  # (join_schedules' schedules and boundaries: a list held as its type's name hid them)
+        return f"[{', '.join(_text(v, depth - 1) for v in x)}]"
     if isinstance(x, types.FunctionType) and ours(x):
         values = closure(x)
         if x.__qualname__ == "chain.<locals>.update":

@@ -382,8 +382,22 @@ def test_ranks_whose_weights_have_other_optimizers_stop_before_any_step() -> Non
             (ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.5)), ml.optim.sgd(ml.optim.exponential_decay(0.1, 0.6))),
             r"decay_rate=0.5, .* on rank 0, .*decay_rate=0.6",
         ),
+        (  # (a new user's: the two ranks read alike and ended at -0.525 and -1.05)
+            (
+                ml.optim.sgd(ml.optim.warmup_cosine_decay_schedule(0.0, 0.1, 2, 10)),
+                ml.optim.sgd(ml.optim.warmup_cosine_decay_schedule(0.0, 0.2, 2, 10)),
+            ),
+            r"peak_value=0.1, warmup_steps=2\)\) on rank 0, .*peak_value=0.2, warmup_steps=2\)\) on rank 1",
+        ),
+        (
+            (
+                ml.optim.sgd(ml.optim.join_schedules([ml.optim.constant_schedule(0.1)] * 2, [5])),
+                ml.optim.sgd(ml.optim.join_schedules([ml.optim.constant_schedule(0.1)] * 2, [50])),
+            ),
+            r"boundaries=\[5\], .* on rank 0, .*boundaries=\[50\], .* on rank 1",
+        ),
     ],
-    ids=["learning rate", "momentum", "a schedule's parameter"],
+    ids=["learning rate", "momentum", "a schedule's parameter", "a warmup's peak", "a joined schedule's boundary"],
 )
 def test_ranks_whose_optimizers_have_other_hyperparameters_stop_before_any_step(
     optimizers: tuple[ml.optim.GradientTransformation, ...], shown: str

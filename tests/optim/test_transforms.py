@@ -102,6 +102,22 @@ def test_an_optimizers_repr_shows_its_hyperparameters() -> None:
     )
 
 
+def test_a_schedules_repr_shows_every_number_it_holds() -> None:
+    """join_schedules held its schedules and boundaries in lists, shown as
+    ``list``: every warmup read alike, in the repr and across ranks."""
+    warmup = optim.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 1000)
+    assert repr(optim.adam(warmup)) == (
+        "GradientTransformation(chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), scale_by_learning_rate("
+        "schedule=warmup_cosine_decay_schedule(decay_steps=1000, end_value=0.0, init_value=0.0, peak_value=0.001, "
+        "warmup_steps=10))))"
+    )
+    joined = optim.join_schedules([optim.linear_schedule(0.0, 0.1, 5), optim.cosine_decay_schedule(0.1, 20)], [5])
+    assert spec(optim.sgd(joined)) == (
+        "scale_by_learning_rate(schedule=join_schedules(boundaries=[5], schedules=[linear_schedule(end_value=0.1, "
+        "init_value=0.0, transition_steps=5), cosine_decay_schedule(alpha=0.0, decay_steps=20, init_value=0.1)]))"
+    )
+
+
 def test_optimizers_built_alike_read_alike_and_others_do_not() -> None:
     """What data parallelism compares across ranks: two builds of one optimizer
     give one text; a rate, a decay or a schedule's parameter of another value, another."""
@@ -112,6 +128,14 @@ def test_optimizers_built_alike_read_alike_and_others_do_not() -> None:
         lambda: optim.sgd(optim.exponential_decay(0.1, 0.5)),
         lambda: optim.sgd(optim.exponential_decay(0.1, 0.6)),
         lambda: optim.chain(optim.scale(2.0), optim.sgd(0.1)),
+        lambda: optim.adam(optim.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 1000)),
+        lambda: optim.adam(optim.warmup_cosine_decay_schedule(0.0, 0.5, 500, 600)),
+        lambda: optim.adam(optim.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 1000, end_value=1e-5)),
+        lambda: optim.sgd(optim.join_schedules([optim.constant_schedule(0.1), optim.constant_schedule(0.001)], [5])),
+        lambda: optim.sgd(optim.join_schedules([optim.constant_schedule(9.0), optim.constant_schedule(7.0)], [1000])),
+        lambda: optim.sgd(optim.join_schedules([optim.constant_schedule(9.0), optim.constant_schedule(7.0)], [5])),
+        lambda: optim.sgd(optim.cosine_decay_schedule(0.1, 100, alpha=0.1)),
+        lambda: optim.sgd(optim.linear_schedule(0.0, 0.1, 100)),
     ]
     texts = [spec(make()) for make in built]
     assert texts == [spec(make()) for make in built]
