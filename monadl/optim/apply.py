@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, Final
 
 import numpy as np
@@ -200,9 +201,13 @@ def _commit(
         steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
         in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
         if owned:
+            # (NumPy's warnings quiet where the check below refuses the step, naming the weight, as
+            # apply_gradients' are: they pointed into transforms.py before the refusal itself)
+            quiet = np.errstate(over="ignore", invalid="ignore", divide="ignore") if finite else nullcontext()
             try:
-                _owned_steps(gradients, finite, ready, steps, in_place)
-            except RuntimeWarning as warning:  # (python -W error: NumPy's warning of a step's arithmetic)
+                with quiet:
+                    _owned_steps(gradients, finite, ready, steps, in_place)
+            except RuntimeWarning as warning:  # (python -W error: a warning not NumPy's, or finite_steps off)
                 if not finite:
                     raise
                 raise NonFiniteError(

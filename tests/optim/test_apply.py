@@ -456,6 +456,20 @@ async def test_under_warnings_as_errors_a_refused_step_is_a_non_finite_error() -
     assert w.data.tolist() == [1.0, 1.0, 1.0]
 
 
+async def test_a_step_that_train_refuses_prints_no_numpy_warning_first() -> None:
+    """train() printed NumPy's 'invalid value encountered in divide', pointing
+    into transforms.py, before refusing the step; apply_gradients' refusal of
+    the same step was quiet."""
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ml.NonFiniteError) as refused:
+            await ml.sum(w * np.array([np.inf, 1.0])).train()
+    assert [str(warning.message) for warning in caught] == []
+    assert str(refused.value).startswith("the optimizer step would write a NaN or an infinity into the weight built at")
+    assert w.data.tolist() == [1.0, 1.0] and w.state[0].step == 0
+
+
 async def test_a_step_that_an_eps_of_0_in_float16_refuses_names_the_eps_not_an_operation() -> None:
     """float16 with Adam's default eps (1e-8, 0 in float16): a gradient entry
     of 0 made 0/0, and the refusal sent the user to check_finite to find the
