@@ -37,8 +37,10 @@ def sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     Equal indices are summed first, so a row looked up twice steps once with
     both deltas. The optimizer sees those rows of the weight and of every state
     leaf shaped like the weight (moments, velocities), and the other rows keep
-    theirs ("lazy" updates, as TensorFlow's lazy Adam); state that is not per
-    row, such as a step count, is shared.
+    theirs ("lazy" updates, as TensorFlow's lazy Adam and
+    ``torch.optim.SparseAdam``); state that is not per row, such as a step
+    count, is shared. (SparseAdam adds Adam's ``eps`` before the bias
+    correction, this library's Adam after: `monadl.optim.transforms.scale_by_adam`.)
 
     Where the library scatters, the step is its rows (`Rows`, and the state
     with its rows), which the commit writes: what it costs, and what its

@@ -205,7 +205,10 @@ class AdagradState(NamedTuple):
 
 
 def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
-    """Divide by the root of the summed squared gradients (Duchi et al., 2011)."""
+    """Divide by the root of the summed squared gradients (Duchi et al.,
+    2011): ``s <- s + g**2``, then ``g / (sqrt(s) + eps)``, ``eps`` outside
+    the root as in PyTorch's ``Adagrad`` (optax's ``scale_by_rss`` puts it
+    inside, ``g / sqrt(s + eps)``)."""
     initial_accumulator = checked("initial_accumulator", initial_accumulator)
     eps = checked("eps", eps)
 
@@ -241,10 +244,21 @@ class AdamState(NamedTuple):
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1).
 
+    ``mu <- b1 * mu + (1 - b1) * g``, ``nu <- b2 * nu + (1 - b2) * g**2``,
+    and the update ``mu_hat / (sqrt(nu_hat) + eps)``, with ``mu_hat = mu /
+    (1 - b1**t)`` and ``nu_hat = nu / (1 - b2**t)`` at step ``t``: ``eps``
+    is added after the bias correction, as in ``torch.optim.Adam`` and
+    Algorithm 1. ``torch.optim.SparseAdam`` adds it before (to ``sqrt(nu)``,
+    the paper's "epsilon hat"), which is this update with ``eps /
+    sqrt(1 - b2**t)`` in place of ``eps``: about 32 times ``eps`` at the
+    first step, ``eps`` again after a few thousand. An embedding's
+    looked-up rows step as SparseAdam's do otherwise (the other rows keep
+    their moments; the step count is the table's).
+
     The second moment's correction divides its root, as PyTorch's does:
     ``nu / (1 - b2 ** t)`` itself is 1,000 times ``nu`` at the first step and
-    overflows float16 from a gradient of about 256 (and float32 from 2e19), and
-    the step, an infinite denominator's, was silently 0.
+    would overflow float16 from a gradient of about 256 (and float32 from
+    2e19), an infinite denominator, a step of 0.
 
     ``eps`` is added in the weight's dtype: the default 1e-8 is 0 in float16
     (its smallest normal number is 6.1e-5), and a gradient entry that is 0
@@ -291,26 +305,39 @@ def add_l1_decay(l1: float) -> GradientTransformation:
 
 # ---- the usual optimizers ------------------------------------------------------------
 def sgd(learning_rate: Rate | Schedule) -> GradientTransformation:
-    """Plain stochastic gradient descent."""
+    """Plain stochastic gradient descent: ``p <- p - lr_t * g``, ``lr_t``
+    the rate, or the schedule at the weight's step count (``torch.optim.SGD``)."""
     return scale_by_learning_rate(learning_rate)
 
 
 def momentum(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
-    """SGD with heavy-ball momentum."""
+    """SGD with heavy-ball momentum (Polyak), as ``torch.optim.SGD(momentum=decay)``:
+    ``v <- decay * v + g``, ``p <- p - lr_t * v``, ``v`` from 0.
+
+    The rate scales the velocity as it is spent, not as it is gathered
+    (Sutskever et al.'s ``v <- decay * v - lr * g``, ``p <- p + v``): the
+    same steps at a constant rate, others once a schedule changes it."""
     return chain(trace(decay), scale_by_learning_rate(learning_rate))
 
 
 def nesterov(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
-    """SGD with Nesterov momentum."""
+    """SGD with Nesterov momentum, as ``torch.optim.SGD(momentum=decay,
+    nesterov=True)``: ``v <- decay * v + g``, ``p <- p - lr_t * (g + decay * v)``."""
     return chain(trace(decay, nesterov=True), scale_by_learning_rate(learning_rate))
 
 
 def adagrad(
     learning_rate: Rate | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformation:
-    """Adagrad (Duchi et al., 2011), with optax's defaults: the squared
-    gradients' sum starts at 0.1 and ``eps`` is 1e-7 (PyTorch's ``Adagrad``:
-    0 and 1e-10; pass those to match it)."""
+    """Adagrad (Duchi et al., 2011): ``s <- s + g**2``, ``p <- p - lr_t * g
+    / (sqrt(s) + eps)``, PyTorch's update (``eps`` outside the root), with
+    optax's defaults: ``s`` starts at 0.1 and ``eps`` is 1e-7 (PyTorch's
+    ``Adagrad``: 0 and 1e-10; pass those to match it exactly).
+
+    optax's ``adagrad`` puts ``eps`` inside the root, ``g / sqrt(s + eps)``:
+    with the defaults the two steps differ by about 1e-7 relative, but with
+    ``s`` starting at 0 and gradients near ``sqrt(eps)`` they part (a
+    first step of -0.999 here, -0.30 in optax's, for a gradient of 1e-4)."""
     return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
 
 
@@ -324,7 +351,8 @@ def rmsprop(learning_rate: Rate | Schedule, decay: float = 0.9, eps: float = 1e-
 def adam(
     learning_rate: Rate | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformation:
-    """Adam with bias correction.
+    """Adam (Kingma & Ba, 2015), as ``torch.optim.Adam``: ``p <- p - lr_t *
+    mu_hat / (sqrt(nu_hat) + eps)``, the bias-corrected moments of `scale_by_adam`.
 
     >>> import numpy as np
     >>> opt = adam(0.1)
@@ -343,7 +371,8 @@ def adamw(
     weight_decay: float = 0.01,
 ) -> GradientTransformation:
     """Adam with decoupled weight decay (``torch.optim.AdamW``, optax's
-    ``adamw``): the decay is added to Adam's scaled step, not to the
+    ``adamw``): ``p <- p - lr_t * (mu_hat / (sqrt(nu_hat) + eps) +
+    weight_decay * p)``. The decay is added to Adam's scaled step, not to the
     gradient, so it is not divided by Adam's running scale;
     ``chain(add_decayed_weights(wd), adam(lr))`` is Adam with L2 instead
     (PyTorch's ``Adam(weight_decay=)``).
