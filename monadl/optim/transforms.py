@@ -258,7 +258,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     The second moment's correction divides its root, as PyTorch's does:
     ``nu / (1 - b2 ** t)`` itself is 1,000 times ``nu`` at the first step and
     would overflow float16 from a gradient of about 256 (and float32 from
-    2e19), an infinite denominator, a step of 0.
+    2e19), an infinite denominator, a step of 0. ``nu`` itself still
+    overflows where ``(1 - b2) * g**2`` passes the dtype's largest number: a
+    gradient entry above about 8,100 in float16, 5.8e20 in float32, 4e155
+    in float64 (at ``b2 = 0.999``). That entry's ``nu`` is then infinite for
+    good and its step 0 at every later step, the weight finite, so no step
+    is refused: it stops learning, silently, as in ``torch.optim.Adam`` and
+    optax. (Refusing it would cost a pass over ``nu`` at every step of every
+    weight.) ``numpy.isinf(w.state[0].nu).any()`` finds it (``adam``'s state);
+    keep such gradients from float16 weights (a loss scale undone before the
+    step).
 
     ``eps`` is added in the weight's dtype: the default 1e-8 is 0 in float16
     (its smallest normal number is 6.1e-5), and a gradient entry that is 0
@@ -270,6 +279,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     >>> u, _ = opt.update(np.float16([300.0]), opt.init(np.zeros(1, np.float16)), None)
     >>> u  # (the first step's size is 1: mu_hat / sqrt(nu_hat) = g / |g|)
     array([1.], dtype=float16)
+    >>> with np.errstate(over="ignore"):
+    ...     _, state = opt.update(np.float16([9000.0]), opt.init(np.zeros(1, np.float16)), None)
+    >>> state.nu, opt.update(np.float16([1.0]), state, None)[0]  # (frozen: nu stays infinite)
+    (array([inf], dtype=float16), array([0.], dtype=float16))
     """
     b1 = checked("b1", b1, 1.0)
     b2 = checked("b2", b2, 1.0)
