@@ -120,10 +120,10 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         raise ValueError(
             f"join_schedules: one more schedule than boundaries, got {len(schedules)} and {len(boundaries)}"
         )
-    for position, schedule in enumerate(schedules):
-        if not callable(schedule):
+    for position, piece in enumerate(schedules):
+        if not callable(piece):
             raise TypeError(
-                f"join_schedules: schedules[{position}] is {type(schedule).__name__} {schedule!r}, not a schedule "
+                f"join_schedules: schedules[{position}] is {type(piece).__name__} {piece!r}, not a schedule "
                 "(a function of the step: constant_schedule(0.1) for a constant rate)"
             )
     if not all(map(_whole, boundaries)) or any(b <= a for a, b in zip([0, *boundaries], boundaries)):

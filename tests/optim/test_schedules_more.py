@@ -73,11 +73,11 @@ def test_the_schedules_refuse_what_they_cannot_mean() -> None:
             "cosine_decay_schedule: decay_steps must be a whole number of steps > 0, got 0",
         ),
         (
-            lambda: ml.optim.cosine_decay_schedule(1e-3, "100"),
+            lambda: ml.optim.cosine_decay_schedule(1e-3, "100"),  # type: ignore[arg-type]  # on purpose
             "cosine_decay_schedule: decay_steps must be a whole number of steps > 0, got '100'",
         ),
         (
-            lambda: ml.optim.linear_schedule(0.0, 1e-3, 12.5),
+            lambda: ml.optim.linear_schedule(0.0, 1e-3, 12.5),  # type: ignore[arg-type]  # on purpose
             "linear_schedule: transition_steps must be a whole number of steps > 0, got 12.5",
         ),
         (
@@ -85,7 +85,10 @@ def test_the_schedules_refuse_what_they_cannot_mean() -> None:
             "warmup_cosine_decay_schedule: warmup_steps must be a whole number of steps > 0, got -5",
         ),
         (
-            lambda: ml.optim.join_schedules([ml.optim.constant_schedule(1.0), ml.optim.constant_schedule(0.5)], [2.5]),
+            lambda: ml.optim.join_schedules(
+                [ml.optim.constant_schedule(1.0), ml.optim.constant_schedule(0.5)],
+                [2.5],  # type: ignore[list-item]  # on purpose
+            ),
             "join_schedules: boundaries must be whole numbers of steps, positive and increasing, got [2.5]",
         ),
     ],
@@ -101,12 +104,14 @@ def test_a_schedule_that_would_fail_a_later_step_is_refused_where_it_is_built(
 
 
 def test_whole_steps_given_as_floats_are_steps() -> None:
-    assert ml.optim.cosine_decay_schedule(1.0, 100.0)(50) == pytest.approx(0.5)
-    assert ml.optim.join_schedules([ml.optim.constant_schedule(1.0), ml.optim.constant_schedule(2.0)], [2.0])(3) == 2.0
+    """(100.0 read from a config: typed as an int, taken as one.)"""
+    assert ml.optim.cosine_decay_schedule(1.0, 100.0)(50) == pytest.approx(0.5)  # type: ignore[arg-type]
+    constants = [ml.optim.constant_schedule(1.0), ml.optim.constant_schedule(2.0)]
+    assert ml.optim.join_schedules(constants, [2.0])(3) == 2.0  # type: ignore[list-item]
 
 
 def test_using_default_given_an_optimizer_uncalled_says_to_call_it() -> None:
-    with pytest.raises(TypeError) as raised, ml.optim.using_default(ml.optim.adam):  # type: ignore[arg-type]
+    with pytest.raises(TypeError) as raised, ml.optim.using_default(ml.optim.adam):  # type: ignore[arg-type]  # on purpose
         pass
     assert str(raised.value) == (
         "ml.optim.using_default: the optimizer is the function adam, not called: call it, as in adam(learning_rate)"
