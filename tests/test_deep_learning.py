@@ -80,3 +80,26 @@ def test_as_layer_goes_by_its_own_name_and_stop_gradient_by_its() -> None:
     assert repr(ml.stop_gradient(np.ones(3))).startswith("Layer(stop_gradient, built at ")
     with pytest.raises(ml.OperandError, match=r"^stop_gradient: operand of type list is not a Layer"):
         ml.stop_gradient(ragged)
+
+
+async def test_as_layer_of_a_weight_is_one_primitive_node_with_the_weights_value_and_delta() -> None:
+    # It was a layer built from the weight's Do: opaque to batching (a graph holding it ran
+    # alone, tests/runtime/test_batching_fibers.py) and refused inside a marked cell.
+    import copy
+
+    w = ml.Weight(np.array([1.0, -2.0]), optimizer=ml.optim.sgd(0.5))
+    lifted = ml.as_layer(w)
+    assert lifted is ml.as_layer(w) and lifted._op is not None and lifted._inputs == (w,)
+    assert repr(lifted).startswith("Layer(as_layer, built at ")
+    twin = copy.deepcopy(w)  # (its reference to the node is copied as it is: the original's)
+    assert ml.as_layer(twin)._inputs[0] is twin
+    value, grads = await ml.value_and_gradients(ml.sum(lifted * lifted * 3.0))
+    assert value == 15.0
+    np.testing.assert_array_equal(grads[w], [6.0, -12.0])
+    cell = ml.operation(lambda x: ml.tanh(x * ml.as_layer(w)))
+    value, grads = await ml.value_and_gradients(ml.sum(cell(np.array([0.5, 0.25]))))
+    want_value, want = await ml.value_and_gradients(ml.sum(ml.tanh(np.array([0.5, 0.25]) * w)))
+    assert value == want_value
+    np.testing.assert_array_equal(grads[w], want[w])
+    await ml.sum(lifted).train()
+    np.testing.assert_array_equal(w.data, [0.5, -2.5])

@@ -293,6 +293,7 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
             "relu",
             "power",
             "stop_gradient",
+            "as_layer",
         )
     },
     "reshape": _reshape,

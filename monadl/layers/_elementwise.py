@@ -1,6 +1,6 @@
 """The elementwise rules: binary (``add`` to ``minimum``), unary (``negative``
-to ``relu``), and ``stop_gradient``, which passes its operand through with
-no delta.
+to ``relu``), ``stop_gradient``, which passes its operand through with
+no delta, and ``as_layer``, which passes it through with its delta.
 
 The value of an elementwise rule has the broadcast shape of its operands, and
 each delta comes back in that shape (the table marks them ``elementwise``):
@@ -308,6 +308,10 @@ def _stop_gradient(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     return a, ()  # no rule: the operand gets no delta
 
 
+def _as_layer(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    return a, _PASS
+
+
 def _identity(g: Value) -> Value:
     return g
 
@@ -316,7 +320,8 @@ def _negative(g: Value) -> Value:
     return -g
 
 
-# The delta rules of add, subtract and negative capture nothing: built once.
+# The delta rules of as_layer, add, subtract and negative capture nothing: built once.
+_PASS: Final = (_identity,)
 _PASS_BOTH: Final = (_identity, _identity)
 _PASS_AND_NEGATE: Final = (_identity, _negative)
 _NEGATE: Final = (_negative,)

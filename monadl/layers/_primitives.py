@@ -30,6 +30,7 @@ from monadl.layers._convolution import _conv2d, _max_pool2d
 from monadl.layers._elementwise import (
     _abs,
     _add,
+    _as_layer,
     _div,
     _exp,
     _log,
@@ -93,6 +94,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("where", _where, elementwise=True),
         Primitive("negative", _neg, elementwise=True),
         Primitive("stop_gradient", _stop_gradient),
+        Primitive("as_layer", _as_layer, elementwise=True),
         Primitive("exp", _exp, elementwise=True),
         Primitive("log", _log, elementwise=True),
         Primitive("sqrt", _sqrt, elementwise=True),
@@ -126,6 +128,11 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
 AS_LAYER: Final = Primitive("stop_gradient", _stop_gradient)
 """Plain data lifted into a graph by `monadl.as_layer`: `stop_gradient` to whatever runs a layer (batching,
 the runtime's message of data that holds a NaN), shown as ``as_layer`` where a layer is shown (`shown`)."""
+
+
+WEIGHT_LAYER: Final = PRIMITIVES["as_layer"]
+"""A weight lifted into a graph by `monadl.as_layer`: its value, and its delta passed back to the weight;
+one node per weight (`monadl.layers._functions.weight_layer`)."""
 
 
 def shown(op: Primitive) -> str:

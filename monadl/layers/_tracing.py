@@ -38,7 +38,7 @@ from monadl.layers._data import Data, check_kept, name_the_cell, params_read, ta
 from monadl.layers._layer import Expr, Layer, _build, _next_serial
 from monadl.layers._operand import numbers_given
 from monadl.layers._outputs import ARGUMENT, OUTPUT
-from monadl.layers._primitives import Primitive
+from monadl.layers._primitives import WEIGHT_LAYER, Primitive
 from monadl.layers._program import Program
 from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
@@ -293,8 +293,10 @@ def _is_node(x: Any) -> bool:
 
 def _check_inner(name: str, layer: Layer[Any, Any], start: int) -> None:
     """Refuse what a trace cannot replay: layers from before the call, and
-    layers whose structure depends on values (built from a ``Do``)."""
-    if layer._serial < start:
+    layers whose structure depends on values (built from a ``Do``). A
+    weight's node (``ml.as_layer(w)``, one per weight) is the weight's,
+    wherever it was first built."""
+    if layer._serial < start and layer._op is not WEIGHT_LAYER:
         raise OperandError(
             f"operation {name}: uses the layer built at {site_text(layer._site)}, built outside the call; "
             "pass it as an argument (a trace may hold only its arguments, weights and constants)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from math import prod
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, final, overload
@@ -13,7 +14,7 @@ from monadl._namespace import is_array, namespace
 from monadl._state_file import STATE_RULE, unstorable
 from monadl.errors import OperandError
 from monadl.layers._arrays import NumPyScalar
-from monadl.layers._layer import Array, DeviceArray, Expr
+from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._site import Site, caller_site, site_text
@@ -89,13 +90,14 @@ class Weight(Expr[D, G]):
     array([0., 0.])
     """
 
-    __slots__ = ("__weakref__", "_bound", "_data", "_optimizer", "_site", "_state")
+    __slots__ = ("__weakref__", "_bound", "_data", "_layer", "_optimizer", "_site", "_state")
 
     _data: Any
     _bound: tuple[Any, float] | None  # (data, a bound on its norm) the commit proved; see `monadl.optim.apply`
     _optimizer: GradientTransformation
     _state: Any
     _site: Site
+    _layer: weakref.ref[Layer[Any, Any]] | None  # its node, `ml.as_layer(w)` (`_functions.weight_layer`)
 
     @overload
     def __init__(  # (a NumPy scalar too: a float32 one stays float32, as a float32 array's sum, also typed float)
@@ -139,6 +141,7 @@ class Weight(Expr[D, G]):
         self._bound = None
         self._optimizer = optimizer
         self._site = caller_site()
+        self._layer = None
         self._state = self._initial_state(optimizer, "Weight(...)")
 
     @property

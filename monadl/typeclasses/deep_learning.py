@@ -21,8 +21,9 @@ import numpy as np
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
 from monadl.layers._arrays import NumPyScalar
-from monadl.layers._functions import data_layer
+from monadl.layers._functions import data_layer, weight_layer
 from monadl.layers._layer import Array, DeviceArray, Expr, Layer
+from monadl.layers._weight import Weight
 from monadl.tape import Tape
 
 __all__ = ["DeepLearning", "as_layer", "forward"]
@@ -77,7 +78,11 @@ def as_layer(x: Array) -> Layer[Array, Array]: ...
 @overload
 def as_layer(x: DeviceArray) -> Layer[Any, Any]: ...
 def as_layer(x: Any) -> Layer[Any, Any]:
-    """Any differentiable value as a `Layer` (a layer is returned as it is).
+    """Any differentiable value as a `Layer`: a layer as it is, a weight as
+    its one node (`monadl.layers._functions.weight_layer`: it batches as the
+    weight does), plain data as a constant, an object of yours by its
+    ``forward()`` (a layer built from a ``Do``, which keeps its graph out of
+    batching: lift its parts instead where you can).
 
     A polymorphic differentiable function lifts one operand so that its
     result is a layer whatever mix of data, weights and layers it is given:
@@ -90,6 +95,8 @@ def as_layer(x: Any) -> Layer[Any, Any]:
     """
     if isinstance(x, Layer):
         return x
+    if isinstance(x, Weight):
+        return weight_layer(x)
     # Plain data (NumPy's first: the protocol's isinstance walks its attributes, 4 us):
     # a constant node of the layer graph (it gets no delta).
     if type(x) is np.ndarray or (not isinstance(x, Expr) and not isinstance(x, DeepLearning)):

@@ -577,6 +577,71 @@ def test_what_is_built_on_the_examples_bind_layers_batches(monkeypatch: pytest.M
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def test_a_weight_lifted_by_as_layer_batches_as_the_weight_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A parser's learned start vector, lifted with `ml.as_layer(start)`, was a layer built
+    # from a Do: every graph holding it ran alone, one example at a time, never merged (145
+    # of a new user's 356 step graphs), and the log blamed MIN_NODES. It is one primitive
+    # node of the weight now, which the examples share as they share the weight.
+    import anyio
+
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(6, 6)) / 2, optimizer=ml.optim.sgd(0.1))
+    start = ml.Weight(rng.normal(size=(1, 6)), optimizer=ml.optim.sgd(0.1))
+    xs = [rng.normal(size=(1, 6)) for _ in range(16)]
+
+    def example(x: ml.Array, lift: bool) -> ml.ScalarLayer:
+        @ml.direct
+        async def run() -> ml.ScalarLayer:
+            h = ml.tanh(((ml.as_layer(start) if lift else start) + x) @ w)
+            for _ in range(STEPS):
+                value = await h
+                h = ml.tanh(h @ w) if value.sum() > 0 else ml.tanh(-h @ w)
+            return ml.sum(h * h)
+
+        return run()
+
+    parked: list[int] = []  # the graphs of each merged run
+    run = fibers.run
+
+    def counting(ev: Any, waiting: fibers.Parked) -> Generator[Any, Any, list[Any]]:
+        parked.append(len(waiting.orders))
+        return (yield from run(ev, waiting))
+
+    products: list[int] = []  # the members of each group of products that ran batched
+    group = batched._Run.group
+
+    def grouping(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
+        before = self.batches
+        group(self, members, numbers_stack)
+        if self.batches > before and members[0]._op.name == "matmul":
+            products.append(len(members))
+
+    monkeypatch.setattr(fibers, "run", counting)
+    monkeypatch.setattr(batched._Run, "group", grouping)
+
+    def loss(lift: bool) -> ml.ScalarLayer:
+        return ml.sum(ml.stack([example(x, lift) for x in xs]))
+
+    value, grads = anyio.run(ml.value_and_gradients, loss(True))
+    assert parked == [16] * (STEPS + 1)  # every example's graphs in every merge: the first steps too
+    assert sum(products) == 16 * (STEPS + 1)  # (the first product, then one a step: in groups by path)
+    lifted = (parked.copy(), products.copy())
+    parked.clear()
+    products.clear()
+    want_value, want = anyio.run(ml.value_and_gradients, loss(False))
+    assert (parked, products) == lifted  # batched as the weight itself is
+    assert value == pytest.approx(want_value, rel=1e-13)
+    for weight in (w, start):
+        np.testing.assert_allclose(grads[weight], want[weight], rtol=1e-12)
+    before = [w.data, start.data]
+    anyio.run(loss(True).train)
+    stepped = [w.data, start.data]
+    w.data, start.data = before
+    anyio.run(loss(False).train)
+    for a, b in zip(stepped, [w.data, start.data]):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
 def test_fibers_nested_deeper_than_pythons_recursion_limit_park() -> None:
     # Where a fiber sits (its branch's slots from the root, which orders a merge) was
     # found recursively, a frame a level: 1,200 nested direct-style calls raised RecursionError.
