@@ -38,7 +38,8 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
                 ev.forked = True
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
-        if batched.worth_batching(ev, order):  # it computes what batches; the inline loop what it left, if any
+        # The batching scheduler computes what batches; the inline loop what it left, if any.
+        if batched.worth_batching(ev, order, held=frame.held):
             if time.perf_counter() > ev.deadline:  # (the walk of a large graph: a turn before its analysis)
                 yield inline.CHECKPOINT
             left = yield from batched.stepwise(ev, order)  # (a turn of the event loop after a level, when due)
@@ -50,7 +51,7 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
     elif frame.redo:  # back from its Do layers (each example's `bind`): what was built on them may batch now
         frame.redo = False
         rest = [node for node in order[frame.index :] if not records.computed(node)]
-        if batched.worth_batching(ev, rest) and not (yield from batched.stepwise(ev, rest)):
+        if batched.worth_batching(ev, rest, held=frame.held) and not (yield from batched.stepwise(ev, rest)):
             frame.index = len(order)
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)

@@ -642,6 +642,51 @@ def test_a_weight_lifted_by_as_layer_batches_as_the_weight_itself(monkeypatch: p
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def test_the_log_names_the_do_layer_that_keeps_a_graph_apart(caplog: pytest.LogCaptureFixture) -> None:
+    # A new user's lone step graphs (each holding a layer built from a Do) were logged as
+    # 'fewer than 256 nodes (MIN_NODES) ...; ml.settings(batching=True) forces it': forced,
+    # each was batched alone, and still merged with no other example's.
+    import anyio
+
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(4, 4)) / 2)
+    start = ml.Weight(rng.normal(size=(1, 4)))
+
+    def example(x: ml.Array) -> ml.ScalarLayer:
+        @ml.direct
+        async def run() -> ml.ScalarLayer:
+            h = ml.Layer(start.forward())  # HELD-APART
+            h = ml.tanh((h + x) @ w)
+            value = await h
+            return ml.sum(h if value.sum() > 0 else -h)
+
+        return run()
+
+    chain: Any = ml.as_layer(np.ones(3))
+    for _ in range(300):
+        chain = chain * 1.01
+    for batching in (None, True):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=batching):
+            anyio.run(ml.sum(ml.stack([example(rng.normal(size=(1, 4))) for _ in range(12)])).predict)
+        said = [r.getMessage() for r in caplog.records]
+        alone = [m for m in said if "not merged with other examples' graphs" in m]
+        assert len(alone) == 12
+        assert alone[0].startswith(f"a graph of 4 nodes (its last built at {HERE}:{line_of('HELD-APART') + 1}) ")
+        assert f"it holds the layer built at {HERE}:{line_of('HELD-APART')} from a Do" in alone[0]
+        assert "batching=True) does not change that" in alone[0]
+        steps = [m for m in said if f"its last built at {HERE}:{line_of('HELD-APART') + 1})" in m]
+        assert steps and not any("batching=True) forces it" in m for m in steps)
+        if batching is None:
+            small = [m for m in said if "fewer than 256 nodes" in m and "(alone: it holds a layer built" in m]
+            assert len(small) == 24  # (each graph, then what it built on its Do layer)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        anyio.run(ml.sum(chain).predict)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.endswith("runs unbatched: a chain (each node uses the one before: nothing to group)")  # (no hint)
+
+
 def test_fibers_nested_deeper_than_pythons_recursion_limit_park() -> None:
     # Where a fiber sits (its branch's slots from the root, which orders a merge) was
     # found recursively, a frame a level: 1,200 nested direct-style calls raised RecursionError.

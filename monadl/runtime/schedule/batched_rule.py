@@ -32,6 +32,8 @@ __all__ = [
     "CHAIN",
     "DEFAULT_MIN_GROUP",
     "FACTORED",
+    "FORCES",
+    "HELD",
     "MAX_MEMBER_SIZE",
     "MIN_ALIKE",
     "MIN_FACTORED",
@@ -41,6 +43,7 @@ __all__ = [
     "REPROBE",
     "coarse",
     "declined",
+    "held_apart",
     "ops",
     "remember",
     "unbatched",
@@ -62,14 +65,17 @@ each of their operations has that many members of one signature."""
 _log: Final = logging.getLogger("monadl.batching")
 
 
-def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
+def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool = False) -> bool:
     """Whether to run ``order`` through the batching scheduler: cheap checks
     only, none that computes a signature.
 
     ``alike``: for a merge of several fibers' graphs
     (`monadl.runtime.schedule.fibers`), how many of them were built at one
     line with as many nodes; from `MIN_ALIKE` on, their equal signatures pay
-    however small the graphs.
+    however small the graphs. ``held``: a fiber's graph that a layer built
+    from a ``Do`` kept from waiting for the others' (`held_apart` said so):
+    the log then does not suggest ``batching=True``, which would batch its
+    nodes among themselves only.
 
     >>> import monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -86,24 +92,35 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     if forced:
         return True
     if len(order) < MIN_NODES and alike < MIN_ALIKE and ops(order) < MIN_NODES:
-        unbatched(order, f"fewer than {MIN_NODES} nodes (MIN_NODES), a marked operation's counted as its ops")
+        why = f"fewer than {MIN_NODES} nodes (MIN_NODES), a marked operation's counted as its ops"
+        unbatched(order, why, HELD if held else FORCES)
         return False
     key = (order[-1]._site, len(order))
     verdict = _verdicts.get(key)
     if verdict is not None and verdict[1] % REPROBE:
         _verdicts[key] = (verdict[0], verdict[1] + 1, verdict[2])
         if not verdict[0]:
-            unbatched(order, f"{verdict[2]}, as when it was last judged")
+            unbatched(order, f"{verdict[2]}, as when it was last judged", _advice(verdict[2], held))
         return verdict[0]
     worth = not _is_chain(order)
     remember(key, worth, CHAIN)
     if not worth:
-        unbatched(order, CHAIN)
+        unbatched(order, CHAIN, _advice(CHAIN, held))
     return worth
 
 
 CHAIN: Final = "a chain (each node uses the one before: nothing to group)"
 NOTHING_PAID: Final = "its analysis batched nothing (no group of one signature ready together that pays)"
+FORCES: Final = "; ml.settings(batching=True) forces it"
+HELD: Final = " (alone: it holds a layer built from a Do, as said above; batching=True would not merge it)"
+
+
+def _advice(why: str, held: bool) -> str:
+    """What the log adds to a graph left unbatched: ``batching=True`` only
+    where forcing may batch something (a chain has nothing to group)."""
+    if held:
+        return HELD
+    return "" if why == CHAIN else FORCES
 
 
 def ops(order: list[Any]) -> int:
@@ -125,14 +142,35 @@ def ops(order: list[Any]) -> int:
     return count
 
 
-def unbatched(order: list[Any], why: str) -> None:
+def unbatched(order: list[Any], why: str, advice: str = FORCES) -> None:
     """Log (at DEBUG, to ``monadl.batching``) a graph the cost rule leaves to run node by node."""
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
-            "a graph of %d nodes (its last built at %s) runs unbatched: %s; ml.settings(batching=True) forces it",
+            "a graph of %d nodes (its last built at %s) runs unbatched: %s%s",
             len(order),
             site_text(order[-1]._site),
             why,
+            advice,
+        )
+
+
+def held_apart(order: list[Any], do: Any) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a fiber's graph that runs
+    without waiting for the other examples' graphs, and the layer built from
+    a ``Do`` that keeps it so (a new user's log blamed MIN_NODES and
+    suggested ``batching=True``, which batched each such graph alone).
+    Not a graph of such layers only (an ``await`` of one): it has nothing
+    to batch."""
+    if _log.isEnabledFor(logging.DEBUG) and any(node._op is not None for node in order):
+        _log.debug(
+            "a graph of %d nodes (its last built at %s) runs alone, not merged with other examples' graphs: "
+            "it holds the layer built at %s from a Do (a bind, an @ml.direct call, a forward() of your own), "
+            "which batching across examples cannot see into, and ml.settings(batching=True) does not change "
+            "that; to batch it, build the graph of primitives only (ml.as_layer of a weight is one), or await "
+            "that layer first and build on it after",
+            len(order),
+            site_text(order[-1]._site),
+            site_text(do._site),
         )
 
 

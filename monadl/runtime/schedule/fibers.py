@@ -64,7 +64,7 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_rule import MIN_NODES, merged, unbatched
+from monadl.runtime.schedule.batched_rule import MIN_NODES, held_apart, merged, unbatched
 from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_MERGED", "PARKED", "Parked", "heights", "merge", "parks", "run"]
@@ -180,6 +180,8 @@ def parks(ev: Evaluation, frame: F.Graph) -> bool:
         return False
     for node in order:
         if node._op is None:  # a layer built from a Do: its fibers take today's path
+            frame.held = True
+            held_apart(order, node)
             return False
     frame.order = order
     return True
