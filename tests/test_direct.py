@@ -195,6 +195,47 @@ async def test_a_failing_step_among_several_fails_the_evaluation_with_its_error(
     np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
 
 
+async def test_examples_failing_together_raise_the_first_with_a_note_of_the_others() -> None:
+    # A new user's batch where two examples of 32 failed at one step raised the first's
+    # error and said nothing of the second.
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def example(k: int, failing: tuple[int, ...]) -> ml.ScalarLayer:
+        value = (await (w * float(k)))[0]
+        if k in failing:
+            raise ValueError(f"example {k} failed\nits second line")  # RAISED
+        return ml.sum(w * value)
+
+    here = f"{__file__}:{_line_of('# RAISED')}"
+    for failing, note in [
+        ((5,), None),
+        (
+            (2, 6),
+            f"monadl: 1 other example evaluated with this one failed too: ValueError: example 6 failed (at {here})",
+        ),
+        (
+            (2, 3, 4, 6, 7),
+            "monadl: 4 other examples evaluated with this one failed too, the first 3: "
+            + "; ".join(f"ValueError: example {k} failed (at {here})" for k in (3, 4, 6)),
+        ),
+    ]:
+        with pytest.raises(ValueError) as raised:
+            await ml.sum(ml.stack([example(k, failing) for k in range(8)])).train()
+        assert str(raised.value) == f"example {failing[0]} failed\nits second line"  # the first in written order
+        assert getattr(raised.value, "__notes__", [None]) == [note]
+        last = raised.tb
+        while last.tb_next is not None:
+            last = last.tb_next
+        assert f"{last.tb_frame.f_code.co_filename}:{last.tb_lineno}" == here  # its own traceback
+        np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, text in enumerate(source, 1) if marker in text and "_line_of" not in text)
+
+
 async def test_cancellation_reaches_several_waiting_direct_layers() -> None:
     w = ml.Weight(np.array([1.0]), optimizer=ml.optim.sgd(0.1))
 

@@ -129,6 +129,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         return stop.value
     except BaseException as exc:
         failure = exc
+        if done is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
+            _note_others(exc, done[1])
         raise
     finally:
         READING.reset(reading)
@@ -235,6 +237,47 @@ class _Stepper:
             await step_each(items, self.report, elsewhere)
         if not handed:
             self.running = False
+
+
+SHOWN_OTHERS: Final = 3
+"""How many of the other failures `_note_others` quotes."""
+
+
+def _note_others(failure: BaseException, done: MemoryObjectReceiveStream[Any]) -> None:
+    """Note on ``failure``, which is raised, the failures of other fibers
+    already back (examples evaluated together whose direct-style steps ran
+    in one task, each to its end: all of a step's failures are back when
+    the interpreter meets the first). A new user's two failing examples of
+    32 said nothing of the second. Those still running are cancelled, and
+    unknown."""
+    others: list[BaseException] = []
+    while True:
+        try:
+            _, ok, result = done.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            break
+        if ok is False and result is not failure:
+            others.append(result)
+    if others:
+        shown = "; ".join(_first_line(error) for error in others[:SHOWN_OTHERS])
+        more = f", the first {SHOWN_OTHERS}" if len(others) > SHOWN_OTHERS else ""
+        failure.add_note(
+            f"monadl: {len(others)} other example{'s' if len(others) > 1 else ''} evaluated with this one "
+            f"failed too{more}: {shown}"
+        )
+    others.clear()  # (their tracebacks hold frames: not kept past here)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's type, the first line of its message and where it was raised."""
+    lines = str(error).splitlines()
+    text = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    tb = error.__traceback__
+    if tb is None:
+        return text
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{text} (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
 
 
 async def _complete(done: MemoryObjectSendStream[Any], fiber: Any, awaitable: Awaitable[Any]) -> None:
