@@ -92,11 +92,26 @@ def global_norm(gradients: Mapping[Weight[Any, Any], Any]) -> float:
     >>> global_norm({ml.Weight(np.zeros(2)): np.array([3.0, 4.0]), ml.Weight(0.0): 12.0})
     13.0
     """
-    squares = 0.0
+    norms = []
     for g in gradients.values():
         values = g.summed()[1] if type(g) is SparseRows else g
-        squares += float(namespace(values).sum(values * values)) if is_array(values) else float(values) ** 2
-    return math.sqrt(squares)
+        norms.append(_norm(values) if is_array(values) else abs(float(values)))
+    return math.hypot(*norms)  # (no overflow where each norm is finite)
+
+
+def _norm(values: Any) -> float:
+    """One gradient's norm. Its squares are summed in its dtype; where that
+    overflows and its values are finite (float16 entries from about 256 on,
+    float32 from about 1e19), they are summed again divided by the largest
+    (whose square was zero in `clip_by_global_norm`: every gradient zeroed)."""
+    xp = namespace(values)
+    with np.errstate(over="ignore"):  # (overflowed: summed again, below)
+        squares = float(xp.sum(values * values))
+    if math.isfinite(squares) or not bool(xp.all(xp.isfinite(values))):
+        return math.sqrt(squares)
+    largest = float(xp.max(xp.abs(values)))
+    scaled = xp.astype(values, xp.float64) / largest
+    return largest * math.sqrt(float(xp.sum(scaled * scaled)))
 
 
 def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: float) -> dict[Weight[Any, Any], Any]:

@@ -58,3 +58,19 @@ def test_clip_by_global_norm_counts_a_row_looked_up_twice_as_its_dense_gradient_
     assert unclipped[table] is twice
     with pytest.raises(ValueError, match="max_norm must be positive"):
         ml.optim.clip_by_global_norm({w: np.ones(1)}, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "big"),
+    [(np.float16, 300.0), (np.float32, 3e20), (np.float64, 3e200)],
+)
+def test_a_norm_whose_squares_overflow_clips_as_its_value_says(dtype: Any, big: float) -> None:
+    # Squared in their dtype, float16 entries of 256 on (float32 of about 1e19) made the norm inf, and
+    # clipping multiplied every gradient by 0 (a new user's trial; PyTorch's clip_grad_norm_ does too).
+    w, v = ml.Weight(np.zeros(3, dtype)), ml.Weight(np.zeros(2, dtype))
+    grads = {w: np.array([big, big * 4 / 3, 0.0], dtype), v: np.array([0.0, 0.0], dtype)}
+    assert ml.optim.global_norm(grads) == pytest.approx(big * 5 / 3, rel=1e-3)
+    clipped = ml.optim.clip_by_global_norm(grads, 1.0)
+    np.testing.assert_allclose(clipped[w].astype(np.float64), [0.6, 0.8, 0.0], rtol=1e-3)
+    assert clipped[w].dtype == dtype
+    assert np.isnan(ml.optim.global_norm({w: np.array([np.nan, 1.0, 0.0], dtype)}))  # (not finite: as it is)
