@@ -50,10 +50,11 @@ class Settings:
             Under ``check_finite`` nothing is batched. The rule: a graph of fewer than 256 nodes
             (a marked cell's node counted as its ops) runs as it is (across control flow, a merge of fewer than 10
             examples' graphs and 256 nodes), as does one whose widest level
-            has one node; in a graph that batches, a group of matrix
-            products, lookups, losses or marked cells (`ml.operation`)
-            batches from 2 members, of another op from 8, and not where each
-            member is over 16,384 elements.
+            has one node; in a graph that batches, a group of marked cells
+            (`ml.operation`) batches from 2 members, of matrix products or
+            lookups that read a weight of 16,384 elements or more from 4, of
+            another op from 8, and not where each member is over 16,384
+            elements.
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss

@@ -80,6 +80,7 @@ from monadl.runtime.schedule.batched_rule import (
     REPROBE,
     coarse,
     declined,
+    group_minimum,
     ran,
     remember,
     unbatched,
@@ -293,7 +294,7 @@ class _Run:
         rule: Any = BATCHING_RULES.get(op.name) if op.name not in ALONE else None
         if op is OUTPUT:
             rule = batch_output
-        minimum = MIN_GROUP.get(op.name, DEFAULT_MIN_GROUP)
+        minimum = group_minimum(first)
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._program import Program, batching_rule
 from monadl.layers._site import site_text
+from monadl.layers._weight import Weight
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
@@ -39,10 +40,12 @@ __all__ = [
     "MIN_FACTORED",
     "MIN_GROUP",
     "MIN_NODES",
+    "MIN_SHARED",
     "NOTHING_PAID",
     "REPROBE",
     "coarse",
     "declined",
+    "group_minimum",
     "held_apart",
     "ops",
     "remember",
@@ -234,13 +237,37 @@ def remember(key: tuple[Site, int], worth: bool, why: str) -> None:
 
 
 # ---- per group ---------------------------------------------------------------------------------
-MIN_GROUP: Final = {"matmul": 2, "dense": 2, "embedding": 2, "cross_entropy": 2}
-"""The smallest group that pays, by primitive (`DEFAULT_MIN_GROUP` for the
-rest): a matrix product with a shared weight pays from two members (it also
-replaces a weight-sized outer product per member by one product); a cheap
-elementwise group must save more node dispatches than stacking costs."""
+MIN_GROUP: Final = {"matmul": 4, "dense": 4, "embedding": 4}
+"""The smallest group that pays, by primitive, where it reads a weight of
+`MIN_SHARED` elements or more: a product by a large shared weight also
+replaces a weight-sized outer product per member by one product (a lookup,
+its rows' sums). Anything else, a product by a smaller weight too, pays from
+`DEFAULT_MIN_GROUP`. Measured (`OPENBLAS_NUM_THREADS=1`, 1 to 20 rows a
+member, the products' consumers left node by node): groups of 2 to 4
+products by one weight of 16 x 16 to 256 x 256 ran 0.66-0.97x node by
+node's speed when they paid from 2 (a new user's attention over examples
+of different lengths, groups of 2 or 3 of each product: 0.6x); with these
+minimums 0.89-1.07x, and groups of 8 ran 1.14-1.39x. The Tree-LSTM (every op
+a layer, H = 128: weights of 16,384 and 49,152 elements, levels of a few
+nodes deep in random trees) keeps its speed."""
+
+MIN_SHARED: Final = 1 << 14
+"""Elements of the weight a product or lookup reads, from which its group
+pays from `MIN_GROUP`'s size."""
 
 DEFAULT_MIN_GROUP: Final = 8
+
+
+def group_minimum(node: Any) -> int:
+    """The smallest group of nodes of ``node``'s signature that pays (a
+    marked operation's: from 2, decided by its caller)."""
+    minimum = MIN_GROUP.get(node._op.name)
+    if minimum is not None:
+        for x in node._inputs:
+            if type(x) is Weight and x.size >= MIN_SHARED:  # (prod of the shape: a tensor's size is a method)
+                return minimum
+    return DEFAULT_MIN_GROUP
+
 
 MAX_MEMBER_SIZE: Final = 1 << 14
 """Automatic mode batches no group whose members' stacked operands exceed this
