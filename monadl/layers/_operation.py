@@ -267,6 +267,14 @@ class Operation(Generic[P, R]):
         if trace is None:
             full = len(self._traces) >= _TRACES_LIMIT
             if full:
+                if not self._evictions:  # (said once: each call of a new signature now traces, 40-80x a call)
+                    _log.warning(
+                        "operation %s keeps %d traces, its limit: each new signature now replaces one and is traced, "
+                        "at tens of times a call's cost, and calls of different signatures never batch; %s",
+                        self.__name__,
+                        _TRACES_LIMIT,
+                        why_traces(self._traces),
+                    )
                 self._evict()
             keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
             placed = {j: (s, k) for j, s, k in views}

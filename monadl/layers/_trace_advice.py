@@ -21,7 +21,8 @@ def why_traces(traces: dict[Any, Trace]) -> str:
         )
     return (
         "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
-        "differ never batch together (pass what differs per call as a float or an array)"
+        "differ never batch together (pass a number that differs per call as a float, and an array whose shape "
+        "differs as a layer, ml.as_layer(x), whose shape is no part of the signature where the cell reads none)"
     )
 
 

@@ -230,8 +230,11 @@ def test_the_log_says_what_a_batched_run_grouped(caplog: pytest.LogCaptureFixtur
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
             anyio.run(loss.predict)
-        (line,) = [r.getMessage() for r in caplog.records if "ran batched:" in r.getMessage()]
-        assert ("in 0 groups" not in line) == grouped, line
+        (line,) = [r.getMessage() for r in caplog.records if "ran " in r.getMessage()]
+        if grouped:
+            assert "ran batched: 24 nodes in 3 groups" in line, line
+        else:  # (it said "ran batched: 0 nodes in 0 groups": a new user read a contradiction)
+            assert "went through batching, and no two of its nodes were alike: all ran one by one" in line, line
 
 
 def test_a_group_that_runs_one_by_one_says_why_in_the_log(caplog: pytest.LogCaptureFixture) -> None:

@@ -182,7 +182,14 @@ def ran(order: list[Any], groups: int, members: int) -> None:
     grouped: how many nodes ran in how many groups, the rest one by one (a
     new user forced batching on examples of different lengths, which never
     group, and the log said nothing)."""
-    if _log.isEnabledFor(logging.DEBUG):
+    if _log.isEnabledFor(logging.DEBUG) and not groups:  # (forced, and no two nodes alike)
+        _log.debug(
+            "a graph of %d nodes (its last built at %s) went through batching, and no two of its nodes were alike: "
+            "all ran one by one",
+            len(order),
+            site_text(order[-1]._site),
+        )
+    elif _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "a graph of %d nodes (its last built at %s) ran batched: %d nodes in %d groups, %d one by one",
             len(order),
