@@ -815,3 +815,14 @@ def test_few_products_by_a_small_weight_run_node_by_node_by_default(
         if groups
         else ("batched nothing" in ran[0])
     )
+
+
+def test_a_stacks_getters_are_one_tuple_cut_to_each_size() -> None:
+    # A tuple per group size held about n * n / 2 getters for groups of up to n members of varying
+    # sizes (a soak test's finding); one grown tuple, cut, holds n.
+    from monadl.runtime.schedule import batched_records
+
+    for n in (5, 3, 9, 1, 9):
+        getters = batched_records._getters(n)
+        assert [g("abcdefghij") for g in getters] == list("abcdefghij"[:n])
+    assert [len(t) for t in batched_records._GETTERS] == [max(9, len(batched_records._GETTERS[0]))]
