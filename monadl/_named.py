@@ -4,6 +4,7 @@ orders them on every rank (`monadl.distributed`)."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import types
@@ -22,6 +23,9 @@ __all__ = ["named_weights"]
 # (A function, a bound method and a partial hold what their code reads:
 # `_held_by_code`.)
 _OPAQUE: Final = (
+    bytearray,  # (mutable sequences of numbers: walked item by item, 5 s for 50 MB)
+    array.array,
+    memoryview,
     type,
     types.ModuleType,
     types.BuiltinFunctionType,
@@ -35,10 +39,6 @@ _OPAQUE: Final = (
     complex,
 )
 
-
-# What a class attribute may hold that is the model's (a weight, a container of them), not its
-# code: its methods, properties and other descriptors are not walked.
-_CLASS_DATA: Final = (Weight, list, tuple, dict, MutableSequence)
 
 _CODE: Final = (types.FunctionType, types.MethodType, functools.partial, Operation)
 
@@ -57,8 +57,9 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
 
     Dict keys, list and tuple indices (a deque's, a dict's values', an
     array of objects' flat ones), dataclass fields and attribute names
-    (``__dict__`` and ``__slots__``, and the weights and containers an
-    object's classes hold as class attributes) make up the names. A
+    (``__dict__`` and ``__slots__``, and a weight an object's class holds
+    as a class attribute: not a class's list or dict, which may be a
+    registry of every instance) make up the names. A
     generator or an iterator is not walked (that would consume it). What code holds is
     walked after all that data holds (so a weight data reaches keeps its
     name), by the names its code reads: a closure's free variables and a
@@ -124,13 +125,20 @@ def _walk(
         if defer is not None and isinstance(node, _CODE):
             defer.append((name, node))
             continue
-        if defer is None and isinstance(node, (list, tuple, Mapping)) and len(node) > _LARGEST_HELD_BY_CODE:
+        if defer is None and _large(node):
             continue  # (a data set a loss closes over: seconds to walk, and no weights)
         children = _children(node)
         if children is None:
             continue
         seen.add(id(node))  # cycles (a child pointing back at its parent) end here
         stack.extend(reversed([(f"{name}.{key}" if name else str(key), child) for key, child in children]))
+
+
+def _large(node: object) -> bool:
+    """A container of more items than `_LARGEST_HELD_BY_CODE` (walked where data holds it, not code)."""
+    if type(node) is np.ndarray:
+        return node.dtype == object and node.size > _LARGEST_HELD_BY_CODE
+    return isinstance(node, (list, tuple, Mapping, MutableSequence, ValuesView)) and len(node) > _LARGEST_HELD_BY_CODE
 
 
 def _private(entry: tuple[str, object]) -> bool:
@@ -162,9 +170,10 @@ def _children(node: object) -> Iterable[tuple[object, object]] | None:
         for slot in (slots,) if isinstance(slots, str) else slots:
             if slot not in ("__dict__", "__weakref__") and slot not in attributes and hasattr(node, slot):
                 attributes[slot] = getattr(node, slot)
-    for cls in type(node).__mro__[:-1]:  # (what its classes hold as data, as `self.name` reads it; not object's)
+    for cls in type(node).__mro__[:-1]:  # (a weight its class holds, as `self.name` reads it; not object's)
         for key, value in vars(cls).items():
-            if key not in attributes and isinstance(value, _CLASS_DATA):
+            # (a weight only: a class's list or dict may be a registry of every instance, other models' too)
+            if type(value) is Weight and key not in attributes:
                 attributes[key] = value
     return list(attributes.items()) or None
 

@@ -435,8 +435,13 @@ def _check_metadata(metadata: object) -> None:
     if not isinstance(metadata, Mapping):
         raise TypeError(f"save: metadata is a dict of JSON data (str keys), got a {type(metadata).__name__}")
     todo: list[tuple[str, object]] = [("metadata", metadata)]
+    seen: set[int] = set()  # (metadata that holds itself: JSON says so below)
     while todo:
         where, x = todo.pop()
+        if isinstance(x, (Mapping, list, tuple)):
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
         if isinstance(x, Mapping):
             for key, value in x.items():
                 if not isinstance(key, str):

@@ -305,6 +305,8 @@ class SparseRows:
             if other.table_shape != self.table_shape:
                 raise ValueError(f"sparse deltas of tables {self.table_shape} and {other.table_shape} cannot combine")
             return SparseRows._joined(self, other)
+        if _is_number(other) and other == 0:  # (Python's sum() starts from 0: sum(grads) / n)
+            return self
         if is_array(other):
             xp = namespace(other)
             return scatter_add(xp, xp.asarray(other, copy=True), self.indices, self.rows)

@@ -58,7 +58,7 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     if others:
         raise TypeError(f"gradients(loss, weights): weights is a list of Weights, got {', '.join(others)} among them")
     _, grads = await entry.gradients(loss)
-    return [_dense(grads.get(w, namespace(w.data).zeros_like(w.data))) for w in weights]
+    return [_of_weight(w, _dense(grads.get(w, namespace(w.data).zeros_like(w.data)))) for w in weights]
 
 
 async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, Any], Any]]:
@@ -82,11 +82,19 @@ async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, A
     (12.0, array([2., 4.]), False)
     """
     value, grads = await entry.gradients(loss)
-    return value, grads
+    return value, {w: _of_weight(w, g) for w, g in grads.items()}
 
 
 def _dense(grad: Any) -> Any:
     return grad.to_dense() if isinstance(grad, SparseRows) else grad
+
+
+def _of_weight(w: Weight[Any, Any], grad: Any) -> Any:
+    """A scalar weight's gradient as a NumPy scalar, as its data is (a
+    rule's delta may be a 0-d array: a sum's, a mean's, a reshape's)."""
+    if isinstance(w._data, np.generic) and type(grad) is np.ndarray and not grad.ndim:
+        return grad[()]
+    return grad
 
 
 def check_grads(

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import anyio
 import numpy as np
@@ -880,6 +880,7 @@ async def test_a_big_endian_array_trains_saves_and_loads_as_any_other(tmp_path: 
     # called the file damaged)
     w = ml.Weight(np.arange(4.0).astype(">f8"), optimizer=ml.optim.adam(0.1))
     assert w.dtype == np.float64 and w.data.dtype.isnative
+    assert ml.Weight(np.ones((3, 2)).T).data.flags.c_contiguous  # (copied in C order, as before)
     await ml.sum(w * w).train()
     ml.save(tmp_path / "w.safetensors", {"w": w})
     fresh = ml.Weight(np.zeros(4), optimizer=ml.optim.adam(0.1))
@@ -980,3 +981,25 @@ async def test_a_load_while_a_train_reads_its_weights_warns_and_one_between_step
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ml.load(path, ws)  # (between steps: nothing in flight)
+
+
+class _Registered:
+    instances: ClassVar[list[_Registered]] = []  # (a class-level registry of every instance: other models' too)
+
+    def __init__(self) -> None:
+        self.w = ml.Weight(np.zeros(2))
+        _Registered.instances.append(self)
+
+
+def test_a_class_level_registry_is_not_walked_into() -> None:
+    # (walking a class's lists named other models' weights, and renamed the model's own)
+    _Registered()
+    model = {"enc": _Registered(), "dec": _Registered()}
+    assert list(checkpoint.named_weights(model)) == ["enc.w", "dec.w"]
+
+
+def test_metadata_that_holds_itself_is_refused_not_walked_forever(tmp_path: Path) -> None:
+    metadata: dict[str, Any] = {"epoch": 3}
+    metadata["self"] = metadata
+    with pytest.raises(TypeError, match="Circular reference"):
+        ml.save(tmp_path / "m.safetensors", {"w": ml.Weight(np.zeros(2))}, metadata=metadata)

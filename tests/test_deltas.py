@@ -142,6 +142,8 @@ def test_a_tables_rows_scale_by_numbers_and_nothing_else() -> None:
         np.testing.assert_array_equal(got, want)
         assert got.dtype == np.float32
     assert type(d / 2) is SparseRows  # (still its rows: the step stays sparse)
+    summed: Any = sum([d, d])  # (sum() starts from 0)
+    np.testing.assert_array_equal((summed / 2).to_dense(), dense)
     for other in [np.ones((4, 2)), True, "2", d]:
         with pytest.raises(TypeError):
             d * other

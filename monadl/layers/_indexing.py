@@ -23,7 +23,7 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add
 
 Value = Any  # an ndarray or a NumPy scalar
-PLAIN: Final = (float, int)
+PLAIN: Final = (float, int, bool)
 """A plain number reduced or reshaped (data, or a number an operation was given): as NumPy's 0-d array."""
 Vjp = Callable[[Value], Value]
 

@@ -130,7 +130,7 @@ class Weight(Expr[D, G]):
             if data.dtype.kind != "f":
                 raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
             # (in native byte order: a big-endian array read from a file steps, saves and loads as any other)
-            data = data.astype(data.dtype.newbyteorder("="))
+            data = data.astype(data.dtype.newbyteorder("="), order="C")
         elif not isinstance(data, np.floating):
             data = np.float64(data)
         if optimizer is None:

@@ -100,11 +100,13 @@ def global_norm(gradients: Mapping[Weight[Any, Any], Any]) -> float:
 
 
 def _norm(values: Any) -> float:
-    """One gradient's norm. Its squares are summed in its dtype; where that
-    overflows and its values are finite (float16 entries from about 256 on,
-    float32 from about 1e19), they are summed again divided by the largest
-    (whose square was zero in `clip_by_global_norm`: every gradient zeroed)."""
+    """One gradient's norm. Its squares are summed in its dtype (float16's in
+    float32); where that overflows and its values are finite (float32 entries
+    from about 1e19), they are summed again divided by the largest (whose
+    square was zero in `clip_by_global_norm`: every gradient zeroed)."""
     xp = namespace(values)
+    if values.dtype == xp.float16:  # (squared in float32, as PyTorch's: below 2.4e-4 a float16 square is 0)
+        values = xp.astype(values, xp.float32)
     with np.errstate(over="ignore"):  # (overflowed: summed again, below)
         squares = float(xp.sum(values * values))
     if math.isfinite(squares) or not bool(xp.all(xp.isfinite(values))):

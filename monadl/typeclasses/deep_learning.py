@@ -80,7 +80,8 @@ def as_layer(x: DeviceArray) -> Layer[Any, Any]: ...
 def as_layer(x: Any) -> Layer[Any, Any]:
     """Any differentiable value as a `Layer`: a layer as it is, a weight as
     its one node (`monadl.layers._functions.weight_layer`: it batches as the
-    weight does), plain data as a constant, an object of yours by its
+    weight does; shared while a graph holds it, so its line in errors and
+    `monadl.to_dot` is where it was first lifted), plain data as a constant, an object of yours by its
     ``forward()`` (a layer built from a ``Do``, which keeps its graph out of
     batching: lift its parts instead where you can).
 

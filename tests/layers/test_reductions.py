@@ -4,7 +4,7 @@ refuses."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import numpy as np
@@ -55,6 +55,7 @@ def test_what_numpy_refuses_of_a_0d_operand_is_a_shape_error(build: Any, said: s
     ("reduce", "want"),
     [
         (ml.sum, 1.5),
+        (lambda x: ml.sum(x > 1.0), 1),
         (ml.mean, 1.5),
         (ml.max, 1.5),
         (ml.logsumexp, 1.5),
@@ -96,3 +97,8 @@ async def test_a_scalar_result_is_numpys_scalar_whether_batched_or_not(batching:
     assert values.dtype == np.float32
     assert type(loss) is np.float64  # (float64 beside float32 scalars: float64, as NumPy's)
     assert type(grads[s]) is np.float32  # (a scalar weight's gradient: a scalar, as ml.gradients says)
+    for through in (ml.sum, ml.mean, lambda x: ml.reshape(x, (1,))):  # (their deltas are 0-d arrays)
+        with ml.settings(batching=batching):
+            _, grads = await ml.value_and_gradients(ml.sum(through(s)))
+            (g,) = await ml.gradients(ml.sum(through(s)), [cast(Any, s)])
+        assert type(grads[s]) is np.float32 and type(g) is np.float32

@@ -74,3 +74,11 @@ def test_a_norm_whose_squares_overflow_clips_as_its_value_says(dtype: Any, big: 
     np.testing.assert_allclose(clipped[w].astype(np.float64), [0.6, 0.8, 0.0], rtol=1e-3)
     assert clipped[w].dtype == dtype
     assert np.isnan(ml.optim.global_norm({w: np.array([np.nan, 1.0, 0.0], dtype)}))  # (not finite: as it is)
+
+
+def test_a_float16_norm_of_small_entries_is_not_zero() -> None:
+    # Squared in float16, entries below about 2.4e-4 gave 0: no clipping at all (PyTorch squares in float32).
+    w = ml.Weight(np.zeros(2, np.float16))
+    grads = {w: np.array([1e-4, 1e-4], np.float16)}
+    assert ml.optim.global_norm(grads) == pytest.approx(1e-4 * 2**0.5, rel=1e-3)
+    np.testing.assert_allclose(ml.optim.clip_by_global_norm(grads, 1e-5)[w].astype(float), [7.07e-6] * 2, rtol=1e-2)

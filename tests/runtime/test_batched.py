@@ -789,9 +789,10 @@ def test_an_axis_out_of_range_inside_a_batched_cell_is_the_nodes_error() -> None
                 anyio.run(ml.sum(ml.stack([cell(np.ones((2, 3)) * i) for i in range(3)])).predict)
 
 
+@pytest.mark.parametrize("lift", ["weight", "as_layer", "transpose"])
 @pytest.mark.parametrize(("size", "members", "groups"), [(32, 2, 0), (32, 4, 0), (128, 3, 0), (128, 4, 32)])
 def test_few_products_by_a_small_weight_run_node_by_node_by_default(
-    caplog: pytest.LogCaptureFixture, size: int, members: int, groups: int
+    caplog: pytest.LogCaptureFixture, size: int, members: int, groups: int, lift: str
 ) -> None:
     # A new user's attention over examples of different lengths (groups of 2 or 3 of each product by a
     # 32 x 32 weight) ran 1.6x slower under the cost rule than node by node: such groups paid from 2.
@@ -799,7 +800,8 @@ def test_few_products_by_a_small_weight_run_node_by_node_by_default(
     rng = np.random.default_rng(0)
     w = ml.Weight(rng.standard_normal((size, size)) / size)
     xs = [rng.standard_normal((rows, size)) for rows in range(1, 1 + 128 // members) for _ in range(members)]
-    loss = ml.sum(ml.stack([ml.sum(ml.tanh(x @ w)) for x in xs]))
+    shared: Any = {"weight": w, "as_layer": ml.as_layer(w), "transpose": w.T.T}[lift]  # (the weight, seen as a layer)
+    loss = ml.sum(ml.stack([ml.sum(ml.tanh(x @ shared)) for x in xs]))
     caplog.set_level(logging.DEBUG, logger="monadl.batching")
     batched_rule._verdicts.clear()  # (a verdict of an earlier test's graph of the same line and size)
     got = anyio.run(ml.gradients, loss, [w])

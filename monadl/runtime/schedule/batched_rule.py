@@ -246,7 +246,8 @@ def remember(key: tuple[Site, int], worth: bool, why: str) -> None:
 # ---- per group ---------------------------------------------------------------------------------
 MIN_GROUP: Final = {"matmul": 4, "dense": 4, "embedding": 4}
 """The smallest group that pays, by primitive, where it reads a weight of
-`MIN_SHARED` elements or more: a product by a large shared weight also
+`MIN_SHARED` elements or more (as itself, ``ml.as_layer(w)``, its
+transpose or a reshape): a product by a large shared weight also
 replaces a weight-sized outer product per member by one product (a lookup,
 its rows' sums). Anything else, a product by a smaller weight too, pays from
 `DEFAULT_MIN_GROUP`. Measured (`OPENBLAS_NUM_THREADS=1`, 1 to 20 rows a
@@ -256,7 +257,9 @@ node's speed when they paid from 2 (a new user's attention over examples
 of different lengths, groups of 2 or 3 of each product: 0.6x); with these
 minimums 0.89-1.07x, and groups of 8 ran 1.14-1.39x. The Tree-LSTM (every op
 a layer, H = 128: weights of 16,384 and 49,152 elements, levels of a few
-nodes deep in random trees) keeps its speed."""
+nodes deep in random trees) keeps its speed. Losses (``cross_entropy``,
+which paid from 2) pay from 8 too, as other row-wise ops: a loss a member,
+where groups are small, is cheaper than its stack."""
 
 MIN_SHARED: Final = 1 << 14
 """Elements of the weight a product or lookup reads, from which its group
@@ -271,9 +274,25 @@ def group_minimum(node: Any) -> int:
     minimum = MIN_GROUP.get(node._op.name)
     if minimum is not None:
         for x in node._inputs:
-            if type(x) is Weight and x.size >= MIN_SHARED:  # (prod of the shape: a tensor's size is a method)
+            if _weight_of(x) is not None:
                 return minimum
     return DEFAULT_MIN_GROUP
+
+
+_VIEWS: Final = frozenset({"as_layer", "transpose", "reshape"})
+
+
+def _weight_of(x: Any) -> Weight[Any, Any] | None:
+    """The large weight ``x`` is, or shows as a layer (``ml.as_layer(w)``,
+    ``w.T``, a reshape of it), through a few such views; None for anything else."""
+    for _ in range(3):
+        if type(x) is Weight:
+            return x if x.size >= MIN_SHARED else None  # (prod of the shape: a tensor's size is a method)
+        op = getattr(x, "_op", None)
+        if op is None or op.name not in _VIEWS:
+            return None
+        x = x._inputs[0]
+    return None
 
 
 MAX_MEMBER_SIZE: Final = 1 << 14
