@@ -22,6 +22,7 @@ to every step of its program, so marking a cell changes no dtype and no error.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
@@ -36,6 +37,7 @@ __all__ = [
     "as_dtype",
     "cast_numbers",
     "describe",
+    "member_float_dtype",
     "number_dtype",
     "one_float_dtype",
     "step_numbers",
@@ -80,6 +82,66 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], 
     if first is None or not any(map(_cast, args, (first,) * len(args))):
         return args  # (the same tuple: nothing to cast)
     return tuple([_as(a, first) if _cast(a, first) else a for a in args])
+
+
+def member_float_dtype(
+    values: Sequence[Any], stacked: Sequence[bool], scalars: Sequence[bool | None] | None
+) -> Sequence[Any] | None:
+    """A group's operands (``stacked``: which hold its members along a new
+    first axis) cast as `one_float_dtype` casts each member's: an operand's
+    dimensions are a member's (a stacked column of NumPy floats is a float
+    scalar in each member, not a float64 array beside float32 ones).
+    ``scalars``: per stacked operand, whether its members are NumPy scalars
+    (True) or arrays (False), or None: unknown (a step's value inside an
+    operation). ``values`` itself where nothing is cast; None where a member
+    would raise `DTypeError` (its members then run alone, and raise it at
+    their lines), or where the dtype hangs on what is unknown: float
+    scalars of several dtypes, some of them NumPy's and some arrays.
+
+    >>> import numpy as np
+    >>> x, t = np.ones((2, 1, 3), np.float32), np.array([0.5, 2.0])  # two members' rows, their np.float64
+    >>> [v.dtype for v in member_float_dtype((x, t), (True, True), (False, True))]
+    [dtype('float32'), dtype('float32')]
+    >>> [v.dtype for v in member_float_dtype((np.array(1.0, np.float32), t), (False, True), (None, True))]
+    [dtype('float32'), dtype('float32')]
+    """
+    first = None
+    scalar: list[tuple[Any, bool | None]] = []  # (floats of no dimensions in a member: dtype, NumPy's or not)
+    for i, a in enumerate(values):
+        dtype = getattr(a, "dtype", None)
+        if getattr(dtype, "kind", None) != "f":
+            continue
+        if a.ndim > stacked[i]:
+            if first is None:
+                first = dtype
+            elif dtype != first:
+                return None
+        elif first is None:
+            if not stacked[i]:
+                scalar.append((dtype, isinstance(a, np.generic)))
+            else:
+                scalar.append((dtype, None if scalars is None else scalars[i]))
+    if first is None and scalar:
+        dtypes = {d for d, _ in scalar}
+        if len(dtypes) == 1:
+            first = dtypes.pop()
+        else:
+            if any(kind is None for _, kind in scalar):
+                return None
+            floats = {d for d, numpy in scalar if not numpy} or dtypes  # (a 0-d array's sets NumPy floats')
+            first = next(iter(floats)) if len(floats) == 1 else None
+    if first is None:
+        return values
+    cast = [_as(a, first) if _member_cast(a, s, first) else a for a, s in zip(values, stacked)]
+    return values if all(map(operator.is_, cast, values)) else tuple(cast)
+
+
+def _member_cast(a: Any, s: bool, dtype: Any) -> bool:
+    """`_cast` for a group's operand ``a`` (``s``: stacked)."""
+    if not s:
+        return _cast(a, dtype)
+    kind = getattr(getattr(a, "dtype", None), "kind", None)
+    return kind in ("i", "u", "b") or (kind == "f" and a.ndim == 1 and a.dtype != dtype)
 
 
 def _cast(a: Any, dtype: Any) -> bool:

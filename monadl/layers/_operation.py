@@ -25,7 +25,10 @@ a column whose dtype each step decides as it would decide a float's alone
 (`monadl.layers._operands.Numbers`: float32 beside a float32 array), and a
 step of floats only computes member by member, as Python does; where a step
 cannot take them so (one that is not elementwise, a float among the
-results), the calls group by their floats' values.
+results), the calls group by their floats' values. NumPy floats of one dtype
+(``np.linspace``'s items) are stacked as an array, and each step casts them as
+one call's operand rule would (`monadl.layers._operands.member_float_dtype`:
+an ``np.float64`` beside a float32 array is float32).
 
 A *signature* is what the Python function could see: the structure of the
 arguments (tuples, lists, dicts, dataclasses), which leaves are layers or

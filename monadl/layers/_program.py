@@ -12,7 +12,7 @@ operand is stacked, and as itself where all are shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
 import numpy as np
@@ -22,7 +22,7 @@ from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import DTypeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import backward_made, finite_delta, made
-from monadl.layers._operands import Numbers, one_float_dtype, step_numbers
+from monadl.layers._operands import Numbers, member_float_dtype, one_float_dtype, step_numbers
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -171,23 +171,48 @@ class Program:
         fixed = one_float_dtype(step.op.name, values, where)
         return fixed, fixed is not values
 
+    def _member_rule(
+        self, step: Step, values: tuple[Value, ...], flags: tuple[bool, ...], scalars: list[bool | None]
+    ) -> Sequence[Value] | None:
+        """`_operand_rule` for a group: each member's operands cast as its own
+        call would cast them (`member_float_dtype`); None where that cannot
+        be (a member would raise, or its dtype is unknown here)."""
+        parts = tuple([p for p in arrays_of(values) if type(p) is not Numbers])  # (a group's Python numbers)
+        kinds = {type(p) for p in parts}
+        if len(kinds) > 1 and not kinds <= _HOST:
+            common_namespace(parts, f"{step.op.name} at {_where(step)}, inside the operation {self.name}")
+        if not step.op.same_dtype:
+            return values
+        return member_float_dtype(values, flags, scalars)
+
     def factored(
-        self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int
+        self,
+        args: tuple[Any, ...],
+        batched: tuple[bool, ...],
+        n: int,
+        scalars: tuple[bool | None, ...] | None = None,
     ) -> tuple[Value, tuple[Vjp, ...]] | None:
         """`batch`, with the deltas of its weights' products kept as factors
         (`monadl.deltas.Outer`), for the merged
         runs of `monadl.runtime.schedule.fibers`, whose counted release
         multiplies them once per weight."""
-        return self.batch(args, batched, n, True)
+        return self.batch(args, batched, n, True, scalars)
 
     def batch(
-        self, args: tuple[Any, ...], batched: tuple[bool, ...], n: int, factored: bool = False
+        self,
+        args: tuple[Any, ...],
+        batched: tuple[bool, ...],
+        n: int,
+        factored: bool = False,
+        scalars: tuple[bool | None, ...] | None = None,
     ) -> tuple[Value, tuple[Vjp, ...]] | None:
         """The batching rule of the node: the program once over a group's
         stacked (and shared) operands; None where a step cannot batch.
-        ``factored``: see `factored`."""
+        ``factored``: see `factored`. ``scalars``: per stacked operand,
+        whether its members are NumPy scalars (see `member_float_dtype`)."""
         env = [*args, *self.consts]
         stacked = [*batched, *(False,) * len(self.consts)]
+        kinds: list[bool | None] = [*(scalars or ()), *(None,) * (len(env) - len(scalars or ()))]
         vjps: list[tuple[Vjp, ...]] = []
         key = _dtypes(args)
         check = key not in self.uniform
@@ -197,6 +222,13 @@ class Program:
         for step, read in zip(self.steps, self.readers):
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
+            if check:  # (before the numbers: a Python float computes in the dtype the rule leaves)
+                fixed = self._member_rule(step, values, flags, [kinds[r] for r in step.refs])
+                if fixed is None:
+                    self.declined = step
+                    return None
+                cast = cast or fixed is not values
+                values = tuple(fixed)
             if numbers and Numbers in map(type, values):
                 found = step_numbers(step.op, values, flags, n)
                 if found is None:
@@ -205,12 +237,10 @@ class Program:
                 if type(found) is Numbers:  # numbers only: numbers still (no delta to any)
                     env.append(found)
                     stacked.append(True)
+                    kinds.append(None)
                     vjps.append(())
                     continue
                 values = found
-            if check:
-                values, casted = self._operand_rule(step, values)
-                cast = cast or casted
             params = step.parameters(env)
             pflags = step.stacked_parameters(stacked)
             if True in flags or True in pflags:
@@ -230,6 +260,7 @@ class Program:
                 out, rules = step.op.rule(*values, *params)
             env.append(out)
             stacked.append(True in flags or True in pflags)
+            kinds.append(None)  # (a stacked value's members: NumPy scalars or arrays, as its step made them)
             vjps.append(rules)
         if check and not cast:
             self.uniform.add(key)

@@ -117,9 +117,9 @@ def _batch_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     original = Program.batch
 
-    def counting(self: Program, args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Any:
+    def counting(self: Program, args: tuple[Any, ...], batched: tuple[bool, ...], n: int, **options: Any) -> Any:
         calls.append(n)
-        return original(self, args, batched, n)
+        return original(self, args, batched, n, **options)
 
     monkeypatch.setattr(Program, "batch", counting)
     return calls

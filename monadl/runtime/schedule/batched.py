@@ -47,6 +47,8 @@ from operator import attrgetter, is_not, itemgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
+
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._operands import NUMBERS
@@ -313,6 +315,7 @@ class _Run:
         operands: list[Operand] = []
         kinds: set[type] = set()
         numbers: list[int] = []  # positions of plain numbers that differ between members
+        scalars: list[bool | None] = []  # per operand, whether its members are NumPy scalars
         for p, x0 in enumerate((*inputs, *first._params)):
             kind = type(x0)
             is_node = kind is Layer or kind is Weight
@@ -331,6 +334,7 @@ class _Run:
                     args.append(column)  # (made a column below)
                     batched.append(True)
                     operands.append(Operand(None, [None] * n))
+                    scalars.append(False)
                     continue
             elif kind is tuple and p >= arity and True in [hasattr(q, "shape") for q in x0]:
                 # An index holding arrays (h[src, 0]): those that differ between members stacked.
@@ -339,6 +343,7 @@ class _Run:
                     args.append(indices)
                     batched.append(True)
                     continue
+            scalar: bool | None = None
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value
@@ -348,6 +353,7 @@ class _Run:
                 if sources is not None:  # rows of earlier groups' outputs: gathered by index
                     value = groups.gather(sources, n)
                     operand = Operand(None, None, sources)
+                    scalar = True  # (a member's value, ``out[i]``, where it has no dimensions)
                 else:
                     recs = [records[x] if type(x) is Layer or type(x) is Weight else None for x in column]
                     values = [x if r is None else r.value for x, r in zip(column, recs)]
@@ -356,11 +362,19 @@ class _Run:
                     else:
                         value = stack(values)
                     operand = Operand(None, recs)
+                    scalar = isinstance(values[0], np.generic)
             args.append(value)
             batched.append(stacks)
             if p < arity:
                 kinds.add(type(value))
                 operands.append(operand)
+                scalars.append(scalar)
+        # Each member's float scalars in the dtype its own node gives them (before its numbers
+        # take the dtype left: a stacked column of np.float64 beside a float32 array is float32).
+        if op.same_dtype and not cast_scalars(args, batched, arity, scalars):
+            declined(members, "their operands mix float dtypes")
+            self.each(members)
+            return
         if numbers and not number_columns(args, numbers, batched, arity, type(op.rule) is Program, kinds):
             self._by_value(members, numbers)
             return
@@ -372,10 +386,11 @@ class _Run:
         if not self.forced and coarse(args, batched, n):
             self.each(members)
             return
-        if op.same_dtype:
-            cast_scalars(args, batched, arity)
         try:
-            result = rule(tuple(args), tuple(batched), n)
+            if type(op.rule) is Program:
+                result = rule(tuple(args), tuple(batched), n, scalars=tuple(scalars))
+            else:
+                result = rule(tuple(args), tuple(batched), n)
         except Exception:  # run node by node: the same error, named at the member's own line
             result = None
         if result is None:

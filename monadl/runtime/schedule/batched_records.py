@@ -45,7 +45,7 @@ import numpy as np
 
 from monadl._namespace import _HOST, namespace
 from monadl.deltas import Outer
-from monadl.layers._operands import NUMBERS, Numbers, as_dtype, cast_numbers
+from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, member_float_dtype
 from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._products import factored
 from monadl.layers._program import Program
@@ -142,10 +142,9 @@ class Operand:
 
 
 def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool]) -> bool:
-    """Operands that one member would take as they are: one array library, one
-    floating dtype where the primitive needs one and no integer array beside it
-    (else the members run one by one: the first that fails raises the usual
-    error at its line, and integers are cast to the float's dtype)."""
+    """Operands of one array library (else the members run one by one: the
+    first that fails raises the usual error at its line); their dtypes were
+    made each member's by `cast_scalars`."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
     if StackedOutputs in kinds:  # operation nodes' outputs: the kinds of their arrays
@@ -157,32 +156,22 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         indices = type(op.rule) is Program and kinds - NUMBERS - foreign == {np.ndarray}
         if not indices or not all(host_integers(a) for a in operands if type(a) is np.ndarray):
             return False
-    if op.same_dtype:  # (of the operands with dimensions in a member: `cast_scalars` casts the others)
-        dtypes = {a.dtype for a, b in zip(operands, batched) if getattr(a, "ndim", 0) > b}
-        floats = {d for d in dtypes if getattr(d, "kind", None) == "f"}
-        if len(floats) > 1 or (floats and len(dtypes) > len(floats)):
-            return False  # (an integer array beside a float one is cast member by member)
     return True
 
 
-def cast_scalars(args: list[Any], batched: list[bool], arity: int) -> None:
-    """Cast in place, as `monadl.layers._operands.one_float_dtype` casts one
-    node's operands, the operands of no dimensions in a member (a 0-d weight,
-    a NumPy scalar, a group's 0-d values stacked) of another dtype than the
-    float arrays with dimensions beside them (`batchable` refused two such
-    dtypes, and integer arrays with dimensions): batched, NumPy would
-    promote the group to another dtype."""
-    dtype = None
-    for a, b in zip(args[:arity], batched):
-        if getattr(a, "ndim", 0) > b and namespace(a).isdtype(a.dtype, "real floating"):
-            dtype = a.dtype
-            break
-    if dtype is None:
-        return
-    for i in range(arity):
-        a = args[i]
-        if getattr(a, "ndim", -1) == batched[i] and a.dtype != dtype:
-            args[i] = as_dtype(a, dtype)
+def cast_scalars(args: list[Any], batched: list[bool], arity: int, scalars: list[bool | None]) -> bool:
+    """Cast in place the operands of a group that one member's node would
+    cast (`monadl.layers._operands.member_float_dtype`: a NumPy float, a 0-d
+    weight, a group's 0-d values stacked, beside a float array of another
+    dtype, or beside a 0-d float array): batched, NumPy would promote the
+    group to another dtype. ``scalars``: per operand, whether its members
+    are NumPy scalars. False where a member would raise (two float arrays
+    of different dtypes) or its dtype is unknown."""
+    cast = member_float_dtype(args[:arity], batched[:arity], scalars)
+    if cast is None:
+        return False
+    args[:arity] = cast
+    return True
 
 
 def stack(values: list[Any]) -> Any:

@@ -1,0 +1,113 @@
+"""A NumPy float that differs per call (a temperature from ``np.linspace``)
+batches as a Python float does, each call's value and dtype kept.
+
+A new user's cell ``softmax((x @ w) / temp)`` on float32 data with
+``np.float64`` temperatures ran its 128 calls one by one (5.7x the same
+numbers as Python floats): inside the operation, the stacked temperatures
+were a float64 array beside float32 ones, which one call's rule refuses.
+Unmarked, a stacked column of them beside a 0-d float32 weight made the
+group float64 where each node alone is float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.runtime.schedule import batched as _batching
+
+N = 12
+NUMBERS: list[Callable[[float], Any]] = [np.float64, np.float32, np.float16, float]
+DATA = [np.float32, np.float64, np.float16]
+
+
+def _groups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each group that ran batched: its primitive's name and its size."""
+    ran: list[tuple[str, int]] = []
+    group = _batching._Run.group
+
+    def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
+        before = self.batches
+        group(self, members, numbers_stack)
+        if self.batches > before:
+            ran.append((members[0]._op.name, len(members)))
+
+    monkeypatch.setattr(_batching._Run, "group", counting)
+    return ran
+
+
+def _bodies(dtype: Any) -> dict[str, tuple[Callable[[Any, Any], Any], ml.Weight[Any, Any]]]:
+    """Where a call's float meets the call's other operands: its data, a 0-d
+    weight alone, a scalar layer (a NumPy scalar, ``ml.sum``'s), a Python float."""
+    w = ml.Weight(np.linspace(0.5, 1.5, 4, dtype=dtype).reshape(1, 4))
+    w0 = ml.Weight(np.array(0.7, dtype))
+    return {
+        "data": (lambda x, t: ml.tanh(x * w) / t, w),
+        "0-d weight": (lambda x, t: w0 * t + w0, w0),
+        "scalar layer": (lambda x, t: ml.sum(x * w) * t, w),
+        "Python float": (lambda x, t: x * w * (t * 2.0 + 1.0), w),
+    }
+
+
+def _calls(body: Callable[[Any, Any], Any], make: Callable[[float], Any], dtype: Any) -> ml.ArrayLayer:
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(1, 4)).astype(dtype) for _ in range(N)]
+    return ml.stack([body(x, make(t)) for x, t in zip(xs, np.linspace(0.5, 2.0, N))])
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["plain", "operation"])
+@pytest.mark.parametrize("dtype", DATA, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("make", NUMBERS, ids=lambda k: k.__name__)
+def test_a_numpy_float_per_call_batches_with_each_calls_values_and_dtypes(
+    make: Callable[[float], Any], dtype: Any, marked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = _groups(monkeypatch)
+    for name, (body, w) in _bodies(dtype).items():
+        f = ml.operation(body) if marked else body
+        results = {}
+        for batching in (True, False):  # (batched first: no call of the operation has run yet)
+            ran.clear()
+            rows = _calls(f, make, dtype)
+            with ml.settings(batching=batching):
+                value = anyio.run(rows.predict)
+                (grad,) = anyio.run(ml.gradients, ml.sum(rows), [w])
+            results[batching] = value, grad, list(ran)
+        (got, got_grad, groups), (want, want_grad, _) = results[True], results[False]
+        assert got.dtype == want.dtype and grad.dtype == want_grad.dtype, name
+        assert np.array_equal(got, want), name  # (elementwise: the same roundings, member by member)
+        # (the weight's delta: the members' summed in another order)
+        scale = (1e-2 if want_grad.dtype == np.float16 else 1e-6) * float(np.max(np.abs(want_grad)))
+        np.testing.assert_allclose(got_grad, want_grad, rtol=0, atol=scale, err_msg=name)
+        assert groups and all(n == N for _, n in groups), name  # each step's calls (or nodes) one group
+
+
+def test_the_users_cell_runs_its_calls_as_one_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(0)
+    w = ml.Weight((rng.normal(size=(16, 16)) / 8).astype(np.float32))
+
+    @ml.operation
+    def cell(x: ml.ArrayOperand, temp: ml.ScalarOperand) -> ml.ArrayLayer:
+        return ml.softmax((x @ w) / temp, axis=-1)
+
+    xs = [rng.normal(size=(1, 16)).astype(np.float32) for _ in range(32)]
+    temps = list(np.linspace(0.5, 2.0, 32))  # np.float64 items
+    ran = _groups(monkeypatch)
+    values: dict[bool, tuple[Any, Any]] = {}
+    for batching in (True, False):
+        ran.clear()
+        loss = ml.sum(ml.concatenate([cell(x, t) ** 2 for x, t in zip(xs, temps)], axis=0))
+        with ml.settings(batching=batching):
+            values[batching] = anyio.run(loss.predict), anyio.run(ml.gradients, loss, [w])[0]
+        if batching:
+            # The calls one group (and their squares), in predict and in gradients.
+            cells = [n for name, n in ran if name.rsplit("#", 1)[0].endswith(".cell")]
+            assert cells == [32, 32] and {n for _, n in ran} == {32}
+    assert values[True][0].dtype == values[False][0].dtype == np.float32
+    assert values[True][1].dtype == np.float32
+    assert abs(values[True][0] - values[False][0]) <= 1e-6 * abs(values[False][0])
+    np.testing.assert_allclose(values[True][1], values[False][1], rtol=1e-5, atol=1e-7)
