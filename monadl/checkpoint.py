@@ -40,7 +40,6 @@ array([1., 1.])
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -49,10 +48,20 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from monadl._atomic_file import write_atomically
+from monadl._checkpoint_file import (
+    FORMAT,
+    MANIFEST_DIGEST_KEY,
+    MANIFEST_KEY,
+    VERSION,
+    digest,
+    read,
+    text_digest,
+    unreadable,
+)
 from monadl._named import named_weights
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
@@ -64,10 +73,6 @@ from monadl.runtime.process import hold, release
 
 __all__ = ["load", "named_weights", "save"]
 
-_MANIFEST_KEY: Final = "monadl"
-_MANIFEST_DIGEST_KEY: Final = "monadl.digest"  # (beside the manifest, not in it: it covers the manifest's exact text)
-_FORMAT: Final = "monadl.checkpoint"
-_VERSION: Final = 1
 _STATE_PREFIX: Final = "optimizer_state/"
 
 
@@ -135,17 +140,17 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         )
     _check_metadata(metadata)
     manifest = {
-        "format": _FORMAT,
-        "version": _VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "weights": entries,
         "metadata": dict(metadata or {}),
-        "digests": {key: _digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
+        "digests": {key: digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
     }
     try:
         text = json.dumps(manifest, default=_json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
-    header = {_MANIFEST_KEY: text, _MANIFEST_DIGEST_KEY: _text_digest(text)}  # (a damaged step count is refused)
+    header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: text_digest(text)}  # (a damaged step count is refused)
     write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, header))
 
 
@@ -179,21 +184,6 @@ def _no_weights(model: object) -> str:
             "built it): pass that model"
         )
     return text
-
-
-def _digest(array: Any) -> str | None:
-    """A stored array's bytes, hashed (BLAKE2b, 16 bytes, with its dtype and shape); None for no array."""
-    if array is None:
-        return None
-    hashed = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
-    hashed.update(np.ascontiguousarray(array).tobytes())
-    return hashed.hexdigest()
-
-
-def _text_digest(text: str) -> str:
-    """The manifest's text, hashed (BLAKE2b, 16 bytes): its names, shapes,
-    the optimizer states' numbers (Adam's step counts) and the metadata."""
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
@@ -246,10 +236,10 @@ def load(
         )
     _not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
     try:
-        manifest, tensors = _read(os.fspath(path))
+        manifest, tensors = read(os.fspath(path))
     except SafetensorError as error:
-        raise CheckpointError(_unreadable(os.fspath(path), error)) from None
-    damaged = sorted(key for key, digest in manifest.get("digests", {}).items() if _digest(tensors.get(key)) != digest)
+        raise CheckpointError(unreadable(os.fspath(path), error)) from None
+    damaged = sorted(key for key, saved in manifest.get("digests", {}).items() if digest(tensors.get(key)) != saved)
     if damaged:  # (a checkpoint written before digests has none: read as it is)
         raise CheckpointError(
             f"{os.fspath(path)} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
@@ -339,91 +329,6 @@ def _warn_in_flight(weights: dict[str, Any], updates: list[tuple[Any, Any, Any]]
 def _not_a_directory(path: str | os.PathLike[str]) -> None:
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", os.fspath(path))
-
-
-_MAX_HEADER: Final = 100_000_000  # (safetensors' own limit: a longer one is no header)
-
-
-def _unreadable(path: str, error: SafetensorError) -> str:
-    """Why safetensors cannot read ``path``: cut short (a full disk, a copy
-    interrupted), or with bytes after its end, as its own header's numbers
-    (its length, the arrays' offsets) tell; else it is no safetensors file."""
-    size = os.path.getsize(path)
-    if size < 8:
-        return (
-            f"{path} is {size} bytes long, too short for a checkpoint (a safetensors file begins with 8 bytes that "
-            "give its header's length): truncated, or never written?; nothing was loaded"
-        )
-    expected = _expected_size(path)
-    if expected is not None and size < expected[0]:
-        return (
-            f"{path} is truncated: {size} bytes, and its header expects {'' if expected[1] else 'at least '}"
-            f"{expected[0]} (a full disk, a copy cut short?); nothing was loaded"
-        )
-    if expected is not None and size > expected[0]:
-        return (
-            f"{path} has {size - expected[0]} bytes after its end ({size} bytes, and its header expects "
-            f"{expected[0]}: written over a longer file, or appended to?); nothing was loaded"
-        )
-    return f"{path} is not a safetensors file: {error}"
-
-
-def _expected_size(path: str) -> tuple[int, bool] | None:
-    """The size that ``path``'s header gives it, and whether the header's
-    JSON was there whole (else the size is where the header would end: a
-    floor); None where its first bytes are no safetensors header, or where
-    the length they give is not that of the header that follows them."""
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        if length > _MAX_HEADER:
-            return None
-        header = file.read(length)
-    if len(header) < length:
-        text = header.decode("utf-8", "replace")
-        try:
-            stop = json.JSONDecoder().raw_decode(text)[1]
-        except ValueError:
-            return 8 + length, False
-        if text[stop:].strip(" "):  # (other bytes after a whole header: its length, not the file, is damaged)
-            return None
-        header = text[:stop].encode()  # (cut inside the spaces that pad a header: its JSON is whole)
-    try:
-        entries = json.loads(header)
-        end = max((int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"), default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # (its JSON damaged, or not of safetensors)
-        return None
-    return 8 + length + end, True
-
-
-def _read(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest and the arrays of ``path``, read through one opening of
-    it: a save that replaces the file meanwhile (another process saving the
-    checkpoint that this one evaluates) must not pair one file's manifest
-    with the next one's arrays, which their digests then call damaged."""
-    with safe_open(path, framework="numpy") as file:
-        manifest = _manifest(path, file.metadata() or {})
-        return manifest, {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 - not iterable
-
-
-def _manifest(path: str, header: dict[str, str]) -> dict[str, Any]:
-    if _MANIFEST_KEY not in header:
-        raise CheckpointError(f"{path} is a safetensors file but not a monadl checkpoint (no manifest in its header)")
-    digest = header.get(_MANIFEST_DIGEST_KEY)  # (none in a checkpoint written before it: read as it is)
-    if digest is not None and _text_digest(header[_MANIFEST_KEY]) != digest:
-        raise CheckpointError(
-            f"{path} is damaged: its manifest (the weights' names and shapes, the optimizer states' numbers "
-            "such as step counts, the metadata) is not the one saved; nothing was loaded"
-        )
-    try:
-        manifest: dict[str, Any] = json.loads(header[_MANIFEST_KEY])
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: its manifest is not JSON: {error}") from None
-    if manifest.get("format") != _FORMAT or manifest.get("version", 0) > _VERSION:
-        raise CheckpointError(
-            f"{path}: a checkpoint of format {manifest.get('format')!r} version {manifest.get('version')!r}; "
-            f"this monadl reads {_FORMAT!r} up to version {_VERSION}"
-        )
-    return manifest
 
 
 def _check_metadata(metadata: object) -> None:

@@ -806,18 +806,18 @@ def test_a_save_that_replaces_the_file_during_a_load_leaves_the_load_whole(
     process re-saving the checkpoint in between paired one file's manifest
     with the next one's arrays, and load said 'is damaged: the bytes of 'w'
     are not those saved' (27 of 11,600 loads beside a saving process)."""
-    import monadl.checkpoint as checkpoint
+    import monadl._checkpoint_file as checkpoint_file
 
     path = tmp_path / "m.safetensors"
     ml.save(path, {"w": ml.Weight(np.full(4, 1.0))}, metadata={"i": 1})
-    read_manifest = checkpoint._manifest
+    read_manifest = checkpoint_file._manifest
 
     def then_saved_again(*args: Any) -> Any:
         manifest = read_manifest(*args)
         ml.save(path, {"w": ml.Weight(np.full(4, 2.0))}, metadata={"i": 2})
         return manifest
 
-    monkeypatch.setattr(checkpoint, "_manifest", then_saved_again)
+    monkeypatch.setattr(checkpoint_file, "_manifest", then_saved_again)
     model = {"w": ml.Weight(np.zeros(4))}
     assert ml.load(path, model) == {"i": 1}
     assert model["w"].data.tolist() == [1.0] * 4

@@ -35,6 +35,7 @@ from monadl.layers._outputs import (
 from monadl.layers._primitives import Primitive
 from monadl.layers._products import OuterRule
 from monadl.layers._products import factored as products_factored
+from monadl.layers._program_sweep import Sweep
 from monadl.layers._step import Step
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
 
@@ -141,7 +142,7 @@ class Program:
         if check and not cast:
             self.uniform.add(key)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
-        return value, _Backward(self, env, vjps, None, called).rules()
+        return value, Sweep(self, env, vjps, None, called).rules()
 
     def _checked(
         self, step: Step, values: tuple[Value, ...], params: tuple[Any, ...], called: str
@@ -273,7 +274,7 @@ class Program:
                 value = namespace(value).broadcast_to(value, (n, *value.shape))
             outs.append(value)
         value = StackedOutputs(tuple(outs)) if self.multi else outs[0]
-        return value, _Backward(self, env, vjps, stacked, None).rules()
+        return value, Sweep(self, env, vjps, stacked, None).rules()
 
     def backward(
         self,
@@ -414,43 +415,3 @@ def _where(step: Step) -> str:
     from monadl.layers._site import site_text
 
     return site_text(step.site)
-
-
-@final
-class _Backward:
-    """One run's reverse sweep, done once when the first operand's VJP is
-    called, shared by the others (the runtime calls them one after another
-    with the same delta)."""
-
-    __slots__ = ("called", "deltas", "env", "g", "program", "stacked", "vjps")
-
-    def __init__(
-        self,
-        program: Program,
-        env: list[Value],
-        vjps: list[tuple[Vjp, ...]],
-        stacked: list[bool] | None,
-        called: str | None,
-    ) -> None:
-        self.program = program
-        self.env = env
-        self.vjps = vjps
-        self.stacked = stacked
-        self.called = called
-        self.g: Value = None
-        self.deltas: list[Value | None] | None = None
-
-    def rules(self) -> tuple[Vjp, ...]:
-        return tuple([self._rule(k) for k in range(self.program.size)])
-
-    def _rule(self, k: int) -> Vjp:
-        return lambda g: self.delta(k, g)
-
-    def delta(self, k: int, g: Value) -> Value:
-        """Operand ``k``'s delta; None where none reaches it (it feeds only
-        outputs the graph did not use, as an unmarked function's unused
-        layers are never reached: no gradient, no step)."""
-        if self.deltas is None or self.g is not g:
-            self.deltas = self.program.backward(self.env, self.vjps, g, self.stacked, self.called)
-            self.g = g
-        return self.deltas[k]
