@@ -22,6 +22,7 @@ import numpy as np
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
 from monadl.layers._non_finite import backward_made, finite_delta
+from monadl.layers._primitives import WEIGHT_LAYER
 from monadl.layers._products import OuterRule
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import where
@@ -91,7 +92,9 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                 rec.delta = None
             continue
         if delta is not None:
-            if type(delta) is SparseRows:  # a sparse delta reached a layer: its rules expect arrays
+            # A sparse delta reached a layer: its rules expect arrays (but a weight's own node,
+            # `ml.as_layer(w)`, passes its table's rows on, to step as the weight's own would).
+            if type(delta) is SparseRows and rec.node._op is not WEIGHT_LAYER:
                 delta = delta.to_dense()
             fits = rec.fits
             i = 0  # (indexing the rules beats zipping or enumerating them here)
