@@ -116,7 +116,7 @@ async def test_a_lifted_table_steps_its_looked_up_rows_alone() -> None:
     ids = np.array([1, 3, 3])
     _, grads = await ml.value_and_gradients(ml.sum(ml.embedding(ml.as_layer(tables[1]), ids) ** 2.0))
     assert type(grads[tables[1]]) is SparseRows
-    for _ in range(3):
-        for table, lifted in zip(tables, (tables[0], ml.as_layer(tables[1]))):
-            await ml.sum(ml.embedding(lifted, ids if _ == 0 else np.array([7])) ** 2.0).train()
+    for step in range(3):
+        for used in (tables[0], ml.as_layer(tables[1])):
+            await ml.sum(ml.embedding(used, ids if step == 0 else np.array([7])) ** 2.0).train()
     np.testing.assert_array_equal(tables[1].data, tables[0].data)  # (row 1 moved at the first step only)
