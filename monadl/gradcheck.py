@@ -90,10 +90,15 @@ def _dense(grad: Any) -> Any:
 
 
 def _of_weight(w: Weight[Any, Any], grad: Any) -> Any:
-    """A scalar weight's gradient as a NumPy scalar, as its data is (a
-    rule's delta may be a 0-d array: a sum's, a mean's, a reshape's)."""
-    if isinstance(w._data, np.generic) and type(grad) is np.ndarray and not grad.ndim:
+    """A weight's gradient of its data's kind where the rules leave either:
+    a scalar weight's a NumPy scalar (a sum's, a mean's, a reshape's delta
+    is a 0-d array), a 0-d array weight's a 0-d array (a batched group's
+    member, or NumPy's arithmetic on 0-d arrays, gives a scalar)."""
+    data = w._data
+    if isinstance(data, np.generic) and type(grad) is np.ndarray and not grad.ndim:
         return grad[()]
+    if type(data) is np.ndarray and not data.ndim and isinstance(grad, np.generic):
+        return np.asarray(grad)
     return grad
 
 

@@ -194,7 +194,7 @@ def _sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
         backward = _fused(xp, "sigmoid_backward")
         assert backward is not None
         return out, (lambda g: backward(g, out),)
-    out = _stable_logistic(xp, a)
+    out = _scalar(xp, _stable_logistic(xp, a))  # (its where gives a 0-d array for a scalar: NumPy's scalar)
     return out, (lambda g: g * out * (1 - out),)
 
 

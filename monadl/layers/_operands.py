@@ -129,7 +129,8 @@ def member_float_dtype(
             if any(kind is None for _, kind in scalar):
                 return None
             floats = {d for d, numpy in scalar if not numpy} or dtypes  # (a 0-d array's sets NumPy floats')
-            first = next(iter(floats)) if len(floats) == 1 else None
+            # (of several, a member computes in NumPy's promotion of them all: float32 and float16, float32)
+            first = next(iter(floats)) if len(floats) == 1 else np.result_type(*dtypes)
     if first is None:
         return values
     cast = [_as(a, first) if _member_cast(a, s, first) else a for a, s in zip(values, stacked)]

@@ -11,6 +11,7 @@ group float64 where each node alone is float32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -111,3 +112,43 @@ def test_the_users_cell_runs_its_calls_as_one_group(monkeypatch: pytest.MonkeyPa
     assert values[True][1].dtype == np.float32
     assert abs(values[True][0] - values[False][0]) <= 1e-6 * abs(values[False][0])
     np.testing.assert_allclose(values[True][1], values[False][1], rtol=1e-5, atol=1e-7)
+
+
+WEIGHTS: list[Callable[[], Any]] = [
+    lambda: ml.Weight(np.array(0.3, np.float16)),
+    lambda: ml.Weight(np.array(0.3, np.float32)),
+    lambda: ml.Weight(np.float32(0.3)),
+    lambda: ml.Weight(np.full(3, 0.3, np.float32)),
+]
+
+
+@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("number", [np.float64, np.float16, float])
+@pytest.mark.parametrize("weight", range(len(WEIGHTS)))
+def test_where_of_a_weight_and_a_number_per_call_keeps_each_calls_dtype(marked: bool, number: Any, weight: int) -> None:
+    # A new user's differential fuzzing: where(True, a 0-d float32 weight, np.float64(i)) was float64 batched
+    # and float32 node by node (where casts its two sides as a binary op does; the group cast nothing).
+    results = []
+    for batching in (True, False):
+        w = WEIGHTS[weight]()
+        chosen = functools.partial(ml.where, True, w)  # (bound now: one weight a pass)
+        cell: Callable[[Any], Any] = ml.operation(chosen) if marked else chosen
+        ys = [cell(number(i / 10)) for i in range(N)]
+        with ml.settings(batching=batching):
+            values = anyio.run(ml.Layer(ml.Do.gather([y.forward() for y in ys]).map(lambda tapes: tapes[0])).predict)
+            _, grads = anyio.run(ml.value_and_gradients, ml.stack(ys))
+        results.append((type(values), np.asarray(values).dtype, type(grads[w]), np.asarray(grads[w]).dtype))
+    assert results[0] == results[1]
+
+
+def test_a_scalars_sigmoid_and_a_0d_weights_gradient_are_of_one_kind_batched_or_not() -> None:
+    kinds = []
+    for batching in (True, False):
+        w = ml.Weight(np.array(0.5))
+        with ml.settings(batching=batching):
+            ys = [ml.sigmoid(w * float(i)) for i in range(N)]
+            value = anyio.run(ys[1].predict)
+            _, grads = anyio.run(ml.value_and_gradients, ml.sum(ml.stack(ys)))
+        kinds.append((type(value), type(grads[w]), np.ndim(grads[w])))
+    expected: Any = (np.float64, np.ndarray, 0)  # (a 0-d array weight's gradient: a 0-d array)
+    assert kinds[0] == kinds[1] == expected

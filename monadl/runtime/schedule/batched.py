@@ -53,6 +53,7 @@ from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._operands import NUMBERS
 from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs, batch_output
+from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
@@ -108,6 +109,8 @@ __all__ = [
     "stepwise",
     "worth_batching",
 ]
+
+_WHERE: Final = PRIMITIVES["where"]  # (its rule casts its two sides as a binary op its operands, not the condition)
 
 STRATEGY: Final = "depth"
 """The default grouping, "depth" or "agenda". Depth measured faster in
@@ -371,7 +374,7 @@ class _Run:
                 scalars.append(scalar)
         # Each member's float scalars in the dtype its own node gives them (before its numbers
         # take the dtype left: a stacked column of np.float64 beside a float32 array is float32).
-        if op.same_dtype and not cast_scalars(args, batched, arity, scalars):
+        if (op.same_dtype or op is _WHERE) and not cast_scalars(args, batched, arity, scalars, op is _WHERE):
             declined(members, "their operands mix float dtypes")
             self.each(members)
             return
