@@ -31,7 +31,7 @@ Cost rule: batching is on where it pays. Whether a graph comes here at all is
 here, a graph whose widest depth has one node runs as before, and a group
 smaller than its rule's minimum (`MIN_GROUP`) or whose members are coarse
 (`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
-is not analysed again for `REPROBE` evaluations. Graphs that the fork rule
+is not analysed again for 1, 2, 4, ... and at most `REPROBE` evaluations. Graphs that the fork rule
 sends to the worker pool are not batched (the hook sits on the inline path of
 `monadl.runtime.interpret`); on a GPU a graph that does not batch runs its
 branches on CUDA streams instead. ``Settings.batching``
@@ -84,6 +84,7 @@ from monadl.runtime.schedule.batched_rule import (
     coarse,
     declined,
     group_minimum,
+    paid,
     ran,
     remember,
     unbatched,
@@ -186,9 +187,11 @@ def _steps(
             if perf_counter() > ev.deadline:
                 yield CHECKPOINT
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
-        remember((order[-1]._site, len(order)), False, NOTHING_PAID)
-        unbatched(order, f"{NOTHING_PAID}; not analysed again for {REPROBE} evaluations")
+        wait = remember((order[-1]._site, len(order)), False, NOTHING_PAID)
+        unbatched(order, f"{NOTHING_PAID}; not analysed again for {wait} evaluation(s) (at most {REPROBE})")
     elif order:
+        if run.batches:
+            paid((order[-1]._site, len(order)))
         ran(order, run.batches, run.batched)
     return left
 
