@@ -48,7 +48,8 @@ class Settings:
             `monadl.runtime.schedule.fibers` says, each merged graph run
             node by node, so that they step in one order on or off).
             Under ``check_finite`` nothing is batched. The rule: a graph of fewer than 256 nodes
-            (a marked cell's node counted as its ops) runs as it is (across control flow, a merge of fewer than 10
+            (a marked cell's node counted as its ops) runs as it is, unless 8 of its nodes read a weight of
+            16,384 elements or more (across control flow, a merge of fewer than 10
             examples' graphs that end at one line, a read or a return, and of 256 nodes), as does one whose widest level
             has one node; in a graph that batches, a group of marked cells
             (`ml.operation`) batches from 2 members, of matrix products or
