@@ -1,0 +1,134 @@
+"""The cost rule where new users found it wrong, default against off and forced.
+
+Three per-example models whose graphs the rule (``ml.settings(batching=None)``)
+once judged badly, each timed under the default rule, with batching off and
+with it forced, alternating in one process, best of ``--steps`` steps:
+
+* **early stop**: 16 examples of a direct-style RNN (lengths 1 to 6) that read
+  their state every 4 steps: the short ones park whole graphs that end at
+  another line. Counted by examples, the merge batched and ran 8-18% slower
+  than node by node; now a merge pays from 10 graphs that end at one line.
+* **after ragged**: 128 examples of one length through a 2-layer MLP, timed
+  after one batch of 128 different lengths (which groups nothing): the
+  verdict on the ragged batch (by line and node count) left the next 31
+  batches unbatched, 2.1x slower; now it is analysed again at the next.
+* **small, large weights**: 10 sequences through a marked RNN cell of
+  512 x 512 weights given as arguments (a graph of under 256 nodes) and 16
+  examples of a 2-layer MLP at 512 (66 nodes): below 256 nodes the rule left them alone, where batching ran 1.5-2.2x
+  faster; now 8 nodes reading a large weight make a graph worth analysing.
+
+Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
+for the figures in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import anyio
+import numpy as np
+
+import monadl as ml
+
+Loss = Callable[[], Any]
+
+
+def early_stop(hidden: int = 32) -> Loss:
+    rng = np.random.default_rng(0)
+    wx, wh = (ml.Weight((rng.standard_normal((hidden, hidden)) / hidden**0.5).astype(np.float32)) for _ in range(2))
+    seqs = [[rng.standard_normal((1, hidden)).astype(np.float32) for _ in range(1 + i % 6)] for i in range(16)]
+    h0 = np.zeros((1, hidden), np.float32)
+
+    @ml.direct
+    async def example(seq: list[Any]) -> Any:
+        h: Any = ml.as_layer(h0)
+        for i, x in enumerate(seq):
+            h = ml.tanh(x @ wx + h @ wh)
+            if i % 4 == 3:  # (a read every four steps, as a data-dependent stop would)
+                await ml.values(h)
+        return ml.sum(h * h)
+
+    return lambda: ml.sum(ml.stack([example(s) for s in seqs]))
+
+
+def mlp(examples: int, size: int, lengths: Callable[[int], int]) -> Loss:
+    rng = np.random.default_rng(0)
+    w1, w2 = (ml.Weight((rng.standard_normal((size, size)) / size).astype(np.float32)) for _ in range(2))
+    xs = [rng.standard_normal((lengths(i), size)).astype(np.float32) for i in range(examples)]
+    return lambda: ml.sum(ml.stack([ml.sum(ml.tanh(x @ w1) @ w2) for x in xs]))
+
+
+def marked_rnn(sequences: int = 10, size: int = 512) -> Loss:
+    rng = np.random.default_rng(0)
+    wx, wh = (ml.Weight((rng.standard_normal((size, size)) / size**0.5).astype(np.float32)) for _ in range(2))
+    cell = ml.operation(lambda x, h, wx, wh: ml.tanh(x @ wx + h @ wh))
+    seqs = [[rng.standard_normal((1, size)).astype(np.float32) for _ in range(1 + i)] for i in range(sequences)]
+    h0 = np.zeros((1, size), np.float32)
+
+    def loss() -> Any:
+        finals = []
+        for seq in seqs:
+            h: Any = ml.as_layer(h0)
+            for x in seq:
+                h = cell(x, h, wx, wh)
+            finals.append(ml.sum(h * h))
+        return ml.sum(ml.stack(finals))
+
+    return loss
+
+
+def best(loss: Loss, steps: int, before: Loss | None = None) -> dict[bool | None, float]:
+    """Seconds of the best training step, by ``batching`` setting; ``before``:
+    a loss trained once before each timed step (under the same setting)."""
+
+    async def step(batching: bool | None, make: Loss) -> None:
+        with ml.settings(batching=batching):
+            await make().train()
+
+    times: dict[bool | None, float] = {None: float("inf"), False: float("inf"), True: float("inf")}
+    for setting in times:
+        anyio.run(step, setting, loss)
+    for turn in range(steps):
+        for setting in list(times) if turn % 2 else list(times)[::-1]:  # (the order alternates)
+            if before is not None:
+                anyio.run(step, setting, before)
+            started = time.perf_counter()
+            anyio.run(step, setting, loss)
+            times[setting] = min(times[setting], time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    cases: list[tuple[str, Loss, Loss | None]] = [
+        ("early stop (16 examples, hidden 32)", early_stop(), None),
+        ("after ragged (128 examples, 2-layer MLP at 32)", mlp(128, 32, lambda i: 4), mlp(128, 32, lambda i: 1 + i)),
+        ("small, large weights: marked RNN at 512", marked_rnn(), None),
+        ("small, large weights: 16 examples, MLP at 512", mlp(16, 512, lambda i: 10), None),
+    ]
+    print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
+    print(f"# OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; best of {args.steps} steps, ms")
+    print(f"{'case':<48} {'default':>9} {'off':>9} {'forced':>9} {'default/off':>12} {'forced/off':>11}")
+    for name, loss, before in cases:
+        t = best(loss, args.steps, before)
+        print(
+            f"{name:<48} {t[None] * 1e3:>9.2f} {t[False] * 1e3:>9.2f} {t[True] * 1e3:>9.2f} "
+            f"{t[None] / t[False]:>11.2f}x {t[True] / t[False]:>10.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
