@@ -738,4 +738,31 @@ def test_a_merge_of_few_graphs_ending_at_one_line_runs_node_by_node(caplog: pyte
     with ml.settings(batching=False):
         assert anyio.run(ml.sum(ml.stack([example(s) for s in seqs])).predict) == pytest.approx(value, rel=1e-12)
     said = [r.getMessage() for r in caplog.records if "a merge of 16 fibers' graphs" in r.getMessage()]
-    assert said and all("of which 9 end at one line, fewer than 10 (MIN_MERGED)" in m for m in said), said
+    assert said and all("9 of them alike (ending at one line, or a model's steps), fewer than 10" in m for m in said)
+
+
+def test_examples_reading_a_node_built_on_either_of_two_lines_merge(caplog: pytest.LogCaptureFixture) -> None:
+    # 16 examples read one await, the node read built on one of two lines (an if/else): counted by the
+    # lines that built their graphs' last nodes, 8 and 8, their merges ran node by node (a review's find);
+    # as a model's steps they are alike.
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((8, 8)) / 8)
+    xs = [rng.standard_normal((1, 8)) for _ in range(16)]
+
+    @ml.direct
+    async def example(x: Any, k: int) -> ml.ScalarLayer:
+        h: Any = x
+        for _ in range(4):
+            h = ml.tanh(h @ w + x) if k % 2 else ml.relu(h @ w + x)
+            await h
+        return ml.sum(h)
+
+    def loss() -> Any:
+        return ml.sum(ml.stack([example(x, k) for k, x in enumerate(xs)]))
+
+    anyio.run(ml.gradients, loss(), [w])  # (the first evaluation learns which graphs are steps)
+    caplog.set_level(logging.DEBUG, logger="monadl.batching")
+    anyio.run(ml.gradients, loss(), [w])
+    said = [r.getMessage() for r in caplog.records if "fibers' graphs" in r.getMessage()]
+    assert said and not any("fewer than 10 (MIN_MERGED)" in m for m in said if "a merge of 16" in m), said
+    assert any(m.startswith("a merge of 16 fibers' graphs") and "runs batched" in m for m in said), said

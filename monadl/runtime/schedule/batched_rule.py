@@ -100,7 +100,10 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool 
         return True
     key = (order[-1]._site, len(order))
     if len(order) < MIN_NODES and alike < MIN_ALIKE and _small(key, order):
-        why = f"fewer than {MIN_NODES} nodes (MIN_NODES), a marked operation's counted as its ops"
+        why = (
+            f"fewer than {MIN_NODES} nodes (MIN_NODES), a marked operation's counted as its ops, and fewer than "
+            f"{MIN_LARGE} (MIN_LARGE) reading a weight of {MIN_SHARED:,} elements or more"
+        )
         unbatched(order, why, HELD if held else FORCES)
         return False
     verdict = _verdicts.get(key)
@@ -162,14 +165,18 @@ less and less often (`remember`)."""
 def _small(key: tuple[Site, int], order: list[Any]) -> bool:
     """Whether a graph below `MIN_NODES` is left as it is: fewer than
     `MIN_NODES` ops and than `MIN_LARGE` nodes reading a large weight; found
-    once per line and count of nodes (two passes over its nodes at every
-    evaluation cost a small model's step 3-4%)."""
+    once in `REPROBE` evaluations per line and count of nodes (two passes
+    over its nodes at every evaluation cost a small model's step 3-4%; the
+    same code may build its graph over larger weights later)."""
     found = _smalls.get(key)
-    if found is None:
+    if found is None or not found[1] % REPROBE:  # (found again now and then: other weights, the same code)
         if len(_smalls) >= _VERDICTS_LIMIT:
             _smalls.clear()
-        found = _smalls[key] = ops(order) < MIN_NODES and large(order) < MIN_LARGE
-    return found
+        small = ops(order) < MIN_NODES and large(order) < MIN_LARGE
+        _smalls[key] = (small, 1)
+        return small
+    _smalls[key] = (found[0], found[1] + 1)
+    return found[0]
 
 
 def large(order: list[Any]) -> int:
@@ -280,7 +287,7 @@ _VERDICTS_LIMIT: Final = 4096
 _verdicts: dict[
     tuple[Site, int], tuple[bool, int, str, int]
 ] = {}  # (last site, nodes) -> (worth it, evaluations since, why, evaluations until it is analysed again)
-_smalls: dict[tuple[Site, int], bool] = {}  # (last site, nodes) -> left as it is below MIN_NODES (`_small`)
+_smalls: dict[tuple[Site, int], tuple[bool, int]] = {}  # (last site, nodes) -> (left alone below MIN_NODES, uses)
 _unpaid: dict[tuple[Site, int], int] = {}  # (last site, nodes) -> the wait after its last analysis that batched nothing
 
 
@@ -294,7 +301,8 @@ def remember(key: tuple[Site, int], worth: bool, why: str) -> int:
         _unpaid.clear()
     period = REPROBE
     if why == NOTHING_PAID:  # (the first time: the next evaluation analyses it; each time again, twice as late)
-        period = _unpaid[key] = min(2 * _unpaid[key], REPROBE) if key in _unpaid else 1
+        last = _unpaid.get(key)  # (one read: another thread may drop it meanwhile)
+        period = _unpaid[key] = 1 if last is None else min(2 * last, REPROBE)
     _verdicts[key] = (worth, 1, why, period)
     return period
 
