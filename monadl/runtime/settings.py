@@ -50,8 +50,8 @@ class Settings:
             Under ``check_finite`` nothing is batched. The rule: a graph of fewer than 256 nodes
             (a marked cell's node counted as its ops) runs as it is, unless 8 of its nodes read a weight of
             16,384 elements or more (across control flow, a merge of fewer than 10
-            examples' graphs that end at one line, a read or a return, and of 256 nodes), as does one whose widest level
-            has one node; in a graph that batches, a group of marked cells
+            examples' graphs alike (ending at one line, or a model's steps), and of 256 nodes), as does one
+            whose widest level has one node; in a graph that batches, a group of marked cells
             (`ml.operation`) batches from 2 members, of matrix products or
             lookups that read a weight of 16,384 elements or more from 4, of
             another op from 8, and not where each member is over 16,384
