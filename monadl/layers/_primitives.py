@@ -80,6 +80,15 @@ class Primitive:
     same_dtype: bool = False
     elementwise: bool = False
 
+    def floats_from(self) -> int | None:
+        """The first operand from which the rule casts its operands to one
+        float dtype (`monadl.layers._operands.one_float_dtype`), so a group
+        casts its members' alike: 0 for a ``same_dtype`` primitive, 1 for
+        ``where`` (its two sides; the condition is not cast), None for the rest."""
+        if self.same_dtype:
+            return 0
+        return 1 if self.name == "where" else None
+
 
 PRIMITIVES: Final[dict[str, Primitive]] = {
     p.name: p

@@ -32,7 +32,7 @@ from monadl.layers._outputs import (
     batch_output,
     finite_value,
 )
-from monadl.layers._primitives import PRIMITIVES, Primitive
+from monadl.layers._primitives import Primitive
 from monadl.layers._products import OuterRule
 from monadl.layers._products import factored as products_factored
 from monadl.layers._program_sweep import Sweep
@@ -182,12 +182,13 @@ class Program:
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{step.op.name} at {_where(step)}, inside the operation {self.name}")
-        if step.op is _WHERE:  # (its two sides cast as a binary op's operands; the condition is not)
-            cast = member_float_dtype(values[1:], flags[1:], scalars[1:])
-            return None if cast is None else (values[0], *cast)
-        if not step.op.same_dtype:
+        start = step.op.floats_from()
+        if start is None:
             return values
-        return member_float_dtype(values, flags, scalars)
+        if start == 0:
+            return member_float_dtype(values, flags, scalars)
+        cast = member_float_dtype(values[start:], flags[start:], scalars[start:])
+        return None if cast is None else (*values[:start], *cast)
 
     def factored(
         self,
@@ -398,7 +399,6 @@ class Program:
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
-_WHERE: Final = PRIMITIVES["where"]
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

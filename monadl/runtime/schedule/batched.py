@@ -53,12 +53,12 @@ from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._layer import Layer
 from monadl.layers._operands import NUMBERS
 from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs, batch_output
-from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_groups import Groups
+from monadl.runtime.schedule.batched_log import declined, ran, unbatched
 from monadl.runtime.schedule.batched_records import (
     Operand,
     batchable,
@@ -82,12 +82,9 @@ from monadl.runtime.schedule.batched_rule import (
     NOTHING_PAID,
     REPROBE,
     coarse,
-    declined,
     group_minimum,
     paid,
-    ran,
     remember,
-    unbatched,
     worth_batching,
 )
 from monadl.runtime.schedule.batched_signature import number_key, signature
@@ -110,8 +107,6 @@ __all__ = [
     "stepwise",
     "worth_batching",
 ]
-
-_WHERE: Final = PRIMITIVES["where"]  # (its rule casts its two sides as a binary op its operands, not the condition)
 
 STRATEGY: Final = "depth"
 """The default grouping, "depth" or "agenda". Depth measured faster in
@@ -377,7 +372,8 @@ class _Run:
                 scalars.append(scalar)
         # Each member's float scalars in the dtype its own node gives them (before its numbers
         # take the dtype left: a stacked column of np.float64 beside a float32 array is float32).
-        if (op.same_dtype or op is _WHERE) and not cast_scalars(args, batched, arity, scalars, op is _WHERE):
+        floats = op.floats_from()
+        if floats is not None and not cast_scalars(args, batched, arity, scalars, floats):
             declined(members, "their operands mix float dtypes")
             self.each(members)
             return

@@ -159,18 +159,15 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     return True
 
 
-def cast_scalars(
-    args: list[Any], batched: list[bool], arity: int, scalars: list[bool | None], condition: bool = False
-) -> bool:
+def cast_scalars(args: list[Any], batched: list[bool], arity: int, scalars: list[bool | None], start: int = 0) -> bool:
     """Cast in place the operands of a group that one member's node would
     cast (`monadl.layers._operands.member_float_dtype`: a NumPy float, a 0-d
     weight, a group's 0-d values stacked, beside a float array of another
     dtype, or beside a 0-d float array): batched, NumPy would promote the
     group to another dtype. ``scalars``: per operand, whether its members
     are NumPy scalars. False where a member would raise (two float arrays
-    of different dtypes) or its dtype is unknown. ``condition``: the first
-    operand is ``where``'s condition, which is not cast."""
-    start = 1 if condition else 0
+    of different dtypes) or its dtype is unknown. ``start``: the first
+    operand cast (`monadl.layers._primitives.Primitive.floats_from`)."""
     cast = member_float_dtype(args[start:arity], batched[start:arity], scalars[start:arity])
     if cast is None:
         return False

@@ -1,8 +1,8 @@
 """The cost rule of dynamic batching. Per graph: whether a graph goes to the
 batching scheduler (`monadl.runtime.schedule.batched`) at all, decided by
 cheap checks only, before any signature is computed. Per group: the sizes
-from which a group pays (`MIN_GROUP`), and the log of those that ran one by
-one although their size would batch (`declined`).
+from which a group pays (`MIN_GROUP`). What it decides is logged by
+`monadl.runtime.schedule.batched_log`.
 
 A graph that is a chain (each node uses the one before: nothing is ever ready
 with anything else) or smaller than `MIN_NODES` runs as before (unless it is a
@@ -16,12 +16,11 @@ analysis batches nothing again (`remember`): the check costs one lookup.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Final
 
-from monadl.layers._program import Program, batching_rule
-from monadl.layers._site import site_text
+from monadl.layers._program import Program
 from monadl.layers._weight import Weight
+from monadl.runtime.schedule.batched_log import FORCES, HELD, unbatched
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
@@ -34,8 +33,6 @@ __all__ = [
     "CHAIN",
     "DEFAULT_MIN_GROUP",
     "FACTORED",
-    "FORCES",
-    "HELD",
     "MAX_MEMBER_SIZE",
     "MIN_ALIKE",
     "MIN_FACTORED",
@@ -46,14 +43,11 @@ __all__ = [
     "NOTHING_PAID",
     "REPROBE",
     "coarse",
-    "declined",
     "group_minimum",
-    "held_apart",
     "large",
     "ops",
     "paid",
     "remember",
-    "unbatched",
     "worth_batching",
 ]
 
@@ -67,9 +61,6 @@ MIN_ALIKE: Final = 2
 """A merge of fibers' graphs with this many alike (built at one line, with as
 many nodes: the same step of the same model) is analysed below `MIN_NODES`:
 each of their operations has that many members of one signature."""
-
-
-_log: Final = logging.getLogger("monadl.batching")
 
 
 def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool = False) -> bool:
@@ -121,8 +112,6 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool 
 
 CHAIN: Final = "a chain (each node uses the one before: nothing to group)"
 NOTHING_PAID: Final = "its analysis batched nothing (no group of one signature ready together that pays)"
-FORCES: Final = "; ml.settings(batching=True) forces it"
-HELD: Final = " (alone: it holds a layer built from a Do, as said above; batching=True would not merge it)"
 
 
 def _advice(why: str, held: bool) -> str:
@@ -192,73 +181,6 @@ def large(order: list[Any]) -> int:
             if count >= MIN_LARGE:
                 break
     return count
-
-
-def unbatched(order: list[Any], why: str, advice: str = FORCES) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a graph the cost rule leaves to run node by node."""
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "a graph of %d nodes (its last built at %s) runs unbatched: %s%s",
-            len(order),
-            site_text(order[-1]._site),
-            why,
-            advice,
-        )
-
-
-def held_apart(order: list[Any], do: Any) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a fiber's graph that runs
-    without waiting for the other examples' graphs, and the layer built from
-    a ``Do`` that keeps it so (a new user's log blamed MIN_NODES and
-    suggested ``batching=True``, which batched each such graph alone).
-    Not a graph of such layers only (an ``await`` of one): it has nothing
-    to batch."""
-    if _log.isEnabledFor(logging.DEBUG) and any(node._op is not None for node in order):
-        _log.debug(
-            "a graph of %d nodes (its last built at %s) runs alone, not merged with other examples' graphs: "
-            "it holds the layer built at %s from a Do (a bind, an @ml.direct call, a forward() of your own), "
-            "which batching across examples cannot see into, and ml.settings(batching=True) does not change "
-            "that; to batch it, build the graph of primitives only (ml.as_layer of a weight is one), or await "
-            "that layer first and build on it after",
-            len(order),
-            site_text(order[-1]._site),
-            site_text(do._site),
-        )
-
-
-def ran(order: list[Any], groups: int, members: int) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) what a batched run of a graph
-    grouped: how many nodes ran in how many groups, the rest one by one (a
-    new user forced batching on examples of different lengths, which never
-    group, and the log said nothing)."""
-    if _log.isEnabledFor(logging.DEBUG) and not groups:  # (forced, and no two nodes alike)
-        _log.debug(
-            "a graph of %d nodes (its last built at %s) went through batching, and no two of its nodes were alike: "
-            "all ran one by one",
-            len(order),
-            site_text(order[-1]._site),
-        )
-    elif _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "a graph of %d nodes (its last built at %s) ran batched: %d nodes in %d groups, %d one by one",
-            len(order),
-            site_text(order[-1]._site),
-            members,
-            groups,
-            len(order) - members,
-        )
-
-
-def merged(order: list[Any], fibers: int) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a merge of fibers' graphs that
-    runs batched: batching across control flow, one line a merge."""
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "a merge of %d fibers' graphs (%d nodes, the last built at %s) runs batched",
-            fibers,
-            len(order),
-            site_text(order[-1]._site),
-        )
 
 
 def _is_chain(order: list[Any]) -> bool:
@@ -398,20 +320,3 @@ def coarse(args: list[Any], batched: list[bool], n: int) -> bool:
     """Whether a member's operands are large enough that its own kernel costs
     far more than the runtime's per-node work: then stacking only adds copies."""
     return any(b and getattr(a, "size", 0) > n * MAX_MEMBER_SIZE for a, b in zip(args, batched))
-
-
-def declined(members: list[Any], why: str | None) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a group of equal signature that
-    runs node by node although its size would batch, and why."""
-    if not _log.isEnabledFor(logging.DEBUG):
-        return
-    node = members[0]
-    if why is None:
-        step = node._op.rule.declined if type(node._op.rule) is Program else None
-        if step is None:
-            why = "its batching rule does not take these operands"
-        else:
-            why = f"its step {step.op.name} at {site_text(step.site)} " + (
-                "has no batching rule" if batching_rule(step.op) is None else "does not batch with these operands"
-            )
-    _log.debug("%d nodes of %s built at %s ran one by one: %s", len(members), node._op.name, site_text(node._site), why)

@@ -64,7 +64,8 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_rule import MIN_NODES, held_apart, merged, unbatched
+from monadl.runtime.schedule.batched_log import held_apart, merged, unbatched
+from monadl.runtime.schedule.batched_rule import MIN_NODES
 from monadl.runtime.settings import current_settings
 
 __all__ = ["MIN_MERGED", "PARKED", "Parked", "heights", "merge", "parks", "run"]
