@@ -21,6 +21,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add
+from monadl.layers._elementwise import _scalar
 
 Value = Any  # an ndarray or a NumPy scalar
 PLAIN: Final = (float, int, bool)
@@ -34,7 +35,7 @@ def _reshape(a: Value, shape: tuple[int, ...]) -> tuple[Value, tuple[Vjp, ...]]:
         a = np.asarray(a)
     xp, old = namespace(a), a.shape
     out = xp.reshape(a, shape)
-    return out[()] if xp is np and not shape else out, (lambda g: xp.reshape(g, old),)
+    return _scalar(xp, out), (lambda g: xp.reshape(g, old),)
 
 
 def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp, ...]]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from monadl._namespace import namespace
-from monadl.layers._elementwise import _mask
+from monadl.layers._elementwise import _mask, _scalar
 from monadl.layers._indexing import PLAIN, _checked_indices
 
 Value = Any  # an ndarray or a NumPy scalar
@@ -88,7 +88,7 @@ def _logsumexp(a: Value, axis: Any, keepdims: bool) -> tuple[Value, tuple[Vjp, .
     if keepdims:
         out = out_keep
     elif axis is None:  # (NumPy's scalar, as its sum's)
-        out = out_keep.reshape(())[()] if xp is np else xp.reshape(out_keep, ())
+        out = _scalar(xp, xp.reshape(out_keep, ()))
     else:
         out = xp.squeeze(out_keep, axis=axis)
     with np.errstate(invalid="ignore"):  # (that row's delta: NaN, 0 / 0, as PyTorch's)
