@@ -31,8 +31,10 @@ one call's operand rule would (`monadl.layers._operands.member_float_dtype`:
 an ``np.float64`` beside a float32 array is float32).
 
 A *signature* is what the Python function could see: the structure of the
-arguments (tuples, lists, dicts, dataclasses), which leaves are layers or
-weights (operands with a delta) and which are arrays or floats (data), the
+arguments (tuples, lists, dicts, dataclasses), which leaves are layers and
+which weights (operands with a delta; a weight's, from a few rows' product,
+comes as factors, as for one the function closes over: a layer could not
+read them) and which are arrays or floats (data), the
 other leaves (ints and bools, NumPy's too, strings, objects: by value if
 hashable, else by identity), and the objects its closure holds. Shapes are
 not part of it: layers are lazy, so a trace is a program over any shapes,

@@ -65,6 +65,7 @@ class Program:
     __slots__ = (
         "consts",
         "declined",
+        "factors",
         "live",
         "multi",
         "name",
@@ -76,7 +77,6 @@ class Program:
         "tiles",
         "tilings",
         "uniform",
-        "weights",
     )
 
     def __init__(
@@ -86,11 +86,13 @@ class Program:
         consts: tuple[Any, ...],
         steps: tuple[Step, ...],
         outputs: tuple[int, ...],
-        weights: int = 0,
+        factors: frozenset[int] = frozenset(),
     ) -> None:
         self.name = name
         self.size = size  # the node's operands
-        self.weights = size - weights  # the first operand slot of the weights the operation uses
+        # The operand slots of weights (arguments, and those the function closes over): the delta
+        # of a few rows' product with one goes to it as factors, as an unmarked product's does.
+        self.factors = factors
         self.consts = consts
         self.steps = steps
         self.outputs = outputs
@@ -255,11 +257,7 @@ class Program:
                     self.declined = step
                     return None
                 out, rules = result
-                if (
-                    step.op.name in _PRODUCTS
-                    and flags[:2] == (True, False)
-                    and self.weights <= step.refs[1] < self.size
-                ):
+                if step.op.name in _PRODUCTS and flags[:2] == (True, False) and step.refs[1] in self.factors:
                     rules = products_factored(rules, values[0], values[1], factored)  # (stacked rows @ a weight)
             else:  # shared by the whole group: computed once
                 out, rules = step.op.rule(*values, *params)
@@ -352,7 +350,7 @@ class Program:
                 try:
                     rule = rules[p]
                     share: Any
-                    if type(rule) is OuterRule and self.weights <= r < self.size and type(d) is np.ndarray:
+                    if type(rule) is OuterRule and r in self.factors and type(d) is np.ndarray:
                         # A weight's delta from a few rows, kept as factors, as the backward keeps
                         # an unmarked product's: one product per weight when it is stepped.
                         share = Outer(rule.left, d)

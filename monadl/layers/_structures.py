@@ -2,7 +2,7 @@
 a call's signature is made of, and how a traced result is rebuilt per call.
 
 A structure is tuples, lists, dicts and dataclasses (named tuples too) of
-*leaves*: layers and weights (operands with a delta, `NODE`), arrays and
+*leaves*: layers and weights (operands with a delta, `NODE` and `WEIGHT`), arrays and
 floats, NumPy's among them (data, `DATA`), and anything else, static (by
 value if hashable, else by identity; NumPy's integers and bools too, as
 Python's). `flatten` gives a call's hashable shape and its operand leaves;
@@ -30,6 +30,7 @@ __all__ = [
     "LEAVES",
     "MISMATCH",
     "NODE",
+    "WEIGHT",
     "Reader",
     "filler",
     "flatten",
@@ -40,7 +41,11 @@ __all__ = [
     "template",
 ]
 
-NODE: Final = "node"  # a leaf that is a layer or a weight: an operand with a delta
+NODE: Final = "node"  # a leaf that is a layer: an operand with a delta
+# A weight: an operand with a delta too, told apart from a layer because its trace sends
+# a product's delta to it as factors (`monadl.layers._program.Program.factors`), which a
+# layer's rules could not read.
+WEIGHT: Final = "weight"
 DATA: Final = "data"  # an array or a float: an operand without one
 
 
@@ -101,7 +106,7 @@ def flatten(x: Any, leaves: list[Any], keep: list[Any], views: list[int]) -> Any
         return NODE
     if kind is Weight:
         leaves.append(x)
-        return NODE
+        return WEIGHT
     if kind is np.ndarray or kind is float:
         leaves.append(x)
         return DATA
@@ -162,7 +167,7 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             shape.append(NODE)
         elif kind is Weight:
             leaves.append(y)
-            shape.append(NODE)
+            shape.append(WEIGHT)
         elif kind is np.ndarray or kind is float:
             leaves.append(y)
             shape.append(DATA)
@@ -182,7 +187,7 @@ _READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 
 
 LEAVES: Final = frozenset({Layer, Weight, np.ndarray, float})
-"""The leaves whose type says their kind (`NODE` or `DATA`)."""
+"""The leaves whose type says their kind (`NODE`, `WEIGHT` or `DATA`)."""
 
 MISMATCH: Final = object()
 """What a `reader` returns for a tuple or list whose items' types are not its own."""

@@ -94,7 +94,11 @@ def traced(
     check_unread(name, f, call, leaves, first, lambda other: _record(name, f, call, other, views))
     if not first.outputs:
         return Trace(None, (), (), (), 0, first.shape, keep, _maker(None, (), (), (), 0, first.shape))
-    program = Program(name, first.size, first.consts, first.steps, first.outputs, len(first.weights))
+    # The weights' slots, those passed as arguments and those the function closes over: a product's
+    # delta goes to them as factors (`Program.factors`; a weight's leaf is its own signature's).
+    factors = [s for s, i in enumerate(first.used) if type(leaves[i]) is Weight]
+    factors += range(first.size - len(first.weights), first.size)
+    program = Program(name, first.size, first.consts, first.steps, first.outputs, frozenset(factors))
     op = Primitive(f"{name}#{next(_ids)}", program)
     count = len(first.outputs)
     make = _maker(op, first.used, first.sources, first.weights, count, first.shape)
