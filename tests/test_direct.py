@@ -764,6 +764,42 @@ async def test_examples_step_in_the_order_written_on_either_event_loop(settings:
     assert len({g for _, g in runs}) == 1
 
 
+async def test_the_last_example_running_steps_in_the_evaluations_own_task() -> None:
+    """Once the other examples of a batch are done, the one still running
+    steps (and awaits what is foreign) in the task that evaluates, as one
+    example alone does: a task per step made a long decode beside short ones
+    1.6x slower a step than alone. Before that, while others run, its steps
+    run in a task of their own, and the results are every example's."""
+    w = ml.Weight(np.array([0.5, -0.25]))
+    tasks: list[tuple[int, bool]] = []  # (the step's task, whether the short example is done)
+    done = [False]
+
+    @ml.direct
+    async def example(steps: int) -> ml.ScalarLayer:
+        x = ml.sum(w * 2.0)
+        for _ in range(steps):
+            (value,) = await ml.values(x)
+            await anyio.lowlevel.checkpoint()  # (something foreign: awaited where the step runs)
+            tasks.append((anyio.get_current_task().id, done[0]))
+            x = x * float(value) + w[0]
+        if steps == 1:
+            done[0] = True
+        return x
+
+    own = anyio.get_current_task().id
+    got = await ml.stack([example(1), example(6)]).predict()
+    want = [0.5]
+    for steps in (1, 6):
+        x = 0.5
+        for _ in range(steps):
+            x = x * x + 0.5
+        want.append(x)
+    np.testing.assert_allclose(got, want[1:], rtol=1e-12)
+    alone = [task for task, after in tasks if after][1:]  # (the first may share the short one's last task)
+    assert len(alone) >= 4 and set(alone) == {own}
+    assert any(task != own for task, after in tasks if not after)
+
+
 async def test_a_step_that_waits_for_a_later_one_last_in_its_request_does_not_stop_it() -> None:
     """The last step of a request awaits an event that the next step of an
     earlier example sets. Steps run in one task at a time, in order: one

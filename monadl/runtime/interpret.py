@@ -8,8 +8,9 @@ asynchronous effects, at the event loop's turns (`CHECKPOINT`) and at forks.
 **Fibers.** The branches of a parallel applicative (``Do.zip``/``gather``, a
 direct-style ``await values(a, b)``) are *fibers*: each has its own
 continuation stack. A fiber runs until it finishes or must wait for something
-asynchronous; then another runs. While one fiber is alive, its awaits go
-straight to the driver (no task, no cost); with several, each await becomes a
+asynchronous; then another runs. While one fiber is alive (or the others wait
+for its branches), its awaits go straight to the driver (no task, no cost);
+with several, each await becomes a
 task of the driver's task group (`Spawn`), the direct-style coroutine steps
 they ask for share one (`Steps`), and when no fiber can run the
 interpreter asks the driver for the next completion (`NEXT`). So independent
@@ -60,7 +61,10 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     records = ev.records
     main = fiber = F.Fiber(root, None, 0)
     runnable: deque[F.Fiber] = deque()
-    live = 1  # fibers not finished, running or waiting
+    # Fibers that may still run: not finished, and not waiting at a join for their branches (a
+    # batch's root while its examples run). One alone (a batch's last example, the others done)
+    # steps and awaits in this task, as a single fiber does: a task per step cost it 1.6x.
+    live = 1
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
     # The driver task's innermost cancel scope, read at the first direct-style step run here (one
@@ -122,7 +126,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 else:  # a fiber per branch; this one waits for them all
                     join = F.Join(fiber, len(dos))
                     children = [F.Fiber(d, join, i) for i, d in enumerate(dos)]
-                    live += len(children)
+                    live += len(children) - 1
                     runnable.extendleft(reversed(children[1:]))
                     fiber.save(stack, cur, val, tok, False)
                     fiber = children[0]
@@ -183,7 +187,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                             child = F.Fiber(node._do, join, i)
                             child.stack.append(F.FromDo(node))
                             children.append(child)
-                        live += len(children)
+                        live += len(children) - 1
                         runnable.extendleft(reversed(children[1:]))
                         fiber.save(stack, None, None, None, False)
                         fiber = children[0]
@@ -288,6 +292,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 parent = ended.fiber
                 parent.save(parent.stack, None, tuple(ended.values), tuple(ended.tokens), False)
                 runnable.append(parent)
+                live += 1
             fiber = None  # type: ignore[assignment]
 
         # ---- this fiber waits (or is done): run another -------------------------------------
