@@ -800,6 +800,37 @@ async def test_the_last_example_running_steps_in_the_evaluations_own_task() -> N
     assert any(task != own for task, after in tasks if not after)
 
 
+async def test_examples_steps_share_one_task_round_after_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Examples evaluated together step in one task, which waits for the next
+    round's request instead of ending: a task started every round made two
+    examples of 800 steps 10-15% slower than with one for all rounds."""
+    from monadl.runtime.drive import _Stepper
+
+    started: list[int] = []
+    run = _Stepper._run
+
+    async def counted(self: _Stepper) -> None:
+        started.append(1)
+        await run(self)
+
+    monkeypatch.setattr(_Stepper, "_run", counted)
+    w = ml.Weight(np.array([0.5, -0.25]))
+    steps: list[int] = []
+
+    @ml.direct
+    async def example() -> ml.ScalarLayer:
+        x = ml.sum(w)
+        for _ in range(5):
+            await ml.values(x)
+            steps.append(1)
+            x = x * 0.5 + w[1]
+        return x
+
+    got = await ml.stack([example(), example()]).predict()
+    assert got.tolist() == pytest.approx([-0.4765625] * 2, rel=1e-12)
+    assert (len(steps), len(started)) == (10, 1)
+
+
 async def test_a_step_that_waits_for_a_later_one_last_in_its_request_does_not_stop_it() -> None:
     """The last step of a request awaits an event that the next step of an
     earlier example sets. Steps run in one task at a time, in order: one

@@ -136,6 +136,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         READING.reset(reading)
         ev.reads(False)
         machine.close()
+        if stepper is not None:
+            stepper.close()
         if tasks is not None:
             tasks.cancel_scope.cancel()  # siblings of a failure stop; their cancellation is not the error
         try:
@@ -206,21 +208,29 @@ class _Stepper:
     trio: examples that drew from one random generator, or appended to one
     list, drew in another order every run. A step that awaits something
     foreign keeps its task; the steps after it, and those asked for later,
-    go on in a new one, so none waits for another's await."""
+    go on in a new one, so none waits for another's await. A task whose
+    steps are done waits for the next request (`ask` wakes it) until the
+    evaluation ends (`close`): a task started every round cost two examples
+    of 800 steps 10-15%."""
 
-    __slots__ = ("queue", "report", "running", "tasks")
+    __slots__ = ("idle", "queue", "report", "running", "tasks")
 
     def __init__(self, tasks: TaskGroup, report: Callable[[tuple[Any, bool | None, Any]], None]) -> None:
         self.tasks = tasks
         self.report = report
         self.queue: deque[tuple[Any, Any, Any, Any]] = deque()
         self.running = False  # (a task steps the queue, or will: the next request joins it)
+        self.idle: anyio.Event | None = None  # (set to wake the task that waits for the next request)
 
     def ask(self, items: list[tuple[Any, Any, Any, Any]]) -> None:
         self.queue.extend(items)
         if not self.running:
             self.running = True
-            self.tasks.start_soon(self._run)
+            if self.idle is not None:  # (the task that stepped the last request: no new task a round)
+                idle, self.idle = self.idle, None
+                idle.set()
+            else:
+                self.tasks.start_soon(self._run)
 
     async def _run(self) -> None:
         handed = False
@@ -231,12 +241,26 @@ class _Stepper:
             self.queue.extendleft(reversed(rest))
             self.tasks.start_soon(self._run)
 
-        while self.queue and not handed:
-            items = list(self.queue)
-            self.queue.clear()
-            await step_each(items, self.report, elsewhere)
-        if not handed:
+        while True:
+            while self.queue and not handed:
+                items = list(self.queue)
+                self.queue.clear()
+                await step_each(items, self.report, elsewhere)
+            if handed:
+                return
             self.running = False
+            wake = self.idle = anyio.Event()
+            await wake.wait()
+            if not self.queue:  # (`close`: the evaluation is over)
+                return
+
+    def close(self) -> None:
+        """End the task waiting for a request, as it would end after its last
+        one: a task cancelled there held the evaluation in a cycle (its
+        cancellation's traceback, its frame, this stepper) until a collection."""
+        if self.idle is not None:
+            idle, self.idle = self.idle, None
+            idle.set()
 
 
 SHOWN_OTHERS: Final = 3
