@@ -644,12 +644,51 @@ def test_the_state_setter_checks_the_structure_and_the_optimizer_setter_starts_a
         w.state = (adam_state(5.0, np.ones(2), np.ones(2)), None)
     with pytest.raises(ml.ShapeError, match=r"Weight.state\[0\].mu: expected shape \(2,\), got \(3,\)"):
         w.state = (adam_state(5, np.ones(3), np.ones(2)), None)
-    with pytest.raises(ml.OperandError, match=r"Weight.state: expected tuple of 2, got tuple of 1"):
+    with pytest.raises(
+        ml.OperandError,
+        match=r"Weight.state: expected \(AdamState\(int, float64\[2\], float64\[2\]\), None\), "
+        r"got \(AdamState\(int, float64\[2\], float64\[2\]\)\);",
+    ):
         w.state = (adam_state(5, np.ones(2), np.ones(2)),)
     w.optimizer = ml.optim.momentum(0.1)
     np.testing.assert_array_equal(w.state[0], np.zeros(2))
     with pytest.raises(ml.OperandError, match="GradientTransformation"):
         w.optimizer = "adam"  # type: ignore[assignment]  # what the check is for
+
+
+def test_adams_state_kept_across_a_change_to_adamw_is_refused_with_both_structures_and_the_fix() -> None:
+    # A new user kept Adam's state while switching to AdamW, as the recipe for a new rate does, and read
+    # only 'Weight.state: expected tuple of 3, got tuple of 2': not which part is what, nor what to build.
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.adam(1e-2))
+    anyio.run(ml.sum(w * w).train)
+    old = w.state
+    w.optimizer = ml.optim.adamw(1e-2, weight_decay=0.1)
+    with pytest.raises(ml.OperandError) as refused:
+        w.state = old
+    adam = "AdamState(int, float64[3], float64[3])"
+    assert str(refused.value) == (
+        f"Weight.state: expected ({adam}, None, None), got ({adam}, None); the expected one is what the weight's "
+        "optimizer, chain(scale_by_adam(b1=0.9, b2=0.999, eps=1e-08), add_decayed_weights(weight_decay=0.1), "
+        "scale(-0.01)), makes (a chain's state holds one part per transformation, in its order), and another "
+        "optimizer's state does not fit as it is: start from this optimizer's fresh state (w.state right after "
+        "assigning w.optimizer) and put the old state's parts in their places, e.g. w.state = (old[0], "
+        "*w.state[1:]) keeps the moments and step count of an old Adam state, old"
+    )
+    assert w.state[0].step == 0  # (refused: unchanged)
+    w.state = (old[0], *w.state[1:])  # what the message says
+    assert w.state[0].step == 1
+    np.testing.assert_array_equal(w.state[0].mu, old[0].mu)
+    # A part that differs deep inside (Adam with a rate, then with a schedule, which counts its own steps)
+    # is named, and the whole states are shown beside it.
+    w.optimizer = ml.optim.adam(lambda step: 1e-2)
+    with pytest.raises(
+        ml.OperandError,
+        match=r"^Weight.state\[1\]: expected int, got None \(the whole state: expected \(AdamState\(int, "
+        r"float64\[3\], float64\[3\]\), int\), got \(AdamState\(int, float64\[3\], float64\[3\]\), None\)\); "
+        r"the expected one is what the weight's optimizer, chain\(scale_by_adam\(.*\), "
+        r"scale_by_learning_rate\(schedule=.*<lambda>\)\), makes",
+    ):
+        w.state = old
 
 
 def test_a_deep_copy_trains_on_its_own() -> None:

@@ -30,10 +30,10 @@ from monadl._namespace import is_array, library_name
 from monadl.distributed._comm import Communicator, RankFailure
 from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 from monadl.layers import Weight
-from monadl.layers._replace import replace_state
+from monadl.layers._replace import replace_state, structure
 from monadl.optim._spec import spec
 
-__all__ = ["checksums", "describe", "fitting_states", "label", "same_model", "shape_of", "structure"]
+__all__ = ["checksums", "describe", "fitting_states", "label", "same_model", "shape_of"]
 
 
 def shape_of(data: Any) -> tuple[int, ...]:
@@ -68,16 +68,6 @@ def describe(name: str, data: Any, state: Any = None, optimizer: Any = None) -> 
 FIELDS: Final = "\t"
 """Between the parts of a description (a name is a repr: it holds no tab);
 where the ranks differ, the parts they share are left out of the error."""
-
-
-def structure(state: Any) -> str:
-    """An optimizer state's tree of tuples, its arrays' dtypes and shapes, and its leaves' types."""
-    if hasattr(state, "shape") and hasattr(state, "dtype"):
-        return f"{state.dtype}{list(state.shape)}"
-    if isinstance(state, tuple):
-        kind = "" if type(state) is tuple else type(state).__name__
-        return f"{kind}({', '.join([structure(x) for x in state])})"
-    return "None" if state is None else type(state).__name__
 
 
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]+")

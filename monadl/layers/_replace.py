@@ -16,14 +16,14 @@ monadl.errors.OperandError: Weight.data: expected an array or a number, got list
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import DeviceError, DTypeError, OperandError, ShapeError
 
-__all__ = ["replace_data", "replace_state"]
+__all__ = ["replace_data", "replace_state", "structure"]
 
 
 def _is_leaf_array(x: object) -> bool:
@@ -76,17 +76,46 @@ def replace_data(old: Any, new: Any, where: str) -> Any:
     return namespace(old).asarray(new, copy=True)
 
 
-def replace_state(old: Any, new: Any, where: str) -> Any:
+def replace_state(old: Any, new: Any, where: str, hint: str = "") -> Any:
     """A copy of ``new`` (optimizer state) checked against ``old``: the same
     tree of tuples and NamedTuples, numbers where ``old`` has numbers, arrays
     of the same shape, dtype and library where ``old`` has arrays.
+
+    Where the trees differ (another optimizer's state: a tuple of another
+    length, a None where a step count is), the error shows both trees
+    (`structure`), not just the first part that differs, and ends with
+    ``hint``: the parts' order is what tells which is which.
 
     >>> import numpy as np
     >>> replace_state((0, np.zeros(2)), (3, np.ones(3)), "Weight.state")
     Traceback (most recent call last):
     ...
     monadl.errors.ShapeError: Weight.state[1]: expected shape (2,), got (3,)
+    >>> replace_state((0, None, None), (3, None), "Weight.state")
+    Traceback (most recent call last):
+    ...
+    monadl.errors.OperandError: Weight.state: expected (int, None, None), got (int, None)
     """
+    try:
+        return _replace(old, new, where)
+    except _Apart as apart:
+        whole = f"expected {structure(old)}, got {structure(new)}"
+        if apart.where != where:
+            whole = f"expected {structure(apart.old)}, got {structure(apart.new)} (the whole state: {whole})"
+        raise OperandError(f"{apart.where}: {whole}{hint}") from None
+
+
+@final
+class _Apart(Exception):
+    """Where two states' trees differ (a tuple against another, a None
+    against a number), for `replace_state` to show both trees whole."""
+
+    def __init__(self, old: object, new: object, where: str) -> None:
+        super().__init__(where)
+        self.old, self.new, self.where = old, new, where
+
+
+def _replace(old: Any, new: Any, where: str) -> Any:
     if _is_leaf_array(old):
         if not _is_leaf_array(new):
             raise OperandError(f"{where}: expected an array, got {type(new).__name__}")
@@ -98,22 +127,33 @@ def replace_state(old: Any, new: Any, where: str) -> Any:
         return namespace(new).asarray(new, copy=True)
     if isinstance(old, tuple):
         if type(new) is not type(old) or len(new) != len(old):
-            raise OperandError(f"{where}: expected {_describe(old)}, got {_describe(new)}")
+            raise _Apart(old, new, where)
         fields = getattr(old, "_fields", None)
         labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(old))]
-        parts = [replace_state(o, n, where + label) for o, n, label in zip(old, new, labels)]
+        parts = [_replace(o, n, where + label) for o, n, label in zip(old, new, labels)]
         return type(old)(*parts) if fields is not None else tuple(parts)
-    if old is None or isinstance(old, (bool, int, float)):
-        # A step count stays an int (not a bool, not a float): the schedules index by it.
-        if type(new) is not type(old):
-            raise OperandError(f"{where}: expected {_describe(old)}, got {_describe(new)}")
-        return new
     if type(new) is not type(old):
-        raise OperandError(f"{where}: expected {_describe(old)}, got {_describe(new)}")
-    return new  # an optimizer's own state type: trusted as it is
+        if old is None or new is None or isinstance(new, tuple):
+            raise _Apart(old, new, where)
+        # A step count stays an int (not a bool, not a float): the schedules index by it.
+        raise OperandError(f"{where}: expected {type(old).__name__}, got {type(new).__name__}")
+    return new  # a number, None, or an optimizer's own state type: trusted as it is
 
 
-def _describe(x: object) -> str:
-    if isinstance(x, tuple):
-        return f"{type(x).__name__} of {len(x)}"
-    return "None" if x is None else type(x).__name__
+def structure(state: Any) -> str:
+    """An optimizer state's tree of tuples, its arrays' dtypes and shapes, and its leaves' types.
+
+    >>> import numpy as np
+    >>> from typing import NamedTuple
+    >>> class Moments(NamedTuple):
+    ...     step: int
+    ...     mu: Any
+    >>> structure((Moments(0, np.zeros(3, np.float32)), None))
+    '(Moments(int, float32[3]), None)'
+    """
+    if hasattr(state, "shape") and hasattr(state, "dtype"):
+        return f"{state.dtype}{list(state.shape)}"
+    if isinstance(state, tuple):
+        kind = "" if type(state) is tuple else type(state).__name__
+        return f"{kind}({', '.join([structure(x) for x in state])})"
+    return "None" if state is None else type(state).__name__

@@ -222,7 +222,10 @@ class Weight(Expr[D, G]):
 
         To change a learning rate and keep the state (Adam's moments and step
         count), set it back after: ``state = w.state``, ``w.optimizer =
-        ml.optim.adam(1e-4)``, ``w.state = state``.
+        ml.optim.adam(1e-4)``, ``w.state = state``. Another kind of
+        optimizer has a state of other parts (a chain's holds one per
+        transformation): put the old parts in the fresh state's places, as
+        ``w.state = (state[0], *w.state[1:])`` from Adam to AdamW.
 
         >>> import numpy as np, monadl as ml
         >>> w = ml.Weight(np.zeros(2))
@@ -272,7 +275,7 @@ class Weight(Expr[D, G]):
 
     @state.setter
     def state(self, value: Any) -> None:
-        state = replace_state(self._state, value, "Weight.state")
+        state = replace_state(self._state, value, "Weight.state", _another_optimizer(self._optimizer))
         with COMMIT_LOCK:
             self._state = state
 
@@ -289,6 +292,22 @@ class Weight(Expr[D, G]):
             f"a weight is not read as {what}: its value now is w.data (a model that reads it there does not "
             "learn it; compute with the weight itself)"
         )
+
+
+def _another_optimizer(optimizer: GradientTransformation) -> str:
+    """What to do with a state of another structure, as `Weight.state`'s
+    error ends: it is most often the state of the optimizer the weight had
+    before (Adam's, kept across a change to AdamW), whose parts are still
+    wanted, in this optimizer's places."""
+    from monadl.optim._spec import spec
+
+    return (
+        f"; the expected one is what the weight's optimizer, {spec(optimizer)}, makes (a chain's state holds one "
+        "part per transformation, in its order), and another optimizer's state does not fit as it is: start from "
+        "this optimizer's fresh state (w.state right after assigning w.optimizer) and put the old state's parts in "
+        "their places, e.g. w.state = (old[0], *w.state[1:]) keeps the moments and step count of an old Adam "
+        "state, old"
+    )
 
 
 _SHOWN: Final = 16
