@@ -17,7 +17,7 @@ from monadl.errors import CheckpointError
 from monadl.layers import Layer, Weight
 from monadl.layers._operation import Operation
 
-__all__ = ["named_weights"]
+__all__ = ["named_weights", "named_weights_and_aliases"]
 
 # Objects that hold no weights worth walking into: classes, modules, arrays.
 # (A function, a bound method and a partial hold what their code reads:
@@ -69,7 +69,8 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     a path without a private name (``_x``) first; a list, tuple or mapping
     of more than 10,000 items that only code holds (a data set) is not
     walked. A weight reached twice
-    (shared) is named once, by its first path.
+    (shared, tied) is named once, by its first path; its other paths are
+    its aliases (`named_weights_and_aliases`), which a checkpoint records.
     Built layers are not walked into, nor a module's globals. The walk is
     iterative, so deep models are fine.
 
@@ -89,32 +90,89 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     >>> list(named_weights({"head": functools.partial(scaled, scale), "tail": lambda x: scale * x}))
     ['head.0']
     """
+    return _walk_model(model)[0]
+
+
+def named_weights_and_aliases(model: object) -> tuple[dict[str, Weight[Any, Any]], dict[str, str]]:
+    """`named_weights`, and every other path by which ``model`` reaches a
+    named weight (its aliases: a tied embedding's ``proj`` for ``embed``, or
+    each weight of a block held in two places), each mapped to the weight's
+    name, so that a checkpoint loads into a model that reaches the weight by
+    another of its paths first, or by two weights of its own (untied).
+
+    A path that runs round a cycle is none; past 10,000 aliases (a chain of
+    blocks each shared twice has exponentially many paths) no more are made.
+
+    >>> import numpy as np, monadl as ml
+    >>> embedding = ml.Weight(np.ones((5, 3)))
+    >>> block = {"w": ml.Weight(np.ones(3))}
+    >>> names, aliases = named_weights_and_aliases({"embed": embedding, "proj": embedding, "a": block, "b": block})
+    >>> list(names), aliases
+    (['embed', 'a.w'], {'proj': 'embed', 'b.w': 'a.w'})
+    """
+    found, revisits = _walk_model(model)
+    return found, _aliases(found, revisits)
+
+
+_MOST_ALIASES: Final = 10_000
+
+
+def _walk_model(model: object) -> tuple[dict[str, Weight[Any, Any]], list[tuple[str, str]]]:
     found: dict[str, Weight[Any, Any]] = {}
-    seen: set[int] = set()
+    seen: dict[int, str] = {}
+    revisits: list[tuple[str, str]] = []
     held_by_code: list[tuple[str, object]] = []
-    _walk([("", model)], found, seen, held_by_code)  # what data holds: its names as before code was walked
-    _walk(sorted(held_by_code, key=_private), found, seen, None)  # then what code holds, public paths first
-    return found
+    _walk([("", model)], found, seen, revisits, held_by_code)  # what data holds: its names as before code was walked
+    _walk(sorted(held_by_code, key=_private), found, seen, revisits, None)  # then what code holds, public first
+    return found, revisits
+
+
+def _aliases(found: dict[str, Weight[Any, Any]], revisits: list[tuple[str, str]]) -> dict[str, str]:
+    """The paths that ``revisits`` (a path, and the first path of the same
+    weight or container) open to named weights: a path under a revisited
+    container's first path, with that prefix replaced by the revisit's."""
+    again: dict[str, list[str]] = {}
+    for path, first in revisits:
+        if path != first and not path.startswith(first + ".") and first:  # (under its own first path: a cycle)
+            again.setdefault(first, []).append(path)
+    target = {name: name for name in found}
+    aliases: dict[str, str] = {}
+    todo = list(found)[::-1]
+    while todo and len(aliases) < _MOST_ALIASES:
+        path = todo.pop()
+        parts = path.split(".")
+        for cut in range(1, len(parts) + 1):
+            first = ".".join(parts[:cut])
+            for other in again.get(first, ()):
+                alias = other + path[len(first) :]
+                if alias not in target and len(aliases) < _MOST_ALIASES:
+                    target[alias] = aliases[alias] = target[path]
+                    todo.append(alias)
+    return aliases
 
 
 def _walk(
     start: list[tuple[str, object]],
     found: dict[str, Weight[Any, Any]],
-    seen: set[int],
+    seen: dict[int, str],
+    revisits: list[tuple[str, str]],
     defer: list[tuple[str, object]] | None,
 ) -> None:
     """Name the weights below ``start``, depth first; code met is put in
     ``defer``, or (None) walked too: a bound method as its object and an
-    operation as its function, each named once where first met."""
+    operation as its function, each named once where first met. A weight or
+    a container met again goes to ``revisits``, with the path it was met at
+    first (`seen`)."""
     stack = start[::-1]
     while stack:
         name, node = stack.pop()
         while defer is None and type(node) in (types.MethodType, Operation):
             node = node.__self__ if type(node) is types.MethodType else node.__wrapped__  # type: ignore[attr-defined]
         if id(node) in seen:
+            revisits.append((name, seen[id(node)]))
             continue
         if isinstance(node, Weight):
-            seen.add(id(node))
+            seen[id(node)] = name
             if name in found:  # (the checkpoint would keep one of them, and load it into one)
                 raise CheckpointError(
                     f"two weights have the name {name!r} (a key with a dot, or 0 and '0'): rename a key, so that "
@@ -130,7 +188,7 @@ def _walk(
         children = _children(node)
         if children is None:
             continue
-        seen.add(id(node))  # cycles (a child pointing back at its parent) end here
+        seen[id(node)] = name  # cycles (a child pointing back at its parent) end here
         stack.extend(reversed([(f"{name}.{key}" if name else str(key), child) for key, child in children]))
 
 

@@ -5,8 +5,9 @@ dicts, lists, tuples, dataclasses and plain objects' attributes) under a
 stable dotted name (``encoder.0.weight``), and writes each weight's data and
 every array of its optimizer state (Adam's moments ...) to one safetensors
 file, with a JSON manifest (names, shapes, dtypes, the optimizer state's
-structure and its numbers, such as step counts, and a digest of each
-array's bytes) in the file's header, with a digest of the manifest itself
+structure and its numbers, such as step counts, a shared weight's other
+paths as aliases of its name, and a digest of each array's bytes) in the
+file's header, with a digest of the manifest itself
 beside it: a damaged file, its arrays or its header, is refused on load.
 `load(path, model)` restores them into a model of the same structure that the
 program has built again in code, as PyTorch's
@@ -62,7 +63,8 @@ from monadl._checkpoint_file import (
     text_digest,
     unreadable,
 )
-from monadl._named import named_weights
+from monadl._checkpoint_match import match
+from monadl._named import named_weights, named_weights_and_aliases
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
@@ -119,7 +121,8 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"takes the object first), got {type(path).__name__} as the path"
         )
     _not_a_directory(path)
-    weights = _stable(named_weights(model))
+    named, aliases = named_weights_and_aliases(model)
+    weights = _stable(named)
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
         raise CheckpointError(_no_weights(model))
     with COMMIT_LOCK:  # (a step commits under it: before the whole snapshot or after it, never inside)
@@ -143,6 +146,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         "format": FORMAT,
         "version": VERSION,
         "weights": entries,
+        "aliases": {alias: name for alias, name in aliases.items() if not _ADDRESS.search(alias)},
         "metadata": dict(metadata or {}),
         "digests": {key: digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
     }
@@ -211,6 +215,21 @@ def load(
     model grown since, or a checkpoint written before `named_weights` walked
     what closures, partials and defaults hold.
 
+    A weight the model reaches by several paths (tied: an embedding that is
+    also the output projection) is saved once, under its first path, and
+    its other paths are recorded as aliases of it; a weight loads from the
+    checkpoint by any of its paths in the model, each found among the
+    checkpoint's names and aliases. So a tied weight loads whichever of its
+    paths comes first in either model, and two weights of the model that
+    the saved model tied both load the one array saved, strict or not (as
+    PyTorch's ``load_state_dict`` does from a ``state_dict`` that holds the
+    tied tensor under both names): untying a projection to fine-tune it.
+    The other way, one weight of the model that the checkpoint holds as two
+    arrays apart is refused, or under ``strict=False`` loads the array of
+    its first path that has one, with a warning that names both. (A
+    checkpoint written before aliases names a tied weight by its first path
+    alone: it loads into a model that reaches the weight by that path.)
+
     Everything is checked before anything changes: the names of the weights
     (none missing, none extra), each one's shape and dtype, and the structure
     of each one's optimizer state. A mismatch raises `CheckpointError` listing
@@ -245,23 +264,26 @@ def load(
             f"{os.fspath(path)} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
             "nothing was loaded"
         )
-    weights = named_weights(model)
+    weights, aliases = named_weights_and_aliases(model)
     saved = {entry["name"]: entry for entry in manifest["weights"]}
+    found = match(weights, aliases, saved, manifest.get("aliases", {}))
     problems = []
-    missing = [name for name in weights if name not in saved]
-    extra = [name for name in saved if name not in weights]
+    missing, extra = found.missing, found.extra
     unmatched = [
         *([f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}"] if missing else []),
         *([f"weights in the checkpoint that the model does not have: {', '.join(map(repr, extra))}"] if extra else []),
     ]
+    apart = found.held_apart(strict)
     if strict:
-        problems += unmatched
+        problems += [*unmatched, *apart]
     updates: list[tuple[Any, Any, Any]] = []
     for name, weight in weights.items():
-        if name not in saved:
+        if not found.sources[name]:
             continue
+        source = found.sources[name][0]
+        label = repr(name) if source == name else f"{name!r} (saved as {source!r})"
         try:
-            stored = tensors[name]
+            stored = tensors[source]
             if isinstance(weight.dtype, np.dtype) and stored.dtype != weight.dtype:  # (a file is not converted)
                 shapes = (
                     f" and shape {tuple(stored.shape)} (the model's: {weight.shape})"
@@ -269,15 +291,15 @@ def load(
                     else ""
                 )
                 raise CheckpointError(
-                    f"weight {name!r}: the checkpoint holds {stored.dtype}{shapes}, the model's weight is "
+                    f"weight {label}: the checkpoint holds {stored.dtype}{shapes}, the model's weight is "
                     f"{weight.dtype}; build the weight in the dtype it was saved in (a checkpoint loads as saved, "
                     "not converted)"
                 )
-            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {name!r}")
+            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {label}")
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
-                where = f"weight {name!r}, optimizer state"
-                decoded = decode(saved[name]["optimizer_state"], weight.state, tensors, where)
+                where = f"weight {label}, optimizer state"
+                decoded = decode(saved[source]["optimizer_state"], weight.state, tensors, where)
                 state = replace_state(weight.state, decoded, where)
         except MonadlError as error:
             problems.append(str(error))
@@ -293,8 +315,8 @@ def load(
         if unmatched and strict:
             problems.append("load(path, model, strict=False) loads the weights both have and passes the others over")
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
-    if unmatched:  # (strict=False, and everything else fits: said once it loads)
-        warnings.warn(f"{os.fspath(path)}: {'; '.join(unmatched)} (strict=False: passed over)", stacklevel=2)
+    if unmatched or apart:  # (strict=False, and everything else fits: said once it loads)
+        warnings.warn(f"{os.fspath(path)}: {'; '.join([*unmatched, *apart])} (strict=False: passed over)", stacklevel=2)
     with COMMIT_LOCK:
         _warn_in_flight(weights, updates)
         pin_for_readers([weight for weight, _, _ in updates])
