@@ -7,18 +7,20 @@ the saved model reached a weight it stored once. So a tied weight loads
 whichever of its paths comes first in either model, and two weights of a
 model that the saved one tied both load the one array saved (as PyTorch's
 ``state_dict``, which holds a tied tensor under each of its names, loads
-them).
+them). Where nothing matches at all, `nothing_in_common` says what the names
+suggest: a part of a model saved alone, or a larger model saved whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, final
 
 from monadl.layers import Weight
 
-__all__ = ["Match", "match"]
+__all__ = ["Match", "match", "nothing_in_common"]
 
 
 @final
@@ -85,3 +87,77 @@ def match(
     }
     used = {source for found in sources.values() for source in found}
     return Match(paths, sources, [name for name in saved if name not in used])
+
+
+def nothing_in_common(path: str, model: object, names: Sequence[str], saved: Sequence[str], strict: bool) -> str:
+    """Why a load that would load no weight at all is refused (under
+    ``strict=False`` too: a load that loads nothing is never meant), with the
+    names of both sides, and what to load into where one side's names are
+    the other's under a prefix."""
+    text = (
+        f"{path} does not fit the model: no weight of the model is in the checkpoint, so nothing would load"
+        f"{'' if strict else ', even with strict=False'} (the checkpoint holds {_few(saved)}; the model "
+        f"{_few(names)})"
+    )
+    inner = _prefix(names, saved)
+    outer = _prefix(saved, names)
+    if inner is not None:
+        prefix, example = inner
+        text += (
+            f"; the model holds the checkpoint's weights under {prefix!r} ({prefix + '.' + example!r} for "
+            f"{example!r}): load into that part of the model, {_part(model, prefix)}"
+        )
+    elif outer is not None:
+        prefix, example = outer
+        text += (
+            f"; the checkpoint holds the model's weights under {prefix!r} ({prefix + '.' + example!r} for the "
+            f"model's {example!r}): it was saved from a larger model; load it into that model, built whole, and "
+            f"take its {prefix!r}"
+        )
+    return text + "; nothing was loaded"
+
+
+def _few(names: Sequence[str]) -> str:
+    shown = ", ".join(map(repr, names[:4]))
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _prefix(longer: Sequence[str], shorter: Sequence[str]) -> tuple[str, str] | None:
+    """The prefix under which ``longer`` holds most of ``shorter``'s names,
+    with one of them; None where it holds none of them so."""
+    short = set(shorter)
+    found: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for name in longer:
+        parts = name.split(".")
+        for cut in range(1, len(parts)):
+            rest = ".".join(parts[cut:])
+            if rest in short:
+                prefix = ".".join(parts[:cut])
+                found[prefix] += 1
+                examples.setdefault(prefix, rest)
+    if not found:
+        return None
+    prefix = found.most_common(1)[0][0]
+    return prefix, examples[prefix]
+
+
+def _part(model: object, prefix: str) -> str:
+    """How to pass the part of ``model`` at the dotted path ``prefix``:
+    ``ml.load(path, model['trunk'])``, as its containers reach it."""
+    node, text = model, "model"
+    for part in prefix.split("."):
+        if isinstance(node, Mapping):
+            key = next((k for k in node if str(k) == part), None)
+            if key is None:
+                break
+            node, text = node[key], f"{text}[{key!r}]"
+        elif isinstance(node, Sequence) and not isinstance(node, str) and part.isdigit() and int(part) < len(node):
+            node, text = node[int(part)], f"{text}[{part}]"
+        elif part.isidentifier() and hasattr(node, part):
+            node, text = getattr(node, part), f"{text}.{part}"
+        else:
+            break
+    else:
+        return f"ml.load(path, {text})"
+    return f"the object at {prefix!r} (ml.load(path, part))"

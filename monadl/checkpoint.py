@@ -63,7 +63,7 @@ from monadl._checkpoint_file import (
     text_digest,
     unreadable,
 )
-from monadl._checkpoint_match import match
+from monadl._checkpoint_match import match, nothing_in_common
 from monadl._named import named_weights, named_weights_and_aliases
 from monadl._namespace import library_name
 from monadl._state_file import decode, encode, put, to_library
@@ -176,10 +176,10 @@ def _stable(weights: dict[str, Any]) -> dict[str, Any]:
     return weights
 
 
-def _no_weights(model: object) -> str:
+def _no_weights(model: object, call: str = "save", consequence: str = "the checkpoint would be empty") -> str:
     text = (
-        f"save(path, model): the model, a {type(model).__name__}, holds no Weight, so the checkpoint would be "
-        "empty; pass the object that holds the weights (a dict, list or tuple of them, a dataclass or any "
+        f"{call}(path, model): the model, a {type(model).__name__}, holds no Weight, so {consequence}; "
+        "pass the object that holds the weights (a dict, list or tuple of them, a dataclass or any "
         "object whose attributes hold them: see ml.checkpoint.named_weights)"
     )
     if isinstance(model, Layer):
@@ -213,7 +213,10 @@ def load(
     the model missing from the checkpoint keep their values and weights the
     model does not have are passed over, with a warning that names them: a
     model grown since, or a checkpoint written before `named_weights` walked
-    what closures, partials and defaults hold.
+    what closures, partials and defaults hold. A load that would load no
+    weight at all is refused all the same, naming both sides' weights (a
+    part of a model saved alone, loaded into the whole: pass the part,
+    ``load(path, model["trunk"])``).
 
     A weight the model reaches by several paths (tied: an embedding that is
     also the output projection) is saved once, under its first path, and
@@ -265,8 +268,12 @@ def load(
             "nothing was loaded"
         )
     weights, aliases = named_weights_and_aliases(model)
+    if not weights:
+        raise CheckpointError(_no_weights(model, "load", "nothing would load"))
     saved = {entry["name"]: entry for entry in manifest["weights"]}
     found = match(weights, aliases, saved, manifest.get("aliases", {}))
+    if len(found.extra) == len(saved):  # (strict or not: a load that loads nothing is never meant)
+        raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
     problems = []
     missing, extra = found.missing, found.extra
     unmatched = [

@@ -1,5 +1,5 @@
 """Which array of a checkpoint each weight loads: tied weights by any of their
-paths (aliases)."""
+paths (aliases), and a load that would load nothing at all."""
 
 from __future__ import annotations
 
@@ -167,3 +167,54 @@ def test_a_checkpoint_written_before_aliases_loads_as_before(tmp_path: Path) -> 
         ml.load(path, {"embed": embed, "rnn": adam_weight((3, 3)), "proj": proj}, strict=False)
     np.testing.assert_array_equal(embed.data, embedding.data)
     assert not proj.data.any()  # (the file does not say where else the table was: nothing to load it from)
+
+
+def test_a_load_that_would_load_nothing_is_refused_even_with_strict_false(tmp_path: Path) -> None:
+    # The tester's case: a trunk saved bare, loaded into {"trunk": ..., "head": ...}, only warned, and loaded nothing.
+    path = tmp_path / "bare.safetensors"
+    ml.save(path, {"W1": ml.Weight(np.ones((2, 3))), "b1": ml.Weight(np.ones(3))})
+    big: dict[str, Any] = {
+        "trunk": {"W1": ml.Weight(np.zeros((2, 3))), "b1": ml.Weight(np.zeros(3))},
+        "head": ml.Weight(np.zeros(3)),
+    }
+    with pytest.raises(ml.CheckpointError) as raised:
+        ml.load(path, big, strict=False)
+    assert str(raised.value) == (
+        f"{path} does not fit the model: no weight of the model is in the checkpoint, so nothing would load, even "
+        "with strict=False (the checkpoint holds 'W1', 'b1'; the model 'trunk.W1', 'trunk.b1', 'head'); the model "
+        "holds the checkpoint's weights under 'trunk' ('trunk.W1' for 'W1'): load into that part of the model, "
+        "ml.load(path, model['trunk']); nothing was loaded"
+    )
+    assert not big["trunk"]["W1"].data.any()
+    ml.load(path, big["trunk"])  # (what it says)
+    assert big["trunk"]["W1"].data.tolist() == [[1.0] * 3] * 2
+
+
+def test_a_load_of_nothing_names_the_part_as_the_models_containers_reach_it(tmp_path: Path) -> None:
+    path = tmp_path / "bare.safetensors"
+    ml.save(path, {"w": ml.Weight(np.ones(2))})
+
+    class Model:
+        def __init__(self) -> None:
+            self.blocks = [{"w": ml.Weight(np.zeros(2))}]
+
+    with pytest.raises(ml.CheckpointError, match=r"under 'blocks\.0' .*ml\.load\(path, model\.blocks\[0\]\)"):
+        ml.load(path, Model())  # strict: the same refusal, with the same advice
+
+
+def test_a_load_of_nothing_from_a_larger_model_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "whole.safetensors"
+    ml.save(path, {"trunk": {"w": ml.Weight(np.ones(2))}, "head": ml.Weight(np.ones(2))})
+    with pytest.raises(ml.CheckpointError) as raised:
+        ml.load(path, {"w": ml.Weight(np.zeros(2))}, strict=False)
+    assert str(raised.value).endswith(
+        "the checkpoint holds the model's weights under 'trunk' ('trunk.w' for the model's 'w'): it was saved from a "
+        "larger model; load it into that model, built whole, and take its 'trunk'; nothing was loaded"
+    )
+
+
+def test_a_load_into_an_object_without_weights_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    ml.save(path, {"w": ml.Weight(np.ones(2))})
+    with pytest.raises(ml.CheckpointError, match=r"^load\(path, model\): the model, a dict, holds no Weight, so no"):
+        ml.load(path, {"w": np.zeros(2)}, strict=False)
