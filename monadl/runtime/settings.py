@@ -55,7 +55,8 @@ class Settings:
             (`ml.operation`) batches from 2 members, of matrix products or
             lookups that read a weight of 16,384 elements or more from 4, of
             another op from 8, and not where each member is over 16,384
-            elements.
+            elements (of an elementwise op, its result: a large layer scaled by
+            many numbers runs node by node).
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss

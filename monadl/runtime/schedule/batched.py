@@ -385,7 +385,7 @@ class _Run:
                 declined(members, "their operands mix array libraries or dtypes")
             self.each(members)
             return
-        if not self.forced and coarse(args, batched, n):
+        if not self.forced and coarse(args, batched, n, op.elementwise):
             self.each(members)
             return
         try:
