@@ -213,7 +213,10 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     if scope is _UNREAD:  # (before its foreign awaits: a sleep opens a scope of its own)
                         scope = cancel_scope()
                     while True:
-                        done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
+                        try:
+                            done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
+                        finally:  # (raised again, its traceback holds this frame: held here, a cycle)
+                            failure = None
                         if done or type(got) is AwaitLayers:
                             break
                         try:

@@ -41,6 +41,7 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
     finally:
         live[0] = False
         inside_direct.reset(flag)
+        failure = None  # (thrown in and raised again, its traceback holds this frame: a cycle of the evaluation)
     return False, got
 
 
@@ -59,10 +60,13 @@ async def step_in_task(
     scope (`cancel_scope`) as the step begins."""
     failure: BaseException | None = None
     while True:
-        if context is None:
-            done, got = step_direct(coroutine, sending, failure, scope)
-        else:
-            done, got = context.run(step_direct, coroutine, sending, failure, scope)
+        try:
+            if context is None:
+                done, got = step_direct(coroutine, sending, failure, scope)
+            else:
+                done, got = context.run(step_direct, coroutine, sending, failure, scope)
+        finally:  # (raised again, its traceback holds this frame: held here, a cycle)
+            failure = None
         if done or type(got) is AwaitLayers:
             return done, got
         if before_waiting is not None:
