@@ -16,6 +16,13 @@ with it forced, alternating in one process, best of ``--steps`` steps:
   512 x 512 weights given as arguments (a graph of under 256 nodes) and 16
   examples of a 2-layer MLP at 512 (66 nodes): below 256 nodes the rule left them alone, where batching ran 1.5-2.2x
   faster; now 8 nodes reading a large weight make a graph worth analysing.
+  The same cell closing over its weights, for comparison: given as
+  arguments, their deltas were a weight-sized product per call until the
+  sixteenth session (now factors, as closed-over weights' are).
+* **scaled**: a 256 x 256 layer read by 300 scalings, each summed: the
+  scalings grouped into one 300 x 256 x 256 array (the sums node by node)
+  until the sixteenth session; an elementwise op whose shared operand is
+  over `MAX_MEMBER_SIZE` elements is coarse now.
 
 Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
 for the figures in BENCHMARKS.md.
@@ -68,10 +75,14 @@ def mlp(examples: int, size: int, lengths: Callable[[int], int]) -> Loss:
     return lambda: ml.sum(ml.stack([ml.sum(ml.tanh(x @ w1) @ w2) for x in xs]))
 
 
-def marked_rnn(sequences: int = 10, size: int = 512) -> Loss:
+def marked_rnn(sequences: int = 10, size: int = 512, closed: bool = False) -> Loss:
     rng = np.random.default_rng(0)
     wx, wh = (ml.Weight((rng.standard_normal((size, size)) / size**0.5).astype(np.float32)) for _ in range(2))
-    cell = ml.operation(lambda x, h, wx, wh: ml.tanh(x @ wx + h @ wh))
+    if closed:  # (the same cell closing over its weights)
+        inner = ml.operation(lambda x, h: ml.tanh(x @ wx + h @ wh))
+        cell: Any = lambda x, h, wx, wh: inner(x, h)  # noqa: E731
+    else:
+        cell = ml.operation(lambda x, h, wx, wh: ml.tanh(x @ wx + h @ wh))
     seqs = [[rng.standard_normal((1, size)).astype(np.float32) for _ in range(1 + i)] for i in range(sequences)]
     h0 = np.zeros((1, size), np.float32)
 
@@ -83,6 +94,18 @@ def marked_rnn(sequences: int = 10, size: int = 512) -> Loss:
                 h = cell(x, h, wx, wh)
             finals.append(ml.sum(h * h))
         return ml.sum(ml.stack(finals))
+
+    return loss
+
+
+def scaled(uses: int = 300, size: int = 256) -> Loss:
+    rng = np.random.default_rng(0)
+    w = ml.Weight((rng.standard_normal((size, size)) / 16).astype(np.float32))
+    x = (rng.standard_normal((size, size)) / 16).astype(np.float32)
+
+    def loss() -> Any:
+        s = ml.tanh(x @ w)
+        return ml.sum(ml.stack([ml.sum(s * float(k + 1)) for k in range(uses)]))
 
     return loss
 
@@ -116,7 +139,9 @@ def main() -> None:
         ("early stop (16 examples, hidden 32)", early_stop(), None),
         ("after ragged (128 examples, 2-layer MLP at 32)", mlp(128, 32, lambda i: 4), mlp(128, 32, lambda i: 1 + i)),
         ("small, large weights: marked RNN at 512", marked_rnn(), None),
+        ("the same RNN, weights closed over", marked_rnn(closed=True), None),
         ("small, large weights: 16 examples, MLP at 512", mlp(16, 512, lambda i: 10), None),
+        ("a 256 x 256 layer scaled 300 times, each summed", scaled(), None),
     ]
     print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
     print(f"# OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; best of {args.steps} steps, ms")
