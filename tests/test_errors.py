@@ -316,6 +316,46 @@ async def test_float_scalars_take_the_arrays_float_dtype(tmp_path: Any) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_numpy_float_beside_a_scalar_layer_takes_the_layers_dtype() -> None:
+    # A new user's KL annealing, ``beta * kl`` with beta from np.linspace (np.float64) and kl an ml.sum of a
+    # float32 model's, came out float64: a scalar layer's value is a NumPy scalar, which the rule read as one
+    # more NumPy float. As PyTorch's 0-d tensor beside a number, a layer's or a weight's value sets the dtype.
+    w = ml.Weight(np.array([1.0, 2.0, 3.0], np.float32), optimizer=ml.optim.sgd(0.1))
+    w0 = ml.Weight(np.float32(2.0))  # (its value: a NumPy scalar too)
+    x = np.array([[1.0, 0.5, 2.0]], np.float32)
+    beta = np.float64(0.3)
+    b32 = np.float32(beta)
+    tensors: dict[str, Any] = {
+        "sum": ml.sum(w * 2.0),
+        "mean": ml.mean(w * 2.0),
+        "cross_entropy": ml.cross_entropy(x * w, np.array([1])),
+        "0-d weight": w0,
+    }
+    for name, t in tensors.items():
+        value = await ml.as_layer(t).predict()
+        assert type(value) is np.float32, name
+        for built, want in [
+            (beta * t, b32 * value),
+            (t * beta, value * b32),
+            (t + beta, value + b32),
+            (beta - t, b32 - value),
+            (t / beta, value / b32),
+            (ml.where(True, t, beta), value),
+            (ml.where(False, t, beta), b32),
+        ]:
+            got = await built.predict()
+            assert type(got) is np.float32 and got == want, (name, got, want)
+    # Two tensors of no dimensions promote as NumPy's (and PyTorch's) do; a number beside them takes theirs.
+    w64 = ml.Weight(np.ones(2, np.float64))
+    w16 = ml.Weight(np.ones(2, np.float16))
+    assert type(await (ml.sum(w) * ml.sum(w64)).predict()) is np.float64
+    joined = await ml.stack([ml.sum(w16), ml.sum(w), beta]).predict()  # float16 and float32 tensors, a float64
+    assert joined.dtype == np.float32 and joined.tolist() == [2.0, 6.0, float(b32)]
+    loss = ml.sum(w * 2.0) * beta
+    assert np.asarray(await loss.train()).dtype == np.float32 and w.data.dtype == np.float32
+
+
+@pytest.mark.anyio
 async def test_integer_data_takes_the_float_weights_dtype() -> None:
     w = ml.Weight(np.ones(3, np.float32), optimizer=ml.optim.sgd(0.5))
     loss = ml.sum(w * np.array([1, 2, 3]))  # int64 data: float32 as PyTorch does, not float64 as NumPy would

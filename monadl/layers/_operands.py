@@ -5,9 +5,18 @@ different precision raise `DTypeError`; an integer or boolean array beside a
 float one takes the float's dtype (NumPy alone would promote ``int64 *
 float32`` to float64), as does a NumPy integer or bool scalar, and so does a float scalar (a NumPy float, an array
 or weight of no dimensions: ``ml.Weight(0.0)`` as a float32 model's bias),
-as PyTorch's 0-d tensors do. The runtime applies it to every node
-(`monadl.runtime.node.compute`), and a traced operation (`monadl.operation`)
-to every step of its program, so marking a cell changes no dtype and no error.
+as PyTorch's 0-d tensors do. Beside no float array with dimensions, the
+value of a layer or a weight is a tensor of no dimensions whatever its type
+(``ml.sum``'s is a NumPy scalar, as NumPy's reductions give): it sets the
+dtype of a NumPy float that is data, as PyTorch's 0-d tensor sets a Python
+number's (``np.float64(0.3) * ml.sum(x)`` is float32 for a float32 ``x``);
+two such tensors of different dtypes promote as NumPy (and PyTorch) does.
+The runtime applies it to every node (`monadl.runtime.node.compute`, which
+knows which operands are layers), a traced operation (`monadl.operation`)
+to every step of its program (which steps are computed from the call's
+layers and weights, `monadl.layers._program.Program`), and a batched group
+to its members' operands (`member_float_dtype`), so marking a cell or
+batching it changes no dtype and no error.
 
 >>> import numpy as np
 >>> [a.dtype for a in one_float_dtype("mul", (np.ones(2, np.float32), np.arange(2)), "f.py:3")]
@@ -54,15 +63,29 @@ _HOLDS: Final[dict[type, type[np.generic]]] = {float: np.float64, int: np.int64,
 """The host dtype that holds plain numbers of each kind (ints up to 64 bits)."""
 
 
-def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], str] | None) -> tuple[Any, ...]:
+def one_float_dtype(
+    name: str,
+    args: tuple[Any, ...],
+    where: str | Callable[[], str] | None,
+    tensors: Sequence[bool] | Callable[[], Sequence[bool]] | None = None,
+) -> tuple[Any, ...]:
     """``args`` with integer and boolean arrays, and float scalars (NumPy
     floats, arrays of no dimensions) of another precision, cast to the float
     dtype of the others; `DTypeError` (naming ``name``, the operands and
     ``where``, or what it returns: a node's line is found only for an error;
     None: the caller's caller adds it) if two float arrays with dimensions
-    differ. Of float scalars alone, an array of no dimensions (a scalar
-    layer's value) sets the dtype for NumPy floats, as PyTorch's 0-d tensor
-    does for a Python number."""
+    differ. ``tensors`` (or what it returns, asked only where it decides):
+    per operand, whether it is a layer's or a weight's value, a tensor
+    whatever its type (a reduction's is a NumPy scalar, as NumPy's are);
+    None: none is. Of float scalars alone, those of tensors and arrays of
+    no dimensions (PyTorch's 0-d tensors) set the dtype, NumPy's promotion
+    of theirs where they differ, for NumPy floats that are data (PyTorch's
+    Python numbers); of NumPy floats alone, NumPy's promotion of theirs.
+
+    >>> import numpy as np
+    >>> [type(a) for a in one_float_dtype("mul", (np.float32(2.0), np.float64(0.3)), "f.py:3", (True, False))]
+    [<class 'numpy.float32'>, <class 'numpy.float32'>]
+    """
     first = None
     for a in args:
         if is_array(a) and a.ndim and namespace(a).isdtype(a.dtype, "real floating"):
@@ -75,10 +98,20 @@ def one_float_dtype(name: str, args: tuple[Any, ...], where: str | Callable[[], 
                     "cast one first (x.astype(dtype) in NumPy, xp.astype(x, dtype) in the array API)" + line
                 )
     if first is None:  # no float array with dimensions: a float of none (a 0-d weight) sets it for integers
-        floats = {a.dtype for a in args if not isinstance(a, np.generic) and is_array(a) and _real_float(a)}
-        if not floats:  # (NumPy floats alone: beside a 0-d array, they are numbers, as PyTorch's)
+        flags = tensors() if callable(tensors) else tensors
+        zero = [
+            a
+            for i, a in enumerate(args)
+            if (flags is not None and flags[i] and isinstance(a, np.floating))
+            or (not isinstance(a, np.generic) and is_array(a) and _real_float(a))
+        ]
+        if zero:  # (beside tensors, NumPy floats are numbers, as Python's are beside PyTorch's)
+            first = zero[0].dtype
+            if any(a.dtype != first for a in zero):
+                first = namespace(zero[0]).result_type(*zero)
+        else:
             floats = {a.dtype for a in args if isinstance(a, np.floating)}
-        first = next(iter(floats)) if len(floats) == 1 else None
+            first = next(iter(floats)) if len(floats) == 1 else None
     if first is None or not any(map(_cast, args, (first,) * len(args))):
         return args  # (the same tuple: nothing to cast)
     return tuple([_as(a, first) if _cast(a, first) else a for a in args])
@@ -91,12 +124,14 @@ def member_float_dtype(
     first axis) cast as `one_float_dtype` casts each member's: an operand's
     dimensions are a member's (a stacked column of NumPy floats is a float
     scalar in each member, not a float64 array beside float32 ones).
-    ``scalars``: per stacked operand, whether its members are NumPy scalars
-    (True) or arrays (False), or None: unknown (a step's value inside an
-    operation). ``values`` itself where nothing is cast; None where a member
-    would raise `DTypeError` (its members then run alone, and raise it at
-    their lines), or where the dtype hangs on what is unknown: float
-    scalars of several dtypes, some of them NumPy's and some arrays.
+    ``scalars``: per operand, whether its members are NumPy scalars that
+    are data, numbers (True), or are tensors (a layer's or a weight's value,
+    a NumPy scalar or not) or arrays (False), or None: unknown; for an
+    operand not stacked, None reads its type (a NumPy scalar is a number).
+    ``values`` itself where nothing is cast; None where a member would raise
+    `DTypeError` (its members then run alone, and raise it at their lines),
+    or where the dtype hangs on what is unknown: float scalars of several
+    dtypes, some of them unknown.
 
     >>> import numpy as np
     >>> x, t = np.ones((2, 1, 3), np.float32), np.array([0.5, 2.0])  # two members' rows, their np.float64
@@ -117,20 +152,20 @@ def member_float_dtype(
             elif dtype != first:
                 return None
         elif first is None:
-            if not stacked[i]:
-                scalar.append((dtype, isinstance(a, np.generic)))
-            else:
-                scalar.append((dtype, None if scalars is None else scalars[i]))
+            number = None if scalars is None else scalars[i]
+            if number is None and not stacked[i]:
+                number = isinstance(a, np.generic)
+            scalar.append((dtype, number))
     if first is None and scalar:
         dtypes = {d for d, _ in scalar}
         if len(dtypes) == 1:
             first = dtypes.pop()
         else:
-            if any(kind is None for _, kind in scalar):
+            if any(number is None for _, number in scalar):
                 return None
-            floats = {d for d, numpy in scalar if not numpy} or dtypes  # (a 0-d array's sets NumPy floats')
-            # (of several, a member computes in NumPy's promotion of them all: float32 and float16, float32)
-            first = next(iter(floats)) if len(floats) == 1 else np.result_type(*dtypes)
+            # (a tensor's sets the numbers'; of several, as one member's: NumPy's promotion of them)
+            floats = {d for d, number in scalar if not number} or dtypes
+            first = next(iter(floats)) if len(floats) == 1 else np.result_type(*floats)
     if first is None:
         return values
     cast = [_as(a, first) if _member_cast(a, s, first) else a for a, s in zip(values, stacked)]

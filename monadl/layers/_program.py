@@ -22,7 +22,7 @@ from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import DTypeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import backward_made, finite_delta, made
-from monadl.layers._operands import Numbers, member_float_dtype, one_float_dtype, step_numbers
+from monadl.layers._operands import NUMBERS, Numbers, member_float_dtype, one_float_dtype, step_numbers
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -69,6 +69,7 @@ class Program:
         "live",
         "multi",
         "name",
+        "nodes",
         "outputs",
         "readers",
         "size",
@@ -93,6 +94,14 @@ class Program:
         # The operand slots of weights (arguments, and those the function closes over): the delta
         # of a few rows' product with one goes to it as factors, as an unmarked product's does.
         self.factors = factors
+        # Per operand slot, whether a call gives a layer or a weight there (a tensor, whatever its
+        # value's type: a scalar layer's is a NumPy scalar), as the trace marked what leads to one.
+        nodes = [False] * size
+        for s in steps:
+            for r, g in zip(s.refs, s.grads):
+                if g and r < size:
+                    nodes[r] = True
+        self.nodes = tuple(nodes)
         self.consts = consts
         self.steps = steps
         self.outputs = outputs
@@ -118,10 +127,13 @@ class Program:
         key = _dtypes(args)
         check = key not in self.uniform
         cast = False
+        tensors = self._tensors(env) if check else []
         for step, read in zip(self.steps, self.readers):
             values = read(env)
             if check:
-                values, casted = self._operand_rule(step, values)
+                flags = [tensors[r] for r in step.refs]
+                tensors.append(True in flags)  # (a step of numbers only: Python's or NumPy's arithmetic unmarked)
+                values, casted = self._operand_rule(step, values, flags)
                 cast = cast or casted
             try:
                 if called is None:
@@ -160,19 +172,54 @@ class Program:
     def _site(self, step: Step, called: str) -> str:
         return f"{_where(step)}, inside the operation {self.name} called at {called}"
 
-    def _operand_rule(self, step: Step, values: tuple[Value, ...]) -> tuple[tuple[Value, ...], bool]:
+    def _tensors(self, env: list[Value]) -> list[bool]:
+        """Per slot of a call's operands and constants, whether it is a tensor
+        or an array (`one_float_dtype`'s ``tensors``): the call's layers and
+        weights, and data that is no number (a NumPy float or a Python one)."""
+        nodes = self.nodes
+        return [(r < len(nodes) and nodes[r]) or not _number(v) for r, v in enumerate(env)]
+
+    def _operand_rule(
+        self, step: Step, values: tuple[Value, ...], tensors: list[bool]
+    ) -> tuple[tuple[Value, ...], bool]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
-        naming the line inside this operation), and whether it cast one."""
+        naming the line inside this operation; ``tensors``: which operands are
+        tensors, see `_tensors`), and whether it cast one."""
         where = f"{_where(step)}, inside the operation {self.name}"
         # One library per step (an operation's host integers beside a device's arrays are refused here).
         parts = arrays_of(values)
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{step.op.name} at {where}")
-        if not step.op.same_dtype:
+        start = step.op.floats_from()
+        if start is None:
             return values, False
-        fixed = one_float_dtype(step.op.name, values, where)
+        if start:  # (`where`: its two sides, not its condition)
+            sides = values[start:]
+            fixed = one_float_dtype(step.op.name, sides, where, tensors[start:])
+            return (values, False) if fixed is sides else ((*values[:start], *fixed), True)
+        fixed = one_float_dtype(step.op.name, values, where, tensors)
         return fixed, fixed is not values
+
+    def _numbers(
+        self, env: list[Value], stacked: list[bool], scalars: tuple[bool | None, ...] | None
+    ) -> list[bool | None]:
+        """Per slot of a group's operands and constants, whether each member's
+        is a number (`member_float_dtype`'s ``scalars``): not for the call's
+        layers and weights; for its stacked data, as ``scalars`` says (None:
+        unknown); for what is not stacked, as its type says."""
+        nodes, given = self.nodes, scalars or ()
+        kinds: list[bool | None] = []
+        for r, v in enumerate(env):
+            if r < len(nodes) and nodes[r]:
+                kinds.append(False)
+            elif r < len(given) and given[r] is not None:
+                kinds.append(given[r])
+            elif stacked[r]:
+                kinds.append(True if type(v) is Numbers else None)
+            else:
+                kinds.append(_number(v))
+        return kinds
 
     def _member_rule(
         self, step: Step, values: tuple[Value, ...], flags: tuple[bool, ...], scalars: list[bool | None]
@@ -215,11 +262,11 @@ class Program:
     ) -> tuple[Value, tuple[Vjp, ...]] | None:
         """The batching rule of the node: the program once over a group's
         stacked (and shared) operands; None where a step cannot batch.
-        ``factored``: see `factored`. ``scalars``: per stacked operand,
-        whether its members are NumPy scalars (see `member_float_dtype`)."""
+        ``factored``: see `factored`. ``scalars``: per operand, whether its
+        members are numbers, NumPy scalars that are data (see `member_float_dtype`)."""
         env = [*args, *self.consts]
         stacked = [*batched, *(False,) * len(self.consts)]
-        kinds: list[bool | None] = [*(scalars or ()), *(None,) * (len(env) - len(scalars or ()))]
+        kinds = self._numbers(env, stacked, scalars)
         vjps: list[tuple[Vjp, ...]] = []
         key = _dtypes(args)
         check = key not in self.uniform
@@ -229,8 +276,11 @@ class Program:
         for step, read in zip(self.steps, self.readers):
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
+            given = [kinds[r] for r in step.refs]
+            # (a step of numbers only: a number in each member; of a tensor or an array: not)
+            kind = False if False in given else None if None in given else True
             if check:  # (before the numbers: a Python float computes in the dtype the rule leaves)
-                fixed = self._member_rule(step, values, flags, [kinds[r] for r in step.refs])
+                fixed = self._member_rule(step, values, flags, given)
                 if fixed is None:
                     self.declined = step
                     return None
@@ -244,7 +294,7 @@ class Program:
                 if type(found) is Numbers:  # numbers only: numbers still (no delta to any)
                     env.append(found)
                     stacked.append(True)
-                    kinds.append(None)
+                    kinds.append(True)
                     vjps.append(())
                     continue
                 values = found
@@ -252,7 +302,12 @@ class Program:
             pflags = step.stacked_parameters(stacked)
             if True in flags or True in pflags:
                 rule = batching_rule(step.op)
-                result = None if rule is None else rule((*values, *params), flags + pflags, n)
+                if rule is None:
+                    result = None
+                elif type(step.op.rule) is Program:  # (a nested operation: which operands are numbers too)
+                    result = rule((*values, *params), flags + pflags, n, scalars=tuple(given))
+                else:
+                    result = rule((*values, *params), flags + pflags, n)
                 if result is None:
                     self.declined = step
                     return None
@@ -263,7 +318,7 @@ class Program:
                 out, rules = step.op.rule(*values, *params)
             env.append(out)
             stacked.append(True in flags or True in pflags)
-            kinds.append(None)  # (a stacked value's members: NumPy scalars or arrays, as its step made them)
+            kinds.append(kind)
             vjps.append(rules)
         if check and not cast:
             self.uniform.add(key)
@@ -400,8 +455,17 @@ _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What the operand rule depends on: each operand's dtype (its type, for a number)."""
-    return tuple([getattr(a, "dtype", type(a)) for a in args])
+    """What the operand rule depends on: each operand's dtype (its type, for
+    a number: a NumPy float, data, is not a 0-d array, a tensor)."""
+    return tuple([t if (t := type(a)) in _NUMPY_FLOATS else getattr(a, "dtype", t) for a in args])
+
+
+_NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64, np.longdouble})
+
+
+def _number(v: Value) -> bool:
+    """Whether ``v`` is a number: a NumPy scalar, a Python number, a group's column of those."""
+    return isinstance(v, np.generic) or type(v) in NUMBERS or type(v) is Numbers
 
 
 def batching_rule(op: Primitive) -> Any:

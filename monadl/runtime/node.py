@@ -163,8 +163,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         kinds = {type(a) for a in args}
         if not kinds <= _LOCAL or (Outputs in kinds and not _host_outputs(args)):
             args = _foreign_operands(node, args)
-        if op.same_dtype and (kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1):
-            args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
+        if op.same_dtype:
+            if kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1:
+                args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
+        elif op.elementwise and op.floats_from() is not None:  # (`where`: its sides, knowing which are tensors)
+            args = _check_dtypes(node, args)
     params = node._params
     try:
         if ev.check_finite:
@@ -265,5 +268,18 @@ def where(node: Any) -> str:
 
 
 def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """One float dtype per operation (`one_float_dtype`). Returns the operands to use."""
-    return one_float_dtype(node._op.name, args, lambda: where(node))
+    """One float dtype per operation (`one_float_dtype`, from the operand
+    `Primitive.floats_from` names; the operands that are layers' and
+    weights' values are tensors, the rest data). Returns the operands to use."""
+    start = node._op.floats_from()
+    inputs = node._inputs
+    if start:  # (`where`: its two sides, not its condition)
+        sides = args[start:]
+        cast = one_float_dtype(node._op.name, sides, lambda: where(node), lambda: _tensors(inputs[start:]))
+        return args if cast is sides else (*args[:start], *cast)
+    return one_float_dtype(node._op.name, args, lambda: where(node), lambda: _tensors(inputs))
+
+
+def _tensors(inputs: tuple[Any, ...]) -> list[bool]:
+    """Per operand, whether it is a layer's or a weight's value (a tensor, whatever its type)."""
+    return [type(x) is Layer or type(x) is Weight for x in inputs]

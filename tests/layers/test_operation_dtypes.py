@@ -71,3 +71,32 @@ def test_integer_data_inside_a_cell_takes_the_float_dtype_as_outside(batching: b
     plain, traced = values
     assert plain.dtype == traced.dtype == np.float32
     np.testing.assert_array_equal(plain, traced)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_numpy_float_beside_a_scalar_layer_inside_a_cell_takes_the_layers_dtype(batching: bool) -> None:
+    # A new user's float32 VAE with a per-example marked ELBO and beta = np.linspace(...)[i] (np.float64):
+    # its loss was float64, and batching on and off differed past float32's rounding.
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal(H).astype(np.float32))
+    xs = [rng.standard_normal(H).astype(np.float32) for _ in range(6)]
+    betas = np.linspace(0.1, 1.0, len(xs))
+
+    def elbo(x: ml.Array, beta: ml.ScalarOperand) -> ml.ScalarLayer:
+        kl = ml.sum(x * w)  # a scalar layer: a NumPy float32 as its value
+        # (1.0 - beta): numbers only, float64 as outside; ml.sum(x): of data, a layer all the same
+        return beta * kl + (1.0 - beta) * ml.mean(x * w) + ml.sum(x) * np.float64(0.5)
+
+    def by_hand(x: Any, beta: np.float64) -> Any:
+        kl = np.sum(x * w.data)
+        return np.float32(beta) * kl + np.float32(1.0 - beta) * np.mean(x * w.data) + np.sum(x) * np.float32(0.5)
+
+    want = np.array([by_hand(x, b) for x, b in zip(xs, betas)])
+    assert want.dtype == np.float32
+    for cell in (elbo, ml.operation(elbo)):
+        parts = ml.stack([cell(x, b) for x, b in zip(xs, betas)])
+        with ml.settings(batching=batching):
+            got = anyio.run(parts.predict)
+            (grad,) = anyio.run(ml.gradients, ml.sum(parts), [w])
+        assert got.dtype == np.float32 and grad.dtype == np.float32, cell
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)

@@ -152,3 +152,39 @@ def test_a_scalars_sigmoid_and_a_0d_weights_gradient_are_of_one_kind_batched_or_
         kinds.append((type(value), type(grads[w]), np.ndim(grads[w])))
     expected: Any = (np.float64, np.ndarray, 0)  # (a 0-d array weight's gradient: a 0-d array)
     assert kinds[0] == kinds[1] == expected
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["plain", "operation"])
+def test_a_numpy_float_per_call_beside_a_scalar_layer_is_of_the_layers_dtype_in_one_group(
+    marked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A group's scalar layers are tensors, not numbers, wherever they come from: a row of an earlier group
+    # (each call's ml.sum), one shared by all (ml.sum(w)), a stacked column of the members' own. Each member's
+    # np.float64 then takes their float32, as it does node by node (both were float64 before).
+    w = ml.Weight(np.linspace(0.5, 1.5, 4, dtype=np.float32).reshape(1, 4))
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(1, 4)).astype(np.float32) for _ in range(N)]
+    temps = np.linspace(0.5, 2.0, N)
+    shared = ml.sum(w)
+
+    def body(x: Any, t: Any, s: Any) -> Any:
+        return ml.sum(x * w) * t + s * t + ml.where(True, ml.mean(x * w), t)
+
+    cell = ml.operation(body) if marked else body
+    ran = _groups(monkeypatch)
+    results = {}
+    for batching in (True, False):
+        ran.clear()
+        rows = ml.stack([cell(x, t, shared) for x, t in zip(xs, temps)])
+        with ml.settings(batching=batching):
+            results[batching] = anyio.run(rows.predict), anyio.run(ml.gradients, ml.sum(rows), [w])[0], list(ran)
+    (got, got_grad, groups), (want, want_grad, _) = results[True], results[False]
+    assert got.dtype == want.dtype == np.float32 and got_grad.dtype == want_grad.dtype == np.float32
+    by_hand = [
+        np.sum(x * w.data) * np.float32(t) + np.sum(w.data) * np.float32(t) + np.mean(x * w.data)
+        for x, t in zip(xs, temps)
+    ]
+    np.testing.assert_allclose(want, by_hand, rtol=1e-6)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6)
+    assert groups and all(n % N == 0 for _, n in groups)  # (all the calls' nodes of one kind: one group)

@@ -316,7 +316,9 @@ class _Run:
         operands: list[Operand] = []
         kinds: set[type] = set()
         numbers: list[int] = []  # positions of plain numbers that differ between members
-        scalars: list[bool | None] = []  # per operand, whether its members are NumPy scalars
+        # Per operand, whether its members are numbers (data: NumPy's scalars, Python's), not tensors (a
+        # layer's or a weight's value, a NumPy scalar too where it has no dimensions) nor arrays.
+        scalars: list[bool | None] = []
         for p, x0 in enumerate((*inputs, *first._params)):
             kind = type(x0)
             is_node = kind is Layer or kind is Weight
@@ -335,7 +337,7 @@ class _Run:
                     args.append(column)  # (made a column below)
                     batched.append(True)
                     operands.append(Operand(None, [None] * n))
-                    scalars.append(False)
+                    scalars.append(True)
                     continue
             elif kind is tuple and p >= arity and True in [hasattr(q, "shape") for q in x0]:
                 # An index holding arrays (h[src, 0]): those that differ between members stacked.
@@ -344,17 +346,18 @@ class _Run:
                     args.append(indices)
                     batched.append(True)
                     continue
-            scalar: bool | None = None
+            scalar: bool | None
             if not stacks:
                 rec = records[x0] if is_node else None
                 value = x0 if rec is None else rec.value
                 operand = Operand(rec, None)
+                scalar = rec is None and (isinstance(value, np.generic) or kind in NUMBERS)
             else:
                 sources = groups.sources(column) if type(x0) is Layer else None
                 if sources is not None:  # rows of earlier groups' outputs: gathered by index
                     value = groups.gather(sources, n)
                     operand = Operand(None, None, sources)
-                    scalar = True  # (a member's value, ``out[i]``, where it has no dimensions)
+                    scalar = False  # (a member's value, ``out[i]``: a layer's)
                 else:
                     recs = [records[x] if type(x) is Layer or type(x) is Weight else None for x in column]
                     values = [x if r is None else r.value for x, r in zip(column, recs)]
@@ -363,7 +366,10 @@ class _Run:
                     else:
                         value = stack(values)
                     operand = Operand(None, recs)
-                    scalar = isinstance(values[0], np.generic)
+                    scalar = False
+                    if isinstance(values[0], np.generic):  # (data's numbers, layers' tensors; of both: unknown)
+                        held = recs.count(None)
+                        scalar = True if held == n else None if held else False
             args.append(value)
             batched.append(stacks)
             if p < arity:

@@ -163,11 +163,12 @@ def cast_scalars(args: list[Any], batched: list[bool], arity: int, scalars: list
     """Cast in place the operands of a group that one member's node would
     cast (`monadl.layers._operands.member_float_dtype`: a NumPy float, a 0-d
     weight, a group's 0-d values stacked, beside a float array of another
-    dtype, or beside a 0-d float array): batched, NumPy would promote the
-    group to another dtype. ``scalars``: per operand, whether its members
-    are NumPy scalars. False where a member would raise (two float arrays
-    of different dtypes) or its dtype is unknown. ``start``: the first
-    operand cast (`monadl.layers._primitives.Primitive.floats_from`)."""
+    dtype, or beside a 0-d tensor): batched, NumPy would promote the group
+    to another dtype. ``scalars``: per operand, whether its members are
+    numbers, NumPy scalars that are data (not layers' values). False where
+    a member would raise (two float arrays of different dtypes) or its
+    dtype is unknown. ``start``: the first operand cast
+    (`monadl.layers._primitives.Primitive.floats_from`)."""
     cast = member_float_dtype(args[start:arity], batched[start:arity], scalars[start:arity])
     if cast is None:
         return False
