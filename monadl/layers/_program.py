@@ -132,7 +132,7 @@ class Program:
             values = read(env)
             if check:
                 flags = [tensors[r] for r in step.refs]
-                tensors.append(True in flags)  # (a step of numbers only: Python's or NumPy's arithmetic unmarked)
+                tensors.append(True in flags or step.op.name not in _OPERATORS)
                 values, casted = self._operand_rule(step, values, flags)
                 cast = cast or casted
             try:
@@ -175,7 +175,8 @@ class Program:
     def _tensors(self, env: list[Value]) -> list[bool]:
         """Per slot of a call's operands and constants, whether it is a tensor
         or an array (`one_float_dtype`'s ``tensors``): the call's layers and
-        weights, and data that is no number (a NumPy float or a Python one)."""
+        weights, and data that is no number (a NumPy float or a Python one).
+        A step's follows (`_OPERATORS`)."""
         nodes = self.nodes
         return [(r < len(nodes) and nodes[r]) or not _number(v) for r, v in enumerate(env)]
 
@@ -277,8 +278,7 @@ class Program:
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
             given = [kinds[r] for r in step.refs]
-            # (a step of numbers only: a number in each member; of a tensor or an array: not)
-            kind = False if False in given else None if None in given else True
+            kind = False if False in given or step.op.name not in _OPERATORS else None if None in given else True
             if check:  # (before the numbers: a Python float computes in the dtype the rule leaves)
                 fixed = self._member_rule(step, values, flags, given)
                 if fixed is None:
@@ -294,7 +294,7 @@ class Program:
                 if type(found) is Numbers:  # numbers only: numbers still (no delta to any)
                     env.append(found)
                     stacked.append(True)
-                    kinds.append(True)
+                    kinds.append(kind)
                     vjps.append(())
                     continue
                 values = found
@@ -452,6 +452,11 @@ class Program:
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
+
+# The primitives of Python's operators (``1.0 - beta``): on numbers only, a step of one is a
+# number, as NumPy's or Python's arithmetic gives unmarked; any other step is a tensor, the
+# value of a layer that an ml function builds (``ml.exp(beta)``), and so is one of a tensor.
+_OPERATORS: Final = frozenset({"add", "subtract", "multiply", "divide", "power", "negative"})
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -100,3 +100,26 @@ def test_a_numpy_float_beside_a_scalar_layer_inside_a_cell_takes_the_layers_dtyp
             (grad,) = anyio.run(ml.gradients, ml.sum(parts), [w])
         assert got.dtype == np.float32 and grad.dtype == np.float32, cell
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_an_ml_function_of_a_number_is_a_tensor_inside_a_cell_as_outside(batching: bool) -> None:
+    # Unmarked, 1.0 - beta is NumPy's arithmetic, a number (float32 beside a float32 scalar layer), but
+    # ml.exp(beta) is a layer of float64, which promotes one of float32 as NumPy does: the cell's steps too.
+    w = ml.Weight(np.ones(H, np.float32))
+    betas = np.linspace(0.1, 1.0, 5)
+
+    def annealed(beta: ml.ScalarOperand) -> ml.ScalarLayer:
+        return (1.0 - beta) * ml.sum(w)
+
+    def exponential(beta: ml.ScalarOperand) -> ml.ScalarLayer:
+        return ml.exp(-beta) * ml.sum(w)
+
+    for f, dtype in [(annealed, np.float32), (exponential, np.float64)]:
+        values = []
+        for cell in (f, ml.operation(f)):
+            with ml.settings(batching=batching):
+                values.append(anyio.run(ml.stack([cell(b) for b in betas]).predict))
+        plain, traced = values
+        assert plain.dtype == traced.dtype == dtype, f
+        np.testing.assert_array_equal(plain, traced)
