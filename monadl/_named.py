@@ -90,89 +90,181 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     >>> list(named_weights({"head": functools.partial(scaled, scale), "tail": lambda x: scale * x}))
     ['head.0']
     """
-    return _walk_model(model)[0]
+    return _walk_model(model).found
 
 
-def named_weights_and_aliases(model: object) -> tuple[dict[str, Weight[Any, Any]], dict[str, str]]:
+def named_weights_and_aliases(model: object) -> tuple[dict[str, Weight[Any, Any]], dict[str, str], int]:
     """`named_weights`, and every other path by which ``model`` reaches a
     named weight (its aliases: a tied embedding's ``proj`` for ``embed``, or
     each weight of a block held in two places), each mapped to the weight's
     name, so that a checkpoint loads into a model that reaches the weight by
-    another of its paths first, or by two weights of its own (untied).
+    another of its paths first, or by two weights of its own (untied); and
+    how many such paths were left out (0: none).
 
-    A path that runs round a cycle is none; past 10,000 aliases (a chain of
-    blocks each shared twice has exponentially many paths) no more are made.
+    The paths are the walk's own, key by key (a dict key with a dot in it
+    is one key: ``{"a.b": ...}`` is not under ``"a"``), in the order the
+    walk meets them. A path that runs round a cycle is none. The shortest
+    are made first, and no more past 100,000 aliases or 1,000,000
+    characters of them (a chain of blocks each shared twice has
+    exponentially many paths, and blocks that each point at the one before
+    quadratically many, ever longer): the paths left out are counted. A
+    model that reaches no object twice has none, for no work.
 
     >>> import numpy as np, monadl as ml
     >>> embedding = ml.Weight(np.ones((5, 3)))
     >>> block = {"w": ml.Weight(np.ones(3))}
-    >>> names, aliases = named_weights_and_aliases({"embed": embedding, "proj": embedding, "a": block, "b": block})
-    >>> list(names), aliases
-    (['embed', 'a.w'], {'proj': 'embed', 'b.w': 'a.w'})
+    >>> names, aliases, left_out = named_weights_and_aliases({"embed": embedding, "proj": embedding, "a": block, "b": block})
+    >>> list(names), aliases, left_out
+    (['embed', 'a.w'], {'proj': 'embed', 'b.w': 'a.w'}, 0)
     """
-    found, revisits = _walk_model(model)
-    return found, _aliases(found, revisits)
+    walk = _walk_model(model)
+    return walk.found, *_aliases(walk)
 
 
-_MOST_ALIASES: Final = 10_000
+_MOST_ALIASES: Final = 100_000
+_MOST_ALIAS_TEXT: Final = 1_000_000
+"""Characters of aliases and the names they stand for: a checkpoint's header grows by about this much at most."""
 
 
-def _walk_model(model: object) -> tuple[dict[str, Weight[Any, Any]], list[tuple[str, str]]]:
-    found: dict[str, Weight[Any, Any]] = {}
-    seen: dict[int, str] = {}
-    revisits: list[tuple[str, str]] = []
-    held_by_code: list[tuple[str, object]] = []
-    _walk([("", model)], found, seen, revisits, held_by_code)  # what data holds: its names as before code was walked
-    _walk(sorted(held_by_code, key=_private), found, seen, revisits, None)  # then what code holds, public first
-    return found, revisits
+@dataclasses.dataclass(slots=True)
+class _Walk:
+    """What a walk met: the weights by name, each object's first path
+    (``seen``), each object met first under a container as its key and its
+    position among the container's children (``tree``: its parent's id, the
+    key, the position), and each object met again where it does not close a
+    cycle (``again``: the container's id, the key, the position, the
+    object's id)."""
+
+    found: dict[str, Weight[Any, Any]] = dataclasses.field(default_factory=dict)
+    seen: dict[int, str] = dataclasses.field(default_factory=dict)
+    tree: dict[int, tuple[int | None, str, int]] = dataclasses.field(default_factory=dict)
+    again: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
 
 
-def _aliases(found: dict[str, Weight[Any, Any]], revisits: list[tuple[str, str]]) -> dict[str, str]:
-    """The paths that ``revisits`` (a path, and the first path of the same
-    weight or container) open to named weights: a path under a revisited
-    container's first path, with that prefix replaced by the revisit's."""
-    again: dict[str, list[str]] = {}
-    for path, first in revisits:
-        if path != first and not path.startswith(first + ".") and first:  # (under its own first path: a cycle)
-            again.setdefault(first, []).append(path)
-    target = {name: name for name in found}
-    aliases: dict[str, str] = {}
-    todo = list(found)[::-1]
-    while todo and len(aliases) < _MOST_ALIASES:
-        path = todo.pop()
-        parts = path.split(".")
-        for cut in range(1, len(parts) + 1):
-            first = ".".join(parts[:cut])
-            for other in again.get(first, ()):
-                alias = other + path[len(first) :]
-                if alias not in target and len(aliases) < _MOST_ALIASES:
-                    target[alias] = aliases[alias] = target[path]
-                    todo.append(alias)
-    return aliases
+_Entry = tuple[str, object, "int | None", str, int]  # (name, object, parent's id, key, position)
 
 
-def _walk(
-    start: list[tuple[str, object]],
-    found: dict[str, Weight[Any, Any]],
-    seen: dict[int, str],
-    revisits: list[tuple[str, str]],
-    defer: list[tuple[str, object]] | None,
-) -> None:
+def _walk_model(model: object) -> _Walk:
+    walk = _Walk()
+    held_by_code: list[_Entry] = []
+    _walk([("", model, None, "", 0)], walk, held_by_code)  # what data holds: its names as before code was walked
+    _walk(sorted(held_by_code, key=_private), walk, None)  # then what code holds, public first
+    return walk
+
+
+_Path = tuple[
+    "_Path | None", str, int, int, bool
+]  # (the path it extends, key, position, object's id, all first visits)
+
+
+def _aliases(walk: _Walk) -> tuple[dict[str, str], int]:
+    """The paths other than its name by which the walk reaches each named
+    weight, shortest first (breadth first, over the objects' first visits
+    and their visits again), and how many are left out past the limits."""
+    if not walk.again:
+        return {}, 0
+    children: dict[int, list[tuple[str, int, int, bool]]] = {}
+    root = None
+    for child, (parent, key, position) in walk.tree.items():
+        if parent is None:
+            root = child
+        else:
+            children.setdefault(parent, []).append((key, position, child, True))
+    for parent, key, position, child in walk.again:
+        children.setdefault(parent, []).append((key, position, child, False))
+    names = {id(weight): name for name, weight in walk.found.items()}
+    taken = set(walk.found)
+    made: list[tuple[tuple[int, ...], str, str]] = []
+    text = explored = spelt_alike = 0
+    if root is None:
+        return {}, 0
+    level: list[_Path] = [(None, "", 0, root, True)]
+    full = False
+    while level and not full:
+        following: list[_Path] = []
+        for entry in level:
+            for key, position, child, first in children.get(entry[3], ()):
+                path: _Path = (entry, key, position, child, entry[4] and first)
+                if not path[4]:
+                    explored += 1
+                    if explored > 2 * _MOST_ALIASES:
+                        full = True
+                        break
+                    name = names.get(child)
+                    if name is not None:
+                        keys, positions = _spell(path)
+                        alias = ".".join(keys)
+                        if alias in taken:  # (a name, or a shorter path, spelt the same: the name keeps it)
+                            spelt_alike += 1
+                            continue
+                        text += len(alias) + len(name)
+                        if len(made) == _MOST_ALIASES or text > _MOST_ALIAS_TEXT:
+                            full = True
+                            break
+                        taken.add(alias)
+                        made.append((positions, alias, name))
+                if child in children:
+                    following.append(path)
+            if full:
+                break
+        level = following
+    made.sort()
+    aliases = {alias: name for _, alias, name in made}
+    if not full:
+        return aliases, 0
+    return aliases, max(_count_paths(root, children, names) - len(aliases) - spelt_alike, 1)
+
+
+def _spell(path: _Path) -> tuple[list[str], tuple[int, ...]]:
+    keys, positions = [], []
+    at: _Path | None = path
+    while at is not None and at[0] is not None:
+        keys.append(at[1])
+        positions.append(at[2])
+        at = at[0]
+    return keys[::-1], tuple(positions[::-1])
+
+
+def _count_paths(root: int, children: dict[int, list[tuple[str, int, int, bool]]], names: dict[int, str]) -> int:
+    """How many paths other than its name reach each named weight, all
+    together: counted, not made (in topological order; what only a cycle
+    through code reaches, which the walk cannot tell from data, is not
+    counted)."""
+    incoming: dict[int, int] = {}
+    for edges in children.values():
+        for _, _, child, _ in edges:
+            incoming[child] = incoming.get(child, 0) + 1
+    ways = {root: 1}
+    ready = [root]
+    while ready:
+        node = ready.pop()
+        for _, _, child, _ in children.get(node, ()):
+            ways[child] = ways.get(child, 0) + ways[node]
+            incoming[child] -= 1
+            if not incoming[child]:
+                ready.append(child)
+    return sum(ways.get(weight, 1) - 1 for weight in names)
+
+
+def _walk(start: list[_Entry], walk: _Walk, defer: list[_Entry] | None) -> None:
     """Name the weights below ``start``, depth first; code met is put in
     ``defer``, or (None) walked too: a bound method as its object and an
     operation as its function, each named once where first met. A weight or
-    a container met again goes to ``revisits``, with the path it was met at
-    first (`seen`)."""
+    a container met again is recorded in ``walk.again``, unless it is one
+    the path it is met at runs through (a cycle)."""
+    found, seen, tree = walk.found, walk.seen, walk.tree
     stack = start[::-1]
     while stack:
-        name, node = stack.pop()
+        name, node, parent, key, position = stack.pop()
         while defer is None and type(node) in (types.MethodType, Operation):
             node = node.__self__ if type(node) is types.MethodType else node.__wrapped__  # type: ignore[attr-defined]
         if id(node) in seen:
-            revisits.append((name, seen[id(node)]))
+            if parent is not None and not _above(id(node), parent, tree):
+                walk.again.append((parent, key, position, id(node)))
             continue
         if isinstance(node, Weight):
             seen[id(node)] = name
+            tree[id(node)] = (parent, key, position)
             if name in found:  # (the checkpoint would keep one of them, and load it into one)
                 raise CheckpointError(
                     f"two weights have the name {name!r} (a key with a dot, or 0 and '0'): rename a key, so that "
@@ -181,7 +273,7 @@ def _walk(
             found[name] = node
             continue
         if defer is not None and isinstance(node, _CODE):
-            defer.append((name, node))
+            defer.append((name, node, parent, key, position))
             continue
         if defer is None and _large(node):
             continue  # (a data set a loss closes over: seconds to walk, and no weights)
@@ -189,7 +281,23 @@ def _walk(
         if children is None:
             continue
         seen[id(node)] = name  # cycles (a child pointing back at its parent) end here
-        stack.extend(reversed([(f"{name}.{key}" if name else str(key), child) for key, child in children]))
+        tree[id(node)] = (parent, key, position)
+        here = id(node)
+        entries = []
+        for i, (k, child) in enumerate(children):
+            text = str(k)
+            entries.append((f"{name}.{text}" if name else text, child, here, text, i))
+        stack.extend(reversed(entries))
+
+
+def _above(node: int, under: int, tree: dict[int, tuple[int | None, str, int]]) -> bool:
+    """Whether ``node`` is ``under`` or a container above it (a path from it back to it: a cycle)."""
+    at: int | None = under
+    while at is not None:
+        if at == node:
+            return True
+        at = tree[at][0]
+    return False
 
 
 def _large(node: object) -> bool:
@@ -199,7 +307,7 @@ def _large(node: object) -> bool:
     return isinstance(node, (list, tuple, Mapping, MutableSequence, ValuesView)) and len(node) > _LARGEST_HELD_BY_CODE
 
 
-def _private(entry: tuple[str, object]) -> bool:
+def _private(entry: _Entry) -> bool:
     return any(part.startswith("_") for part in entry[0].split("."))
 
 

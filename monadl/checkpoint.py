@@ -121,7 +121,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"takes the object first), got {type(path).__name__} as the path"
         )
     _not_a_directory(path)
-    named, aliases = named_weights_and_aliases(model)
+    named, aliases, left_out = named_weights_and_aliases(model)
     weights = _stable(named)
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
         raise CheckpointError(_no_weights(model))
@@ -147,6 +147,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         "version": VERSION,
         "weights": entries,
         "aliases": {alias: name for alias, name in aliases.items() if not _ADDRESS.search(alias)},
+        "aliases_left_out": left_out,
         "metadata": dict(metadata or {}),
         "digests": {key: digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
     }
@@ -156,6 +157,13 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
     header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: text_digest(text)}  # (a damaged step count is refused)
     write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, header))
+    if left_out:
+        warnings.warn(
+            f"{os.fspath(path)}: {left_out} other paths of shared weights were not recorded (past "
+            f"{len(aliases)} aliases, the shortest kept): a model that unties those weights (a block shared "
+            "by many layers, held by a copy of its own in each) may find them missing when it loads this file",
+            stacklevel=2,
+        )
 
 
 _ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]{6,}")  # (a default repr's " at 0x7f3a...>", or another repr's address)
@@ -267,7 +275,7 @@ def load(
             f"{os.fspath(path)} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
             "nothing was loaded"
         )
-    weights, aliases = named_weights_and_aliases(model)
+    weights, aliases, _ = named_weights_and_aliases(model)
     if not weights:
         raise CheckpointError(_no_weights(model, "load", "nothing would load"))
     saved = {entry["name"]: entry for entry in manifest["weights"]}
@@ -276,8 +284,19 @@ def load(
         raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
     problems = []
     missing, extra = found.missing, found.extra
+    left_out = manifest.get("aliases_left_out", 0)
+    cut = (
+        f" (the checkpoint left {left_out} other paths of its shared weights unrecorded, past the aliases it "
+        "records: a weight the saved model shared may be one of these)"
+        if left_out
+        else ""
+    )
     unmatched = [
-        *([f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}"] if missing else []),
+        *(
+            [f"weights of the model missing from the checkpoint: {', '.join(map(repr, missing))}{cut}"]
+            if missing
+            else []
+        ),
         *([f"weights in the checkpoint that the model does not have: {', '.join(map(repr, extra))}"] if extra else []),
     ]
     apart = found.held_apart(strict)

@@ -49,7 +49,7 @@ def test_every_other_path_of_a_shared_weight_or_block_is_an_alias() -> None:
     model.a = {"e": embedding, "f": embedding, "sub": {"x": embedding}}
     model.b = model.a  # a block held twice: each of its paths again
     model.c = [model.a["sub"]]
-    names, aliases = named_weights_and_aliases(model)
+    names, aliases, _ = named_weights_and_aliases(model)
     assert list(names) == ["a.e"]
     assert sorted(aliases) == ["a.f", "a.sub.x", "b.e", "b.f", "b.sub.x", "c.0.x"]
     assert set(aliases.values()) == {"a.e"}
@@ -218,3 +218,105 @@ def test_a_load_into_an_object_without_weights_says_so(tmp_path: Path) -> None:
     ml.save(path, {"w": ml.Weight(np.ones(2))})
     with pytest.raises(ml.CheckpointError, match=r"^load\(path, model\): the model, a dict, holds no Weight, so no"):
         ml.load(path, {"w": np.zeros(2)}, strict=False)
+
+
+def test_a_key_with_a_dot_is_one_key_and_makes_no_alias(tmp_path: Path) -> None:
+    """The reviewer's model: 'a.b' is a key of its own, not 'b' under the block
+    at 'a', so the block's other path 'z' gives 'z.q' and no 'z.b.w' (which
+    loaded W2 into another model's own 'z.b.w' under strict=True)."""
+    block = {"q": ml.Weight(np.full(2, 1.0))}
+    model = {"a": block, "z": block, "a.b": {"w": ml.Weight(np.full(2, 2.0))}}
+    names, aliases, left_out = named_weights_and_aliases(model)
+    assert (list(names), aliases, left_out) == (["a.q", "a.b.w"], {"z.q": "a.q"}, 0)
+    ml.save(tmp_path / "m.safetensors", model)
+    assert manifest(tmp_path / "m.safetensors")["aliases"] == {"z.q": "a.q"}
+    own = ml.Weight(np.full(2, -7.0))
+    untied = {
+        "a": {"q": ml.Weight(np.zeros(2))},
+        "z": {"q": ml.Weight(np.zeros(2)), "b": {"w": own}},
+        "a.b": {"w": ml.Weight(np.zeros(2))},
+    }
+    with pytest.raises(ml.CheckpointError, match=r"missing from the checkpoint: 'z\.b\.w'\n"):
+        ml.load(tmp_path / "m.safetensors", untied)
+    assert own.data.tolist() == [-7.0, -7.0]
+
+
+def test_a_model_that_reaches_nothing_twice_spends_nothing_on_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain 2,000 dicts deep: every dotted prefix of every name was built
+    (2 s a save at 1,000 deep); with one weight tied across it, the parts
+    spelt are those of the one alias made."""
+    import monadl._named as named
+
+    spelt: list[int] = []
+    spell = named._spell
+
+    def counted(path: Any) -> tuple[list[str], tuple[int, ...]]:
+        spelt.append(len(spell(path)[0]))
+        return spell(path)
+
+    monkeypatch.setattr(named, "_spell", counted)
+    root: dict[str, Any] = {}
+    node = root
+    for _ in range(2000):
+        node["w"] = ml.Weight(np.zeros(1))
+        node["next"] = node = {}
+    assert named_weights_and_aliases(root)[1:] == ({}, 0)
+    assert spelt == []
+    node["tied"] = root["w"]
+    _, aliases, _ = named_weights_and_aliases(root)
+    assert aliases == {"next." * 2000 + "tied": "w"}
+    assert spelt == [2001]
+
+
+def test_back_pointers_keep_the_shortest_aliases_within_a_bounded_header(tmp_path: Path) -> None:
+    """1,000 blocks each holding the one before: half a million paths, up to
+    1,000 '.prev' long, made a 25 MB header and 12 s a save; the shortest are
+    kept, the header stays near a megabyte, and the save says what it left out."""
+
+    class Block:
+        def __init__(self, prev: Block | None) -> None:
+            self.w = ml.Weight(np.zeros(2))
+            self.prev = prev
+
+    blocks: list[Block] = []
+    for _ in range(1000):
+        blocks.append(Block(blocks[-1] if blocks else None))
+    _, aliases, left_out = named_weights_and_aliases({"blocks": blocks})
+    assert len(aliases) + left_out == 1000 * 999 // 2
+    assert "blocks.999.prev.w" in aliases and "blocks.5.prev.prev.prev.prev.prev.w" in aliases
+    assert len(aliases) < 20_000 and max(map(len, aliases)) < 100
+    with pytest.warns(UserWarning, match=rf"{left_out} other paths of shared weights were not recorded"):
+        ml.save(tmp_path / "p.safetensors", {"blocks": blocks})
+    assert (tmp_path / "p.safetensors").stat().st_size < 1_600_000
+    assert manifest(tmp_path / "p.safetensors")["aliases_left_out"] == left_out
+
+
+def test_aliases_left_out_are_said_at_save_and_at_a_load_that_misses_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ALBERT-like block shared by 3 layers, past a limit of 5 aliases:
+    the 3 paths past it are named at save, and a model that unties the
+    layers is told why its last weights are missing."""
+    import monadl._named as named
+
+    monkeypatch.setattr(named, "_MOST_ALIASES", 5)
+    shared = {f"p{i}": ml.Weight(np.full(2, float(i))) for i in range(4)}
+    with pytest.warns(UserWarning, match=r"3 other paths of shared weights were not recorded \(past 5 aliases"):
+        ml.save(tmp_path / "a.safetensors", {"layers": [{"shared": shared} for _ in range(3)]})
+    untied = {"layers": [{"shared": {f"p{i}": ml.Weight(np.zeros(2)) for i in range(4)}} for _ in range(3)]}
+    with pytest.raises(ml.CheckpointError) as refused:
+        ml.load(tmp_path / "a.safetensors", untied)
+    assert (
+        "missing from the checkpoint: 'layers.2.shared.p1', 'layers.2.shared.p2', 'layers.2.shared.p3' (the "
+        "checkpoint left 3 other paths of its shared weights unrecorded" in str(refused.value)
+    )
+
+
+def test_a_tied_weight_held_apart_loads_its_first_path_in_walk_order(tmp_path: Path) -> None:
+    """'c' is met before the block's second path 'b.w' (the alias made first)."""
+    ml.save(tmp_path / "f.safetensors", {"c": ml.Weight(np.full(2, 3.0)), "b": {"w": ml.Weight(np.full(2, 2.0))}})
+    tied_weight = ml.Weight(np.zeros(2))
+    block = {"w": tied_weight}
+    with pytest.warns(UserWarning, match="loaded 'c', passed over 'b.w'"):
+        ml.load(tmp_path / "f.safetensors", {"a": block, "c": tied_weight, "b": block}, strict=False)
+    assert tied_weight.data.tolist() == [3.0, 3.0]
