@@ -208,27 +208,73 @@ async def test_examples_failing_together_raise_the_first_with_a_note_of_the_othe
         return ml.sum(w * value)
 
     here = f"{__file__}:{_line_of('# RAISED')}"
-    for failing, note in [
+    built = f"{__file__}:{_line_of('# BUILT')}"
+    for failing, others in [
         ((5,), None),
         (
             (2, 6),
-            f"monadl: 1 other example evaluated with this one failed too: ValueError: example 6 failed (at {here})",
+            f"monadl: 1 other example evaluated with this one failed too: ValueError: example 6 failed (at {here}), "
+            "in example 6",
         ),
         (
             (2, 3, 4, 6, 7),
             "monadl: 4 other examples evaluated with this one failed too, the first 3: "
-            + "; ".join(f"ValueError: example {k} failed (at {here})" for k in (3, 4, 6)),
+            + "; ".join(f"ValueError: example {k} failed (at {here}), in example {k}" for k in (3, 4, 6)),
         ),
     ]:
         with pytest.raises(ValueError) as raised:
-            await ml.sum(ml.stack([example(k, failing) for k in range(8)])).train()
+            await ml.sum(ml.stack([example(k, failing) for k in range(8)])).train()  # BUILT
         assert str(raised.value) == f"example {failing[0]} failed\nits second line"  # the first in written order
-        assert getattr(raised.value, "__notes__", [None]) == [note]
+        which = f"monadl: raised in example {failing[0]} (from 0, in the order built) of 8 evaluated together, built at {built}"
+        assert getattr(raised.value, "__notes__", None) == [which] + ([others] if others else [])
         last = raised.tb
         while last.tb_next is not None:
             last = last.tb_next
         assert f"{last.tb_frame.f_code.co_filename}:{last.tb_lineno}" == here  # its own traceback
         np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
+
+
+async def test_an_examples_error_says_which_example_raised_it() -> None:
+    """Examples evaluated together run one function built at one line: a new
+    user's 32 decoders, one raising, could not tell which from the traceback.
+    A direct-style step's error (stepped beside others, or alone as the last
+    one running) and a bind's say which example, by its place in the order
+    the examples were built; an example alone gets no note."""
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def example(k: int, steps: int) -> ml.ScalarLayer:
+        x = ml.sum(w * float(k))
+        for step in range(steps):
+            await ml.values(x)
+            if k == 5 and step == steps - 1:
+                raise LookupError(f"example {k}")
+        return x
+
+    def bound(k: int) -> ml.ScalarLayer:
+        def decide(tape: ml.Tape[Any, Any]) -> ml.Do[ml.Tape[Any, Any]]:
+            if k == 2:
+                raise LookupError("bound 2")
+            return ml.sum(w).forward()
+
+        return ml.Layer(ml.sum(w * float(k)).forward().bind(decide))  # BOUND
+
+    built = f"{__file__}:{_line_of('# EXAMPLES')}"
+    for lengths in ([1] * 8, [1] * 5 + [6] + [1] * 2):  # (the second: example 5 raises after the others are done)
+        with pytest.raises(LookupError) as raised:
+            await ml.stack([example(k, n) for k, n in enumerate(lengths)]).predict()  # EXAMPLES
+        assert raised.value.__notes__ == [
+            f"monadl: raised in example 5 (from 0, in the order built) of 8 evaluated together, built at {built}"
+        ]
+    built = f"{__file__}:{_line_of('# BOUND')}"
+    with pytest.raises(LookupError) as raised:
+        await ml.stack([bound(k) for k in range(4)]).predict()
+    assert raised.value.__notes__ == [
+        f"monadl: raised in example 2 (from 0, in the order built) of 4 evaluated together, built at {built}"
+    ]
+    with pytest.raises(LookupError) as raised:
+        await example(5, 1).predict()
+    assert not hasattr(raised.value, "__notes__")
 
 
 def _line_of(marker: str) -> int:

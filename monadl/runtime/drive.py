@@ -274,16 +274,19 @@ def _note_others(failure: BaseException, done: MemoryObjectReceiveStream[Any]) -
     the interpreter meets the first). A new user's two failing examples of
     32 said nothing of the second. Those still running are cancelled, and
     unknown."""
-    others: list[BaseException] = []
+    others: list[tuple[BaseException, str | None]] = []
     while True:
         try:
-            _, ok, result = done.receive_nowait()
+            fiber, ok, result = done.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
             break
         if ok is False and result is not failure:
-            others.append(result)
+            others.append((result, fiber.example()))
     if others:
-        shown = "; ".join(_first_line(error) for error in others[:SHOWN_OTHERS])
+        shown = "; ".join(
+            _first_line(error) + ("" if example is None else f", in {example.split(' (')[0]}")
+            for error, example in others[:SHOWN_OTHERS]
+        )
         more = f", the first {SHOWN_OTHERS}" if len(others) > SHOWN_OTHERS else ""
         failure.add_note(
             f"monadl: {len(others)} other example{'s' if len(others) > 1 else ''} evaluated with this one "

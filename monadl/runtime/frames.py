@@ -62,6 +62,20 @@ class Fiber:
             return known
         return place
 
+    def example(self) -> str | None:
+        """Which of the examples evaluated together this fiber runs, for an
+        error's note: the layer built from a ``Do`` (an ``@ml.direct`` call)
+        it evaluates, and its place among its siblings in the order they
+        were built (``ml.stack([model(x) for x in batch])``: the batch's
+        order); None for the root, or a branch of another kind."""
+        join = self.join
+        if join is None or not self.stack or type(self.stack[0]) is not FromDo:
+            return None
+        from monadl.layers._site import site_text
+
+        site = site_text(self.stack[0].node._site)
+        return f"example {self.slot} (from 0, in the order built) of {len(join.values)} evaluated together, built at {site}"
+
     def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:
         self.stack = stack
         self.cur = cur

@@ -215,6 +215,9 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     while True:
                         try:
                             done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
+                        except Exception as exc:  # (the last example of a batch steps here too)
+                            _name_example(exc, fiber)
+                            raise
                         finally:  # (raised again, its traceback holds this frame: held here, a cycle)
                             failure = None
                         if done or type(got) is AwaitLayers:
@@ -252,11 +255,19 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 val, tok = rec.tape(), rec
                 continue
             elif t is F.Map:
-                val = frame.function(val)
+                try:
+                    val = frame.function(val)
+                except Exception as exc:
+                    _name_example(exc, fiber)
+                    raise
                 continue
             elif t is F.Bind:
                 stack.append(F.BindDone(tok))
-                cur = frame.function(val)
+                try:
+                    cur = frame.function(val)
+                except Exception as exc:
+                    _name_example(exc, fiber)
+                    raise
                 if not isinstance(cur, Do):
                     hint = " (return layer.forward(): the layer's Do)" if isinstance(cur, Expr) else ""
                     raise TypeError(
@@ -324,6 +335,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 continue
             if not ok:  # (its failure: this frame, which the traceback holds, keeps no hold on it)
                 failure, result, completion = result, None, None
+                _name_example(failure, fiber)
                 try:
                     raise failure
                 finally:
@@ -335,6 +347,15 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             runnable.append(fiber)
         fiber = runnable.popleft()
         stack, cur, val, tok, descending = fiber.stack, fiber.cur, fiber.val, fiber.tok, fiber.descending
+
+
+def _name_example(error: BaseException, fiber: F.Fiber) -> None:
+    """Note on a user's error from a direct-style step which example raised
+    it: a batch's examples run one function at one line, so its traceback
+    alone could not tell them apart (a new user's 32 decoders)."""
+    example = fiber.example()
+    if example is not None and isinstance(error, Exception):
+        error.add_note(f"monadl: raised in {example}")
 
 
 def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
