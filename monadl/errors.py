@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "DTypeError",
     "DeviceError",
+    "IndexRangeError",
     "MonadlError",
     "NonFiniteError",
     "OperandError",
@@ -17,8 +18,9 @@ class MonadlError(Exception):
     """Base class of monadl's own errors.
 
     Each also derives from the built-in error a NumPy user would catch
-    (`ValueError` for shapes, `TypeError` for dtypes and operands), so
-    ``except ValueError`` keeps working.
+    (`ValueError` for shapes, `IndexError` too for an index out of range,
+    `TypeError` for dtypes and operands), so ``except ValueError`` keeps
+    working.
 
     >>> issubclass(ShapeError, ValueError) and issubclass(DTypeError, TypeError)
     True
@@ -38,6 +40,28 @@ class ShapeError(MonadlError, ValueError):
     ... except ml.ShapeError as error:
     ...     print(str(error).split(" (")[0])
     add: operands float64[2], float64[3] do not fit together
+    """
+
+
+class IndexRangeError(ShapeError, IndexError):
+    """An index outside the rows it looks up: an embedding's index, a
+    segment id, a class label.
+
+    The shapes fit; a value does not. It is an `IndexError`, as NumPy and
+    PyTorch raise for one, and a `ShapeError` (which monadl raised for it
+    before), so ``except ml.ShapeError`` still catches it. The message names
+    the value, its place in the indices when they hold several, the range,
+    and the line that built the lookup (inside an operation: the step's
+    line, the operation's name and the line that called it). It is raised
+    when the layer runs.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> table = ml.Weight(np.zeros((20, 8)))
+    >>> try:
+    ...     anyio.run(ml.embedding(table, np.array([3, 25])).predict)
+    ... except ml.IndexRangeError as error:
+    ...     print(str(error).split(";")[0])
+    embedding: index 25 at indices[1] out of range for a table of 20 rows (indices must lie in [0, 20))
     """
 
 

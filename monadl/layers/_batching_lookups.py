@@ -100,7 +100,9 @@ def batch_embedding(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) ->
     xp = namespace(table)
     indices = indices if batched[1] else namespace(indices).broadcast_to(indices, (n, *indices.shape))
     rows, shape = table.shape[1], table.shape
-    flat = _offset_rows(xp, _checked_indices(xp, indices, rows, "indices", "rows", table), rows, n, table)
+    flat = _offset_rows(
+        xp, _checked_indices(xp, indices, rows, "indices", "index", "a table of {} rows", table), rows, n, table
+    )
     out, (vjp,) = PRIMITIVES["embedding"].rule(xp.reshape(table, (n * rows, *shape[2:])), flat)
     whole = out.shape
     return xp.reshape(out, (*indices.shape, *shape[2:])), (
@@ -122,7 +124,9 @@ def batch_segment_sum(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) 
         return None  # members one by one: each node's error names its line
     rows, rest = data.shape[1], data.shape[2:]
     # Checked per member first (an id past its member's segments would land in the next member's).
-    flat = _offset_rows(xp, _checked_indices(xp, ids, segments, "segment_ids", "segments", data), segments, n, data)
+    flat = _offset_rows(
+        xp, _checked_indices(xp, ids, segments, "segment_ids", "segment id", "{} segments", data), segments, n, data
+    )
     out, (vjp,) = PRIMITIVES["segment_sum"].rule(xp.reshape(data, (n * rows, *rest)), flat, n * segments)
     return xp.reshape(out, (n, segments, *rest)), (
         lambda g: xp.reshape(vjp(xp.reshape(g, (n * segments, *rest))), (n, rows, *rest)),

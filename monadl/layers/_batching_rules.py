@@ -216,7 +216,7 @@ def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> 
     xp = namespace(logits)
     _, rows, classes = logits.shape
     # The members' labels checked as one (each member's rule checks its own), on the host if they are there.
-    labels = xp.reshape(_checked_indices(xp, labels, classes, "labels", "classes", logits), labels.shape)
+    labels = xp.reshape(_checked_indices(xp, labels, classes, "labels", "label", "{} classes", logits), labels.shape)
     log_p, _ = PRIMITIVES["log_softmax"].rule(logits, -1)
     picked = xp.take_along_axis(log_p, labels[:, :, None], axis=-1)[..., 0]
     out = -xp.sum(picked, axis=-1) / rows

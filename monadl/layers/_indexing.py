@@ -9,7 +9,8 @@ weight's step touches only those. ``segment_sum`` is a lookup turned around:
 its value a scatter of rows into zeros, its delta the gather of the rows
 back. Their indices are checked to lie in range by `_checked_indices`, which
 ``cross_entropy`` and the batching rules use for labels too: a negative one
-is refused, not counted from the end.
+is refused, not counted from the end, and one out of range raises
+`IndexRangeError` (the shapes fit: a value does not).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add
+from monadl.errors import IndexRangeError
 from monadl.layers._elementwise import _scalar
 
 Value = Any  # an ndarray or a NumPy scalar
@@ -78,7 +80,7 @@ def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:
         raise ValueError("the table must have at least one axis (its rows)")
     # As PyTorch's embedding: no wrapping, so equal rows have equal indices
     # (the sparse step sums a row's deltas by its index).
-    flat = _checked_indices(xp, indices, shape[0], "indices", "rows", table)
+    flat = _checked_indices(xp, indices, shape[0], "indices", "index", "a table of {} rows", table)
     rows = xp.reshape(xp.take(table, flat, axis=0), (*indices.shape, *shape[1:]))
     return rows, (
         lambda g: SparseRows(flat, xp.reshape(g, (flat.shape[0], *shape[1:])), shape),
@@ -94,12 +96,12 @@ def _segment_sum(data: Value, segment_ids: Value, num_segments: int) -> tuple[Va
             f"segment_ids must hold one id per row of the data, got {segment_ids.shape[0]} ids"
             f" for data of shape {tuple(data.shape)}"
         )
-    ids = _checked_indices(xp, segment_ids, num_segments, "segment_ids", "segments", data)
+    ids = _checked_indices(xp, segment_ids, num_segments, "segment_ids", "segment id", "{} segments", data)
     out = xp.zeros((num_segments, *data.shape[1:]), dtype=data.dtype, device=data.device)
     return scatter_add(xp, out, ids, data), (lambda g: xp.take(g, ids, axis=0),)
 
 
-def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: Value) -> Value:
+def _checked_indices(xp: Any, ints: Value, size: int, what: str, one: str, of: str, like: Value) -> Value:
     """``ints`` flat, in ``[0, size)`` (`_check_range`), in the library of ``like``.
 
     NumPy integers for a table on a device (a tree's symbols, a batch's
@@ -107,17 +109,19 @@ def _checked_indices(xp: Any, ints: Value, size: int, what: str, of: str, like: 
     then copied over (a few bytes, queued on the stream like a kernel)."""
     if xp is not np and type(ints) is np.ndarray:
         flat = np.reshape(ints, (-1,))
-        _check_range(np, flat, size, what, of)
+        _check_range(np, flat, size, ints.shape, what, one, of)
         return xp.asarray(flat, device=like.device)
     flat = xp.reshape(ints, (-1,))
-    _check_range(xp, flat, size, what, of)
+    _check_range(xp, flat, size, ints.shape, what, one, of)
     return flat
 
 
-def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:
-    """Refuse integers outside ``[0, size)`` (a ValueError, which the runtime
-    reports as a `ShapeError` with the user's line). On a GPU this waits for
-    the two reductions: a wrong answer would cost more."""
+def _check_range(xp: Any, ints: Value, size: int, shape: tuple[int, ...], what: str, one: str, of: str) -> None:
+    """Refuse integers outside ``[0, size)`` with `IndexRangeError` (``ints``:
+    ``what``, flat, of ``shape``; ``one``: what one of them is; ``of``: what
+    they index, ``{}`` standing for ``size``), which the runtime completes
+    with the operation and the user's line. On a GPU this waits for the two
+    reductions: a wrong answer would cost more."""
     if ints.shape[0] == 0:
         return
     if xp is np:
@@ -125,11 +129,18 @@ def _check_range(xp: Any, ints: Value, size: int, what: str, of: str) -> None:
     else:
         low, high = int(xp.min(ints)), int(xp.max(ints))
     if low < 0 or high >= size:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{what} must lie in [0, {size}) for {size} {of}, got {bad}"
-            + (f" (negative {what} are refused, not counted from the end)" if bad < 0 else "")
-        )
+        raise IndexRangeError(out_of_range(xp, ints, size, shape, what, one, of))
+
+
+def out_of_range(xp: Any, ints: Value, size: int, shape: tuple[int, ...], what: str, one: str, of: str) -> str:
+    """What `_check_range` says of ``ints``: the first integer out of range,
+    and where it sits in ``what`` when they are several (which word of a
+    sentence, which label of a batch)."""
+    first = int(xp.argmax((ints < 0) | (ints >= size)))
+    bad = int(ints[first])
+    at = f" at {what}[{', '.join(map(str, np.unravel_index(first, shape)))}]" if ints.shape[0] > 1 else ""
+    negative = f"; negative {what} are refused, not counted from the end" if bad < 0 else ""
+    return f"{one} {bad}{at} out of range for {of.format(size)} ({what} must lie in [0, {size}){negative})"
 
 
 def _first_array(values: list[Any]) -> Any:

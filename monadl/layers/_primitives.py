@@ -145,5 +145,11 @@ one node per weight (`monadl.layers._functions.weight_layer`)."""
 
 
 def shown(op: Primitive) -> str:
-    """The name a layer of ``op`` goes by in its repr and in `monadl.to_dot`: what the user called."""
-    return "as_layer" if op is AS_LAYER else op.name
+    """The name a layer of ``op`` goes by in its repr, in `monadl.to_dot` and
+    in errors: what the user called. An operation's primitive is named
+    ``f"{function}#{n}"`` (`monadl.layers._tracing.traced`), which keeps its
+    signature and the rule tables' lookups by name apart from another
+    function's of the same name, or a primitive's; the user sees the function's."""
+    if op is AS_LAYER:
+        return "as_layer"
+    return op.name.partition("#")[0]

@@ -19,7 +19,7 @@ import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.deltas import Outer, SparseRows, unbroadcast
-from monadl.errors import DTypeError, NonFiniteError
+from monadl.errors import DTypeError, IndexRangeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import backward_made, finite_delta, made
 from monadl.layers._operands import NUMBERS, Numbers, member_float_dtype, one_float_dtype, step_numbers
@@ -32,7 +32,7 @@ from monadl.layers._outputs import (
     batch_output,
     finite_value,
 )
-from monadl.layers._primitives import Primitive
+from monadl.layers._primitives import Primitive, shown
 from monadl.layers._products import OuterRule
 from monadl.layers._products import factored as products_factored
 from monadl.layers._program_sweep import Sweep
@@ -140,8 +140,11 @@ class Program:
                     out, rules = step.op.rule(*values, *step.parameters(env))
                 else:
                     out, rules = self._checked(step, values, step.parameters(env), called)
+            except IndexRangeError as exc:  # (its own error: the step's line, and the operation's)
+                exc.args = (self._out_of_range(step, exc.args[0]),)
+                raise
             except ValueError as exc:
-                raise ValueError(f"{step.op.name} at {_where(step)}: {exc}") from exc
+                raise ValueError(f"{shown(step.op)} at {_where(step)}: {exc}") from exc
             except NonFiniteError:
                 raise
             except DTypeError as exc:  # (a rule's own, `where`'s: the step's line, as `_operand_rule`'s say)
@@ -149,7 +152,7 @@ class Program:
                     exc.args = (f"{exc.args[0]}; layer built at {_where(step)}, inside the operation {self.name}",)
                 raise
             except Exception as exc:
-                exc.add_note(f"monadl: in {step.op.name} at {_where(step)}, inside the operation {self.name}")
+                exc.add_note(f"monadl: in {shown(step.op)} at {_where(step)}, inside the operation {self.name}")
                 raise
             env.append(out)
             vjps.append(rules)
@@ -166,8 +169,18 @@ class Program:
         rule = step.op.rule
         out, rules = rule(*values, *params, called=site) if type(rule) is Program else rule(*values, *params)
         if not finite_value(out):
-            raise NonFiniteError(made(step.op.name, values, site))
+            raise NonFiniteError(made(shown(step.op), values, site))
         return out, rules
+
+    def _out_of_range(self, step: Step, text: str) -> str:
+        """An `IndexRangeError`'s text from ``step``, completed with where it
+        is: a lookup's name and line (a nested operation's text has them,
+        and gets its call's line), inside this operation; the runtime adds
+        the line that called this one."""
+        inside = f"{_where(step)}, inside the operation {self.name}"
+        if type(step.op.rule) is Program:
+            return f"{text} called at {inside}"
+        return f"{shown(step.op)}: {text}; layer built at {inside}"
 
     def _site(self, step: Step, called: str) -> str:
         return f"{_where(step)}, inside the operation {self.name} called at {called}"
@@ -191,15 +204,15 @@ class Program:
         parts = arrays_of(values)
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
-            common_namespace(parts, f"{step.op.name} at {where}")
+            common_namespace(parts, f"{shown(step.op)} at {where}")
         start = step.op.floats_from()
         if start is None:
             return values, False
         if start:  # (`where`: its two sides, not its condition)
             sides = values[start:]
-            fixed = one_float_dtype(step.op.name, sides, where, tensors[start:])
+            fixed = one_float_dtype(shown(step.op), sides, where, tensors[start:])
             return (values, False) if fixed is sides else ((*values[:start], *fixed), True)
-        fixed = one_float_dtype(step.op.name, values, where, tensors)
+        fixed = one_float_dtype(shown(step.op), values, where, tensors)
         return fixed, fixed is not values
 
     def _numbers(
@@ -231,7 +244,7 @@ class Program:
         parts = tuple([p for p in arrays_of(values) if type(p) is not Numbers])  # (a group's Python numbers)
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
-            common_namespace(parts, f"{step.op.name} at {_where(step)}, inside the operation {self.name}")
+            common_namespace(parts, f"{shown(step.op)} at {_where(step)}, inside the operation {self.name}")
         start = step.op.floats_from()
         if start is None:
             return values
@@ -420,10 +433,10 @@ class Program:
                 except NonFiniteError:  # (a nested operation's step: named already)
                     raise
                 except Exception as exc:
-                    exc.add_note(f"monadl: in the backward of {step.op.name} at {_where(step)}")
+                    exc.add_note(f"monadl: in the backward of {shown(step.op)} at {_where(step)}")
                     raise
                 if called is not None and not finite_delta(share):
-                    raise NonFiniteError(backward_made(step.op.name, self._site(step, called)))
+                    raise NonFiniteError(backward_made(shown(step.op), self._site(step, called)))
                 deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
         for r, unwritten in assigned.items():  # (operands and constants that were sliced)
             self._fill(deltas, r, unwritten, stacked)

@@ -135,7 +135,7 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     n, classes = a.shape
     if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
         raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
-    labels = _checked_indices(xp, labels, classes, "labels", "classes", a)
+    labels = _checked_indices(xp, labels, classes, "labels", "label", "{} classes", a)
     if type(rows) is not type(labels):  # (host labels copied over: their host rows too)
         rows = xp.arange(n, device=a.device)
     log_p, _ = _log_softmax(a, -1)

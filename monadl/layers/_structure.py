@@ -48,8 +48,9 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
     Args:
         logits: scores of shape ``(batch, classes)``.
         labels: integers of shape ``(batch,)``, plain data, one per row, each
-            in ``[0, classes)``: anything else raises `monadl.ShapeError`
-            when the layer runs (a negative label is not counted from the end).
+            in ``[0, classes)``: one outside raises `monadl.IndexRangeError`
+            (a `monadl.ShapeError`) when the layer runs, naming it and its
+            place (a negative label is not counted from the end).
             NumPy labels for logits on a GPU are checked on the host and
             copied over, so the check does not wait for the device.
 
@@ -76,8 +77,10 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     the optimizer's per-row state of the other rows stays as it was.
 
     Indices must lie in ``[0, rows)``; others, negative ones included, raise
-    `monadl.ShapeError` when the layer runs (as PyTorch's ``embedding``; NumPy
-    would count a negative index from the end). For a table on a GPU the
+    `monadl.IndexRangeError` (a `monadl.ShapeError` and an `IndexError`)
+    when the layer runs (as PyTorch's ``embedding``; NumPy would count a
+    negative index from the end), naming the first one out of range and its
+    place in ``indices``. For a table on a GPU the
     indices may be NumPy integers (a tree's symbols: host data): they are
     checked on the host and copied over (device indices are checked on the
     device, which waits for it).
@@ -106,9 +109,10 @@ def segment_sum(data: ArrayOperand, segment_ids: Array | DeviceArray, num_segmen
     Args:
         data: ``(rows, ...)``: one row per item (a message per edge).
         segment_ids: integers of shape ``(rows,)``, plain data, in any order.
-            An id outside ``[0, num_segments)`` raises `monadl.ShapeError`
-            when the layer runs (a negative one is not counted from the end,
-            nor dropped as JAX drops it).
+            An id outside ``[0, num_segments)`` raises
+            `monadl.IndexRangeError` (a `monadl.ShapeError`) when the layer
+            runs, naming it and its place (a negative one is not counted
+            from the end, nor dropped as JAX drops it).
         num_segments: the number of rows of the result, an int ``>= 0``.
 
     Raises:

@@ -22,7 +22,7 @@ import numpy as np
 from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import NonFiniteError
 from monadl.layers._non_finite import backward_made, finite_delta
-from monadl.layers._primitives import WEIGHT_LAYER
+from monadl.layers._primitives import WEIGHT_LAYER, shown
 from monadl.layers._products import OuterRule
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import where
@@ -122,13 +122,13 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                         raise
                     except Exception as exc:
                         exc.add_note(
-                            f"monadl: in the backward of {rec.node._op.name}, layer built at {where(rec.node)}"
+                            f"monadl: in the backward of {shown(rec.node._op)}, layer built at {where(rec.node)}"
                         )
                         raise
                     if check_finite and type(g) is Outer:  # (an operation's weight delta, as factors)
                         g = g.dense()
                     if check_finite and not finite_delta(g):
-                        raise NonFiniteError(backward_made(rec.node._op.name, where(rec.node)))
+                        raise NonFiniteError(backward_made(shown(rec.node._op), where(rec.node)))
                     if lock is None:
                         r.delta = g if r.delta is None else r.delta + g
                     else:

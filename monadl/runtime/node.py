@@ -20,11 +20,12 @@ from monadl._namespace import (
     common_namespace,
     host_scalars_to_python,
 )
-from monadl.errors import DTypeError, NonFiniteError, ShapeError
+from monadl.errors import DTypeError, IndexRangeError, NonFiniteError, ShapeError
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, made
 from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs, arrays_of, finite_value
+from monadl.layers._primitives import shown
 from monadl.layers._program import Program
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight, weight_sites
@@ -174,12 +175,18 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             out, vjps = _checked(node, args, params)
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
+    except IndexRangeError as exc:  # (the shapes fit: a value does not)
+        if type(op.rule) is Program:  # (named at the step's line inside already: the call's line too)
+            exc.args = (f"{exc.args[0]} called at {where(node)}",)
+        else:
+            exc.args = (f"{shown(op)}: {exc.args[0]}; layer built at {where(node)}" + weight_sites(node._inputs),)
+        raise
     except ValueError as exc:
         what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
             f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
         )
         raise ShapeError(
-            f"{op.name}: {what} ({exc}); layer built at {where(node)}" + weight_sites(node._inputs)
+            f"{shown(op)}: {what} ({exc}); layer built at {where(node)}" + weight_sites(node._inputs)
         ) from exc
     except NonFiniteError:
         raise
@@ -190,7 +197,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             exc.args = (f"{exc.args[0]}; layer built at {where(node)}", *exc.args[1:])
         raise
     except Exception as exc:
-        exc.add_note(f"monadl: in {op.name} of {describe(args)}; layer built at {where(node)}")
+        exc.add_note(f"monadl: in {shown(op)} of {describe(args)}; layer built at {where(node)}")
         raise
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
@@ -211,7 +218,7 @@ def _checked(node: Any, args: tuple[Any, ...], params: tuple[Any, ...]) -> tuple
     if not finite_value(out):
         if op.name == "stop_gradient" and type(node._inputs[0]) is not Layer and type(node._inputs[0]) is not Weight:
             raise NonFiniteError(data_held(args[0], where(node)))  # (`ml.as_layer(data)`)
-        raise NonFiniteError(made(op.name, args, where(node)))
+        raise NonFiniteError(made(shown(op), args, where(node)))
     return out, vjps
 
 
@@ -257,7 +264,7 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     arrays = arrays_of(args)
     if type(node._op.rule) is Program:  # an operation's host integers (indices) may go with a device's arrays
         arrays = tuple([a for a in arrays if not host_integers(a)])
-    xp = common_namespace(arrays, node._op.name)
+    xp = common_namespace(arrays, shown(node._op))
     return args if xp is np else host_scalars_to_python(args)
 
 
@@ -275,9 +282,9 @@ def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     inputs = node._inputs
     if start:  # (`where`: its two sides, not its condition)
         sides = args[start:]
-        cast = one_float_dtype(node._op.name, sides, lambda: where(node), lambda: _tensors(inputs[start:]))
+        cast = one_float_dtype(shown(node._op), sides, lambda: where(node), lambda: _tensors(inputs[start:]))
         return args if cast is sides else (*args[:start], *cast)
-    return one_float_dtype(node._op.name, args, lambda: where(node), lambda: _tensors(inputs))
+    return one_float_dtype(shown(node._op), args, lambda: where(node), lambda: _tensors(inputs))
 
 
 def _tensors(inputs: tuple[Any, ...]) -> list[bool]:

@@ -115,8 +115,18 @@ def test_what_is_known_when_the_layer_is_built_is_checked_there(build: Any, erro
 @pytest.mark.parametrize(
     ("ids", "rows", "match"),
     [
-        (np.array([0, 4, 1]), 3, r"segment_ids must lie in \[0, 4\) for 4 segments, got 4"),
-        (np.array([0, -1, 1]), 3, "negative segment_ids are refused"),
+        (
+            np.array([0, 4, 1]),
+            3,
+            r"segment_sum: segment id 4 at segment_ids\[1\] out of range for 4 segments"
+            r" \(segment_ids must lie in \[0, 4\)\)",
+        ),
+        (
+            np.array([0, -1, 1]),
+            3,
+            r"segment_sum: segment id -1 at segment_ids\[1\] out of range for 4 segments"
+            r" \(segment_ids must lie in \[0, 4\); negative segment_ids are refused, not counted from the end\)",
+        ),
         (np.array([0, 1]), 3, "got 2 ids for data of shape"),
     ],
 )

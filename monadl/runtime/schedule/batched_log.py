@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
+from monadl.layers._primitives import shown
 from monadl.layers._program import Program, batching_rule
 from monadl.layers._site import site_text
 
@@ -98,7 +99,9 @@ def declined(members: list[Any], why: str | None) -> None:
         if step is None:
             why = "its batching rule does not take these operands"
         else:
-            why = f"its step {step.op.name} at {site_text(step.site)} " + (
+            why = f"its step {shown(step.op)} at {site_text(step.site)} " + (
                 "has no batching rule" if batching_rule(step.op) is None else "does not batch with these operands"
             )
-    _log.debug("%d nodes of %s built at %s ran one by one: %s", len(members), node._op.name, site_text(node._site), why)
+    _log.debug(
+        "%d nodes of %s built at %s ran one by one: %s", len(members), shown(node._op), site_text(node._site), why
+    )
