@@ -52,8 +52,10 @@ class IndexRangeError(ShapeError, IndexError):
     before), so ``except ml.ShapeError`` still catches it. The message names
     the value, its place in the indices when they hold several, the range,
     and the line that built the lookup (inside an operation: the step's
-    line, the operation's name and the line that called it). It is raised
-    when the layer runs.
+    line, the operation's name and the line that called it). A single index
+    into a weight's rows (a tree's word) is checked where the layer is built,
+    so the traceback shows the Python code that chose it; the rest when the
+    layer runs.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> table = ml.Weight(np.zeros((20, 8)))

@@ -5,6 +5,7 @@ operation and in a Fold block, and no weight changes."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import anyio
@@ -78,6 +79,30 @@ def test_the_place_of_an_index_in_a_matrix_of_indices() -> None:
         "embedding: index 9 at indices[1, 1] out of range for a table of 5 rows (indices must lie in [0, 5));"
         f" layer built at {HERE}:{line_of('MATRIX')}"
     )
+
+
+def leaf_states(ws: dict[str, ml.Weight[Any, Any]], tree: Any) -> ml.ArrayLayer:
+    """A recursive net's encoder, one lookup per word, unmarked."""
+    if isinstance(tree, int):
+        return ml.embedding(ws["L"], np.array([tree]))  # ONE-WORD
+    left, right = (leaf_states(ws, t) for t in tree)
+    return ml.tanh(ml.dense(ml.concatenate([left, right], axis=1), ws["W"], ws["b"]))
+
+
+def test_a_single_word_into_a_weight_is_refused_where_the_lookup_is_built() -> None:
+    ws = weights()
+    trees: list[Any] = [((1, 2), 3), (4, (5, (6, 25)))]
+    with pytest.raises(ml.IndexRangeError) as info:
+        [leaf_states(ws, t) for t in trees]
+    assert str(info.value) == (
+        "embedding: index 25 out of range for a table of 20 rows (indices must lie in [0, 20));"
+        f" operand 0 is the weight float64[20, 4] built at {HERE}:{line_of('TABLE')}"
+    )
+    # The traceback goes through the recursion (the tree), down to the line of the lookup.
+    frames = traceback.extract_tb(info.value.__traceback__)
+    mine = [f for f in frames if f.filename == HERE]
+    assert [f.name for f in mine].count("leaf_states") == 4
+    assert mine[-1].lineno == line_of("ONE-WORD")
 
 
 def test_a_single_index_into_a_layer_is_checked_when_it_runs() -> None:

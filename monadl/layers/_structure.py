@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, SupportsIndex, cast
+from typing import Any, NoReturn, SupportsIndex, cast
 
 import numpy as np
 
 from monadl._namespace import is_array, namespace
-from monadl.errors import OperandError, ShapeError
+from monadl.errors import IndexRangeError, OperandError, ShapeError
 from monadl.layers._axes import as_int, as_ints, is_sizes
 from monadl.layers._functions import apply_primitive
+from monadl.layers._indexing import out_of_range
 from monadl.layers._layer import (
     Array,
     ArrayLayer,
@@ -25,6 +26,7 @@ from monadl.layers._layer import (
 )
 from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._unvalued import Unvalued
+from monadl.layers._weight import Weight, weight_sites
 
 __all__ = [
     "concatenate",
@@ -80,7 +82,9 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     `monadl.IndexRangeError` (a `monadl.ShapeError` and an `IndexError`)
     when the layer runs (as PyTorch's ``embedding``; NumPy would count a
     negative index from the end), naming the first one out of range and its
-    place in ``indices``. For a table on a GPU the
+    place in ``indices``. A single index into a weight's rows (a tree's
+    word, ``np.array([w])``) is checked here, where the layer is built, so
+    the traceback shows the code that chose it. For a table on a GPU the
     indices may be NumPy integers (a tree's symbols: host data): they are
     checked on the host and copied over (device indices are checked on the
     device, which waits for it).
@@ -92,7 +96,23 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
            [0., 1.]])
     """
     indices = _integers(indices, "embedding: indices")
+    if type(table) is Weight and type(indices) is np.ndarray and indices.size == 1:
+        rows = table._data.shape  # (a weight's shape is fixed: its ``data`` takes only its shape)
+        if rows and not 0 <= indices.item() < rows[0]:
+            _refuse_word(table, indices)
     return apply_primitive("embedding", (table,), (indices,))
+
+
+def _refuse_word(table: Weight[Any, Any], index: Array) -> NoReturn:
+    """A single index into a weight's rows (a tree's word) out of range,
+    refused where the lookup is built, so that the traceback shows the code
+    that chose it (the recursion over a tree, where the runtime's error has
+    only the lookup's line). The check costs about 0.1 us a lookup; the
+    minimum and maximum of a larger array would cost 2 us, 4 times the
+    lookup's build, so those wait for the run (`_indexing._check_range`)."""
+    rows = table._data.shape[0]
+    text = out_of_range(np, np.reshape(index, (-1,)), rows, index.shape, "indices", "index", "a table of {} rows")
+    raise IndexRangeError(f"embedding: {text}" + weight_sites((table,)))
 
 
 def segment_sum(data: ArrayOperand, segment_ids: Array | DeviceArray, num_segments: SupportsIndex) -> ArrayLayer:

@@ -439,15 +439,17 @@ def test_lookups_and_losses_per_example_batch_with_equal_gradients() -> None:
 
 # ---- errors and failures ----------------------------------------------------------------
 def test_error_in_a_batched_group_names_the_failing_members_line() -> None:
+    # (two indices a lookup: a single one into a weight is refused where it is built, `test_index_range`)
     table = ml.Weight(np.ones((5, 2)))
-    good = [ml.embedding(table, np.array([i % 5])) for i in range(6)]
-    bad = ml.embedding(table, np.array([99]))  # BAD-MEMBER
-    more = [ml.embedding(table, np.array([1])) for _ in range(3)]
+    good = [ml.embedding(table, np.array([i % 5, 0])) for i in range(6)]
+    bad = ml.embedding(table, np.array([0, 99]))  # BAD-MEMBER
+    more = [ml.embedding(table, np.array([1, 0])) for _ in range(3)]
     loss = ml.sum(ml.concatenate([*good, bad, *more]))
     for batching in (False, True):
         with ml.settings(batching=batching), pytest.raises(ml.ShapeError) as info:  # out-of-range indices are refused
             entry.gradients_sync(loss)
         assert f"{HERE}:{line_of('BAD-MEMBER')}" in str(info.value)
+        assert str(info.value).startswith("embedding: index 99 at indices[1] out of range for a table of 5 rows")
 
 
 @pytest.mark.parametrize("label", [-1, 4], ids=["negative", "too-large"])
