@@ -156,13 +156,32 @@ class Operation(Generic[P, R]):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Operation[P, R]:
         """An operation over the copy's objects: a bound method's copy binds
-        the copied object, a partial's holds copied arguments, and none of
-        this one's traces (they hold the objects it was traced with, and are
-        keyed by their ids: a copied model would read and train the
-        original's weights). A plain function copies as itself (Python
-        copies no function), so the copy is this operation, traces and all."""
-        wrapped = copy.deepcopy(self.__wrapped__, memo)
-        return self if wrapped is self.__wrapped__ else self._remade(wrapped)
+        the copied object, a partial's holds copied arguments, a closure's
+        (``def cell(h, x)`` over ``self`` or the weights, in ``__init__``)
+        cells hold copies of what they held, and none of this one's traces
+        (they hold the objects it was traced with, and are keyed by their
+        ids: a copied model would read and train the original's weights, as
+        a closure's copy did, silently, until a new user's ensemble of
+        copies trained one set of cell weights). A function without a
+        closure copies as itself (Python copies no function), so the copy is
+        this operation, traces and all."""
+        f = self.__wrapped__
+        if type(f) is types.FunctionType and f.__closure__:
+            cells = tuple([types.CellType() for _ in f.__closure__])
+            g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, cells)
+            g.__qualname__, g.__module__, g.__doc__ = f.__qualname__, f.__module__, f.__doc__
+            g.__kwdefaults__ = copy.deepcopy(f.__kwdefaults__, memo)
+            g.__dict__.update(copy.deepcopy(f.__dict__, memo))
+            made = memo[id(self)] = self._remade(g)  # (before its cells: one that holds this operation gets the copy)
+            for new, old in zip(cells, f.__closure__):
+                try:
+                    contents = old.cell_contents
+                except ValueError:  # (a variable not bound yet: empty in the copy too)
+                    continue
+                new.cell_contents = copy.deepcopy(contents, memo)
+            return made
+        wrapped = copy.deepcopy(f, memo)
+        return self if wrapped is f else self._remade(wrapped)
 
     def _remade(self, f: Callable[P, R]) -> Operation[P, R]:
         """A new operation of ``f`` as this one was made: no trace or plan."""

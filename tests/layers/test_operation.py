@@ -1076,13 +1076,47 @@ def test_a_copied_partials_operation_reads_the_copied_arguments() -> None:
     assert anyio.run(shallow(np.ones(2)).predict).tolist() == [1.0, 1.0]
 
 
-def test_a_copied_function_operation_is_itself() -> None:
-    """Python copies no function (nor what its closure holds): an operation
-    of one copies as itself, keeping its traces."""
+def test_a_copied_closures_operation_reads_copies_and_a_plain_functions_is_itself() -> None:
+    """A closure's operation copies with copies of what its closure holds: a
+    new user's model marking ``def cell(h, x)`` over ``self`` (or a lambda
+    over its weights) in ``__init__`` copied as itself, so an ensemble of
+    deep copies trained the original's cell weights, silently, and the
+    copies' never moved. A function without a closure copies as itself
+    (Python copies no function), traces and all."""
     import copy
 
-    w = ml.Weight(np.ones(2))
-    op = ml.operation(lambda x: w * x)
+    class Model:
+        def __init__(self) -> None:
+            self.w = ml.Weight(np.ones((2, 2)), optimizer=ml.optim.sgd(0.5))
+            w = self.w
+
+            def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
+                return ml.tanh(x @ self.w)
+
+            self.cell = ml.operation(cell)
+            self.local = ml.operation(lambda x: ml.tanh(x @ w))
+
+    x = np.ones((1, 2))
+    for name in ("cell", "local"):
+        model = Model()
+        anyio.run(ml.sum(getattr(model, name)(x)).train)  # (traced: its trace holds model.w)
+        before = model.w.data.copy()
+        copied = copy.deepcopy(model)
+        assert getattr(copied, name) is not getattr(model, name)
+        anyio.run(ml.sum(getattr(copied, name)(x)).train)
+        np.testing.assert_array_equal(model.w.data, before)  # the original's weight did not move
+        np.testing.assert_allclose(copied.w.data, before - 0.5 * (1 - np.tanh(2 * before) ** 2), rtol=1e-12)
+    state = {"w": ml.Weight(np.ones(2))}
+    nested = ml.operation(lambda x: state["w"] * x)  # (a dict the closure holds: copied with it)
+    copied_nested = copy.deepcopy(nested)
+    copied_nested.__wrapped__.__closure__[0].cell_contents["w"].data = np.full(2, 3.0)  # type: ignore[index]
+    assert anyio.run(copied_nested(np.ones(2)).predict).tolist() == [3.0, 3.0]
+    assert anyio.run(nested(np.ones(2)).predict).tolist() == [1.0, 1.0]
+
+    def plain(x: ml.ArrayOperand) -> ml.ArrayLayer:  # (no closure: the module's names only)
+        return ml.tanh(x)
+
+    op = ml.operation(plain)
     assert copy.deepcopy(op) is op
     assert copy.deepcopy({"cell": op})["cell"] is op
 
