@@ -69,12 +69,12 @@ class Program:
         "live",
         "multi",
         "name",
-        "nodes",
         "outputs",
         "readers",
         "size",
         "slices",
         "steps",
+        "tensors",
         "tiles",
         "tilings",
         "uniform",
@@ -94,14 +94,7 @@ class Program:
         # The operand slots of weights (arguments, and those the function closes over): the delta
         # of a few rows' product with one goes to it as factors, as an unmarked product's does.
         self.factors = factors
-        # Per operand slot, whether a call gives a layer or a weight there (a tensor, whatever its
-        # value's type: a scalar layer's is a NumPy scalar), as the trace marked what leads to one.
-        nodes = [False] * size
-        for s in steps:
-            for r, g in zip(s.refs, s.grads):
-                if g and r < size:
-                    nodes[r] = True
-        self.nodes = tuple(nodes)
+        self.tensors = _tensors(size, len(consts), steps)
         self.consts = consts
         self.steps = steps
         self.outputs = outputs
@@ -127,13 +120,11 @@ class Program:
         key = _dtypes(args)
         check = key not in self.uniform
         cast = False
-        tensors = self._tensors(env) if check else []
+        tensors = self.tensors
         for step, read in zip(self.steps, self.readers):
             values = read(env)
             if check:
-                flags = [tensors[r] for r in step.refs]
-                tensors.append(True in flags or step.op.name not in _OPERATORS)
-                values, casted = self._operand_rule(step, values, flags)
+                values, casted = self._operand_rule(step, values, [tensors[r] for r in step.refs], tensors[len(env)])
                 cast = cast or casted
             try:
                 if called is None:
@@ -185,20 +176,13 @@ class Program:
     def _site(self, step: Step, called: str) -> str:
         return f"{_where(step)}, inside the operation {self.name} called at {called}"
 
-    def _tensors(self, env: list[Value]) -> list[bool]:
-        """Per slot of a call's operands and constants, whether it is a tensor
-        or an array (`one_float_dtype`'s ``tensors``): the call's layers and
-        weights, and data that is no number (a NumPy float or a Python one).
-        A step's follows (`_OPERATORS`)."""
-        nodes = self.nodes
-        return [(r < len(nodes) and nodes[r]) or not _number(v) for r, v in enumerate(env)]
-
     def _operand_rule(
-        self, step: Step, values: tuple[Value, ...], tensors: list[bool]
+        self, step: Step, values: tuple[Value, ...], tensors: list[bool], tensor: bool
     ) -> tuple[tuple[Value, ...], bool]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation; ``tensors``: which operands are
-        tensors, see `_tensors`), and whether it cast one."""
+        tensors, ``tensor``: whether the step's value is one, see `_tensors`),
+        and whether it cast one."""
         where = f"{_where(step)}, inside the operation {self.name}"
         # One library per step (an operation's host integers beside a device's arrays are refused here).
         parts = arrays_of(values)
@@ -206,7 +190,7 @@ class Program:
         if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{shown(step.op)} at {where}")
         start = step.op.floats_from()
-        if start is None:
+        if start is None or not tensor:  # (an operator on data alone: NumPy's arithmetic, as unmarked)
             return values, False
         if start:  # (`where`: its two sides, not its condition)
             sides = values[start:]
@@ -222,10 +206,10 @@ class Program:
         is a number (`member_float_dtype`'s ``scalars``): not for the call's
         layers and weights; for its stacked data, as ``scalars`` says (None:
         unknown); for what is not stacked, as its type says."""
-        nodes, given = self.nodes, scalars or ()
+        tensors, given = self.tensors, scalars or ()
         kinds: list[bool | None] = []
         for r, v in enumerate(env):
-            if r < len(nodes) and nodes[r]:
+            if tensors[r]:
                 kinds.append(False)
             elif r < len(given) and given[r] is not None:
                 kinds.append(given[r])
@@ -236,7 +220,12 @@ class Program:
         return kinds
 
     def _member_rule(
-        self, step: Step, values: tuple[Value, ...], flags: tuple[bool, ...], scalars: list[bool | None]
+        self,
+        step: Step,
+        values: tuple[Value, ...],
+        flags: tuple[bool, ...],
+        scalars: list[bool | None],
+        tensor: bool,
     ) -> Sequence[Value] | None:
         """`_operand_rule` for a group: each member's operands cast as its own
         call would cast them (`member_float_dtype`); None where that cannot
@@ -246,7 +235,7 @@ class Program:
         if len(kinds) > 1 and not kinds <= _HOST:
             common_namespace(parts, f"{shown(step.op)} at {_where(step)}, inside the operation {self.name}")
         start = step.op.floats_from()
-        if start is None:
+        if start is None or not tensor:  # (an operator on data alone: NumPy's arithmetic, as unmarked)
             return values
         if start == 0:
             return member_float_dtype(values, flags, scalars)
@@ -291,9 +280,10 @@ class Program:
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
             given = [kinds[r] for r in step.refs]
-            kind = False if False in given or step.op.name not in _OPERATORS else None if None in given else True
+            tensor = self.tensors[len(env)]
+            kind = False if tensor else _numbers_made(values, flags)
             if check:  # (before the numbers: a Python float computes in the dtype the rule leaves)
-                fixed = self._member_rule(step, values, flags, given)
+                fixed = self._member_rule(step, values, flags, given, tensor)
                 if fixed is None:
                     self.declined = step
                     return None
@@ -466,10 +456,37 @@ class Program:
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
 
-# The primitives of Python's operators (``1.0 - beta``): on numbers only, a step of one is a
-# number, as NumPy's or Python's arithmetic gives unmarked; any other step is a tensor, the
-# value of a layer that an ml function builds (``ml.exp(beta)``), and so is one of a tensor.
+# The primitives of Python's operators (``1.0 - beta``): on data alone, a step of one is data,
+# as NumPy's or Python's arithmetic gives unmarked; any other step is a tensor, the value of
+# a layer that an ml function builds (``ml.exp(beta)``), and so is one of a tensor.
 _OPERATORS: Final = frozenset({"add", "subtract", "multiply", "divide", "power", "negative"})
+
+
+def _tensors(size: int, consts: int, steps: tuple[Step, ...]) -> tuple[bool, ...]:
+    """Per slot of a program (its ``size`` operands, its constants, its
+    steps' values), whether it is a tensor, as it is unmarked: where a call
+    gives a layer or a weight (whatever its value's type: a scalar layer's
+    is a NumPy scalar; the trace marked what leads to one), or a step of one
+    or of an ml function. The rest is data: a call's arrays and numbers,
+    the trace's constants, and an operator's step on them alone (``d - p``
+    is NumPy's arithmetic unmarked, with no operand rule: of a 0-d array
+    ``d``, a NumPy scalar, a number); a tensor of no dimensions sets a
+    number's float dtype, data's does not (`one_float_dtype`)."""
+    tensors = [False] * (size + consts)
+    for s in steps:
+        for r, g in zip(s.refs, s.grads):
+            if g and r < size:
+                tensors[r] = True
+    for s in steps:
+        tensors.append(s.op.name not in _OPERATORS or True in [tensors[r] for r in s.refs])
+    return tuple(tensors)
+
+
+def _numbers_made(values: tuple[Value, ...], stacked: tuple[bool, ...]) -> bool:
+    """Whether an operator's step on data alone (see `_tensors`) makes a
+    number in each member of a group: where no member's operand has
+    dimensions (NumPy's arithmetic on 0-d arrays gives a NumPy scalar)."""
+    return all(type(v) is Numbers or getattr(v, "ndim", 0) == s for v, s in zip(values, stacked))
 
 
 def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -6,6 +6,7 @@ changes no dtype and no error."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -14,6 +15,7 @@ import pytest
 
 import monadl as ml
 from monadl.errors import DTypeError
+from monadl.layers._program import Program
 
 H = 4
 
@@ -123,3 +125,69 @@ def test_an_ml_function_of_a_number_is_a_tensor_inside_a_cell_as_outside(batchin
         plain, traced = values
         assert plain.dtype == traced.dtype == dtype, f
         np.testing.assert_array_equal(plain, traced)
+
+
+N = 6
+W16 = ml.Weight(np.linspace(0.5, 1.5, H).astype(np.float16))
+W32 = ml.Weight(np.linspace(0.5, 1.5, H).astype(np.float32))
+Z32 = ml.Weight(np.array(1.25, np.float32))  # (a 0-d array weight: a tensor of no dimensions)
+
+
+def _shift(d: Any, p: float) -> Any:
+    # Unmarked, d - p of a 0-d array d is NumPy's arithmetic: a NumPy scalar, a number beside Z32.
+    return Z32 + (d - p)
+
+
+def _chosen(d: Any, p: float) -> Any:
+    return ml.where(True, Z32 * 2.0, d - p)
+
+
+def _offset(t: Any) -> Any:
+    # np.array(0.25) + t: a constant 0-d array and an np.float16 argument, a NumPy float64 unmarked.
+    return (np.array(0.25) + t) - ml.sum(W16)
+
+
+def _power(t: Any) -> Any:
+    # t * np.int64(3) of an np.float16 t: NumPy's float64 unmarked (the rule would cast the int to float16).
+    return ml.exp(t * np.int64(3)) + ml.sum(W32) * 0.0
+
+
+DATA_STEPS: dict[str, tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]], Any, Any]] = {
+    "z32 + (d - p)": (_shift, lambda i: (np.array(0.2 + 0.1 * i), 0.5 + 0.25 * i), np.float32, Z32),
+    "where(True, z32 * 2.0, d - p)": (_chosen, lambda i: (np.array(0.2 + 0.1 * i), 0.5), np.float32, Z32),
+    "(np.array(0.25) + t16) - sum(w16)": (_offset, lambda i: (np.float16(0.5 + 0.25 * i),), np.float16, W16),
+    "exp(t16 * np.int64(3)) + sum(w32) * 0.0": (_power, lambda i: (np.float16(0.1 * i),), np.float64, W32),
+}
+
+
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize("case", list(DATA_STEPS))
+def test_an_operator_on_data_alone_is_numpys_arithmetic_inside_a_cell_as_outside(
+    batching: bool, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new user's 0-d float64 array argument d: z32 + (d - p) was float32 unmarked (d - p: a NumPy
+    # scalar, a number) and float64 marked, where the cell read the step d - p as a tensor; and the
+    # step t * np.int64(3) went through the operand rule (float16) where NumPy gives float64.
+    f, args, dtype, w = DATA_STEPS[case]
+    batched: list[bool] = []  # (per group of the cell's calls, whether it ran batched)
+    batch = Program.batch
+
+    def counting(self: Program, *given: Any, **named: Any) -> Any:
+        out = batch(self, *given, **named)
+        batched.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Program, "batch", counting)
+    results = []
+    for cell in (f, ml.operation(f)):
+        parts = ml.stack([cell(*args(i)) for i in range(N)])
+        with ml.settings(batching=batching):
+            value = anyio.run(parts.predict)
+            (grad,) = anyio.run(ml.gradients, ml.sum(parts), [w])
+        results.append((value, grad))
+    (plain, plain_grad), (traced, traced_grad) = results
+    assert plain.dtype == traced.dtype == dtype, case
+    assert np.asarray(plain_grad).dtype == np.asarray(traced_grad).dtype == np.asarray(w.data).dtype
+    np.testing.assert_array_equal(plain, traced)
+    np.testing.assert_array_equal(plain_grad, traced_grad)
+    assert (batched and all(batched)) if batching else not batched  # (the calls: one group, forward and back)
