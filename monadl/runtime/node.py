@@ -154,9 +154,11 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         if not (type(x) is np.ndarray and type(y) is np.ndarray and type(z) is np.ndarray):
             if not {type(x), type(y), type(z)} <= _LOCAL:
                 args = _foreign_operands(node, args)
-            if op.same_dtype:
+            if op.floats_from() is not None:  # (`where` between two weights too)
                 args = _check_dtypes(node, args)
-        elif op.same_dtype and not (x.dtype is y.dtype is z.dtype):
+        elif (op.same_dtype and not (x.dtype is y.dtype is z.dtype)) or (
+            op.elementwise and y.dtype != z.dtype and op.floats_from()  # (`where`: its two sides)
+        ):
             args = _check_dtypes(node, args)
     else:
         args, ins, needs = _operands(records, inputs, count)

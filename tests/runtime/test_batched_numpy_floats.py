@@ -188,3 +188,37 @@ def test_a_numpy_float_per_call_beside_a_scalar_layer_is_of_the_layers_dtype_in_
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6)
     assert groups and all(n % N == 0 for _, n in groups)  # (all the calls' nodes of one kind: one group)
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["plain", "operation"])
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize("condition", ["True", "0-d", "mask"])
+def test_where_between_two_weights_casts_its_sides_as_between_layers(
+    marked: bool, batching: bool, condition: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # where(c, a, b) of a 0-d float16 weight and Weight(np.float32(2.0)) was float16 unmarked and float32
+    # marked: unmarked, a node whose two last operands are weights took the dense layer's branch, which
+    # cast only same-dtype primitives' operands; where(c, a, b * 1.0) was float32 (two tensors promote).
+    a, b = ml.Weight(np.array(0.7, np.float16)), ml.Weight(np.float32(2.0))
+    masks: dict[str, Callable[[int], Any]] = {
+        "True": lambda i: True,
+        "0-d": lambda i: np.array(i % 2 == 0),
+        "mask": lambda i: np.arange(3) < i % 4,
+    }
+
+    def cell(c: Any) -> Any:
+        return ml.where(c, a, b)
+
+    f: Callable[[Any], Any] = ml.operation(cell) if marked else cell
+    ran = _groups(monkeypatch)
+    ys = [f(masks[condition](i)) for i in range(N)]
+    with ml.settings(batching=batching):
+        values = [anyio.run(y.predict) for y in ys[:2]]
+        got = anyio.run(ml.stack(ys).predict)
+        _, grads = anyio.run(ml.value_and_gradients, ml.sum(ml.stack(ys)))
+    want = [np.where(masks[condition](i), np.float32(a.data), b.data) for i in range(N)]
+    assert all(np.asarray(v).dtype == np.float32 for v in values) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.stack(want))
+    ga, gb = grads[a], grads[b]
+    assert (type(ga), np.asarray(ga).dtype.type, type(gb)) == (np.ndarray, np.float16, np.float32)  # (each its own)
+    assert ran or not batching or condition == "True"  # (a call of no operands but its weights: one node)
