@@ -169,8 +169,10 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         if op.same_dtype:
             if kinds != _ARRAYS_ONLY or len({a.dtype for a in args}) > 1:
                 args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
-        elif op.elementwise and op.floats_from() is not None:  # (`where`: its sides, knowing which are tensors)
-            args = _check_dtypes(node, args)
+        elif op.elementwise and op.floats_from():  # (`where`: its two sides, knowing which are tensors)
+            _, y, z = args
+            if not (type(y) is np.ndarray and type(z) is np.ndarray and y.dtype == z.dtype):
+                args = _check_dtypes(node, args)  # (NumPy arrays of one dtype pass without it)
     params = node._params
     try:
         if ev.check_finite:
