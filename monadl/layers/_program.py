@@ -5,7 +5,8 @@ operands named by slots of an environment: the node's operands first, then
 the trace's constants, then each step's value. Run on one member's arrays
 (`Program.__call__`) it is an ordinary rule: value and one VJP per operand,
 the VJPs sharing one reverse sweep over the steps' own VJPs (with
-broadcasting undone by `unbroadcast`, as the runtime's backward does). Run on
+broadcasting undone by `unbroadcast`, as the runtime's backward does:
+`monadl.layers._program_sweep`). Run on
 a group (`Program.batch`) each step goes through its batching rule where an
 operand is stacked, and as itself where all are shared.
 """
@@ -18,46 +19,31 @@ from typing import Any, Final, final
 import numpy as np
 
 from monadl._namespace import _HOST, common_namespace, namespace
-from monadl.deltas import Outer, SparseRows, unbroadcast
 from monadl.errors import DTypeError, IndexRangeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
-from monadl.layers._non_finite import backward_made, finite_delta, made
+from monadl.layers._non_finite import made
 from monadl.layers._operands import NUMBERS, Numbers, member_float_dtype, one_float_dtype, step_numbers
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
-    OutputsDelta,
     StackedOutputs,
     arrays_of,
     batch_output,
     finite_value,
 )
 from monadl.layers._primitives import Primitive, shown
-from monadl.layers._products import OuterRule
 from monadl.layers._products import factored as products_factored
 from monadl.layers._program_sweep import Sweep
 from monadl.layers._step import Step
-from monadl.layers._tiles import Tiling, basic_slice, slice_readers, tiling
+from monadl.layers._tiles import Tiling, basic_slice, slice_readers
 
 __all__ = ["Program"]
 
 Value = Any
 Vjp = Callable[[Value], Value]
-_TILINGS_LIMIT: Final = 256
 
 
 # ---- the program --------------------------------------------------------------------------------
-def _unstacked(d: Value, o: int, stacked: list[bool] | None) -> Value:
-    """The delta of output slot ``o`` for the steps that made it: a group's
-    output that no stacked operand reaches was one value broadcast to every
-    member, so its members' deltas add up."""
-    if stacked is None or stacked[o] or type(d) is OutputsDelta:
-        return d
-    if type(d) is SparseRows:
-        d = d.to_dense()
-    return namespace(d).sum(d, axis=0)
-
-
 @final
 class Program:
     """The rule of an operation node (see the module's docstring)."""
@@ -335,123 +321,6 @@ class Program:
             outs.append(value)
         value = StackedOutputs(tuple(outs)) if self.multi else outs[0]
         return value, Sweep(self, env, vjps, stacked, None).rules()
-
-    def backward(
-        self,
-        env: list[Value],
-        vjps: list[tuple[Vjp, ...]],
-        g: Value,
-        stacked: list[bool] | None = None,
-        called: str | None = None,
-    ) -> list[Value | None]:
-        """The deltas of the node's operands from the delta ``g`` of its value:
-        the steps' VJPs in reverse, each share fitted to its operand's shape.
-        ``stacked``: per slot, whether it holds a group's stacked values.
-        ``called``: see `__call__`.
-
-        Slices (a cell cutting its gate vector) add their deltas into one
-        zero buffer of the sliced array, in place, instead of each building a
-        buffer of zeros of its own (their VJP) that are then added up."""
-        deltas: list[Value | None] = [None] * len(env)
-        owned: set[int] = set()  # slots whose delta is a buffer made here (safe to add into)
-        if self.multi:
-            for o, d in zip(self.outputs, g.parts):
-                if d is not None:
-                    d = _unstacked(d, o, stacked)
-                    deltas[o] = d if deltas[o] is None else deltas[o] + d
-        else:
-            deltas[self.outputs[0]] = _unstacked(g, self.outputs[0], stacked)
-        first = len(env) - len(self.steps)
-        assigned: dict[int, set[int]] = {}  # slots whose slices never overlap: slice steps not written yet
-        for j in range(len(self.steps) - 1, -1, -1):
-            if first + j in assigned:  # its slices are done: what none wrote is zero
-                self._fill(deltas, first + j, assigned.pop(first + j), stacked)
-            d = deltas[first + j]
-            if d is None or not self.live[j]:
-                continue
-            deltas[first + j] = None  # spent: its memory can go
-            if type(d) is SparseRows:
-                d = d.to_dense()
-            step, rules = self.steps[j], vjps[j]
-            index = self.slices[j]
-            r = step.refs[0] if step.refs else -1
-            if index is not None and step.grads[0] and (deltas[r] is None or type(deltas[r]) is type(env[r])):
-                # A slice: its delta goes into one buffer, in place.
-                lifted = stacked is not None and stacked[r]
-                if lifted:
-                    index = (slice(None), *index)
-                if r not in owned:
-                    value = env[r]
-                    xp = namespace(value)
-                    tiled = None if deltas[r] is not None else self._tiling(r, value.shape, lifted)
-                    if tiled:  # every element gets written: no zeros first
-                        buffer = xp.empty(value.shape, dtype=value.dtype)
-                    else:
-                        buffer = xp.zeros(value.shape, dtype=value.dtype)
-                        if deltas[r] is not None:
-                            buffer += deltas[r]
-                    if tiled is not None:
-                        assigned[r] = set(self.tiles[r]) if tiled else set()
-                    deltas[r] = buffer
-                    owned.add(r)
-                target: Any = deltas[r]
-                written = assigned.get(r)
-                if written is not None:  # its own region, written once: assigned, not added
-                    target[index] = d
-                    written.discard(j)
-                else:
-                    target[index] += d
-                continue
-            for p, r in enumerate(step.refs):
-                if not step.grads[p] or p >= len(rules):  # (stop_gradient has no rules)
-                    continue
-                try:
-                    rule = rules[p]
-                    share: Any
-                    if type(rule) is OuterRule and r in self.factors and type(d) is np.ndarray:
-                        # A weight's delta from a few rows, kept as factors, as the backward keeps
-                        # an unmarked product's: one product per weight when it is stepped.
-                        share = Outer(rule.left, d)
-                    else:
-                        share = rule(d)
-                    if share is None:  # (a nested operation's operand that no delta reaches)
-                        continue
-                    value = env[r]
-                    shape = getattr(value, "shape", ())
-                    if type(share) is not OutputsDelta and getattr(share, "shape", ()) != shape:
-                        share = unbroadcast(share, shape)
-                except NonFiniteError:  # (a nested operation's step: named already)
-                    raise
-                except Exception as exc:
-                    exc.add_note(f"monadl: in the backward of {shown(step.op)} at {_where(step)}")
-                    raise
-                if called is not None and not finite_delta(share):
-                    raise NonFiniteError(backward_made(shown(step.op), self._site(step, called)))
-                deltas[r] = share if deltas[r] is None else deltas[r] + share  # (a new array: still owned)
-        for r, unwritten in assigned.items():  # (operands and constants that were sliced)
-            self._fill(deltas, r, unwritten, stacked)
-        return deltas[: self.size]
-
-    def _tiling(self, r: int, shape: tuple[int, ...], stacked: bool) -> Tiling:
-        """How slot ``r``'s slices cut it (see `tiling`), for its shape (a member's when stacked)."""
-        readers = self.tiles.get(r)
-        if readers is None:
-            return None
-        key = (r, shape[1:] if stacked else shape)
-        if key in self.tilings:
-            return self.tilings[key]
-        if len(self.tilings) >= _TILINGS_LIMIT:
-            self.tilings.clear()
-        found = self.tilings[key] = tiling([index for j in readers if (index := self.slices[j]) is not None], key[1])
-        return found
-
-    def _fill(self, deltas: list[Value | None], r: int, unwritten: set[int], stacked: list[bool] | None) -> None:
-        """Zeros where the slices of slot ``r`` that got no delta would have written theirs."""
-        target: Any = deltas[r]
-        for j in unwritten:
-            index = self.slices[j]
-            assert index is not None
-            target[(slice(None), *index) if stacked is not None and stacked[r] else index] = 0
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
