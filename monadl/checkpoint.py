@@ -71,7 +71,7 @@ from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._weight import COMMIT_LOCK, TRAINING, pin_for_readers
-from monadl.runtime.process import hold, release
+from monadl.runtime.process import Held, hold, release
 
 __all__ = ["load", "named_weights", "save"]
 
@@ -343,17 +343,18 @@ def load(
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     if unmatched or apart:  # (strict=False, and everything else fits: said once it loads)
         warnings.warn(f"{os.fspath(path)}: {'; '.join([*unmatched, *apart])} (strict=False: passed over)", stacklevel=2)
-    with COMMIT_LOCK:
-        _warn_in_flight(weights, updates)
-        pin_for_readers([weight for weight, _, _ in updates])
-        held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
-        try:
+    held: Held = None
+    try:
+        with COMMIT_LOCK:
+            _warn_in_flight(weights, updates)
+            pin_for_readers([weight for weight, _, _ in updates])
+            held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
             for weight, data, state in updates:
                 weight._data = data
                 if state is not None:
                     weight._state = state
-        finally:
-            release(held)
+    finally:
+        release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
     return dict(manifest["metadata"])
 
 

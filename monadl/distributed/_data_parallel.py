@@ -63,7 +63,7 @@ from monadl.layers._layer import Expr
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
-from monadl.runtime.process import hold, release
+from monadl.runtime.process import Held, hold, release
 from monadl.runtime.settings import current_settings
 
 __all__ = ["DataParallel"]
@@ -204,14 +204,15 @@ class DataParallel:
             loaded = pickle.loads(data.tobytes())
             states, problem = fitting_states(self._weights, self._labels, [state for _, state in loaded])
             if not problem:
-                with COMMIT_LOCK:
-                    pin_for_readers(self._weights)
-                    held = hold()  # (a Ctrl-C waits for the last write)
-                    try:
+                held: Held = None
+                try:
+                    with COMMIT_LOCK:
+                        pin_for_readers(self._weights)
+                        held = hold()  # (a Ctrl-C waits for the last write)
                         for weight, (d, _), state in zip(self._weights, loaded, states):
                             weight._data, weight._state = d, state
-                    finally:
-                        release(held)
+                finally:
+                    release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
         await agree(comm, problem, None)
 
     @property

@@ -33,7 +33,7 @@ from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
 from monadl.runtime.nested import refuse_inside_evaluation
-from monadl.runtime.process import hold, release
+from monadl.runtime.process import Held, hold, release
 
 __all__ = [
     "Prepared",
@@ -212,39 +212,40 @@ def _commit(
     owned: bool,
     ready: Mapping[Weight[Any, Any], Prepared] | None = None,
 ) -> None:
-    with COMMIT_LOCK:
-        if READERS:  # (first: data a running evaluation keeps is no step's to write into)
-            pin_for_readers(gradients)
-        steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
-        in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
-        if owned:
-            # (NumPy's warnings quiet where the check below refuses the step, naming the weight, as
-            # apply_gradients' are: they pointed into transforms.py before the refusal itself)
-            quiet = np.errstate(over="ignore", invalid="ignore", divide="ignore") if finite else nullcontext()
-            try:
-                with quiet:
-                    _owned_steps(gradients, finite, ready, steps, in_place)
-            except RuntimeWarning as warning:  # (python -W error: a warning not NumPy's, or finite_steps off)
-                if not finite:
-                    raise
-                raise NonFiniteError(
-                    "the optimizer step would write a NaN or an infinity into a weight (NumPy warned of its "
-                    f"arithmetic: {warning}); no weight was changed"
-                ) from warning
-        elif finite:  # (NumPy's warnings quiet: the check below refuses the step, naming the weight)
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+    held: Held = None
+    try:
+        with COMMIT_LOCK:
+            if READERS:  # (first: data a running evaluation keeps is no step's to write into)
+                pin_for_readers(gradients)
+            steps: list[tuple[Weight[Any, Any], Any, Any, float | None]] = []
+            in_place: list[tuple[Any, float, Any, Any]] = []  # (data, factor, left, right): after every check
+            if owned:
+                # (NumPy's warnings quiet where the check below refuses the step, naming the weight, as
+                # apply_gradients' are: they pointed into transforms.py before the refusal itself)
+                quiet = np.errstate(over="ignore", invalid="ignore", divide="ignore") if finite else nullcontext()
+                try:
+                    with quiet:
+                        _owned_steps(gradients, finite, ready, steps, in_place)
+                except RuntimeWarning as warning:  # (python -W error: a warning not NumPy's, or finite_steps off)
+                    if not finite:
+                        raise
+                    raise NonFiniteError(
+                        "the optimizer step would write a NaN or an infinity into a weight (NumPy warned of its "
+                        f"arithmetic: {warning}); no weight was changed"
+                    ) from warning
+            elif finite:  # (NumPy's warnings quiet: the check below refuses the step, naming the weight)
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
+            else:
                 steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
-        else:
-            steps = [(weight, *step(weight, grad), None) for weight, grad in gradients.items()]
-        if finite:
-            for weight, _, _, _ in _non_finite(steps):
-                raise NonFiniteError(refused(weight, gradients[weight], owned))
-        writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
-        for i, (weight, data, state, bound) in enumerate(steps):
-            if type(data) is Rows:
-                steps[i] = (weight, *rows_written(weight, data, state, writes), bound)
-        held = hold()  # (a Ctrl-C from here on acts after the last write: every weight stepped, or none)
-        try:
+            if finite:
+                for weight, _, _, _ in _non_finite(steps):
+                    raise NonFiniteError(refused(weight, gradients[weight], owned))
+            writes: list[tuple[Any, Any, Any]] = []  # (array, rows, values): after every check and every copy
+            for i, (weight, data, state, bound) in enumerate(steps):
+                if type(data) is Rows:
+                    steps[i] = (weight, *rows_written(weight, data, state, writes), bound)
+            held = hold()  # (a Ctrl-C from here on acts after the last write: every weight stepped, or none)
             for data, factor, left, right in in_place:
                 add_product(data, factor, left, right)
             for data, rows, values in writes:
@@ -253,8 +254,8 @@ def _commit(
                 weight._data = data
                 weight._state = state
                 weight._bound = None if bound is None else (data, bound)
-        finally:
-            release(held)
+    finally:
+        release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
 
 
 def _owned_steps(

@@ -253,6 +253,11 @@ _getsignal: Callable[[int], Any] = getattr(importlib.import_module("_signal"), "
 the failed try formats its repr, under asyncio's runner a partial holding
 the main task, whose repr formats the coroutine: 30 us on every step."""
 
+_LOOPS: Final = ("asyncio", "trio")
+"""The modules whose handlers of `OTHERS` are no user's: an event loop's,
+which hands the signal to the loop (asyncio's wakes it through a file and
+does nothing in the handler): held, they would cost a swap on every step."""
+
 OTHERS: Final = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
 )
@@ -274,8 +279,8 @@ def hold() -> Held:
         handlers.append((signal.SIGINT, handler))  # (not asyncio's runner's: a cancellation at an await)
     for signum in OTHERS:
         handler = _getsignal(signum)
-        if callable(handler):  # (not the system's, ignored, or set outside Python)
-            handlers.append((signum, handler))
+        if callable(handler) and not getattr(handler, "__module__", "").startswith(_LOOPS):
+            handlers.append((signum, handler))  # (not the system's, ignored, set outside Python, or a loop's)
     if not handlers:
         return None
     noted: list[tuple[int, FrameType | None]] = []
@@ -285,15 +290,22 @@ def hold() -> Held:
 
 
 def release(held: Held) -> None:
-    """Put the handlers back, and call each whose signal came meanwhile (once,
-    in the order they came)."""
+    """Put the handlers back, and call each whose signal came meanwhile: the
+    first here (Ctrl-C's with the frame it came in), the others raised again,
+    so that Python runs them as it runs signals that come together (one that
+    raises leaves the next for the next line, not lost). Called after the
+    writes' lock is let go: a handler may save a checkpoint, which takes it."""
     if held is None:
         return
     handlers, noted = held
     for signum, handler in handlers:
         signal.signal(signum, handler)
-    called = dict(handlers)
-    for signum, frame in noted:
-        handler = called.pop(signum, None)
-        if handler is not None:
-            handler(signum, frame)
+    came = list(dict.fromkeys([signum for signum, _ in noted]))  # (once each, in the order they came)
+    if not came:
+        return
+    first = came[0]
+    try:
+        dict(handlers)[first](first, next(frame for signum, frame in noted if signum == first))
+    finally:
+        for signum in came[1:]:
+            signal.raise_signal(signum)

@@ -471,6 +471,91 @@ def test_a_users_signal_handler_that_raises_while_a_commit_writes_acts_after_its
         np.testing.assert_allclose(w.data, want, rtol=1e-12)
 
 
+def test_held_signals_run_after_the_commit_lets_go_of_its_lock_and_none_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handlers ran inside the commit's lock: a SIGTERM handler saving a
+    checkpoint from a thread (which takes the lock) waited for ever (a
+    reviewer's find); and a second signal held with the first was lost when
+    the first's handler raised. Each now runs after the lock, as Python runs
+    signals that come together."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        pytest.skip("signal handlers run in the main thread, on POSIX")
+    from monadl.layers._weight import COMMIT_LOCK
+
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+    consume = apply._commit
+    raised: list[int] = []
+
+    def signalling(*args: Any, **kwargs: Any) -> None:
+        hold = apply.hold
+
+        def held() -> Any:
+            found = hold()
+            if not raised:
+                raised.append(1)
+                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(signal.SIGUSR1)
+            return found
+
+        monkeypatch.setattr(apply, "hold", held)
+        consume(*args, **kwargs)
+
+    monkeypatch.setattr(apply, "_commit", signalling)
+    free: list[bool] = []
+
+    def terminate(signum: int, frame: Any) -> None:
+        taker = threading.Thread(
+            target=lambda: free.append(COMMIT_LOCK.acquire(timeout=5) and not COMMIT_LOCK.release())
+        )
+        taker.start()
+        taker.join()
+        raise SystemExit("terminated")
+
+    usr1: list[int] = []
+    previous = signal.signal(signal.SIGTERM, terminate), signal.signal(signal.SIGUSR1, lambda *a: usr1.append(1))
+    try:
+        with pytest.raises(SystemExit, match="terminated"):
+            consume_gradients({w: np.ones(3)})
+        for _ in range(100):  # (the second runs at the next line Python runs)
+            if usr1:
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGUSR1, previous[1])
+    assert free == [True] and usr1 == [1]
+    np.testing.assert_allclose(w.data, 0.9 * np.ones(3))
+
+
+async def test_an_event_loops_signal_handler_is_not_swapped_on_every_step() -> None:
+    """asyncio's loop.add_signal_handler leaves a handler that does nothing
+    (the loop is woken through a file): held, it cost a swap on every step
+    (6 us) and left its system flags changed."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR2"):
+        pytest.skip("signal handlers run in the main thread, on POSIX")
+    import asyncio
+
+    from monadl.runtime import process
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        pytest.skip("asyncio's loop only")
+    calls: list[int] = []
+    loop.add_signal_handler(signal.SIGUSR2, lambda: calls.append(1))
+    try:
+        held = process.hold()
+        process.release(held)
+        w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+        await ml.sum(w * w).train()
+        signal.raise_signal(signal.SIGUSR2)
+        await asyncio.sleep(0.01)
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR2)
+    assert held is None or all(signum != signal.SIGUSR2 for signum, _ in held[0])
+    assert calls == [1]
+
+
 async def test_a_step_refused_for_a_weight_that_already_holds_an_infinity_says_so() -> None:
     """A LOG_REAL rule mask of -inf (the semiring's zero) could not step, and
     the message sent the user to check_finite, under check_finite too."""
