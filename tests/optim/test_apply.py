@@ -488,7 +488,7 @@ def test_held_signals_run_after_the_commit_lets_go_of_its_lock_and_none_is_lost(
     raised: list[int] = []
 
     def signalling(*args: Any, **kwargs: Any) -> None:
-        hold = apply.hold
+        from monadl.runtime.process import hold
 
         def held() -> Any:
             found = hold()
@@ -505,9 +505,14 @@ def test_held_signals_run_after_the_commit_lets_go_of_its_lock_and_none_is_lost(
     free: list[bool] = []
 
     def terminate(signum: int, frame: Any) -> None:
-        taker = threading.Thread(
-            target=lambda: free.append(COMMIT_LOCK.acquire(timeout=5) and not COMMIT_LOCK.release())
-        )
+        def take() -> None:
+            if COMMIT_LOCK.acquire(timeout=5):
+                COMMIT_LOCK.release()
+                free.append(True)
+            else:
+                free.append(False)
+
+        taker = threading.Thread(target=take)
         taker.start()
         taker.join()
         raise SystemExit("terminated")
