@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1096,7 +1097,29 @@ def test_a_copied_closures_operation_reads_copies_and_a_plain_functions_is_itsel
             self.cell = ml.operation(cell)
             self.local = ml.operation(lambda x: ml.tanh(x @ w))
 
+    class Helper:  # (a helper closure the cell calls, a default argument: copied too)
+        def __init__(self) -> None:
+            self.w = ml.Weight(np.ones((2, 2)), optimizer=ml.optim.sgd(0.5))
+            lock = threading.Lock()  # (what does not copy is held as it is: deepcopy still works)
+            xp = np  # (a module: held as it is)
+
+            def project(h: ml.ArrayOperand) -> ml.ArrayLayer:
+                with lock:
+                    assert xp is np
+                    return h @ self.w
+
+            self.cell = ml.operation(lambda x: ml.tanh(project(x) * 0.5) * 2.0 + 0.0 * ml.sum(x @ self.w))
+            self.local = ml.operation(lambda x, w=self.w: ml.tanh(x @ w))
+
     x = np.ones((1, 2))
+    for name in ("cell", "local"):
+        helped = Helper()
+        anyio.run(ml.sum(getattr(helped, name)(x)).train)
+        before = helped.w.data.copy()
+        helped_copy = copy.deepcopy(helped)
+        anyio.run(ml.sum(getattr(helped_copy, name)(x)).train)
+        np.testing.assert_array_equal(helped.w.data, before)
+        assert not np.array_equal(helped_copy.w.data, before)
     for name in ("cell", "local"):
         model = Model()
         anyio.run(ml.sum(getattr(model, name)(x)).train)  # (traced: its trace holds model.w)
@@ -1112,6 +1135,17 @@ def test_a_copied_closures_operation_reads_copies_and_a_plain_functions_is_itsel
     copied_nested.__wrapped__.__closure__[0].cell_contents["w"].data = np.full(2, 3.0)  # type: ignore[index]
     assert anyio.run(copied_nested(np.ones(2)).predict).tolist() == [3.0, 3.0]
     assert anyio.run(nested(np.ones(2)).predict).tolist() == [1.0, 1.0]
+
+    scale = 1.0  # (one variable two functions share: one in the copy too)
+
+    def set_scale(value: float) -> None:
+        nonlocal scale
+        scale = value
+
+    pair = copy.deepcopy((ml.operation(lambda x: ml.as_layer(x) * scale), ml.operation(set_scale)))
+    pair[1].__wrapped__(3.0)  # (the copy's setter: the copy's variable)
+    assert anyio.run(pair[0](np.ones(2)).predict).tolist() == [3.0, 3.0]
+    assert scale == 1.0
 
     def plain(x: ml.ArrayOperand) -> ml.ArrayLayer:  # (no closure: the module's names only)
         return ml.tanh(x)
