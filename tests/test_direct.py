@@ -276,6 +276,33 @@ async def test_an_examples_error_says_which_example_raised_it() -> None:
         await example(5, 1).predict()
     assert not hasattr(raised.value, "__notes__")
 
+    @ml.direct
+    async def outer(k: int) -> ml.ScalarLayer:  # (examples inside examples: the outer one first)
+        inner = [example(5 if k == 2 and j == 1 else 0, 1) for j in range(3)]  # INNER
+        await ml.values(*inner)
+        return ml.sum(w)
+
+    shared = LookupError("one object, raised again")  # (noted once, evaluation after evaluation)
+
+    @ml.direct
+    async def again(k: int) -> ml.ScalarLayer:
+        await ml.values(ml.sum(w))
+        if k == 1:
+            raise shared
+        return ml.sum(w)
+
+    with pytest.raises(LookupError) as raised:
+        await ml.stack([outer(k) for k in range(4)]).predict()  # OUTER
+    assert raised.value.__notes__ == [
+        f"monadl: raised in example 2 (from 0, in the order built) of 4 evaluated together, built at "
+        f"{__file__}:{_line_of('# OUTER')}; in its example 1 (from 0, in the order built) of 3 evaluated together, "
+        f"built at {__file__}:{_line_of('# INNER')}"
+    ]
+    for _ in range(3):
+        with pytest.raises(LookupError):
+            await ml.stack([again(k) for k in range(3)]).predict()
+    assert len(shared.__notes__) == 1
+
 
 def _line_of(marker: str) -> int:
     with open(__file__) as source:

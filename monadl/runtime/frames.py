@@ -65,16 +65,29 @@ class Fiber:
     def example(self) -> str | None:
         """Which of the examples evaluated together this fiber runs, for an
         error's note: the layer built from a ``Do`` (an ``@ml.direct`` call)
-        it evaluates, and its place among its siblings in the order they
-        were built (``ml.stack([model(x) for x in batch])``: the batch's
-        order); None for the root, or a branch of another kind."""
-        join = self.join
-        if join is None or not self.stack or type(self.stack[0]) is not FromDo:
-            return None
+        it evaluates, its place among the graph's layers built from a ``Do``
+        in the order they were built (``ml.stack([model(x) for x in
+        batch])``: the batch's order, whichever of them ran first), and so
+        for each example it runs inside of, the outermost first; None for
+        the root, or a branch of another kind."""
         from monadl.layers._site import site_text
 
-        site = site_text(self.stack[0].node._site)
-        return f"example {self.slot} (from 0, in the order built) of {len(join.values)} evaluated together, built at {site}"
+        places: list[str] = []
+        fiber: Fiber | None = self
+        while fiber is not None and fiber.join is not None:
+            join = fiber.join
+            if fiber.stack and type(fiber.stack[0]) is FromDo and join.graph is not None:
+                node = fiber.stack[0].node
+                dos = [n for n in join.graph.order or () if n._op is None]
+                if node in dos:
+                    where = f"built at {site_text(node._site)}"
+                    places.append(
+                        f"{dos.index(node)} (from 0, in the order built) of {len(dos)} evaluated together, {where}"
+                    )
+            fiber = join.fiber
+        if not places:
+            return None
+        return "example " + "; in its example ".join(reversed(places))
 
     def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:
         self.stack = stack
@@ -87,13 +100,14 @@ class Fiber:
 class Join:
     """A fiber waiting for its branches: their values and release tokens, in order."""
 
-    __slots__ = ("fiber", "remaining", "tokens", "values")
+    __slots__ = ("fiber", "graph", "remaining", "tokens", "values")
 
-    def __init__(self, fiber: Fiber, count: int) -> None:
+    def __init__(self, fiber: Fiber, count: int, graph: Graph | None = None) -> None:
         self.fiber = fiber
         self.values: list[Any] = [None] * count
         self.tokens: list[Any] = [None] * count
         self.remaining = count
+        self.graph = graph  # (the graph whose layers built from a Do these branches evaluate: `Fiber.example`)
 
 
 class Map:

@@ -181,7 +181,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                         cur, descending = thing, True
                         continue
                     if kind_of == "fork":  # several: a fiber each, the graph resumes after them
-                        join = F.Join(fiber, len(thing))
+                        join = F.Join(fiber, len(thing), frame)
                         children = []
                         for i, node in enumerate(thing):
                             child = F.Fiber(node._do, join, i)
@@ -355,7 +355,11 @@ def _name_example(error: BaseException, fiber: F.Fiber) -> None:
     alone could not tell them apart (a new user's 32 decoders)."""
     example = fiber.example()
     if example is not None and isinstance(error, Exception):
-        error.add_note(f"monadl: raised in {example}")
+        note = f"monadl: raised in {example}"
+        if note not in getattr(
+            error, "__notes__", ()
+        ):  # (an exception object raised again, evaluation after evaluation)
+            error.add_note(note)
 
 
 def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
