@@ -133,7 +133,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
             _note_others(exc, done[1])
         raise
     finally:
-        READING.reset(reading)
+        with contextlib.suppress(ValueError):  # (closed in another context: a coroutine its loop left, at exit)
+            READING.reset(reading)
         ev.reads(False)
         machine.close()
         if stepper is not None:
@@ -353,8 +354,11 @@ async def abort(ev: Evaluation, failure: BaseException | None = None) -> None:
                 direct.context.run(direct.coroutine.close)
             except RuntimeError:  # (its context entered: a failure raised from inside it) closed here
                 direct.coroutine.close()
+    pending = [held for held in reversed(ev.open) if not held.done]
+    if not pending:  # (nothing to await: an abandoned coroutine closed at exit, with no event loop, ends here)
+        return
     with anyio.CancelScope(shield=True):
-        for held in reversed(ev.open):
+        for held in pending:
             if not held.done:
                 held.done = True
                 try:

@@ -436,3 +436,31 @@ async def test_a_do_layer_used_by_two_concurrent_branches_is_evaluated_once() ->
         assert await ml.Layer(ml.Do.zip(left.forward(), right.forward()).map(lambda t: t[0])).train() == 11.0
     assert runs == 1
     assert w.data == pytest.approx(2.0 - 0.1 * 5.0)
+
+
+def test_a_step_its_event_loop_left_closes_cleanly_outside_any_loop() -> None:
+    """A loop that died with a step suspended in it (trio after a KeyboardInterrupt from a
+    non-SIGINT handler, a loop closed with a task pending) leaves its coroutine to be closed
+    later, outside any loop: the abort asked anyio for a cancel scope (NoEventLoopError), then
+    reset a context variable of another context (ValueError), and Python printed 'Exception
+    ignored' with monadl's frames. With no resource to release it closes cleanly, nothing stepped."""
+    import warnings
+
+    w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def model() -> ml.ScalarLayer:
+        await ml.values(ml.sum(w))
+        await anyio.sleep(10)
+        return ml.sum(w * w)
+
+    step = model().train()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(step)
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    step.close()  # (raised NoEventLoopError)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        del task
+    np.testing.assert_array_equal(w.data, np.ones(3))
