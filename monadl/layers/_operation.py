@@ -66,11 +66,12 @@ import threading
 import types
 from collections.abc import Callable
 from operator import attrgetter, is_
-from typing import Any, ClassVar, Final, Generic, ParamSpec, TypeVar, cast, final
+from typing import Any, ClassVar, Final, Generic, ParamSpec, TypeVar, final
 
 import numpy as np
 
 from monadl.errors import OperandError
+from monadl.layers._function_copy import function_shell, holds
 from monadl.layers._held import Held, reach
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._plans import UNSEEN, Plan, keyed, learn
@@ -159,7 +160,7 @@ class Operation(Generic[P, R]):
         the copied object, a partial's holds copied arguments, a function's
         (``def cell(h, x)`` over ``self`` or the weights, in ``__init__``)
         is a function whose closure, defaults and the functions they hold
-        hold copies (`_copied_function`), and none of this one's traces
+        hold copies (`monadl.layers._function_copy`), and none of this one's traces
         (they hold the objects it was traced with, and are keyed by their
         ids: a copied model would read and train the original's weights, as
         a closure's copy did, silently, until a new user's ensemble of
@@ -167,8 +168,8 @@ class Operation(Generic[P, R]):
         nothing (no closure, no defaults) copies as itself (Python copies no
         function), so the copy is this operation, traces and all."""
         f = self.__wrapped__
-        if type(f) is types.FunctionType and _holds(f):
-            g, fill = _function_shell(f, memo)
+        if type(f) is types.FunctionType and holds(f):
+            g, fill = function_shell(f, memo)
             made = memo[id(self)] = self._remade(g)  # (before its cells: one that holds this operation gets the copy)
             fill()
             return made
@@ -352,86 +353,6 @@ class Operation(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"
-
-
-def _holds(f: types.FunctionType) -> bool:
-    return bool(f.__closure__ or f.__defaults__ or f.__kwdefaults__)
-
-
-def _copied_function(f: types.FunctionType, memo: dict[int, Any]) -> types.FunctionType:
-    """``f`` as ``copy.deepcopy`` would copy it if Python copied functions:
-    a function over the same code whose closure cells, defaults and
-    keyword defaults hold deep copies (through ``memo``: the copied model's
-    own objects), functions among them copied so too (a helper ``def
-    proj(h): return h @ self.W`` the cell calls). A cell two functions share
-    (a ``nonlocal``) stays one in the copy; what does not copy (a module, a
-    lock, an open file) is held as it is, as by the function before."""
-    found = memo.get(id(f))
-    if found is not None:
-        return cast(types.FunctionType, found)
-    if not _holds(f):
-        return f
-    g, fill = _function_shell(f, memo)
-    fill()
-    return g
-
-
-def _function_shell(f: types.FunctionType, memo: dict[int, Any]) -> tuple[types.FunctionType, Callable[[], None]]:
-    """`_copied_function`'s function, its cells still empty, and what fills
-    them and its defaults (after the caller has put what holds it in ``memo``)."""
-    cells = tuple([_cell_shell(c, memo) for c in f.__closure__ or ()])
-    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, None, cells or None)
-    memo[id(f)] = g
-    _keep(f, memo)
-    g.__qualname__, g.__module__, g.__doc__ = f.__qualname__, f.__module__, f.__doc__
-
-    def fill() -> None:
-        for old, new in zip(f.__closure__ or (), cells):
-            if _bound(old) and not _bound(new):  # (a shared cell: filled by the first function)
-                new.cell_contents = _copied_contents(old.cell_contents, memo)
-        if f.__defaults__:
-            g.__defaults__ = tuple([_copied_contents(x, memo) for x in f.__defaults__])
-        if f.__kwdefaults__:
-            g.__kwdefaults__ = {k: _copied_contents(x, memo) for k, x in f.__kwdefaults__.items()}
-        g.__dict__.update({k: _copied_contents(x, memo) for k, x in f.__dict__.items()})
-
-    return g, fill
-
-
-def _bound(cell: types.CellType) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:  # (a variable not bound yet)
-        return False
-    return True
-
-
-def _cell_shell(cell: types.CellType, memo: dict[int, Any]) -> types.CellType:
-    """The copy's cell for ``cell``: one per cell (shared by the functions
-    that share it), filled by the first function's `_function_shell`."""
-    found = memo.get(id(cell))
-    if found is not None:
-        return cast(types.CellType, found)
-    made = memo[id(cell)] = types.CellType()
-    _keep(cell, memo)
-    return made
-
-
-def _copied_contents(x: Any, memo: dict[int, Any]) -> Any:
-    if type(x) is types.FunctionType:
-        return _copied_function(x, memo)
-    if isinstance(x, types.ModuleType):
-        return x
-    try:
-        return copy.deepcopy(x, memo)
-    except (TypeError, copy.Error):  # (a lock, a file: held by the copy as by the function before)
-        return x
-
-
-def _keep(x: Any, memo: dict[int, Any]) -> None:
-    """Keep ``x`` alive as long as ``memo``, as ``copy.deepcopy`` keeps what
-    it keys by id (another object made meanwhile could take the id)."""
-    memo.setdefault(id(memo), []).append(x)
 
 
 def operation(f: Callable[P, R]) -> Operation[P, R]:

@@ -89,6 +89,18 @@ class Fiber:
             return None
         return "example " + "; in its example ".join(reversed(places))
 
+    def note_example(self, error: BaseException) -> None:
+        """Note on a user's error from a direct-style step, a bind or a map which
+        example raised it (`example`): a batch's examples run one function
+        built at one line, so its traceback alone could not tell them apart
+        (a new user's 32 decoders). Once: an exception object may be raised
+        again, evaluation after evaluation."""
+        example = self.example()
+        if example is not None and isinstance(error, Exception):
+            note = f"monadl: raised in {example}"
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+
     def save(self, stack: list[Any], cur: Any, val: Any, tok: Any, descending: bool) -> None:
         self.stack = stack
         self.cur = cur

@@ -216,7 +216,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                         try:
                             done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
                         except Exception as exc:  # (the last example of a batch steps here too)
-                            _name_example(exc, fiber)
+                            fiber.note_example(exc)
                             raise
                         finally:  # (raised again, its traceback holds this frame: held here, a cycle)
                             failure = None
@@ -258,7 +258,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 try:
                     val = frame.function(val)
                 except Exception as exc:
-                    _name_example(exc, fiber)
+                    fiber.note_example(exc)
                     raise
                 continue
             elif t is F.Bind:
@@ -266,7 +266,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 try:
                     cur = frame.function(val)
                 except Exception as exc:
-                    _name_example(exc, fiber)
+                    fiber.note_example(exc)
                     raise
                 if not isinstance(cur, Do):
                     hint = " (return layer.forward(): the layer's Do)" if isinstance(cur, Expr) else ""
@@ -335,7 +335,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 continue
             if not ok:  # (its failure: this frame, which the traceback holds, keeps no hold on it)
                 failure, result, completion = result, None, None
-                _name_example(failure, fiber)
+                fiber.note_example(failure)
                 try:
                     raise failure
                 finally:
@@ -347,19 +347,6 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             runnable.append(fiber)
         fiber = runnable.popleft()
         stack, cur, val, tok, descending = fiber.stack, fiber.cur, fiber.val, fiber.tok, fiber.descending
-
-
-def _name_example(error: BaseException, fiber: F.Fiber) -> None:
-    """Note on a user's error from a direct-style step which example raised
-    it: a batch's examples run one function at one line, so its traceback
-    alone could not tell them apart (a new user's 32 decoders)."""
-    example = fiber.example()
-    if example is not None and isinstance(error, Exception):
-        note = f"monadl: raised in {example}"
-        if note not in getattr(
-            error, "__notes__", ()
-        ):  # (an exception object raised again, evaluation after evaluation)
-            error.add_note(note)
 
 
 def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
