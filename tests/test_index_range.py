@@ -212,7 +212,8 @@ def test_in_a_fold_block_the_step_and_the_block_are_named(batching: bool) -> Non
     ws = weights()
     before = snapshot(ws)
     trees: list[Tree] = [((1, 2), 3), (4, (5, 6)), ((7, 25), 8), (9, 10)]
-    states = fold_model(ws).batch(trees)  # (built: the word is its data argument, checked when it runs)
+    model = fold_model(ws)
+    states = model.batch(trees)  # (built: the word is its data argument, checked when it runs) FOLD-BATCH
     loss = ml.sum(ml.concatenate(states, axis=0))
     with ml.settings(batching=batching), pytest.raises(ml.ShapeError) as info:
         anyio.run(loss.train)
@@ -220,9 +221,10 @@ def test_in_a_fold_block_the_step_and_the_block_are_named(batching: bool) -> Non
     assert str(info.value) == (
         "embedding: index 25 out of range for a table of 20 rows (indices must lie in [0, 20));"
         f" layer built at {HERE}:{line_of('FOLD-STEP')}, inside the operation fold_model.<locals>.leaf_fn"
-        f" called at {HERE}:{line_of('FOLD-FUNCTION')}"
+        f" called at {HERE}:{line_of('FOLD-FUNCTION')}, built while {model!r}.batch at {HERE}:{line_of('FOLD-BATCH')}"
+        " built input 2 (from 0) of 4"
     )
-    # Raised while the batch runs, not while it is built: no note names the input (docs/api/fold.md).
+    # Raised while the batch runs, not while it is built: the message names the input, no note (docs/api/fold.md).
     assert getattr(info.value, "__notes__", None) is None
     assert unchanged(ws, before)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
 from monadl.fold._run import run
+from monadl.layers._site import caller_site
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -103,7 +104,7 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len).batch(["a", "bc"])
         [1, 2]
         """
-        return run(self, xs)
+        return run(self, xs, site=caller_site())
 
     @final
     def __rshift__(self, other: Block[Out, Z]) -> Block[In, Z]:

@@ -47,9 +47,12 @@ from monadl.fold._inputs import a_type
 from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
 from monadl.fold._stack import evaluate
 from monadl.fold._trail import _Trail, parallel
+from monadl.layers._batch_site import BatchBuild
+from monadl.layers._layer import _next_serial
 
 if TYPE_CHECKING:
     from monadl.fold._block import Block
+    from monadl.layers._site import Site
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -64,9 +67,11 @@ at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
 Run = Callable[[Any], Any]
 
 
-def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True) -> list[Y]:
+def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | None = None) -> list[Y]:
     """The outputs of ``block`` on each of ``xs``, its sub-blocks compiled once
-    for all of them (``batch`` False: ``xs`` is a call's one input).
+    for all of them (``batch`` False: ``xs`` is a call's one input). With the
+    ``site`` of a batch's call, the layers each input built are kept for an
+    error raised when the graph runs to name that input (`BatchBuild`).
 
     >>> from monadl.fold import InputTransform
     >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
@@ -75,8 +80,12 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True) -> list[Y]:
     runner = _Runner()
     f = runner.compiled(block)
     outputs: list[Y] = []
+    build = None if site is None else BatchBuild(lambda: f"{block!r}.batch", site)
+    starts = None if build is None else build.starts
     try:
         for x in xs:  # (an error of ``xs`` itself is no input's: no note)
+            if starts is not None:
+                starts.append(_next_serial())
             try:
                 outputs.append(f(x))
             except Exception as exc:  # which input, and the block: the blocks' own lines are in the traceback
@@ -89,6 +98,8 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True) -> list[Y]:
                 else:  # (a call's one input, a list too: `Block.batch` takes a batch)
                     exc.add_note(f"monadl.fold: while building the call's input ({a_type(x)}) with {block!r}{where}")
                 raise
+        if build is not None:
+            build.done(_next_serial())
     finally:  # (its closures hold the runner: a cycle a batch, 13 MB of them in a soak test, till a collection)
         runner.closures.clear()
         runner.trail = _Trail()

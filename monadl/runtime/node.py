@@ -21,6 +21,7 @@ from monadl._namespace import (
     host_scalars_to_python,
 )
 from monadl.errors import DTypeError, IndexRangeError, NonFiniteError, ShapeError
+from monadl.layers._batch_site import built_for
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, made
 from monadl.layers._operands import describe, one_float_dtype
@@ -274,8 +275,9 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 # ---- error text ---------------------------------------------------------------------
 def where(node: Any) -> str:
-    """``file:line`` of the user's code that built ``node``."""
-    return site_text(node._site)
+    """``file:line`` of the user's code that built ``node``, and the input of
+    a Fold batch it was built for (`built_for`; a weight has no number)."""
+    return site_text(node._site) + built_for(getattr(node, "_serial", -1))
 
 
 def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -163,3 +164,55 @@ def test_a_sequence_block_given_no_sequence_names_itself_and_the_input(block: An
         with pytest.raises(TypeError) as info:
             block(given)
         assert str(info.value) == f"{name} takes a sequence, and was given {text}"
+
+
+def _line_of(text: str) -> int:
+    """The line of this file holding ``text``."""
+    with open(__file__) as f:
+        return next(n for n, line in enumerate(f, 1) if text in line)
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_an_error_when_the_graph_runs_names_the_input_of_the_batch_it_was_built_for(setting: bool | None) -> None:
+    table = ml.Weight(np.arange(40.0).reshape(20, 2))
+    block = InputTransform[list[int], Any](np.asarray) >> Function(lambda ids: ml.embedding(table, ids))
+    outs = block.batch([[1, 2], [3, 4], [5, 25], [6, 7]])  # the batch's line
+    loss = ml.sum(ml.stack([ml.sum(o) for o in outs]))
+    with ml.settings(batching=setting), pytest.raises(ml.IndexRangeError) as info:
+        anyio.run(loss.train)
+    batch = f"{__file__}:{_line_of('# the batch' + chr(39) + 's line')}"
+    assert str(info.value).endswith(
+        f", built while InputTransform(asarray) >> Function(<lambda>).batch at {batch} built input 2 (from 0) of 4"
+    )
+    assert table.data[5, 0] == 10.0  # nothing changed
+
+
+def test_a_run_time_error_names_each_batch_it_was_built_for_outermost_first() -> None:
+    node = tree_model()
+    inner = InputTransform[list[Any], Any](lambda xs: node.batch(xs)[-1])  # (a batch built inside another's)
+    outer = InputTransform[list[Any], Any](lambda xs: xs) >> inner
+    trees = [[LEAF], [LEAF, op(LEAF, {"kind": "leaf", "x": [0.5, np.nan]})]]
+    outs = outer.batch(trees)  # the outer batch
+    with ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as info:
+        anyio.run(ml.sum(ml.stack(outs)).predict)
+    message = str(info.value)
+    outer_at = f"{__file__}:{_line_of('# the outer batch')}"
+    inner_at = f"{__file__}:{_line_of('# (a batch built inside')}"
+    assert message == (
+        f"the data given at {__file__}:{_line_of('leaf = Record')}"
+        f", built while InputTransform(<lambda>) >> InputTransform(<lambda>).batch at {outer_at} built input 1 (from 0)"
+        f" of 2, built while ForwardDeclaration('node').batch at {inner_at} built input 1 (from 0) of 2"
+        " already holds a NaN or an infinity (float64[1, 2])"
+    )
+
+
+def test_layers_of_no_batch_and_of_a_batch_long_gone_name_no_input() -> None:
+    from monadl.layers._batch_site import KEPT, built_for
+
+    x = ml.as_layer(np.ones(2))
+    assert built_for(x._serial) == ""
+    first = InputTransform[float, Any](lambda v: ml.as_layer(np.array([v]))).batch([1.0, 2.0])
+    assert built_for(first[1]._serial).endswith("built input 1 (from 0) of 2")
+    for _ in range(KEPT):
+        InputTransform[float, float](float).batch([1.0])
+    assert built_for(first[1]._serial) == ""
