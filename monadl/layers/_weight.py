@@ -129,8 +129,10 @@ class Weight(Expr[D, G]):
         elif isinstance(data, np.ndarray):
             if data.dtype.kind != "f":
                 raise OperandError(f"Weight(...) takes a float array, got dtype {data.dtype}")
-            # (in native byte order: a big-endian array read from a file steps, saves and loads as any other)
-            data = data.astype(data.dtype.newbyteorder("="), order="C")
+            # (in native byte order: a big-endian array read from a file steps, saves and loads as any other;
+            # NumPy's own dtype object, not an equal copy ``newbyteorder`` makes: the runtime checks dtypes by
+            # identity first, and an equal copy cost every node reading the weight a full check until its first step)
+            data = data.astype(np.dtype(data.dtype.char), order="C")
         elif not isinstance(data, np.floating):
             data = np.float64(data)
         if optimizer is None:
