@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import array_api_strict as xs
 import numpy as np
@@ -90,7 +92,12 @@ def test_a_weights_dtype_is_numpys_own_so_the_runtime_need_not_check_its_operand
     assert w.data.dtype is np.dtype(np.dtype(dtype).char) and w.data.dtype.isnative
     checked: list[str] = []
     check = node._check_dtypes
-    monkeypatch.setattr(node, "_check_dtypes", lambda n, args: checked.append(n._op.name) or check(n, args))
+
+    def spy(n: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        checked.append(n._op.name)
+        return check(n, args)
+
+    monkeypatch.setattr(node, "_check_dtypes", spy)
     x = np.ones(3, w.dtype)
     assert anyio.run((x * w + w).predict).tolist() == [2.0] * 3
     assert checked == []
