@@ -6,9 +6,10 @@ graph for all its inputs, each input's layers at one line of the block, so
 an error from one of them (an embedding's index out of range, a NaN under
 ``check_finite``) could not say which input's it was. Layers are numbered
 in the order built (``Layer._serial``), so the builder keeps, per batch,
-the first number of each input's layers (`BatchBuild`: one number an input),
-and an error's text looks the layer's number up (`built_for`). The last
-`KEPT` batches are kept, whose layers are the ones a model evaluates next.
+the first number of each input's layers (`BatchBuild`: one number an input,
+and the builder's text, which holds no block or weight alive), and an
+error's text looks the layer's number up (`built_for`). The last `KEPT`
+batches are kept, whose layers are the ones a model evaluates next.
 A layer another thread built while a batch was built falls in that batch's
 numbers too: the text says "built while".
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
 from typing import Final, final
 
 from monadl.layers._site import Site, site_text
@@ -36,7 +36,7 @@ class BatchBuild:
 
     __slots__ = ("end", "site", "starts", "what")
 
-    def __init__(self, what: Callable[[], str], site: Site) -> None:
+    def __init__(self, what: str, site: Site) -> None:
         self.what = what
         self.site = site
         self.starts = array("q")
@@ -63,5 +63,5 @@ def built_for(serial: int) -> str:
     found = [(b, i) for b in list(_KEPT) if (i := b.input_of(serial)) is not None]
     found.sort(key=lambda bi: bi[0].starts[0] - bi[0].end)  # (the widest, outermost, first)
     return "".join(
-        f", built while {b.what()} at {site_text(b.site)} built input {i} (from 0) of {len(b.starts)}" for b, i in found
+        f", built while {b.what} at {site_text(b.site)} built input {i} (from 0) of {len(b.starts)}" for b, i in found
     )

@@ -216,3 +216,19 @@ def test_layers_of_no_batch_and_of_a_batch_long_gone_name_no_input() -> None:
     for _ in range(KEPT):
         InputTransform[float, float](float).batch([1.0])
     assert built_for(first[1]._serial) == ""
+
+
+def test_a_kept_batch_holds_no_block_alive() -> None:
+    import gc
+    import weakref
+
+    def model() -> tuple[InputTransform[int, Any], weakref.ref[ml.ArrayWeight]]:
+        table = ml.Weight(np.ones((3, 2)))
+        return InputTransform[int, Any](lambda i: ml.embedding(table, np.array([i]))), weakref.ref(table)
+
+    block, gone = model()
+    assert gone() is not None
+    block.batch([0, 1])
+    del block
+    gc.collect()
+    assert gone() is None  # (a model dropped between experiments: its weights go with it)
