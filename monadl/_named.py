@@ -8,6 +8,7 @@ import array
 import dataclasses
 import functools
 import types
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, MutableSequence, ValuesView
 from typing import Any, Final
 
@@ -17,7 +18,23 @@ from monadl.errors import CheckpointError
 from monadl.layers import Layer, Weight
 from monadl.layers._operation import Operation
 
-__all__ = ["named_weights", "named_weights_and_aliases"]
+__all__ = ["ModelWrapper", "named_weights", "named_weights_and_aliases"]
+
+
+class ModelWrapper(ABC):
+    """An object that trains a model on the model's behalf (`monadl.distributed.DataParallel`):
+    walked as its `model`, so that ``ml.save(path, wrapper)`` writes the
+    model's own names and ``ml.load(path, wrapper)`` reads them, and a
+    checkpoint moves between the wrapped model and the plain one as it is.
+    (PyTorch's DDP prefixes every name with ``module.``, so its checkpoints
+    load into the plain model only once the prefix is stripped.)"""
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def model(self) -> object:
+        """The model, as it was given."""
 
 # Objects that hold no weights worth walking into: classes, modules, arrays.
 # (A function, a bound method and a partial hold what their code reads:
@@ -71,7 +88,9 @@ def named_weights(model: object) -> dict[str, Weight[Any, Any]]:
     walked. A weight reached twice
     (shared, tied) is named once, by its first path; its other paths are
     its aliases (`named_weights_and_aliases`), which a checkpoint records.
-    Built layers are not walked into, nor a module's globals. The walk is
+    Built layers are not walked into, nor a module's globals; a
+    `ModelWrapper` (a `monadl.distributed.DataParallel`) is walked as the
+    model it wraps, under the same names. The walk is
     iterative, so deep models are fine.
 
     >>> import numpy as np, monadl as ml
@@ -256,6 +275,8 @@ def _walk(start: list[_Entry], walk: _Walk, defer: list[_Entry] | None) -> None:
     stack = start[::-1]
     while stack:
         name, node, parent, key, position = stack.pop()
+        while isinstance(node, ModelWrapper):
+            node = node.model
         while defer is None and type(node) in (types.MethodType, Operation):
             node = node.__self__ if type(node) is types.MethodType else node.__wrapped__  # type: ignore[attr-defined]
         if id(node) in seen:

@@ -50,7 +50,7 @@ from typing import Any, Final, final
 import anyio
 import numpy as np
 
-from monadl._named import named_weights
+from monadl._named import ModelWrapper, named_weights
 from monadl.distributed._comm import Communicator, RankFailure, agree, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import Overlap, Plan, flatten, next_plan, plan_buckets, unflatten
@@ -73,7 +73,7 @@ _NOT_BROADCAST: Final = "no rank took the root's weights"
 
 
 @final
-class DataParallel:
+class DataParallel(ModelWrapper):
     """Train one model on every rank, each on its own shard, as one model.
 
     ``await dp.train(loss)`` computes this rank's gradients, averages them
@@ -88,6 +88,12 @@ class DataParallel:
     ``train`` calls meet the others' in order: call `finish` on every rank
     when its data ends, and pass each batch's number as ``step`` to have the
     ranks checked to be on the same batch at every step.
+
+    ``ml.save(path, dp)`` and ``ml.load(path, dp)`` save and load its
+    `model`, under the model's own names (no ``module.`` prefix, as PyTorch's
+    DDP adds): a checkpoint moves between the plain model and the wrapped
+    one as it is. A load changes only this rank's weights: load on every
+    rank, or on one and then `broadcast`.
 
     Args:
         model: the weights to keep in sync: a `Weight`, or any object,
@@ -127,6 +133,7 @@ class DataParallel:
         "_finished",
         "_index",
         "_labels",
+        "_model",
         "_order",
         "_plan",
         "_times",
@@ -146,6 +153,7 @@ class DataParallel:
         overlap: bool = False,
     ) -> None:
         self._comm = mpi_world() if comm is None else comm
+        self._model = model
         named = named_weights(model)  # (`find_weights`, with the names that errors show)
         self._weights = tuple(named.values())
         self._labels = tuple(label(name, i) for i, name in enumerate(named))
@@ -161,6 +169,11 @@ class DataParallel:
         self._dense: set[int] = set()  # weights (by index) that had a dense gradient on some rank
         self._order: dict[int, int] = {}  # weight index -> its gradient's earliest position, last seen
         self._times: dict[str, float] = {}
+
+    @property
+    def model(self) -> object:
+        """The model it trains, as given: what `monadl.save` and `monadl.load` see in its place."""
+        return self._model
 
     @property
     def rank(self) -> int:

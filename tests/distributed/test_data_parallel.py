@@ -861,3 +861,29 @@ def test_a_rank_that_returned_without_finish_is_said_to_have_returned() -> None:
         "no rank stepped: rank 1 ended (it returned) before this collective (a rank that returned made fewer "
         "exchanges: fewer batches, say; DataParallel.finish() at the end of every rank's data names each rank's step)"
     )
+
+
+def test_a_data_parallel_saves_and_loads_under_its_models_own_names(tmp_path: Any) -> None:
+    # ml.save(path, dp) wrote the wrapper's fields ('_weights.0' ...), which the plain model
+    # could not load (a new user's trial); DDP's state_dict prefixes 'module.' instead.
+    async def rank(comm: Communicator) -> tuple[list[str], Arrays, Arrays, list[float]]:
+        net = Net(0)
+        dp = DataParallel(net, comm)
+        x, y, head = batches(1)[0]
+        await dp.train(net.loss(x, y, head))
+        ml.save(tmp_path / "dp.safetensors", dp)
+        plain = Net(1)
+        ml.load(tmp_path / "dp.safetensors", plain)  # the wrapped model's checkpoint, into the plain model
+        ml.save(tmp_path / "plain.safetensors", plain)
+        wrapped = DataParallel(Net(2), comm)
+        ml.load(tmp_path / "plain.safetensors", wrapped)  # and the plain model's, into a wrapped one
+        moments = [float(np.sum(w.state[0].mu)) for w in (net.heads[0], plain.heads[0], wrapped.weights[2])]
+        names = list(ml.checkpoint.named_weights({"dp": dp}))
+        return names, net.weights(), {f"{i}": np.asarray(w.data) for i, w in enumerate(wrapped.weights)}, moments
+
+    ((names, trained, loaded, moments),) = run_local(1, rank)
+    assert names == ["dp.w1", "dp.b1", "dp.heads.0", "dp.heads.1", "dp.scale"]
+    assert trained.keys() == loaded.keys()
+    for name in trained:
+        np.testing.assert_array_equal(loaded[name], trained[name])
+    assert moments[0] != 0.0 and moments == [moments[0]] * 3  # (Adam's first moment came through both ways)
