@@ -294,7 +294,8 @@ async def poll(
                 {},
                 f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or "
                 "hangs, or ended without this exchange: a rank with fewer batches, which DataParallel.finish() "
-                "reports at once)",
+                "reports at once; or this rank was the late one, and the others had given up on an earlier "
+                "exchange before it came)",
                 in_step=False,
             )
         await anyio.sleep(0.0 if waited < spin else idle)
@@ -321,17 +322,24 @@ async def agree(
     cause: Exception | None,
     status: npt.NDArray[np.int64] | None = None,
     parted: Callable[[npt.NDArray[np.int64]], str] | None = None,
+    late: Callable[[npt.NDArray[np.int64]], str] | None = None,
 ) -> npt.NDArray[np.int64]:
     """All-gather each rank's status (element 0: the length of its failure
     message, 0 if none); if any rank failed, all-gather the messages and raise
     the same `RankFailure` everywhere. ``parted`` reads the gathered statuses
     (the same on every rank) and says how the ranks have parted, if they have
-    (at different steps, or some done): then that `RankFailure` is out of step."""
+    (at different steps, or some done): then that `RankFailure` is out of step.
+    ``late`` says, before any further exchange, whether this rank came after
+    the others had given up on it (their statuses came from the exchange they
+    left): then it alone raises, out of step, with its own failure, if any."""
     message = problem.encode()
     if status is None:
         status = np.zeros(1, np.int64)
     status[0] = len(message)
     statuses = (await comm.allgather(status[None], [1] * comm.size)).reshape(comm.size, -1)
+    gone = "" if late is None else late(statuses)
+    if gone:
+        raise RankFailure({comm.rank: problem} if problem else {}, gone, in_step=False) from cause
     lengths = statuses[:, 0]
     failures: dict[int, str] = {}
     if lengths.any():

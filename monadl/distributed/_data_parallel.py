@@ -55,7 +55,7 @@ from monadl.distributed._comm import Communicator, RankFailure, agree, mpi_world
 from monadl.distributed._in_step import in_step
 from monadl.distributed._overlap import Overlap, Plan, flatten, next_plan, plan_buckets, unflatten
 from monadl.distributed._overlap import dense as dense_like
-from monadl.distributed._rank_status import _DENSE, _SPARSE, _finite, _parted, _rank_status, _status
+from monadl.distributed._rank_status import _DENSE, _SPARSE, _came, _finite, _late, _parted, _rank_status, _status
 from monadl.distributed._rows import gather_rows
 from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model
 from monadl.layers import Layer, Weight
@@ -133,6 +133,7 @@ class DataParallel(ModelWrapper):
         "_finished",
         "_index",
         "_labels",
+        "_met",
         "_model",
         "_order",
         "_plan",
@@ -161,6 +162,7 @@ class DataParallel(ModelWrapper):
         self._agreed = False  # every rank was shown to hold this model (`same_model`)
         self._calls = 0  # train() calls so far: the step of the next, unless the caller numbers them
         self._finished = False  # finish() was called: no train() nor finish() after it
+        self._met: float | None = None  # when the ranks' last exchange here ended (`_came`)
         self._index = {w: i for i, w in enumerate(self._weights)}
         self.bucket_bytes = bucket_bytes
         self.average = average
@@ -200,6 +202,7 @@ class DataParallel(ModelWrapper):
         try:
             with in_step(self._comm):
                 await self._broadcast(root)
+                self._met = time.perf_counter()
         except RankFailure as failure:  # (told as what did not happen: no rank tried to step)
             told = RankFailure(failure.failures, failure.reason, failure.in_step, outcome=_NOT_BROADCAST)
             raise told.with_traceback(failure.__traceback__) from failure.__cause__
@@ -280,7 +283,10 @@ class DataParallel(ModelWrapper):
         self._calls += 1  # (a call refused here alone still took a batch of this rank's loop)
         entry.refuse_inside_evaluation("DataParallel.train()")  # (on every rank alike, before any exchange)
         with in_step(self._comm):
-            return await self._train(loss, at)
+            try:
+                return await self._train(loss, at)
+            finally:  # (after its last exchange, failed or not: on every rank at about the same moment)
+                self._met = time.perf_counter()
 
     async def finish(self) -> None:
         """This rank's training is over: say so, on every rank, after its last `train`.
@@ -307,11 +313,14 @@ class DataParallel(ModelWrapper):
         if not self._agreed:
             await same_model(comm, self._described, checksums(self._weights), self._labels)
             self._agreed = True
+            self._met = time.perf_counter()
         if self.overlap and self._plan and comm.size > 1:
             overlap = Overlap(comm, self._plan)
             overlap.finish({})
             await overlap.wait()
-        await agree(comm, "", None, _status(len(self._weights), self._calls, finished=True), _parted)
+        status = _status(len(self._weights), self._calls, finished=True)
+        _came(status, self._met, time.perf_counter(), getattr(comm, "timeout", None))
+        await agree(comm, "", None, status, _parted, lambda statuses: _late(statuses, comm.rank))
 
     async def _train(self, loss: Layer[Any, Any], step: int) -> Any:
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
@@ -320,7 +329,8 @@ class DataParallel(ModelWrapper):
             check_start = time.perf_counter()
             await same_model(comm, self._described, checksums(weights), self._labels)
             self._agreed = True
-            checked = time.perf_counter() - check_start
+            self._met = time.perf_counter()
+            checked = self._met - check_start
         # One rank has nothing to overlap: its "all-reduce" is a copy.
         overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
         order: list[Weight[Any, Any]] = []  # weights in the order their gradients became final here
@@ -353,7 +363,8 @@ class DataParallel(ModelWrapper):
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
         agree_start = time.perf_counter()
         exposed = agree_start - backward_end
-        statuses = await agree(comm, problem, cause, status, _parted)
+        _came(status, self._met, agree_start, getattr(comm, "timeout", None))  # (a Communicator need not have one)
+        statuses = await agree(comm, problem, cause, status, _parted, lambda statuses: _late(statuses, comm.rank))
         agree_end = time.perf_counter()
         kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0

@@ -3,17 +3,21 @@ their answers are read: the status a rank all-gathers in the agreement round
 (`monadl.distributed._comm.agree`), made after its backward (`_rank_status`):
 per weight of the model whether its gradient is absent, dense or a sparse
 `SparseRows` (and how many rows) and its position in the backward's order,
-then the rank's step and whether it has finished (`DataParallel.finish`);
+then when the rank came to the exchange and its timeout (`_came`), its step
+and whether it has finished (`DataParallel.finish`);
 with the first problem the rank met (a weight outside the model, a
 non-finite gradient, an empty shard's NaN loss). `_parted` reads the
 gathered steps: where they differ, or some rank has finished while another
 still trains, every rank raises the same `RankFailure` and no rank steps.
+`_late` reads the times: whether this rank came after the others had given
+up waiting for it.
 Kept apart from `monadl.distributed._data_parallel`, which runs the step's
 exchanges, so that the status's layout is read in one place.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -26,7 +30,18 @@ from monadl.distributed._overlap import Overlap
 from monadl.distributed._same_model import shape_of
 from monadl.layers import Weight
 
-__all__ = ["_DENSE", "_EMPTY_SHARD", "_SPARSE", "_finite", "_is_nan", "_parted", "_rank_status", "_status"]
+__all__ = [
+    "_DENSE",
+    "_EMPTY_SHARD",
+    "_SPARSE",
+    "_came",
+    "_finite",
+    "_is_nan",
+    "_late",
+    "_parted",
+    "_rank_status",
+    "_status",
+]
 
 _ABSENT, _DENSE, _SPARSE = 0, 1, 2
 
@@ -68,15 +83,66 @@ def _rank_status(
     return status, problem
 
 
+_CAME, _PATIENCE = -4, -3  # (microseconds: `_came`)
+
+
 def _status(n: int, step: int, finished: bool) -> npt.NDArray[np.int64]:
     """A rank's status for ``n`` weights: its failure's length (filled by `agree`);
     per weight its gradient's kind, rows and position in the backward's order
-    (-1: none); its step; whether it has finished."""
-    status = np.zeros(3 + 3 * n, np.int64)
+    (-1: none); when it came and its timeout (-1: unknown; filled by `_came`);
+    its step; whether it has finished."""
+    status = np.zeros(5 + 3 * n, np.int64)
     status[1 + 2 * n : 1 + 3 * n] = -1
+    status[_CAME] = status[_PATIENCE] = -1
     status[-2] = step
     status[-1] = finished
     return status
+
+
+def _came(status: npt.NDArray[np.int64], since: float | None, now: float, patience: float | None) -> None:
+    """Note in ``status`` when this rank came to the exchange: ``now`` - ``since``,
+    the end of the ranks' last exchange here (a collective ends on every rank
+    at about the same moment, so the ranks' times compare without a shared
+    clock), and how long it waits for the others (``patience``, its
+    communicator's timeout), both in microseconds; None: unknown."""
+    if since is not None:
+        status[_CAME] = round((now - since) * 1e6)
+    if patience is not None and math.isfinite(patience):
+        status[_PATIENCE] = round(patience * 1e6)
+
+
+LATE_MARGIN: Final = 1.0
+"""Seconds by which a rank must come later than another's timeout to be told
+that it was the late one: the slack of the ranks' common reference (when each
+saw the last exchange end; a rank polls every millisecond, and a loaded machine
+may pause it longer). Within it, its wait runs on to its own timeout."""
+
+
+def _late(statuses: npt.NDArray[np.int64], rank: int) -> str:
+    """Why ``rank`` came too late to this exchange, or ``""``: it came more than
+    their timeout (and `LATE_MARGIN`) after some other ranks, which had given up
+    on it before it came; the statuses it gathered are what they sent before
+    they gave up, and no rank waits for its next exchange."""
+    came, patience = statuses[:, _CAME], statuses[:, _PATIENCE]
+    mine = int(came[rank])
+    if mine < 0:
+        return ""
+    gone = [
+        q
+        for q in range(len(statuses))
+        if q != rank and came[q] >= 0 and patience[q] >= 0 and mine - came[q] > patience[q] + LATE_MARGIN * 1e6
+    ]
+    if not gone:
+        return ""
+    after = (mine - int(max(came[q] for q in gone))) / 1e6
+    timeouts = ", ".join(f"{t / 1e6:g}" for t in sorted({int(patience[q]) for q in gone}))
+    one = len(gone) == 1
+    return (
+        f"rank {rank} was the late one: it came to this exchange {after:.3g} s after {_ranks(gone)}, past "
+        f"{'its' if one else 'their'} timeout of {timeouts} s, so {'it' if one else 'they'} had given up waiting "
+        f"for it (this rank spent that long since the ranks' last exchange: in its loader, forward and backward, "
+        "or paused); where a rank may be that slow, give the communicator a longer timeout"
+    )
 
 
 def _parted(statuses: npt.NDArray[np.int64]) -> str:

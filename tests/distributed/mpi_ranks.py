@@ -18,6 +18,10 @@ it raised and whether its weight changed to ``OUT/rank{r}.json``.
 and calls ``finish()`` after its last; each writes what every call gave and
 its weight to ``OUT/rank{r}.json``.
 
+``python mpi_ranks.py late OUT``: rank 1 pauses 5 s (past the 2 s timeout)
+before its second step; each writes what that step raised and how long it
+took to ``OUT/rank{r}.json``.
+
 The models and batches come from `model_batches`, which the test also uses
 for its one-process reference.
 """
@@ -168,11 +172,33 @@ async def uneven(out: Path) -> None:
     (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
 
 
+async def late(out: Path) -> None:
+    import time
+
+    from monadl.distributed import DataParallel, RankFailure, mpi_world
+
+    comm = mpi_world(timeout=2.0)
+    weight = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
+    dp = DataParallel(weight, comm)
+    await dp.train(ml.mean(weight * 1.0))
+    if comm.rank == 1:
+        time.sleep(5.0)  # (busy in Python: its event loop too)
+    start = time.perf_counter()
+    report: dict[str, Any] = {}
+    try:
+        await dp.train(ml.mean(weight * 1.0))
+    except RankFailure as error:
+        report["error"] = str(error)
+    report["took"] = time.perf_counter() - start
+    report["weight"] = float(weight.data[0])
+    (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
+
+
 def main() -> None:
     import anyio
 
     mode, out = sys.argv[1], Path(sys.argv[2])
-    anyio.run({"train": train, "kill": kill, "mismatch": mismatch, "uneven": uneven}[mode], out)
+    anyio.run({"train": train, "kill": kill, "mismatch": mismatch, "uneven": uneven, "late": late}[mode], out)
     if mode == "kill":
         # After a dead peer MPI cannot finalize (its finalize would wait for
         # the dead rank): leave without it, as a real job would after the error.

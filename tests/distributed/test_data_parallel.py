@@ -6,6 +6,7 @@ The same protocol runs across processes in test_mpi.py.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import types
 from collections.abc import Sequence
@@ -190,6 +191,51 @@ def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
     for (first_in_step, _), (second_in_step, second) in run_local(2, rank, timeout=0.2):
         assert not first_in_step and not second_in_step
         assert "out of step after an earlier step" in second and ("no answer" in second or "ended" in second)
+
+
+def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no_more() -> None:
+    # Rank 1 paused past the timeout before its second step: its status all-gather met the
+    # one rank 0 had left, then it waited a second full timeout in the all-reduce and said
+    # "no answer from the other ranks", though it was the late one (a new user's trial, MPI).
+    timeout, pause = 0.5, 2.5
+    told = threading.Event()
+
+    async def rank(comm: Communicator) -> tuple[bool, str, float, bool]:
+        net = Net(0)
+        dp = DataParallel(net, comm)
+        x, y, head = batches(1)[0]
+        xs, ys = shard(x, comm.rank, 2), shard(y, comm.rank, 2)
+        await dp.train(net.loss(xs, ys, head))
+        before = net.weights()
+        if comm.rank == 1:
+            time.sleep(pause)  # (its event loop too, as a rank busy in Python)
+        start = time.perf_counter()
+        with pytest.raises(RankFailure) as caught:
+            await dp.train(net.loss(xs, ys, head))
+        took = time.perf_counter() - start
+        if comm.rank == 0:
+            told.wait(30.0)  # (alive meanwhile, as an MPI process: its thread's end would tell rank 1 at once)
+        else:
+            told.set()
+        unchanged = all(np.array_equal(before[k], v) for k, v in net.weights().items())
+        return caught.value.in_step, str(caught.value), took, unchanged
+
+    (in_step0, waited, _, unchanged0), (in_step1, late, took, unchanged1) = run_local(2, rank, timeout=timeout)
+    assert not in_step0 and not in_step1 and unchanged0 and unchanged1
+    assert waited == (
+        "no rank stepped: rank 0: no answer from the other ranks in all-gather within 0.5 s (a rank died or hangs, "
+        "or ended without this exchange: a rank with fewer batches, which DataParallel.finish() reports at once; "
+        "or this rank was the late one, and the others had given up on an earlier exchange before it came)"
+    )
+    head, _, tail = late.partition(" s after rank 0")
+    assert head.startswith("no rank stepped: rank 1 was the late one: it came to this exchange ")
+    assert pause - 0.5 < float(head.rsplit(" ", 1)[1]) < pause + 0.5
+    assert tail == (
+        ", past its timeout of 0.5 s, so it had given up waiting for it (this rank spent that long since the "
+        "ranks' last exchange: in its loader, forward and backward, or paused); where a rank may be that slow, "
+        "give the communicator a longer timeout"
+    )
+    assert took < timeout  # (no second wait for a rank that had left)
 
 
 def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
@@ -627,7 +673,7 @@ def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
             gathered.append(counting.gathered)
         return gathered
 
-    status = 1 + 3 * 5 + 2  # a failure's length; per weight of Net: kind, rows, position; the step, finished
+    status = 1 + 3 * 5 + 4  # a failure's length; per weight of Net: kind, rows, position; came, timeout, step, finished
     assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2
 
 

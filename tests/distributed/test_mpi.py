@@ -107,7 +107,8 @@ def test_a_rank_killed_mid_step_is_reported_by_the_survivor(tmp_path: Path) -> N
     assert report["unchanged"]
     assert report["error"].endswith(
         "rank 0: no answer from the other ranks in all-gather within 5 s (a rank died or hangs, or ended without "
-        "this exchange: a rank with fewer batches, which DataParallel.finish() reports at once)"
+        "this exchange: a rank with fewer batches, which DataParallel.finish() reports at once; or this rank was "
+        "the late one, and the others had given up on an earlier exchange before it came)"
     )
     assert not (tmp_path / "rank1.json").exists()
 
@@ -141,3 +142,18 @@ def test_a_process_with_fewer_batches_that_finishes_is_named_at_once(tmp_path: P
     for r in range(2):
         report: dict[str, Any] = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert report == {"seen": ["stepped", "stepped", ended], "weight": pytest.approx(-0.1 * 1.5 * 11)}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mpi")
+def test_a_process_that_came_after_the_others_gave_up_says_it_was_late_at_once(tmp_path: Path) -> None:
+    # Its status all-gather met the one rank 0 had left; it then waited a second timeout in
+    # the all-reduce and said "no answer from the other ranks", though it was the late one.
+    done = launch("late", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    waited, late = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert waited["error"].startswith("no rank stepped: rank 0: no answer from the other ranks in all-gather within 2 s")
+    assert late["error"].startswith("no rank stepped: rank 1 was the late one: it came to this exchange ")
+    assert " s after rank 0, past its timeout of 2 s, so it had given up waiting for it" in late["error"]
+    assert late["took"] < 2.0  # (no second timeout in the all-reduce)
+    assert waited["weight"] == late["weight"] == pytest.approx(-0.1)  # (the first step's alone)
