@@ -6,7 +6,10 @@ weight identically on every rank, or on none if any rank failed. Needs the
 ``mpi`` extra (``pip install monadl[mpi]``: mpi4py and the MPICH wheel) to run
 across processes; `run_local` runs ranks as threads of one process.
 
-Launch: ``mpiexec -n 4 python train.py`` (or ``srun python train.py``).
+Launch: ``mpiexec -n 4 python -m mpi4py train.py`` (or ``srun python -m
+mpi4py train.py``): ``-m mpi4py`` aborts the job when a rank's script raises
+an error it does not catch; without it, that rank exits and the others wait
+for it until their timeout.
 """
 
 from monadl.distributed._comm import Communicator, MpiCommunicator, Pending, RankFailure, mpi_world

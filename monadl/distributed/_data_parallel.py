@@ -81,7 +81,10 @@ class DataParallel(ModelWrapper):
     step is the full batch's) and steps every weight identically on every
     rank; if any rank failed, no rank steps and each raises `RankFailure`.
     With unequal shards each rank's mean loss still counts as one rank's
-    share (`shard`'s ``drop_last`` makes them equal); a rank whose shard is
+    share: `shard`'s ``drop_last`` makes them equal, or, to keep every
+    example, ``average=False`` with each rank's mean loss times
+    ``len(its_shard) / len(batch)`` gives the full batch's step exactly (its
+    gradients sum to the full batch's mean's); a rank whose shard is
     empty (a batch of fewer examples than ranks) has a NaN mean loss and a
     zero gradient that the average would count, so `train` refuses that
     step, on every rank, rather than take a smaller one. Each rank's

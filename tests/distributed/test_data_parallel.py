@@ -461,6 +461,35 @@ def test_ranks_whose_optimizers_have_other_hyperparameters_stop_before_any_step(
     assert run_local(2, train) == [[1.0, 1.0, 1.0]] * 2  # (no rank stepped)
 
 
+def test_uneven_shards_step_as_the_full_batch_with_each_loss_scaled_by_its_share_and_no_average() -> None:
+    # Batches of 7 on 3 ranks (shards of 3, 2, 2): the default average of the ranks' means
+    # weighs each shard alike, not each example; the documented recipe weighs each example.
+    rng = np.random.default_rng(2)
+    steps = [(rng.standard_normal((7, 4)), rng.integers(0, 3, 7), step % 2) for step in range(5)]
+
+    def trained(average: bool) -> list[Arrays]:
+        async def rank(comm: Communicator) -> Arrays:
+            net = Net(0)
+            dp = DataParallel(net, comm, average=average)
+            for x, y, head in steps:
+                xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+                loss = net.loss(xs, ys, head)
+                await dp.train(loss if average else loss * (len(xs) / len(x)))
+            return net.weights()
+
+        return run_local(3, rank)
+
+    net = Net(0)
+    for x, y, head in steps:
+        anyio.run(net.loss(x, y, head).train)
+    expected = net.weights()
+    exact, averaged = trained(average=False), trained(average=True)
+    for name in expected:
+        for weights in exact:
+            np.testing.assert_allclose(weights[name], expected[name], rtol=1e-12, atol=1e-14)
+    assert max(float(np.max(np.abs(averaged[0][k] - expected[k]))) for k in expected) > 1e-4
+
+
 def test_shard_splits_a_batch_into_disjoint_parts_that_cover_it() -> None:
     x = np.arange(10)
     parts = [shard(x, r, 3) for r in range(3)]
