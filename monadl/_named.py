@@ -36,6 +36,7 @@ class ModelWrapper(ABC):
     def model(self) -> object:
         """The model, as it was given."""
 
+
 # Objects that hold no weights worth walking into: classes, modules, arrays.
 # (A function, a bound method and a partial hold what their code reads:
 # `_held_by_code`.)

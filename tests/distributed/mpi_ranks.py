@@ -175,6 +175,8 @@ async def uneven(out: Path) -> None:
 async def late(out: Path) -> None:
     import time
 
+    import anyio
+
     from monadl.distributed import DataParallel, RankFailure, mpi_world
 
     comm = mpi_world(timeout=2.0)
@@ -182,7 +184,7 @@ async def late(out: Path) -> None:
     dp = DataParallel(weight, comm)
     await dp.train(ml.mean(weight * 1.0))
     if comm.rank == 1:
-        time.sleep(5.0)  # (busy in Python: its event loop too)
+        await anyio.sleep(5.0)
     start = time.perf_counter()
     report: dict[str, Any] = {}
     try:

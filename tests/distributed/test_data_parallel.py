@@ -208,7 +208,7 @@ def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no
         await dp.train(net.loss(xs, ys, head))
         before = net.weights()
         if comm.rank == 1:
-            time.sleep(pause)  # (its event loop too, as a rank busy in Python)
+            await anyio.sleep(pause)
         start = time.perf_counter()
         with pytest.raises(RankFailure) as caught:
             await dp.train(net.loss(xs, ys, head))

@@ -152,7 +152,9 @@ def test_a_process_that_came_after_the_others_gave_up_says_it_was_late_at_once(t
     done = launch("late", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     waited, late = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert waited["error"].startswith("no rank stepped: rank 0: no answer from the other ranks in all-gather within 2 s")
+    assert waited["error"].startswith(
+        "no rank stepped: rank 0: no answer from the other ranks in all-gather within 2 s"
+    )
     assert late["error"].startswith("no rank stepped: rank 1 was the late one: it came to this exchange ")
     assert " s after rank 0, past its timeout of 2 s, so it had given up waiting for it" in late["error"]
     assert late["took"] < 2.0  # (no second timeout in the all-reduce)
