@@ -41,7 +41,8 @@ not part of it: layers are lazy, so a trace is a program over any shapes,
 and its groups are by shape at run time. Control flow on values cannot be
 traced: a layer built from a ``Do`` (``bind``, ``@ml.direct``) or one
 built before the call and not passed in is refused with `OperandError`.
-Reading a weight's ``.data`` in ``f`` reads it once, at the trace: don't.
+A weight's ``.data`` or ``.state`` read or assigned in ``f`` is refused
+(`monadl.layers._traced_now`): the trace would keep the first call's.
 
 Most calls skip the signature's walk. Where each argument is a layer,
 weight, array or float, or a dataclass, tuple or list of them (`reader`),
@@ -388,8 +389,10 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     a string (each value its own trace). What ``f`` reads from
     elsewhere (a global, an attribute, the items of a dict, list or tuple
     that a partial or the closure holds: functions there too) is read once,
-    at its trace, as ``jax.jit`` reads it: change a weight's ``.data``, or
-    pass a new weight as an argument. Mark a method per object, bound
+    at its trace, as ``jax.jit`` reads it: change a weight's ``.data``
+    outside ``f`` (reading or assigning it inside ``f`` is refused: ``f``
+    uses the weight itself, read at each call), or pass a new weight as an
+    argument. Mark a method per object, bound
     (``self.cell = ml.operation(self._cell)``): marked in its class body,
     it is refused when read from an object, with that advice.
 

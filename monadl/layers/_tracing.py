@@ -19,7 +19,8 @@ trace cannot see inside either) or one built before the call and not passed in i
 refused with `OperandError`; a NumPy data argument computed with inside the
 function is refused too (`monadl.layers._data`, and `monadl.layers._unread`
 where NumPy reads it past its placeholder), since the trace would keep the
-first call's result.
+first call's result; so is a weight's ``.data`` or ``.state`` read or
+assigned while the function runs (`monadl.layers._traced_now`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 from operator import itemgetter
+from threading import get_ident
 from typing import Any, final
 
 import numpy as np
@@ -43,6 +45,7 @@ from monadl.layers._program import Program
 from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
+from monadl.layers._traced_now import TRACING
 from monadl.layers._unread import Recorded, check_unread
 from monadl.layers._weight import Weight
 
@@ -112,12 +115,20 @@ def _record(
     start = _next_serial()  # layers built from here on are the trace's
     holders = [_placeholder(x, i) for i, x in enumerate(leaves)]
     args, kwargs = rebuild(call, iter(holders))
+    thread = get_ident()
+    outer = TRACING.get(thread)  # (an operation traced inside another's trace: its own name, then the outer's)
+    TRACING[thread] = name
     try:
         result = f(*args, **kwargs)
     except OperandError as exc:
         name_the_cell(exc, name)
         numbers_given(exc, {id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)})
         raise
+    finally:
+        if outer is None:
+            del TRACING[thread]
+        else:
+            TRACING[thread] = outer
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
 

@@ -6,6 +6,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from math import prod
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, final, overload
 
 import numpy as np
@@ -18,6 +19,7 @@ from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._site import Site, caller_site, site_text
+from monadl.layers._traced_now import TRACING
 
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
@@ -152,7 +154,12 @@ class Weight(Expr[D, G]):
         writes only into one that nothing but the weight refers to).
 
         Treat the array as read-only: assign ``data`` to change a weight.
+        Read or assigned in an `monadl.operation` cell while it is traced,
+        it is refused (`OperandError`): the trace would keep the first
+        call's; the cell uses the weight itself, read at each call.
         """
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("read .data of")
         with COMMIT_LOCK:
             return self._data  # type: ignore[no-any-return]
 
@@ -174,6 +181,8 @@ class Weight(Expr[D, G]):
         >>> w.data
         array([1., 2.])
         """
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("assigned .data of")
         data = replace_data(self._data, value, "Weight.data")
         with COMMIT_LOCK:
             pin_for_readers((self,))
@@ -272,11 +281,15 @@ class Weight(Expr[D, G]):
         >>> w.state
         (array([1., 1.]), None)
         """
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("read .state of")
         with COMMIT_LOCK:  # (a sparse step may write rows into state arrays nobody holds, as into data)
             return self._state
 
     @state.setter
     def state(self, value: Any) -> None:
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("assigned .state of")
         state = replace_state(self._state, value, "Weight.state", _another_optimizer(self._optimizer))
         with COMMIT_LOCK:
             self._state = state
@@ -288,6 +301,27 @@ class Weight(Expr[D, G]):
             return f"Weight({data!r})"
         # (a large one's values fill a screen: its dtype, shape and line, as an error names it)
         return f"Weight({dtype_name(data.dtype)}{list(data.shape)}, built at {site_text(self._site)})"
+
+    def _refuse_in_trace(self, what: str) -> NoReturn:
+        """Refuse to read or assign this weight's data or state (``what``)
+        while an operation is traced on this thread
+        (`monadl.layers._traced_now`)."""
+        if what.startswith("assigned"):
+            why, instead = (
+                "a trace runs once per signature, not at each call, so later calls would not assign it",
+                "assign it outside the cell (before or after the call, or after predict() or train())",
+            )
+        else:
+            why, instead = (
+                "the trace would keep that value for every later call, and an assignment to the weight after it "
+                "would change nothing",
+                "use the weight itself in the cell (h - w, read at each call; ml.stop_gradient(w) where no gradient "
+                "may reach it), or pass the value as an argument (cell(h, w.data): data, read at each call)",
+            )
+        raise OperandError(
+            f"operation {TRACING[get_ident()]}: the cell {what} the weight {_shape_text(self._data)}built at "
+            f"{site_text(self._site)} (at {site_text(caller_site())}) while it was traced; {why}: {instead}"
+        )
 
     def _unread(self, what: str) -> NoReturn:
         raise OperandError(

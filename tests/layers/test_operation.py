@@ -982,6 +982,100 @@ def test_a_closure_over_a_weight_rebound_reads_the_new_weight(monkeypatch: pytes
     np.testing.assert_array_equal(old.data, np.ones(2))
 
 
+def test_a_weights_data_read_in_a_cell_is_refused_and_the_weight_itself_reads_each_call() -> None:
+    """An eval-mode batch norm closing over its running mean read
+    ``running_mean.data`` (the way to take no gradient into a buffer): the
+    trace kept that array, and a later ``.data`` assignment changed nothing,
+    silently (a new user's model: 1.0 where -4.0 was due). Now refused while
+    the cell is traced, naming the cell, the weight, the line and what to do."""
+    running_mean = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.0))
+    line = sys._getframe().f_lineno - 1
+
+    @ml.operation
+    def eval_bn(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h - running_mean.data
+
+    x = ml.as_layer(np.ones((2, 2)))
+    with pytest.raises(ml.OperandError) as raised:
+        eval_bn(x)
+    message = str(raised.value)
+    assert message.startswith(
+        f"operation {eval_bn.__name__}: the cell read .data of the weight float64[2] built at {__file__}:{line} "
+        f"(at {__file__}:{line + 5}) while it was traced; the trace would keep that value for every later call"
+    )
+    assert eval_bn.__name__.endswith("<locals>.eval_bn")
+    assert "use the weight itself in the cell (h - w, read at each call" in message
+    assert "or pass the value as an argument (cell(h, w.data)" in message
+    np.testing.assert_array_equal(running_mean.data, np.zeros(2))  # (outside a trace, read as before)
+
+    @ml.operation
+    def by_weight(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h - ml.stop_gradient(running_mean)
+
+    @ml.operation
+    def by_argument(h: ml.ArrayLayer, mean: ml.Array) -> ml.ArrayLayer:
+        return h - mean
+
+    for value in (0.0, 5.0):
+        running_mean.data = np.full(2, value)
+        np.testing.assert_array_equal(anyio.run(by_weight(x).predict), np.full((2, 2), 1.0 - value))
+        np.testing.assert_array_equal(
+            anyio.run(by_argument(x, running_mean.data).predict), np.full((2, 2), 1.0 - value)
+        )
+
+
+def test_a_weights_state_or_assignment_in_a_cell_is_refused_and_nested_cells_are_named() -> None:
+    """A trace runs once per signature: an assignment there would not
+    happen at later calls, and a state read would be kept. The innermost
+    cell being traced is named; once traces end, the weight reads and
+    assigns as before, on this thread and on others while one traces."""
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(1e-3))
+
+    @ml.operation
+    def assigns(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        w.data = np.zeros(2)
+        return h * w
+
+    @ml.operation
+    def reads_state(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * float(w.state[0].step)
+
+    @ml.operation
+    def inner(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * w.data
+
+    @ml.operation
+    def outer(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(inner(h))
+
+    x = ml.as_layer(np.ones(2))
+    with pytest.raises(
+        ml.OperandError, match=r"^operation \S*<locals>\.assigns: the cell assigned .data of the weight float64\[2\] "
+    ):
+        assigns(x)
+    with pytest.raises(ml.OperandError, match=r"later calls would not assign it: assign it outside the cell"):
+        assigns(x)
+    with pytest.raises(
+        ml.OperandError, match=r"^operation \S*<locals>\.reads_state: the cell read .state of the weight "
+    ):
+        reads_state(x)
+    with pytest.raises(ml.OperandError, match=r"^operation \S*<locals>\.inner: the cell read .data of the weight "):
+        outer(x)
+    np.testing.assert_array_equal(w.data, np.ones(2))
+    assert w.state[0].step == 0
+    read: list[Any] = []
+
+    @ml.operation
+    def waits(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        thread = threading.Thread(target=lambda: read.append(w.data))
+        thread.start()
+        thread.join()
+        return h * w
+
+    np.testing.assert_array_equal(anyio.run(waits(x).predict), np.ones(2))
+    np.testing.assert_array_equal(read[0], np.ones(2))  # (another thread's read, during the trace)
+
+
 def _parts(xs: Any) -> list[Any]:
     return [y for x in xs for y in (_parts(x) if isinstance(x, (tuple, list)) else [x])]
 

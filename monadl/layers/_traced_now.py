@@ -1,0 +1,23 @@
+"""Which `monadl.operation` each thread is tracing now.
+
+A trace runs a cell's function once per signature
+(`monadl.layers._tracing`), so what the function reads of a weight's value
+there, its ``.data`` or ``.state``, would be that array at every later
+call (an assignment to the weight after it changing nothing), and what it
+assigns would be assigned once, not at each call. `Weight` refuses both
+while its thread traces, and a layer asked for a weight's attribute (a
+weight argument, a placeholder in the cell) names the cell. A trace is
+synchronous, so a thread traces one function at a time, nested operations
+innermost first.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["TRACING"]
+
+TRACING: Final[dict[int, str]] = {}
+"""The operations being traced now, by the tracing thread's id: the
+innermost one's name. Read before the lock on every read of a weight's
+``.data``: empty, it costs that read one truth test."""
