@@ -12,9 +12,11 @@ stays identity: the runtime and users keep layers in lists and dicts.
 
 from __future__ import annotations
 
+from threading import get_ident
 from typing import TYPE_CHECKING, Final, NoReturn
 
 from monadl.errors import OperandError
+from monadl.layers._traced_now import TRACING
 
 __all__ = ["Unvalued"]
 
@@ -25,6 +27,7 @@ _NO_VALUE: Final = (
     "argument (each value its own trace)"
 )
 _SHAPED: Final = frozenset({"shape", "dtype", "ndim", "size"})
+_WEIGHTS_OWN: Final = frozenset({"data", "state", "optimizer"})
 _NO_ORDER: Final = (
     "for the larger or the smaller of layers (what max(a, b) and min(a, b) compare for), write "
     "ml.maximum(a, b) or ml.minimum(a, b) (elementwise; the largest element of one layer is ml.max(x)); "
@@ -85,8 +88,10 @@ class Unvalued:
 
         def __getattr__(self, name: str) -> NoReturn:
             """Called only for an attribute a layer does not have: for its shape
-            and dtype, what to read instead (a weight inside a marked cell is a
-            layer: its ``.shape`` was a bare AttributeError there)."""
+            and dtype, and for a weight's own data, state and optimizer, what to
+            read instead (a weight inside a marked cell is a layer: its ``.shape``
+            and ``.data`` were bare AttributeErrors there, where mypy, seeing a
+            weight parameter, accepted them)."""
             made = getattr(type(self), name, None)
             if isinstance(made, property) and made.fget is not None:  # (a weight's, failing inside: its own error)
                 made.fget(self)
@@ -96,6 +101,21 @@ class Unvalued:
                     f"found when it runs); read it from the data (an array's .{name}) or a weight's "
                     f"(w.shape, w.data.dtype); inside an ml.operation, a weight argument is a layer too: read "
                     f"its .{name} outside and pass it as an int, or let the cell close over the weight"
+                )
+            if name in _WEIGHTS_OWN and any(c.__name__ == "Layer" for c in type(self).__mro__):
+                cell = TRACING.get(get_ident())
+                whose = (
+                    " (its value is not known while the graph is built: await layer.predict() gives it)"
+                    if name == "data"
+                    else ", a weight's own"
+                )
+                raise AttributeError(
+                    f"a layer has no .{name}{whose}; inside "
+                    f"{'an ml.operation' if cell is None else f'the operation {cell}, being traced'}, a weight "
+                    f"argument is a layer too, a placeholder for each call's weight: compute with it as a layer "
+                    f"(h - w; ml.stop_gradient(w) where no gradient may reach it), or read w.{name} outside the "
+                    f"cell and pass what the cell needs as an argument (an array, such as w.data, is data there, "
+                    f"read at each call)"
                 )
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -537,6 +537,32 @@ def test_a_layers_shape_is_refused_with_what_to_read_instead() -> None:
         _ = broken.shape
 
 
+def test_a_weight_arguments_data_in_a_cell_is_refused_with_what_to_do_instead() -> None:
+    """A weight argument of a marked cell is a layer there: its ``.data``
+    (typed as a weight's, so mypy accepted it) raised a bare
+    AttributeError, 'Layer' object has no attribute 'data' (a new user's
+    batch norm); ``.state`` and ``.optimizer`` alike."""
+    running_mean = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.0))
+
+    @ml.operation
+    def center(h: ml.ArrayLayer, mean: ml.ArrayWeight) -> ml.ArrayLayer:
+        return h - mean.data
+
+    with pytest.raises(AttributeError) as raised:
+        center(ml.as_layer(np.ones((2, 2))), running_mean)
+    assert str(raised.value) == (
+        "a layer has no .data (its value is not known while the graph is built: await layer.predict() gives it); "
+        f"inside the operation {center.__name__}, being traced, a weight argument is a layer too, a placeholder for "
+        "each call's weight: compute with it as a layer (h - w; ml.stop_gradient(w) where no gradient may reach "
+        "it), or read w.data outside the cell and pass what the cell needs as an argument (an array, such as "
+        "w.data, is data there, read at each call)"
+    )
+    for name in ("state", "optimizer"):
+        with pytest.raises(AttributeError, match=rf"^a layer has no .{name}, a weight's own; inside an ml.operation, "):
+            getattr(running_mean * 2.0, name)
+    assert not hasattr(running_mean * 2.0, "data") and hasattr(running_mean, "data")
+
+
 def test_where_refuses_a_condition_that_is_not_a_boolean_array() -> None:
     w = ml.Weight(np.ones(3))
     with pytest.raises(ml.OperandError, match=r"where: the condition is a layer or a weight.*ml.direct"):
