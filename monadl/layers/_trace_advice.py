@@ -1,40 +1,227 @@
-"""The DEBUG log's advice for an operation that keeps many traces
-(`monadl.layers._operation`): what in its calls makes each its own trace."""
+"""The advice for an operation that keeps many traces (`monadl.layers._operation`):
+which of its arguments differ from call to call, and what to do about each.
+
+A trace records the arguments it was traced for (`called`: the data arrays'
+shapes and dtypes, the static values, the lengths of lists and tuples, by
+their place in the call), a few microseconds beside the trace's own
+milliseconds. Only the advice reads them (the DEBUG lines at 8, 16, 32, ...
+traces, and the WARNING at the limit): which arguments differ among the
+traces, and how the traced program uses each. The advice depends on that
+use. An array that a step takes as its index (``h[src]``, an embedding's
+indices, ``segment_sum``'s ids) must stay plain data, and so must an int
+that a step takes as a count (``segment_sum``'s ``num_segments``). Calls of
+other shapes or values then cannot share a trace, and no way of passing
+them helps: the advice is to leave the cell unmarked, or to batch the
+examples by hand. An array used as values can become a layer, and a number
+used as a value a float.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
-from monadl.layers._tracing import Trace
+import numpy as np
 
-__all__ = ["why_traces"]
+from monadl.layers._primitives import shown
+from monadl.layers._site import site_text
+
+if TYPE_CHECKING:  # (the traces hold what `called` records: `monadl.layers._tracing` imports this module)
+    from monadl.layers._tracing import Trace
+
+__all__ = ["called", "why_traces"]
+
+Path = tuple[int | str, ...]
+"""Where an argument is: its place in the call, then the field, key or item inside it."""
+
+Argument = tuple[Path, str, Any, int | None]
+"""One part of a call's signature: where, what kind (``"array"``, ``"value"``,
+``"items"``), what (a shape and dtype, a value, a length), and an array's
+leaf (its index among the call's operand leaves)."""
+
+_PARTS: Final = 64  # (the most a trace records: a cell of a hundred arguments is advised on its first)
+_STATIC: Final = (int, bool, str, np.integer, np.bool_)
+_SHOWN: Final = 3  # (values or shapes shown per argument)
+
+_BY_HAND: Final = (
+    "leave the operation unmarked (its operations still batch with those of other calls of equal shapes), "
+    "or batch the examples by hand: stack their rows into one array, offset each example's indices by the "
+    "rows before it, and run the cell once on the stack (ml.segment_sum by the offset ids sums each example's "
+    "rows apart, as torch's index_add does)"
+)
 
 
-def why_traces(traces: dict[Any, Trace]) -> str:
-    """The DEBUG log's advice for an operation of many traces: where lists or
-    tuples among the arguments differ in length, to make each one layer."""
-    if len({_lengths(key) for key in traces}) > 1:
-        return (
-            "one per signature: a list or tuple argument whose length differs per call traces each length apart, "
-            "and calls of different lengths never batch together (concatenate or stack its items into one layer, "
-            "ml.concatenate or ml.stack, and pass that)"
-        )
-    return (
-        "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
-        "differ never batch together (pass a number that differs per call as a float, and an array whose shape "
-        "differs as a layer, ml.as_layer(x), whose shape is no part of the signature where the cell reads none)"
-    )
-
-
-def _lengths(key: Any) -> tuple[int, ...]:
-    """The lengths of the lists and tuples of a signature's key (`items`
-    writes one as ``(list, items)``), in order, without recursion."""
-    found: list[int] = []
-    todo = [key]
-    while todo:
-        part = todo.pop()
-        if type(part) is tuple:
-            if len(part) == 2 and (part[0] is list or part[0] is tuple) and type(part[1]) is tuple:
-                found.append(len(part[1]))
-            todo.extend(reversed(part))
+def called(call: tuple[tuple[Any, ...], dict[str, Any]], leaves: list[Any]) -> tuple[Argument, ...]:
+    """The parts of a call's signature that the advice compares (see the module)."""
+    args, kwargs = call
+    leaf = {id(x): j for j, x in enumerate(leaves) if isinstance(x, np.ndarray)}
+    found: list[Argument] = []
+    todo: list[tuple[Path, Any]] = [((k,), v) for k, v in reversed(kwargs.items())]
+    todo += [((i,), x) for i, x in reversed(list(enumerate(args)))]
+    while todo and len(found) < _PARTS:
+        path, x = todo.pop()
+        if isinstance(x, np.ndarray):
+            found.append((path, "array", (x.shape, x.dtype), leaf.get(id(x))))
+        elif isinstance(x, _STATIC) or x is None:
+            found.append((path, "value", x, None))
+        elif type(x) is tuple or type(x) is list:
+            found.append((path, "items", len(x), None))
+            todo += [((*path, i), y) for i, y in reversed(list(enumerate(x)))]
+        elif type(x) is dict:
+            todo += [((*path, f"[{k!r}]"), y) for k, y in reversed(list(x.items()))]
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            todo += [((*path, f.name), getattr(x, f.name)) for f in reversed(dataclasses.fields(x))]
     return tuple(found)
+
+
+def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
+    """The advice for an operation of many traces: which of ``f``'s
+    arguments differ among ``traces``, and what to do for each by how the
+    cell uses it (see the module)."""
+    seen: dict[tuple[Path, str], list[tuple[Trace, Argument]]] = {}  # (by kind too: an int here, an array there)
+    for trace in traces.values():
+        for part in trace.called:
+            seen.setdefault(part[:2], []).append((trace, part))
+    differ = {where: parts for where, parts in seen.items() if len({p[2] for _, p in parts}) > 1}
+    lists = [path for path, kind in differ if kind == "items"]
+    if lists:
+        return (
+            "one per signature: a list or tuple argument whose length differs per call traces each length apart "
+            f"(here {_named(f, lists[0])}), and calls of different lengths never batch together (concatenate or "
+            "stack its items into one layer, ml.concatenate or ml.stack, and pass that)"
+        )
+    general = (
+        "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
+        "differ never batch together"
+    )
+    if not differ:  # (objects the closure holds, or arguments past those recorded)
+        return (
+            f"{general} (pass a number that differs per call as a float, and an array whose shape differs as a "
+            "layer, ml.as_layer(x), whose shape is no part of the signature where the cell reads none)"
+        )
+    kept: dict[str, list[str]] = {}  # indices and counts, by the step that takes them: plain data they stay
+    advice: list[str] = []
+    differing: list[str] = []
+    for (path, kind), parts in differ.items():
+        name = _named(f, path)
+        differing.append(f"{name}'s {'shape' if kind == 'array' else 'value'} ({_examples(parts)})")
+        use = _as_index(parts) if kind == "array" else _as_count(parts)
+        if use is not None and kind == "value" and use.startswith(_LOOKUPS):  # (an array index is read as data)
+            advice.append(
+                f"pass {name} as an integer array, np.asarray({name}), data whose value is no part of the signature"
+            )
+        elif use is not None:
+            kept.setdefault(use, []).append(name)
+        elif kind == "array":
+            advice.append(
+                f"pass an array whose shape differs as a layer, ml.as_layer({name}), whose shape is no part of the "
+                "signature where the cell reads none"
+            )
+        else:
+            advice.append(
+                f"pass a number that differs per call as a float, float({name}), where the cell computes with it"
+            )
+    text = f"{general}; here they differ in {', '.join(differing)}"
+    if advice:
+        text += f": {'; '.join(advice)}"
+    if kept:
+        uses = [f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {use}" for use, names in kept.items()]
+        text += (
+            f"; {', '.join(uses)}: index arrays and counts must stay plain data (an integer array, an int), each "
+            f"shape or value its own trace, and no way of passing them inside a cell changes that: {_BY_HAND}"
+        )
+    return text
+
+
+def _as_index(parts: list[tuple[Trace, Argument]]) -> str | None:
+    """The step that takes the array of ``parts`` as its parameter (an
+    index, indices, segment ids) in one of their traces, as ``getitem's
+    index at FILE:LINE``; None where none does (it feeds the values)."""
+    for trace, (_, _, _, leaf) in parts:
+        program = getattr(trace.op, "rule", None)
+        if leaf is None or leaf not in trace.used or program is None:
+            continue
+        slot = trace.used.index(leaf)
+        for step in getattr(program, "steps", ()):
+            for position, read in enumerate(step.takes or ()):
+                if read == slot or (type(read) is tuple and slot in read):
+                    return f"{_parameter(step.op, position)} at {site_text(step.site)}"
+    return None
+
+
+def _as_count(parts: list[tuple[Trace, Argument]]) -> str | None:
+    """The parameter that every one of ``parts``' traces gives the int of
+    its call (``segment_sum``'s ``num_segments``), as ``segment_sum's
+    num_segments at FILE:LINE``; None where there is none (or the values
+    are no ints)."""
+    common: dict[tuple[str, int], str] | None = None
+    for trace, (_, _, value, _) in parts:
+        if type(value) is not int and not isinstance(value, np.integer):
+            return None
+        program = getattr(trace.op, "rule", None)
+        found: dict[tuple[str, int], str] = {}
+        for step in getattr(program, "steps", ()):
+            for position, p in enumerate(step.params):
+                if type(p) is int and p == value:
+                    found.setdefault((shown(step.op), position), site_text(step.site))
+        common = found if common is None else {k: v for k, v in common.items() if k in found}
+        if not common:
+            return None
+    if not common:
+        return None
+    (op, position), site = next(iter(common.items()))
+    return f"{_NAMES.get(op, (op,) * (position + 1))[position]} at {site}"
+
+
+_LOOKUPS: Final = ("getitem's index", "embedding's indices")
+
+_NAMES: Final = {
+    "getitem": ("getitem's index",),
+    "embedding": ("embedding's indices",),
+    "segment_sum": ("segment_sum's segment_ids", "segment_sum's num_segments"),
+    "cross_entropy": ("cross_entropy's labels",),
+}
+
+
+def _parameter(op: Any, position: int) -> str:
+    """What a primitive's parameter is called (``getitem's index``)."""
+    name = shown(op)
+    names = _NAMES.get(name)
+    return names[position] if names is not None and position < len(names) else f"{name}'s parameter {position}"
+
+
+def _examples(parts: list[tuple[Trace, Argument]]) -> str:
+    """A few of the shapes or values an argument takes, and how many there are."""
+    shown_: list[str] = []
+    for _, (_, kind, what, _) in parts:
+        text = f"{what[1]}{list(what[0])}" if kind == "array" else repr(what)
+        if text not in shown_:
+            shown_.append(text)
+    more = f", ... {len(shown_)} in all" if len(shown_) > _SHOWN else ""
+    return ", ".join(shown_[:_SHOWN]) + more
+
+
+def _named(f: Callable[..., Any], path: Path) -> str:
+    """An argument by its parameter's name and the fields, keys or items
+    inside it (``g.src``, ``xs[2]``); ``argument 3`` where the name is unknown."""
+    head, *rest = path
+    if isinstance(head, int):
+        try:
+            names = [
+                p.name
+                for p in inspect.signature(f).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):
+            names = []
+        text = names[head] if head < len(names) else f"argument {head + 1}"
+    else:
+        text = str(head)
+    for part in rest:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += part if part.startswith("[") else f".{part}"
+    return text

@@ -45,6 +45,7 @@ from monadl.layers._program import Program
 from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
+from monadl.layers._trace_advice import Argument, called
 from monadl.layers._traced_now import TRACING
 from monadl.layers._unread import Recorded, check_unread
 from monadl.layers._weight import Weight
@@ -62,7 +63,9 @@ class Trace:
     which operand leaves the node takes, the weights it adds, how many
     outputs it has and the result's template; ``keep`` holds the objects
     whose ids are in the signature; ``make`` builds a call's node and result
-    from the call's leaves and source nodes (compiled from the rest)."""
+    from the call's leaves and source nodes (compiled from the rest);
+    ``called``, the call's arrays, static values and lengths, for the advice
+    of an operation that keeps many traces (`monadl.layers._trace_advice`)."""
 
     op: Primitive | None
     used: tuple[int, ...]
@@ -72,6 +75,7 @@ class Trace:
     template: Any
     keep: tuple[Any, ...]
     make: Callable[[list[Any], list[Any], Site | None], Any]
+    called: tuple[Argument, ...] = ()  # (the call it was traced for, as the advice of many traces reads it)
 
 
 def traced(
@@ -96,7 +100,9 @@ def traced(
     first = _record(name, f, call, leaves, views)
     check_unread(name, f, call, leaves, first, lambda other: _record(name, f, call, other, views))
     if not first.outputs:
-        return Trace(None, (), (), (), 0, first.shape, keep, _maker(None, (), (), (), 0, first.shape))
+        return Trace(
+            None, (), (), (), 0, first.shape, keep, _maker(None, (), (), (), 0, first.shape), called(call, leaves)
+        )
     # The weights' slots, those passed as arguments and those the function closes over: a product's
     # delta goes to them as factors (`Program.factors`; a weight's leaf is its own signature's).
     factors = [s for s, i in enumerate(first.used) if type(leaves[i]) is Weight]
@@ -105,7 +111,7 @@ def traced(
     op = Primitive(f"{name}#{next(_ids)}", program)
     count = len(first.outputs)
     make = _maker(op, first.used, first.sources, first.weights, count, first.shape)
-    return Trace(op, first.used, first.sources, first.weights, count, first.shape, keep, make)
+    return Trace(op, first.used, first.sources, first.weights, count, first.shape, keep, make, called(call, leaves))
 
 
 def _record(

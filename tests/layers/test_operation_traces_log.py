@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -38,9 +39,62 @@ def test_static_arguments_are_told_to_become_data(caplog: pytest.LogCaptureFixtu
     cell = ml.operation(lambda xs, k: ml.sum(ml.stack(xs) * w) * float(k))
     calls = [([w, w], k) for k in range(8)]  # lists of one length; an int that differs
     message = traces_message(caplog, calls, cell)
-    assert "has 8 traces" in message and "pass a number that differs per call as a float" in message
-    assert "an array whose shape differs as a layer, ml.as_layer(x)" in message
+    assert "has 8 traces" in message and "pass a number that differs per call as a float, float(k)" in message
+    assert "they differ in k's value (0, 1, 2, ... 8 in all)" in message
+    assert "ml.as_layer" not in message  # (no array differs: advice about arrays would be noise)
     assert "ml.stack" not in message
+
+
+def test_arrays_of_values_whose_shape_differs_are_told_to_become_layers(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda x: ml.sum(x * w))
+    message = traces_message(caplog, [(np.ones((n, 3)),) for n in range(1, 9)], cell)
+    assert "they differ in x's shape (float64[1, 3], float64[2, 3], float64[3, 3], ... 8 in all)" in message
+    assert "pass an array whose shape differs as a layer, ml.as_layer(x)" in message
+    assert "as a float" not in message and "unmarked" not in message
+
+
+def test_indices_and_counts_of_varying_shape_are_told_no_cell_takes_them(caplog: pytest.LogCaptureFixture) -> None:
+    """A new user's graph network: the advice was to pass the edges' index
+    arrays as layers and the node count as a float, both of which the cell
+    then refused (an index must be plain data; num_segments an int)."""
+    w = ml.Weight(np.ones((3, 3)))
+
+    @ml.operation
+    def cell(h: ml.ArrayOperand, src: np.ndarray, dst: np.ndarray, n: int, scale: np.ndarray) -> ml.ArrayLayer:
+        return ml.segment_sum(ml.tanh(h[src] @ w) * scale, dst, n)
+
+    calls = [
+        (ml.as_layer(np.ones((n, 3))), np.arange(n + 1) % n, np.arange(n + 1) % n, n, np.ones((n + 1, 1)))
+        for n in range(1, 9)
+    ]
+    message = traces_message(caplog, calls, cell)
+    line = cell.__wrapped__.__code__.co_firstlineno + 2
+    assert (
+        "here they differ in src's shape (int64[2], int64[3], int64[4], ... 8 in all), dst's shape (int64[2], int64[3], int64[4], "
+        "... 8 in all), n's value (1, 2, 3, ... 8 in all), scale's shape (float64[2, 1], float64[3, 1], "
+        "float64[4, 1], ... 8 in all): "
+    ) in message
+    assert "pass an array whose shape differs as a layer, ml.as_layer(scale)" in message
+    assert "ml.as_layer(src)" not in message and "ml.as_layer(dst)" not in message and "float(n)" not in message
+    assert f"src is getitem's index at {__file__}:{line}, " in message
+    assert f"dst is segment_sum's segment_ids at {__file__}:{line}, " in message
+    assert f"n is segment_sum's num_segments at {__file__}:{line}: " in message
+    assert "no way of passing them inside a cell changes that: leave the operation unmarked" in message
+    assert "batch the examples by hand" in message and "ml.segment_sum by the offset ids" in message
+
+
+def test_an_int_index_is_told_to_become_an_integer_array_which_then_shares_one_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    table = ml.Weight(np.arange(40.0).reshape(20, 2))
+    cell = ml.operation(lambda token: ml.sum(table[token]))
+    message = traces_message(caplog, [(t,) for t in range(8)], cell)
+    assert "here they differ in token's value (0, 1, 2, ... 8 in all): pass token as an integer array" in message
+    assert "float(token)" not in message
+    before = len(cell._traces)
+    values = [anyio.run(cell(np.asarray(t)).predict) for t in range(8)]
+    assert len(cell._traces) == before + 1 and values == [4.0 * t + 1.0 for t in range(8)]
 
 
 def test_the_count_of_traces_is_said_once_each_not_at_every_call_past_the_limit(
