@@ -45,7 +45,9 @@ class ShapeError(MonadlError, ValueError):
 
 class IndexRangeError(ShapeError, IndexError):
     """An index outside the rows it looks up: an embedding's index, a
-    segment id, a class label.
+    segment id, a class label, an integer (or an integer array's) in a
+    layer's index (``h[src]``, ``h[7]``: outside ``[-length, length)`` of
+    its axis, a negative one counting from the end as in NumPy).
 
     The shapes fit; a value does not. It is an `IndexError`, as NumPy and
     PyTorch raise for one, and a `ShapeError` (which monadl raised for it

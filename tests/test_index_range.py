@@ -1,7 +1,7 @@
-"""An index out of range (an embedding's, a segment id, a label) is its own
-error, `ml.IndexRangeError`: it names the value, its place in the indices,
-the range and the user's line, the same node by node, batched, inside an
-operation and in a Fold block, and no weight changes."""
+"""An index out of range (an embedding's, a segment id, a label, a gather's
+``h[src]``) is its own error, `ml.IndexRangeError`: it names the value, its
+place in the indices, the range and the user's line, the same node by node,
+batched, inside an operation and in a Fold block, and no weight changes."""
 
 from __future__ import annotations
 
@@ -249,3 +249,65 @@ def test_segment_ids_and_labels_are_named_alike(batching: bool) -> None:
         "cross_entropy: label 3 at labels[0] out of range for 3 classes (labels must lie in [0, 3));"
         f" layer built at {HERE}:{line_of('LABELS')}"
     )
+
+
+@ml.operation
+def messages(h: ml.ArrayOperand, src: np.ndarray) -> ml.ArrayLayer:
+    return ml.tanh(h[src])  # CELL-GATHER
+
+
+@pytest.mark.parametrize("batching", [False, True])
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_gather_by_an_index_array_names_the_index_as_an_embedding_does(batching: bool, marked: bool) -> None:
+    """``h[src]``, the tour's spelling of a graph network's gather, raised
+    NumPy's bare IndexError, not `ml.IndexRangeError`, node by node, batched
+    and inside a cell alike (a new user's report)."""
+    w = ml.Weight(np.ones((3, 2)))
+    before = w.data.copy()
+    hs = [ml.tanh(np.full((4, 3), 0.1 * i) @ w) for i in range(300)]  # (300 members of one shape: they group)
+    srcs = [np.array([0, 3, -4]) for _ in range(300)]
+    srcs[157] = np.array([0, 1, 4])
+    gathered = [messages(h, s) if marked else ml.tanh(h[s]) for h, s in zip(hs, srcs)]  # PER-EXAMPLE
+    with ml.settings(batching=batching), pytest.raises(ml.IndexRangeError) as info:
+        anyio.run(ml.sum(ml.stack([ml.sum(g) for g in gathered])).train)
+    where = (
+        f"{HERE}:{line_of('CELL-GATHER')}, inside the operation messages called at {HERE}:{line_of('PER-EXAMPLE')}"
+        if marked
+        else f"{HERE}:{line_of('PER-EXAMPLE')}"
+    )
+    assert str(info.value) == (
+        "getitem: index 4 at index[2] out of range for axis 0 of length 4 (indices must lie in [-4, 4), a negative"
+        f" one counted from the end); layer built at {where}"
+    )
+    assert np.array_equal(w.data, before)
+
+
+@pytest.mark.parametrize(
+    ("index", "shown"),
+    [
+        (7, "index 7 out of range for axis 0 of length 4"),
+        (-5, "index -5 out of range for axis 0 of length 4"),
+        ([1, 9], "index 9 at index[1] out of range for axis 0 of length 4"),
+        ((np.array([[0, 1], [2, -9]]), 0), "index -9 at index[0][1, 1] out of range for axis 0 of length 4"),
+        ((slice(None), np.array([0, 2])), "index 2 at index[1][1] out of range for axis 1 of length 2"),
+        ((..., np.array([5])), "index 5 at index[1][0] out of range for axis 1 of length 2"),
+        ((None, 1, 2), "index 2 at index[2] out of range for axis 1 of length 2"),
+    ],
+)
+def test_the_place_and_axis_of_an_index_out_of_range(index: Any, shown: str) -> None:
+    h = ml.Weight(np.ones((4, 2))) * 1.0
+    with pytest.raises(ml.IndexRangeError) as info:
+        anyio.run(ml.sum(h[index]).predict)  # INDEXED
+    size = 4 if "axis 0" in shown else 2
+    assert str(info.value) == (
+        f"getitem: {shown} (indices must lie in [-{size}, {size}), a negative one counted from the end);"
+        f" layer built at {HERE}:{line_of('INDEXED')}"
+    )
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_other_index_errors_keep_numpy_s_words() -> None:
+    h = ml.Weight(np.ones((4, 2))) * 1.0
+    with pytest.raises(IndexError) as info:
+        anyio.run(ml.sum(h[0, 0, 0]).predict)
+    assert type(info.value) is IndexError and "too many indices" in str(info.value)

@@ -10,7 +10,10 @@ its value a scatter of rows into zeros, its delta the gather of the rows
 back. Their indices are checked to lie in range by `_checked_indices`, which
 ``cross_entropy`` and the batching rules use for labels too: a negative one
 is refused, not counted from the end, and one out of range raises
-`IndexRangeError` (the shapes fit: a value does not).
+`IndexRangeError` (the shapes fit: a value does not). ``getitem`` lets
+NumPy check its index (a negative one counts from the end there) and turns
+the IndexError of one out of range into `IndexRangeError` (`_out_of_bounds`),
+so a lookup in range pays nothing for the words.
 """
 
 from __future__ import annotations
@@ -69,7 +72,53 @@ def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
             return out
         return scatter_add(xp, out, index, g)  # fancy indices may repeat
 
-    return a[index], (vjp,)
+    try:
+        return a[index], (vjp,)
+    except IndexError:
+        text = _out_of_bounds(shape, index)
+        if text is None:  # (too many indices, a mask of another shape: NumPy's own words)
+            raise
+        raise IndexRangeError(text) from None  # (NumPy's words, said again: noise)
+
+
+def _out_of_bounds(shape: tuple[int, ...], index: Any) -> str | None:
+    """What `_getitem` says of an index that NumPy refused: its first
+    integer outside ``[-length, length)`` of its axis, where it sits in the
+    index, and the axis; None where no integer is out of range. Read only
+    once NumPy has raised: the lookups in range pay nothing for it."""
+    items = index if type(index) is tuple else (index,)
+    axes = [_axes_taken(item) for item in items]
+    axis = 0
+    for k, (item, taken) in enumerate(zip(items, axes)):
+        if item is Ellipsis:
+            axis = len(shape) - sum(axes[k + 1 :])
+            continue
+        ints = np.asarray(item) if isinstance(item, int | np.integer | list) or hasattr(item, "dtype") else None
+        if ints is not None and ints.dtype.kind in "iu" and axis < len(shape):
+            size, flat = shape[axis], np.reshape(np.asarray(ints), (-1,))
+            bad = (flat < -size) | (flat >= size)
+            if bad.any():
+                first = int(np.argmax(bad))
+                place = f"[{', '.join(map(str, np.unravel_index(first, ints.shape)))}]" if ints.ndim else ""
+                item_at = f"[{k}]" if len(items) > 1 else ""
+                at = f" at index{item_at}{place}" if place or item_at else ""
+                return (
+                    f"index {int(flat[first])}{at} out of range for axis {axis} of length {size} "
+                    f"(indices must lie in [{-size}, {size}), a negative one counted from the end)"
+                )
+        axis += taken
+    return None
+
+
+def _axes_taken(item: Any) -> int:
+    """How many axes of the array one item of an index takes: none for
+    ``None``, ``...`` and a bool, a mask's number of axes, one for the rest."""
+    if item is None or item is Ellipsis or isinstance(item, bool | np.bool_):
+        return 0
+    kind = getattr(getattr(item, "dtype", None), "kind", None)
+    if kind == "b":
+        return int(item.ndim)
+    return 1
 
 
 def _embedding(table: Value, indices: Value) -> tuple[Value, tuple[Vjp, ...]]:

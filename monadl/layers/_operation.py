@@ -301,7 +301,9 @@ class Operation(Generic[P, R]):
             count = len(self._traces)
             # (8, 16, 32, ...: said once each; at the limit, where each new trace replaces one, not again)
             if not full and count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):
-                _log.debug("operation %s has %d traces, %s", self.__name__, count, why_traces(self.__wrapped__, self._traces))
+                _log.debug(
+                    "operation %s has %d traces, %s", self.__name__, count, why_traces(self.__wrapped__, self._traces)
+                )
         if kinds is not None:
             with self._learning:  # (another thread's walk may rebind between the check and the plan's store)
                 if (self._live is None or self._learned_under(cells, held)) and not keep:
