@@ -58,7 +58,7 @@ from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_log import declined, ran, unbatched
+from monadl.runtime.schedule.batched_log import declined, ran, unbatched, watching
 from monadl.runtime.schedule.batched_records import (
     Operand,
     batchable,
@@ -187,7 +187,7 @@ def _steps(
     elif order:
         if run.batches:
             paid((order[-1]._site, len(order)))
-        ran(order, run.batches, run.batched)
+        ran(order, run.batches, run.batched, run.alone, run.records, run.groups.where)
     return left
 
 
@@ -235,7 +235,7 @@ class _Run:
     """One scheduler run over one graph, and where each member's value sits
     in its group's output."""
 
-    __slots__ = ("batched", "batches", "ev", "forced", "groups", "records")
+    __slots__ = ("alone", "batched", "batches", "ev", "forced", "groups", "records")
 
     def __init__(self, ev: Evaluation, forced: bool, groups: Groups | None = None) -> None:
         self.ev = ev
@@ -244,6 +244,7 @@ class _Run:
         self.batches = 0  # groups that ran batched
         self.batched = 0  # and their members
         self.groups = Groups(ev.records) if groups is None else groups
+        self.alone = watching()  # (what ran one by one and why: only while the log is on for DEBUG)
 
     def each(self, nodes: list[Any]) -> None:
         """Nodes one by one, as the inline scheduler runs them."""
@@ -258,6 +259,8 @@ class _Run:
         for node in nodes:  # (once per node of the graph: names bound outside the loop)
             sig = signature(records, node, where)
             if sig is None:
+                if self.alone is not None:
+                    self.alone.unsigned += 1
                 self.each([node])
                 continue
             members = get(sig)  # (no empty list made per member, as setdefault would)
@@ -305,6 +308,8 @@ class _Run:
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             if rule is None and n > 1:
                 declined(members, ALONE_WHY.get(op.name) or f"{op.name} has no batching rule")
+            elif self.alone is not None:
+                self.alone.few(members)
             self.each(members)
             return
         records, groups = self.records, self.groups
@@ -392,6 +397,8 @@ class _Run:
             self.each(members)
             return
         if not self.forced and coarse(args, batched, n, op.elementwise):
+            if self.alone is not None:
+                self.alone.coarse += n
             self.each(members)
             return
         try:

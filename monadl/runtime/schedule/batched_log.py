@@ -7,13 +7,16 @@ size would batch (`declined`)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from collections import Counter
+from typing import Any, Final, final
 
-from monadl.layers._primitives import shown
+from monadl.layers._primitives import Primitive, shown
 from monadl.layers._program import Program, batching_rule
 from monadl.layers._site import site_text
+from monadl.layers._weight import Weight
+from monadl.runtime.schedule.batched_signature import operand_parts
 
-__all__ = ["FORCES", "HELD", "declined", "held_apart", "merged", "ran", "unbatched"]
+__all__ = ["FORCES", "HELD", "Alone", "declined", "held_apart", "merged", "ran", "unbatched", "watching"]
 
 _log: Final = logging.getLogger("monadl.batching")
 
@@ -53,27 +56,91 @@ def held_apart(order: list[Any], do: Any) -> None:
         )
 
 
-def ran(order: list[Any], groups: int, members: int) -> None:
+@final
+class Alone:
+    """What a batched run ran one by one, and why, kept only while the log is
+    on for DEBUG (`watching`): the nodes that had no partner of their
+    signature among those ready with them (``single``), and how many ran in
+    groups under their minimum (``small``), of coarse members (``coarse``)
+    or had no signature (``unsigned``). Groups declined for another reason
+    have their own lines (`declined`)."""
+
+    __slots__ = ("coarse", "single", "small", "unsigned")
+
+    def __init__(self) -> None:
+        self.single: list[Any] = []
+        self.small = self.coarse = self.unsigned = 0
+
+    def few(self, members: list[Any]) -> None:
+        """A group too small to batch: one node alone, or under its minimum."""
+        if len(members) == 1:
+            self.single.append(members[0])
+        else:
+            self.small += len(members)
+
+
+def watching() -> Alone | None:
+    """An `Alone` for a batched run where the log is on for DEBUG, else None
+    (the run then keeps nothing: one check where a group runs one by one)."""
+    return Alone() if _log.isEnabledFor(logging.DEBUG) else None
+
+
+def ran(
+    order: list[Any], groups: int, members: int, alone: Alone | None = None, records: Any = None, where: Any = None
+) -> None:
     """Log (at DEBUG, to ``monadl.batching``) what a batched run of a graph
     grouped: how many nodes ran in how many groups, the rest one by one (a
     new user forced batching on examples of different lengths, which never
-    group, and the log said nothing)."""
-    if _log.isEnabledFor(logging.DEBUG) and not groups:  # (forced, and no two nodes alike)
+    group, and the log said nothing), and why they did (`Alone`; a new
+    user's graph network got counts only)."""
+    if not _log.isEnabledFor(logging.DEBUG):
+        return
+    why = "" if alone is None else _why_alone(alone, records or {}, where or {})
+    if not groups:  # (forced, and no two nodes alike)
         _log.debug(
             "a graph of %d nodes (its last built at %s) went through batching, and no two of its nodes were alike: "
-            "all ran one by one",
+            "all ran one by one%s",
             len(order),
             site_text(order[-1]._site),
+            why,
         )
-    elif _log.isEnabledFor(logging.DEBUG):
+    else:
         _log.debug(
-            "a graph of %d nodes (its last built at %s) ran batched: %d nodes in %d groups, %d one by one",
+            "a graph of %d nodes (its last built at %s) ran batched: %d nodes in %d groups, %d one by one%s",
             len(order),
             site_text(order[-1]._site),
             members,
             groups,
             len(order) - members,
+            why,
         )
+
+
+_NAMED: Final = 3  # (the primitives named among the nodes that ran alone, most first)
+_COMPARED: Final = 64  # (nodes of one primitive compared with the first, to find a signature that differs)
+
+
+def _why_alone(alone: Alone, records: Any, where: Any) -> str:
+    """The reasons `Alone` kept, as the log line's end (empty where none)."""
+    said: list[str] = []
+    single = alone.single
+    if single:
+        counts = Counter(shown(node._op) for node in single)
+        named = ", ".join(f"{name} {count}" for name, count in counts.most_common(_NAMED))
+        more = ", ..." if len(counts) > _NAMED else ""
+        said.append(
+            f"{len(single)} had no partner of their signature among the nodes ready with them ({named}{more}); "
+            "nodes run as one kernel only with nodes of one primitive (one trace of a marked operation) whose "
+            "operands have equal shapes and dtypes and whose parameters are equal"
+            + _differ([n for n in single if shown(n._op) == counts.most_common(1)[0][0]], records, where)
+        )
+    if alone.small:
+        said.append(f"{alone.small} in groups smaller than their rule's minimum (MIN_GROUP)")
+    if alone.coarse:
+        said.append(f"{alone.coarse} in groups of coarse members (MAX_MEMBER_SIZE), which batching would not speed")
+    if alone.unsigned:
+        said.append(f"{alone.unsigned} with no signature (a plain number or another library's array among operands)")
+    return f": {'; '.join(said)}" if said else ""
 
 
 def merged(order: list[Any], fibers: int) -> None:
@@ -105,3 +172,68 @@ def declined(members: list[Any], why: str | None) -> None:
     _log.debug(
         "%d nodes of %s built at %s ran one by one: %s", len(members), shown(node._op), site_text(node._site), why
     )
+
+
+def _differ(nodes: list[Any], records: Any, where: Any) -> str:
+    """Why ``nodes`` (of one primitive's name) found no partner: that they
+    come from different traces of a marked operation, and an example of two
+    whose signatures differ, and in what (``operand 1's shape: int64[57]
+    against int64[80]``), or of two of one signature at different depths."""
+    by_op: dict[Any, list[Any]] = {}
+    for node in nodes:
+        by_op.setdefault(node._op, []).append(node)
+    first = nodes[0]
+    said = ""
+    if type(first._op.rule) is Program and len(by_op) > 1:
+        said = (
+            f"; the {len(nodes)} {shown(first._op)} nodes come from {len(by_op)} traces of the operation, one per "
+            "signature of its calls, and nodes of different traces never run as one (its DEBUG line 'has N "
+            "traces' says which arguments differ)"
+        )
+    same = max(by_op.values(), key=len)
+    if len(same) < 2:
+        return said
+    first = same[0]
+    mine = operand_parts(records, first, where)
+    for other in same[1:_COMPARED]:
+        theirs = operand_parts(records, other, where)
+        found = next(((a, x, y) for (a, x), (_, y) in zip(mine, theirs) if x != y), None)
+        if found is not None:
+            what, x, y = found
+            return (
+                f"{said}; e.g. two {shown(first._op)} nodes built at {site_text(first._site)} and "
+                f"{site_text(other._site)} differ in {what}'s {_aspect(x, y)}"
+            )
+    return (
+        f"{said}; {len(same)} {shown(first._op)} nodes of one signature (built at {site_text(first._site)}) "
+        "ran apart, at different depths of the graph (a group's members are ready together: one that feeds "
+        "another never joins it)"
+    )
+
+
+def _aspect(x: Any, y: Any) -> str:
+    """What differs between two parts of signatures, and how, in words."""
+    if _is_array_part(x) and _is_array_part(y):
+        if x[1] != y[1]:
+            return f"shape: {x[2]}{list(x[1])} against {y[2]}{list(y[1])}"
+        if x[2] != y[2]:
+            return f"dtype: {x[2]} against {y[2]}"
+        return f"type: {x[0].__name__} against {y[0].__name__}"
+    if isinstance(x, Weight) or isinstance(y, Weight):
+        return "weight: two different weights" if isinstance(x, Weight) and isinstance(y, Weight) else "kind"
+    if isinstance(x, Primitive) and isinstance(y, Primitive):
+        return f"primitive: {x.name} against {y.name}"
+    return f"value: {_part(x)} against {_part(y)}"
+
+
+def _is_array_part(x: Any) -> bool:
+    return type(x) is tuple and len(x) == 3 and type(x[1]) is tuple and hasattr(x[2], "itemsize")
+
+
+def _part(x: Any) -> str:
+    """A parameter's or number's part of a signature, as written (a slice as ``1:3``)."""
+    if type(x) is tuple and x and x[0] is slice:
+        return ":".join("" if v is None else str(v) for v in x[1:3]) + ("" if x[3] is None else f":{x[3]}")
+    if type(x) is tuple and len(x) == 2 and type(x[0]) is type:
+        return repr(x[1])
+    return repr(x)

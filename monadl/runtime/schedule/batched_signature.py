@@ -26,7 +26,7 @@ from monadl.layers._weight import Weight
 from monadl.runtime.evaluation import Record
 from monadl.runtime.schedule.batched_groups import Place
 
-__all__ = ["batched_kind", "number_key", "signature"]
+__all__ = ["batched_kind", "number_key", "operand_parts", "signature"]
 
 
 def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | None = None) -> tuple[Any, ...] | None:
@@ -86,6 +86,38 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                 return None
             key.append(k)
     return tuple(key)
+
+
+def operand_parts(records: dict[Any, Record], node: Any, where: dict[Any, Place]) -> list[tuple[str, Any]]:
+    """``node``'s signature (see `signature`) operand by operand and
+    parameter by parameter, each named (``operand 1``, ``parameter 0``), for
+    the DEBUG log to say in what two signatures differ; after the run, so a
+    group's member is read by its place (its record may not exist)."""
+    op = node._op
+    parts: list[tuple[str, Any]] = [("primitive", op)]
+    for i, x in enumerate(node._inputs):
+        kind = type(x)
+        part: Any
+        if kind is Layer:
+            place = where.get(x)
+            value = dict.get(records, x) if place is None else None  # (not `records[x]`: it would make one)
+            if place is not None:
+                part = place[2]
+            elif value is None:
+                part = None
+            elif type(value.value) is Outputs:
+                part = value.value.signature()
+            else:
+                part = (type(value.value), getattr(value.value, "shape", None), getattr(value.value, "dtype", None))
+        elif kind is Weight:
+            part = x
+        elif kind in NUMBERS:
+            part = (kind,) if op.elementwise or type(op.rule) is Program else (kind, number_key(x))
+        else:
+            part = (kind, getattr(x, "shape", None), getattr(x, "dtype", None))
+        parts.append((f"operand {i}", part))
+    parts += [(f"parameter {j}", _param_key(p)) for j, p in enumerate(node._params)]
+    return parts
 
 
 _KINDS: Final[dict[type, bool]] = {}
