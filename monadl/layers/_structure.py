@@ -76,7 +76,14 @@ def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:
     The table's delta is sparse (`monadl.typeclasses.SparseRows`): when the
     table is a `Weight`, a training step changes only the rows looked up (a
     row looked up several times steps once, with the sum of its deltas), and
-    the optimizer's per-row state of the other rows stays as it was.
+    the optimizer's per-row state of the other rows stays as it was. With
+    Adam that is lazy Adam (``torch.optim.SparseAdam``'s), another
+    algorithm than the dense Adam that ``table[indices]`` steps with (its
+    delta is dense: every row's moments, and every row, move at every
+    step), and the choice can decide how well a model trains: in a user's
+    recommender dense Adam reached a held-out AUC of 0.77 and lazy Adam
+    0.60, as in PyTorch. The lazy step costs the rows looked up, the dense
+    one the whole table.
 
     Indices must lie in ``[0, rows)``; others, negative ones included, raise
     `monadl.IndexRangeError` (a `monadl.ShapeError` and an `IndexError`)

@@ -251,9 +251,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     Algorithm 1. ``torch.optim.SparseAdam`` adds it before (to ``sqrt(nu)``,
     the paper's "epsilon hat"), which is this update with ``eps /
     sqrt(1 - b2**t)`` in place of ``eps``: about 32 times ``eps`` at the
-    first step, ``eps`` again after a few thousand. An embedding's
-    looked-up rows step as SparseAdam's do otherwise (the other rows keep
-    their moments; the step count is the table's).
+    first step, 3 times at step 100, ``eps`` again after a few thousand.
+    An embedding's looked-up rows step as SparseAdam's do otherwise (the
+    other rows keep their moments; the step count is the table's): to
+    rounding, as SparseAdam with its ``eps`` set to ``eps * sqrt(1 -
+    b2**t)`` before step ``t``. At one fixed ``eps`` the two differ where
+    ``sqrt(nu_hat)`` (about ``|g|``) is not much larger than ``eps /
+    sqrt(1 - b2**t)``, 3e-7 at the first step for the default: a table's
+    small gradients early in training (a loss averaged over a large batch)
+    can make that most of a step.
 
     The second moment's correction divides its root, as PyTorch's does:
     ``nu / (1 - b2 ** t)`` itself is 1,000 times ``nu`` at the first step and

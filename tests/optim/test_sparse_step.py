@@ -246,3 +246,43 @@ def test_a_state_read_on_another_thread_during_a_commit_waits_for_its_end(monkey
     readers[0].join()
     adam = seen[0][0]
     assert adam.step == 2 and adam is w.state[0]  # (the state the commit wrote, read after it)
+
+
+def sparse_adam(
+    table: Any, lookups: list[Any], grads: list[Any], lr: float, eps: Callable[[int], float]
+) -> tuple[Any, list[Any]]:
+    """``torch.optim.SparseAdam``'s steps (``torch/optim/_functional.py``, ``sparse_adam``) in NumPy:
+    ``eps`` added to ``sqrt(nu)``, then ``lr * sqrt(1 - b2**t) / (1 - b1**t)``; ``eps(t)`` the eps of step t."""
+    b1, b2 = 0.9, 0.999
+    w, mu, nu, moved = table.copy(), np.zeros_like(table), np.zeros_like(table), []
+    for t, (rows, g) in enumerate(zip(lookups, grads, strict=True), 1):
+        before = w.copy()
+        mu[rows] = b1 * mu[rows] + (1 - b1) * g
+        nu[rows] = b2 * nu[rows] + (1 - b2) * g * g
+        w[rows] -= lr * np.sqrt(1 - b2**t) / (1 - b1**t) * mu[rows] / (np.sqrt(nu[rows]) + eps(t))
+        moved.append(w - before)
+    return w, moved
+
+
+def test_an_embeddings_adam_is_sparse_adam_with_eps_scaled_by_the_steps_correction() -> None:
+    # A recommender's user (gradients 1e-7 to 1e-5: a mean over a large batch) read that the two were
+    # 1e-6 apart at the default eps; their first steps differed by 70% of a step. monadl adds eps after
+    # the bias correction, as torch.optim.Adam: SparseAdam's step with eps * sqrt(1 - b2**t) for eps.
+    lookups = [np.array([0, 1, 2]), np.array([1, 3]), np.array([0, 3, 4]), np.array([2])]
+    scale = np.array([[1e-7, 3e-7, 1e-6], [2e-7, 1e-5, -5e-7], [-1e-7, 4e-7, 2e-6], [3e-7, -1e-7, 1e-7]])
+    start = np.random.default_rng(1).standard_normal((5, 3))
+    w = ml.Weight(start.copy(), optimizer=ml.optim.adam(0.01))
+    grads = []
+    for rows, c in zip(lookups, scale, strict=True):
+        grads.append(np.broadcast_to(c, (len(rows), 3)))
+        anyio.run(ml.sum(ml.embedding(w, rows) * c).train)
+    scaled, _ = sparse_adam(start, lookups, grads, 0.01, lambda t: 1e-8 * np.sqrt(1 - 0.999**t))
+    np.testing.assert_allclose(w.data, scaled, rtol=0, atol=1e-15)
+    fixed, moved = sparse_adam(start, lookups, grads, 0.01, lambda t: 1e-8)
+    first = ml.Weight(start.copy(), optimizer=ml.optim.adam(0.01))
+    anyio.run(ml.sum(ml.embedding(first, lookups[0]) * scale[0]).train)
+    apart = np.abs((first.data - start) - moved[0])[lookups[0]]
+    g = scale[0]  # (a first step is lr * g / (|g| + eps) in monadl, eps / sqrt(1 - b2) = 3.2e-7 in SparseAdam)
+    np.testing.assert_allclose(apart, np.broadcast_to(0.01 * (g / (g + 1e-8) - g / (g + 1e-8 / np.sqrt(1e-3))), (3, 3)))
+    assert apart.max() > 0.65 * 0.01  # (g = 1e-7: 0.67 of a full step, lr)
+    assert np.abs(w.data - fixed).max() > 1e-3
