@@ -1,22 +1,47 @@
 """A checkpoint's file as monadl reads it (`monadl.checkpoint`): the manifest
 in its header and the digests that tell a damaged file (`digest`,
-`text_digest`), one opening for the manifest and the arrays (`read`), and,
-where safetensors cannot read it, why, from its own header's numbers
-(`unreadable`: cut short, or with bytes after its end)."""
+`text_digest`), one opening for the manifest and the arrays a load uses
+(`opened`, which reads those alone, each into an array of its own), and,
+where the file cannot be read, why, from its own header's numbers
+(`unreadable`: cut short, or with bytes after its end).
+
+Why not safetensors' own reader: it copies an array's bytes out of its
+memory map into a buffer and gives a view of that, so a load that hands
+the array to a weight (which must own its data, for steps written in place)
+copied it again, and a load held every array of the file twice before it
+changed anything. Here each array the load uses is read straight into an
+array that owns its memory, and the others (the optimizer state that
+``optimizer_state=False`` leaves, the weights a ``strict=False`` load passes
+over) are not read at all. Files are written by safetensors.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-from typing import Any, Final
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from io import FileIO
+from typing import Any, Final, final
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from monadl.errors import CheckpointError
 
-__all__ = ["FORMAT", "MANIFEST_DIGEST_KEY", "MANIFEST_KEY", "VERSION", "digest", "read", "text_digest", "unreadable"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST_DIGEST_KEY",
+    "MANIFEST_KEY",
+    "VERSION",
+    "Opened",
+    "digest",
+    "opened",
+    "text_digest",
+    "unreadable",
+]
 
 MANIFEST_KEY: Final = "monadl"
 MANIFEST_DIGEST_KEY: Final = "monadl.digest"  # (beside the manifest, not in it: it covers the manifest's exact text)
@@ -29,8 +54,13 @@ def digest(array: Any) -> str | None:
     if array is None:
         return None
     hashed = hashlib.blake2b(f"{array.dtype.str}{array.shape}".encode(), digest_size=16)
-    hashed.update(np.ascontiguousarray(array).tobytes())
+    hashed.update(_bytes(np.ascontiguousarray(array)))  # (its memory, not a copy: a table's digest cost a table)
     return hashed.hexdigest()
+
+
+def _bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    """A C-ordered array's memory as bytes, a view (``tobytes`` copies)."""
+    return array.reshape(-1).view(np.uint8).data
 
 
 def text_digest(text: str) -> str:
@@ -42,7 +72,7 @@ def text_digest(text: str) -> str:
 _MAX_HEADER: Final = 100_000_000  # (safetensors' own limit: a longer one is no header)
 
 
-def unreadable(path: str, error: SafetensorError) -> str:
+def unreadable(path: str, error: object) -> str:
     """Why safetensors cannot read ``path``: cut short (a full disk, a copy
     interrupted), or with bytes after its end, as its own header's numbers
     (its length, the arrays' offsets) tell; else it is no safetensors file."""
@@ -93,14 +123,144 @@ def _expected_size(path: str) -> tuple[int, bool] | None:
     return 8 + length + end, True
 
 
-def read(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest and the arrays of ``path``, read through one opening of
-    it: a save that replaces the file meanwhile (another process saving the
-    checkpoint that this one evaluates) must not pair one file's manifest
-    with the next one's arrays, which their digests then call damaged."""
-    with safe_open(path, framework="numpy") as file:
-        manifest = _manifest(path, file.metadata() or {})
-        return manifest, {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 - not iterable
+_DTYPES: Final = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "U64": np.uint64,
+    "I32": np.int32,
+    "U32": np.uint32,
+    "I16": np.int16,
+    "U16": np.uint16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "C64": np.complex64,
+}
+"""safetensors' dtypes that NumPy holds (those ``safetensors.numpy`` writes)."""
+
+
+@final
+class _Unreadable(Exception):
+    """Why a file is no safetensors file, in a few words for `unreadable`."""
+
+
+@final
+class _Entry:
+    """Where one array lies in the file, and its dtype and shape."""
+
+    __slots__ = ("begin", "dtype", "end", "shape")
+
+    def __init__(self, dtype: np.dtype[Any], shape: tuple[int, ...], begin: int, end: int) -> None:
+        self.dtype, self.shape, self.begin, self.end = dtype, shape, begin, end
+
+
+@final
+class Opened:
+    """A checkpoint held open: its manifest, and its arrays, read by `read`
+    from this opening (a save that replaces the file meanwhile, another
+    process saving the checkpoint that this one evaluates, must not pair one
+    file's manifest with the next one's arrays, which their digests then
+    call damaged)."""
+
+    __slots__ = ("_entries", "_file", "_start", "manifest", "path")
+
+    def __init__(self, path: str, file: FileIO, entries: dict[str, _Entry], start: int, manifest: Any) -> None:
+        self.path, self._file, self._entries, self._start = path, file, entries, start
+        self.manifest: dict[str, Any] = manifest
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+        """The arrays named ``keys``, each in an array of its own (C order,
+        native byte order, NumPy's own dtype object, writeable), all checked
+        against the manifest's digests: a damaged one, or one the file lacks,
+        is refused, naming them all."""
+        arrays = {key: self._array(key) for key in dict.fromkeys(keys) if key in self._entries}
+        saved = self.manifest.get("digests", {})  # (a checkpoint written before digests has none: read as it is)
+        damaged = sorted(
+            key
+            for key in dict.fromkeys(keys)
+            if key not in arrays or (key in saved and digest(arrays[key]) != saved[key])
+        )
+        if damaged:
+            raise CheckpointError(
+                f"{self.path} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
+                "nothing was loaded"
+            )
+        return arrays
+
+    def _array(self, key: str) -> Any:
+        entry = self._entries[key]
+        array: np.ndarray[Any, Any] = np.empty(entry.shape, entry.dtype)
+        into = _bytes(array)
+        self._file.seek(self._start + entry.begin)
+        done = 0
+        while done < len(into):  # (one read returns at most 2 GiB on Linux)
+            count = self._file.readinto(into[done:])
+            if not count:
+                raise CheckpointError(unreadable(self.path, f"the file ends inside the array {key!r}"))
+            done += count
+        if sys.byteorder == "big" and array.dtype.itemsize > 1:  # (safetensors stores little-endian)
+            array.byteswap(inplace=True)
+        return array
+
+
+@contextmanager
+def opened(path: str) -> Iterator[Opened]:
+    """``path`` opened: its manifest read and checked, its arrays ready to
+    read (`Opened.read`); a file that is no checkpoint, or is damaged, is
+    refused with `CheckpointError` saying why."""
+    with open(path, "rb", buffering=0) as file:
+        try:
+            entries, header, start = _header(file)
+        except _Unreadable as error:
+            raise CheckpointError(unreadable(path, error)) from None
+        yield Opened(path, file, entries, start, _manifest(path, header))
+
+
+def _header(file: FileIO) -> tuple[dict[str, _Entry], dict[str, str], int]:
+    """The arrays' places, the text header (``__metadata__``) and where the
+    arrays begin, checked as safetensors checks them: every array's bytes
+    its dtype and shape's, the arrays one after the other from the header's
+    end to the file's."""
+    size = os.fstat(file.fileno()).st_size
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise _Unreadable("shorter than its 8-byte header length")
+    length = int.from_bytes(prefix, "little")
+    if length > _MAX_HEADER or 8 + length > size:
+        raise _Unreadable(f"invalid header length {length} (the file holds {size - len(prefix)} bytes after it)")
+    try:
+        header = json.loads(file.read(length))
+    except ValueError as error:  # (a UnicodeDecodeError too)
+        raise _Unreadable(f"its header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise _Unreadable("its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _Unreadable("its __metadata__ is not a mapping of str to str")
+    entries = {key: _entry(key, value) for key, value in header.items()}
+    end = 0
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != end:
+            raise _Unreadable("its arrays' offsets overlap or leave a gap")
+        end = entry.end
+    if 8 + length + end != size:
+        raise _Unreadable(f"its arrays end at byte {8 + length + end} of {size}")
+    return entries, metadata, 8 + length
+
+
+def _entry(key: str, value: Any) -> _Entry:
+    try:
+        dtype = np.dtype(_DTYPES[value["dtype"]])
+        shape = tuple(value["shape"])
+        begin, end = value["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise _Unreadable(f"its header's entry for {key!r} is not a safetensors array's: {value!r}") from None
+    numbers = (*shape, begin, end)
+    if not all(type(n) is int and n >= 0 for n in numbers) or end - begin != math.prod(shape) * dtype.itemsize:
+        raise _Unreadable(f"its header's entry for {key!r} is not a safetensors array's: {value!r}")
+    return _Entry(dtype, shape, begin, end)
 
 
 def _manifest(path: str, header: dict[str, str]) -> dict[str, Any]:

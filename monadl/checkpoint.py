@@ -45,24 +45,15 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, final
 
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from monadl._atomic_file import write_atomically
-from monadl._checkpoint_file import (
-    FORMAT,
-    MANIFEST_DIGEST_KEY,
-    MANIFEST_KEY,
-    VERSION,
-    digest,
-    read,
-    text_digest,
-    unreadable,
-)
+from monadl._checkpoint_file import FORMAT, MANIFEST_DIGEST_KEY, MANIFEST_KEY, VERSION, digest, opened, text_digest
 from monadl._checkpoint_match import match, nothing_in_common
 from monadl._named import named_weights, named_weights_and_aliases
 from monadl._namespace import library_name
@@ -242,9 +233,14 @@ def load(
     alone: it loads into a model that reaches the weight by that path.)
 
     Everything is checked before anything changes: the names of the weights
-    (none missing, none extra), each one's shape and dtype, and the structure
-    of each one's optimizer state. A mismatch raises `CheckpointError` listing
-    every offending weight by name, and leaves the model as it was. Each
+    (none missing, none extra), each one's shape and dtype, the structure
+    of each one's optimizer state, and the digest of every array it loads.
+    A mismatch raises `CheckpointError` listing every offending weight by
+    name, and leaves the model as it was. Only the arrays that load are
+    read (not the optimizer state with ``optimizer_state=False``, nor
+    weights passed over), each into the array its weight then holds, so a
+    load holds what it loads once, beside the weights it replaces until
+    they go (a damaged array it does not read is not noticed). Each
     weight keeps the array library and the type it has in memory (a NumPy
     scalar stays one; a CuPy weight gets its values copied to its device).
     Load between steps: a ``train()`` in flight would then step the loaded
@@ -265,23 +261,18 @@ def load(
             f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"
         )
     _not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
-    try:
-        manifest, tensors = read(os.fspath(path))
-    except SafetensorError as error:
-        raise CheckpointError(unreadable(os.fspath(path), error)) from None
-    damaged = sorted(key for key, saved in manifest.get("digests", {}).items() if digest(tensors.get(key)) != saved)
-    if damaged:  # (a checkpoint written before digests has none: read as it is)
-        raise CheckpointError(
-            f"{os.fspath(path)} is damaged: the bytes of {', '.join(map(repr, damaged))} are not those saved; "
-            "nothing was loaded"
-        )
     weights, aliases, _ = named_weights_and_aliases(model)
-    if not weights:
-        raise CheckpointError(_no_weights(model, "load", "nothing would load"))
-    saved = {entry["name"]: entry for entry in manifest["weights"]}
-    found = match(weights, aliases, saved, manifest.get("aliases", {}))
-    if len(found.extra) == len(saved):  # (strict or not: a load that loads nothing is never meant)
-        raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
+    with opened(os.fspath(path)) as file:
+        manifest = file.manifest
+        if not weights:
+            raise CheckpointError(_no_weights(model, "load", "nothing would load"))
+        saved = {entry["name"]: entry for entry in manifest["weights"]}
+        found = match(weights, aliases, saved, manifest.get("aliases", {}))
+        if len(found.extra) == len(saved):  # (strict or not: a load that loads nothing is never meant)
+            raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
+        used = [sources[0] for sources in found.sources.values() if sources]
+        # (only what loads is read: not the optimizer state optimizer_state=False leaves, nor weights passed over)
+        tensors = _Once(file.read([*used, *(key for name in used for key in _arrays_of(saved[name], optimizer_state))]))
     problems = []
     missing, extra = found.missing, found.extra
     left_out = manifest.get("aliases_left_out", 0)
@@ -321,12 +312,12 @@ def load(
                     f"{weight.dtype}; build the weight in the dtype it was saved in (a checkpoint loads as saved, "
                     "not converted)"
                 )
-            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {label}")
+            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {label}", copy=False)
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
                 where = f"weight {label}, optimizer state"
                 decoded = decode(saved[source]["optimizer_state"], weight.state, tensors, where)
-                state = replace_state(weight.state, decoded, where)
+                state = replace_state(weight.state, decoded, where, copy=False)
         except MonadlError as error:
             problems.append(str(error))
             continue
@@ -356,6 +347,46 @@ def load(
     finally:
         release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
     return dict(manifest["metadata"])
+
+
+def _arrays_of(entry: Mapping[str, Any], optimizer_state: bool) -> list[str]:
+    """The names of the arrays of a saved weight's optimizer state (none
+    where ``optimizer_state`` is False)."""
+    pending = [entry["optimizer_state"]] if optimizer_state else []
+    names = []
+    while pending:
+        node = pending.pop()
+        if node["kind"] == "array":
+            names.append(node["tensor"])
+        elif node["kind"] == "tuple":
+            pending.extend(node["items"])
+    return names
+
+
+@final
+class _Once(Mapping[str, Any]):
+    """Arrays read for a load, each given away the first time it is asked
+    for (a weight takes it as its data or state, no copy) and copied after:
+    two weights of the model that load one saved array (a tie the model
+    undid) each get an array of their own."""
+
+    __slots__ = ("_arrays", "_given")
+
+    def __init__(self, arrays: dict[str, Any]) -> None:
+        self._arrays, self._given = arrays, set[str]()
+
+    def __getitem__(self, key: str) -> Any:
+        array = self._arrays[key]
+        if key in self._given:
+            return array.copy()
+        self._given.add(key)
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
 
 
 def _warn_in_flight(weights: dict[str, Any], updates: list[tuple[Any, Any, Any]]) -> None:

@@ -1042,3 +1042,104 @@ def test_metadata_that_holds_itself_is_refused_not_walked_forever(tmp_path: Path
     metadata["self"] = metadata
     with pytest.raises(TypeError, match="Circular reference"):
         ml.save(tmp_path / "m.safetensors", {"w": ml.Weight(np.zeros(2))}, metadata=metadata)
+
+
+def _peak(call: Any) -> int:
+    """The most memory ``call`` held at once, in bytes (NumPy's arrays as Python's)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _table(rows: int = 100_000) -> ml.ArrayWeight:
+    w = ml.Weight(np.random.default_rng(0).standard_normal((rows, 16)), optimizer=ml.optim.adam(0.01))
+    anyio.run(ml.sum(ml.embedding(w, np.arange(0, rows, 1000))).train)  # (its moments exist)
+    return w
+
+
+def test_a_load_reads_what_it_loads_once_and_hands_it_to_the_weights(tmp_path: Path) -> None:
+    # A user's 2M x 32 table with Adam's moments (a 732 MB file) peaked at +1465 MB in load
+    # (every array read, then copied into the weights), and load(optimizer_state=False) read
+    # and hashed the moments too: 4 times the table it loaded. Now +732 MB and +244 MB.
+    path = tmp_path / "m.safetensors"
+    w = _table()
+    table = w.data.nbytes
+    ml.save(path, {"U": w})
+    fresh = _table()
+    assert _peak(lambda: ml.load(path, {"U": fresh})) < 3 * table + table // 10  # (the table and its two moments)
+    np.testing.assert_array_equal(fresh.data, w.data)
+    np.testing.assert_array_equal(fresh.state[0].nu, w.state[0].nu)
+    values_alone = _table()
+    assert _peak(lambda: ml.load(path, {"U": values_alone}, optimizer_state=False)) < table + table // 10
+    np.testing.assert_array_equal(values_alone.data, w.data)
+    arrays = [fresh.data, fresh.state[0].mu, values_alone.data]
+    forms = [(a.dtype, a.flags.owndata, a.flags.writeable, a.flags.c_contiguous, a.flags.aligned) for a in arrays]
+    assert forms == [(np.dtype(np.float64), True, True, True, True)] * 3  # (a weight's form: a step may write into it)
+    assert all(
+        a.dtype is np.dtype(np.float64) for a in arrays
+    )  # (NumPy's own dtype object: nodes check it by identity)
+    del arrays
+    step = functools.partial(anyio.run, ml.sum(ml.embedding(values_alone, np.array([3]))).train)
+    assert _peak(step) < table // 10  # (its sparse step wrote the row into the array: no copy of the table)
+
+
+def test_a_save_hashes_the_arrays_without_copying_them(tmp_path: Path) -> None:
+    # Each array's digest took a copy of its bytes (tobytes): a save of a 244 MB table peaked at +244 MB.
+    w = _table()
+    assert _peak(lambda: ml.save(tmp_path / "m.safetensors", {"U": w})) < w.data.nbytes // 10
+
+
+def test_arrays_a_load_does_not_use_are_not_read(tmp_path: Path) -> None:
+    # So a damaged moment does not stop load(optimizer_state=False), which never reads it; the
+    # load that would use it is refused, as is a damaged weight, and neither changes anything.
+    path = tmp_path / "m.safetensors"
+    w = ml.Weight(np.arange(4.0), optimizer=ml.optim.adam(0.1))
+    anyio.run(ml.sum(w * w).train)
+    ml.save(path, {"w": w, "extra": ml.Weight(np.ones(3))})
+    header = int.from_bytes(path.read_bytes()[:8], "little")
+    offsets = json.loads(path.read_bytes()[8 : 8 + header])
+    for damaged, loads in [("optimizer_state/w[0].nu", False), ("extra", False), ("w", True)]:
+        raw = bytearray(path.read_bytes())
+        raw[8 + header + offsets[damaged]["data_offsets"][0]] ^= 0xFF
+        (tmp_path / "damaged.safetensors").write_bytes(bytes(raw))
+        model = {"w": ml.Weight(np.zeros(4), optimizer=ml.optim.adam(0.1))}
+        values = functools.partial(ml.load, tmp_path / "damaged.safetensors", model, optimizer_state=False)
+        if loads:
+            with pytest.raises(
+                ml.CheckpointError, match=re.escape(f"is damaged: the bytes of '{damaged}' are not those saved")
+            ):
+                values(strict=False)
+            np.testing.assert_array_equal(model["w"].data, np.zeros(4))
+            continue
+        with pytest.warns(UserWarning, match="passed over"):
+            values(strict=False)
+        np.testing.assert_array_equal(model["w"].data, w.data)
+        if damaged != "extra":
+            fresh = {"w": ml.Weight(np.zeros(4), optimizer=ml.optim.adam(0.1)), "extra": ml.Weight(np.zeros(3))}
+            with pytest.raises(ml.CheckpointError, match=re.escape(f"the bytes of '{damaged}' are not those saved")):
+                ml.load(tmp_path / "damaged.safetensors", fresh)
+            assert not fresh["w"].data.any() and fresh["w"].state[0].step == 0
+
+
+def test_two_weights_that_load_one_saved_array_get_arrays_of_their_own(tmp_path: Path) -> None:
+    # The array read from the file is handed to the first weight; the second gets a copy,
+    # so a step of one (written in place) never moves the other.
+    path = tmp_path / "m.safetensors"
+    shared = ml.Weight(np.arange(6.0).reshape(3, 2), optimizer=ml.optim.adam(0.1))
+    anyio.run(ml.sum(ml.embedding(shared, np.array([1]))).train)
+    ml.save(path, {"a": shared, "b": shared})
+    untied = {
+        "a": ml.Weight(np.zeros((3, 2)), optimizer=ml.optim.adam(0.1)),
+        "b": ml.Weight(np.zeros((3, 2)), optimizer=ml.optim.adam(0.1)),
+    }
+    ml.load(path, untied)
+    a, b = untied["a"], untied["b"]
+    assert not np.shares_memory(a.data, b.data) and not np.shares_memory(a.state[0].nu, b.state[0].nu)
+    anyio.run(ml.sum(ml.embedding(a, np.array([2]))).train)
+    np.testing.assert_array_equal(b.data, shared.data)
+    np.testing.assert_array_equal(b.state[0].nu, shared.state[0].nu)

@@ -4,7 +4,8 @@
 A replacement must look exactly like what it replaces: same shape, dtype and
 array library for the data; the same tree of tuples, NamedTuples, numbers and
 arrays for the optimizer state. Arrays are copied, so the caller may go on
-mutating its own. The data keeps the type the weight holds in memory (a NumPy
+mutating its own, unless it gives them away (``copy=False``: a checkpoint's
+arrays, read for the weight). The data keeps the type the weight holds in memory (a NumPy
 scalar stays a NumPy scalar, a 0-d array stays a 0-d array).
 
 >>> import numpy as np
@@ -58,9 +59,27 @@ def _check_array(old: Any, new: Any, where: str) -> None:
         )
 
 
-def replace_data(old: Any, new: Any, where: str) -> Any:
+def _taken(old: Any, new: Any) -> bool:
+    """Whether ``new``, an array the caller gives away (a checkpoint's, read
+    for the weight), can be the weight's as it is: in the form a weight's
+    NumPy array has (C order, NumPy's own dtype object, that of ``old``,
+    writeable, owning its memory, so that a step may write into it)."""
+    return (
+        type(new) is np.ndarray
+        and type(old) is np.ndarray
+        and new.dtype is old.dtype
+        and new.flags.c_contiguous
+        and new.flags.writeable
+        and new.flags.owndata
+        and new.flags.aligned
+    )
+
+
+def replace_data(old: Any, new: Any, where: str, *, copy: bool = True) -> Any:
     """A copy of ``new`` in the form of ``old`` (a weight's data), or an error
-    that says what differs, prefixed with ``where``.
+    that says what differs, prefixed with ``where``. With ``copy=False`` the
+    caller gives ``new`` away (nothing else holds it): a NumPy array already
+    in that form is taken as it is, not copied.
 
     >>> import numpy as np
     >>> replace_data(np.float32(0.0), np.array(2.5, np.float32), "Weight.data")
@@ -72,14 +91,16 @@ def replace_data(old: Any, new: Any, where: str) -> Any:
     if isinstance(old, np.generic):
         return old.dtype.type(new)
     if isinstance(old, np.ndarray):
-        return np.array(new, dtype=old.dtype, copy=True)
+        return new if not copy and _taken(old, new) else np.array(new, dtype=old.dtype, copy=True)
     return namespace(old).asarray(new, copy=True)
 
 
-def replace_state(old: Any, new: Any, where: str, hint: str = "") -> Any:
+def replace_state(old: Any, new: Any, where: str, hint: str = "", *, copy: bool = True) -> Any:
     """A copy of ``new`` (optimizer state) checked against ``old``: the same
     tree of tuples and NamedTuples, numbers where ``old`` has numbers, arrays
-    of the same shape, dtype and library where ``old`` has arrays.
+    of the same shape, dtype and library where ``old`` has arrays. With
+    ``copy=False``, its arrays are the caller's to give away, as in
+    `replace_data`.
 
     Where the trees differ (another optimizer's state: a tuple of another
     length, a None where a step count is), the error shows both trees
@@ -97,7 +118,7 @@ def replace_state(old: Any, new: Any, where: str, hint: str = "") -> Any:
     monadl.errors.OperandError: Weight.state: expected (int, None, None), got (int, None)
     """
     try:
-        return _replace(old, new, where)
+        return _replace(old, new, where, copy)
     except _Apart as apart:
         whole = f"expected {structure(old)}, got {structure(new)}"
         if apart.where != where:
@@ -115,7 +136,7 @@ class _Apart(Exception):
         self.old, self.new, self.where = old, new, where
 
 
-def _replace(old: Any, new: Any, where: str) -> Any:
+def _replace(old: Any, new: Any, where: str, copy: bool) -> Any:
     if _is_leaf_array(old):
         if not _is_leaf_array(new):
             raise OperandError(f"{where}: expected an array, got {type(new).__name__}")
@@ -123,14 +144,14 @@ def _replace(old: Any, new: Any, where: str) -> Any:
         if isinstance(new, np.generic):
             return new  # immutable
         if isinstance(new, np.ndarray):  # (in the old's byte order: the native one)
-            return np.array(new, dtype=old.dtype, copy=True)
+            return new if not copy and _taken(old, new) else np.array(new, dtype=old.dtype, copy=True)
         return namespace(new).asarray(new, copy=True)
     if isinstance(old, tuple):
         if type(new) is not type(old) or len(new) != len(old):
             raise _Apart(old, new, where)
         fields = getattr(old, "_fields", None)
         labels = [f".{f}" for f in fields] if fields is not None else [f"[{i}]" for i in range(len(old))]
-        parts = [_replace(o, n, where + label) for o, n, label in zip(old, new, labels)]
+        parts = [_replace(o, n, where + label, copy) for o, n, label in zip(old, new, labels)]
         return type(old)(*parts) if fields is not None else tuple(parts)
     if type(new) is not type(old):
         if old is None or new is None or isinstance(new, tuple):
