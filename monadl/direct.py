@@ -7,6 +7,8 @@ gives a `Layer`. Inside it, ``await layer`` yields that layer's forward value
 applicative. Nothing is evaluated twice: a layer that is awaited and also used
 in the returned expression is computed once and back-propagated once. The
 values are plain data, so ordinary ``if`` and ``for`` may depend on them.
+A NumPy array among them is a read-only view of the evaluation's own array,
+which the evaluation reads after the function returns: write into a copy.
 
 >>> import anyio, numpy as np, monadl as ml
 >>> w = ml.Weight(np.array([1.0, -2.0]))
@@ -44,11 +46,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, Final, NoReturn, ParamSpec, TypeVar, final, overload
 
+import numpy as np
+
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
 from monadl.layers._layer import Array, Expr, Layer
 
-__all__ = ["direct", "values"]
+__all__ = ["direct", "read_only", "values"]
 
 P = ParamSpec("P")
 D = TypeVar("D")
@@ -222,6 +226,42 @@ class AwaitLayers:
     __array__ = __bool__ = __iter__ = __len__ = __getitem__ = __float__ = __int__ = __index__ = _unawaited
 
 
+def read_only(data: Any) -> Any:
+    """What an await of layers hands the function for a forward value: a
+    NumPy array as a read-only view of it, anything else as it is.
+
+    The array is the evaluation's own: the rest of the evaluation reads it
+    after the function returns (a backward reads a saved output, the
+    returned layer its operands), and a weight's value is the weight's own
+    memory. Written into, it changed this evaluation's loss and gradients,
+    or a weight outside its step, silently (a new user's TBPTT reset
+    ``h[ended] = 0``). A view costs about 0.2 us an array, where a copy
+    would cost its size. CuPy's arrays have no read-only flag: they are
+    handed as they are."""
+    if type(data) is np.ndarray:
+        view = data.view()
+        view.setflags(write=False)
+        return view
+    return data
+
+
+READ_ONLY_ADVICE: Final = (
+    "ml.values(...) and `await layer` give an @ml.direct function read-only views of the evaluation's own "
+    "arrays: what runs after the function returns (its backward pass too) reads them, and a weight's value is "
+    "the weight's own memory. If the array written is one of them, write into a copy (`h = h.copy()`) or build "
+    "a new array (`np.where(mask, 0.0, h)`)"
+)
+"""A note on NumPy's error for a write into a read-only array raised by a
+direct-style function (`monadl.runtime.stepping.step_direct`): NumPy's own
+message does not say where the array came from nor what to do."""
+
+
+def note_read_only(error: ValueError) -> None:
+    """Add `READ_ONLY_ADVICE` to NumPy's ``... is read-only`` error, once."""
+    if str(error).endswith("is read-only") and READ_ONLY_ADVICE not in getattr(error, "__notes__", ()):
+        error.add_note(READ_ONLY_ADVICE)
+
+
 @final
 class Passthrough:
     """An awaitable that hands one foreign yield of a coroutine to the event loop."""
@@ -257,7 +297,27 @@ def values(*layers: Expr[float, float] | Expr[Array, Array]) -> Awaitable[tuple[
 def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]: ...  # (more than five, of other kinds)
 def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     """Forward values of several layers at once, evaluated in parallel
-    (use inside a `direct` function)."""
+    (use inside a `direct` function).
+
+    A NumPy array among them is a read-only view of the evaluation's own
+    array: what runs after the function returns reads it (the returned
+    layer, the backward pass), and the value of a weight (or of a view of
+    one) is the weight's memory. Writing into it raises NumPy's
+    ``ValueError: assignment destination is read-only``; write into a copy
+    (``h = h.copy()``) or build a new array (``np.where(mask, 0.0, h)``).
+    The view stays read-only after the evaluation: copy a state carried to
+    the next step before editing it in place.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> @direct
+    ... async def reset(h: ml.ArrayLayer) -> ml.ScalarLayer:
+    ...     (value,) = await values(h)
+    ...     value = value.copy()
+    ...     value[0] = 0.0
+    ...     return ml.sum(h * value)
+    >>> anyio.run(reset(ml.as_layer(np.array([1.0, 2.0]))).predict)
+    np.float64(4.0)
+    """
     return AwaitLayers(layers, single=False)
 
 

@@ -952,3 +952,84 @@ async def test_values_not_awaited_are_refused_where_they_are_used_as_values() ->
     assert used == ["argmax", "bool", "len", "float", "list"]
     with pytest.raises(TypeError, match=r"compute on a forward value \(await layer.predict\(\);"):
         np.argmax(w * 2.0)  # type: ignore[call-overload]  # (outside: predict)
+
+
+_READ_ONLY_NOTE = (
+    "ml.values(...) and `await layer` give an @ml.direct function read-only views of the evaluation's own "
+    "arrays: what runs after the function returns (its backward pass too) reads them, and a weight's value is "
+    "the weight's own memory. If the array written is one of them, write into a copy (`h = h.copy()`) or build "
+    "a new array (`np.where(mask, 0.0, h)`)"
+)
+
+
+async def test_values_are_read_only_views_so_a_write_cannot_change_the_evaluation() -> None:
+    # A new user's TBPTT reset, `h[ended] = 0` on the state ml.values gave, changed that chunk's loss
+    # and gradients (sigmoid's backward reads its output), and `ml.values(w)` was the weight's own array.
+    w = ml.Weight(np.array([[0.5, -1.0], [2.0, 0.3]]), optimizer=ml.optim.sgd(0.1))
+    x = np.array([[1.0, 2.0], [0.5, -0.5]])
+    kept: list[Any] = []
+
+    @ml.direct
+    async def loss(write: str) -> ml.ScalarLayer:
+        s = ml.sigmoid(x @ w)
+        value, weight = await ml.values(s, w)
+        alone = await s
+        assert not (value.flags.writeable or weight.flags.writeable or alone.flags.writeable)
+        assert np.shares_memory(weight, w.data)  # (a view, not a copy)
+        if write == "item":
+            value[0] = 0.0
+        elif write == "add":
+            value += 1.0
+        elif write == "weight":
+            weight[0, 0] = 100.0
+        elif write == "awaited":
+            alone.fill(0.0)
+        else:
+            value = value.copy()
+            value[0] = 0.0
+        kept.append(value)
+        return ml.sum(s * 3.0)
+
+    for write, numpy_says in [
+        ("item", "assignment destination is read-only"),
+        ("add", "output array is read-only"),
+        ("weight", "assignment destination is read-only"),
+        ("awaited", "assignment destination is read-only"),
+    ]:
+        with pytest.raises(ValueError) as raised:
+            await loss(write).train()
+        assert str(raised.value) == numpy_says
+        assert getattr(raised.value, "__notes__", None) == [_READ_ONLY_NOTE]
+        np.testing.assert_array_equal(w.data, [[0.5, -1.0], [2.0, 0.3]])  # nothing stepped, nothing written
+    assert w.data.flags.writeable
+
+    (gradient,) = await ml.gradients(loss("copy"), [w])
+    s = 1.0 / (1.0 + np.exp(-(x @ w.data)))
+    np.testing.assert_allclose(gradient, x.T @ (3.0 * s * (1.0 - s)), rtol=1e-15, atol=0)
+    np.testing.assert_allclose(kept[-1], np.where([[True], [False]], 0.0, s), rtol=1e-15, atol=0)
+    assert kept[-1].flags.writeable
+
+
+async def test_values_of_examples_evaluated_together_are_read_only_too() -> None:
+    # Examples' values are views into their batch's stacked arrays; a step beside others runs in a task.
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+    seen: list[tuple[bool, Any]] = []
+
+    @ml.direct
+    async def example(k: int, write: bool) -> ml.ScalarLayer:
+        h = ml.tanh(w * float(k))
+        (value,) = await ml.values(h)
+        seen.append((value.flags.writeable, value.copy()))
+        if write and k == 1:
+            value[0] = 0.0
+        return ml.sum(h)
+
+    with pytest.raises(ValueError) as raised:
+        await ml.sum(ml.stack([example(k, True) for k in range(4)])).train()
+    assert str(raised.value) == "assignment destination is read-only"
+    assert getattr(raised.value, "__notes__", [])[0] == _READ_ONLY_NOTE  # (then which example)
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+    seen.clear()
+    await ml.sum(ml.stack([example(k, False) for k in range(4)])).predict()
+    assert [writeable for writeable, _ in seen] == [False] * 4
+    np.testing.assert_allclose(np.stack([v for _, v in seen]), np.tanh(np.outer(range(4), [1.0, 2.0])), rtol=1e-15)

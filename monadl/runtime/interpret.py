@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Generator
 from typing import Any, Final
 
-from monadl.direct import AwaitLayers, Passthrough, cancel_scope
+from monadl.direct import AwaitLayers, Passthrough, cancel_scope, read_only
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
 from monadl.errors import NonFiniteError, OperandError
 from monadl.layers._layer import Expr
@@ -207,7 +207,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     sending: Any = None
                 else:
                     frame.held.append(tok)
-                    sending = val.data if frame.single else tuple(x.data for x in val)
+                    sending = read_only(val.data) if frame.single else tuple(read_only(x.data) for x in val)
                 if live == 1:
                     failure: BaseException | None = None
                     if scope is _UNREAD:  # (before its foreign awaits: a sleep opens a scope of its own)

@@ -9,7 +9,15 @@ from typing import Any
 
 import anyio
 
-from monadl.direct import AwaitLayers, Passthrough, asyncio_scope_around, cancel_scope, inside_direct, refused_scope
+from monadl.direct import (
+    AwaitLayers,
+    Passthrough,
+    asyncio_scope_around,
+    cancel_scope,
+    inside_direct,
+    note_read_only,
+    refused_scope,
+)
 from monadl.do import FORWARD, ZIP, Do
 from monadl.errors import OperandError
 from monadl.layers._layer import Layer
@@ -29,7 +37,9 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
     An await of layers inside an ``asyncio.timeout`` or an
     ``asyncio.TaskGroup`` the coroutine opened is refused as anyio's scopes
     are (`AwaitLayers`), once it waits there, where its frame shows them:
-    the error is raised at that await."""
+    the error is raised at that await. NumPy's error for a write into a
+    read-only array gets a note saying that the values it was given are
+    read-only views (`note_read_only`)."""
     live = [True, scope]  # (the flag is false once this step ends: a task the coroutine started may not await layers)
     flag = inside_direct.set(live)
     try:
@@ -38,6 +48,9 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
             got = coroutine.throw(OperandError(refused_scope(*opened)))
     except StopIteration as stop:
         return True, stop.value
+    except ValueError as error:  # (a write into a value it was given: NumPy's message says not whose)
+        note_read_only(error)
+        raise
     finally:
         live[0] = False
         inside_direct.reset(flag)
