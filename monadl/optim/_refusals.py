@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,22 @@ from monadl.layers._weight import Weight
 from monadl.optim._spec import closure, maker, ours
 from monadl.runtime.settings import current_settings
 
-__all__ = ["checked_update", "not_an_update", "refused"]
+__all__ = ["checked_update", "not_an_update", "refuse_unless_by_weight", "refused"]
+
+
+def refuse_unless_by_weight(gradients: object, name: str) -> None:
+    """Raise a TypeError where ``gradients`` are not given by weight: a list
+    of them (`monadl.gradients`' result, or a dict's values) raised a bare
+    ``AttributeError: 'list' object has no attribute 'values'``. A list
+    could not be stepped nor clipped into something `apply_gradients`
+    takes: it does not say whose each gradient is."""
+    if type(gradients) is dict or isinstance(gradients, Mapping):
+        return
+    raise TypeError(
+        f"{name} takes the gradients by weight, a {{weight: gradient}} dict as ml.value_and_gradients gives "
+        f"them, got a {type(gradients).__name__}; for gradients in the order of their weights, as "
+        "ml.gradients(loss, weights) gives them, pass dict(zip(weights, gradients))"
+    )
 
 
 def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:

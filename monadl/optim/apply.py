@@ -28,7 +28,7 @@ from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._refusals import checked_update, refused
+from monadl.optim._refusals import checked_update, refuse_unless_by_weight, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
@@ -64,6 +64,7 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     array([0., 3.])
     """
     refuse_inside_evaluation("apply_gradients")  # (a step inside a train(): as a train() there)
+    refuse_unless_by_weight(gradients, "apply_gradients")
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
         kind = getattr(g, "dtype", None)
         real = getattr(kind, "kind", "f") in "iuf" if kind is not None else isinstance(g, (int, float))
@@ -92,6 +93,7 @@ def global_norm(gradients: Mapping[Weight[Any, Any], Any]) -> float:
     >>> global_norm({ml.Weight(np.zeros(2)): np.array([3.0, 4.0]), ml.Weight(0.0): 12.0})
     13.0
     """
+    refuse_unless_by_weight(gradients, "global_norm")
     norms = []
     for g in gradients.values():
         values = g.summed()[1] if type(g) is SparseRows else g
@@ -128,6 +130,7 @@ def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: flo
     >>> clip_by_global_norm({w: np.array([3.0, 4.0])}, 1.0)[w].round(6)
     array([0.6, 0.8])
     """
+    refuse_unless_by_weight(gradients, "clip_by_global_norm")
     if not max_norm > 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
     factor = max_norm / (global_norm(gradients) + 1e-6)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -82,3 +83,30 @@ def test_a_float16_norm_of_small_entries_is_not_zero() -> None:
     grads = {w: np.array([1e-4, 1e-4], np.float16)}
     assert ml.optim.global_norm(grads) == pytest.approx(1e-4 * 2**0.5, rel=1e-3)
     np.testing.assert_allclose(ml.optim.clip_by_global_norm(grads, 1e-5)[w].astype(float), [7.07e-6] * 2, rtol=1e-2)
+
+
+def test_gradients_not_given_by_weight_are_refused_with_what_to_pass() -> None:
+    # A new user's clip_by_global_norm(list(grads.values()), 1.0) raised AttributeError:
+    # 'list' object has no attribute 'values'.
+    w = ml.Weight(np.array([3.0, 4.0]), optimizer=ml.optim.sgd(1.0))
+    advice = (
+        "takes the gradients by weight, a {weight: gradient} dict as ml.value_and_gradients gives them, got a "
+        "{kind}; for gradients in the order of their weights, as ml.gradients(loss, weights) gives them, pass "
+        "dict(zip(weights, gradients))"
+    )
+    given: Any  # (the mistake under test, which mypy rejects)
+    calls: list[tuple[str, Callable[[Any], object]]] = [
+        ("clip_by_global_norm", lambda g: ml.optim.clip_by_global_norm(g, 1.0)),
+        ("global_norm", ml.optim.global_norm),
+        ("apply_gradients", ml.optim.apply_gradients),
+    ]
+    for given, kind in [([np.array([3.0, 4.0])], "list"), ((np.array([3.0, 4.0]),), "tuple")]:
+        for name, call in calls:
+            with pytest.raises(TypeError) as raised:
+                call(given)
+            assert str(raised.value) == f"{name} {advice.replace('{kind}', kind)}"
+    np.testing.assert_array_equal(w.data, [3.0, 4.0])
+    weights, grads = [w], [np.array([3.0, 4.0])]
+    clipped = ml.optim.clip_by_global_norm(dict(zip(weights, grads)), 1.0)  # (what the message says)
+    np.testing.assert_allclose(clipped[w], [0.6, 0.8], rtol=1e-6)
+    assert ml.optim.global_norm(dict(zip(weights, grads))) == 5.0
