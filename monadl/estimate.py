@@ -205,7 +205,8 @@ def estimate_and_replace(
         harden_arguments: at inference, turn each argument (a probability
             vector along its last axis; another is refused) into the one-hot
             of its argmax before calling the black box; False passes the
-            arguments' values as they are (a real-valued argument).
+            arguments' values as they are (a real-valued argument), NumPy
+            arrays as read-only views, as `monadl.values` gives them.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> digit = ml.as_layer(np.array([0.1, 0.7, 0.2]))  # probabilities of 0, 1, 2
