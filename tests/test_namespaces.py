@@ -75,6 +75,12 @@ CASES: dict[str, tuple[list[np.ndarray], Build]] = {
     ),
     "max_pool2d": ([RNG.normal(size=(1, 2, 4, 4))], lambda w, ix: ml.max_pool2d(w[0], 2)),
     "cross_entropy": ([RNG.normal(size=(4, 3))], lambda w, ix: ml.cross_entropy(w[0], ix([0, 2, 1, 2]))),
+    "cross_entropy_options": (
+        [RNG.normal(size=(4, 3))],
+        lambda w, ix: ml.cross_entropy(
+            w[0], ix([0, 2, 1, 2]), weight=ix(np.array([0.5, 2.0, 1.0])), ignore_index=1, label_smoothing=0.1
+        ),
+    ),
     "segment_sum": (
         [RNG.normal(size=(5, 3)), RNG.normal(size=(4,))],
         lambda w, ix: (

@@ -133,6 +133,11 @@ ACCEPT = {
         assert_type(ml.mean(array_layer, keepdims=False), ml.ScalarLayer)
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
     """,
+    "cross_entropys_options_keep_a_scalar": """
+        assert_type(ml.cross_entropy(array_layer, np.array([1]), weight=np.array([0.5, 2.0, 1.0])), ml.ScalarLayer)
+        assert_type(ml.cross_entropy(array_layer, np.array([1]), ignore_index=np.int64(-1)), ml.ScalarLayer)
+        assert_type(ml.cross_entropy(array_weight, np.array([1]), label_smoothing=0.1), ml.ScalarLayer)
+    """,
     "numpy_integer_axes_and_sizes": """
         i = np.int64(1)
         assert_type(ml.sum(array_layer, axis=i), ml.ArrayLayer)
@@ -343,6 +348,13 @@ REJECT = {
     "scalar_layer_in_a_matrix_product": ("scalar_layer @ array_weight", "operator"),
     "scalar_weight_in_a_matrix_product": ("array @ scalar_weight", "operator"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
+    # Class weights are data (no delta flows into them, as in PyTorch), and the options are keywords.
+    "weight_where_plain_class_weights_expected": (
+        "ml.cross_entropy(array_layer, np.array([1]), weight=array_weight)",
+        "arg-type",
+    ),
+    "cross_entropys_weight_passed_by_position": ("ml.cross_entropy(array_layer, np.array([1]), array)", "call-arg"),
+    "label_smoothing_a_string": ("ml.cross_entropy(array_layer, np.array([1]), label_smoothing='0.1')", "arg-type"),
     "layer_where_plain_segment_ids_expected": ("ml.segment_sum(array_layer, array_layer, 2)", "arg-type"),
     "scalar_where_array_required_segment_sum": ("ml.segment_sum(scalar_layer, np.array([0]), 1)", "arg-type"),
     "segment_count_a_float": ("ml.segment_sum(array_layer, np.array([0, 0, 1]), 2.0)", "arg-type"),

@@ -30,6 +30,7 @@ from monadl.layers._batching_lookups import batch_embedding, batch_getitem, batc
 from monadl.layers._indexing import _checked_indices
 from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._products import product
+from monadl.layers._reductions import _weighted_cross_entropy
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
 
@@ -210,10 +211,13 @@ def _concatenate(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Ba
 
 
 def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
-    logits, _, labels = args
+    logits, _, labels, *options = args
     if not batched[0] or not batched[2] or logits.ndim != 3:
         return None
     xp = namespace(logits)
+    if options:  # (weights shared by the members, or stacked where each has its own array)
+        out, weighted = _weighted_cross_entropy(xp, logits, labels, *options)
+        return out, (weighted,)
     _, rows, classes = logits.shape
     # The members' labels checked as one (each member's rule checks its own), on the host if they are there.
     labels = xp.reshape(_checked_indices(xp, labels, classes, "labels", "label", "{} classes", logits), labels.shape)

@@ -6,7 +6,9 @@ A reduced delta gets its axes back in one helper (`_expand`) before it
 broadcasts to the operand's shape; tied maxima share their delta evenly.
 ``cross_entropy`` is one rule, not a composition: its delta is ``(softmax -
 one_hot) / n``, with no scatter, and its labels are checked as `embedding`'s
-indices are (`_checked_indices`).
+indices are (`_checked_indices`). With PyTorch's options (class weights, a
+label ignored, label smoothing) it is the same rule over a weighted target,
+`_weighted_cross_entropy`, which also computes a batched group's losses.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.errors import DTypeError
 from monadl.layers._elementwise import _mask, _scalar
 from monadl.layers._indexing import PLAIN, _checked_indices
 
@@ -126,7 +129,9 @@ def _reductions(xp: Any) -> tuple[Callable[..., Value], Callable[..., Value]]:
     return (np.maximum.reduce, np.add.reduce) if xp is np else (xp.max, xp.sum)
 
 
-def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[Vjp, ...]]:
+def _cross_entropy(
+    a: Value, rows: Value, labels: Value, weight: Value = None, ignore: int | None = None, smoothing: float = 0.0
+) -> tuple[Value, tuple[Vjp, ...]]:
     # -mean(log_softmax(a)[rows, labels]) as one rule: its delta is
     # (softmax(a) - one_hot(labels)) / n, with no scatter and a quarter of the nodes.
     xp = namespace(a)
@@ -135,6 +140,9 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
     n, classes = a.shape
     if labels.shape[0] != n:  # else a wrong mean, or a broadcasting error in the backward
         raise ValueError(f"{labels.shape[0]} labels for {n} rows of logits")
+    if weight is not None or ignore is not None or smoothing:
+        out, weighted = _weighted_cross_entropy(xp, a, labels, weight, ignore, smoothing)
+        return _scalar(xp, out), (weighted,)
     labels = _checked_indices(xp, labels, classes, "labels", "label", "{} classes", a)
     if type(rows) is not type(labels):  # (host labels copied over: their host rows too)
         rows = xp.arange(n, device=a.device)
@@ -147,3 +155,97 @@ def _cross_entropy(a: Value, rows: Value, labels: Value) -> tuple[Value, tuple[V
         return (xp.exp(log_p) - one_hot) * (g / n)
 
     return out, (vjp,)
+
+
+def _weighted_cross_entropy(
+    xp: Any, a: Value, labels: Value, weight: Value, ignore: int | None, smoothing: float
+) -> tuple[Value, Vjp]:
+    """``cross_entropy`` with PyTorch's options, over logits ``(..., rows,
+    classes)`` and labels ``(..., rows)`` (one loss, or a batched group's
+    stack of them, each member's weight ``(classes,)`` shared or stacked
+    ``(..., classes)``).
+
+    Row ``i`` counts with ``w_i = weight[labels[i]]`` (0 where its label is
+    ``ignore``); with smoothing ``e`` its target is ``t_i = (1 - e) w_i
+    one_hot_i + (e / classes) weight`` (0 for a row ignored), and the loss
+    is ``-sum(t * log_p) / sum(w_i)``: PyTorch's weighted mean, whose
+    smoothed part PyTorch divides by the same sum. Its delta is ``(sum(t_i)
+    p_i - t_i) / sum(w_i)``.
+    Where no row counts (every label ignored, or weighted 0), the loss is
+    0 / 0, NaN, as PyTorch's; the delta of an ignored row stays 0, as
+    PyTorch's backward leaves it."""
+    classes = a.shape[-1]
+    if weight is not None:
+        if weight.shape[-1] != classes:
+            raise ValueError(f"weight holds {weight.shape[-1]} class weights for logits of {classes} classes")
+        if weight.dtype != a.dtype:
+            raise DTypeError(
+                f"cross_entropy: weight {weight.dtype}[{weight.shape[-1]}] for {a.dtype} logits; cast it first"
+                f" (weight.astype(np.{a.dtype}) in NumPy), as PyTorch refuses it too"
+            )
+        if type(weight) is not type(a):  # (host weights for logits on a device: copied over, as labels are)
+            weight = xp.asarray(weight, device=a.device)
+    shape, keep = labels.shape, None
+    if ignore is not None:
+        lx = namespace(labels)
+        kept = labels != ignore
+        labels = lx.where(kept, labels, lx.zeros_like(labels))  # (an ignored row reads class 0, then counts 0)
+        keep = xp.reshape(kept if lx is xp else xp.asarray(kept, device=a.device), (-1,))
+    # Every member's rows as one column of m rows: fancy indices and ufunc sums, a few us where
+    # take_along_axis and xp.sum cost 5 and 4 (a loss a member is small).
+    labels = _checked_indices(xp, labels, classes, "labels", "label", "{} classes", a)
+    m = labels.shape[0]
+    rows = xp.arange(m, device=a.device)
+    log_p, _ = _log_softmax(a, -1)
+    add = _reductions(xp)[1]
+    stacked = len(shape) > 1  # (a batched group's: its members' losses)
+    if stacked:
+        log_p = xp.reshape(log_p, (m, classes))
+
+    def per_member(v: Value) -> Value:
+        return add(xp.reshape(v, shape) if stacked else v, axis=-1)
+
+    table = None  # each row's class weights, where members have their own
+    if weight is None:
+        picked_w = None if keep is None else xp.astype(keep, a.dtype)
+    elif weight.ndim == 1:
+        picked_w = weight[labels]
+    else:
+        table = xp.reshape(xp.broadcast_to(weight[..., None, :], (*shape, classes)), (m, classes))
+        picked_w = table[rows, labels]
+    if keep is not None and weight is not None:
+        picked_w = xp.where(keep, picked_w, xp.zeros_like(picked_w))
+    coef: Value = 1.0 - smoothing if picked_w is None else picked_w * (1.0 - smoothing)
+    log_lik = log_p[rows, labels] * coef
+    if smoothing:  # each class's log-probability, weighted, over the rows counted
+        if weight is None:
+            spread = add(log_p, axis=-1)
+        else:
+            spread = log_p @ weight if table is None else add(log_p * table, axis=-1)
+        if keep is not None:
+            spread = xp.where(keep, spread, xp.zeros_like(spread))
+        log_lik = log_lik + spread * (smoothing / classes)
+    total = shape[-1] if picked_w is None else per_member(picked_w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = -per_member(log_lik) / total
+
+    def vjp(g: Value) -> Value:
+        p = xp.exp(log_p)
+        one_hot = xp.astype(labels[:, None] == xp.arange(classes, device=a.device), a.dtype)
+        d = (p - one_hot) * (coef if picked_w is None else coef[:, None])
+        if smoothing:  # (sum(weight) p - weight) e / classes, in the rows counted
+            share = smoothing / classes if keep is None else xp.astype(keep, a.dtype)[:, None] * (smoothing / classes)
+            if weight is None:
+                d = d + (p * classes - 1.0) * share
+            elif table is None:
+                d = d + (p * add(weight, axis=-1) - weight) * share
+            else:
+                d = d + (p * add(table, axis=-1)[:, None] - table) * share
+        if stacked:
+            d = xp.reshape(d, a.shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = g / total
+            d = d * (scale[..., None, None] if getattr(scale, "ndim", 0) else scale)
+        return d if keep is None else xp.where(xp.reshape(keep, shape)[..., None], d, xp.zeros_like(d))
+
+    return out, vjp

@@ -4,6 +4,8 @@ sums, shapes and convolutions. Each accepts plain data, weights and layers alike
 from __future__ import annotations
 
 import inspect
+import math
+import operator
 from collections.abc import Sequence
 from typing import Any, NoReturn, SupportsIndex, cast
 
@@ -19,6 +21,7 @@ from monadl.layers._layer import (
     ArrayLayer,
     ArrayOperand,
     DeviceArray,
+    Expr,
     Layer,
     Operand,
     ScalarLayer,
@@ -42,10 +45,22 @@ __all__ = [
 ]
 
 
-def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLayer:
+def cross_entropy(
+    logits: ArrayOperand,
+    labels: Array | DeviceArray,
+    *,
+    weight: Array | DeviceArray | None = None,
+    ignore_index: SupportsIndex | None = None,
+    label_smoothing: float = 0.0,
+) -> ScalarLayer:
     """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``:
     ``-mean(log_softmax(logits)[rows, labels])`` as one primitive, whose delta
     is ``(softmax(logits) - one_hot(labels)) / batch``.
+
+    The options are PyTorch's ``F.cross_entropy``'s (reduction ``'mean'``),
+    with the same values and deltas: a class-weighted loss for imbalanced
+    classes is one node, batched as the plain one, where written by hand
+    (``log_softmax(logits)[rows, labels] * weight[labels]``) it was several.
 
     Args:
         logits: scores of shape ``(batch, classes)``.
@@ -55,11 +70,44 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
             place (a negative label is not counted from the end).
             NumPy labels for logits on a GPU are checked on the host and
             copied over, so the check does not wait for the device.
+        weight: one weight per class, ``(classes,)``, plain data of the
+            logits' float dtype (a float64 weight for float32 logits raises
+            `monadl.DTypeError`, as PyTorch refuses it), finite and ``>= 0``.
+            Row ``i`` counts ``weight[labels[i]]`` times, and the mean
+            divides by the sum of the weights of the rows counted, not by
+            the number of rows: ``sum(w[y] * nll) / sum(w[y])``. No delta
+            flows into it (as into PyTorch's).
+        ignore_index: rows whose label is this integer count for nothing,
+            in the sum and in the divisor, and get a zero delta; they are
+            not checked against the classes. None (the default) ignores no
+            row: PyTorch's default, -100, would be refused as out of range.
+        label_smoothing: ``e`` in ``[0, 1]``: each row's target is
+            ``(1 - e) one_hot + e / classes`` (each class weighted by
+            ``weight``), PyTorch's formula: the loss is ``(1 - e)`` times the
+            weighted mean above plus ``e / classes`` times
+            ``-sum_i sum_c weight[c] log_softmax(logits)[i, c]`` over the rows
+            counted, divided by the same sum of ``weight[labels[i]]``.
+
+    Where no row counts (every label ignored, or all the weights picked
+    are 0) the mean is 0 / 0: the loss is NaN, as PyTorch's, and the delta
+    of an ignored row stays 0; ``check_finite=True`` refuses it
+    (`monadl.NonFiniteError`, naming the layer). A batch that may hold
+    only ignored rows (padding) is best skipped before its loss is built.
+
+    Raises:
+        OperandError: labels that are no 1-D integer array; a weight that is
+            no 1-D float array of finite values ``>= 0`` (a Weight or a
+            layer: it is data); an ``ignore_index`` that is no integer; a
+            ``label_smoothing`` outside ``[0, 1]``.
 
     >>> import anyio, numpy as np
     >>> loss = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))
     >>> round(float(anyio.run(loss.predict)), 6)  # log(4)
     1.386294
+    >>> logits = np.array([[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    >>> weighted = cross_entropy(logits, np.array([0, 0, 1]), weight=np.array([1.0, 3.0]))
+    >>> round(float(anyio.run(weighted.predict)), 6)  # (0.126928 + 2.126928 + 3 * 0.693147) / 5
+    0.86666
     """
     classes = _integers(labels, "cross_entropy: labels")
     if classes.ndim != 1:
@@ -67,7 +115,72 @@ def cross_entropy(logits: ArrayOperand, labels: Array | DeviceArray) -> ScalarLa
             f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}"
         )
     rows = namespace(classes).arange(classes.shape[0], device=classes.device)
-    return apply_primitive("cross_entropy", (logits,), (rows, classes))
+    if weight is None and ignore_index is None and not label_smoothing:
+        return apply_primitive("cross_entropy", (logits,), (rows, classes))
+    options = (_class_weights(weight), _ignored(ignore_index), _smoothing(label_smoothing))
+    return apply_primitive("cross_entropy", (logits,), (rows, classes, *options))
+
+
+def _class_weights(weight: Any) -> Any:
+    """``cross_entropy``'s ``weight``: a 1-D float array of finite values
+    ``>= 0``, checked where the loss is built (its length and dtype against
+    the logits when it runs). A negative weight, which PyTorch takes, is
+    refused: the mean's divisor, a sum of weights, could then be 0 or
+    negative, and the loss no mean at all."""
+    if weight is None:
+        return None
+    if isinstance(weight, Expr):
+        raise OperandError(
+            f"cross_entropy: weight must be plain data (an array of one weight per class), got a"
+            f" {type(weight).__name__}: no delta flows into class weights (nor in PyTorch)"
+        )
+    # (NumPy's: two ufunc reductions, 1 us a loss built, where np.isdtype and np.isfinite cost 4 more; NaN fails `>=`)
+    if (
+        type(weight) is np.ndarray
+        and weight.dtype.kind == "f"
+        and weight.ndim == 1
+        and weight.size
+        and np.minimum.reduce(weight) >= 0
+        and np.maximum.reduce(weight) < np.inf
+    ):
+        return weight
+    if not is_array(weight):
+        weight = np.asarray(weight)
+    xp = namespace(weight)
+    if weight.ndim != 1 or not xp.isdtype(weight.dtype, "real floating"):
+        floats = (
+            " (cast it to the logits' dtype: weight.astype(np.float32) for float32 logits)" if weight.ndim == 1 else ""
+        )
+        raise OperandError(
+            f"cross_entropy: weight must be a 1-D float array, one weight per class,"
+            f" got {weight.dtype}{list(weight.shape)}{floats}"
+        )
+    bad = ~(xp.isfinite(weight) & (weight >= 0))
+    if bool(xp.any(bad)):
+        first = int(xp.argmax(xp.astype(bad, xp.int8)))
+        raise OperandError(
+            f"cross_entropy: weight must hold finite weights >= 0, got {float(weight[first])} at weight[{first}]"
+        )
+    return weight
+
+
+def _ignored(ignore_index: SupportsIndex | None) -> int | None:
+    if ignore_index is None:
+        return None
+    try:
+        return operator.index(ignore_index)
+    except TypeError:
+        raise OperandError(f"cross_entropy: ignore_index must be an integer (a label), got {ignore_index!r}") from None
+
+
+def _smoothing(label_smoothing: float) -> float:
+    try:
+        e = float(label_smoothing)
+    except (TypeError, ValueError):
+        e = math.nan
+    if not 0.0 <= e <= 1.0:
+        raise OperandError(f"cross_entropy: label_smoothing must lie in [0.0, 1.0], got {label_smoothing!r}")
+    return e
 
 
 def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:

@@ -288,6 +288,38 @@ def test_device_values_stay_device_arrays_and_host_indices_are_copied_over(devic
         anyio.run(ml.sum(ml.embedding(table, np.array([4]))).predict)
 
 
+@pytest.mark.parametrize("batching", [False, True])
+def test_cross_entropys_host_class_weights_and_ignored_labels_are_copied_over(
+    device: Any, grouped: list[int], batching: bool
+) -> None:
+    """Per-example losses over device logits with host labels and one host weight
+    array: the weights and the rows kept are copied over (no host array meets a
+    device one), with the host's values, the 8 losses one group where batched."""
+    rng = np.random.default_rng(5)
+    xs = [rng.normal(size=(3, 4)) for _ in range(8)]
+    ys = [rng.integers(0, 4, 3) for _ in range(8)]
+    ys[2] = np.array([1, 1, 0])  # (rows ignored, one kept)
+    weight = np.array([0.5, 2.0, 1.0, 3.0])
+
+    def loss(w: ml.ArrayWeight, put: Any) -> ml.ScalarLayer:
+        losses = [
+            ml.cross_entropy(ml.as_layer(put(x)) @ w, y, weight=weight, ignore_index=1, label_smoothing=0.1)
+            for x, y in zip(xs, ys)
+        ]
+        return ml.sum(ml.stack(losses))
+
+    start = rng.normal(size=(4, 4))
+    host, on_device = ml.Weight(start.copy()), ml.Weight(device.asarray(start.copy()))
+    with ml.settings(batching=batching):
+        want, want_grads = anyio.run(entry.gradients, loss(host, np.asarray))
+        grouped.clear()
+        value, grads = anyio.run(entry.gradients, loss(on_device, device.asarray))
+    assert type(grads[on_device]) is DeviceArray
+    assert float(value) == pytest.approx(float(want), rel=1e-12)
+    np.testing.assert_allclose(np.asarray(grads[on_device]), want_grads[host], rtol=1e-12)
+    assert (8 in grouped) is batching
+
+
 def test_host_data_beside_a_device_operations_outputs_is_a_device_error(device: Any) -> None:
     """An operation reading both outputs of another (its node's `Outputs`, on the device) and host data."""
     pair = ml.operation(lambda x: (ml.tanh(x), x * 2.0))
