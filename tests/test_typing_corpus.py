@@ -175,6 +175,28 @@ ACCEPT = {
         def rows(h: ml.ArrayLayer, at: Sequence[int]) -> ml.Layer[Any, Any]:
             return h[at]  # (a Sequence may be a tuple, an element's index: accepted, not known to gather)
     """,
+    "gathers_by_index_arrays_in_a_tuple_keep_arrays": """
+        # Inferred without a context (assert_type's picked the overload it asked for): index arrays of a
+        # dtype mypy does not know (np.array's) fitted both overloads, and mypy gave up for Layer[Any, Any].
+        sources, labels = np.array([0, 2, 2]), np.array([0, 1, 1])
+        picked = array_layer[np.arange(3), labels]  # (a class-weighted loss's log_softmax(z)[rows, y])
+        assert_type(picked, ml.ArrayLayer)
+        by_rows, by_columns, row_cut = array_layer[sources, 0], array_layer[:, sources], array_weight[0, sources]
+        assert_type(by_rows, ml.ArrayLayer)
+        assert_type(by_columns, ml.ArrayLayer)
+        assert_type(row_cut, ml.ArrayLayer)
+        alone, lists, whole = array_layer[(sources,)], array_weight[[0, 1], [2, 2]], array_layer[()]
+        assert_type(alone, ml.ArrayLayer)
+        assert_type(lists, ml.ArrayLayer)
+        assert_type(whole, ml.ArrayLayer)
+        row, element, deeper = array_layer[0, :], array_layer[0, 1], array_layer[:, :, sources]
+        assert_type(row, ml.Layer[Any, Any])  # (a row or an element: not known statically)
+        assert_type(element, ml.Layer[Any, Any])
+        assert_type(deeper, ml.Layer[Any, Any])  # (an array third or later: accepted, not known to gather)
+        def parts(h: ml.ArrayLayer, arrays: tuple[ml.Array, ...], mixed: tuple[int | slice, ...]) -> None:
+            assert_type(h[arrays], ml.ArrayLayer)
+            assert_type(h[mixed], ml.Layer[Any, Any])
+    """,
     "segment_sums_are_arrays": """
         targets = np.array([0, 2, 2])
         assert_type(ml.segment_sum(array_layer, targets, 3), ml.ArrayLayer)
@@ -348,6 +370,7 @@ REJECT = {
     "scalar_layer_in_a_matrix_product": ("scalar_layer @ array_weight", "operator"),
     "scalar_weight_in_a_matrix_product": ("array @ scalar_weight", "operator"),
     "layer_where_plain_labels_expected": ("ml.cross_entropy(array_layer, array_layer)", "arg-type"),
+    "weight_inside_an_index": ("array_layer[array_weight, 0]", "index"),  # (fails when it runs)
     # Class weights are data (no delta flows into them, as in PyTorch), and the options are keywords.
     "weight_where_plain_class_weights_expected": (
         "ml.cross_entropy(array_layer, np.array([1]), weight=array_weight)",

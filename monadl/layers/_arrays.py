@@ -9,7 +9,7 @@ from typing import Any, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Array", "DeviceArray", "Gathering", "Indexing", "NumPyScalar", "Slicing"]
+__all__ = ["Array", "DeviceArray", "Gathering", "IndexArray", "Indexing", "NumPyScalar", "Slicing"]
 
 Array: TypeAlias = npt.NDArray[Any]
 """A NumPy array (any dtype monadl computes with: float32 or float64)."""
@@ -35,14 +35,30 @@ NumPyScalar: TypeAlias = np.floating[Any] | np.integer[Any]
 ``np.mean(x)``'s ``floating[Any]``; ``np.float64`` is a ``float``): an operand
 as a Python number is, taking the dtype of the arrays beside it."""
 
-# The indices of a layer (`monadl.layers._layer.Expr.__getitem__`), by what they give an array.
+# The indices of a layer (`monadl.layers._layer.Expr.__getitem__`), by what they give an array. mypy
+# takes the first overload that fits, except where an argument holding Any (an index array of a dtype
+# it does not know, ``np.array([0, 2])``) fits several: then it gives up for ``Layer[Any, Any]``. So
+# `Indexing` takes no NumPy array, nor a tuple of one or two places that holds one.
 Slicing: TypeAlias = "slice | EllipsisType | tuple[slice | EllipsisType | None, ...]"
 """Slices alone (with ``...`` and ``None``): an array stays an array."""
-Gathering: TypeAlias = "np.ndarray[Any, Any] | DeviceArray | list[int] | range"
+IndexArray: TypeAlias = "np.ndarray[Any, Any] | DeviceArray | list[int] | range"
 """An index array (a GNN's ``h[sources]``, a mask; a CuPy array) or a list of
-ints or a range: its result is an array. Any NumPy array: an index array's dtype is often
-unknown to mypy (``np.array([0, 2])``), and one of floats raises anyway."""
-Indexing: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | tuple[Any, ...] | Sequence[Any] | None"
-"""The other indices, whose result may be an element or a row. Not a NumPy
-array: where both matched (an index array of a dtype mypy does not know),
-mypy gave up for ``Layer[Any, Any]``."""
+ints or a range. Any NumPy array: an index array's dtype is often unknown to
+mypy (``np.array([0, 2])``), and one of floats raises anyway."""
+_Part: TypeAlias = "IndexArray | slice | EllipsisType | int | np.integer[Any] | None"
+Gathering: TypeAlias = (
+    "IndexArray | tuple[IndexArray, ...] | tuple[IndexArray, *tuple[_Part, ...]]"
+    " | tuple[_Part, IndexArray, *tuple[_Part, ...]]"
+)
+"""An index array, index arrays alone, or a tuple with one in its first or
+second place (``log_p[rows, labels]``, ``h[src, 0]``, ``h[:, src]``): its
+result is an array, of the index arrays' broadcast shape and the axes left (a
+0-d index array's element too, as NumPy's). A tuple of ints is an element's index."""
+_Element: TypeAlias = "int | np.integer[Any] | slice | EllipsisType | Sequence[Any] | None"
+Indexing: TypeAlias = (
+    "int | np.integer[Any] | slice | EllipsisType | Sequence[_Element] | tuple[Any, Any, Any, *tuple[Any, ...]] | None"
+)
+"""The other indices, whose result may be an element or a row: an int, a
+slice, a sequence of them (a tuple), and any tuple of three places or more
+(``x[:, :, src]`` too, not known to gather). No NumPy array alone, nor in a
+tuple of one or two places (see above)."""

@@ -250,8 +250,10 @@ class Expr(Unvalued, Generic[D, G]):
     def __getitem__(self: Expr[Array, Array], index: Indexing) -> Layer[Any, Any]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
         """Indexing and slicing; slices alone (with ``...`` and ``None``), an
-        integer or boolean array or a list of ints keep an array an array. (A
-        scalar layer has no index: mypy rejects one, as NumPy's IndexError would.)"""
+        integer or boolean array or a list of ints, and a tuple with one first
+        or second (``log_p[rows, labels]``, ``h[:, src]``) keep an array an
+        array. (A scalar layer has no index: mypy rejects one, as NumPy's
+        IndexError would.)"""
         if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
         # A cell cuts its gates with several slices a node: built here, as `binary` builds.

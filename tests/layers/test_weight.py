@@ -51,7 +51,8 @@ def test_a_weight_is_still_no_array() -> None:
     w = ml.Weight(np.zeros(2))
     assert not is_array(w)
     x = ml.Weight(np.ones((2, 3)))
-    assert "[Weight(array([0., 0.])), 0]" in ml.to_dot(x[w, 0])  # an index that fails: shown as it is
+    index: Any = (w, 0)  # (mypy rejects a weight in an index: it fails when it runs)
+    assert "[Weight(array([0., 0.])), 0]" in ml.to_dot(x[index])  # an index that fails: shown as it is
 
 
 def test_a_large_weights_repr_is_its_dtype_shape_and_line() -> None:
