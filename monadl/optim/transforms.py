@@ -25,6 +25,7 @@ from monadl._namespace import namespace
 from monadl.optim._hyper import Rate, checked, finite, valid_rate
 from monadl.optim._schedules import Schedule
 from monadl.optim._spec import spec
+from monadl.optim._torch_names import refuses_torch_names
 
 __all__ = [
     "GradientTransformation",
@@ -204,6 +205,7 @@ class AdagradState(NamedTuple):
     sum_of_squares: Tensor
 
 
+@refuses_torch_names
 def scale_by_adagrad(initial_accumulator: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """Divide by the root of the summed squared gradients (Duchi et al.,
     2011): ``s <- s + g**2``, then ``g / (sqrt(s) + eps)``, ``eps`` outside
@@ -223,6 +225,7 @@ class RmsState(NamedTuple):
     mean_square: Tensor
 
 
+@refuses_torch_names
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """Divide by a moving root mean square of gradients (Tieleman & Hinton, 2012)."""
     decay = checked("decay", decay, 1.0)
@@ -241,6 +244,7 @@ class AdamState(NamedTuple):
     nu: Tensor
 
 
+@refuses_torch_names
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's moment estimates with bias correction (Kingma & Ba, 2015, Algorithm 1).
 
@@ -323,12 +327,14 @@ def add_l1_decay(l1: float) -> GradientTransformation:
 
 
 # ---- the usual optimizers ------------------------------------------------------------
+@refuses_torch_names
 def sgd(learning_rate: Rate | Schedule) -> GradientTransformation:
     """Plain stochastic gradient descent: ``p <- p - lr_t * g``, ``lr_t``
     the rate, or the schedule at the weight's step count (``torch.optim.SGD``)."""
     return scale_by_learning_rate(learning_rate)
 
 
+@refuses_torch_names
 def momentum(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
     """SGD with heavy-ball momentum (Polyak), as ``torch.optim.SGD(momentum=decay)``:
     ``v <- decay * v + g``, ``p <- p - lr_t * v``, ``v`` from 0.
@@ -339,12 +345,14 @@ def momentum(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTran
     return chain(trace(decay), scale_by_learning_rate(learning_rate))
 
 
+@refuses_torch_names
 def nesterov(learning_rate: Rate | Schedule, decay: float = 0.9) -> GradientTransformation:
     """SGD with Nesterov momentum, as ``torch.optim.SGD(momentum=decay,
     nesterov=True)``: ``v <- decay * v + g``, ``p <- p - lr_t * (g + decay * v)``."""
     return chain(trace(decay, nesterov=True), scale_by_learning_rate(learning_rate))
 
 
+@refuses_torch_names
 def adagrad(
     learning_rate: Rate | Schedule, initial_accumulator: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformation:
@@ -360,6 +368,7 @@ def adagrad(
     return chain(scale_by_adagrad(initial_accumulator, eps), scale_by_learning_rate(learning_rate))
 
 
+@refuses_torch_names
 def rmsprop(learning_rate: Rate | Schedule, decay: float = 0.9, eps: float = 1e-8) -> GradientTransformation:
     """RMSprop (Tieleman & Hinton, 2012), with optax's defaults: ``decay``
     0.9 (PyTorch's ``RMSprop``: ``alpha=0.99``; pass ``decay=0.99`` to match
@@ -367,6 +376,7 @@ def rmsprop(learning_rate: Rate | Schedule, decay: float = 0.9, eps: float = 1e-
     return chain(scale_by_rms(decay, eps), scale_by_learning_rate(learning_rate))
 
 
+@refuses_torch_names
 def adam(
     learning_rate: Rate | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformation:
@@ -382,6 +392,7 @@ def adam(
     return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
+@refuses_torch_names
 def adamw(
     learning_rate: Rate | Schedule,
     b1: float = 0.9,
