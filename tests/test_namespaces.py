@@ -42,6 +42,10 @@ CASES: dict[str, tuple[list[np.ndarray], Build]] = {
         lambda w, ix: ml.exp(w[0]) + ml.log(w[0]) + ml.sqrt(w[0]) + ml.abs(-w[0]),
     ),
     "activations": ([RNG.normal(size=(2, 5))], lambda w, ix: ml.tanh(w[0]) + ml.sigmoid(w[0]) + ml.relu(w[0])),
+    "stable_logistic_losses": (
+        [RNG.normal(size=(2, 5)) * 30, RNG.uniform(size=(2, 5)), RNG.uniform(0.5, 2, size=(5,))],
+        lambda w, ix: ml.softplus(w[0]) * ml.log_sigmoid(w[0]) + ml.binary_cross_entropy_with_logits(w[0], w[1], w[2]),
+    ),
     "maximum_minimum": (
         [RNG.normal(size=(6,)), RNG.normal(size=(6,))],
         lambda w, ix: ml.maximum(w[0], w[1]) * ml.minimum(w[0], 0.1),

@@ -90,6 +90,7 @@ ACCEPT = {
             typed: ml.ArrayWeight = ml.Weight(data)  # (the README's advice: annotate it where it is made)
             assert_type(typed * 2.0, ml.ArrayLayer)
             assert_type(ml.tanh(v), ml.Layer[Any, Any])
+            assert_type(ml.softplus(v), ml.Layer[Any, Any])
             assert_type(ml.maximum(0.0, layer), ml.Layer[Any, Any])
             rows = [ml.tanh(data @ v) for _ in range(2)]  # (in the list's context it took the scalar overload)
             assert_type(ml.concatenate([ml.relu(r) for r in rows]), ml.ArrayLayer)
@@ -117,10 +118,13 @@ ACCEPT = {
         assert_type(scalar_weight * 2.0 + scalar_layer, ml.ScalarLayer)
         assert_type(2.0 - scalar_weight, ml.ScalarLayer)
         assert_type(ml.exp(scalar_layer), ml.ScalarLayer)
+        assert_type(ml.softplus(scalar_weight), ml.ScalarLayer)
+        assert_type(ml.log_sigmoid(-scalar_layer), ml.ScalarLayer)
     """,
     "arrays_win": """
         assert_type(scalar_layer * array_weight, ml.ArrayLayer)
         assert_type(scalar_weight + array, ml.ArrayLayer)
+        assert_type(ml.log_sigmoid(array_weight), ml.ArrayLayer)
     """,
     "reductions": """
         assert_type(ml.sum(array_layer), ml.ScalarLayer)
@@ -132,6 +136,8 @@ ACCEPT = {
         assert_type(array_layer.mean(keepdims=True), ml.ArrayLayer)
         assert_type(ml.mean(array_layer, keepdims=False), ml.ScalarLayer)
         assert_type(ml.cross_entropy(array_layer, np.array([1])), ml.ScalarLayer)
+        assert_type(ml.binary_cross_entropy_with_logits(array_layer, array), ml.ScalarLayer)
+        assert_type(ml.binary_cross_entropy_with_logits(array_layer, array_layer, pos_weight=array), ml.ScalarLayer)
     """,
     "cross_entropys_options_keep_a_scalar": """
         assert_type(ml.cross_entropy(array_layer, np.array([1]), weight=np.array([0.5, 2.0, 1.0])), ml.ScalarLayer)
@@ -388,6 +394,8 @@ REJECT = {
     "string_optimizer": ("ml.Weight(np.zeros(3), optimizer='adam')", "call-overload"),
     "optimizer_factory_not_called": ("ml.Weight(np.zeros(3), optimizer=ml.optim.sgd)", "call-overload"),
     "string_learning_rate": ("ml.optim.adam('fast')", "arg-type"),
+    "pytorchs_keyword_names": ("ml.optim.adam(lr=1e-3, betas=(0.5, 0.999))", "call-arg"),
+    "string_to_softplus": ("ml.softplus('x')", "call-overload"),
     "chain_of_non_optimizer": ("ml.optim.chain(ml.optim.sgd(0.1), 0.5)", "arg-type"),
     "direct_returns_a_number": (
         "@ml.direct\nasync def f() -> float:\n    return 1.0",

@@ -7,6 +7,7 @@ from monadl.layers._functions import (
     dot,
     exp,
     log,
+    log_sigmoid,
     log_softmax,
     logsumexp,
     matmul,
@@ -17,6 +18,7 @@ from monadl.layers._functions import (
     relu,
     sigmoid,
     softmax,
+    softplus,
     sqrt,
     stop_gradient,
     sum,
@@ -39,6 +41,7 @@ from monadl.layers._layer import (
 from monadl.layers._operation import Operation, operation
 from monadl.layers._primitives import Primitive
 from monadl.layers._structure import (
+    binary_cross_entropy_with_logits,
     concatenate,
     conv2d,
     cross_entropy,
@@ -70,6 +73,7 @@ __all__ = [
     "ScalarWeight",
     "Weight",
     "abs",
+    "binary_cross_entropy_with_logits",
     "concatenate",
     "conv2d",
     "cross_entropy",
@@ -78,6 +82,7 @@ __all__ = [
     "embedding",
     "exp",
     "log",
+    "log_sigmoid",
     "log_softmax",
     "logsumexp",
     "matmul",
@@ -92,6 +97,7 @@ __all__ = [
     "segment_sum",
     "sigmoid",
     "softmax",
+    "softplus",
     "split",
     "sqrt",
     "stack",

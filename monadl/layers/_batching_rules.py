@@ -30,7 +30,7 @@ from monadl.layers._batching_lookups import batch_embedding, batch_getitem, batc
 from monadl.layers._indexing import _checked_indices
 from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._products import product
-from monadl.layers._reductions import _weighted_cross_entropy
+from monadl.layers._reductions import _weighted_cross_entropy, binary_cross_entropy_of
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
 
@@ -232,6 +232,18 @@ def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> 
     return out, (vjp,)
 
 
+def _binary_cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """Each member's mean over its own elements, where the logits are
+    stacked, the targets stacked or shared, and the weight of positives
+    shared: other combinations (and targets not shaped as a member's logits,
+    which each member refuses with its line) run member by member."""
+    a, t, *weight = args
+    member = getattr(t, "shape", ())[1:] if batched[1] else getattr(t, "shape", ())
+    if not batched[0] or any(batched[2:]) or member != a.shape[1:]:
+        return None
+    return binary_cross_entropy_of(a, t, weight[0] if weight else None, tuple(range(1, a.ndim)))
+
+
 def _reshape(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
     """Each member to ``shape``: the stack to ``(n, *shape)`` (a ``-1`` there
     is a member's, and an impossible shape fails as a member's would)."""
@@ -295,6 +307,8 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
             "tanh",
             "sigmoid",
             "relu",
+            "softplus",
+            "log_sigmoid",
             "power",
             "stop_gradient",
             "as_layer",
@@ -314,4 +328,5 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
     "embedding": batch_embedding,
     "segment_sum": batch_segment_sum,
     "cross_entropy": _cross_entropy,
+    "binary_cross_entropy_with_logits": _binary_cross_entropy,
 }

@@ -1,6 +1,7 @@
 """The elementwise rules: binary (``add`` to ``minimum``), unary (``negative``
-to ``relu``), ``stop_gradient``, which passes its operand through with
-no delta, and ``as_layer``, which passes it through with its delta.
+to ``relu``, and ``softplus`` and ``log_sigmoid``, which never overflow),
+``stop_gradient``, which passes its operand through with no delta, and
+``as_layer``, which passes it through with its delta.
 
 The value of an elementwise rule has the broadcast shape of its operands, and
 each delta comes back in that shape (the table marks them ``elementwise``):
@@ -220,8 +221,7 @@ def _logistic(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def _stable_logistic(xp: Any, a: Value) -> Value:
     """The logistic function by its two branches: ``exp(-|a|)`` never overflows."""
-    e = xp.exp(-xp.abs(a))
-    return xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
+    return _logistic_of(xp, a, xp.exp(-xp.abs(a)))
 
 
 def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
@@ -232,6 +232,38 @@ def _sigmoid_delta(g: Value, out: np.ndarray[Any, Any]) -> Value:
     d *= out
     d *= g
     return d
+
+
+def _softplus(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # log(1 + e**a) as max(a, 0) + log1p(e**-|a|): e**-|a| never overflows, and log1p keeps the far
+    # negative tail's e**a (log(1 + e**a) rounds it to 0). Its delta is sigmoid(a), from the same e.
+    xp, e = _tail(a)
+    out = _scalar(xp, _clipped(xp, a, xp.maximum) + xp.log1p(e))
+    return out, (lambda g: g * _logistic_of(xp, a, e),)
+
+
+def _log_sigmoid(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    # -softplus(-a), as min(a, 0) - log1p(e**-|a|); its delta is sigmoid(-a), which 1 - sigmoid(a)
+    # would round to 0 for a above 37 (float64).
+    xp, e = _tail(a)
+    out = _scalar(xp, _clipped(xp, a, xp.minimum) - xp.log1p(e))
+    return out, (lambda g: g * _logistic_of(xp, -a, e),)
+
+
+def _tail(a: Value) -> tuple[Any, Value]:
+    """The namespace of ``a``, and ``e ** -|a|`` (at most 1: it never overflows)."""
+    xp = namespace(a)
+    return xp, xp.exp(-xp.abs(a))
+
+
+def _clipped(xp: Any, a: Value, choose: Callable[[Value, Value], Value]) -> Value:
+    """``max(a, 0)`` or ``min(a, 0)`` (a NaN stays NaN); the standard's take two arrays."""
+    return choose(a, 0) if xp is np else choose(a, xp.zeros_like(a))
+
+
+def _logistic_of(xp: Any, a: Value, e: Value) -> Value:
+    """``sigmoid(a)`` from ``e = e ** -|a|``: ``1 / (1 + e)`` where ``a >= 0``, ``e / (1 + e)`` elsewhere."""
+    return xp.where(a >= 0, 1 / (1 + e), e / (1 + e))
 
 
 def _where(condition: Value, a: Value, b: Value) -> tuple[Value, tuple[Vjp, ...]]:

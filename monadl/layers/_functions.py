@@ -39,6 +39,7 @@ __all__ = [
     "dot",
     "exp",
     "log",
+    "log_sigmoid",
     "log_softmax",
     "logsumexp",
     "matmul",
@@ -49,6 +50,7 @@ __all__ = [
     "relu",
     "sigmoid",
     "softmax",
+    "softplus",
     "sqrt",
     "stop_gradient",
     "sum",
@@ -154,6 +156,44 @@ def relu(x: Operand) -> Layer[Any, Any]:
     array([0., 2.])
     """
     return apply_primitive("relu", (x,))
+
+
+@overload
+def softplus(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
+def softplus(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def softplus(x: ArrayOperand) -> ArrayLayer: ...
+def softplus(x: Operand) -> Layer[Any, Any]:
+    """``log(1 + e ** x)``, elementwise, without overflow (PyTorch's
+    ``F.softplus``, exact where PyTorch's returns ``x`` above 20); its delta
+    is ``sigmoid(x)``. A GAN's non-saturating loss ``-log(sigmoid(d))`` is
+    ``softplus(-d)``, finite for any score, where ``log(sigmoid(d))`` is
+    ``-inf`` below -745 (float64; -104 in float32).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(softplus(np.array([-1000.0, 0.0, 2.0, 1000.0])).predict).round(4).tolist()
+    [0.0, 0.6931, 2.1269, 1000.0]
+    """
+    return apply_primitive("softplus", (x,))
+
+
+@overload
+def log_sigmoid(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
+def log_sigmoid(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def log_sigmoid(x: ArrayOperand) -> ArrayLayer: ...
+def log_sigmoid(x: Operand) -> Layer[Any, Any]:
+    """``log(sigmoid(x))``, elementwise, without overflow: ``-softplus(-x)``
+    (PyTorch's ``F.logsigmoid``); its delta is ``sigmoid(-x)``, kept where
+    ``1 - sigmoid(x)`` rounds to 0.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(log_sigmoid(np.array([-1000.0, 0.0, 40.0])).predict)
+    array([-1.00000000e+03, -6.93147181e-01, -4.24835426e-18])
+    """
+    return apply_primitive("log_sigmoid", (x,))
 
 
 @overload

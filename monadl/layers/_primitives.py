@@ -34,6 +34,7 @@ from monadl.layers._elementwise import (
     _div,
     _exp,
     _log,
+    _log_sigmoid,
     _maximum,
     _minimum,
     _mul,
@@ -41,6 +42,7 @@ from monadl.layers._elementwise import (
     _pow,
     _relu,
     _sigmoid,
+    _softplus,
     _sqrt,
     _stop_gradient,
     _sub,
@@ -57,7 +59,16 @@ from monadl.layers._indexing import (
     _transpose,
 )
 from monadl.layers._matmul import _dense, _matmul
-from monadl.layers._reductions import _cross_entropy, _log_softmax, _logsumexp, _max, _mean, _softmax, _sum
+from monadl.layers._reductions import (
+    _binary_cross_entropy,
+    _cross_entropy,
+    _log_softmax,
+    _logsumexp,
+    _max,
+    _mean,
+    _softmax,
+    _sum,
+)
 from monadl.layers._split import split_part_rule, split_rule
 
 __all__ = ["PRIMITIVES", "Primitive"]
@@ -111,6 +122,8 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("tanh", _tanh, elementwise=True),
         Primitive("sigmoid", _sigmoid, elementwise=True),
         Primitive("relu", _relu, elementwise=True),
+        Primitive("softplus", _softplus, elementwise=True),
+        Primitive("log_sigmoid", _log_sigmoid, elementwise=True),
         Primitive("matmul", _matmul, same_dtype=True),
         Primitive("dense", _dense, same_dtype=True),
         Primitive("sum", _sum),
@@ -120,6 +133,7 @@ PRIMITIVES: Final[dict[str, Primitive]] = {
         Primitive("softmax", _softmax),
         Primitive("log_softmax", _log_softmax),
         Primitive("cross_entropy", _cross_entropy),
+        Primitive("binary_cross_entropy_with_logits", _binary_cross_entropy, same_dtype=True),
         Primitive("reshape", _reshape),
         Primitive("transpose", _transpose),
         Primitive("getitem", _getitem),

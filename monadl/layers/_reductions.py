@@ -1,6 +1,6 @@
 """The rules that reduce over axes: ``sum``, ``mean``, ``max``,
-``logsumexp``, the softmax pair (``softmax``, ``log_softmax``) and the loss
-built on them, ``cross_entropy``.
+``logsumexp``, the softmax pair (``softmax``, ``log_softmax``) and the losses
+built on them, ``cross_entropy`` and ``binary_cross_entropy`` (of logits).
 
 A reduced delta gets its axes back in one helper (`_expand`) before it
 broadcasts to the operand's shape; tied maxima share their delta evenly.
@@ -9,6 +9,9 @@ one_hot) / n``, with no scatter, and its labels are checked as `embedding`'s
 indices are (`_checked_indices`). With PyTorch's options (class weights, a
 label ignored, label smoothing) it is the same rule over a weighted target,
 `_weighted_cross_entropy`, which also computes a batched group's losses.
+``binary_cross_entropy`` is one rule for the same reason (its delta is
+``(sigmoid - targets) / n``), with its value written with ``softplus``, so
+that no score overflows it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.errors import DTypeError
-from monadl.layers._elementwise import _mask, _scalar
+from monadl.layers._elementwise import _clipped, _mask, _scalar
 from monadl.layers._indexing import PLAIN, _checked_indices
 
 Value = Any  # an ndarray or a NumPy scalar
@@ -249,3 +252,47 @@ def _weighted_cross_entropy(
         return d if keep is None else xp.where(xp.reshape(keep, shape)[..., None], d, xp.zeros_like(d))
 
     return out, vjp
+
+
+def _binary_cross_entropy(a: Value, t: Value, pos_weight: Value = None) -> tuple[Value, tuple[Vjp, ...]]:
+    # mean((1 - t) * a + (1 + (pos_weight - 1) * t) * softplus(-a)) as one rule, PyTorch's
+    # binary_cross_entropy_with_logits: softplus(-a) = -log(sigmoid(a)) never overflows.
+    if type(a) in PLAIN:
+        a = np.asarray(a)
+    shape = getattr(t, "shape", ())
+    if shape != a.shape:  # (PyTorch's rule: a (batch, 1) score against (batch,) targets broadcast to (batch, batch))
+        raise ValueError(
+            f"targets must be shaped as the logits, got {list(shape)} for {list(a.shape)}; reshape one: "
+            "broadcast, a (batch, 1) score against (batch,) targets would give a (batch, batch) loss"
+        )
+    return binary_cross_entropy_of(a, t, pos_weight, None)
+
+
+def binary_cross_entropy_of(a: Value, t: Value, pos_weight: Value, axes: Any) -> tuple[Value, tuple[Vjp, ...]]:
+    """`_binary_cross_entropy`'s mean over ``axes`` (None: over all; a
+    batching rule's: over each member's), and its deltas, one per operand."""
+    xp = namespace(a)
+    e = xp.exp(-xp.abs(a))
+    below = _clipped(xp, -a, xp.maximum) + xp.log1p(e)  # softplus(-a), as `_softplus` computes it
+    weighted = below if pos_weight is None else (1 + (pos_weight - 1) * t) * below
+    loss = (1 - t) * a + weighted
+    count = prod(a.shape) if axes is None else prod(a.shape[1:])
+    out = _reductions(xp)[1](loss, axis=axes) / count
+
+    def share(g: Value) -> Value:  # (a member's delta over its own elements)
+        return g / count if axes is None else xp.reshape(g, (-1, *(1,) * (a.ndim - 1))) / count
+
+    def vjp_a(g: Value) -> Value:
+        # (1 - t) * sigmoid(a) - pos_weight * t * sigmoid(-a): sigmoid(a) - t (PyTorch's, without
+        # pos_weight) rounds to 0 where t = 1 and a is past 37 (float64), and 1 - w * sigmoid(-a)
+        # where t = 0 and a is below -37; this keeps each term's tail.
+        one = 1 / (1 + e)
+        up, down = xp.where(a >= 0, one, e * one), xp.where(a >= 0, e * one, one)  # sigmoid(a), sigmoid(-a)
+        positive = t * down if pos_weight is None else pos_weight * t * down
+        return share(g) * ((1 - t) * up - positive)
+
+    def vjp_t(g: Value) -> Value:
+        return share(g) * (-a if pos_weight is None else (pos_weight - 1) * below - a)
+
+    vjps = (vjp_a, vjp_t) if pos_weight is None else (vjp_a, vjp_t, lambda g: share(g) * t * below)
+    return out, vjps

@@ -32,6 +32,7 @@ from monadl.layers._unvalued import Unvalued
 from monadl.layers._weight import Weight, weight_sites
 
 __all__ = [
+    "binary_cross_entropy_with_logits",
     "concatenate",
     "conv2d",
     "cross_entropy",
@@ -181,6 +182,40 @@ def _smoothing(label_smoothing: float) -> float:
     if not 0.0 <= e <= 1.0:
         raise OperandError(f"cross_entropy: label_smoothing must lie in [0.0, 1.0], got {label_smoothing!r}")
     return e
+
+
+def binary_cross_entropy_with_logits(
+    logits: Operand, targets: Operand, pos_weight: Operand | None = None
+) -> ScalarLayer:
+    """Mean binary cross-entropy of ``targets`` under ``sigmoid(logits)``, as
+    PyTorch's ``F.binary_cross_entropy_with_logits`` (mean reduction):
+    ``mean((1 - targets) * logits + w * softplus(-logits))``, with ``w = 1 +
+    (pos_weight - 1) * targets``, 1 without ``pos_weight``. One primitive,
+    whose delta for the logits is ``(sigmoid(logits) - targets) / n``
+    (without ``pos_weight``); no score overflows it, where
+    ``-log(sigmoid(logits))`` is infinite below -745 (float64).
+
+    Args:
+        logits: scores, any shape.
+        targets: probabilities (0 and 1 for labels; a boolean or integer
+            array is cast), shaped exactly as ``logits``: another shape
+            raises `monadl.ShapeError` when the layer runs, where
+            broadcasting ``(batch, 1)`` against ``(batch,)`` would give a
+            ``(batch, batch)`` loss. A layer or a weight gets its delta.
+        pos_weight: the weight of positive examples, broadcast against
+            ``logits`` (one per class, the last axis), a layer or a weight too.
+
+    A GAN's discriminator loss is ``bce(d_real, ones) + bce(d_fake, zeros)``
+    and its generator's non-saturating loss ``bce(d_fake, ones)``, which is
+    ``mean(softplus(-d_fake))``.
+
+    >>> import anyio, numpy as np
+    >>> loss = binary_cross_entropy_with_logits(np.array([0.0, 1000.0, -1000.0]), np.array([1.0, 1.0, 1.0]))
+    >>> round(float(anyio.run(loss.predict)), 6)  # (log(2) + 0 + 1000) / 3
+    333.564382
+    """
+    operands = (logits, targets) if pos_weight is None else (logits, targets, pos_weight)
+    return apply_primitive("binary_cross_entropy_with_logits", operands)
 
 
 def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:

@@ -55,6 +55,8 @@ UNARY: list[tuple[str, Fn, float]] = [
     ("tanh", ml.tanh, -2.0),
     ("sigmoid", ml.sigmoid, -4.0),
     ("relu", ml.relu, -2.0),
+    ("softplus", ml.softplus, -4.0),
+    ("log_sigmoid", ml.log_sigmoid, -4.0),
     ("sum", lambda a: ml.sum(a), -2.0),
     ("mean", lambda a: ml.mean(a), -2.0),
     ("max", lambda a: ml.max(a), -2.0),
