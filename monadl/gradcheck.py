@@ -43,6 +43,14 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     Each is of its weight's kind: a list of array weights gives arrays, of
     scalar weights floats, of both either.
 
+    First order only: the gradients are data, not layers, also when taken
+    inside a running ``train()`` (an ``@ml.direct`` step). A loss built
+    from them has the right value, but no delta flows back through them:
+    WGAN-GP's penalty on an input gradient taken here trains nothing
+    (PyTorch's ``create_graph=True`` has no counterpart). As data they are
+    right for an adversarial input (FGSM); for a penalty, write the input
+    gradient as layers (the tour's "Coming from PyTorch").
+
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.array([1.0, 2.0]))
     >>> anyio.run(gradients, ml.sum(w * w), [w])
@@ -74,6 +82,7 @@ async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, A
     ``.to_dense()`` for the array), so that only they step. The value is typed
     as ``train()``'s (a float for a scalar loss); a gradient as ``Any``, since
     a weight's may be its array, its float or its rows.
+    As `gradients`', they are data: nothing differentiates through them.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w, frozen = ml.Weight(np.array([1.0, 2.0])), ml.Weight(np.array([3.0, 4.0]))

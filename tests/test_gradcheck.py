@@ -42,3 +42,33 @@ def test_check_grads_checks_a_marked_cell_behind_a_wrapper() -> None:
     # A lambda or a partial over the cell is no Operation: it was called on plain arrays, and refused.
     ml.check_grads(lambda a, b: marked(a, b) * 2.0, A, B)
     ml.check_grads(functools.partial(marked, A), B)
+
+
+def test_gradients_are_data_so_a_penalty_through_them_trains_nothing_and_one_by_hand_matches_pytorch() -> None:
+    """As the docs say (`ml.gradients`, the tour's "Gradients of gradients"): first order only. A
+    WGAN-GP penalty built from ``ml.gradients`` in an ``@ml.direct`` step has PyTorch's value and no
+    gradient for the critic; the input gradient written as layers has ``create_graph=True``'s."""
+    torch = pytest.importorskip("torch")
+    g = np.random.default_rng(0)
+    w0, x0 = g.normal(size=(2, 1)), g.normal(size=(4, 2))
+    w = ml.Weight(w0.copy())
+
+    @ml.direct
+    async def through_gradients(xd: ml.Array) -> ml.ScalarLayer:
+        x = ml.Weight(xd)
+        (gx,) = await ml.gradients(ml.sum(ml.tanh(x @ w)), [x])
+        return ml.as_layer(float(np.mean((np.linalg.norm(gx, axis=1) - 1.0) ** 2)))
+
+    def by_hand(x: ml.Array) -> ml.ScalarLayer:
+        gx = (1.0 - ml.tanh(x @ w) ** 2.0) @ ml.transpose(w)  # d sum(tanh(x @ w)) / dx
+        return ml.mean((ml.sqrt(ml.sum(gx * gx, axis=1)) - 1.0) ** 2.0)
+
+    tw, tx = torch.tensor(w0, requires_grad=True), torch.tensor(x0, requires_grad=True)
+    (tg,) = torch.autograd.grad(torch.tanh(tx @ tw).sum(), tx, create_graph=True)
+    want = ((tg.norm(dim=1) - 1) ** 2).mean()
+    want.backward()
+    value, grads = anyio.run(ml.value_and_gradients, through_gradients(x0))
+    assert value == pytest.approx(want.item(), rel=1e-14) and grads == {}
+    value, grads = anyio.run(ml.value_and_gradients, by_hand(x0))
+    assert value == pytest.approx(want.item(), rel=1e-14)
+    np.testing.assert_allclose(grads[w], tw.grad.numpy(), rtol=1e-13)
