@@ -55,7 +55,7 @@ class Block(ABC, Generic[In, Out]):
     array([3.])
     """
 
-    __slots__ = ()
+    __slots__ = ("__weakref__",)  # (a batch's error names its block: `monadl.layers._batch_site`)
     _kind: ClassVar[str] = BUILD  # how the runner runs it (`monadl.fold._run`)
     _shown: ClassVar[tuple[str, ...] | None] = None
     """The attributes its repr shows, as its constructor takes them (``*``: a

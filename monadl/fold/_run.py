@@ -80,7 +80,7 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
     runner = _Runner()
     f = runner.compiled(block)
     outputs: list[Y] = []
-    build = None if site is None else BatchBuild(f"{block!r}.batch", site)  # (its text: keeps no block alive)
+    build = None if site is None else BatchBuild(block, site)
     starts = None if build is None else build.starts
     try:
         for x in xs:  # (an error of ``xs`` itself is no input's: no note)

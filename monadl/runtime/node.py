@@ -26,7 +26,7 @@ from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, made
 from monadl.layers._operands import describe, one_float_dtype
 from monadl.layers._outputs import Outputs, arrays_of, finite_value
-from monadl.layers._primitives import shown
+from monadl.layers._primitives import WEIGHT_LAYER, shown
 from monadl.layers._program import Program
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight, weight_sites
@@ -276,8 +276,11 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 # ---- error text ---------------------------------------------------------------------
 def where(node: Any) -> str:
     """``file:line`` of the user's code that built ``node``, and the input of
-    a Fold batch it was built for (`built_for`; a weight has no number)."""
-    return site_text(node._site) + built_for(getattr(node, "_serial", -1))
+    a Fold batch it was built for (`built_for`; a weight has no number, and
+    its one node, reused by every graph after it, was built for none)."""
+    if node._op is WEIGHT_LAYER or type(node) is not Layer:
+        return site_text(node._site)
+    return site_text(node._site) + built_for(node._serial)
 
 
 def _check_dtypes(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

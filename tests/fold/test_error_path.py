@@ -213,9 +213,37 @@ def test_layers_of_no_batch_and_of_a_batch_long_gone_name_no_input() -> None:
     assert built_for(x._serial) == ""
     first = InputTransform[float, Any](lambda v: ml.as_layer(np.array([v]))).batch([1.0, 2.0])
     assert built_for(first[1]._serial).endswith("built input 1 (from 0) of 2")
+    InputTransform[float, float](float).batch([1.0] * 10)  # (no layer built: not kept)
+    assert built_for(first[1]._serial).endswith("built input 1 (from 0) of 2")
     for _ in range(KEPT):
-        InputTransform[float, float](float).batch([1.0])
+        InputTransform[float, Any](lambda v: ml.as_layer(np.array([v]))).batch([1.0])
     assert built_for(first[1]._serial) == ""
+
+
+def test_the_kept_batches_hold_a_bounded_number_of_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from monadl.layers import _batch_site
+
+    monkeypatch.setattr(_batch_site, "KEPT_INPUTS", 100)
+    block = InputTransform[float, Any](lambda v: ml.as_layer(np.array([v])))
+    old = block.batch([1.0] * 60)
+    new = block.batch([1.0] * 60)  # (past 100 inputs: the older batch goes)
+    assert _batch_site.built_for(old[0]._serial) == ""
+    assert _batch_site.built_for(new[59]._serial).endswith("built input 59 (from 0) of 60")
+    big = block.batch([1.0] * 150)  # (the newest is kept whatever its size)
+    assert _batch_site.built_for(big[149]._serial).endswith("of 150")
+    assert _batch_site.built_for(new[0]._serial) == ""
+
+
+def test_a_weights_node_built_in_a_batch_names_no_input_of_it() -> None:
+    # (the weight's one node, ml.as_layer(w), is built once and reused by every later graph: a NaN in the
+    # weight at a later step was named as input 0 of the first batch)
+    w = ml.Weight(np.ones(2))
+    block = InputTransform[float, Any](lambda v: ml.as_layer(w) * v)
+    outs = block.batch([1.0, 2.0])
+    w.data = np.array([np.nan, 1.0])
+    with ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as info:
+        anyio.run(ml.sum(ml.stack(outs)).predict)
+    assert "built while" not in str(info.value), str(info.value)
 
 
 def test_a_kept_batch_holds_no_block_alive() -> None:
