@@ -13,7 +13,11 @@ that a step takes as a count (``segment_sum``'s ``num_segments``). Calls of
 other shapes or values then cannot share a trace, and no way of passing
 them helps: the advice is to leave the cell unmarked, or to batch the
 examples by hand. An array used as values can become a layer, and a number
-used as a value a float.
+a float, but only a number the trace's arithmetic used as it is (one of its
+constants, as ``h * n`` keeps ``n``). An int that no step takes and no
+constant equals, Python read: a loop count (``range(depth)``), or an index
+or count computed from it (``h[i + 1]``, ``n + 1`` segments). A float is
+refused there, so it too stays an int, each value its own trace.
 """
 
 from __future__ import annotations
@@ -45,11 +49,11 @@ _PARTS: Final = 64  # (the most a trace records: a cell of a hundred arguments i
 _STATIC: Final = (int, bool, str, np.integer, np.bool_)
 _SHOWN: Final = 3  # (values or shapes shown per argument)
 
+_UNMARKED: Final = "leave the operation unmarked (its operations still batch with those of other calls of equal shapes)"
 _BY_HAND: Final = (
-    "leave the operation unmarked (its operations still batch with those of other calls of equal shapes), "
-    "or batch the examples by hand: stack their rows into one array, offset each example's indices by the "
-    "rows before it, and run the cell once on the stack (ml.segment_sum by the offset ids sums each example's "
-    "rows apart, as torch's index_add does)"
+    f"{_UNMARKED}, or batch the examples by hand: stack their rows into one array, offset each example's indices "
+    "by the rows before it, and run the cell once on the stack (ml.segment_sum by the offset ids sums each "
+    "example's rows apart, as torch's index_add does)"
 )
 
 
@@ -102,11 +106,12 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
             "layer, ml.as_layer(x), whose shape is no part of the signature where the cell reads none)"
         )
     kept: dict[str, list[str]] = {}  # indices and counts, by the step that takes them: plain data they stay
+    read: list[tuple[Path, str]] = []  # static values that Python reads (a loop count, an index computed from an int)
     advice: list[str] = []
     differing: list[str] = []
     for (path, kind), parts in differ.items():
         name = _named(f, path)
-        differing.append(f"{name}'s {'shape' if kind == 'array' else 'value'} ({_examples(parts)})")
+        differing.append(f"{name}'s {_differs_in(kind, parts)} ({_examples(parts)})")
         use = _as_index(parts) if kind == "array" else _as_count(parts)
         if use is not None and kind == "value" and use.startswith(_LOOKUPS):  # (an array index is read as data)
             advice.append(
@@ -115,14 +120,13 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
         elif use is not None:
             kept.setdefault(use, []).append(name)
         elif kind == "array":
+            advice += _array_advice(name, parts)
+        elif _computed_with(parts):
             advice.append(
-                f"pass an array whose shape differs as a layer, ml.as_layer({name}), whose shape is no part of the "
-                "signature where the cell reads none"
+                f"pass a number that differs per call as a float, float({name}), as the cell computes with it"
             )
         else:
-            advice.append(
-                f"pass a number that differs per call as a float, float({name}), where the cell computes with it"
-            )
+            read.append((path, kind))
     text = f"{general}; here they differ in {', '.join(differing)}"
     if advice:
         text += f": {'; '.join(advice)}"
@@ -132,7 +136,59 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
             f"; {', '.join(uses)}: index arrays and counts must stay plain data (an integer array, an int), each "
             f"shape or value its own trace, and no way of passing them inside a cell changes that: {_BY_HAND}"
         )
+    if read:
+        ints = all(isinstance(p[2], int | np.integer) for key in read for _, p in differ[key])
+        names = [_named(f, path) for path, _ in read]
+        text += (
+            f"; {' and '.join(names)} {'is' if len(names) == 1 else 'are'} read by Python, not computed with (no "
+            "step takes it as it is and no constant of the trace equals it: a loop count, a flag, or an index, a "
+            "slice or a count computed from it), so it must stay "
+            + (f"an int (float({names[0]}) is refused where Python reads it)" if ints else "as it is")
+            + ", each value its own trace: give it a few values (round it up to one of a few sizes, padding the data "
+            f"to match), or {'do as for those above' if kept else _BY_HAND}"
+        )
     return text
+
+
+def _differs_in(kind: str, parts: list[tuple[Trace, Argument]]) -> str:
+    """What differs of an argument among its traces: its value, or an array's shape, dtype or both."""
+    if kind != "array":
+        return "value"
+    shapes, dtypes = len({p[2][0] for _, p in parts}) > 1, len({p[2][1] for _, p in parts}) > 1
+    return "shape and dtype" if shapes and dtypes else "shape" if shapes else "dtype"
+
+
+def _array_advice(name: str, parts: list[tuple[Trace, Argument]]) -> list[str]:
+    """What to do for an array of values whose shape or dtype differs per call."""
+    advice = []
+    if len({p[2][0] for _, p in parts}) > 1:
+        advice.append(
+            f"pass an array whose shape differs as a layer, ml.as_layer({name}), whose shape is no part of the "
+            "signature where the cell reads none"
+        )
+    dtypes = {p[2][1] for _, p in parts}
+    if len(dtypes) > 1:
+        first = parts[0][1][2][1]
+        advice.append(f"convert {name} to one dtype before the call ({name}.astype(np.{first}))")
+    return advice
+
+
+def _computed_with(parts: list[tuple[Trace, Argument]]) -> bool:
+    """Whether every one of ``parts``' traces holds its call's number as
+    a constant of its arithmetic (``h * n``, ``h * float(n)``): a value
+    that a float argument, a layer in the cell, can take the place of."""
+    for trace, (_, _, value, _) in parts:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool | np.bool_):
+            return False
+        consts = getattr(getattr(trace.op, "rule", None), "consts", ())
+        if not any(_number(c) and c == value for c in consts):
+            return False
+    return True
+
+
+def _number(x: Any) -> bool:
+    """Whether a trace's constant is a number (not an array, not a bool)."""
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool)
 
 
 def _as_index(parts: list[tuple[Trace, Argument]]) -> str | None:
@@ -205,18 +261,22 @@ def _examples(parts: list[tuple[Trace, Argument]]) -> str:
 
 def _named(f: Callable[..., Any], path: Path) -> str:
     """An argument by its parameter's name and the fields, keys or items
-    inside it (``g.src``, ``xs[2]``); ``argument 3`` where the name is unknown."""
+    inside it (``g.src``, ``xs[2]``, ``idx[0]`` of ``*idx``); ``argument 3``
+    where the name is unknown."""
     head, *rest = path
     if isinstance(head, int):
         try:
-            names = [
-                p.name
-                for p in inspect.signature(f).parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
+            parameters = list(inspect.signature(f).parameters.values())
         except (TypeError, ValueError):
-            names = []
-        text = names[head] if head < len(names) else f"argument {head + 1}"
+            parameters = []
+        names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        rests = [p.name for p in parameters if p.kind == p.VAR_POSITIONAL]
+        if head < len(names):
+            text = names[head]
+        elif rests:
+            text = f"{rests[0]}[{head - len(names)}]"
+        else:
+            text = f"argument {head + 1}"
     else:
         text = str(head)
     for part in rest:

@@ -97,6 +97,93 @@ def test_an_int_index_is_told_to_become_an_integer_array_which_then_shares_one_t
     assert len(cell._traces) == before + 1 and values == [4.0 * t + 1.0 for t in range(8)]
 
 
+def test_ints_that_python_reads_are_told_to_stay_ints_not_to_become_floats(caplog: pytest.LogCaptureFixture) -> None:
+    """An int from which the cell computes an index or a count (``h[i +
+    1]``, ``n + 1`` segments), or a loop count, was told "pass float(i)",
+    which the cell then refused: only an int that no step took as it was
+    counted as one."""
+    w = ml.Weight(np.ones((3, 3)))
+    shifted = ml.operation(lambda h, i: ml.sum(h[i + 1]))
+    summed = ml.operation(lambda h, ids, n: ml.segment_sum(h @ w, ids, n + 1))
+
+    @ml.operation
+    def deep(h: ml.ArrayOperand, depth: int) -> ml.ArrayLayer:
+        for _ in range(depth):
+            h = ml.tanh(h @ w)
+        return h
+
+    rows = ml.as_layer(np.ones((12, 3)))
+    for cell, calls, name in [
+        (shifted, [(rows, i) for i in range(8)], "i"),
+        (summed, [(ml.as_layer(np.ones((n, 3))), np.arange(n), n) for n in range(1, 9)], "n"),
+        (deep, [(ml.as_layer(np.ones((2, 3))), d) for d in range(1, 9)], "depth"),
+    ]:
+        caplog.clear()
+        message = traces_message(caplog, calls, cell)
+        assert "as a float" not in message
+        assert (
+            f"; {name} is read by Python, not computed with (no step takes it as it is and no constant of the trace "
+            "equals it: a loop count, a flag, or an index, a slice or a count computed from it), so it must stay an "
+            f"int (float({name}) is refused where Python reads it), each value its own trace: give it a few values "
+            "(round it up to one of a few sizes, padding the data to match), or "
+        ) in message
+    assert message.endswith(
+        "or leave the operation unmarked (its operations still batch with those of other calls "
+        "of equal shapes), or batch the examples by hand: stack their rows into one array, offset each example's "
+        "indices by the rows before it, and run the cell once on the stack (ml.segment_sum by the offset ids sums "
+        "each example's rows apart, as torch's index_add does)"
+    )
+    # What the advice says of a float there holds: each refuses it.
+    for cell, args in [
+        (shifted, (rows, 3.0)),
+        (summed, (ml.as_layer(np.ones((3, 3))), np.arange(3), 3.0)),
+        (deep, (ml.as_layer(np.ones((2, 3))), 3.0)),
+    ]:
+        with pytest.raises(ml.OperandError):
+            anyio.run(cell(*args).predict)
+
+
+def test_an_int_the_cell_computes_with_is_still_told_to_become_a_float(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda h, n: ml.sum(h * w) * n)  # (the trace keeps n as a constant)
+    message = traces_message(caplog, [(ml.as_layer(np.ones(3)), n) for n in range(8)], cell)
+    assert "pass a number that differs per call as a float, float(n), as the cell computes with it" in message
+    assert "read by Python" not in message
+    assert [anyio.run(cell(ml.as_layer(np.ones(3)), float(n)).predict) for n in range(3)] == [0.0, 3.0, 6.0]
+
+
+def test_a_string_that_differs_is_told_to_stay_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda h, mode: ml.sum(h * w) if mode.startswith("s") else ml.mean(h * w))
+    message = traces_message(caplog, [(ml.as_layer(np.ones(3)), f"s{k}") for k in range(8)], cell)
+    assert "here they differ in mode's value ('s0', 's1', 's2', ... 8 in all); mode is read by Python" in message
+    assert "so it must stay as it is, each value its own trace" in message and "float(" not in message
+
+
+def test_arrays_whose_dtype_alone_differs_are_told_to_take_one_dtype(caplog: pytest.LogCaptureFixture) -> None:
+    """The advice said they differed in shape, and to pass them as layers."""
+    w = ml.Weight(np.ones(3))
+    cell = ml.operation(lambda x: ml.sum(x * w[0]))
+    dtypes = [np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8, np.uint8]
+    message = traces_message(caplog, [(np.ones(3, dtype),) for dtype in dtypes], cell)
+    assert "here they differ in x's dtype (float64[3], float32[3], float16[3], ... 8 in all): " in message
+    assert message.endswith("convert x to one dtype before the call (x.astype(np.float64))")
+    assert "ml.as_layer" not in message
+
+
+def test_arguments_of_a_star_parameter_are_named_by_it(caplog: pytest.LogCaptureFixture) -> None:
+    """They were "argument 2" and "argument 3"."""
+
+    @ml.operation
+    def gathered(h: ml.ArrayOperand, *idx: np.ndarray) -> ml.ArrayLayer:
+        return ml.sum(h[idx[0]]) + ml.sum(h[idx[1]])
+
+    calls = [(ml.as_layer(np.ones((12, 3))), np.arange(n), np.arange(n + 1)) for n in range(1, 9)]
+    message = traces_message(caplog, calls, gathered)
+    assert "here they differ in idx[0]'s shape (int64[1], int64[2], int64[3], ... 8 in all), idx[1]'s shape" in message
+    assert "; idx[0] and idx[1] are getitem's index at " in message
+
+
 def test_the_count_of_traces_is_said_once_each_not_at_every_call_past_the_limit(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
