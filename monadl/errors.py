@@ -59,6 +59,12 @@ class IndexRangeError(ShapeError, IndexError):
     so the traceback shows the Python code that chose it; the rest when the
     layer runs.
 
+    A layer's index (``h[src]``) is checked by its array library, as NumPy
+    checks it. CuPy does not check an integer array in an index: there
+    ``h[src]`` with ``src`` out of range reads wrapped or undefined rows,
+    and no error is raised (an embedding's indices and segment ids are
+    checked on every library).
+
     >>> import anyio, numpy as np, monadl as ml
     >>> table = ml.Weight(np.zeros((20, 8)))
     >>> try:

@@ -6,7 +6,7 @@ batched, inside an operation and in a Fold block, and no weight changes."""
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -311,3 +311,28 @@ def test_other_index_errors_keep_numpy_s_words() -> None:
     with pytest.raises(IndexError) as info:
         anyio.run(ml.sum(h[0, 0, 0]).predict)
     assert type(info.value) is IndexError and "too many indices" in str(info.value)
+
+
+def test_an_index_array_that_refuses_numpy_is_read_in_its_own_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CuPy refuses to become a NumPy array unasked ("Implicit conversion to
+    a NumPy array is not allowed"): reading the index after the library's
+    IndexError turned it into that TypeError. array_api_strict stands in
+    for it here, made to refuse as CuPy does."""
+    import array_api_strict as xs
+
+    def refused(*args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+    monkeypatch.setattr(type(xs.asarray([0])), "__array__", refused)
+    h = ml.Weight(xs.asarray(np.ones((4, 3)))) * 1.0
+    with pytest.raises(ml.IndexRangeError) as info:
+        anyio.run(ml.sum(h[xs.asarray([0, 1]), 5]).predict)  # FOREIGN
+    assert str(info.value) == (
+        "getitem: index 5 at index[1] out of range for axis 1 of length 3 (indices must lie in [-3, 3), a negative"
+        f" one counted from the end); layer built at {HERE}:{line_of('FOREIGN')}"
+    )
+    with pytest.raises(ml.IndexRangeError, match=r"^getitem: index -9 at index\[0\]\[1\] out of range for axis 0 "):
+        anyio.run(ml.sum(h[xs.asarray([0, -9]), 1]).predict)
+    with pytest.raises(IndexError) as other:  # (too many indices: the library's own words)
+        anyio.run(ml.sum(h[xs.asarray([0, 1]), 0, 0]).predict)
+    assert type(other.value) is IndexError and "too many indices" in str(other.value)

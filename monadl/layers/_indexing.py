@@ -11,9 +11,10 @@ back. Their indices are checked to lie in range by `_checked_indices`, which
 ``cross_entropy`` and the batching rules use for labels too: a negative one
 is refused, not counted from the end, and one out of range raises
 `IndexRangeError` (the shapes fit: a value does not). ``getitem`` lets
-NumPy check its index (a negative one counts from the end there) and turns
-the IndexError of one out of range into `IndexRangeError` (`_out_of_bounds`),
-so a lookup in range pays nothing for the words.
+its array library check its index (a negative one counts from the end
+there; CuPy checks no integer array) and turns the IndexError of one out of
+range into `IndexRangeError` (`_out_of_bounds`), so a lookup in range pays
+nothing for the words.
 """
 
 from __future__ import annotations
@@ -75,17 +76,22 @@ def _getitem(a: Value, index: Any) -> tuple[Value, tuple[Vjp, ...]]:
     try:
         return a[index], (vjp,)
     except IndexError:
-        text = _out_of_bounds(shape, index)
+        try:
+            text = _out_of_bounds(shape, index)
+        except Exception:  # (an index array its library would not let be read: the library's own error)
+            text = None
         if text is None:  # (too many indices, a mask of another shape: NumPy's own words)
             raise
         raise IndexRangeError(text) from None  # (NumPy's words, said again: noise)
 
 
 def _out_of_bounds(shape: tuple[int, ...], index: Any) -> str | None:
-    """What `_getitem` says of an index that NumPy refused: its first
-    integer outside ``[-length, length)`` of its axis, where it sits in the
-    index, and the axis; None where no integer is out of range. Read only
-    once NumPy has raised: the lookups in range pay nothing for it."""
+    """What `_getitem` says of an index that its array library refused:
+    its first integer outside ``[-length, length)`` of its axis, where it
+    sits in the index, and the axis; None where no integer is out of range.
+    Read only once the library has raised: the lookups in range pay nothing
+    for it. An index array is read in its own namespace (CuPy refuses to
+    become a NumPy array unasked)."""
     items = index if type(index) is tuple else (index,)
     axes = [_axes_taken(item) for item in items]
     axis = 0
@@ -93,19 +99,22 @@ def _out_of_bounds(shape: tuple[int, ...], index: Any) -> str | None:
         if item is Ellipsis:
             axis = len(shape) - sum(axes[k + 1 :])
             continue
-        ints = np.asarray(item) if isinstance(item, int | np.integer | list) or hasattr(item, "dtype") else None
-        if ints is not None and ints.dtype.kind in "iu" and axis < len(shape):
-            size, flat = shape[axis], np.reshape(np.asarray(ints), (-1,))
-            bad = (flat < -size) | (flat >= size)
-            if bad.any():
-                first = int(np.argmax(bad))
-                place = f"[{', '.join(map(str, np.unravel_index(first, ints.shape)))}]" if ints.ndim else ""
-                item_at = f"[{k}]" if len(items) > 1 else ""
-                at = f" at index{item_at}{place}" if place or item_at else ""
-                return (
-                    f"index {int(flat[first])}{at} out of range for axis {axis} of length {size} "
-                    f"(indices must lie in [{-size}, {size}), a negative one counted from the end)"
-                )
+        if isinstance(item, int | np.integer | list):
+            item = np.asarray(item)
+        if hasattr(item, "dtype") and axis < len(shape):
+            xp = namespace(item)
+            if xp.isdtype(item.dtype, "integral"):
+                size, flat = shape[axis], xp.reshape(item, (-1,))
+                bad = xp.astype((flat < -size) | (flat >= size), xp.int8)
+                if bool(xp.any(bad)):
+                    first = int(xp.argmax(bad))
+                    place = f"[{', '.join(map(str, np.unravel_index(first, item.shape)))}]" if item.ndim else ""
+                    item_at = f"[{k}]" if len(items) > 1 else ""
+                    at = f" at index{item_at}{place}" if place or item_at else ""
+                    return (
+                        f"index {int(flat[first])}{at} out of range for axis {axis} of length {size} "
+                        f"(indices must lie in [{-size}, {size}), a negative one counted from the end)"
+                    )
         axis += taken
     return None
 
