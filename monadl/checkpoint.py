@@ -312,12 +312,12 @@ def load(
                     f"{weight.dtype}; build the weight in the dtype it was saved in (a checkpoint loads as saved, "
                     "not converted)"
                 )
-            data = replace_data(weight.data, to_library(stored, weight.data), f"weight {label}", copy=False)
+            data = replace_data(weight._data, to_library(stored, weight._data), f"weight {label}", copy=False)
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
                 where = f"weight {label}, optimizer state"
-                decoded = decode(saved[source]["optimizer_state"], weight.state, tensors, where)
-                state = replace_state(weight.state, decoded, where, copy=False)
+                decoded = decode(saved[source]["optimizer_state"], weight._state, tensors, where)
+                state = replace_state(weight._state, decoded, where, copy=False)
         except MonadlError as error:
             problems.append(str(error))
             continue

@@ -66,7 +66,7 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     if others:
         raise TypeError(f"gradients(loss, weights): weights is a list of Weights, got {', '.join(others)} among them")
     _, grads = await entry.gradients(loss)
-    return [_of_weight(w, _dense(grads.get(w, namespace(w.data).zeros_like(w.data)))) for w in weights]
+    return [_of_weight(w, _dense(grads.get(w, namespace(w._data).zeros_like(w._data)))) for w in weights]
 
 
 async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, Any], Any]]:

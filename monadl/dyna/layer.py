@@ -268,8 +268,8 @@ def bound_data(functor: Any, source: Source) -> np.ndarray[Any, Any] | None:
     ...
     TypeError: weights['x'] is a str: a functor is bound to a Weight, a Layer or an array of numbers, whose entries are its axioms
     """
-    if isinstance(source, Weight):
-        return np.asarray(source.data)
+    if isinstance(source, Weight):  # (for its shape and axes: the library reads it, not a cell, so not ``.data``)
+        return np.asarray(source._data)
     if isinstance(source, Expr):
         return None
     data = np.asarray(source)

@@ -75,9 +75,9 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
                 f"built at {site_text(w._site)}; no weight changed"
             )
         shape = tuple(getattr(g, "shape", ()))
-        if shape != tuple(w.data.shape):
+        if shape != w.shape:
             raise ShapeError(
-                f"apply_gradients: a gradient of shape {shape} for a weight of shape {tuple(w.data.shape)} "
+                f"apply_gradients: a gradient of shape {shape} for a weight of shape {w.shape} "
                 f"(built at {site_text(w._site)}); no weight changed"
             )
     _commit(gradients, finite, False)

@@ -1076,6 +1076,39 @@ def test_a_weights_state_or_assignment_in_a_cell_is_refused_and_nested_cells_are
     np.testing.assert_array_equal(read[0], np.ones(2))  # (another thread's read, during the trace)
 
 
+def test_a_weight_read_by_the_library_in_a_cell_is_not_blamed_on_the_cell() -> None:
+    """A Dyna goal built in a cell over a weight was refused as "the cell
+    read .data of the weight": the library read it, for its shape, and the
+    real reason (the goal comes from a Do, which a trace cannot see into)
+    was lost. So too a library's checks of a weight (apply_gradients')."""
+    from monadl.dyna.scalar import Program
+    from monadl.dyna.syntax import Rule
+
+    program = Program([Rule(("y",), [("w", "I"), ("x", "I")])])
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.operation
+    def with_goal(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * program.goal(("y",), axioms={("x", 0): 3.0, ("x", 1): 4.0}, weights={"w": w})
+
+    line = sys._getframe().f_lineno - 2
+    with pytest.raises(ml.OperandError) as caught:
+        with_goal(ml.as_layer(np.ones(2)))
+    assert str(caught.value).startswith(
+        f"operation {with_goal.__name__}: the layer built at {__file__}:{line} comes from a Do (bind, await, "
+    )
+
+    @ml.operation
+    def steps(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        ml.optim.apply_gradients({w: np.ones(3)})
+        return h * w
+
+    with pytest.raises(
+        ml.ShapeError, match=r"^apply_gradients: a gradient of shape \(3,\) for a weight of shape \(2,\)"
+    ):
+        steps(ml.as_layer(np.ones(2)))
+
+
 def _parts(xs: Any) -> list[Any]:
     return [y for x in xs for y in (_parts(x) if isinstance(x, (tuple, list)) else [x])]
 
