@@ -41,7 +41,8 @@ not part of it: layers are lazy, so a trace is a program over any shapes,
 and its groups are by shape at run time. Control flow on values cannot be
 traced: a layer built from a ``Do`` (``bind``, ``@ml.direct``) or one
 built before the call and not passed in is refused with `OperandError`.
-A weight's ``.data`` or ``.state`` read or assigned in ``f`` is refused
+A weight's ``.data`` or ``.state`` read or assigned in ``f``, its
+``.optimizer`` assigned, or the weight copied, is refused
 (`monadl.layers._traced_now`): the trace would keep the first call's.
 
 Most calls skip the signature's walk. Where each argument is a layer,

@@ -2,10 +2,11 @@
 
 A trace runs a cell's function once per signature
 (`monadl.layers._tracing`), so what the function reads of a weight's value
-there, its ``.data`` or ``.state``, would be that array at every later
-call (an assignment to the weight after it changing nothing), and what it
-assigns would be assigned once, not at each call. `Weight` refuses both
-while its thread traces, and a layer asked for a weight's attribute (a
+there, its ``.data`` or ``.state`` or a copy of the weight, would be that
+array at every later call (an assignment to the weight after it changing
+nothing), and what it assigns (``.data``, ``.state``, ``.optimizer``) would
+be assigned once, not at each call. `Weight` refuses each while its thread
+traces, and a layer asked for a weight's attribute (a
 weight argument, a placeholder in the cell) names the cell. A trace is
 synchronous, so a thread traces one function at a time, nested operations
 innermost first.

@@ -20,7 +20,8 @@ refused with `OperandError`; a NumPy data argument computed with inside the
 function is refused too (`monadl.layers._data`, and `monadl.layers._unread`
 where NumPy reads it past its placeholder), since the trace would keep the
 first call's result; so is a weight's ``.data`` or ``.state`` read or
-assigned while the function runs (`monadl.layers._traced_now`).
+assigned, its ``.optimizer`` assigned, or the weight copied, while the
+function runs (`monadl.layers._traced_now`).
 """
 
 from __future__ import annotations

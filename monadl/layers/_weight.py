@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import copyreg
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from math import prod
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, TypeAlias, TypeVar, final, overload
 
 import numpy as np
 
@@ -18,7 +21,7 @@ from monadl.layers._arrays import NumPyScalar
 from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
-from monadl.layers._site import Site, caller_site, site_text
+from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._traced_now import TRACING
 
 if TYPE_CHECKING:
@@ -182,7 +185,7 @@ class Weight(Expr[D, G]):
         array([1., 2.])
         """
         if TRACING and get_ident() in TRACING:
-            self._refuse_in_trace("assigned .data of")
+            self._refuse_in_trace("assigned .data of", assigned=True)
         data = replace_data(self._data, value, "Weight.data")
         with COMMIT_LOCK:
             pin_for_readers((self,))
@@ -246,6 +249,8 @@ class Weight(Expr[D, G]):
         """
         from monadl import optim
 
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("assigned .optimizer of", assigned=True)
         if not isinstance(optimizer, optim.GradientTransformation):
             raise OperandError(f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}")
         state = self._initial_state(optimizer, "Weight.optimizer")
@@ -289,7 +294,7 @@ class Weight(Expr[D, G]):
     @state.setter
     def state(self, value: Any) -> None:
         if TRACING and get_ident() in TRACING:
-            self._refuse_in_trace("assigned .state of")
+            self._refuse_in_trace("assigned .state of", assigned=True)
         state = replace_state(self._state, value, "Weight.state", _another_optimizer(self._optimizer))
         with COMMIT_LOCK:
             self._state = state
@@ -302,11 +307,19 @@ class Weight(Expr[D, G]):
         # (a large one's values fill a screen: its dtype, shape and line, as an error names it)
         return f"Weight({dtype_name(data.dtype)}{list(data.shape)}, built at {site_text(self._site)})"
 
-    def _refuse_in_trace(self, what: str) -> NoReturn:
-        """Refuse to read or assign this weight's data or state (``what``)
-        while an operation is traced on this thread
-        (`monadl.layers._traced_now`)."""
-        if what.startswith("assigned"):
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """As Python's own (``copy.copy``, ``copy.deepcopy`` and pickle call
+        it), but refused while a cell is traced on this thread: the copy
+        would hold the weight's value then, at every later call."""
+        if TRACING and get_ident() in TRACING:
+            self._refuse_in_trace("copied", site=_copier_site())
+        return super().__reduce_ex__(protocol)
+
+    def _refuse_in_trace(self, what: str, *, assigned: bool = False, site: Site | None = None) -> NoReturn:
+        """Refuse to read, assign or copy this weight's data or state
+        (``what`` the cell did, at ``site``: the caller's by default) while
+        an operation is traced on this thread (`monadl.layers._traced_now`)."""
+        if assigned:
             why, instead = (
                 "a trace runs once per signature, not at each call, so later calls would not assign it",
                 "assign it outside the cell (before or after the call, or after predict() or train())",
@@ -320,7 +333,8 @@ class Weight(Expr[D, G]):
             )
         raise OperandError(
             f"operation {TRACING[get_ident()]}: the cell {what} the weight {_shape_text(self._data)}built at "
-            f"{site_text(self._site)} (at {site_text(caller_site())}) while it was traced; {why}: {instead}"
+            f"{site_text(self._site)} (at {site_text(caller_site() if site is None else site)}) while it was traced; "
+            f"{why}: {instead}"
         )
 
     def _unread(self, what: str) -> NoReturn:
@@ -328,6 +342,21 @@ class Weight(Expr[D, G]):
             f"a weight is not read as {what}: its value now is w.data (a model that reads it there does not "
             "learn it; compute with the weight itself)"
         )
+
+
+_COPYING: Final = frozenset({copy.__file__, copyreg.__file__})
+
+
+def _copier_site() -> Site:
+    """The line of the user's code that copied a weight: the first frame
+    outside monadl and the ``copy`` module (a deepcopy of a model reaches
+    its weights several calls deep)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(PACKAGE_DIR) or frame.f_code.co_filename in _COPYING
+    ):
+        frame = frame.f_back
+    return frame.f_code, frame.f_lasti
 
 
 def _another_optimizer(optimizer: GradientTransformation) -> str:

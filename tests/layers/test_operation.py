@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 import sys
@@ -1074,6 +1075,52 @@ def test_a_weights_state_or_assignment_in_a_cell_is_refused_and_nested_cells_are
 
     np.testing.assert_array_equal(anyio.run(waits(x).predict), np.ones(2))
     np.testing.assert_array_equal(read[0], np.ones(2))  # (another thread's read, during the trace)
+
+
+def test_a_weight_copied_or_its_optimizer_assigned_in_a_cell_is_refused_as_its_data_is() -> None:
+    """``copy.copy(w)`` in a cell kept the copy in the trace, so a later
+    ``w.data`` assignment changed nothing, silently (the bug that refusing
+    ``.data`` fixed, by another way); ``w.optimizer = ...`` reset the state
+    once, at the trace, where ``w.state = ...`` was refused. Outside a trace
+    both work as before."""
+    w = ml.Weight(np.ones(3))
+    line = sys._getframe().f_lineno - 1
+    model = {"w": w}
+
+    @ml.operation
+    def shallow(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * copy.copy(w)
+
+    @ml.operation
+    def deep(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * copy.deepcopy(model)["w"]
+
+    @ml.operation
+    def reoptimized(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        w.optimizer = ml.optim.sgd(0.1)
+        return h * w
+
+    x = ml.as_layer(np.arange(3.0))
+    for cell, at in [(shallow, line + 6), (deep, line + 10)]:
+        with pytest.raises(ml.OperandError) as copied:
+            cell(x)
+        assert str(copied.value).startswith(
+            f"operation {cell.__name__}: the cell copied the weight float64[3] built at {__file__}:{line} "
+            f"(at {__file__}:{at}) while it was traced; the trace would keep that value for every later call"
+        )
+    with pytest.raises(ml.OperandError) as assigned:
+        reoptimized(x)
+    assert str(assigned.value).startswith(
+        f"operation {reoptimized.__name__}: the cell assigned .optimizer of the weight float64[3] built at "
+        f"{__file__}:{line} (at {__file__}:{line + 14}) while it was traced; a trace runs once per signature"
+    )
+    optimizer = w.optimizer
+    assert w.optimizer is optimizer  # (unchanged by the refused cell)
+    twin = copy.deepcopy(w)
+    w.optimizer = ml.optim.sgd(0.1)
+    w.data = np.full(3, 5.0)
+    np.testing.assert_array_equal(twin.data, np.ones(3))
+    np.testing.assert_array_equal(copy.copy(w).data, np.full(3, 5.0))
 
 
 def test_a_weight_read_by_the_library_in_a_cell_is_not_blamed_on_the_cell() -> None:
