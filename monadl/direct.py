@@ -63,11 +63,29 @@ D3 = TypeVar("D3")
 D4 = TypeVar("D4")
 D5 = TypeVar("D5")
 
-# Set by the machine while it steps a direct-style coroutine: a flag that is
-# true only during that one step (a task started inside copies the variable,
-# and runs after the step: there the flag reads false), and the innermost
-# cancel scope the step began in (`cancel_scope`).
-inside_direct: Final[ContextVar[list[Any]]] = ContextVar("monadl_inside_direct", default=[False, None])  # noqa: B039
+
+@final
+class Step:
+    """One step of a direct-style coroutine, as code inside it sees it
+    (`inside_direct`): ``live`` is true only during that step (a task
+    started inside copies the variable, and runs after the step: there it
+    reads false); ``scope`` is the innermost cancel scope the step began in
+    (`cancel_scope`); ``own_turn`` is set by a monadl evaluation nested in
+    the step (``ml.gradients``, ``predict()``) while it gives the event loop
+    a turn, so that the examples evaluated beside it wait for that step as
+    for their reads, not as for something outside
+    (`monadl.runtime.stepping.step_in_task`)."""
+
+    __slots__ = ("live", "own_turn", "scope")
+
+    def __init__(self, live: bool, scope: object) -> None:
+        self.live = live
+        self.scope = scope
+        self.own_turn = False
+
+
+inside_direct: Final[ContextVar[Step]] = ContextVar("monadl_inside_direct", default=Step(False, None))  # noqa: B039
+"""The step of a direct-style coroutine that runs here, set by the machine while it steps one."""
 _asyncio_states: list[Any] = []  # (anyio's task states on asyncio, found once)
 
 
@@ -196,13 +214,13 @@ class AwaitLayers:
 
     def __await__(self) -> Generator[Any, Any, Any]:
         step = inside_direct.get()
-        if not step[0]:
+        if not step.live:
             raise RuntimeError(
                 "a Layer can be awaited only inside an @ml.direct function, during its evaluation, in the "
                 "function's own task (not in a task it starts); elsewhere use `await layer.predict()`"
             )
         if (
-            cancel_scope() is not step[1]
+            cancel_scope() is not step.scope
         ):  # (the step after it may run in another task; alone, its timeout reached monadl)
             raise OperandError(
                 refused_scope(

@@ -97,7 +97,7 @@ def _read() -> str:
     second evaluation, which the tour forbids there); elsewhere, ``predict()``."""
     from monadl.direct import inside_direct  # (at call time, on an error's path: direct imports layers)
 
-    if inside_direct.get()[0]:
+    if inside_direct.get().live:
         return "inside @ml.direct: (value,) = await ml.values(layer)"
     return "await layer.predict()"
 

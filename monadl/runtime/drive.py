@@ -29,6 +29,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from monadl.direct import inside_direct
 from monadl.runtime.evaluation import READING, Evaluation
 from monadl.runtime.process import advance
 from monadl.runtime.requests import NEXT, Spawn, Steps
@@ -177,12 +178,28 @@ async def _turn() -> None:
     next piece of work, 5 ms of it or the commit (a step of 5-10 ms under an
     expired deadline committed every time). Then, and only then, a second
     turn lets it run first; trio looks at its deadlines before it wakes a
-    task."""
+    task.
+
+    Inside a step of an ``@ml.direct`` function (an ``ml.gradients`` there)
+    the turn is marked as the step's own wait (`monadl.direct.Step`): the
+    examples evaluated beside it wait for the step, as for one that awaits
+    nothing, whenever its turns come."""
     loop = asyncio._get_running_loop()  # (None on trio, and cheaply so)
     due = loop is not None and _timer_due(loop)
-    await anyio.lowlevel.checkpoint()
+    await _checkpoint()
     if due:
+        await _checkpoint()
+
+
+async def _checkpoint() -> None:
+    """`anyio.lowlevel.checkpoint`, marked as the direct-style step's own
+    wait where one runs this (`_turn`)."""
+    step = inside_direct.get()  # (each send of a step sets one of its own: this one's)
+    step.own_turn = step.live
+    try:
         await anyio.lowlevel.checkpoint()
+    finally:
+        step.own_turn = False  # (read as the send returned: past it, or raised before it yielded)
 
 
 def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:

@@ -214,7 +214,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                         scope = cancel_scope()
                     while True:
                         try:
-                            done, got = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
+                            done, got, _ = frame.context.run(step_direct, frame.coroutine, sending, failure, scope)
                         except Exception as exc:  # (the last example of a batch steps here too)
                             fiber.note_example(exc)
                             raise

@@ -28,7 +28,7 @@ def refuse_inside_evaluation(what: str) -> None:
     ``predict()`` or ``gradients()`` there changes no weight, and is fine;
     so is a step inside a ``predict()``'s effect (it reads the weights as
     they were when it began, and keeps nothing to undo)."""
-    if inside_direct.get()[0]:
+    if inside_direct.get().live:
         raise OperandError(
             f"{what} inside an @ml.direct function: its step would be taken in the middle of the evaluation "
             "around it (which would then read weights half updated) and kept if that one failed; return the "

@@ -12,6 +12,7 @@ import anyio
 from monadl.direct import (
     AwaitLayers,
     Passthrough,
+    Step,
     asyncio_scope_around,
     cancel_scope,
     inside_direct,
@@ -27,9 +28,12 @@ from monadl.runtime import frames as F
 __all__ = ["direct_next", "step_direct", "step_each", "step_in_task"]
 
 
-def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, scope: object) -> tuple[bool, Any]:
-    """Send into a direct-style coroutine: ``(True, result)`` when it returned,
-    else ``(False, what it yielded)``: an `AwaitLayers` or a foreign request.
+def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, scope: object) -> tuple[bool, Any, bool]:
+    """Send into a direct-style coroutine: ``(True, result, False)`` when it
+    returned, else ``(False, what it yielded, own)``: an `AwaitLayers` or a
+    request for the event loop, ``own`` where that is a turn that a monadl
+    evaluation nested in the step gives the loop (`monadl.direct.Step`), a
+    wait for nothing outside the step.
     ``scope``: the task's innermost cancel scope (`cancel_scope`) when the
     step began, before its first send (a foreign await may be inside a
     scope of its own when the step goes on: ``anyio.sleep`` on trio).
@@ -40,22 +44,22 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
     the error is raised at that await. NumPy's error for a write into a
     read-only array gets a note saying that the values it was given are
     read-only views (`note_read_only`)."""
-    live = [True, scope]  # (the flag is false once this step ends: a task the coroutine started may not await layers)
-    flag = inside_direct.set(live)
+    step = Step(True, scope)  # (not live once this step ends: a task the coroutine started may not await layers)
+    flag = inside_direct.set(step)
     try:
         got = coroutine.send(sending) if failure is None else coroutine.throw(failure)
         while type(got) is AwaitLayers and (opened := asyncio_scope_around(coroutine)) is not None:
             got = coroutine.throw(OperandError(refused_scope(*opened)))
     except StopIteration as stop:
-        return True, stop.value
+        return True, stop.value, False
     except ValueError as error:  # (a write into a value it was given: NumPy's message says not whose)
         note_read_only(error)
         raise
     finally:
-        live[0] = False
+        step.live = False
         inside_direct.reset(flag)
         failure = None  # (thrown in and raised again, its traceback holds this frame: a cycle of the evaluation)
-    return False, got
+    return False, got, step.own_turn
 
 
 async def step_in_task(
@@ -66,23 +70,27 @@ async def step_in_task(
     context: contextvars.Context | None = None,
 ) -> tuple[bool, Any]:
     """`step_direct` until the coroutine asks for layers or returns, awaiting
-    its foreign requests in this task; ``before_waiting`` is called once,
-    before the first of them. ``context``: where its sends run (a coroutine
-    stepped beside others in one task keeps its context variables to
-    itself, as in a task of its own). ``scope``: the task's innermost cancel
+    its requests for the event loop in this task; ``before_waiting`` is
+    called once, before the first that is foreign: not before a turn that
+    an ``ml.gradients`` or ``predict()`` inside the step gives the loop, which
+    waits for nothing outside the step (else the examples evaluated beside it
+    went on without it, and which of their graphs merged, and so the last
+    bits of the results, depended on when its turns came: on the clock).
+    ``context``: where its sends run (a coroutine stepped beside others in
+    one task keeps its context variables to itself, as in a task of its own). ``scope``: the task's innermost cancel
     scope (`cancel_scope`) as the step begins."""
     failure: BaseException | None = None
     while True:
         try:
             if context is None:
-                done, got = step_direct(coroutine, sending, failure, scope)
+                done, got, own = step_direct(coroutine, sending, failure, scope)
             else:
-                done, got = context.run(step_direct, coroutine, sending, failure, scope)
+                done, got, own = context.run(step_direct, coroutine, sending, failure, scope)
         finally:  # (raised again, its traceback holds this frame: held here, a cycle)
             failure = None
         if done or type(got) is AwaitLayers:
             return done, got
-        if before_waiting is not None:
+        if before_waiting is not None and not own:
             before_waiting()
             before_waiting = None
         try:

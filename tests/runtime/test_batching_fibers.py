@@ -9,7 +9,7 @@ node by node, so that the examples step in the same order), and must batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import anyio
@@ -506,6 +506,46 @@ def test_merged_runs_are_the_same_whichever_task_the_event_loop_runs_first() -> 
     reference = once("asyncio")
     for _ in range(6):
         assert once("trio") == reference
+
+
+def test_gradients_inside_the_examples_steps_are_waited_for_as_their_reads(caplog: pytest.LogCaptureFixture) -> None:
+    """First-order MAML as one ``train()``: each example's step takes inner
+    steps with ``ml.gradients``, whose evaluation gives the event loop a turn
+    every ``yield_interval_s``. Such a turn counted as a foreign await: the
+    merged run of the examples' query losses went without the examples whose
+    inner loop had taken one, so which of them merged (10 or 11 of 12, by the
+    clock) and the last bits of the weights (3-6e-17) changed run to run and
+    between asyncio and trio. A turn of a nested evaluation is the step's own
+    wait: every example is waited for, all twelve losses merge, every run."""
+    rng = np.random.default_rng(0)
+    init = [rng.normal(size=(1, 16)), np.zeros(16), rng.normal(size=(16, 1)) / 4.0]
+    tasks = [(rng.uniform(-5, 5, size=(6, 1)), rng.uniform(-1, 1, size=(6, 1))) for _ in range(12)]
+
+    def loss(w: Sequence[ml.ArrayLayer | ml.ArrayWeight], x: ml.Array, y: ml.Array) -> ml.ScalarLayer:
+        return ml.mean((ml.tanh(x @ w[0] + w[1]) @ w[2] - y) ** 2.0)
+
+    def once(backend: str) -> tuple[list[int], bytes]:
+        meta = [ml.Weight(v.copy(), optimizer=ml.optim.sgd(0.01)) for v in init]
+
+        @ml.direct
+        async def task(x: ml.Array, y: ml.Array) -> ml.ScalarLayer:
+            moved = [np.zeros_like(w.data) for w in meta]
+            for _ in range(3):
+                fast = [w - 0.02 * g for w, g in zip(meta, moved, strict=True)]
+                grads = await ml.gradients(loss(fast, x, y), meta)
+                moved = [g + d for g, d in zip(moved, grads, strict=True)]
+            return loss([w - 0.02 * g for w, g in zip(meta, moved, strict=True)], -x, y)
+
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(yield_interval_s=1e-6):
+            anyio.run(ml.mean(ml.stack([task(x, y) for x, y in tasks])).train, backend=backend)
+        merges = [int(r.getMessage().split()[3]) for r in caplog.records if r.getMessage().startswith("a merge of")]
+        return merges, b"".join(w.data.tobytes() for w in meta)
+
+    reference = once("asyncio")
+    assert reference[0] == [12]
+    for backend in ("asyncio", "trio", "asyncio", "trio"):
+        assert once(backend) == reference
 
 
 class _Stop(BaseException):
