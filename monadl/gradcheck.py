@@ -8,7 +8,7 @@ so the whole vector-Jacobian product is checked, not only its sum.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import numpy as np
@@ -41,7 +41,9 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     without changing any weight, as a dense array (an embedding table's sparse
     delta is scattered into one). A weight the loss does not reach gets zeros.
     Each is of its weight's kind: a list of array weights gives arrays, of
-    scalar weights floats, of both either.
+    scalar weights floats, of both either. For a dict of a model's weights
+    pass ``list(model.values())`` (its gradients come in that order), or call
+    `value_and_gradients`, which keys them by weight.
 
     First order only: the gradients are data, not layers, also when taken
     inside a running ``train()`` (an ``@ml.direct`` step). A loss built
@@ -60,6 +62,15 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     if isinstance(given, Expr):  # (a layer is not iterated: its message would not say what to pass)
         raise TypeError(
             f"gradients(loss, weights): weights is a list of Weights ([w] for one), got a {type(given).__name__}"
+        )
+    if isinstance(given, Mapping) and not all(isinstance(key, Weight) for key in given):
+        # (iterated, a dict of a model's weights gave its names: 'got str among them', and no hint)
+        keys = sorted({type(key).__name__ for key in given if not isinstance(key, Weight)})
+        raise TypeError(
+            f"gradients(loss, weights): weights is a list of Weights, got a {type(given).__name__} (keyed by "
+            f"{', '.join(keys)}, which is what iterating it gives); pass its weights, list(model.values()), and "
+            "the gradients come in their order (dict(zip(model, grads)) keys them by name again), or call "
+            "ml.value_and_gradients(loss), which keys each gradient by its Weight"
         )
     weights = list(weights)  # (read twice below: an iterator would be used up)
     others = sorted({type(w).__name__ for w in weights if not isinstance(w, Weight)})

@@ -389,6 +389,17 @@ async def test_gradients_wants_a_list_of_weights() -> None:
     with pytest.raises(TypeError, match="got ndarray among them"):
         await ml.gradients(ml.sum(w), [np.ones(2)])  # type: ignore[list-item]  # an array for a weight: on purpose
     assert [g.tolist() for g in await ml.gradients(ml.sum(w * w), iter([w]))] == [[2.0, 2.0]]  # type: ignore[call-overload]
+    model = {"w": w, "b": ml.Weight(np.zeros(2))}
+    with pytest.raises(TypeError) as refused:  # a dict of a model's weights: 'got str among them', and no hint
+        await ml.gradients(ml.sum(w * w), model)  # type: ignore[call-overload]  # a dict, not a list: on purpose
+    assert str(refused.value) == (
+        "gradients(loss, weights): weights is a list of Weights, got a dict (keyed by str, which is what iterating "
+        "it gives); pass its weights, list(model.values()), and the gradients come in their order "
+        "(dict(zip(model, grads)) keys them by name again), or call ml.value_and_gradients(loss), which keys each "
+        "gradient by its Weight"
+    )
+    grads = await ml.gradients(ml.sum(w * w), list(model.values()))
+    assert {k: g.tolist() for k, g in zip(model, grads, strict=True)} == {"w": [2.0, 2.0], "b": [0.0, 0.0]}
 
 
 def test_settings_of_the_wrong_type_are_refused_where_they_are_made() -> None:
