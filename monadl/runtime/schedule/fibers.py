@@ -12,7 +12,9 @@ so (`MIN_MERGED` here, then
 are alike), so that the k examples' nodes of equal signature run as one
 kernel; then every parked fiber resumes with its values. A fiber whose
 direct-style coroutine a task is stepping is waited for, unless its step said
-it awaits something foreign (it may be waiting for a parked fiber): so which
+it awaits something foreign (it may be waiting for a parked fiber; a turn of
+the event loop that an ``ml.gradients`` inside the step gives is not foreign,
+`monadl.runtime.stepping.step_in_task`): so which
 graphs run together does not depend on the order the event loop runs tasks
 in (trio's is random), and the parked fibers are taken in the order their
 branches were written. So each example runs
