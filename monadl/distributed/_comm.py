@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from monadl.errors import MonadlError
 
-__all__ = ["Communicator", "MpiCommunicator", "Pending", "RankFailure", "agree", "mpi_world"]
+__all__ = ["Communicator", "MpiCommunicator", "Pending", "RankFailure", "agree", "mpi_world", "seconds"]
 
 DEFAULT_TIMEOUT: Final = 300.0  # seconds a collective may wait for the slowest rank
 
@@ -292,13 +292,24 @@ async def poll(
         if waited > patience:
             raise RankFailure(
                 {},
-                f"rank {rank}: no answer from the other ranks in {what} within {patience:g} s (a rank died or "
+                f"rank {rank}: no answer from the other ranks in {what} within {seconds(patience)} s (a rank died or "
                 "hangs, or ended without this exchange: a rank with fewer batches, which DataParallel.finish() "
                 "reports at once; or this rank was the late one, and the others had given up on an earlier "
                 "exchange before it came)",
                 in_step=False,
             )
         await anyio.sleep(0.0 if waited < spin else idle)
+
+
+def seconds(duration: float) -> str:
+    """A duration in seconds as a message writes it: three digits under 100
+    (``0.5``, ``2.5``, ``20.3``), whole seconds from there (``1232``, where
+    ``:g`` wrote ``1.23e+03``: a lateness past the default 300 s timeout).
+
+    >>> [seconds(t) for t in (0.5, 2.5, 20.25, 300.0, 1232.4)]
+    ['0.5', '2.5', '20.2', '300', '1232']
+    """
+    return f"{duration:.3g}" if abs(duration) < 100 else f"{duration:.0f}"
 
 
 SPIN: Final = 5e-2

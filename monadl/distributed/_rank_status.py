@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from monadl._namespace import all_finite, namespace
 from monadl.deltas import SparseRows
+from monadl.distributed._comm import seconds
 from monadl.distributed._overlap import Overlap
 from monadl.distributed._same_model import shape_of
 from monadl.layers import Weight
@@ -135,10 +136,10 @@ def _late(statuses: npt.NDArray[np.int64], rank: int) -> str:
     if not gone:
         return ""
     after = (mine - int(max(came[q] for q in gone))) / 1e6
-    timeouts = ", ".join(f"{t / 1e6:g}" for t in sorted({int(patience[q]) for q in gone}))
+    timeouts = ", ".join(seconds(t / 1e6) for t in sorted({int(patience[q]) for q in gone}))
     one = len(gone) == 1
     return (
-        f"rank {rank} was the late one: it came to this exchange {after:.3g} s after {_ranks(gone)}, past "
+        f"rank {rank} was the late one: it came to this exchange {seconds(after)} s after {_ranks(gone)}, past "
         f"{'its' if one else 'their'} timeout of {timeouts} s, so {'it' if one else 'they'} had given up waiting "
         f"for it (this rank spent that long since the ranks' last exchange: in its loader, forward and backward, "
         "or paused); where a rank may be that slow, give the communicator a longer timeout"

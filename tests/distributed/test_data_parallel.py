@@ -20,6 +20,7 @@ import pytest
 import monadl as ml
 import monadl.distributed._data_parallel
 from monadl.distributed import Communicator, DataParallel, RankFailure, find_weights, run_local, shard
+from monadl.distributed._rank_status import _came, _late, _status
 
 BACKENDS = ["asyncio", "trio"]
 Arrays = dict[str, npt.NDArray[Any]]
@@ -236,6 +237,28 @@ def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no
         "give the communicator a longer timeout"
     )
     assert took < timeout  # (no second wait for a rank that had left)
+
+
+def test_the_late_verdict_writes_a_lateness_past_the_default_timeout_in_whole_seconds() -> None:
+    # With timeout=300 a verdict needs more than 301 s, and '.3g' wrote 1232.5 s as '1.23e+03 s'.
+    def statuses(came: list[float], patience: float) -> npt.NDArray[np.int64]:
+        rows = []
+        for seconds in came:
+            status = _status(1, 5, finished=False)
+            _came(status, 0.0, seconds, patience)
+            rows.append(status)
+        return np.stack(rows)
+
+    assert _late(statuses([2.0, 1234.5], 300.0), 1).startswith(
+        "rank 1 was the late one: it came to this exchange 1232 s after rank 0, past its timeout of 300 s, "
+    )
+    assert _late(statuses([2.0, 3.0, 999.7], 300.0), 2).startswith(
+        "rank 2 was the late one: it came to this exchange 997 s after ranks 0, 1, past their timeout of 300 s, "
+    )
+    assert _late(statuses([1.0, 9.25], 2.0), 1).startswith(
+        "rank 1 was the late one: it came to this exchange 8.25 s after rank 0, past its timeout of 2 s, "
+    )
+    assert _late(statuses([2.0, 302.9], 300.0), 1) == ""  # (300.9 s: within the margin of a second)
 
 
 def test_after_a_cancelled_step_the_rank_refuses_to_step_again() -> None:
