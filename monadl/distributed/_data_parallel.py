@@ -287,9 +287,13 @@ class DataParallel(ModelWrapper):
         entry.refuse_inside_evaluation("DataParallel.train()")  # (on every rank alike, before any exchange)
         with in_step(self._comm):
             try:
-                return await self._train(loss, at)
+                value, reduced = await self._exchange(loss, at)
             finally:  # (after its last exchange, failed or not: on every rank at about the same moment)
                 self._met = time.perf_counter()
+            # (after `_met`: the update's time differs between ranks, a large model's on a
+            # loaded node by seconds, and would count as lateness at the next exchange)
+            _commit(reduced)
+            return value
 
     async def finish(self) -> None:
         """This rank's training is over: say so, on every rank, after its last `train`.
@@ -325,7 +329,8 @@ class DataParallel(ModelWrapper):
         _came(status, self._met, time.perf_counter(), getattr(comm, "timeout", None))
         await agree(comm, "", None, status, _parted, lambda statuses: _late(statuses, comm.rank))
 
-    async def _train(self, loss: Layer[Any, Any], step: int) -> Any:
+    async def _exchange(self, loss: Layer[Any, Any], step: int) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+        """This rank's loss value and the reduced gradients every rank steps by."""
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         checked = 0.0  # the first step's model check: where the ranks first meet, and wait for a late one
         if not self._agreed:
@@ -406,8 +411,7 @@ class DataParallel(ModelWrapper):
             "exposed": exposed + post,
             "agree": agree_end - agree_start + checked,
         }
-        _commit(reduced)
-        return value
+        return value, reduced
 
     @staticmethod
     def _checked(total: Any, scale: float) -> Any:

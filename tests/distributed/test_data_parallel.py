@@ -729,6 +729,38 @@ def test_the_ranks_compare_their_models_once_in_three_numbers() -> None:
     assert run_local(2, rank) == [[3 + status, 3 + 2 * status, 3 + 3 * status]] * 2
 
 
+def test_a_rank_whose_update_took_longer_is_not_taken_for_late_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1's optimizer update took 10 s more than rank 0's (a large model on a loaded
+    # node) and rank 0's loader 10 s more than rank 1's: both came to the next exchange
+    # at once. The ranks' common reference was taken after the update, so rank 0 seemed
+    # 10 s late, past the 5 s timeout: it raised 'rank 0 was the late one' and rank 1
+    # waited for it in vain. Each rank's clock is its own and moves only as said here.
+    now = {"rank 0": 0.0, "rank 1": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: now[threading.current_thread().name])
+    monkeypatch.setattr(monadl.distributed._data_parallel, "time", clock)
+    update = monadl.distributed._data_parallel._commit
+
+    def slow_update(grads: dict[ml.Weight[Any, Any], Any]) -> None:
+        update(grads)
+        if threading.current_thread().name == "rank 1":
+            now["rank 1"] += 10.0
+
+    monkeypatch.setattr(monadl.distributed._data_parallel, "_commit", slow_update)
+
+    async def rank(comm: Communicator) -> list[float]:
+        w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.1))
+        dp = DataParallel(w, comm)
+        await dp.train(ml.sum(w * (comm.rank + 1.0)))
+        if comm.rank == 0:
+            now["rank 0"] += 10.0  # its loader
+        await dp.train(ml.sum(w * (comm.rank + 1.0)))
+        return list(map(float, w.data))
+
+    assert run_local(2, rank, timeout=5.0) == [pytest.approx([0.7, 0.7])] * 2  # (two steps of 0.1 * 1.5)
+
+
 def test_the_first_steps_wait_for_a_late_rank_is_in_its_agree_time(monkeypatch: pytest.MonkeyPatch) -> None:
     # A rank 2 s late for the first step: train took 2 s and last_step_seconds summed to
     # milliseconds (the wait fell in the same-model check, before the step's clock started).
