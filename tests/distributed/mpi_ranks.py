@@ -18,9 +18,10 @@ it raised and whether its weight changed to ``OUT/rank{r}.json``.
 and calls ``finish()`` after its last; each writes what every call gave and
 its weight to ``OUT/rank{r}.json``.
 
-``python mpi_ranks.py late OUT``: rank 1 pauses 5 s (past the 2 s timeout)
-before its second step; each writes what that step raised and how long it
-took to ``OUT/rank{r}.json``.
+``python mpi_ranks.py late OUT`` (``late-overlap``: with ``overlap=True``):
+rank 1 starts its second step once rank 0 has given up on it (2 s timeout),
+100 s later on the clock the protocol reads; each writes what that step raised
+and the exchanges it entered to ``OUT/rank{r}.json``.
 
 The models and batches come from `model_batches`, which the test also uses
 for its one-process reference.
@@ -28,6 +29,7 @@ for its one-process reference.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -172,27 +174,42 @@ async def uneven(out: Path) -> None:
     (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
 
 
-async def late(out: Path) -> None:
-    import time
+async def late(out: Path, overlap: bool = False) -> None:
+    import types
+    from unittest import mock
 
-    import anyio
+    from mpi4py import MPI
 
+    import monadl.distributed._data_parallel
     from monadl.distributed import DataParallel, RankFailure, mpi_world
+    from tests.distributed.logged import Logged
 
-    comm = mpi_world(timeout=2.0)
+    now = [0.0]  # the clock the protocol reads: still, but for rank 1's pause
+    mock.patch.object(
+        monadl.distributed._data_parallel, "time", types.SimpleNamespace(perf_counter=lambda: now[0])
+    ).start()
+    side = MPI.COMM_WORLD.Dup()  # (the test's own messages, apart from the protocol's)
+    comm = Logged(mpi_world(timeout=60.0))
     weight = ml.Weight(np.zeros(1), optimizer=ml.optim.sgd(0.1))
-    dp = DataParallel(weight, comm)
+    dp = DataParallel(weight, comm, overlap=overlap)
     await dp.train(ml.mean(weight * 1.0))
+    comm.timeout = 2.0  # (not before: the first step waits for a loaded machine)
     if comm.rank == 1:
-        await anyio.sleep(5.0)
-    start = time.perf_counter()
+        side.recv(source=0)  # it starts its step once rank 0 has given up
+        now[0] += 100.0
+    del comm.log[:]
     report: dict[str, Any] = {}
     try:
         await dp.train(ml.mean(weight * 1.0))
     except RankFailure as error:
         report["error"] = str(error)
-    report["took"] = time.perf_counter() - start
+    report["log"] = comm.log
     report["weight"] = float(weight.data[0])
+    if comm.rank == 0:
+        side.send("gave up", dest=1)
+        side.recv(source=1)  # (alive until rank 1 is told, as in a job that goes on)
+    else:
+        side.send("told", dest=0)
     (out / f"rank{comm.rank}.json").write_text(json.dumps(report))
 
 
@@ -200,7 +217,9 @@ def main() -> None:
     import anyio
 
     mode, out = sys.argv[1], Path(sys.argv[2])
-    anyio.run({"train": train, "kill": kill, "mismatch": mismatch, "uneven": uneven, "late": late}[mode], out)
+    modes = {"train": train, "kill": kill, "mismatch": mismatch, "uneven": uneven, "late": late}
+    modes["late-overlap"] = functools.partial(late, overlap=True)
+    anyio.run(modes[mode], out)
     if mode == "kill":
         # After a dead peer MPI cannot finalize (its finalize would wait for
         # the dead rank): leave without it, as a real job would after the error.

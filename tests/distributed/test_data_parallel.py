@@ -19,8 +19,17 @@ import pytest
 
 import monadl as ml
 import monadl.distributed._data_parallel
-from monadl.distributed import Communicator, DataParallel, RankFailure, find_weights, run_local, shard
+from monadl.distributed import (
+    Communicator,
+    DataParallel,
+    LocalCommunicator,
+    RankFailure,
+    find_weights,
+    run_local,
+    shard,
+)
 from monadl.distributed._rank_status import _came, _late, _status
+from tests.distributed.logged import Logged
 
 BACKENDS = ["asyncio", "trio"]
 Arrays = dict[str, npt.NDArray[Any]]
@@ -194,49 +203,60 @@ def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
         assert "out of step after an earlier step" in second and ("no answer" in second or "ended" in second)
 
 
-def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no_more() -> None:
+@pytest.mark.parametrize("overlap", [False])
+def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no_more(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
     # Rank 1 paused past the timeout before its second step: its status all-gather met the
     # one rank 0 had left, then it waited a second full timeout in the all-reduce and said
     # "no answer from the other ranks", though it was the late one (a new user's trial, MPI).
-    timeout, pause = 0.5, 2.5
-    told = threading.Event()
+    # No test of real time: rank 1 starts its step once rank 0 has given up, its pause is
+    # a 100 s jump of the clock the protocol reads (each rank's own, still otherwise), and
+    # its log shows the exchanges it entered.
+    now = {"rank 0": 0.0, "rank 1": 0.0}
+    clock = types.SimpleNamespace(perf_counter=lambda: now[threading.current_thread().name])
+    monkeypatch.setattr(monadl.distributed._data_parallel, "time", clock)
+    gave_up, told = threading.Event(), threading.Event()
 
-    async def rank(comm: Communicator) -> tuple[bool, str, float, bool]:
+    async def rank(comm: Communicator) -> tuple[bool, str, list[str], bool]:
+        assert isinstance(comm, LocalCommunicator)
+        logged = Logged(comm)
         net = Net(0)
-        dp = DataParallel(net, comm)
+        dp = DataParallel(net, logged, overlap=overlap, bucket_bytes=1)
         x, y, head = batches(1)[0]
         xs, ys = shard(x, comm.rank, 2), shard(y, comm.rank, 2)
         await dp.train(net.loss(xs, ys, head))
         before = net.weights()
+        logged.timeout = 0.5  # (not before: the first step waits for a loaded machine)
         if comm.rank == 1:
-            await anyio.sleep(pause)
-        start = time.perf_counter()
-        with pytest.raises(RankFailure) as caught:
-            await dp.train(net.loss(xs, ys, head))
-        took = time.perf_counter() - start
+            await anyio.to_thread.run_sync(gave_up.wait, 60.0)  # (60 s: a guard against a hang, not a bound)
+            now["rank 1"] += 100.0
+        del logged.log[:]
+        try:
+            with pytest.raises(RankFailure) as caught:
+                await dp.train(net.loss(xs, ys, head))
+        finally:
+            (told if comm.rank else gave_up).set()
         if comm.rank == 0:
-            told.wait(30.0)  # (alive meanwhile, as an MPI process: its thread's end would tell rank 1 at once)
-        else:
-            told.set()
+            told.wait(60.0)  # (alive meanwhile, as an MPI process: its thread's end would tell rank 1 at once)
         unchanged = all(np.array_equal(before[k], v) for k, v in net.weights().items())
-        return caught.value.in_step, str(caught.value), took, unchanged
+        return caught.value.in_step, str(caught.value), logged.log, unchanged
 
-    (in_step0, waited, _, unchanged0), (in_step1, late, took, unchanged1) = run_local(2, rank, timeout=timeout)
+    (in_step0, waited, _, unchanged0), (in_step1, late, log, unchanged1) = run_local(2, rank, timeout=60.0)
     assert not in_step0 and not in_step1 and unchanged0 and unchanged1
     assert waited == (
         "no rank stepped: rank 0: no answer from the other ranks in all-gather within 0.5 s (a rank died or hangs, "
         "or ended without this exchange: a rank with fewer batches, which DataParallel.finish() reports at once; "
         "or this rank was the late one, and the others had given up on an earlier exchange before it came)"
     )
-    head, _, tail = late.partition(" s after rank 0")
-    assert head.startswith("no rank stepped: rank 1 was the late one: it came to this exchange ")
-    assert pause - 0.5 < float(head.rsplit(" ", 1)[1]) < pause + 0.5
-    assert tail == (
-        ", past its timeout of 0.5 s, so it had given up waiting for it (this rank spent that long since the "
-        "ranks' last exchange: in its loader, forward and backward, or paused); where a rank may be that slow, "
-        "give the communicator a longer timeout"
+    assert late == (
+        "no rank stepped: rank 1 was the late one: it came to this exchange 100 s after rank 0, past its timeout "
+        "of 0.5 s, so it had given up waiting for it (this rank spent that long since the ranks' last exchange: "
+        "in its loader, forward and backward, or paused); where a rank may be that slow, give the communicator "
+        "a longer timeout"
     )
-    assert took < timeout  # (no second wait for a rank that had left)
+    # No second wait: the status all-gather was its last exchange (its buckets, rank 0 had left).
+    assert log == ["start bucket"] * (4 if overlap else 0) + ["all-gather"]  # (w1, b1, the head, scale)
 
 
 def test_the_late_verdict_writes_a_lateness_past_the_default_timeout_in_whole_seconds() -> None:
