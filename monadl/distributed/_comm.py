@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, Protocol, final
 
 import anyio
@@ -97,9 +97,11 @@ class Communicator(ABC):
         """Start `allreduce` of ``send`` now and return it in flight (the overlap's buckets).
 
         Collectives started this way must be awaited (`Pending.wait`) in the
-        order they were started, before any other collective. By default it
-        starts only when awaited (a communicator without non-blocking
-        collectives overlaps nothing, correctly).
+        order they were started; other collectives may start and end while
+        they are in flight (`DataParallel`'s status round does, as MPI's
+        non-blocking collectives allow), in the same order on every rank. By
+        default it starts only when awaited (a communicator without
+        non-blocking collectives overlaps nothing, correctly).
         """
         return _Deferred(self, send)
 
@@ -334,6 +336,7 @@ async def agree(
     status: npt.NDArray[np.int64] | None = None,
     parted: Callable[[npt.NDArray[np.int64]], str] | None = None,
     late: Callable[[npt.NDArray[np.int64]], str] | None = None,
+    in_flight: Callable[[], Awaitable[object]] | None = None,
 ) -> npt.NDArray[np.int64]:
     """All-gather each rank's status (element 0: the length of its failure
     message, 0 if none); if any rank failed, all-gather the messages and raise
@@ -342,7 +345,11 @@ async def agree(
     (at different steps, or some done): then that `RankFailure` is out of step.
     ``late`` says, before any further exchange, whether this rank came after
     the others had given up on it (their statuses came from the exchange they
-    left): then it alone raises, out of step, with its own failure, if any."""
+    left): then it alone raises, out of step, with its own failure, if any.
+    ``in_flight`` awaits the collectives every rank started before this round
+    (the overlap's buckets): before the `RankFailure` that every rank raises
+    alike, which they all take part in, not before a late rank's own (the
+    others left theirs)."""
     message = problem.encode()
     if status is None:
         status = np.zeros(1, np.int64)
@@ -359,5 +366,7 @@ async def agree(
         failures = {r: text[bounds[r] : bounds[r + 1]].tobytes().decode() for r in range(comm.size) if lengths[r]}
     reason = "" if parted is None else parted(statuses)
     if failures or reason:
+        if in_flight is not None:
+            await in_flight()
         raise RankFailure(failures, reason, in_step=not reason) from cause
     return statuses

@@ -11,6 +11,10 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    steps by its bucket's total only at a step where some rank's gradient of
    it is dense; where every rank has sparse rows (an embedding table that
    was once reached densely), it steps by the rows, as without overlap.
+   The buckets are awaited after the agreement round, which runs while
+   they are in flight: a rank that came after the others had given up on it
+   learns so from their statuses at once, not after a timeout in buckets
+   they left.
 1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
    gradients, no step) and all-gathers a small status (`monadl.distributed._rank_status`): whether it failed,
    and per weight of the model whether its gradient is absent, dense or a
@@ -43,6 +47,7 @@ every rank.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from typing import Any, Final, final
@@ -245,7 +250,8 @@ class DataParallel(ModelWrapper):
         """Where the last `train` spent its time: ``backward`` (this rank's
         forward and backward), ``allreduce`` (dense buckets in flight,
         overlapped or not), ``exposed`` (waiting for gradient exchanges after
-        the backward: the communication not hidden behind it) and ``agree``
+        the backward, and with overlap after the status round, during which
+        the buckets move: the communication not hidden behind them) and ``agree``
         (the status round, and at the first step the check that every rank
         holds the same model: where the ranks first meet, so a late rank's
         wait shows there)."""
@@ -313,21 +319,24 @@ class DataParallel(ModelWrapper):
             await self._finish()
 
     async def _finish(self) -> None:
-        # The collectives a step makes up to its status, the same on every
-        # rank: the model check before the first step, the overlap's buckets
-        # (zeros from this rank, as from a rank that reached no weight).
+        # The collectives a step makes, in its order, the same on every rank:
+        # the model check before the first step, the overlap's buckets (zeros
+        # from this rank, as from a rank that reached no weight) started before
+        # the status round and awaited after it.
         comm = self._comm
         if not self._agreed:
             await same_model(comm, self._described, checksums(self._weights), self._labels)
             self._agreed = True
             self._met = time.perf_counter()
-        if self.overlap and self._plan and comm.size > 1:
-            overlap = Overlap(comm, self._plan)
+        overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
+        if overlap is not None:
             overlap.finish({})
-            await overlap.wait()
         status = _status(len(self._weights), self._calls, finished=True)
         _came(status, self._met, time.perf_counter(), getattr(comm, "timeout", None))
-        await agree(comm, "", None, status, _parted, lambda statuses: _late(statuses, comm.rank))
+        late = functools.partial(_late, rank=comm.rank)
+        await agree(comm, "", None, status, _parted, late, None if overlap is None else overlap.wait)
+        if overlap is not None:
+            await overlap.wait()
 
     async def _exchange(self, loss: Layer[Any, Any], step: int) -> tuple[Any, dict[Weight[Any, Any], Any]]:
         """This rank's loss value and the reduced gradients every rank steps by."""
@@ -367,13 +376,18 @@ class DataParallel(ModelWrapper):
             overlap.finish(grads)
         backward_end = time.perf_counter()
         status, problem = _rank_status(n, step, order, grads, index, self._labels, overlap, value, problem)
+        agree_start = time.perf_counter()
+        _came(status, self._met, agree_start, getattr(comm, "timeout", None))  # (a Communicator need not have one)
+        # The status round runs while the buckets are still in flight, and they are
+        # awaited after it: a rank that came after the others had given up on it is
+        # told so by their statuses at once, not held first in buckets they had left.
+        late = functools.partial(_late, rank=comm.rank)
+        statuses = await agree(comm, problem, cause, status, _parted, late, None if overlap is None else overlap.wait)
+        agree_end = time.perf_counter()
         if overlap is not None:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
-        agree_start = time.perf_counter()
-        exposed = agree_start - backward_end
-        _came(status, self._met, agree_start, getattr(comm, "timeout", None))  # (a Communicator need not have one)
-        statuses = await agree(comm, problem, cause, status, _parted, lambda statuses: _late(statuses, comm.rank))
-        agree_end = time.perf_counter()
+        reduced_end = time.perf_counter()
+        exposed = agree_start - backward_end + reduced_end - agree_end
         kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0
         reduced: dict[Weight[Any, Any], Any] = {}
@@ -407,7 +421,7 @@ class DataParallel(ModelWrapper):
         self._plan = next_plan(self._plan, weights, self._dense, self._order, any_dense, positions, self.bucket_bytes)
         self._times = {
             "backward": backward_end - started,
-            "allreduce": (agree_start - overlap.started_at if overlap is not None else 0.0) + post,
+            "allreduce": (reduced_end - overlap.started_at if overlap is not None else 0.0) + post,
             "exposed": exposed + post,
             "agree": agree_end - agree_start + checked,
         }

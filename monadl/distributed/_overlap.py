@@ -17,7 +17,11 @@ every rank (collectives must), whatever order a rank's dynamic graph made
 its gradients final in; at the end of the backward (or on its failure) every
 bucket not started yet starts, a weight this rank never reached contributing
 zeros. A failed rank thus still takes part in every collective, and the
-agreement round after it makes every rank raise, as without overlap.
+agreement round after it makes every rank raise, as without overlap. That
+round runs while the buckets are in flight, and they are awaited after it
+(before the ranks raise alike, too), so that a rank that came after the
+others had given up on it is told so by their statuses, not held in buckets
+they left.
 """
 
 from __future__ import annotations

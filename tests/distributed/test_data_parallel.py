@@ -203,7 +203,7 @@ def test_after_a_timeout_the_ranks_refuse_to_step_again() -> None:
         assert "out of step after an earlier step" in second and ("no answer" in second or "ended" in second)
 
 
-@pytest.mark.parametrize("overlap", [False])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_rank_that_came_after_the_others_gave_up_says_it_was_late_and_waits_no_more(
     monkeypatch: pytest.MonkeyPatch, overlap: bool
 ) -> None:

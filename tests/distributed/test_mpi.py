@@ -146,7 +146,7 @@ def test_a_process_with_fewer_batches_that_finishes_is_named_at_once(tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("mpi")
-@pytest.mark.parametrize("mode", ["late"])
+@pytest.mark.parametrize("mode", ["late", "late-overlap"])
 def test_a_process_that_came_after_the_others_gave_up_says_it_was_late_at_once(tmp_path: Path, mode: str) -> None:
     # Its status all-gather met the one rank 0 had left; it then waited a second timeout in
     # the all-reduce and said "no answer from the other ranks", though it was the late one.

@@ -16,9 +16,10 @@ import numpy.typing as npt
 import pytest
 
 import monadl as ml
-from monadl.distributed import Communicator, DataParallel, RankFailure, run_local, shard
+from monadl.distributed import Communicator, DataParallel, LocalCommunicator, RankFailure, run_local, shard
 from monadl.distributed._overlap import Overlap, plan_buckets
 from monadl.runtime import entry
+from tests.distributed.logged import Logged
 from tests.distributed.test_data_parallel import Arrays, Net, batches
 
 Reports = list[tuple[ml.Weight[Any, Any], Any]]
@@ -211,7 +212,7 @@ def test_a_rank_that_dies_before_an_overlapped_step_is_reported_after_the_timeou
             return "gone"
         before = net.weights()
         x, y, head = data[1]
-        with pytest.raises(RankFailure, match="no answer from the other ranks in all-reduce") as caught:
+        with pytest.raises(RankFailure, match="no answer from the other ranks in all-gather") as caught:
             await dp.train(net.loss(shard(x, 0, 2), shard(y, 0, 2), head))
         assert all(np.array_equal(before[k], net.weights()[k]) for k in before)
         return str(caught.value)
@@ -266,3 +267,28 @@ def test_a_table_once_dense_steps_by_rows_when_every_rank_has_rows(optimizer: ml
         zero, one = two_ranks(overlap)
         np.testing.assert_array_equal(zero, one)
         np.testing.assert_allclose(zero, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_an_overlapped_step_that_a_rank_failed_awaits_its_buckets_before_every_rank_raises() -> None:
+    # The status round runs while the buckets are in flight (so that a late rank is told at
+    # once); where a rank failed, the ranks stay in step, so every rank awaits its buckets
+    # before it raises: none is left in flight into the next step.
+    async def rank(comm: Communicator) -> tuple[list[str], str]:
+        assert isinstance(comm, LocalCommunicator)
+        logged = Logged(comm)
+        net = Net(0)
+        dp = DataParallel(net, logged, bucket_bytes=1, overlap=True)
+        data = batches(3)
+        for x, y, head in data[:2]:  # both heads reached: five buckets
+            await dp.train(net.loss(shard(x, comm.rank, 2), shard(y, comm.rank, 2), head))
+        del logged.log[:]
+        x, y, head = data[2]
+        xs = shard(x, comm.rank, 2)
+        with pytest.raises(RankFailure) as caught:
+            await dp.train(net.loss(xs[:, :3] if comm.rank else xs, shard(y, comm.rank, 2), head))
+        return logged.log, str(caught.value)
+
+    for log, message in run_local(2, rank):
+        assert message.startswith("no rank stepped: rank 1 failed: ShapeError")
+        # The statuses, then the failure's message, then the buckets.
+        assert log == ["start bucket"] * 5 + ["all-gather"] * 2 + ["wait bucket"] * 5
