@@ -8,15 +8,17 @@ whichever of its paths comes first in either model, and two weights of a
 model that the saved one tied both load the one array saved (as PyTorch's
 ``state_dict``, which holds a tied tensor under each of its names, loads
 them). Where nothing matches at all, `nothing_in_common` says what the names
-suggest: a part of a model saved alone, or a larger model saved whole.
+suggest: a part of a model saved alone, a larger model saved whole, or a
+`DataParallel` saved when its checkpoint named its own fields.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, Final, final
 
 from monadl.layers import Weight
 
@@ -101,7 +103,14 @@ def nothing_in_common(path: str, model: object, names: Sequence[str], saved: Seq
     )
     inner = _prefix(names, saved)
     outer = _prefix(saved, names)
-    if inner is not None:
+    if saved and all(_OLD_DATA_PARALLEL.fullmatch(name) for name in saved):
+        text += (
+            "; those are a DataParallel's own fields, as ml.save(path, dp) named them before it saved the "
+            "model's names ('_weights.0' is dp.weights[0]); with the model built as when saved, load it by that "
+            "order once, ml.load(path, {'_weights': dp.weights}) (into the plain model: "
+            "{'_weights': monadl.distributed.find_weights(model)}), then ml.save(path, dp) writes the model's names"
+        )
+    elif inner is not None:
         prefix, example = inner
         text += (
             f"; the model holds the checkpoint's weights under {prefix!r} ({prefix + '.' + example!r} for "
@@ -115,6 +124,11 @@ def nothing_in_common(path: str, model: object, names: Sequence[str], saved: Seq
             f"take its {prefix!r}"
         )
     return text + "; nothing was loaded"
+
+
+_OLD_DATA_PARALLEL: Final = re.compile(r"_weights\.\d+")
+"""A name ``ml.save(path, dp)`` wrote for a `DataParallel`'s weights before
+the walk saw it as its model (`monadl._named.ModelWrapper`): its field."""
 
 
 def _few(names: Sequence[str]) -> str:

@@ -1013,6 +1013,41 @@ def test_a_rank_that_returned_without_finish_is_said_to_have_returned() -> None:
     )
 
 
+def test_a_checkpoint_that_named_the_wrappers_fields_says_how_to_load_it(tmp_path: Any) -> None:
+    # ml.save(path, dp) once wrote '_weights.0' ... (the walk saw DataParallel's own tuple of
+    # weights); loaded since, into dp or the plain model, it was refused with no hint why.
+    class Two:
+        def __init__(self, value: float) -> None:
+            self.a, self.b = ml.Weight(np.full(2, value)), ml.Weight(np.full(3, value))
+
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    ml.save(old, {"_weights": find_weights(Two(1.0))})  # (the names and order the wrapper wrote)
+
+    async def rank(comm: Communicator) -> tuple[str, list[float], list[float]]:
+        dp = DataParallel(Two(2.0), comm)
+        with pytest.raises(ml.CheckpointError) as refused:
+            ml.load(old, dp)
+        ml.load(old, {"_weights": dp.weights})  # (what it says)
+        ml.save(new, dp)
+        plain = Two(3.0)
+        ml.load(new, plain)
+        return str(refused.value), [float(w.data[0]) for w in dp.weights], plain.b.data.tolist()
+
+    ((refused, loaded, plain),) = run_local(1, rank)
+    assert refused == (
+        f"{old} does not fit the model: no weight of the model is in the checkpoint, so nothing would load (the "
+        "checkpoint holds '_weights.0', '_weights.1'; the model 'a', 'b'); those are a DataParallel's own fields, "
+        "as ml.save(path, dp) named them before it saved the model's names ('_weights.0' is dp.weights[0]); with "
+        "the model built as when saved, load it by that order once, ml.load(path, {'_weights': dp.weights}) (into "
+        "the plain model: {'_weights': monadl.distributed.find_weights(model)}), then ml.save(path, dp) writes the "
+        "model's names; nothing was loaded"
+    )
+    assert loaded == [1.0, 1.0] and plain == [1.0] * 3
+    two = Two(4.0)
+    ml.load(old, {"_weights": find_weights(two)})  # (into the plain model)
+    assert two.a.data.tolist() == [1.0] * 2
+
+
 def test_a_data_parallel_saves_and_loads_under_its_models_own_names(tmp_path: Any) -> None:
     # ml.save(path, dp) wrote the wrapper's fields ('_weights.0' ...), which the plain model
     # could not load (a new user's trial); DDP's state_dict prefixes 'module.' instead.
