@@ -123,6 +123,8 @@ def _expected_size(path: str) -> tuple[int, bool] | None:
     return 8 + length + end, True
 
 
+_UNREAD: Final = frozenset({"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"})
+"""safetensors dtypes that NumPy has none for: refused by name, not as a damaged file."""
 _DTYPES: Final = {
     "F64": np.float64,
     "F32": np.float32,
@@ -141,9 +143,13 @@ _DTYPES: Final = {
 """safetensors' dtypes that NumPy holds (those ``safetensors.numpy`` writes)."""
 
 
-@final
 class _Unreadable(Exception):
     """Why a file is no safetensors file, in a few words for `unreadable`."""
+
+
+@final
+class _Unsupported(_Unreadable):
+    """Why a safetensors file holds what monadl does not read."""
 
 
 @final
@@ -213,6 +219,8 @@ def opened(path: str) -> Iterator[Opened]:
     with open(path, "rb", buffering=0) as file:
         try:
             entries, header, start = _header(file)
+        except _Unsupported as error:
+            raise CheckpointError(f"{path} is a safetensors file, but {error}") from None
         except _Unreadable as error:
             raise CheckpointError(unreadable(path, error)) from None
         yield Opened(path, file, entries, start, _manifest(path, header))
@@ -230,8 +238,8 @@ def _header(file: FileIO) -> tuple[dict[str, _Entry], dict[str, str], int]:
     length = int.from_bytes(prefix, "little")
     if length > _MAX_HEADER or 8 + length > size:
         raise _Unreadable(f"invalid header length {length} (the file holds {size - len(prefix)} bytes after it)")
-    try:
-        header = json.loads(file.read(length))
+    try:  # (UTF-8 alone, as safetensors reads it: json.loads of bytes would take UTF-16 and UTF-32 too)
+        header = json.loads(file.read(length).decode("utf-8"))
     except ValueError as error:  # (a UnicodeDecodeError too)
         raise _Unreadable(f"its header is not JSON: {error}") from None
     if not isinstance(header, dict):
@@ -252,7 +260,14 @@ def _header(file: FileIO) -> tuple[dict[str, _Entry], dict[str, str], int]:
 
 def _entry(key: str, value: Any) -> _Entry:
     try:
-        dtype = np.dtype(_DTYPES[value["dtype"]])
+        kind = value["dtype"]
+        if kind in _UNREAD:
+            raise _Unsupported(
+                f"its array {key!r} has safetensors dtype {kind}, which NumPy has no dtype for and monadl does not "
+                "read (a checkpoint of monadl's holds float16, float32 and float64 weights): convert the file's "
+                "arrays first (with PyTorch: tensor.float())"
+            )
+        dtype = np.dtype(_DTYPES[kind])
         shape = tuple(value["shape"])
         begin, end = value["data_offsets"]
     except (TypeError, KeyError, ValueError):

@@ -61,6 +61,7 @@ from monadl._state_file import decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
 from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
+from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, TRAINING, pin_for_readers
 from monadl.runtime.process import Held, hold, release
 
@@ -106,6 +107,7 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     >>> os.path.exists(path)
     True
     """
+    refuse_while_tracing("ml.save")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
@@ -256,6 +258,7 @@ def load(
     monadl.errors.CheckpointError: ...w.safetensors does not fit the model:
       - weight 'w': expected shape (4,), got (3,)
     """
+    refuse_while_tracing("ml.load")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"

@@ -1143,3 +1143,58 @@ def test_two_weights_that_load_one_saved_array_get_arrays_of_their_own(tmp_path:
     anyio.run(ml.sum(ml.embedding(a, np.array([2]))).train)
     np.testing.assert_array_equal(b.data, shared.data)
     np.testing.assert_array_equal(b.state[0].nu, shared.state[0].nu)
+
+
+# ---- a reviewer's finds in the reader of the file (the load that reads only what it loads) ----------------
+def _with_header(path: Path, header: bytes) -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def test_a_header_not_in_utf8_is_refused_as_safetensors_refuses_it(tmp_path: Path) -> None:
+    # (json.loads of bytes reads UTF-16 and UTF-32 too: the reader took a header safetensors refuses)
+    path = tmp_path / "c.safetensors"
+    _with_header(path, json.dumps({"__metadata__": {"a": "b"}}).encode("utf-16"))
+    with pytest.raises(ml.CheckpointError, match=r"is not a safetensors file: its header is not JSON: 'utf-8' codec"):
+        ml.load(path, {"w": ml.Weight(np.zeros(2))})
+
+
+def test_an_array_of_a_dtype_numpy_lacks_is_named_not_called_damage(tmp_path: Path) -> None:
+    path = tmp_path / "c.safetensors"
+    ml.save(path, {"w": ml.Weight(np.zeros(2))})
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["x"] = {"dtype": "BF16", "shape": [2], "data_offsets": [end, end + 4]}
+    _with_header(path, json.dumps(header).encode())
+    path.write_bytes(path.read_bytes() + data[8 + length :] + b"\0" * 4)
+    with pytest.raises(ml.CheckpointError) as info:
+        ml.load(path, {"w": ml.Weight(np.zeros(2))})
+    assert str(info.value) == (
+        f"{path} is a safetensors file, but its array 'x' has safetensors dtype BF16, which NumPy has no dtype for "
+        "and monadl does not read (a checkpoint of monadl's holds float16, float32 and float64 weights): convert "
+        "the file's arrays first (with PyTorch: tensor.float())"
+    )
+
+
+def test_load_save_and_apply_gradients_in_a_marked_cell_are_refused(tmp_path: Path) -> None:
+    # (a trace runs once: a load or a step in a cell ran at its first call and never again, silently)
+    w = ml.Weight(np.ones(2))
+    path = tmp_path / "w.safetensors"
+    ml.save(path, {"w": w})
+    calls: dict[str, Any] = {
+        "ml.load": lambda: ml.load(path, {"w": w}),
+        "ml.save": lambda: ml.save(path, {"w": w}),
+        "apply_gradients": lambda: ml.optim.apply_gradients({w: np.ones(2)}),
+    }
+    for name, call in calls.items():
+
+        @ml.operation
+        def cell(h: ml.ArrayLayer, call: Any = call) -> ml.ArrayLayer:
+            call()
+            return h * 2.0
+
+        with pytest.raises(ml.OperandError) as info:
+            cell(ml.as_layer(np.ones(2)))
+        assert f": the cell called {name} while it was traced; a trace runs once per signature" in str(info.value)
+    np.testing.assert_array_equal(w.data, [1.0, 1.0])

@@ -16,9 +16,28 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["TRACING"]
+__all__ = ["TRACING", "refuse_while_tracing"]
 
 TRACING: Final[dict[int, str]] = {}
 """The operations being traced now, by the tracing thread's id: the
 innermost one's name. Read before the lock on every read of a weight's
 ``.data``: empty, it costs that read one truth test."""
+
+
+def refuse_while_tracing(what: str) -> None:
+    """Refuse ``what`` (a function that changes or writes weights:
+    ``ml.load``, ``apply_gradients``, ``ml.save``) called while this thread
+    traces an operation: the trace would run it once, and later calls, which
+    replay the trace, never."""
+    if TRACING:
+        from threading import get_ident
+
+        name = TRACING.get(get_ident())
+        if name is not None:
+            from monadl.errors import OperandError
+
+            raise OperandError(
+                f"operation {name}: the cell called {what} while it was traced; a trace runs once per signature, "
+                f"not at each call, so later calls would not call it: call {what} outside the cell (before or "
+                "after the call, or after predict() or train())"
+            )

@@ -27,6 +27,7 @@ from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError, ShapeError
 from monadl.layers._site import site_text
+from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
 from monadl.optim._refusals import checked_update, refuse_unless_by_weight, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
@@ -63,6 +64,7 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     >>> w.data
     array([0., 3.])
     """
+    refuse_while_tracing("apply_gradients")
     refuse_inside_evaluation("apply_gradients")  # (a step inside a train(): as a train() there)
     refuse_unless_by_weight(gradients, "apply_gradients")
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)

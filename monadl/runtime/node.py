@@ -278,7 +278,7 @@ def where(node: Any) -> str:
     """``file:line`` of the user's code that built ``node``, and the input of
     a Fold batch it was built for (`built_for`; a weight has no number, and
     its one node, reused by every graph after it, was built for none)."""
-    if node._op is WEIGHT_LAYER or type(node) is not Layer:
+    if type(node) is not Layer or node._op is WEIGHT_LAYER:
         return site_text(node._site)
     return site_text(node._site) + built_for(node._serial)
 
