@@ -203,6 +203,25 @@ ACCEPT = {
             assert_type(h[arrays], ml.ArrayLayer)
             assert_type(h[mixed], ml.Layer[Any, Any])
     """,
+    "lists_and_tuples_beside_an_index_array_gather": """
+        # Beside an index array, a sequence is an index array too (NumPy's x[ids, (0, 1)] gathers): all
+        # were rejected for a while ("Invalid index type"), where NumPy and monadl run them.
+        from collections.abc import Sequence
+        ids = np.array([0, 2])
+        def parts(h: ml.ArrayLayer, cols: Sequence[int], mixed: tuple[int | ml.Array, ...]) -> None:
+            by_sequence, by_tuple, by_mask = h[ids, cols], h[ids, (0, 1)], h[ids, [True, False, True]]
+            assert_type(by_sequence, ml.ArrayLayer)
+            assert_type(by_tuple, ml.ArrayLayer)
+            assert_type(by_mask, ml.ArrayLayer)
+            nested, first, built = h[ids, [[0, 1], [1, 2]]], h[cols, ids], h[mixed]
+            assert_type(nested, ml.ArrayLayer)
+            assert_type(first, ml.ArrayLayer)
+            assert_type(built, ml.ArrayLayer)  # (a tuple that may hold index arrays, of a length known at run time)
+            ints: tuple[int, ...] = (0, 1)
+            element, beside_ints = h[ints], h[0, (0, 1)]
+            assert_type(element, ml.Layer[Any, Any])  # (no array in it: an element's index)
+            assert_type(beside_ints, ml.Layer[Any, Any])
+    """,
     "segment_sums_are_arrays": """
         targets = np.array([0, 2, 2])
         assert_type(ml.segment_sum(array_layer, targets, 3), ml.ArrayLayer)

@@ -14,7 +14,7 @@ from typing import Any, Generic, Literal, Never, SupportsIndex, TypeAlias, TypeV
 
 from monadl.do import FORWARD, Do
 from monadl.errors import OperandError
-from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, NumPyScalar, Slicing
+from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, NumPyScalar, Parts, Slicing
 from monadl.layers._axes import Axis, as_axis, as_shape
 from monadl.layers._operand import operand as _operand
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
@@ -248,11 +248,14 @@ class Expr(Unvalued, Generic[D, G]):
     def __getitem__(self: Expr[Array, Array], index: Slicing | Gathering) -> Layer[Array, Array]: ...
     @overload
     def __getitem__(self: Expr[Array, Array], index: Indexing) -> Layer[Any, Any]: ...
+    @overload
+    def __getitem__(self: Expr[Array, Array], index: Parts) -> Layer[Array, Array]: ...
     def __getitem__(self, index: Any) -> Layer[Any, Any]:
         """Indexing and slicing; slices alone (with ``...`` and ``None``), an
         integer or boolean array or a list of ints, and a tuple with one first
-        or second (``log_p[rows, labels]``, ``h[:, src]``) keep an array an
-        array. (A scalar layer has no index: mypy rejects one, as NumPy's
+        or second (``log_p[rows, labels]``, ``h[:, src]``; a list or a tuple
+        beside it is one too) or of unknown length that may hold one keep an
+        array an array. (A scalar layer has no index: mypy rejects one, as NumPy's
         IndexError would.)"""
         if isinstance(index, Expr):
             raise OperandError("getitem: an index must be plain data, not a Layer or a Weight")
