@@ -120,7 +120,8 @@ def _log_softmax(a: Value, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
     if a.size == 0:  # (nothing to normalise: empty, as PyTorch's)
         return xp.zeros_like(a), (lambda g: xp.zeros_like(a),)
     amax, total = _reductions(xp)
-    shifted = a - amax(a, axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):  # (a row of -inf only, a padding row: NaN, as PyTorch's, without a warning)
+        shifted = a - amax(a, axis=axis, keepdims=True)
     out = shifted - xp.log(total(xp.exp(shifted), axis=axis, keepdims=True))
     return out, (lambda g: g - xp.exp(out) * total(g, axis=axis, keepdims=True),)
 
@@ -219,7 +220,10 @@ def _weighted_cross_entropy(
     if keep is not None and weight is not None:
         picked_w = xp.where(keep, picked_w, xp.zeros_like(picked_w))
     coef: Value = 1.0 - smoothing if picked_w is None else picked_w * (1.0 - smoothing)
-    log_lik = log_p[rows, labels] * coef
+    picked = log_p[rows, labels]
+    if keep is not None:  # (a padding row's logits masked to -inf, or NaN: 0, not 0 * NaN, as PyTorch's)
+        picked = xp.where(keep, picked, xp.zeros_like(picked))
+    log_lik = picked * coef
     if smoothing:  # each class's log-probability, weighted, over the rows counted
         if weight is None:
             spread = add(log_p, axis=-1)

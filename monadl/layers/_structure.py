@@ -80,7 +80,9 @@ def cross_entropy(
             flows into it (as into PyTorch's).
         ignore_index: rows whose label is this integer count for nothing,
             in the sum and in the divisor, and get a zero delta; they are
-            not checked against the classes. None (the default) ignores no
+            not checked against the classes, nor are their logits (padding
+            masked to -inf, or NaN, leaves the loss finite, as PyTorch's;
+            PyTorch's delta there is NaN). None (the default) ignores no
             row: PyTorch's default, -100, would be refused as out of range.
         label_smoothing: ``e`` in ``[0, 1]``: each row's target is
             ``(1 - e) one_hot + e / classes`` (each class weighted by

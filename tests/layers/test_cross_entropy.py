@@ -122,6 +122,36 @@ def test_a_batch_with_every_row_ignored_is_nan_with_a_zero_gradient_as_in_pytorc
     assert f"{__file__}:{line_of('ALL-IGNORED')}" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "name", ["ignore_outside_the_classes", "weight", "ignore_smoothing", "weight_ignore_smoothing"]
+)
+@pytest.mark.parametrize("padding", [-np.inf, np.nan], ids=["masked", "nan"])
+def test_an_ignored_rows_nonfinite_logits_count_for_nothing_as_in_pytorch(
+    name: str, padding: float, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A padding row, labelled ignore_index, its logits masked to -inf (or
+    NaN): the loss is the other rows', finite (it was 0 * NaN, NaN), and
+    that row's delta 0 (PyTorch's is NaN there; the others' are the same)."""
+    options = {**OPTIONS[name], "ignore_index": OPTIONS[name].get("ignore_index", -100)}
+    logits, labels, _ = logits_and_labels(options, np.float64)
+    padded = np.concatenate([logits, np.full((1, 4), padding)])
+    labels = np.append(labels, options["ignore_index"])
+    value, gradient = anyio.run(lambda: value_and_gradient(padded, labels, **options))
+    want, want_gradient = anyio.run(lambda: value_and_gradient(logits, labels[:-1], **options))
+    assert float(value) == pytest.approx(float(want), rel=1e-14)
+    assert float(value) == pytest.approx(reference(logits, labels[:-1], **options), rel=1e-13)
+    np.testing.assert_allclose(gradient[:-1], want_gradient, rtol=1e-14)
+    np.testing.assert_array_equal(gradient[-1], np.zeros(4))
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]  # (-inf - -inf, unread: no warning)
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(padded, requires_grad=True)
+    theirs = {k: torch.tensor(v) if k == "weight" else v for k, v in options.items()}
+    loss = torch.nn.functional.cross_entropy(t, torch.tensor(labels), **theirs)
+    loss.backward()
+    assert float(value) == pytest.approx(loss.item(), rel=1e-13)
+    np.testing.assert_allclose(gradient[:-1], t.grad.numpy()[:-1], rtol=1e-12, atol=1e-16)
+
+
 def test_rows_of_classes_weighted_zero_only_are_nan_as_in_pytorch() -> None:
     logits = np.random.default_rng(1).standard_normal((3, 4))
     value, gradient = anyio.run(
