@@ -224,6 +224,7 @@ def _weighted_cross_entropy(
     if keep is not None:  # (a padding row's logits masked to -inf, or NaN: 0, not 0 * NaN, as PyTorch's)
         picked = xp.where(keep, picked, xp.zeros_like(picked))
     log_lik = picked * coef
+    spread = None
     if smoothing:  # each class's log-probability, weighted, over the rows counted
         if weight is None:
             spread = add(log_p, axis=-1)
@@ -231,28 +232,34 @@ def _weighted_cross_entropy(
             spread = log_p @ weight if table is None else add(log_p * table, axis=-1)
         if keep is not None:
             spread = xp.where(keep, spread, xp.zeros_like(spread))
-        log_lik = log_lik + spread * (smoothing / classes)
     total = shape[-1] if picked_w is None else per_member(picked_w)
+    # PyTorch's loss is two means, the smoothed one added to the other: where no row counts, the
+    # first is 0 / 0, NaN, in the value and the delta (one sum over both would be x / 0: inf).
     with np.errstate(divide="ignore", invalid="ignore"):
         out = -per_member(log_lik) / total
+        if spread is not None:
+            out = out - per_member(spread) * (smoothing / classes) / total
 
     def vjp(g: Value) -> Value:
         p = xp.exp(log_p)
         one_hot = xp.astype(labels[:, None] == xp.arange(classes, device=a.device), a.dtype)
         d = (p - one_hot) * (coef if picked_w is None else coef[:, None])
+        smoothed = None
         if smoothing:  # (sum(weight) p - weight) e / classes, in the rows counted
             share = smoothing / classes if keep is None else xp.astype(keep, a.dtype)[:, None] * (smoothing / classes)
             if weight is None:
-                d = d + (p * classes - 1.0) * share
+                smoothed = (p * classes - 1.0) * share
             elif table is None:
-                d = d + (p * add(weight, axis=-1) - weight) * share
+                smoothed = (p * add(weight, axis=-1) - weight) * share
             else:
-                d = d + (p * add(table, axis=-1)[:, None] - table) * share
-        if stacked:
-            d = xp.reshape(d, a.shape)
+                smoothed = (p * add(table, axis=-1)[:, None] - table) * share
         with np.errstate(divide="ignore", invalid="ignore"):
             scale = g / total
-            d = d * (scale[..., None, None] if getattr(scale, "ndim", 0) else scale)
+            if getattr(scale, "ndim", 0):
+                scale = scale[..., None, None]
+            d = (xp.reshape(d, a.shape) if stacked else d) * scale
+            if smoothed is not None:
+                d = d + (xp.reshape(smoothed, a.shape) if stacked else smoothed) * scale
         return d if keep is None else xp.where(xp.reshape(keep, shape)[..., None], d, xp.zeros_like(d))
 
     return out, vjp

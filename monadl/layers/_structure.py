@@ -92,8 +92,9 @@ def cross_entropy(
             counted, divided by the same sum of ``weight[labels[i]]``.
 
     Where no row counts (every label ignored, or all the weights picked
-    are 0) the mean is 0 / 0: the loss is NaN, as PyTorch's, and the delta
-    of an ignored row stays 0; ``check_finite=True`` refuses it
+    are 0) the mean is 0 / 0: the loss is NaN, as PyTorch's (with
+    ``label_smoothing`` too: it adds the smoothed mean to that NaN), and
+    the delta of an ignored row stays 0; ``check_finite=True`` refuses it
     (`monadl.NonFiniteError`, naming the layer). A batch that may hold
     only ignored rows (padding) is best skipped before its loss is built.
 

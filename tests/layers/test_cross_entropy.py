@@ -152,12 +152,33 @@ def test_an_ignored_rows_nonfinite_logits_count_for_nothing_as_in_pytorch(
     np.testing.assert_allclose(gradient[:-1], t.grad.numpy()[:-1], rtol=1e-12, atol=1e-16)
 
 
-def test_rows_of_classes_weighted_zero_only_are_nan_as_in_pytorch() -> None:
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 1.0])
+def test_rows_of_classes_weighted_zero_only_are_nan_as_in_pytorch(smoothing: float) -> None:
+    """With smoothing too: the smoothed part's sum is not 0 (it was inf, its
+    delta +-inf); PyTorch's is the sum of two means, the first 0 / 0."""
     logits = np.random.default_rng(1).standard_normal((3, 4))
-    value, gradient = anyio.run(
-        lambda: value_and_gradient(logits, np.array([2, 2, 2]), weight=np.array([1.0, 1.0, 0.0, 1.0]))
-    )
+    options: dict[str, Any] = {"weight": np.array([1.0, 1.0, 0.0, 1.0]), "label_smoothing": smoothing}
+    value, gradient = anyio.run(lambda: value_and_gradient(logits, np.array([2, 2, 2]), **options))
     assert np.isnan(value) and np.isnan(gradient).all()  # (0 / 0: PyTorch's NaN everywhere too)
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(logits, requires_grad=True)
+    theirs = {**options, "weight": torch.tensor(options["weight"])}
+    loss = torch.nn.functional.cross_entropy(t, torch.tensor([2, 2, 2]), **theirs)
+    loss.backward()
+    assert np.isnan(loss.item()) and t.grad.isnan().all()
+
+
+def test_a_batched_member_whose_weights_picked_are_0_is_nan_alone_with_smoothing() -> None:
+    rng = np.random.default_rng(3)
+    logits, rows = rng.standard_normal((3, 2, 4)), np.arange(2)
+    labels = np.array([[0, 1], [2, 2], [3, 1]])  # (member 1 picks class 2 only, weighted 0)
+    args = (logits, rows, labels, np.array([1.0, 2.0, 0.0, 0.5]), None, 0.2)
+    batched = BATCHING_RULES["cross_entropy"](args, (True, False, True, False, False, False), 3)
+    assert batched is not None
+    losses, (vjp,) = batched
+    gradient = vjp(np.ones(3))
+    assert np.isnan(losses[1]) and np.isnan(gradient[1]).all()
+    assert np.isfinite(losses[[0, 2]]).all() and np.isfinite(gradient[[0, 2]]).all()
 
 
 def test_ignored_labels_are_not_checked_and_the_others_are() -> None:
