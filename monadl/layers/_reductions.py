@@ -26,6 +26,7 @@ from monadl._namespace import namespace
 from monadl.errors import DTypeError
 from monadl.layers._elementwise import _clipped, _mask, _scalar
 from monadl.layers._indexing import PLAIN, _checked_indices
+from monadl.layers._operands import dtype_name
 
 Value = Any  # an ndarray or a NumPy scalar
 Vjp = Callable[[Value], Value]
@@ -182,13 +183,20 @@ def _weighted_cross_entropy(
     if weight is not None:
         if weight.shape[-1] != classes:
             raise ValueError(f"weight holds {weight.shape[-1]} class weights for logits of {classes} classes")
-        if weight.dtype != a.dtype:
-            raise DTypeError(
-                f"cross_entropy: weight {weight.dtype}[{weight.shape[-1]}] for {a.dtype} logits; cast it first"
-                f" (weight.astype(np.{a.dtype}) in NumPy), as PyTorch refuses it too"
-            )
+        given = weight
         if type(weight) is not type(a):  # (host weights for logits on a device: copied over, as labels are)
-            weight = xp.asarray(weight, device=a.device)
+            weight = xp.asarray(weight, device=a.device)  # (of their dtype: compared in one library below)
+        if weight.dtype != a.dtype:
+            name = dtype_name(a.dtype)
+            cast = (
+                f"weight.astype(np.{name}) in NumPy"
+                if isinstance(given, np.ndarray)
+                else f"xp.astype(weight, xp.{name}), xp = weight.__array_namespace__()"
+            )
+            raise DTypeError(
+                f"cross_entropy: weight {dtype_name(weight.dtype)}[{weight.shape[-1]}] for {name} logits;"
+                f" cast it first ({cast}), as PyTorch refuses it too"
+            )
     shape, keep = labels.shape, None
     if ignore is not None:
         lx = namespace(labels)

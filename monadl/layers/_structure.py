@@ -73,7 +73,8 @@ def cross_entropy(
             copied over, so the check does not wait for the device.
         weight: one weight per class, ``(classes,)``, plain data of the
             logits' float dtype (a float64 weight for float32 logits raises
-            `monadl.DTypeError`, as PyTorch refuses it), finite and ``>= 0``.
+            `monadl.DTypeError`, as PyTorch refuses it), finite and ``>= 0``;
+            a NumPy weight for logits on a GPU is copied over, as labels are.
             Row ``i`` counts ``weight[labels[i]]`` times, and the mean
             divides by the sum of the weights of the rows counted, not by
             the number of rows: ``sum(w[y] * nll) / sum(w[y])``. No delta

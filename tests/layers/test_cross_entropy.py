@@ -239,6 +239,30 @@ def test_weights_not_one_per_class_or_of_another_dtype_are_refused_when_the_loss
     )
 
 
+def test_host_weights_for_another_librarys_logits_are_copied_over_and_checked_by_dtype_name() -> None:
+    """array_api_strict logits (a stand-in for CuPy's) with a NumPy weight of
+    their precision: copied over, as labels are (it was refused, comparing
+    two libraries' dtypes, with the hint 'np.array_api_strict.float64')."""
+    xs = pytest.importorskip("array_api_strict")
+    logits, labels, options = logits_and_labels(OPTIONS["weight_ignore_smoothing"], np.float64)
+    w = ml.Weight(xs.asarray(logits))
+    value, grads = entry.gradients_sync(ml.cross_entropy(w, labels, **options))
+    want, want_gradient = anyio.run(lambda: value_and_gradient(logits, labels, **options))
+    assert float(value) == float(want)
+    np.testing.assert_array_equal(np.asarray(grads[w]), want_gradient)
+    for weight, hint in (
+        (WEIGHT.astype(np.float32), "weight.astype(np.float64) in NumPy"),
+        (xs.asarray(WEIGHT, dtype=xs.float32), "xp.astype(weight, xp.float64), xp = weight.__array_namespace__()"),
+    ):
+        loss = ml.cross_entropy(w, labels, weight=weight)  # STRICT
+        with pytest.raises(ml.DTypeError) as info:
+            anyio.run(loss.predict)
+        assert str(info.value) == (
+            f"cross_entropy: weight float32[4] for float64 logits; cast it first ({hint}), as PyTorch refuses it"
+            f" too; layer built at {__file__}:{line_of('STRICT')}"
+        )
+
+
 def test_the_plain_call_builds_the_node_it_built() -> None:
     """Without options (or with their defaults) the node's parameters are
     the rows and labels only: the same rule and batching signature as before."""
