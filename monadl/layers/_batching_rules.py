@@ -30,7 +30,7 @@ from monadl.layers._batching_lookups import batch_embedding, batch_getitem, batc
 from monadl.layers._indexing import _checked_indices
 from monadl.layers._primitives import PRIMITIVES
 from monadl.layers._products import product
-from monadl.layers._reductions import _weighted_cross_entropy, binary_cross_entropy_of
+from monadl.layers._reductions import _weighted_cross_entropy, binary_cross_entropy_of, pos_weight_misfit
 
 __all__ = ["BATCHING_RULES", "BatchRule"]
 
@@ -236,11 +236,14 @@ def _binary_cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: i
     """Each member's mean over its own elements, where the logits are
     stacked, the targets stacked or shared, and the weight of positives
     shared: other combinations (and targets not shaped as a member's logits,
-    which each member refuses with its line) run member by member."""
+    or a weight of positives that would enlarge its loss, which each member
+    refuses with its line) run member by member."""
     a, t, *weight = args
     member = getattr(t, "shape", ())[1:] if batched[1] else getattr(t, "shape", ())
     if not batched[0] or any(batched[2:]) or member != a.shape[1:]:
         return None
+    if weight and pos_weight_misfit(a.shape[1:], getattr(weight[0], "shape", ())):
+        return None  # (each member refuses it, with its line)
     return binary_cross_entropy_of(a, t, weight[0] if weight else None, tuple(range(1, a.ndim)))
 
 

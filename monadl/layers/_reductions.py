@@ -284,7 +284,28 @@ def _binary_cross_entropy(a: Value, t: Value, pos_weight: Value = None) -> tuple
             f"targets must be shaped as the logits, got {list(shape)} for {list(a.shape)}; reshape one: "
             "broadcast, a (batch, 1) score against (batch,) targets would give a (batch, batch) loss"
         )
+    misfit = pos_weight_misfit(a.shape, getattr(pos_weight, "shape", ()))
+    if misfit:
+        raise ValueError(misfit)
     return binary_cross_entropy_of(a, t, pos_weight, None)
+
+
+def pos_weight_misfit(logits: tuple[int, ...], weight: tuple[int, ...]) -> str | None:
+    """Why a ``pos_weight`` of shape ``weight`` does not fit logits of shape
+    ``logits`` (None where it fits): it must broadcast to them without
+    enlarging them, as PyTorch requires, since the mean divides by the
+    logits' count (a ``(4, 2, 3)`` one for ``(2, 3)`` logits gave a loss 4
+    times too large, and ``(N, 1)`` for ``(N,)`` N times)."""
+    try:
+        if np.broadcast_shapes(logits, weight) == tuple(logits):
+            return None
+    except ValueError:
+        pass
+    return (
+        f"pos_weight must broadcast to the logits' shape {list(logits)} without enlarging it, got {list(weight)}"
+        " (as PyTorch requires: a loss broadcast larger would be divided by the logits' count alone);"
+        " one weight per class is shaped as the logits' last axis"
+    )
 
 
 def binary_cross_entropy_of(a: Value, t: Value, pos_weight: Value, axes: Any) -> tuple[Value, tuple[Vjp, ...]]:

@@ -28,6 +28,7 @@ from monadl.layers._layer import (
     _build,
 )
 from monadl.layers._primitives import PRIMITIVES
+from monadl.layers._reductions import pos_weight_misfit
 from monadl.layers._unvalued import Unvalued
 from monadl.layers._weight import Weight, weight_sites
 
@@ -208,6 +209,11 @@ def binary_cross_entropy_with_logits(
             ``(batch, batch)`` loss. A layer or a weight gets its delta.
         pos_weight: the weight of positive examples, broadcast against
             ``logits`` (one per class, the last axis), a layer or a weight too.
+            It must broadcast to the logits' shape without enlarging it (a
+            ``(batch, 1)`` one for ``(batch,)`` logits would give a
+            ``(batch, batch)`` loss), as PyTorch requires: another shape
+            raises `monadl.ShapeError` where the loss is built, or where it
+            runs if the logits or ``pos_weight`` are a layer.
 
     A GAN's discriminator loss is ``bce(d_real, ones) + bce(d_fake, zeros)``
     and its generator's non-saturating loss ``bce(d_fake, ones)``, which is
@@ -218,8 +224,20 @@ def binary_cross_entropy_with_logits(
     >>> round(float(anyio.run(loss.predict)), 6)  # (log(2) + 0 + 1000) / 3
     333.564382
     """
+    shape, weight_shape = _known_shape(logits), _known_shape(pos_weight)
+    if pos_weight is not None and shape is not None and weight_shape is not None:  # (a layer's: at the run)
+        misfit = pos_weight_misfit(shape, weight_shape)
+        if misfit:
+            raise ShapeError(f"binary_cross_entropy_with_logits: {misfit}")
     operands = (logits, targets) if pos_weight is None else (logits, targets, pos_weight)
     return apply_primitive("binary_cross_entropy_with_logits", operands)
+
+
+def _known_shape(x: object) -> tuple[int, ...] | None:
+    """The shape of data, a weight or a number, where a layer is built; None for a layer's."""
+    if isinstance(x, Weight) or is_array(x):
+        return tuple(cast(Any, x).shape)
+    return () if isinstance(x, (int, float, np.generic)) else None
 
 
 def embedding(table: ArrayOperand, indices: Array | DeviceArray) -> ArrayLayer:

@@ -6,6 +6,7 @@ with `NonFiniteError`); these are finite for any score."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import anyio
@@ -135,6 +136,53 @@ def test_targets_shaped_otherwise_than_the_logits_are_refused_with_both_shapes()
     assert f"test_binary_losses.py:{caught.traceback[-1].lineno}" not in message  # (the user's line, below)
     assert "layer built at" in message and "test_binary_losses.py" in message
     assert not scores.data.any()
+
+
+POS_WEIGHT_MISFIT = (
+    "pos_weight must broadcast to the logits' shape {logits} without enlarging it, got {weight} (as PyTorch"
+    " requires: a loss broadcast larger would be divided by the logits' count alone); one weight per class"
+    " is shaped as the logits' last axis"
+)
+
+
+@pytest.mark.parametrize(("logits", "weight"), [((2, 3), (4, 2, 3)), ((4,), (4, 1)), ((2, 3), (2,))])
+def test_a_pos_weight_that_enlarges_the_loss_is_refused_where_the_loss_is_built(
+    logits: tuple[int, ...], weight: tuple[int, ...]
+) -> None:
+    """A (4, 2, 3) pos_weight for (2, 3) logits gave a loss 4 times too
+    large, value and gradient; (N, 1) for (N,) logits N times (PyTorch
+    refuses both). Shapes known where it is built (data, a weight): there."""
+    x, t = np.zeros(logits), np.ones(logits)
+    said = POS_WEIGHT_MISFIT.format(logits=list(logits), weight=list(weight))
+    for scores in (x, ml.Weight(x)):
+        with pytest.raises(ml.ShapeError) as caught:
+            ml.binary_cross_entropy_with_logits(scores, t, np.ones(weight))
+        assert str(caught.value) == f"binary_cross_entropy_with_logits: {said}"
+    with pytest.raises(ml.ShapeError) as caught:
+        ml.binary_cross_entropy_with_logits(x, t, ml.Weight(np.ones(weight)))
+    assert str(caught.value) == f"binary_cross_entropy_with_logits: {said}"
+
+
+def test_a_pos_weight_that_enlarges_the_loss_of_a_layer_is_refused_when_it_runs() -> None:
+    scores = ml.Weight(np.zeros((2, 3)))
+    line = sys._getframe().f_lineno + 1
+    loss = ml.binary_cross_entropy_with_logits(scores * 1.0, np.ones((2, 3)), np.ones((4, 2, 3)))
+    with pytest.raises(ml.ShapeError) as caught:
+        anyio.run(loss.train)
+    message = str(caught.value)
+    assert message.startswith(
+        "binary_cross_entropy_with_logits: operands float64[2, 3], float64[2, 3], float64[4, 2, 3] do not fit together ("
+    )
+    assert POS_WEIGHT_MISFIT.format(logits=[2, 3], weight=[4, 2, 3]) + f"); layer built at {__file__}:{line}" in message
+    assert not scores.data.any()
+
+
+def test_a_batched_members_pos_weight_that_enlarges_its_loss_is_refused_as_the_members() -> None:
+    w, shared = ml.Weight(np.zeros((2, 3))), np.ones((4, 2, 3))  # (shared: the batching rule's case)
+    losses = [ml.binary_cross_entropy_with_logits(w * float(i), np.ones((2, 3)), shared) for i in range(4)]
+    with ml.settings(batching=True), pytest.raises(ml.ShapeError) as caught:
+        anyio.run(ml.sum(ml.stack(losses)).predict)
+    assert POS_WEIGHT_MISFIT.format(logits=[2, 3], weight=[4, 2, 3]) in str(caught.value)
 
 
 def test_boolean_targets_are_cast_and_a_mixed_precision_is_refused() -> None:
