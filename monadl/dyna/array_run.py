@@ -67,8 +67,8 @@ class ArrayRun:
         best: per batched item, which `Record` set each entry (or `GIVEN`, `UNDERIVED`).
         records: the contributions the back-pointers name.
         pending: the agenda left when the run stopped.
-        settled, converged: as `monadl.dyna.Run`'s (nothing pending would
-            change the chart; and no value diverged).
+        settled: as `monadl.dyna.Run`'s: nothing pending would change the chart.
+        converged: as `monadl.dyna.Run`'s: settled, and no value diverged.
     """
 
     program: ArrayProgram
