@@ -38,13 +38,12 @@ from monadl.layers._layer import (
     ScalarLayer,
     ScalarOperand,
 )
+from monadl.layers._losses import binary_cross_entropy_with_logits, cross_entropy
 from monadl.layers._operation import Operation, operation
 from monadl.layers._primitives import Primitive
 from monadl.layers._structure import (
-    binary_cross_entropy_with_logits,
     concatenate,
     conv2d,
-    cross_entropy,
     embedding,
     max_pool2d,
     reshape,
