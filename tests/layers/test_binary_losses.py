@@ -15,7 +15,7 @@ import pytest
 
 import monadl as ml
 from monadl.gradcheck import check_grads
-from monadl.runtime.schedule import batched as _batching
+from tests._batched_groups import groups_run
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -194,20 +194,6 @@ def test_boolean_targets_are_cast_and_a_mixed_precision_is_refused() -> None:
         anyio.run(ml.binary_cross_entropy_with_logits(scores, np.array([1.0, 0.0])).predict)
 
 
-def _groups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    ran: list[tuple[str, int]] = []
-    group = _batching._Run.group
-
-    def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
-        before = self.batches
-        group(self, members, numbers_stack)
-        if self.batches > before:
-            ran.append((members[0]._op.name, len(members)))
-
-    monkeypatch.setattr(_batching._Run, "group", counting)
-    return ran
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("targets", ["per example", "shared"])
 def test_per_example_losses_batch_with_the_gradients_of_the_unbatched(
@@ -229,7 +215,7 @@ def test_per_example_losses_batch_with_the_gradients_of_the_unbatched(
 
     runs = []
     for batching in (False, True):
-        ran = _groups(monkeypatch)
+        ran = groups_run(monkeypatch)
         with ml.settings(batching=batching):
             runs.append((anyio.run(build().predict), anyio.run(ml.gradients, ml.sum(build()), [w])[0], ran))
     (off, off_grad, _), (on, on_grad, ran) = runs

@@ -20,26 +20,11 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.runtime.schedule import batched as _batching
+from tests._batched_groups import groups_run
 
 N = 12
 NUMBERS: list[Callable[[float], Any]] = [np.float64, np.float32, np.float16, float]
 DATA = [np.float32, np.float64, np.float16]
-
-
-def _groups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Each group that ran batched: its primitive's name and its size."""
-    ran: list[tuple[str, int]] = []
-    group = _batching._Run.group
-
-    def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
-        before = self.batches
-        group(self, members, numbers_stack)
-        if self.batches > before:
-            ran.append((members[0]._op.name, len(members)))
-
-    monkeypatch.setattr(_batching._Run, "group", counting)
-    return ran
 
 
 def _bodies(dtype: Any) -> dict[str, tuple[Callable[[Any, Any], Any], ml.Weight[Any, Any]]]:
@@ -67,7 +52,7 @@ def _calls(body: Callable[[Any, Any], Any], make: Callable[[float], Any], dtype:
 def test_a_numpy_float_per_call_batches_with_each_calls_values_and_dtypes(
     make: Callable[[float], Any], dtype: Any, marked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ran = _groups(monkeypatch)
+    ran = groups_run(monkeypatch)
     for name, (body, w) in _bodies(dtype).items():
         f = ml.operation(body) if marked else body
         results = {}
@@ -97,7 +82,7 @@ def test_the_users_cell_runs_its_calls_as_one_group(monkeypatch: pytest.MonkeyPa
 
     xs = [rng.normal(size=(1, 16)).astype(np.float32) for _ in range(32)]
     temps = list(np.linspace(0.5, 2.0, 32))  # np.float64 items
-    ran = _groups(monkeypatch)
+    ran = groups_run(monkeypatch)
     values: dict[bool, tuple[Any, Any]] = {}
     for batching in (True, False):
         ran.clear()
@@ -171,7 +156,7 @@ def test_a_numpy_float_per_call_beside_a_scalar_layer_is_of_the_layers_dtype_in_
         return ml.sum(x * w) * t + s * t + ml.where(True, ml.mean(x * w), t)
 
     cell = ml.operation(body) if marked else body
-    ran = _groups(monkeypatch)
+    ran = groups_run(monkeypatch)
     results = {}
     for batching in (True, False):
         ran.clear()
@@ -210,7 +195,7 @@ def test_where_between_two_weights_casts_its_sides_as_between_layers(
         return ml.where(c, a, b)
 
     f: Callable[[Any], Any] = ml.operation(cell) if marked else cell
-    ran = _groups(monkeypatch)
+    ran = groups_run(monkeypatch)
     ys = [f(masks[condition](i)) for i in range(N)]
     with ml.settings(batching=batching):
         values = [anyio.run(y.predict) for y in ys[:2]]
