@@ -207,6 +207,15 @@ class Operation(Generic[P, R]):
         return self
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        trace, leaves, sources = self.found(args, kwargs)
+        result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
+        return result
+
+    def found(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Trace, list[Any], list[Any]]:
+        """The trace of a call (tracing a new signature), the call's leaves,
+        and the distinct operation nodes whose outputs are among them: what
+        ``trace.make`` builds the call's node and result from (a Fold batch's
+        loom records the call instead: `monadl.fold._loom`)."""
         # This runs once per node of a user's graph (a Tree-LSTM: 8,000 a
         # batch), so it is kept lean: a call that a plan reads (see `Plan`)
         # finds its trace by its leaves' types and views, with no walk; a
@@ -228,7 +237,7 @@ class Operation(Generic[P, R]):
                     assert leaves is not None
                     sources: list[Any] = []
                     views: list[tuple[int, int, int]] = []
-                    for j in entry.layers:  # (as `_call` finds them in its walk's leaves)
+                    for j in entry.layers:  # (as `_walked` finds them in its walk's leaves)
                         x = leaves[j]
                         if x._op is OUTPUT:
                             node = x._inputs[0]
@@ -246,12 +255,12 @@ class Operation(Generic[P, R]):
                     else:
                         trace = entry.traces.get(keyed(views, leaves, arrays))
                     if trace is not None:
-                        result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
-                        return result
-        walked: R = self._call(args, kwargs, kinds)
-        return walked
+                        return trace, leaves, sources
+        return self._walked(args, kwargs, kinds)
 
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: tuple[type, ...] | None) -> Any:
+    def _walked(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: tuple[type, ...] | None
+    ) -> tuple[Trace, list[Any], list[Any]]:
         """A call by the signature's walk (`items`), tracing a new signature;
         ``kinds``, its arguments' types where a plan may learn its trace."""
         leaves: list[Any] = []
@@ -309,7 +318,7 @@ class Operation(Generic[P, R]):
             with self._learning:  # (another thread's walk may rebind between the check and the plan's store)
                 if (self._live is None or self._learned_under(cells, held)) and not keep:
                     learn(self._plans, kinds, args, leaves, views, trace)
-        return trace.make(leaves, sources, self._site)
+        return trace, leaves, sources
 
     def _unchanged(self) -> bool:
         """Whether the closure's cells hold the objects its plans were learned with."""

@@ -84,12 +84,15 @@ class Primitive:
     """A named rule. ``same_dtype``: refuse to mix float32 and float64 arrays.
     ``elementwise``: the value has the broadcast shape of the operands, and
     each delta comes back in that shape (so a unary rule's delta needs no
-    unbroadcasting, nor an array's beside a plain number)."""
+    unbroadcasting, nor an array's beside a plain number). ``names_errors``:
+    its rule's errors name the user's line themselves (a Fold batch's loom,
+    whose calls were built at many), and the runtime adds nothing."""
 
     name: str
     rule: Rule
     same_dtype: bool = False
     elementwise: bool = False
+    names_errors: bool = False
 
     def floats_from(self) -> int | None:
         """The first operand from which the rule casts its operands to one

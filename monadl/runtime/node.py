@@ -32,7 +32,7 @@ from monadl.layers._site import site_text
 from monadl.layers._weight import Weight, weight_sites
 from monadl.runtime.evaluation import Evaluation, Record
 
-__all__ = ["all_finite", "collect", "compute", "describe", "host_integers", "where"]
+__all__ = ["all_finite", "collect", "compute", "describe", "failed", "host_integers", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
 _NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
@@ -180,33 +180,45 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             out, vjps = _checked(node, args, params)
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
-    except IndexRangeError as exc:  # (the shapes fit: a value does not)
-        if type(op.rule) is Program:  # (named at the step's line inside already: the call's line too)
-            exc.args = (f"{exc.args[0]} called at {where(node)}",)
-        else:
-            exc.args = (f"{shown(op)}: {exc.args[0]}; layer built at {where(node)}" + weight_sites(node._inputs),)
-        raise
-    except ValueError as exc:
-        what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
-            f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
-        )
-        raise ShapeError(
-            f"{shown(op)}: {what} ({exc}); layer built at {where(node)}" + weight_sites(node._inputs)
-        ) from exc
-    except NonFiniteError:
-        raise
-    except DTypeError as exc:
-        if type(op.rule) is Program and exc.args and type(exc.args[0]) is str:  # (as a ShapeError: the call's line too)
-            exc.args = (f"{exc.args[0]} called at {where(node)}", *exc.args[1:])
-        elif exc.args and type(exc.args[0]) is str and "layer built at" not in exc.args[0]:  # (a rule's own: `where`)
-            exc.args = (f"{exc.args[0]}; layer built at {where(node)}", *exc.args[1:])
-        raise
     except Exception as exc:
-        exc.add_note(f"monadl: in {shown(op)} of {describe(args)}; layer built at {where(node)}")
-        raise
+        raise failed(exc, op, args, where(node), node._inputs) from exc.__cause__
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
     return Record(out, vjps if needs else None, ins, needs, node, fits)
+
+
+def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: tuple[Any, ...]) -> Exception:
+    """The error to raise for ``exc``, raised by the rule of ``op`` on
+    ``args``: named for the layer built at ``place`` (its user's line, and the
+    Fold batch's input: `where`), with the weights among ``inputs``. An
+    index out of range and a dtype error say so in their own words; a
+    value error is a `ShapeError` of the operands; any other gets a note.
+    (A primitive whose errors are named already: as they are.)"""
+    if op.names_errors:
+        return exc
+    if isinstance(exc, IndexRangeError):  # (the shapes fit: a value does not)
+        if type(op.rule) is Program:  # (named at the step's line inside already: the call's line too)
+            exc.args = (f"{exc.args[0]} called at {place}",)
+        else:
+            exc.args = (f"{shown(op)}: {exc.args[0]}; layer built at {place}" + weight_sites(inputs),)
+        return exc
+    if isinstance(exc, ValueError):
+        what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
+            f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
+        )
+        shape = ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
+        shape.__cause__ = exc
+        return shape
+    if isinstance(exc, NonFiniteError):
+        return exc
+    if isinstance(exc, DTypeError):
+        if type(op.rule) is Program and exc.args and type(exc.args[0]) is str:  # (as a ShapeError: the call's line too)
+            exc.args = (f"{exc.args[0]} called at {place}", *exc.args[1:])
+        elif exc.args and type(exc.args[0]) is str and "layer built at" not in exc.args[0]:  # (a rule's own: `where`)
+            exc.args = (f"{exc.args[0]}; layer built at {place}", *exc.args[1:])
+        return exc
+    exc.add_note(f"monadl: in {shown(op)} of {describe(args)}; layer built at {place}")
+    return exc
 
 
 def _checked(node: Any, args: tuple[Any, ...], params: tuple[Any, ...]) -> tuple[Any, Any]:

@@ -669,13 +669,13 @@ def _walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from monadl.layers._operation import Operation
 
     walks: list[int] = []
-    original = Operation._call
+    original = Operation._walked
 
     def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Any) -> Any:
         walks.append(1)
         return original(self, args, kwargs, kinds)
 
-    monkeypatch.setattr(Operation, "_call", walked)
+    monkeypatch.setattr(Operation, "_walked", walked)
     return walks
 
 
