@@ -16,11 +16,17 @@ mypy reads a block's types from the function it wraps: give `Function` and
 (``InputTransform[Node, int](lambda n: n.symbol)``), since mypy does not
 infer a lambda's parameter from the ``>>`` that follows it.
 
-``block(x)`` builds one input's layers and ``block.batch(xs)`` many inputs'
-in one graph; the graph is an ordinary monadl graph, so
-``await loss.train()`` trains it and the runtime's dynamic batching
-(``ml.settings(batching=...)``) groups equal operations across nodes and
-inputs: blocks do no batching of their own. Blocks run as nested Python
+``block(x)`` builds one input's layers, an ordinary monadl graph whose equal
+operations the runtime's dynamic batching (``ml.settings(batching=...)``)
+groups; ``block.batch(xs)`` builds many inputs' as TF Fold's loom does
+(`monadl.fold._loom`): the calls of its `Function` blocks are recorded, not
+built as nodes, and run as one node of the graph that computes them per
+depth and function as one batched call each (forward and backward), with
+the values, gradients, steps and errors of the same calls built one input at
+a time; ``await loss.train()`` trains it as any graph. (Batching off, or
+``check_finite`` on: the calls run one by one; a call whose arguments are
+not the batch's own outputs and data, a float say, is built as a node.)
+Blocks run as nested Python
 calls, compiled once per ``batch``; past a depth of recursion (32 routes
 and builds open) the rest of an input runs on an explicit stack (each block is a
 generator of requests for its sub-blocks' outputs), so recursion as deep as

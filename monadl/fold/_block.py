@@ -16,13 +16,16 @@ import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Hashable, Iterable, Mapping
 from functools import partial
-from typing import Any, ClassVar, Final, Generic, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar, cast, final
 
 import numpy as np
 
 from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
 from monadl.fold._run import run
 from monadl.layers._site import caller_site
+
+if TYPE_CHECKING:
+    from monadl.layers._operation import Operation
 
 X = TypeVar("X")
 Y = TypeVar("Y")
@@ -185,6 +188,8 @@ class Immediate(Block[In, Out]):
 
     __slots__ = ()
     _kind: ClassVar[str] = IMMEDIATE
+    # A `Function`'s operation, whose calls a batch's loom records (`monadl.fold._loom`); None: others.
+    _cell: Operation[Any, Any] | None = None
 
     @abstractmethod
     def _output(self, x: In) -> Out:

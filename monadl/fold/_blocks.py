@@ -170,7 +170,7 @@ class Function(Immediate[X, Y]):
     array([6.])
     """
 
-    __slots__ = ("_call", "f")
+    __slots__ = ("_call", "_cell", "f")
     _shown = ("f",)
 
     def __init__(self, f: Callable[[X], Y]) -> None:
@@ -179,6 +179,7 @@ class Function(Immediate[X, Y]):
         # the input, and not walked per node.
         operation = Operation(f, caller_site())
         self.f: Callable[[X], Y] = operation
+        self._cell = operation
         # (the runner calls a bound method: per node, without the lookup that calling an instance makes)
         self._call: Callable[[X], Y] = operation.__call__
 

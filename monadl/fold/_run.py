@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 from monadl.fold._inputs import a_type
 from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
+from monadl.fold._loom import Loom
 from monadl.fold._stack import evaluate
 from monadl.fold._trail import _Trail, parallel
 from monadl.layers._batch_site import BatchBuild
@@ -77,7 +78,8 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
     >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
     ['2', '1']
     """
-    runner = _Runner()
+    loom = Loom(site) if batch and site is not None else None
+    runner = _Runner(loom)
     f = runner.compiled(block)
     outputs: list[Y] = []
     build = None if site is None else BatchBuild(block, site)
@@ -98,6 +100,8 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
                 else:  # (a call's one input, a list too: `Block.batch` takes a batch)
                     exc.add_note(f"monadl.fold: while building the call's input ({a_type(x)}) with {block!r}{where}")
                 raise
+        if loom is not None:
+            loom.done()
         if build is not None:
             build.done(_next_serial())
     finally:  # (its closures hold the runner: a cycle a batch, 13 MB of them in a soak test, till a collection)
@@ -110,12 +114,13 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
 class _Runner:
     """The closures of one run, by block, and the routes and builds now open."""
 
-    __slots__ = ("closures", "depth", "trail")
+    __slots__ = ("closures", "depth", "loom", "trail")
 
-    def __init__(self) -> None:
+    def __init__(self, loom: Loom | None = None) -> None:
         self.closures: dict[Block[Any, Any], Run] = {}
         self.depth = 0
         self.trail = _Trail()
+        self.loom = loom  # (a batch's: its `Function` blocks' calls are recorded there)
 
     def compiled(self, block: Block[Any, Any], nesting: int = 0) -> Run:
         f = self.closures.get(block)
@@ -126,10 +131,14 @@ class _Runner:
     def _compile(self, block: Any, nesting: int) -> Run:  # (Any: each kind's attributes are read by its kind)
         kind = block._kind
         if kind is IMMEDIATE:
+            cell = block._cell
+            if cell is not None and self.loom is not None:
+                call = self.loom.call
+                return lambda x: call(cell, x)
             f: Run = block._function()
             return f
         if nesting >= NESTING:
-            return lambda x: evaluate(block, x, self.trail)
+            return lambda x: evaluate(block, x, self.trail, self.loom)
         if kind is COMPOSITION:
             first, second = self.compiled(block.first, nesting + 1), self.compiled(block.second, nesting + 1)
             return lambda x: second(first(x))
@@ -155,7 +164,7 @@ class _Runner:
 
         def routed(x: Any) -> Any:
             if self.depth >= DEPTH:
-                return evaluate(block, x, trail)  # (the rest of this input, on the heap)
+                return evaluate(block, x, trail, self.loom)  # (the rest of this input, on the heap)
             k = key(x)
             try:
                 found = table.get(k)
@@ -185,7 +194,7 @@ class _Runner:
 
         def built(x: Any) -> Any:
             if self.depth >= DEPTH:
-                return evaluate(block, x, trail)
+                return evaluate(block, x, trail, self.loom)
             requests = block._build(x)
             sent = None
             self.depth += 1

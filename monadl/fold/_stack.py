@@ -19,6 +19,7 @@ from monadl.fold._trail import _asked, _step, _Trail
 
 if TYPE_CHECKING:
     from monadl.fold._block import Block, Request
+    from monadl.fold._loom import Loom
 
 __all__ = ["LIMIT", "evaluate"]
 
@@ -93,10 +94,10 @@ class _Then:
         self.block = block
 
 
-def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None) -> Y:
+def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None, loom: Loom | None = None) -> Y:
     """Run ``block`` on ``x`` with an explicit stack of suspended builds
     (for inputs deeper than `DEPTH`: its memory is the heap's); an error's
-    path marked on ``trail``.
+    path marked on ``trail``; a batch's `Function` calls recorded by its ``loom``.
 
     >>> from monadl.fold import InputTransform
     >>> evaluate(InputTransform(len) >> InputTransform(str), "abc")
@@ -118,7 +119,11 @@ def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None) -> Y:
                     if kind is COMPOSITION:
                         first = sub.first
                         if first._kind is IMMEDIATE:  # its output now: no _Then to wait
-                            arg = first._output(arg)
+                            arg = (
+                                first._output(arg)
+                                if loom is None or first._cell is None
+                                else loom.call(first._cell, arg)
+                            )
                             sub = sub.second
                             continue
                         stack.append(_Then(sub.second))
@@ -145,7 +150,7 @@ def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None) -> Y:
                     else:
                         break
                 if kind is IMMEDIATE:
-                    sent = sub._output(arg)
+                    sent = sub._output(arg) if loom is None or sub._cell is None else loom.call(sub._cell, arg)
                 elif kind is PARALLEL:  # (of no blocks)
                     sent = ()
                 else:

@@ -80,4 +80,5 @@ def finite_delta(delta: Any) -> bool:
         return all(p is None or finite_delta(p) for p in delta.parts)
     if kind is SplitDelta:
         return all_finite(delta.to_dense())
-    return all_finite(delta)
+    finite = getattr(delta, "finite", None)  # (a Fold batch's loom's deltas, by slot)
+    return all_finite(delta) if finite is None else bool(finite())

@@ -47,8 +47,12 @@ class Outputs(tuple[Value, ...]):
 
 
 def finite_value(value: Value) -> bool:
-    """Whether a node's value holds no NaN and no infinity (an `Outputs`: any of its arrays)."""
-    return all(map(all_finite, value)) if type(value) is Outputs else all_finite(value)
+    """Whether a node's value holds no NaN and no infinity (an `Outputs`: any
+    of its arrays; a value that is no array, a Fold batch's loom's: its own ``finite()``)."""
+    if type(value) is Outputs:
+        return all(map(all_finite, value))
+    finite = getattr(value, "finite", None)
+    return all_finite(value) if finite is None else bool(finite())
 
 
 def arrays_of(values: tuple[Value, ...]) -> tuple[Value, ...]:

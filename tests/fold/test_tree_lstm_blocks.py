@@ -68,17 +68,24 @@ def test_a_tree_deeper_than_pythons_stack_encodes_as_the_natural_recursion() -> 
     np.testing.assert_allclose(blocks, natural, rtol=1e-12)
 
 
-def test_the_block_graph_is_an_ordinary_graph_that_batching_groups() -> None:
-    from monadl.runtime.evaluation import Evaluation, Record
+def test_a_batch_of_trees_is_one_loom_node_whose_schedule_groups_calls_by_depth() -> None:
+    """The blocks' calls are recorded, not built as nodes: the batch's graph
+    is one loom node (and a slot a root's state reads), whose schedule runs
+    per depth one group of leaves' and one of internal nodes' calls."""
+    from monadl.fold._loom import LOOM, SLOT
+    from monadl.runtime.evaluation import Evaluation
     from monadl.runtime.node import collect
-    from monadl.runtime.schedule import batched
 
     model = FoldTreeLSTM(tl.init_weights(4, dtype=np.float64))
-    ev = Evaluation(train=True)
-    order = collect(ev, [model.loss(tl.make_trees(8, 4, 6, seed=0))])
-    with ml.settings(batching=True):
-        assert batched.worth_batching(ev, order)
-        assert batched.forward(ev, order) == []  # every node ran, in groups or alone
-    groups = [key for key in ev.records if type(key) is Record]  # the stack and group records batching added
-    cells = [g for g in groups if g.node._op.name != "output"]  # (the roots' views of h group too: 4 here)
-    assert 10 < len(cells) < len(order) // 4
+    trees = tl.make_trees(8, 4, 6, seed=0)
+    order = collect(Evaluation(train=True), [model.loss(trees)])
+    (loom,) = [x for x in order if x._op is LOOM]
+    assert len([x for x in order if x._op is SLOT]) == len(trees)  # (the roots' h)
+    assert len(order) < 20  # (and the head: the roots' concatenation, the dense layer, the loss)
+    (schedule,) = loom._params
+    calls = sum(len(t.symbol) for t in trees)
+    assert sum(plan.n for plan in schedule.planned) == calls
+    depths = [plan.group.depth for plan in schedule.planned]
+    assert depths == sorted(depths)
+    assert len(depths) == len({(plan.group.depth, plan.group.trace) for plan in schedule.planned}) < calls // 4
+    assert {len(plan.group.trace.weights) for plan in schedule.planned} == {1, 2}  # (leaf: 1 table; internal: 2)
