@@ -39,7 +39,7 @@ CASES: dict[str, tuple[list[np.ndarray], Build]] = {
     "power": ([RNG.uniform(0.5, 2, size=(3,)), RNG.uniform(0.5, 2, size=(3,))], lambda w, ix: w[0] ** w[1]),
     "unary": (
         [RNG.uniform(0.5, 2, size=(2, 3))],
-        lambda w, ix: ml.exp(w[0]) + ml.log(w[0]) + ml.sqrt(w[0]) + ml.abs(-w[0]),
+        lambda w, ix: ml.exp(w[0]) + ml.log(w[0]) + ml.sqrt(w[0]) + ml.abs(-w[0]) + ml.sin(w[0]) * ml.cos(w[0]),
     ),
     "activations": ([RNG.normal(size=(2, 5))], lambda w, ix: ml.tanh(w[0]) + ml.sigmoid(w[0]) + ml.relu(w[0])),
     "stable_logistic_losses": (

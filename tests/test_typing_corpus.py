@@ -91,6 +91,7 @@ ACCEPT = {
             assert_type(typed * 2.0, ml.ArrayLayer)
             assert_type(ml.tanh(v), ml.Layer[Any, Any])
             assert_type(ml.softplus(v), ml.Layer[Any, Any])
+            assert_type(ml.sin(v), ml.Layer[Any, Any])
             assert_type(ml.maximum(0.0, layer), ml.Layer[Any, Any])
             rows = [ml.tanh(data @ v) for _ in range(2)]  # (in the list's context it took the scalar overload)
             assert_type(ml.concatenate([ml.relu(r) for r in rows]), ml.ArrayLayer)
@@ -118,6 +119,8 @@ ACCEPT = {
         assert_type(scalar_weight * 2.0 + scalar_layer, ml.ScalarLayer)
         assert_type(2.0 - scalar_weight, ml.ScalarLayer)
         assert_type(ml.exp(scalar_layer), ml.ScalarLayer)
+        assert_type(ml.sin(scalar_weight), ml.ScalarLayer)
+        assert_type(ml.cos(-scalar_layer), ml.ScalarLayer)
         assert_type(ml.softplus(scalar_weight), ml.ScalarLayer)
         assert_type(ml.log_sigmoid(-scalar_layer), ml.ScalarLayer)
     """,
@@ -125,6 +128,8 @@ ACCEPT = {
         assert_type(scalar_layer * array_weight, ml.ArrayLayer)
         assert_type(scalar_weight + array, ml.ArrayLayer)
         assert_type(ml.log_sigmoid(array_weight), ml.ArrayLayer)
+        assert_type(ml.sin(array_layer), ml.ArrayLayer)
+        assert_type(ml.cos(array_weight * 2.0), ml.ArrayLayer)
     """,
     "reductions": """
         assert_type(ml.sum(array_layer), ml.ScalarLayer)
@@ -415,6 +420,7 @@ REJECT = {
     "string_learning_rate": ("ml.optim.adam('fast')", "arg-type"),
     "pytorchs_keyword_names": ("ml.optim.adam(lr=1e-3, betas=(0.5, 0.999))", "call-arg"),
     "string_to_softplus": ("ml.softplus('x')", "call-overload"),
+    "string_to_sin": ("ml.sin('x')", "call-overload"),
     "chain_of_non_optimizer": ("ml.optim.chain(ml.optim.sgd(0.1), 0.5)", "arg-type"),
     "direct_returns_a_number": (
         "@ml.direct\nasync def f() -> float:\n    return 1.0",

@@ -3,6 +3,7 @@
 from monadl.deltas import unbroadcast
 from monadl.layers._functions import (
     abs,
+    cos,
     dense,
     dot,
     exp,
@@ -17,6 +18,7 @@ from monadl.layers._functions import (
     minimum,
     relu,
     sigmoid,
+    sin,
     softmax,
     softplus,
     sqrt,
@@ -75,6 +77,7 @@ __all__ = [
     "binary_cross_entropy_with_logits",
     "concatenate",
     "conv2d",
+    "cos",
     "cross_entropy",
     "dense",
     "dot",
@@ -95,6 +98,7 @@ __all__ = [
     "reshape",
     "segment_sum",
     "sigmoid",
+    "sin",
     "softmax",
     "softplus",
     "split",

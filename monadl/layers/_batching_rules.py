@@ -307,6 +307,8 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
             "log",
             "sqrt",
             "abs",
+            "sin",
+            "cos",
             "tanh",
             "sigmoid",
             "relu",

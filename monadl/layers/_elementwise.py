@@ -1,5 +1,6 @@
 """The elementwise rules: binary (``add`` to ``minimum``), unary (``negative``
-to ``relu``, and ``softplus`` and ``log_sigmoid``, which never overflow),
+to ``relu``, ``sin`` and ``cos`` among them, and ``softplus`` and
+``log_sigmoid``, which never overflow),
 ``stop_gradient``, which passes its operand through with no delta, and
 ``as_layer``, which passes it through with its delta.
 
@@ -151,6 +152,16 @@ def _sqrt(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     xp = namespace(a)
     return xp.abs(a), (lambda g: g * xp.sign(a),)
+
+
+def _sin(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    return xp.sin(a), (lambda g: g * xp.cos(a),)
+
+
+def _cos(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
+    xp = namespace(a)
+    return xp.cos(a), (lambda g: -g * xp.sin(a),)
 
 
 def _tanh(a: Value) -> tuple[Value, tuple[Vjp, ...]]:

@@ -34,6 +34,7 @@ from monadl.layers._weight import Weight
 __all__ = [
     "abs",
     "apply_primitive",
+    "cos",
     "data_layer",
     "dense",
     "dot",
@@ -49,6 +50,7 @@ __all__ = [
     "minimum",
     "relu",
     "sigmoid",
+    "sin",
     "softmax",
     "softplus",
     "sqrt",
@@ -118,6 +120,40 @@ def abs(x: ArrayOperand) -> ArrayLayer: ...
 def abs(x: Operand) -> Layer[Any, Any]:
     """Absolute value; its delta at 0 is 0."""
     return apply_primitive("abs", (x,))
+
+
+@overload
+def sin(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
+def sin(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def sin(x: ArrayOperand) -> ArrayLayer: ...
+def sin(x: Operand) -> Layer[Any, Any]:
+    """Sine (radians), elementwise; its delta is ``cos(x)``. A primitive, so a
+    physics step that needs it (a pendulum's ``-g / L * sin(theta)``) can be
+    marked with `operation` and batched.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(sin(np.array([0.0, np.pi / 2, np.pi / 6])).predict).round(12).tolist()
+    [0.0, 1.0, 0.5]
+    """
+    return apply_primitive("sin", (x,))
+
+
+@overload
+def cos(x: Expr[Never, Never]) -> Layer[Any, Any]: ...
+@overload
+def cos(x: ScalarOperand) -> ScalarLayer: ...
+@overload
+def cos(x: ArrayOperand) -> ArrayLayer: ...
+def cos(x: Operand) -> Layer[Any, Any]:
+    """Cosine (radians), elementwise; its delta is ``-sin(x)``.
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(cos(np.array([0.0, np.pi, np.pi / 3])).predict).round(12).tolist()
+    [1.0, -1.0, 0.5]
+    """
+    return apply_primitive("cos", (x,))
 
 
 @overload

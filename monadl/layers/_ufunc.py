@@ -103,7 +103,7 @@ def _read() -> str:
 
 
 # NumPy ufuncs with a monadl function of the same name (a test keeps this true).
-DIFFERENTIABLE: Final = frozenset({"exp", "log", "sqrt", "tanh", "maximum", "minimum", "matmul"})
+DIFFERENTIABLE: Final = frozenset({"exp", "log", "sqrt", "sin", "cos", "tanh", "maximum", "minimum", "matmul"})
 
 
 @final

@@ -52,6 +52,8 @@ UNARY: list[tuple[str, Fn, float]] = [
     ("log", ml.log, 0.5),
     ("sqrt", ml.sqrt, 0.5),
     ("abs", ml.abs, -2.0),
+    ("sin", ml.sin, -4.0),
+    ("cos", ml.cos, -4.0),
     ("tanh", ml.tanh, -2.0),
     ("sigmoid", ml.sigmoid, -4.0),
     ("relu", ml.relu, -2.0),

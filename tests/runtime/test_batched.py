@@ -568,6 +568,8 @@ CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
     ("abs", [(3,)], ()),
     ("log", [(3,)], ()),
     ("sqrt", [(3,)], ()),
+    ("sin", [(2, 3)], ()),
+    ("cos", [(3,)], ()),
     ("getitem", [(6,)], (slice(1, 4),)),
     ("getitem", [(2, 6)], ((Ellipsis, slice(None, None, 2)),)),
     ("getitem", [(2, 6)], (0,)),
