@@ -11,16 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from monadl._namespace import all_finite, is_array
+from monadl._namespace import all_finite, is_array, library_name, namespace
 from monadl._state_file import STATE_RULE, unstorable
 from monadl.deltas import Outer, SparseRows
-from monadl.errors import ShapeError
+from monadl.errors import DeviceError, ShapeError
+from monadl.layers._layer import Expr, Layer
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.optim._spec import closure, maker, ours
 from monadl.runtime.settings import current_settings
 
-__all__ = ["checked_update", "not_an_update", "refuse_unless_by_weight", "refused"]
+__all__ = ["checked_update", "not_an_update", "refuse_unless_a_gradient", "refuse_unless_by_weight", "refused"]
 
 
 def refuse_unless_by_weight(gradients: object, name: str) -> None:
@@ -30,12 +31,66 @@ def refuse_unless_by_weight(gradients: object, name: str) -> None:
     could not be stepped nor clipped into something `apply_gradients`
     takes: it does not say whose each gradient is."""
     if type(gradients) is dict or isinstance(gradients, Mapping):
+        for key in gradients:
+            if not isinstance(key, Weight):
+                raise TypeError(f"{name} takes the gradients by weight, got {_not_a_weight(key)}")
         return
     raise TypeError(
         f"{name} takes the gradients by weight, a {{weight: gradient}} dict as ml.value_and_gradients gives "
         f"them, got a {type(gradients).__name__}; for gradients in the order of their weights, as "
         "ml.gradients(loss, weights) gives them, pass dict(zip(weights, gradients))"
     )
+
+
+def _not_a_weight(key: object) -> str:
+    """What a key that is not a weight is, and what to give instead. A layer
+    (a hypernetwork's generated matrix) raised an AttributeError about lazy
+    shapes, read for the shape check."""
+    if isinstance(key, Expr):
+        built = f" (built at {site_text(key._site)})" if isinstance(key, Layer) else ""
+        return (
+            f"a {type(key).__name__} as a key{built}: only a weight takes a step. A layer "
+            "computed from weights takes none; give the gradients of the weights it is computed from "
+            "(ml.value_and_gradients(loss) keys them by weight)"
+        )
+    return (
+        f"a {type(key).__name__} as a key; key each gradient by its Weight (for a model's dict of weights by "
+        "name: {model[name]: g})"
+    )
+
+
+def refuse_unless_a_gradient(weight: Weight[Any, Any], gradient: Any) -> None:
+    """Raise where ``gradient`` is not one `apply_gradients` can step
+    ``weight`` along, naming the weight: not an array of its weight's library
+    (NumPy's for a weight on the host), a real number nor a delta of
+    `monadl.deltas`; not of real values; not of the weight's shape. A PyTorch
+    tensor for a NumPy weight passed the checks of dtype and shape and raised
+    NumPy's "Concatenation operation is not implemented" from inside the
+    optimizer; a complex gradient stepped with its imaginary part dropped."""
+    where = f"the weight built at {site_text(weight._site)}"
+    if is_array(gradient) and namespace(gradient) is not namespace(weight._data):
+        ours, theirs = library_name(weight._data), library_name(gradient)
+        convert = " (a PyTorch tensor t: t.detach().cpu().numpy())" if ours == "numpy" and theirs == "torch" else ""
+        raise DeviceError(
+            f"apply_gradients: a gradient is an array of its weight's library, a number or a SparseRows, got "
+            f"{theirs}.{type(gradient).__name__} for {where}, whose data is a {ours} array; monadl "
+            f"never copies between array libraries by itself: convert it to {ours}{convert}; no weight changed"
+        )
+    kind = getattr(gradient, "dtype", None)
+    known = is_array(gradient) or isinstance(gradient, (int, float, np.generic, SparseRows, Outer))
+    real = known and (getattr(kind, "kind", "f") in "iuf" if kind is not None else isinstance(gradient, (int, float)))
+    if isinstance(gradient, bool) or not real:  # (a complex gradient lost its imaginary part; a bool, a list passed)
+        what = f"dtype {kind}" if known and kind is not None else type(gradient).__name__
+        raise TypeError(
+            f"apply_gradients: a gradient is an array or a number of real values, got {what} for {where}: give a "
+            f"{library_name(weight._data)} array (its weight's library), a number or a SparseRows; no weight changed"
+        )
+    shape = tuple(getattr(gradient, "shape", ()))
+    if shape != weight.shape:
+        raise ShapeError(
+            f"apply_gradients: a gradient of shape {shape} for a weight of shape {weight.shape} "
+            f"(built at {site_text(weight._site)}); no weight changed"
+        )
 
 
 def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:

@@ -25,11 +25,10 @@ from monadl._blas import add_product
 from monadl._in_dtype import in_dtype_of
 from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
-from monadl.errors import NonFiniteError, ShapeError
-from monadl.layers._site import site_text
+from monadl.errors import NonFiniteError
 from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._refusals import checked_update, refuse_unless_by_weight, refused
+from monadl.optim._refusals import checked_update, refuse_unless_a_gradient, refuse_unless_by_weight, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
@@ -68,20 +67,7 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     refuse_inside_evaluation("apply_gradients")  # (a step inside a train(): as a train() there)
     refuse_unless_by_weight(gradients, "apply_gradients")
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
-        kind = getattr(g, "dtype", None)
-        real = getattr(kind, "kind", "f") in "iuf" if kind is not None else isinstance(g, (int, float))
-        if isinstance(g, bool) or not real:  # (a complex gradient lost its imaginary part; a bool, a list passed)
-            what = f"dtype {kind}" if kind is not None else type(g).__name__
-            raise TypeError(
-                f"apply_gradients: a gradient is an array or a number of real values, got {what} for the weight "
-                f"built at {site_text(w._site)}; no weight changed"
-            )
-        shape = tuple(getattr(g, "shape", ()))
-        if shape != w.shape:
-            raise ShapeError(
-                f"apply_gradients: a gradient of shape {shape} for a weight of shape {w.shape} "
-                f"(built at {site_text(w._site)}); no weight changed"
-            )
+        refuse_unless_a_gradient(w, g)
     _commit(gradients, finite, False)
 
 

@@ -241,6 +241,72 @@ def test_a_gradient_of_no_real_numbers_is_refused() -> None:
     assert w.data.tolist() == [0.0, 1.0]
 
 
+def unchanged(*weights: ml.Weight[Any, Any]) -> None:
+    """Each of ``weights`` holds ones and its optimizer's first state (Adam's step count 0): no step taken."""
+    for w in weights:
+        assert (w.data == 1.0).all() and repr(w.state) == repr(w.optimizer.init(w.data))
+
+
+@pytest.mark.parametrize("optimizer", [ml.optim.sgd(0.1), ml.optim.adam(0.1)])
+def test_a_gradient_of_another_array_library_is_refused_naming_the_weight(
+    optimizer: ml.optim.GradientTransformation,
+) -> None:
+    """A PyTorch tensor (or any array of another library) for a NumPy weight
+    passed the checks of dtype and shape and raised NumPy's "Concatenation
+    operation is not implemented for NumPy arrays" from inside the optimizer."""
+    import array_api_strict as xs
+
+    good = ml.Weight(np.ones(3), optimizer=optimizer)
+    w = ml.Weight(np.ones((4, 2)), optimizer=optimizer)  # FOREIGN-SITE
+    site = rf"the weight built at .*test_apply.py:{line_of('FOREIGN-SITE')}, whose data is a numpy array"
+    with pytest.raises(ml.DeviceError, match=rf"got array_api_strict\.Array for {site}; .* convert it to numpy; no"):
+        apply_gradients({good: np.ones(3), w: xs.ones((4, 2), dtype=xs.float64)})
+    unchanged(good, w)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=rf"got torch.Tensor for {site}; .*\(a PyTorch tensor t: t.detach\(\).cpu"):
+        apply_gradients({good: np.ones(3), w: torch.ones(4, 2, dtype=torch.float64)})
+    unchanged(good, w)
+    held = ml.Weight(torch.ones(2, dtype=torch.float64), optimizer=ml.optim.sgd(0.5))
+    with pytest.raises(ml.DeviceError, match=r"got numpy.ndarray for .*, whose data is a torch array"):
+        apply_gradients({held: np.ones(2)})  # (as the forward refuses torch's with NumPy's: 'operands mix')
+    apply_gradients({held: torch.ones(2, dtype=torch.float64)})  # (its own library's steps it)
+    assert held.data.tolist() == [0.5, 0.5]
+
+
+def test_a_gradient_that_is_no_array_is_refused_saying_what_is_taken() -> None:
+    class Lookalike:  # (a shape and a float dtype, as a pandas object's: it passed the checks)
+        shape = (2,)
+        dtype = np.dtype(np.float64)
+
+    w = ml.Weight(np.ones(2), optimizer=ml.optim.adam(0.1))
+    for g, what in ((Lookalike(), "Lookalike"), (None, "NoneType")):
+        with pytest.raises(
+            TypeError, match=rf"got {what} for the weight built at .*: give a numpy array \(its weight's library\)"
+        ):
+            apply_gradients({w: g})
+    unchanged(w)
+
+
+def test_a_layer_as_a_key_is_refused_saying_only_weights_take_steps() -> None:
+    """A hypernetwork's generated matrix given a step raised an AttributeError
+    about lazy shapes and ``ml.operation`` (``ml.gradients`` refused it)."""
+    e = ml.Weight(np.ones((1, 3)), optimizer=ml.optim.adam(0.1))
+    h = ml.Weight(np.ones((3, 8)), optimizer=ml.optim.adam(0.1))
+    generated = ml.reshape(e @ h, (4, 2))  # LAYER-SITE
+    by_layer: dict[Any, Any] = {e: np.ones((1, 3)), generated: np.ones((4, 2))}  # (mypy refuses both typed)
+    by_name: dict[Any, Any] = {"e": np.ones((1, 3))}
+    with pytest.raises(
+        TypeError,
+        match=rf"apply_gradients takes the gradients by weight, got a Layer as a key \(built at .*test_apply.py:"
+        rf"{line_of('LAYER-SITE')}\): only a weight takes a step\. A layer computed from weights takes none; give the "
+        "gradients of the weights it is computed from",
+    ):
+        apply_gradients(by_layer)
+    unchanged(e)
+    with pytest.raises(TypeError, match=r"clip_by_global_norm takes the gradients by weight, got a str as a key; key"):
+        ml.optim.clip_by_global_norm(by_name, 1.0)
+
+
 def test_steps_are_atomic_across_event_loops_in_threads() -> None:
     w = ml.Weight(np.zeros(2), optimizer=ml.optim.adam(0.5))
     train_in_threads(lambda: ml.sum(w), 200)
