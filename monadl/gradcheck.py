@@ -45,6 +45,12 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     pass ``list(model.values())`` (its gradients come in that order), or call
     `value_and_gradients`, which keys them by weight.
 
+    For a step of one's own (accumulating micro-batches, clipping), take
+    `value_and_gradients`: given to `monadl.optim.apply_gradients`, these
+    dense gradients step an embedding table's every row (under Adam, every
+    row's moments: dense Adam), not the looked-up rows alone as ``train()``
+    does (lazy Adam), another algorithm.
+
     First order only: the gradients are data, not layers, also when taken
     inside a running ``train()`` (an ``@ml.direct`` step). A loss built
     from them has the right value, but no delta flows back through them:

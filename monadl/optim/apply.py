@@ -51,8 +51,11 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     """Give each weight one optimizer step along its gradient, atomically.
 
     Args:
-        gradients: by weight, a dense gradient (an array or a number) or a
-            `SparseRows` delta (only those rows step). They are only read.
+        gradients: by weight, a dense gradient (an array of the weight's
+            library or a number: every entry steps) or a `SparseRows` delta
+            (only those rows step, as ``train()`` steps an embedding's:
+            `monadl.value_and_gradients` gives them so, `monadl.gradients`
+            dense). They are only read.
         finite: refuse to write a NaN or an infinity into a weight: raise
             `NonFiniteError` naming the weight and the line that built it,
             and change no weight.
