@@ -85,7 +85,12 @@ class Weight(Expr[D, G]):
     takes exactly one optimizer step, after the whole backward pass succeeded.
 
     Args:
-        data: the initial value: a float (a scalar weight) or a float array.
+        data: the initial value: a float (a scalar weight) or a float array,
+            copied: a step never writes into the array given, and two
+            weights made from one array are two weights that train apart
+            (unlike PyTorch's ``nn.Parameter(t)``, which shares ``t``'s
+            storage). To share a weight, use the one `Weight` in both places;
+            its uses' gradients add up to one step.
         optimizer: how to turn a gradient into an update; by default
             `monadl.optim.default_optimizer()`.
 
