@@ -43,10 +43,15 @@ class Settings:
             code makes meanwhile are collected later, as usual.
         batching: run nodes of equal signature as one kernel, forward and
             backward (see `monadl.runtime.schedule.batched`): None decides by a
-            cost rule, True and False force it (False: the examples of a
+            cost rule, True and False force it. None is usually the right
+            choice: it batches the groups that pay already, and True batches
+            also those the rule leaves alone (small graphs, groups under
+            their minimum, members over 16,384 elements), which for small
+            ops cost more than they save (a CRF's steps of 5 tags: 1.1-1.3x
+            the time of None's). False: the examples of a
             batch still park at their graphs and merge, as
             `monadl.runtime.schedule.fibers` says, each merged graph run
-            node by node, so that they step in one order on or off).
+            node by node, so that they step in one order on or off.
             Under ``check_finite`` nothing is batched. The rule: a graph of fewer than 256 nodes
             (a marked cell's node counted as its ops) runs as it is, unless 8 of its nodes read a weight of
             16,384 elements or more (across control flow, a merge of fewer than 10
