@@ -22,7 +22,14 @@ from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.errors import DTypeError, IndexRangeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import made
-from monadl.layers._operands import NUMBERS, Numbers, member_float_dtype, one_float_dtype, step_numbers
+from monadl.layers._operands import (
+    NUMBERS,
+    Numbers,
+    as_dtype,
+    member_float_dtype,
+    one_float_dtype,
+    step_numbers,
+)
 from monadl.layers._outputs import (
     OUTPUT,
     Outputs,
@@ -52,10 +59,12 @@ class Program:
         "consts",
         "declined",
         "factors",
+        "group_plans",
         "live",
         "multi",
         "name",
         "outputs",
+        "plans",
         "readers",
         "size",
         "slices",
@@ -63,7 +72,6 @@ class Program:
         "tensors",
         "tiles",
         "tilings",
-        "uniform",
     )
 
     def __init__(
@@ -88,9 +96,12 @@ class Program:
         self.readers = tuple(s.operands() for s in steps)
         self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
-        # Operand dtypes under which every step's operands already had one float
-        # dtype and needed no cast: calls with them skip the operand rule.
-        self.uniform: set[tuple[Any, ...]] = set()
+        # Per operand signature (`_signature`), what the operand rule did at each step: later
+        # calls with it apply that, not the rule (whose checks, Python's, cost more than a small
+        # step: a float32 cell's float64 weight is cast at each step of each call); per group
+        # signature (its stacking too), the same, or the step at which it declined.
+        self.plans: dict[tuple[Any, ...], tuple[Casts, ...]] = {}
+        self.group_plans: dict[tuple[Any, ...], tuple[Casts, ...] | Step] = {}
         self.declined: Step | None = None  # the step that last kept a group from batching (for its log)
         # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
         self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
@@ -103,15 +114,18 @@ class Program:
         line inside the function, as it would unmarked."""
         env = [*args, *self.consts]
         vjps = []
-        key = _dtypes(args)
-        check = key not in self.uniform
-        cast = False
+        key = _signature(args)
+        plan = self.plans.get(key)
+        did: list[Casts] = []
         tensors = self.tensors
-        for step, read in zip(self.steps, self.readers):
+        for i, (step, read) in enumerate(zip(self.steps, self.readers)):
             values = read(env)
-            if check:
-                values, casted = self._operand_rule(step, values, [tensors[r] for r in step.refs], tensors[len(env)])
-                cast = cast or casted
+            if plan is None:
+                fixed = self._operand_rule(step, values, [tensors[r] for r in step.refs], tensors[len(env)])
+                did.append(_casts(values, fixed))
+                values = fixed
+            elif (casts := plan[i]) is not None:
+                values = _cast(values, casts)
             try:
                 if called is None:
                     out, rules = step.op.rule(*values, *step.parameters(env))
@@ -133,8 +147,8 @@ class Program:
                 raise
             env.append(out)
             vjps.append(rules)
-        if check and not cast:
-            self.uniform.add(key)
+        if plan is None:
+            self.plans[key] = tuple(did)
         value = Outputs([env[o] for o in self.outputs]) if self.multi else env[self.outputs[0]]
         return value, Sweep(self, env, vjps, None, called).rules()
 
@@ -164,26 +178,28 @@ class Program:
 
     def _operand_rule(
         self, step: Step, values: tuple[Value, ...], tensors: list[bool], tensor: bool
-    ) -> tuple[tuple[Value, ...], bool]:
+    ) -> tuple[Value, ...]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation; ``tensors``: which operands are
-        tensors, ``tensor``: whether the step's value is one, see `_tensors`),
-        and whether it cast one."""
-        where = f"{_where(step)}, inside the operation {self.name}"
+        tensors, ``tensor``: whether the step's value is one, see `_tensors`);
+        ``values`` itself where it casts none."""
+
+        def where() -> str:  # (built only for a message: a site's text costs more than the rule)
+            return f"{_where(step)}, inside the operation {self.name}"
+
         # One library per step (an operation's host integers beside a device's arrays are refused here).
         parts = arrays_of(values)
         kinds = {type(p) for p in parts}
         if len(kinds) > 1 and not kinds <= _HOST:
-            common_namespace(parts, f"{shown(step.op)} at {where}")
+            common_namespace(parts, f"{shown(step.op)} at {where()}")
         start = step.op.floats_from()
         if start is None or not tensor:  # (an operator on data alone: NumPy's arithmetic, as unmarked)
-            return values, False
+            return values
         if start:  # (`where`: its two sides, not its condition)
             sides = values[start:]
             fixed = one_float_dtype(shown(step.op), sides, where, tensors[start:])
-            return (values, False) if fixed is sides else ((*values[:start], *fixed), True)
-        fixed = one_float_dtype(shown(step.op), values, where, tensors)
-        return fixed, fixed is not values
+            return values if fixed is sides else (*values[:start], *fixed)
+        return one_float_dtype(shown(step.op), values, where, tensors)
 
     def _numbers(
         self, env: list[Value], stacked: list[bool], scalars: tuple[bool | None, ...] | None
@@ -257,24 +273,29 @@ class Program:
         stacked = [*batched, *(False,) * len(self.consts)]
         kinds = self._numbers(env, stacked, scalars)
         vjps: list[tuple[Vjp, ...]] = []
-        key = _dtypes(args)
-        check = key not in self.uniform
-        cast = False
+        key = (_signature(args), batched, scalars)
+        plan = self.group_plans.get(key)
+        if type(plan) is Step:  # (a member would raise, or its dtype is unknown here: as the first time)
+            self.declined = plan
+            return None
+        did: list[Casts] = []
         self.declined = None
         numbers = Numbers in map(type, args)  # the members' plain numbers: cast step by step
-        for step, read in zip(self.steps, self.readers):
+        for i, (step, read) in enumerate(zip(self.steps, self.readers)):
             values = read(env)
             flags = tuple([stacked[r] for r in step.refs])
             given = [kinds[r] for r in step.refs]
             tensor = self.tensors[len(env)]
             kind = False if tensor else _numbers_made(values, flags)
-            if check:  # (before the numbers: a Python float computes in the dtype the rule leaves)
+            if plan is None:  # (before the numbers: a Python float computes in the dtype the rule leaves)
                 fixed = self._member_rule(step, values, flags, given, tensor)
                 if fixed is None:
-                    self.declined = step
+                    self.declined = self.group_plans[key] = step
                     return None
-                cast = cast or fixed is not values
+                did.append(_casts(values, fixed))
                 values = tuple(fixed)
+            elif (casts := plan[i]) is not None:
+                values = _cast(values, casts)
             if numbers and Numbers in map(type, values):
                 found = step_numbers(step.op, values, flags, n)
                 if found is None:
@@ -309,8 +330,8 @@ class Program:
             stacked.append(True in flags or True in pflags)
             kinds.append(kind)
             vjps.append(rules)
-        if check and not cast:
-            self.uniform.add(key)
+        if plan is None:
+            self.group_plans[key] = tuple(did)
         outs = []
         for o in self.outputs:
             value = env[o]
@@ -358,13 +379,41 @@ def _numbers_made(values: tuple[Value, ...], stacked: tuple[bool, ...]) -> bool:
     return all(type(v) is Numbers or getattr(v, "ndim", 0) == s for v, s in zip(values, stacked))
 
 
-def _dtypes(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What the operand rule depends on: each operand's dtype (its type, for
-    a number: a NumPy float, data, is not a 0-d array, a tensor)."""
-    return tuple([t if (t := type(a)) in _NUMPY_FLOATS else getattr(a, "dtype", t) for a in args])
+Casts = tuple[Any, ...] | None
+"""What the operand rule did to one step's operands: per operand, the dtype
+it cast it to, or None; None for none cast."""
 
 
-_NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64, np.longdouble})
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What the operand rule depends on, per operand: its type (a NumPy float,
+    data, is not a 0-d array, a tensor; an array library is its own), its
+    dtype and its dimensions (a 0-d float64 array beside float32 ones is
+    cast, one with dimensions raises), those of its parts (`Outputs`), the
+    kind of a group's numbers."""
+    return tuple([_signed(a) for a in args])
+
+
+def _signed(a: Any) -> Any:
+    t = type(a)
+    if t is Outputs:
+        return t, _signature(a)
+    if t is StackedOutputs:
+        return t, _signature(a.parts)
+    if t is Numbers:
+        return t, a.kind
+    dtype = getattr(a, "dtype", None)
+    return t if dtype is None else (t, dtype, getattr(a, "ndim", None))
+
+
+def _casts(values: Sequence[Value], fixed: Sequence[Value]) -> Casts:
+    """The `Casts` that made ``fixed`` of ``values`` (an operand cast is a new object)."""
+    casts = tuple([None if f is v else f.dtype for v, f in zip(values, fixed)])
+    return None if casts.count(None) == len(casts) else casts
+
+
+def _cast(values: tuple[Value, ...], casts: tuple[Any, ...]) -> tuple[Value, ...]:
+    """``values`` cast as ``casts`` says, as the operand rule casts them (`as_dtype`)."""
+    return tuple([v if d is None else as_dtype(v, d) for v, d in zip(values, casts)])
 
 
 def _number(v: Value) -> bool:
