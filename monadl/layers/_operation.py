@@ -28,7 +28,8 @@ cannot take them so (one that is not elementwise, a float among the
 results), the calls group by their floats' values. NumPy floats of one dtype
 (``np.linspace``'s items) are stacked as an array, and each step casts them as
 one call's operand rule would (`monadl.layers._operands.member_float_dtype`:
-an ``np.float64`` beside a float32 array is float32).
+an ``np.float64`` beside a float32 layer is float32; in an operator on plain
+data alone, float64 beside a float32 array, as NumPy's arithmetic gives it unmarked).
 
 A *signature* is what the Python function could see: the structure of the
 arguments (tuples, lists, dicts, dataclasses), which leaves are layers and

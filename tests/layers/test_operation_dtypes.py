@@ -191,3 +191,26 @@ def test_an_operator_on_data_alone_is_numpys_arithmetic_inside_a_cell_as_outside
     np.testing.assert_array_equal(plain, traced)
     np.testing.assert_array_equal(plain_grad, traced_grad)
     assert (batched and all(batched)) if batching else not batched  # (the calls: one group, forward and back)
+
+
+@pytest.mark.parametrize("t", [0.3, np.float32(0.3), np.float64(0.3)], ids=type)
+def test_a_float_argument_beside_a_layer_or_beside_data_computes_as_the_readme_says(t: Any) -> None:
+    # A new user read "float32 beside a float32 array, an np.float64 too" as covering t * data:
+    # beside a float32 layer an np.float64 is float32, beside plain data it is NumPy's float64.
+    ones = np.ones((1, 1), np.float32)
+
+    def beside_layer(y: ml.ArrayLayer, t: ml.ScalarOperand) -> ml.ArrayLayer:
+        return y * t
+
+    def beside_data(y: ml.ArrayLayer, t: ml.ScalarOperand) -> ml.ArrayLayer:
+        return ml.concatenate([y, t * ones], axis=1)
+
+    y = np.ones((1, 2), np.float32)
+    for f in (beside_layer, ml.operation(beside_layer)):
+        assert anyio.run(f(ml.as_layer(y), t).predict).dtype == np.float32
+    for f in (beside_data, ml.operation(beside_data)):
+        if type(t) is np.float64:
+            with pytest.raises(DTypeError, match=r"concatenate: operands float32\[1, 2\], float64\[1, 1\] mix"):
+                anyio.run(f(ml.as_layer(y), t).predict)
+        else:
+            assert anyio.run(f(ml.as_layer(y), t).predict).dtype == np.float32
