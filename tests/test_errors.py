@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -131,6 +132,64 @@ def test_a_layers_truth_and_order_are_refused_while_building() -> None:
 
     with pytest.raises(ml.OperandError, match="a float argument is data"):
         cell(ml.Weight(np.ones(2)) * 1.0, 0.0)
+
+
+def test_a_float_arguments_equality_with_a_number_is_refused_while_its_cell_is_traced() -> None:
+    """``k == 4.0`` on a float argument compared the placeholder's identity:
+    False for every call, so a new user's cell took its other branch with
+    no word (``k > 3`` was refused)."""
+    h = ml.as_layer(np.ones(3))
+    for compare in (
+        lambda k: k == 4.0,
+        lambda k: k != 4.0,
+        lambda k: operator.eq(4.0, k),  # (the number on the left: its reflected comparison)
+        lambda k: k == np.float32(4.0),
+        lambda k: k == 4,
+        lambda k: k in (1.0, 4.0),
+    ):
+
+        def eq(h: ml.ArrayLayer, k: float, compare: Callable[[Any], bool] = compare) -> ml.ArrayLayer:
+            return h * 2.0 if compare(k) else h
+
+        with pytest.raises(ml.OperandError) as caught:
+            ml.operation(eq)(h, 4.0)
+        assert str(caught.value).startswith(
+            "operation test_a_float_arguments_equality_with_a_number_is_refused_while_its_cell_is_traced.<locals>"
+            ".eq: a float argument is data, a layer inside the cell, with no value while the cell is traced, so a "
+            "comparison of it with a number (==, != or in) cannot be read"
+        ), caught.value
+        assert "pass what the cell branches on as an int, a string or another static argument" in str(caught.value)
+    with pytest.raises(ml.OperandError, match="comparison of it with a number"):
+        ml.operation(lambda h, k: h * 2.0 if k == 4.0 else h)(h, np.float64(4.0))  # (NumPy's float too)
+
+    def branch(h: ml.ArrayLayer, k: int) -> ml.ArrayLayer:
+        return h * 2.0 if k == 4 else h
+
+    assert anyio.run(ml.sum(ml.operation(branch)(h, 4)).predict) == 6.0  # (an int is static: its value)
+
+
+def test_layers_stay_hashable_and_compare_by_identity_outside_that_case() -> None:
+    h = ml.as_layer(np.ones(3))
+    g = ml.tanh(h)
+    assert h == h and h != g and operator.eq(h, 4.0) is False and operator.ne(4.0, h)
+    assert operator.contains((1.0, 4.0), h) is False
+    assert {h: 1, g: 2}[g] == 2 and {h, g, h} == {h, g}
+    seen: list[Any] = []
+
+    @ml.operation
+    def cell(x: ml.ArrayLayer, k: Any) -> ml.ArrayLayer:
+        # The placeholders as keys, and looked up in dicts of other objects and of numbers (a
+        # lookup calls __eq__ only where the hashes are equal: a layer's, by identity, never a
+        # number's): found, or not, as outside a trace.
+        table = {x: "x", k: "k", "name": "n", g: "g"}
+        seen.extend([table[x], table[k], {None: 0, "a": 1, g: 2}.get(k), {1.0: "one"}.get(k)])
+        seen.append(operator.eq(x, 4.0))  # (a layer argument: identity, as outside a trace)
+        out: ml.ArrayLayer = x * k
+        return out
+
+    assert anyio.run(ml.sum(cell(h, 2.0)).predict) == 6.0
+    assert seen == ["x", "k", None, None, False]
+    assert h == h and operator.eq(h, 4.0) is False  # (the trace over: identity again)
 
 
 @pytest.mark.parametrize(

@@ -395,11 +395,10 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     reads an array past its placeholder, so where ``f`` has array
     arguments it runs a second time, on other values of the same shapes,
     and a trace that changes is refused). A float argument is data too, a
-    layer inside ``f``: ``if bond:`` and ``bond > 1.5`` are refused, but
-    ``bond == 2.0``, ``bond != 2.0``, ``bond in (1.0, 2.0)`` and a dict
-    lookup by it compare the layer's identity, not its value (False, True,
-    False, KeyError), silently: pass what the cell branches on as an int or
-    a string (each value its own trace). What ``f`` reads from
+    layer inside ``f``: ``if bond:``, ``bond > 1.5``, ``bond == 2.0``,
+    ``bond != 2.0`` and ``bond in (1.0, 2.0)`` are refused, and a dict
+    lookup by it compares the layer, not its value (KeyError): pass what
+    the cell branches on as an int or a string (each value its own trace). What ``f`` reads from
     elsewhere (a global, an attribute, the items of a dict, list or tuple
     that a partial or the closure holds: functions there too) is read once,
     at its trace, as ``jax.jit`` reads it: change a weight's ``.data``

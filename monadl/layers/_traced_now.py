@@ -16,12 +16,18 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["TRACING", "refuse_while_tracing"]
+__all__ = ["NUMBERS", "TRACING", "refuse_while_tracing"]
 
 TRACING: Final[dict[int, str]] = {}
 """The operations being traced now, by the tracing thread's id: the
 innermost one's name. Read before the lock on every read of a weight's
 ``.data``: empty, it costs that read one truth test."""
+
+NUMBERS: Final[dict[int, frozenset[int]]] = {}
+"""The placeholders of the numbers (floats, data) the innermost trace was
+given, by the tracing thread's id: their ids. A layer compared with a
+number for equality reads it (`monadl.layers._unvalued`): ``k == 4.0`` on
+a float argument compared the placeholder's identity, always False."""
 
 
 def refuse_while_tracing(what: str) -> None:

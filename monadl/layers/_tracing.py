@@ -47,7 +47,7 @@ from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
 from monadl.layers._trace_advice import Argument, called
-from monadl.layers._traced_now import TRACING
+from monadl.layers._traced_now import NUMBERS, TRACING
 from monadl.layers._unread import Recorded, check_unread
 from monadl.layers._weight import Weight
 
@@ -124,18 +124,25 @@ def _record(
     args, kwargs = rebuild(call, iter(holders))
     thread = get_ident()
     outer = TRACING.get(thread)  # (an operation traced inside another's trace: its own name, then the outer's)
+    outer_numbers = NUMBERS.get(thread)
+    numbers = frozenset([id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)])
     TRACING[thread] = name
+    NUMBERS[thread] = numbers
     try:
         result = f(*args, **kwargs)
     except OperandError as exc:
         name_the_cell(exc, name)
-        numbers_given(exc, {id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)})
+        numbers_given(exc, numbers)
         raise
     finally:
         if outer is None:
             del TRACING[thread]
         else:
             TRACING[thread] = outer
+        if outer_numbers is None:
+            del NUMBERS[thread]
+        else:
+            NUMBERS[thread] = outer_numbers
     position = {id(h): i for i, h in enumerate(holders)}
     outs: list[Layer[Any, Any]] = []
 

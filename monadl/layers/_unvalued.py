@@ -7,7 +7,9 @@ and a layer read as a number or an array (``float()``, an index,
 ``np.asarray``) has none to give. So `Unvalued`, a base of
 `monadl.layers._layer.Expr`, raises `OperandError` for them, with what to
 do instead (a weight, which has a value, points at ``w.data``). Equality
-stays identity: the runtime and users keep layers in lists and dicts.
+stays identity: the runtime and users keep layers in lists and dicts; only
+a cell's float argument, compared with a number while the cell is traced
+(``k == 4.0``: the same answer for every call), is refused.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 from threading import get_ident
 from typing import TYPE_CHECKING, Final, NoReturn
 
+import numpy as np
+
 from monadl.errors import OperandError
-from monadl.layers._traced_now import TRACING
+from monadl.layers._traced_now import NUMBERS, TRACING
 
 __all__ = ["Unvalued"]
 
@@ -26,6 +30,7 @@ _NO_VALUE: Final = (
     "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
     "argument (each value its own trace)"
 )
+_NUMBER: Final = (int, float, complex, np.number)
 _SHAPED: Final = frozenset({"shape", "dtype", "ndim", "size"})
 _WEIGHTS_OWN: Final = frozenset({"data", "state", "optimizer"})
 _NO_ORDER: Final = (
@@ -74,6 +79,24 @@ class Unvalued:
 
         def __ge__(self, other: object) -> NoReturn:
             raise OperandError(_NO_VALUE.format("a comparison (>=)", _NO_ORDER))
+
+        def __eq__(self, other: object) -> bool:
+            """Identity (NotImplemented: Python compares identities), but for the
+            placeholder of a number a cell is being traced with, compared with a
+            number: ``k == 4.0`` would be False at every call, whatever ``k``."""
+            if NUMBERS and isinstance(other, _NUMBER):
+                numbers = NUMBERS.get(get_ident())
+                if numbers is not None and id(self) in numbers:
+                    raise OperandError(
+                        f"operation {TRACING.get(get_ident())}: a float argument is data, a layer inside the cell, "
+                        "with no value while the cell is traced, so a comparison of it with a number (==, != or "
+                        "in) cannot be read (it would compare the layer, not the value, the same for every call): "
+                        "pass what the cell branches on as an int, a string or another static argument (each "
+                        "value its own trace)"
+                    )
+            return NotImplemented
+
+        __hash__ = object.__hash__  # (by identity, as before: layers are keys of the runtime's dicts)
 
     if not TYPE_CHECKING:  # (to mypy a layer has no shape: `layer.shape` is rejected before it runs)
 
