@@ -638,7 +638,9 @@ def test_a_shape_error_in_a_shared_helper_names_the_weight_that_does_not_fit() -
 def test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape() -> None:
     """A marked cell given an earlier cell's several outputs (an `Outputs`
     operand) and an input of the wrong width: the message shows the outputs'
-    shapes, not their values (at H = 256 it printed 20,000 characters of them)."""
+    shapes, not their values (at H = 256 it printed 20,000 characters of them),
+    as another call's outputs (it showed the tuple's type, ``Outputs (...)``),
+    and the operands of the step that failed: the output it read."""
 
     @ml.operation
     def cell(x: ml.ArrayOperand, state: tuple[ml.ArrayLayer, ml.ArrayLayer]) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
@@ -650,7 +652,12 @@ def test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape() -> N
     with pytest.raises(ml.ShapeError) as caught:
         anyio.run(ml.sum(cell(np.ones((1, 257)), state)[0]).predict)
     message = str(caught.value)
-    assert "Outputs (float64[1, 256], float64[1, 256])" in message and "array(" not in message
+    assert message.startswith(
+        "test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape.<locals>.cell: operands "
+        "float64[1, 257], outputs (float64[1, 256], float64[1, 256]) of another operation's call do not fit "
+        f"together (add of float64[1, 257], float64[1, 256] at {__file__}:{line_of('return ml.tanh(x + h)')}: "
+    ), message
+    assert "array(" not in message
     assert len(message) < 700
 
 

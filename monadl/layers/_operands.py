@@ -242,7 +242,9 @@ def _parts(args: Sequence[Any]) -> list[str]:
         elif is_array(a):
             parts.append(f"{library_name(a)} {dtype_name(a.dtype)}{list(a.shape)}")
         elif isinstance(a, tuple):  # (an operation node's several outputs, `Outputs`: their shapes, not values)
-            parts.append(f"{type(a).__name__} ({', '.join(_parts(a))})")
+            # A cell given outputs of another cell's call has that call's node as its operand, and reads
+            # the outputs inside (`monadl.layers._tracing`): said so, not as the tuple type.
+            parts.append(f"outputs ({', '.join(_parts(a))}) of another operation's call")
         else:
             text = repr(a)
             parts.append(f"{type(a).__name__} {text if len(text) <= _REPR else text[: _REPR - 3] + '...'}")

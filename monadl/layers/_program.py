@@ -26,6 +26,7 @@ from monadl.layers._operands import (
     NUMBERS,
     Numbers,
     as_dtype,
+    describe,
     member_float_dtype,
     one_float_dtype,
     step_numbers,
@@ -134,8 +135,8 @@ class Program:
             except IndexRangeError as exc:  # (its own error: the step's line, and the operation's)
                 exc.args = (self._out_of_range(step, exc.args[0]),)
                 raise
-            except ValueError as exc:
-                raise ValueError(f"{shown(step.op)} at {_where(step)}: {exc}") from exc
+            except ValueError as exc:  # (the step's own operands: the output of an `Outputs` operand it read)
+                raise ValueError(f"{shown(step.op)} of {describe(values)} at {_where(step)}: {exc}") from exc
             except NonFiniteError:
                 raise
             except DTypeError as exc:  # (a rule's own, `where`'s: the step's line, as `_operand_rule`'s say)
