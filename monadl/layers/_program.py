@@ -73,6 +73,7 @@ class Program:
         "tensors",
         "tiles",
         "tilings",
+        "trace",
     )
 
     def __init__(
@@ -107,6 +108,9 @@ class Program:
         # Slots read only by slices (a cell's gate vector), and whether those tile it, by shape.
         self.tiles = {r: js for r, js in slice_readers(steps, self.slices).items() if r not in outputs}
         self.tilings: dict[tuple[int, tuple[int, ...]], Tiling] = {}
+        # The trace it was made for (weakly: its operation keeps it), where the batching log
+        # asks why nodes of one function did not batch: their traces' signatures tell.
+        self.trace: Callable[[], Any] | None = None
 
     def __call__(self, *args: Value, called: str | None = None) -> tuple[Value, tuple[Vjp, ...]]:
         """``called``: where the node running it was built, under ``check_finite``:

@@ -2,10 +2,12 @@
 which of its arguments differ from call to call, and what to do about each.
 
 A trace records the arguments it was traced for (`called`: the data arrays'
-shapes and dtypes, the static values, the lengths of lists and tuples, by
-their place in the call), a few microseconds beside the trace's own
-milliseconds. Only the advice reads them (the DEBUG lines at 8, 16, 32, ...
-traces, and the WARNING at the limit): which arguments differ among the
+shapes and dtypes, the static values, the lengths of lists and tuples, and
+which layers are outputs of which other operation's call, by their place in
+the call), a few microseconds beside the trace's own milliseconds. Only the
+advice reads them (the DEBUG lines at 8, 16, 32, ... traces, the WARNING at
+the limit, and the batching log's line of nodes that found no partner,
+`monadl.runtime.schedule.batched_log`): which arguments differ among the
 traces, and how the traced program uses each. The advice depends on that
 use. An array that a step takes as its index (``h[src]``, an embedding's
 indices, ``segment_sum``'s ids) must stay plain data, and so must an int
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from monadl.layers._layer import Layer
 from monadl.layers._primitives import shown
 from monadl.layers._site import site_text
 
@@ -57,10 +60,14 @@ _BY_HAND: Final = (
 )
 
 
-def called(call: tuple[tuple[Any, ...], dict[str, Any]], leaves: list[Any]) -> tuple[Argument, ...]:
-    """The parts of a call's signature that the advice compares (see the module)."""
+def called(
+    call: tuple[tuple[Any, ...], dict[str, Any]], leaves: list[Any], views: dict[int, tuple[int, int]]
+) -> tuple[Argument, ...]:
+    """The parts of a call's signature that the advice compares (see the
+    module); ``views``, the leaves that are outputs of other operations'
+    calls, as `monadl.layers._tracing.traced` takes them."""
     args, kwargs = call
-    leaf = {id(x): j for j, x in enumerate(leaves) if isinstance(x, np.ndarray)}
+    leaf = {id(x): j for j, x in enumerate(leaves)}
     found: list[Argument] = []
     todo: list[tuple[Path, Any]] = [((k,), v) for k, v in reversed(kwargs.items())]
     todo += [((i,), x) for i, x in reversed(list(enumerate(args)))]
@@ -68,6 +75,9 @@ def called(call: tuple[tuple[Any, ...], dict[str, Any]], leaves: list[Any]) -> t
         path, x = todo.pop()
         if isinstance(x, np.ndarray):
             found.append((path, "array", (x.shape, x.dtype), leaf.get(id(x))))
+        elif type(x) is Layer:  # (which call's output it is, if any: read from that call's node)
+            j = leaf.get(id(x))
+            found.append((path, "source", None if j is None else views.get(j), j))
         elif isinstance(x, _STATIC) or x is None:
             found.append((path, "value", x, None))
         elif type(x) is tuple or type(x) is list:
@@ -100,6 +110,8 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
         "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
         "differ never batch together"
     )
+    if differ and all(kind == "source" for _, kind in differ):
+        general = "one per signature: calls that pass outputs of other operations' calls in different ways never batch"
     if not differ:  # (objects the closure holds, or arguments past those recorded)
         return (
             f"{general} (pass a number that differs per call as a float, and an array whose shape differs as a "
@@ -109,8 +121,13 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
     read: list[tuple[Path, str]] = []  # static values that Python reads (a loop count, an index computed from an int)
     advice: list[str] = []
     differing: list[str] = []
+    passed: list[str] = []  # layers that are one call's output here, another's there, or no call's
     for (path, kind), parts in differ.items():
         name = _named(f, path)
+        if kind == "source":
+            differing.append(f"{name}'s source ({_sources(f, parts)})")
+            passed.append(name)
+            continue
         differing.append(f"{name}'s {_differs_in(kind, parts)} ({_examples(parts)})")
         use = _as_index(parts) if kind == "array" else _as_count(parts)
         if use is not None and kind == "value" and use.startswith(_LOOKUPS):  # (an array index is read as data)
@@ -147,7 +164,46 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
             + ", each value its own trace: give it a few values (round it up to one of a few sizes, padding the data "
             f"to match), or {'do as for those above' if kept else _BY_HAND}"
         )
+    if passed:
+        text += (
+            "; a trace reads an argument that is an output of another operation's call from that call's node, so "
+            "which arguments are outputs of one call, which of another, and which of none (a layer built outside a "
+            "marked cell, or one a cell returned as it was given it) is part of its signature: to batch such calls, "
+            "pass their arguments alike (a cell that returns an argument unchanged, return h, m, can return its own "
+            "output, m * 1.0, so that the next cell gets all of them from one call)"
+        )
     return text
+
+
+def _sources(f: Callable[..., Any], parts: list[tuple[Trace, Argument]]) -> str:
+    """Where a layer argument comes from in each of a few traces: which
+    output of which call (named by the first argument from that call), or
+    no call's."""
+    texts: list[str] = []
+    for trace, (path, _, view, _) in parts:
+        if view is None:
+            text = "no operation's output"
+        else:
+            firsts: dict[int, Path] = {}  # each call's first argument among the trace's
+            for p in trace.called:
+                if p[1] == "source" and p[2] is not None:
+                    firsts.setdefault(p[2][0], p[0])
+            source, k = view
+            output = f"the {_ORDINALS[k]} output" if k < len(_ORDINALS) else f"output {k} (from 0)"
+            first = firsts.get(source, path)
+            if first != path:
+                text = f"{output} of {_named(f, first)}'s call"
+            elif source and 0 in firsts:
+                text = f"{output} of a call other than {_named(f, firsts[0])}'s"
+            else:
+                text = f"{output} of a call"
+        if text not in texts:
+            texts.append(text)
+    more = f", ... {len(texts)} in all" if len(texts) > _SHOWN else ""
+    return ", ".join(texts[:_SHOWN]) + more
+
+
+_ORDINALS: Final = ("first", "second", "third", "fourth")
 
 
 def _differs_in(kind: str, parts: list[tuple[Trace, Argument]]) -> str:

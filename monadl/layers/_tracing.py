@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable
 from operator import itemgetter
 from threading import get_ident
@@ -57,7 +58,7 @@ _ids = itertools.count(1)
 
 
 @final
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, weakref_slot=True)
 class Trace:
     """One signature's trace: the node's primitive (None when the function
     computes nothing: its result is then rebuilt from the call's arguments),
@@ -65,8 +66,12 @@ class Trace:
     outputs it has and the result's template; ``keep`` holds the objects
     whose ids are in the signature; ``make`` builds a call's node and result
     from the call's leaves and source nodes (compiled from the rest);
-    ``called``, the call's arrays, static values and lengths, for the advice
-    of an operation that keeps many traces (`monadl.layers._trace_advice`)."""
+    ``called``, the call's arrays, static values, lengths and which of its
+    layers are outputs of which call, and ``cell``, the function traced, for
+    the advice of an operation that keeps many traces
+    (`monadl.layers._trace_advice`) and the batching log's, which reaches a
+    trace from its nodes' program (`Program.trace`, a weak reference: the
+    operation keeps its traces)."""
 
     op: Primitive | None
     used: tuple[int, ...]
@@ -77,6 +82,7 @@ class Trace:
     keep: tuple[Any, ...]
     make: Callable[[list[Any], list[Any], Site | None], Any]
     called: tuple[Argument, ...] = ()  # (the call it was traced for, as the advice of many traces reads it)
+    cell: Callable[..., Any] | None = None
 
 
 def traced(
@@ -101,9 +107,8 @@ def traced(
     first = _record(name, f, call, leaves, views)
     check_unread(name, f, call, leaves, first, lambda other: _record(name, f, call, other, views))
     if not first.outputs:
-        return Trace(
-            None, (), (), (), 0, first.shape, keep, _maker(None, (), (), (), 0, first.shape), called(call, leaves)
-        )
+        made = _maker(None, (), (), (), 0, first.shape)
+        return Trace(None, (), (), (), 0, first.shape, keep, made, called(call, leaves, views), f)
     # The weights' slots, those passed as arguments and those the function closes over: a product's
     # delta goes to them as factors (`Program.factors`; a weight's leaf is its own signature's).
     factors = [s for s, i in enumerate(first.used) if type(leaves[i]) is Weight]
@@ -112,7 +117,10 @@ def traced(
     op = Primitive(f"{name}#{next(_ids)}", program)
     count = len(first.outputs)
     make = _maker(op, first.used, first.sources, first.weights, count, first.shape)
-    return Trace(op, first.used, first.sources, first.weights, count, first.shape, keep, make, called(call, leaves))
+    signature = called(call, leaves, views)
+    trace = Trace(op, first.used, first.sources, first.weights, count, first.shape, keep, make, signature, f)
+    program.trace = weakref.ref(trace)
+    return trace
 
 
 def _record(

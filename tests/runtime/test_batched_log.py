@@ -6,6 +6,7 @@ two signatures that differ and in what (a new user's graph network got only
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import anyio
 import numpy as np
@@ -59,11 +60,92 @@ def test_calls_of_an_operation_traced_apart_are_said_to_come_from_several_traces
     line = ran_line(caplog, ml.sum(ml.stack([ml.sum(x) for x in same + apart])))
     assert "ran batched: 12 nodes in 2 groups, 6 one by one: 6 had no partner of their signature" in line, line
     assert "(test_calls_of_an_operation_traced_apart_are_said_to_come_from_several_traces.<locals>.cell 4, " in line
+    # Which arguments differ, in this line: it sent the user to the operation's line of its traces,
+    # written only at 8, 16, 32, ... traces (at 4, never).
+    assert line.endswith(
+        "; the 4 test_calls_of_an_operation_traced_apart_are_said_to_come_from_several_traces.<locals>.cell nodes"
+        " come from 4 traces of the operation, and nodes of different traces never run as one; the traces are one"
+        " per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes,"
+        " differ never batch together; here they differ in n's value (2, 3, 4, ... 4 in all): pass a number that"
+        " differs per call as a float, float(n), as the cell computes with it"
+    ), line
+    assert "has N traces" not in line
+
+
+def test_calls_traced_apart_by_whose_outputs_they_pass_are_said_to_be(caplog: pytest.LogCaptureFixture) -> None:
+    """Equal shapes, three traces: which arguments are outputs of which
+    call is part of a signature (a trace reads them from that call's node),
+    and the log named no cause (a new user's module network: a module that
+    passes its state's part through gave every next module 4 traces)."""
+
+    @ml.operation
+    def two(x: ml.ArrayLayer) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        return ml.tanh(x), ml.sigmoid(x)
+
+    @ml.operation
+    def red(h: ml.ArrayLayer, m: ml.ArrayLayer) -> ml.ScalarLayer:
+        return ml.sum(h * m)
+
+    x = ml.as_layer(np.ones(3))
+    a, b = two(x)
+    _, d = two(x * 2.0)
+    calls = [red(a, b), red(a, d), red(a, ml.sigmoid(x))]  # one call's outputs; two calls'; a call's and a layer
+    assert len(red._traces) == 3
+    line = ran_line(caplog, ml.sum(ml.stack(calls)))
+    name = "test_calls_traced_apart_by_whose_outputs_they_pass_are_said_to_be.<locals>.red"
     assert (
-        "the 4 test_calls_of_an_operation_traced_apart_are_said_to_come_from_several_traces.<locals>.cell nodes come"
-        " from 4 traces of the operation, one per signature of its calls, and nodes of different traces never run"
-        " as one (its DEBUG line 'has N traces' says which arguments differ)"
-    ) in line
+        f"; the 3 {name} nodes come from 3 traces of the operation, and nodes of different traces never run as one;"
+        " the traces are one per signature: calls that pass outputs of other operations' calls in different ways"
+        " never batch; here they differ in m's source (the second output of h's call, no operation's output, the"
+        " second output of a call other than h's); a trace reads an argument that is an output of another"
+        " operation's call from that call's node, so which arguments are outputs of one call, which of another,"
+        " and which of none (a layer built outside a marked cell, or one a cell returned as it was given it) is"
+        " part of its signature: to batch such calls, pass their arguments alike (a cell that returns an argument"
+        " unchanged, return h, m, can return its own output, m * 1.0, so that the next cell gets all of them from"
+        " one call)"
+    ) in line, line
+
+
+def helper_made(w: ml.Weight[Any, Any], scale: float) -> Any:
+    return ml.operation(lambda h: ml.sum(ml.tanh(h @ w) * scale))  # ONE-LINE
+
+
+def test_functions_of_one_name_are_told_apart(caplog: pytest.LogCaptureFixture) -> None:
+    """Three cells that one helper made share a name (a Fold model's
+    reducers, ``Function(lambda hm: f(...))``): the log counted their nodes
+    as one operation's, '7 nodes come from 5 traces of the operation', of
+    three operations that never batch together."""
+    w = ml.Weight(np.ones((2, 2)))
+    first, second, third = (helper_made(w, s) for s in (1.0, 2.0, 3.0))
+    nodes = [first(np.ones((n, 2))) for n in (1, 2, 3)]  # (arrays of three shapes: three traces)
+    nodes += [second(np.ones((1, 2))), third(np.ones((1, 2)))]
+    line = ran_line(caplog, ml.sum(ml.stack(nodes)))
+    name = "helper_made.<locals>.<lambda>"
+    assert (
+        f"7 had no partner of their signature among the nodes ready with them ({name} [1] 3, {name} [2] 1,"
+        f" {name} [3] 1, ...; {name} [1], [2], ...: 3 different functions of that name, all defined at"
+        f" {HERE}:{line_of('ONE-LINE')}); "
+    ) in line, line
+    assert (
+        f"; the 3 {name} [1] nodes come from 3 traces of the operation, and nodes of different traces never run as"
+        " one; the traces are one per signature: calls whose ints, strings or other static arguments, or data"
+        " arrays' shapes or dtypes, differ never batch together; here they differ in h's shape (float64[1, 2],"
+        " float64[2, 2], float64[3, 2]): pass an array whose shape differs as a layer, ml.as_layer(h)"
+    ) in line, line
+
+
+def test_functions_of_one_name_defined_at_two_lines_are_named_by_their_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    w = ml.Weight(np.ones((2, 2)))
+    cells = [
+        ml.operation(lambda h: ml.sum(ml.tanh(h @ w))),  # FIRST-LAMBDA
+        ml.operation(lambda h: ml.sum(ml.sigmoid(h @ w))),  # SECOND-LAMBDA
+    ]
+    line = ran_line(caplog, ml.sum(ml.stack([cell(np.ones((1, 2))) for cell in cells])))
+    name = f"{test_functions_of_one_name_defined_at_two_lines_are_named_by_their_line.__qualname__}.<locals>.<lambda>"
+    assert f"{name} (defined at {HERE}:{line_of('FIRST-LAMBDA')}) 1" in line, line
+    assert f"{name} (defined at {HERE}:{line_of('SECOND-LAMBDA')}) 1" in line, line
 
 
 def test_nodes_of_one_signature_at_different_depths_are_said_to_be_so(caplog: pytest.LogCaptureFixture) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Final, final
 from monadl.layers._primitives import Primitive, shown
 from monadl.layers._program import Program, batching_rule
 from monadl.layers._site import site_text
+from monadl.layers._trace_advice import why_traces
 from monadl.layers._weight import Weight
 from monadl.runtime.schedule.batched_signature import operand_parts
 
@@ -125,14 +126,17 @@ def _why_alone(alone: Alone, records: Any, where: Any) -> str:
     said: list[str] = []
     single = alone.single
     if single:
-        counts = Counter(shown(node._op) for node in single)
-        named = ", ".join(f"{name} {count}" for name, count in counts.most_common(_NAMED))
+        names = {_cell(node._op): shown(node._op) for node in single}
+        counts = Counter(_cell(node._op) for node in single)
+        top = counts.most_common(_NAMED)
+        labels, apart = _labels([cell for cell, _ in counts.most_common()], names, {names[c] for c, _ in top})
+        named = ", ".join(f"{labels[cell]} {count}" for cell, count in top)
         more = ", ..." if len(counts) > _NAMED else ""
         said.append(
-            f"{len(single)} had no partner of their signature among the nodes ready with them ({named}{more}); "
+            f"{len(single)} had no partner of their signature among the nodes ready with them ({named}{more}{apart}); "
             "nodes run as one kernel only with nodes of one primitive (one trace of a marked operation) whose "
             "operands have equal shapes and dtypes and whose parameters are equal"
-            + _differ([n for n in single if shown(n._op) == counts.most_common(1)[0][0]], records, where)
+            + _differ([n for n in single if _cell(n._op) == top[0][0]], records, where, labels[top[0][0]])
         )
     if alone.small:
         said.append(f"{alone.small} in groups smaller than their rule's minimum (MIN_GROUP)")
@@ -174,11 +178,81 @@ def declined(members: list[Any], why: str | None) -> None:
     )
 
 
-def _differ(nodes: list[Any], records: Any, where: Any) -> str:
-    """Why ``nodes`` (of one primitive's name) found no partner: that they
-    come from different traces of a marked operation, and an example of two
-    whose signatures differ, and in what (``operand 1's shape: int64[57]
-    against int64[80]``), or of two of one signature at different depths."""
+def _cell(op: Primitive) -> Any:
+    """What the nodes of ``op`` are counted by: a marked operation's function
+    (its traces' nodes are one operation's; functions of one name, three
+    lambdas one helper made, are not), else the primitive's name."""
+    trace = op.rule.trace() if type(op.rule) is Program and op.rule.trace is not None else None
+    cell = None if trace is None else trace.cell
+    return shown(op) if cell is None else _Function(cell)
+
+
+@final
+class _Function:
+    """A function by identity, as a key (a bound method hashes as its object,
+    which may not hash: a dataclass's)."""
+
+    __slots__ = ("f",)
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Function and other.f is self.f
+
+    def __hash__(self) -> int:
+        return id(self.f)
+
+
+def _labels(cells: list[Any], names: dict[Any, str], said_of: set[str]) -> tuple[dict[Any, str], str]:
+    """Each of ``cells`` (`_cell`'s) as the log names it: by its name
+    (``names``), and functions of one name told apart, by where each is
+    defined, or, defined at one line (by a helper called once per
+    function), numbered in the order of ``cells``; the text returned second
+    says so of the names in ``said_of`` (else it is empty)."""
+    labels = dict(names)
+    by_name: dict[str, list[Any]] = {}
+    for cell in cells:
+        by_name.setdefault(names[cell], []).append(cell)
+    said = []
+    for name, cells in by_name.items():
+        if len(cells) < 2:
+            continue
+        sites = [_defined_at(cell) for cell in cells]
+        if None not in sites and len(set(sites)) == len(sites):
+            labels.update({cell: f"{name} (defined at {site})" for cell, site in zip(cells, sites)})
+        else:
+            labels.update({cell: f"{name} [{k}]" for k, cell in enumerate(cells, 1)})
+            at = "" if sites[0] is None or len(set(sites)) > 1 else f", all defined at {sites[0]}"
+            if name in said_of:
+                said.append(f"{name} [1], [2], ...: {len(cells)} different functions of that name{at}")
+    return labels, "".join(f"; {text}" for text in said)
+
+
+def _defined_at(cell: Any) -> str | None:
+    """``file:line`` where a function (a bound method's too) is defined; None for other callables."""
+    f = cell.f if type(cell) is _Function else None
+    code = getattr(getattr(f, "__func__", f), "__code__", None)
+    return None if code is None else f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def _why_traces(ops: list[Primitive]) -> str:
+    """Which arguments differ among the traces of ``ops`` (one operation's),
+    as the operation's own advice says it (`why_traces`)."""
+    traces = {op: op.rule.trace() for op in ops if type(op.rule) is Program and op.rule.trace is not None}
+    cells = {id(t.cell) for t in traces.values() if t is not None}
+    if len(traces) < len(ops) or None in traces.values() or len(cells) != 1:  # (a trace forgotten: `_evict`)
+        return "one per signature of its calls"
+    return why_traces(next(iter(traces.values())).cell, traces)
+
+
+def _differ(nodes: list[Any], records: Any, where: Any, label: str) -> str:
+    """Why ``nodes`` (of one primitive, or one marked operation, named
+    ``label``) found no partner: that they come from different traces of
+    the operation, and which of its arguments differ among them, and an
+    example of two whose signatures differ, and in what (``operand 1's
+    shape: int64[57] against int64[80]``), or of two of one signature at
+    different depths."""
     by_op: dict[Any, list[Any]] = {}
     for node in nodes:
         by_op.setdefault(node._op, []).append(node)
@@ -186,9 +260,8 @@ def _differ(nodes: list[Any], records: Any, where: Any) -> str:
     said = ""
     if type(first._op.rule) is Program and len(by_op) > 1:
         said = (
-            f"; the {len(nodes)} {shown(first._op)} nodes come from {len(by_op)} traces of the operation, one per "
-            "signature of its calls, and nodes of different traces never run as one (its DEBUG line 'has N "
-            "traces' says which arguments differ)"
+            f"; the {len(nodes)} {label} nodes come from {len(by_op)} traces of the operation, and nodes of "
+            f"different traces never run as one; the traces are {_why_traces(list(by_op))}"
         )
     same = max(by_op.values(), key=len)
     if len(same) < 2:
@@ -201,11 +274,11 @@ def _differ(nodes: list[Any], records: Any, where: Any) -> str:
         if found is not None:
             what, x, y = found
             return (
-                f"{said}; e.g. two {shown(first._op)} nodes built at {site_text(first._site)} and "
+                f"{said}; e.g. two {label} nodes built at {site_text(first._site)} and "
                 f"{site_text(other._site)} differ in {what}'s {_aspect(x, y)}"
             )
     return (
-        f"{said}; {len(same)} {shown(first._op)} nodes of one signature (built at {site_text(first._site)}) "
+        f"{said}; {len(same)} {label} nodes of one signature (built at {site_text(first._site)}) "
         "ran apart, at different depths of the graph (a group's members are ready together: one that feeds "
         "another never joins it)"
     )
