@@ -23,7 +23,10 @@ backward, the depths in reverse, each group's delta the rows its consumers
 and the slots read sent back, a weight's delta summed over the groups (one
 ``X_cat.T @ dY`` a group). A member none of whose outputs got a delta sends
 none, as it would alone: a weight that only such calls use is not reached
-and takes no step.
+and takes no step (a group some of whose members got none runs its others
+again as a group of their own, since a zero delta times an infinite
+derivative, sqrt's at 0, is NaN). A batch of one input (`monadl.fold._run.LOOM_INPUTS`)
+builds its nodes as a call does.
 
 Calls run one by one, group by group (by depth: each after its operands'),
 where batching is off (``Settings(batching=False)``), under
@@ -40,7 +43,8 @@ an output of the batch's earlier calls, a constant row of data (`Scalar`,
 (indices, masks), and whose weights are NumPy's; any other call (a float,
 a layer built elsewhere, a weight passed in, a device's weights) builds its
 node as outside a batch, over the slots it reads. Every recorded call is
-computed, read or not. Recording a call costs about what building its node
+computed, read or not: under ``check_finite`` a NaN in a call whose outputs
+nothing reads raises, where the same input built alone computes nothing. Recording a call costs about what building its node
 did (the signature's lookup is most of either); the schedule is worked out
 once, when the batch is built, with NumPy.
 """
@@ -272,10 +276,13 @@ class Schedule:
     """The loom's calls as groups by depth (a valid order: a call's operands
     are outputs of shallower calls), and the arenas their outputs go to."""
 
-    __slots__ = ("arena", "capacity", "loom", "planned", "rows", "span")
+    __slots__ = ("arena", "base", "capacity", "planned", "rows", "site", "span", "weights")
 
     def __init__(self, loom: Loom) -> None:
-        self.loom = loom
+        # (not the loom itself: its node holds this schedule, and a cycle would keep both till a collection)
+        self.site = loom.node._site
+        self.base = loom.base
+        self.weights = list(loom.weights)
         groups = sorted(loom.groups.values(), key=lambda g: g.depth)  # (stable: in the order first built)
         span = max(g.firsts[-1] + g.trace.outputs for g in groups)
         self.span = span  # (slots are numbered below it)
@@ -332,8 +339,8 @@ class Schedule:
 
     def where(self, group: _Group, row: int) -> str:
         """``file:line`` of the block that made a call, and the input of the batch it was built for."""
-        site = self.loom.node._site if group.site is None else group.site
-        return site_text(site) + built_for(self.loom.base + group.firsts[row])
+        site = self.site if group.site is None else group.site
+        return site_text(site) + built_for(self.base + group.firsts[row])
 
 
 # ---- running it --------------------------------------------------------------------------------
@@ -347,7 +354,7 @@ class LoomValue:
     """The loom node's value: its calls' outputs (batched: in arenas; one by
     one: per slot), read by the slots, and the deltas the reads send back."""
 
-    __slots__ = ("arenas", "deltas", "schedule", "values", "vjps")
+    __slots__ = ("arenas", "deltas", "schedule", "values", "vjps", "weights")
     shape: Final = None  # (not an array: the runtime finds no broadcasting to undo, no signature to batch)
     dtype: Final = None
 
@@ -357,6 +364,7 @@ class LoomValue:
         self.values: list[Any] | None = None  # (one by one: per slot)
         self.vjps: list[Any] = []  # (per group batched; per call one by one)
         self.deltas = LoomDelta()
+        self.weights: list[Any] = []  # (their values: a group's reached members run again in the backward)
 
     def read(self, slot: int) -> Any:
         if self.values is not None:
@@ -373,6 +381,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
     """The loom node's rule: its weights' values, then its `Schedule`."""
     *weights, schedule = args
     value = LoomValue(schedule)
+    value.weights = weights
     settings = current_settings()
     checked = settings.check_finite
     if checked or settings.batching is False:
@@ -383,7 +392,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
         except _Unbatched as why:
             if _log.isEnabledFor(logging.DEBUG):
                 calls = sum(plan.n for plan in schedule.planned)
-                where = site_text(schedule.loom.node._site)
+                where = site_text(schedule.site)
                 _log.debug("a Fold batch of %d calls (built at %s) runs its calls one by one: %s", calls, where, why)
             value.arenas, value.vjps = [], []
             _one_by_one(value, weights, False)
@@ -461,7 +470,11 @@ def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
             else:
                 out, vjps = program(*args)
         except Exception as exc:
-            raise failed(exc, _op(group), args, schedule.where(group, row), args) from exc.__cause__
+            inputs = (*operands, *[schedule.weights[j] for j in plan.weights])  # (an error names the weights' lines)
+            named = failed(exc, _op(group), args, schedule.where(group, row), inputs)
+            if named is exc:
+                raise
+            raise named from exc
         first = group.firsts[row]
         if type(out) is Outputs:
             values[first : first + len(out)] = out
@@ -526,8 +539,11 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
         assert hit is not None
         if not hit.any():  # (no member got a delta: none sends one)
             continue
+        operands = plan.operands
+        if not hit.all():  # (the others' zero deltas times an infinite derivative, sqrt's at 0, would be NaN)
+            vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts)
         d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
-        for p, (source, rows, unique) in enumerate(plan.operands):
+        for p, (source, rows, unique) in enumerate(operands):
             if source is None:  # (data)
                 continue
             g = vjps[p](d)
@@ -537,13 +553,28 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
                 deltas[source][rows] += g
             else:
                 np.add.at(deltas[source], rows, g)
-            reached[source][rows[hit]] = True
+            reached[source][rows] = True
         base = len(plan.operands)
         for i, j in enumerate(plan.weights):
             g = vjps[base + i](d)
             if g is not None:
                 grads[j] = g if grads[j] is None else grads[j] + g
     return grads
+
+
+def _reached_only(
+    value: LoomValue, plan: _Planned, keep: Any, parts: list[Any]
+) -> tuple[Any, list[tuple[int | None, Any, bool]], list[Any], int]:
+    """A group's members that got a delta (``keep``), run again as a group of
+    their own, as they would send deltas alone: their VJPs, operands, output
+    deltas and count."""
+    operands = [(source, rows[keep], unique) for source, rows, unique in plan.operands]
+    args = [rows if source is None else value.arenas[source][rows] for source, rows, _ in operands]
+    count = len(args)
+    args += [value.weights[j] for j in plan.weights]
+    result = plan.program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), len(keep))
+    assert result is not None  # (the whole group batched)
+    return result[1], operands, [p[keep] for p in parts], len(keep)
 
 
 def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:

@@ -65,6 +65,12 @@ and random 128-leaf trees are 11-20 levels deep."""
 NESTING: Final = 8
 """Compositions and parallel blocks nested in one closure; with `DEPTH`,
 at most 512 frames of the runner on Python's stack (its limit: 1,000)."""
+LOOM_INPUTS: Final = 2
+"""Inputs of a batch from which its `Function` calls are recorded and run
+by depth as one node (`monadl.fold._loom`). One input's calls form groups
+only within it: a sequence's steps are a group each, and a loom of 1,500
+groups of one ran a reviewer's RNN at 2.2x the time of its nodes, which the
+runtime's own cost rule leaves unbatched; a tree's levels still batch there."""
 Run = Callable[[Any], Any]
 
 
@@ -78,7 +84,9 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
     >>> run(InputTransform(len) >> InputTransform(str), ["ab", "c"])
     ['2', '1']
     """
-    loom = Loom(site) if batch and site is not None else None
+    if batch and not isinstance(xs, list | tuple):
+        xs = list(xs)  # (how many: a loom for two or more)
+    loom = Loom(site) if batch and site is not None and len(xs) >= LOOM_INPUTS else None  # type: ignore[arg-type]
     runner = _Runner(loom)
     f = runner.compiled(block)
     outputs: list[Y] = []

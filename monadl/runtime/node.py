@@ -181,7 +181,10 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
     except Exception as exc:
-        raise failed(exc, op, args, where(node), node._inputs) from exc.__cause__
+        named = failed(exc, op, args, where(node), node._inputs)
+        if named is exc:
+            raise
+        raise named from exc
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
     return Record(out, vjps if needs else None, ins, needs, node, fits)
@@ -192,7 +195,7 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
     ``args``: named for the layer built at ``place`` (its user's line, and the
     Fold batch's input: `where`), with the weights among ``inputs``. An
     index out of range and a dtype error say so in their own words; a
-    value error is a `ShapeError` of the operands; any other gets a note.
+    value error is a `ShapeError` of the operands (raise it ``from exc``); any other gets a note.
     (A primitive whose errors are named already: as they are.)"""
     if op.names_errors:
         return exc
@@ -206,9 +209,7 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
         what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
             f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
         )
-        shape = ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
-        shape.__cause__ = exc
-        return shape
+        return ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
     if isinstance(exc, NonFiniteError):
         return exc
     if isinstance(exc, DTypeError):

@@ -176,3 +176,57 @@ def test_a_split_of_a_calls_output_sends_its_parts_deltas_back() -> None:
     assert batched == pytest.approx(alone, rel=1e-14)
     np.testing.assert_allclose(g_w, a_w, rtol=1e-13)
     np.testing.assert_allclose(g_v, a_v, rtol=1e-13)
+
+
+def test_an_unread_members_infinite_derivative_does_not_make_the_gradient_nan() -> None:
+    """sqrt at 0 in an input the loss never reads: its zero delta times an
+    infinite derivative is NaN in a group's backward, so the members that
+    got a delta run again as a group of their own, as they would send alone."""
+    w = ml.Weight(np.ones((3, 3)))
+    block = Vector(3, "float64") >> Function[ml.ArrayLayer, ml.ArrayLayer](lambda x: ml.sqrt(x @ w))
+    xs = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.5, 1.0]]
+    _, (g_b,) = loss_and_grads(lambda: ml.sum(block.batch(xs)[0]) + ml.sum(block.batch(xs)[2]), [w])
+    _, (g_1,) = loss_and_grads(lambda: ml.sum(block(xs[0])) + ml.sum(block(xs[2])), [w], batching=False)
+    assert np.all(np.isfinite(g_b))
+    np.testing.assert_allclose(g_b, g_1, rtol=1e-14)
+    anyio.run(ml.sum(block.batch(xs)[0]).train)  # (trains: no step refused for a NaN)
+    assert np.all(np.isfinite(w.data)) and not np.array_equal(w.data, np.ones((3, 3)))
+
+
+def test_a_batch_of_one_input_builds_its_nodes_as_a_call_does() -> None:
+    """One input's calls group only within it (a sequence's steps: a group
+    each), which the runtime's own cost rule runs better: no loom."""
+    w, v = weights(5)
+    one = ml.sum(ml.concatenate(sequence_model(w, v).batch([SEQUENCES[3]]), axis=0))
+    names = ops_of(one)
+    assert LOOM.name not in names and SLOT.name not in names
+
+
+def test_a_batch_leaves_no_reference_cycle() -> None:
+    """The loom node holds its schedule, which holds none of the loom: a
+    batch's graph is freed when its last layer goes, without a collection."""
+    import gc
+    import weakref
+
+    w, v = weights(6)
+    outs = sequence_model(w, v).batch(SEQUENCES)
+    (loom,) = [x for x in collect(Evaluation(train=True), [outs[0]]) if x._op is LOOM]
+    node = weakref.ref(loom)
+    gc.disable()
+    try:
+        del outs, loom
+        assert node() is None
+    finally:
+        gc.enable()
+
+
+def test_a_calls_shape_error_keeps_numpys_error_as_its_cause_and_names_the_weights_line() -> None:
+    w = ml.Weight(np.ones((3, 3)))  # the weight's line
+    block = InputTransform[int, ml.Array](lambda n: np.zeros(n, np.int64)) >> Function[ml.Array, ml.ArrayLayer](
+        lambda ids: ml.embedding(w, ids) @ ml.embedding(w, ids)
+    )
+    outs = block.batch([1, 2])
+    with pytest.raises(ml.ShapeError) as info:
+        anyio.run(ml.sum(ml.stack([ml.sum(o) for o in outs])).predict)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert f"the weight float64[3, 3] built at {__file__}:" in str(info.value)
