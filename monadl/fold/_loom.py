@@ -469,18 +469,18 @@ def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
                     raise NonFiniteError(made(shown(_op(group)), args, schedule.where(group, row)))
             else:
                 out, vjps = program(*args)
-        except Exception as exc:
-            inputs = (*operands, *[schedule.weights[j] for j in plan.weights])  # (an error names the weights' lines)
-            named = failed(exc, _op(group), args, schedule.where(group, row), inputs)
-            if named is exc:
-                raise
-            raise named from exc
+        except Exception as exc:  # (the error names the weights' lines too; raised without a local, as compute's)
+            raise failed(exc, _op(group), args, schedule.where(group, row), (*operands, *_weights(schedule, plan)))  # noqa: B904
         first = group.firsts[row]
         if type(out) is Outputs:
             values[first : first + len(out)] = out
         else:
             values[first] = out
         value.vjps.append(vjps)
+
+
+def _weights(schedule: Schedule, plan: _Planned) -> list[Any]:
+    return [schedule.weights[j] for j in plan.weights]
 
 
 def _operand(values: list[Any], x: Any, checked: bool) -> Any:

@@ -180,11 +180,8 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
             out, vjps = _checked(node, args, params)
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
-    except Exception as exc:
-        named = failed(exc, op, args, where(node), node._inputs)
-        if named is exc:
-            raise
-        raise named from exc
+    except Exception as exc:  # (raised without a local: one would hold the error's traceback, which holds this frame)
+        raise failed(exc, op, args, where(node), node._inputs)  # noqa: B904 - failed sets a new error's cause
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False
     return Record(out, vjps if needs else None, ins, needs, node, fits)
@@ -195,7 +192,7 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
     ``args``: named for the layer built at ``place`` (its user's line, and the
     Fold batch's input: `where`), with the weights among ``inputs``. An
     index out of range and a dtype error say so in their own words; a
-    value error is a `ShapeError` of the operands (raise it ``from exc``); any other gets a note.
+    value error is a `ShapeError` of the operands, caused by it; any other gets a note.
     (A primitive whose errors are named already: as they are.)"""
     if op.names_errors:
         return exc
@@ -209,7 +206,9 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
         what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
             f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
         )
-        return ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
+        shape = ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
+        shape.__cause__ = exc  # (as ``raise ... from exc``)
+        return shape
     if isinstance(exc, NonFiniteError):
         return exc
     if isinstance(exc, DTypeError):
