@@ -1,0 +1,113 @@
+"""A Fold batch loom's schedule (`monadl.fold._loom`), worked out once, when
+the batch is built, with NumPy: the calls as groups by depth and trace (a
+valid order: a call's operands are outputs of shallower calls), where each
+group's operands are gathered from (rows of an arena, or the members' data
+stacked) and where its outputs go. The outputs that one consumer's position
+reads share one arena (a union-find of the traces' outputs): a tree's left
+child's ``h`` is a leaf's or an internal node's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, final
+
+import numpy as np
+
+from monadl.layers._batch_site import built_for
+from monadl.layers._layer import Layer
+from monadl.layers._site import site_text
+
+if TYPE_CHECKING:
+    from monadl.fold._loom import Loom, _Group
+
+__all__ = ["Schedule"]
+
+
+@final
+class _Planned:
+    """A group as the schedule runs it: its program, its operands (per
+    position: an arena and the rows to gather, or the members' data
+    stacked), where its weights are among the loom's, and where its
+    outputs go (per output: an arena and the first of its rows)."""
+
+    __slots__ = ("group", "n", "operands", "outs", "program", "weights")
+
+    def __init__(self, group: _Group, weights: list[int]) -> None:
+        self.group = group
+        self.n = len(group.members)
+        assert group.trace.op is not None
+        self.program: Any = group.trace.op.rule
+        self.weights = weights
+        self.operands: list[tuple[int | None, Any, bool]] = []
+        self.outs: list[tuple[int, int]] = []
+
+
+@final
+class Schedule:
+    """The loom's calls as groups by depth (a valid order: a call's operands
+    are outputs of shallower calls), and the arenas their outputs go to."""
+
+    __slots__ = ("arena", "base", "capacity", "planned", "rows", "site", "span", "weights")
+
+    def __init__(self, loom: Loom) -> None:
+        # (not the loom itself: its node holds this schedule, and a cycle would keep both till a collection)
+        self.site = loom.node._site
+        self.base = loom.base
+        self.weights = list(loom.weights)
+        groups = sorted(loom.groups.values(), key=lambda g: g.depth)  # (stable: in the order first built)
+        span = max(g.firsts[-1] + g.trace.outputs for g in groups)
+        self.span = span  # (slots are numbered below it)
+        keys = np.zeros(span, np.intp)  # per slot, its output's key: its trace's first, plus its number
+        firsts = {id(g): np.asarray(g.firsts, np.intp) for g in groups}
+        for g in groups:
+            for k in range(g.trace.outputs):
+                keys[firsts[id(g)] + k] = g.key + k
+        # Arenas: the outputs that one consumer's position reads go to one arena (union-find of keys).
+        parent = list(range(loom.count))
+
+        def find(a: int) -> int:
+            while parent[a] != a:
+                a = parent[a]
+            return a
+
+        columns = {id(g): list(zip(*g.members)) for g in groups}  # (per operand position, the members')
+        for g in groups:
+            for column in columns[id(g)]:
+                if type(column[0]) is int:
+                    read = [find(int(r)) for r in np.unique(keys[np.asarray(column, np.intp)])]
+                    for r in read[1:]:
+                        parent[find(r)] = read[0]
+        arena: dict[int, int] = {}
+        for key in range(loom.count):
+            arena.setdefault(find(key), len(arena))
+        capacity = [0] * len(arena)
+        rows = np.zeros(span, np.intp)  # per slot, its row in its arena
+        arena_of = np.zeros(span, np.intp)
+        weights = loom.weights
+        self.planned: list[_Planned] = []
+        for g in groups:
+            plan = _Planned(g, [weights[w] for w in g.trace.weights])
+            for k in range(g.trace.outputs):
+                a = arena[find(g.key + k)]
+                plan.outs.append((a, capacity[a]))
+                rows[firsts[id(g)] + k] = np.arange(capacity[a], capacity[a] + plan.n)
+                arena_of[firsts[id(g)] + k] = a
+                capacity[a] += plan.n
+            self.planned.append(plan)
+        for plan in self.planned:  # (the operands' rows: every producer's rows are known now)
+            for column in columns[id(plan.group)]:
+                if type(column[0]) is int:
+                    ids = np.asarray(column, np.intp)
+                    idx = rows[ids]
+                    plan.operands.append((int(arena_of[ids[0]]), idx, len(np.unique(idx)) == len(idx)))
+                elif type(column[0]) is Layer:  # (constant rows of data)
+                    plan.operands.append((None, np.stack([v._inputs[0] for v in column]), False))
+                else:
+                    plan.operands.append((None, np.stack(column), False))
+        self.rows = rows
+        self.arena = arena_of
+        self.capacity = capacity
+
+    def where(self, group: _Group, row: int) -> str:
+        """``file:line`` of the block that made a call, and the input of the batch it was built for."""
+        site = self.site if group.site is None else group.site
+        return site_text(site) + built_for(self.base + group.firsts[row])
