@@ -69,11 +69,12 @@ class Schedule:
                 a = parent[a]
             return a
 
-        columns = {id(g): list(zip(*g.members)) for g in groups}  # (per operand position, the members')
+        # Per group, per operand position, the members' (slots as one array).
+        columns = {id(g): [_slots(column) for column in zip(*g.members)] for g in groups}
         for g in groups:
             for column in columns[id(g)]:
-                if type(column[0]) is int:
-                    read = [find(int(r)) for r in np.unique(keys[np.asarray(column, np.intp)])]
+                if type(column) is np.ndarray:
+                    read = [find(int(r)) for r in np.flatnonzero(np.bincount(keys[column]))]
                     for r in read[1:]:
                         parent[find(r)] = read[0]
         arena: dict[int, int] = {}
@@ -95,14 +96,12 @@ class Schedule:
             self.planned.append(plan)
         for plan in self.planned:  # (the operands' rows: every producer's rows are known now)
             for column in columns[id(plan.group)]:
-                if type(column[0]) is int:
-                    ids = np.asarray(column, np.intp)
-                    idx = rows[ids]
-                    plan.operands.append((int(arena_of[ids[0]]), idx, len(np.unique(idx)) == len(idx)))
+                if type(column) is np.ndarray:  # (slots: rows of one arena, distinct where the slots are)
+                    plan.operands.append((int(arena_of[column[0]]), rows[column], _distinct(column, span)))
                 elif type(column[0]) is Layer:  # (constant rows of data)
                     plan.operands.append((None, np.stack([v._inputs[0] for v in column]), False))
-                else:
-                    plan.operands.append((None, np.stack(column), False))
+                else:  # (data: arrays of one shape and dtype, which the trace's signature holds)
+                    plan.operands.append((None, _stacked(column), False))
         self.rows = rows
         self.arena = arena_of
         self.capacity = capacity
@@ -111,3 +110,25 @@ class Schedule:
         """``file:line`` of the block that made a call, and the input of the batch it was built for."""
         site = self.site if group.site is None else group.site
         return site_text(site) + built_for(self.base + group.firsts[row])
+
+
+def _slots(column: tuple[Any, ...]) -> Any:
+    """An operand position's members: their slots as one array, else as they are."""
+    return np.fromiter(column, np.intp, len(column)) if type(column[0]) is int else column
+
+
+def _distinct(slots: Any, span: int) -> bool:
+    """Whether no slot repeats (a scatter of deltas then needs no ``add.at``):
+    by marks, a few passes over ``span`` bytes (``np.unique`` sorts)."""
+    marks = np.zeros(span, bool)
+    marks[slots] = True
+    return int(np.count_nonzero(marks)) == len(slots)
+
+
+def _stacked(arrays: tuple[Any, ...]) -> Any:
+    """``np.stack(arrays)`` of arrays of one shape, by one concatenation
+    (a 4,000-member group's one-element index arrays: 0.3 ms against 1.0)."""
+    first = arrays[0]
+    if first.ndim == 0:
+        return np.stack(arrays)
+    return np.concatenate(arrays).reshape((len(arrays), *first.shape))

@@ -178,6 +178,29 @@ def test_a_split_of_a_calls_output_sends_its_parts_deltas_back() -> None:
     np.testing.assert_allclose(g_v, a_v, rtol=1e-13)
 
 
+def test_one_output_read_by_two_calls_at_one_position_sums_both_deltas() -> None:
+    """Two calls of one cell read the same output at the same position (a
+    group whose rows repeat: its deltas are scattered with ``add.at``), and
+    calls whose index data are stacked per group: the same loss and
+    gradients as one input at a time."""
+    w, v = weights(6)
+    cell = Function[ml.ArrayLayer, ml.ArrayLayer](lambda x: ml.tanh(x @ w))
+    join = Function[Pair, ml.ArrayLayer](lambda ab: ml.sigmoid(ab[0] * ab[1] @ v))
+    pick = Function[tuple[ml.ArrayLayer, ml.Array], ml.ArrayLayer](lambda s: s[0] * ml.embedding(v, s[1]))
+    shared = Vector(3, "float64") >> cell >> AllOf(cell, cell) >> join
+    model = AllOf(shared, InputTransform(lambda xs: np.array([int(xs[0] * 2)]))) >> pick
+    inputs = [[0.1, 0.2, -0.3], [0.5, -0.1, 0.2], [1.0, 0.0, -1.0]]
+
+    def loss(outs: list[ml.ArrayLayer]) -> ml.ScalarLayer:
+        return ml.sum(ml.concatenate(outs, axis=1) ** 2)
+
+    batched, grads_b = loss_and_grads(lambda: loss(model.batch(inputs)), [w, v])
+    alone, grads_1 = loss_and_grads(lambda: loss([model(x) for x in inputs]), [w, v], batching=False)
+    assert batched == pytest.approx(alone, rel=1e-14)
+    for g_b, g_1 in zip(grads_b, grads_1):
+        np.testing.assert_allclose(g_b, g_1, rtol=1e-13)
+
+
 def test_an_unread_members_infinite_derivative_does_not_make_the_gradient_nan() -> None:
     """sqrt at 0 in an input the loss never reads: its zero delta times an
     infinite derivative is NaN in a group's backward, so the members that
