@@ -223,13 +223,21 @@ def nbytes(data: Any) -> int:
 
 
 def unflatten(flat: Any, likes: Sequence[Any]) -> list[Any]:
-    """A bucket's buffer cut back into arrays shaped like ``likes`` (`flatten` undone)."""
+    """A bucket's buffer cut back into arrays shaped like ``likes`` (`flatten`
+    undone), each an array of its like's library: a communicator sums NumPy
+    buffers, and a PyTorch or CuPy weight is stepped by its own library's
+    gradient (`monadl.optim.apply_gradients` refuses another's)."""
     xp = namespace(flat)
     out, start = [], 0
     for like in likes:
         shape = _shape(like)
         n = int(np.prod(shape))
-        out.append(xp.reshape(flat[start : start + n], shape))
+        piece = xp.reshape(flat[start : start + n], shape)
+        if is_array(like) and namespace(like) is not xp:
+            import array_api_compat  # (a weight not NumPy's: its library is loaded)
+
+            piece = namespace(like).asarray(piece, device=array_api_compat.device(like))
+        out.append(piece)
         start += n
     return out
 
