@@ -1,6 +1,7 @@
 """Why a step is refused: the messages of `monadl.optim.apply`'s checks, which
 name the weight and say where the fault lies (a gradient given by hand, the
-weight's own data, the optimizer's state or update)."""
+weight's own data, the optimizer's state or update), and why a clipping is
+(the weights whose gradients are not finite)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ from monadl.layers._weight import Weight
 from monadl.optim._spec import closure, maker, ours
 from monadl.runtime.settings import current_settings
 
-__all__ = ["checked_update", "not_an_update", "refuse_unless_a_gradient", "refuse_unless_by_weight", "refused"]
+__all__ = [
+    "checked_update",
+    "not_an_update",
+    "not_clipped",
+    "refuse_unless_a_gradient",
+    "refuse_unless_by_weight",
+    "refused",
+]
 
 
 def refuse_unless_by_weight(gradients: object, name: str) -> None:
@@ -124,6 +132,29 @@ def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
         "its gradient finite: the optimizer's state or its settings made it (a learning rate, a schedule, an eps); "
         f"no weight was changed{_underflowing_eps(weight)}"
     )
+
+
+def not_clipped(culprits: list[Weight[Any, Any]], norm: float, count: int) -> str:
+    """Why `clip_by_global_norm` refuses: the weights whose gradients hold a
+    NaN or an infinity (the first three), which made the norm ``norm``.
+    Scaled by it, every gradient was NaN and `apply_gradients` named the
+    first weight it read, whose own gradient may have been finite."""
+    named = [f"the weight built at {site_text(w._site)} (shape {list(w.shape)})" for w in culprits[:_SHOWN_CULPRITS]]
+    if len(culprits) > _SHOWN_CULPRITS:
+        named.append(f"{len(culprits) - _SHOWN_CULPRITS} more")
+    listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+    one = len(culprits) == 1
+    scaled = "every gradient would be NaN" if math.isnan(norm) else "the other entries would be 0, the infinities NaN"
+    return (
+        f"clip_by_global_norm: the gradients' norm is {norm}: the gradient{'' if one else 's'} given for {listed} "
+        f"({len(culprits)} of {count} weights) hold{'s' if one else ''} a NaN or an infinity, and scaled by it "
+        f"{scaled}; skip this batch, or find where it came from: for gradients of ml.value_and_gradients, "
+        "ml.settings(check_finite=True) finds the operation that made it (finite=False clips them all the same, "
+        "as PyTorch's clip_grad_norm_ does by default)"
+    )
+
+
+_SHOWN_CULPRITS = 3
 
 
 def _underflowing_eps(weight: Weight[Any, Any]) -> str:

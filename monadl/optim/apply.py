@@ -28,7 +28,13 @@ from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._refusals import checked_update, refuse_unless_a_gradient, refuse_unless_by_weight, refused
+from monadl.optim._refusals import (
+    checked_update,
+    not_clipped,
+    refuse_unless_a_gradient,
+    refuse_unless_by_weight,
+    refused,
+)
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
@@ -109,12 +115,25 @@ def _norm(values: Any) -> float:
     return largest * math.sqrt(float(xp.sum(scaled * scaled)))
 
 
-def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: float) -> dict[Weight[Any, Any], Any]:
+def clip_by_global_norm(
+    gradients: Mapping[Weight[Any, Any], Any], max_norm: float, *, finite: bool = True
+) -> dict[Weight[Any, Any], Any]:
     """``gradients`` scaled by ``max_norm / (norm + 1e-6)`` where that is
     below 1, ``norm`` being all of them as one vector's (an embedding's rows
     with a row looked up twice summed first, as its dense gradient has them),
     as PyTorch's ``clip_grad_norm_``; an embedding's stays its rows. For a
     step of one's own between ``value_and_gradients`` and `apply_gradients`.
+
+    Args:
+        gradients: by weight, as `apply_gradients` takes them. They are only read.
+        max_norm: the largest norm the result may have; positive.
+        finite: refuse gradients that hold a NaN or an infinity: raise
+            `NonFiniteError` naming the weights whose gradients hold one (as
+            PyTorch's ``error_if_nonfinite=True``). Their norm is then not
+            finite, and scaling by it would make every gradient NaN, so that
+            `apply_gradients` would name a weight whose own gradient was
+            finite. ``finite=False`` scales them all the same, as PyTorch's
+            default does.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.zeros(2))
@@ -124,7 +143,12 @@ def clip_by_global_norm(gradients: Mapping[Weight[Any, Any], Any], max_norm: flo
     refuse_unless_by_weight(gradients, "clip_by_global_norm")
     if not max_norm > 0:
         raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
-    factor = max_norm / (global_norm(gradients) + 1e-6)
+    norm = global_norm(gradients)
+    if finite and not math.isfinite(norm):
+        culprits = [w for w, g in gradients.items() if not all_finite(g.rows if type(g) is SparseRows else g)]
+        if culprits:  # (else finite entries whose norm passes 1.8e308: scaled by 0, as PyTorch's)
+            raise NonFiniteError(not_clipped(culprits, norm, len(gradients)))
+    factor = max_norm / (norm + 1e-6)
     if factor >= 1:
         return dict(gradients)
     return {

@@ -110,3 +110,55 @@ def test_gradients_not_given_by_weight_are_refused_with_what_to_pass() -> None:
     clipped = ml.optim.clip_by_global_norm(dict(zip(weights, grads)), 1.0)  # (what the message says)
     np.testing.assert_allclose(clipped[w], [0.6, 0.8], rtol=1e-6)
     assert ml.optim.global_norm(dict(zip(weights, grads))) == 5.0
+
+
+def test_clipping_refuses_a_non_finite_gradient_naming_its_weights_not_a_finite_ones() -> None:
+    # One NaN in a regression target made the norm NaN; scaled by it every gradient was NaN, and
+    # apply_gradients named the first weight it read: a head whose own gradient was finite (a user's trial).
+    trunk = ml.Weight(np.ones((3, 3)), optimizer=ml.optim.adam(1e-2))  # TRUNK-SITE
+    head_a = ml.Weight(np.ones((3, 2)), optimizer=ml.optim.adam(1e-2))
+    head_b = ml.Weight(np.ones((3, 1)), optimizer=ml.optim.adam(1e-2))  # HEAD-B-SITE
+    x, target = np.ones((4, 3)), np.ones((4, 1))
+    target[0, 0] = np.nan
+    h = ml.relu(x @ trunk)
+    loss = ml.mean((h @ head_a) ** 2.0) + ml.mean((h @ head_b - target) ** 2.0)
+    _, grads = anyio.run(ml.value_and_gradients, loss)
+    assert np.isfinite(grads[head_a]).all()
+    with pytest.raises(ml.NonFiniteError) as raised:
+        ml.optim.clip_by_global_norm(grads, 1.0)
+    here = __file__
+    assert str(raised.value) == (
+        f"clip_by_global_norm: the gradients' norm is nan: the gradients given for the weight built at "
+        f"{here}:{_line_of('HEAD-B-SITE')} (shape [3, 1]) and the weight built at {here}:{_line_of('TRUNK-SITE')} "
+        "(shape [3, 3]) (2 of 3 weights) hold a NaN or an infinity, and scaled by it every gradient would be NaN; "
+        "skip this batch, or find where it came from: for gradients of ml.value_and_gradients, "
+        "ml.settings(check_finite=True) finds the operation that made it (finite=False clips them all the same, as "
+        "PyTorch's clip_grad_norm_ does by default)"
+    )
+    clipped = ml.optim.clip_by_global_norm(grads, 1.0, finite=False)  # (PyTorch's default: every one NaN)
+    assert all(np.isnan(g).all() for g in clipped.values())
+    assert np.isfinite(grads[head_a]).all()  # (only read)
+
+
+def test_clipping_names_an_infinite_gradient_a_sparse_one_and_counts_those_not_shown() -> None:
+    table = ml.Weight(np.zeros((5, 2)))  # TABLE-SITE
+    fine = ml.Weight(np.zeros(2))
+    rows = SparseRows(np.array([1, 3]), np.array([[1.0, np.inf], [0.0, 2.0]]), (5, 2))
+    with pytest.raises(ml.NonFiniteError) as raised:
+        ml.optim.clip_by_global_norm({fine: np.array([3.0, 4.0]), table: rows}, 1.0)
+    assert str(raised.value).startswith(
+        f"clip_by_global_norm: the gradients' norm is inf: the gradient given for the weight built at {__file__}:"
+        f"{_line_of('TABLE-SITE')} (shape [5, 2]) (1 of 2 weights) holds a NaN or an infinity, and scaled by it "
+        "the other entries would be 0, the infinities NaN; skip this batch"
+    )
+    many = [ml.Weight(np.zeros(1)) for _ in range(5)]
+    with pytest.raises(ml.NonFiniteError, match=r"\(shape \[1\]\) and 2 more \(5 of 6 weights\) hold a NaN"):
+        ml.optim.clip_by_global_norm({fine: np.ones(2), **{w: np.array([np.nan]) for w in many}}, 1.0)
+    # Finite entries whose norm passes the largest float64 name no culprit: scaled by 0, as PyTorch's.
+    huge = {fine: np.array([1.5e308, 1.5e308])}
+    np.testing.assert_array_equal(ml.optim.clip_by_global_norm(huge, 1.0)[fine], [0.0, 0.0])
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if line.rstrip().endswith(f"# {marker}"))
