@@ -91,8 +91,14 @@ class Weight(Expr[D, G]):
             (unlike PyTorch's ``nn.Parameter(t)``, which shares ``t``'s
             storage). To share a weight, use the one `Weight` in both places;
             its uses' gradients add up to one step.
-        optimizer: how to turn a gradient into an update; by default
-            `monadl.optim.default_optimizer()`.
+        optimizer: how to turn a gradient into an update. Left out, or
+            None (as a wrapper's own ``optimizer=None`` passes it on), the
+            weight gets `monadl.optim.default_optimizer()`, plain
+            ``sgd(0.0005)`` unless `monadl.optim.using_default` says
+            otherwise: None does not freeze the weight, it trains. To
+            freeze one (PyTorch's ``requires_grad_(False)``), read it through
+            `monadl.stop_gradient` where the model uses it: it then takes no
+            step and its optimizer state stays as it is.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.zeros(2), optimizer=ml.optim.sgd(0.5))
@@ -148,7 +154,9 @@ class Weight(Expr[D, G]):
         if optimizer is None:
             optimizer = optim.default_optimizer()
         elif not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(f"Weight(...): {optim.transforms.refusal(optimizer, 'optimizer')}")
+            raise OperandError(
+                f"Weight(...): {optim.transforms.refusal(optimizer, 'optimizer')}{_not_frozen(optimizer)}"
+            )
         self._data = data
         self._bound = None
         self._optimizer = optimizer
@@ -257,7 +265,9 @@ class Weight(Expr[D, G]):
         if TRACING and get_ident() in TRACING:
             self._refuse_in_trace("assigned .optimizer of", assigned=True)
         if not isinstance(optimizer, optim.GradientTransformation):
-            raise OperandError(f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}")
+            raise OperandError(
+                f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}{_not_frozen(optimizer)}"
+            )
         state = self._initial_state(optimizer, "Weight.optimizer")
         self._optimizer = optimizer
         self._state = state
@@ -362,6 +372,20 @@ def _copier_site() -> Site:
     ):
         frame = frame.f_back
     return frame.f_code, frame.f_lasti
+
+
+def _not_frozen(optimizer: object) -> str:
+    """How to freeze a weight, where a refused optimizer looks like an attempt
+    to (None, False: PyTorch's ``requires_grad_(False)``, Keras'
+    ``trainable = False``). ``Weight(x, optimizer=None)`` is the default
+    optimizer, and a user freezing a teacher so got one that trained."""
+    if optimizer is not None and optimizer is not False:
+        return ""
+    return (
+        f"; {optimizer} does not freeze a weight: to freeze it, read it through ml.stop_gradient(w) where the model "
+        "uses it (it then takes no step and its optimizer state stays as it is); for the default optimizer, "
+        "ml.optim.default_optimizer()"
+    )
 
 
 def _another_optimizer(optimizer: GradientTransformation) -> str:

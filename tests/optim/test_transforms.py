@@ -224,3 +224,38 @@ def test_a_weight_given_an_uncalled_optimizer_or_clipping_says_what_to_write() -
     w, bad = ml.Weight(np.zeros(2)), optim.adam
     with pytest.raises(ml.OperandError, match=r"the function adam, not called: call it, as in adam\(learning_rate\)"):
         w.optimizer = bad
+
+
+def test_none_or_false_as_an_optimizer_points_to_stop_gradient_for_freezing() -> None:
+    # A user freezing a teacher with optimizer=None got the default optimizer, and a teacher that trained;
+    # the setter's refusal of None said nothing of ml.stop_gradient, the documented way to freeze.
+    freeze = (
+        "does not freeze a weight: to freeze it, read it through ml.stop_gradient(w) where the model uses it (it "
+        "then takes no step and its optimizer state stays as it is); for the default optimizer, "
+        "ml.optim.default_optimizer()"
+    )
+    not_one = (
+        "not a GradientTransformation: an optimizer such as ml.optim.sgd(0.1), or GradientTransformation(init, update)"
+    )
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=optim.adam(1e-2))
+    state = w.state
+    bad: Any = None
+    with pytest.raises(ml.OperandError) as raised:
+        w.optimizer = bad
+    assert str(raised.value) == f"Weight.optimizer: the optimizer is NoneType None, {not_one}; None {freeze}"
+    assert w.state is state
+    bad = False
+    with pytest.raises(ml.OperandError) as raised:
+        ml.Weight(np.zeros(2), optimizer=bad)
+    assert str(raised.value) == f"Weight(...): optimizer is bool False, {not_one}; False {freeze}"
+    bad = 3
+    with pytest.raises(ml.OperandError) as raised:
+        w.optimizer = bad
+    assert "freeze" not in str(raised.value)  # (no hint where it is no attempt to freeze)
+    # None is the default optimizer, as documented: the weight trains; ml.stop_gradient freezes it.
+    default = ml.Weight(np.array([1.0, 2.0]), optimizer=None)
+    anyio.run(ml.sum(default * default).train)
+    np.testing.assert_allclose(default.data, [1.0 - 0.0005 * 2.0, 2.0 - 0.0005 * 4.0], rtol=1e-12)
+    frozen = ml.Weight(np.array([1.0, 2.0]), optimizer=None)
+    anyio.run(ml.sum(ml.stop_gradient(frozen) * ml.Weight(np.ones(2))).train)
+    np.testing.assert_array_equal(frozen.data, [1.0, 2.0])
