@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "DTypeError",
     "DeviceError",
     "IndexRangeError",
     "MonadlError",
+    "NoGradientError",
     "NonFiniteError",
     "OperandError",
     "ShapeError",
@@ -88,6 +91,41 @@ class NonFiniteError(MonadlError, FloatingPointError):
     forward value or backward delta holds one raises it, naming that
     operation and the user's line that built it.
     """
+
+
+class NoGradientError(MonadlError, ValueError):
+    """A ``train()`` whose loss sends a gradient to no weight: a constant.
+
+    Such a loss has nothing to train (an empty batch, a batch with no
+    targets, every weight behind ``stop_gradient``), and a step of nothing,
+    returned as if it had trained, would hide it: a data loader that sends
+    only empty batches would "train" for ever. PyTorch's ``backward()``
+    raises on the same loss (``element 0 of tensors does not require
+    grad``), as Keras's ``apply_gradients`` does (``No gradients provided
+    for any variable``). The message names the line that built the loss and
+    the weights its forward read, if any; no weight changed, as none would
+    have. A loss that reaches some weights steps those, silently: a weight
+    that a step does not reach (an unread branch, a frozen trunk) takes no
+    step, by design. ``ml.gradients`` and ``ml.value_and_gradients`` do not
+    raise it: their answer (zeros, or no entry) says the same thing.
+
+    Attributes:
+        value: the loss's value, what ``train()`` would have returned: a
+            loop whose batches may have nothing to train may catch this
+            error and go on with it.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> empty = ml.sum(ml.as_layer(np.zeros(0)) ** 2.0)  # a batch of nothing: no weight in it
+    >>> try:
+    ...     anyio.run(empty.train)
+    ... except ml.NoGradientError as error:
+    ...     print(error.value, "|", str(error).split("; ")[1].split(":")[0])
+    0.0 | its forward read no weight at all
+    """
+
+    def __init__(self, message: str, value: Any) -> None:
+        super().__init__(message)
+        self.value = value
 
 
 class OperandError(MonadlError, TypeError):

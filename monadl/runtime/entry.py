@@ -20,7 +20,8 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.deltas import SparseRows
 from monadl.do import FORWARD, Do
-from monadl.errors import ShapeError
+from monadl.errors import NoGradientError, ShapeError
+from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
@@ -61,7 +62,11 @@ async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
 
 
 async def train(root: Any) -> Any:
-    """Forward, backward, and one optimizer step for every weight reached."""
+    """Forward, backward, and one optimizer step for every weight reached.
+
+    A loss that sends a gradient to no weight at all raises
+    `NoGradientError` (`_no_gradient`): there is nothing to step.
+    """
     refuse_inside_evaluation("train()")
     settings = current_settings()
     process.first_use(settings.tune_process)
@@ -72,11 +77,39 @@ async def train(root: Any) -> Any:
             await cuda.ready()
         await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
         grads = ev.weight_gradients(factored=True)
+        if not grads:
+            raise NoGradientError(_no_gradient(root, value, ev.unreached), value)
         ready = await _prepare(ev, grads) if _long(grads) else None
         consume_gradients(grads, finite=settings.finite_steps, ready=ready)
     if settings.tune_process:
         process.fit_gc(ev.nodes)
     return value
+
+
+def _no_gradient(root: Any, value: Any, read: list[Weight[Any, Any]]) -> str:
+    """Why a ``train()`` steps nothing, and what to look at: the loss's line,
+    its value, and the weights its forward read only as data, if any."""
+    number = value.item() if hasattr(value, "item") else value
+    shown = f"{number}: a mean over no elements, a division by a count of 0?" if number != number else f"{number}"
+    head = f"train() of the loss built at {where(root)}: no gradient reaches any Weight, so nothing was stepped"
+    if not read:
+        why = (
+            f"its forward read no weight at all: the loss is a constant ({shown}). Was the batch empty, or "
+            "without anything to predict (series of length 0 or 1, no targets)?"
+        )
+    else:
+        sites = ", ".join(site_text(w._site) for w in read[:3]) + (
+            f" and {len(read) - 3} more" if len(read) > 3 else ""
+        )
+        why = (
+            f"its forward read {len(read)} weight{'s' * (len(read) != 1)} (made at {sites}) only as data, so the "
+            f"loss ({shown}) is a constant to them: through ml.stop_gradient (estimate.frozen), as values read with "
+            "ml.values, or into a black box (a Do.from_async effect)?"
+        )
+    return (
+        f"{head}; {why} To skip batches that have nothing to train, test the batch before building its loss, or "
+        "catch ml.NoGradientError (its .value is the loss); predict() gives a value without a step"
+    )
 
 
 PREPARE_ELEMENTS: Final = 1 << 18

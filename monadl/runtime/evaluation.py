@@ -233,6 +233,9 @@ class Evaluation:
             direct style): the counted release back-propagates, not the sweep.
         forked: some graph ran on the worker pool.
         gradients: the weights' gradients, kept when the records are dropped.
+        unreached: where no weight has a gradient, the weights the forward
+            read all the same (kept for the error of a ``train()`` that
+            would step none: `monadl.errors.NoGradientError`).
         timings: graphs timed for the fork rule (only when ``workers > 1``).
         nodes: layers collected so far (the collector's threshold follows it).
         deadline: when the event loop is next due a turn (`time.perf_counter`).
@@ -269,6 +272,7 @@ class Evaluation:
         "stride",
         "timings",
         "train",
+        "unreached",
         "workers",
         "yield_interval_s",
     )
@@ -291,6 +295,7 @@ class Evaluation:
         self.forked = False
         self.effects = False
         self.gradients: dict[Weight[Any, Any], Any] | None = None
+        self.unreached: list[Weight[Any, Any]] = []
         self.timings: list[Any] = []
         self.nodes = 0
         self.on_gradient: Callable[[Weight[Any, Any], Any], None] | None = None
@@ -373,4 +378,6 @@ class Evaluation:
         """
         if self.train:
             self.gradients = self.weight_gradients(factored=True)
+            if not self.gradients:  # (an error's detail: no cost where a weight has one)
+                self.unreached = [rec.node for rec in self.records.values() if rec.is_weight]
         self.records.clear()
