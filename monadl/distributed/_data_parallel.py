@@ -63,11 +63,13 @@ from monadl.distributed._overlap import dense as dense_like
 from monadl.distributed._rank_status import _DENSE, _SPARSE, _came, _finite, _late, _parted, _rank_status, _status
 from monadl.distributed._rows import gather_rows
 from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model
+from monadl.errors import NoGradientError
 from monadl.layers import Layer, Weight
 from monadl.layers._layer import Expr
 from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
+from monadl.runtime.node import where
 from monadl.runtime.process import Held, hold, release
 from monadl.runtime.settings import current_settings
 
@@ -277,6 +279,11 @@ class DataParallel(ModelWrapper):
         times ``train`` was called before, which catches a call that one rank
         alone made or had refused, but not a batch your loop skipped on one
         rank: number the batches for that.
+
+        A rank whose loss reaches no weight (an empty shard) steps by the
+        others' gradients; where no rank's does, every rank raises
+        `NoGradientError`, as ``train()`` does, with no weight changed and
+        the ranks in step (its ``.value`` is this rank's loss).
         """
         if self._finished:  # (every rank that does so raises here alike, with no exchange to wait for)
             raise RuntimeError(
@@ -298,8 +305,15 @@ class DataParallel(ModelWrapper):
                 self._met = time.perf_counter()
             # (after `_met`: the update's time differs between ranks, a large model's on a
             # loaded node by seconds, and would count as lateness at the next exchange)
-            _commit(reduced)
-            return value
+            if reduced:  # (the same on every rank: the agreed statuses decide it)
+                _commit(reduced)
+                return value
+        raise NoGradientError(  # (out of `in_step`: the ranks are in step, a later train() exchanges as ever)
+            f"DataParallel.train() of the loss built at {where(loss)}: no rank's loss sends a gradient to any "
+            f"weight (this rank's is {value}), so no rank stepped: were every rank's batches empty, or without "
+            "targets? See ml.NoGradientError; its .value is this rank's loss",
+            value,
+        )
 
     async def finish(self) -> None:
         """This rank's training is over: say so, on every rank, after its last `train`.

@@ -6,6 +6,7 @@ The same protocol runs across processes in test_mpi.py.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import types
@@ -1072,3 +1073,24 @@ def test_a_data_parallel_saves_and_loads_under_its_models_own_names(tmp_path: An
     for name in trained:
         np.testing.assert_array_equal(loaded[name], trained[name])
     assert moments[0] != 0.0 and moments == [moments[0]] * 3  # (Adam's first moment came through both ways)
+
+
+def test_data_parallel_steps_by_the_others_where_one_rank_reaches_no_weight_and_raises_where_none_does() -> None:
+    async def main(comm: Any) -> tuple[str, float, list[float], float]:
+        w = ml.Weight(np.ones(2), optimizer=ml.optim.sgd(0.5))
+        dp = DataParallel([w], comm)
+        line = sys._getframe().f_lineno + 2
+        with pytest.raises(ml.NoGradientError) as raised:
+            await dp.train(ml.sum(ml.as_layer(np.full(2, float(comm.rank)))))
+        # The ranks are in step after it: rank 1's empty shard adds nothing, rank 0's gradient is averaged.
+        x = np.array([1.0, 3.0]) if comm.rank == 0 else np.zeros(0)
+        loss = ml.sum(w * x) if comm.rank == 0 else ml.sum(ml.as_layer(x))
+        value = float(await dp.train(loss))
+        await dp.finish()
+        assert f"DataParallel.train() of the loss built at {__file__}:{line}: no rank's loss" in str(raised.value)
+        return str(raised.value), float(raised.value.value), w.data.tolist(), value
+
+    (m0, v0, w0, l0), (m1, v1, w1, l1) = run_local(2, main)
+    assert "(this rank's is 0.0), so no rank stepped" in m0 and "(this rank's is 2.0), so no rank stepped" in m1
+    assert (v0, v1) == (0.0, 2.0) and (l0, l1) == (4.0, 0.0)
+    assert w0 == w1 == [1.0 - 0.5 * 0.5, 1.0 - 0.5 * 1.5]
