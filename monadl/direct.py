@@ -44,10 +44,11 @@ import sys
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
-from typing import Any, Final, NoReturn, ParamSpec, TypeVar, final, overload
+from typing import Any, Final, ParamSpec, TypeVar, final, overload
 
 import numpy as np
 
+from monadl._unawaited import Unawaited
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
 from monadl.layers._layer import Array, Expr, Layer
@@ -200,8 +201,9 @@ def refused_scope(scope: str, timeout: bool, group: bool) -> str:
 
 
 @final
-class AwaitLayers:
-    """What a direct-style coroutine yields to ask the machine for forward values."""
+class AwaitLayers(Unawaited):
+    """What a direct-style coroutine yields to ask the machine for forward
+    values; used as the values, it says so (`Unawaited`)."""
 
     __slots__ = ("layers", "single")
 
@@ -231,17 +233,6 @@ class AwaitLayers:
                 )
             )
         return (yield self)
-
-    def _unawaited(self, *_: object, **__: object) -> NoReturn:
-        """NumPy, ``if``, unpacking and numbers on the awaitable itself, not
-        on its values: ``np.argmax(ml.values(p))`` was silently 0 (an object
-        array of one element), which routed every example to expert 0."""
-        raise TypeError(
-            "ml.values(...) is an awaitable, not the values: write `(value,) = await ml.values(layer)` "
-            "(or `value = await layer`) inside the @ml.direct function"
-        )
-
-    __array__ = __bool__ = __iter__ = __len__ = __getitem__ = __float__ = __int__ = __index__ = _unawaited
 
 
 def read_only(data: Any) -> Any:
@@ -325,6 +316,9 @@ def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     (``h = h.copy()``) or build a new array (``np.where(mask, 0.0, h)``).
     The view stays read-only after the evaluation: copy a state carried to
     the next step before editing it in place.
+
+    Without ``await`` it is an awaitable, not the values: an operator,
+    ``if``, a conversion or NumPy on it raises a TypeError that says so.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> @direct
