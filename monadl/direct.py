@@ -44,6 +44,7 @@ import sys
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
+from threading import get_ident
 from typing import Any, Final, ParamSpec, TypeVar, final, overload
 
 import numpy as np
@@ -52,6 +53,7 @@ from monadl._unawaited import Unawaited
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
 from monadl.layers._layer import Array, Expr, Layer
+from monadl.layers._traced_now import TRACING
 
 __all__ = ["direct", "read_only", "values"]
 
@@ -319,6 +321,8 @@ def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
 
     Without ``await`` it is an awaitable, not the values: an operator,
     ``if``, a conversion or NumPy on it raises a TypeError that says so.
+    Inside an `monadl.operation` (traced, not async) it is refused with
+    `OperandError`.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> @direct
@@ -330,6 +334,13 @@ def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     >>> anyio.run(reset(ml.as_layer(np.array([1.0, 2.0]))).predict)
     np.float64(4.0)
     """
+    if TRACING and get_ident() in TRACING:
+        raise OperandError(
+            f"operation {TRACING[get_ident()]}: the cell calls ml.values(...), which reads layers' values, "
+            "while it is traced (once per signature, with no values, and a cell is no async def: nothing "
+            "could await it): read values in an @ml.direct function outside the cell and pass what the cell "
+            "branches on as an int or a string argument (each value its own trace), or leave the cell unmarked"
+        )
     return AwaitLayers(layers, single=False)
 
 

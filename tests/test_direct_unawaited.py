@@ -1,9 +1,10 @@
 """``ml.values(...)`` used without ``await``: refused where it is used as
-values."""
+values, and inside an ``@ml.operation``."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -61,3 +62,41 @@ async def test_operators_on_values_not_awaited_say_await_was_forgotten() -> None
 
     assert await exit_early().predict() == pytest.approx(2.0)
     assert len(refused) == len(uses)
+
+
+async def test_values_inside_an_operation_are_refused_naming_the_cell() -> None:
+    # Inside an @ml.operation (a synchronous function, traced once per signature) `v = ml.values(h)`
+    # was dropped silently: nothing could await it, and a trace has no values to read.
+    w = ml.Weight(np.array([[1.0, 0.0], [0.0, 1.0]]))
+
+    @ml.operation
+    def cell(x: ml.ArrayLayer) -> ml.ArrayLayer:
+        h = ml.tanh(x @ w)
+        ml.values(h)
+        return h
+
+    with pytest.raises(ml.OperandError) as raised:
+        await ml.sum(cell(ml.as_layer(np.ones((1, 2))))).predict()
+    assert str(raised.value) == (
+        "operation test_values_inside_an_operation_are_refused_naming_the_cell.<locals>.cell: the cell calls "
+        "ml.values(...), which reads layers' values, while it is traced (once per signature, with no values, and a cell is no async def: nothing could await it): read "
+        "values in an @ml.direct function outside the cell and pass what the cell branches on as an int or a "
+        "string argument (each value its own trace), or leave the cell unmarked"
+    )
+
+
+async def test_a_direct_function_that_returns_values_not_awaited_is_told_so() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def returns_values() -> Any:
+        return ml.values(w)
+
+    with pytest.raises(TypeError) as raised:
+        await returns_values().predict()
+    assert re.fullmatch(
+        r"the @ml.direct function .*returns_values \(defined at .*:\d+\) returned ml.values\(\.\.\.\), an "
+        r"awaitable; it must return a Layer or a Weight \(return the layer; `await ml.values\(layer\)` reads its "
+        r"value inside the function\)",
+        str(raised.value),
+    )

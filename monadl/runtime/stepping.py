@@ -162,6 +162,11 @@ def _not_a_layer(coroutine: Any, got: Any) -> str:
     place = "" if code is None else f" (defined at {code.co_filename}:{code.co_firstlineno})"
     if got is None:
         return f"{name}{place} returned None; it must return a Layer or a Weight (a missing return?)"
+    if type(got) is AwaitLayers:
+        return (
+            f"{name}{place} returned ml.values(...), an awaitable; it must return a Layer or a Weight (return "
+            "the layer; `await ml.values(layer)` reads its value inside the function)"
+        )
     return (
         f"{name}{place} returned a value of type {type(got).__name__}; it must return a Layer or a Weight"
         " (make plain data one with ml.as_layer(x))"
