@@ -205,7 +205,7 @@ def refused_scope(scope: str, timeout: bool, group: bool) -> str:
 @final
 class AwaitLayers(Unawaited):
     """What a direct-style coroutine yields to ask the machine for forward
-    values; used as the values, it says so (`Unawaited`)."""
+    values; used as the values, or never awaited, it says so (`Unawaited`)."""
 
     __slots__ = ("layers", "single")
 
@@ -215,8 +215,10 @@ class AwaitLayers(Unawaited):
                 raise TypeError(f"values(...) takes layers and weights, got {type(layer).__name__}")
         self.layers = layers
         self.single = single
+        self.pending = True
 
     def __await__(self) -> Generator[Any, Any, Any]:
+        self.pending = False  # (its await began: no "never awaited" warning, cancelled or not)
         step = inside_direct.get()
         if not step.live:
             raise RuntimeError(
@@ -320,9 +322,10 @@ def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
     the next step before editing it in place.
 
     Without ``await`` it is an awaitable, not the values: an operator,
-    ``if``, a conversion or NumPy on it raises a TypeError that says so.
-    Inside an `monadl.operation` (traced, not async) it is refused with
-    `OperandError`.
+    ``if``, a conversion or NumPy on it raises a TypeError that says so,
+    and one never awaited warns (a RuntimeWarning, as a coroutine does)
+    where it is dropped. Inside an `monadl.operation` (traced, not async)
+    it is refused with `OperandError`.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> @direct

@@ -1,13 +1,19 @@
 """``ml.values(...)`` used without ``await``: refused where it is used as
-values, and inside an ``@ml.operation``."""
+values and inside an ``@ml.operation``, warned of where it is dropped, and
+silent where it was awaited or given up by a failure or a cancellation."""
 
 from __future__ import annotations
 
+import gc
 import math
 import re
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -19,6 +25,23 @@ _ADVICE = (
     "on ml.values(...), not awaited (a forgotten await?): ml.values(...) is an awaitable, not the values: "
     "write `(value,) = await ml.values(layer)` (or `value = await layer`) inside the @ml.direct function"
 )
+_NEVER_AWAITED = (
+    "ml.values(...) was never awaited, so it read nothing: write `(value,) = await "
+    "ml.values(layer)` (or `value = await layer`) inside the @ml.direct function"
+)
+
+
+@contextmanager
+def never_awaited() -> Iterator[list[str]]:
+    """The "never awaited" warnings of ``ml.values(...)`` dropped inside, as
+    'file:line: message' (a collection at the end finds those that a
+    traceback's cycle held)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        said: list[str] = []
+        yield said
+        gc.collect()
+    said += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "never awaited" in str(w.message)]
 
 
 async def test_operators_on_values_not_awaited_say_await_was_forgotten() -> None:
@@ -60,8 +83,100 @@ async def test_operators_on_values_not_awaited_say_await_was_forgotten() -> None
         (p,) = await pending
         return ml.sum(probs) * 2.0 if p > 0.5 else ml.sum(probs)
 
-    assert await exit_early().predict() == pytest.approx(2.0)
+    with never_awaited() as said:
+        assert await exit_early().predict() == pytest.approx(2.0)
     assert len(refused) == len(uses)
+    assert said == []  # (awaited after: nothing to warn of)
+
+
+async def test_an_operator_that_said_so_does_not_warn_again_when_it_is_dropped() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def forgot() -> ml.ScalarLayer:
+        p: Any = ml.values(ml.max(w))
+        return ml.sum(w) if p > 0.5 else ml.sum(w * 2.0)
+
+    with never_awaited() as said, pytest.raises(TypeError, match=re.escape(f"a comparison (>) {_ADVICE}")):
+        await forgot().predict()
+    assert said == []
+
+
+async def test_values_never_awaited_warn_at_the_line_that_dropped_them() -> None:
+    # `ml.values(h)` as a statement (a forgotten await) was dropped silently; a forgotten `await
+    # layer.train()` gets Python's "coroutine ... was never awaited".
+    w = ml.Weight(np.array([1.0, -2.0]))
+    line: list[int] = []
+
+    @ml.direct
+    async def forgot() -> ml.ScalarLayer:
+        h = ml.tanh(w)
+        line.append(_line() + 1)
+        ml.values(h)
+        return ml.sum(h)
+
+    with never_awaited() as said:
+        assert await forgot().predict() == pytest.approx(math.tanh(1.0) + math.tanh(-2.0))
+    assert said == [f"{__file__}:{line[0]}: {_NEVER_AWAITED}"]
+
+
+async def test_values_awaited_or_given_up_by_a_cancellation_or_a_failure_do_not_warn() -> None:
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    async def slow() -> float:
+        await anyio.sleep(30)
+        return 1.0
+
+    service: ml.ScalarLayer = ml.Layer(ml.Do.from_async(slow).map(ml.Tape))
+
+    @ml.direct
+    async def cancelled_in_its_await() -> ml.ScalarLayer:
+        (s, _) = await ml.values(service, w)
+        return ml.sum(w * s)
+
+    @ml.direct
+    async def cancelled_before_its_await() -> ml.ScalarLayer:
+        pending = ml.values(w)  # (made, then a foreign await, cancelled there)
+        await anyio.sleep(30)
+        (x,) = await pending
+        return ml.sum(w * x)
+
+    @ml.direct
+    async def fails() -> ml.ScalarLayer:
+        await w
+        raise ValueError("example failed")
+
+    @ml.direct
+    async def beside_a_failure() -> ml.ScalarLayer:
+        pending = ml.values(w)
+        await anyio.sleep(30)
+        (x,) = await pending
+        return ml.sum(w * x)
+
+    @ml.direct
+    async def closed_by_a_failure() -> ml.ScalarLayer:
+        pending = ml.values(w)
+        (y,) = await ml.values(w * 3.0)  # (suspended here when its sibling fails: closed)
+        (x,) = await pending
+        return ml.sum(w * x * y)
+
+    @ml.direct
+    async def awaited() -> ml.ScalarLayer:
+        (x,) = await ml.values(w)
+        y = await (w * 2.0)
+        return ml.sum(w * x) + ml.sum(y)
+
+    with never_awaited() as said:
+        for model in (cancelled_in_its_await, cancelled_before_its_await):
+            with anyio.move_on_after(0.2) as scope:
+                await ml.sum(model()).predict()
+            assert scope.cancelled_caught
+        with pytest.raises(ValueError, match=r"^example failed\n"):
+            await (fails() + beside_a_failure()).predict()
+        with pytest.raises(ValueError, match=r"^example failed\n"):
+            await (fails() + closed_by_a_failure()).predict()
+        assert await awaited().train() == pytest.approx(11.0)
+    assert said == []
 
 
 async def test_values_inside_an_operation_are_refused_naming_the_cell() -> None:
@@ -92,7 +207,7 @@ async def test_a_direct_function_that_returns_values_not_awaited_is_told_so() ->
     async def returns_values() -> Any:
         return ml.values(w)
 
-    with pytest.raises(TypeError) as raised:
+    with never_awaited() as said, pytest.raises(TypeError) as raised:
         await returns_values().predict()
     assert re.fullmatch(
         r"the @ml.direct function .*returns_values \(defined at .*:\d+\) returned ml.values\(\.\.\.\), an "
@@ -100,3 +215,9 @@ async def test_a_direct_function_that_returns_values_not_awaited_is_told_so() ->
         r"value inside the function\)",
         str(raised.value),
     )
+    assert said == []
+
+
+def _line() -> int:
+    """The caller's line."""
+    return sys._getframe(1).f_lineno

@@ -29,6 +29,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from monadl._unawaited import abandon_suspended
 from monadl.direct import inside_direct
 from monadl.runtime.evaluation import READING, Evaluation
 from monadl.runtime.process import advance
@@ -367,6 +368,7 @@ async def abort(ev: Evaluation, failure: BaseException | None = None) -> None:
         # GeneratorExit', which stood in for the original failure and skipped every release below;
         # closed in its own context, where its `with` blocks and context variables are)
         with contextlib.suppress(Exception):
+            abandon_suspended(direct.coroutine)  # (what it held unawaited, given up by the failure: no warning)
             try:
                 direct.context.run(direct.coroutine.close)
             except RuntimeError:  # (its context entered: a failure raised from inside it) closed here

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 
+from monadl._unawaited import abandon_raised
 from monadl.direct import (
     AwaitLayers,
     Passthrough,
@@ -54,6 +55,10 @@ def step_direct(coroutine: Any, sending: Any, failure: BaseException | None, sco
         return True, stop.value, False
     except ValueError as error:  # (a write into a value it was given: NumPy's message says not whose)
         note_read_only(error)
+        abandon_raised(error)
+        raise
+    except BaseException as error:
+        abandon_raised(error)
         raise
     finally:
         step.live = False
@@ -163,6 +168,7 @@ def _not_a_layer(coroutine: Any, got: Any) -> str:
     if got is None:
         return f"{name}{place} returned None; it must return a Layer or a Weight (a missing return?)"
     if type(got) is AwaitLayers:
+        got.pending = False  # (said here: no "never awaited" warning besides)
         return (
             f"{name}{place} returned ml.values(...), an awaitable; it must return a Layer or a Weight (return "
             "the layer; `await ml.values(layer)` reads its value inside the function)"
