@@ -25,6 +25,7 @@ attribute written at each await of layers and a call of ``__del__``
 from __future__ import annotations
 
 import gc
+import types
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn
@@ -142,12 +143,20 @@ def abandon_raised(error: BaseException) -> None:
 
 def _abandon(holder: object) -> None:
     """Mark the awaitables that a suspended coroutine or a finished frame
-    holds (its locals and stack) as given up; one in a container is not
-    found, and still warns. Read as the garbage collector reads them: a
-    frame's ``f_locals`` would keep a copy of them on the frame (one still
-    running, such as the one that caught a failure before it was thrown in,
-    holds the failure: a cycle, whose evaluation waited for a collection);
-    a running frame shows none."""
+    holds (its locals and stack, and one level into a list, tuple, set,
+    dict or closure cell they hold: ``reads = [ml.values(a), ml.values(b)]``)
+    as given up; one nested deeper is not found, and still warns. Read as
+    the garbage collector reads them: a frame's ``f_locals`` would keep a
+    copy of them on the frame (one still running, such as the one that
+    caught a failure before it was thrown in, holds the failure: a cycle,
+    whose evaluation waited for a collection); a running frame shows none."""
     for held in gc.get_referents(holder):
         if isinstance(held, Unawaited):
             held.pending = False
+        elif type(held) in _CONTAINERS:
+            for inner in gc.get_referents(held):
+                if isinstance(inner, Unawaited):
+                    inner.pending = False
+
+
+_CONTAINERS: Final[frozenset[type]] = frozenset({list, tuple, set, dict, types.CellType})

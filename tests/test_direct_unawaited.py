@@ -179,6 +179,35 @@ async def test_values_awaited_or_given_up_by_a_cancellation_or_a_failure_do_not_
     assert said == []
 
 
+async def test_values_kept_in_a_list_and_given_up_by_a_failure_do_not_warn() -> None:
+    """Reads kept in a list (or a dict), awaited one by one, the first of
+    which fails: the others were given up by the failure, as locals are."""
+    w = ml.Weight(np.array([1.0, 2.0]))
+
+    @ml.direct
+    async def broken() -> ml.ArrayLayer:
+        raise ValueError("a read's own evaluation failed")
+
+    @ml.direct
+    async def reads_in_a_list() -> ml.ScalarLayer:
+        reads = [ml.values(broken()), ml.values(w * 2.0)]
+        got = [await r for r in reads]
+        return ml.sum(w) * float(got[1][0].sum())
+
+    @ml.direct
+    async def reads_in_a_dict() -> ml.ScalarLayer:
+        reads = {"first": ml.values(broken()), "second": ml.values(w * 2.0)}
+        (x,) = await reads["first"]
+        (y,) = await reads["second"]
+        return ml.sum(w * x * y)
+
+    with never_awaited() as said:
+        for model in (reads_in_a_list, reads_in_a_dict):
+            with pytest.raises(ValueError, match="a read's own evaluation failed"):
+                await model().predict()
+    assert said == []
+
+
 async def test_values_inside_an_operation_are_refused_naming_the_cell() -> None:
     # Inside an @ml.operation (a synchronous function, traced once per signature) `v = ml.values(h)`
     # was dropped silently: nothing could await it, and a trace has no values to read.

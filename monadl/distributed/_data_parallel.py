@@ -280,8 +280,9 @@ class DataParallel(ModelWrapper):
         alone made or had refused, but not a batch your loop skipped on one
         rank: number the batches for that.
 
-        A rank whose loss reaches no weight (an empty shard) steps by the
-        others' gradients; where no rank's does, every rank raises
+        A rank whose loss reaches no weight (a sum over an empty shard; a
+        mean over one is NaN, which every rank refuses as a `RankFailure`)
+        steps by the others' gradients; where no rank's does, every rank raises
         `NoGradientError`, as ``train()`` does, with no weight changed and
         the ranks in step (its ``.value`` is this rank's loss).
         """

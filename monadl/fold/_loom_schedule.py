@@ -119,10 +119,18 @@ def _slots(column: tuple[Any, ...]) -> Any:
 
 def _distinct(slots: Any, span: int) -> bool:
     """Whether no slot repeats (a scatter of deltas then needs no ``add.at``):
-    by marks, a few passes over ``span`` bytes (``np.unique`` sorts)."""
+    by marks, a few passes over ``span`` bytes, where the column is not
+    small beside the batch (a tree batch's groups: twice as fast as
+    ``np.unique``'s sort); else by the sort (a long sequence's step: a
+    group of 32 among a million slots, 2.6 us against 36)."""
+    if span > _MARKS_PER_SLOT * len(slots):
+        return len(np.unique(slots)) == len(slots)
     marks = np.zeros(span, bool)
     marks[slots] = True
     return int(np.count_nonzero(marks)) == len(slots)
+
+
+_MARKS_PER_SLOT = 64
 
 
 def _stacked(arrays: tuple[Any, ...]) -> Any:
