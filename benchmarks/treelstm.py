@@ -7,7 +7,8 @@ are embedding lookups, internal nodes the N-ary cell), in one run:
 * **monadl**: the example's model, built node by node (every op a layer);
   **monadl batching**: the same under ``ml.settings(batching=True)``;
 * **monadl cell**: the same with each node's cell marked as one
-  `ml.operation`, batching on; **monadl cell off**: batching off (node by
+  `ml.operation`, batching on; **monadl loom**: the marked cells of a batch
+  recorded in one ``ml.loom()`` block (one node, run by depth); **monadl cell off**: batching off (node by
   node, an operation node each: within-tree batching of the cell, like for
   like);
 * **monadl fold**: the Fold-block version (`examples.tree_lstm_fold`);
@@ -86,9 +87,12 @@ Builder = Callable[[Weights], Variant | None]
 
 
 def _monadl(
-    weights: Weights, context: Callable[[], AbstractContextManager[Any]] = nullcontext, operation: bool = False
+    weights: Weights,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    operation: bool = False,
+    loom: bool = False,
 ) -> Variant:
-    model = TreeLSTM(weights, operation=operation)
+    model = TreeLSTM(weights, operation=operation, loom=loom)
     names = list(model.w)
 
     async def loss_and_gradients(trees: list[Tree]) -> tuple[float, Weights]:
@@ -132,6 +136,14 @@ def _monadl_cell(weights: Weights) -> Variant | None:
     return _monadl(weights, lambda: ml.settings(**on), operation=True)
 
 
+def _monadl_loom(weights: Weights) -> Variant | None:
+    """The marked cell's calls of a batch recorded in one ``ml.loom()`` block, batching on."""
+    if not batching_available() or not hasattr(ml, "loom"):
+        return None
+    on: dict[str, Any] = {"batching": True}
+    return _monadl(weights, lambda: ml.settings(**on), operation=True, loom=True)
+
+
 def _monadl_cell_off(weights: Weights) -> Variant | None:
     """The marked cell with batching off: node by node, one operation node
     each; beside "monadl cell", what batching buys the cell like for like."""
@@ -166,6 +178,7 @@ VARIANTS: dict[str, Builder] = {
     "monadl": _monadl_unbatched,
     "monadl batching": _monadl_batching,
     "monadl cell": _monadl_cell,
+    "monadl loom": _monadl_loom,
     "monadl cell off": _monadl_cell_off,
     "monadl fold": _monadl_fold,
     "torch per-node": _treelstm_torch.per_node,
@@ -270,11 +283,12 @@ def count_layers(root: ml.Layer[Any, Any]) -> int:
     return len(seen)
 
 
-def build_cost(weights: Weights, trees: list[Tree], operation: bool = False) -> BuildCost:
+def build_cost(weights: Weights, trees: list[Tree], operation: bool = False, loom: bool = False) -> BuildCost:
     """Building one batch's training graph, with the collector as a training
     loop has it after its first step (one evaluation of such a graph fits the
-    collector's threshold to it; ``operation``: the cell marked as one operation)."""
-    model = TreeLSTM(weights, operation=operation)
+    collector's threshold to it; ``operation``: the cell marked as one
+    operation; ``loom``: its calls recorded in one ``ml.loom()`` block)."""
+    model = TreeLSTM(weights, operation=operation, loom=loom)
     with ml.settings(batching=True) if batching_available() else nullcontext():
         anyio.run(model.loss(trees).predict)
     collecting: list[float] = []
@@ -338,11 +352,15 @@ def run_grid(args: argparse.Namespace) -> None:
             for batch in args.batch:
                 batches = make_batches(batch, 3, shape == "balanced")
                 weights = init_weights(hidden)
-                for operation in (False, True):
-                    cost = min((build_cost(weights, batches[0], operation) for _ in range(3)), key=lambda c: c.seconds)
+                builds = [(False, False, ""), (True, False, " (cell as operation)")]
+                builds += [(True, True, " (cells in an ml.loom() block)")] if hasattr(ml, "loom") else []
+                for operation, loom, label in builds:
+                    cost = min(
+                        (build_cost(weights, batches[0], operation, loom) for _ in range(3)), key=lambda c: c.seconds
+                    )
                     nodes = sum(len(t.symbol) for t in batches[0])
                     print(
-                        f"# build{' (cell as operation)' if operation else ''} ({shape}, H={hidden}, batch {batch}): "
+                        f"# build{label} ({shape}, H={hidden}, batch {batch}): "
                         f"{cost.layers} layers in {cost.seconds:.3f} s, {1e6 * cost.seconds / cost.layers:.2f} us/layer, "
                         f"{1e6 * cost.seconds / nodes:.2f} us/tree node ({1e6 * (cost.seconds - cost.gc_seconds) / cost.layers:.2f} "
                         f"us/layer without GC); cyclic GC {cost.gc_seconds:.3f} s = {100 * cost.gc_seconds / cost.seconds:.0f}% "

@@ -19,7 +19,10 @@ internal node; ``W x + b`` is an embedding lookup, since x is one of a few
 symbols. It is written the natural way: a Python loop over each tree's nodes
 that builds monadl layers node by node, then one ``await loss.train()`` per
 mini-batch of trees. The loop visits nodes children first (trees are stored
-in that order), so building never recurses and any depth builds.
+in that order), so building never recurses and any depth builds. Each node's
+cell is marked as one ``ml.operation``, and the batch's trees are built in
+one ``with ml.loom():`` block, so their cells' calls run by depth, one
+batched call per depth and cell for the whole batch (`tree_logits`).
 
 Run: ``python examples/tree_lstm.py`` (or ``python -m examples.tree_lstm``;
 ``--help`` for the sizes). Shows a progress bar, prints both models' test
@@ -32,6 +35,7 @@ import argparse
 import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -240,15 +244,20 @@ def encode(cells: Cells, tree: Tree) -> ml.ArrayLayer:
     return states[-1].h
 
 
-def tree_logits(params: Params, hidden: int, trees: Sequence[Tree], cells: Cells | None = None) -> ml.ArrayLayer:
+def tree_logits(
+    params: Params, hidden: int, trees: Sequence[Tree], cells: Cells | None = None, loom: bool = False
+) -> ml.ArrayLayer:
     """``(trees, 10)``: the scores of each tree's value mod 10, read from its root.
+    ``loom``: the trees' cells (marked operations) recorded in one ``ml.loom()``
+    block, computed by depth as one node (the same values and gradients).
 
     >>> trees = make_trees(3, 2, 4, seed=0)
     >>> anyio.run(tree_logits(init_weights(4), 4, trees).predict).shape
     (3, 10)
     """
     cells = cells or Cells.of(params, hidden)
-    roots = ml.concatenate([encode(cells, t) for t in trees], axis=0)
+    with ml.loom() if loom else nullcontext():
+        roots = ml.concatenate([encode(cells, t) for t in trees], axis=0)
     return ml.dense(roots, params["out"], params["out_bias"])
 
 
@@ -257,9 +266,15 @@ class TreeLSTM:
     """The binary Tree-LSTM's weights, each trained with Adam."""
 
     def __init__(
-        self, weights: dict[str, ml.Array], learning_rate: float = 0.01, operation: bool = True, device: str = "cpu"
+        self,
+        weights: dict[str, ml.Array],
+        learning_rate: float = 0.01,
+        operation: bool = True,
+        device: str = "cpu",
+        loom: bool = False,
     ) -> None:
         """``operation``: each node one `ml.operation` node (False: every op a layer).
+        ``loom``: a batch's cells recorded in an ``ml.loom()`` block (`tree_logits`).
         ``device``: ``"cuda"`` puts the weights on the GPU (CuPy); the trees'
         symbols and labels stay host data, which the lookups and the loss
         check on the host and copy over."""
@@ -267,9 +282,10 @@ class TreeLSTM:
         put = on_device(device)
         self.w = {k: ml.Weight(put(v.copy()), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
         self.cells = Cells.of(self.w, self.hidden, operation)
+        self.loom = loom
 
     def logits(self, trees: Sequence[Tree]) -> ml.ArrayLayer:
-        return tree_logits(self.w, self.hidden, trees, self.cells)
+        return tree_logits(self.w, self.hidden, trees, self.cells, self.loom)
 
     def loss(self, trees: Sequence[Tree]) -> ml.ScalarLayer:
         return ml.cross_entropy(self.logits(trees), labels(trees))
@@ -337,7 +353,7 @@ async def run(
     train = make_trees(train_size, 2, max_leaves, seed)
     test = make_trees(test_size, 2, max_leaves, seed + 1_000_003)
     majority = float(np.mean(labels(test) == np.argmax(np.bincount(labels(train), minlength=DIGITS))))
-    model = TreeLSTM(init_weights(hidden, seed), device=device)
+    model = TreeLSTM(init_weights(hidden, seed), device=device, loom=True)
     tree_lstm = await LABELLED.fit(model, train, test, epochs, batch, seed, "Tree-LSTM", progress)
     bag = BagOfSymbols(hidden, seed)
     baseline = await LABELLED.fit(bag, train, test, epochs, batch, seed, "bag of symbols", progress)

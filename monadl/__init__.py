@@ -21,6 +21,7 @@ from monadl.errors import (
     OperandError,
     ShapeError,
 )
+from monadl.fold._loom import loom
 from monadl.gradcheck import check_grads, gradients, value_and_gradients
 from monadl.graph import render_graph, to_dot
 from monadl.layers import (
@@ -137,6 +138,7 @@ __all__ = [
     "log_sigmoid",
     "log_softmax",
     "logsumexp",
+    "loom",
     "matmul",
     "max",
     "max_pool2d",

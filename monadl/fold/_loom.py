@@ -52,6 +52,10 @@ once, when the batch is built, with NumPy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from contextvars import Token
+from sys import _getframe
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
@@ -60,6 +64,8 @@ from monadl.fold._loom_run import LOOM, SLOT
 from monadl.fold._loom_schedule import Schedule
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._primitives import AS_LAYER
+from monadl.layers._recording import RECORDING, Recorder
+from monadl.layers._site import PACKAGE_DIR, caller_site
 from monadl.layers._structures import filler
 from monadl.layers._tracing import _taker
 
@@ -69,7 +75,7 @@ if TYPE_CHECKING:
     from monadl.layers._tracing import Trace
     from monadl.layers._weight import Weight
 
-__all__ = ["LOOM", "SLOT", "Loom"]
+__all__ = ["LOOM", "SLOT", "Loom", "loom"]
 
 _INDICES: Final = frozenset("biu")
 
@@ -82,13 +88,14 @@ class _Group:
     call's slots are numbered from its first layer's number (less the
     loom's), so that an error finds the input of the batch it was built for."""
 
-    __slots__ = ("depth", "firsts", "key", "members", "site", "trace")
+    __slots__ = ("depth", "firsts", "key", "members", "site", "sites", "trace")
 
     def __init__(self, trace: Trace, key: int, depth: int, site: Site | None) -> None:
         self.trace = trace
         self.key = key  # (its outputs' first key: which arena each goes to, `Schedule`)
         self.depth = depth
         self.site = site  # (its block's line: where each of its calls was built)
+        self.sites: list[Site] = []  # (else, per member, the line that called it: an ``ml.loom()`` block's)
         self.members: list[list[Any]] = []
         self.firsts: list[int] = []
 
@@ -101,7 +108,7 @@ _Known: TypeAlias = "tuple[int, Callable[[list[Any]], tuple[Any, ...]], tuple[in
 class Loom:
     """One batch's recorded calls, and the node that runs them (see the module's docstring)."""
 
-    __slots__ = ("base", "count", "groups", "node", "traces", "weights")
+    __slots__ = ("base", "closed", "count", "groups", "node", "thread", "traces", "weights")
 
     def __init__(self, site: Site) -> None:
         # The node first: every slot and every layer built over one comes after it, as
@@ -117,10 +124,23 @@ class Loom:
         self.traces: dict[int, _Known] = {}
         self.count = 0
         self.weights: dict[Weight[Any, Any], int] = {}
+        self.thread = get_ident()  # (an ``ml.loom()`` block records its own thread's calls only)
+        self.closed = False
 
-    def call(self, op: Operation[Any, Any], x: Any) -> Any:
-        """A `Function` block's call on ``x`` in a batch: recorded, or built as outside one."""
-        trace, leaves, sources = op.found((x,), {})
+    def record(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of ``op`` while an ``ml.loom()`` block is open in this
+        context: recorded if made in the block's thread (a worker thread
+        that copied the context builds its own nodes) before the block ended
+        (a task it started may go on after it), else built as outside one."""
+        if self.closed or get_ident() != self.thread:
+            trace, leaves, sources = op.found(args, kwargs)
+            return trace.make(leaves, sources, op._site)
+        return self.call(op, args, kwargs)
+
+    def call(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of ``op`` (a `Function` block's in a batch, or one in an
+        ``ml.loom()`` block): recorded, or built as outside one."""
+        trace, leaves, sources = op.found(args, kwargs)
         known = self.traces.get(id(trace))
         if known is None:
             known = self.traces[id(trace)] = self._known(trace, leaves, sources)
@@ -148,6 +168,12 @@ class Loom:
             group = self.groups[at] = _Group(trace, key, depth, op._site)
         group.members.append(operands)
         site: Any = op._site  # (a `Function`'s: where the block was made)
+        if site is None:  # (a call in an ``ml.loom()`` block: the line that made it, as its node's would be)
+            frame = _getframe(3)  # (this, `record`, `Operation.__call__`, then the caller)
+            while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
+                frame = frame.f_back
+            site = (frame.f_code, frame.f_lasti)
+            group.sites.append(site)
         serial = _next_serial()
         first = serial - self.base
         group.firsts.append(first)
@@ -191,7 +217,71 @@ class Loom:
 
     def done(self) -> None:
         """The batch is built: the loom node reads its weights and runs its schedule."""
+        self.closed = True
         if not self.groups:
             return
         self.node._inputs = tuple(self.weights)
         self.node._params = (Schedule(self),)
+
+
+# ---- an ``ml.loom()`` block --------------------------------------------------------------------
+@final
+class _Block:
+    """An ``ml.loom()`` block: its loom, open in this context while it runs."""
+
+    __slots__ = ("loom", "site", "token")
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.loom: Loom | None = None
+        self.token: Token[Recorder | None] | None = None
+
+    def __enter__(self) -> None:
+        if self.loom is not None:
+            raise RuntimeError("ml.loom(): a block is entered once; write `with ml.loom():` for each")
+        self.loom = Loom(self.site)
+        self.token = RECORDING.set(self.loom)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.loom is not None and self.token is not None
+        RECORDING.reset(self.token)
+        self.loom.done()  # (on an error too: the calls recorded so far are a graph the user may still hold)
+
+
+def loom() -> AbstractContextManager[None]:
+    """A block whose calls of marked operations (`ml.operation`) are
+    recorded and, when the graph runs, computed by depth: per depth and
+    trace, one call of the operation's program on the members' stacked
+    operands, as TF Fold's loom does (a Fold batch's `Function` calls are
+    recorded so already: ``block.batch(inputs)``).
+
+    A natural recursion over a batch of trees, each node a call of a marked
+    cell, is then ONE node of the graph and a read per output, where without
+    the block each call is a node that the runtime walks, groups and
+    gathers every step (a Tree-LSTM at H = 128, 32 random 128-leaf trees:
+    1.3-1.4x the trees a second; `BENCHMARKS.md`). Values and gradients are
+    those of the same calls built outside a block.
+
+    Recorded is a call made in the block's thread, before it ends, whose
+    operands are each an output of the block's earlier recorded calls, a
+    constant row of data or an integer or boolean NumPy array (indices),
+    and whose weights are NumPy's; any other call builds its node as
+    outside a block (a float argument, a layer built otherwise, a weight
+    passed in, another thread's call). Every recorded call is computed when
+    the graph that reads any of them runs, read or not, so keep a block to
+    the calls one graph reads. It pays where many calls share a depth (the
+    trees of a batch); a single sequence's steps are a group of one each, and
+    its nodes run faster without it. Batching off (``Settings(batching=False)``)
+    or ``check_finite`` runs the calls one by one, an error naming the
+    operation's line. A recorded call's output is read after the block:
+    a graph run inside it that reads one is refused.
+
+    >>> import anyio, numpy as np, monadl as ml
+    >>> w = ml.Weight(np.ones((2, 2)))
+    >>> cell = ml.operation(lambda h: ml.tanh(h @ w))
+    >>> with ml.loom():
+    ...     ends = [cell(cell(ml.as_layer(np.full((1, 2), x)))) for x in (0.5, 1.0)]
+    >>> anyio.run(ml.concatenate(ends, axis=0).predict).round(3).tolist()
+    [[0.909, 0.909], [0.959, 0.959]]
+    """
+    return _Block(caller_site())

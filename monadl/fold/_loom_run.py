@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 import numpy as np
 
 from monadl._namespace import all_finite, namespace
-from monadl.errors import NonFiniteError
+from monadl.errors import NonFiniteError, OperandError
 from monadl.fold._loom_schedule import Schedule, _Planned
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import backward_made, data_held, finite_delta, made
@@ -117,6 +117,11 @@ class LoomValue:
 
 def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]:
     """The loom node's rule: its weights' values, then its `Schedule`."""
+    if not args or type(args[-1]) is not Schedule:  # (an ``ml.loom()`` block still open: no schedule yet)
+        raise OperandError(
+            "ml.loom(): a call recorded in an ml.loom() block was read while the block was open; "
+            "read its outputs (predict, train, await) after the block ends"
+        )
     *weights, schedule = args
     value = LoomValue(schedule)
     value.weights = weights
@@ -131,7 +136,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
             if _log.isEnabledFor(logging.DEBUG):
                 calls = sum(plan.n for plan in schedule.planned)
                 where = site_text(schedule.site)
-                _log.debug("a Fold batch of %d calls (built at %s) runs its calls one by one: %s", calls, where, why)
+                _log.debug("a loom of %d calls (built at %s) runs its calls one by one: %s", calls, where, why)
             value.arenas, value.vjps = [], []
             _one_by_one(value, weights, False)
     grads: list[Any] | None = None
@@ -148,7 +153,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
     return value, tuple([rule(j) for j in range(len(weights))])
 
 
-LOOM: Final = Primitive("fold batch", _loom_rule, names_errors=True)
+LOOM: Final = Primitive("loom", _loom_rule, names_errors=True)
 
 
 def _batched(value: LoomValue, weights: list[Any]) -> None:

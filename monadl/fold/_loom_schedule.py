@@ -107,8 +107,9 @@ class Schedule:
         self.capacity = capacity
 
     def where(self, group: _Group, row: int) -> str:
-        """``file:line`` of the block that made a call, and the input of the batch it was built for."""
-        site = self.site if group.site is None else group.site
+        """``file:line`` of the block that made a call (of an ``ml.loom()``
+        block's, the line that called it), and the input of the batch it was built for."""
+        site = group.sites[row] if group.sites else self.site if group.site is None else group.site
         return site_text(site) + built_for(self.base + group.firsts[row])
 
 

@@ -72,6 +72,7 @@ only within it: a sequence's steps are a group each, and a loom of 1,500
 groups of one ran a reviewer's RNN at 2.2x the time of its nodes, which the
 runtime's own cost rule leaves unbatched; a tree's levels still batch there."""
 Run = Callable[[Any], Any]
+_NO_KEYWORDS: Final[dict[str, Any]] = {}  # (a `Function` call's: never written to)
 
 
 def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | None = None) -> list[Y]:
@@ -142,7 +143,7 @@ class _Runner:
             cell = block._cell
             if cell is not None and self.loom is not None:
                 call = self.loom.call
-                return lambda x: call(cell, x)
+                return lambda x: call(cell, (x,), _NO_KEYWORDS)
             f: Run = block._function()
             return f
         if nesting >= NESTING:

@@ -78,6 +78,7 @@ from monadl.layers._function_copy import function_shell, holds
 from monadl.layers._held import Held, reach
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._plans import UNSEEN, Plan, keyed, learn
+from monadl.layers._recording import RECORDING
 from monadl.layers._site import Site
 from monadl.layers._structures import flatten, items
 from monadl.layers._trace_advice import why_traces
@@ -208,6 +209,10 @@ class Operation(Generic[P, R]):
         return self
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        loom = RECORDING.get()
+        if loom is not None:  # (an ``ml.loom()`` block's: the call is recorded there, or built as here)
+            recorded: R = loom.record(self, args, kwargs)
+            return recorded
         trace, leaves, sources = self.found(args, kwargs)
         result: R = trace.make(leaves, sources, self._site)  # (Any: no cast, a call per node)
         return result

@@ -44,6 +44,7 @@ from monadl.layers._operand import numbers_given
 from monadl.layers._outputs import ARGUMENT, OUTPUT
 from monadl.layers._primitives import WEIGHT_LAYER, Primitive
 from monadl.layers._program import Program
+from monadl.layers._recording import RECORDING
 from monadl.layers._site import Site, site_text
 from monadl.layers._step import Step
 from monadl.layers._structures import filler, rebuild, template
@@ -136,6 +137,7 @@ def _record(
     numbers = frozenset([id(h) for h, x in zip(holders, leaves) if isinstance(x, float | int | np.number)])
     TRACING[thread] = name
     NUMBERS[thread] = numbers
+    token = RECORDING.set(None)  # (operations called in ``f`` are steps of this trace, not a loom's calls)
     try:
         result = f(*args, **kwargs)
     except OperandError as exc:
@@ -143,6 +145,7 @@ def _record(
         numbers_given(exc, numbers)
         raise
     finally:
+        RECORDING.reset(token)
         if outer is None:
             del TRACING[thread]
         else:

@@ -18,7 +18,8 @@ from examples.tree_lstm import init_weights, random_tree
 def test_every_available_variant_gives_the_same_loss_and_gradients(balanced: bool) -> None:
     worst = treelstm.check_equivalence(hidden=4, batch=3, leaves=9, balanced=balanced)
     expected = {"monadl"} | ({"torch per-node", "torch by depth"} if _treelstm_torch.available() else set())
-    expected |= {"monadl batching", "monadl cell", "monadl cell off"} if treelstm.batching_available() else set()
+    batched = {"monadl batching", "monadl cell", "monadl loom", "monadl cell off"}  # (loom: one ml.loom() block)
+    expected |= batched if treelstm.batching_available() else set()
     expected |= {"monadl fold"}  # the Tree-LSTM as Fold blocks (examples/tree_lstm_fold.py)
     expected |= {"numpy by depth"}  # the limit: by depth in NumPy, the backward by hand
     assert set(worst) == expected

@@ -1,0 +1,234 @@
+"""An ``ml.loom()`` block (`monadl.fold._loom.loom`): the calls of marked
+operations made in it recorded and run by depth as one node, with the
+values, gradients, steps and errors of the same calls built as nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from examples.tree_lstm import TreeLSTM, init_weights, make_trees
+from monadl.fold import Function, Vector
+from monadl.fold._loom import LOOM, SLOT
+from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.node import collect
+
+
+def ops_of(root: ml.Layer[Any, Any]) -> list[str]:
+    return [x._op.name for x in collect(Evaluation(train=True), [root])]
+
+
+def value_and_grads(loss: ml.ScalarLayer, weights: Sequence[ml.ArrayWeight]) -> tuple[float, list[Any]]:
+    async def run() -> tuple[float, list[Any]]:
+        grads = await ml.gradients(loss, list(weights))
+        return float(await loss.predict()), grads
+
+    return anyio.run(run)
+
+
+def dense(g: Any) -> Any:
+    return g.to_dense() if hasattr(g, "to_dense") else g
+
+
+def rows(*xs: float) -> list[ml.ArrayLayer]:
+    return [ml.as_layer(np.array([[x, 2 * x, -x]])) for x in xs]
+
+
+def chain_cell(seed: int = 0) -> tuple[ml.ArrayWeight, Callable[[ml.ArrayLayer], ml.ArrayLayer]]:
+    w = ml.Weight(np.random.default_rng(seed).normal(size=(3, 3)))
+    return w, ml.operation(lambda h: ml.tanh(h @ w))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_tree_lstm_in_a_loom_is_one_node_with_the_values_gradients_and_steps_of_its_nodes(dtype: Any) -> None:
+    """The natural recursion over a batch of trees, its cells marked: in a
+    block, one loom node and a slot per read output; the loss, every
+    weight's gradient and one Adam step as without the block."""
+    trees = make_trees(8, 2, 9, seed=3)
+    models = [TreeLSTM(init_weights(8, seed=1, dtype=dtype), loom=loom) for loom in (False, True)]
+    losses = [m.loss(trees) for m in models]
+    plain, woven = (ops_of(loss) for loss in losses)
+    assert LOOM.name not in plain and woven.count(LOOM.name) == 1 and SLOT.name in woven
+    assert woven.count(SLOT.name) == len(trees) and len(woven) < len(trees) + 6  # (a root's h each; the head)
+    (v0, g0), (v1, g1) = (value_and_grads(loss, list(m.w.values())) for loss, m in zip(losses, models))
+    tolerance = 1e-12 if dtype is np.float64 else 1e-6
+    assert v1 == pytest.approx(v0, rel=tolerance)
+    for a, b in zip(g0, g1):
+        np.testing.assert_allclose(dense(b), dense(a), rtol=tolerance, atol=tolerance * 1e-2)
+    for loss in losses:
+        anyio.run(loss.train)
+    for name in models[0].w:
+        np.testing.assert_allclose(models[1].w[name].data, models[0].w[name].data, rtol=tolerance, atol=1e-7)
+
+
+@pytest.mark.parametrize("settings", [{"batching": False}, {"check_finite": True}])
+def test_calls_run_one_by_one_with_batching_off_or_checked_alike(settings: dict[str, Any]) -> None:
+    w, cell = chain_cell(1)
+    with ml.loom():
+        ends = [cell(cell(x)) for x in rows(0.1, 0.2, 0.3)]
+    loss = ml.sum(ml.concatenate(ends, axis=0))
+    expected = sum(
+        float(np.sum(np.tanh(np.tanh(np.array([[x, 2 * x, -x]]) @ w.data) @ w.data))) for x in (0.1, 0.2, 0.3)
+    )
+    with ml.settings(**settings):
+        assert anyio.run(loss.predict) == pytest.approx(expected, rel=1e-14)
+    assert anyio.run(loss.predict) == pytest.approx(expected, rel=1e-14)
+
+
+def test_a_nan_a_call_makes_under_check_finite_names_the_operations_line_and_nothing_steps() -> None:
+    w = ml.Weight(np.ones((3, 3)))
+    cell = ml.operation(lambda x: ml.log(x @ w))  # the cell's line
+    with ml.loom():
+        outs = [cell(x) for x in rows(1.0, -5.0, 2.0)]
+    loss = ml.sum(ml.concatenate(outs, axis=0))
+    with ml.settings(check_finite=True), pytest.raises(ml.NonFiniteError) as info:
+        anyio.run(loss.train)
+    assert "log" in str(info.value) and f"{__file__}:" in str(info.value)
+    np.testing.assert_array_equal(w.data, np.ones((3, 3)))
+
+
+def test_a_graph_run_inside_the_block_that_reads_a_recorded_call_is_refused() -> None:
+    _, cell = chain_cell(2)
+    with ml.loom():
+        h = cell(rows(0.5)[0])
+        assert ops_of(h).count(LOOM.name) == 1
+        with pytest.raises(ml.OperandError, match=r"read while the block was open.*after the block ends"):
+            anyio.run(h.predict)
+    assert anyio.run(h.predict).shape == (1, 3)  # (after it: the block's loom is complete)
+
+
+def test_an_error_in_the_block_keeps_the_calls_recorded_so_far_runnable() -> None:
+    w, cell = chain_cell(3)
+    kept: list[ml.ArrayLayer] = []
+    with pytest.raises(ZeroDivisionError), ml.loom():
+        kept.append(cell(rows(0.5)[0]))
+        _ = 1 / 0
+    expected = np.tanh(np.array([[0.5, 1.0, -0.5]]) @ w.data)
+    np.testing.assert_allclose(anyio.run(kept[0].predict), expected, rtol=1e-14)
+    assert anyio.run(cell(rows(0.5)[0]).predict).shape == (1, 3)  # (no block left open)
+    assert LOOM.name not in ops_of(cell(rows(0.5)[0]))
+
+
+def test_calls_of_another_thread_or_after_the_block_build_their_own_nodes() -> None:
+    """A worker thread that copied the block's context, and a call made after
+    the block (a task it started may go on), build nodes as outside one:
+    over the block's slots where they read its calls' outputs."""
+    w, cell = chain_cell(4)
+    made: list[ml.ArrayLayer] = []
+    with ml.loom():
+        first = cell(rows(0.3)[0])
+        context = contextvars.copy_context()
+        worker = threading.Thread(target=lambda: made.append(context.run(cell, first)))
+        worker.start()
+        worker.join()
+    after = cell(first)
+    for layer in (made[0], after):
+        names = ops_of(layer)
+        assert names.count(LOOM.name) == 1 and len([n for n in names if "<lambda>" in n]) == 1
+        expected = np.tanh(np.tanh(np.array([[0.3, 0.6, -0.3]]) @ w.data) @ w.data)
+        np.testing.assert_allclose(anyio.run(layer.predict), expected, rtol=1e-14)
+
+
+def test_calls_the_block_cannot_record_build_nodes_and_an_operation_traced_in_it_records_nothing() -> None:
+    """A float argument, a weight passed in, a layer built outside the
+    block's calls: nodes, as outside a block. An operation called inside
+    another's body while that one is traced in the block is a step of its
+    trace, not a call of the block's."""
+    w, cell = chain_cell(5)
+    scaled = ml.operation(lambda h, s: cell(h) * s)  # (``cell`` inside: traced into ``scaled``)
+    times = ml.operation(lambda h, v: h @ v)
+    with ml.loom():
+        x = rows(0.2)[0]
+        a = scaled(x, 0.5)  # a float: a node
+        b = times(cell(x), w)  # a weight passed in: a node over the slot
+        c = cell(ml.tanh(x))  # a layer built otherwise: a node
+    loss = ml.sum(a) + ml.sum(b) + ml.sum(c)
+    names = ops_of(loss)
+    assert names.count(LOOM.name) == 1 and len([n for n in names if "<lambda>" in n]) == 3
+    data = np.array([[0.2, 0.4, -0.2]])
+    expected = (
+        np.sum(np.tanh(data @ w.data) * 0.5)
+        + np.sum(np.tanh(data @ w.data) @ w.data)
+        + np.sum(np.tanh(np.tanh(data) @ w.data))
+    )
+    assert anyio.run(loss.predict) == pytest.approx(expected, rel=1e-14)
+
+
+def test_nested_blocks_and_a_fold_batch_inside_one_give_the_values_of_no_block() -> None:
+    w, cell = chain_cell(6)
+    block = Vector(3, "float64") >> Function[ml.ArrayLayer, ml.ArrayLayer](cell)
+
+    def build() -> ml.ScalarLayer:
+        outer = [cell(x) for x in rows(0.1, 0.4)]
+        with ml.loom():
+            inner = [cell(h) for h in outer] + [cell(cell(x)) for x in rows(0.7, 0.9)]
+        batch = block.batch([[0.1, 0.2, 0.3], [0.3, 0.2, 0.1]])
+        return ml.sum(ml.concatenate([*outer, *inner, *batch], axis=0))
+
+    plain = build()
+    with ml.loom():
+        woven = build()
+    (v0, g0), (v1, g1) = (value_and_grads(loss, [w]) for loss in (plain, woven))
+    assert v1 == pytest.approx(v0, rel=1e-14)
+    np.testing.assert_allclose(g1[0], g0[0], rtol=1e-13)
+    assert ops_of(woven).count(LOOM.name) == 3  # (outer block, inner block, the Fold batch)
+
+
+def test_a_weight_only_unread_calls_use_takes_no_step_and_a_block_is_entered_once() -> None:
+    w, cell = chain_cell(7)
+    v = ml.Weight(np.eye(3), optimizer=ml.optim.adam(0.1))
+    other = ml.operation(lambda h: ml.tanh(h @ v))
+    block = ml.loom()
+    with block:
+        read = cell(rows(0.3)[0])
+        other(rows(0.6)[0])  # never read
+    _, grads = anyio.run(ml.value_and_gradients, ml.sum(read))
+    assert list(grads) == [w]
+    anyio.run(ml.sum(read).train)
+    np.testing.assert_array_equal(v.data, np.eye(3))
+    with pytest.raises(RuntimeError, match="entered once"), block:
+        pass
+
+
+def test_keyword_arguments_and_several_outputs_are_recorded() -> None:
+    w, _ = chain_cell(8)
+    pair = ml.operation(lambda h, *, scale: (ml.tanh(h @ w), ml.sigmoid(h) * scale))
+    with ml.loom():
+        outs = [pair(pair(x, scale=2)[0], scale=2) for x in rows(0.1, 0.5)]
+    loss = ml.sum(ml.concatenate([a + b for a, b in outs], axis=0))
+    assert ops_of(loss).count(LOOM.name) == 1
+    expected = 0.0
+    for x in (0.1, 0.5):
+        h = np.tanh(np.array([[x, 2 * x, -x]]) @ w.data)
+        expected += float(np.sum(np.tanh(h @ w.data) + 2.0 / (1 + np.exp(-h))))
+    assert anyio.run(loss.predict) == pytest.approx(expected, rel=1e-14)
+
+
+def test_a_calls_error_names_the_line_that_called_it_as_its_node_would() -> None:
+    """A call's error names the user's line that made the call, the line in
+    the cell and the weight's line: the same text as the call built as a node."""
+    w = ml.Weight(np.ones((3, 3)))  # the weight's line
+    cell = ml.operation(lambda ids: ml.embedding(w, ids) @ ml.embedding(w, ids))
+
+    def build() -> ml.ScalarLayer:
+        outs = [cell(np.zeros(n, np.int64)) for n in (1, 2)]  # the calls' line
+        return ml.sum(ml.stack([ml.sum(o) for o in outs]))
+
+    messages = []
+    for loom in (False, True):
+        with ml.loom() if loom else contextlib.nullcontext():
+            loss = build()
+        with pytest.raises(ml.ShapeError) as info:
+            anyio.run(loss.predict)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    line = build.__code__.co_firstlineno + 1
+    assert f"layer built at {__file__}:{line};" in messages[1]
