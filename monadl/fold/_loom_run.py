@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
@@ -32,8 +33,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from monadl.fold._loom import _Group
+    from monadl.layers._site import Site
 
-__all__ = ["LOOM", "SLOT", "LoomDelta"]
+__all__ = ["LOOM", "SLOT", "LoomDelta", "Open"]
 
 _log: Final = logging.getLogger("monadl.batching")
 
@@ -82,6 +84,16 @@ class LoomDelta:
 
 
 # ---- running it --------------------------------------------------------------------------------
+@final
+class Open:
+    """The loom node's parameter while its ``ml.loom()`` block is open (`Schedule` when it ends)."""
+
+    __slots__ = ("site",)
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+
+
 class _Unbatched(Exception):
     """The schedule cannot run batched (a step with no batching rule, shapes
     that differ within an arena, a group that failed): its calls run one by one."""
@@ -117,10 +129,11 @@ class LoomValue:
 
 def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]:
     """The loom node's rule: its weights' values, then its `Schedule`."""
-    if not args or type(args[-1]) is not Schedule:  # (an ``ml.loom()`` block still open: no schedule yet)
+    if type(args[-1]) is Open:  # (an ``ml.loom()`` block still open: no schedule yet)
         raise OperandError(
-            "ml.loom(): a call recorded in an ml.loom() block was read while the block was open; "
-            "read its outputs (predict, train, await) after the block ends"
+            f"ml.loom(): a call recorded in the ml.loom() block at {site_text(args[-1].site)} was read while "
+            "the block was open (its calls are scheduled when it ends); read its outputs (predict, train, "
+            "await) after the block"
         )
     *weights, schedule = args
     value = LoomValue(schedule)
@@ -281,36 +294,67 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
     grads: list[Any] = [None] * count
     for plan, vjps in zip(reversed(schedule.planned), reversed(value.vjps)):
         n = plan.n
-        hit = None
-        parts = []
-        for a, start in plan.outs:
-            parts.append(deltas[a][start : start + n])
-            seen = reached[a][start : start + n]
-            hit = seen if hit is None else hit | seen
-        assert hit is not None
+        parts = [deltas[a][start : start + n] for a, start in plan.outs]
+        seen = [reached[a][start : start + n] for a, start in plan.outs]
+        hit = seen[0] if len(seen) == 1 else np.logical_or.reduce(seen)
         if not hit.any():  # (no member got a delta: none sends one)
             continue
-        operands = plan.operands
-        if not hit.all():  # (the others' zero deltas times an infinite derivative, sqrt's at 0, would be NaN)
-            vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts)
-        d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
-        for p, (source, rows, unique) in enumerate(operands):
-            if source is None:  # (data)
-                continue
-            g = vjps[p](d)
-            if g is None:
-                continue
-            if unique:
+        if len(seen) > 1:  # (an output no member's reader reached sends none, as one call's would)
+            parts = [p if s.any() else None for p, s in zip(parts, seen)]
+        mixed = len(seen) > 1 and any(s.any() and not (s | ~hit).all() for s in seen)
+        with np.errstate(divide="ignore", invalid="ignore") if mixed else nullcontext():
+            sent = _sent(value, plan, vjps, parts, hit)
+        if mixed and not _finite(sent):
+            # Some members read an output that others did not: their zero rows times an infinite
+            # derivative (sqrt's at 0) made a NaN. Each pattern of read outputs alone, as one by one.
+            code = sum(s.astype(np.intp) << k for k, s in enumerate(seen))
+            sent = []
+            for c in np.unique(code[hit]).tolist():
+                read = [p if c >> k & 1 else None for k, p in enumerate(parts)]
+                sent += _sent(value, plan, vjps, read, code == c, whole=False)
+        for source, rows, unique, g in sent:
+            if source is None:  # (a weight's)
+                grads[rows] = g if grads[rows] is None else grads[rows] + g
+            elif unique:
                 deltas[source][rows] += g
+                reached[source][rows] = True
             else:
                 np.add.at(deltas[source], rows, g)
-            reached[source][rows] = True
-        base = len(plan.operands)
-        for i, j in enumerate(plan.weights):
-            g = vjps[base + i](d)
-            if g is not None:
-                grads[j] = g if grads[j] is None else grads[j] + g
+                reached[source][rows] = True
     return grads
+
+
+def _sent(
+    value: LoomValue, plan: _Planned, vjps: Any, parts: list[Any], hit: Any, whole: bool = True
+) -> list[tuple[int | None, Any, bool, Any]]:
+    """The deltas a group's members ``hit`` (a mask) send back from their
+    outputs' ``parts`` (None: an output none of them sends a delta for):
+    per operand read from an arena, (arena, rows, distinct, delta); per
+    weight, (None, its number, False, delta). Members not hit run again as a
+    group of their own (the others' zero deltas times an infinite
+    derivative, sqrt's at 0, would be NaN); ``whole``: the group ran with
+    all its members (else always again)."""
+    operands = plan.operands
+    n = plan.n
+    if not whole or not hit.all():
+        vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts)
+    d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
+    sent: list[tuple[int | None, Any, bool, Any]] = []
+    for p, (source, rows, unique) in enumerate(operands):
+        if source is not None:  # (else data)
+            g = vjps[p](d)
+            if g is not None:
+                sent.append((source, rows, unique, g))
+    base = len(plan.operands)
+    for i, j in enumerate(plan.weights):
+        g = vjps[base + i](d)
+        if g is not None:
+            sent.append((None, j, False, g))
+    return sent
+
+
+def _finite(sent: list[tuple[int | None, Any, bool, Any]]) -> bool:
+    return all(finite_delta(g) for *_, g in sent)
 
 
 def _reached_only(
@@ -322,7 +366,7 @@ def _reached_only(
     operands = [(source, rows[keep], unique) for source, rows, unique in plan.operands]
     result = _group_call(plan, operands, value.arenas, value.weights, len(keep))
     assert result is not None  # (the whole group batched)
-    return result[1], operands, [p[keep] for p in parts], len(keep)
+    return result[1], operands, [None if p is None else p[keep] for p in parts], len(keep)
 
 
 def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:

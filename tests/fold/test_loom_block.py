@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,7 +101,7 @@ def test_a_graph_run_inside_the_block_that_reads_a_recorded_call_is_refused() ->
     with ml.loom():
         h = cell(rows(0.5)[0])
         assert ops_of(h).count(LOOM.name) == 1
-        with pytest.raises(ml.OperandError, match=r"read while the block was open.*after the block ends"):
+        with pytest.raises(ml.OperandError, match=rf"block at {__file__}:\d+ was read while the block was open"):
             anyio.run(h.predict)
     assert anyio.run(h.predict).shape == (1, 3)  # (after it: the block's loom is complete)
 
@@ -232,3 +233,48 @@ def test_a_calls_error_names_the_line_that_called_it_as_its_node_would() -> None
     assert messages[0] == messages[1]
     line = build.__code__.co_firstlineno + 1
     assert f"layer built at {__file__}:{line};" in messages[1]
+
+
+def test_an_output_some_calls_leave_unread_sends_them_no_delta_through_an_infinite_derivative() -> None:
+    """A cell of two outputs, the second a sqrt at 0 in one call: read in one
+    call, unread in the other, and unread in a call alone. The unread one
+    sends no delta (a zero delta times sqrt's infinite derivative would be
+    NaN), as the calls built as nodes one by one."""
+    grads = []
+    for loom in (False, True):
+        w = ml.Weight(np.eye(2))
+        two = ml.operation(lambda h: (ml.tanh(h @ w), ml.sqrt(h @ w)))  # noqa: B023
+        with ml.loom() if loom else contextlib.nullcontext():
+            t1, _ = two(ml.as_layer(np.array([[0.0, 1.0]])))  # (its sqrt: 0 at the first entry)
+            t2, s2 = two(ml.as_layer(np.array([[1.0, 1.0]])))
+            t3, _ = two(two(ml.as_layer(np.array([[0.0, 2.0]])))[0])
+        with ml.settings(batching=False if not loom else None):
+            _, g = anyio.run(ml.value_and_gradients, ml.sum(t1) + ml.sum(t2 * s2) + ml.sum(t3))
+        grads.append(g[w])
+    assert np.isfinite(grads[1]).all()
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-14)
+
+
+def test_constant_rows_of_different_shapes_given_to_one_cell_group_apart() -> None:
+    rng = np.random.default_rng(9)
+    w = ml.Weight(rng.normal(size=(3, 4)))
+    pool = ml.operation(lambda x: ml.tanh(ml.mean(x @ w, axis=0, keepdims=True)))  # (n, 3) -> (1, 4)
+    sentences = [rng.normal(size=(n, 3)) for n in (2, 5, 3, 5)]
+    losses = []
+    for loom in (False, True):
+        with ml.loom() if loom else contextlib.nullcontext():
+            outs = [pool(ml.as_layer(s)) for s in sentences]
+        losses.append(value_and_grads(ml.sum(ml.concatenate(outs, axis=0)), [w]))
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-14)
+    np.testing.assert_allclose(losses[1][1][0], losses[0][1][0], rtol=1e-13)
+
+
+def test_the_block_says_at_debug_which_calls_it_built_as_nodes_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    _, cell = chain_cell(10)
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.loom():
+        a, b = (cell(x) for x in rows(0.1, 0.2))
+        cell(ml.concatenate([a[:, :1], b[:, 1:]], axis=1))  # the joining line
+        cell(a)
+    (said,) = [r.getMessage() for r in caplog.records if "ml.loom() block" in r.getMessage()]
+    assert "recorded 3 calls and built 1 as nodes" in said
+    assert f"an operand built outside the loom's calls (concatenate at {__file__}:" in said
