@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from contextvars import Token
 from sys import _getframe
 from threading import get_ident
@@ -268,7 +268,8 @@ class _Block:
     def __exit__(self, *exc: object) -> None:
         loom = self.loom
         assert loom is not None and self.token is not None
-        RECORDING.reset(self.token)
+        with suppress(ValueError):  # (exited in another context: an abandoned generator's; closed, it records no more)
+            RECORDING.reset(self.token)
         loom.done()  # (on an error too: the calls recorded so far are a graph the user may still hold)
         if loom.unrecorded and _log.isEnabledFor(logging.DEBUG):
             recorded = sum(len(g.members) for g in loom.groups.values())
@@ -292,7 +293,7 @@ def loom() -> AbstractContextManager[None]:
     cell, is then ONE node of the graph and a read per output, where without
     the block each call is a node that the runtime walks, groups and
     gathers every step (a Tree-LSTM at H = 128, 32 random 128-leaf trees:
-    1.3-1.4x the trees a second; `BENCHMARKS.md`). Values and gradients are
+    1.25-1.32x the trees a second; `BENCHMARKS.md`). Values and gradients are
     those of the same calls built outside a block.
 
     Recorded is a call made in the block's thread, before it ends, whose
@@ -306,7 +307,8 @@ def loom() -> AbstractContextManager[None]:
     than without the block); the logger ``monadl.batching`` says at DEBUG
     how many calls a block built as nodes and why. Every recorded call is
     computed when the graph that reads any of them runs, read or not, so
-    keep a block to the calls one graph reads. It pays where many calls
+    keep a block to the calls one graph reads; the calls' data (index
+    arrays, constant rows) are read when the block ends. It pays where many calls
     share a depth (the trees of a batch); a single sequence's steps are a
     group of one each (a chain of 2,000 steps: 2.7x the time of its nodes
     without the block). Batching off (``Settings(batching=False)``)

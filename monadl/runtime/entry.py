@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Generator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from math import prod
 from typing import Any, Final
 
@@ -21,6 +21,7 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows
 from monadl.do import FORWARD, Do
 from monadl.errors import NoGradientError, ShapeError
+from monadl.layers._recording import RECORDING
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
@@ -49,13 +50,19 @@ Machine = Generator[Any, Any, Any]
 
 @asynccontextmanager
 async def _transaction(ev: Evaluation) -> AsyncIterator[None]:
-    """Evaluate-then-commit-or-abort: on any failure, clean ``ev`` up and re-raise."""
+    """Evaluate-then-commit-or-abort: on any failure, clean ``ev`` up and re-raise.
+    An ``ml.loom()`` block open around the run records none of its calls
+    (an ``@ml.direct`` body's, which the run itself reads)."""
+    recording = None if RECORDING.get() is None else RECORDING.set(None)
     try:
         yield
     except BaseException as failure:
         await abort(ev, failure)
         raise
     finally:
+        if recording is not None:
+            with suppress(ValueError):  # (a coroutine closed outside the context it ran in)
+                RECORDING.reset(recording)
         # (their frames hold the contexts they ran in, which hold the evaluation: a cycle, kept
         # until a full collection, of the evaluation's records and arrays)
         ev.coroutines.clear()

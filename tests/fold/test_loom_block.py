@@ -278,3 +278,34 @@ def test_the_block_says_at_debug_which_calls_it_built_as_nodes_and_why(caplog: p
     (said,) = [r.getMessage() for r in caplog.records if "ml.loom() block" in r.getMessage()]
     assert "recorded 3 calls and built 1 as nodes" in said
     assert f"an operand built outside the loom's calls (concatenate at {__file__}:" in said
+
+
+def test_a_graph_run_inside_an_open_block_records_none_of_its_own_calls() -> None:
+    """An ``@ml.direct`` body calls a marked cell while the run reads it:
+    inside a block that reads none of the block's calls, it is a node."""
+    w, cell = chain_cell(11)
+
+    @ml.direct
+    async def plain(h: ml.ArrayLayer) -> ml.ScalarLayer:
+        v = await h
+        return ml.sum(cell(ml.as_layer(v)))
+
+    x = ml.as_layer(np.ones((1, 3)))
+    expected = anyio.run(plain(x).predict)
+    with ml.loom():
+        kept = cell(x)
+        assert anyio.run(plain(x).predict) == expected
+    np.testing.assert_allclose(anyio.run(kept.predict), np.tanh(np.ones((1, 3)) @ w.data), rtol=1e-14)
+
+
+def test_rows_of_two_float_dtypes_given_to_one_cell_are_refused_as_their_nodes_are() -> None:
+    w = ml.Weight(np.eye(3))
+    cell = ml.operation(lambda x: ml.tanh(x @ w))
+    messages = []
+    for loom in (False, True):
+        with ml.loom() if loom else contextlib.nullcontext():
+            outs = [cell(ml.as_layer(np.ones((1, 3), dtype))) for dtype in (np.float64, np.float32)]
+        with pytest.raises(ml.DTypeError) as info:
+            anyio.run(ml.sum(ml.concatenate(outs, axis=0)).predict)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
