@@ -60,6 +60,7 @@ from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_log import declined, ran, unbatched, watching
 from monadl.runtime.schedule.batched_records import (
+    Again,
     Operand,
     batchable,
     cast_scalars,
@@ -415,7 +416,8 @@ class _Run:
                 declined(members, None)
                 self.each(members)
             return
-        group_records(groups, members, result, operands, args)
+        again = Again(rule, tuple(batched), tuple(scalars) if type(op.rule) is Program else None, groups.outer)
+        group_records(groups, members, result, operands, args, again)
         self.batches += 1
         self.batched += n
 

@@ -34,13 +34,15 @@ class Gather:
     operands sent back (by index), and a slot per member for what its own
     record got (from a consumer that ran alone); summed once, when read.
     ``reached``, once summed: which members got a delta (a host mask;
-    None: all), for `Groups.narrow`.
+    None: all), for `Groups.narrow`; ``seen``, for several outputs: per
+    output, which members got a delta for it (None: all), where some got one
+    for an output that others reached did not (else None).
 
     The group record's accumulator holds this one object: each VJP that
     feeds it returns it, and ``+`` of it with itself is itself.
     """
 
-    __slots__ = ("like", "parts", "reached", "read", "rows", "stacked", "whole")
+    __slots__ = ("like", "parts", "reached", "read", "rows", "seen", "stacked", "whole")
 
     def __init__(self, like: Any) -> None:
         self.like = like
@@ -48,8 +50,9 @@ class Gather:
         self.rows: list[tuple[Source, Any]] = []
         self.stacked: Any = None
         self.whole: list[Any] | None = None  # per output part: the joints' slices summed as they come
-        self.read: list[Any] = []  # per joint's slice: the rows it carries a delta for (host)
+        self.read: list[tuple[Any, list[bool]]] = []  # per joint's slice: its rows with a delta (host), its outputs
         self.reached: Any = None
+        self.seen: list[Any] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,8 +77,8 @@ class Gather:
         scatter, which is freed once every group it reads has taken its rows,
         so that a group read by many levels holds one delta, not a scatter per
         level."""
-        self.read.append(read)
         pieces = delta.parts if type(delta) is OutputsDelta else (delta,)
+        self.read.append((read, [d is not None for d in pieces]))  # (not the slices: views of the scatter)
         if self.whole is None:
             self.whole = [None] * len(pieces)
         for k, d in enumerate(pieces):
@@ -97,8 +100,8 @@ class Gather:
         if self.stacked is None:
             like = self.like
             whole = self.whole
-            self.reached = reached = _reached(like.shape[0], self.rows, self.parts, self.read)
             if type(like) is StackedOutputs:  # a group of operation nodes with several outputs
+                self.reached, self.seen = _seen(like, self.rows, self.parts, self.read)
                 parts = []
                 for k, part in enumerate(like.parts):
                     rows = [(s, d.parts[k]) for s, d in self.rows if d.parts[k] is not None]
@@ -107,6 +110,7 @@ class Gather:
                     parts.append(_summed(part, rows, members, start) if rows or members or start is not None else None)
                 self.stacked = OutputsDelta(tuple(parts))
             else:
+                self.reached = reached = _reached(like.shape[0], self.rows, self.parts, [r for r, _ in self.read])
                 start = None if whole is None else whole[0]
                 self.stacked = _summed(like, self.rows, self.parts, start, reached is None)
             self.rows, self.parts, self.whole, self.read = [], {}, None, []
@@ -129,6 +133,31 @@ def _reached(n: int, rows: list[tuple[Source, Any]], members: dict[int, Any], re
     if members:
         mask[list(members)] = True
     return None if mask.all() else mask
+
+
+def _seen(
+    like: StackedOutputs, rows: list[tuple[Source, Any]], members: dict[int, Any], read: list[tuple[Any, Any]]
+) -> tuple[Any, list[Any] | None]:
+    """Of a group with several outputs: which members got a delta (as
+    `_reached`), and per output which got one for it, where the members
+    reached read different outputs (else None: each output's delta has a
+    row for every member reached, or for none)."""
+    n = like.shape[0]
+    seen = [
+        _reached(
+            n,
+            [(s, d) for s, d in rows if d.parts[k] is not None],
+            {i: d for i, d in members.items() if d.parts[k] is not None},
+            [r for r, carried in read if carried[k]],
+        )
+        for k in range(len(like.parts))
+    ]
+    if all(s is None for s in seen):  # (every member got a delta for every output: a tree's)
+        return None, None
+    masks = [np.ones(n, dtype=bool) if s is None else s for s in seen]
+    hit = np.logical_or.reduce(masks)
+    mixed = any(m.any() and not (m | ~hit).all() for m in masks)
+    return (None if hit.all() else hit), (masks if mixed else None)
 
 
 def _summed(

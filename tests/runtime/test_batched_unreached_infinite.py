@@ -1,0 +1,153 @@
+"""A group's members that got no delta make no NaN in the others' gradients.
+
+A group's delta has a zero row for each member that got none (its output
+unread, or read under ``stop_gradient``), and, for cells with several
+outputs, for each output a member left unread while others read it. Those
+zeros are no delta: alone, such a member sends nothing. But a zero times an
+infinite derivative (``sqrt``'s at 0) is a NaN, and in a delta the group
+shares (a weight's, summed over its members) it spoiled every member's. Each
+test compares the gradients with batching on (the case batches: `grouped`)
+and off, and with PyTorch where it is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import monadl as ml
+from monadl.runtime.schedule import batched, batched_records
+
+Loss = Callable[[ml.Weight[Any, Any]], ml.ScalarLayer]
+
+
+@pytest.fixture
+def grouped(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The groups that ran batched: their operation and size."""
+    names: list[tuple[str, int]] = []
+    record = batched_records.group_records
+
+    def counted(groups: Any, members: list[Any], *args: Any) -> None:
+        names.append((members[0]._op.name, len(members)))
+        record(groups, members, *args)
+
+    monkeypatch.setattr(batched, "group_records", counted)
+    return names
+
+
+def _gradient(loss: Loss, batching: bool | None) -> Any:
+    w = ml.Weight(np.eye(2))
+
+    async def go() -> Any:
+        with ml.settings(batching=batching), np.errstate(divide="ignore", invalid="ignore"):
+            _, grads = await ml.value_and_gradients(loss(w))
+        return grads[w]
+
+    return anyio.run(go)
+
+
+def _assert_as_alone(loss: Loss, batching: bool | None = True) -> Any:
+    on, off = _gradient(loss, batching), _gradient(loss, False)
+    assert np.isfinite(off).all()
+    np.testing.assert_allclose(on, off, rtol=1e-12, atol=1e-14)
+    return on
+
+
+def test_an_unread_member_of_a_one_output_cell(grouped: list[tuple[str, int]]) -> None:
+    """Two calls of ``sqrt(h @ w)``: the first at 0, read under
+    ``stop_gradient`` only (before: NaN in the weight's first column)."""
+
+    def loss(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+        cell = ml.operation(lambda h: ml.sqrt(h @ w))
+        unread = cell(ml.as_layer(np.array([[0.0, 1.0]])))
+        used = cell(ml.as_layer(np.array([[1.0, 1.0]])))
+        return ml.sum(used) + 0.0 * ml.sum(ml.stop_gradient(unread))
+
+    np.testing.assert_array_equal(_assert_as_alone(loss), np.full((2, 2), 0.5))
+    assert [n for name, n in grouped if "lambda" in name] == [2]
+
+
+def _two(w: ml.Weight[Any, Any]) -> Callable[[Any], tuple[ml.ArrayLayer, ml.ArrayLayer]]:
+    return ml.operation(lambda h: (ml.tanh(h @ w), ml.sqrt(h @ w)))
+
+
+def test_members_of_a_two_output_cell_that_read_different_outputs(grouped: list[tuple[str, int]]) -> None:
+    """The first call reads its ``tanh`` output alone, the second both; the
+    first's ``sqrt`` is at 0 (before: NaN in the weight's first row)."""
+
+    def loss(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+        two = _two(w)
+        t1, _ = two(ml.as_layer(np.array([[0.0, 1.0]])))
+        t2, s2 = two(ml.as_layer(np.array([[1.0, 1.0]])))
+        return ml.sum(t1) + ml.sum(t2 * s2)
+
+    _assert_as_alone(loss)
+    assert [n for name, n in grouped if "lambda" in name] == [2]
+
+
+def _many(w: ml.Weight[Any, Any]) -> ml.ArrayLayer:
+    """300 calls of a two-output cell; the ``sqrt`` output (0 at one entry in
+    the even calls) read in the odd calls only."""
+    xs = np.abs(np.random.default_rng(0).normal(size=(300, 1, 2))) + 0.1
+    xs[::2, 0, 0] = 0.0
+    two = _two(w)
+    terms = []
+    for k, x in enumerate(xs):
+        t, s = two(ml.as_layer(x))
+        terms.append(ml.sum(t) if k % 2 == 0 else ml.sum(t * s))
+    return ml.stack(terms)
+
+
+def test_with_the_default_settings_against_pytorch(grouped: list[tuple[str, int]]) -> None:
+    torch = pytest.importorskip("torch")
+    got = _assert_as_alone(lambda w: ml.sum(_many(w)), batching=None)
+    assert 300 in [n for name, n in grouped if "lambda" in name]
+    xs = np.abs(np.random.default_rng(0).normal(size=(300, 1, 2))) + 0.1
+    xs[::2, 0, 0] = 0.0
+    tw = torch.eye(2, dtype=torch.float64, requires_grad=True)
+    total: Any = 0
+    for k, x in enumerate(torch.tensor(xs)):
+        t, s = torch.tanh(x @ tw), torch.sqrt(x @ tw)
+        total = total + (t.sum() if k % 2 == 0 else (t * s).sum())
+    total.backward()
+    np.testing.assert_allclose(got, tw.grad.numpy(), rtol=1e-12)
+
+
+def test_members_whose_operands_are_earlier_groups_rows(grouped: list[tuple[str, int]]) -> None:
+    """Cells fed by cells (their operands gathered from the first group's
+    rows): the second level's members read different outputs, and the
+    deltas they send back reach the first level's members they read."""
+
+    def loss(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+        two = _two(w)
+        xs = np.abs(np.random.default_rng(3).normal(size=(8, 1, 2))) + 0.1
+        xs[::3] = 0.0  # (their cells' outputs: zeros, and the second level's sqrt at 0)
+        firsts = [two(ml.as_layer(x))[0] for x in xs]
+        terms = []
+        for k, h in enumerate(firsts):
+            t, s = two(h)
+            terms.append(ml.sum(t) if k % 3 == 0 else ml.sum(t * s))
+        return ml.sum(ml.stack(terms))
+
+    _assert_as_alone(loss)
+    assert [n for name, n in grouped if "lambda" in name] == [8, 8]
+
+
+def test_a_reached_member_s_own_infinity_stays(grouped: list[tuple[str, int]]) -> None:
+    """Where a member that got a delta makes an infinity itself, batching
+    gives the infinity it gives alone (run again, it is not hidden)."""
+
+    def loss(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+        cell = ml.operation(lambda h: ml.sqrt(h @ w))
+        zero = cell(ml.as_layer(np.array([[0.0, 1.0]])))
+        unread = cell(ml.as_layer(np.array([[0.0, 2.0]])))
+        return ml.sum(zero) + 0.0 * ml.sum(ml.stop_gradient(unread))
+
+    on, off = _gradient(loss, True), _gradient(loss, False)
+    np.testing.assert_array_equal(on, off)
+    assert np.isinf(on).any()
+    assert [n for name, n in grouped if "lambda" in name] == [2]
