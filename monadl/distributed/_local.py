@@ -87,7 +87,8 @@ class LocalCommunicator(Communicator):
         board, key = self._board, self._sequence
         self._sequence += 1
         with board.lock:
-            board.slots.setdefault(key, [None] * board.size)[self._rank] = np.array(send, copy=True)
+            # (a copy of its own: np.array(send, copy=True) warned of a tensor's __array__, which takes no copy=)
+            board.slots.setdefault(key, [None] * board.size)[self._rank] = np.asarray(send).copy()
         return key
 
     def _arrived(self, key: int) -> bool:
