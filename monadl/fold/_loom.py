@@ -109,7 +109,19 @@ _Known: TypeAlias = "tuple[int, Callable[[list[Any]], tuple[Any, ...]], tuple[in
 class Loom:
     """One batch's recorded calls, and the node that runs them (see the module's docstring)."""
 
-    __slots__ = ("base", "closed", "count", "groups", "node", "thread", "traces", "unrecorded", "weights")
+    __slots__ = (
+        "base",
+        "closed",
+        "count",
+        "groups",
+        "inputs",
+        "node",
+        "sites",
+        "thread",
+        "traces",
+        "unrecorded",
+        "weights",
+    )
 
     def __init__(self, site: Site) -> None:
         # The node first: every slot and every layer built over one comes after it, as
@@ -118,6 +130,7 @@ class Loom:
         node._op, node._inputs, node._params, node._site = LOOM, (), (Open(site),), site
         node._serial = _next_serial()
         self.node = node
+        self.inputs = (node,)  # (a slot's: one tuple for all)
         self.base = node._serial + 1  # (a slot's number: its layer's, less this)
         self.groups: dict[tuple[int, ...], _Group] = {}  # by depth, the trace's first key (and rows of data)
         # Per trace (by id: a trace, a frozen dataclass, hashes its fields), how its calls are recorded
@@ -128,24 +141,20 @@ class Loom:
         self.thread = get_ident()  # (an ``ml.loom()`` block records its own thread's calls only)
         self.closed = False
         self.unrecorded: dict[str, int] = {}  # (calls built as nodes, by why: a DEBUG line of the block's)
+        self.sites: dict[Site, Site] = {}  # (the lines calls were made at, each as one object)
 
     def _built(self, why: str) -> None:
         self.unrecorded[why] = self.unrecorded.get(why, 0) + 1
 
     def record(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call of ``op`` while an ``ml.loom()`` block is open in this
-        context: recorded if made in the block's thread (a worker thread
-        that copied the context builds its own nodes) before the block ended
-        (a task it started may go on after it), else built as outside one."""
-        if self.closed or get_ident() != self.thread:
-            trace, leaves, sources = op.found(args, kwargs)
-            return trace.make(leaves, sources, op._site)
-        return self.call(op, args, kwargs)
-
-    def call(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call of ``op`` (a `Function` block's in a batch, or one in an
-        ``ml.loom()`` block): recorded, or built as outside one."""
+        """A call of ``op`` (a `Function` block's in a batch, or one while an
+        ``ml.loom()`` block is open in this context): recorded if made in the
+        loom's thread (a worker thread that copied the context builds its own
+        nodes) before it was done (a task a block started may go on after
+        it), else built as outside one."""
         trace, leaves, sources = op.found(args, kwargs)
+        if self.closed or get_ident() != self.thread:
+            return trace.make(leaves, sources, op._site)
         known = self.traces.get(id(trace))
         if known is None:
             known = self.traces[id(trace)] = self._known(trace, leaves, sources)
@@ -179,23 +188,25 @@ class Loom:
         group.members.append(operands)
         site: Any = op._site  # (a `Function`'s: where the block was made)
         if site is None:  # (a call in an ``ml.loom()`` block: the line that made it, as its node's would be)
-            frame = _getframe(3)  # (this, `record`, `Operation.__call__`, then the caller)
+            frame = _getframe(2)  # (this, `Operation.__call__`, then the caller)
             while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:
                 frame = frame.f_back
-            site = (frame.f_code, frame.f_lasti)
+            line = (frame.f_code, frame.f_lasti)
+            site = self.sites.setdefault(line, line)  # (one tuple a line, not one a call: 0.3 us a call less)
             group.sites.append(site)
         serial = _next_serial()
         first = serial - self.base
         group.firsts.append(first)
+        inputs = self.inputs
         one: Layer[Any, Any] = _new(Layer)
-        one._op, one._inputs, one._params, one._site, one._serial = SLOT, (node,), (first, depth), site, serial
+        one._op, one._inputs, one._params, one._site, one._serial = SLOT, inputs, (first, depth), site, serial
         outputs = trace.outputs
         if outputs == 1:
             return fill((one,), leaves)
         slots = [one]
-        for k in range(1, outputs):
+        for k in range(1, outputs):  # (a cell's state: its h and c)
             more: Layer[Any, Any] = _new(Layer)
-            more._op, more._inputs, more._params, more._site = SLOT, one._inputs, (first + k, depth), site
+            more._op, more._inputs, more._params, more._site = SLOT, inputs, (first + k, depth), site
             more._serial = _next_serial()
             slots.append(more)
         return fill(tuple(slots), leaves)

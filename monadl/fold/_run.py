@@ -142,7 +142,7 @@ class _Runner:
         if kind is IMMEDIATE:
             cell = block._cell
             if cell is not None and self.loom is not None:
-                call = self.loom.call
+                call = self.loom.record
                 return lambda x: call(cell, (x,), _NO_KEYWORDS)
             f: Run = block._function()
             return f
