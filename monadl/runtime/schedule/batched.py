@@ -56,11 +56,11 @@ from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs, batch_output
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
+from monadl.runtime.schedule.batched_again import Again
 from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_log import declined, ran, unbatched, watching
 from monadl.runtime.schedule.batched_records import (
-    Again,
     Operand,
     batchable,
     cast_scalars,

@@ -26,6 +26,11 @@ Per group of ``n`` members that ran as one kernel (`group_records`):
   (members' records and gathers come after it in insertion order, so they
   are reached first).
 
+Where only some members got a delta, the group's operand records send back
+theirs alone (`_narrow`), and a delta that the others' zero rows made not
+finite is made again from the members that got one
+(`monadl.runtime.schedule.batched_again`).
+
 So the one node backward (`monadl.runtime.backward`) (its sweep, its counted
 release, the worker pool's release) back-propagates a batched graph
 unchanged, and reference counts stay exact: each record is held once per
@@ -39,30 +44,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import repeat
 from operator import is_not, itemgetter
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
 from monadl._namespace import _HOST, namespace
-from monadl.deltas import Outer, SparseRows
+from monadl.deltas import Outer
 from monadl.layers._non_finite import finite_delta
 from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, member_float_dtype
-from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
+from monadl.layers._outputs import Outputs, StackedOutputs
 from monadl.layers._products import factored
 from monadl.layers._program import Program
-from monadl.layers._split import SplitDelta
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
 from monadl.runtime.schedule.batched_gather import Gather
 from monadl.runtime.schedule.batched_groups import Groups, Source
 
+if TYPE_CHECKING:
+    from monadl.runtime.schedule.batched_again import Again
+
 __all__ = [
-    "Again",
+    "PRODUCTS",
     "Operand",
     "Outer",
     "batchable",
     "cast_scalars",
     "differs",
+    "factor_products",
     "group_records",
     "number_columns",
     "stack",
@@ -99,8 +107,8 @@ def group_records(
             rec.refcount += 1
         ins.append(rec)
     needs = bool(vjps) and any(r is not None and r.needs_grad for r in ins)  # (no rules: stop_gradient)
-    if needs and first._op.name in _PRODUCTS:
-        vjps = _factored(vjps, operands, args, groups.outer)
+    if needs and first._op.name in PRODUCTS:
+        vjps = factor_products(vjps, operands, args, groups.outer)
     group = record(out, None, tuple(ins), needs, first, False)
     records[group] = group
     if needs:
@@ -121,10 +129,10 @@ def group_records(
     groups.where.update(zip(members, zip(repeat(group), range(n), repeat(part))))  # (the places made in C)
 
 
-_PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
+PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
 
 
-def _factored(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any], always: bool) -> tuple[Any, ...]:
+def factor_products(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any], always: bool) -> tuple[Any, ...]:
     """``vjps`` with a shared weight's (a matrix times the members' stacked
     rows) replaced by one that sends its delta as factors (an `Outer`):
     ``always`` (the merged runs of `monadl.runtime.schedule.fibers`), else
@@ -252,77 +260,6 @@ def _resolving(
     return resolved
 
 
-class Again:
-    """A group's rule and what it ran with, to run it again on the members
-    that got a delta. The others' rows of the group's delta are zeros, which
-    are no delta, but a zero times an infinite derivative (sqrt's at 0) or
-    times an infinite operand is a NaN in a delta shared by the group (a
-    weight's): alone, those members send nothing. So where a delta is not
-    finite and some members got none (or, with several outputs, got a delta
-    for some outputs and not others: `Gather.seen`), the members of each
-    pattern of outputs read run again as a group, each pattern's deltas then
-    what its members send alone (a NaN they make themselves stays)."""
-
-    __slots__ = ("args", "batched", "first", "n", "operands", "outer", "rule", "runs", "scalars")
-
-    def __init__(
-        self, rule: Any, batched: tuple[bool, ...], scalars: tuple[bool | None, ...] | None, outer: bool
-    ) -> None:
-        self.rule = rule
-        self.batched = batched
-        self.scalars = scalars
-        self.outer = outer
-        self.runs: list[tuple[Any, Any, tuple[Any, ...]]] | None = None
-
-    def group(self, args: list[Any], operands: list[Operand], first: Any, n: int) -> None:
-        """The group's operands (their values, where they came from), its
-        first member, its size."""
-        self.args, self.operands, self.first, self.n = args, operands, first, n
-
-    def delta(self, p: int, gather: Gather, made: Any) -> Any:
-        """Operand ``p``'s delta as the members that got one send it (``made``
-        where the rule declines to run again)."""
-        if self.runs is None:
-            self.runs = self._runs(gather)
-        if not self.runs:
-            return made
-        total = None
-        for keep, d, vjps in self.runs:
-            g = vjps[p](d)
-            if g is not None and self.batched[p]:
-                g = _spread(g, keep, self.n)
-            total = g if total is None else total if g is None else total + g
-        return total
-
-    def _runs(self, gather: Gather) -> list[tuple[Any, Any, tuple[Any, ...]]]:
-        """Per pattern of outputs read: its members (host indices), their
-        delta, the VJPs of the rule run on them alone."""
-        dense = gather.stacked
-        if gather.seen is None:
-            patterns = [(gather.reached, dense)]
-        else:
-            code = sum(m.astype(np.intp) << k for k, m in enumerate(gather.seen))
-            patterns = [
-                (code == c, OutputsDelta(tuple([q if c >> k & 1 else None for k, q in enumerate(dense.parts)])))
-                for c in np.unique(code[code != 0]).tolist()
-            ]
-        runs = []
-        for mask, d in patterns:
-            keep = np.flatnonzero(mask)
-            args = [_rows(a, keep, self.first, k) if b else a for k, (a, b) in enumerate(zip(self.args, self.batched))]
-            if self.scalars is None:
-                result = self.rule(tuple(args), self.batched, len(keep))
-            else:
-                result = self.rule(tuple(args), self.batched, len(keep), scalars=self.scalars)
-            if result is None:
-                return []
-            vjps = result[1]
-            if self.first._op.name in _PRODUCTS:
-                vjps = _factored(vjps, self.operands, args, self.outer)
-            runs.append((keep, _rows(d, keep, None, 0), vjps))
-        return runs
-
-
 def _narrow(rec: Record, operand: Operand, reached: Any, groups: Groups) -> None:
     """Where only the members ``reached`` (a host mask) of a group got a
     delta, its operand's record ``rec`` sends back their rows of the
@@ -334,40 +271,6 @@ def _narrow(rec: Record, operand: Operand, reached: Any, groups: Groups) -> None
         groups.narrow(rec, operand.sources, reached)
     elif operand.stacked is not None and rec.vjps is not None:
         rec.vjps = tuple([g if hit else _nothing for g, hit in zip(rec.vjps, reached.tolist())])
-
-
-def _rows(value: Any, keep: Any, first: Any, p: int) -> Any:
-    """Rows ``keep`` (host indices) of a group's operand ``p`` (``first``:
-    its first member) or delta: arrays, several outputs' (stacked values,
-    deltas), numbers, an index holding arrays stacked (those that are not
-    the first member's own)."""
-    kind = type(value)
-    if kind is StackedOutputs:
-        return StackedOutputs(tuple([_rows(q, keep, first, p) for q in value.parts]))
-    if kind is OutputsDelta:
-        return OutputsDelta(tuple([None if q is None else _rows(q, keep, first, p) for q in value.parts]), (len(keep),))
-    if kind is Numbers:
-        return Numbers(value.values[keep], value.kind)
-    if kind is tuple:  # (an index parameter: its items that differ between members were stacked)
-        own = first._params[p - len(first._inputs)]
-        return tuple([q if q is o else _rows(q, keep, first, p) for q, o in zip(value, own)])
-    if kind is SparseRows or kind is SplitDelta:
-        value = value.to_dense()
-    return value[namespace(value).asarray(keep, device=value.device) if kind is not np.ndarray else keep]
-
-
-def _spread(g: Any, keep: Any, n: int) -> Any:
-    """A delta of rows ``keep`` of ``n`` (an operand's of the members run
-    again) as all ``n``'s, the others' rows zeros (its stack or gather
-    record sends them nothing: `_narrow`)."""
-    if type(g) is OutputsDelta:
-        return OutputsDelta(tuple([None if q is None else _spread(q, keep, n) for q in g.parts]), (n,))
-    if type(g) is SparseRows or type(g) is SplitDelta:
-        g = g.to_dense()
-    xp = namespace(g)
-    out = xp.zeros((n, *g.shape[1:]), dtype=g.dtype, device=g.device)
-    out[xp.asarray(keep, device=g.device) if type(g) is not np.ndarray else keep] = g
-    return out
 
 
 def _nothing(delta: Any) -> None:
