@@ -151,3 +151,50 @@ def test_a_reached_member_s_own_infinity_stays(grouped: list[tuple[str, int]]) -
     np.testing.assert_array_equal(on, off)
     assert np.isinf(on).any()
     assert [n for name, n in grouped if "lambda" in name] == [2]
+
+
+def test_a_finite_group_s_weight_factors_are_checked_not_multiplied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences of different lengths through a marked two-output cell: at a
+    depth where some end (reading ``h`` alone) and others go on (``h`` and
+    ``c``), the group's members read different outputs, and the weight's
+    delta (factors: `Outer`) is checked for a NaN. Its factors are read;
+    the product is made once, when the weight is released (before: once
+    more per such group, 1.2x a step at H = 256)."""
+    from monadl.deltas import Outer
+
+    made: list[tuple[int, ...]] = []
+    dense = Outer.dense
+
+    def counted(self: Outer) -> Any:
+        made.append(self.shape)
+        return dense(self)
+
+    monkeypatch.setattr(Outer, "dense", counted)
+    hidden = 128  # (a weight of 256 x 256: its delta is kept as factors)
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(2 * hidden, 2 * hidden)) / 16)
+
+    def step(x: ml.ArrayOperand, h: ml.ArrayOperand, c: ml.ArrayOperand) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        z = ml.concatenate([x, h], axis=1) @ w
+        c2 = ml.tanh(z[:, :hidden]) + c
+        return ml.sigmoid(z[:, hidden:]) * ml.tanh(c2), c2
+
+    cell = ml.operation(step)
+    finals = []
+    for length in (2, 3, 3, 4, 5, 5):
+        h = c = ml.as_layer(np.zeros((1, hidden)))
+        for x in rng.normal(size=(length, 1, hidden)):
+            h, c = cell(ml.as_layer(x), h, c)
+        finals.append(ml.sum(h))
+    loss = ml.sum(ml.stack(finals))
+
+    async def go() -> Any:
+        with ml.settings(batching=True):
+            _, grads = await ml.value_and_gradients(loss)
+        return grads[w]
+
+    got = anyio.run(go)
+    assert made == [w.shape] * len(made) and len(made) <= 1
+    with ml.settings(batching=False):
+        want = anyio.run(ml.value_and_gradients, loss)[1][w]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
