@@ -31,17 +31,20 @@ builds its nodes as a call does.
 Calls run one by one, group by group (by depth: each after its operands'),
 where batching is off (``Settings(batching=False)``), under
 ``check_finite`` (each call's value and delta checked, an error naming its
-call), where a step of a program has no batching rule, where calls give
-outputs of different shapes to one arena, and where a group fails: then the
+call), where calls give outputs of different shapes to one arena, and where
+a group fails (a group whose program has a step with no batching rule runs
+its own calls one by one, the others batched: `monadl.fold._loom_looped`): then the
 first call that fails raises its own error, naming the block's line and the
 input of the batch it was built for (a DEBUG line of the ``monadl.batching``
 logger says why a batch ran so).
 
 Recorded are calls of a `Function` block in a batch whose leaves are each
 an output of the batch's earlier calls, a constant row of data (`Scalar`,
-`Vector`, `Zeros`: stacked per group) or an integer or boolean NumPy array
-(indices, masks), and whose weights are NumPy's; any other call (a float,
-a layer built elsewhere, a weight passed in, a device's weights) builds its
+`Vector`, `Zeros`: stacked per group; in an ``ml.loom()`` block, a NumPy
+float array of one row too, ``X[i:i + 1]``) or an integer or boolean NumPy
+array (indices, masks), and whose weights are NumPy's; any other call (a
+float, a larger data array, a layer built elsewhere, a weight passed in, a
+device's weights) builds its
 node as outside a batch, over the slots it reads. Every recorded call is
 computed, read or not: under ``check_finite`` a NaN in a call whose outputs
 nothing reads raises, where the same input built alone computes nothing. Recording a call costs about what building its node
@@ -69,12 +72,12 @@ from monadl.layers._recording import RECORDING, Recorder
 from monadl.layers._site import PACKAGE_DIR, caller_site, site_text
 from monadl.layers._structures import filler
 from monadl.layers._tracing import _taker
+from monadl.layers._weight import Weight
 
 if TYPE_CHECKING:
     from monadl.layers._operation import Operation
     from monadl.layers._site import Site
     from monadl.layers._tracing import Trace
-    from monadl.layers._weight import Weight
 
 __all__ = ["LOOM", "SLOT", "Loom", "loom"]
 
@@ -121,6 +124,7 @@ class Loom:
         "traces",
         "unrecorded",
         "weights",
+        "why",
     )
 
     def __init__(self, site: Site) -> None:
@@ -140,10 +144,11 @@ class Loom:
         self.weights: dict[Weight[Any, Any], int] = {}
         self.thread = get_ident()  # (an ``ml.loom()`` block records its own thread's calls only)
         self.closed = False
-        self.unrecorded: dict[str, int] = {}  # (calls built as nodes, by why: a DEBUG line of the block's)
+        self.unrecorded: dict[Any, int] = {}  # (calls built as nodes, by why: a DEBUG line of the block's)
+        self.why: dict[int, str] = {}  # (per trace not recorded, why: `_unstacked`)
         self.sites: dict[Site, Site] = {}  # (the lines calls were made at, each as one object)
 
-    def _built(self, why: str) -> None:
+    def _built(self, why: Any) -> None:
         self.unrecorded[why] = self.unrecorded.get(why, 0) + 1
 
     def record(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -160,7 +165,7 @@ class Loom:
             known = self.traces[id(trace)] = self._known(trace, leaves, sources)
         key, take, layers, fill, _ = known
         if key < 0 or sources:
-            self._built(_UNSTACKED if key < 0 else _OUTSIDE)
+            self._built(self.why[id(trace)] if key < 0 else _OUTSIDE)
             return trace.make(leaves, sources, op._site)
         node = self.node
         operands = list(take(leaves))
@@ -176,7 +181,7 @@ class Loom:
             elif v._op is AS_LAYER and type(v._inputs[0]) is np.ndarray:  # (a `Scalar`'s, `Vector`'s or `Zeros`' row)
                 rows |= 1 << j  # (its data, kept as the layer: under check_finite, an error names its line)
             else:  # (a layer built elsewhere)
-                self._built(f"an operand built outside the loom's calls ({shown(v._op)} at {site_text(v._site)})")
+                self._built((v._op, v._site))  # (said at the block's end, at DEBUG: `_why`)
                 return trace.make(leaves, sources, op._site)
         if rows:  # (a group's operands are slots, or data of one shape and dtype, alike: stacked)
             at: tuple[Any, ...] = (depth, key, rows, *[_shown(operands[j]) for j in layers if rows >> j & 1])
@@ -226,9 +231,11 @@ class Loom:
             v = leaves[i]
             if type(v) is Layer:
                 layers.append(j)
-            elif not (type(v) is np.ndarray and v.dtype.kind in _INDICES):
+            elif type(v) is not np.ndarray or not (v.dtype.kind in _INDICES or _row(v)):
+                self.why[id(trace)] = _unstacked(v)
                 return -1, take, (), fill, trace
         if sources or trace.op is None or any(type(w._data) is not np.ndarray for w in trace.weights):
+            self.why[id(trace)] = _UNSTACKED
             return -1, take, (), fill, trace
         for w in trace.weights:
             self.weights.setdefault(w, len(self.weights))
@@ -246,10 +253,35 @@ class Loom:
 
 
 _log: Final = logging.getLogger("monadl.batching")
-_UNSTACKED: Final = (
-    "an argument a loom does not stack (a float, a weight passed in, data that are not indices, weights not NumPy's)"
-)
+_UNSTACKED: Final = "a weight passed in, or weights not NumPy's"
 _OUTSIDE: Final = "an output of an operation's node built outside the loom"
+
+
+def _row(data: Any) -> bool:
+    """Whether data are a row (``X[i:i + 1]``: a first axis of one), which a
+    group stacks; a larger array, the same one given to every call (a mask, a
+    table), would be copied per call."""
+    return data.ndim > 1 and data.shape[0] == 1 and data.dtype.kind in "fc"
+
+
+def _unstacked(v: Any) -> str:
+    """Why a trace's calls are not recorded: ``v``, a leaf of its arguments."""
+    if type(v) is np.ndarray:
+        return (
+            f"a data argument of shape {v.shape}, neither indices nor a row (X[i:i + 1]): data the same in every "
+            "call belong in the cell (closed over), a call's own in ml.as_layer(x)"
+        )
+    if type(v) is Weight:
+        return "a weight passed as an argument: a cell that closes over its weights is recorded"
+    return f"a {type(v).__name__} argument, which a loom does not stack: a number as a row, np.full((1, 1), x)"
+
+
+def _why(why: Any) -> str:
+    """A reason of `Loom.unrecorded`, in words."""
+    if type(why) is str:
+        return why
+    op, site = why
+    return f"an operand built outside the loom's calls ({shown(op)} at {site_text(site)})"
 
 
 def _shown(row: Layer[Any, Any]) -> tuple[Any, Any]:
@@ -289,7 +321,7 @@ class _Block:
                 site_text(self.site),
                 recorded,
                 sum(loom.unrecorded.values()),
-                "; ".join(f"{n} with {why}" for why, n in loom.unrecorded.items()),
+                "; ".join(f"{n} with {_why(why)}" for why, n in loom.unrecorded.items()),
             )
 
 
@@ -309,10 +341,11 @@ def loom() -> AbstractContextManager[None]:
 
     Recorded is a call made in the block's thread, before it ends, whose
     operands are each an output of the block's earlier recorded calls, a
-    constant row of data or an integer or boolean NumPy array (indices),
-    and whose weights are NumPy's; any other call builds its node as
-    outside a block (a float argument, a layer built otherwise, a weight
-    passed in, another thread's call), and so does each call that reads its
+    row of data (``X[i:i + 1]``, or ``ml.as_layer(x)`` of any shape), or an
+    integer or boolean NumPy array (indices), and whose weights are NumPy's
+    (it closes over them); any other call builds its node as outside a block
+    (a float argument, a larger data array, a layer built otherwise, a
+    weight passed in, another thread's call), and so does each call that reads its
     output: compute what joins calls inside the cell (``cell(l, r)``, not
     ``cell(ml.concatenate([l, r]))``, whose calls would all be nodes, slower
     than without the block); the logger ``monadl.batching`` says at DEBUG
@@ -324,7 +357,8 @@ def loom() -> AbstractContextManager[None]:
     group of one each (a chain of 2,000 steps: 2.7x the time of its nodes
     without the block). Batching off (``Settings(batching=False)``)
     or ``check_finite`` runs the calls one by one, an error naming the
-    operation's line. A recorded call's output is read after the block:
+    operation's line; so does a cell with a step that has no batching rule
+    (a product by a stack of matrices, a convolution) with its own calls. A recorded call's output is read after the block:
     a graph run inside it that reads one is refused.
 
     >>> import anyio, numpy as np, monadl as ml

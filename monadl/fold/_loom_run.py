@@ -1,9 +1,10 @@
 """How a Fold batch's loom node runs (the recording: `monadl.fold._loom`;
 its schedule, worked out once when the batch is built:
 `monadl.fold._loom_schedule`). Its rule (`LOOM`) runs each group
-as one `Program.batch` over rows gathered from the arenas, or every call
-one by one where that cannot be (batching off, ``check_finite``, a step
-with no batching rule, shapes that differ within an arena, a group that
+as one `Program.batch` over rows gathered from the arenas (a group with a
+step that has no batching rule, call by call: `monadl.fold._loom_looped`),
+or every call one by one where that cannot be (batching off,
+``check_finite``, shapes that differ within an arena, a group that
 failed); its value is read by the slots (`SLOT`), whose deltas it keeps
 (`LoomDelta`), and its backward runs the depths in reverse.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 from monadl._namespace import all_finite, namespace
 from monadl.errors import NonFiniteError, OperandError
+from monadl.fold._loom_looped import looped
 from monadl.fold._loom_schedule import Schedule, _Planned
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import backward_made, data_held, finite_delta, made
@@ -95,8 +97,8 @@ class Open:
 
 
 class _Unbatched(Exception):
-    """The schedule cannot run batched (a step with no batching rule, shapes
-    that differ within an arena, a group that failed): its calls run one by one."""
+    """The schedule cannot run batched (shapes that differ within an arena,
+    a group that failed): its calls run one by one."""
 
 
 @final
@@ -181,10 +183,11 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
             result = _group_call(plan, plan.operands, arenas, weights, n)
         except Exception as exc:  # (one by one: the first call that fails raises its own error)
             raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
-        if result is None:
-            step = program.declined
-            raise _Unbatched(
-                f"{program.name}'s step {'?' if step is None else shown(step.op)} has no batching rule here"
+        if program.declined is not None and _log.isEnabledFor(logging.DEBUG):
+            said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
+            step = shown(program.declined.op)
+            _log.debug(
+                "a loom (built at %s) runs its %s %s has no batching rule here", site_text(schedule.site), said, step
             )
         out, vjps = result
         parts = out.parts if type(out) is StackedOutputs else (out,)
@@ -204,14 +207,18 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
 
 def _group_call(
     plan: _Planned, operands: list[tuple[int | None, Any, bool]], arenas: list[Any], weights: list[Any], n: int
-) -> tuple[Any, Any] | None:
+) -> tuple[Any, Any]:
     """The batching rule of a group's program over ``n`` members' operands:
     rows gathered from the arenas (for data, the members' stacked), then the
-    shared weights; None where a step cannot batch."""
+    shared weights; where a step has no batching rule, the calls one by one
+    as one batched call (`looped`)."""
     args = [rows if source is None else arenas[source][rows] for source, rows, _ in operands]
     count = len(args)
     args += [weights[j] for j in plan.weights]
-    result: tuple[Any, Any] | None = plan.program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), n)
+    program = plan.program
+    result: tuple[Any, Any] | None = program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), n)
+    if result is None:  # (a step with no batching rule: this group's calls one by one, the others' batched)
+        return looped(program, tuple(args), count, n)
     return result
 
 
@@ -365,7 +372,6 @@ def _reached_only(
     deltas and count."""
     operands = [(source, rows[keep], unique) for source, rows, unique in plan.operands]
     result = _group_call(plan, operands, value.arenas, value.weights, len(keep))
-    assert result is not None  # (the whole group batched)
     return result[1], operands, [None if p is None else p[keep] for p in parts], len(keep)
 
 
