@@ -7,17 +7,15 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    weight that had a dense gradient on some rank so far, in a fixed order,
    all-reduced bucket by bucket while the backward runs, each as soon as
    its gradients are final; a failing rank contributes what it has (zeros
-   for the rest), so every rank takes part in every bucket. A planned weight
-   steps by its bucket's total only at a step where some rank's gradient of
-   it is dense; where every rank has sparse rows (an embedding table that
-   was once reached densely), it steps by the rows, as without overlap.
-   The buckets are awaited after the agreement round, which runs while
-   they are in flight: a rank that came after the others had given up on it
-   learns so from their statuses at once, not after a timeout in buckets
-   they left.
-1. **Agree.** Each rank runs its forward and backward (`monadl.runtime.entry.gradients`:
-   gradients, no step) and all-gathers a small status (`monadl.distributed._rank_status`): whether it failed,
-   and per weight of the model whether its gradient is absent, dense or a
+   for the rest), so every rank takes part in every bucket (which totals a
+   weight steps by: `monadl.distributed._reduce`). The buckets are awaited
+   after the agreement round, which runs while they are in flight: a rank
+   that came after the others had given up on it learns so from their
+   statuses at once, not after a timeout in buckets they left.
+1. **Agree.** Each rank runs its forward and backward
+   (`monadl.distributed._rank_gradients`: gradients, no step) and
+   all-gathers a small status (`monadl.distributed._rank_status`): whether it
+   failed, and per weight of the model whether its gradient is absent, dense or a
    sparse `SparseRows` (and how many rows), and its step: the number of
    its batch (``train``'s ``step``, by default its count of ``train`` calls)
    and whether it has finished (`DataParallel.finish`). If any rank failed
@@ -26,12 +24,11 @@ One `DataParallel.train` is a transaction across ranks, in three exchanges
    the ranks' steps differ, or some have finished: each rank's call meets the
    others' in order, so a rank that skipped a batch (an uneven data loader)
    would otherwise average its next batch with the others' current one.
-2. **Reduce.** Dense gradients not in the plan (all of them at the first
-   step) are packed into buckets (one flat buffer per
-   run of same-dtype weights, up to ``bucket_bytes``) and all buckets are
-   all-reduced at once (non-blocking, so the library pipelines them); sparse
-   gradients are all-gathered as rows, never as dense tables. A weight that
-   no rank reached is not stepped, as on one process.
+2. **Reduce** (`monadl.distributed._reduce`). Dense gradients not in the
+   plan (all of them at the first step) are all-reduced in buckets of up to
+   ``bucket_bytes``, all at once; sparse gradients are all-gathered as rows,
+   never as dense tables. A weight that no rank reached is not stepped, as on
+   one process.
 3. **Commit.** Every rank computes every step from the same reduced
    gradients and then writes them (`_commit`): identical weights everywhere.
 
@@ -48,29 +45,24 @@ every rank.
 from __future__ import annotations
 
 import functools
-import pickle
 import time
 from typing import Any, Final, final
 
-import anyio
-import numpy as np
-
 from monadl._named import ModelWrapper, named_weights
+from monadl.distributed._broadcast import broadcast_weights
 from monadl.distributed._comm import Communicator, RankFailure, agree, mpi_world
 from monadl.distributed._in_step import in_step
-from monadl.distributed._overlap import Overlap, Plan, flatten, next_plan, plan_buckets, unflatten
-from monadl.distributed._overlap import dense as dense_like
-from monadl.distributed._rank_status import _DENSE, _SPARSE, _came, _finite, _late, _parted, _rank_status, _status
-from monadl.distributed._rows import gather_rows
-from monadl.distributed._same_model import checksums, describe, fitting_states, label, same_model
+from monadl.distributed._overlap import Overlap, Plan, next_plan
+from monadl.distributed._rank_gradients import rank_gradients
+from monadl.distributed._rank_status import _DENSE, _came, _late, _parted, _rank_status, _status
+from monadl.distributed._reduce import pack_rest, reduce_overlapped, reduce_rest
+from monadl.distributed._same_model import checksums, describe, label, same_model
 from monadl.errors import NoGradientError
 from monadl.layers import Layer, Weight
 from monadl.layers._layer import Expr
-from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
 from monadl.runtime.node import where
-from monadl.runtime.process import Held, hold, release
 from monadl.runtime.settings import current_settings
 
 __all__ = ["DataParallel"]
@@ -211,35 +203,11 @@ class DataParallel(ModelWrapper):
         """
         try:
             with in_step(self._comm):
-                await self._broadcast(root)
+                await broadcast_weights(self._comm, self._weights, self._described, self._labels, root)
                 self._met = time.perf_counter()
         except RankFailure as failure:  # (told as what did not happen: no rank tried to step)
             told = RankFailure(failure.failures, failure.reason, failure.in_step, outcome=_NOT_BROADCAST)
             raise told.with_traceback(failure.__traceback__) from failure.__cause__
-
-    async def _broadcast(self, root: int) -> None:
-        comm = self._comm
-        await same_model(comm, self._described)  # (the weights' values are what differs, and what is sent)
-        blob = b""
-        if comm.rank == root:
-            blob = pickle.dumps([(w._data, w._state) for w in self._weights], protocol=pickle.HIGHEST_PROTOCOL)
-        length = await comm.broadcast(np.array([len(blob)], np.int64), root)
-        data = await comm.broadcast(np.frombuffer(blob, np.uint8) if blob else np.empty(int(length[0]), np.uint8), root)
-        problem = ""
-        if comm.rank != root:
-            loaded = pickle.loads(data.tobytes())
-            states, problem = fitting_states(self._weights, self._labels, [state for _, state in loaded])
-            if not problem:
-                held: Held = None
-                try:
-                    with COMMIT_LOCK:
-                        pin_for_readers(self._weights)
-                        held = hold()  # (a Ctrl-C waits for the last write)
-                        for weight, (d, _), state in zip(self._weights, loaded, states):
-                            weight._data, weight._state = d, state
-                finally:
-                    release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
-        await agree(comm, problem, None)
 
     @property
     def buckets(self) -> tuple[tuple[Weight[Any, Any], ...], ...]:
@@ -339,10 +307,7 @@ class DataParallel(ModelWrapper):
         # from this rank, as from a rank that reached no weight) started before
         # the status round and awaited after it.
         comm = self._comm
-        if not self._agreed:
-            await same_model(comm, self._described, checksums(self._weights), self._labels)
-            self._agreed = True
-            self._met = time.perf_counter()
+        await self._same_model()
         overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
         if overlap is not None:
             overlap.finish({})
@@ -353,51 +318,35 @@ class DataParallel(ModelWrapper):
         if overlap is not None:
             await overlap.wait()
 
+    async def _same_model(self) -> float:
+        """Before the first step (once): check that every rank holds this model,
+        values included; the seconds it took (0 once passed)."""
+        if self._agreed:
+            return 0.0
+        start = time.perf_counter()
+        await same_model(self._comm, self._described, checksums(self._weights), self._labels)
+        self._agreed = True
+        self._met = time.perf_counter()
+        return self._met - start
+
     async def _exchange(self, loss: Layer[Any, Any], step: int) -> tuple[Any, dict[Weight[Any, Any], Any]]:
         """This rank's loss value and the reduced gradients every rank steps by."""
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
-        checked = 0.0  # the first step's model check: where the ranks first meet, and wait for a late one
-        if not self._agreed:
-            check_start = time.perf_counter()
-            await same_model(comm, self._described, checksums(weights), self._labels)
-            self._agreed = True
-            self._met = time.perf_counter()
-            checked = self._met - check_start
+        checked = await self._same_model()  # where the ranks first meet, and wait for a late one
         # One rank has nothing to overlap: its "all-reduce" is a copy.
         overlap = Overlap(comm, self._plan) if self.overlap and self._plan and comm.size > 1 else None
-        order: list[Weight[Any, Any]] = []  # weights in the order their gradients became final here
-
-        def final(weight: Weight[Any, Any], grad: Any) -> None:
-            order.append(weight)
-            if overlap is not None:
-                overlap.final(weight, grad)
-
-        grads: dict[Weight[Any, Any], Any] = {}
-        value: Any = None
-        problem = ""
-        cause: Exception | None = None
         started = time.perf_counter()
-        try:
-            value, grads = await entry.gradients(loss, final, None if overlap is None else overlap.reached)
-        except Exception as error:
-            problem, cause = f"{type(error).__name__}: {error}", error
-        except BaseException:  # cancelled: the started buckets end before any other collective may start
-            if overlap is not None:
-                overlap.finish({})
-                with anyio.CancelScope(shield=True):
-                    await overlap.wait()
-            raise
-        if overlap is not None:
-            overlap.finish(grads)
+        mine = await rank_gradients(loss, overlap)
+        value, grads = mine.value, mine.grads
         backward_end = time.perf_counter()
-        status, problem = _rank_status(n, step, order, grads, index, self._labels, overlap, value, problem)
+        status, problem = _rank_status(n, step, mine.order, grads, index, self._labels, overlap, value, mine.problem)
         agree_start = time.perf_counter()
         _came(status, self._met, agree_start, getattr(comm, "timeout", None))  # (a Communicator need not have one)
         # The status round runs while the buckets are still in flight, and they are
         # awaited after it: a rank that came after the others had given up on it is
         # told so by their statuses at once, not held first in buckets they had left.
-        late = functools.partial(_late, rank=comm.rank)
-        statuses = await agree(comm, problem, cause, status, _parted, late, None if overlap is None else overlap.wait)
+        late, wait = functools.partial(_late, rank=comm.rank), None if overlap is None else overlap.wait
+        statuses = await agree(comm, problem, mine.cause, status, _parted, late, wait)
         agree_end = time.perf_counter()
         if overlap is not None:
             await overlap.wait()  # a rank that died or hangs: RankFailure after the timeout
@@ -405,32 +354,14 @@ class DataParallel(ModelWrapper):
         exposed = agree_start - backward_end + reduced_end - agree_end
         kinds, rows = statuses[:, 1 : 1 + n], statuses[:, 1 + n : 1 + 2 * n]
         scale = 1.0 / comm.size if self.average else 1.0
-        reduced: dict[Weight[Any, Any], Any] = {}
         # Dense where any rank's gradient is dense (the other ranks' rows or
         # absences made dense); rows where the ranks that have one have rows.
         any_dense = (kinds == _DENSE).any(axis=0)
+        reduced = {} if overlap is None else reduce_overlapped(overlap, any_dense, index, scale)
         planned = overlap.bucket_of if overlap is not None else {}
-        if overlap is not None:
-            for bucket, total in zip(overlap.plan, overlap.results):
-                total = self._checked(total, scale)
-                for weight, grad in zip(bucket, unflatten(total, [w._data for w in bucket])):
-                    # A planned weight is stepped by its bucket only where some rank's gradient is
-                    # dense: where every rank has rows (or none), the rows below step it, as
-                    # without overlap (a dense total would step every row: under Adam, the rows
-                    # no rank looked up would move on their momentum).
-                    if any_dense[index[weight]]:
-                        reduced[weight] = grad
-        dense = [i for i in np.flatnonzero(any_dense).tolist() if weights[i] not in planned]
-        sparse = np.flatnonzero((kinds == _SPARSE).any(axis=0) & ~any_dense).tolist()
-        buckets = plan_buckets([weights[i] for i in dense], self.bucket_bytes, self.bucket_bytes)
-        flats = [flatten([dense_like(grads.get(w), w._data) for w in bucket]) for bucket in buckets]
+        packed = pack_rest(weights, grads, kinds, any_dense, planned, self.bucket_bytes)
         post_start = time.perf_counter()
-        for bucket, total in zip(buckets, await comm.allreduce_many(flats)):
-            total = self._checked(total, scale)
-            reduced.update(zip(bucket, unflatten(total, [w._data for w in bucket])))
-        for i in sparse:  # rows are concatenated, not summed: finite rows stay finite
-            weight = weights[i]
-            reduced[weight] = await gather_rows(comm, grads.get(weight), weight._data, rows[:, i], scale)
+        reduced.update(await reduce_rest(comm, weights, grads, packed, rows, scale))
         post = time.perf_counter() - post_start
         positions = statuses[:, 1 + 2 * n : 1 + 3 * n]
         self._plan = next_plan(self._plan, weights, self._dense, self._order, any_dense, positions, self.bucket_bytes)
@@ -441,14 +372,6 @@ class DataParallel(ModelWrapper):
             "agree": agree_end - agree_start + checked,
         }
         return value, reduced
-
-    @staticmethod
-    def _checked(total: Any, scale: float) -> Any:
-        if scale != 1.0:
-            total = total * scale
-        if not _finite(total):  # sums can overflow where no addend did
-            raise RankFailure({}, "the averaged gradient is not finite (an overflow in the sum)")
-        return total
 
 
 def _commit(grads: dict[Weight[Any, Any], Any]) -> None:
