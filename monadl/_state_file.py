@@ -1,7 +1,8 @@
 """An optimizer state's tree as a checkpoint holds it: its structure and its
 numbers as JSON, in the manifest, its arrays beside the weights' in the
 safetensors file (`encode`), and back, in the shape of the model's own state
-(`decode`); an array's way into the file (`put`) and out of it, into the
+(`decode`), and the names of its arrays in the file (`arrays_of`, what a
+load reads of it); an array's way into the file (`put`) and out of it, into the
 model's array library (`to_library`); and what a state may be at all
 (`unstorable`, which a weight asks of its optimizer's state when ``init``
 makes it and at each step, not at the first save)."""
@@ -16,7 +17,7 @@ import numpy as np
 from monadl._namespace import is_array, library_name, namespace
 from monadl.errors import CheckpointError
 
-__all__ = ["STATE_RULE", "decode", "encode", "put", "to_library", "unstorable"]
+__all__ = ["STATE_RULE", "arrays_of", "decode", "encode", "put", "to_library", "unstorable"]
 
 
 def put(tensors: dict[str, Any], key: str, value: Any) -> None:
@@ -143,3 +144,17 @@ def decode(node: Any, like: Any, tensors: Mapping[str, Any], where: str) -> Any:
     if kind == "none":
         return None
     return node["value"]
+
+
+def arrays_of(node: Any) -> list[str]:
+    """The names of the arrays in the file of a saved optimizer state (its
+    tree as `encode` wrote it in the manifest)."""
+    pending = [node]
+    names = []
+    while pending:
+        node = pending.pop()
+        if node["kind"] == "array":
+            names.append(node["tensor"])
+        elif node["kind"] == "tuple":
+            pending.extend(node["items"])
+    return names

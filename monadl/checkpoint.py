@@ -40,10 +40,8 @@ array([1., 1.])
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, final
@@ -53,13 +51,13 @@ from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from monadl._atomic_file import write_atomically
+from monadl._checkpoint_args import ADDRESS, check_metadata, json_scalar, no_weights, not_a_directory, stable
 from monadl._checkpoint_file import FORMAT, MANIFEST_DIGEST_KEY, MANIFEST_KEY, VERSION, digest, opened, text_digest
 from monadl._checkpoint_match import match, nothing_in_common
 from monadl._named import named_weights, named_weights_and_aliases
 from monadl._namespace import library_name
-from monadl._state_file import decode, encode, put, to_library
+from monadl._state_file import arrays_of, decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
-from monadl.layers import Layer
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, TRAINING, pin_for_readers
@@ -113,11 +111,11 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
             f"takes the object first), got {type(path).__name__} as the path"
         )
-    _not_a_directory(path)
+    not_a_directory(path)
     named, aliases, left_out = named_weights_and_aliases(model)
-    weights = _stable(named)
+    weights = stable(named)
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
-        raise CheckpointError(_no_weights(model))
+        raise CheckpointError(no_weights(model))
     with COMMIT_LOCK:  # (a step commits under it: before the whole snapshot or after it, never inside)
         taken = [(name, weight._data, weight._state) for name, weight in weights.items()]
     tensors: dict[str, Any] = {}
@@ -134,18 +132,18 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
                 "optimizer_state": encode(state, f"{_STATE_PREFIX}{name}", tensors),
             }
         )
-    _check_metadata(metadata)
+    check_metadata(metadata)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "weights": entries,
-        "aliases": {alias: name for alias, name in aliases.items() if not _ADDRESS.search(alias)},
+        "aliases": {alias: name for alias, name in aliases.items() if not ADDRESS.search(alias)},
         "aliases_left_out": left_out,
         "metadata": dict(metadata or {}),
         "digests": {key: digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
     }
     try:
-        text = json.dumps(manifest, default=_json_scalar)
+        text = json.dumps(manifest, default=json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
     header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: text_digest(text)}  # (a damaged step count is refused)
@@ -157,38 +155,6 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
             "by many layers, held by a copy of its own in each) may find them missing when it loads this file",
             stacklevel=2,
         )
-
-
-_ADDRESS: Final = re.compile(r"0x[0-9a-fA-F]{6,}")  # (a default repr's " at 0x7f3a...>", or another repr's address)
-
-
-def _stable(weights: dict[str, Any]) -> dict[str, Any]:
-    """The weights, if the process that loads them names them the same: not
-    if a dict key on a name's path reads as a memory address (an object of no
-    ``__str__`` of its own, a function). (Data parallelism takes such names:
-    its ranks compare them with the addresses masked.)"""
-    for name in weights:
-        if _ADDRESS.search(name):
-            raise CheckpointError(
-                f"a weight is named {name}: a dict key on its path reads as a memory address, which differs "
-                "in the process that loads the checkpoint: key weights by str or int (or give the key's type "
-                "a __str__)"
-            )
-    return weights
-
-
-def _no_weights(model: object, call: str = "save", consequence: str = "the checkpoint would be empty") -> str:
-    text = (
-        f"{call}(path, model): the model, a {type(model).__name__}, holds no Weight, so {consequence}; "
-        "pass the object that holds the weights (a dict, list or tuple of them, a dataclass or any "
-        "object whose attributes hold them: see ml.checkpoint.named_weights)"
-    )
-    if isinstance(model, Layer):
-        text += (
-            "; a built Layer (a loss, a prediction) is not walked into (its weights belong to the model that "
-            "built it): pass that model"
-        )
-    return text
 
 
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
@@ -263,19 +229,20 @@ def load(
         raise TypeError(
             f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"
         )
-    _not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
+    not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
     weights, aliases, _ = named_weights_and_aliases(model)
     with opened(os.fspath(path)) as file:
         manifest = file.manifest
         if not weights:
-            raise CheckpointError(_no_weights(model, "load", "nothing would load"))
+            raise CheckpointError(no_weights(model, "load", "nothing would load"))
         saved = {entry["name"]: entry for entry in manifest["weights"]}
         found = match(weights, aliases, saved, manifest.get("aliases", {}))
         if len(found.extra) == len(saved):  # (strict or not: a load that loads nothing is never meant)
             raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
         used = [sources[0] for sources in found.sources.values() if sources]
         # (only what loads is read: not the optimizer state optimizer_state=False leaves, nor weights passed over)
-        tensors = _Once(file.read([*used, *(key for name in used for key in _arrays_of(saved[name], optimizer_state))]))
+        states = [key for name in used for key in arrays_of(saved[name]["optimizer_state"])] if optimizer_state else []
+        tensors = _Once(file.read([*used, *states]))
     problems = []
     missing, extra = found.missing, found.extra
     left_out = manifest.get("aliases_left_out", 0)
@@ -352,20 +319,6 @@ def load(
     return dict(manifest["metadata"])
 
 
-def _arrays_of(entry: Mapping[str, Any], optimizer_state: bool) -> list[str]:
-    """The names of the arrays of a saved weight's optimizer state (none
-    where ``optimizer_state`` is False)."""
-    pending = [entry["optimizer_state"]] if optimizer_state else []
-    names = []
-    while pending:
-        node = pending.pop()
-        if node["kind"] == "array":
-            names.append(node["tensor"])
-        elif node["kind"] == "tuple":
-            pending.extend(node["items"])
-    return names
-
-
 @final
 class _Once(Mapping[str, Any]):
     """Arrays read for a load, each given away the first time it is asked
@@ -407,43 +360,3 @@ def _warn_in_flight(weights: dict[str, Any], updates: list[tuple[Any, Any, Any]]
             "gradients of the values it read: load between steps (await the train() first)",
             stacklevel=3,
         )
-
-
-def _not_a_directory(path: str | os.PathLike[str]) -> None:
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "a checkpoint is a file, and this is a directory", os.fspath(path))
-
-
-def _check_metadata(metadata: object) -> None:
-    """Refuse metadata that would not come back as it was given: not a
-    mapping, or a mapping with a key that is not a str (JSON's keys are
-    strings: ``{3: 0.9}`` would load as ``{'3': 0.9}``)."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, Mapping):
-        raise TypeError(f"save: metadata is a dict of JSON data (str keys), got a {type(metadata).__name__}")
-    todo: list[tuple[str, object]] = [("metadata", metadata)]
-    seen: set[int] = set()  # (metadata that holds itself: JSON says so below)
-    while todo:
-        where, x = todo.pop()
-        if isinstance(x, (Mapping, list, tuple)):
-            if id(x) in seen:
-                continue
-            seen.add(id(x))
-        if isinstance(x, Mapping):
-            for key, value in x.items():
-                if not isinstance(key, str):
-                    raise TypeError(
-                        f"save: {where} has a key that is no str, {key!r} ({type(key).__name__}); JSON keys are "
-                        f"strings, so it would load as {str(key)!r}: use str keys, or a list of pairs"
-                    )
-                todo.append((f"{where}[{key!r}]", value))
-        elif isinstance(x, (list, tuple)):
-            todo.extend((f"{where}[{i}]", value) for i, value in enumerate(x))
-
-
-def _json_scalar(x: object) -> Any:
-    """A NumPy scalar in metadata (a step count, a loss) as the Python number it holds."""
-    if isinstance(x, np.generic) and x.dtype.kind in "biuf":
-        return x.item()
-    raise TypeError(f"{type(x).__name__} is not JSON")
