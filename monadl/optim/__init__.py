@@ -9,6 +9,7 @@ and the one place where they step weights (`apply_gradients`).
 array([-0.1,  0.2])
 """
 
+from monadl.optim._clip import clip_by_global_norm, global_norm
 from monadl.optim._default import DEFAULT_LEARNING_RATE, default_optimizer, using_default
 from monadl.optim._schedules import (
     Schedule,
@@ -19,7 +20,7 @@ from monadl.optim._schedules import (
     linear_schedule,
     warmup_cosine_decay_schedule,
 )
-from monadl.optim.apply import apply_gradients, clip_by_global_norm, global_norm
+from monadl.optim.apply import apply_gradients
 from monadl.optim.transforms import (
     AdagradState,
     AdamState,

@@ -10,11 +10,14 @@ its table: it computes the new rows (`Rows`), the check reads them alone,
 and they are written into the table and its state's arrays themselves where
 nothing else refers to those (`private`), else into copies, as any step
 whose old arrays someone holds.
+
+Clipping gradients by their global norm before a step of one's own
+(`clip_by_global_norm`, `global_norm`) lives in `monadl.optim._clip`,
+re-exported here and from `monadl.optim`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any, Final
@@ -23,18 +26,13 @@ import numpy as np
 
 from monadl._blas import add_product
 from monadl._in_dtype import in_dtype_of
-from monadl._namespace import all_finite, is_array, namespace
+from monadl._namespace import all_finite, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
 from monadl.layers._traced_now import refuse_while_tracing
 from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
-from monadl.optim._refusals import (
-    checked_update,
-    not_clipped,
-    refuse_unless_a_gradient,
-    refuse_unless_by_weight,
-    refused,
-)
+from monadl.optim._clip import clip_by_global_norm, global_norm
+from monadl.optim._refusals import checked_update, refuse_unless_a_gradient, refuse_unless_by_weight, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step
 from monadl.optim._sgd import SMALL, factored_step, poolable, pooled_steps, private
 from monadl.optim.transforms import Scale
@@ -47,6 +45,7 @@ __all__ = [
     "clip_by_global_norm",
     "consume_gradients",
     "current",
+    "global_norm",
     "prepare",
     "stateful",
     "step",
@@ -78,83 +77,6 @@ def apply_gradients(gradients: Mapping[Weight[Any, Any], Any], *, finite: bool =
     for w, g in gradients.items():  # (the runtime's own gradients have their weights' shapes)
         refuse_unless_a_gradient(w, g)
     _commit(gradients, finite, False)
-
-
-def global_norm(gradients: Mapping[Weight[Any, Any], Any]) -> float:
-    """The norm of all of ``gradients`` as one vector (what `clip_by_global_norm`
-    clips, and what PyTorch's ``clip_grad_norm_`` returns, to log); an
-    embedding's rows with a row looked up twice summed first, as its dense
-    gradient has them.
-
-    >>> import numpy as np, monadl as ml
-    >>> global_norm({ml.Weight(np.zeros(2)): np.array([3.0, 4.0]), ml.Weight(0.0): 12.0})
-    13.0
-    """
-    refuse_unless_by_weight(gradients, "global_norm")
-    norms = []
-    for g in gradients.values():
-        values = g.summed()[1] if type(g) is SparseRows else g
-        norms.append(_norm(values) if is_array(values) else abs(float(values)))
-    return math.hypot(*norms)  # (no overflow where each norm is finite)
-
-
-def _norm(values: Any) -> float:
-    """One gradient's norm. Its squares are summed in its dtype (float16's in
-    float32); where that overflows and its values are finite (float32 entries
-    from about 1e19), they are summed again divided by the largest (whose
-    square was zero in `clip_by_global_norm`: every gradient zeroed)."""
-    xp = namespace(values)
-    if values.dtype == xp.float16:  # (squared in float32, as PyTorch's: below 2.4e-4 a float16 square is 0)
-        values = xp.astype(values, xp.float32)
-    with np.errstate(over="ignore"):  # (overflowed: summed again, below)
-        squares = float(xp.sum(values * values))
-    if math.isfinite(squares) or not bool(xp.all(xp.isfinite(values))):
-        return math.sqrt(squares)
-    largest = float(xp.max(xp.abs(values)))
-    scaled = xp.astype(values, xp.float64) / largest
-    return largest * math.sqrt(float(xp.sum(scaled * scaled)))
-
-
-def clip_by_global_norm(
-    gradients: Mapping[Weight[Any, Any], Any], max_norm: float, *, finite: bool = True
-) -> dict[Weight[Any, Any], Any]:
-    """``gradients`` scaled by ``max_norm / (norm + 1e-6)`` where that is
-    below 1, ``norm`` being all of them as one vector's (an embedding's rows
-    with a row looked up twice summed first, as its dense gradient has them),
-    as PyTorch's ``clip_grad_norm_``; an embedding's stays its rows. For a
-    step of one's own between ``value_and_gradients`` and `apply_gradients`.
-
-    Args:
-        gradients: by weight, as `apply_gradients` takes them. They are only read.
-        max_norm: the largest norm the result may have; positive.
-        finite: refuse gradients that hold a NaN or an infinity: raise
-            `NonFiniteError` naming the weights whose gradients hold one (as
-            PyTorch's ``error_if_nonfinite=True``). Their norm is then not
-            finite, and scaling by it would make every gradient NaN, so that
-            `apply_gradients` would name a weight whose own gradient was
-            finite. ``finite=False`` scales them all the same, as PyTorch's
-            default does.
-
-    >>> import numpy as np, monadl as ml
-    >>> w = ml.Weight(np.zeros(2))
-    >>> clip_by_global_norm({w: np.array([3.0, 4.0])}, 1.0)[w].round(6)
-    array([0.6, 0.8])
-    """
-    refuse_unless_by_weight(gradients, "clip_by_global_norm")
-    if not max_norm > 0:
-        raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm!r}")
-    norm = global_norm(gradients)
-    if finite and not math.isfinite(norm):
-        culprits = [w for w, g in gradients.items() if not all_finite(g.rows if type(g) is SparseRows else g)]
-        if culprits:  # (else finite entries whose norm passes 1.8e308: scaled by 0, as PyTorch's)
-            raise NonFiniteError(not_clipped(culprits, norm, len(gradients)))
-    factor = max_norm / (norm + 1e-6)
-    if factor >= 1:
-        return dict(gradients)
-    return {
-        w: SparseRows(g.indices, g.rows * factor, g.table_shape) if type(g) is SparseRows else g * factor
-        for w, g in gradients.items()
-    }
 
 
 def consume_gradients(
