@@ -42,7 +42,7 @@ def sparse_step(weight: Weight[Any, Any], grad: SparseRows) -> tuple[Any, Any]:
     count, is shared. (SparseAdam adds Adam's ``eps`` before the bias
     correction, this library's Adam after, as ``torch.optim.Adam``: for
     small gradients early in training that is much of a step,
-    `monadl.optim.transforms.scale_by_adam`.)
+    `monadl.optim._adaptive.scale_by_adam`.)
 
     Where the library scatters, the step is its rows (`Rows`, and the state
     with its rows), which the commit writes: what it costs, and what its
