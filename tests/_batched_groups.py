@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from monadl.runtime.schedule import batched
+from monadl.runtime.schedule import batched_run
 
 
 def groups_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """A list that each group run batched from now on adds to: its
     primitive's name and its size."""
     ran: list[tuple[str, int]] = []
-    group = batched._Run.group
+    group = batched_run.Run.group
 
     def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
         before = self.batches
@@ -22,5 +22,5 @@ def groups_run(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         if self.batches > before:
             ran.append((members[0]._op.name, len(members)))
 
-    monkeypatch.setattr(batched._Run, "group", counting)
+    monkeypatch.setattr(batched_run.Run, "group", counting)
     return ran

@@ -21,7 +21,7 @@ from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched as _batching
-from monadl.runtime.schedule import batched_rule
+from monadl.runtime.schedule import batched_rule, batched_run
 
 HERE = __file__
 Tree: TypeAlias = "int | tuple[Tree, Tree]"
@@ -318,7 +318,7 @@ def test_the_outputs_of_a_marked_cell_read_outside_cells_batch(monkeypatch: pyte
         return ml.sum(ml.stack(terms))
 
     views: list[int] = []
-    group = _batching._Run.group
+    group = batched_run.Run.group
 
     def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
         before = self.batches
@@ -326,7 +326,7 @@ def test_the_outputs_of_a_marked_cell_read_outside_cells_batch(monkeypatch: pyte
         if self.batches > before and members[0]._op.name == "output":
             views.append(len(members))
 
-    monkeypatch.setattr(_batching._Run, "group", counting)
+    monkeypatch.setattr(batched_run.Run, "group", counting)
     results = {}
     for batching in (False, True):
         with ml.settings(batching=batching):

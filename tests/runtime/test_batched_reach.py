@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.runtime.schedule import batched, batched_records
+from monadl.runtime.schedule import batched_records, batched_run
 
 Build = Callable[[list[ml.Weight[Any, Any]]], ml.ScalarLayer]
 
@@ -64,7 +64,7 @@ def grouped(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         names.append((members[0]._op.name, len(members)))
         record(groups, members, *args)
 
-    monkeypatch.setattr(batched, "group_records", counted)
+    monkeypatch.setattr(batched_run, "group_records", counted)
     return names
 
 

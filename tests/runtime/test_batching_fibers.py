@@ -20,7 +20,7 @@ import monadl as ml
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, batched_gather, batched_records, fibers
+from monadl.runtime.schedule import batched, batched_gather, batched_records, batched_run, fibers
 
 HERE = __file__
 STEPS = 4
@@ -167,7 +167,7 @@ def test_examples_step_in_one_order_whether_batching_is_on_or_off(
         grouped.append(len(members))
         record(groups, members, *args)
 
-    monkeypatch.setattr(batched, "group_records", counted)
+    monkeypatch.setattr(batched_run, "group_records", counted)
 
     def steps(batching: bool | None) -> tuple[list[tuple[int, int]], list[int], float]:
         import anyio
@@ -600,7 +600,7 @@ def test_what_is_built_on_the_examples_bind_layers_batches(monkeypatch: pytest.M
         return ml.sum(h * h)
 
     cells: list[int] = []  # the members of each group of cells that ran batched
-    group = batched._Run.group
+    group = batched_run.Run.group
 
     def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
         before = self.batches
@@ -608,7 +608,7 @@ def test_what_is_built_on_the_examples_bind_layers_batches(monkeypatch: pytest.M
         if self.batches > before and "lambda" in members[0]._op.name:
             cells.append(len(members))
 
-    monkeypatch.setattr(batched._Run, "group", counting)
+    monkeypatch.setattr(batched_run.Run, "group", counting)
     results = {}
     for batching in (False, None):
         with ml.settings(batching=batching):
@@ -649,7 +649,7 @@ def test_a_weight_lifted_by_as_layer_batches_as_the_weight_itself(monkeypatch: p
         return (yield from run(ev, waiting))
 
     products: list[int] = []  # the members of each group of products that ran batched
-    group = batched._Run.group
+    group = batched_run.Run.group
 
     def grouping(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
         before = self.batches
@@ -658,7 +658,7 @@ def test_a_weight_lifted_by_as_layer_batches_as_the_weight_itself(monkeypatch: p
             products.append(len(members))
 
     monkeypatch.setattr(fibers, "run", counting)
-    monkeypatch.setattr(batched._Run, "group", grouping)
+    monkeypatch.setattr(batched_run.Run, "group", grouping)
 
     def loss(lift: bool) -> ml.ScalarLayer:
         return ml.sum(ml.stack([example(x, lift) for x in xs]))

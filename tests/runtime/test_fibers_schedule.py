@@ -18,7 +18,7 @@ import pytest
 
 import monadl as ml
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, fibers
+from monadl.runtime.schedule import batched_run, fibers
 
 EXAMPLES = 12
 
@@ -110,7 +110,7 @@ def test_a_step_lines_up_by_its_distance_to_the_read(monkeypatch: pytest.MonkeyP
     # Examples that took the detour reach the step's product one product later than
     # the others; by height both meet it at the same level: one group per run.
     products: list[int] = []
-    group = batched._Run.group
+    group = batched_run.Run.group
 
     def counting(self: Any, members: list[Any]) -> None:
         first = members[0]
@@ -121,7 +121,7 @@ def test_a_step_lines_up_by_its_distance_to_the_read(monkeypatch: pytest.MonkeyP
     model = Detour()
     monkeypatch.setattr(fibers, "_steps", set())
     monkeypatch.setattr(fibers, "_leads", set())
-    monkeypatch.setattr(batched._Run, "group", counting)
+    monkeypatch.setattr(batched_run.Run, "group", counting)
     with ml.settings(batching=True):
         entry.gradients_sync(model.loss())
         products.clear()  # (the first evaluation learned which graphs are steps)

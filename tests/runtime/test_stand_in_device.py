@@ -31,7 +31,7 @@ from monadl.deltas import SparseRows
 from monadl.layers._program import Program
 from monadl.layers._site import PACKAGE_DIR
 from monadl.runtime import entry
-from monadl.runtime.schedule import batched, batched_records
+from monadl.runtime.schedule import batched_records, batched_run
 from monadl.runtime.schedule import cuda as cuda_schedule
 from tests.runtime._tree_lstm_reference import host_reference
 
@@ -188,7 +188,7 @@ def grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(members))
         record(groups, members, *args)
 
-    monkeypatch.setattr(batched, "group_records", counted)
+    monkeypatch.setattr(batched_run, "group_records", counted)
     return sizes
 
 

@@ -15,7 +15,7 @@ __all__ = ["agenda"]
 
 
 class Scheduler(Protocol):
-    """What the agenda asks of a scheduler's run (`batched._Run`)."""
+    """What the agenda asks of a scheduler's run (`batched_run.Run`)."""
 
     records: Any
     groups: Any
