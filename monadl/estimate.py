@@ -27,7 +27,8 @@ import numpy as np
 
 from monadl.direct import direct, values
 from monadl.errors import ShapeError
-from monadl.layers._functions import apply_primitive, log, mean, relu, softmax, stop_gradient, sum
+from monadl.layers._axis_functions import mean, softmax, sum
+from monadl.layers._functions import apply_primitive, log, relu, stop_gradient
 from monadl.layers._layer import Array, ArrayLayer, ArrayOperand, Expr, Layer, ScalarLayer
 from monadl.layers._site import caller_site, site_text
 from monadl.layers._weight import Weight

@@ -1,29 +1,21 @@
 """Layers, weights and the differentiable functions over them."""
 
 from monadl.deltas import unbroadcast
+from monadl.layers._axis_functions import dense, dot, log_softmax, logsumexp, matmul, max, mean, softmax, sum
 from monadl.layers._functions import (
     abs,
     cos,
-    dense,
-    dot,
     exp,
     log,
     log_sigmoid,
-    log_softmax,
-    logsumexp,
-    matmul,
-    max,
     maximum,
-    mean,
     minimum,
     relu,
     sigmoid,
     sin,
-    softmax,
     softplus,
     sqrt,
     stop_gradient,
-    sum,
     tanh,
     where,
 )
