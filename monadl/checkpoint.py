@@ -58,9 +58,9 @@ from monadl._named import named_weights, named_weights_and_aliases
 from monadl._namespace import library_name
 from monadl._state_file import arrays_of, decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
+from monadl.layers._commits import COMMIT_LOCK, TRAINING, pin_for_readers
 from monadl.layers._replace import replace_data, replace_state
 from monadl.layers._traced_now import refuse_while_tracing
-from monadl.layers._weight import COMMIT_LOCK, TRAINING, pin_for_readers
 from monadl.runtime.process import Held, hold, release
 
 __all__ = ["load", "named_weights", "save"]

@@ -1,13 +1,12 @@
-"""`Weight`: a trainable variable, its optimizer and the optimizer's state."""
+"""`Weight`: a trainable variable, its optimizer and the optimizer's state.
+
+What its commits share with the evaluations running now: `monadl.layers._commits`;
+what its refusals say: `monadl.layers._weight_messages`.
+"""
 
 from __future__ import annotations
 
-import copy
-import copyreg
-import sys
-import threading
 import weakref
-from collections.abc import Iterable, Mapping
 from math import prod
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, TypeAlias, TypeVar, final, overload
@@ -18,60 +17,18 @@ from monadl._namespace import is_array, namespace
 from monadl._state_file import STATE_RULE, unstorable
 from monadl.errors import OperandError
 from monadl.layers._arrays import NumPyScalar
+from monadl.layers._commits import COMMIT_LOCK, pin_for_readers
 from monadl.layers._layer import Array, DeviceArray, Expr, Layer
 from monadl.layers._operands import dtype_name
 from monadl.layers._replace import replace_data, replace_state
-from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
+from monadl.layers._site import Site, caller_site, site_text
 from monadl.layers._traced_now import TRACING
+from monadl.layers._weight_messages import another_optimizer, copier_site, not_frozen, shape_text
 
 if TYPE_CHECKING:
     from monadl.optim import GradientTransformation
 
-__all__ = [
-    "COMMIT_LOCK",
-    "READERS",
-    "TRAINING",
-    "ArrayWeight",
-    "ScalarWeight",
-    "Weight",
-    "pin_for_readers",
-    "weight_sites",
-]
-
-COMMIT_LOCK: Final = threading.RLock()  # (re-entrant: an optimizer may read a weight's data)
-"""Held while weights step (`monadl.optim.apply`) and while their data is
-taken to be read: a step may write into an array nobody holds, and it must
-not gain a reader on another thread half way."""
-
-READERS: Final[dict[int, dict[Any, Any]]] = {}
-"""The evaluations running now (`monadl.runtime.drive`), by id: the data
-each keeps of weights written since it began (`pin_for_readers`). Changed
-under `COMMIT_LOCK`. Process-wide, as the weights are: a write (a step, an
-assignment, a load) on any thread or event loop must reach every evaluation
-that may read the weight, and nothing else knows them all."""
-
-TRAINING: Final[dict[int, Mapping[Any, Any]]] = {}
-"""The evaluations that send deltas to weights (``train()``, ``gradients()``)
-running now, by id: their records, by layer and weight (a weight among them
-was read, and its step or gradient is of that value). Changed under
-`COMMIT_LOCK`; a checkpoint's load warns of the weights it replaces there."""
-
-
-def pin_for_readers(weights: Iterable[Weight[Any, Any]]) -> None:
-    """Before their data is replaced, under `COMMIT_LOCK`: every evaluation
-    running keeps these weights' data as it is, and reads that, not the new.
-
-    So an evaluation reads the model as it was when it began, whatever
-    commits while it runs: a prediction beside a ``train()``, whose weights
-    an ``@ml.direct`` function reaches after an await, sees one model, not
-    the old value of one weight and the new of another. (A kept array is
-    held, so a step never writes into it.)
-    """
-    for pinned in READERS.values():
-        for weight in weights:
-            if weight not in pinned:
-                pinned[weight] = weight._data
-
+__all__ = ["ArrayWeight", "ScalarWeight", "Weight", "weight_sites"]
 
 D = TypeVar("D")
 G = TypeVar("G")
@@ -155,7 +112,7 @@ class Weight(Expr[D, G]):
             optimizer = optim.default_optimizer()
         elif not isinstance(optimizer, optim.GradientTransformation):
             raise OperandError(
-                f"Weight(...): {optim.transforms.refusal(optimizer, 'optimizer')}{_not_frozen(optimizer)}"
+                f"Weight(...): {optim.transforms.refusal(optimizer, 'optimizer')}{not_frozen(optimizer)}"
             )
         self._data = data
         self._bound = None
@@ -266,7 +223,7 @@ class Weight(Expr[D, G]):
             self._refuse_in_trace("assigned .optimizer of", assigned=True)
         if not isinstance(optimizer, optim.GradientTransformation):
             raise OperandError(
-                f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}{_not_frozen(optimizer)}"
+                f"Weight.optimizer: {optim.transforms.refusal(optimizer, 'the optimizer')}{not_frozen(optimizer)}"
             )
         state = self._initial_state(optimizer, "Weight.optimizer")
         self._optimizer = optimizer
@@ -310,7 +267,7 @@ class Weight(Expr[D, G]):
     def state(self, value: Any) -> None:
         if TRACING and get_ident() in TRACING:
             self._refuse_in_trace("assigned .state of", assigned=True)
-        state = replace_state(self._state, value, "Weight.state", _another_optimizer(self._optimizer))
+        state = replace_state(self._state, value, "Weight.state", another_optimizer(self._optimizer))
         with COMMIT_LOCK:
             self._state = state
 
@@ -327,7 +284,7 @@ class Weight(Expr[D, G]):
         it), but refused while a cell is traced on this thread: the copy
         would hold the weight's value then, at every later call."""
         if TRACING and get_ident() in TRACING:
-            self._refuse_in_trace("copied", site=_copier_site())
+            self._refuse_in_trace("copied", site=copier_site())
         return super().__reduce_ex__(protocol)
 
     def _refuse_in_trace(self, what: str, *, assigned: bool = False, site: Site | None = None) -> NoReturn:
@@ -347,7 +304,7 @@ class Weight(Expr[D, G]):
                 "may reach it), or pass the value as an argument (cell(h, w.data): data, read at each call)",
             )
         raise OperandError(
-            f"operation {TRACING[get_ident()]}: the cell {what} the weight {_shape_text(self._data)}built at "
+            f"operation {TRACING[get_ident()]}: the cell {what} the weight {shape_text(self._data)}built at "
             f"{site_text(self._site)} (at {site_text(caller_site() if site is None else site)}) while it was traced; "
             f"{why}: {instead}"
         )
@@ -357,51 +314,6 @@ class Weight(Expr[D, G]):
             f"a weight is not read as {what}: its value now is w.data (a model that reads it there does not "
             "learn it; compute with the weight itself)"
         )
-
-
-_COPYING: Final = frozenset({copy.__file__, copyreg.__file__})
-
-
-def _copier_site() -> Site:
-    """The line of the user's code that copied a weight: the first frame
-    outside monadl and the ``copy`` module (a deepcopy of a model reaches
-    its weights several calls deep)."""
-    frame = sys._getframe(2)
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(PACKAGE_DIR) or frame.f_code.co_filename in _COPYING
-    ):
-        frame = frame.f_back
-    return frame.f_code, frame.f_lasti
-
-
-def _not_frozen(optimizer: object) -> str:
-    """How to freeze a weight, where a refused optimizer looks like an attempt
-    to (None, False: PyTorch's ``requires_grad_(False)``, Keras'
-    ``trainable = False``). ``Weight(x, optimizer=None)`` is the default
-    optimizer, and a user freezing a teacher so got one that trained."""
-    if optimizer is not None and optimizer is not False:
-        return ""
-    return (
-        f"; {optimizer} does not freeze a weight: to freeze it, read it through ml.stop_gradient(w) where the model "
-        "uses it (it then takes no step and its optimizer state stays as it is); for the default optimizer, "
-        "ml.optim.default_optimizer()"
-    )
-
-
-def _another_optimizer(optimizer: GradientTransformation) -> str:
-    """What to do with a state of another structure, as `Weight.state`'s
-    error ends: it is most often the state of the optimizer the weight had
-    before (Adam's, kept across a change to AdamW), whose parts are still
-    wanted, in this optimizer's places."""
-    from monadl.optim._spec import spec
-
-    return (
-        f"; the expected one is what the weight's optimizer, {spec(optimizer)}, makes (a chain's state holds one "
-        "part per transformation, in its order), and another optimizer's state does not fit as it is: start from "
-        "this optimizer's fresh state (w.state right after assigning w.optimizer) and put the old state's parts in "
-        "their places, e.g. w.state = (old[0], *w.state[1:]) keeps the moments and step count of an old Adam "
-        "state, old"
-    )
 
 
 _SHOWN: Final = 16
@@ -424,15 +336,8 @@ def weight_sites(inputs: tuple[Any, ...]) -> str:
     True
     """
     sites = [
-        f"; operand {i} is the weight {_shape_text(w._data)}built at {site_text(w._site)}"
+        f"; operand {i} is the weight {shape_text(w._data)}built at {site_text(w._site)}"
         for i, w in enumerate(inputs)
         if type(w) is Weight
     ]
     return "".join(sites[:3]) + (f"; and {len(sites) - 3} more weights" if len(sites) > 3 else "")
-
-
-def _shape_text(data: Any) -> str:
-    """A weight's dtype and shape, as messages write an operand's (``float32[4, 8] ``;
-    none for a number): weights built on one line (a dict of them) told apart."""
-    shape = getattr(data, "shape", None)
-    return "" if shape is None else f"{str(data.dtype).rsplit('.', 1)[-1]}{list(shape)} "

@@ -29,8 +29,9 @@ from monadl._in_dtype import in_dtype_of
 from monadl._namespace import all_finite, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.errors import NonFiniteError
+from monadl.layers._commits import COMMIT_LOCK, READERS, pin_for_readers
 from monadl.layers._traced_now import refuse_while_tracing
-from monadl.layers._weight import COMMIT_LOCK, READERS, Weight, pin_for_readers
+from monadl.layers._weight import Weight
 from monadl.optim._clip import clip_by_global_norm, global_norm
 from monadl.optim._refusals import checked_update, refuse_unless_a_gradient, refuse_unless_by_weight, refused
 from monadl.optim._rows import Rows, rows_written, sparse_step

@@ -20,9 +20,10 @@ import numpy as np
 from monadl._in_dtype import dtype_differs, in_dtype_of
 from monadl.deltas import Outer
 from monadl.errors import NonFiniteError, OperandError, ShapeError
+from monadl.layers._commits import COMMIT_LOCK, READERS, TRAINING
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._site import site_text
-from monadl.layers._weight import COMMIT_LOCK, READERS, TRAINING, Weight
+from monadl.layers._weight import Weight
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
 
@@ -319,7 +320,7 @@ class Evaluation:
     def reads(self, running: bool) -> None:
         """While ``running`` (its driver's run), a write of a weight's data
         leaves this evaluation what it read, or would have, before the write
-        (`monadl.layers._weight.pin_for_readers`); after, what it kept goes.
+        (`monadl.layers._commits.pin_for_readers`); after, what it kept goes.
         An evaluation begun inside another's run (a ``predict()`` awaited in
         an ``@ml.direct`` model, in a black box) reads that one's model."""
         self.running = running

@@ -547,7 +547,7 @@ def test_held_signals_run_after_the_commit_lets_go_of_its_lock_and_none_is_lost(
     signals that come together."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
         pytest.skip("signal handlers run in the main thread, on POSIX")
-    from monadl.layers._weight import COMMIT_LOCK
+    from monadl.layers._commits import COMMIT_LOCK
 
     w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.1))
     consume = apply._commit

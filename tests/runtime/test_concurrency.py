@@ -116,7 +116,7 @@ async def test_a_prediction_across_a_commit_sees_the_model_it_began_with(change:
 async def test_a_training_step_across_anothers_commit_steps_from_the_newer_data() -> None:
     # Its gradient is the model's it began with; its step lands on the data as
     # it is then (no update lost), and nothing it kept stays behind it.
-    from monadl.layers._weight import READERS
+    from monadl.layers._commits import READERS
 
     w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
     read, stepped = anyio.Event(), anyio.Event()
