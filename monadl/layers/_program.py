@@ -8,7 +8,9 @@ the VJPs sharing one reverse sweep over the steps' own VJPs (with
 broadcasting undone by `unbroadcast`, as the runtime's backward does:
 `monadl.layers._program_sweep`). Run on
 a group (`Program.batch`) each step goes through its batching rule where an
-operand is stacked, and as itself where all are shared.
+operand is stacked, and as itself where all are shared. Either way a step's
+operands go through the runtime's operand rule once per signature, and its
+casts are replayed after (`monadl.layers._program_casts`).
 """
 
 from __future__ import annotations
@@ -16,16 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
-import numpy as np
-
 from monadl._namespace import _HOST, common_namespace, namespace
 from monadl.errors import DTypeError, IndexRangeError, NonFiniteError
 from monadl.layers._batching_rules import BATCHING_RULES
 from monadl.layers._non_finite import made
 from monadl.layers._operands import (
-    NUMBERS,
     Numbers,
-    as_dtype,
     describe,
     member_float_dtype,
     one_float_dtype,
@@ -41,6 +39,15 @@ from monadl.layers._outputs import (
 )
 from monadl.layers._primitives import Primitive, shown
 from monadl.layers._products import factored as products_factored
+from monadl.layers._program_casts import (
+    Casts,
+    apply_casts,
+    casts_of,
+    is_number,
+    numbers_made,
+    signature,
+    tensor_slots,
+)
 from monadl.layers._program_sweep import Sweep
 from monadl.layers._step import Step
 from monadl.layers._tiles import Tiling, basic_slice, slice_readers
@@ -90,7 +97,7 @@ class Program:
         # The operand slots of weights (arguments, and those the function closes over): the delta
         # of a few rows' product with one goes to it as factors, as an unmarked product's does.
         self.factors = factors
-        self.tensors = _tensors(size, len(consts), steps)
+        self.tensors = tensor_slots(size, len(consts), steps)
         self.consts = consts
         self.steps = steps
         self.outputs = outputs
@@ -98,7 +105,7 @@ class Program:
         self.readers = tuple(s.operands() for s in steps)
         self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
-        # Per operand signature (`_signature`), what the operand rule did at each step: later
+        # Per operand signature (`signature`), what the operand rule did at each step: later
         # calls with it apply that, not the rule (whose checks, Python's, cost more than a small
         # step: a float32 cell's float64 weight is cast at each step of each call); per group
         # signature (its stacking too), the same, or the step at which it declined.
@@ -119,7 +126,7 @@ class Program:
         line inside the function, as it would unmarked."""
         env = [*args, *self.consts]
         vjps = []
-        key = _signature(args)
+        key = signature(args)
         plan = self.plans.get(key)
         did: list[Casts] = []
         tensors = self.tensors
@@ -127,10 +134,10 @@ class Program:
             values = read(env)
             if plan is None:
                 fixed = self._operand_rule(step, values, [tensors[r] for r in step.refs], tensors[len(env)])
-                did.append(_casts(values, fixed))
+                did.append(casts_of(values, fixed))
                 values = fixed
             elif (casts := plan[i]) is not None:
-                values = _cast(values, casts)
+                values = apply_casts(values, casts)
             try:
                 if called is None:
                     out, rules = step.op.rule(*values, *step.parameters(env))
@@ -186,7 +193,7 @@ class Program:
     ) -> tuple[Value, ...]:
         """A step's operands under the runtime's rule for a node's (`one_float_dtype`,
         naming the line inside this operation; ``tensors``: which operands are
-        tensors, ``tensor``: whether the step's value is one, see `_tensors`);
+        tensors, ``tensor``: whether the step's value is one, see `tensor_slots`);
         ``values`` itself where it casts none."""
 
         def where() -> str:  # (built only for a message: a site's text costs more than the rule)
@@ -223,7 +230,7 @@ class Program:
             elif stacked[r]:
                 kinds.append(True if type(v) is Numbers else None)
             else:
-                kinds.append(_number(v))
+                kinds.append(is_number(v))
         return kinds
 
     def _member_rule(
@@ -278,7 +285,7 @@ class Program:
         stacked = [*batched, *(False,) * len(self.consts)]
         kinds = self._numbers(env, stacked, scalars)
         vjps: list[tuple[Vjp, ...]] = []
-        key = (_signature(args), batched, scalars)
+        key = (signature(args), batched, scalars)
         plan = self.group_plans.get(key)
         if type(plan) is Step:  # (a member would raise, or its dtype is unknown here: as the first time)
             self.declined = plan
@@ -291,16 +298,16 @@ class Program:
             flags = tuple([stacked[r] for r in step.refs])
             given = [kinds[r] for r in step.refs]
             tensor = self.tensors[len(env)]
-            kind = False if tensor else _numbers_made(values, flags)
+            kind = False if tensor else numbers_made(values, flags)
             if plan is None:  # (before the numbers: a Python float computes in the dtype the rule leaves)
                 fixed = self._member_rule(step, values, flags, given, tensor)
                 if fixed is None:
                     self.declined = self.group_plans[key] = step
                     return None
-                did.append(_casts(values, fixed))
+                did.append(casts_of(values, fixed))
                 values = tuple(fixed)
             elif (casts := plan[i]) is not None:
-                values = _cast(values, casts)
+                values = apply_casts(values, casts)
             if numbers and Numbers in map(type, values):
                 found = step_numbers(step.op, values, flags, n)
                 if found is None:
@@ -350,80 +357,6 @@ class Program:
 
 
 _PRODUCTS: Final = frozenset({"matmul", "dense"})  # rows @ matrix (+ bias)
-
-# The primitives of Python's operators (``1.0 - beta``): on data alone, a step of one is data,
-# as NumPy's or Python's arithmetic gives unmarked; any other step is a tensor, the value of
-# a layer that an ml function builds (``ml.exp(beta)``), and so is one of a tensor.
-_OPERATORS: Final = frozenset({"add", "subtract", "multiply", "divide", "power", "negative"})
-
-
-def _tensors(size: int, consts: int, steps: tuple[Step, ...]) -> tuple[bool, ...]:
-    """Per slot of a program (its ``size`` operands, its constants, its
-    steps' values), whether it is a tensor, as it is unmarked: where a call
-    gives a layer or a weight (whatever its value's type: a scalar layer's
-    is a NumPy scalar; the trace marked what leads to one), or a step of one
-    or of an ml function. The rest is data: a call's arrays and numbers,
-    the trace's constants, and an operator's step on them alone (``d - p``
-    is NumPy's arithmetic unmarked, with no operand rule: of a 0-d array
-    ``d``, a NumPy scalar, a number); a tensor of no dimensions sets a
-    number's float dtype, data's does not (`one_float_dtype`)."""
-    tensors = [False] * (size + consts)
-    for s in steps:
-        for r, g in zip(s.refs, s.grads):
-            if g and r < size:
-                tensors[r] = True
-    for s in steps:
-        tensors.append(s.op.name not in _OPERATORS or True in [tensors[r] for r in s.refs])
-    return tuple(tensors)
-
-
-def _numbers_made(values: tuple[Value, ...], stacked: tuple[bool, ...]) -> bool:
-    """Whether an operator's step on data alone (see `_tensors`) makes a
-    number in each member of a group: where no member's operand has
-    dimensions (NumPy's arithmetic on 0-d arrays gives a NumPy scalar)."""
-    return all(type(v) is Numbers or getattr(v, "ndim", 0) == s for v, s in zip(values, stacked))
-
-
-Casts = tuple[Any, ...] | None
-"""What the operand rule did to one step's operands: per operand, the dtype
-it cast it to, or None; None for none cast."""
-
-
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What the operand rule depends on, per operand: its type (a NumPy float,
-    data, is not a 0-d array, a tensor; an array library is its own), its
-    dtype and its dimensions (a 0-d float64 array beside float32 ones is
-    cast, one with dimensions raises), those of its parts (`Outputs`), the
-    kind of a group's numbers."""
-    return tuple([_signed(a) for a in args])
-
-
-def _signed(a: Any) -> Any:
-    t = type(a)
-    if t is Outputs:
-        return t, _signature(a)
-    if t is StackedOutputs:
-        return t, _signature(a.parts)
-    if t is Numbers:
-        return t, a.kind
-    dtype = getattr(a, "dtype", None)
-    return t if dtype is None else (t, dtype, getattr(a, "ndim", None))
-
-
-def _casts(values: Sequence[Value], fixed: Sequence[Value]) -> Casts:
-    """The `Casts` that made ``fixed`` of ``values`` (an operand cast is a new object)."""
-    casts = tuple([None if f is v else f.dtype for v, f in zip(values, fixed)])
-    return None if casts.count(None) == len(casts) else casts
-
-
-def _cast(values: tuple[Value, ...], casts: tuple[Any, ...]) -> tuple[Value, ...]:
-    """``values`` cast as ``casts`` says, as the operand rule casts them (`as_dtype`)."""
-    return tuple([v if d is None else as_dtype(v, d) for v, d in zip(values, casts)])
-
-
-def _number(v: Value) -> bool:
-    """Whether ``v`` is a number: a NumPy scalar, a Python number, a group's column of those."""
-    return isinstance(v, np.generic) or type(v) in NUMBERS or type(v) is Numbers
 
 
 def batching_rule(op: Primitive) -> Any:

@@ -99,7 +99,7 @@ def test_a_float64_weight_in_a_float32_cell_is_cast_by_the_rule_once_not_per_cal
     _same(traced, plain, exact=False)
     # What the rule did, applied, is what the rule does: as where each call (or group) is checked.
     checked.clear()
-    monkeypatch.setattr("monadl.layers._program._signature", lambda args: object())
+    monkeypatch.setattr("monadl.layers._program.signature", lambda args: object())
     _same(traced, _run(ml.operation(cell), a, b, starts, 3, batching))
     assert len(checked) == 6 * STEPS * (12 if batching else 48)
 
