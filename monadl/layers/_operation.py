@@ -56,7 +56,8 @@ or an int among the arguments, or a dataclass whose fields hold other
 structures. A function with a closure is planned while its cells hold the
 objects they held when its plans were learned (checked each call: a cell
 may be rebound); one whose cells change takes the walk from then on, which
-keys their contents.
+keys their contents. The walk, and the traces an operation keeps:
+`monadl.layers._operation_traces`.
 """
 
 from __future__ import annotations
@@ -64,25 +65,21 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 import threading
 import types
 from collections.abc import Callable
 from operator import attrgetter, is_
 from typing import Any, ClassVar, Final, Generic, ParamSpec, TypeVar, final
 
-import numpy as np
-
 from monadl.errors import OperandError
 from monadl.layers._function_copy import function_shell, holds
 from monadl.layers._held import Held, reach
+from monadl.layers._operation_traces import walked
 from monadl.layers._outputs import OUTPUT
-from monadl.layers._plans import UNSEEN, Plan, keyed, learn
+from monadl.layers._plans import UNSEEN, Plan, keyed
 from monadl.layers._recording import RECORDING
 from monadl.layers._site import Site
-from monadl.layers._structures import flatten, items
-from monadl.layers._trace_advice import why_traces
-from monadl.layers._tracing import Trace, traced
+from monadl.layers._tracing import Trace
 
 __all__ = ["Operation", "operation"]
 
@@ -91,10 +88,8 @@ R = TypeVar("R")
 
 
 # ---- the decorator ----------------------------------------------------------------------------
-_TRACES_LIMIT: Final = 256  # (traces an operation keeps; past it, one goes: `Operation._evict`)
 _CONTENTS: Final = attrgetter("cell_contents")
 _REBINDS: Final = 4  # (times a closure's cells may change before its plans stop: `_learned_under`)
-_log: Final = logging.getLogger("monadl.batching")  # (how many traces an operation has: each its own groups)
 
 
 @final
@@ -143,7 +138,7 @@ class Operation(Generic[P, R]):
         fixed = self._closure is not None and all(type(c) is Held for c in cells)  # (no cell: nothing rebinds)
         self._ids = tuple([id(x) for x in objects]) if fixed else None
         self._traces: dict[Any, Trace] = {}
-        self._evictions = 0  # (traces forgotten past the limit: `_evict`'s turn)
+        self._evictions = 0  # (traces forgotten past the limit: `evict`'s turn)
         self._plans: dict[tuple[type, ...], Plan | None] = {}  # (None: these types fix no signature)
         # A closure's cells (and those of functions it holds: `reach`) may come to hold other objects:
         # its plans hold for the cells and objects they were learned with (`_live`, `_seen`), checked
@@ -243,7 +238,7 @@ class Operation(Generic[P, R]):
                     assert leaves is not None
                     sources: list[Any] = []
                     views: list[tuple[int, int, int]] = []
-                    for j in entry.layers:  # (as `_walked` finds them in its walk's leaves)
+                    for j in entry.layers:  # (as `walked` finds them in its walk's leaves)
                         x = leaves[j]
                         if x._op is OUTPUT:
                             node = x._inputs[0]
@@ -262,69 +257,7 @@ class Operation(Generic[P, R]):
                         trace = entry.traces.get(keyed(views, leaves, arrays))
                     if trace is not None:
                         return trace, leaves, sources
-        return self._walked(args, kwargs, kinds)
-
-    def _walked(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], kinds: tuple[type, ...] | None
-    ) -> tuple[Trace, list[Any], list[Any]]:
-        """A call by the signature's walk (`items`), tracing a new signature;
-        ``kinds``, its arguments' types where a plan may learn its trace."""
-        leaves: list[Any] = []
-        keep: list[Any] = []
-        found: list[int] = []
-        key: Any = items(args, leaves, keep, found) if not kwargs else flatten((args, kwargs), leaves, keep, found)
-        sources: list[Any] = []
-        views: Any = ()
-        if found:  # outputs of other operations: their nodes are the operands
-            views = []
-            for j in found:
-                x = leaves[j]
-                node = x._inputs[0]
-                if node in sources:  # (a handful, scanned in C: layers compare by identity)
-                    views.append((j, sources.index(node), x._params[0]))
-                else:
-                    views.append((j, len(sources), x._params[0]))
-                    sources.append(node)
-            views = tuple(views)
-            key = (key, views)
-        data = [(x.shape, x.dtype) for x in leaves if isinstance(x, np.ndarray)]
-        if data:  # (the function may read a data array's shape and dtype: they are part of the signature)
-            key = (key, tuple(data))
-        cells: list[Any] = []
-        held: list[Any] = []
-        if self._ids is not None:  # what a partial or a bound method holds: the same objects every call
-            key = (key, self._ids)
-        elif self._closure is not None:
-            cells, held = reach(self._closure)
-            key = (key, tuple([id(x) for x in held]))
-        trace = self._traces.get(key)
-        if trace is None:
-            full = len(self._traces) >= _TRACES_LIMIT
-            if full:
-                if not self._evictions:  # (said once: each call of a new signature now traces, 40-80x a call)
-                    _log.warning(
-                        "operation %s keeps %d traces, its limit: each new signature now replaces one and is traced, "
-                        "at tens of times a call's cost, and calls of different signatures never batch; %s",
-                        self.__name__,
-                        _TRACES_LIMIT,
-                        why_traces(self.__wrapped__, self._traces),
-                    )
-                self._evict()
-            keep.extend(held)  # (the trace holds them: their ids stay theirs while it is cached)
-            placed = {j: (s, k) for j, s, k in views}
-            trace = traced(self.__name__, self.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
-            self._traces[key] = trace
-            count = len(self._traces)
-            # (8, 16, 32, ...: said once each; at the limit, where each new trace replaces one, not again)
-            if not full and count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):
-                _log.debug(
-                    "operation %s has %d traces, %s", self.__name__, count, why_traces(self.__wrapped__, self._traces)
-                )
-        if kinds is not None:
-            with self._learning:  # (another thread's walk may rebind between the check and the plan's store)
-                if (self._live is None or self._learned_under(cells, held)) and not keep:
-                    learn(self._plans, kinds, args, leaves, views, trace)
-        return trace, leaves, sources
+        return walked(self, args, kwargs, kinds)
 
     def _unchanged(self) -> bool:
         """Whether the closure's cells hold the objects its plans were learned with."""
@@ -354,21 +287,6 @@ class Operation(Generic[P, R]):
                 return False
         self._live, self._seen = tuple(cells), tuple(held)
         return True
-
-    def _evict(self) -> None:
-        """Forget one trace, and its plans' entries, picked in turn by a
-        stride through them all (deterministic, and as good as a random pick
-        where the shapes come round in turn: a batch's lengths, epoch after
-        epoch, where forgetting the oldest misses every call). Clearing all
-        made a 257th shape retrace almost every call."""
-        keys = list(self._traces)
-        self._evictions += 1
-        old = self._traces.pop(keys[(self._evictions * 97) % len(keys)])
-        for plan in self._plans.values():
-            if plan is not None:
-                for entry in plan.entries.values():
-                    for k in [k for k, t in entry.traces.items() if t is old]:
-                        del entry.traces[k]
 
     def __repr__(self) -> str:
         return f"operation({self.__name__})"

@@ -666,16 +666,17 @@ def test_a_layer_where_a_weight_was_passed_gets_its_delta_as_an_array(batching: 
 
 def _walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at each call that takes the signature's walk."""
+    from monadl.layers import _operation, _operation_traces
     from monadl.layers._operation import Operation
 
     walks: list[int] = []
-    original = Operation._walked
+    original = _operation_traces.walked
 
-    def walked(self: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Any) -> Any:
+    def walked(op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], kinds: Any) -> Any:
         walks.append(1)
-        return original(self, args, kwargs, kinds)
+        return original(op, args, kwargs, kinds)
 
-    monkeypatch.setattr(Operation, "_walked", walked)
+    monkeypatch.setattr(_operation, "walked", walked)  # (the name `Operation.found` calls)
     return walks
 
 
@@ -880,7 +881,7 @@ def test_a_plan_is_never_learned_under_contents_another_thread_has_rebound(monke
     made later calls read the old weight. Learning is one step now."""
     import threading
 
-    from monadl.layers import _operation, _plans
+    from monadl.layers import _operation_traces, _plans
 
     w1, w2 = ml.Weight(np.ones(2)), ml.Weight(np.full(2, 2.0))
     w = w1
@@ -900,7 +901,7 @@ def test_a_plan_is_never_learned_under_contents_another_thread_has_rebound(monke
             go.wait(timeout=10)  # (a thread switch here)
         real(*args)
 
-    monkeypatch.setattr(_operation, "learn", slow)
+    monkeypatch.setattr(_operation_traces, "learn", slow)
     a = threading.Thread(target=op, args=(x,), name="A")
     a.start()
     assert learning.wait(timeout=10)
@@ -1550,7 +1551,7 @@ def test_a_cell_that_returns_no_layer_is_refused() -> None:
 def test_past_its_limit_an_operation_forgets_one_trace_not_all(monkeypatch: pytest.MonkeyPatch) -> None:
     # The cache was cleared when full: a cell called with 257 shapes in turn retraced
     # on almost every call (82 -> 186 us a call in a user's attention cell).
-    from monadl.layers import _operation, _tracing
+    from monadl.layers import _operation_traces, _tracing
 
     made: list[int] = []
     traced = _tracing.traced
@@ -1559,20 +1560,20 @@ def test_past_its_limit_an_operation_forgets_one_trace_not_all(monkeypatch: pyte
         made.append(1)
         return traced(*args)
 
-    monkeypatch.setattr(_operation, "traced", counted)
+    monkeypatch.setattr(_operation_traces, "traced", counted)
     w = ml.Weight(np.ones((2, 2)))
 
     @ml.operation
     def cell(x: ml.ArrayOperand) -> ml.ArrayLayer:
         return ml.tanh(x @ w)
 
-    shapes = range(1, _operation._TRACES_LIMIT + 2)  # (one more than it keeps, in turn, round after round)
+    shapes = range(1, _operation_traces._TRACES_LIMIT + 2)  # (one more than it keeps, in turn, round after round)
     for _ in range(3):
         for n in shapes:
             cell(np.ones((n, 2)))
     again = len(made) - len(shapes)
     assert again < len(shapes) // 4  # (clearing all: about 2 x 257)
-    assert len(cell._traces) == _operation._TRACES_LIMIT
+    assert len(cell._traces) == _operation_traces._TRACES_LIMIT
     anyio.run(ml.sum(cell(np.ones((3, 2)))).predict)
 
 

@@ -192,7 +192,7 @@ def test_the_count_of_traces_is_said_once_each_not_at_every_call_past_the_limit(
     """At the limit each new signature replaces a trace, so the count stayed
     256, a power of two: the line was said at every call (1,380 lines for a
     new user's 600 batch sizes)."""
-    from monadl.layers._operation import _TRACES_LIMIT
+    from monadl.layers._operation_traces import _TRACES_LIMIT
 
     @ml.operation
     def scaled(x: ml.ArrayWeight, n: int) -> ml.ArrayLayer:

@@ -241,7 +241,9 @@ def _why_traces(ops: list[Primitive]) -> str:
     as the operation's own advice says it (`why_traces`)."""
     traces = {op: op.rule.trace() for op in ops if type(op.rule) is Program and op.rule.trace is not None}
     cells = {id(t.cell) for t in traces.values() if t is not None}
-    if len(traces) < len(ops) or None in traces.values() or len(cells) != 1:  # (a trace forgotten: `_evict`)
+    if (
+        len(traces) < len(ops) or None in traces.values() or len(cells) != 1
+    ):  # (a trace forgotten: `_operation_traces.evict`)
         return "one per signature of its calls"
     return why_traces(next(iter(traces.values())).cell, traces)
 
