@@ -1,23 +1,27 @@
 """`Expr` (a differentiable expression) and `Layer` (a lazy one built from operands).
 
 Building a layer computes nothing: it records the primitive, its operands and
-the line of user code that built it (for error messages). `forward()` gives the
-paper's ``Do[Tape[Data, Delta]]``; `train()` and `predict()` run it.
+the line of user code that built it (for error messages). This module holds
+what builds layers: `Expr`'s operators and indexing, and how a node is made
+(`binary`, `built_at`, `_build`). `forward()` gives the paper's
+``Do[Tape[Data, Delta]]``, and `train()` and `predict()` run it
+(`monadl.layers._runnable`); the array methods, ``sum`` to ``T``:
+`monadl.layers._array_methods`.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Generator, Sequence
-from typing import Any, Generic, Literal, Never, SupportsIndex, TypeAlias, TypeVar, final, overload
+from typing import Any, Never, TypeAlias, TypeVar, final, overload
 
-from monadl.do import FORWARD, Do
+from monadl.do import Do
 from monadl.errors import OperandError
+from monadl.layers._array_methods import ArrayMethods
 from monadl.layers._arrays import Array, DeviceArray, Gathering, Indexing, NumPyScalar, Parts, Slicing
-from monadl.layers._axes import Axis, as_axis, as_shape
 from monadl.layers._operand import operand as _operand
 from monadl.layers._primitives import PRIMITIVES, Primitive, shown
+from monadl.layers._runnable import Runnable
 from monadl.layers._site import PACKAGE_DIR, Site, caller_site, site_text
 from monadl.layers._ufunc import UfuncHook, array_function
 from monadl.layers._unvalued import Unvalued
@@ -45,9 +49,10 @@ _getframe = sys._getframe
 _new = object.__new__
 
 
-class Expr(Unvalued, Generic[D, G]):
+class Expr(Unvalued, Runnable[D, G], ArrayMethods[D, G]):
     """A differentiable expression: what layers and weights share (``forward``,
-    ``train``, ``predict``, and the operators that build new layers).
+    ``train``, ``predict``, the array methods, and the operators that build
+    new layers).
 
     Abstract: only `Layer` and `Weight` are instantiated. Use it in
     annotations that take either, e.g. ``ml.Expr[ml.Array, ml.Array]``.
@@ -60,32 +65,10 @@ class Expr(Unvalued, Generic[D, G]):
     __array_ufunc__ = UfuncHook()
     __array_function__ = array_function
 
-    def forward(self) -> Do[Tape[D, G]]:
-        """The paper's ``forward``: a lazy ``Do[Tape[Data, Delta]]``."""
-        return Do(FORWARD, self)
-
-    async def train(self) -> D:
-        """One forward and one backward pass; every weight reached takes one
-        optimizer step. Returns the forward value (the loss).
-
-        If anything fails or is cancelled, no weight changes.
-        """
-        from monadl.runtime import entry
-
-        return await entry.train(self)  # type: ignore[no-any-return]
-
-    def __await__(self) -> Generator[Any, Any, D]:
-        """``await layer`` inside an `monadl.direct` function: its forward value
-        in the running evaluation."""
-        from monadl.direct import AwaitLayers
-
-        return AwaitLayers((self,), single=True).__await__()
-
-    async def predict(self) -> D:
-        """The forward pass only; returns the value."""
-        from monadl.runtime import entry
-
-        return await entry.predict(self)  # type: ignore[no-any-return]
+    @classmethod
+    def _make(cls, op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
+        """A node of ``op`` over ``inputs``, built at the line that called the method calling this."""
+        return _build(op, inputs, params, 2)
 
     # ---- arithmetic (typed: scalars stay scalars, arrays win) -----------------
     # The overloads whose self is `Expr[Never, Never]` match only an expression of Any (a weight of
@@ -271,74 +254,6 @@ class Expr(Unvalued, Generic[D, G]):
         layer._serial = _next_serial()
         return layer
 
-    # ---- array methods ------------------------------------------------------
-    @overload
-    def sum(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
-    @overload
-    def sum(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def sum(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def sum(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
-    @overload
-    def sum(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def sum(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-        """Sum over ``axis`` (all axes by default)."""
-        return Layer._make(PRIMITIVES["sum"], (self,), (as_axis(axis, "sum"), bool(keepdims)))
-
-    @overload
-    def mean(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
-    @overload
-    def mean(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def mean(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def mean(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
-    @overload
-    def mean(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def mean(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-        """Mean over ``axis`` (all axes by default)."""
-        return Layer._make(PRIMITIVES["mean"], (self,), (as_axis(axis, "mean"), bool(keepdims)))
-
-    @overload
-    def max(self, axis: None = None, keepdims: Literal[False] = False) -> Layer[float, float]: ...
-    @overload
-    def max(self, axis: None = None, *, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def max(self, axis: None, keepdims: Literal[True]) -> Layer[Array, Array]: ...
-    @overload
-    def max(self, axis: Axis, keepdims: bool = False) -> Layer[Array, Array]: ...
-    @overload
-    def max(self, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
-    def max(self, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-        """Maximum over ``axis``; tied maxima share the delta."""
-        return Layer._make(PRIMITIVES["max"], (self,), (as_axis(axis, "max"), bool(keepdims)))
-
-    @overload
-    def reshape(self, shape: Sequence[SupportsIndex] | Array, /) -> Layer[Array, Array]: ...
-    @overload
-    def reshape(self, *shape: SupportsIndex) -> Layer[Array, Array]: ...
-    def reshape(self, *shape: Any) -> Layer[Array, Array]:
-        """A view of the same values in another shape: ``(3, 2)`` or ``3, 2``, as NumPy's method."""
-        return Layer._make(PRIMITIVES["reshape"], (self,), (as_shape(shape, "reshape", "shape"),))
-
-    @overload
-    def transpose(self: Expr[Array, Array], axes: Sequence[SupportsIndex] | Array | None, /) -> Layer[Array, Array]: ...
-    @overload
-    def transpose(self: Expr[Array, Array], *axes: SupportsIndex) -> Layer[Array, Array]: ...
-    def transpose(self, *axes: Any) -> Layer[Array, Array]:
-        """Permute axes (reverse them when none or None are given): ``(1, 0)`` or ``1, 0``, as NumPy's method.
-        An array's (a scalar's transpose is the scalar, no array)."""
-        reverse = not axes or (len(axes) == 1 and axes[0] is None)
-        return Layer._make(
-            PRIMITIVES["transpose"], (self,), (None if reverse else as_shape(axes, "transpose", "axes"),)
-        )
-
-    @property
-    def T(self: Expr[Array, Array]) -> Layer[Array, Array]:
-        """The transpose (an array's: see `transpose`)."""
-        return Layer._make(PRIMITIVES["transpose"], (self,), (None,))
-
 
 ScalarOperand: TypeAlias = float | NumPyScalar | Expr[float, float]  # (not a string: `ml.AsScalar | None` runs)
 ArrayOperand: TypeAlias = Array | Expr[Array, Array]
@@ -411,10 +326,6 @@ class Layer(Expr[D, G]):
         self._do = forward
         self._site = caller_site()
         self._serial = next(_serials)
-
-    @classmethod
-    def _make(cls, op: Primitive, inputs: tuple[Any, ...], params: tuple[Any, ...] = ()) -> Layer[Any, Any]:
-        return _build(op, inputs, params, 2)
 
     def __repr__(self) -> str:
         what = shown(self._op) if self._op is not None else "from Do"
