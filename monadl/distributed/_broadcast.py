@@ -21,7 +21,7 @@ import numpy as np
 from monadl.distributed._comm import Communicator, agree
 from monadl.distributed._same_model import fitting_states, same_model
 from monadl.layers import Weight
-from monadl.layers._weight import COMMIT_LOCK, pin_for_readers
+from monadl.layers._commits import COMMIT_LOCK, pin_for_readers
 from monadl.runtime.process import Held, hold, release
 
 __all__ = ["broadcast_weights"]

@@ -59,7 +59,6 @@ from monadl.distributed._reduce import pack_rest, reduce_overlapped, reduce_rest
 from monadl.distributed._same_model import checksums, describe, label, same_model
 from monadl.errors import NoGradientError
 from monadl.layers import Layer, Weight
-from monadl.layers._commits import COMMIT_LOCK, pin_for_readers
 from monadl.layers._layer import Expr
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
