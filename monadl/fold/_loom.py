@@ -28,15 +28,15 @@ again as a group of their own, since a zero delta times an infinite
 derivative, sqrt's at 0, is NaN). A batch of one input (`monadl.fold._run.LOOM_INPUTS`)
 builds its nodes as a call does.
 
-Calls run one by one, group by group (by depth: each after its operands'),
-where batching is off (``Settings(batching=False)``), under
+All calls run one by one, group by group (by depth: each after its
+operands'), where batching is off (``Settings(batching=False)``), under
 ``check_finite`` (each call's value and delta checked, an error naming its
 call), where calls give outputs of different shapes to one arena, and where
-a group fails (a group whose program has a step with no batching rule runs
-its own calls one by one, the others batched: `monadl.fold._loom_looped`): then the
-first call that fails raises its own error, naming the block's line and the
-input of the batch it was built for (a DEBUG line of the ``monadl.batching``
-logger says why a batch ran so).
+a group fails: then the first call that fails raises its own error, naming
+the block's line and the input of the batch it was built for (a DEBUG line
+of the ``monadl.batching`` logger says why a batch ran so). A group whose
+program has a step that does not batch runs its own calls one by one, the
+others batched (`monadl.fold._loom_looped`).
 
 Recorded are calls of a `Function` block in a batch whose leaves are each
 an output of the batch's earlier calls, a constant row of data (`Scalar`,

@@ -1,68 +1,118 @@
-"""A loom's group whose program has a step with no batching rule (a matrix
+"""A loom's group whose program has a step that does not batch (a matrix
 product by a stack of matrices, a convolution): its calls run one by one,
-as one batched call (`looped`), so that the loom's other groups still run
+as one batched call (`Looped`), so that the loom's other groups still run
 batched (`monadl.fold._loom_run`).
 
 Its value is the calls' outputs stacked; its VJPs hand each call its row of
 the delta and stack what the calls send their operands (zeros for a call
-that sends one none), and add up what they send the weights.
+that sends one none), and add up what they send the weights, call by call.
+Each call's VJPs go once they have sent (a call's holds its deltas, a
+weight's among them: held for all calls, a 3-D weight's by 300 calls tripled
+the peak). Where only some calls got a delta, those calls' VJPs serve them
+(`Looped.only`): nothing runs forward twice, but for calls whose VJPs were
+spent (the loom's backward runs each pattern of outputs read again where a
+group's deltas were not finite).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, final
+
+import numpy as np
 
 from monadl._namespace import namespace
 from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
 
-__all__ = ["looped"]
+__all__ = ["Looped"]
 
 
-def looped(program: Any, args: tuple[Any, ...], count: int, n: int) -> tuple[Any, tuple[Callable[[Any], Any], ...]]:
-    """``program`` called per member on the rows of ``args``' first
-    ``count`` (its operands, each stacked over the ``n`` members) and the
-    rest as they are (its weights): the batched call's value and VJPs."""
-    shared = args[count:]
-    calls = [program(*[a[i] for a in args[:count]], *shared) for i in range(n)]
-    outs = [out for out, _ in calls]
-    value: Any = StackedOutputs.stack(outs) if type(outs[0]) is Outputs else namespace(outs[0]).stack(outs)
-    cache: list[Any] = [None, None]  # (the delta last read, and what the members sent for it)
+@final
+class Looped:
+    """A group's calls of ``program``, one by one, on the rows of its first
+    ``count`` arguments (its operands, each stacked over the members) and
+    the rest as they are (its weights)."""
 
-    def member_deltas(delta: Any) -> list[list[Any]]:
-        """Per member, what its VJPs send (run once for all positions)."""
-        if cache[0] is not delta:
-            sent = []
-            for i, (_, vjps) in enumerate(calls):
-                mine = delta[i]
-                if type(mine) is OutputsDelta and all(p is None for p in mine.parts):
-                    sent.append([None] * len(vjps))
-                else:
-                    sent.append([vjp(mine) for vjp in vjps])
-            cache[:] = [delta, sent]
-        found: list[list[Any]] = cache[1]
-        return found
+    __slots__ = ("calls", "count", "positions", "program", "read", "rows", "sent", "shared", "value")
 
-    def operand(p: int) -> Callable[[Any], Any]:
-        def vjp(delta: Any) -> Any:
-            gs = [s[p] for s in member_deltas(delta)]
-            if all(g is None for g in gs):
-                return None
-            rows = args[p]
-            xp = namespace(rows)
-            return xp.stack([xp.zeros_like(rows[i]) if g is None else g for i, g in enumerate(gs)])
+    def __init__(self, program: Any, args: tuple[Any, ...], count: int, n: int) -> None:
+        self.program = program
+        self.shared = args[count:]
+        self.rows = args[:count]  # (a call that sends an operand none gets zeros of its row)
+        self.count = count
+        self.positions = len(args)
+        calls = [self._call(i) for i in range(n)]
+        outs = [out for out, _ in calls]
+        self.value: Any = StackedOutputs.stack(outs) if type(outs[0]) is Outputs else namespace(outs[0]).stack(outs)
+        self.calls: list[Any] = [vjps for _, vjps in calls]  # (None: spent)
+        self.read: Any = None  # (the delta `sent` is for)
+        self.sent: list[Any] = []
 
-        return vjp
+    def _call(self, i: int) -> Any:
+        return self.program(*[a[i] for a in self.rows], *self.shared)
 
-    def weight(p: int) -> Callable[[Any], Any]:
-        def vjp(delta: Any) -> Any:
-            total = None
-            for s in member_deltas(delta):
-                g = s[p]
-                if g is not None:
-                    total = g if total is None else total + g
-            return total
+    def vjps(self) -> tuple[Callable[[Any], Any], ...]:
+        """Per position, what the calls send it from a delta of the group's outputs."""
+        return tuple([partial(self._sent, p) for p in range(self.positions)])
 
-        return vjp
+    def only(self, keep: Any) -> Looped:
+        """The calls ``keep`` (host indices) alone: their VJPs handed over
+        (run again where spent)."""
+        other: Looped = object.__new__(Looped)
+        other.program, other.shared, other.count, other.positions = (
+            self.program,
+            self.shared,
+            self.count,
+            self.positions,
+        )
+        calls = []
+        for i in keep.tolist():
+            vjps = self.calls[i]
+            calls.append(self._call(i)[1] if vjps is None else vjps)
+            self.calls[i] = None
+        other.calls = calls
+        other.rows = tuple([r[keep if type(r) is np.ndarray else namespace(r).asarray(keep)] for r in self.rows])
+        other.value, other.read, other.sent = None, None, []
+        return other
 
-    return value, tuple([operand(p) if p < count else weight(p) for p in range(len(args))])
+    def _sent(self, p: int, delta: Any) -> Any:
+        if self.read is not delta:
+            self.read, self.sent = delta, self._send(delta)
+        g = self.sent[p]
+        self.sent[p] = None  # (each position reads it once: the caller holds it now)
+        return g
+
+    def _send(self, delta: Any) -> list[Any]:
+        """What the calls send each position: per operand the rows stacked,
+        per weight the sum, added call by call (one call's weight deltas
+        held at a time, as the calls built as nodes)."""
+        count = self.count
+        rows: list[list[Any]] = [[] for _ in range(count)]
+        totals: list[Any] = [None] * (self.positions - count)
+        for i, vjps in enumerate(self.calls):
+            if vjps is None:
+                vjps = self._call(i)[1]
+            self.calls[i] = None  # (spent: its deltas go with it)
+            mine = delta[i]
+            if type(mine) is OutputsDelta and all(q is None for q in mine.parts):
+                for column in rows:
+                    column.append(None)
+                continue
+            for p, vjp in enumerate(vjps):
+                g = vjp(mine)
+                if p < count:
+                    rows[p].append(g)
+                elif g is not None:
+                    k = p - count
+                    totals[k] = g if totals[k] is None else totals[k] + g
+        sent: list[Any] = [_stacked(column, self.rows[p]) for p, column in enumerate(rows)]
+        return sent + totals
+
+
+def _stacked(column: list[Any], rows: Any) -> Any:
+    """An operand's delta from the calls' (None: zeros of its row; all None: None)."""
+    if all(g is None for g in column):
+        return None
+    xp = namespace(rows)
+    return xp.stack([xp.zeros_like(rows[i]) if g is None else g for i, g in enumerate(column)])

@@ -21,7 +21,7 @@ import numpy as np
 
 from monadl._namespace import all_finite, namespace
 from monadl.errors import NonFiniteError, OperandError
-from monadl.fold._loom_looped import looped
+from monadl.fold._loom_looped import Looped
 from monadl.fold._loom_schedule import Schedule, _Planned
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import backward_made, data_held, finite_delta, made
@@ -183,13 +183,16 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
             result = _group_call(plan, plan.operands, arenas, weights, n)
         except Exception as exc:  # (one by one: the first call that fails raises its own error)
             raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
-        if program.declined is not None and _log.isEnabledFor(logging.DEBUG):
-            said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
-            step = shown(program.declined.op)
-            _log.debug(
-                "a loom (built at %s) runs its %s %s has no batching rule here", site_text(schedule.site), said, step
-            )
-        out, vjps = result
+        if type(result) is Looped:  # (its VJPs: the calls', which a backward of some of them reads again)
+            out, vjps = result.value, result
+            if _log.isEnabledFor(logging.DEBUG):
+                said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
+                step = "?" if program.declined is None else shown(program.declined.op)
+                _log.debug(
+                    "a loom (built at %s) runs its %s %s does not batch here", site_text(schedule.site), said, step
+                )
+        else:
+            out, vjps = result
         parts = out.parts if type(out) is StackedOutputs else (out,)
         for (a, start), part in zip(plan.outs, parts):
             arena = arenas[a]
@@ -207,18 +210,18 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
 
 def _group_call(
     plan: _Planned, operands: list[tuple[int | None, Any, bool]], arenas: list[Any], weights: list[Any], n: int
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any] | Looped:
     """The batching rule of a group's program over ``n`` members' operands:
     rows gathered from the arenas (for data, the members' stacked), then the
-    shared weights; where a step has no batching rule, the calls one by one
-    as one batched call (`looped`)."""
+    shared weights; where a step does not batch (no rule, or not for these
+    operands), the calls one by one as one batched call (`Looped`)."""
     args = [rows if source is None else arenas[source][rows] for source, rows, _ in operands]
     count = len(args)
     args += [weights[j] for j in plan.weights]
     program = plan.program
     result: tuple[Any, Any] | None = program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), n)
-    if result is None:  # (a step with no batching rule: this group's calls one by one, the others' batched)
-        return looped(program, tuple(args), count, n)
+    if result is None:  # (a step that does not batch: this group's calls one by one, the others' batched)
+        return Looped(program, tuple(args), count, n)
     return result
 
 
@@ -344,7 +347,9 @@ def _sent(
     operands = plan.operands
     n = plan.n
     if not whole or not hit.all():
-        vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts)
+        vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts, vjps)
+    if type(vjps) is Looped:
+        vjps = vjps.vjps()
     d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
     sent: list[tuple[int | None, Any, bool, Any]] = []
     for p, (source, rows, unique) in enumerate(operands):
@@ -365,14 +370,18 @@ def _finite(sent: list[tuple[int | None, Any, bool, Any]]) -> bool:
 
 
 def _reached_only(
-    value: LoomValue, plan: _Planned, keep: Any, parts: list[Any]
+    value: LoomValue, plan: _Planned, keep: Any, parts: list[Any], ran: Any
 ) -> tuple[Any, list[tuple[int | None, Any, bool]], list[Any], int]:
     """A group's members that got a delta (``keep``), run again as a group of
-    their own, as they would send deltas alone: their VJPs, operands, output
+    their own, as they would send deltas alone (those of a group that ``ran``
+    call by call, a `Looped`, as they ran): their VJPs, operands, output
     deltas and count."""
     operands = [(source, rows[keep], unique) for source, rows, unique in plan.operands]
-    result = _group_call(plan, operands, value.arenas, value.weights, len(keep))
-    return result[1], operands, [None if p is None else p[keep] for p in parts], len(keep)
+    result = (
+        ran.only(keep) if type(ran) is Looped else _group_call(plan, operands, value.arenas, value.weights, len(keep))
+    )
+    vjps = result if type(result) is Looped else result[1]
+    return vjps, operands, [None if p is None else p[keep] for p in parts], len(keep)
 
 
 def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:

@@ -21,7 +21,6 @@ from monadl.fold import Function, Vector
 from monadl.fold._loom import LOOM, SLOT
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect
-from monadl.runtime.schedule import batched_signature
 
 
 def ops_of(root: ml.Layer[Any, Any]) -> list[str]:
@@ -341,36 +340,6 @@ def test_rows_of_data_given_as_arrays_are_recorded_and_larger_arrays_say_why_not
     assert "ml.as_layer(x)" in said
 
 
-def test_a_cell_whose_step_has_no_batching_rule_runs_its_own_calls_one_by_one(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A product by a stack of matrices (a capsule's predictions) has no
-    batching rule: its group's calls run one by one, the cell that reads
-    them still batched (before: every call of the block ran one by one,
-    3.5x the time of its nodes)."""
-    rng = np.random.default_rng(2)
-    stack = ml.Weight(rng.normal(size=(4, 3, 5)) / 3)
-    w = ml.Weight(rng.normal(size=(5, 5)) / 3)
-    predict = ml.operation(lambda u: ml.reshape(u[:, None, :] @ stack, (4, 5)))
-    step = ml.operation(lambda h: ml.tanh(h @ w) + h)
-    us = rng.normal(size=(8, 4, 3))
-    losses = []
-    for loom in (False, True):
-        with ml.loom() if loom else contextlib.nullcontext():
-            ends = [step(step(predict(ml.as_layer(u)))) for u in us]
-        losses.append(ml.sum(ml.stack(ends) ** 2.0))
-    monkeypatch.setattr(batched_signature, "_KINDS", {})  # (each kind of value is said once a process)
-    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
-        (v0, g0), (v1, g1) = (value_and_grads(loss, [stack, w]) for loss in losses)
-    assert v1 == pytest.approx(v0, rel=1e-13)
-    for a, b in zip(g0, g1):
-        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
-    said = [r.getMessage() for r in caplog.records]
-    assert any("<lambda> at depth 0 one by one: its step matmul has no batching rule" in m for m in said)
-    assert not any("runs its calls one by one" in m for m in said)
-    assert not any("LoomValue" in m for m in said)  # (the loom's own value is no array of a foreign library)
-
-
 def test_calls_a_block_builds_as_nodes_write_no_reasons_while_debug_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reasons are said in words at the block's end, at DEBUG only (each
     call's text made the block cost twice its nodes' build)."""
@@ -388,33 +357,3 @@ def test_calls_a_block_builds_as_nodes_write_no_reasons_while_debug_is_off(monke
         for x in rows(0.1, 0.2, 0.3):
             cell(ml.tanh(x))  # (an operand built outside the block's calls: a node)
     assert written == []
-
-
-def test_a_group_run_call_by_call_sends_what_its_calls_send_alone() -> None:
-    """The calls of a cell with no batching rule (two outputs, the second a
-    ``sqrt`` at 0 in half of them, read in the others; one call's sum under
-    ``stop_gradient``): the loss and gradients of the same calls as nodes,
-    finite."""
-    rng = np.random.default_rng(2)
-    stack = ml.Weight(rng.normal(size=(4, 3, 5)) / 3)
-    w = ml.Weight(rng.normal(size=(5, 5)) / 3)
-    two = ml.operation(
-        lambda u: (ml.reshape(u[:, None, :] @ stack, (4, 5)), ml.sqrt(ml.sum(u * u, axis=1, keepdims=True)))
-    )
-    step = ml.operation(lambda h: ml.tanh(h @ w) + h)
-    us = rng.normal(size=(8, 4, 3))
-    us[::2] = 0.0
-    losses = []
-    for loom in (False, True):
-        with ml.loom() if loom else contextlib.nullcontext():
-            terms = []
-            for k, u in enumerate(us):
-                predicted, norm = two(ml.as_layer(u))
-                term = ml.sum(step(predicted)) + (ml.sum(norm) if k % 2 else 0.0)
-                terms.append(ml.stop_gradient(term) if k == 3 else term)
-        losses.append(ml.sum(ml.stack(terms)))
-    (v0, g0), (v1, g1) = (value_and_grads(loss, [stack, w]) for loss in losses)
-    assert v1 == pytest.approx(v0, rel=1e-13)
-    for a, b in zip(g0, g1):
-        assert np.isfinite(b).all()
-        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)

@@ -12,6 +12,7 @@ VJPs here when a delta they make is not finite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, final
 
 import numpy as np
@@ -22,7 +23,7 @@ from monadl.layers._operands import Numbers
 from monadl.layers._outputs import OutputsDelta, StackedOutputs
 from monadl.layers._split import SplitDelta
 from monadl.runtime.schedule.batched_gather import Gather
-from monadl.runtime.schedule.batched_records import PRODUCTS, Operand, factor_products
+from monadl.runtime.schedule.batched_operands import PRODUCTS, Operand, factor_products
 
 __all__ = ["Again"]
 
@@ -39,18 +40,25 @@ class Again:
     __slots__ = ("args", "batched", "first", "n", "operands", "outer", "rule", "runs", "scalars")
 
     def __init__(
-        self, rule: Any, batched: tuple[bool, ...], scalars: tuple[bool | None, ...] | None, outer: bool
+        self,
+        rule: Callable[..., Any],
+        batched: tuple[bool, ...],
+        scalars: tuple[bool | None, ...] | None,
+        outer: bool,
+        args: list[Any],
+        operands: list[Operand],
+        first: Any,
+        n: int,
     ) -> None:
         self.rule = rule
         self.batched = batched
-        self.scalars = scalars
+        self.scalars = scalars  # (an operation's program's: which operands are numbers; else None)
         self.outer = outer
+        self.args = args  # (the rule's operands: the group's records hold them already)
+        self.operands = operands
+        self.first = first  # (and ``n`` members)
+        self.n = n
         self.runs: list[tuple[Any, Any, tuple[Any, ...]]] | None = None
-
-    def group(self, args: list[Any], operands: list[Operand], first: Any, n: int) -> None:
-        """The group's operands (their values, where they came from), its
-        first member, its size."""
-        self.args, self.operands, self.first, self.n = args, operands, first, n
 
     def delta(self, p: int, gather: Gather, made: Any) -> Any:
         """Operand ``p``'s delta as the members that got one send it (``made``

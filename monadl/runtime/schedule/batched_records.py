@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from itertools import repeat
 from operator import is_not, itemgetter
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any
 
 import numpy as np
 
@@ -53,24 +53,20 @@ from monadl.deltas import Outer
 from monadl.layers._non_finite import finite_delta
 from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, member_float_dtype
 from monadl.layers._outputs import Outputs, StackedOutputs
-from monadl.layers._products import factored
 from monadl.layers._program import Program
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
+from monadl.runtime.schedule.batched_again import Again
 from monadl.runtime.schedule.batched_gather import Gather
-from monadl.runtime.schedule.batched_groups import Groups, Source
-
-if TYPE_CHECKING:
-    from monadl.runtime.schedule.batched_again import Again
+from monadl.runtime.schedule.batched_groups import Groups
+from monadl.runtime.schedule.batched_operands import PRODUCTS, Operand, factor_products
 
 __all__ = [
-    "PRODUCTS",
     "Operand",
     "Outer",
     "batchable",
     "cast_scalars",
     "differs",
-    "factor_products",
     "group_records",
     "number_columns",
     "stack",
@@ -79,13 +75,20 @@ __all__ = [
 
 
 def group_records(
-    groups: Groups, members: list[Any], result: Any, operands: list[Operand], args: list[Any], again: Again
+    groups: Groups,
+    members: list[Any],
+    result: Any,
+    operands: list[Operand],
+    args: list[Any],
+    rule: Callable[..., Any],
+    batched: tuple[bool, ...],
+    scalars: tuple[bool | None, ...] | None,
 ) -> None:
-    """The records of a group that ran: ``result`` is its rule's,
-    ``operands`` say where each operand came from and ``args`` hold their
-    values (gathered, stacked or shared); ``groups`` learns each member's
-    place in the group's output; ``again`` runs the rule on some members
-    (`_resolving`)."""
+    """The records of a group that ran: ``result`` is its ``rule``'s (called
+    with ``batched`` and, for an operation's program, ``scalars``: run again
+    on some members, `Again`), ``operands`` say where each operand came from
+    and ``args`` hold their values (gathered, stacked or shared); ``groups``
+    learns each member's place in the group's output."""
     records, record = groups.records, Record
     out, vjps = result
     n = len(members)
@@ -113,7 +116,7 @@ def group_records(
     records[group] = group
     if needs:
         groups.sinks[group] = Gather(out)
-        again.group(args, operands, first, n)
+        again = Again(rule, batched, scalars, groups.outer, args, operands, first, n)
         group.vjps = tuple(
             [_resolving(v, r, o, groups, again, p) for p, (v, r, o) in enumerate(zip(vjps, ins, operands))]
         )
@@ -127,35 +130,6 @@ def group_records(
         row = out[0]  # (as a member's record reads its row: the same type, for one signature)
         part = (type(row), row.shape, row.dtype)
     groups.where.update(zip(members, zip(repeat(group), range(n), repeat(part))))  # (the places made in C)
-
-
-PRODUCTS: Final = frozenset({"matmul", "dense"})  # their second operand is the matrix: rows @ w (+ bias)
-
-
-def factor_products(vjps: tuple[Any, ...], operands: list[Operand], args: list[Any], always: bool) -> tuple[Any, ...]:
-    """``vjps`` with a shared weight's (a matrix times the members' stacked
-    rows) replaced by one that sends its delta as factors (an `Outer`):
-    ``always`` (the merged runs of `monadl.runtime.schedule.fibers`), else
-    where factors pay, as for one node (`monadl.layers._products.outer_rule`)."""
-    w = operands[1].rec
-    if w is None or not w.is_weight or operands[0].rec is not None:  # (a weight, times stacked rows)
-        return vjps
-    return factored(vjps, args[0], args[1], always)
-
-
-class Operand:
-    """Where one operand position of a group comes from: a record shared by
-    all members, the members' own operands ``stacked`` (their records, None
-    for data), or ``sources``: rows of earlier groups' outputs."""
-
-    __slots__ = ("rec", "sources", "stacked")
-
-    def __init__(
-        self, rec: Record | None, stacked: list[Record | None] | None, sources: list[Source] | None = None
-    ) -> None:
-        self.rec = rec
-        self.stacked = stacked
-        self.sources = sources
 
 
 def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool]) -> bool:

@@ -29,11 +29,10 @@ from monadl.layers._outputs import OUTPUT, Outputs, StackedOutputs, batch_output
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
-from monadl.runtime.schedule.batched_again import Again
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_log import declined, watching
+from monadl.runtime.schedule.batched_operands import Operand
 from monadl.runtime.schedule.batched_records import (
-    Operand,
     batchable,
     cast_scalars,
     differs,
@@ -236,8 +235,8 @@ class Run:
                 declined(members, None)
                 self.each(members)
             return
-        again = Again(rule, tuple(batched), tuple(scalars) if type(op.rule) is Program else None, groups.outer)
-        group_records(groups, members, result, operands, args, again)
+        scalars_of = tuple(scalars) if type(op.rule) is Program else None
+        group_records(groups, members, result, operands, args, rule, tuple(batched), scalars_of)
         self.batches += 1
         self.batched += n
 

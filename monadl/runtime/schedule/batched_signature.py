@@ -137,8 +137,8 @@ def batched_kind(kind: type) -> bool:
     found = _KINDS.get(kind)
     if found is None:
         found = _KINDS[kind] = issubclass(kind, (np.ndarray, np.generic)) or kind.__module__.split(".")[0] == "cupy"
-        # (said once a type of array: a plain number is not news, nor monadl's own values, a loom's)
-        if not found and hasattr(kind, "shape") and kind.__module__.split(".")[0] != "monadl":
+        # (said once a type of array: a plain number is not news, nor a value whose type says it has no shape, a loom's)
+        if not found and getattr(kind, "shape", None) is not None:
             _log.debug(
                 "arrays of %s.%s run node by node: batching stacks NumPy's and CuPy's arrays only",
                 kind.__module__,
