@@ -82,6 +82,8 @@ def walked(
         trace = traced(op.__name__, op.__wrapped__, (args, kwargs), leaves, tuple(keep), placed)
         op._traces[key] = trace
         count = len(op._traces)
+        if count == 1:
+            _marked_again(op)
         # (8, 16, 32, ...: said once each; at the limit, where each new trace replaces one, not again)
         if not full and count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):
             _log.debug("operation %s has %d traces, %s", op.__name__, count, why_traces(op.__wrapped__, op._traces))
@@ -90,6 +92,38 @@ def walked(
             if (op._live is None or op._learned_under(cells, held)) and not keep:
                 learn(op._plans, kinds, args, leaves, views, trace)
     return trace, leaves, sources
+
+
+_MARKS: dict[Any, int] = {}  # (per function's code: how many operations that mark it traced)
+_MARKS_SAID: Final = 32
+
+
+def _marked_again(op: Operation[Any, Any]) -> None:
+    """Count an operation's first trace by its function's code; say once,
+    at the 32nd, that each mark traces anew: an operation made where each
+    step's graph is built (``ml.operation(step)`` inside the loss function)
+    traces every step, at tens of times a call's cost (1.7x a capsule
+    network's step, a new user's), and nothing else says so."""
+    f = op.__wrapped__
+    while True:  # (a partial's function, a bound method's)
+        inner = getattr(f, "func", None) or getattr(f, "__func__", None)
+        if inner is None:
+            break
+        f = inner
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return
+    n = _MARKS[code] = _MARKS.get(code, 0) + 1
+    if n == _MARKS_SAID:
+        _log.warning(
+            "operation %s (the function at %s:%d) was marked %d times, and each mark traces it anew, at tens of "
+            "times a call's cost: mark it once (ml.operation outside the code that builds each step's graph), "
+            "unless each is another model",
+            op.__name__,
+            code.co_filename,
+            code.co_firstlineno,
+            n,
+        )
 
 
 def evict(op: Operation[Any, Any]) -> None:

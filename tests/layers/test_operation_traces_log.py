@@ -209,3 +209,33 @@ def test_the_count_of_traces_is_said_once_each_not_at_every_call_past_the_limit(
     (warned,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert f"scaled keeps {_TRACES_LIMIT} traces, its limit" in warned.getMessage()
     assert "pass a number that differs per call as a float" in warned.getMessage()
+
+
+def test_an_operation_marked_anew_each_step_is_said_once_at_its_32nd_mark(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ml.operation(step)`` inside the code that builds each step's graph
+    traces every step (a new user's capsule network: 1.7x its step); each
+    operation alone has one trace, so only the count by the function's code
+    can tell. A partial of one function counts as it."""
+    import functools
+
+    from monadl.layers import _operation_traces
+
+    monkeypatch.setattr(_operation_traces, "_MARKS", {})
+    w = ml.Weight(np.eye(2))
+    x = ml.as_layer(np.ones((1, 2)))
+
+    def step(h: ml.ArrayOperand, scale: float) -> ml.ArrayLayer:
+        return ml.tanh(h @ w) * scale
+
+    with caplog.at_level(logging.WARNING, logger="monadl.batching"):
+        for _ in range(31):
+            ml.operation(functools.partial(step, scale=1.0))(x)
+        assert not [r for r in caplog.records if "marked" in r.getMessage()]
+        for _ in range(10):
+            ml.operation(functools.partial(step, scale=1.0))(x)
+    (said,) = [r.getMessage() for r in caplog.records if "marked" in r.getMessage()]
+    line = step.__code__.co_firstlineno
+    assert f"(the function at {__file__}:{line}) was marked 32 times, and each mark traces it anew" in said
+    assert "mark it once" in said
