@@ -160,12 +160,16 @@ class Loom:
         trace, leaves, sources = op.found(args, kwargs)
         if self.closed or get_ident() != self.thread:
             return trace.make(leaves, sources, op._site)
+        if sources:  # (an output of a call built as a node: before the block, or not recorded, and so on down)
+            source = sources[0]
+            self._built((source._op, source._site))
+            return trace.make(leaves, sources, op._site)
         known = self.traces.get(id(trace))
         if known is None:
-            known = self.traces[id(trace)] = self._known(trace, leaves, sources)
+            known = self.traces[id(trace)] = self._known(trace, leaves)
         key, take, layers, fill, _ = known
-        if key < 0 or sources:
-            self._built(self.why[id(trace)] if key < 0 else _OUTSIDE)
+        if key < 0:
+            self._built(self.why[id(trace)])
             return trace.make(leaves, sources, op._site)
         node = self.node
         operands = list(take(leaves))
@@ -216,7 +220,7 @@ class Loom:
             slots.append(more)
         return fill(tuple(slots), leaves)
 
-    def _known(self, trace: Trace, leaves: list[Any], sources: list[Any]) -> _Known:
+    def _known(self, trace: Trace, leaves: list[Any]) -> _Known:
         """How the calls of ``trace`` are recorded, from its first call's
         ``leaves`` (the trace's signature fixes which are layers, weights,
         data and of which dtype): its outputs' first key (-1: built as
@@ -234,8 +238,11 @@ class Loom:
             elif type(v) is not np.ndarray or not (v.dtype.kind in _INDICES or _row(v)):
                 self.why[id(trace)] = _unstacked(v)
                 return -1, take, (), fill, trace
-        if sources or trace.op is None or any(type(w._data) is not np.ndarray for w in trace.weights):
-            self.why[id(trace)] = _UNSTACKED
+        if trace.op is None:
+            self.why[id(trace)] = "a cell whose result is no layer it computed (an argument, a constant)"
+            return -1, take, (), fill, trace
+        if any(type(w._data) is not np.ndarray for w in trace.weights):
+            self.why[id(trace)] = "weights that are not NumPy's (a device's)"
             return -1, take, (), fill, trace
         for w in trace.weights:
             self.weights.setdefault(w, len(self.weights))
@@ -253,8 +260,6 @@ class Loom:
 
 
 _log: Final = logging.getLogger("monadl.batching")
-_UNSTACKED: Final = "a weight passed in, or weights not NumPy's"
-_OUTSIDE: Final = "an output of an operation's node built outside the loom"
 
 
 def _row(data: Any) -> bool:
@@ -281,7 +286,10 @@ def _why(why: Any) -> str:
     if type(why) is str:
         return why
     op, site = why
-    return f"an operand built outside the loom's calls ({shown(op)} at {site_text(site)})"
+    return (
+        f"an operand built outside the loom's calls ({shown(op)} at {site_text(site)}; a recorded call's "
+        "operands are the block's recorded calls' outputs or data: compute it in a marked cell of the block)"
+    )
 
 
 def _shown(row: Layer[Any, Any]) -> tuple[Any, Any]:

@@ -357,3 +357,22 @@ def test_calls_a_block_builds_as_nodes_write_no_reasons_while_debug_is_off(monke
         for x in rows(0.1, 0.2, 0.3):
             cell(ml.tanh(x))  # (an operand built outside the block's calls: a node)
     assert written == []
+
+
+def test_calls_on_outputs_of_calls_built_as_nodes_are_said_to_be_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A call whose operand is an output of a call built as a node (before
+    the block here), and the calls that read its outputs in turn: the
+    DEBUG line names the node they read and what to do (before: 'a weight
+    passed in, or weights not NumPy's', neither true)."""
+    _, cell = chain_cell(13)
+    two = ml.operation(lambda h: (cell(h), ml.sum(h)))
+    before, _ = two(rows(0.1)[0])
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.loom():
+        h = before
+        for _ in range(3):
+            h, _ = two(h)
+    (said,) = [r.getMessage() for r in caplog.records if "ml.loom() block" in r.getMessage()]
+    assert "recorded 0 calls and built 3 as nodes" in said
+    assert "with an operand built outside the loom's calls (test_calls_on_outputs_of" in said
+    assert "compute it in a marked cell of the block" in said
+    assert "weight" not in said

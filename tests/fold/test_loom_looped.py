@@ -52,7 +52,9 @@ def test_a_cell_whose_step_has_no_batching_rule_runs_its_own_calls_one_by_one(
     for a, b in zip(g0, g1):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)
     said = [r.getMessage() for r in caplog.records]
-    assert any("capsules.<locals>.<lambda> at depth 0 one by one: its step matmul does not batch here" in m for m in said)
+    assert any(
+        "capsules.<locals>.<lambda> at depth 0 one by one: its step matmul does not batch here" in m for m in said
+    )
     assert not any("runs its calls one by one" in m for m in said)
     assert not any("LoomValue" in m for m in said)  # (the loom's own value is no array of a foreign library)
 
