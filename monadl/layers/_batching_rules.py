@@ -265,6 +265,14 @@ def _transpose(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Batc
     return PRIMITIVES["transpose"].rule(a, (0, *members))
 
 
+def _roll(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
+    """Each member rolled along its axis: the stack along the next one."""
+    a, shift, axis = args
+    if not batched[0] or a.ndim == 1:
+        return None
+    return PRIMITIVES["roll"].rule(a, shift, _member_axis(axis, a.ndim - 1))
+
+
 def _stack(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
     """A member's new axis, one further in; shared operands broadcast along the batch."""
     *arrays, axis = args
@@ -321,6 +329,7 @@ BATCHING_RULES: Final[dict[str, BatchRule]] = {
     },
     "reshape": _reshape,
     "transpose": _transpose,
+    "roll": _roll,
     "stack": _stack,
     "split": _split("split"),
     "split_part": _split("split_part"),

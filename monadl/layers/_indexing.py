@@ -53,6 +53,15 @@ def _transpose(a: Value, axes: tuple[int, ...] | None) -> tuple[Value, tuple[Vjp
     return xp.permute_dims(a, axes), (lambda g: xp.permute_dims(g, inverse),)
 
 
+def _roll(a: Value, shift: int, axis: int) -> tuple[Value, tuple[Vjp, ...]]:
+    """NumPy's ``roll`` along one axis; its delta rolls back."""
+    if type(a) in PLAIN:
+        a = np.asarray(a)
+    xp = namespace(a)
+    axis = _axis(axis, a.ndim)
+    return xp.roll(a, shift, axis=axis), (lambda g: xp.roll(g, -shift, axis=axis),)
+
+
 def _axis(axis: int, ndim: int) -> int:
     """``axis`` counted from the front; a ValueError (the runtime's `ShapeError`)
     outside ``[-ndim, ndim)``, as NumPy refuses it, not wrapped."""

@@ -12,6 +12,7 @@ learns the plan that later calls of the same types use instead of it.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -83,7 +84,7 @@ def walked(
         op._traces[key] = trace
         count = len(op._traces)
         if count == 1:
-            _marked_again(op)
+            _marked_again(op, trace)
         # (8, 16, 32, ...: said once each; at the limit, where each new trace replaces one, not again)
         if not full and count >= 8 and not count & (count - 1) and _log.isEnabledFor(logging.DEBUG):
             _log.debug("operation %s has %d traces, %s", op.__name__, count, why_traces(op.__wrapped__, op._traces))
@@ -94,16 +95,18 @@ def walked(
     return trace, leaves, sources
 
 
-_MARKS: dict[Any, int] = {}  # (per function's code: how many operations that mark it traced)
+_MARKS: dict[Any, tuple[int, list[weakref.ref[Any]]]] = {}  # (per function's code: marks in a row over its weights)
 _MARKS_SAID: Final = 32
 
 
-def _marked_again(op: Operation[Any, Any]) -> None:
-    """Count an operation's first trace by its function's code; say once,
-    at the 32nd, that each mark traces anew: an operation made where each
-    step's graph is built (``ml.operation(step)`` inside the loss function)
-    traces every step, at tens of times a call's cost (1.7x a capsule
-    network's step, a new user's), and nothing else says so."""
+def _marked_again(op: Operation[Any, Any], trace: Trace) -> None:
+    """Count an operation's first trace by its function's code, while the
+    marks trace it over the same live weights; say once, at the 32nd, that
+    each mark traces anew: an operation made where each step's graph is
+    built (``ml.operation(step)`` inside the loss function) traces every
+    step, at tens of times a call's cost (1.7x a capsule network's step, a
+    new user's), and nothing else says so. Models built anew (a sweep, a
+    benchmark) mark their cells over weights of their own: counted afresh."""
     f = op.__wrapped__
     while True:  # (a partial's function, a bound method's)
         inner = getattr(f, "func", None) or getattr(f, "__func__", None)
@@ -113,12 +116,18 @@ def _marked_again(op: Operation[Any, Any]) -> None:
     code = getattr(f, "__code__", None)
     if code is None:
         return
-    n = _MARKS[code] = _MARKS.get(code, 0) + 1
+    weights = trace.weights
+    count, seen = _MARKS.get(code, (0, []))
+    same = len(seen) == len(weights) and all(r() is w for r, w in zip(seen, weights))
+    n = count + 1 if same else 1
+    if len(_MARKS) >= _TRACES_LIMIT * 16 and code not in _MARKS:  # (bounded: a program's cells are fewer)
+        _MARKS.clear()
+    _MARKS[code] = (n, seen if same else [weakref.ref(w) for w in weights])
     if n == _MARKS_SAID:
         _log.warning(
-            "operation %s (the function at %s:%d) was marked %d times, and each mark traces it anew, at tens of "
-            "times a call's cost: mark it once (ml.operation outside the code that builds each step's graph), "
-            "unless each is another model",
+            "operation %s (the function at %s:%d) was marked %d times over the same weights, and each mark traces "
+            "it anew, at tens of times a call's cost: mark it once (ml.operation outside the code that builds "
+            "each step's graph)",
             op.__name__,
             code.co_filename,
             code.co_firstlineno,

@@ -34,6 +34,7 @@ __all__ = [
     "embedding",
     "max_pool2d",
     "reshape",
+    "roll",
     "segment_sum",
     "split",
     "stack",
@@ -178,6 +179,20 @@ def reshape(x: Operand, shape: Sequence[SupportsIndex] | Array) -> ArrayLayer:
 def transpose(x: ArrayOperand | DeviceArray, axes: Sequence[SupportsIndex] | Array | None = None) -> ArrayLayer:
     """Permute axes (reverse them by default). An array's: a scalar's transpose is the scalar, no array."""
     return apply_primitive("transpose", (x,), (None if axes is None else as_ints(axes, "transpose", "axes"),))
+
+
+def roll(x: ArrayOperand | DeviceArray, shift: SupportsIndex, axis: SupportsIndex = -1) -> ArrayLayer:
+    """``x``'s entries moved ``shift`` places along ``axis`` (the last by
+    default), those past the end coming round to the front (NumPy's
+    ``roll``, ``torch.roll``): a Neural Turing Machine's circular shift of
+    its weighting. It batches, where an index array after a slice
+    (``w[:, idx]``) runs call by call (a new user's NTM cell: 5x the time).
+
+    >>> import anyio, numpy as np
+    >>> anyio.run(roll(np.arange(4.0), 1).predict)
+    array([3., 0., 1., 2.])
+    """
+    return apply_primitive("roll", (x,), (as_int(shift, "roll", "shift"), as_int(axis, "roll", "axis")))
 
 
 def concatenate(xs: Sequence[ArrayOperand | DeviceArray], axis: SupportsIndex = 0) -> ArrayLayer:

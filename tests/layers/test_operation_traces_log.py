@@ -237,5 +237,24 @@ def test_an_operation_marked_anew_each_step_is_said_once_at_its_32nd_mark(
             ml.operation(functools.partial(step, scale=1.0))(x)
     (said,) = [r.getMessage() for r in caplog.records if "marked" in r.getMessage()]
     line = step.__code__.co_firstlineno
-    assert f"(the function at {__file__}:{line}) was marked 32 times, and each mark traces it anew" in said
+    assert f"(the function at {__file__}:{line}) was marked 32 times over the same weights, and each mark" in said
     assert "mark it once" in said
+
+
+def test_operations_over_the_weights_of_models_built_anew_are_not_counted_together(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep or a benchmark builds 40 models, each marking its cell over
+    its own weights (each model gone before the next: an id may come
+    again): no mark is made again (the benchmark of the Tree-LSTM said so
+    of its 32 models, before the weights were counted apart)."""
+    from monadl.layers import _operation_traces
+
+    monkeypatch.setattr(_operation_traces, "_MARKS", {})
+    x = ml.as_layer(np.ones((1, 2)))
+    with caplog.at_level(logging.WARNING, logger="monadl.batching"):
+        for _ in range(40):
+            w = ml.Weight(np.eye(2))
+            ml.operation(lambda h, w=w: ml.tanh(h @ w))(x)
+            del w
+    assert not [r for r in caplog.records if "marked" in r.getMessage()]

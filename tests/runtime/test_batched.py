@@ -591,6 +591,8 @@ CASES: list[tuple[str, list[Any], tuple[Any, ...]]] = [
     ("reshape", [(2, 3)], ((-1,),)),
     ("transpose", [(2, 3)], (None,)),
     ("transpose", [(2, 3, 4)], ((2, 0, -2),)),
+    ("roll", [(2, 5)], (2, -1)),
+    ("roll", [(3, 4)], (-5, 0)),
     ("stack", [(3,), (3,)], (0,)),
     ("stack", [(2, 3), SHARED_W[:2]], (-1,)),
     ("split", [(2, 6)], (3, -1)),
@@ -654,6 +656,7 @@ CELL_BODIES: dict[str, Callable[[ml.ArrayLayer], ml.ArrayLayer]] = {
     "stack": lambda z: ml.tanh(ml.sum(ml.stack([z[:, :4], z[:, 4:]]), axis=0)),
     "reshape": lambda z: ml.tanh(ml.reshape(z, (2, 4)))[1:],
     "transpose": lambda z: ml.transpose(ml.tanh(ml.reshape(z, (4, 2))))[:1],
+    "roll": lambda z: ml.tanh(ml.roll(z, 3)[:, :4]) * ml.roll(z, -1, axis=0)[:, 4:],
     "stop_gradient": lambda z: ml.tanh(z[:, :4] + ml.stop_gradient(z[:, 4:])),
 }
 
