@@ -195,6 +195,33 @@ async def test_a_failing_step_among_several_fails_the_evaluation_with_its_error(
     np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
 
 
+async def test_the_note_of_other_failures_tells_a_recursions_calls_apart() -> None:
+    """Examples whose direct-style functions call themselves (a tree
+    decoder's children): a failure in one example's nested calls is noted
+    with its path (``example 1, its example 1``), not as ``example 1`` for
+    each, which read as other examples of the batch (a new user's)."""
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def node(k: int, depth: int) -> ml.ScalarLayer:
+        value = (await (w * float(k)))[0]
+        if k == 1 and depth == 1:
+            raise ValueError(f"node at depth {depth}")
+        total = ml.sum(w * value)
+        if depth < 1:
+            total = total + ml.sum(ml.stack([node(k, depth + 1) for _ in range(2)]))
+        return total
+
+    with pytest.raises(ValueError) as raised:
+        await ml.sum(ml.stack([node(k, 0) for k in range(3)])).train()
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes[0].startswith("monadl: raised in example 1 (from 0, in the order built) of 3 evaluated together")
+    assert "; in its example 0 (from 0, in the order built) of 2 evaluated together" in notes[0]
+    assert notes[1].startswith("monadl: 1 other example evaluated with this one failed too: ValueError: node at")
+    assert notes[1].endswith(", in example 1, its example 1")
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
 async def test_examples_failing_together_raise_the_first_with_a_note_of_the_others() -> None:
     # A new user's batch where two examples of 32 failed at one step raised the first's
     # error and said nothing of the second.

@@ -303,7 +303,7 @@ def _note_others(failure: BaseException, done: MemoryObjectReceiveStream[Any]) -
             others.append((result, fiber.example()))
     if others:
         shown = "; ".join(
-            _first_line(error) + ("" if example is None else f", in {example.split(' (')[0]}")
+            _first_line(error) + ("" if example is None else f", in {_path(example)}")
             for error, example in others[:SHOWN_OTHERS]
         )
         more = f", the first {SHOWN_OTHERS}" if len(others) > SHOWN_OTHERS else ""
@@ -312,6 +312,13 @@ def _note_others(failure: BaseException, done: MemoryObjectReceiveStream[Any]) -
             f"failed too{more}: {shown}"
         )
     others.clear()  # (their tracebacks hold frames: not kept past here)
+
+
+def _path(example: str) -> str:
+    """A fiber's `example` in short, each level's number alone: ``example 7,
+    its example 1`` (examples evaluated inside an example, a recursion's
+    calls, told apart from the outer examples: before, ``example 7`` each)."""
+    return ", its ".join(part.split(" (")[0] for part in example.split("; in its "))
 
 
 def _first_line(error: BaseException) -> str:
