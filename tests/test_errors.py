@@ -858,3 +858,14 @@ def test_check_finite_names_a_tape_of_ones_own_that_makes_a_nan() -> None:
     ):
         anyio.run(ml.sum(through).train)
     assert w.data.tolist() == [1.0, 0.0]
+
+
+def test_a_methods_wrong_argument_names_expr_as_users_call_it() -> None:
+    """The array methods and the running ones live in bases of `Expr`; an
+    argument error names ``Expr.reshape()``, not a base no page documents."""
+    x = ml.as_layer(np.ones((2, 3)))
+    with pytest.raises(TypeError, match=r"^Expr\.reshape\(\) got an unexpected keyword argument 'shape'"):
+        x.reshape(shape=(3, 2))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"^Expr\.mean\(\) got an unexpected keyword argument 'dtype'"):
+        x.mean(dtype=np.float32)  # type: ignore[call-overload]
+    assert ml.Layer.train.__qualname__ == "Expr.train"  # (a coroutine never awaited is said by it)

@@ -360,14 +360,19 @@ def loom() -> AbstractContextManager[None]:
     how many calls a block built as nodes and why. Every recorded call is
     computed when the graph that reads any of them runs, read or not, so
     keep a block to the calls one graph reads; the calls' data (index
-    arrays, constant rows) are read when the block ends. It pays where many calls
+    arrays, rows) are read when it runs, as a node's. It pays where many calls
     share a depth (the trees of a batch); a single sequence's steps are a
     group of one each (a chain of 2,000 steps: 2.7x the time of its nodes
     without the block). Batching off (``Settings(batching=False)``)
     or ``check_finite`` runs the calls one by one, an error naming the
     operation's line; so does a cell with a step that has no batching rule
-    (a product by a stack of matrices, a convolution) with its own calls. A recorded call's output is read after the block:
-    a graph run inside it that reads one is refused.
+    (a product by a stack of matrices, a convolution) with its own calls;
+    and where calls of one cell give outputs of different shapes to what
+    one position of a cell reads (each example's own length: a CTC
+    recursion's alpha), every call of the block runs one by one (a new
+    user's: 7x the block's batched time): keep such calls to blocks of one
+    shape, or out of a block. A recorded call's output is read after the
+    block: a graph run inside it that reads one is refused.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((2, 2)))

@@ -106,7 +106,7 @@ class LoomValue:
     """The loom node's value: its calls' outputs (batched: in arenas; one by
     one: per slot), read by the slots, and the deltas the reads send back."""
 
-    __slots__ = ("arenas", "deltas", "schedule", "values", "vjps", "weights")
+    __slots__ = ("arenas", "deltas", "operands", "schedule", "values", "vjps", "weights")
     shape: Final = None  # (not an array: the runtime finds no broadcasting to undo, no signature to batch)
     dtype: Final = None
 
@@ -115,6 +115,7 @@ class LoomValue:
         self.arenas: list[Any] = []
         self.values: list[Any] | None = None  # (one by one: per slot)
         self.vjps: list[Any] = []  # (per group batched; per call one by one)
+        self.operands: list[Any] = []  # (per group batched: its operands, its data read when it ran)
         self.deltas = LoomDelta()
         self.weights: list[Any] = []  # (their values: a group's reached members run again in the backward)
 
@@ -152,7 +153,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
                 calls = sum(plan.n for plan in schedule.planned)
                 where = site_text(schedule.site)
                 _log.debug("a loom of %d calls (built at %s) runs its calls one by one: %s", calls, where, why)
-            value.arenas, value.vjps = [], []
+            value.arenas, value.vjps, value.operands = [], [], []
             _one_by_one(value, weights, False)
     grads: list[Any] | None = None
 
@@ -180,7 +181,9 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         n = plan.n
         program = plan.program
         try:
-            result = _group_call(plan, plan.operands, arenas, weights, n)
+            operands = [(s, rows.read() if s is None else rows, u) for s, rows, u in plan.operands]  # (data read now)
+            value.operands.append(operands)
+            result = _group_call(plan, operands, arenas, weights, n)
         except Exception as exc:  # (one by one: the first call that fails raises its own error)
             raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
         if type(result) is Looped:  # (its VJPs: the calls', which a backward of some of them reads again)
@@ -302,7 +305,7 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
         deltas[a][row] += g
         reached[a][row] = True
     grads: list[Any] = [None] * count
-    for plan, vjps in zip(reversed(schedule.planned), reversed(value.vjps)):
+    for plan, vjps, operands in zip(reversed(schedule.planned), reversed(value.vjps), reversed(value.operands)):
         n = plan.n
         parts = [deltas[a][start : start + n] for a, start in plan.outs]
         seen = [reached[a][start : start + n] for a, start in plan.outs]
@@ -313,7 +316,7 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
             parts = [p if s.any() else None for p, s in zip(parts, seen)]
         mixed = len(seen) > 1 and any(s.any() and not (s | ~hit).all() for s in seen)
         with np.errstate(divide="ignore", invalid="ignore") if mixed else nullcontext():
-            sent = _sent(value, plan, vjps, parts, hit)
+            sent = _sent(value, plan, operands, vjps, parts, hit)
         if mixed and not _finite(sent):
             # Some members read an output that others did not: their zero rows times an infinite
             # derivative (sqrt's at 0) made a NaN. Each pattern of read outputs alone, as one by one.
@@ -321,7 +324,7 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
             sent = []
             for c in np.unique(code[hit]).tolist():
                 read = [p if c >> k & 1 else None for k, p in enumerate(parts)]
-                sent += _sent(value, plan, vjps, read, code == c, whole=False)
+                sent += _sent(value, plan, operands, vjps, read, code == c, whole=False)
         for source, rows, unique, g in sent:
             if source is None:  # (a weight's)
                 grads[rows] = g if grads[rows] is None else grads[rows] + g
@@ -335,7 +338,13 @@ def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
 
 
 def _sent(
-    value: LoomValue, plan: _Planned, vjps: Any, parts: list[Any], hit: Any, whole: bool = True
+    value: LoomValue,
+    plan: _Planned,
+    operands: list[Any],
+    vjps: Any,
+    parts: list[Any],
+    hit: Any,
+    whole: bool = True,
 ) -> list[tuple[int | None, Any, bool, Any]]:
     """The deltas a group's members ``hit`` (a mask) send back from their
     outputs' ``parts`` (None: an output none of them sends a delta for):
@@ -344,10 +353,9 @@ def _sent(
     group of their own (the others' zero deltas times an infinite
     derivative, sqrt's at 0, would be NaN); ``whole``: the group ran with
     all its members (else always again)."""
-    operands = plan.operands
     n = plan.n
     if not whole or not hit.all():
-        vjps, operands, parts, n = _reached_only(value, plan, np.flatnonzero(hit), parts, vjps)
+        vjps, operands, parts, n = _reached_only(value, plan, operands, np.flatnonzero(hit), parts, vjps)
     if type(vjps) is Looped:
         vjps = vjps.vjps()
     d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
@@ -370,13 +378,13 @@ def _finite(sent: list[tuple[int | None, Any, bool, Any]]) -> bool:
 
 
 def _reached_only(
-    value: LoomValue, plan: _Planned, keep: Any, parts: list[Any], ran: Any
+    value: LoomValue, plan: _Planned, operands: list[Any], keep: Any, parts: list[Any], ran: Any
 ) -> tuple[Any, list[tuple[int | None, Any, bool]], list[Any], int]:
     """A group's members that got a delta (``keep``), run again as a group of
     their own, as they would send deltas alone (those of a group that ``ran``
     call by call, a `Looped`, as they ran): their VJPs, operands, output
     deltas and count."""
-    operands = [(source, rows[keep], unique) for source, rows, unique in plan.operands]
+    operands = [(source, rows[keep], unique) for source, rows, unique in operands]
     result = (
         ran.only(keep) if type(ran) is Looped else _group_call(plan, operands, value.arenas, value.weights, len(keep))
     )

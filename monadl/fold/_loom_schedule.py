@@ -19,7 +19,7 @@ from monadl.layers._site import site_text
 if TYPE_CHECKING:
     from monadl.fold._loom import Loom, _Group
 
-__all__ = ["Schedule"]
+__all__ = ["Rows", "Schedule"]
 
 
 @final
@@ -98,10 +98,8 @@ class Schedule:
             for column in columns[id(plan.group)]:
                 if type(column) is np.ndarray:  # (slots: rows of one arena, distinct where the slots are)
                     plan.operands.append((int(arena_of[column[0]]), rows[column], _distinct(column, span)))
-                elif type(column[0]) is Layer:  # (constant rows of data)
-                    plan.operands.append((None, np.stack([v._inputs[0] for v in column]), False))
-                else:  # (data: arrays of one shape and dtype, which the trace's signature holds)
-                    plan.operands.append((None, _stacked(column), False))
+                else:  # (constant rows of data, or arrays of one shape and dtype, which the trace's signature holds)
+                    plan.operands.append((None, Rows(column), False))
         self.rows = rows
         self.arena = arena_of
         self.capacity = capacity
@@ -132,6 +130,24 @@ def _distinct(slots: Any, span: int) -> bool:
 
 
 _MARKS_PER_SLOT = 64
+
+
+@final
+class Rows:
+    """A group's data at one operand position (constant rows' layers, or
+    arrays), stacked when the loom runs (`read`): read then, as a node reads
+    its data, so that a buffer refilled after the block is read refilled."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: tuple[Any, ...]) -> None:
+        self.column = column
+
+    def read(self) -> Any:
+        column = self.column
+        if type(column[0]) is Layer:
+            return _stacked(tuple([v._inputs[0] for v in column]))
+        return _stacked(column)
 
 
 def _stacked(arrays: tuple[Any, ...]) -> Any:

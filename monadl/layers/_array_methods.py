@@ -99,3 +99,10 @@ class ArrayMethods(Generic[D, G]):
     def T(self: ArrayMethods[Array, Array]) -> Layer[Array, Array]:
         """The transpose (an array's: see `transpose`)."""
         return self._make(PRIMITIVES["transpose"], (self,), (None,))
+
+
+# Named as `Expr`'s, which is what users call (an error of an argument read
+# ``ArrayMethods.reshape() got an unexpected keyword argument``).
+for _name in ("sum", "mean", "max", "reshape", "transpose"):
+    getattr(ArrayMethods, _name).__qualname__ = f"Expr.{_name}"
+ArrayMethods.T.fget.__qualname__ = "Expr.T"  # type: ignore[attr-defined]  # (a property's getter: typeshed's fget is Any | None)

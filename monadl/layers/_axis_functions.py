@@ -132,7 +132,11 @@ def logsumexp(x: Operand, axis: Axis, keepdims: bool = False) -> ArrayLayer: ...
 @overload
 def logsumexp(x: Operand, axis: None = None, keepdims: bool = False) -> Layer[Any, Any]: ...
 def logsumexp(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> Layer[Any, Any]:
-    """``log(sum(exp(x)))`` computed without overflow."""
+    """``log(sum(exp(x)))`` computed without overflow. Over entries all
+    ``-inf`` (a masked-out position of a recursion in log space: CTC's
+    alpha), its value is ``-inf`` and its delta NaN, as PyTorch's: mask
+    with a large finite number (-1e30), not ``-inf``, where a whole reduced
+    slice may be masked out."""
     return apply_primitive("logsumexp", (x,), (as_axis(axis, "logsumexp"), bool(keepdims)))
 
 

@@ -117,6 +117,8 @@ def _marked_again(op: Operation[Any, Any], trace: Trace) -> None:
     if code is None:
         return
     weights = trace.weights
+    if not weights:  # (weights passed as arguments, or none: models built anew cannot be told from steps)
+        return
     count, seen = _MARKS.get(code, (0, []))
     same = len(seen) == len(weights) and all(r() is w for r, w in zip(seen, weights))
     n = count + 1 if same else 1

@@ -50,3 +50,9 @@ class Runnable(Generic[D, G]):
         from monadl.runtime import entry
 
         return await entry.predict(self)  # type: ignore[no-any-return]
+
+
+# Named as `Expr`'s, which is what users call (a coroutine never awaited is
+# said as ``coroutine 'Expr.train' was never awaited``, not ``Runnable.train``).
+for _name in ("forward", "train", "predict", "__await__"):
+    getattr(Runnable, _name).__qualname__ = f"Expr.{_name}"

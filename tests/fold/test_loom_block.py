@@ -376,3 +376,23 @@ def test_calls_on_outputs_of_calls_built_as_nodes_are_said_to_be_so(caplog: pyte
     assert "with an operand built outside the loom's calls (test_calls_on_outputs_of" in said
     assert "compute it in a marked cell of the block" in said
     assert "weight" not in said
+
+
+def test_a_calls_data_is_read_when_the_graph_runs_as_a_nodes_is() -> None:
+    """A batch buffer refilled after the block, before the graph runs: its
+    rows (arrays, or ``ml.as_layer`` of them) are read as refilled, as the
+    same calls' nodes read them (a new user's: the first version of rows as
+    arrays read them at the block's end)."""
+    w, _ = chain_cell(14)
+    cell = ml.operation(lambda h, x: ml.tanh(h @ w) + x)
+    values = []
+    for loom in (False, True):
+        for lift in (False, True):
+            buf = np.ones((4, 3))
+            with ml.loom() if loom else contextlib.nullcontext():
+                h: Any = ml.as_layer(np.zeros((1, 3)))
+                for i in range(4):
+                    h = cell(h, ml.as_layer(buf[i : i + 1]) if lift else buf[i : i + 1])
+            buf[:] = 0.0
+            values.append(anyio.run(ml.sum(h).predict))
+    assert values == [0.0] * 4

@@ -256,5 +256,7 @@ def test_operations_over_the_weights_of_models_built_anew_are_not_counted_togeth
         for _ in range(40):
             w = ml.Weight(np.eye(2))
             ml.operation(lambda h, w=w: ml.tanh(h @ w))(x)
+            ml.operation(lambda h, v: ml.tanh(h @ v))(x, w)  # (its weight an argument: none held)
+            ml.operation(lambda h: ml.tanh(h))(x)  # (none at all)
             del w
     assert not [r for r in caplog.records if "marked" in r.getMessage()]
