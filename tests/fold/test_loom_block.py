@@ -396,3 +396,36 @@ def test_a_calls_data_is_read_when_the_graph_runs_as_a_nodes_is() -> None:
             buf[:] = 0.0
             values.append(anyio.run(ml.sum(h).predict))
     assert values == [0.0] * 4
+
+
+def test_blocks_in_examples_evaluated_together_are_said_not_to_batch_across(caplog: pytest.LogCaptureFixture) -> None:
+    """A block in each of 8 ``@ml.direct`` examples: each a node, which the
+    runtime does not batch with the others' (a new user's 3.7x); the DEBUG
+    line says so (before: 'no signature (a plain number or another
+    library's array among operands)'), and a second block's call on the
+    first's output is said to read another loom's calls (before: 'slot',
+    and 'compute it in a marked cell')."""
+    w, cell = chain_cell(15)
+    xs = np.random.default_rng(0).normal(size=(8, 3))
+
+    @ml.direct
+    async def example(i: int) -> ml.ScalarLayer:
+        with ml.loom():
+            h = cell(cell(ml.as_layer(xs[i : i + 1])))
+        await ml.values(ml.sum(h))
+        with ml.loom():
+            h = cell(h)
+        return ml.sum(h)
+
+    async def run() -> float:
+        with ml.settings(batching=True):
+            return float(await ml.sum(ml.stack([example(i) for i in range(8)])).predict())
+
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        got = anyio.run(run)
+    expected = sum(float(np.sum(np.tanh(np.tanh(np.tanh(x[None] @ w.data) @ w.data) @ w.data))) for x in xs)
+    assert got == pytest.approx(expected, rel=1e-13)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("16 of ml.loom() blocks (their nodes and the reads of their calls' outputs)" in m for m in said)
+    assert not any("with no signature" in m for m in said)
+    assert any("1 with an output of another loom's calls (another ml.loom() block's" in m for m in said)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 
@@ -80,7 +80,12 @@ class Run:
             sig = signature(records, node, where)
             if sig is None:
                 if self.alone is not None:
-                    self.alone.unsigned += 1
+                    if (
+                        node._op.name in _LOOMS
+                    ):  # (an ``ml.loom()`` block's node, a read of it: `monadl.fold._loom_run`)
+                        self.alone.looms += 1
+                    else:
+                        self.alone.unsigned += 1
                 self.each([node])
                 continue
             members = get(sig)  # (no empty list made per member, as setdefault would)
@@ -242,3 +247,4 @@ class Run:
 
 
 _inputs = attrgetter("_inputs")
+_LOOMS: Final = frozenset({"loom", "slot"})
