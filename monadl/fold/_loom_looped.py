@@ -1,7 +1,8 @@
-"""A loom's group whose program has a step that does not batch (a matrix
-product by a stack of matrices, a convolution): its calls run one by one,
-as one batched call (`Looped`), so that the loom's other groups still run
-batched (`monadl.fold._loom_run`).
+"""A loom's group called (`group_call`): its program's batching rule over
+the rows gathered from the arenas, or, where a step does not batch (a
+matrix product by a stack of matrices, a convolution), its calls one by
+one as one batched call (`Looped`), so that the loom's other groups still
+run batched (`monadl.fold._loom_run`).
 
 Its value is the calls' outputs stacked; its VJPs hand each call its row of
 the delta and stack what the calls send their operands (zeros for a call
@@ -18,14 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
 from monadl._namespace import namespace
 from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
 
-__all__ = ["Looped"]
+if TYPE_CHECKING:
+    from monadl.fold._loom_schedule import _Planned as Planned
+
+__all__ = ["Looped", "group_call"]
 
 
 @final
@@ -116,3 +120,20 @@ def _stacked(column: list[Any], rows: Any) -> Any:
         return None
     xp = namespace(rows)
     return xp.stack([xp.zeros_like(rows[i]) if g is None else g for i, g in enumerate(column)])
+
+
+def group_call(
+    plan: Planned, operands: list[tuple[int | None, Any, bool]], arenas: list[Any], weights: list[Any], n: int
+) -> tuple[Any, Any] | Looped:
+    """The batching rule of a group's program over ``n`` members' operands:
+    rows gathered from the arenas (for data, the members' stacked), then the
+    shared weights; where a step does not batch (no rule, or not for these
+    operands), the calls one by one as one batched call (`Looped`)."""
+    args = [rows if source is None else arenas[source][rows] for source, rows, _ in operands]
+    count = len(args)
+    args += [weights[j] for j in plan.weights]
+    program = plan.program
+    result: tuple[Any, Any] | None = program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), n)
+    if result is None:  # (a step that does not batch: this group's calls one by one, the others' batched)
+        return Looped(program, tuple(args), count, n)
+    return result

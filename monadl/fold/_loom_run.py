@@ -14,27 +14,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 
 from monadl._namespace import all_finite, namespace
 from monadl.errors import NonFiniteError, OperandError
-from monadl.fold._loom_looped import Looped
-from monadl.fold._loom_schedule import Schedule, _Planned
+from monadl.fold._loom_backward import backward
+from monadl.fold._loom_looped import Looped, group_call
+from monadl.fold._loom_schedule import Schedule, _Planned, calls, op_of
 from monadl.layers._layer import Layer
-from monadl.layers._non_finite import backward_made, data_held, finite_delta, made
-from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs, finite_value
+from monadl.layers._non_finite import data_held, finite_delta, made
+from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._primitives import Primitive, shown
 from monadl.layers._site import site_text
 from monadl.runtime.node import failed, where
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-    from monadl.fold._loom import _Group
     from monadl.layers._site import Site
 
 __all__ = ["LOOM", "SLOT", "LoomDelta", "Open"]
@@ -161,7 +158,7 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
         def vjp(delta: LoomDelta) -> Any:
             nonlocal grads
             if grads is None:  # (the first weight's VJP runs the backward for all)
-                grads = _backward(value, len(weights), checked)
+                grads = backward(value, len(weights), checked)
             return grads[j]
 
         return vjp
@@ -183,7 +180,7 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         try:
             operands = [(s, rows.read() if s is None else rows, u) for s, rows, u in plan.operands]  # (data read now)
             value.operands.append(operands)
-            result = _group_call(plan, operands, arenas, weights, n)
+            result = group_call(plan, operands, arenas, weights, n)
         except Exception as exc:  # (one by one: the first call that fails raises its own error)
             raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
         if type(result) is Looped:  # (its VJPs: the calls', which a backward of some of them reads again)
@@ -211,30 +208,13 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         value.vjps.append(vjps)
 
 
-def _group_call(
-    plan: _Planned, operands: list[tuple[int | None, Any, bool]], arenas: list[Any], weights: list[Any], n: int
-) -> tuple[Any, Any] | Looped:
-    """The batching rule of a group's program over ``n`` members' operands:
-    rows gathered from the arenas (for data, the members' stacked), then the
-    shared weights; where a step does not batch (no rule, or not for these
-    operands), the calls one by one as one batched call (`Looped`)."""
-    args = [rows if source is None else arenas[source][rows] for source, rows, _ in operands]
-    count = len(args)
-    args += [weights[j] for j in plan.weights]
-    program = plan.program
-    result: tuple[Any, Any] | None = program.batch(tuple(args), (True,) * count + (False,) * len(plan.weights), n)
-    if result is None:  # (a step that does not batch: this group's calls one by one, the others' batched)
-        return Looped(program, tuple(args), count, n)
-    return result
-
-
 def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
     """The calls one by one (by depth), each as its node would run alone
     (``checked``: ``check_finite``'s checks, its errors naming the call)."""
     schedule = value.schedule
     values: list[Any] = [None] * schedule.span
     value.values = values
-    for plan, group, row in _calls(schedule):
+    for plan, group, row in calls(schedule):
         operands = [_operand(values, x, checked) for x in group.members[row]]
         args = (*operands, *[weights[j] for j in plan.weights])
         program = plan.program
@@ -243,11 +223,11 @@ def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
                 with np.errstate(all="ignore"):
                     out, vjps = program(*args, called=schedule.where(group, row))
                 if not finite_value(out):
-                    raise NonFiniteError(made(shown(_op(group)), args, schedule.where(group, row)))
+                    raise NonFiniteError(made(shown(op_of(group)), args, schedule.where(group, row)))
             else:
                 out, vjps = program(*args)
         except Exception as exc:  # (the error names the weights' lines too; raised without a local, as compute's)
-            raise failed(exc, _op(group), args, schedule.where(group, row), (*operands, *_weights(schedule, plan)))  # noqa: B904
+            raise failed(exc, op_of(group), args, schedule.where(group, row), (*operands, *_weights(schedule, plan)))  # noqa: B904
         first = group.firsts[row]
         if type(out) is Outputs:
             values[first : first + len(out)] = out
@@ -273,149 +253,3 @@ def _operand(values: list[Any], x: Any, checked: bool) -> Any:
             raise NonFiniteError(data_held(data, where(x)))
         return data
     return x
-
-
-def _calls(schedule: Schedule) -> Iterator[tuple[_Planned, _Group, int]]:
-    """The calls one by one, group by group (by depth: each after its operands' calls)."""
-    for plan in schedule.planned:
-        for row in range(plan.n):
-            yield plan, plan.group, row
-
-
-def _op(group: _Group) -> Primitive:
-    op = group.trace.op
-    assert op is not None
-    return op
-
-
-def _backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
-    """Each weight's delta (None: not reached), from the slots' deltas."""
-    if value.values is not None:
-        return _backward_one_by_one(value, count, checked)
-    schedule = value.schedule
-    arenas = value.arenas
-    deltas: list[Any] = [None] * len(arenas)
-    reached: list[Any] = [None] * len(arenas)
-    for a, arena in enumerate(arenas):
-        if arena is not None:
-            deltas[a] = namespace(arena).zeros_like(arena)
-            reached[a] = np.zeros(len(arena), bool)
-    for slot, g in value.deltas.by_slot.items():
-        a, row = schedule.arena[slot], schedule.rows[slot]
-        deltas[a][row] += g
-        reached[a][row] = True
-    grads: list[Any] = [None] * count
-    for plan, vjps, operands in zip(reversed(schedule.planned), reversed(value.vjps), reversed(value.operands)):
-        n = plan.n
-        parts = [deltas[a][start : start + n] for a, start in plan.outs]
-        seen = [reached[a][start : start + n] for a, start in plan.outs]
-        hit = seen[0] if len(seen) == 1 else np.logical_or.reduce(seen)
-        if not hit.any():  # (no member got a delta: none sends one)
-            continue
-        if len(seen) > 1:  # (an output no member's reader reached sends none, as one call's would)
-            parts = [p if s.any() else None for p, s in zip(parts, seen)]
-        mixed = len(seen) > 1 and any(s.any() and not (s | ~hit).all() for s in seen)
-        with np.errstate(divide="ignore", invalid="ignore") if mixed else nullcontext():
-            sent = _sent(value, plan, operands, vjps, parts, hit)
-        if mixed and not _finite(sent):
-            # Some members read an output that others did not: their zero rows times an infinite
-            # derivative (sqrt's at 0) made a NaN. Each pattern of read outputs alone, as one by one.
-            code = sum(s.astype(np.intp) << k for k, s in enumerate(seen))
-            sent = []
-            for c in np.unique(code[hit]).tolist():
-                read = [p if c >> k & 1 else None for k, p in enumerate(parts)]
-                sent += _sent(value, plan, operands, vjps, read, code == c, whole=False)
-        for source, rows, unique, g in sent:
-            if source is None:  # (a weight's)
-                grads[rows] = g if grads[rows] is None else grads[rows] + g
-            elif unique:
-                deltas[source][rows] += g
-                reached[source][rows] = True
-            else:
-                np.add.at(deltas[source], rows, g)
-                reached[source][rows] = True
-    return grads
-
-
-def _sent(
-    value: LoomValue,
-    plan: _Planned,
-    operands: list[Any],
-    vjps: Any,
-    parts: list[Any],
-    hit: Any,
-    whole: bool = True,
-) -> list[tuple[int | None, Any, bool, Any]]:
-    """The deltas a group's members ``hit`` (a mask) send back from their
-    outputs' ``parts`` (None: an output none of them sends a delta for):
-    per operand read from an arena, (arena, rows, distinct, delta); per
-    weight, (None, its number, False, delta). Members not hit run again as a
-    group of their own (the others' zero deltas times an infinite
-    derivative, sqrt's at 0, would be NaN); ``whole``: the group ran with
-    all its members (else always again)."""
-    n = plan.n
-    if not whole or not hit.all():
-        vjps, operands, parts, n = _reached_only(value, plan, operands, np.flatnonzero(hit), parts, vjps)
-    if type(vjps) is Looped:
-        vjps = vjps.vjps()
-    d = OutputsDelta(tuple(parts), (n,)) if len(parts) > 1 else parts[0]
-    sent: list[tuple[int | None, Any, bool, Any]] = []
-    for p, (source, rows, unique) in enumerate(operands):
-        if source is not None:  # (else data)
-            g = vjps[p](d)
-            if g is not None:
-                sent.append((source, rows, unique, g))
-    base = len(plan.operands)
-    for i, j in enumerate(plan.weights):
-        g = vjps[base + i](d)
-        if g is not None:
-            sent.append((None, j, False, g))
-    return sent
-
-
-def _finite(sent: list[tuple[int | None, Any, bool, Any]]) -> bool:
-    return all(finite_delta(g) for *_, g in sent)
-
-
-def _reached_only(
-    value: LoomValue, plan: _Planned, operands: list[Any], keep: Any, parts: list[Any], ran: Any
-) -> tuple[Any, list[tuple[int | None, Any, bool]], list[Any], int]:
-    """A group's members that got a delta (``keep``), run again as a group of
-    their own, as they would send deltas alone (those of a group that ``ran``
-    call by call, a `Looped`, as they ran): their VJPs, operands, output
-    deltas and count."""
-    operands = [(source, rows[keep], unique) for source, rows, unique in operands]
-    result = (
-        ran.only(keep) if type(ran) is Looped else _group_call(plan, operands, value.arenas, value.weights, len(keep))
-    )
-    vjps = result if type(result) is Looped else result[1]
-    return vjps, operands, [None if p is None else p[keep] for p in parts], len(keep)
-
-
-def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:
-    schedule = value.schedule
-    deltas: list[Any] = [None] * schedule.span
-    for slot, g in value.deltas.by_slot.items():
-        deltas[slot] = g
-    grads: list[Any] = [None] * count
-    for (plan, group, row), vjps in zip(reversed(list(_calls(schedule))), reversed(value.vjps)):
-        first = group.firsts[row]
-        outs = deltas[first : first + group.trace.outputs]
-        if all(g is None for g in outs):
-            continue
-        d = OutputsDelta(tuple(outs)) if len(outs) > 1 else outs[0]
-        operands = group.members[row]
-        for p, x in enumerate(operands):
-            if type(x) is int:
-                g = vjps[p](d)
-                if g is None:
-                    continue
-                if checked and not finite_delta(g):
-                    raise NonFiniteError(backward_made(shown(_op(group)), schedule.where(group, row)))
-                deltas[x] = g if deltas[x] is None else deltas[x] + g
-        base = len(operands)
-        for i, j in enumerate(plan.weights):
-            g = vjps[base + i](d)
-            if g is not None:
-                grads[j] = g if grads[j] is None else grads[j] + g
-    return grads

@@ -17,9 +17,12 @@ from monadl.layers._layer import Layer
 from monadl.layers._site import site_text
 
 if TYPE_CHECKING:
-    from monadl.fold._loom import Loom, _Group
+    from collections.abc import Iterator
 
-__all__ = ["Rows", "Schedule"]
+    from monadl.fold._loom import Loom, _Group
+    from monadl.layers._primitives import Primitive
+
+__all__ = ["Rows", "Schedule", "calls", "op_of"]
 
 
 @final
@@ -157,3 +160,16 @@ def _stacked(arrays: tuple[Any, ...]) -> Any:
     if first.ndim == 0:
         return np.stack(arrays)
     return np.concatenate(arrays).reshape((len(arrays), *first.shape))
+
+
+def calls(schedule: Schedule) -> Iterator[tuple[_Planned, _Group, int]]:
+    """The calls one by one, group by group (by depth: each after its operands' calls)."""
+    for plan in schedule.planned:
+        for row in range(plan.n):
+            yield plan, plan.group, row
+
+
+def op_of(group: _Group) -> Primitive:
+    op = group.trace.op
+    assert op is not None
+    return op

@@ -67,6 +67,7 @@ class Program:
         "consts",
         "declined",
         "factors",
+        "feeds",
         "group_plans",
         "live",
         "multi",
@@ -105,6 +106,7 @@ class Program:
         self.readers = tuple(s.operands() for s in steps)
         self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
+        self.feeds = _feeds(size, len(consts), steps, outputs)
         # Per operand signature (`signature`), what the operand rule did at each step: later
         # calls with it apply that, not the rule (whose checks, Python's, cost more than a small
         # step: a float32 cell's float64 weight is cast at each step of each call); per group
@@ -372,3 +374,19 @@ def _where(step: Step) -> str:
     from monadl.layers._site import site_text
 
     return site_text(step.site)
+
+
+def _feeds(size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Per operand, the outputs a delta reaches it from (through the steps'
+    operands that take one): a group whose members read different outputs
+    sends an operand no delta from a member whose outputs read do not
+    reach it (its zero row, times an infinite derivative further back, was
+    a NaN: `monadl.runtime.schedule.batched_again`)."""
+    reach = [1 << p for p in range(size)] + [0] * consts  # per slot, the operands it depends on (bits)
+    for step in steps:
+        bits = 0
+        for r, grad in zip(step.refs, step.grads):
+            if grad:
+                bits |= reach[r]
+        reach.append(bits)
+    return tuple([tuple([k for k, o in enumerate(outputs) if reach[o] >> p & 1]) for p in range(size)])

@@ -135,3 +135,37 @@ def test_a_group_run_call_by_call_holds_one_calls_weight_delta_at_a_time() -> No
             tracemalloc.stop()
 
     assert peak(True) < 1.6 * peak(False)
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_a_call_whose_outputs_read_do_not_reach_an_operand_sends_it_none(looped: bool) -> None:
+    """In a block: a producer's first call at ``sqrt``'s 0 feeds a two-output
+    cell whose first call reads only the output that does not depend on it
+    (batched, or call by call: its step by a stack of matrices). The
+    producer's first call gets no delta, as its node (before: a zero row,
+    marked reached, and a NaN in ``w``'s gradient)."""
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.normal(size=(3, 3)))
+    v = ml.Weight(rng.normal(size=(3, 3)))
+    stack = ml.Weight(rng.normal(size=(1, 3, 3)) / 3)
+    produce = ml.operation(lambda x: ml.sqrt((x @ w) * (x @ w)))
+    if looped:
+        read = ml.operation(lambda h, u: (ml.reshape(h[:, None, :] @ stack, (1, 3)), ml.tanh(u @ v)))
+    else:
+        read = ml.operation(lambda h, u: (ml.tanh(h @ v), ml.tanh(u @ v)))
+    xs = [np.zeros((1, 3)), rng.normal(size=(1, 3)), rng.normal(size=(1, 3))]
+    us = [rng.normal(size=(1, 3)) for _ in xs]
+    losses = []
+    for loom in (False, True):
+        with ml.loom() if loom else contextlib.nullcontext():
+            terms = []
+            for k, (x, u) in enumerate(zip(xs, us)):
+                a, b = read(produce(ml.as_layer(x)), ml.as_layer(u))
+                terms.append(ml.sum(b) if k == 0 else ml.sum(a) + ml.sum(b))
+        losses.append(ml.sum(ml.stack(terms)))
+    weights = [w, v, stack] if looped else [w, v]
+    (v0, g0), (v1, g1) = (value_and_grads(loss, weights) for loss in losses)
+    assert v1 == pytest.approx(v0, rel=1e-13)
+    for a, b in zip(g0, g1):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-14)

@@ -198,3 +198,28 @@ def test_a_finite_group_s_weight_factors_are_checked_not_multiplied(monkeypatch:
     with ml.settings(batching=False):
         want = anyio.run(ml.value_and_gradients, loss)[1][w]
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
+
+
+def _producer_and_reader(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+    """``sqrt`` at 0 in the first call of a producer, whose output feeds a
+    two-output cell; the first call reads only the output that does not
+    depend on it (a reviewer's)."""
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(2, 2))
+    produce = ml.operation(lambda x: ml.sqrt((x @ w) * (x @ w)))
+    read = ml.operation(lambda h, u: (ml.tanh(h @ v), ml.tanh(u @ v)))
+    xs = [np.zeros((1, 2)), rng.normal(size=(1, 2)), rng.normal(size=(1, 2))]
+    terms = []
+    for k, x in enumerate(xs):
+        a, b = read(produce(ml.as_layer(x)), ml.as_layer(rng.normal(size=(1, 2))))
+        terms.append(ml.sum(b) if k == 0 else ml.sum(a) + ml.sum(b))
+    return ml.sum(ml.stack(terms))
+
+
+def test_a_member_whose_outputs_read_do_not_reach_an_operand_sends_it_none(grouped: list[tuple[str, int]]) -> None:
+    """The reader's first member reads only ``b``: its row of ``h``'s delta is
+    zeros, no delta, and the producer's first member, at ``sqrt``'s 0, is
+    not reached (before: reached, and its 0 times infinity a NaN in ``w``'s
+    gradient). `Program.feeds` says which outputs reach each operand."""
+    _assert_as_alone(_producer_and_reader)
+    assert [n for name, n in grouped if "lambda" in name] == [3, 3]

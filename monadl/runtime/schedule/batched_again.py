@@ -21,6 +21,7 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows
 from monadl.layers._operands import Numbers
 from monadl.layers._outputs import OutputsDelta, StackedOutputs
+from monadl.layers._program import Program
 from monadl.layers._split import SplitDelta
 from monadl.runtime.schedule.batched_gather import Gather
 from monadl.runtime.schedule.batched_operands import PRODUCTS, Operand, factor_products
@@ -59,6 +60,21 @@ class Again:
         self.first = first  # (and ``n`` members)
         self.n = n
         self.runs: list[tuple[Any, Any, tuple[Any, ...]]] | None = None
+
+    def reaching(self, p: int, gather: Gather) -> Any:
+        """Which members send operand ``p`` a delta, where they read
+        different outputs (`Gather.seen`): those whose outputs read depend
+        on it (an operation's `Program.feeds`; a host mask, None: all).
+        The others' rows are zeros, no delta: sent on, a zero times an
+        infinite derivative where the operand was made is a NaN."""
+        seen = gather.seen
+        assert seen is not None
+        rule = self.first._op.rule
+        feeds = rule.feeds[p] if type(rule) is Program and p < len(rule.feeds) else range(len(seen))
+        mask = np.zeros(self.n, dtype=bool)
+        for k in feeds:
+            mask |= seen[k]
+        return None if mask.all() else mask
 
     def delta(self, p: int, gather: Gather, made: Any) -> Any:
         """Operand ``p``'s delta as the members that got one send it (``made``

@@ -222,8 +222,9 @@ def _resolving(
             dense = delta.dense()
             if delta.reached is None and delta.seen is None:
                 return vjp(dense)
-            if delta.reached is not None and rec is not None:
-                _narrow(rec, operand, delta.reached, groups)
+            reached = delta.reached if delta.seen is None else again.reaching(p, delta)
+            if reached is not None and rec is not None:
+                _narrow(rec, operand, reached, groups)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 g = vjp(dense)
             if g is None or _finite(g):
