@@ -869,3 +869,10 @@ def test_a_methods_wrong_argument_names_expr_as_users_call_it() -> None:
     with pytest.raises(TypeError, match=r"^Expr\.mean\(\) got an unexpected keyword argument 'dtype'"):
         x.mean(dtype=np.float32)  # type: ignore[call-overload]
     assert ml.Layer.train.__qualname__ == "Expr.train"  # (a coroutine never awaited is said by it)
+    import functools
+    import pickle
+
+    for method in (ml.Expr.sum, ml.Expr.reshape, ml.Expr.train):
+        assert pickle.loads(pickle.dumps(method)) is method  # (found where Expr is, as before the move)
+    mean = pickle.loads(pickle.dumps(functools.partial(ml.Expr.mean, axis=0)))  # (one sent to a worker process)
+    assert mean.func is ml.Expr.mean and mean.keywords == {"axis": 0}

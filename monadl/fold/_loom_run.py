@@ -93,6 +93,7 @@ class Open:
         self.site = site
 
 
+@final
 class _Unbatched(Exception):
     """The schedule cannot run batched (shapes that differ within an arena,
     a group that failed): its calls run one by one."""

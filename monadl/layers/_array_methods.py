@@ -105,4 +105,6 @@ class ArrayMethods(Generic[D, G]):
 # ``ArrayMethods.reshape() got an unexpected keyword argument``).
 for _name in ("sum", "mean", "max", "reshape", "transpose"):
     getattr(ArrayMethods, _name).__qualname__ = f"Expr.{_name}"
+    getattr(ArrayMethods, _name).__module__ = "monadl.layers._layer"  # (where pickle finds Expr.sum: Expr's)
 ArrayMethods.T.fget.__qualname__ = "Expr.T"  # type: ignore[attr-defined]  # (a property's getter: typeshed's fget is Any | None)
+ArrayMethods.T.fget.__module__ = "monadl.layers._layer"  # type: ignore[attr-defined]  # (as above)

@@ -11,7 +11,9 @@ learns the plan that later calls of the same types use instead of it.
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 import weakref
 from typing import TYPE_CHECKING, Any, Final
 
@@ -95,7 +97,9 @@ def walked(
     return trace, leaves, sources
 
 
-_MARKS: dict[Any, tuple[int, list[weakref.ref[Any]]]] = {}  # (per function's code: marks in a row over its weights)
+_MARKS: dict[
+    Any, tuple[int, list[weakref.ref[Any]], tuple[int, ...]]
+] = {}  # (per function's code: marks in a row over its weights)
 _MARKS_SAID: Final = 32
 
 
@@ -108,23 +112,22 @@ def _marked_again(op: Operation[Any, Any], trace: Trace) -> None:
     new user's), and nothing else says so. Models built anew (a sweep, a
     benchmark) mark their cells over weights of their own: counted afresh."""
     f = op.__wrapped__
-    while True:  # (a partial's function, a bound method's)
-        inner = getattr(f, "func", None) or getattr(f, "__func__", None)
-        if inner is None:
-            break
-        f = inner
+    while isinstance(f, (functools.partial, types.MethodType)):  # (a partial's function, a bound method's)
+        f = f.func if isinstance(f, functools.partial) else f.__func__
     code = getattr(f, "__code__", None)
     if code is None:
         return
     weights = trace.weights
     if not weights:  # (weights passed as arguments, or none: models built anew cannot be told from steps)
         return
-    count, seen = _MARKS.get(code, (0, []))
-    same = len(seen) == len(weights) and all(r() is w for r, w in zip(seen, weights))
+    held = tuple([id(x) for x in reach(op._closure or ())[1]])  # (a partial's arguments too: another is another cell)
+    count, seen, was = _MARKS.get(code, (0, [], ()))
+    same = was == held and len(seen) == len(weights) and all(r() is w for r, w in zip(seen, weights))
     n = count + 1 if same else 1
     if len(_MARKS) >= _TRACES_LIMIT * 16 and code not in _MARKS:  # (bounded: a program's cells are fewer)
         _MARKS.clear()
-    _MARKS[code] = (n, seen if same else [weakref.ref(w) for w in weights])
+    # (threads may race here: a count off by one, never an error)
+    _MARKS[code] = (n, seen if same else [weakref.ref(w) for w in weights], held)
     if n == _MARKS_SAID:
         _log.warning(
             "operation %s (the function at %s:%d) was marked %d times over the same weights, and each mark traces "

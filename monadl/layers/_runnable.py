@@ -56,3 +56,4 @@ class Runnable(Generic[D, G]):
 # said as ``coroutine 'Expr.train' was never awaited``, not ``Runnable.train``).
 for _name in ("forward", "train", "predict", "__await__"):
     getattr(Runnable, _name).__qualname__ = f"Expr.{_name}"
+    getattr(Runnable, _name).__module__ = "monadl.layers._layer"  # (where pickle finds Expr.train: Expr's)

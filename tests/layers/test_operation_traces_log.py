@@ -260,3 +260,46 @@ def test_operations_over_the_weights_of_models_built_anew_are_not_counted_togeth
             ml.operation(lambda h: ml.tanh(h))(x)  # (none at all)
             del w
     assert not [r for r in caplog.records if "marked" in r.getMessage()]
+
+
+def test_cells_marked_once_each_over_one_weight_are_not_said_to_be_marked_anew(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 layers sharing one weight, each a partial of one function by its
+    index, marked once (an ALBERT-style stack, a reviewer's): each holds
+    another argument, so none is a mark made again."""
+    import functools
+
+    from monadl.layers import _operation_traces
+
+    monkeypatch.setattr(_operation_traces, "_MARKS", {})
+    w = ml.Weight(np.eye(2) / 2)
+
+    def block(h: ml.ArrayOperand, i: float) -> ml.ArrayLayer:
+        return ml.tanh(h @ w) * (1.0 + 0.01 * i)
+
+    layers = [ml.operation(functools.partial(block, i=float(i))) for i in range(40)]
+    with caplog.at_level(logging.WARNING, logger="monadl.batching"):
+        h: Any = ml.as_layer(np.ones((1, 2)))
+        for layer in layers:
+            h = layer(h)
+    assert not [r for r in caplog.records if "marked" in r.getMessage()]
+
+
+def test_a_callable_whose_func_is_itself_is_marked_and_called() -> None:
+    """The count reads only partials and bound methods: an object whose
+    ``func`` attribute leads back to itself (a mock) hung its first call."""
+    w = ml.Weight(np.eye(2))
+
+    class Cell:
+        __qualname__ = "Cell"
+
+        @property
+        def func(self) -> Any:
+            return self
+
+        def __call__(self, h: ml.ArrayOperand) -> ml.ArrayLayer:
+            return ml.tanh(h @ w)
+
+    out = ml.operation(Cell())(ml.as_layer(np.ones((1, 2))))
+    np.testing.assert_allclose(anyio.run(out.predict), np.tanh(np.ones((1, 2))))
