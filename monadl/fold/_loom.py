@@ -68,6 +68,7 @@ from monadl.fold._loom_run import LOOM, SLOT, Open
 from monadl.fold._loom_schedule import Schedule
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._primitives import AS_LAYER, shown
+from monadl.layers._program import Program
 from monadl.layers._recording import RECORDING, Recorder
 from monadl.layers._site import PACKAGE_DIR, caller_site, site_text
 from monadl.layers._structures import filler
@@ -290,6 +291,11 @@ def _why(why: Any) -> str:
         return (
             f"an output of another loom's calls (another ml.loom() block's, or a Fold batch's, at {site_text(site)}): "
             "calls are recorded with the calls of their own block; make one block around them"
+        )
+    if type(op.rule) is Program:  # (a marked cell's call built as a node: before the block, or not recorded)
+        return (
+            f"an output of a call of {shown(op)} built as a node (at {site_text(site)}: made before the block, or "
+            "not recorded, for its own reason), and so on down the calls that read it"
         )
     return (
         f"an operand built outside the loom's calls ({shown(op)} at {site_text(site)}; a recorded call's "
