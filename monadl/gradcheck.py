@@ -64,6 +64,7 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
     >>> anyio.run(gradients, ml.sum(w * w), [w])
     [array([2., 4.])]
     """
+    _refuse_unless_a_loss(loss, "gradients")
     given: object = weights  # (typed a sequence; a user may pass one weight all the same)
     if isinstance(given, Expr):  # (a layer is not iterated: its message would not say what to pass)
         raise TypeError(
@@ -87,8 +88,8 @@ async def gradients(loss: Expr[Any, Any], weights: Sequence[Weight[Any, Any]]) -
 
 
 async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, Any], Any]]:
-    """The value of ``loss`` (summed, if not a scalar) and the gradient of
-    each weight it reaches, as ``train()`` would step them, from one forward
+    """The value of ``loss`` (as it is: an array for an array loss) and the
+    gradient of each weight it reaches (of the loss's sum, if not a scalar), as ``train()`` would step them, from one forward
     and one backward pass, without changing any weight (as JAX's
     ``value_and_grad``): what a step of one's own needs (clipping by the
     global norm, `monadl.optim.clip_by_global_norm`; accumulating over
@@ -107,8 +108,20 @@ async def value_and_gradients(loss: Expr[D, Any]) -> tuple[D, dict[Weight[Any, A
     >>> float(value), grads[w], frozen in grads
     (12.0, array([2., 4.]), False)
     """
+    _refuse_unless_a_loss(loss, "value_and_gradients")
     value, grads = await entry.gradients(loss)
     return value, {w: _of_weight(w, g) for w, g in grads.items()}
+
+
+def _refuse_unless_a_loss(loss: object, name: str) -> None:
+    """A loss that is no layer nor weight, refused by its name (an array gave
+    "unhashable type: 'numpy.ndarray'", a float "'float' object has no
+    attribute '_inputs'")."""
+    if not isinstance(loss, Expr):
+        raise OperandError(
+            f"{name}: the loss is a layer or a weight, computed from the weights (ml.sum(w * x)), got a "
+            f"{type(loss).__name__}: plain data has no gradient"
+        )
 
 
 def _dense(grad: Any) -> Any:

@@ -58,7 +58,7 @@ from monadl.distributed._rank_status import _DENSE, _came, _late, _parted, _rank
 from monadl.distributed._reduce import pack_rest, reduce_overlapped, reduce_rest
 from monadl.distributed._same_model import checksums, describe, label, same_model
 from monadl.errors import NoGradientError
-from monadl.layers import Layer, Weight
+from monadl.layers import Weight
 from monadl.layers._layer import Expr
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
@@ -227,7 +227,7 @@ class DataParallel(ModelWrapper):
         wait shows there)."""
         return dict(self._times)
 
-    async def train(self, loss: Layer[Any, Any], *, step: int | None = None) -> Any:
+    async def train(self, loss: Expr[Any, Any], *, step: int | None = None) -> Any:
         """One data-parallel step: local forward and backward, then all ranks step alike.
 
         With ``overlap=True``, from the second step on, dense gradient
@@ -329,7 +329,7 @@ class DataParallel(ModelWrapper):
         self._met = time.perf_counter()
         return self._met - start
 
-    async def _exchange(self, loss: Layer[Any, Any], step: int) -> tuple[Any, dict[Weight[Any, Any], Any]]:
+    async def _exchange(self, loss: Expr[Any, Any], step: int) -> tuple[Any, dict[Weight[Any, Any], Any]]:
         """This rank's loss value and the reduced gradients every rank steps by."""
         comm, weights, index, n = self._comm, self._weights, self._index, len(self._weights)
         checked = await self._same_model()  # where the ranks first meet, and wait for a late one

@@ -13,7 +13,8 @@ from typing import Any, final
 import anyio
 
 from monadl.distributed._overlap import Overlap
-from monadl.layers import Layer, Weight
+from monadl.layers import Weight
+from monadl.layers._layer import Expr
 from monadl.runtime import entry
 
 __all__ = ["RankGradients", "rank_gradients"]
@@ -33,7 +34,7 @@ class RankGradients:
     cause: Exception | None = None
 
 
-async def rank_gradients(loss: Layer[Any, Any], overlap: Overlap | None) -> RankGradients:
+async def rank_gradients(loss: Expr[Any, Any], overlap: Overlap | None) -> RankGradients:
     """Run this rank's forward and backward of ``loss``, feeding ``overlap`` (if
     any); an exception becomes the result's problem. On cancellation, the
     overlap's started buckets end before any other collective may start."""

@@ -124,8 +124,9 @@ def group_records(
     # the group) only when something reads it (`Records`): here, its place.
     part: tuple[Any, ...] | None
     if type(out) is StackedOutputs:
-        part = Outputs(tuple([p[0] for p in out.parts])).signature()
-        assert part is not None  # (rows of arrays)
+        outputs = Outputs(tuple([p[0] for p in out.parts])).signature()
+        assert outputs is not None  # (rows of arrays)
+        part = (len(outputs), *outputs)  # (as `signature` keys a member's outputs: their count, then each)
     else:
         row = out[0]  # (as a member's record reads its row: the same type, for one signature)
         part = (type(row), row.shape, row.dtype)

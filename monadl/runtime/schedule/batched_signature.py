@@ -60,6 +60,7 @@ def signature(records: dict[Any, Record], node: Any, where: dict[Any, Place] | N
                 for p in part:
                     if p[0] is not ndarray and not batched_kind(p[0]):
                         return None
+                key.append(len(part))  # (its count: two operands of 4 and 3 outputs alike, flattened, were 3 and 4)
                 key += part
                 continue
             value_kind = type(value)
@@ -106,7 +107,8 @@ def operand_parts(records: dict[Any, Record], node: Any, where: dict[Any, Place]
             elif value is None:
                 part = None
             elif type(value.value) is Outputs:
-                part = value.value.signature()
+                sig = value.value.signature()
+                part = None if sig is None else (len(sig), *sig)
             else:
                 part = (type(value.value), getattr(value.value, "shape", None), getattr(value.value, "dtype", None))
         elif kind is Weight:
