@@ -378,15 +378,16 @@ def _where(step: Step) -> str:
 
 def _feeds(size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """Per operand, the outputs a delta reaches it from (through the steps'
-    operands that take one): a group whose members read different outputs
+    operands that take one; not through ``stop_gradient``): a group whose members read different outputs
     sends an operand no delta from a member whose outputs read do not
     reach it (its zero row, times an infinite derivative further back, was
     a NaN: `monadl.runtime.schedule.batched_again`)."""
     reach = [1 << p for p in range(size)] + [0] * consts  # per slot, the operands it depends on (bits)
     for step in steps:
         bits = 0
-        for r, grad in zip(step.refs, step.grads):
-            if grad:
-                bits |= reach[r]
+        if step.op.name != "stop_gradient":  # (its delta goes nowhere)
+            for r, grad in zip(step.refs, step.grads):
+                if grad:
+                    bits |= reach[r]
         reach.append(bits)
     return tuple([tuple([k for k, o in enumerate(outputs) if reach[o] >> p & 1]) for p in range(size)])

@@ -12,6 +12,7 @@ and off, and with PyTorch where it is installed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -223,3 +224,33 @@ def test_a_member_whose_outputs_read_do_not_reach_an_operand_sends_it_none(group
     gradient). `Program.feeds` says which outputs reach each operand."""
     _assert_as_alone(_producer_and_reader)
     assert [n for name, n in grouped if "lambda" in name] == [3, 3]
+
+
+@pytest.mark.parametrize("loom", [False, True])
+def test_a_member_that_reads_only_a_stop_gradient_output_sends_its_operand_none(loom: bool) -> None:
+    """A cell's first call reads only its output under ``stop_gradient``:
+    no delta goes back through it to the call that made its operand, whose
+    ``tanh(log(z * z))`` at z = 0 has a NaN derivative (0 times infinity);
+    batched, its zero row made NaN in the weight's gradient (a fuzzer's;
+    `Program.feeds` now stops at ``stop_gradient``)."""
+    w = ml.Weight(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    v = ml.Weight(np.array([[0.5, -1.0], [2.0, 1.0]]))
+    first = ml.operation(lambda a, b: (b @ v, ml.tanh(ml.log((a @ w) * (a @ w)))))
+    after = ml.operation(lambda a: (a @ v, ml.stop_gradient(a @ v)))
+
+    def loss() -> ml.ScalarLayer:
+        with ml.loom() if loom else contextlib.nullcontext():
+            p = first(ml.as_layer(np.zeros((1, 2))), ml.as_layer(np.full((1, 2), 0.5)))
+            q = first(ml.as_layer(np.full((1, 2), 0.5)), ml.as_layer(np.full((1, 2), 0.5)))
+            r, s = after(q[1]), after(p[1])
+        return ml.sum(r[0]) + ml.sum(s[1])
+
+    def grads(batching: bool) -> Any:
+        with ml.settings(batching=batching), np.errstate(all="ignore"):
+            return anyio.run(ml.value_and_gradients, loss())[1]
+
+    on, off = grads(True), grads(False)
+    assert set(on) == set(off) == {w, v}
+    for weight in (w, v):
+        assert np.isfinite(on[weight]).all()
+        np.testing.assert_allclose(on[weight], off[weight], rtol=1e-12)
