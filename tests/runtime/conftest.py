@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from monadl.deltas import Outer
+from monadl.runtime.schedule import batched_records, batched_run
 
 
 @pytest.fixture
@@ -21,3 +22,17 @@ def outer_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(Outer, "dense", counting)
     return rows
+
+
+@pytest.fixture
+def grouped(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The groups that ran batched, their operation and size (so a test knows its case batched)."""
+    names: list[tuple[str, int]] = []
+    record = batched_records.group_records
+
+    def counted(groups: Any, members: list[Any], *args: Any) -> None:
+        names.append((members[0]._op.name, len(members)))
+        record(groups, members, *args)
+
+    monkeypatch.setattr(batched_run, "group_records", counted)
+    return names

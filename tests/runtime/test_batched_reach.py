@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.runtime.schedule import batched_records, batched_run
 
 Build = Callable[[list[ml.Weight[Any, Any]]], ml.ScalarLayer]
 
@@ -52,20 +51,6 @@ def _assert_same_reach(build: Build, count: int, want: list[int], batching: bool
     assert (on[0], on[1]) == (want, want)
     for a, b in zip(on[2], off[2]):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.fixture
-def grouped(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """The groups that ran batched, their operation and size (so a test knows its case batched)."""
-    names: list[tuple[str, int]] = []
-    record = batched_records.group_records
-
-    def counted(groups: Any, members: list[Any], *args: Any) -> None:
-        names.append((members[0]._op.name, len(members)))
-        record(groups, members, *args)
-
-    monkeypatch.setattr(batched_run, "group_records", counted)
-    return names
 
 
 def _target_network(examples: int) -> Build:

@@ -21,23 +21,8 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.runtime.schedule import batched_records, batched_run
 
 Loss = Callable[[ml.Weight[Any, Any]], ml.ScalarLayer]
-
-
-@pytest.fixture
-def grouped(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """The groups that ran batched: their operation and size."""
-    names: list[tuple[str, int]] = []
-    record = batched_records.group_records
-
-    def counted(groups: Any, members: list[Any], *args: Any) -> None:
-        names.append((members[0]._op.name, len(members)))
-        record(groups, members, *args)
-
-    monkeypatch.setattr(batched_run, "group_records", counted)
-    return names
 
 
 def _gradient(loss: Loss, batching: bool | None) -> Any:
