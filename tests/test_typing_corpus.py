@@ -332,6 +332,12 @@ ACCEPT = {
         assert_type(w, ml.ArrayWeight)
         assert_type(v.data, float)
     """,
+    "roll_takes_python_and_numpy_integers": """
+        assert_type(ml.roll(array_weight, 1), ml.ArrayLayer)
+        assert_type(ml.roll(array_layer, np.int64(-1), axis=np.intp(0)), ml.ArrayLayer)
+        assert_type(ml.roll(array, array.ndim - 1, array.shape[0]), ml.ArrayLayer)
+        assert_type(ml.roll(array, np.argmax(array)), ml.ArrayLayer)
+    """,
     "an_operation_keeps_its_functions_signature": """
         @ml.operation
         def cell(x: ml.ArrayOperand, h: ml.ArrayLayer, scale: float) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
@@ -490,6 +496,12 @@ REJECT = {
     "tape_with_a_non_callable_backward": ("ml.Tape(1.0, backward=5)", "arg-type"),
     "pool_with_a_float_kernel": ("ml.max_pool2d(array_layer, 2.5)", "arg-type"),
     "dense_with_a_string_bias": ("ml.dense(array, array_weight, 'b')", "arg-type"),
+    # roll's shift and axis are integers: a bool and an array are refused at run time (SupportsIndex took both).
+    "roll_shift_a_bool": ("ml.roll(array_layer, True)", "arg-type"),
+    "roll_shift_an_array": ("ml.roll(array_layer, np.array(1))", "arg-type"),
+    "roll_shift_an_array_of_shifts": ("ml.roll(array_weight, np.array([1, 2]))", "arg-type"),
+    "roll_axis_a_bool": ("ml.roll(array_layer, 1, axis=False)", "arg-type"),
+    "roll_shift_a_numpy_bool": ("ml.roll(array_layer, np.True_)", "arg-type"),
     # An operation is called as its function is.
     "operation_called_with_a_string": (
         "@ml.operation\ndef cell(x: ml.ArrayLayer) -> ml.ArrayLayer:\n    return ml.tanh(x)\ncell('x')",

@@ -14,14 +14,30 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import SupportsIndex, TypeAlias, TypeGuard
+from typing import Any, Protocol, Self, SupportsIndex, TypeAlias, TypeGuard
 
 from monadl.errors import OperandError
 
-__all__ = ["Axis", "as_axis", "as_int", "as_ints", "as_shape", "is_sizes"]
+__all__ = ["Axis", "Integer", "as_axis", "as_int", "as_ints", "as_shape", "is_sizes"]
 
 Axis: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
 """An axis or a tuple (or list) of axes: Python or NumPy integers."""
+
+
+class Integer(Protocol):
+    """One integer as `as_int` takes it: an ``int`` or a NumPy integer, not a
+    bool nor an array (`SupportsIndex` lets both through: NumPy's stubs give
+    every array ``__index__``).
+
+    Structural, since bool is an int to mypy: ``~True`` is the int ``-2``
+    (an integer's ``~`` gives its own type, a bool's does not), and an
+    array has no ``numerator``.
+    """
+
+    def __index__(self) -> int: ...
+    def __invert__(self) -> Self: ...
+    @property
+    def numerator(self) -> Any: ...
 
 
 def as_int(value: object, op: str, what: str) -> int:

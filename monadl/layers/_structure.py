@@ -12,7 +12,7 @@ import numpy as np
 
 from monadl._namespace import is_array, namespace
 from monadl.errors import IndexRangeError, OperandError, ShapeError
-from monadl.layers._axes import as_int, as_ints, is_sizes
+from monadl.layers._axes import Integer, as_int, as_ints, is_sizes
 from monadl.layers._functions import apply_primitive
 from monadl.layers._indexing import out_of_range
 from monadl.layers._layer import (
@@ -181,12 +181,14 @@ def transpose(x: ArrayOperand | DeviceArray, axes: Sequence[SupportsIndex] | Arr
     return apply_primitive("transpose", (x,), (None if axes is None else as_ints(axes, "transpose", "axes"),))
 
 
-def roll(x: ArrayOperand | DeviceArray, shift: SupportsIndex, axis: SupportsIndex = -1) -> ArrayLayer:
+def roll(x: ArrayOperand | DeviceArray, shift: Integer, axis: Integer = -1) -> ArrayLayer:
     """``x``'s entries moved ``shift`` places along ``axis`` (the last by
     default), those past the end coming round to the front (NumPy's
     ``roll``, ``torch.roll``): a Neural Turing Machine's circular shift of
     its weighting. It batches, where an index array after a slice
     (``w[:, idx]``) runs call by call (a new user's NTM cell: 5x the time).
+    ``shift`` and ``axis`` are integers, Python's or NumPy's: a bool or an
+    array is refused (`OperandError`), and mypy refuses them too.
 
     >>> import anyio, numpy as np
     >>> anyio.run(roll(np.arange(4.0), 1).predict)

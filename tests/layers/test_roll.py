@@ -24,6 +24,17 @@ def test_an_axis_out_of_range_is_refused_at_the_users_line() -> None:
         anyio.run(ml.roll(np.zeros((2, 3)), 1, axis=2).predict)
 
 
+def test_numpy_integers_shift_and_a_bool_or_an_array_is_refused() -> None:
+    x = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(anyio.run(ml.roll(x, np.int64(1), axis=np.intp(0)).predict), np.roll(x, 1, axis=0))
+    with pytest.raises(ml.OperandError, match=r"^roll: shift must be an integer, got True$"):
+        ml.roll(x, True)  # type: ignore[arg-type]  # (mypy refuses it too: the typing corpus)
+    with pytest.raises(ml.OperandError, match=r"^roll: shift must be an integer, got array\(\[1, 2\]\)$"):
+        ml.roll(x, np.array([1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(ml.OperandError, match=r"^roll: axis must be an integer, got False$"):
+        ml.roll(x, 1, axis=False)  # type: ignore[arg-type]
+
+
 def test_a_cells_circular_shift_batches_as_torch_rolls_it() -> None:
     """An NTM's shift: the weighting rolled by -1, 0 and 1, mixed by the
     shift weights; 16 calls of the marked cell, batched, against PyTorch."""
