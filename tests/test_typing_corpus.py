@@ -251,6 +251,15 @@ ACCEPT = {
             assert_type(await scalar_layer.predict(), float)
             assert_type(await array_layer.train(), ml.Array)
     """,
+    "data_parallel_train_is_typed_as_train": """
+        from monadl.distributed import DataParallel
+        async def steps(dp: DataParallel, loss: ml.Layer[Any, Any]) -> list[float]:
+            assert_type(await dp.train(scalar_layer), float)
+            assert_type(await dp.train(array_layer, step=1), ml.Array)
+            assert_type(await dp.train(loss), Any)
+            assert_type(float(await dp.train(scalar_weight)), float)  # (mypy took the loss's type from float())
+            return [await dp.train(scalar_layer)]
+    """,
     "gradients_and_values_are_typed_by_their_layers": """
         async def gradients(ws: list[ml.Weight[Any, Any]]) -> None:
             assert_type(await ml.gradients(scalar_layer, [array_weight]), list[ml.Array])
@@ -502,6 +511,14 @@ REJECT = {
     "roll_shift_an_array_of_shifts": ("ml.roll(array_weight, np.array([1, 2]))", "arg-type"),
     "roll_axis_a_bool": ("ml.roll(array_layer, 1, axis=False)", "arg-type"),
     "roll_shift_a_numpy_bool": ("ml.roll(array_layer, np.True_)", "arg-type"),
+    "data_parallel_train_value_used_as_a_string": (
+        "from monadl.distributed import DataParallel\nasync def f(dp: DataParallel) -> None:\n    v: str = await dp.train(scalar_layer)",
+        "assignment",
+    ),
+    "data_parallel_train_of_an_array": (
+        "from monadl.distributed import DataParallel\nasync def f(dp: DataParallel) -> None:\n    await dp.train(array)",
+        "call-overload",
+    ),
     # An operation is called as its function is.
     "operation_called_with_a_string": (
         "@ml.operation\ndef cell(x: ml.ArrayLayer) -> ml.ArrayLayer:\n    return ml.tanh(x)\ncell('x')",

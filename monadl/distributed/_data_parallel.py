@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Final, final
+from typing import Any, Final, TypeVar, final, overload
 
 from monadl._named import ModelWrapper, named_weights
 from monadl.distributed._broadcast import broadcast_weights
@@ -59,6 +59,7 @@ from monadl.distributed._reduce import pack_rest, reduce_overlapped, reduce_rest
 from monadl.distributed._same_model import checksums, describe, label, same_model
 from monadl.errors import NoGradientError
 from monadl.layers import Weight
+from monadl.layers._arrays import Array
 from monadl.layers._layer import Expr
 from monadl.optim import apply_gradients
 from monadl.runtime import entry
@@ -66,6 +67,8 @@ from monadl.runtime.node import where
 from monadl.runtime.settings import current_settings
 
 __all__ = ["DataParallel"]
+
+D = TypeVar("D")
 
 BUCKET_BYTES: Final = 25 << 20  # PyTorch DDP's default bucket size
 _NOT_BROADCAST: Final = "no rank took the root's weights"
@@ -227,6 +230,15 @@ class DataParallel(ModelWrapper):
         wait shows there)."""
         return dict(self._times)
 
+    # Typed as ``loss.train()``: a float or an array, spelt, not inferred alone (``Expr[D, Any] -> D``):
+    # an ``async def`` returns a coroutine, no bare type variable, so mypy took D from around the call,
+    # and ``float(await dp.train(loss))`` wanted an ``Expr[str | Buffer | SupportsFloat | ..., Any]``.
+    @overload
+    async def train(self, loss: Expr[float, Any], *, step: int | None = None) -> float: ...
+    @overload
+    async def train(self, loss: Expr[Array, Any], *, step: int | None = None) -> Array: ...
+    @overload
+    async def train(self, loss: Expr[D, Any], *, step: int | None = None) -> D: ...
     async def train(self, loss: Expr[Any, Any], *, step: int | None = None) -> Any:
         """One data-parallel step: local forward and backward, then all ranks step alike.
 
