@@ -355,6 +355,18 @@ ACCEPT = {
 
         assert_type(cell(array, array_layer, 2.0), tuple[ml.ArrayLayer, ml.ArrayLayer])
     """,
+    "a_marked_partial_is_untyped_a_marked_closure_keeps_its_signature": """
+        import functools
+        def scaled(h: ml.ArrayLayer, factor: float) -> ml.ArrayLayer:
+            return ml.tanh(h) * factor
+        # (the README's Types section: mypy checks a partial's own calls, not an operation made of it)
+        assert_type(ml.operation(functools.partial(scaled, factor=0.5)), ml.Operation[..., ml.ArrayLayer])
+        def scaled_by(factor: float) -> ml.Operation[[ml.ArrayLayer], ml.ArrayLayer]:
+            def cell(h: ml.ArrayLayer) -> ml.ArrayLayer:
+                return scaled(h, factor)
+            return ml.operation(cell)
+        assert_type(scaled_by(0.5)(array_layer), ml.ArrayLayer)
+    """,
     "fold_blocks_compose_with_inferred_types": """
         from collections.abc import Sequence
         from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, Map, Record, Reduce, Scalar, Vector
@@ -522,6 +534,12 @@ REJECT = {
     # An operation is called as its function is.
     "operation_called_with_a_string": (
         "@ml.operation\ndef cell(x: ml.ArrayLayer) -> ml.ArrayLayer:\n    return ml.tanh(x)\ncell('x')",
+        "arg-type",
+    ),
+    "operation_of_a_closure_called_with_a_string": (  # (the typed way to mark a partial: README, Types)
+        "def scaled(h: ml.ArrayLayer, factor: float) -> ml.ArrayLayer:\n    return ml.tanh(h) * factor\n"
+        "def half(h: ml.ArrayLayer) -> ml.ArrayLayer:\n    return scaled(h, 0.5)\n"
+        "ml.operation(half)('h')",
         "arg-type",
     ),
     "operation_result_used_as_data": (

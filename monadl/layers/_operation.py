@@ -331,6 +331,13 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     (``self.cell = ml.operation(self._cell)``): marked in its class body,
     it is refused when read from an object, with that advice.
 
+    The operation is typed with ``f``'s signature: mypy checks its calls as
+    ``f``'s. Not a ``functools.partial``'s, nor a lambda's: mypy checks the
+    calls of a partial itself, but passed on it is ``(*args: Any, **kwargs:
+    Any)``, as a lambda's parameters are Any; to keep the types, mark a
+    ``def`` that calls the function (a closure, where the bound value
+    varies) or a bound method.
+
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((2, 2)))
     >>> @ml.operation
