@@ -976,7 +976,7 @@ def test_a_loss_that_is_no_layer_is_refused_with_what_to_pass() -> None:
         w = ml.Weight(np.ones(3), optimizer=ml.optim.sgd(0.001))
         dp = DataParallel(w, comm)
         with pytest.raises(TypeError) as caught:
-            await dp.train(3.0)  # type: ignore[arg-type]  # the mistake under test
+            await dp.train(3.0)  # type: ignore[call-overload]  # the mistake under test
         return str(caught.value)
 
     assert (
