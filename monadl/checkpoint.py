@@ -65,6 +65,13 @@ from monadl.runtime.process import Held, hold, release
 
 __all__ = ["load", "named_weights", "save"]
 
+
+def __dir__() -> list[str]:
+    """The module's API and its errors, for ``dir()`` and a user's tab
+    completion (not the helpers it imports: ``decode``, ``match``, ``put`` ...)."""
+    return sorted([*__all__, "CheckpointError"])
+
+
 _STATE_PREFIX: Final = "optimizer_state/"
 
 

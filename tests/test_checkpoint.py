@@ -122,6 +122,13 @@ def test_a_resumed_run_in_a_fresh_process_is_bit_identical(tmp_path: Path) -> No
     assert states["head.scale"] == {"kind": "int", "value": 100}
 
 
+def test_the_modules_names_are_its_api_not_the_helpers_it_imports() -> None:
+    # A user's tab completion of monadl.checkpoint offered decode, encode, match, stable,
+    # put ... (helpers imported by name) beside save, load and named_weights.
+    assert dir(checkpoint) == ["CheckpointError", "load", "named_weights", "save"]
+    assert checkpoint.__all__ == ["load", "named_weights", "save"]
+
+
 def test_named_weights_walk_dicts_lists_dataclasses_attributes_slots_and_named_tuples() -> None:
     class Pair(NamedTuple):
         left: ml.ArrayWeight
