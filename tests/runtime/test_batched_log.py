@@ -106,6 +106,36 @@ def test_calls_traced_apart_by_whose_outputs_they_pass_are_said_to_be(caplog: py
     ) in line, line
 
 
+def test_parameters_are_said_as_written(caplog: pytest.LogCaptureFixture) -> None:
+    """A getitem's index of ints, a reduction's axis: the log showed its key,
+    ``(<class 'tuple'>, (<class 'int'>, 0), (<class 'int'>, 1))``."""
+    w = ml.Weight(np.arange(6.0).reshape(2, 3))
+    lp = ml.log_softmax(w, axis=1)
+    line = ran_line(caplog, ml.sum(ml.stack([lp[0, 1], lp[0, 2]])))  # INDEXED
+    at = f"{HERE}:{line_of('INDEXED')}"
+    assert f"e.g. two getitem nodes built at {at} and {at} differ in their index: [0, 1] against [0, 2]" in line, line
+    line = ran_line(caplog, ml.sum(ml.stack([ml.sum(w[:, 1:], axis=0), ml.sum(w[:, 1:], axis=1)])))  # AXES
+    at = f"{HERE}:{line_of('AXES')}"
+    assert f"e.g. two sum nodes built at {at} and {at} differ in their axis: 0 against 1" in line, line
+    cut = [w[0, 0:2], w[0, 1:3]]  # SLICES
+    line = ran_line(caplog, ml.sum(ml.stack([ml.sum(x) for x in cut])))
+    at = f"{HERE}:{line_of('SLICES')}"
+    assert f"e.g. two getitem nodes built at {at} and {at} differ in their index: [0, 0:2] against [0, 1:3]" in line
+
+
+def test_nodes_of_another_operand_count_are_said_to_differ_in_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Stacks of 1 and 3 layers: their signatures zipped paired the first's
+    parameter with the second's operand (a new user's log: 'parameter 0's
+    value: 0 against (<class 'numpy.float32'>, (), dtype('float32'))')."""
+    w = ml.Weight(np.arange(6.0, dtype=np.float32).reshape(2, 3))
+    lp = ml.log_softmax(w, axis=1)
+    parts = [ml.stack([lp[0, 1]] * n) for n in (1, 3, 4, 5)]  # STACKS
+    line = ran_line(caplog, ml.sum(ml.stack([ml.mean(p) for p in parts])))
+    at = f"{HERE}:{line_of('STACKS')}"
+    assert f"e.g. two stack nodes built at {at} and {at} differ in their number of operands: 1 against 3" in line
+    assert "class" not in line and "dtype(" not in line, line
+
+
 def helper_made(w: ml.Weight[Any, Any], scale: float) -> Any:
     return ml.operation(lambda h: ml.sum(ml.tanh(h @ w) * scale))  # ONE-LINE
 
