@@ -166,9 +166,10 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
         )
     if passed:
         text += (
-            "; a trace reads an argument that is an output of another operation's call from that call's node, so "
-            "which arguments are outputs of one call, which of another, and which of none (a layer built outside a "
-            "marked cell, or one a cell returned as it was given it) is part of its signature: to batch such calls, "
+            "; a trace reads an argument that is one of another operation's call's several outputs from that call's "
+            "node, so which arguments are outputs of one call, which of another, and which are none (a marked call's "
+            "only output, a layer built outside marked cells, or one a cell returned as it was given it) is part of "
+            "its signature: to batch such calls, "
             "pass their arguments alike (a cell that returns an argument unchanged, return h, m, can return its own "
             "output, m * 1.0, so that the next cell gets all of them from one call)"
         )
@@ -177,12 +178,14 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
 
 def _sources(f: Callable[..., Any], parts: list[tuple[Trace, Argument]]) -> str:
     """Where a layer argument comes from in each of a few traces: which
-    output of which call (named by the first argument from that call), or
-    no call's."""
+    output of which call of several outputs (named by the first argument
+    from that call), or none (a call's only output is its node, no view of
+    it: a new user's cell of one output was said to give "no operation's
+    output")."""
     texts: list[str] = []
     for trace, (path, _, view, _) in parts:
         if view is None:
-            text = "no operation's output"
+            text = "a layer that is none of a call's several outputs"
         else:
             firsts: dict[int, Path] = {}  # each call's first argument among the trace's
             for p in trace.called:

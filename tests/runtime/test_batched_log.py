@@ -96,14 +96,47 @@ def test_calls_traced_apart_by_whose_outputs_they_pass_are_said_to_be(caplog: py
     assert (
         f"; the 3 {name} nodes come from 3 traces of the operation, and nodes of different traces never run as one;"
         " the traces are one per signature: calls that pass outputs of other operations' calls in different ways"
-        " never batch; here they differ in m's source (the second output of h's call, no operation's output, the"
-        " second output of a call other than h's); a trace reads an argument that is an output of another"
-        " operation's call from that call's node, so which arguments are outputs of one call, which of another,"
-        " and which of none (a layer built outside a marked cell, or one a cell returned as it was given it) is"
-        " part of its signature: to batch such calls, pass their arguments alike (a cell that returns an argument"
-        " unchanged, return h, m, can return its own output, m * 1.0, so that the next cell gets all of them from"
-        " one call)"
+        " never batch; here they differ in m's source (the second output of h's call, a layer that is none of a"
+        " call's several outputs, the second output of a call other than h's); a trace reads an argument that is"
+        " one of another operation's call's several outputs from that call's node, so which arguments are outputs"
+        " of one call, which of another, and which are none (a marked call's only output, a layer built outside"
+        " marked cells, or one a cell returned as it was given it) is part of its signature: to batch such calls,"
+        " pass their arguments alike (a cell that returns an argument unchanged, return h, m, can return its own"
+        " output, m * 1.0, so that the next cell gets all of them from one call)"
     ) in line, line
+
+
+def test_a_marked_cells_only_output_is_not_said_to_be_no_operations(caplog: pytest.LogCaptureFixture) -> None:
+    """A chain whose first call gets a cell of one output's result and whose
+    next calls get the first of the chain's own two outputs (a new user's
+    decoder, started from the encoder's last state): the log called the
+    encoder's output 'no operation's output'."""
+
+    @ml.operation
+    def encode(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(h)
+
+    @ml.operation
+    def decode(s: ml.ArrayLayer) -> tuple[ml.ArrayLayer, ml.ScalarLayer]:
+        return ml.tanh(s), ml.sum(s)
+
+    outs = []
+    for k in range(3):  # (inputs of 1, 2, 3 steps: a first call of decode at the depth of another's second)
+        s: Any = ml.as_layer(np.full((1, 2), float(k)))
+        for _ in range(k + 1):
+            s = encode(s)
+        for _ in range(2):
+            s, out = decode(s)
+            outs.append(out)
+    line = ran_line(caplog, ml.sum(ml.stack(outs)))
+    name = "test_a_marked_cells_only_output_is_not_said_to_be_no_operations.<locals>.decode"
+    assert (
+        f"the 6 {name} nodes come from 2 traces of the operation, and nodes of different traces never run as one;"
+        " the traces are one per signature: calls that pass outputs of other operations' calls in different ways"
+        " never batch; here they differ in s's source (a layer that is none of a call's several outputs, the"
+        " first output of a call); "
+    ) in line, line
+    assert "no operation's output" not in line
 
 
 def test_parameters_are_said_as_written(caplog: pytest.LogCaptureFixture) -> None:
