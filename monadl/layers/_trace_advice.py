@@ -100,11 +100,18 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
             seen.setdefault(part[:2], []).append((trace, part))
     differ = {where: parts for where, parts in seen.items() if len({p[2] for _, p in parts}) > 1}
     lists = [path for path, kind in differ if kind == "items"]
-    if lists:
+    if lists:  # (a new user's attention over per-example lengths concatenated, as once advised: no group grew)
+        name = _named(f, lists[0])
         return (
             "one per signature: a list or tuple argument whose length differs per call traces each length apart "
-            f"(here {_named(f, lists[0])}), and calls of different lengths never batch together (concatenate or "
-            "stack its items into one layer, ml.concatenate or ml.stack, and pass that)"
+            f"(here {name}), and calls of different lengths never batch together; its items concatenated or "
+            "stacked into one layer (ml.concatenate or ml.stack) make one trace for all lengths, but still no "
+            "group: calls batch only where their operands' shapes match, so calls of per-example lengths batch "
+            f"once padded to one length (the items of {name} and rows of zeros up to the longest, or to one of a "
+            "few sizes), with a mask of the real rows passed as data, a bool array (np.arange(longest)[:, None] "
+            f"< len({name}) for a column of scores) that the cell applies, ml.where(mask, scores, -np.inf); inside "
+            "ml.loom(), build the padded layer in a marked cell of the block, or pass data arrays (a layer built "
+            "outside the block's calls makes each call that reads it a node, not recorded)"
         )
     general = (
         "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
@@ -223,7 +230,9 @@ def _array_advice(name: str, parts: list[tuple[Trace, Argument]]) -> list[str]:
     if len({p[2][0] for _, p in parts}) > 1:
         advice.append(
             f"pass an array whose shape differs as a layer, ml.as_layer({name}), whose shape is no part of the "
-            "signature where the cell reads none"
+            "signature where the cell reads none (one trace for all its shapes; calls batch only where their "
+            "operands' shapes match, so calls of per-example lengths batch once padded to one length, with a mask "
+            "of the real rows passed as data)"
         )
     dtypes = {p[2][1] for _, p in parts}
     if len(dtypes) > 1:

@@ -169,6 +169,35 @@ def test_nodes_of_another_operand_count_are_said_to_differ_in_it(caplog: pytest.
     assert "class" not in line and "dtype(" not in line, line
 
 
+def test_a_graph_that_batched_nothing_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Branches of different shapes, analysed and found to batch nothing:
+    the line said 'no group of one signature ready together that pays' and
+    that forcing batching would do it, which groups nothing more."""
+    from monadl.runtime.schedule import batched_rule
+
+    batched_rule._verdicts.clear()  # (an earlier test's verdict on a graph of this line and size)
+    batched_rule._unpaid.clear()
+    ws = [ml.Weight(np.ones(k + 1)) for k in range(150)]
+    loss = ml.sum(ml.stack([ml.sum(w * 2.0) for w in ws]))  # BRANCHES
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        anyio.run(loss.predict)
+    (line,) = [r.getMessage() for r in caplog.records if "runs unbatched" in r.getMessage()]
+    at = f"{HERE}:{line_of('BRANCHES')}"
+    assert line.startswith(
+        f"a graph of 302 nodes (its last built at {at}) runs unbatched: its analysis batched nothing (no group of"
+        " one signature ready together that pays): 302 had no partner of their signature among the nodes ready"
+        " with them (sum 151, multiply 150, stack 1); nodes run as one kernel only with nodes of one primitive"
+        " (one trace of a marked operation) whose operands have equal shapes and dtypes and whose parameters are"
+        f" equal; e.g. two sum nodes built at {at} and {at} differ in operand 0's shape: float64[1] against"
+        " float64[2]; not analysed again for "
+    ), line
+    assert line.endswith(
+        "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum,"
+        " and these had none of their signature"
+    ), line
+
+
 def helper_made(w: ml.Weight[Any, Any], scale: float) -> Any:
     return ml.operation(lambda h: ml.sum(ml.tanh(h @ w) * scale))  # ONE-LINE
 

@@ -1,5 +1,6 @@
 """The DEBUG log of dynamic batching (the ``monadl.batching`` logger): a
-graph the cost rule leaves unbatched and why (`unbatched`), one kept out of
+graph the cost rule leaves unbatched and why (`unbatched`), or whose
+batched run grouped nothing that pays (`paid_nothing`), one kept out of
 the merges across examples (`held_apart`), what a batched run or a merge
 grouped (`ran`, `merged`), and a group that ran node by node although its
 size would batch (`declined`)."""
@@ -18,11 +19,27 @@ from monadl.layers._trace_advice import why_traces
 from monadl.layers._weight import Weight
 from monadl.runtime.schedule.batched_signature import operand_parts
 
-__all__ = ["FORCES", "HELD", "Alone", "declined", "held_apart", "merged", "ran", "unbatched", "watching"]
+__all__ = [
+    "FORCES",
+    "HELD",
+    "NO_FORCE",
+    "Alone",
+    "declined",
+    "held_apart",
+    "merged",
+    "paid_nothing",
+    "ran",
+    "unbatched",
+    "watching",
+]
 
 _log: Final = logging.getLogger("monadl.batching")
 
 FORCES: Final = "; ml.settings(batching=True) forces it"
+NO_FORCE: Final = (
+    "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum, and "
+    "these had none of their signature"
+)
 HELD: Final = " (alone: it holds a layer built from a Do, as said above; batching=True would not merge it)"
 
 
@@ -36,6 +53,19 @@ def unbatched(order: list[Any], why: str, advice: str = FORCES) -> None:
             why,
             advice,
         )
+
+
+def paid_nothing(order: list[Any], why: str, then: str, alone: Alone | None, records: Any, where: Any) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a graph whose batched run
+    grouped nothing that pays, and why its nodes ran one by one (`Alone`; a
+    new user's graph of per-example lengths was told only 'no group of one
+    signature', and to force batching, which groups no node that has no
+    partner); ``then``: when it is analysed again."""
+    if not _log.isEnabledFor(logging.DEBUG):
+        return
+    reasons = "" if alone is None else _why_alone(alone, records or {}, where or {})
+    forces = alone is None or alone.small or alone.coarse  # (what forcing batches: small groups, coarse members)
+    unbatched(order, f"{why}{reasons}; {then}", FORCES if forces else NO_FORCE)
 
 
 def held_apart(order: list[Any], do: Any) -> None:
