@@ -5,9 +5,13 @@ README's API section. (`make test` builds the pages with ``mkdocs --strict``.)
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
+from typing import Any
 
+import anyio
+import numpy as np
 import pytest
 
 import monadl as ml
@@ -40,6 +44,34 @@ def test_the_python_blocks_of_a_page_pass_mypy_strict(page: str, tmp_path: Path)
     pytest.importorskip("mypy.api")
     name = f"docs_{page.removesuffix('.md')}"
     assert run_mypy(tmp_path, {name: "\n\n".join(python_blocks(DOCS / page))}) == {name: []}
+
+
+def test_the_readmes_padded_attention_batches_examples_of_any_length(caplog: pytest.LogCaptureFixture) -> None:
+    """The README's answer to attention over per-example lengths (a new
+    user's seq2seq found none): padded with a mask, calls of 8 lengths are
+    one trace and one group, with the unpadded attention's values."""
+    readme = (ROOT / "README.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "def attend" in block]
+    cell, call = code.split("\n\n\n")  # (the cell marked once; the call per example)
+    rng = np.random.default_rng(0)
+    d, T = 3, 8
+    query = rng.normal(size=(1, d))
+    namespace: dict[str, object] = {"np": np, "ml": ml, "s": ml.as_layer(query), "T": T, "d": d}
+    exec(compile(cell, "README.md", "exec"), namespace)
+    ctxs: list[Any] = []
+    want = []
+    for n in range(1, T + 1):
+        rows = rng.normal(size=(n, d))
+        namespace["states"] = [ml.as_layer(rows[i : i + 1]) for i in range(n)]
+        exec(compile(call, "README.md", "exec"), namespace)
+        ctxs.append(namespace["ctx"])
+        a = np.exp(rows @ query.T - (rows @ query.T).max())
+        want.append((a / a.sum() * rows).sum(axis=0, keepdims=True))
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
+        got = anyio.run(ml.concatenate(ctxs, axis=0).predict)
+    np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-12)
+    (ran,) = [r.getMessage() for r in caplog.records if "ran batched" in r.getMessage()]
+    assert "attend" not in ran, ran  # (no call of attend ran alone)
 
 
 def test_the_tour_trains_its_model() -> None:

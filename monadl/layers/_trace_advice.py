@@ -100,11 +100,18 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
             seen.setdefault(part[:2], []).append((trace, part))
     differ = {where: parts for where, parts in seen.items() if len({p[2] for _, p in parts}) > 1}
     lists = [path for path, kind in differ if kind == "items"]
-    if lists:
+    if lists:  # (a new user's attention over per-example lengths concatenated, as once advised: no group grew)
+        name = _named(f, lists[0])
         return (
             "one per signature: a list or tuple argument whose length differs per call traces each length apart "
-            f"(here {_named(f, lists[0])}), and calls of different lengths never batch together (concatenate or "
-            "stack its items into one layer, ml.concatenate or ml.stack, and pass that)"
+            f"(here {name}), and calls of different lengths never batch together; its items concatenated or "
+            "stacked into one layer (ml.concatenate or ml.stack) make one trace for all lengths, but still no "
+            "group: calls batch only where their operands' shapes match, so calls of per-example lengths batch "
+            f"once padded to one length (the items of {name} and rows of zeros up to the longest, or to one of a "
+            "few sizes), with a mask of the real rows passed as data, a bool array (np.arange(longest)[:, None] "
+            f"< len({name}) for a column of scores) that the cell applies, ml.where(mask, scores, -np.inf); inside "
+            "ml.loom(), build the padded layer in a marked cell of the block, or pass data arrays (a layer built "
+            "outside the block's calls makes each call that reads it a node, not recorded)"
         )
     general = (
         "one per signature: calls whose ints, strings or other static arguments, or data arrays' shapes or dtypes, "
@@ -166,9 +173,10 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
         )
     if passed:
         text += (
-            "; a trace reads an argument that is an output of another operation's call from that call's node, so "
-            "which arguments are outputs of one call, which of another, and which of none (a layer built outside a "
-            "marked cell, or one a cell returned as it was given it) is part of its signature: to batch such calls, "
+            "; a trace reads an argument that is one of another operation's call's several outputs from that call's "
+            "node, so which arguments are outputs of one call, which of another, and which are none (a marked call's "
+            "only output, a layer built outside marked cells, or one a cell returned as it was given it) is part of "
+            "its signature: to batch such calls, "
             "pass their arguments alike (a cell that returns an argument unchanged, return h, m, can return its own "
             "output, m * 1.0, so that the next cell gets all of them from one call)"
         )
@@ -177,12 +185,14 @@ def why_traces(f: Callable[..., Any], traces: dict[Any, Trace]) -> str:
 
 def _sources(f: Callable[..., Any], parts: list[tuple[Trace, Argument]]) -> str:
     """Where a layer argument comes from in each of a few traces: which
-    output of which call (named by the first argument from that call), or
-    no call's."""
+    output of which call of several outputs (named by the first argument
+    from that call), or none (a call's only output is its node, no view of
+    it: a new user's cell of one output was said to give "no operation's
+    output")."""
     texts: list[str] = []
     for trace, (path, _, view, _) in parts:
         if view is None:
-            text = "no operation's output"
+            text = "a layer that is none of a call's several outputs"
         else:
             firsts: dict[int, Path] = {}  # each call's first argument among the trace's
             for p in trace.called:
@@ -220,7 +230,9 @@ def _array_advice(name: str, parts: list[tuple[Trace, Argument]]) -> list[str]:
     if len({p[2][0] for _, p in parts}) > 1:
         advice.append(
             f"pass an array whose shape differs as a layer, ml.as_layer({name}), whose shape is no part of the "
-            "signature where the cell reads none"
+            "signature where the cell reads none (one trace for all its shapes; calls batch only where their "
+            "operands' shapes match, so calls of per-example lengths batch once padded to one length, with a mask "
+            "of the real rows passed as data)"
         )
     dtypes = {p[2][1] for _, p in parts}
     if len(dtypes) > 1:

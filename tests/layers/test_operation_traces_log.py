@@ -34,6 +34,53 @@ def test_lists_of_varying_length_are_told_to_become_one_layer(caplog: pytest.Log
     assert "as a float" not in message
 
 
+def test_lists_of_per_call_lengths_are_told_to_pad_with_a_mask(caplog: pytest.LogCaptureFixture) -> None:
+    """Attention over each example's own states, a list of its length: the
+    advice was to concatenate them into one layer, which still differs in
+    shape per length and never groups (a new user's decoder), and, inside
+    ``ml.loom()``, made every call drop out of the loom. Padded to one
+    length, with a mask passed as data, the calls batch as one group."""
+    w = ml.Weight(np.ones((3, 3)))
+
+    def attend(s: ml.ArrayLayer, states: list[ml.ArrayLayer]) -> ml.ScalarLayer:
+        h = ml.concatenate(states, axis=0)
+        return ml.sum(ml.softmax(h @ ml.transpose(s @ w), axis=0) * h)
+
+    cell = ml.operation(attend)
+    x = ml.as_layer(np.ones((1, 3)))
+    calls = [(x, [x * float(i) for i in range(n)]) for n in range(1, 9)]
+    message = traces_message(caplog, calls, cell)
+    assert message.endswith(
+        "has 8 traces, one per signature: a list or tuple argument whose length differs per call traces each"
+        " length apart (here states), and calls of different lengths never batch together; its items concatenated"
+        " or stacked into one layer (ml.concatenate or ml.stack) make one trace for all lengths, but still no"
+        " group: calls batch only where their operands' shapes match, so calls of per-example lengths batch once"
+        " padded to one length (the items of states and rows of zeros up to the longest, or to one of a few sizes),"
+        " with a mask of the real rows passed as data, a bool array (np.arange(longest)[:, None] < len(states) for"
+        " a column of scores) that the cell applies, ml.where(mask, scores, -np.inf); inside ml.loom(), build the"
+        " padded layer in a marked cell of the block, or pass data arrays (a layer built outside the block's calls"
+        " makes each call that reads it a node, not recorded)"
+    ), message
+
+    @ml.operation
+    def masked(s: ml.ArrayLayer, h: ml.ArrayLayer, mask: ml.Array) -> ml.ScalarLayer:
+        scores = ml.where(mask, h @ ml.transpose(s @ w), -np.inf)
+        return ml.sum(ml.softmax(scores, axis=0) * h)
+
+    def padded(states: list[ml.ArrayLayer]) -> ml.ArrayLayer:
+        return ml.concatenate([*states, ml.as_layer(np.zeros((8 - len(states), 3)))], axis=0)
+
+    want = [anyio.run(attend(*args).predict) for args in calls]
+    outs = [masked(x, padded(states), (np.arange(8) < len(states))[:, None]) for _, states in calls]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
+        got = anyio.run(ml.stack(outs).predict)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert len(masked._traces) == 1
+    (ran,) = [r.getMessage() for r in caplog.records if "ran batched" in r.getMessage()]
+    assert "masked" not in ran.split(" one by one")[1], ran  # (the 8 calls: one group, none alone)
+
+
 def test_static_arguments_are_told_to_become_data(caplog: pytest.LogCaptureFixture) -> None:
     w = ml.Weight(np.ones(3))
     cell = ml.operation(lambda xs, k: ml.sum(ml.stack(xs) * w) * float(k))
@@ -52,6 +99,12 @@ def test_arrays_of_values_whose_shape_differs_are_told_to_become_layers(caplog: 
     assert "they differ in x's shape (float64[1, 3], float64[2, 3], float64[3, 3], ... 8 in all)" in message
     assert "pass an array whose shape differs as a layer, ml.as_layer(x)" in message
     assert "as a float" not in message and "unmarked" not in message
+    # A layer makes one trace, not one group: it promised batching that shapes still split.
+    assert message.endswith(
+        "ml.as_layer(x), whose shape is no part of the signature where the cell reads none (one trace for all its"
+        " shapes; calls batch only where their operands' shapes match, so calls of per-example lengths batch once"
+        " padded to one length, with a mask of the real rows passed as data)"
+    ), message
 
 
 def test_indices_and_counts_of_varying_shape_are_told_no_cell_takes_them(caplog: pytest.LogCaptureFixture) -> None:

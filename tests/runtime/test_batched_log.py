@@ -96,14 +96,106 @@ def test_calls_traced_apart_by_whose_outputs_they_pass_are_said_to_be(caplog: py
     assert (
         f"; the 3 {name} nodes come from 3 traces of the operation, and nodes of different traces never run as one;"
         " the traces are one per signature: calls that pass outputs of other operations' calls in different ways"
-        " never batch; here they differ in m's source (the second output of h's call, no operation's output, the"
-        " second output of a call other than h's); a trace reads an argument that is an output of another"
-        " operation's call from that call's node, so which arguments are outputs of one call, which of another,"
-        " and which of none (a layer built outside a marked cell, or one a cell returned as it was given it) is"
-        " part of its signature: to batch such calls, pass their arguments alike (a cell that returns an argument"
-        " unchanged, return h, m, can return its own output, m * 1.0, so that the next cell gets all of them from"
-        " one call)"
+        " never batch; here they differ in m's source (the second output of h's call, a layer that is none of a"
+        " call's several outputs, the second output of a call other than h's); a trace reads an argument that is"
+        " one of another operation's call's several outputs from that call's node, so which arguments are outputs"
+        " of one call, which of another, and which are none (a marked call's only output, a layer built outside"
+        " marked cells, or one a cell returned as it was given it) is part of its signature: to batch such calls,"
+        " pass their arguments alike (a cell that returns an argument unchanged, return h, m, can return its own"
+        " output, m * 1.0, so that the next cell gets all of them from one call)"
     ) in line, line
+
+
+def test_a_marked_cells_only_output_is_not_said_to_be_no_operations(caplog: pytest.LogCaptureFixture) -> None:
+    """A chain whose first call gets a cell of one output's result and whose
+    next calls get the first of the chain's own two outputs (a new user's
+    decoder, started from the encoder's last state): the log called the
+    encoder's output 'no operation's output'."""
+
+    @ml.operation
+    def encode(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(h)
+
+    @ml.operation
+    def decode(s: ml.ArrayLayer) -> tuple[ml.ArrayLayer, ml.ScalarLayer]:
+        return ml.tanh(s), ml.sum(s)
+
+    outs = []
+    for k in range(3):  # (inputs of 1, 2, 3 steps: a first call of decode at the depth of another's second)
+        s: Any = ml.as_layer(np.full((1, 2), float(k)))
+        for _ in range(k + 1):
+            s = encode(s)
+        for _ in range(2):
+            s, out = decode(s)
+            outs.append(out)
+    line = ran_line(caplog, ml.sum(ml.stack(outs)))
+    name = "test_a_marked_cells_only_output_is_not_said_to_be_no_operations.<locals>.decode"
+    assert (
+        f"the 6 {name} nodes come from 2 traces of the operation, and nodes of different traces never run as one;"
+        " the traces are one per signature: calls that pass outputs of other operations' calls in different ways"
+        " never batch; here they differ in s's source (a layer that is none of a call's several outputs, the"
+        " first output of a call); "
+    ) in line, line
+    assert "no operation's output" not in line
+
+
+def test_parameters_are_said_as_written(caplog: pytest.LogCaptureFixture) -> None:
+    """A getitem's index of ints, a reduction's axis: the log showed its key,
+    ``(<class 'tuple'>, (<class 'int'>, 0), (<class 'int'>, 1))``."""
+    w = ml.Weight(np.arange(6.0).reshape(2, 3))
+    lp = ml.log_softmax(w, axis=1)
+    line = ran_line(caplog, ml.sum(ml.stack([lp[0, 1], lp[0, 2]])))  # INDEXED
+    at = f"{HERE}:{line_of('INDEXED')}"
+    assert f"e.g. two getitem nodes built at {at} and {at} differ in their index: [0, 1] against [0, 2]" in line, line
+    line = ran_line(caplog, ml.sum(ml.stack([ml.sum(w[:, 1:], axis=0), ml.sum(w[:, 1:], axis=1)])))  # AXES
+    at = f"{HERE}:{line_of('AXES')}"
+    assert f"e.g. two sum nodes built at {at} and {at} differ in their axis: 0 against 1" in line, line
+    cut = [w[0, 0:2], w[0, 1:3]]  # SLICES
+    line = ran_line(caplog, ml.sum(ml.stack([ml.sum(x) for x in cut])))
+    at = f"{HERE}:{line_of('SLICES')}"
+    assert f"e.g. two getitem nodes built at {at} and {at} differ in their index: [0, 0:2] against [0, 1:3]" in line
+
+
+def test_nodes_of_another_operand_count_are_said_to_differ_in_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Stacks of 1 and 3 layers: their signatures zipped paired the first's
+    parameter with the second's operand (a new user's log: 'parameter 0's
+    value: 0 against (<class 'numpy.float32'>, (), dtype('float32'))')."""
+    w = ml.Weight(np.arange(6.0, dtype=np.float32).reshape(2, 3))
+    lp = ml.log_softmax(w, axis=1)
+    parts = [ml.stack([lp[0, 1]] * n) for n in (1, 3, 4, 5)]  # STACKS
+    line = ran_line(caplog, ml.sum(ml.stack([ml.mean(p) for p in parts])))
+    at = f"{HERE}:{line_of('STACKS')}"
+    assert f"e.g. two stack nodes built at {at} and {at} differ in their number of operands: 1 against 3" in line
+    assert "class" not in line and "dtype(" not in line, line
+
+
+def test_a_graph_that_batched_nothing_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """Branches of different shapes, analysed and found to batch nothing:
+    the line said 'no group of one signature ready together that pays' and
+    that forcing batching would do it, which groups nothing more."""
+    from monadl.runtime.schedule import batched_rule
+
+    batched_rule._verdicts.clear()  # (an earlier test's verdict on a graph of this line and size)
+    batched_rule._unpaid.clear()
+    ws = [ml.Weight(np.ones(k + 1)) for k in range(150)]
+    loss = ml.sum(ml.stack([ml.sum(w * 2.0) for w in ws]))  # BRANCHES
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+        anyio.run(loss.predict)
+    (line,) = [r.getMessage() for r in caplog.records if "runs unbatched" in r.getMessage()]
+    at = f"{HERE}:{line_of('BRANCHES')}"
+    assert line.startswith(
+        f"a graph of 302 nodes (its last built at {at}) runs unbatched: its analysis batched nothing (no group of"
+        " one signature ready together that pays): 302 had no partner of their signature among the nodes ready"
+        " with them (sum 151, multiply 150, stack 1); nodes run as one kernel only with nodes of one primitive"
+        " (one trace of a marked operation) whose operands have equal shapes and dtypes and whose parameters are"
+        f" equal; e.g. two sum nodes built at {at} and {at} differ in operand 0's shape: float64[1] against"
+        " float64[2]; not analysed again for "
+    ), line
+    assert line.endswith(
+        "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum,"
+        " and these had none of their signature"
+    ), line
 
 
 def helper_made(w: ml.Weight[Any, Any], scale: float) -> Any:

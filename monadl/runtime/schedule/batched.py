@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._layer import Layer
 from monadl.runtime.schedule.batched_agenda import agenda
-from monadl.runtime.schedule.batched_log import ran, unbatched
+from monadl.runtime.schedule.batched_log import paid_nothing, ran
 from monadl.runtime.schedule.batched_rule import (
     DEFAULT_MIN_GROUP,
     MAX_MEMBER_SIZE,
@@ -161,7 +161,8 @@ def _steps(
                 yield CHECKPOINT
     if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
         wait = remember((order[-1]._site, len(order)), False, NOTHING_PAID)
-        unbatched(order, f"{NOTHING_PAID}; not analysed again for {wait} evaluation(s) (at most {REPROBE})")
+        then = f"not analysed again for {wait} evaluation(s) (at most {REPROBE})"
+        paid_nothing(order, NOTHING_PAID, then, run.alone, run.records, run.groups.where)
     elif order:
         if run.batches:
             paid((order[-1]._site, len(order)))

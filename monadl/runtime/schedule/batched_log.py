@@ -1,11 +1,13 @@
 """The DEBUG log of dynamic batching (the ``monadl.batching`` logger): a
-graph the cost rule leaves unbatched and why (`unbatched`), one kept out of
+graph the cost rule leaves unbatched and why (`unbatched`), or whose
+batched run grouped nothing that pays (`paid_nothing`), one kept out of
 the merges across examples (`held_apart`), what a batched run or a merge
 grouped (`ran`, `merged`), and a group that ran node by node although its
 size would batch (`declined`)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import Counter
 from typing import Any, Final, final
@@ -17,11 +19,27 @@ from monadl.layers._trace_advice import why_traces
 from monadl.layers._weight import Weight
 from monadl.runtime.schedule.batched_signature import operand_parts
 
-__all__ = ["FORCES", "HELD", "Alone", "declined", "held_apart", "merged", "ran", "unbatched", "watching"]
+__all__ = [
+    "FORCES",
+    "HELD",
+    "NO_FORCE",
+    "Alone",
+    "declined",
+    "held_apart",
+    "merged",
+    "paid_nothing",
+    "ran",
+    "unbatched",
+    "watching",
+]
 
 _log: Final = logging.getLogger("monadl.batching")
 
 FORCES: Final = "; ml.settings(batching=True) forces it"
+NO_FORCE: Final = (
+    "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum, and "
+    "these had none of their signature"
+)
 HELD: Final = " (alone: it holds a layer built from a Do, as said above; batching=True would not merge it)"
 
 
@@ -35,6 +53,19 @@ def unbatched(order: list[Any], why: str, advice: str = FORCES) -> None:
             why,
             advice,
         )
+
+
+def paid_nothing(order: list[Any], why: str, then: str, alone: Alone | None, records: Any, where: Any) -> None:
+    """Log (at DEBUG, to ``monadl.batching``) a graph whose batched run
+    grouped nothing that pays, and why its nodes ran one by one (`Alone`; a
+    new user's graph of per-example lengths was told only 'no group of one
+    signature', and to force batching, which groups no node that has no
+    partner); ``then``: when it is analysed again."""
+    if not _log.isEnabledFor(logging.DEBUG):
+        return
+    reasons = "" if alone is None else _why_alone(alone, records or {}, where or {})
+    forces = alone is None or alone.small or alone.coarse  # (what forcing batches: small groups, coarse members)
+    unbatched(order, f"{why}{reasons}; {then}", FORCES if forces else NO_FORCE)
 
 
 def held_apart(order: list[Any], do: Any) -> None:
@@ -278,13 +309,11 @@ def _differ(nodes: list[Any], records: Any, where: Any, label: str) -> str:
     first = same[0]
     mine = operand_parts(records, first, where)
     for other in same[1:_COMPARED]:
-        theirs = operand_parts(records, other, where)
-        found = next(((a, x, y) for (a, x), (_, y) in zip(mine, theirs) if x != y), None)
+        found = _difference(first._op, mine, operand_parts(records, other, where))
         if found is not None:
-            what, x, y = found
             return (
                 f"{said}; e.g. two {label} nodes built at {site_text(first._site)} and "
-                f"{site_text(other._site)} differ in {what}'s {_aspect(x, y)}"
+                f"{site_text(other._site)} differ in {found}"
             )
     return (
         f"{said}; {len(same)} {label} nodes of one signature (built at {site_text(first._site)}) "
@@ -293,8 +322,40 @@ def _differ(nodes: list[Any], records: Any, where: Any, label: str) -> str:
     )
 
 
+def _difference(op: Primitive, mine: list[tuple[str, Any]], theirs: list[tuple[str, Any]]) -> str | None:
+    """In what two nodes' signatures (`operand_parts`) differ, in words
+    (``operand 1's shape: int64[57] against int64[80]``, ``their index:
+    [0, 1] against [0, 2]``); None where they do not. Operands of another
+    count first: their parts, zipped, would pair an operand with a
+    parameter."""
+    counts = [sum(name.startswith("operand") for name, _ in parts) for parts in (mine, theirs)]
+    if counts[0] != counts[1]:
+        return f"their number of operands: {counts[0]} against {counts[1]}"
+    for (what, x), (_, y) in zip(mine, theirs):
+        if x != y:
+            if what.startswith("parameter"):
+                name = _parameter_name(op, counts[0], int(what.split()[1]))
+                shown_ = _part if name != "index" else _index
+                return f"{what if name is None else f'their {name}'}: {shown_(x)} against {shown_(y)}"
+            return f"{what}'s {_aspect(x, y)}"
+    return None
+
+
+def _parameter_name(op: Primitive, operands: int, j: int) -> str | None:
+    """The name of a primitive's parameter ``j`` (after its ``operands``), as
+    its rule's signature gives it (``getitem``'s ``index``); None where the
+    rule takes its operands as ``*args``, or is a marked operation's."""
+    try:
+        parameters = list(inspect.signature(op.rule).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters) or operands + j >= len(parameters):
+        return None
+    return parameters[operands + j].name
+
+
 def _aspect(x: Any, y: Any) -> str:
-    """What differs between two parts of signatures, and how, in words."""
+    """What differs between two operands' parts of signatures, and how, in words."""
     if _is_array_part(x) and _is_array_part(y):
         if x[1] != y[1]:
             return f"shape: {x[2]}{list(x[1])} against {y[2]}{list(y[1])}"
@@ -313,9 +374,35 @@ def _is_array_part(x: Any) -> bool:
 
 
 def _part(x: Any) -> str:
-    """A parameter's or number's part of a signature, as written (a slice as ``1:3``)."""
-    if type(x) is tuple and x and x[0] is slice:
+    """A parameter's or plain number's part of a signature (`operand_parts`)
+    as a user writes it: a slice as ``1:3``, a tuple as ``(0, 1)``, a number
+    as itself (``-0.0`` too), a number that any of its kind matches as ``any
+    float``, an array as ``a float32 scalar`` or ``a float32[2, 3] array``
+    (a new user's log showed ``(<class 'tuple'>, (<class 'int'>, 0), ...)``)."""
+    if type(x) is not tuple or not x:
+        return "none" if x is None else repr(x)
+    head = x[0]
+    if head is slice:
         return ":".join("" if v is None else str(v) for v in x[1:3]) + ("" if x[3] is None else f":{x[3]}")
-    if type(x) is tuple and len(x) == 2 and type(x[0]) is type:
-        return repr(x[1])
+    if head is tuple:
+        items = [_part(p) for p in x[1:]]
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    if _is_array_part(x):
+        article = "an" if str(x[2]).startswith("i") else "a"
+        return f"{article} {x[2]} scalar" if x[1] == () else f"{article} {x[2]}{list(x[1])} array"
+    if type(head) is type and len(x) == 1:
+        return f"any {head.__name__}"
+    if type(head) is type and len(x) == 2:
+        value = x[1][0] if type(x[1]) is tuple else x[1]  # (`number_key`'s zero: the value and its text)
+        return "..." if value is Ellipsis else repr(value)
+    if type(head) is int and all(_is_array_part(p) for p in x[1:]):  # an operation node's outputs
+        return f"{head} outputs ({', '.join(_part(p) for p in x[1:])})"
     return repr(x)
+
+
+def _index(x: Any) -> str:
+    """An index's part of a signature as the user wrote it between brackets
+    (``[0, 1]``, ``[:, 2:]``); an index array alone, as `_part` says it."""
+    if type(x) is tuple and x and x[0] is tuple:
+        return f"[{', '.join(_part(p) for p in x[1:])}]"
+    return _part(x) if _is_array_part(x) else f"[{_part(x)}]"
