@@ -195,28 +195,22 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
                 result = group_call(part, held, arenas.data, weights, n)
             except Exception as exc:  # (one by one: the first call that fails raises its own error)
                 raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
-            if type(result) is Looped:  # (its VJPs: the calls', which a backward of some of them reads again)
-                out, vjps = result.value, result
-                if _log.isEnabledFor(logging.DEBUG):
-                    said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
-                    step = "?" if program.declined is None else shown(program.declined.op)
-                    _log.debug(
-                        "a loom (built at %s) runs its %s %s does not batch here", site_text(schedule.site), said, step
-                    )
-            else:
-                out, vjps = result
-            parts = out.parts if type(out) is StackedOutputs else (out,)
-            outs = [
-                arenas.write(a, rows if members is None else rows.start + members, p)
-                for (a, rows), p in zip(plan.outs, parts)
-            ]
-            if part is plan and any(held_in != a for (held_in, _), (a, _) in zip(outs, plan.outs)):
-                part = plan.part(n, held)  # (all its members, their outputs held apart: another shape's)
-            if part is not plan:
-                part.outs = outs
-            value.plans.append(part)
-            value.operands.append(held)
-            value.vjps.append(vjps)
+            if type(result) is not Looped:
+                _kept(value, plan, part, held, members, *result)
+                continue
+            if _log.isEnabledFor(logging.DEBUG):
+                said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
+                step = "?" if program.declined is None else shown(program.declined.op)
+                _log.debug(
+                    "a loom (built at %s) runs its %s %s does not batch here", site_text(schedule.site), said, step
+                )
+            if result.value is not None:  # (its VJPs: the calls', which a backward of some of them reads again)
+                _kept(value, plan, part, held, members, result.value, result)
+                continue
+            for some, looped in result.by_shape():  # (outputs whose shapes the calls' data set: a mask's count)
+                mine = [(s, rows[some], u) for s, rows, u in held]
+                whose = some if members is None else members[some]
+                _kept(value, plan, part.part(len(some), mine), mine, whose, looped.value, looped)
     if (arenas.split_groups or len(arenas.data) > arenas.count) and _log.isEnabledFor(logging.DEBUG):
         done = [f"holds outputs of {len(arenas.data) - arenas.count} more shapes apart from their arenas' first"]
         if arenas.split_groups:
@@ -225,6 +219,24 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
                 "their operands' shapes"
             )
         _log.debug("a loom (built at %s) %s", site_text(schedule.site), " and ".join(done))
+
+
+def _kept(value: LoomValue, plan: _Planned, part: _Planned, held: list[Any], members: Any, out: Any, vjps: Any) -> None:
+    """A call of ``plan``'s group (``part``: of its ``members``, None: all)
+    ran over ``held``: its outputs ``out`` into the arenas, and what its
+    backward reads kept (where its outputs are held apart, on a part of its own)."""
+    arenas = value.arenas
+    parts = out.parts if type(out) is StackedOutputs else (out,)
+    outs = [
+        arenas.write(a, rows if members is None else rows.start + members, p) for (a, rows), p in zip(plan.outs, parts)
+    ]
+    if part is plan and any(held_in != a for (held_in, _), (a, _) in zip(outs, plan.outs)):
+        part = plan.part(plan.n, held)
+    if part is not plan:
+        part.outs = outs
+    value.plans.append(part)
+    value.operands.append(held)
+    value.vjps.append(vjps)
 
 
 def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:

@@ -180,3 +180,29 @@ def test_a_group_that_fails_batched_but_not_alone_runs_one_by_one_and_says_so_as
         "calls of " in said.getMessage()
         and "raised ValueError, where each of its calls alone did not" in said.getMessage()
     )
+
+
+def test_calls_whose_data_set_their_outputs_shapes_are_parted_by_shape(caplog: pytest.LogCaptureFixture) -> None:
+    """A boolean mask's count sets each call's output's rows: the group's
+    calls run one by one (the masked read does not batch), then are held
+    per shape, and the calls that read them batch per shape. Before, the
+    calls' outputs could not be stacked and every call of the block ran
+    one by one."""
+    results = []
+    masks = [np.array(m) for m in ([1, 0, 1], [1, 0, 0], [1, 1, 1], [0, 1, 1])]
+    for loom in (False, True):
+        w = ml.Weight(np.random.default_rng(4).normal(size=(3, 3)))
+        pick = ml.operation(lambda x, m: ml.tanh(x @ w)[m])  # noqa: B023
+        total = ml.operation(lambda h: ml.sum(h * h, axis=0, keepdims=True))
+        with ml.loom() if loom else contextlib.nullcontext():
+            outs = [
+                total(pick(ml.as_layer(np.full((3, 3), 0.1 * (i + 1))), m.astype(bool))) for i, m in enumerate(masks)
+            ]
+        with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
+            results.append(value_and_grads(ml.sum(ml.concatenate(outs, axis=0)), [w]))
+    (v0, (g0,)), (v1, (g1,)) = results
+    assert v1 == pytest.approx(v0, rel=1e-14)
+    np.testing.assert_allclose(g1, g0, rtol=1e-13)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("holds outputs of 2 more shapes apart" in m and "ran 1 groups as 3 batched calls" in m for m in said)
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
