@@ -35,21 +35,21 @@ def backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
         return _backward_one_by_one(value, count, checked)
     schedule = value.schedule
     arenas = value.arenas
-    deltas: list[Any] = [None] * len(arenas)
-    reached: list[Any] = [None] * len(arenas)
-    for a, arena in enumerate(arenas):
+    held = arenas.data  # (per arena, and per shape apart: `monadl.fold._loom_arenas`)
+    deltas: list[Any] = [None] * len(held)
+    reached: list[Any] = [None] * len(held)
+    for a, arena in enumerate(held):
         if arena is not None:
             deltas[a] = namespace(arena).zeros_like(arena)
             reached[a] = np.zeros(len(arena), bool)
     for slot, g in value.deltas.by_slot.items():
-        a, row = schedule.arena[slot], schedule.rows[slot]
+        a, row = arenas.row(schedule.arena[slot], schedule.rows[slot])
         deltas[a][row] += g
         reached[a][row] = True
     grads: list[Any] = [None] * count
-    for plan, vjps, operands in zip(reversed(schedule.planned), reversed(value.vjps), reversed(value.operands)):
-        n = plan.n
-        parts = [deltas[a][start : start + n] for a, start in plan.outs]
-        seen = [reached[a][start : start + n] for a, start in plan.outs]
+    for plan, vjps, operands in zip(reversed(value.plans), reversed(value.vjps), reversed(value.operands)):
+        parts = [deltas[a][rows] for a, rows in plan.outs]
+        seen = [reached[a][rows] for a, rows in plan.outs]
         hit = seen[0] if len(seen) == 1 else np.logical_or.reduce(seen)
         if not hit.any():  # (no member got a delta: none sends one)
             continue
@@ -152,7 +152,9 @@ def _reached_only(
     deltas and count."""
     operands = [(source, rows[keep], unique) for source, rows, unique in operands]
     result = (
-        ran.only(keep) if type(ran) is Looped else group_call(plan, operands, value.arenas, value.weights, len(keep))
+        ran.only(keep)
+        if type(ran) is Looped
+        else group_call(plan, operands, value.arenas.data, value.weights, len(keep))
     )
     vjps = result if type(result) is Looped else result[1]
     return vjps, operands, [None if p is None else p[keep] for p in parts], len(keep)

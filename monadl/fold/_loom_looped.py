@@ -12,7 +12,10 @@ weight's among them: held for all calls, a 3-D weight's by 300 calls tripled
 the peak). Where only some calls got a delta, those calls' VJPs serve them
 (`Looped.only`): nothing runs forward twice, but for calls whose VJPs were
 spent (the loom's backward runs each pattern of outputs read again where a
-group's deltas were not finite).
+group's deltas were not finite). Calls whose outputs differ in shape (by
+their data's values: a boolean mask's count) are parted by shape
+(`Looped.by_shape`), each part stacked, as the loom holds outputs of
+another shape apart (`monadl.fold._loom_arenas`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Looped:
     ``count`` arguments (its operands, each stacked over the members) and
     the rest as they are (its weights)."""
 
-    __slots__ = ("calls", "count", "positions", "program", "read", "rows", "sent", "shared", "value")
+    __slots__ = ("calls", "count", "positions", "program", "ragged", "read", "rows", "sent", "shared", "value")
 
     def __init__(self, program: Any, args: tuple[Any, ...], count: int, n: int) -> None:
         self.program = program
@@ -48,8 +51,11 @@ class Looped:
         self.positions = len(args)
         calls = [self._call(i) for i in range(n)]
         outs = [out for out, _ in calls]
-        self.value: Any = StackedOutputs.stack(outs) if type(outs[0]) is Outputs else namespace(outs[0]).stack(outs)
         self.calls: list[Any] = [vjps for _, vjps in calls]  # (None: spent)
+        kinds = [_kind(out) for out in outs]
+        one = kinds.count(kinds[0]) == n
+        self.value: Any = _stacked_outputs(outs) if one else None
+        self.ragged: list[Any] | None = None if one else outs  # (outputs of several shapes: `by_shape` parts them)
         self.read: Any = None  # (the delta `sent` is for)
         self.sent: list[Any] = []
 
@@ -77,8 +83,25 @@ class Looped:
             self.calls[i] = None
         other.calls = calls
         other.rows = tuple([r[keep if type(r) is np.ndarray else namespace(r).asarray(keep)] for r in self.rows])
-        other.value, other.read, other.sent = None, None, []
+        other.value, other.ragged, other.read, other.sent = None, None, None, []
         return other
+
+    def by_shape(self) -> list[tuple[Any, Looped]]:
+        """Where the calls' outputs differ in shape: per shape, its calls
+        (host indices) alone, their outputs stacked as their value."""
+        outs = self.ragged
+        assert outs is not None
+        self.ragged = None
+        parts: dict[Any, list[int]] = {}
+        for i, out in enumerate(outs):
+            parts.setdefault(_kind(out), []).append(i)
+        shaped = []
+        for members in parts.values():
+            keep = np.asarray(members, np.intp)
+            part = self.only(keep)
+            part.value = _stacked_outputs([outs[i] for i in members])
+            shaped.append((keep, part))
+        return shaped
 
     def _sent(self, p: int, delta: Any) -> Any:
         if self.read is not delta:
@@ -112,6 +135,17 @@ class Looped:
                     totals[k] = g if totals[k] is None else totals[k] + g
         sent: list[Any] = [_stacked(column, self.rows[p]) for p, column in enumerate(rows)]
         return sent + totals
+
+
+def _kind(out: Any) -> Any:
+    """A call's outputs' shapes and dtypes (calls of one kind stack)."""
+    if type(out) is Outputs:
+        return tuple([(o.shape, o.dtype) for o in out])
+    return out.shape, out.dtype
+
+
+def _stacked_outputs(outs: list[Any]) -> Any:
+    return StackedOutputs.stack(outs) if type(outs[0]) is Outputs else namespace(outs[0]).stack(outs)
 
 
 def _stacked(column: list[Any], rows: Any) -> Any:

@@ -1,10 +1,11 @@
 """How a Fold batch's loom node runs (the recording: `monadl.fold._loom`;
 its schedule, worked out once when the batch is built:
 `monadl.fold._loom_schedule`). Its rule (`LOOM`) runs each group
-as one `Program.batch` over rows gathered from the arenas (a group with a
-step that has no batching rule, call by call: `monadl.fold._loom_looped`),
-or every call one by one where that cannot be (batching off,
-``check_finite``, shapes that differ within an arena, a group that
+as one `Program.batch` over rows gathered from the arenas (a group whose
+members' operands differ in shape: one per pattern of shapes,
+`monadl.fold._loom_arenas`; a group with a step that has no batching
+rule, call by call: `monadl.fold._loom_looped`), or every call one by one
+where that cannot be (batching off, ``check_finite``, a group that
 failed); its value is read by the slots (`SLOT`), whose deltas it keeps
 (`LoomDelta`), and its backward runs the depths in reverse.
 """
@@ -18,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 
-from monadl._namespace import all_finite, namespace
+from monadl._namespace import all_finite
 from monadl.errors import NonFiniteError, OperandError
+from monadl.fold._loom_arenas import Arenas
 from monadl.fold._loom_backward import backward
 from monadl.fold._loom_looped import Looped, group_call
 from monadl.fold._loom_schedule import Schedule, _Planned, calls, op_of
@@ -95,8 +97,8 @@ class Open:
 
 @final
 class _Unbatched(Exception):
-    """The schedule cannot run batched (shapes that differ within an arena,
-    a group that failed): its calls run one by one."""
+    """The schedule cannot run batched (a group failed): its calls run one
+    by one, the first that fails raising its own error."""
 
 
 @final
@@ -104,16 +106,17 @@ class LoomValue:
     """The loom node's value: its calls' outputs (batched: in arenas; one by
     one: per slot), read by the slots, and the deltas the reads send back."""
 
-    __slots__ = ("arenas", "deltas", "operands", "schedule", "values", "vjps", "weights")
+    __slots__ = ("arenas", "deltas", "operands", "plans", "schedule", "values", "vjps", "weights")
     shape: Final = None  # (not an array: the runtime finds no broadcasting to undo, no signature to batch)
     dtype: Final = None
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.arenas: list[Any] = []
+        self.arenas = Arenas(schedule.capacity)
         self.values: list[Any] | None = None  # (one by one: per slot)
-        self.vjps: list[Any] = []  # (per group batched; per call one by one)
-        self.operands: list[Any] = []  # (per group batched: its operands, its data read when it ran)
+        self.plans: list[_Planned] = []  # (batched: per call of a group's, or of a shape's part of one, as it ran)
+        self.vjps: list[Any] = []  # (per call batched; per call one by one)
+        self.operands: list[Any] = []  # (per call batched: its operands where held, its data read when it ran)
         self.deltas = LoomDelta()
         self.weights: list[Any] = []  # (their values: a group's reached members run again in the backward)
 
@@ -121,7 +124,9 @@ class LoomValue:
         if self.values is not None:
             return self.values[slot]
         schedule = self.schedule
-        return self.arenas[schedule.arena[slot]][schedule.rows[slot]]
+        arenas = self.arenas
+        a, row = arenas.row(schedule.arena[slot], schedule.rows[slot])
+        return arenas.data[a][row]
 
     def finite(self) -> bool:
         """(Under ``check_finite`` the calls ran one by one, each checked.)"""
@@ -147,12 +152,15 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
         try:
             _batched(value, weights)
         except _Unbatched as why:
-            if _log.isEnabledFor(logging.DEBUG):
-                calls = sum(plan.n for plan in schedule.planned)
-                where = site_text(schedule.site)
-                _log.debug("a loom of %d calls (built at %s) runs its calls one by one: %s", calls, where, why)
-            value.arenas, value.vjps, value.operands = [], [], []
-            _one_by_one(value, weights, False)
+            value.arenas, value.plans, value.vjps, value.operands = Arenas([]), [], [], []
+            _one_by_one(value, weights, False)  # (the first call that fails raises its own error)
+            _log.warning(
+                "a loom of %d calls (built at %s) runs its calls one by one, at several times its batched time: %s, "
+                "where each of its calls alone did not (a batching rule's fault: please report it)",
+                sum(plan.n for plan in schedule.planned),
+                site_text(schedule.site),
+                why,
+            )
     grads: list[Any] | None = None
 
     def rule(j: int) -> Callable[[Any], Any]:
@@ -171,42 +179,64 @@ LOOM: Final = Primitive("loom", _loom_rule, names_errors=True)
 
 
 def _batched(value: LoomValue, weights: list[Any]) -> None:
-    """The schedule's groups by depth, each one call of its program's batching rule."""
+    """The schedule's groups by depth, each one call of its program's
+    batching rule (one per pattern of its members' operands' shapes)."""
     schedule = value.schedule
-    arenas: list[Any] = [None] * len(schedule.capacity)
-    value.arenas = arenas
+    arenas = value.arenas
     for plan in schedule.planned:
-        n = plan.n
         program = plan.program
         try:
             operands = [(s, rows.read() if s is None else rows, u) for s, rows, u in plan.operands]  # (data read now)
-            value.operands.append(operands)
-            result = group_call(plan, operands, arenas, weights, n)
-        except Exception as exc:  # (one by one: the first call that fails raises its own error)
-            raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
-        if type(result) is Looped:  # (its VJPs: the calls', which a backward of some of them reads again)
-            out, vjps = result.value, result
+        except Exception as exc:
+            raise _Unbatched(f"a group of {plan.n} calls of {program.name} raised {type(exc).__name__}") from None
+        for part, held, members in arenas.split(plan, operands):
+            n = part.n
+            try:
+                result = group_call(part, held, arenas.data, weights, n)
+            except Exception as exc:  # (one by one: the first call that fails raises its own error)
+                raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
+            if type(result) is not Looped:
+                _kept(value, plan, part, held, members, *result)
+                continue
             if _log.isEnabledFor(logging.DEBUG):
                 said = f"{n} calls of {program.name} at depth {plan.group.depth} one by one: its step"
                 step = "?" if program.declined is None else shown(program.declined.op)
                 _log.debug(
                     "a loom (built at %s) runs its %s %s does not batch here", site_text(schedule.site), said, step
                 )
-        else:
-            out, vjps = result
-        parts = out.parts if type(out) is StackedOutputs else (out,)
-        for (a, start), part in zip(plan.outs, parts):
-            arena = arenas[a]
-            if arena is None:
-                xp = namespace(part)
-                arena = arenas[a] = xp.empty((schedule.capacity[a], *part.shape[1:]), part.dtype)
-            elif arena.shape[1:] != part.shape[1:] or arena.dtype != part.dtype:
-                raise _Unbatched(
-                    f"calls give outputs of shapes {arena.shape[1:]} ({arena.dtype}) and {part.shape[1:]} "
-                    f"({part.dtype}) to one position of a cell (the latter {program.name}'s)"
-                )
-            arena[start : start + n] = part
-        value.vjps.append(vjps)
+            if result.value is not None:  # (its VJPs: the calls', which a backward of some of them reads again)
+                _kept(value, plan, part, held, members, result.value, result)
+                continue
+            for some, looped in result.by_shape():  # (outputs whose shapes the calls' data set: a mask's count)
+                mine = [(s, rows[some], u) for s, rows, u in held]
+                whose = some if members is None else members[some]
+                _kept(value, plan, part.part(len(some), mine), mine, whose, looped.value, looped)
+    if (arenas.split_groups or len(arenas.data) > arenas.count) and _log.isEnabledFor(logging.DEBUG):
+        done = [f"holds outputs of {len(arenas.data) - arenas.count} more shapes apart from their arenas' first"]
+        if arenas.split_groups:
+            done.append(
+                f"ran {arenas.split_groups} groups as {arenas.split_calls} batched calls, one per pattern of "
+                "their operands' shapes"
+            )
+        _log.debug("a loom (built at %s) %s", site_text(schedule.site), " and ".join(done))
+
+
+def _kept(value: LoomValue, plan: _Planned, part: _Planned, held: list[Any], members: Any, out: Any, vjps: Any) -> None:
+    """A call of ``plan``'s group (``part``: of its ``members``, None: all)
+    ran over ``held``: its outputs ``out`` into the arenas, and what its
+    backward reads kept (where its outputs are held apart, on a part of its own)."""
+    arenas = value.arenas
+    parts = out.parts if type(out) is StackedOutputs else (out,)
+    outs = [
+        arenas.write(a, rows if members is None else rows.start + members, p) for (a, rows), p in zip(plan.outs, parts)
+    ]
+    if part is plan and any(held_in != a for (held_in, _), (a, _) in zip(outs, plan.outs)):
+        part = plan.part(plan.n, held)
+    if part is not plan:
+        part.outs = outs
+    value.plans.append(part)
+    value.operands.append(held)
+    value.vjps.append(vjps)
 
 
 def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:

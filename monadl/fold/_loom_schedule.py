@@ -30,7 +30,9 @@ class _Planned:
     """A group as the schedule runs it: its program, its operands (per
     position: an arena and the rows to gather, or the members' data
     stacked), where its weights are among the loom's, and where its
-    outputs go (per output: an arena and the first of its rows)."""
+    outputs go (per output: an arena and its rows, a slice). As it ran
+    (`part`), some or all of its members: their operands and outputs
+    where they were held (`monadl.fold._loom_arenas`)."""
 
     __slots__ = ("group", "n", "operands", "outs", "program", "weights")
 
@@ -41,7 +43,15 @@ class _Planned:
         self.program: Any = group.trace.op.rule
         self.weights = weights
         self.operands: list[tuple[int | None, Any, bool]] = []
-        self.outs: list[tuple[int, int]] = []
+        self.outs: list[tuple[int, Any]] = []
+
+    def part(self, n: int, operands: list[tuple[int | None, Any, bool]]) -> _Planned:
+        """``n`` of the group's members (or all, their outputs held apart), as
+        they ran over ``operands``; their outputs' places set as they are held."""
+        other: _Planned = object.__new__(_Planned)
+        other.group, other.n, other.program, other.weights = self.group, n, self.program, self.weights
+        other.operands, other.outs = operands, []
+        return other
 
 
 @final
@@ -92,7 +102,7 @@ class Schedule:
             plan = _Planned(g, [weights[w] for w in g.trace.weights])
             for k in range(g.trace.outputs):
                 a = arena[find(g.key + k)]
-                plan.outs.append((a, capacity[a]))
+                plan.outs.append((a, slice(capacity[a], capacity[a] + plan.n)))
                 rows[firsts[id(g)] + k] = np.arange(capacity[a], capacity[a] + plan.n)
                 arena_of[firsts[id(g)] + k] = a
                 capacity[a] += plan.n
