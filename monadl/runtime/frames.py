@@ -167,7 +167,7 @@ class Opened:
 class Graph:
     """A layer graph being computed: its roots, order, and how far it got."""
 
-    __slots__ = ("held", "index", "order", "redo", "resumed", "roots", "started")
+    __slots__ = ("index", "order", "redo", "resumed", "roots", "started")
 
     def __init__(self, roots: list[Any]) -> None:
         self.roots = roots
@@ -176,7 +176,6 @@ class Graph:
         self.resumed = False  # computed in part: a Do evaluated meanwhile may have computed more
         self.redo = False  # back from its Do layers: what they held back may batch now
         self.started = 0.0  # when its inline forward began, for the fork rule (workers > 1)
-        self.held = False  # a Do layer kept it from waiting for other fibers' graphs (`fibers.parks`)
 
 
 class Root:

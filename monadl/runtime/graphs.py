@@ -16,7 +16,7 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline, pool
 
-__all__ = ["run"]
+__all__ = ["dos", "run"]
 
 
 def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any, Any]:
@@ -39,7 +39,7 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
                 return "wait", pool.forward(ev, order)
             frame.started = time.perf_counter()
         # The batching scheduler computes what batches; the inline loop what it left, if any.
-        if batched.worth_batching(ev, order, held=frame.held):
+        if batched.worth_batching(ev, order):
             if time.perf_counter() > ev.deadline:  # (the walk of a large graph: a turn before its analysis)
                 yield inline.CHECKPOINT
             left = yield from batched.stepwise(ev, order)  # (a turn of the event loop after a level, when due)
@@ -51,7 +51,7 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
     elif frame.redo:  # back from its Do layers (each example's `bind`): what was built on them may batch now
         frame.redo = False
         rest = [node for node in order[frame.index :] if not records.computed(node)]
-        if batched.worth_batching(ev, rest, held=frame.held) and not (yield from batched.stepwise(ev, rest)):
+        if batched.worth_batching(ev, rest) and not (yield from batched.stepwise(ev, rest)):
             frame.index = len(order)
     while True:
         outcome, i = inline.forward(ev, order, frame.index, frame.resumed)
@@ -66,19 +66,31 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
         if outcome is inline.CHECKPOINT:
             yield inline.CHECKPOINT
             continue
-        node = order[i]  # a layer built from a Do
-        frame.resumed = True
         frame.started = 0.0  # timing a graph that awaits would measure the wait
-        stack.append(frame)
-        if node in ev.pending:
-            return "wait", ev.pending[node]
-        # The graph holds no edge into a Do layer (its Do reaches what it needs
-        # itself), so every Do layer still to come may run now, side by side.
-        ahead = [n for n in order[i:] if n._op is None and n not in records and n not in ev.pending]
-        for n in ahead:
-            ev.pending[n] = []
-        frame.redo = True  # (every Do layer still to come is one of these: a redo at most once a wait)
-        if len(ahead) > 1:
-            return "fork", ahead
-        stack.append(F.FromDo(node))
-        return "do", node._do
+        return dos(ev, frame, stack, i)
+
+
+def dos(ev: Evaluation, frame: F.Graph, stack: list[Any], i: int) -> tuple[str, Any]:
+    """The layers built from a ``Do`` of a graph's order from ``order[i]``
+    (one): evaluated now, the graph resumed after them (pushed back on
+    ``stack``), what it built on them computed then. ``("do", do)``: one to
+    evaluate; ``("fork", layers)``: several, a fiber each, side by side;
+    ``("wait", waiters)``: ``order[i]`` is another fiber's, being evaluated."""
+    order = frame.order
+    assert order is not None
+    records = ev.records
+    node = order[i]
+    frame.resumed = True
+    stack.append(frame)
+    if node in ev.pending:
+        return "wait", ev.pending[node]
+    # The graph holds no edge into a Do layer (its Do reaches what it needs
+    # itself), so every Do layer still to come may run now, side by side.
+    ahead = [n for n in order[i:] if n._op is None and n not in records and n not in ev.pending]
+    for n in ahead:
+        ev.pending[n] = []
+    frame.redo = True  # (every Do layer still to come is one of these: a redo at most once a wait)
+    if len(ahead) > 1:
+        return "fork", ahead
+    stack.append(F.FromDo(node))
+    return "do", node._do

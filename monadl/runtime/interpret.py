@@ -167,14 +167,20 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
         elif stack:
             frame = stack.pop()
             t = type(frame)
-            if t is F.Graph and (runnable or parked or stepping) and fibers.parks(ev, frame):
+            verdict: bool | int = False  # (with other fibers: `fibers.parks`)
+            if t is F.Graph and (runnable or parked or stepping):
+                verdict = fibers.parks(ev, frame)
+            if verdict is True:
                 parked.add(fiber, frame)  # other fibers may reach graphs too: computed together
                 block = fibers.PARKED
             elif t is F.Graph:
-                if steps:  # a computation may take turns of the event loop: the steps asked for start first
-                    yield Steps(steps)
-                    steps, scope = [], _UNREAD
-                outcome = yield from graphs.run(ev, frame, stack)
+                if verdict is not False:  # its layers built from a Do first; it parks after them
+                    outcome = graphs.dos(ev, frame, stack, verdict)
+                else:
+                    if steps:  # a computation may take turns of the event loop: the steps asked for start first
+                        yield Steps(steps)
+                        steps, scope = [], _UNREAD
+                    outcome = yield from graphs.run(ev, frame, stack)
                 if outcome is not None:
                     kind_of, thing = outcome
                     if kind_of == "do":  # a layer built from a Do: evaluate it first

@@ -683,49 +683,89 @@ def test_a_weight_lifted_by_as_layer_batches_as_the_weight_itself(monkeypatch: p
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
-def test_the_log_names_the_do_layer_that_keeps_a_graph_apart(caplog: pytest.LogCaptureFixture) -> None:
-    # A new user's lone step graphs (each holding a layer built from a Do) were logged as
-    # 'fewer than 256 nodes (MIN_NODES) ...; ml.settings(batching=True) forces it': forced,
-    # each was batched alone, and still merged with no other example's.
+def test_a_graph_holding_a_layer_built_from_a_do_merges_after_it(caplog: pytest.LogCaptureFixture) -> None:
+    # Each example's graph holding a layer built from a Do (here an object's own forward()
+    # lifted) ran alone, node by node, never merged with the other examples' (a DEBUG
+    # line said so, one an example). Its Do layers are evaluated first now, and what it
+    # builds on them parks and merges: one merged run, batched, the same values.
     import anyio
 
     rng = np.random.default_rng(0)
     w = ml.Weight(rng.normal(size=(4, 4)) / 2)
     start = ml.Weight(rng.normal(size=(1, 4)))
+    xs = [rng.normal(size=(1, 4)) for _ in range(12)]
 
     def example(x: ml.Array) -> ml.ScalarLayer:
         @ml.direct
         async def run() -> ml.ScalarLayer:
-            h = ml.Layer(start.forward())  # HELD-APART
-            h = ml.tanh((h + x) @ w)
+            h = ml.Layer(start.forward())
+            h = ml.tanh((h + x) @ w)  # MERGED-AFTER
             value = await h
             return ml.sum(h if value.sum() > 0 else -h)
 
         return run()
 
-    chain: Any = ml.as_layer(np.ones(3))
-    for _ in range(300):
-        chain = chain * 1.01
-    for batching in (None, True):
+    results = {}
+    for batching in (None, True, False):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=batching):
-            anyio.run(ml.sum(ml.stack([example(rng.normal(size=(1, 4))) for _ in range(12)])).predict)
+            value, grads = anyio.run(ml.value_and_gradients, ml.sum(ml.stack([example(x) for x in xs])))
+            results[batching] = (value, [grads[w], grads[start]])
         said = [r.getMessage() for r in caplog.records]
-        alone = [m for m in said if "not merged with other examples' graphs" in m]
-        assert len(alone) == 12
-        assert alone[0].startswith(f"a graph of 4 nodes (its last built at {HERE}:{line_of('HELD-APART') + 1}) ")
-        assert f"it holds the layer built at {HERE}:{line_of('HELD-APART')} from a Do" in alone[0]
-        assert "batching=True) does not change that" in alone[0]
-        steps = [m for m in said if f"its last built at {HERE}:{line_of('HELD-APART') + 1})" in m]
-        assert steps and not any("batching=True) forces it" in m for m in steps)
-        if batching is None:
-            small = [m for m in said if "fewer than 256 nodes" in m and "(alone: it holds a layer built" in m]
-            assert len(small) == 24  # (each graph, then what it built on its Do layer)
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
-        anyio.run(ml.sum(chain).predict)
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert line.endswith("runs unbatched: a chain (each node uses the one before: nothing to group)")  # (no hint)
+        assert not [m for m in said if "not merged" in m or "(alone: it holds" in m]
+        if batching is not False:
+            merges = [m for m in said if m.startswith("a merge of 12 fibers' graphs")]
+            assert merges[0].endswith(f"the last built at {HERE}:{line_of('MERGED-AFTER')}) runs batched")
+    for batching in (None, True):
+        assert results[batching][0] == pytest.approx(results[False][0], rel=1e-13)
+        for a, b in zip(results[batching][1], results[False][1]):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+    want = 0.0
+    for x in xs:
+        h = np.tanh((start.data + x) @ w.data)
+        want += float(np.sum(h if h.sum() > 0 else -h))
+    assert results[None][0] == pytest.approx(want, rel=1e-13)
+
+
+def test_a_recursion_of_direct_calls_merges_each_level_across_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tree decoder written as a recursive @ml.direct function (each call reads its node's
+    # scores, then returns its loss plus its children's calls) ran each node's loss alone,
+    # node by node: a graph holding the children's calls never parked. Each level's losses
+    # of all the trees now run in one merged run, with equal values and gradients.
+    import anyio
+
+    rng = np.random.default_rng(1)
+    w = ml.Weight(rng.normal(size=(3, 3)) / 2)
+
+    @ml.direct
+    async def node(h: ml.ArrayLayer, depth: int) -> ml.ScalarLayer:
+        scores = ml.tanh(h @ w)
+        value = await scores
+        loss = ml.sum(scores * scores)
+        if depth < 3 and value[0, 0] > -0.9:
+            loss = loss + node(scores, depth + 1) + node(-scores, depth + 1)
+        return loss
+
+    xs = [rng.normal(size=(1, 3)) for _ in range(10)]
+    sizes: list[int] = []
+    run = fibers.run
+
+    def counting(ev: Any, waiting: fibers.Parked) -> Generator[Any, Any, list[Any]]:
+        sizes.append(len(waiting.orders))
+        return (yield from run(ev, waiting))
+
+    monkeypatch.setattr(fibers, "run", counting)
+    value, grads = anyio.run(ml.value_and_gradients, ml.sum(ml.stack([node(ml.as_layer(x), 0) for x in xs])))
+    # Each level's reads, down (every node has two children here), then each level's losses
+    # back up, all ten trees' in one run (before: those ran alone, a graph a node).
+    assert sizes == [10, 20, 40, 80, 80, 40, 20, 10]
+    want_value, want = 0.0, []
+    for x in xs:  # each tree alone
+        v, g = anyio.run(ml.value_and_gradients, node(ml.as_layer(x), 0))
+        want_value += float(v)
+        want.append(g[w])
+    assert float(value) == pytest.approx(want_value, rel=1e-12)
+    np.testing.assert_allclose(grads[w], sum(want), rtol=1e-10)
 
 
 def test_fibers_nested_deeper_than_pythons_recursion_limit_park() -> None:

@@ -1,7 +1,6 @@
 """The DEBUG log of dynamic batching (the ``monadl.batching`` logger): a
 graph the cost rule leaves unbatched and why (`unbatched`), or whose
-batched run grouped nothing that pays (`paid_nothing`), one kept out of
-the merges across examples (`held_apart`), what a batched run or a merge
+batched run grouped nothing that pays (`paid_nothing`), what a batched run or a merge
 grouped (`ran`, `merged`), and a group that ran node by node although its
 size would batch (`declined`)."""
 
@@ -21,11 +20,9 @@ from monadl.runtime.schedule.batched_signature import operand_parts
 
 __all__ = [
     "FORCES",
-    "HELD",
     "NO_FORCE",
     "Alone",
     "declined",
-    "held_apart",
     "merged",
     "paid_nothing",
     "ran",
@@ -40,7 +37,6 @@ NO_FORCE: Final = (
     "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum, and "
     "these had none of their signature"
 )
-HELD: Final = " (alone: it holds a layer built from a Do, as said above; batching=True would not merge it)"
 
 
 def unbatched(order: list[Any], why: str, advice: str = FORCES) -> None:
@@ -66,26 +62,6 @@ def paid_nothing(order: list[Any], why: str, then: str, alone: Alone | None, rec
     reasons = "" if alone is None else _why_alone(alone, records or {}, where or {})
     forces = alone is None or alone.small or alone.coarse  # (what forcing batches: small groups, coarse members)
     unbatched(order, f"{why}{reasons}; {then}", FORCES if forces else NO_FORCE)
-
-
-def held_apart(order: list[Any], do: Any) -> None:
-    """Log (at DEBUG, to ``monadl.batching``) a fiber's graph that runs
-    without waiting for the other examples' graphs, and the layer built from
-    a ``Do`` that keeps it so (a new user's log blamed MIN_NODES and
-    suggested ``batching=True``, which batched each such graph alone).
-    Not a graph of such layers only (an ``await`` of one): it has nothing
-    to batch."""
-    if _log.isEnabledFor(logging.DEBUG) and any(node._op is not None for node in order):
-        _log.debug(
-            "a graph of %d nodes (its last built at %s) runs alone, not merged with other examples' graphs: "
-            "it holds the layer built at %s from a Do (a bind, an @ml.direct call, a forward() of your own), "
-            "which batching across examples cannot see into, and ml.settings(batching=True) does not change "
-            "that; to batch it, build the graph of primitives only (ml.as_layer of a weight is one), or await "
-            "that layer first and build on it after",
-            len(order),
-            site_text(order[-1]._site),
-            site_text(do._site),
-        )
 
 
 @final

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
-from monadl.runtime.schedule.batched_log import FORCES, HELD, unbatched
+from monadl.runtime.schedule.batched_log import FORCES, unbatched
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
@@ -63,17 +63,14 @@ many nodes: the same step of the same model) is analysed below `MIN_NODES`:
 each of their operations has that many members of one signature."""
 
 
-def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool = False) -> bool:
+def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
     """Whether to run ``order`` through the batching scheduler: cheap checks
     only, none that computes a signature.
 
     ``alike``: for a merge of several fibers' graphs
     (`monadl.runtime.schedule.fibers`), how many of them were built at one
     line with as many nodes; from `MIN_ALIKE` on, their equal signatures pay
-    however small the graphs. ``held``: a fiber's graph that a layer built
-    from a ``Do`` kept from waiting for the others' (`held_apart` said so):
-    the log then does not suggest ``batching=True``, which would batch its
-    nodes among themselves only.
+    however small the graphs.
 
     >>> import monadl as ml
     >>> from monadl.runtime.evaluation import Evaluation
@@ -95,18 +92,18 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1, held: bool 
             f"fewer than {MIN_NODES} nodes (MIN_NODES), a marked operation's counted as its ops, and fewer than "
             f"{MIN_LARGE} (MIN_LARGE) reading a weight of {MIN_SHARED:,} elements or more"
         )
-        unbatched(order, why, HELD if held else FORCES)
+        unbatched(order, why)
         return False
     verdict = _verdicts.get(key)
     if verdict is not None and verdict[1] % verdict[3]:
         _verdicts[key] = (verdict[0], verdict[1] + 1, verdict[2], verdict[3])
         if not verdict[0]:
-            unbatched(order, f"{verdict[2]}, as when it was last judged", _advice(verdict[2], held))
+            unbatched(order, f"{verdict[2]}, as when it was last judged", _advice(verdict[2]))
         return verdict[0]
     worth = not _is_chain(order)
     remember(key, worth, CHAIN)
     if not worth:
-        unbatched(order, CHAIN, _advice(CHAIN, held))
+        unbatched(order, CHAIN, _advice(CHAIN))
     return worth
 
 
@@ -114,11 +111,9 @@ CHAIN: Final = "a chain (each node uses the one before: nothing to group)"
 NOTHING_PAID: Final = "its analysis batched nothing (no group of one signature ready together that pays)"
 
 
-def _advice(why: str, held: bool) -> str:
+def _advice(why: str) -> str:
     """What the log adds to a graph left unbatched: ``batching=True`` only
     where forcing may batch something (a chain has nothing to group)."""
-    if held:
-        return HELD
     return "" if why == CHAIN else FORCES
 
 

@@ -42,9 +42,11 @@ weight-sized product and addition per run.
 
 Nothing else changes: a node is computed by the same `compute`, back-propagated
 by the same backward, shared nodes once; a failure raises the node's own error
-(at the user's line) and fails the evaluation. Graphs holding a layer built
-from a ``Do`` keep their own path (with the worker pool, ``workers > 1``,
-the fork rule still decides for them). On a GPU a merged run batches however
+(at the user's line) and fails the evaluation. A graph holding layers built
+from a ``Do`` (a recursion's ``@ml.direct`` calls) has them evaluated first,
+side by side, each parking at its own graphs; what it builds on them parks
+after them (`parks`), so a recursive decoder's losses merge level by level.
+On a GPU a merged run batches however
 few its graphs (`run`). ``Settings.batching=False`` parks all the same and
 runs the merged graph node by node (its branches on CUDA streams on a GPU, as
 `monadl.runtime.graphs` runs one graph that does not batch): the examples
@@ -66,7 +68,7 @@ from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline
 from monadl.runtime.schedule.batched_groups import Groups
-from monadl.runtime.schedule.batched_log import held_apart, merged, unbatched
+from monadl.runtime.schedule.batched_log import merged, unbatched
 from monadl.runtime.schedule.batched_rule import MIN_NODES
 from monadl.runtime.settings import current_settings
 
@@ -174,20 +176,34 @@ class Parked:
         return bool(self.fibers)
 
 
-def parks(ev: Evaluation, frame: F.Graph) -> bool:
+def parks(ev: Evaluation, frame: F.Graph) -> bool | int:
     """Whether the graph of ``frame`` may wait for a merged run: one made of
-    primitives only, not begun (on the host or a GPU). Its order is kept on the frame if so."""
-    if frame.order is not None:
-        return False
-    order = collect(ev, frame.roots)
-    if not order:
-        return False
-    for node in order:
-        if node._op is None:  # a layer built from a Do: its fibers take today's path
-            frame.held = True
-            held_apart(order, node)
+    primitives only, not begun (on the host or a GPU), or what is left of
+    one back from its layers built from a ``Do``. Its order is kept on the
+    frame if so. A graph that holds such layers, not evaluated yet, gives
+    the index in its order (kept on the frame) of the first: they are
+    evaluated first (`monadl.runtime.graphs.dos`: a recursion's calls, side
+    by side, each parking at its own graphs), and what the graph builds on
+    them parks after them, merged with the other examples' graphs (a
+    recursive tree decoder's losses, before: node by node, each example's
+    alone)."""
+    order = frame.order
+    if order is not None:
+        if not frame.redo:  # (begun: computed in part, or by a scheduler)
             return False
-    frame.order = order
+        computed = ev.records.computed
+        order = [node for node in order[frame.index :] if not computed(node)]
+        if not order:
+            return False
+    else:
+        order = collect(ev, frame.roots)
+        if not order:
+            return False
+    for i, node in enumerate(order):
+        if node._op is None:  # a layer built from a Do: evaluated first, the graph parks after it
+            frame.order, frame.index = order, 0
+            return i
+    frame.order, frame.index, frame.redo = order, 0, False
     return True
 
 
