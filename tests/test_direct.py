@@ -1060,3 +1060,38 @@ async def test_values_of_examples_evaluated_together_are_read_only_too() -> None
     await ml.sum(ml.stack([example(k, False) for k in range(4)])).predict()
     assert [writeable for writeable, _ in seen] == [False] * 4
     np.testing.assert_allclose(np.stack([v for _, v in seen]), np.tanh(np.outer(range(4), [1.0, 2.0])), rtol=1e-15)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("examples", [1, 3])
+def test_a_direct_call_that_awaits_a_layer_built_on_itself_is_refused_not_hung(backend: str, examples: int) -> None:
+    # A cycle: the call awaits a sum that holds the call itself. One example raised a bare
+    # AssertionError from the driver; three hung (a reviewer's).
+    rng = np.random.default_rng(5)
+    w = ml.Weight(rng.normal(size=(3, 3)) / 2)
+
+    def example(x: ml.Array) -> ml.ScalarLayer:
+        h = ml.tanh(ml.as_layer(x) @ w)
+        holder: dict[str, ml.ScalarLayer] = {}
+
+        @ml.direct
+        async def reads_its_own_sum() -> ml.ScalarLayer:
+            await holder["out"]
+            return ml.sum(h)
+
+        out = reads_its_own_sum() + ml.sum(h)  # CYCLE
+        holder["out"] = out
+        return out
+
+    async def main() -> Any:
+        with anyio.fail_after(30):
+            return await ml.sum(ml.stack([example(rng.normal(size=(1, 3))) for _ in range(examples)])).predict()
+
+    with pytest.raises(ml.OperandError) as info:
+        anyio.run(main, backend=backend)
+    with open(__file__) as source:
+        line = next(i for i, text in enumerate(source.read().splitlines(), 1) if text.endswith("# CYCLE"))
+    assert str(info.value).startswith(
+        f"the evaluation cannot go on: the layer built from a Do at {__file__}:{line} waits for a layer built on "
+        "itself (its bind or @ml.direct function reads a layer that holds it): a cycle"
+    )

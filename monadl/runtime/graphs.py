@@ -81,6 +81,7 @@ def dos(ev: Evaluation, frame: F.Graph, stack: list[Any], i: int) -> tuple[str, 
     records = ev.records
     node = order[i]
     frame.resumed = True
+    frame.redo = True  # (back from them: what it built on them may batch, or park, now)
     stack.append(frame)
     if node in ev.pending:
         return "wait", ev.pending[node]
@@ -89,8 +90,7 @@ def dos(ev: Evaluation, frame: F.Graph, stack: list[Any], i: int) -> tuple[str, 
     ahead = [n for n in order[i:] if n._op is None and n not in records and n not in ev.pending]
     for n in ahead:
         ev.pending[n] = []
-    frame.redo = True  # (every Do layer still to come is one of these: a redo at most once a wait)
-    if len(ahead) > 1:
+    if len(ahead) > 1:  # (every Do layer still to come is one of these: a redo at most once a wait)
         return "fork", ahead
     stack.append(F.FromDo(node))
     return "do", node._do

@@ -67,6 +67,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
     live = 1
     parked = fibers.Parked()  # fibers waiting at their graphs for one merged run
     stepping = 0  # fibers whose direct-style coroutine step is asked for (held or in a task): soon back, to park too
+    outstanding = 0  # completions the driver owes (spawned awaits, asked steps): none, and no fiber can run, is a cycle
     # The driver task's innermost cancel scope, read at the first direct-style step run here (one
     # read, not one a step); the driver opens its task group, a scope, when first asked to Spawn or Steps.
     scope: Any = _UNREAD
@@ -178,6 +179,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                     outcome = graphs.dos(ev, frame, stack, verdict)
                 else:
                     if steps:  # a computation may take turns of the event loop: the steps asked for start first
+                        outstanding += len(steps)
                         yield Steps(steps)
                         steps, scope = [], _UNREAD
                     outcome = yield from graphs.run(ev, frame, stack)
@@ -321,24 +323,29 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             if type(block) is list:  # another fiber's shared Do or Do layer: woken when it is done
                 block.append(fiber)
             elif block is not fibers.PARKED and block is not _STEPPING:
+                outstanding += 1
                 yield Spawn(fiber, block)
                 scope = _UNREAD
         while not runnable:
             if steps:  # before waiting for any completion: the steps asked for, as one
+                outstanding += len(steps)
                 yield Steps(steps)
                 steps, scope = [], _UNREAD
             # With graphs parked, wait only for the coroutine steps that come back
             # with no outside event (which those are is the same every run, whichever
             # task the event loop runs first: so is which graphs run merged).
             if not parked or stepping > len(away):
+                if not outstanding:  # (every live fiber waits for another's Do layer, which waits in turn)
+                    raise _cycle(ev)
                 completion = yield NEXT
             else:  # nothing more can reach a graph now: run the parked ones as one
                 runnable.extend((yield from fibers.run(ev, parked)))
                 break
             fiber, ok, result = completion
-            if ok is None:  # its step awaits something foreign (`step_each`)
+            if ok is None:  # its step awaits something foreign (`step_each`): it completes later
                 away.add(fiber)
                 continue
+            outstanding -= 1
             if not ok:  # (its failure: this frame, which the traceback holds, keeps no hold on it)
                 failure, result, completion = result, None, None
                 fiber.note_example(failure)
@@ -353,6 +360,21 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             runnable.append(fiber)
         fiber = runnable.popleft()
         stack, cur, val, tok, descending = fiber.stack, fiber.cur, fiber.val, fiber.tok, fiber.descending
+
+
+def _cycle(ev: Evaluation) -> OperandError:
+    """The error of an evaluation in which every fiber waits for a layer
+    built from a ``Do`` that another (or itself) is evaluating: a ``Do``
+    that reads a layer built on its own (an ``@ml.direct`` call that awaits
+    a sum holding that very call): it would wait forever."""
+    sites = list(dict.fromkeys(site_text(n._site) for n in ev.pending if getattr(n, "_site", None) is not None))
+    which = f"the layer built from a Do at {sites[0]}" if len(sites) == 1 else "a layer built from a Do"
+    if len(sites) > 1:
+        which += f" (at {', '.join(sites)})"
+    return OperandError(
+        f"the evaluation cannot go on: {which} waits for a layer built on itself (its bind or @ml.direct "
+        "function reads a layer that holds it): a cycle; read only layers built before it"
+    )
 
 
 def _opened(ev: Evaluation, release: Any, value: Any) -> Any:

@@ -846,3 +846,51 @@ def test_examples_reading_a_node_built_on_either_of_two_lines_merge(caplog: pyte
     said = [r.getMessage() for r in caplog.records if "fibers' graphs" in r.getMessage()]
     assert said and not any("fewer than 10 (MIN_MERGED)" in m for m in said if "a merge of 16" in m), said
     assert any(m.startswith("a merge of 16 fibers' graphs") and "runs batched" in m for m in said), said
+
+
+def test_graphs_that_wait_for_a_do_layer_another_example_evaluates_merge_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Six examples' graphs hold one shared layer built from a Do, which the first to reach it
+    # evaluates (it sleeps): the other five waited for it, then ran their rest alone, inline,
+    # unmerged (a reviewer's). All six rests now run as one merged run.
+    import anyio
+    import anyio.lowlevel
+
+    rng = np.random.default_rng(5)
+    w = ml.Weight(rng.normal(size=(3, 3)) / 2)
+
+    @ml.direct
+    async def shared_fn() -> ml.ScalarLayer:
+        g = ml.tanh(ml.as_layer(np.ones((1, 3))) @ w)
+        await anyio.lowlevel.checkpoint()  # (still being evaluated when the other examples' graphs reach it)
+        return ml.sum(g)
+
+    shared = shared_fn()
+
+    def example(x: ml.Array) -> ml.ScalarLayer:
+        @ml.direct
+        async def run() -> ml.ScalarLayer:
+            h = ml.tanh(ml.as_layer(x) @ w)
+            await h
+            return shared * ml.sum(ml.tanh(h @ w) @ w) + ml.sum(h @ w)
+
+        return run()
+
+    sizes: list[list[int]] = []
+    run = fibers.run
+
+    def counting(ev: Any, waiting: fibers.Parked) -> Generator[Any, Any, list[Any]]:
+        sizes.append([len(order) for order in waiting.orders])
+        return (yield from run(ev, waiting))
+
+    monkeypatch.setattr(fibers, "run", counting)
+    xs = [rng.normal(size=(1, 3)) for _ in range(6)]
+    value = anyio.run(ml.sum(ml.stack([example(x) for x in xs])).predict)
+    assert sizes == [[3] * 6, [8] * 6]
+    s = float(np.sum(np.tanh(np.ones((1, 3)) @ w.data)))
+    want = 0.0
+    for x in xs:
+        h = np.tanh(x @ w.data)
+        want += s * float(np.sum(np.tanh(h @ w.data) @ w.data)) + float(np.sum(h @ w.data))
+    assert float(value) == pytest.approx(want, rel=1e-12)
