@@ -21,25 +21,23 @@ child's ``h`` is a leaf's or an internal node's, one arena), the program's
 batching rule once (`Program.batch`), its outputs written into the arenas;
 backward, the depths in reverse, each group's delta the rows its consumers
 and the slots read sent back, a weight's delta summed over the groups (one
-``X_cat.T @ dY`` a group). Outputs of different shapes to one arena (each
-example's own width), known only when the loom runs, are held apart by
-shape, and a group whose members read them runs one batched call per
-pattern of shapes (`monadl.fold._loom_arenas`). A member none of whose outputs got a delta sends
-none, as it would alone: a weight that only such calls use is not reached
-and takes no step (a group some of whose members got none runs its others
-again as a group of their own, since a zero delta times an infinite
-derivative, sqrt's at 0, is NaN). A batch of one input (`monadl.fold._run.LOOM_INPUTS`)
-builds its nodes as a call does.
+``X_cat.T @ dY`` a group). Outputs of other shapes to one arena (each
+example's own width; known when the loom runs) are held apart by shape, a
+group reading them one batched call per pattern (`monadl.fold._loom_arenas`).
+A member none of whose outputs got a delta sends none, as alone: a weight
+only such calls use takes no step (a group some of whose members got none
+runs its others again as a group, since a zero delta times an infinite
+derivative, sqrt's at 0, is NaN). A batch of one input
+(`monadl.fold._run.LOOM_INPUTS`) builds its nodes as a call does.
 
 All calls run one by one, group by group (by depth: each after its
 operands'), where batching is off (``Settings(batching=False)``), under
 ``check_finite`` (each call's value and delta checked, an error naming its
 call), and where a group fails: then the first call that fails raises its
 own error, naming the block's line and the input of the batch it was built
-for (where none does, a WARNING of the ``monadl.batching`` logger says the
-batch ran so). A group whose
-program has a step that does not batch runs its own calls one by one, the
-others batched (`monadl.fold._loom_looped`).
+for (where none does, a WARNING of the ``monadl.batching`` logger says so).
+A group whose program has a step that does not batch runs its own calls
+one by one, the others batched (`monadl.fold._loom_looped`).
 
 Recorded are calls of a `Function` block in a batch whose leaves are each
 an output of the batch's earlier calls, a constant row of data (`Scalar`,
