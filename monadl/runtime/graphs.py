@@ -3,7 +3,8 @@ CUDA streams for a graph on a GPU, the worker pool for a coarse graph when
 ``workers > 1``, the batching scheduler where its cost rule says so, the
 inline loop for the rest; a graph that meets layers built from a ``Do``
 hands them back to the interpreter (`monadl.runtime.interpret`) and resumes
-after them, batching what was built on them."""
+after them, batching what was built on them (`dos`); such a layer's tape,
+checked, as its record (`from_do`); the error of a cycle among them (`cycle`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from monadl.errors import NonFiniteError, OperandError
+from monadl.layers._outputs import finite_value
+from monadl.layers._site import site_text
 from monadl.runtime import frames as F
-from monadl.runtime.evaluation import Evaluation
+from monadl.runtime.evaluation import Evaluation, Record, is_value
 from monadl.runtime.node import collect, compute
 from monadl.runtime.schedule import batched, cuda, inline, pool
+from monadl.tape import Tape
 
-__all__ = ["dos", "run"]
+__all__ = ["cycle", "dos", "from_do", "run"]
 
 
 def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any, Any]:
@@ -94,3 +99,46 @@ def dos(ev: Evaluation, frame: F.Graph, stack: list[Any], i: int) -> tuple[str, 
         return "fork", ahead
     stack.append(F.FromDo(node))
     return "do", node._do
+
+
+def from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
+    if not isinstance(val, Tape):
+        raise TypeError(f"the Do of {node!r} yielded {type(val).__name__}, not a Tape")
+    backward = val.backward
+    owner = getattr(backward, "__self__", None)
+    if type(owner) is Record and ev.records.get(owner.node) is not owner:
+        raise RuntimeError(
+            f"the Do of {node!r} yielded a Tape of another evaluation (a past train() or predict()): "
+            "its value is stale and its backward leads nowhere; build the layer itself into this graph instead"
+        )
+    if not is_value(val.data):  # (it failed where a consumer read it: 'builtins.list is not an array ...')
+        raise OperandError(
+            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds "
+            f"{'None' if val.data is None else 'a ' + type(val.data).__name__}, not an array or a number: a "
+            "Tape's data is an array or a number (np.asarray of a list)"
+        )
+    ev.effects = True
+    if ev.check_finite and not finite_value(val.data):  # (the next primitive was blamed: "already holds a NaN")
+        raise NonFiniteError(
+            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds a "
+            "NaN or an infinity"
+        )
+    rec = Record(val.data, None, (), backward is not None, node)
+    rec.tape_backward = backward
+    rec.release = tok
+    ev.records[node] = rec
+
+
+def cycle(ev: Evaluation) -> OperandError:
+    """The error of an evaluation in which every fiber waits for a layer
+    built from a ``Do`` that another (or itself) is evaluating: a ``Do``
+    that reads a layer built on its own (an ``@ml.direct`` call that awaits
+    a sum holding that very call): it would wait forever."""
+    sites = list(dict.fromkeys(site_text(n._site) for n in ev.pending if getattr(n, "_site", None) is not None))
+    which = f"the layer built from a Do at {sites[0]}" if len(sites) == 1 else "a layer built from a Do"
+    if len(sites) > 1:
+        which += f" (at {', '.join(sites)})"
+    return OperandError(
+        f"the evaluation cannot go on: {which} waits for a layer built on itself (its bind or @ml.direct "
+        "function reads a layer that holds it): a cycle; read only layers built before it"
+    )

@@ -34,18 +34,14 @@ from typing import Any, Final
 
 from monadl.direct import AwaitLayers, Passthrough, cancel_scope, read_only
 from monadl.do import BIND, DIRECT, EFFECT, FORWARD, MAP, PURE, SHARED, ZIP, Do
-from monadl.errors import NonFiniteError, OperandError
 from monadl.layers._layer import Expr
-from monadl.layers._outputs import finite_value
-from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.runtime import frames as F
 from monadl.runtime import graphs
-from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease, is_value
+from monadl.runtime.evaluation import Evaluation, Shared, UserRelease
 from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule import fibers
 from monadl.runtime.stepping import direct_next, step_direct
-from monadl.tape import Tape
 
 __all__ = ["evaluate"]
 
@@ -298,7 +294,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 continue
             else:  # a layer built from a Do has its tape
                 assert t is F.FromDo
-                _from_do(ev, frame.node, val, tok)
+                graphs.from_do(ev, frame.node, val, tok)
                 runnable.extend(ev.pending.pop(frame.node))  # waiters resume their graphs
                 continue
         else:  # this fiber is done
@@ -336,7 +332,7 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
             # task the event loop runs first: so is which graphs run merged).
             if not parked or stepping > len(away):
                 if not outstanding:  # (every live fiber waits for another's Do layer, which waits in turn)
-                    raise _cycle(ev)
+                    raise graphs.cycle(ev)
                 completion = yield NEXT
             else:  # nothing more can reach a graph now: run the parked ones as one
                 runnable.extend((yield from fibers.run(ev, parked)))
@@ -362,21 +358,6 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
         stack, cur, val, tok, descending = fiber.stack, fiber.cur, fiber.val, fiber.tok, fiber.descending
 
 
-def _cycle(ev: Evaluation) -> OperandError:
-    """The error of an evaluation in which every fiber waits for a layer
-    built from a ``Do`` that another (or itself) is evaluating: a ``Do``
-    that reads a layer built on its own (an ``@ml.direct`` call that awaits
-    a sum holding that very call): it would wait forever."""
-    sites = list(dict.fromkeys(site_text(n._site) for n in ev.pending if getattr(n, "_site", None) is not None))
-    which = f"the layer built from a Do at {sites[0]}" if len(sites) == 1 else "a layer built from a Do"
-    if len(sites) > 1:
-        which += f" (at {', '.join(sites)})"
-    return OperandError(
-        f"the evaluation cannot go on: {which} waits for a layer built on itself (its bind or @ml.direct "
-        "function reads a layer that holds it): a cycle; read only layers built before it"
-    )
-
-
 def _opened(ev: Evaluation, release: Any, value: Any) -> Any:
     """The release token of an effect's value: a resource's release, or None."""
     if release is None:
@@ -390,34 +371,6 @@ async def _acquire(ev: Evaluation, awaitable: Any, release: Any) -> tuple[Any, A
     """Await an effect in a task of its own; its value and release token."""
     value = await awaitable
     return value, _opened(ev, release, value)
-
-
-def _from_do(ev: Evaluation, node: Any, val: Any, tok: Any) -> None:
-    if not isinstance(val, Tape):
-        raise TypeError(f"the Do of {node!r} yielded {type(val).__name__}, not a Tape")
-    backward = val.backward
-    owner = getattr(backward, "__self__", None)
-    if type(owner) is Record and ev.records.get(owner.node) is not owner:
-        raise RuntimeError(
-            f"the Do of {node!r} yielded a Tape of another evaluation (a past train() or predict()): "
-            "its value is stale and its backward leads nowhere; build the layer itself into this graph instead"
-        )
-    if not is_value(val.data):  # (it failed where a consumer read it: 'builtins.list is not an array ...')
-        raise OperandError(
-            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds "
-            f"{'None' if val.data is None else 'a ' + type(val.data).__name__}, not an array or a number: a "
-            "Tape's data is an array or a number (np.asarray of a list)"
-        )
-    ev.effects = True
-    if ev.check_finite and not finite_value(val.data):  # (the next primitive was blamed: "already holds a NaN")
-        raise NonFiniteError(
-            f"the layer built at {site_text(node._site)} from a Do (a Tape of your own, bind, ml.direct) holds a "
-            "NaN or an infinity"
-        )
-    rec = Record(val.data, None, (), backward is not None, node)
-    rec.tape_backward = backward
-    rec.release = tok
-    ev.records[node] = rec
 
 
 def _named(function: Any) -> str:
