@@ -379,15 +379,11 @@ def loom() -> AbstractContextManager[None]:
     or ``check_finite`` runs the calls one by one, an error naming the
     operation's line; so does a cell with a step that has no batching rule
     (a product by a stack of matrices, a convolution) with its own calls.
-    Calls whose operands differ in shape batch per shape: where calls give
-    outputs of different shapes to what one position of a cell reads (each
-    example's own length: a CTC recursion's alpha), the calls that read them
-    run as one batched call per pattern of their operands' shapes, as the
-    runtime groups nodes (a new user's GRU+CTC, 1 example of 24 with a
-    state 2 wider: 50 ms, its nodes' 53, where every call of the block ran
-    one by one before, 299 ms); examples of many different shapes make small
-    groups (each its own CTC length: no faster than its nodes), so pad them
-    to a few shapes where that pays. A block is one node: blocks in each of many
+    Calls whose operands differ in shape (each example's own length: a CTC
+    recursion's alpha) run as one batched call per pattern of shapes, as the
+    runtime groups nodes (a new user's GRU+CTC, 1 example of 24 2 wider:
+    50 ms, its nodes' 53; 299 ms before, every call one by one); many
+    shapes make small groups, so pad them to a few where that pays. A block is one node: blocks in each of many
     examples evaluated together (``@ml.direct``) do not batch with each
     other (32 examples: 3.7x the time of no block), so make one block
     around the examples' calls, or none. A recorded call's output is read
