@@ -21,7 +21,7 @@ from monadl.errors import (
     OperandError,
     ShapeError,
 )
-from monadl.fold._loom import loom
+from monadl.fold._loom_block import loom
 from monadl.gradcheck import check_grads, gradients, value_and_gradients
 from monadl.graph import render_graph, to_dot
 from monadl.layers import (

@@ -48,30 +48,30 @@ float, a larger data array, a layer built elsewhere, a weight passed in, a
 device's weights) builds its
 node as outside a batch, over the slots it reads. Every recorded call is
 computed, read or not: under ``check_finite`` a NaN in a call whose outputs
-nothing reads raises, where the same input built alone computes nothing. Recording a call costs about what building its node
-did (the signature's lookup is most of either); the schedule is worked out
-once, when the batch is built, with NumPy.
+nothing reads raises, where the same input built alone computes nothing. The first call of a kind is
+read as building its node would be (the signature's lookup is most of it);
+calls like it are recorded by straight-line code compiled for their
+structure (`monadl.fold._loom_fast`: half the cost). The schedule is worked
+out once, when the batch is built, with NumPy.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager, suppress
-from contextvars import Token
 from sys import _getframe
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
 
+from monadl.fold._loom_fast import MOST, CallRecorder, learn
 from monadl.fold._loom_run import LOOM, SLOT, Open
 from monadl.fold._loom_schedule import Schedule
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._primitives import AS_LAYER, shown
 from monadl.layers._program import Program
-from monadl.layers._recording import RECORDING, Recorder
-from monadl.layers._site import PACKAGE_DIR, caller_site, site_text
+from monadl.layers._recording import MISS
+from monadl.layers._site import PACKAGE_DIR, site_text
 from monadl.layers._structures import filler
 from monadl.layers._tracing import _taker
 from monadl.layers._weight import Weight
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from monadl.layers._site import Site
     from monadl.layers._tracing import Trace
 
-__all__ = ["LOOM", "SLOT", "Loom", "loom"]
+__all__ = ["LOOM", "SLOT", "Loom", "in_words"]
 
 _INDICES: Final = frozenset("biu")
 
@@ -120,7 +120,9 @@ class Loom:
         "count",
         "groups",
         "inputs",
+        "learning",
         "node",
+        "recorders",
         "sites",
         "thread",
         "traces",
@@ -149,6 +151,10 @@ class Loom:
         self.unrecorded: dict[Any, int] = {}  # (calls built as nodes, by why: a DEBUG line of the block's)
         self.why: dict[int, str] = {}  # (per trace not recorded, why: `_unstacked`)
         self.sites: dict[Site, Site] = {}  # (the lines calls were made at, each as one object)
+        self.recorders: dict[
+            Operation[Any, Any], list[CallRecorder]
+        ] = {}  # (per operation, for calls like earlier ones)
+        self.learning: dict[Operation[Any, Any], int] = {}  # (per operation, how many recorders were tried: `learn`)
 
     def _built(self, why: Any) -> None:
         self.unrecorded[why] = self.unrecorded.get(why, 0) + 1
@@ -187,7 +193,7 @@ class Loom:
             elif v._op is AS_LAYER and type(v._inputs[0]) is np.ndarray:  # (a `Scalar`'s, `Vector`'s or `Zeros`' row)
                 rows |= 1 << j  # (its data, kept as the layer: under check_finite, an error names its line)
             else:  # (a layer built elsewhere)
-                self._built((v._op, v._site))  # (said at the block's end, at DEBUG: `_why`)
+                self._built((v._op, v._site))  # (said at the block's end, at DEBUG: `in_words`)
                 return trace.make(leaves, sources, op._site)
         if rows:  # (a group's operands are slots, or data of one shape and dtype, alike: stacked)
             at: tuple[Any, ...] = (depth, key, rows, *[_shown(operands[j]) for j in layers if rows >> j & 1])
@@ -211,16 +217,39 @@ class Loom:
         inputs = self.inputs
         one: Layer[Any, Any] = _new(Layer)
         one._op, one._inputs, one._params, one._site, one._serial = SLOT, inputs, (first, depth), site, serial
-        outputs = trace.outputs
-        if outputs == 1:
-            return fill((one,), leaves)
         slots = [one]
-        for k in range(1, outputs):  # (a cell's state: its h and c)
+        for k in range(1, trace.outputs):  # (a cell's state: its h and c)
             more: Layer[Any, Any] = _new(Layer)
             more._op, more._inputs, more._params, more._site = SLOT, inputs, (first + k, depth), site
             more._serial = _next_serial()
             slots.append(more)
+        if not rows and not kwargs and self.learning.get(op, 0) < MOST:  # (calls like it: straight-line code)
+            self.learning[op] = self.learning.get(op, 0) + 1
+            learn(self, op, args, leaves, trace)
         return fill(tuple(slots), leaves)
+
+    def call(self, op: Operation[Any, Any], args: tuple[Any, ...]) -> Any:
+        """A call of ``op`` (a Fold batch's `Function` block's) recorded, by a
+        recorder of calls like it (as `Operation.__call__` asks them) or `record`."""
+        for recorder in self.recorders.get(op, ()):
+            made = recorder(args)
+            if made is not MISS:
+                return made
+        return self.record(op, args, {})
+
+    def caller(self, op: Operation[Any, Any]) -> Callable[[Any], Any]:
+        """`call` of ``op`` on one argument, as a closure (a Fold runner's, per node: one call less)."""
+        recorders, record = self.recorders, self.record
+        none: dict[str, Any] = {}
+
+        def call(x: Any) -> Any:
+            for recorder in recorders.get(op, ()):
+                made = recorder((x,))
+                if made is not MISS:
+                    return made
+            return record(op, (x,), none)
+
+        return call
 
     def _known(self, trace: Trace, leaves: list[Any]) -> _Known:
         """How the calls of ``trace`` are recorded, from its first call's
@@ -255,13 +284,11 @@ class Loom:
     def done(self) -> None:
         """The batch is built: the loom node reads its weights and runs its schedule."""
         self.closed = True
+        self.recorders.clear()  # (they hold the loom: no cycle left for the collector)
         if not self.groups:
             return
         self.node._inputs = tuple(self.weights)
         self.node._params = (Schedule(self),)
-
-
-_log: Final = logging.getLogger("monadl.batching")
 
 
 def _row(data: Any) -> bool:
@@ -283,7 +310,7 @@ def _unstacked(v: Any) -> str:
     return f"a {type(v).__name__} argument, which a loom does not stack: a number as a row, np.full((1, 1), x)"
 
 
-def _why(why: Any) -> str:
+def in_words(why: Any) -> str:
     """A reason of `Loom.unrecorded`, in words."""
     if type(why) is str:
         return why
@@ -308,93 +335,3 @@ def _shown(row: Layer[Any, Any]) -> tuple[Any, Any]:
     """A constant row's shape and dtype (rows of other shapes are another group's)."""
     data = row._inputs[0]
     return data.shape, data.dtype
-
-
-# ---- an ``ml.loom()`` block --------------------------------------------------------------------
-@final
-class _Block:
-    """An ``ml.loom()`` block: its loom, open in this context while it runs."""
-
-    __slots__ = ("loom", "site", "token")
-
-    def __init__(self, site: Site) -> None:
-        self.site = site
-        self.loom: Loom | None = None
-        self.token: Token[Recorder | None] | None = None
-
-    def __enter__(self) -> None:
-        if self.loom is not None:
-            raise RuntimeError("ml.loom(): a block is entered once; write `with ml.loom():` for each")
-        self.loom = Loom(self.site)
-        self.token = RECORDING.set(self.loom)
-
-    def __exit__(self, *exc: object) -> None:
-        loom = self.loom
-        assert loom is not None and self.token is not None
-        with suppress(ValueError):  # (exited in another context: an abandoned generator's; closed, it records no more)
-            RECORDING.reset(self.token)
-        loom.done()  # (on an error too: the calls recorded so far are a graph the user may still hold)
-        if loom.unrecorded and _log.isEnabledFor(logging.DEBUG):
-            recorded = sum(len(g.members) for g in loom.groups.values())
-            _log.debug(
-                "the ml.loom() block at %s recorded %d calls and built %d as nodes: %s",
-                site_text(self.site),
-                recorded,
-                sum(loom.unrecorded.values()),
-                "; ".join(f"{n} with {_why(why)}" for why, n in loom.unrecorded.items()),
-            )
-
-
-def loom() -> AbstractContextManager[None]:
-    """A block whose calls of marked operations (`ml.operation`) are
-    recorded and, when the graph runs, computed by depth: per depth and
-    trace, one call of the operation's program on the members' stacked
-    operands, as TF Fold's loom does (a Fold batch's `Function` calls are
-    recorded so already: ``block.batch(inputs)``).
-
-    A natural recursion over a batch of trees, each node a call of a marked
-    cell, is then ONE node of the graph and a read per output, where without
-    the block each call is a node that the runtime walks, groups and
-    gathers every step (a Tree-LSTM at H = 128, 32 random 128-leaf trees:
-    1.25-1.32x the trees a second; `BENCHMARKS.md`). Values and gradients are
-    those of the same calls built outside a block.
-
-    Recorded is a call made in the block's thread, before it ends, whose
-    operands are each an output of the block's earlier recorded calls, a
-    row of data (``X[i:i + 1]``, or ``ml.as_layer(x)`` of any shape), or an
-    integer or boolean NumPy array (indices), and whose weights are NumPy's
-    (it closes over them); any other call builds its node as outside a block
-    (a float argument, a larger data array, a layer built otherwise, a
-    weight passed in, another thread's call), and so does each call that reads its
-    output: compute what joins calls inside the cell (``cell(l, r)``, not
-    ``cell(ml.concatenate([l, r]))``, whose calls would all be nodes, slower
-    than without the block); the logger ``monadl.batching`` says at DEBUG
-    how many calls a block built as nodes and why. Every recorded call is
-    computed when the graph that reads any of them runs, read or not, so
-    keep a block to the calls one graph reads; the calls' data (index
-    arrays, rows) are read when it runs, as a node's. It pays where many calls
-    share a depth (the trees of a batch); a single sequence's steps are a
-    group of one each (a chain of 2,000 steps: 2.7x the time of its nodes
-    without the block). Batching off (``Settings(batching=False)``)
-    or ``check_finite`` runs the calls one by one, an error naming the
-    operation's line; so does a cell with a step that has no batching rule
-    (a product by a stack of matrices, a convolution) with its own calls.
-    Calls whose operands differ in shape (each example's own length: a CTC
-    recursion's alpha) run as one batched call per pattern of shapes, as the
-    runtime groups nodes (a new user's GRU+CTC, 1 example of 24 2 wider:
-    50 ms, its nodes' 53; 299 ms before, every call one by one); many
-    shapes make small groups, so pad them to a few where that pays. A block is one node: blocks in each of many
-    examples evaluated together (``@ml.direct``) do not batch with each
-    other (32 examples: 3.7x the time of no block), so make one block
-    around the examples' calls, or none. A recorded call's output is read
-    after the block: a graph run inside it that reads one is refused.
-
-    >>> import anyio, numpy as np, monadl as ml
-    >>> w = ml.Weight(np.ones((2, 2)))
-    >>> cell = ml.operation(lambda h: ml.tanh(h @ w))
-    >>> with ml.loom():
-    ...     ends = [cell(cell(ml.as_layer(np.full((1, 2), x)))) for x in (0.5, 1.0)]
-    >>> anyio.run(ml.concatenate(ends, axis=0).predict).round(3).tolist()
-    [[0.909, 0.909], [0.959, 0.959]]
-    """
-    return _Block(caller_site())

@@ -72,7 +72,6 @@ only within it: a sequence's steps are a group each, and a loom of 1,500
 groups of one ran a reviewer's RNN at 2.2x the time of its nodes, which the
 runtime's own cost rule leaves unbatched; a tree's levels still batch there."""
 Run = Callable[[Any], Any]
-_NO_KEYWORDS: Final[dict[str, Any]] = {}  # (a `Function` call's: never written to)
 
 
 def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | None = None) -> list[Y]:
@@ -115,6 +114,8 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
             build.done(_next_serial())
     finally:  # (its closures hold the runner: a cycle a batch, 13 MB of them in a soak test, till a collection)
         runner.closures.clear()
+        if loom is not None:  # (as its recorders hold the loom: `monadl.fold._loom_fast`)
+            loom.recorders.clear()
         runner.trail = _Trail()
     return outputs
 
@@ -142,8 +143,7 @@ class _Runner:
         if kind is IMMEDIATE:
             cell = block._cell
             if cell is not None and self.loom is not None:
-                call = self.loom.record
-                return lambda x: call(cell, (x,), _NO_KEYWORDS)
+                return self.loom.caller(cell)
             f: Run = block._function()
             return f
         if nesting >= NESTING:

@@ -77,7 +77,7 @@ from monadl.layers._held import Held, reach
 from monadl.layers._operation_traces import walked
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._plans import UNSEEN, Plan, keyed
-from monadl.layers._recording import RECORDING
+from monadl.layers._recording import MISS, RECORDING
 from monadl.layers._site import Site
 from monadl.layers._tracing import Trace
 
@@ -206,6 +206,11 @@ class Operation(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         loom = RECORDING.get()
         if loom is not None:  # (an ``ml.loom()`` block's: the call is recorded there, or built as here)
+            if not kwargs:
+                for recorder in loom.recorders.get(self, ()):  # (calls like earlier ones: `monadl.fold._loom_fast`)
+                    made = recorder(args)
+                    if made is not MISS:
+                        return made  # type: ignore[no-any-return]
             recorded: R = loom.record(self, args, kwargs)
             return recorded
         trace, leaves, sources = self.found(args, kwargs)

@@ -10,19 +10,28 @@ the trace being made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
     from monadl.layers._operation import Operation
 
-__all__ = ["RECORDING", "Recorder"]
+__all__ = ["MISS", "RECORDING", "Recorder"]
 
 
 class Recorder(Protocol):
-    """What an open ``ml.loom()`` block does with an operation's call."""
+    """What an open ``ml.loom()`` block does with an operation's call: per
+    operation, ``recorders`` of calls like ones it recorded before (each
+    records one or answers `MISS`: `monadl.fold._loom_fast`), asked first;
+    else ``record``."""
+
+    recorders: dict[Operation[Any, Any], list[Callable[[tuple[Any, ...]], Any]]]
 
     def record(self, op: Operation[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
+
+MISS: Final = object()
+"""A loom's recorder's answer to a call unlike those it records."""
 
 RECORDING: Final[ContextVar[Recorder | None]] = ContextVar("monadl.loom", default=None)

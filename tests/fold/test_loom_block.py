@@ -1,4 +1,4 @@
-"""An ``ml.loom()`` block (`monadl.fold._loom.loom`): the calls of marked
+"""An ``ml.loom()`` block (`monadl.fold._loom_block.loom`): the calls of marked
 operations made in it recorded and run by depth as one node, with the
 values, gradients, steps and errors of the same calls built as nodes."""
 
