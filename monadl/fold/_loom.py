@@ -51,7 +51,7 @@ computed, read or not: under ``check_finite`` a NaN in a call whose outputs
 nothing reads raises, where the same input built alone computes nothing. The first call of a kind is
 read as building its node would be (the signature's lookup is most of it);
 calls like it are recorded by straight-line code compiled for their
-structure (`monadl.fold._loom_fast`: half the cost). The schedule is worked
+structure (`monadl.fold._loom_recorders`: half the cost). The schedule is worked
 out once, when the batch is built, with NumPy.
 """
 
@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
 
-from monadl.fold._loom_fast import MOST, CallRecorder, learn
+from monadl.fold._loom_recorders import MOST, CallRecorder, Group, learn
 from monadl.fold._loom_run import LOOM, SLOT, Open
 from monadl.fold._loom_schedule import Schedule
 from monadl.layers._layer import Layer, _new, _next_serial
@@ -87,25 +87,6 @@ _INDICES: Final = frozenset("biu")
 
 
 # ---- recording ---------------------------------------------------------------------------------
-@final
-class _Group:
-    """The calls of one trace at one depth: per member its operands (a slot
-    or a data array, per leaf the program takes) and its first slot. A
-    call's slots are numbered from its first layer's number (less the
-    loom's), so that an error finds the input of the batch it was built for."""
-
-    __slots__ = ("depth", "firsts", "key", "members", "site", "sites", "trace")
-
-    def __init__(self, trace: Trace, key: int, depth: int, site: Site | None) -> None:
-        self.trace = trace
-        self.key = key  # (its outputs' first key: which arena each goes to, `Schedule`)
-        self.depth = depth
-        self.site = site  # (its block's line: where each of its calls was built)
-        self.sites: list[Site] = []  # (else, per member, the line that called it: an ``ml.loom()`` block's)
-        self.members: list[list[Any]] = []
-        self.firsts: list[int] = []
-
-
 _Fill: TypeAlias = Callable[[tuple[Any, ...], list[Any]], Any]
 _Known: TypeAlias = "tuple[int, Callable[[list[Any]], tuple[Any, ...]], tuple[int, ...], _Fill, Trace]"
 
@@ -120,12 +101,12 @@ class Loom:
         "count",
         "groups",
         "inputs",
-        "learning",
         "node",
         "recorders",
         "sites",
         "thread",
         "traces",
+        "tries",
         "unrecorded",
         "weights",
         "why",
@@ -140,7 +121,7 @@ class Loom:
         self.node = node
         self.inputs = (node,)  # (a slot's: one tuple for all)
         self.base = node._serial + 1  # (a slot's number: its layer's, less this)
-        self.groups: dict[tuple[int, ...], _Group] = {}  # by depth, the trace's first key (and rows of data)
+        self.groups: dict[tuple[int, ...], Group] = {}  # by depth, the trace's first key (and rows of data)
         # Per trace (by id: a trace, a frozen dataclass, hashes its fields), how its calls are recorded
         # (`_known`; the trace kept alive with it, so that its id stays its).
         self.traces: dict[int, _Known] = {}
@@ -154,7 +135,7 @@ class Loom:
         self.recorders: dict[
             Operation[Any, Any], list[CallRecorder]
         ] = {}  # (per operation, for calls like earlier ones)
-        self.learning: dict[Operation[Any, Any], int] = {}  # (per operation, how many recorders were tried: `learn`)
+        self.tries: dict[Operation[Any, Any], int] = {}  # (per operation, recorders tried: `learn`)
 
     def _built(self, why: Any) -> None:
         self.unrecorded[why] = self.unrecorded.get(why, 0) + 1
@@ -201,7 +182,7 @@ class Loom:
             at = (depth, key)
         group = self.groups.get(at)
         if group is None:
-            group = self.groups[at] = _Group(trace, key, depth, op._site)
+            group = self.groups[at] = Group(trace, key, depth, op._site)
         group.members.append(operands)
         site: Any = op._site  # (a `Function`'s: where the block was made)
         if site is None:  # (a call in an ``ml.loom()`` block: the line that made it, as its node's would be)
@@ -223,22 +204,15 @@ class Loom:
             more._op, more._inputs, more._params, more._site = SLOT, inputs, (first + k, depth), site
             more._serial = _next_serial()
             slots.append(more)
-        if not rows and not kwargs and self.learning.get(op, 0) < MOST:  # (calls like it: straight-line code)
-            self.learning[op] = self.learning.get(op, 0) + 1
+        if not rows and not kwargs and self.tries.get(op, 0) < MOST:  # (calls like it: straight-line code)
+            self.tries[op] = self.tries.get(op, 0) + 1
             learn(self, op, args, leaves, trace)
         return fill(tuple(slots), leaves)
 
-    def call(self, op: Operation[Any, Any], args: tuple[Any, ...]) -> Any:
-        """A call of ``op`` (a Fold batch's `Function` block's) recorded, by a
-        recorder of calls like it (as `Operation.__call__` asks them) or `record`."""
-        for recorder in self.recorders.get(op, ()):
-            made = recorder(args)
-            if made is not MISS:
-                return made
-        return self.record(op, args, {})
-
     def caller(self, op: Operation[Any, Any]) -> Callable[[Any], Any]:
-        """`call` of ``op`` on one argument, as a closure (a Fold runner's, per node: one call less)."""
+        """Calls of ``op`` on one argument (a Fold batch's `Function` block's)
+        recorded: by a recorder of calls like it, as `Operation.__call__` asks
+        them, else by `record` (a closure: a Fold runner's, one per block)."""
         recorders, record = self.recorders, self.record
         none: dict[str, Any] = {}
 

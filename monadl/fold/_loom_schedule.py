@@ -19,7 +19,8 @@ from monadl.layers._site import site_text
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from monadl.fold._loom import Loom, _Group
+    from monadl.fold._loom import Loom
+    from monadl.fold._loom_recorders import Group
     from monadl.layers._primitives import Primitive
 
 __all__ = ["Rows", "Schedule", "calls", "op_of"]
@@ -36,7 +37,7 @@ class _Planned:
 
     __slots__ = ("group", "n", "operands", "outs", "program", "weights")
 
-    def __init__(self, group: _Group, weights: list[int]) -> None:
+    def __init__(self, group: Group, weights: list[int]) -> None:
         self.group = group
         self.n = len(group.members)
         assert group.trace.op is not None
@@ -117,7 +118,7 @@ class Schedule:
         self.arena = arena_of
         self.capacity = capacity
 
-    def where(self, group: _Group, row: int) -> str:
+    def where(self, group: Group, row: int) -> str:
         """``file:line`` of the block that made a call (of an ``ml.loom()``
         block's, the line that called it), and the input of the batch it was built for."""
         site = group.sites[row] if group.sites else self.site if group.site is None else group.site
@@ -172,14 +173,14 @@ def _stacked(arrays: tuple[Any, ...]) -> Any:
     return np.concatenate(arrays).reshape((len(arrays), *first.shape))
 
 
-def calls(schedule: Schedule) -> Iterator[tuple[_Planned, _Group, int]]:
+def calls(schedule: Schedule) -> Iterator[tuple[_Planned, Group, int]]:
     """The calls one by one, group by group (by depth: each after its operands' calls)."""
     for plan in schedule.planned:
         for row in range(plan.n):
             yield plan, plan.group, row
 
 
-def op_of(group: _Group) -> Primitive:
+def op_of(group: Group) -> Primitive:
     op = group.trace.op
     assert op is not None
     return op

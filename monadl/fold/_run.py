@@ -114,7 +114,7 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
             build.done(_next_serial())
     finally:  # (its closures hold the runner: a cycle a batch, 13 MB of them in a soak test, till a collection)
         runner.closures.clear()
-        if loom is not None:  # (as its recorders hold the loom: `monadl.fold._loom_fast`)
+        if loom is not None:  # (as its recorders hold the loom: `monadl.fold._loom_recorders`)
             loom.recorders.clear()
         runner.trail = _Trail()
     return outputs

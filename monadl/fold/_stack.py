@@ -122,7 +122,7 @@ def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None, loom: Loom |
                             arg = (
                                 first._output(arg)
                                 if loom is None or first._cell is None
-                                else loom.call(first._cell, (arg,))
+                                else loom.caller(first._cell)(arg)
                             )
                             sub = sub.second
                             continue
@@ -150,7 +150,7 @@ def evaluate(block: Block[X, Y], x: X, trail: _Trail | None = None, loom: Loom |
                     else:
                         break
                 if kind is IMMEDIATE:
-                    sent = sub._output(arg) if loom is None or sub._cell is None else loom.call(sub._cell, (arg,))
+                    sent = sub._output(arg) if loom is None or sub._cell is None else loom.caller(sub._cell)(arg)
                 elif kind is PARALLEL:  # (of no blocks)
                     sent = ()
                 else:

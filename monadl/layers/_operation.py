@@ -207,10 +207,12 @@ class Operation(Generic[P, R]):
         loom = RECORDING.get()
         if loom is not None:  # (an ``ml.loom()`` block's: the call is recorded there, or built as here)
             if not kwargs:
-                for recorder in loom.recorders.get(self, ()):  # (calls like earlier ones: `monadl.fold._loom_fast`)
-                    made = recorder(args)
+                for recorder in loom.recorders.get(
+                    self, ()
+                ):  # (calls like earlier ones: `monadl.fold._loom_recorders`)
+                    made: R = recorder(args)
                     if made is not MISS:
-                        return made  # type: ignore[no-any-return]
+                        return made
             recorded: R = loom.record(self, args, kwargs)
             return recorded
         trace, leaves, sources = self.found(args, kwargs)

@@ -23,7 +23,7 @@ __all__ = ["MISS", "RECORDING", "Recorder"]
 class Recorder(Protocol):
     """What an open ``ml.loom()`` block does with an operation's call: per
     operation, ``recorders`` of calls like ones it recorded before (each
-    records one or answers `MISS`: `monadl.fold._loom_fast`), asked first;
+    records one or answers `MISS`: `monadl.fold._loom_recorders`), asked first;
     else ``record``."""
 
     recorders: dict[Operation[Any, Any], list[Callable[[tuple[Any, ...]], Any]]]

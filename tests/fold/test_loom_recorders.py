@@ -1,4 +1,4 @@
-"""A loom's recorders (`monadl.fold._loom_fast`): after one call is recorded,
+"""A loom's recorders (`monadl.fold._loom_recorders`): after one call is recorded,
 calls like it are recorded by straight-line code, the same groups, operands,
 slots and results as `Loom.record` makes, and calls unlike it (another trace,
 another loom's output, a rebound closure, another thread) take that path."""
@@ -6,6 +6,7 @@ another loom's output, a rebound closure, another thread) take that path."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -268,3 +269,87 @@ def test_a_nan_names_the_line_of_its_call_among_calls_from_two_lines() -> None:
         anyio.run(ml.concatenate(outs, axis=0).predict)
     first = test_a_nan_names_the_line_of_its_call_among_calls_from_two_lines.__code__.co_firstlineno
     assert f"{__file__}:{first + 12}" in str(info.value), str(info.value)
+
+
+def test_a_recorder_of_a_trace_the_operation_forgot_leaves_the_call_to_the_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its traces' limit an operation forgets one per new signature and
+    traces the next call of it again (reading what the cell reads then): a
+    recorder of a forgotten trace records nothing more (a reviewer's case:
+    the last call's value was 0.322 where its node's is 0.903)."""
+    monkeypatch.setattr("monadl.layers._operation_traces._TRACES_LIMIT", 8)
+    table = ml.Weight(np.arange(40.0).reshape(20, 2) / 40)
+    scale = [1.0]
+    bag = ml.operation(lambda ids: ml.tanh(ml.sum(ml.embedding(table, ids), axis=0, keepdims=True) * scale[0]))
+
+    def build() -> list[ml.ArrayLayer]:
+        scale[0] = 1.0
+        outs = [bag(np.array([1])), bag(np.array([2]))]  # (a recorder of ids of shape (1,))
+        first = next(iter(bag._traces.values()))
+        n = 2
+        while first in bag._traces.values():  # (ids of more lengths, till that trace is forgotten)
+            outs.append(bag(np.arange(n) % 20))
+            n += 1
+        scale[0] = 3.0  # (read by the call's new trace)
+        outs.append(bag(np.array([3])))
+        return outs
+
+    got = []
+    for loom in (True, False):
+        bag._traces.clear()
+        bag._plans.clear()
+        with ml.loom() if loom else contextlib.nullcontext():
+            outs = build()
+        got.append(anyio.run(outs[-1].predict))
+    np.testing.assert_allclose(got[0], got[1], rtol=1e-14)
+    np.testing.assert_allclose(got[1], np.tanh(table.data[3:4] * 3.0), rtol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["no argument", "a field named by a keyword", "nested 40 deep"])
+def test_calls_a_recorder_cannot_read_are_recorded_by_the_path(case: str) -> None:
+    """An operation of no arguments, a dataclass field whose name is a
+    keyword (``if``), a tuple nested past what a recorder reads: each call
+    recorded as before (a reviewer's: a SyntaxError, a RecursionError)."""
+    w = ml.Weight(np.array([[0.5, -0.2], [0.3, 0.1]]))
+    x = ml.as_layer(np.array([[1.0, 2.0]]))
+
+    def nest(h: Any, d: int) -> Any:
+        for _ in range(d):
+            h = (h,)
+        return h
+
+    def unnest(t: Any) -> Any:
+        while type(t) is tuple:
+            t = t[0]
+        return t
+
+    cell: Any
+    if case == "no argument":
+        cell = ml.operation(lambda: ml.tanh(w * 2.0))
+        calls: list[Callable[[Any], Any]] = [lambda h: cell()] * 3
+    elif case == "a field named by a keyword":
+        kind: Any = dataclasses.dataclass(init=False, repr=False, eq=False)(  # (a field a class could not name)
+            type("S", (), {"__annotations__": {"if": ml.Layer}, "if": dataclasses.field(init=False)})
+        )
+
+        def made(h: Any) -> Any:
+            s = kind()
+            setattr(s, "if", h)
+            return s
+
+        cell = ml.operation(lambda s: ml.tanh(getattr(s, "if") @ w))
+        calls = [lambda h: cell(made(h))] * 3
+    else:
+        cell = ml.operation(lambda t: ml.tanh(unnest(t) @ w))
+        calls = [lambda h: cell(nest(h, 40))] * 3
+
+    def build() -> ml.ArrayLayer:
+        h = x
+        for call in calls:
+            h = call(h)
+        return h
+
+    with ml.loom():
+        woven = build()
+    np.testing.assert_allclose(anyio.run(woven.predict), anyio.run(build().predict), rtol=1e-14)
