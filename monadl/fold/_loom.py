@@ -209,14 +209,17 @@ class Loom:
             learn(self, op, args, leaves, trace)
         return fill(tuple(slots), leaves)
 
-    def caller(self, op: Operation[Any, Any]) -> Callable[[Any], Any]:
-        """Calls of ``op`` on one argument (a Fold batch's `Function` block's)
-        recorded: by a recorder of calls like it, as `Operation.__call__` asks
-        them, else by `record` (a closure: a Fold runner's, one per block)."""
+    def caller(self, op: Operation[Any, Any], first: Callable[[Any], Any] | None = None) -> Callable[[Any], Any]:
+        """Calls of ``op`` on one argument (a Fold batch's `Function` block's;
+        ``first``: on what it makes of the input, a composition's) recorded:
+        by a recorder of calls like it, as `Operation.__call__` asks them,
+        else by `record` (a closure: a Fold runner's, one per block)."""
         recorders, record = self.recorders, self.record
         none: dict[str, Any] = {}
 
         def call(x: Any) -> Any:
+            if first is not None:
+                x = first(x)
             for recorder in recorders.get(op, ()):
                 made = recorder((x,))
                 if made is not MISS:

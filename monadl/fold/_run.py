@@ -149,29 +149,47 @@ class _Runner:
         if nesting >= NESTING:
             return lambda x: evaluate(block, x, self.trail, self.loom)
         if kind is COMPOSITION:
-            first, second = self.compiled(block.first, nesting + 1), self.compiled(block.second, nesting + 1)
+            first = self.compiled(block.first, nesting + 1)
+            then = block.second
+            if then._kind is IMMEDIATE and then._cell is not None and self.loom is not None:
+                return self.loom.caller(then._cell, first)  # (a `Function` after: one call less a node)
+            if then._kind is ROUTE:  # (a route after, a recursion's child: as one)
+                return self._routing(then, first)
+            second = self.compiled(then, nesting + 1)
             return lambda x: second(first(x))
         if kind is PARALLEL:
             return parallel(block, [self.compiled(b, nesting + 1) for b in block.blocks], self.trail)
         if kind is ROUTE:
-            fixed = block._fixed()
-            if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
-                return self.compiled(fixed)  # (a resolved declaration: its block's closure, which counts the depth)
-            keyed = block._keyed()  # (else the block it routes to is its own key)
-            key, case = (block._route, _itself) if keyed is None else keyed
-            return self._route(block, key, case, keyed is not None)
+            return self._routing(block)
         return self._build(block)
 
-    def _route(self, block: Any, key: Callable[[Any], Any], case: Callable[[Any, Any], Any], cases: bool) -> Run:
+    def _routing(self, block: Any, first: Run | None = None) -> Run:
+        """A route's closure, on what ``first`` makes of the input if given."""
+        fixed = block._fixed()
+        if fixed is not None and (fixed._kind is BUILD or (fixed._kind is ROUTE and fixed._fixed() is None)):
+            if first is None or fixed._kind is BUILD:  # (a resolved declaration: its block's, which counts the depth)
+                then = self.compiled(fixed)
+                return then if first is None else lambda x: then(first(x))
+            block = fixed
+        keyed = block._keyed()  # (else the block it routes to is its own key)
+        key, case = (block._route, _itself) if keyed is None else keyed
+        return self._route(block, key, case, keyed is not None, first)
+
+    def _route(
+        self, block: Any, key: Callable[[Any], Any], case: Callable[[Any, Any], Any], cases: bool, first: Run | None
+    ) -> Run:
         """A route (a `OneOf`, a forward declaration) that picks ``case(k, x)``
         for its input's key ``k``: the closure of each key's block, compiled
         when first picked (a declaration refers to itself); the key is
         computed once per input (it may be random). ``cases``: a `OneOf`'s
-        (an error's path names its case: `Case`)."""
+        (an error's path names its case: `Case`); ``first``: made of the
+        input first (a composition's), as one closure."""
         table: dict[Any, tuple[Run, Any]] = {}
         compiled, trail = self.compiled, self.trail
 
         def routed(x: Any) -> Any:
+            if first is not None:
+                x = first(x)
             if self.depth >= DEPTH:
                 return evaluate(block, x, trail, self.loom)  # (the rest of this input, on the heap)
             k = key(x)
