@@ -65,8 +65,8 @@ def loom() -> AbstractContextManager[None]:
     A natural recursion over a batch of trees, each node a call of a marked
     cell, is then ONE node of the graph and a read per output, where without
     the block each call is a node that the runtime walks, groups and
-    gathers every step (a Tree-LSTM at H = 128, 32 random 128-leaf trees:
-    1.25-1.32x the trees a second; `BENCHMARKS.md`). Values and gradients are
+    gathers every step (a Tree-LSTM at H = 128, 32 128-leaf trees:
+    1.40-1.45x the trees a second; `BENCHMARKS.md`). Values and gradients are
     those of the same calls built outside a block.
 
     Recorded is a call made in the block's thread, before it ends, whose
