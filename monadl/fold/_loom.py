@@ -48,11 +48,12 @@ float, a larger data array, a layer built elsewhere, a weight passed in, a
 device's weights) builds its
 node as outside a batch, over the slots it reads. Every recorded call is
 computed, read or not: under ``check_finite`` a NaN in a call whose outputs
-nothing reads raises, where the same input built alone computes nothing. The first call of a kind is
-read as building its node would be (the signature's lookup is most of it);
-calls like it are recorded by straight-line code compiled for their
-structure (`monadl.fold._loom_recorders`: half the cost). The schedule is worked
-out once, when the batch is built, with NumPy.
+nothing reads raises, where the same input built alone computes nothing.
+The first call of a kind is read as building its node would be (the
+signature's lookup is most of it); calls like it are recorded by
+straight-line code compiled for their structure
+(`monadl.fold._loom_recorders`: half the cost). The schedule is worked out
+once, when the batch is built, with NumPy.
 """
 
 from __future__ import annotations
@@ -132,10 +133,9 @@ class Loom:
         self.unrecorded: dict[Any, int] = {}  # (calls built as nodes, by why: a DEBUG line of the block's)
         self.why: dict[int, str] = {}  # (per trace not recorded, why: `_unstacked`)
         self.sites: dict[Site, Site] = {}  # (the lines calls were made at, each as one object)
-        self.recorders: dict[
-            Operation[Any, Any], list[CallRecorder]
-        ] = {}  # (per operation, for calls like earlier ones)
-        self.tries: dict[Operation[Any, Any], int] = {}  # (per operation, recorders tried: `learn`)
+        # Per operation, the recorders of calls like earlier ones (`learn`), and how many were tried.
+        self.recorders: dict[Operation[Any, Any], list[CallRecorder]] = {}
+        self.tries: dict[Operation[Any, Any], int] = {}
 
     def _built(self, why: Any) -> None:
         self.unrecorded[why] = self.unrecorded.get(why, 0) + 1

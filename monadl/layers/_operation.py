@@ -206,10 +206,8 @@ class Operation(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         loom = RECORDING.get()
         if loom is not None:  # (an ``ml.loom()`` block's: the call is recorded there, or built as here)
-            if not kwargs:
-                for recorder in loom.recorders.get(
-                    self, ()
-                ):  # (calls like earlier ones: `monadl.fold._loom_recorders`)
+            if not kwargs:  # (calls like earlier ones, by code compiled for them: `monadl.fold._loom_recorders`)
+                for recorder in loom.recorders.get(self, ()):
                     made: R = recorder(args)
                     if made is not MISS:
                         return made
