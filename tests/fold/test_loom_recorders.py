@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from examples.tree_lstm import TreeLSTM, init_weights, make_trees
+from examples.tree_lstm import TreeLSTM, encode, init_weights, make_trees
 from monadl.fold import Function, Map, Reduce, Vector
 from monadl.fold._loom import Loom
 from monadl.layers._recording import RECORDING
@@ -86,25 +86,19 @@ def test_a_tree_recursion_takes_the_path_once_per_cell_and_records_as_it_would(
     model = TreeLSTM(init_weights(6, seed=2), operation=True, loom=True)
     weights = list(model.w.values())
     cells = model.cells
-    groups_of(lambda: [model_encode(cells, t) for t in trees])  # (the cells traced: their serials before the block's)
+    groups_of(lambda: [encode(cells, t) for t in trees])  # (the cells traced: their serials before the block's)
     with counted(monkeypatch) as calls:
-        fast, roots = groups_of(lambda: [model_encode(cells, t) for t in trees])
+        fast, roots = groups_of(lambda: [encode(cells, t) for t in trees])
         assert calls[0] == 2
     loss_fast = ml.sum(ml.concatenate(roots, axis=0))
     with unlearned(monkeypatch):
-        slow, roots = groups_of(lambda: [model_encode(cells, t) for t in trees])
+        slow, roots = groups_of(lambda: [encode(cells, t) for t in trees])
     loss_slow = ml.sum(ml.concatenate(roots, axis=0))
     same_groups(fast, slow)
     (v0, g0), (v1, g1) = value_and_grads(loss_slow, weights), value_and_grads(loss_fast, weights)
     assert v1 == v0
     for a, b in zip(g0, g1):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-
-
-def model_encode(cells: Any, tree: Any) -> ml.ArrayLayer:
-    from examples.tree_lstm import encode
-
-    return encode(cells, tree)
 
 
 def test_calls_of_another_index_shape_dtype_or_structure_take_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
