@@ -10,7 +10,9 @@ and `monadl.optim`.)
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from monadl._namespace import namespace
 from monadl.optim._hyper import checked
@@ -119,6 +121,22 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
+        if _alike(g, state.mu, state.nu):
+            # The same arithmetic, in place into arrays made here: 5 weight-sized
+            # arrays a step, not 12 (bit for bit the same: no cast, no broadcast).
+            mu = state.mu * b1
+            t = g * (1 - b1)
+            mu += t
+            nu = state.nu * b2
+            t = g * (1 - b2)
+            t *= g
+            nu += t
+            denominator = np.sqrt(nu)
+            denominator /= math.sqrt(1 - b2**count)
+            denominator += eps
+            out = mu / (1 - b1**count)
+            out /= denominator
+            return out, AdamState(count, mu, nu)
         mu = b1 * state.mu + (1 - b1) * g
         nu = b2 * state.nu + (1 - b2) * g * g  # (in this order: (1 - b2) * g first keeps g * g from overflowing)
         mu_hat = mu / (1 - b1**count)
@@ -127,4 +145,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     return GradientTransformation(
         lambda p: AdamState(0, namespace(p).zeros_like(p), namespace(p).zeros_like(p)), update
+    )
+
+
+def _alike(g: Any, mu: Any, nu: Any) -> bool:
+    """Whether ``g`` and the moments are NumPy arrays of one dtype and shape
+    (and not 0-d: arithmetic makes a 0-d array a scalar, which is no buffer)."""
+    return (
+        type(g) is np.ndarray
+        and type(mu) is np.ndarray
+        and type(nu) is np.ndarray
+        and g.ndim > 0
+        and g.dtype == mu.dtype == nu.dtype
+        and g.shape == mu.shape == nu.shape
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -259,3 +260,47 @@ def test_none_or_false_as_an_optimizer_points_to_stop_gradient_for_freezing() ->
     frozen = ml.Weight(np.array([1.0, 2.0]), optimizer=None)
     anyio.run(ml.sum(ml.stop_gradient(frozen) * ml.Weight(np.ones(2))).train)
     np.testing.assert_array_equal(frozen.data, [1.0, 2.0])
+
+
+def _adam_by_formula(g: Any, state: Any, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, Any]:
+    """Adam's update as its docstring writes it, one expression a line (new arrays throughout)."""
+    count = state.step + 1
+    mu = b1 * state.mu + (1 - b1) * g
+    nu = b2 * state.nu + (1 - b2) * g * g
+    update = (mu / (1 - b1**count)) / (np.sqrt(nu) / math.sqrt(1 - b2**count) + eps)
+    return update, optim.AdamState(count, mu, nu)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(7,), (5, 3)])
+def test_adams_update_in_place_is_the_formula_bit_for_bit(dtype: Any, shape: tuple[int, ...]) -> None:
+    # NumPy arrays of one dtype and shape are updated in place into fresh arrays (5 a step, not 12):
+    # the same numbers, overflowing moments (float16) included, and the step's state is new arrays.
+    rng = np.random.default_rng(3)
+    transform = optim.scale_by_adam()
+    p = np.zeros(shape, dtype)
+    state = expected = transform.init(p)
+    for scale in (1.0, 1e-3, 300.0, 9000.0, 0.0):
+        g = (rng.normal(size=shape) * scale).astype(dtype)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            before = state
+            update, state = transform.update(g, state, p)
+            want, expected = _adam_by_formula(g, expected)
+        assert update.dtype == dtype and state.mu.dtype == dtype and state.nu.dtype == dtype
+        np.testing.assert_array_equal(update, want)
+        np.testing.assert_array_equal(state.mu, expected.mu)
+        np.testing.assert_array_equal(state.nu, expected.nu)
+        assert state.mu is not before.mu and state.nu is not before.nu and update is not g
+    assert np.isinf(state.nu).any() == (dtype == np.float16)  # (float16's moments overflowed, as by the formula)
+
+
+def test_adam_promotes_a_gradient_of_another_dtype_as_its_formula_does() -> None:
+    # (no in-place cast: a float64 gradient of float32 moments makes float64 moments, as before)
+    transform = optim.scale_by_adam()
+    state = transform.init(np.zeros(3, np.float32))
+    g = np.array([1.0, 2.0, 1e-30])
+    update, new = transform.update(g, state, None)
+    want, expected = _adam_by_formula(g, state)
+    assert new.mu.dtype == np.float64 and update.dtype == np.float64
+    np.testing.assert_array_equal(update, want)
+    np.testing.assert_array_equal(new.nu, expected.nu)
