@@ -209,7 +209,7 @@ def check(router: Router, x: Array, labels: Array) -> float:
             worst = max(worst, 0.0 if g is None and want is None else float("inf"))
             continue
         g = np.asarray(g.to_dense() if hasattr(g, "to_dense") else g)
-        worst = max(worst, float(np.max(np.abs(g - want)) / (np.max(np.abs(want)) + 1e-30)))
+        worst = float(np.maximum(worst, np.max(np.abs(g - want)) / (np.max(np.abs(want)) + 1e-30)))  # (NaN stays)
     return worst
 
 

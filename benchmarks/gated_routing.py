@@ -114,7 +114,7 @@ class Router:
             return ml.Weight(value.astype(dtype), optimizer=ml.optim.adam(learning_rate))
 
         def matrix(n_in: int, n_out: int) -> ml.Array:
-            return rng.normal(size=(n_in, n_out)) * np.sqrt(1.0 / n_in)
+            return np.asarray(rng.normal(size=(n_in, n_out)) / np.sqrt(n_in))
 
         h = _digits()[0]  # all the digits, routed as the model routes them
         self.gates: list[tuple[ml.ArrayWeight, ml.ArrayWeight]] = []
@@ -227,7 +227,7 @@ def difference(a: tuple[float, list[Any]], b: tuple[float, list[Any]]) -> float:
                 return float("inf")
             continue
         x, y = np.asarray(_dense(x)), np.asarray(_dense(y))
-        worst = max(worst, float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))
+        worst = float(np.maximum(worst, np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)))  # (NaN stays)
     return worst
 
 
@@ -254,7 +254,7 @@ def check(hidden: int, batch: int, dtype: type[np.floating[Any]] = np.float64, s
         parts = [np.asarray(_dense(g[k])) for _, g in singles if g[k] is not None]
         mean_grads.append(sum(parts) / batch if parts else None)
     mean = (float(np.mean([v for v, _ in singles])), mean_grads)
-    return max(difference(on, other) for other in (off, direct, cells, mean))
+    return float(np.max([difference(on, other) for other in (off, direct, cells, mean)]))  # (NaN stays)
 
 
 def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]:
