@@ -166,6 +166,33 @@ def test_a_sequence_block_given_no_sequence_names_itself_and_the_input(block: An
         assert str(info.value) == f"{name} takes a sequence, and was given {text}"
 
 
+@pytest.mark.parametrize(
+    ("block", "name"),
+    [
+        (Map(InputTransform(len)), "Map(InputTransform(len))"),
+        (Reduce(Function(add)), "Reduce(Function(add))"),
+        (Fold(Identity[Any](), Zeros((1,))), "Fold(Identity(), Zeros((1,), 'float32'))"),
+    ],
+)
+def test_a_sequence_block_refuses_a_mapping_and_a_set_saying_what_to_pass(block: Any, name: str) -> None:
+    # (a mapping's iteration gives its keys alone: a JSON object sent to a list's case by mistake
+    # was read as its keys, silently; a set's order is its hashes')
+    with pytest.raises(TypeError) as info:
+        block({"ab": [1, 2, 3], "cde": 4})
+    assert str(info.value) == (
+        f"{name} takes a sequence, and was given {{'ab': [1, 2, 3], 'cde': 4}} (a dict), whose iteration gives "
+        "its keys alone: pass list(x.values()), list(x.items()) or list(x)"
+    )
+    with pytest.raises(TypeError) as info:
+        block(frozenset({3}))
+    assert str(info.value) == (
+        f"{name} takes a sequence, and was given frozenset({{3}}) (a frozenset), which has no order (its "
+        "hashes'): pass sorted(x), or list(x) where the order does not matter"
+    )
+    assert Map(InputTransform(len))(("ab", "c")) == [2, 1]  # (a tuple, a sequence, as before)
+    assert Map(InputTransform(len))(iter(["abc"])) == [3]  # (and an iterator)
+
+
 def _line_of(text: str) -> int:
     """The line of this file holding ``text``."""
     with open(__file__) as f:
