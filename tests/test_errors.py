@@ -294,7 +294,37 @@ async def test_stack_takes_a_number_first() -> None:
 @pytest.mark.anyio
 async def test_concatenate_refuses_numbers_with_a_clear_error() -> None:
     with pytest.raises(ml.ShapeError, match=r"zero-dimensional operands cannot be concatenated \(ml.stack"):
+        await ml.concatenate([2.0, ml.as_layer(np.float64(3.0))]).predict()  # type: ignore[list-item]  # the mistake under test
+    # A number among arrays: ml.stack would not join them either; what to give instead (a new user's
+    # isolated node: Python's sum() of its no messages, the int 0, beside a row).
+    with pytest.raises(ml.ShapeError) as info:
         await ml.concatenate([2.0, ml.Weight(np.ones(2))]).predict()  # type: ignore[list-item]  # the mistake under test
+    assert str(info.value).startswith(
+        "concatenate: operands float 2.0, float64[2] do not fit together (part 0 (float 2.0) is "
+        "zero-dimensional, the others have 1 dimension: give it theirs (a number meant as a row: "
+        "np.full((2,), 2.0); Python's sum() of no layers is the int 0: np.zeros((2,)) where there is nothing to sum))"
+    ), str(info.value)
+
+
+def test_a_marked_cells_failing_step_is_the_error_not_its_calls_operands() -> None:
+    # The cell's operands fit (a row and a weight): its concatenate of the int 0 (an isolated node's
+    # sum() of no messages) and a row does not. The message said the call's "operands float64[1, 4],
+    # float64[8, 4] do not fit together", and to join with ml.stack.
+    w = ml.Weight(np.ones((8, 4)) * 0.1)
+
+    @ml.operation
+    def update(h: ml.ArrayLayer, m: Any) -> ml.ArrayLayer:
+        return ml.tanh(ml.concatenate([m, h], axis=-1) @ w)
+
+    with pytest.raises(ml.ShapeError) as info:
+        anyio.run(update(ml.as_layer(np.ones((1, 4))), sum([])).predict)
+    assert str(info.value).startswith(
+        "test_a_marked_cells_failing_step_is_the_error_not_its_calls_operands.<locals>.update (called on "
+        f"float64[1, 4], float64[8, 4]): concatenate of int 0, float64[1, 4] at {__file__}:"
+        f"{line_of('ml.concatenate([m, h], axis=-1) @ w')}: part 0 (int 0) is zero-dimensional, the others have 2 "
+        "dimensions: give it theirs (a number meant as a row: np.full((1, 4), 0); Python's sum() of no layers "
+        "is the int 0: np.zeros((1, 4)) where there is nothing to sum); layer built at "
+    ), str(info.value)
 
 
 def test_numpy_functions_on_layers_name_the_monadl_function() -> None:
@@ -653,9 +683,9 @@ def test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape() -> N
         anyio.run(ml.sum(cell(np.ones((1, 257)), state)[0]).predict)
     message = str(caught.value)
     assert message.startswith(
-        "test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape.<locals>.cell: operands "
-        "float64[1, 257], outputs (float64[1, 256], float64[1, 256]) of another operation's call do not fit "
-        f"together (add of float64[1, 257], float64[1, 256] at {__file__}:{line_of('return ml.tanh(x + h)')}: "
+        "test_a_shape_error_of_a_cell_shows_its_operand_cells_outputs_by_shape.<locals>.cell (called on "
+        "float64[1, 257], outputs (float64[1, 256], float64[1, 256]) of another operation's call): add of "
+        f"float64[1, 257], float64[1, 256] at {__file__}:{line_of('return ml.tanh(x + h)')}: "
     ), message
     assert "array(" not in message
     assert len(message) < 700

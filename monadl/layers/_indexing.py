@@ -28,6 +28,7 @@ from monadl._namespace import namespace
 from monadl.deltas import SparseRows, is_basic_index, scatter_add
 from monadl.errors import IndexRangeError
 from monadl.layers._elementwise import _scalar
+from monadl.layers._operands import describe
 
 Value = Any  # an ndarray or a NumPy scalar
 PLAIN: Final = (float, int, bool)
@@ -222,9 +223,18 @@ def _axis_index(ndim: int, axis: int, at: Any) -> tuple[Any, ...]:
 
 def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
     *arrays, axis = args
-    first = _first_array(arrays)
-    if first is None or any(getattr(x, "ndim", 0) == 0 for x in arrays):
+    first = next((x for x in arrays if getattr(x, "ndim", 0) > 0), None)
+    if first is None:
         raise ValueError("zero-dimensional operands cannot be concatenated (ml.stack joins them)")
+    for i, x in enumerate(arrays):
+        if getattr(x, "ndim", 0) == 0:
+            shape = tuple(first.shape)
+            raise ValueError(
+                f"part {i} ({describe((x,))}) is zero-dimensional, the others have {first.ndim} "
+                f"dimension{'s' if first.ndim > 1 else ''}: "
+                f"give it theirs (a number meant as a row: np.full({shape}, {x!r}); Python's sum() of no "
+                f"layers is the int 0: np.zeros({shape}) where there is nothing to sum)"
+            )
     xp = namespace(first)
     ndim, bounds, start = first.ndim, [], 0
     axis = _axis(axis, ndim)

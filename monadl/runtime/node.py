@@ -203,10 +203,12 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
             exc.args = (f"{shown(op)}: {exc.args[0]}; layer built at {place}" + weight_sites(inputs),)
         return exc
     if isinstance(exc, ValueError):
-        what = (  # (one operand: nothing to fit together; an empty axis to reduce, say)
-            f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
-        )
-        shape = ShapeError(f"{shown(op)}: {what} ({exc}); layer built at {place}" + weight_sites(inputs))
+        if type(op.rule) is Program:  # (a marked cell's step failed, named with its operands and line: not the call)
+            text = f"{shown(op)} (called on {describe(args)}): {exc}"
+        else:  # (one operand: nothing to fit together; an empty axis to reduce, say)
+            fit = f"operands {describe(args)} do not fit together" if len(args) > 1 else f"cannot take {describe(args)}"
+            text = f"{shown(op)}: {fit} ({exc})"
+        shape = ShapeError(f"{text}; layer built at {place}" + weight_sites(inputs))
         shape.__cause__ = exc  # (as ``raise ... from exc``)
         return shape
     if isinstance(exc, NonFiniteError):
