@@ -426,6 +426,29 @@ def test_blocks_in_examples_evaluated_together_are_said_not_to_batch_across(capl
     expected = sum(float(np.sum(np.tanh(np.tanh(np.tanh(x[None] @ w.data) @ w.data) @ w.data))) for x in xs)
     assert got == pytest.approx(expected, rel=1e-13)
     said = [r.getMessage() for r in caplog.records]
-    assert any("16 of ml.loom() blocks (their nodes and the reads of their calls' outputs)" in m for m in said)
+    assert any(
+        "the nodes of 8 ml.loom() blocks and 8 reads of their calls' outputs: each block runs its own calls batched, "
+        "not with another block's (a block in each of many examples" in m
+        for m in said
+    )
     assert not any("with no signature" in m for m in said)
     assert any("1 with an output of another loom's calls (another ml.loom() block's" in m for m in said)
+
+
+def test_one_blocks_node_is_said_to_run_its_calls_batched(caplog: pytest.LogCaptureFixture) -> None:
+    """A graph over one block's outputs whose other nodes have no partner: the
+    log said its 21 nodes and reads were "of ml.loom() blocks, whose calls
+    batch within their block, not across blocks", with advice for a block in
+    each of many examples (a new user's single block, whose calls ran batched)."""
+    _, cell = chain_cell(2)
+    with ml.loom():
+        ends = [cell(cell(ml.as_layer(np.full((1, 3), x)))) for x in np.linspace(0, 1, 20)]
+    loss = ml.sum(ml.concatenate(ends, axis=0)) + ml.sum(ml.concatenate(ends[:3], axis=0))
+    with caplog.at_level(logging.DEBUG, logger="monadl.batching"), ml.settings(batching=True):
+        anyio.run(loss.predict)
+    (said,) = [r.getMessage() for r in caplog.records if "ml.loom() block" in r.getMessage()]
+    assert (
+        "; the node of an ml.loom() block, which ran its calls batched itself, and 20 reads of its calls' outputs"
+        in said
+    )
+    assert "many examples" not in said and "blocks" not in said

@@ -71,14 +71,14 @@ class Alone:
     signature among those ready with them (``single``), and how many ran in
     groups under their minimum (``small``), of coarse members (``coarse``)
     or had no signature (``unsigned``; ``looms``: ``ml.loom()`` blocks'
-    nodes). Groups declined for another reason have their own lines
-    (`declined`)."""
+    nodes, ``reads``: of their calls' outputs). Groups declined for another
+    reason have their own lines (`declined`)."""
 
-    __slots__ = ("coarse", "looms", "single", "small", "unsigned")
+    __slots__ = ("coarse", "looms", "reads", "single", "small", "unsigned")
 
     def __init__(self) -> None:
         self.single: list[Any] = []
-        self.small = self.coarse = self.unsigned = self.looms = 0
+        self.small = self.coarse = self.unsigned = self.looms = self.reads = 0
 
     def few(self, members: list[Any]) -> None:
         """A group too small to batch: one node alone, or under its minimum."""
@@ -152,11 +152,16 @@ def _why_alone(alone: Alone, records: Any, where: Any) -> str:
         said.append(f"{alone.coarse} in groups of coarse members (MAX_MEMBER_SIZE), which batching would not speed")
     if alone.unsigned:
         said.append(f"{alone.unsigned} with no signature (a plain number or another library's array among operands)")
-    if alone.looms:
+    if alone.looms == 1:
         said.append(
-            f"{alone.looms} of ml.loom() blocks (their nodes and the reads of their calls' outputs), whose calls batch "
-            "within their block, not across blocks (a block in each of many examples evaluated together: make one "
-            "block around them all, or none)"
+            f"the node of an ml.loom() block, which ran its calls batched itself, and {alone.reads} reads of its "
+            "calls' outputs"
+        )
+    elif alone.looms or alone.reads:
+        said.append(
+            f"the nodes of {alone.looms} ml.loom() blocks and {alone.reads} reads of their calls' outputs: each block "
+            "runs its own calls batched, not with another block's (a block in each of many examples evaluated "
+            "together: make one block around them all, or none)"
         )
     return f": {'; '.join(said)}" if said else ""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import attrgetter, is_not, itemgetter
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
@@ -80,10 +80,11 @@ class Run:
             sig = signature(records, node, where)
             if sig is None:
                 if self.alone is not None:
-                    if (
-                        node._op.name in _LOOMS
-                    ):  # (an ``ml.loom()`` block's node, a read of it: `monadl.fold._loom_run`)
+                    name = node._op.name  # (an ``ml.loom()`` block's node, a read of it: `monadl.fold._loom_run`)
+                    if name == "loom":
                         self.alone.looms += 1
+                    elif name == "slot":
+                        self.alone.reads += 1
                     else:
                         self.alone.unsigned += 1
                 self.each([node])
@@ -247,4 +248,3 @@ class Run:
 
 
 _inputs = attrgetter("_inputs")
-_LOOMS: Final = frozenset({"loom", "slot"})
