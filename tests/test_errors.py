@@ -300,9 +300,9 @@ async def test_concatenate_refuses_numbers_with_a_clear_error() -> None:
     with pytest.raises(ml.ShapeError) as info:
         await ml.concatenate([2.0, ml.Weight(np.ones(2))]).predict()  # type: ignore[list-item]  # the mistake under test
     assert str(info.value).startswith(
-        "concatenate: operands float 2.0, float64[2] do not fit together (part 0 (float 2.0) is "
-        "zero-dimensional, the others have 1 dimension: give it theirs (a number meant as a row: "
-        "np.full((2,), 2.0); Python's sum() of no layers is the int 0: np.zeros((2,)) where there is nothing to sum))"
+        "concatenate: operands float 2.0, float64[2] do not fit together (part 0 (float 2.0) is zero-dimensional "
+        "and part 1 (float64[2]) is not: concatenate joins parts of one number of dimensions (Python's sum() of "
+        "no layers is the int 0: where there is nothing to sum, give zeros of the sum's shape))"
     ), str(info.value)
 
 
@@ -321,9 +321,9 @@ def test_a_marked_cells_failing_step_is_the_error_not_its_calls_operands() -> No
     assert str(info.value).startswith(
         "test_a_marked_cells_failing_step_is_the_error_not_its_calls_operands.<locals>.update (called on "
         f"float64[1, 4], float64[8, 4]): concatenate of int 0, float64[1, 4] at {__file__}:"
-        f"{line_of('ml.concatenate([m, h], axis=-1) @ w')}: part 0 (int 0) is zero-dimensional, the others have 2 "
-        "dimensions: give it theirs (a number meant as a row: np.full((1, 4), 0); Python's sum() of no layers "
-        "is the int 0: np.zeros((1, 4)) where there is nothing to sum); layer built at "
+        f"{line_of('ml.concatenate([m, h], axis=-1) @ w')}: part 0 (int 0) is zero-dimensional and part 1 "
+        "(float64[1, 4]) is not: concatenate joins parts of one number of dimensions (Python's sum() of no layers "
+        "is the int 0: where there is nothing to sum, give zeros of the sum's shape); layer built at "
     ), str(info.value)
 
 

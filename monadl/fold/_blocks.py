@@ -9,7 +9,6 @@ batching stacks the rows of equal operations across nodes and inputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from typing import Any, Final, TypeVar, final
 
 import numpy as np
@@ -238,16 +237,18 @@ def _elements(block: Block[Any, Any], xs: Iterable[X]) -> Iterator[X]:
     neither it nor the input. So are a mapping (its iterator gives its keys
     alone: a JSON object sent to a list's case by mistake would be read as
     its keys) and a set (its order is its hashes')."""
-    if isinstance(xs, Mapping):
-        raise TypeError(
-            f"{block!r} takes a sequence, and was given {shown(xs)}, whose iteration gives its keys alone: "
-            "pass list(x.values()), list(x.items()) or list(x)"
-        )
-    if isinstance(xs, AbstractSet):
-        raise TypeError(
-            f"{block!r} takes a sequence, and was given {shown(xs)}, which has no order (its hashes'): "
-            "pass sorted(x), or list(x) where the order does not matter"
-        )
+    kind = type(xs)
+    if kind is not list and kind is not tuple:  # (the common inputs: no checks for them)
+        if isinstance(xs, Mapping):
+            raise TypeError(
+                f"{block!r} takes a sequence, and was given {shown(xs)}, whose iteration gives its keys alone: "
+                "pass list(x.values()), x.items() or list(x)"
+            )
+        if isinstance(xs, set | frozenset):  # (a dict's keys() and items() are sets in order: taken)
+            raise TypeError(
+                f"{block!r} takes a sequence, and was given {shown(xs)}, which has no order (its hashes'): "
+                "pass sorted(x), or list(x) where the order does not matter"
+            )
     try:
         return iter(xs)
     except TypeError:

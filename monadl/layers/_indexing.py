@@ -228,12 +228,11 @@ def _concatenate(*args: Any) -> tuple[Value, tuple[Vjp, ...]]:
         raise ValueError("zero-dimensional operands cannot be concatenated (ml.stack joins them)")
     for i, x in enumerate(arrays):
         if getattr(x, "ndim", 0) == 0:
-            shape = tuple(first.shape)
+            j = next(j for j, y in enumerate(arrays) if y is first)
             raise ValueError(
-                f"part {i} ({describe((x,))}) is zero-dimensional, the others have {first.ndim} "
-                f"dimension{'s' if first.ndim > 1 else ''}: "
-                f"give it theirs (a number meant as a row: np.full({shape}, {x!r}); Python's sum() of no "
-                f"layers is the int 0: np.zeros({shape}) where there is nothing to sum)"
+                f"part {i} ({describe((x,))}) is zero-dimensional and part {j} ({describe((first,))}) is not: "
+                "concatenate joins parts of one number of dimensions (Python's sum() of no layers is the int 0: "
+                "where there is nothing to sum, give zeros of the sum's shape)"
             )
     xp = namespace(first)
     ndim, bounds, start = first.ndim, [], 0

@@ -122,7 +122,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update(g: Tensor, state: AdamState, p: Tensor) -> tuple[Tensor, AdamState]:
         count = state.step + 1
         if _alike(g, state.mu, state.nu):
-            # The same arithmetic, in place into arrays made here: 5 weight-sized
+            # The same arithmetic, in place into arrays made here: 6 weight-sized
             # arrays a step, not 12 (bit for bit the same: no cast, no broadcast).
             mu = state.mu * b1
             t = g * (1 - b1)

@@ -181,7 +181,7 @@ def test_a_sequence_block_refuses_a_mapping_and_a_set_saying_what_to_pass(block:
         block({"ab": [1, 2, 3], "cde": 4})
     assert str(info.value) == (
         f"{name} takes a sequence, and was given {{'ab': [1, 2, 3], 'cde': 4}} (a dict), whose iteration gives "
-        "its keys alone: pass list(x.values()), list(x.items()) or list(x)"
+        "its keys alone: pass list(x.values()), x.items() or list(x)"
     )
     with pytest.raises(TypeError) as info:
         block(frozenset({3}))
@@ -190,6 +190,9 @@ def test_a_sequence_block_refuses_a_mapping_and_a_set_saying_what_to_pass(block:
         "hashes'): pass sorted(x), or list(x) where the order does not matter"
     )
     assert Map(InputTransform(len))(("ab", "c")) == [2, 1]  # (a tuple, a sequence, as before)
+    # (a dict's keys and items are in its order: taken, as before)
+    assert Map(InputTransform(len))({"ab": 1, "c": 2}.keys()) == [2, 1]  # type: ignore[arg-type]  # (a view: no Sequence)
+    assert Map(InputTransform(len))({"ab": 1, "c": 2}.items()) == [2, 2]  # type: ignore[arg-type]  # (a view: no Sequence)
 
 
 def _line_of(text: str) -> int:

@@ -427,15 +427,15 @@ def test_blocks_in_examples_evaluated_together_are_said_not_to_batch_across(capl
     assert got == pytest.approx(expected, rel=1e-13)
     said = [r.getMessage() for r in caplog.records]
     assert any(
-        "the nodes of 8 ml.loom() blocks and 8 reads of their calls' outputs: each block runs its own calls batched, "
-        "not with another block's (a block in each of many examples" in m
+        "the nodes of 8 ml.loom() blocks and 8 reads of their calls' outputs: each block runs its own calls, by "
+        "depth, not with another block's (a block in each of many examples" in m
         for m in said
     )
     assert not any("with no signature" in m for m in said)
     assert any("1 with an output of another loom's calls (another ml.loom() block's" in m for m in said)
 
 
-def test_one_blocks_node_is_said_to_run_its_calls_batched(caplog: pytest.LogCaptureFixture) -> None:
+def test_one_blocks_node_is_said_to_run_its_calls_itself(caplog: pytest.LogCaptureFixture) -> None:
     """A graph over one block's outputs whose other nodes have no partner: the
     log said its 21 nodes and reads were "of ml.loom() blocks, whose calls
     batch within their block, not across blocks", with advice for a block in
@@ -448,7 +448,7 @@ def test_one_blocks_node_is_said_to_run_its_calls_batched(caplog: pytest.LogCapt
         anyio.run(loss.predict)
     (said,) = [r.getMessage() for r in caplog.records if "ml.loom() block" in r.getMessage()]
     assert (
-        "; the node of an ml.loom() block, which ran its calls batched itself, and 20 reads of its calls' outputs"
+        "; the node of an ml.loom() block (its calls run inside it, by depth) and 20 reads of its calls' outputs"
         in said
     )
     assert "many examples" not in said and "blocks" not in said

@@ -274,7 +274,7 @@ def _adam_by_formula(g: Any, state: Any, b1: float = 0.9, b2: float = 0.999, eps
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(7,), (5, 3)])
 def test_adams_update_in_place_is_the_formula_bit_for_bit(dtype: Any, shape: tuple[int, ...]) -> None:
-    # NumPy arrays of one dtype and shape are updated in place into fresh arrays (5 a step, not 12):
+    # NumPy arrays of one dtype and shape are updated in place into fresh arrays (6 a step, not 12):
     # the same numbers, overflowing moments (float16) included, and the step's state is new arrays.
     rng = np.random.default_rng(3)
     transform = optim.scale_by_adam()

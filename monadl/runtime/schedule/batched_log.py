@@ -152,16 +152,16 @@ def _why_alone(alone: Alone, records: Any, where: Any) -> str:
         said.append(f"{alone.coarse} in groups of coarse members (MAX_MEMBER_SIZE), which batching would not speed")
     if alone.unsigned:
         said.append(f"{alone.unsigned} with no signature (a plain number or another library's array among operands)")
+    reads = f"{alone.reads} read{'' if alone.reads == 1 else 's'}"
     if alone.looms == 1:
         said.append(
-            f"the node of an ml.loom() block, which ran its calls batched itself, and {alone.reads} reads of its "
-            "calls' outputs"
+            f"the node of an ml.loom() block (its calls run inside it, by depth) and {reads} of its calls' outputs"
         )
     elif alone.looms or alone.reads:
         said.append(
-            f"the nodes of {alone.looms} ml.loom() blocks and {alone.reads} reads of their calls' outputs: each block "
-            "runs its own calls batched, not with another block's (a block in each of many examples evaluated "
-            "together: make one block around them all, or none)"
+            f"the nodes of {alone.looms} ml.loom() blocks and {reads} of their calls' outputs: each block runs its own "
+            "calls, by depth, not with another block's (a block in each of many examples evaluated together: make "
+            "one block around them all, or none)"
         )
     return f": {'; '.join(said)}" if said else ""
 
