@@ -181,8 +181,8 @@ def test_other_errors_of_an_operation_name_its_function_without_a_counter() -> N
         anyio.run(ml.sum(bad).predict)
     message = str(info.value)
     assert message.startswith(
-        "test_other_errors_of_an_operation_name_its_function_without_a_counter.<locals>.misfit:"
-        f" cannot take float64[2] (add of float64[2], float64[3] at {HERE}:{line_of('MISFIT')}: "
+        "test_other_errors_of_an_operation_name_its_function_without_a_counter.<locals>.misfit"
+        f" (called on float64[2]): add of float64[2], float64[3] at {HERE}:{line_of('MISFIT')}: "
     )
     assert "#" not in message and "#" not in repr(bad)
 
