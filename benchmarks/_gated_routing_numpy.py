@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
+from benchmarks._shift_reduce_numpy import _cross_entropy
 from monadl.layers._products import product
 
 if TYPE_CHECKING:
@@ -178,17 +179,6 @@ def _softmax(z: Array) -> Array:
     e = np.exp(z - z.max(axis=1, keepdims=True))
     e /= e.sum(axis=1, keepdims=True)
     return e
-
-
-def _cross_entropy(logits: Array, labels: Array) -> tuple[Array, Array]:
-    """Per row: the negative log-likelihood of its label, and its delta
-    ``softmax - one_hot`` (not yet divided by the batch)."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    rows = np.arange(len(labels))
-    d = np.exp(log_p)
-    d[rows, labels] -= 1.0
-    return -log_p[rows, labels], d
 
 
 def check(router: Router, x: Array, labels: Array) -> float:

@@ -157,6 +157,19 @@ def timing(hidden: int, batch: int, rounds: int, steps: int, device: str = "cpu"
             by_hand.train(sentences)
 
         contenders |= {"hand 1-by-1": (hand_one_by_one, None), "hand batched": (hand_together, None)}
+    return alternating(contenders, rounds, steps, clock)
+
+
+def alternating(
+    contenders: dict[str, tuple[Callable[[], Any], bool | None]],
+    rounds: int,
+    steps: int,
+    clock: Callable[[], float] = _clock,
+) -> dict[str, float]:
+    """Each contender's least ``clock`` seconds of one ``anyio.run`` of its
+    coroutine (under its batching setting), over ``steps`` steps in each of
+    ``rounds`` rounds after one that warms up, the rounds in turn forwards
+    and backwards so that all see the same machine noise."""
     best = dict.fromkeys(contenders, float("inf"))
     names = list(contenders)
     for r in range(rounds + 1):  # round 0 warms up

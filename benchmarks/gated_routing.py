@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
@@ -55,6 +54,7 @@ import anyio
 import numpy as np
 
 import monadl as ml
+from benchmarks.control_flow import alternating
 from monadl.runtime import entry
 
 DTYPE: type[np.floating[Any]] = np.float32
@@ -296,19 +296,7 @@ def timing(hidden: int, batch: int, rounds: int, steps: int) -> dict[str, float]
         "hand 1-by-1": (hand_one_by_one, None),
         "hand batched": (hand_together, None),
     }
-    best = dict.fromkeys(contenders, float("inf"))
-    names = list(contenders)
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in names if r % 2 else names[::-1]:
-            run, batching = contenders[name]
-            with ml.settings(batching=batching):
-                for _ in range(steps):
-                    t0 = time.process_time()
-                    anyio.run(run)
-                    elapsed = time.process_time() - t0
-                    if r:
-                        best[name] = min(best[name], elapsed)
-    return best
+    return alternating(contenders, rounds, steps)
 
 
 def main() -> None:
