@@ -18,7 +18,7 @@ import pytest
 
 import monadl as ml
 from monadl.deltas import Outer
-from monadl.layers import _batching_rules
+from monadl.layers import _batching_rules, _structures
 from monadl.layers._products import product
 from monadl.layers._program import Program
 from monadl.layers._structures import flatten
@@ -1612,3 +1612,76 @@ def test_a_dtype_refused_inside_a_cell_names_the_call_as_a_shape_does() -> None:
     with pytest.raises(ml.DTypeError) as caught:
         anyio.run(ml.sum(out).predict)
     assert str(caught.value).endswith(f", inside the operation {cell.__name__} called at {call}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Pair:
+    h: ml.ArrayLayer
+    c: ml.ArrayLayer
+
+
+@dataclass(frozen=True, slots=True)
+class _Counted:
+    h: ml.ArrayLayer
+
+    def __post_init__(self) -> None:
+        _made.append("counted")
+
+
+@dataclass(slots=True)
+class _Watched:
+    h: ml.ArrayLayer
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _made.append(name)
+        object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class _Unslotted:
+    h: ml.ArrayLayer
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Named:
+    h: ml.ArrayLayer
+    c: ml.ArrayLayer
+
+
+_made: list[str] = []
+
+
+@pytest.mark.anyio
+async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
+    # A frozen slotted dataclass (a cell's state) is made per call by its slots' stores, not its
+    # constructor (half the time); one whose constructor does more than store its fields is made by it,
+    # every call; a keyword-only one by name (positionally it was a TypeError at every call).
+    w = ml.Weight(np.array([1.0, 2.0]))
+    pair = ml.operation(lambda x: _Pair(ml.tanh(x * w), x * w))
+    for _ in range(2):  # (the first call traces, the second is made from the trace)
+        made = pair(np.ones(2))
+        assert type(made) is _Pair
+        np.testing.assert_allclose(await made.h.predict(), np.tanh([1.0, 2.0]))
+        np.testing.assert_allclose(await made.c.predict(), [1.0, 2.0])
+    assert _structures._maker(_Pair) is not _Pair
+    got = await ml.gradients(ml.sum(made.h) + ml.sum(made.c), [w])
+    np.testing.assert_allclose(got[0], 1.0 - np.tanh([1.0, 2.0]) ** 2 + 1.0)
+    stores: dict[type[_Counted | _Watched | _Unslotted], list[str]] = {
+        _Counted: ["counted"],
+        _Watched: ["h"],
+        _Unslotted: [],
+    }
+    for kind, stored in stores.items():
+        op = ml.operation(lambda x, kind=kind: kind(ml.tanh(x * w)))
+        op(np.ones(2))
+        _made.clear()
+        out = op(np.ones(2))
+        assert type(out) is kind
+        assert _made == stored
+        np.testing.assert_allclose(await out.h.predict(), np.tanh([1.0, 2.0]))
+        assert _structures._maker(kind) is kind
+    named = ml.operation(lambda s: _Named(h=s.c * 2.0, c=s.h))
+    for _ in range(2):
+        swapped = named(_Named(h=ml.tanh(w), c=w * 3.0))
+        np.testing.assert_allclose(await swapped.h.predict(), [6.0, 12.0])
+        np.testing.assert_allclose(await swapped.c.predict(), np.tanh([1.0, 2.0]))
