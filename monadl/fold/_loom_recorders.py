@@ -230,6 +230,7 @@ def _source(structure: _Structure) -> str:
         "    last = [(None, -1)]  # (the line of the last call, and its site)",
         "    inputs, groups, thread, base, sites = loom.inputs, loom.groups, loom.thread, loom.base, loom.sites",
         "    seen, unchanged, op_site, evictions = op._seen, op._unchanged, op._site, op._evictions",
+        "    appends = {}  # (per depth, its group's appends: no key made and hashed, no method looked up, per call)",
         *[f"    k{n} = kinds[{n}]" for n in range(len(nested))],
         *[f"    (s{n}, d{n}) = arrays[{n}]" for n in range(sum(kind is np.ndarray for _, kind in parts))],
         "    def record(args):",
@@ -266,10 +267,14 @@ def _source(structure: _Structure) -> str:
         lines += [f"        if p{i}[1] >= depth:", f"            depth = p{i}[1] + 1"]
     operands = ", ".join(f"p{i}[0]" if parts[i][1] is Layer else f"x{i}" for i in used)
     lines += [
-        "        group = groups.get((depth, key))",
-        "        if group is None:",
-        "            group = groups[(depth, key)] = Group(trace, key, depth, op_site)",
-        f"        group.members.append([{operands}])",
+        "        found = appends.get(depth)",
+        "        if found is None:",
+        "            group = groups.get((depth, key))",
+        "            if group is None:",
+        "                group = groups[(depth, key)] = Group(trace, key, depth, op_site)",
+        "            found = appends[depth] = group.members.append, group.sites.append, group.firsts.append",
+        "        add_member, add_site, add_first = found",
+        f"        add_member([{operands}])",
     ]
     if own_site:  # (as `Loom.record` finds it; the last call's line kept: a tree's calls come from two lines)
         lines += [
@@ -280,11 +285,11 @@ def _source(structure: _Structure) -> str:
             "                frame = frame.f_back",
             "            line = (frame.f_code, frame.f_lasti)",
             "            site = last[0] = sites.setdefault(line, line)",
-            "        group.sites.append(site)",
+            "        add_site(site)",
         ]
     else:
         lines.append("        site = op_site")
-    lines += ["        serial = next_serial()", "        first = serial - base", "        group.firsts.append(first)"]
+    lines += ["        serial = next_serial()", "        first = serial - base", "        add_first(first)"]
     for k in range(outputs):
         lines += [
             f"        o{k} = new(Layer)",
