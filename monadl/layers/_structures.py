@@ -67,8 +67,8 @@ def _fields(kind: type) -> tuple[str, ...]:
             setters = _slot_setters(kind, found)
             if setters is not None:
                 _MAKERS[kind] = _slotted(kind, setters)
-            elif any(f.kw_only for f in fields):  # (given by name: positionally, a TypeError at every call)
-                _MAKERS[kind] = _by_name(kind, found)
+            elif any(f.kw_only for f in fields) and _generated_init(kind) is not None:
+                _MAKERS[kind] = _by_name(kind, found)  # (positionally, a TypeError at every call)
             else:
                 _MAKERS[kind] = kind
         if found:
@@ -108,11 +108,23 @@ def _by_name(kind: type, names: tuple[str, ...]) -> Callable[..., Any]:
     return make
 
 
+def _generated_init(kind: type) -> types.CodeType | None:
+    """The code of ``kind``'s own ``__init__`` where dataclasses wrote it (not
+    one written in the class or its subclass), else None. Read once per
+    class (`_fields`): an ``__init__`` set on the class after its first use
+    is not seen."""
+    code = getattr(kind.__dict__.get("__init__"), "__code__", None)
+    if code is None or code.co_filename != "<string>" or code.co_qualname != "__create_fn__.<locals>.__init__":
+        return None
+    return code  # type: ignore[no-any-return]
+
+
 def _slot_setters(kind: type, names: tuple[str, ...]) -> list[Callable[[Any, Any], None]] | None:
     """Where ``kind(*values)`` does nothing but store each field in its slot,
     the slots' setters; else None. So for a dataclass whose constructor is
-    its generated one, frozen (a frozen class's constructor stores past its
-    ``__setattr__``) or with ``__setattr__`` not its own, with no
+    its generated one, called by ``type.__call__`` (no metaclass's own),
+    frozen (a frozen class's constructor stores past its ``__setattr__``)
+    or with ``__setattr__`` not its own, with no
     ``__post_init__``, no `InitVar` or keyword-only field, ``__new__`` not
     its own, and every field in a slot (``slots=True``). A frozen slotted
     dataclass's constructor costs 2-3 times its stores (it calls
@@ -129,12 +141,11 @@ def _slot_setters(kind: type, names: tuple[str, ...]) -> list[Callable[[Any, Any
     (False, False)
     """
     params = getattr(kind, "__dataclass_params__", None)
-    init = kind.__dict__.get("__init__")
-    code = getattr(init, "__code__", None)
+    code = _generated_init(kind)
     if (
         params is None
         or code is None
-        or code.co_filename != "<string>"  # (dataclasses' own, not one written in the class)
+        or type(kind).__call__ is not type.__call__  # (a metaclass's own call: it may do more)
         or code.co_argcount != len(names) + 1
         or code.co_kwonlyargcount
         or hasattr(kind, "__post_init__")

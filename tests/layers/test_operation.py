@@ -1648,6 +1648,22 @@ class _Named:
     c: ml.ArrayLayer
 
 
+class _Positional(_Named):
+    def __init__(self, h_in: ml.ArrayLayer, c_in: ml.ArrayLayer) -> None:  # (its own: takes them by position)
+        super().__init__(h=h_in, c=c_in)
+
+
+class _Counting(type):
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        _made.append("metaclass")
+        return super().__call__(*args, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class _Metered(metaclass=_Counting):
+    h: ml.ArrayLayer
+
+
 _made: list[str] = []
 
 
@@ -1666,7 +1682,8 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
     assert _structures._maker(_Pair) is not _Pair
     got = await ml.gradients(ml.sum(made.h) + ml.sum(made.c), [w])
     np.testing.assert_allclose(got[0], 1.0 - np.tanh([1.0, 2.0]) ** 2 + 1.0)
-    stores: dict[type[_Counted | _Watched | _Unslotted], list[str]] = {
+    stores: dict[type[_Counted | _Watched | _Unslotted | _Metered], list[str]] = {
+        _Metered: ["metaclass"],
         _Counted: ["counted"],
         _Watched: ["h"],
         _Unslotted: [],
@@ -1685,3 +1702,10 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
         swapped = named(_Named(h=ml.tanh(w), c=w * 3.0))
         np.testing.assert_allclose(await swapped.h.predict(), [6.0, 12.0])
         np.testing.assert_allclose(await swapped.c.predict(), np.tanh([1.0, 2.0]))
+    # A subclass of a keyword-only dataclass with a constructor of its own is made by it, positionally.
+    positional = ml.operation(lambda s: _Positional(s.c * 2.0, s.h))
+    for _ in range(2):
+        swapped = positional(_Positional(ml.tanh(w), w * 3.0))
+        assert type(swapped) is _Positional
+        np.testing.assert_allclose(await swapped.h.predict(), [6.0, 12.0])
+    assert _structures._maker(_Positional) is _Positional
