@@ -114,6 +114,8 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
             build.done(_next_serial())
     finally:  # (its closures hold the runner: a cycle a batch, 13 MB of them in a soak test, till a collection)
         runner.closures.clear()
+        for table in runner.tables:  # (and a recursive route's table holds itself, its loom with it: the same)
+            table.clear()
         if loom is not None:  # (as its recorders hold the loom: `monadl.fold._loom_recorders`)
             loom.recorders.clear()
         runner.trail = _Trail()
@@ -124,10 +126,11 @@ def run(block: Block[X, Y], xs: Iterable[X], batch: bool = True, site: Site | No
 class _Runner:
     """The closures of one run, by block, and the routes and builds now open."""
 
-    __slots__ = ("closures", "depth", "loom", "trail")
+    __slots__ = ("closures", "depth", "loom", "tables", "trail")
 
     def __init__(self, loom: Loom | None = None) -> None:
         self.closures: dict[Block[Any, Any], Run] = {}
+        self.tables: list[dict[Any, tuple[Run, Any]]] = []  # (the routes': `run` clears them, as the closures)
         self.depth = 0
         self.trail = _Trail()
         self.loom = loom  # (a batch's: its `Function` blocks' calls are recorded there)
@@ -185,6 +188,7 @@ class _Runner:
         (an error's path names its case: `Case`); ``first``: made of the
         input first (a composition's), as one closure."""
         table: dict[Any, tuple[Run, Any]] = {}
+        self.tables.append(table)
         compiled, trail = self.compiled, self.trail
 
         def routed(x: Any) -> Any:

@@ -717,3 +717,34 @@ def test_a_batch_leaves_no_cycle_to_collect() -> None:
     finally:
         gc.enable()
     assert alive == 0
+
+
+def test_a_recursive_batch_leaves_no_cycle_to_collect() -> None:
+    # A recursive route's table of closures holds the route itself (a tree's node, through its
+    # children's), and with it the batch's loom and its calls' operands: 8,400 objects a Tree-LSTM batch
+    # of 32 trees left to the collector, whose pass came every tenth step and took 40 ms.
+    import gc
+
+    from monadl.fold._loom import Loom
+    from monadl.fold._run import _Runner
+
+    w = ml.Weight(np.eye(2))
+    tree = ForwardDeclaration[Any, ml.ArrayLayer]()
+    leaf = InputTransform[Any, ml.Array](lambda t: np.array([float(t), 1.0])) >> Function[ml.Array, ml.ArrayLayer](
+        ml.tanh
+    )
+    pair = AllOf(InputTransform[Any, Any](lambda t: t[0]) >> tree, InputTransform[Any, Any](lambda t: t[1]) >> tree)
+    node = pair >> Function[tuple[ml.ArrayLayer, ml.ArrayLayer], ml.ArrayLayer](lambda ab: ml.tanh((ab[0] + ab[1]) @ w))
+    tree.resolve_to(OneOf[Any, ml.ArrayLayer](lambda t: isinstance(t, tuple), {False: leaf, True: node}))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            roots = tree.batch([(1, (2, 3)), ((4, 5), 6)])
+        alive = sum(type(o) in (_Runner, Loom) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0
+    np.testing.assert_allclose(
+        anyio.run(roots[1].predict), np.tanh(np.tanh(np.tanh([4.0, 1.0]) + np.tanh([5.0, 1.0])) + np.tanh([6.0, 1.0]))
+    )
