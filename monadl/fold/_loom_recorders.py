@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 import numpy as np
 
 from monadl.fold._loom_run import SLOT
+from monadl.layers._dataclasses import fields
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._plans import same
 from monadl.layers._recording import MISS
 from monadl.layers._site import PACKAGE_DIR
-from monadl.layers._structures import _fields
 
 if TYPE_CHECKING:
     from monadl.fold._loom import Loom
@@ -158,7 +158,7 @@ def _walk(
             name.isidentifier()
             and not keyword.iskeyword(name)
             and _walk(getattr(x, name), f"{at}.{name}", parts, nested, read, level + 1)
-            for name in _fields(kind)
+            for name in fields(kind)
         )
     return False
 

@@ -13,8 +13,6 @@ rebuild a traced function's result around each call's nodes.
 from __future__ import annotations
 
 import dataclasses
-import operator
-import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
@@ -22,6 +20,9 @@ import numpy as np
 
 from monadl._namespace import is_array
 from monadl.errors import OperandError
+from monadl.layers._dataclasses import READERS as _READERS
+from monadl.layers._dataclasses import fields as _fields
+from monadl.layers._dataclasses import maker as _maker
 from monadl.layers._layer import Expr, Layer
 from monadl.layers._outputs import OUTPUT
 from monadl.layers._weight import Weight
@@ -51,142 +52,6 @@ DATA: Final = "data"  # an array or a float: an operand without one
 
 
 # ---- structures of arguments and results ------------------------------------------------------
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _fields(kind: type) -> tuple[str, ...]:
-    """A dataclass's fields, those its constructor does not take included
-    (looked up once per class; `_maker` rebuilds it from them)."""
-    found = _FIELDS.get(kind)
-    if found is None:
-        fields = dataclasses.fields(kind)
-        found = _FIELDS[kind] = tuple(f.name for f in fields)
-        if not all(f.init for f in fields):
-            _MAKERS[kind] = _setter(kind, found)
-        else:  # (what does its constructor's work in half the time, where it can: a cell's state, made per call)
-            setters = _slot_setters(kind, found)
-            if setters is not None:
-                _MAKERS[kind] = _slotted(kind, setters)
-            elif any(f.kw_only for f in fields) and _generated_init(kind) is not None:
-                _MAKERS[kind] = _by_name(kind, found)  # (positionally, a TypeError at every call)
-            else:
-                _MAKERS[kind] = kind
-        if found:
-            get = operator.attrgetter(*found)
-            _READERS[kind] = get if len(found) > 1 else lambda x: (get(x),)
-    return found
-
-
-_MAKERS: dict[type, Callable[..., Any]] = {}
-
-
-def _maker(kind: type) -> Callable[..., Any]:
-    """What makes a dataclass from its `_fields`' values: its constructor;
-    where some fields are not the constructor's (``field(init=False)``), a
-    new object with each field set (the constructor would give them their
-    defaults: a value the function did not see, silently); where some are
-    keyword-only, the constructor given each by name; where the constructor
-    only stores each in its slot, those stores (`_slot_setters`)."""
-    _fields(kind)
-    return _MAKERS[kind]
-
-
-def _setter(kind: type, names: tuple[str, ...]) -> Callable[..., Any]:
-    def make(*values: Any) -> Any:
-        made: Any = object.__new__(kind)
-        for name, value in zip(names, values):
-            object.__setattr__(made, name, value)  # (a frozen dataclass's too)
-        return made
-
-    return make
-
-
-def _by_name(kind: type, names: tuple[str, ...]) -> Callable[..., Any]:
-    def make(*values: Any) -> Any:
-        return kind(**dict(zip(names, values)))
-
-    return make
-
-
-def _generated_init(kind: type) -> types.CodeType | None:
-    """The code of ``kind``'s own ``__init__`` where dataclasses wrote it (not
-    one written in the class or its subclass), else None. Read once per
-    class (`_fields`): an ``__init__`` set on the class after its first use
-    is not seen."""
-    code = getattr(kind.__dict__.get("__init__"), "__code__", None)
-    if code is None or code.co_filename != "<string>" or code.co_qualname != "__create_fn__.<locals>.__init__":
-        return None
-    return code  # type: ignore[no-any-return]
-
-
-def _slot_setters(kind: type, names: tuple[str, ...]) -> list[Callable[[Any, Any], None]] | None:
-    """Where ``kind(*values)`` does nothing but store each field in its slot,
-    the slots' setters; else None. So for a dataclass whose constructor is
-    its generated one, called by ``type.__call__`` (no metaclass's own),
-    frozen (a frozen class's constructor stores past its ``__setattr__``)
-    or with ``__setattr__`` not its own, with no
-    ``__post_init__``, no `InitVar` or keyword-only field, ``__new__`` not
-    its own, and every field in a slot (``slots=True``). A frozen slotted
-    dataclass's constructor costs 2-3 times its stores (it calls
-    ``object.__setattr__`` by name per field), and an operation's call makes
-    its result per call: 8,000 a Tree-LSTM's batch.
-
-    >>> @dataclasses.dataclass(frozen=True, slots=True)
-    ... class State:
-    ...     h: int
-    ...     c: int
-    >>> _maker(State)(1, 2)
-    State(h=1, c=2)
-    >>> _maker(State) is State, _slot_setters(State, ("h", "c")) is None
-    (False, False)
-    """
-    params = getattr(kind, "__dataclass_params__", None)
-    code = _generated_init(kind)
-    if (
-        params is None
-        or code is None
-        or type(kind).__call__ is not type.__call__  # (a metaclass's own call: it may do more)
-        or code.co_argcount != len(names) + 1
-        or code.co_kwonlyargcount
-        or hasattr(kind, "__post_init__")
-        or vars(object)["__new__"] is not getattr(kind, "__new__", None)
-        or not (params.frozen or getattr(kind, "__setattr__", None) is vars(object)["__setattr__"])
-    ):
-        return None
-    setters: list[Callable[[Any, Any], None]] = []
-    for name in names:
-        slot = next((base.__dict__[name] for base in kind.__mro__ if name in base.__dict__), None)
-        if type(slot) is not types.MemberDescriptorType:
-            return None
-        setters.append(slot.__set__)
-    return setters
-
-
-def _slotted(kind: type, setters: list[Callable[[Any, Any], None]]) -> Callable[..., Any]:
-    """``kind(*values)`` as `_slot_setters` found it: a new object, each value in its slot."""
-    new: Callable[[type], Any] = object.__new__
-    if len(setters) == 2:  # (a cell's state, ``State(h, c)``: unrolled)
-        first, second = setters
-
-        def two(a: Any, b: Any) -> Any:
-            made = new(kind)
-            first(made, a)
-            second(made, b)
-            return made
-
-        return two
-
-    def make(*values: Any) -> Any:
-        if len(values) != len(setters):  # (as the constructor refuses)
-            return kind(*values)
-        made = new(kind)
-        for store, value in zip(setters, values):
-            store(made, value)
-        return made
-
-    return make
-
-
 _STATIC: Final = frozenset({int, bool, str, type(None)})
 _STATIC_SCALARS: Final = (np.integer, np.bool_)  # (NumPy's ints and bools, by value as Python's; its floats are data)
 
@@ -278,10 +143,6 @@ def items(xs: Iterable[Any], leaves: list[Any], keep: list[Any], views: list[int
             else:
                 shape.append(flatten(y, leaves, keep, views))
     return tuple(shape)
-
-
-_READERS: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-"""Per dataclass seen by `_fields`: its fields' values as a tuple, read in C."""
 
 
 LEAVES: Final = frozenset({Layer, Weight, np.ndarray, float})

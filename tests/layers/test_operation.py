@@ -18,7 +18,7 @@ import pytest
 
 import monadl as ml
 from monadl.deltas import Outer
-from monadl.layers import _batching_rules, _structures
+from monadl.layers import _batching_rules, _dataclasses
 from monadl.layers._products import product
 from monadl.layers._program import Program
 from monadl.layers._structures import flatten
@@ -1679,7 +1679,7 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
         assert type(made) is _Pair
         np.testing.assert_allclose(await made.h.predict(), np.tanh([1.0, 2.0]))
         np.testing.assert_allclose(await made.c.predict(), [1.0, 2.0])
-    assert _structures._maker(_Pair) is not _Pair
+    assert _dataclasses.maker(_Pair) is not _Pair
     got = await ml.gradients(ml.sum(made.h) + ml.sum(made.c), [w])
     np.testing.assert_allclose(got[0], 1.0 - np.tanh([1.0, 2.0]) ** 2 + 1.0)
     stores: dict[type[_Counted | _Watched | _Unslotted | _Metered], list[str]] = {
@@ -1696,7 +1696,7 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
         assert type(out) is kind
         assert _made == stored
         np.testing.assert_allclose(await out.h.predict(), np.tanh([1.0, 2.0]))
-        assert _structures._maker(kind) is kind
+        assert _dataclasses.maker(kind) is kind
     named = ml.operation(lambda s: _Named(h=s.c * 2.0, c=s.h))
     for _ in range(2):
         swapped = named(_Named(h=ml.tanh(w), c=w * 3.0))
@@ -1708,4 +1708,4 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
         swapped = positional(_Positional(ml.tanh(w), w * 3.0))
         assert type(swapped) is _Positional
         np.testing.assert_allclose(await swapped.h.predict(), [6.0, 12.0])
-    assert _structures._maker(_Positional) is _Positional
+    assert _dataclasses.maker(_Positional) is _Positional
