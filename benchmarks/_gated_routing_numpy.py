@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
+from benchmarks._adam_numpy import adam
 from benchmarks._shift_reduce_numpy import _cross_entropy
 from monadl.layers._products import product
 
@@ -151,16 +152,9 @@ class Model:
     def step(self, grads: dict[str, Array]) -> None:
         """Adam as ``torch.optim.Adam`` takes it (betas 0.9, 0.999; eps 1e-8),
         on the weights in ``grads`` only, each with its own step count."""
-        b1, b2 = 0.9, 0.999
         for k, g in grads.items():
             self.steps[k] += 1
-            t = self.steps[k]
-            m, v = self.moments[k]
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            self.w[k] -= (self.rate / (1 - b1**t)) * m / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+            adam(self.w[k], *self.moments[k], g, self.rate, self.steps[k])
 
     def train(self, x: Array, labels: Array) -> float:
         """One step: the batch's loss and gradients, then Adam."""

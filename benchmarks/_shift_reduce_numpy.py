@@ -26,6 +26,7 @@ from typing import Any, final
 
 import numpy as np
 
+from benchmarks._adam_numpy import adam
 from examples.shift_reduce import REDUCE, SHIFT, Parser, Sentence
 from monadl.layers._products import product
 
@@ -259,7 +260,6 @@ class Model:
         the table lazily, as monadl steps an embedding's sparse delta: only
         the rows of ``tokens`` (the ones looked up) and their moments."""
         self.steps += 1
-        b1, b2, t = 0.9, 0.999, self.steps
         for k, g in grads.items():
             m, v = self.moments[k]
             if k == "table":
@@ -267,11 +267,7 @@ class Model:
                 weight, m, v, g = self.w[k][rows], m[rows], v[rows], g[rows]
             else:
                 weight = self.w[k]
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            weight -= (self.rate / (1 - b1**t)) * m / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+            adam(weight, m, v, g, self.rate, self.steps)
             if k == "table":
                 self.w[k][rows], self.moments[k][0][rows], self.moments[k][1][rows] = weight, m, v
 

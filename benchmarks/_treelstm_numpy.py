@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 
 import monadl as ml
+from benchmarks._adam_numpy import adam
 from benchmarks._treelstm_torch import Schedule, schedule
 from examples.tree_lstm import Tree, labels
 
@@ -143,14 +144,8 @@ class _Model:
     def step(self, grads: Weights) -> None:
         """Adam as ``torch.optim.Adam`` takes it (betas 0.9, 0.999; eps 1e-8)."""
         self.steps += 1
-        b1, b2, t = 0.9, 0.999, self.steps
         for k, g in grads.items():
-            m, v = self.moments[k]
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            self.w[k] -= (self.rate / (1 - b1**t)) * m / (np.sqrt(v / (1 - b2**t)) + 1e-8)
+            adam(self.w[k], *self.moments[k], g, self.rate, self.steps)
 
 
 def _gather(states: list[ml.Array], plan: Schedule, nodes: ml.Array) -> ml.Array:
