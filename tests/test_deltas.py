@@ -24,6 +24,17 @@ def test_scatter_add_sums_repeated_rows_as_add_at(rows: int) -> None:
     assert got.shape == (rows, 3, 2)
 
 
+@pytest.mark.parametrize("rows", [3, 300])  # (a one-hot product)
+@pytest.mark.parametrize("past", [3, -4])
+def test_an_index_past_a_small_table_raises_as_add_at(rows: int, past: int) -> None:
+    # The one-hot product matched no row for it and dropped its values, silently.
+    values = np.ones((rows, 640), np.float32)
+    with pytest.raises(IndexError):
+        np.add.at(np.zeros((3, 640), np.float32), np.full(rows, past), values)
+    with pytest.raises(IndexError):
+        scatter_add(np, np.zeros((3, 640), np.float32), np.full(rows, past), values)
+
+
 @pytest.mark.parametrize("parts", [[1] * 40, [300, 2, 90], [5, 700], [64, 64]])
 def test_sparse_rows_sum_their_parts_as_one_table(parts: list[int]) -> None:
     # Parts of many rows are summed one by one, parts of few rows joined first: the same sums,
