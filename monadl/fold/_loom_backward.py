@@ -71,7 +71,10 @@ def backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
             if source is None:  # (a weight's)
                 grads[rows] = g if grads[rows] is None else grads[rows] + g
             elif unique:
-                deltas[source][rows] += g
+                if reached[source][rows].any():  # (a row another reader sent a delta to)
+                    deltas[source][rows] += g
+                else:  # (the common case, a tree's: each output read once; one pass, not three)
+                    deltas[source][rows] = g
                 reached[source][rows] = True
             else:
                 np.add.at(deltas[source], rows, g)

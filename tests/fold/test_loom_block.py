@@ -452,3 +452,23 @@ def test_one_blocks_node_is_said_to_run_its_calls_itself(caplog: pytest.LogCaptu
         in said
     )
     assert "many examples" not in said and "blocks" not in said
+
+
+def test_an_output_read_by_two_groups_and_at_two_positions_gets_every_delta() -> None:
+    """A call's output read by two operations (two groups) and twice by one
+    call: each reader's delta adds to the others' (the first written, the
+    rest added), as the same calls built as nodes get them."""
+    w, cell = chain_cell(4)
+    v = ml.Weight(np.random.default_rng(5).normal(size=(3, 3)))
+    mix = ml.operation(lambda a, b: ml.tanh(a @ v) * b)
+
+    def loss(loom: bool) -> ml.ScalarLayer:
+        with ml.loom() if loom else contextlib.nullcontext():
+            hs = [cell(x) for x in rows(0.1, -0.2, 0.3)]
+            ends = [mix(h, h) + cell(h) for h in hs]  # (each column's slots distinct: scattered, not add.at)
+        return ml.sum(ml.concatenate(ends, axis=0) ** 2)
+
+    (v0, g0), (v1, g1) = (value_and_grads(loss(loom), [w, v]) for loom in (False, True))
+    assert v1 == pytest.approx(v0, rel=1e-12)
+    for a, b in zip(g0, g1):
+        np.testing.assert_allclose(dense(b), dense(a), rtol=1e-12, atol=1e-14)
