@@ -183,7 +183,7 @@ class Loom:
         group = self.groups.get(at)
         if group is None:
             group = self.groups[at] = Group(trace, key, depth, op._site)
-        group.members.append(operands)
+        group.add(operands)
         site: Any = op._site  # (a `Function`'s: where the block was made)
         if site is None:  # (a call in an ``ml.loom()`` block: the line that made it, as its node's would be)
             frame = _getframe(2)  # (this, `Operation.__call__`, then the caller)

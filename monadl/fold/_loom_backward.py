@@ -175,7 +175,7 @@ def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[An
         if all(g is None for g in outs):
             continue
         d = OutputsDelta(tuple(outs)) if len(outs) > 1 else outs[0]
-        operands = group.members[row]
+        operands = group.member(row)
         for p, x in enumerate(operands):
             if type(x) is int:
                 g = vjps[p](d)

@@ -45,7 +45,7 @@ class _Block:
             RECORDING.reset(self.token)
         loom.done()  # (on an error too: the calls recorded so far are a graph the user may still hold)
         if loom.unrecorded and _log.isEnabledFor(logging.DEBUG):
-            recorded = sum(len(g.members) for g in loom.groups.values())
+            recorded = sum(len(g.firsts) for g in loom.groups.values())
             _log.debug(
                 "the ml.loom() block at %s recorded %d calls and built %d as nodes: %s",
                 site_text(self.site),

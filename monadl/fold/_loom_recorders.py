@@ -63,12 +63,15 @@ _LEAVES: Final = 64  # (leaves a recorder reads; more: the path)
 
 @final
 class Group:
-    """The calls of one trace at one depth: per member its operands (a slot
-    or a data array, per leaf the program takes) and its first slot. A
-    call's slots are numbered from its first layer's number (less the
-    loom's), so that an error finds the input of the batch it was built for."""
+    """The calls of one trace at one depth: per operand position (per leaf
+    the program takes) the members' operands, each a slot or a data array,
+    and per member its first slot. A call's slots are numbered from its
+    first layer's number (less the loom's), so that an error finds the input
+    of the batch it was built for. Kept by position, not a list per member:
+    the schedule reads them so, and a call appends its operands with no list
+    made (a Tree-LSTM's batch: 8,000 lists made, transposed and freed)."""
 
-    __slots__ = ("depth", "firsts", "key", "members", "site", "sites", "trace")
+    __slots__ = ("columns", "depth", "firsts", "key", "site", "sites", "trace")
 
     def __init__(self, trace: Trace, key: int, depth: int, site: Site | None) -> None:
         self.trace = trace
@@ -76,8 +79,16 @@ class Group:
         self.depth = depth
         self.site = site  # (its block's line: where each of its calls was built)
         self.sites: list[Site] = []  # (else, per member, the line that called it: an ``ml.loom()`` block's)
-        self.members: list[list[Any]] = []
+        self.columns: list[list[Any]] = [[] for _ in trace.used]
         self.firsts: list[int] = []
+
+    def member(self, row: int) -> list[Any]:
+        """The operands of call ``row``."""
+        return [column[row] for column in self.columns]
+
+    def add(self, operands: list[Any]) -> None:
+        for column, x in zip(self.columns, operands):
+            column.append(x)
 
 
 class _Structure(NamedTuple):
@@ -265,16 +276,17 @@ def _source(structure: _Structure) -> str:
     lines.append("        depth = 0")
     for i in slots:
         lines += [f"        if p{i}[1] >= depth:", f"            depth = p{i}[1] + 1"]
-    operands = ", ".join(f"p{i}[0]" if parts[i][1] is Layer else f"x{i}" for i in used)
+    operands = [f"p{i}[0]" if parts[i][1] is Layer else f"x{i}" for i in used]
     lines += [
         "        found = appends.get(depth)",
         "        if found is None:",
         "            group = groups.get((depth, key))",
         "            if group is None:",
         "                group = groups[(depth, key)] = Group(trace, key, depth, op_site)",
-        "            found = appends[depth] = group.members.append, group.sites.append, group.firsts.append",
-        "        add_member, add_site, add_first = found",
-        f"        add_member([{operands}])",
+        "            found = appends[depth] = (group.sites.append, group.firsts.append,"
+        " *[column.append for column in group.columns])",
+        f"        (add_site, add_first, {''.join(f'c{p}, ' for p in range(len(used)))}) = found",
+        *[f"        c{p}({x})" for p, x in enumerate(operands)],
     ]
     if own_site:  # (as `Loom.record` finds it; the last call's line kept: a tree's calls come from two lines)
         lines += [

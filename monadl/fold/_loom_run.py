@@ -246,7 +246,7 @@ def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
     values: list[Any] = [None] * schedule.span
     value.values = values
     for plan, group, row in calls(schedule):
-        operands = [_operand(values, x, checked) for x in group.members[row]]
+        operands = [_operand(values, x, checked) for x in group.member(row)]
         args = (*operands, *[weights[j] for j in plan.weights])
         program = plan.program
         try:

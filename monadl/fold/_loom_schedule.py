@@ -39,7 +39,7 @@ class _Planned:
 
     def __init__(self, group: Group, weights: list[int]) -> None:
         self.group = group
-        self.n = len(group.members)
+        self.n = len(group.firsts)
         assert group.trace.op is not None
         self.program: Any = group.trace.op.rule
         self.weights = weights
@@ -84,8 +84,7 @@ class Schedule:
             return a
 
         # Per group, per operand position, the members' (slots as one array).
-        # (a list per position, not ``zip(*g.members)``: unpacking 4,000 members as arguments took twice as long)
-        columns = {id(g): [_slots([m[j] for m in g.members]) for j in range(len(g.members[0]))] for g in groups}
+        columns = {id(g): [_slots(column) for column in g.columns] for g in groups}
         for g in groups:
             for column in columns[id(g)]:
                 if type(column) is np.ndarray:

@@ -51,7 +51,13 @@ def groups_of(build: Callable[[], Any]) -> tuple[Any, list[Any]]:
         assert isinstance(loom, Loom)
         result = build()
     described = [
-        (at, g.trace is not None, g.members, [f - g.firsts[0] for f in g.firsts], g.sites)
+        (
+            at,
+            g.trace is not None,
+            [g.member(row) for row in range(len(g.firsts))],
+            [f - g.firsts[0] for f in g.firsts],
+            g.sites,
+        )
         for at, g in loom.groups.items()
     ]
     return described, result
