@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 import numpy as np
 
 from monadl.fold._loom_run import SLOT
-from monadl.layers._dataclasses import fields
+from monadl.layers._dataclasses import SLOTTED, fields
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._plans import same
 from monadl.layers._recording import MISS
@@ -177,7 +177,8 @@ def _walk(
 def _result(trace: Trace) -> str:
     """How a recorder makes a call's result from its slots: "output" (the
     one output is the result), "maker" (a dataclass or named tuple of every
-    output in order: ``maker(o0, o1)``, the template's maker), else by the
+    output in order: ``maker(o0, o1)``, the template's maker; "slots" where
+    that maker only stores them in its slots, `SLOTTED`: its stores), else by the
     trace's filler, given the call's leaves ("arguments": the result holds
     some of them) or not ("outputs")."""
     template, outputs = trace.template, trace.outputs
@@ -185,7 +186,7 @@ def _result(trace: Trace) -> str:
     if tag == "out":
         return "output" if outputs == 1 else "outputs"
     if tag == "call" and list(template[2]) == [("out", k) for k in range(outputs)]:
-        return "maker"
+        return "slots" if template[1] in SLOTTED else "maker"
     return "arguments" if _reads(template) else "outputs"
 
 
@@ -200,6 +201,7 @@ def _reads(template: Any) -> bool:
 
 _GLOBALS: Final = {
     "MISS": MISS,
+    "SLOTTED": SLOTTED,
     "SLOT": SLOT,
     "Layer": Layer,
     "ndarray": np.ndarray,
@@ -238,13 +240,19 @@ def _source(structure: _Structure) -> str:
     lines = [
         "def make(loom, op, trace, key, fill, kinds, arrays, Group):",
         "    maker = trace.template[1]",
-        "    last = [(None, -1)]  # (the line of the last call, and its site)",
+        *(
+            [f"    kind, ({''.join(f'store{k}, ' for k in range(outputs))}) = SLOTTED[maker]"]
+            if result == "slots"
+            else []
+        ),
+        "    site, code, at = None, None, -1  # (the last call's site: its line's code and instruction)",
         "    inputs, groups, thread, base, sites = loom.inputs, loom.groups, loom.thread, loom.base, loom.sites",
         "    seen, unchanged, op_site, evictions = op._seen, op._unchanged, op._site, op._evictions",
         "    appends = {}  # (per depth, its group's appends: no key made and hashed, no method looked up, per call)",
         *[f"    k{n} = kinds[{n}]" for n in range(len(nested))],
         *[f"    (s{n}, d{n}) = arrays[{n}]" for n in range(sum(kind is np.ndarray for _, kind in parts))],
         "    def record(args):",
+        *(["        nonlocal site, code, at"] if own_site else []),
         "        if loom.closed or get_ident() != thread or op._evictions != evictions:",
         "            return MISS",
         f"        if len(args) != {count}:",
@@ -291,12 +299,11 @@ def _source(structure: _Structure) -> str:
     if own_site:  # (as `Loom.record` finds it; the last call's line kept: a tree's calls come from two lines)
         lines += [
             "        frame = getframe(2)",
-            "        site = last[0]",
-            "        if frame.f_lasti != site[1] or frame.f_code is not site[0]:",
+            "        if frame.f_lasti != at or frame.f_code is not code:",
             "            while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:",
             "                frame = frame.f_back",
-            "            line = (frame.f_code, frame.f_lasti)",
-            "            site = last[0] = sites.setdefault(line, line)",
+            "            code, at = line = (frame.f_code, frame.f_lasti)",
+            "            site = sites.setdefault(line, line)",
             "        add_site(site)",
         ]
     else:
@@ -309,7 +316,11 @@ def _source(structure: _Structure) -> str:
             f"        o{k}._serial = {'serial' if k == 0 else 'next_serial()'}",
         ]
     outs = ", ".join(f"o{k}" for k in range(outputs))
-    if result == "maker":
+    if result == "slots":  # (`maker`'s own lines: a new object, each output in its slot)
+        lines.append("        made = new(kind)")
+        lines += [f"        store{k}(made, o{k})" for k in range(outputs)]
+        lines.append("        return made")
+    elif result == "maker":
         lines.append(f"        return maker({outs})")
     elif result == "output":
         lines.append("        return o0")

@@ -125,6 +125,12 @@ def _slot_setters(kind: type, names: tuple[str, ...]) -> list[Callable[[Any, Any
     return setters
 
 
+SLOTTED: dict[Callable[..., Any], tuple[type, tuple[Callable[[Any, Any], None], ...]]] = {}
+"""Per maker of two fields made by their slots' stores (`_slotted`), its
+class and the stores: a loom's recorder makes such a result in its own
+lines, one call less per call (`monadl.fold._loom_recorders`)."""
+
+
 def _slotted(kind: type, setters: list[Callable[[Any, Any], None]]) -> Callable[..., Any]:
     """``kind(*values)`` as `_slot_setters` found it: a new object, each value in its slot."""
     new: Callable[[type], Any] = object.__new__
@@ -137,6 +143,7 @@ def _slotted(kind: type, setters: list[Callable[[Any, Any], None]]) -> Callable[
             second(made, b)
             return made
 
+        SLOTTED[two] = (kind, tuple(setters))
         return two
 
     def make(*values: Any) -> Any:
