@@ -34,9 +34,9 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
 
     NumPy and CuPy do it in place with ``add.at``; NumPy's rows of floats by
     a one-hot product into a small table and by ``bincount`` into a large
-    one, both many times faster than ``add.at``. An index past the table raises as
-    ``add.at`` does (``IndexError``). The array API standard has
-    no scatter, so elsewhere a one-hot matrix product adds the values up: over
+    one, both many times faster than ``add.at``; there an index past the table
+    raises ``IndexError``, as ``add.at`` does. The array API standard has
+    no scatter (its callers check their indices first), so elsewhere a one-hot matrix product adds the values up: over
     the rows of the first axis for a single index array, else over flat
     positions, found by indexing an ``arange`` with the same index (memory:
     rows, or elements, x number of picked ones).

@@ -246,7 +246,7 @@ def _source(structure: _Structure) -> str:
             else []
         ),
         "    site, code, at = None, None, -1  # (the last call's site: its line's code and instruction)",
-        "    inputs, groups, thread, base, sites = loom.inputs, loom.groups, loom.thread, loom.base, loom.sites",
+        "    inputs, groups, thread, base, sites, site_of = loom.inputs, loom.groups, loom.thread, loom.base, loom.sites, loom.site_of",
         "    seen, unchanged, op_site, evictions = op._seen, op._unchanged, op._site, op._evictions",
         "    appends = {}  # (per depth, its group's appends: no key made and hashed, no method looked up, per call)",
         *[f"    k{n} = kinds[{n}]" for n in range(len(nested))],
@@ -302,8 +302,10 @@ def _source(structure: _Structure) -> str:
             "        if frame.f_lasti != at or frame.f_code is not code:",
             "            while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:",
             "                frame = frame.f_back",
-            "            code, at = line = (frame.f_code, frame.f_lasti)",
-            "            site = sites.setdefault(line, line)",
+            "            code, at = frame.f_code, frame.f_lasti",
+            "            site = sites.get((id(code), at))",
+            "            if site is None:",
+            "                site = site_of(code, at)",
             "        add_site(site)",
         ]
     else:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -472,3 +474,25 @@ def test_an_output_read_by_two_groups_and_at_two_positions_gets_every_delta() ->
     assert v1 == pytest.approx(v0, rel=1e-12)
     for a, b in zip(g0, g1):
         np.testing.assert_allclose(dense(b), dense(a), rtol=1e-12, atol=1e-14)
+
+
+def test_calls_from_equal_functions_in_two_files_keep_their_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Code objects of equal text at equal lines compare equal across files:
+    a block's calls from two such helpers were all given the first one's
+    file (by the block's path, and by a recorder's), in its errors too."""
+    for name in ("loom_site_a", "loom_site_b"):
+        (tmp_path / f"{name}.py").write_text("def call(op, x):\n    return op(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a, b = (importlib.import_module(name) for name in ("loom_site_a", "loom_site_b"))
+    _, cell = chain_cell(6)
+    x, y = rows(0.1, 0.2)
+    with ml.loom():
+        made = [a.call(cell, x), b.call(cell, y), a.call(cell, y), b.call(cell, x)]
+    assert [Path(layer._site[0].co_filename).name for layer in made] == [
+        "loom_site_a.py",
+        "loom_site_b.py",
+        "loom_site_a.py",
+        "loom_site_b.py",
+    ]
