@@ -246,7 +246,7 @@ def _source(structure: _Structure) -> str:
             else []
         ),
         "    site, code, at = None, None, -1  # (the last call's site: its line's code and instruction)",
-        "    inputs, groups, thread, base, sites, site_of = loom.inputs, loom.groups, loom.thread, loom.base, loom.sites, loom.site_of",
+        "    inputs, groups, thread, base, site_of = loom.inputs, loom.groups, loom.thread, loom.base, loom.site_of",
         "    seen, unchanged, op_site, evictions = op._seen, op._unchanged, op._site, op._evictions",
         "    appends = {}  # (per depth, its group's appends: no key made and hashed, no method looked up, per call)",
         *[f"    k{n} = kinds[{n}]" for n in range(len(nested))],
@@ -303,9 +303,7 @@ def _source(structure: _Structure) -> str:
             "            while frame.f_code.co_filename.startswith(PACKAGE_DIR) and frame.f_back is not None:",
             "                frame = frame.f_back",
             "            code, at = frame.f_code, frame.f_lasti",
-            "            site = sites.get((id(code), at))",
-            "            if site is None:",
-            "                site = site_of(code, at)",
+            "            site = site_of(code, at)",
             "        add_site(site)",
         ]
     else:
