@@ -10,6 +10,9 @@ The same trees, weights and model as the CPU benchmark, on one CUDA device:
 * **monadl cell inside**: the example's own marked cells, the lookups inside
   them (one node a tree node: an operation's integer data arguments are
   indices, copied over by its lookups);
+* **monadl loom**: those cells of a batch recorded in one ``ml.loom()``
+  block (one node, run by depth: each depth's calls of a cell one call of
+  its batching rule, over rows gathered from arenas on the device);
 * **torch per-node** and **torch by depth**: PyTorch CUDA eager, as on the CPU.
 
 Every step reads its loss back to the host, so the GPU's work is inside the
@@ -26,6 +29,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +64,15 @@ def _device_cells(params: Any, hidden: int) -> Cells:
     )
 
 
-def _monadl(weights: Weights, batching: bool, operation: bool, inside: bool = False) -> Variant:
-    """``inside``: the example's own marked cells, their lookups inside them (one node a tree node)."""
+def _monadl(weights: Weights, batching: bool, operation: bool, inside: bool = False, loom: bool = False) -> Variant:
+    """``inside``: the example's own marked cells, their lookups inside them (one node a tree node);
+    ``loom``: those cells recorded in one ``ml.loom()`` block."""
     import cupy
 
     hidden = int(weights["children"].shape[0]) // 2
     w = {k: ml.Weight(cupy.asarray(v), optimizer=ml.optim.adam(0.01)) for k, v in weights.items()}
     names = list(w)
-    if inside:
+    if inside or loom:
         cells = Cells.of(w, hidden, operation=True)
     else:
         cells = _device_cells(w, hidden) if operation else Cells.of(w, hidden)
@@ -77,7 +82,9 @@ def _monadl(weights: Weights, batching: bool, operation: bool, inside: bool = Fa
 
     def logits(trees: list[Tree]) -> ml.ArrayLayer:
         # The example's loop: a node's symbol is a host view (a lookup checks it there and copies it over).
-        return ml.dense(ml.concatenate([encode(cells, t) for t in trees], axis=0), w["out"], w["out_bias"])
+        with ml.loom() if loom else nullcontext():
+            roots = ml.concatenate([encode(cells, t) for t in trees], axis=0)
+        return ml.dense(roots, w["out"], w["out_bias"])
 
     async def train(trees: list[Tree]) -> float:
         with ml.settings(batching=batching):
@@ -122,6 +129,7 @@ VARIANTS: dict[str, Callable[[Weights], Variant | None]] = {
     "monadl cell off": lambda w: _monadl(w, batching=False, operation=True),
     "monadl cell": lambda w: _monadl(w, batching=True, operation=True),
     "monadl cell inside": lambda w: _monadl(w, batching=True, operation=True, inside=True),
+    "monadl loom": lambda w: _monadl(w, batching=True, operation=True, loom=True),
     "torch per-node": _torch(_treelstm_torch.per_node),
     "torch by depth": _torch(_treelstm_torch.by_depth),
 }

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
 
+from monadl._namespace import is_array
 from monadl.fold._loom_recorders import MOST, CallRecorder, Group, learn
 from monadl.fold._loom_run import LOOM, SLOT, Open
 from monadl.fold._loom_schedule import Schedule
@@ -180,7 +181,7 @@ class Loom:
                 operands[j] = slot
                 if d >= depth:
                     depth = d + 1
-            elif v._op is AS_LAYER and type(v._inputs[0]) is np.ndarray:  # (a `Scalar`'s, `Vector`'s or `Zeros`' row)
+            elif v._op is AS_LAYER and _data(v._inputs[0]):  # (a `Scalar`'s, `Vector`'s or `Zeros`' row)
                 rows |= 1 << j  # (its data, kept as the layer: under check_finite, an error names its line)
             else:  # (a layer built elsewhere)
                 self._built((v._op, v._site))  # (said at the block's end, at DEBUG: `in_words`)
@@ -251,14 +252,11 @@ class Loom:
             v = leaves[i]
             if type(v) is Layer:
                 layers.append(j)
-            elif type(v) is not np.ndarray or not (v.dtype.kind in _INDICES or _row(v)):
+            elif not _data(v) or not (v.dtype.kind in _INDICES or _row(v)):
                 self.why[id(trace)] = _unstacked(v)
                 return -1, take, (), fill, trace
         if trace.op is None:
             self.why[id(trace)] = "a cell whose result is no layer it computed (an argument, a constant)"
-            return -1, take, (), fill, trace
-        if any(type(w._data) is not np.ndarray for w in trace.weights):
-            self.why[id(trace)] = "weights that are not NumPy's (a device's)"
             return -1, take, (), fill, trace
         for w in trace.weights:
             self.weights.setdefault(w, len(self.weights))
@@ -283,9 +281,14 @@ def _row(data: Any) -> bool:
     return data.ndim > 1 and data.shape[0] == 1 and data.dtype.kind in "fc"
 
 
+def _data(v: Any) -> bool:
+    """Whether ``v`` is an array that a group stacks: NumPy's, or a device's (CuPy's)."""
+    return type(v) is np.ndarray or is_array(v)
+
+
 def _unstacked(v: Any) -> str:
     """Why a trace's calls are not recorded: ``v``, a leaf of its arguments."""
-    if type(v) is np.ndarray:
+    if _data(v):
         return (
             f"a data argument of shape {v.shape}, neither indices nor a row (X[i:i + 1]): data the same in every "
             "call belong in the cell (closed over), a call's own in ml.as_layer(x)"
@@ -316,7 +319,7 @@ def in_words(why: Any) -> str:
     )
 
 
-def _shown(row: Layer[Any, Any]) -> tuple[Any, Any]:
-    """A constant row's shape and dtype (rows of other shapes are another group's)."""
+def _shown(row: Layer[Any, Any]) -> tuple[Any, Any, Any]:
+    """A constant row's library, shape and dtype (rows of others are another group's)."""
     data = row._inputs[0]
-    return data.shape, data.dtype
+    return type(data), data.shape, data.dtype

@@ -10,21 +10,26 @@ arena of their own per shape, packed in the order written; a group whose
 members read rows of different arenas at one position runs as one batched
 call per pattern of them (`Arenas.split`), as the runtime's batching groups
 nodes by their operands' shapes.
+
+The schedule's row numbers are NumPy's, on the host; arenas on a device
+(CuPy's) are indexed by a copy of them there, the groups' gathers' all
+copied at once (`Arenas.index`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, final
 
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl._scatter import scatter_add
 
 if TYPE_CHECKING:
     from monadl.fold._loom_schedule import _Planned
 
-__all__ = ["Arenas", "Operand"]
+__all__ = ["Arenas", "Operand", "index"]
 
 # Per operand position: an arena and the rows to gather, and whether none repeats; or None, the members' data.
 Operand: TypeAlias = tuple[int | None, Any, bool]
@@ -37,10 +42,24 @@ class Arenas:
     each row's arena and row there (`home`, `at`); the arenas of other
     shapes (`data` beyond `count`), packed, each with its rows used (`fill`)."""
 
-    __slots__ = ("at", "capacity", "count", "data", "fill", "home", "other", "split_calls", "split_groups")
+    __slots__ = (
+        "at",
+        "capacity",
+        "count",
+        "data",
+        "fill",
+        "gathers",
+        "home",
+        "other",
+        "split_calls",
+        "split_groups",
+        "uploaded",
+    )
 
-    def __init__(self, capacity: list[int]) -> None:
+    def __init__(self, capacity: list[int], gathers: Sequence[Any] = ()) -> None:
         self.capacity = capacity
+        self.gathers = gathers  # (the row numbers the groups gather by, on the host: for a device, copied at once)
+        self.uploaded: dict[int, Any] | None = None  # (by the host array's identity, its copy on the device)
         self.count = len(capacity)
         self.data: list[Any] = [None] * self.count
         self.fill: list[int] = [0] * self.count  # (in place: unused)
@@ -63,10 +82,10 @@ class Arenas:
         data = self.data[a]
         if data is None:
             xp = namespace(part)
-            data = self.data[a] = xp.empty((self.capacity[a], *part.shape[1:]), part.dtype)
+            data = self.data[a] = xp.empty((self.capacity[a], *part.shape[1:]), dtype=part.dtype)
         elif data.shape[1:] != part.shape[1:] or data.dtype != part.dtype:
             return self._elsewhere(a, rows, part)
-        data[rows] = part
+        self.put(data, rows, part)
         return a, rows
 
     def _elsewhere(self, a: int, rows: Any, part: Any) -> tuple[int, Any]:
@@ -82,12 +101,14 @@ class Arenas:
         p = other.get(kind)
         if p is None:
             p = other[kind] = len(self.data)
-            self.data.append(namespace(part).empty((n, *kind[0]), kind[1]))
+            self.data.append(namespace(part).empty((n, *kind[0]), dtype=kind[1]))
             self.fill.append(0)
         start = self.fill[p]
         data = self.data[p]
         if start + n > len(data):
-            grown = namespace(part).empty((min(max(2 * len(data), start + n), self.capacity[a]), *kind[0]), kind[1])
+            grown = namespace(part).empty(
+                (min(max(2 * len(data), start + n), self.capacity[a]), *kind[0]), dtype=kind[1]
+            )
             grown[:start] = data[:start]
             data = self.data[p] = grown
         held = slice(start, start + n)
@@ -135,3 +156,49 @@ class Arenas:
                 else:
                     mine.append((source, rows[members], distinct))
             yield plan.part(len(members), mine), mine, members
+
+    def index(self, data: Any, rows: Any) -> Any:
+        """``rows`` (host row numbers, a host mask, a slice) as an index of
+        ``data`` (an arena, or its deltas): on a device, a copy there (the
+        first one copies all the groups' gathers over, in one piece)."""
+        if type(data) is np.ndarray or type(rows) is slice:
+            return rows
+        uploaded = self.uploaded
+        if uploaded is None:
+            uploaded = self.uploaded = self._upload(data)
+        found = uploaded.get(id(rows))  # (the gathers are held: no other array has their identity)
+        return index(data, rows) if found is None else found
+
+    def _upload(self, like: Any) -> dict[int, Any]:
+        gathers = self.gathers
+        if not gathers:
+            return {}
+        flat = index(like, np.concatenate(gathers))
+        uploaded, at = {}, 0
+        for rows in gathers:
+            uploaded[id(rows)] = flat[at : at + len(rows)]
+            at += len(rows)
+        return uploaded
+
+    def take(self, data: Any, rows: Any) -> Any:
+        """``data[rows]``."""
+        return data[self.index(data, rows)]
+
+    def put(self, data: Any, rows: Any, part: Any) -> None:
+        """``data[rows] = part``."""
+        data[self.index(data, rows)] = part
+
+    def add(self, data: Any, rows: Any, part: Any, distinct: bool) -> Any:
+        """``data[rows] += part``, rows that repeat added up (``distinct``: none
+        repeats); returns the sum (a library with no scatter in place makes a new array)."""
+        if distinct:
+            data[self.index(data, rows)] += part
+            return data
+        return scatter_add(namespace(data), data, self.index(data, rows), part)
+
+
+def index(data: Any, rows: Any) -> Any:
+    """``rows`` (a slice, or host row numbers or a host mask) as an index of ``data``."""
+    if type(data) is np.ndarray or type(rows) is slice:
+        return rows
+    return namespace(data).asarray(rows, device=data.device)  # (copied over: queued on the stream like a kernel)

@@ -17,9 +17,10 @@ import numpy as np
 
 from monadl._namespace import namespace
 from monadl.errors import NonFiniteError
+from monadl.fold._loom_arenas import index
 from monadl.fold._loom_looped import Looped, group_call
 from monadl.fold._loom_schedule import _Planned, calls, op_of
-from monadl.layers._non_finite import backward_made, finite_delta
+from monadl.layers._non_finite import all_finite_deltas, backward_made, finite_delta
 from monadl.layers._outputs import OutputsDelta
 from monadl.layers._primitives import shown
 
@@ -48,7 +49,7 @@ def backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
         reached[a][row] = True
     grads: list[Any] = [None] * count
     for plan, vjps, operands in zip(reversed(value.plans), reversed(value.vjps), reversed(value.operands)):
-        parts = [deltas[a][rows] for a, rows in plan.outs]
+        parts = [arenas.take(deltas[a], rows) for a, rows in plan.outs]
         seen = [reached[a][rows] for a, rows in plan.outs]
         hit = seen[0] if len(seen) == 1 else np.logical_or.reduce(seen)
         if not hit.any():  # (no member got a delta: none sends one)
@@ -70,14 +71,11 @@ def backward(value: LoomValue, count: int, checked: bool) -> list[Any]:
         for source, rows, unique, g in sent:
             if source is None:  # (a weight's)
                 grads[rows] = g if grads[rows] is None else grads[rows] + g
-            elif unique:
-                if reached[source][rows].any():  # (a row another reader sent a delta to)
-                    deltas[source][rows] += g
-                else:  # (the common case, a tree's: each output read once; one pass, not three)
-                    deltas[source][rows] = g
-                reached[source][rows] = True
             else:
-                np.add.at(deltas[source], rows, g)
+                if unique and not reached[source][rows].any():  # (a tree's: each output read once; one pass)
+                    arenas.put(deltas[source], rows, g)
+                else:  # (rows another reader sent a delta to, or rows that repeat)
+                    deltas[source] = arenas.add(deltas[source], rows, g, unique)
                 reached[source][rows] = True
     return grads
 
@@ -116,7 +114,7 @@ def _sent(
             if g is not None:
                 if feeding is not None and not feeding[p].all():
                     m = feeding[p]
-                    rows, g = rows[m], g[m]
+                    rows, g = rows[m], g[index(g, m)]
                 sent.append((source, rows, unique, g))
     base = len(plan.operands)
     for i, j in enumerate(plan.weights):
@@ -143,7 +141,7 @@ def _feeding(plan: _Planned, seen: list[Any]) -> list[Any]:
 
 
 def _finite(sent: list[tuple[int | None, Any, bool, Any]]) -> bool:
-    return all(finite_delta(g) for *_, g in sent)
+    return all_finite_deltas([g for *_, g in sent])
 
 
 def _reached_only(
@@ -155,12 +153,10 @@ def _reached_only(
     deltas and count."""
     operands = [(source, rows[keep], unique) for source, rows, unique in operands]
     result = (
-        ran.only(keep)
-        if type(ran) is Looped
-        else group_call(plan, operands, value.arenas.data, value.weights, len(keep))
+        ran.only(keep) if type(ran) is Looped else group_call(plan, operands, value.arenas, value.weights, len(keep))
     )
     vjps = result if type(result) is Looped else result[1]
-    return vjps, operands, [None if p is None else p[keep] for p in parts], len(keep)
+    return vjps, operands, [None if p is None else p[index(p, keep)] for p in parts], len(keep)
 
 
 def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:

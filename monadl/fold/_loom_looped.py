@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 
 from monadl._namespace import namespace
+from monadl.fold._loom_arenas import index
 from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
 
 if TYPE_CHECKING:
+    from monadl.fold._loom_arenas import Arenas
     from monadl.fold._loom_schedule import _Planned as Planned
 
 __all__ = ["Looped", "group_call"]
@@ -82,7 +84,7 @@ class Looped:
             calls.append(self._call(i)[1] if vjps is None else vjps)
             self.calls[i] = None
         other.calls = calls
-        other.rows = tuple([r[keep if type(r) is np.ndarray else namespace(r).asarray(keep)] for r in self.rows])
+        other.rows = tuple([r[index(r, keep)] for r in self.rows])
         other.value, other.ragged, other.read, other.sent = None, None, None, []
         return other
 
@@ -157,13 +159,14 @@ def _stacked(column: list[Any], rows: Any) -> Any:
 
 
 def group_call(
-    plan: Planned, operands: list[tuple[int | None, Any, bool]], arenas: list[Any], weights: list[Any], n: int
+    plan: Planned, operands: list[tuple[int | None, Any, bool]], arenas: Arenas, weights: list[Any], n: int
 ) -> tuple[Any, Any] | Looped:
     """The batching rule of a group's program over ``n`` members' operands:
     rows gathered from the arenas (for data, the members' stacked), then the
     shared weights; where a step does not batch (no rule, or not for these
     operands), the calls one by one as one batched call (`Looped`)."""
-    args = [rows if source is None else arenas[source][rows] for source, rows, _ in operands]
+    data = arenas.data
+    args = [rows if source is None else arenas.take(data[source], rows) for source, rows, _ in operands]
     count = len(args)
     args += [weights[j] for j in plan.weights]
     program = plan.program

@@ -112,7 +112,7 @@ class LoomValue:
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self.arenas = Arenas(schedule.capacity)
+        self.arenas = Arenas(schedule.capacity, schedule.gathers)
         self.values: list[Any] | None = None  # (one by one: per slot)
         self.plans: list[_Planned] = []  # (batched: per call of a group's, or of a shape's part of one, as it ran)
         self.vjps: list[Any] = []  # (per call batched; per call one by one)
@@ -192,7 +192,7 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         for part, held, members in arenas.split(plan, operands):
             n = part.n
             try:
-                result = group_call(part, held, arenas.data, weights, n)
+                result = group_call(part, held, arenas, weights, n)
             except Exception as exc:  # (one by one: the first call that fails raises its own error)
                 raise _Unbatched(f"a group of {n} calls of {program.name} raised {type(exc).__name__}") from None
             if type(result) is not Looped:

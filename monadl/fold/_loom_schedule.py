@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
+from monadl._namespace import namespace
 from monadl.layers._batch_site import built_for
 from monadl.layers._layer import Layer
 from monadl.layers._site import site_text
@@ -60,7 +61,7 @@ class Schedule:
     """The loom's calls as groups by depth (a valid order: a call's operands
     are outputs of shallower calls), and the arenas their outputs go to."""
 
-    __slots__ = ("arena", "base", "capacity", "planned", "rows", "site", "span", "weights")
+    __slots__ = ("arena", "base", "capacity", "gathers", "planned", "rows", "site", "span", "weights")
 
     def __init__(self, loom: Loom) -> None:
         # (not the loom itself: its node holds this schedule, and a cycle would keep both till a collection)
@@ -116,6 +117,8 @@ class Schedule:
                     plan.operands.append((None, Rows(column), False))
         self.rows = rows
         self.arena = arena_of
+        # (the row numbers the groups gather by: on a device, copied over in one piece)
+        self.gathers = [rows for plan in self.planned for source, rows, _ in plan.operands if source is not None]
         self.capacity = capacity
 
     def where(self, group: Group, row: int) -> str:
@@ -165,12 +168,14 @@ class Rows:
 
 
 def _stacked(arrays: Sequence[Any]) -> Any:
-    """``np.stack(arrays)`` of arrays of one shape, by one concatenation
-    (a 4,000-member group's one-element index arrays: 0.3 ms against 1.0)."""
+    """``np.stack(arrays)`` of arrays of one shape (and library: a device's
+    too), by one concatenation (a 4,000-member group's one-element index
+    arrays: 0.3 ms against 1.0)."""
     first = arrays[0]
+    xp = np if type(first) is np.ndarray else namespace(first)
     if first.ndim == 0:
-        return np.stack(arrays)
-    return np.concatenate(arrays).reshape((len(arrays), *first.shape))
+        return xp.stack(arrays)
+    return xp.reshape(xp.concat(arrays) if xp is not np else np.concatenate(arrays), (len(arrays), *first.shape))
 
 
 def calls(schedule: Schedule) -> Iterator[tuple[_Planned, Group, int]]:

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from monadl._namespace import all_finite, is_array
+from monadl._namespace import all_finite, is_array, namespace
 from monadl.deltas import Outer, SparseRows
 from monadl.layers._operands import describe
 from monadl.layers._outputs import Outputs, OutputsDelta, finite_value
 from monadl.layers._split import SplitDelta
 
-__all__ = ["backward_made", "data_held", "finite_delta", "made", "non_finite"]
+__all__ = ["all_finite_deltas", "backward_made", "data_held", "finite_delta", "made", "non_finite"]
 
 
 def non_finite(a: Any) -> bool:
@@ -66,6 +66,29 @@ def data_held(data: Any, site: str) -> str:
 def backward_made(name: str, site: str) -> str:
     """The message of a delta that the backward of ``name`` made with a NaN or an infinity."""
     return f"the backward of {name} produced a NaN or an infinity; layer built at {site}"
+
+
+def all_finite_deltas(deltas: Sequence[Any]) -> bool:
+    """Whether every one of ``deltas`` is finite (`finite_delta`); those on a
+    device read back at once, not one by one (each reading waits for the
+    device to finish what it was given)."""
+    flags = []
+    for delta in deltas:
+        kind = type(delta)
+        if kind is Outer:
+            delta = delta.dense()
+        elif kind is SparseRows:
+            delta = delta.rows
+        if type(delta) is np.ndarray or not is_array(delta):
+            if not finite_delta(delta):
+                return False
+        else:
+            xp = namespace(delta)
+            flags.append(xp.all(xp.isfinite(delta)))
+    if not flags:
+        return True
+    xp = namespace(flags[0])
+    return bool(xp.all(xp.stack(flags)))
 
 
 def finite_delta(delta: Any) -> bool:

@@ -230,6 +230,33 @@ def test_the_examples_cell_takes_host_symbols_with_weights_on_the_gpu() -> None:
         np.testing.assert_allclose(cupy.asnumpy(dense), want[name], rtol=1e-8, atol=1e-10, err_msg=name)
 
 
+def test_a_loom_runs_the_tree_lstms_cells_by_depth_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example's cells in an ``ml.loom()`` block with weights on CuPy: its groups run
+    batched on the device, with NumPy's loss and gradients (float64)."""
+    from examples.tree_lstm import TreeLSTM
+    from monadl.fold import _loom_looped, _loom_run
+
+    weights, trees, want_loss, want = host_reference(8)
+    calls: list[int] = []
+    group_call = _loom_looped.group_call
+
+    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
+        calls.append(n)
+        return group_call(plan, operands, arenas, weights, n)
+
+    monkeypatch.setattr(_loom_run, "group_call", counted)
+    model = TreeLSTM(weights, device="cuda", loom=True)
+    with ml.settings(batching=True):
+        grads = anyio.run(ml.gradients, model.loss(trees), list(model.w.values()))
+        value = anyio.run(model.loss(trees).predict)
+    assert float(value) == pytest.approx(want_loss, rel=1e-10)
+    for name, g in zip(model.w, grads):
+        dense = g.to_dense() if hasattr(g, "to_dense") else g
+        assert type(dense) is cupy.ndarray
+        np.testing.assert_allclose(cupy.asnumpy(dense), want[name], rtol=1e-8, atol=1e-10, err_msg=name)
+    assert sum(calls) == 2 * 765 and len(calls) < 80  # (two runs of 3 trees of 255 cells, by depth)
+
+
 @pytest.mark.parametrize("ids_on", ["host", "device"])
 def test_segment_sums_batched_on_the_gpu_give_the_cpus(ids_on: str) -> None:
     """Per-graph sums of messages into nodes, grouped into one scatter, with

@@ -224,12 +224,14 @@ def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
     assert sum(grouped) > (20_000 if not operation else 2_500) if batching else not grouped
 
 
-def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients(device: Any) -> None:
-    """`benchmarks.treelstm_cuda`'s "monadl cell inside": the example's own marked cells."""
+@pytest.mark.parametrize("name", ["monadl cell inside", "monadl loom"])
+def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients(device: Any, name: str) -> None:
+    """`benchmarks.treelstm_cuda`'s "monadl cell inside": the example's own marked cells;
+    "monadl loom": those cells recorded in an ``ml.loom()`` block."""
     from benchmarks import treelstm_cuda
 
     weights, trees, want_loss, want = host_reference(6)
-    variant = treelstm_cuda.VARIANTS["monadl cell inside"](weights)
+    variant = treelstm_cuda.VARIANTS[name](weights)
     assert variant is not None
     loss, grads = anyio.run(variant.loss_and_gradients, trees)
     assert float(loss) == pytest.approx(want_loss, rel=1e-12)
@@ -421,6 +423,113 @@ def test_the_tree_lstm_example_trains_on_the_device(device: Any) -> None:
     assert type(tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="cuda").w["children"].data) is DeviceArray
     with pytest.raises(ValueError, match="device must be"):
         tree_lstm.TreeLSTM(tree_lstm.init_weights(4), device="tpu")
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "one-by-one"])
+def test_a_loom_runs_the_tree_lstms_cells_by_depth_on_the_device(
+    device: Any, alone: list[Program], grouped: list[int], monkeypatch: pytest.MonkeyPatch, batching: bool
+) -> None:
+    """The example's cells recorded in an ``ml.loom()`` block with device weights: the
+    loom's groups run on the device (its arenas the device's, its host row numbers
+    copied over), with the host's loss and gradients."""
+    from examples.tree_lstm import TreeLSTM
+    from monadl.fold import _loom_looped, _loom_run
+
+    weights, trees, want_loss, want = host_reference(6)
+    calls: list[int] = []
+    group_call = _loom_looped.group_call
+
+    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
+        calls.append(n)
+        return group_call(plan, operands, arenas, weights, n)
+
+    monkeypatch.setattr(_loom_run, "group_call", counted)
+    model = TreeLSTM(weights, device="cuda", loom=True)
+    alone.clear()
+    grouped.clear()
+    with ml.settings(batching=batching):
+        value, grads = anyio.run(entry.gradients, model.loss(trees))
+    assert float(value) == pytest.approx(want_loss, rel=1e-12)
+    for name, g in want.items():
+        got = _dense(grads[model.w[name]])
+        assert type(got) is DeviceArray
+        np.testing.assert_allclose(np.asarray(got), g, rtol=1e-10, atol=1e-13, err_msg=name)
+    if batching:  # 3 trees of 255 cells: one batched call per group (a leaf's or an internal node's) and depth
+        assert sum(calls) == 765 and len(calls) < 40 and not alone and not grouped
+    else:
+        assert not calls and len(alone) == 765
+
+
+def test_a_loom_stacks_a_devices_rows_given_as_data_and_refuses_host_rows_beside_device_weights(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loom's calls over rows of the device (as layers, and as data arguments) run
+    as groups, with the host's values and gradients; host rows beside device weights
+    are the error they are as nodes, naming the line of the call that failed."""
+    from monadl.fold import _loom_looped, _loom_run
+
+    calls: list[int] = []
+    group_call = _loom_looped.group_call
+
+    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
+        calls.append(n)
+        return group_call(plan, operands, arenas, weights, n)
+
+    monkeypatch.setattr(_loom_run, "group_call", counted)
+    rng = np.random.default_rng(4)
+    xs = [rng.normal(size=(1, 3)) for _ in range(6)]
+    start = rng.normal(size=(3, 3))
+
+    def loss(put: Any) -> tuple[ml.ScalarLayer, ml.ArrayWeight]:
+        w = ml.Weight(put(start.copy()))
+        step = ml.operation(lambda h, x: ml.tanh(h @ w + x))
+        with ml.loom():
+            ends = [step(step(ml.as_layer(put(x)), put(x)), put(2 * x)) for x in xs]
+        return ml.sum(ml.concatenate(ends, axis=0)), w
+
+    want, host = loss(np.asarray)
+    want_value, want_grads = anyio.run(entry.gradients, want)
+    calls.clear()
+    got, on_device = loss(device.asarray)
+    value, grads = anyio.run(entry.gradients, got)
+    assert type(grads[on_device]) is DeviceArray
+    assert float(value) == pytest.approx(float(want_value), rel=1e-12)
+    np.testing.assert_allclose(np.asarray(grads[on_device]), want_grads[host], rtol=1e-12)
+    assert calls == [6, 6]  # (two depths of six calls each, each one batched call)
+    w = ml.Weight(device.asarray(start.copy()))
+    step = ml.operation(lambda h, x: ml.tanh(h @ w + x))
+    with ml.loom():
+        line = sys._getframe().f_lineno + 1
+        ends = [step(ml.as_layer(device.asarray(x)), x) for x in xs]  # host rows: data of another library
+    with pytest.raises(ml.DeviceError, match=r"add at .*test_stand_in_device.py:\d+, inside the operation") as raised:
+        anyio.run(ml.sum(ml.concatenate(ends, axis=0)).predict)
+    assert f"layer built at {__file__}:{line}" in " ".join(getattr(raised.value, "__notes__", []))
+
+
+def test_deltas_on_the_device_are_checked_for_infinities_with_one_reading_back(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`all_finite_deltas` (a loom's group whose members read different outputs):
+    arrays, sparse rows and factors of the device, and host ones beside them."""
+    from monadl.deltas import Outer
+    from monadl.layers._non_finite import all_finite_deltas
+
+    readings: list[Any] = []
+    to_bool = DeviceArray.__bool__
+
+    def read_back(x: Any) -> bool:
+        readings.append(x)
+        return to_bool(x)
+
+    monkeypatch.setattr(DeviceArray, "__bool__", read_back)
+    ones = device.asarray(np.ones((2, 3)))
+    rows = SparseRows(device.asarray(np.array([0, 1])), ones, (4, 3))
+    outer = Outer(device.asarray(np.ones((2, 3))), device.asarray(np.ones((2, 3))))
+    assert all_finite_deltas([ones, rows, outer, np.ones(2)]) and len(readings) == 1
+    for bad in (ones * np.inf, SparseRows(rows.indices, ones * np.nan, (4, 3)), Outer(ones, ones * np.inf)):
+        assert not all_finite_deltas([ones, bad])
+    assert not all_finite_deltas([np.array([np.nan]), ones])
+    assert all_finite_deltas([])
 
 
 def test_host_integers_beside_a_nested_operations_device_outputs_are_a_device_error(device: Any) -> None:
