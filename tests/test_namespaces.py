@@ -9,6 +9,7 @@ calls in the core without a GPU; the same code then runs on CuPy
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -278,8 +279,10 @@ def test_mixing_numpy_and_another_library_is_an_error_that_names_both() -> None:
     with pytest.raises(
         ml.DeviceError, match=r"multiply: operands mix an array of numpy \(host\) and an array of array_api_strict"
     ) as info:
+        line = sys._getframe().f_lineno + 1
         anyio.run((w * xs.asarray([1.0, 2.0, 3.0])).predict)
     assert "move one explicitly" in str(info.value)
+    assert str(info.value).endswith(f"layer built at {__file__}:{line}")  # (the user's line, as other errors)
     assert w.data.tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ml.DeviceError, match="concatenate"):
         anyio.run(ml.concatenate([w, xs.asarray([1.0])]).predict)

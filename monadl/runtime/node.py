@@ -20,7 +20,7 @@ from monadl._namespace import (
     common_namespace,
     host_scalars_to_python,
 )
-from monadl.errors import DTypeError, IndexRangeError, NonFiniteError, ShapeError
+from monadl.errors import DeviceError, DTypeError, IndexRangeError, NonFiniteError, ShapeError
 from monadl.layers._batch_site import built_for
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, made
@@ -281,9 +281,14 @@ def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
     scalars as Python numbers, which every array library accepts."""
     arrays = arrays_of(args)
-    if type(node._op.rule) is Program:  # an operation's host integers (indices) may go with a device's arrays
+    program = type(node._op.rule) is Program
+    if program:  # an operation's host integers (indices) may go with a device's arrays
         arrays = tuple([a for a in arrays if not host_integers(a)])
-    xp = common_namespace(arrays, shown(node._op))
+    try:
+        xp = common_namespace(arrays, shown(node._op))
+    except DeviceError as exc:  # (named for the user's line, as a rule's errors are: `failed`)
+        exc.args = (f"{exc.args[0]}; {'called' if program else 'layer built'} at {where(node)}", *exc.args[1:])
+        raise
     return args if xp is np else host_scalars_to_python(args)
 
 

@@ -327,8 +327,12 @@ def test_host_data_beside_a_device_operations_outputs_is_a_device_error(device: 
     pair = ml.operation(lambda x: (ml.tanh(x), x * 2.0))
     first, second = pair(ml.as_layer(device.asarray(np.ones((1, 2)))))
     mix = ml.operation(lambda x, both: ml.tanh(x) + both[0] * both[1])
-    with pytest.raises(ml.DeviceError, match=r"mix an array of numpy \(host\) and an array of \w+ \(stand-in\)"):
+    with pytest.raises(
+        ml.DeviceError, match=r"mix an array of numpy \(host\) and an array of \w+ \(stand-in\)"
+    ) as raised:
+        line = sys._getframe().f_lineno + 1
         anyio.run(ml.sum(mix(np.ones((1, 2)), (first, second))).predict)
+    assert str(raised.value).endswith(f"called at {__file__}:{line}")  # (the call's line)
 
 
 @pytest.mark.parametrize("cells", [False, True], ids=["unmarked", "cells"])
