@@ -13,6 +13,8 @@ The same trees, weights and model as the CPU benchmark, on one CUDA device:
 * **monadl loom**: those cells of a batch recorded in one ``ml.loom()``
   block (one node, run by depth: each depth's calls of a cell one call of
   its batching rule, over rows gathered from arenas on the device);
+* **monadl fold**: the Fold-block version (`examples.tree_lstm_fold`), whose
+  batch is recorded in a loom too;
 * **torch per-node** and **torch by depth**: PyTorch CUDA eager, as on the CPU.
 
 Every step reads its loss back to the host, so the GPU's work is inside the
@@ -105,6 +107,34 @@ def _monadl(weights: Weights, batching: bool, operation: bool, inside: bool = Fa
     return Variant(train, infer, loss_and_gradients)
 
 
+def _monadl_fold(weights: Weights) -> Variant:
+    """The Fold-block version, its weights on the device."""
+    import cupy
+
+    from examples.tree_lstm_fold import FoldTreeLSTM
+
+    model = FoldTreeLSTM(weights, device="cuda")
+    names = list(model.w)
+
+    async def train(trees: list[Tree]) -> float:
+        with ml.settings(batching=True):
+            return float(await model.loss(trees).train())
+
+    async def infer(trees: list[Tree]) -> Any:
+        with ml.settings(batching=True):
+            out = await model.logits(trees).predict()
+        cupy.cuda.get_current_stream().synchronize()
+        return out
+
+    async def loss_and_gradients(trees: list[Tree]) -> tuple[float, Weights]:
+        with ml.settings(batching=True):
+            value = model.loss(trees)
+            grads = await ml.gradients(value, [model.w[k] for k in names])
+            return float(await value.predict()), {k: cupy.asnumpy(g) for k, g in zip(names, grads)}
+
+    return Variant(train, infer, loss_and_gradients)
+
+
 def _torch(build: Callable[..., Variant | None]) -> Callable[[Weights], Variant | None]:
     def variant(weights: Weights) -> Variant | None:
         import torch
@@ -130,6 +160,7 @@ VARIANTS: dict[str, Callable[[Weights], Variant | None]] = {
     "monadl cell": lambda w: _monadl(w, batching=True, operation=True),
     "monadl cell inside": lambda w: _monadl(w, batching=True, operation=True, inside=True),
     "monadl loom": lambda w: _monadl(w, batching=True, operation=True, loom=True),
+    "monadl fold": _monadl_fold,
     "torch per-node": _torch(_treelstm_torch.per_node),
     "torch by depth": _torch(_treelstm_torch.by_depth),
 }

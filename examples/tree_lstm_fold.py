@@ -36,6 +36,7 @@ import anyio
 
 import monadl as ml
 from examples._common import positive
+from examples._device import on_device
 from examples.tree_lstm import Params, State, Tree, init_weights, internal_node, labels, leaf_node, make_trees
 from monadl.fold import AllOf, Block, ForwardDeclaration, Function, InputTransform, OneOf
 
@@ -150,9 +151,11 @@ class FoldTreeLSTM:
     (3, 10)
     """
 
-    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01) -> None:
+    def __init__(self, weights: dict[str, ml.Array], learning_rate: float = 0.01, device: str = "cpu") -> None:
+        """``device``: ``"cuda"`` puts the weights on the GPU (CuPy), as `examples.tree_lstm.TreeLSTM`'s."""
         self.hidden = int(weights["children"].shape[0]) // 2
-        self.w = {k: ml.Weight(v.copy(), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
+        put = on_device(device)
+        self.w = {k: ml.Weight(put(v.copy()), optimizer=ml.optim.adam(learning_rate)) for k, v in weights.items()}
         self.encoder: Block[Tree, ml.ArrayLayer] = (
             InputTransform(root) >> node_block(self.w, self.hidden) >> Function(_hidden)
         )

@@ -224,19 +224,32 @@ def test_the_tree_lstm_on_the_device_has_the_hosts_gradients(
     assert sum(grouped) > (20_000 if not operation else 2_500) if batching else not grouped
 
 
-@pytest.mark.parametrize("name", ["monadl cell inside", "monadl loom"])
-def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients(device: Any, name: str) -> None:
+@pytest.mark.parametrize("name", ["monadl cell inside", "monadl loom", "monadl fold"])
+def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients(
+    device: Any, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     """`benchmarks.treelstm_cuda`'s "monadl cell inside": the example's own marked cells;
-    "monadl loom": those cells recorded in an ``ml.loom()`` block."""
+    "monadl loom": those cells recorded in an ``ml.loom()`` block; "monadl fold": the Fold
+    blocks' (a loom too). The looms run their groups on the device."""
     from benchmarks import treelstm_cuda
+    from monadl.fold import _loom_looped, _loom_run
 
     weights, trees, want_loss, want = host_reference(6)
+    calls: list[int] = []
+    group_call = _loom_looped.group_call
+
+    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
+        calls.append(n)
+        return group_call(plan, operands, arenas, weights, n)
+
+    monkeypatch.setattr(_loom_run, "group_call", counted)
     variant = treelstm_cuda.VARIANTS[name](weights)
     assert variant is not None
     loss, grads = anyio.run(variant.loss_and_gradients, trees)
     assert float(loss) == pytest.approx(want_loss, rel=1e-12)
-    for name, g in want.items():
-        np.testing.assert_allclose(np.asarray(grads[name]), g, rtol=1e-10, atol=1e-13, err_msg=name)
+    for weight, g in want.items():
+        np.testing.assert_allclose(np.asarray(grads[weight]), g, rtol=1e-10, atol=1e-13, err_msg=weight)
+    assert sum(calls) == (0 if name == "monadl cell inside" else 2 * 765)  # (the gradients, then the loss)
 
 
 @pytest.mark.parametrize("batching", [False, True], ids=["node-by-node", "batched"])
