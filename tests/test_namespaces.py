@@ -9,6 +9,7 @@ calls in the core without a GPU; the same code then runs on CuPy
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -305,3 +306,31 @@ def test_non_finite_checks_run_in_the_strict_library() -> None:
     w = ml.Weight(xs.asarray([0.0, 1.0]))
     with ml.settings(check_finite=True), np.errstate(divide="ignore"), pytest.raises(ml.NonFiniteError, match="log"):
         anyio.run(ml.sum(ml.log(w)).train)
+
+
+@pytest.mark.parametrize("data", ["rows", "data arguments"])
+def test_a_looms_calls_over_another_librarys_arrays_are_built_as_nodes(data: str) -> None:
+    """A loom stacks NumPy's and CuPy's arrays only: calls over another library's
+    (weights, rows, data) are built as nodes, with the nodes' values and gradients."""
+    rng = np.random.default_rng(6)
+    start, xs_ = rng.normal(size=(3, 3)), [rng.normal(size=(1, 3)) for _ in range(4)]
+
+    def loss(loom: bool) -> tuple[ml.ScalarLayer, ml.ArrayWeight]:
+        w = ml.Weight(xs.asarray(start))
+        step = ml.operation(lambda h: ml.tanh(h @ w))
+        step2 = ml.operation(lambda h, x: ml.tanh(h @ w + x))
+        with ml.loom() if loom else contextlib.nullcontext():
+            if data == "rows":
+                ends = [step(step(ml.as_layer(xs.asarray(x)))) for x in xs_]
+            else:
+                ends = [step2(ml.as_layer(xs.asarray(x)), xs.asarray(2 * x)) for x in xs_]
+        return ml.sum(ml.concatenate(ends, axis=0)), w
+
+    async def run(value: ml.ScalarLayer, weight: ml.ArrayWeight) -> tuple[Any, Any]:
+        (grad,) = await ml.gradients(value, [weight])
+        return await value.predict(), grad
+
+    want, want_grad = anyio.run(run, *loss(False))
+    got, grad = anyio.run(run, *loss(True))
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-12)

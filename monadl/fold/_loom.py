@@ -58,6 +58,7 @@ once, when the batch is built, with NumPy.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from sys import _getframe
 from threading import get_ident
@@ -65,7 +66,6 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
 
-from monadl._namespace import is_array
 from monadl.fold._loom_recorders import MOST, CallRecorder, Group, learn
 from monadl.fold._loom_run import LOOM, SLOT, Open
 from monadl.fold._loom_schedule import Schedule
@@ -248,6 +248,7 @@ class Loom:
         take = _taker(used)
         fill = filler(trace.template)
         layers: list[int] = []
+        kinds = {type(w._data) for w in trace.weights}  # (the calls' arrays: NumPy's or CuPy's, of one library)
         for j, i in enumerate(used):
             v = leaves[i]
             if type(v) is Layer:
@@ -255,8 +256,13 @@ class Loom:
             elif not _data(v) or not (v.dtype.kind in _INDICES or _row(v)):
                 self.why[id(trace)] = _unstacked(v)
                 return -1, take, (), fill, trace
+            elif not (type(v) is np.ndarray and v.dtype.kind in "iu"):  # (a host's indices go with a device's arrays)
+                kinds.add(type(v))
         if trace.op is None:
             self.why[id(trace)] = "a cell whose result is no layer it computed (an argument, a constant)"
+            return -1, take, (), fill, trace
+        if len(kinds) > 1 or not kinds <= {np.ndarray, _device_arrays()}:
+            self.why[id(trace)] = "arrays of another library than NumPy's and CuPy's, or of two (built as nodes)"
             return -1, take, (), fill, trace
         for w in trace.weights:
             self.weights.setdefault(w, len(self.weights))
@@ -282,8 +288,14 @@ def _row(data: Any) -> bool:
 
 
 def _data(v: Any) -> bool:
-    """Whether ``v`` is an array that a group stacks: NumPy's, or a device's (CuPy's)."""
-    return type(v) is np.ndarray or is_array(v)
+    """Whether ``v`` is an array that a group stacks: NumPy's, or CuPy's."""
+    return type(v) is np.ndarray or type(v) is _device_arrays()
+
+
+def _device_arrays() -> Any:
+    """CuPy's array type where CuPy is imported (else None: no array is CuPy's)."""
+    cupy = sys.modules.get("cupy")
+    return None if cupy is None else cupy.ndarray
 
 
 def _unstacked(v: Any) -> str:

@@ -151,7 +151,7 @@ def _reached_only(
     their own, as they would send deltas alone (those of a group that ``ran``
     call by call, a `Looped`, as they ran): their VJPs, operands, output
     deltas and count."""
-    operands = [(source, rows[keep], unique) for source, rows, unique in operands]
+    operands = [(source, rows[index(rows, keep)], unique) for source, rows, unique in operands]  # (data: a device's)
     result = (
         ran.only(keep) if type(ran) is Looped else group_call(plan, operands, value.arenas, value.weights, len(keep))
     )

@@ -21,16 +21,16 @@ import numpy as np
 
 from monadl._namespace import all_finite
 from monadl.errors import NonFiniteError, OperandError
-from monadl.fold._loom_arenas import Arenas
+from monadl.fold._loom_arenas import Arenas, index
 from monadl.fold._loom_backward import backward
 from monadl.fold._loom_looped import Looped, group_call
-from monadl.fold._loom_schedule import Schedule, _Planned, calls, op_of
+from monadl.fold._loom_schedule import MixedData, Schedule, _Planned, calls, op_of
 from monadl.layers._layer import Layer
 from monadl.layers._non_finite import data_held, finite_delta, made
 from monadl.layers._outputs import Outputs, StackedOutputs, finite_value
 from monadl.layers._primitives import Primitive, shown
 from monadl.layers._site import site_text
-from monadl.runtime.node import failed, where
+from monadl.runtime.node import failed, one_library, where
 from monadl.runtime.settings import current_settings
 
 if TYPE_CHECKING:
@@ -154,13 +154,20 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
         except _Unbatched as why:
             value.arenas, value.plans, value.vjps, value.operands = Arenas([]), [], [], []
             _one_by_one(value, weights, False)  # (the first call that fails raises its own error)
-            _log.warning(
-                "a loom of %d calls (built at %s) runs its calls one by one, at several times its batched time: %s, "
-                "where each of its calls alone did not (a batching rule's fault: please report it)",
-                sum(plan.n for plan in schedule.planned),
-                site_text(schedule.site),
-                why,
-            )
+            if not str(why):  # (the user's data of two array libraries at one position: run as their nodes)
+                _log.debug(
+                    "a loom (built at %s) runs its calls one by one: data of two array libraries at one "
+                    "position of a group",
+                    site_text(schedule.site),
+                )
+            else:
+                _log.warning(
+                    "a loom of %d calls (built at %s) runs its calls one by one, at several times its batched time: "
+                    "%s, where each of its calls alone did not (a batching rule's fault: please report it)",
+                    sum(plan.n for plan in schedule.planned),
+                    site_text(schedule.site),
+                    why,
+                )
     grads: list[Any] | None = None
 
     def rule(j: int) -> Callable[[Any], Any]:
@@ -187,6 +194,8 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         program = plan.program
         try:
             operands = [(s, rows.read() if s is None else rows, u) for s, rows, u in plan.operands]  # (data read now)
+        except MixedData:  # (the user's data: each call one by one, refused as its node would be where it mixes)
+            raise _Unbatched("") from None
         except Exception as exc:
             raise _Unbatched(f"a group of {plan.n} calls of {program.name} raised {type(exc).__name__}") from None
         for part, held, members in arenas.split(plan, operands):
@@ -208,7 +217,7 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
                 _kept(value, plan, part, held, members, result.value, result)
                 continue
             for some, looped in result.by_shape():  # (outputs whose shapes the calls' data set: a mask's count)
-                mine = [(s, rows[some], u) for s, rows, u in held]
+                mine = [(s, rows[index(rows, some)], u) for s, rows, u in held]  # (data: a device's)
                 whose = some if members is None else members[some]
                 _kept(value, plan, part.part(len(some), mine), mine, whose, looped.value, looped)
     if (arenas.split_groups or len(arenas.data) > arenas.count) and _log.isEnabledFor(logging.DEBUG):
@@ -250,6 +259,8 @@ def _one_by_one(value: LoomValue, weights: list[Any], checked: bool) -> None:
         args = (*operands, *[weights[j] for j in plan.weights])
         program = plan.program
         try:
+            if not all(type(a) is np.ndarray for a in args):  # (as its node would: one library, a host's indices)
+                args = one_library(op_of(group), args, schedule.where(group, row))
             if checked:
                 with np.errstate(all="ignore"):
                     out, vjps = program(*args, called=schedule.where(group, row))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from monadl.fold._loom_recorders import Group
     from monadl.layers._primitives import Primitive
 
-__all__ = ["Rows", "Schedule", "calls", "op_of"]
+__all__ = ["MixedData", "Rows", "Schedule", "calls", "op_of"]
 
 
 @final
@@ -162,9 +162,20 @@ class Rows:
 
     def read(self) -> Any:
         column = self.column
-        if type(column[0]) is Layer:
+        if type(column[0]) is Layer:  # (of one library: the group's key holds the rows' type)
             return _stacked([v._inputs[0] for v in column])
-        return _stacked(column)
+        if type(column[0]) is not np.ndarray and len(set(map(type, column))) > 1:
+            raise MixedData
+        try:
+            return _stacked(column)
+        except TypeError:  # (NumPy's concatenation refuses a device's array: CuPy's)
+            raise MixedData from None
+
+
+@final
+class MixedData(Exception):
+    """A group's data at one position are arrays of two libraries (a host's
+    and a device's): its calls run one by one, each as its node would."""
 
 
 def _stacked(arrays: Sequence[Any]) -> Any:

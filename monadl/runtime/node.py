@@ -32,7 +32,7 @@ from monadl.layers._site import site_text
 from monadl.layers._weight import Weight, weight_sites
 from monadl.runtime.evaluation import Evaluation, Record
 
-__all__ = ["all_finite", "collect", "compute", "describe", "failed", "host_integers", "where"]
+__all__ = ["all_finite", "collect", "compute", "describe", "failed", "host_integers", "one_library", "where"]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
 _NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
@@ -280,14 +280,21 @@ def _host_outputs(args: tuple[Any, ...]) -> bool:
 def _foreign_operands(node: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Operands not all NumPy: one library only (else `DeviceError`), and NumPy
     scalars as Python numbers, which every array library accepts."""
+    return one_library(node._op, args, where(node))
+
+
+def one_library(op: Any, args: tuple[Any, ...], place: str) -> tuple[Any, ...]:
+    """`_foreign_operands` of a call of ``op`` made at ``place`` (a node's, or
+    a loom's call run alone): its arrays of one library, else `DeviceError`
+    naming ``place``, but for an operation's host integers (indices)."""
     arrays = arrays_of(args)
-    program = type(node._op.rule) is Program
+    program = type(op.rule) is Program
     if program:  # an operation's host integers (indices) may go with a device's arrays
         arrays = tuple([a for a in arrays if not host_integers(a)])
     try:
-        xp = common_namespace(arrays, shown(node._op))
+        xp = common_namespace(arrays, shown(op))
     except DeviceError as exc:  # (named for the user's line, as a rule's errors are: `failed`)
-        exc.args = (f"{exc.args[0]}; {'called' if program else 'layer built'} at {where(node)}", *exc.args[1:])
+        exc.args = (f"{exc.args[0]}; {'called' if program else 'layer built'} at {place}", *exc.args[1:])
         raise
     return args if xp is np else host_scalars_to_python(args)
 
