@@ -1,4 +1,5 @@
-"""The Tree-LSTM on the host, as the reference of the device tests (`test_cuda`, `test_stand_in_device`)."""
+"""The Tree-LSTM on the host, as the reference of the device tests (`test_cuda`, `test_stand_in_device`),
+and a count of a loom's batched calls."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ def host_reference(hidden: int) -> tuple[dict[str, Any], list[Any], float, dict[
     with cpu.context():
         loss, grads = anyio.run(cpu.loss_and_gradients, trees)
     return weights, trees, float(loss), {k: np.asarray(g) for k, g in grads.items()}
+
+
+def loom_calls(monkeypatch: Any) -> list[int]:
+    """The sizes of the groups that looms run as one batched call, from now on (``monkeypatch``: pytest's)."""
+    from monadl.fold import _loom_looped, _loom_run
+
+    sizes: list[int] = []
+    group_call = _loom_looped.group_call
+
+    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
+        sizes.append(n)
+        return group_call(plan, operands, arenas, weights, n)
+
+    monkeypatch.setattr(_loom_run, "group_call", counted)
+    return sizes

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from tests.runtime._tree_lstm_reference import host_reference
+from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 from tests.test_namespaces import CASES, RNG, _value_and_grads
 
 cupy = pytest.importorskip("cupy")
@@ -234,17 +234,9 @@ def test_a_loom_runs_the_tree_lstms_cells_by_depth_on_the_gpu(monkeypatch: pytes
     """The example's cells in an ``ml.loom()`` block with weights on CuPy: its groups run
     batched on the device, with NumPy's loss and gradients (float64)."""
     from examples.tree_lstm import TreeLSTM
-    from monadl.fold import _loom_looped, _loom_run
 
     weights, trees, want_loss, want = host_reference(8)
-    calls: list[int] = []
-    group_call = _loom_looped.group_call
-
-    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
-        calls.append(n)
-        return group_call(plan, operands, arenas, weights, n)
-
-    monkeypatch.setattr(_loom_run, "group_call", counted)
+    calls = loom_calls(monkeypatch)
     model = TreeLSTM(weights, device="cuda", loom=True)
     with ml.settings(batching=True):
         grads = anyio.run(ml.gradients, model.loss(trees), list(model.w.values()))

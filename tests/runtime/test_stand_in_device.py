@@ -34,7 +34,7 @@ from monadl.layers._site import PACKAGE_DIR
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched_records, batched_run
 from monadl.runtime.schedule import cuda as cuda_schedule
-from tests.runtime._tree_lstm_reference import host_reference
+from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 
 DEVICE = "stand-in"
 LEAKS: list[str] = []  # where a host array met a device array
@@ -233,17 +233,9 @@ def test_the_gpu_benchmarks_cell_with_its_lookups_inside_has_the_hosts_gradients
     "monadl loom": those cells recorded in an ``ml.loom()`` block; "monadl fold": the Fold
     blocks' (a loom too). The looms run their groups on the device."""
     from benchmarks import treelstm_cuda
-    from monadl.fold import _loom_looped, _loom_run
 
     weights, trees, want_loss, want = host_reference(6)
-    calls: list[int] = []
-    group_call = _loom_looped.group_call
-
-    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
-        calls.append(n)
-        return group_call(plan, operands, arenas, weights, n)
-
-    monkeypatch.setattr(_loom_run, "group_call", counted)
+    calls = loom_calls(monkeypatch)
     variant = treelstm_cuda.VARIANTS[name](weights)
     assert variant is not None
     loss, grads = anyio.run(variant.loss_and_gradients, trees)
@@ -451,17 +443,9 @@ def test_a_loom_runs_the_tree_lstms_cells_by_depth_on_the_device(
     loom's groups run on the device (its arenas the device's, its host row numbers
     copied over), with the host's loss and gradients."""
     from examples.tree_lstm import TreeLSTM
-    from monadl.fold import _loom_looped, _loom_run
 
     weights, trees, want_loss, want = host_reference(6)
-    calls: list[int] = []
-    group_call = _loom_looped.group_call
-
-    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
-        calls.append(n)
-        return group_call(plan, operands, arenas, weights, n)
-
-    monkeypatch.setattr(_loom_run, "group_call", counted)
+    calls = loom_calls(monkeypatch)
     model = TreeLSTM(weights, device="cuda", loom=True)
     alone.clear()
     grouped.clear()
@@ -484,16 +468,7 @@ def test_a_loom_stacks_a_devices_rows_given_as_data_and_refuses_host_rows_beside
     """A loom's calls over rows of the device (as layers, and as data arguments) run
     as groups, with the host's values and gradients; host rows beside device weights
     are built as nodes, whose error names the line of the call."""
-    from monadl.fold import _loom_looped, _loom_run
-
-    calls: list[int] = []
-    group_call = _loom_looped.group_call
-
-    def counted(plan: Any, operands: Any, arenas: Any, weights: Any, n: int) -> Any:
-        calls.append(n)
-        return group_call(plan, operands, arenas, weights, n)
-
-    monkeypatch.setattr(_loom_run, "group_call", counted)
+    calls = loom_calls(monkeypatch)
     rng = np.random.default_rng(4)
     xs = [rng.normal(size=(1, 3)) for _ in range(6)]
     start = rng.normal(size=(3, 3))
