@@ -22,7 +22,15 @@ import numpy as np
 
 from monadl.errors import DeviceError, OperandError
 
-__all__ = ["all_finite", "common_namespace", "host_scalars_to_python", "is_array", "library_name", "namespace"]
+__all__ = [
+    "all_finite",
+    "common_namespace",
+    "host_scalars_to_python",
+    "index_for",
+    "is_array",
+    "library_name",
+    "namespace",
+]
 
 Namespace = Any  # a module (or module-like object) of array functions
 
@@ -55,6 +63,15 @@ def _lookup(x: object) -> Namespace:
         raise OperandError(
             f"{type(x).__module__}.{type(x).__name__} is not an array of a known array library"
         ) from None
+
+
+def index_for(data: Any, index: Any) -> Any:
+    """``index`` (a slice, or host row numbers or a host mask) as an index of
+    ``data``: for another library's array, a copy in it, on its device
+    (queued on the stream like a kernel)."""
+    if type(data) is np.ndarray or type(index) is slice:
+        return index
+    return namespace(data).asarray(index, device=data.device)
 
 
 def is_array(x: object) -> bool:

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeAlias, final
 
 import numpy as np
 
-from monadl._namespace import namespace
+from monadl._namespace import index_for, namespace
 from monadl._scatter import scatter_add
 
 if TYPE_CHECKING:
     from monadl.fold._loom_schedule import _Planned
 
-__all__ = ["Arenas", "Operand", "index"]
+__all__ = ["Arenas", "Operand"]
 
 # Per operand position: an arena and the rows to gather, and whether none repeats; or None, the members' data.
 Operand: TypeAlias = tuple[int | None, Any, bool]
@@ -167,13 +167,13 @@ class Arenas:
         if uploaded is None:
             uploaded = self.uploaded = self._upload(data)
         found = uploaded.get(id(rows))  # (the gathers are held: no other array has their identity)
-        return index(data, rows) if found is None else found
+        return index_for(data, rows) if found is None else found
 
     def _upload(self, like: Any) -> dict[int, Any]:
         gathers = self.gathers
         if not gathers:
             return {}
-        flat = index(like, np.concatenate(gathers))
+        flat = index_for(like, np.concatenate(gathers))
         uploaded, at = {}, 0
         for rows in gathers:
             uploaded[id(rows)] = flat[at : at + len(rows)]
@@ -195,10 +195,3 @@ class Arenas:
             data[self.index(data, rows)] += part
             return data
         return scatter_add(namespace(data), data, self.index(data, rows), part)
-
-
-def index(data: Any, rows: Any) -> Any:
-    """``rows`` (a slice, or host row numbers or a host mask) as an index of ``data``."""
-    if type(data) is np.ndarray or type(rows) is slice:
-        return rows
-    return namespace(data).asarray(rows, device=data.device)  # (copied over: queued on the stream like a kernel)

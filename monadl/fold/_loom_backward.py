@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from monadl._namespace import namespace
+from monadl._namespace import index_for, namespace
 from monadl.errors import NonFiniteError
-from monadl.fold._loom_arenas import index
 from monadl.fold._loom_looped import Looped, group_call
 from monadl.fold._loom_schedule import _Planned, calls, op_of
 from monadl.layers._non_finite import all_finite_deltas, backward_made, finite_delta
@@ -114,7 +113,7 @@ def _sent(
             if g is not None:
                 if feeding is not None and not feeding[p].all():
                     m = feeding[p]
-                    rows, g = rows[m], g[index(g, m)]
+                    rows, g = rows[m], g[index_for(g, m)]
                 sent.append((source, rows, unique, g))
     base = len(plan.operands)
     for i, j in enumerate(plan.weights):
@@ -151,12 +150,14 @@ def _reached_only(
     their own, as they would send deltas alone (those of a group that ``ran``
     call by call, a `Looped`, as they ran): their VJPs, operands, output
     deltas and count."""
-    operands = [(source, rows[index(rows, keep)], unique) for source, rows, unique in operands]  # (data: a device's)
+    operands = [
+        (source, rows[index_for(rows, keep)], unique) for source, rows, unique in operands
+    ]  # (data: a device's)
     result = (
         ran.only(keep) if type(ran) is Looped else group_call(plan, operands, value.arenas, value.weights, len(keep))
     )
     vjps = result if type(result) is Looped else result[1]
-    return vjps, operands, [None if p is None else p[index(p, keep)] for p in parts], len(keep)
+    return vjps, operands, [None if p is None else p[index_for(p, keep)] for p in parts], len(keep)
 
 
 def _backward_one_by_one(value: LoomValue, count: int, checked: bool) -> list[Any]:

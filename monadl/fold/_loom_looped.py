@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 
-from monadl._namespace import namespace
-from monadl.fold._loom_arenas import index
+from monadl._namespace import index_for, namespace
 from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
 
 if TYPE_CHECKING:
@@ -84,7 +83,7 @@ class Looped:
             calls.append(self._call(i)[1] if vjps is None else vjps)
             self.calls[i] = None
         other.calls = calls
-        other.rows = tuple([r[index(r, keep)] for r in self.rows])
+        other.rows = tuple([r[index_for(r, keep)] for r in self.rows])
         other.value, other.ragged, other.read, other.sent = None, None, None, []
         return other
 

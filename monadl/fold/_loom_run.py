@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 
-from monadl._namespace import all_finite
+from monadl._namespace import all_finite, index_for
 from monadl.errors import NonFiniteError, OperandError
-from monadl.fold._loom_arenas import Arenas, index
+from monadl.fold._loom_arenas import Arenas
 from monadl.fold._loom_backward import backward
 from monadl.fold._loom_looped import Looped, group_call
 from monadl.fold._loom_schedule import MixedData, Schedule, _Planned, calls, op_of
@@ -151,10 +151,10 @@ def _loom_rule(*args: Any) -> tuple[LoomValue, tuple[Callable[[Any], Any], ...]]
     else:
         try:
             _batched(value, weights)
-        except _Unbatched as why:
+        except (_Unbatched, MixedData) as why:
             value.arenas, value.plans, value.vjps, value.operands = Arenas([]), [], [], []
             _one_by_one(value, weights, False)  # (the first call that fails raises its own error)
-            if not str(why):  # (the user's data of two array libraries at one position: run as their nodes)
+            if type(why) is MixedData:  # (the user's data of two array libraries at one position: as their nodes)
                 _log.debug(
                     "a loom (built at %s) runs its calls one by one: data of two array libraries at one "
                     "position of a group",
@@ -195,7 +195,7 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
         try:
             operands = [(s, rows.read() if s is None else rows, u) for s, rows, u in plan.operands]  # (data read now)
         except MixedData:  # (the user's data: each call one by one, refused as its node would be where it mixes)
-            raise _Unbatched("") from None
+            raise
         except Exception as exc:
             raise _Unbatched(f"a group of {plan.n} calls of {program.name} raised {type(exc).__name__}") from None
         for part, held, members in arenas.split(plan, operands):
@@ -217,7 +217,7 @@ def _batched(value: LoomValue, weights: list[Any]) -> None:
                 _kept(value, plan, part, held, members, result.value, result)
                 continue
             for some, looped in result.by_shape():  # (outputs whose shapes the calls' data set: a mask's count)
-                mine = [(s, rows[index(rows, some)], u) for s, rows, u in held]  # (data: a device's)
+                mine = [(s, rows[index_for(rows, some)], u) for s, rows, u in held]  # (data: a device's)
                 whose = some if members is None else members[some]
                 _kept(value, plan, part.part(len(some), mine), mine, whose, looped.value, looped)
     if (arenas.split_groups or len(arenas.data) > arenas.count) and _log.isEnabledFor(logging.DEBUG):

@@ -17,7 +17,7 @@ from typing import Any, final
 
 import numpy as np
 
-from monadl._namespace import namespace
+from monadl._namespace import index_for, namespace
 from monadl.deltas import SparseRows
 from monadl.layers._operands import Numbers
 from monadl.layers._outputs import OutputsDelta, StackedOutputs
@@ -137,7 +137,7 @@ def _rows(value: Any, keep: Any, first: Any, p: int) -> Any:
         return tuple([q if q is o else _rows(q, keep, first, p) for q, o in zip(value, own)])
     if kind is SparseRows or kind is SplitDelta:
         value = value.to_dense()
-    return value[namespace(value).asarray(keep, device=value.device) if kind is not np.ndarray else keep]
+    return value[index_for(value, keep)]
 
 
 def _spread(g: Any, keep: Any, n: int) -> Any:
@@ -150,5 +150,5 @@ def _spread(g: Any, keep: Any, n: int) -> Any:
         g = g.to_dense()
     xp = namespace(g)
     out = xp.zeros((n, *g.shape[1:]), dtype=g.dtype, device=g.device)
-    out[xp.asarray(keep, device=g.device) if type(g) is not np.ndarray else keep] = g
+    out[index_for(g, keep)] = g
     return out
