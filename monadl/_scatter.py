@@ -36,10 +36,12 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
     a one-hot product into a small table and by ``bincount`` into a large
     one, both many times faster than ``add.at``; there an index past the table
     raises ``IndexError``, as ``add.at`` does. The array API standard has
-    no scatter (its callers check their indices first), so elsewhere a one-hot matrix product adds the values up: over
-    the rows of the first axis for a single index array, else over flat
-    positions, found by indexing an ``arange`` with the same index (memory:
-    rows, or elements, x number of picked ones).
+    no scatter, so elsewhere a one-hot matrix product adds the values up: over
+    the rows of the first axis for a single index array (one past the table
+    raises ``IndexError``, where its one-hot row would drop it), else over
+    flat positions, found by indexing an ``arange`` with the same index (which
+    raises for one past its axis); memory: rows, or elements, x number of
+    picked ones.
     """
     if (
         type(index) is np.ndarray
@@ -87,6 +89,10 @@ def scatter_add(xp: Any, out: Value, index: Any, values: Value) -> Value:
         rows, rest = out.shape[0], out.shape[1:]  # rows of the first axis
         if rows_of_a_mask:  # (the rows it picks, in order)
             index = xp.nonzero(index)[0]
+        elif index.size:
+            low, high = int(xp.min(index)), int(xp.max(index))
+            if low < -rows or high >= rows:
+                raise IndexError(f"index {high if high >= rows else low} is out of bounds for axis 0 with size {rows}")
         index = _from_the_front(xp, index, rows)
         picked = xp.reshape(xp.broadcast_to(values, (*index.shape, *rest)), (-1, prod(rest)))
         summed = _one_hot_sum(xp, rows, xp.reshape(index, (-1,)), xp.astype(picked, out.dtype))

@@ -35,6 +35,18 @@ def test_an_index_past_a_small_table_raises_as_add_at(rows: int, past: int) -> N
         scatter_add(np, np.zeros((3, 640), np.float32), np.full(rows, past), values)
 
 
+@pytest.mark.parametrize("past", [3, -4])
+def test_an_index_past_the_table_raises_where_a_library_has_no_add_at(past: int) -> None:
+    # The array API's one-hot product matched no row for it and dropped its values, silently.
+    xp = pytest.importorskip("array_api_strict")
+    values = xp.ones((2, 4))
+    for index in (xp.asarray([0, past]), xp.asarray([[0], [past]])):
+        with pytest.raises(IndexError, match=f"index {past} is out of bounds for axis 0 with size 3"):
+            scatter_add(xp, xp.zeros((3, 4)), index, xp.reshape(values, (*index.shape, 4)))
+    summed = scatter_add(xp, xp.zeros((3, 4)), xp.asarray([0, -1, 2]), xp.ones((3, 4)))  # (within: from the end)
+    np.testing.assert_array_equal(np.asarray(summed), [[1.0] * 4, [0.0] * 4, [2.0] * 4])
+
+
 @pytest.mark.parametrize("parts", [[1] * 40, [300, 2, 90], [5, 700], [64, 64]])
 def test_sparse_rows_sum_their_parts_as_one_table(parts: list[int]) -> None:
     # Parts of many rows are summed one by one, parts of few rows joined first: the same sums,
