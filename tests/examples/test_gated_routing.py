@@ -3,9 +3,6 @@ across its choices, equal to one by one and to the model by hand."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 import anyio
 import numpy as np
 import pytest
@@ -14,19 +11,9 @@ import monadl as ml
 from benchmarks import _gated_routing_numpy as by_hand
 from benchmarks import gated_routing as gr
 from monadl.runtime import entry
-from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.schedule import fibers
 
 
-def test_examples_take_different_routes_and_match_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    merged: list[int] = []
-    run = fibers.run
-
-    def counting(ev: Evaluation, parked: fibers.Parked) -> Generator[Any, Any, list[Any]]:
-        merged.append(len(parked.fibers))
-        return (yield from run(ev, parked))
-
-    monkeypatch.setattr(fibers, "run", counting)
+def test_examples_take_different_routes_and_match_one_by_one(merged: list[int]) -> None:
     assert gr.check(hidden=16, batch=8) < 1e-12  # on vs off, direct, cells, and the mean of one by one
     assert max(merged) == 8  # all eight examples' graphs ran as one
 

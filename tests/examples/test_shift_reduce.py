@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
-
 import anyio
 import numpy as np
 import pytest
@@ -13,8 +10,6 @@ import monadl as ml
 from benchmarks import control_flow
 from examples import shift_reduce as sr
 from monadl.runtime import entry
-from monadl.runtime.evaluation import Evaluation
-from monadl.runtime.schedule import fibers
 
 
 def infix(sentence: sr.Sentence) -> str:
@@ -54,15 +49,7 @@ def test_labels_spans_and_the_oracle() -> None:
     assert sr.make_sentences(5, 2, 6, seed=3) == sr.make_sentences(5, 2, 6, seed=3)
 
 
-def test_sentences_take_different_paths_and_match_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    merged: list[int] = []
-    run = fibers.run
-
-    def counting(ev: Evaluation, parked: fibers.Parked) -> Generator[Any, Any, list[Any]]:
-        merged.append(len(parked.fibers))
-        return (yield from run(ev, parked))
-
-    monkeypatch.setattr(fibers, "run", counting)
+def test_sentences_take_different_paths_and_match_one_by_one(merged: list[int]) -> None:
     assert control_flow.check(hidden=8, batch=6) < 1e-12  # on vs off, and vs the mean of one by one
     assert max(merged) == 6  # all six sentences' graphs ran as one
 
