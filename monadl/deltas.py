@@ -295,5 +295,8 @@ class Outer:
             lefts, rights = [xp.concat(lefts)], [xp.concat(rights)]
         out = xp.matrix_transpose(lefts[0]) @ rights[0]
         for other in self.others:
-            out = out + other
+            if type(out) is type(other) is np.ndarray and other.shape == out.shape and other.dtype == out.dtype:
+                out += other  # (the product is a new array: summed in it, not in a new one)
+            else:
+                out = out + other
         return out

@@ -135,8 +135,13 @@ def test_factors_add_up_with_arrays_and_each_other() -> None:
     rng = np.random.default_rng(1)
     a, g = rng.standard_normal((3, 5)), rng.standard_normal((3, 4))
     dense = rng.standard_normal((5, 4))
-    total = dense + Outer(a, g) + Outer(a[:2], g[:2])
-    np.testing.assert_allclose(total.dense(), dense + a.T @ g + a[:2].T @ g[:2])
+    kept = dense.copy()
+    total = dense + Outer(a, g) + Outer(a[:2], g[:2]) + dense
+    np.testing.assert_allclose(total.dense(), 2 * dense + a.T @ g + a[:2].T @ g[:2])
+    np.testing.assert_array_equal(dense, kept)  # (summed into the product, not into an array it was sent)
+    mixed = Outer(a.astype(np.float32), g.astype(np.float32)) + dense  # (float32 factors, a float64 array)
+    assert mixed.dense().dtype == np.float64
+    np.testing.assert_allclose(mixed.dense(), dense + a.T @ g, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture
