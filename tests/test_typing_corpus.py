@@ -347,6 +347,19 @@ ACCEPT = {
         assert_type(ml.roll(array, array.ndim - 1, array.shape[0]), ml.ArrayLayer)
         assert_type(ml.roll(array, np.argmax(array)), ml.ArrayLayer)
     """,
+    "axes_sizes_and_labels_take_python_and_numpy_integers": """
+        matrix = np.ones((2, 3))
+        assert_type(ml.concatenate([array_layer, array], axis=np.intp(0)), ml.ArrayLayer)
+        assert_type(ml.stack([array_layer, array], axis=array.ndim - 1), ml.ArrayLayer)
+        assert_type(ml.softmax(array_layer, axis=np.int64(-1)), ml.ArrayLayer)
+        assert_type(ml.log_softmax(matrix, np.argmax(matrix.shape)), ml.ArrayLayer)
+        assert_type(ml.sum(ml.as_layer(matrix), axis=(0, np.intp(1))), ml.ArrayLayer)
+        assert_type(ml.split(array_layer, np.int64(3), axis=0), tuple[ml.ArrayLayer, ...])
+        assert_type(ml.segment_sum(matrix, np.array([0, 1]), np.int64(2)), ml.ArrayLayer)
+        assert_type(ml.reshape(array_layer, matrix.shape[::-1]), ml.ArrayLayer)
+        assert_type(ml.as_layer(matrix).transpose(np.intp(1), 0), ml.Layer[ml.Array, ml.Array])
+        assert_type(ml.cross_entropy(matrix, np.array([0, 1]), ignore_index=np.int64(2)), ml.ScalarLayer)
+    """,
     "an_operation_keeps_its_functions_signature": """
         @ml.operation
         def cell(x: ml.ArrayOperand, h: ml.ArrayLayer, scale: float) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
@@ -523,6 +536,18 @@ REJECT = {
     "roll_shift_an_array_of_shifts": ("ml.roll(array_weight, np.array([1, 2]))", "arg-type"),
     "roll_axis_a_bool": ("ml.roll(array_layer, 1, axis=False)", "arg-type"),
     "roll_shift_a_numpy_bool": ("ml.roll(array_layer, np.True_)", "arg-type"),
+    # So are the other axes, sizes and labels (a bool and an array passed type checks: SupportsIndex took both).
+    "concatenate_axis_a_bool": ("ml.concatenate([array_layer, array], axis=True)", "arg-type"),
+    "stack_axis_an_array": ("ml.stack([array_layer, array], axis=np.array(0))", "arg-type"),
+    "softmax_axis_a_bool": ("ml.softmax(array_layer, axis=False)", "arg-type"),
+    "sum_axes_with_a_bool": ("ml.sum(array_layer, axis=(0, True))", "arg-type"),
+    "split_sections_a_bool": ("ml.split(array_layer, True)", "arg-type"),
+    "segment_sum_count_a_bool": ("ml.segment_sum(array_layer, np.array([0]), True)", "arg-type"),
+    "reshape_method_with_a_bool": ("array_layer.reshape(3, True)", "call-overload"),
+    "cross_entropy_ignore_index_a_bool": (
+        "ml.cross_entropy(array_layer, np.array([0]), ignore_index=True)",
+        "arg-type",
+    ),
     "data_parallel_train_value_used_as_a_string": (
         "from monadl.distributed import DataParallel\nasync def f(dp: DataParallel) -> None:\n    v: str = await dp.train(scalar_layer)",
         "assignment",

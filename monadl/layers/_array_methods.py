@@ -7,9 +7,9 @@ layer and a weight have them alike."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, Literal, SupportsIndex, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
-from monadl.layers._axes import Axis, as_axis, as_shape
+from monadl.layers._axes import Axis, Integer, as_axis, as_shape
 from monadl.layers._primitives import PRIMITIVES
 
 if TYPE_CHECKING:
@@ -76,19 +76,19 @@ class ArrayMethods(Generic[D, G]):
         return self._make(PRIMITIVES["max"], (self,), (as_axis(axis, "max"), bool(keepdims)))
 
     @overload
-    def reshape(self, shape: Sequence[SupportsIndex] | Array, /) -> Layer[Array, Array]: ...
+    def reshape(self, shape: Sequence[Integer] | Array, /) -> Layer[Array, Array]: ...
     @overload
-    def reshape(self, *shape: SupportsIndex) -> Layer[Array, Array]: ...
+    def reshape(self, *shape: Integer) -> Layer[Array, Array]: ...
     def reshape(self, *shape: Any) -> Layer[Array, Array]:
         """A view of the same values in another shape: ``(3, 2)`` or ``3, 2``, as NumPy's method."""
         return self._make(PRIMITIVES["reshape"], (self,), (as_shape(shape, "reshape", "shape"),))
 
     @overload
     def transpose(
-        self: ArrayMethods[Array, Array], axes: Sequence[SupportsIndex] | Array | None, /
+        self: ArrayMethods[Array, Array], axes: Sequence[Integer] | Array | None, /
     ) -> Layer[Array, Array]: ...
     @overload
-    def transpose(self: ArrayMethods[Array, Array], *axes: SupportsIndex) -> Layer[Array, Array]: ...
+    def transpose(self: ArrayMethods[Array, Array], *axes: Integer) -> Layer[Array, Array]: ...
     def transpose(self, *axes: Any) -> Layer[Array, Array]:
         """Permute axes (reverse them when none or None are given): ``(1, 0)`` or ``1, 0``, as NumPy's method.
         An array's (a scalar's transpose is the scalar, no array)."""

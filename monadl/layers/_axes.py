@@ -20,9 +20,6 @@ from monadl.errors import OperandError
 
 __all__ = ["Axis", "Integer", "as_axis", "as_int", "as_ints", "as_shape", "is_sizes"]
 
-Axis: TypeAlias = SupportsIndex | Sequence[SupportsIndex]
-"""An axis or a tuple (or list) of axes: Python or NumPy integers."""
-
 
 class Integer(Protocol):
     """One integer as `as_int` takes it: an ``int`` or a NumPy integer, not a
@@ -38,6 +35,10 @@ class Integer(Protocol):
     def __invert__(self) -> Self: ...
     @property
     def numerator(self) -> Any: ...
+
+
+Axis: TypeAlias = Integer | Sequence[Integer]
+"""An axis or a tuple (or list) of axes: Python or NumPy integers."""
 
 
 def as_int(value: object, op: str, what: str) -> int:

@@ -7,9 +7,9 @@ data, weights and layers alike, and builds one primitive node
 
 from __future__ import annotations
 
-from typing import Any, Literal, SupportsIndex, overload
+from typing import Any, Literal, overload
 
-from monadl.layers._axes import Axis, as_axis, as_int
+from monadl.layers._axes import Axis, Integer, as_axis, as_int
 from monadl.layers._functions import apply_primitive
 from monadl.layers._layer import ArrayLayer, ArrayOperand, Layer, Operand, ScalarLayer
 
@@ -140,7 +140,7 @@ def logsumexp(x: Operand, axis: Axis | None = None, keepdims: bool = False) -> L
     return apply_primitive("logsumexp", (x,), (as_axis(axis, "logsumexp"), bool(keepdims)))
 
 
-def softmax(x: ArrayOperand, axis: SupportsIndex = -1) -> ArrayLayer:
+def softmax(x: ArrayOperand, axis: Integer = -1) -> ArrayLayer:
     """``exp(x) / sum(exp(x))`` along ``axis``, without overflow.
 
     >>> import anyio, numpy as np
@@ -150,6 +150,6 @@ def softmax(x: ArrayOperand, axis: SupportsIndex = -1) -> ArrayLayer:
     return apply_primitive("softmax", (x,), (as_int(axis, "softmax", "axis"),))
 
 
-def log_softmax(x: ArrayOperand, axis: SupportsIndex = -1) -> ArrayLayer:
+def log_softmax(x: ArrayOperand, axis: Integer = -1) -> ArrayLayer:
     """``log(softmax(x))`` along ``axis``, computed stably."""
     return apply_primitive("log_softmax", (x,), (as_int(axis, "log_softmax", "axis"),))

@@ -7,13 +7,13 @@ the options are checked where the loss is built, naming what was given."""
 from __future__ import annotations
 
 import math
-import operator
-from typing import Any, SupportsIndex, cast
+from typing import Any, cast
 
 import numpy as np
 
 from monadl._namespace import is_array, namespace
 from monadl.errors import OperandError, ShapeError
+from monadl.layers._axes import Integer, as_int
 from monadl.layers._functions import apply_primitive
 from monadl.layers._layer import (
     Array,
@@ -35,7 +35,7 @@ def cross_entropy(
     labels: Array | DeviceArray,
     *,
     weight: Array | DeviceArray | None = None,
-    ignore_index: SupportsIndex | None = None,
+    ignore_index: Integer | None = None,
     label_smoothing: float = 0.0,
 ) -> ScalarLayer:
     """Mean negative log-likelihood of integer ``labels`` under ``softmax(logits)``:
@@ -153,13 +153,8 @@ def _class_weights(weight: Any) -> Any:
     return weight
 
 
-def _ignored(ignore_index: SupportsIndex | None) -> int | None:
-    if ignore_index is None:
-        return None
-    try:
-        return operator.index(ignore_index)
-    except TypeError:
-        raise OperandError(f"cross_entropy: ignore_index must be an integer (a label), got {ignore_index!r}") from None
+def _ignored(ignore_index: object) -> int | None:
+    return None if ignore_index is None else as_int(ignore_index, "cross_entropy", "ignore_index (a label)")
 
 
 def _smoothing(label_smoothing: float) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, NoReturn, SupportsIndex, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -94,7 +94,7 @@ def _refuse_word(table: Weight[Any, Any], index: Array) -> NoReturn:
     raise IndexRangeError(f"embedding: {text}" + weight_sites((table,)))
 
 
-def segment_sum(data: ArrayOperand, segment_ids: Array | DeviceArray, num_segments: SupportsIndex) -> ArrayLayer:
+def segment_sum(data: ArrayOperand, segment_ids: Array | DeviceArray, num_segments: Integer) -> ArrayLayer:
     """The rows of ``data`` summed by segment: row ``i`` is added into row
     ``segment_ids[i]`` of ``num_segments`` rows of zeros, as JAX's
     ``jax.ops.segment_sum``, TensorFlow's ``unsorted_segment_sum`` and
@@ -165,7 +165,7 @@ def _integers(x: Any, what: str) -> Any:
 
 
 # ---- shapes ----------------------------------------------------------------------------------
-def reshape(x: Operand, shape: Sequence[SupportsIndex] | Array) -> ArrayLayer:
+def reshape(x: Operand, shape: Sequence[Integer] | Array) -> ArrayLayer:
     """The same values in another shape (one axis may be ``-1``).
 
     >>> import anyio, numpy as np
@@ -176,7 +176,7 @@ def reshape(x: Operand, shape: Sequence[SupportsIndex] | Array) -> ArrayLayer:
     return apply_primitive("reshape", (x,), (as_ints(shape, "reshape", "shape"),))
 
 
-def transpose(x: ArrayOperand | DeviceArray, axes: Sequence[SupportsIndex] | Array | None = None) -> ArrayLayer:
+def transpose(x: ArrayOperand | DeviceArray, axes: Sequence[Integer] | Array | None = None) -> ArrayLayer:
     """Permute axes (reverse them by default). An array's: a scalar's transpose is the scalar, no array."""
     return apply_primitive("transpose", (x,), (None if axes is None else as_ints(axes, "transpose", "axes"),))
 
@@ -197,7 +197,7 @@ def roll(x: ArrayOperand | DeviceArray, shift: Integer, axis: Integer = -1) -> A
     return apply_primitive("roll", (x,), (as_int(shift, "roll", "shift"), as_int(axis, "roll", "axis")))
 
 
-def concatenate(xs: Sequence[ArrayOperand | DeviceArray], axis: SupportsIndex = 0) -> ArrayLayer:
+def concatenate(xs: Sequence[ArrayOperand | DeviceArray], axis: Integer = 0) -> ArrayLayer:
     """Join along an existing axis: of arrays (scalars have none; `stack` joins them).
 
     >>> import anyio, numpy as np, monadl as ml
@@ -207,7 +207,7 @@ def concatenate(xs: Sequence[ArrayOperand | DeviceArray], axis: SupportsIndex = 
     return apply_primitive("concatenate", _joined(xs, "concatenate"), (as_int(axis, "concatenate", "axis"),))
 
 
-def stack(xs: Sequence[Operand], axis: SupportsIndex = 0) -> ArrayLayer:
+def stack(xs: Sequence[Operand], axis: Integer = 0) -> ArrayLayer:
     """Join along a new axis.
 
     >>> import anyio, numpy as np, monadl as ml
@@ -232,9 +232,7 @@ def _joined(xs: object, name: str) -> tuple[Any, ...]:
     return parts
 
 
-def split(
-    x: ArrayOperand, sections: SupportsIndex | Sequence[SupportsIndex] | Array, axis: SupportsIndex = -1
-) -> tuple[ArrayLayer, ...]:
+def split(x: ArrayOperand, sections: Integer | Sequence[Integer] | Array, axis: Integer = -1) -> tuple[ArrayLayer, ...]:
     """Cut ``x`` along ``axis`` (the last by default, where ``np.split``'s is
     the first) into parts: ``sections`` equal ones (it must divide the axis,
     as in ``np.split``), or parts of the given sizes (as in ``torch.split``).

@@ -101,7 +101,7 @@ def test_no_rows_and_no_segments() -> None:
         (lambda: ml.segment_sum(np.ones((3, 2)), np.zeros((3, 1), int), 2), ml.OperandError, "1-D integer array"),
         (lambda: ml.segment_sum(np.ones((3, 2)), np.array([0, 1, 1]), -1), ml.OperandError, ">= 0, got -1"),
         (lambda: ml.segment_sum(np.ones((3, 2)), np.array([0, 1, 1]), 2.0), ml.OperandError, "be an integer"),  # type: ignore[arg-type]
-        (lambda: ml.segment_sum(np.ones((3, 2)), np.array([0, 1, 1]), True), ml.OperandError, "be an integer"),
+        (lambda: ml.segment_sum(np.ones((3, 2)), np.array([0, 1, 1]), True), ml.OperandError, "be an integer"),  # type: ignore[arg-type]
         (lambda: ml.segment_sum(np.ones((4, 2)), np.array([0, 1, 1]), 2), ml.ShapeError, "got 3 ids for data of shape"),
         (lambda: ml.segment_sum(ml.Weight(np.ones(2)), np.array([0]), 2), ml.ShapeError, r"shape \(2,\)"),
     ],
