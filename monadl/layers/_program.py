@@ -73,6 +73,7 @@ class Program:
         "multi",
         "name",
         "outputs",
+        "part_feeds",
         "plans",
         "readers",
         "size",
@@ -107,6 +108,7 @@ class Program:
         self.slices = tuple(basic_slice(s) for s in steps)
         self.live = tuple(any(s.grads) for s in steps)
         self.feeds = _feeds(size, len(consts), steps, outputs)
+        self.part_feeds = _part_feeds(size, len(consts), steps, outputs)
         # Per operand signature (`signature`), what the operand rule did at each step: later
         # calls with it apply that, not the rule (whose checks, Python's, cost more than a small
         # step: a float32 cell's float64 weight is cast at each step of each call); per group
@@ -374,6 +376,34 @@ def _where(step: Step) -> str:
     from monadl.layers._site import site_text
 
     return site_text(step.site)
+
+
+def _part_feeds(
+    size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, ...]
+) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Per output ``k`` of an operand with several (an operation node's,
+    read by its ``output`` views), the outputs a delta reaches it from, as
+    `_feeds` per operand: a member whose outputs read reach output ``k`` of
+    its operand sends that output a delta, the others none (one cell's
+    second output, read by the next cell's output that a member leaves
+    unread: a zero row sent on, times ``sqrt``'s infinite derivative at 0
+    where it was made, was a NaN in a weight's delta)."""
+    first = size + consts
+    views = {first + j: (s.refs[0], s.params[0]) for j, s in enumerate(steps) if s.op is OUTPUT and s.refs[0] < size}
+    if not views:
+        return {}
+    reach = [0] * first  # per slot, the views it depends on (bits by slot)
+    for j, step in enumerate(steps):
+        bits = 1 << first + j if first + j in views else 0
+        if step.op.name != "stop_gradient":
+            for r, grad in zip(step.refs, step.grads):
+                if grad:
+                    bits |= reach[r]
+        reach.append(bits)
+    found: dict[tuple[int, int], set[int]] = {}
+    for slot, part in views.items():
+        found.setdefault(part, set()).update(k for k, o in enumerate(outputs) if reach[o] >> slot & 1)
+    return {part: tuple(sorted(ks)) for part, ks in found.items()}
 
 
 def _feeds(size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

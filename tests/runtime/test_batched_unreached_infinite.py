@@ -239,3 +239,43 @@ def test_a_member_that_reads_only_a_stop_gradient_output_sends_its_operand_none(
     for weight in (w, v):
         assert np.isfinite(on[weight]).all()
         np.testing.assert_allclose(on[weight], off[weight], rtol=1e-12)
+
+
+def _chained_cells(w: ml.Weight[Any, Any], alone: bool) -> ml.ScalarLayer:
+    """Two two-output cells in a chain, the second passing the first's
+    ``sqrt`` output on (``r + h * 0``, no infinite derivative of its own);
+    even calls read only the second's ``h`` (a new user's). ``alone``: each
+    first call its own trace (a static argument), so that they run as
+    nodes and the second group stacks their records."""
+
+    def first(h: ml.ArrayLayer, r: ml.ArrayLayer, tag: str) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        h = ml.tanh(h @ w)
+        return h, ml.sqrt(h * 0.0 + r)
+
+    def second(h: ml.ArrayLayer, r: ml.ArrayLayer) -> tuple[ml.ArrayLayer, ml.ArrayLayer]:
+        h = ml.tanh(h @ w)
+        return h, r + h * 0.0
+
+    one, two = ml.operation(first), ml.operation(second)
+    terms = []
+    for i in range(6):
+        x = ml.as_layer(np.array([[0.1 * i, -0.1 * i]]))
+        h, r = two(*one(x, ml.as_layer(np.full((1, 2), float(i % 2))), f"call {i}" if alone else ""))
+        terms.append(ml.sum(h) if i % 2 == 0 else ml.sum(r))
+    return ml.sum(ml.stack(terms))
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_member_sends_an_output_of_its_operand_none_where_its_outputs_read_do_not_reach_it(
+    grouped: list[tuple[str, int]], alone: bool
+) -> None:
+    """The second cell's even members read only ``h``, which ``r`` does not
+    reach: they send the first cell's ``r`` output no delta, its ``h`` one
+    (before: a zero row for ``r`` too, whole operand by whole operand, and
+    at the first cell's ``sqrt`` of 0 a NaN in the weight's gradient, with
+    batching on and by default). `Program.part_feeds` says which outputs
+    reach each output of an operand."""
+    _assert_as_alone(lambda w: _chained_cells(w, alone))
+    _assert_as_alone(lambda w: _chained_cells(w, alone), batching=None)
+    batched = [(name.split(".")[-1].split("#")[0], n) for name, n in grouped if "_chained_cells" in name]
+    assert batched == ([("second", 6)] if alone else [("first", 6), ("second", 6)])

@@ -76,6 +76,29 @@ class Again:
             mask |= seen[k]
         return None if mask.all() else mask
 
+    def reaching_parts(self, p: int, gather: Gather) -> list[Any] | None:
+        """Per output of operand ``p`` (operation nodes with several, read
+        by the program's views: `Program.part_feeds`), which members send it
+        a delta (a host mask, None: all), as `reaching` for a whole operand;
+        None where the operand has no such outputs, or all its outputs are
+        sent by the same members."""
+        seen = gather.seen
+        assert seen is not None
+        rule = self.first._op.rule
+        if type(rule) is not Program:
+            return None
+        parts = sorted(k for q, k in rule.part_feeds if q == p)
+        if not parts:
+            return None
+        masks: list[Any] = [None] * (parts[-1] + 1)
+        for k in parts:
+            mask = np.zeros(self.n, dtype=bool)
+            for o in rule.part_feeds[(p, k)]:
+                mask |= seen[o]
+            masks[k] = mask  # (an output no view reads: None, no delta at all)
+        found = [m for m in masks if m is not None]
+        return None if all(np.array_equal(m, found[0]) for m in found) else masks
+
     def delta(self, p: int, gather: Gather, made: Any) -> Any:
         """Operand ``p``'s delta as the members that got one send it (``made``
         where the rule declines to run again)."""

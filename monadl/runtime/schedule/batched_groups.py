@@ -233,6 +233,15 @@ class Groups:
                 [None if v is None else _narrowed(self.sinks[s.group], s, reached) for v, s in zip(vjps, sources)]
             )
 
+    def narrow_parts(self, rec: Record, sources: list[Source], masks: list[Any]) -> None:
+        """`narrow`, per output of the gathered operation nodes: output
+        ``k``'s delta of the rows ``masks[k]`` alone (None: of no row)."""
+        vjps = rec.vjps
+        if vjps is not None:
+            rec.vjps = tuple(
+                [None if v is None else _narrowed_parts(self.sinks[s.group], s, masks) for v, s in zip(vjps, sources)]
+            )
+
 
 _group = itemgetter(0)
 _row = itemgetter(1)
@@ -319,6 +328,23 @@ def _narrowed(sink: Gather, source: Source, reached: Any) -> Callable[[Any], Gat
     unique = source.unique if joint is None else joint.unique
     narrowed = _made(source.group, at, rows, unique)
     return lambda delta: sink.add(narrowed, delta)
+
+
+def _narrowed_parts(sink: Gather, source: Source, masks: list[Any]) -> Callable[[Any], Gather | None]:
+    """`_narrowed` for a delta of several outputs (an `OutputsDelta`), each
+    output's of the gathered rows its mask holds alone: output by output,
+    its delta with the others' left None."""
+    sends = [(k, _narrowed(sink, source, m)) for k, m in enumerate(masks) if m is not None and m.any()]
+
+    def scatter(delta: Any) -> Gather | None:
+        sent = None
+        parts = delta.parts
+        for k, send in sends:
+            if k < len(parts) and parts[k] is not None:
+                sent = send(OutputsDelta(tuple([d if j == k else None for j, d in enumerate(parts)])))
+        return sent
+
+    return scatter
 
 
 def _nothing(delta: Any) -> None:

@@ -52,7 +52,7 @@ from monadl._namespace import _HOST, all_finite, namespace
 from monadl.deltas import Outer
 from monadl.layers._non_finite import finite_delta
 from monadl.layers._operands import NUMBERS, Numbers, cast_numbers, member_float_dtype
-from monadl.layers._outputs import Outputs, StackedOutputs
+from monadl.layers._outputs import Outputs, OutputsDelta, StackedOutputs
 from monadl.layers._program import Program
 from monadl.runtime.evaluation import Record
 from monadl.runtime.node import host_integers
@@ -224,7 +224,10 @@ def _resolving(
             if delta.reached is None and delta.seen is None:
                 return vjp(dense)
             reached = delta.reached if delta.seen is None else again.reaching(p, delta)
-            if reached is not None and rec is not None:
+            parts = None if delta.seen is None or rec is None else again.reaching_parts(p, delta)
+            if parts is not None and rec is not None:  # (operation nodes: each output from its own members)
+                _narrow_parts(rec, operand, parts, groups)
+            elif reached is not None and rec is not None:
                 _narrow(rec, operand, reached, groups)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 g = vjp(dense)
@@ -258,6 +261,34 @@ def _narrow(rec: Record, operand: Operand, reached: Any, groups: Groups) -> None
         groups.narrow(rec, operand.sources, reached)
     elif operand.stacked is not None and rec.vjps is not None:
         rec.vjps = tuple([g if hit else _nothing for g, hit in zip(rec.vjps, reached.tolist())])
+
+
+def _narrow_parts(rec: Record, operand: Operand, masks: list[Any], groups: Groups) -> None:
+    """`_narrow` for an operand of operation nodes with several outputs:
+    output ``k`` gets the delta of the members ``masks[k]`` alone (None:
+    of none), as alone a member whose outputs read do not reach it sends it
+    none (`Again.reaching_parts`)."""
+    if operand.sources is not None:
+        groups.narrow_parts(rec, operand.sources, masks)
+    elif operand.stacked is not None and rec.vjps is not None:
+        n = len(rec.vjps)
+        kept = zip(*[[False] * n if m is None else m.tolist() for m in masks])
+        rec.vjps = tuple([_outputs_kept(g, keep) for g, keep in zip(rec.vjps, kept)])
+
+
+def _outputs_kept(vjp: Callable[[Any], Any], keep: tuple[bool, ...]) -> Callable[[Any], Any]:
+    """A member's VJP of an `OutputsDelta` (its share of the stack's) with
+    the outputs not in ``keep`` left None: no delta."""
+    if not any(keep):
+        return _nothing
+
+    def kept(delta: Any) -> Any:
+        got = vjp(delta)
+        if got is None:
+            return None
+        return OutputsDelta(tuple([d if k < len(keep) and keep[k] else None for k, d in enumerate(got.parts)]))
+
+    return kept
 
 
 def _nothing(delta: Any) -> None:
