@@ -131,7 +131,10 @@ def _output_rule(value: Outputs, k: int) -> tuple[Value, tuple[Callable[[Value],
 
 
 def _argument_rule(*_: Any) -> Any:
-    raise OperandError("an operation's placeholder was evaluated: it exists only while a cell is traced")
+    raise OperandError(
+        "an operation's placeholder was evaluated: a cell's argument exists only while the cell is traced (a "
+        "layer the cell kept, evaluated after it: return it from the cell instead, as one of its outputs)"
+    )
 
 
 OUTPUT: Final = Primitive("output", _output_rule)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["NUMBERS", "TRACING", "refuse_while_tracing"]
+__all__ = ["NUMBERS", "TRACING", "refuse_evaluating", "refuse_while_tracing"]
 
 TRACING: Final[dict[int, str]] = {}
 """The operations being traced now, by the tracing thread's id: the
@@ -46,4 +46,25 @@ def refuse_while_tracing(what: str) -> None:
                 f"operation {name}: the cell called {what} while it was traced; a trace runs once per signature, "
                 f"not at each call, so later calls would not call it: call {what} outside the cell (before or "
                 "after the call, or after predict() or train())"
+            )
+
+
+def refuse_evaluating() -> None:
+    """Refuse an evaluation (``predict()``, ``train()``, ``ml.gradients``)
+    started while this thread traces an operation: the cell's layers have no
+    value then (its arguments are placeholders), and whatever it computed
+    would be the trace's constant at every later call."""
+    if TRACING:
+        from threading import get_ident
+
+        name = TRACING.get(get_ident())
+        if name is not None:
+            from monadl.errors import OperandError
+
+            raise OperandError(
+                f"operation {name}: the cell evaluates a layer (predict(), train(), ml.gradients) while it is "
+                "traced; a cell is traced once per signature, with placeholders for its arguments and no values, "
+                "and later calls replay the trace: to see a value inside it, call the function unmarked (without "
+                "ml.operation); to find a NaN, ml.settings(check_finite=True) names the step inside the cell that "
+                "made it; or evaluate the cell's result outside it"
             )

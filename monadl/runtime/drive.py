@@ -31,6 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from monadl._unawaited import abandon_suspended
 from monadl.direct import inside_direct
+from monadl.layers._traced_now import refuse_evaluating
 from monadl.runtime.evaluation import READING, Evaluation
 from monadl.runtime.process import advance
 from monadl.runtime.requests import NEXT, Spawn, Steps
@@ -70,6 +71,7 @@ _turns: Final = _Turns()
 
 async def drive(ev: Evaluation, machine: Machine) -> Any:
     """Run ``machine`` (an interpreter generator of ``ev``) to its result."""
+    refuse_evaluating()
     settings = current_settings()
     pause = settings.pause_gc and settings.tune_process
     interval = ev.yield_interval_s

@@ -219,7 +219,7 @@ def failed(exc: Exception, op: Any, args: tuple[Any, ...], place: str, inputs: t
         elif exc.args and type(exc.args[0]) is str and "layer built at" not in exc.args[0]:  # (a rule's own: `where`)
             exc.args = (f"{exc.args[0]}; layer built at {place}", *exc.args[1:])
         return exc
-    exc.add_note(f"monadl: in {shown(op)} of {describe(args)}; layer built at {place}")
+    exc.add_note(f"monadl: in {shown(op)}{f' of {describe(args)}' if args else ''}; layer built at {place}")
     return exc
 
 

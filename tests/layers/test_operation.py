@@ -7,6 +7,7 @@ import functools
 import re
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1154,6 +1155,40 @@ def test_a_weight_read_by_the_library_in_a_cell_is_not_blamed_on_the_cell() -> N
 
     with pytest.raises(ml.OperandError, match=r": the cell called apply_gradients while it was traced; "):
         steps(ml.as_layer(np.ones(2)))
+
+
+def test_a_cell_that_evaluates_a_layer_while_traced_is_told_why_at_its_line() -> None:
+    """A debug print of a value inside a marked cell evaluated its
+    placeholder: "placeholder was evaluated", with a note naming an empty
+    "argument of ;" at the call's line (a new user's). Now the evaluation is
+    refused as it starts, saying what to do, the cell's line in the
+    traceback; a placeholder the cell kept and evaluated later says so."""
+    w = ml.Weight(np.eye(2))
+    kept: list[ml.ArrayLayer] = []
+
+    @ml.operation
+    def peeks(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        z = h @ w
+        anyio.run(z.predict)
+        return ml.tanh(z)
+
+    line = sys._getframe().f_lineno - 3
+    with pytest.raises(
+        ml.OperandError, match=r"operation \S*peeks: the cell evaluates a layer .* while it is traced; "
+    ) as info:
+        peeks(ml.as_layer(np.ones((1, 2))))
+    assert any(f.lineno == line for f in traceback.extract_tb(info.value.__traceback__))
+    assert "call the function unmarked" in str(info.value)
+
+    @ml.operation
+    def keeps(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        kept.append(h)
+        return ml.tanh(h @ w)
+
+    keeps(ml.as_layer(np.ones((1, 2))))
+    with pytest.raises(ml.OperandError, match=r"return it from the cell instead") as info:
+        anyio.run(ml.sum(kept[0] * 2.0).predict)
+    assert [n for n in info.value.__notes__ if n.startswith("monadl: in argument;")]
 
 
 def _parts(xs: Any) -> list[Any]:
