@@ -195,6 +195,20 @@ def test_a_sequence_block_refuses_a_mapping_and_a_set_saying_what_to_pass(block:
     assert Map(InputTransform(len))({"ab": 1, "c": 2}.items()) == [2, 2]  # type: ignore[arg-type]  # (a view: no Sequence)
 
 
+def test_a_batch_of_a_mapping_or_a_set_is_refused_as_a_sequence_block_refuses_them() -> None:
+    # (`block.batch(d)` took a dict's keys as its inputs, silently, where `Map` refused it: a new user's)
+    block = InputTransform(len)
+    with pytest.raises(TypeError) as info:
+        block.batch({"ab": 1, "c": 2})  # (mypy takes it: a dict is an Iterable of its keys)
+    assert str(info.value) == (
+        "InputTransform(len).batch takes a sequence of inputs, and was given {'ab': 1, 'c': 2} (a dict), whose "
+        "iteration gives its keys alone: pass list(x.values()), x.items() or list(x)"
+    )
+    with pytest.raises(TypeError, match=r"was given \{'ab'\} \(a set\), which has no order \(its hashes'\): "):
+        block.batch({"ab"})
+    assert block.batch({"ab": 1, "c": 2}.keys()) == [2, 1]  # (its keys, in order: taken, as Map takes them)
+
+
 def _line_of(text: str) -> int:
     """The line of this file holding ``text``."""
     with open(__file__) as f:
