@@ -120,7 +120,9 @@ def refused(weight: Weight[Any, Any], gradient: Any, owned: bool) -> str:
         if owned:
             return (
                 f"the optimizer step would write a NaN or an infinity into {where}; no weight was changed. "
-                "ml.settings(check_finite=True) finds the operation that made it"
+                "ml.settings(check_finite=True) finds the operation that made it (it runs node by node: a NaN "
+                "that it does not find, and ml.settings(batching=False) does not make, came from batching, a "
+                "fault of monadl's to report)"
             )
         return (
             f"apply_gradients: the gradient given for {where} holds a NaN or an infinity; no weight was changed "
