@@ -378,6 +378,29 @@ def _where(step: Step) -> str:
     return site_text(step.site)
 
 
+def _through(step: Step, steps: tuple[Step, ...], reach: list[int], first: int) -> int:
+    """What ``step``'s slot depends on (bits), from ``reach`` of the slots
+    before it: its operands' that take a delta (none through
+    ``stop_gradient``). An output of a marked cell called inside this one
+    (a step whose rule is a `Program`) depends on the operands of that call
+    that its own feeds say reach it, not on all of them."""
+    if step.op.name == "stop_gradient":  # (its delta goes nowhere)
+        return 0
+    refs, grads = step.refs, step.grads
+    if step.op is OUTPUT and refs[0] >= first:
+        nested = steps[refs[0] - first]
+        rule = nested.op.rule
+        if type(rule) is Program:
+            k, feeds = step.params[0], rule.feeds
+            refs = nested.refs
+            grads = tuple([g and (q >= len(feeds) or k in feeds[q]) for q, g in enumerate(nested.grads)])
+    bits = 0
+    for r, grad in zip(refs, grads):
+        if grad:
+            bits |= reach[r]
+    return bits
+
+
 def _part_feeds(
     size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, ...]
 ) -> dict[tuple[int, int], tuple[int, ...]]:
@@ -394,12 +417,7 @@ def _part_feeds(
         return {}
     reach = [0] * first  # per slot, the views it depends on (bits by slot)
     for j, step in enumerate(steps):
-        bits = 1 << first + j if first + j in views else 0
-        if step.op.name != "stop_gradient":
-            for r, grad in zip(step.refs, step.grads):
-                if grad:
-                    bits |= reach[r]
-        reach.append(bits)
+        reach.append((1 << first + j if first + j in views else 0) | _through(step, steps, reach, first))
     found: dict[tuple[int, int], set[int]] = {}
     for slot, part in views.items():
         found.setdefault(part, set()).update(k for k, o in enumerate(outputs) if reach[o] >> slot & 1)
@@ -414,10 +432,5 @@ def _feeds(size: int, consts: int, steps: tuple[Step, ...], outputs: tuple[int, 
     a NaN: `monadl.runtime.schedule.batched_again`)."""
     reach = [1 << p for p in range(size)] + [0] * consts  # per slot, the operands it depends on (bits)
     for step in steps:
-        bits = 0
-        if step.op.name != "stop_gradient":  # (its delta goes nowhere)
-            for r, grad in zip(step.refs, step.grads):
-                if grad:
-                    bits |= reach[r]
-        reach.append(bits)
+        reach.append(_through(step, steps, reach, size + consts))
     return tuple([tuple([k for k, o in enumerate(outputs) if reach[o] >> p & 1]) for p in range(size)])

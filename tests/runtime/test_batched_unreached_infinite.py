@@ -279,3 +279,29 @@ def test_a_member_sends_an_output_of_its_operand_none_where_its_outputs_read_do_
     _assert_as_alone(lambda w: _chained_cells(w, alone), batching=None)
     batched = [(name.split(".")[-1].split("#")[0], n) for name, n in grouped if "_chained_cells" in name]
     assert batched == ([("second", 6)] if alone else [("first", 6), ("second", 6)])
+
+
+def test_an_output_of_a_cell_called_inside_a_cell_depends_on_what_its_own_feeds_say(
+    grouped: list[tuple[str, int]],
+) -> None:
+    """A marked cell called inside another stays one node of the outer
+    program, read by ``output`` views: its output 0 does not depend on its
+    operand ``b``, so a member reading only that output sends ``b`` (the
+    first cell's ``sqrt`` output, at 0) no delta (before: every output of
+    the inner node was taken to depend on all its operands, and the zero row
+    sent on was a NaN in the weight's gradient; a reviewer's)."""
+
+    def loss(w: ml.Weight[Any, Any]) -> ml.ScalarLayer:
+        v = np.array([[1.0, 0.5], [-0.3, 2.0]])
+        inner = ml.operation(lambda a, b: (ml.tanh(a @ v), b * 1.0))
+        first = ml.operation(lambda h, r: (ml.tanh(h @ w), ml.sqrt(ml.tanh(h @ w) * 0.0 + r)))
+        second = ml.operation(lambda a, b: inner(a, b))
+        terms = []
+        for i in range(6):
+            x = ml.as_layer(np.array([[0.1 * i + 0.05, -0.1 * i]]))
+            o = second(*first(x, ml.as_layer(np.full((1, 2), float(i % 2)))))
+            terms.append(ml.sum(o[0]) if i % 2 == 0 else ml.sum(o[1]))
+        return ml.sum(ml.stack(terms))
+
+    _assert_as_alone(loss)
+    assert sorted(n for name, n in grouped if "lambda" in name) == [6, 6]
