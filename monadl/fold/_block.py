@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar, cast, 
 
 import numpy as np
 
-from monadl.fold._inputs import shown
+from monadl.fold._inputs import shown, unordered
 from monadl.fold._kinds import BUILD, COMPOSITION, IMMEDIATE, PARALLEL, ROUTE
 from monadl.fold._run import run
 from monadl.layers._site import caller_site
@@ -108,13 +108,9 @@ class Block(ABC, Generic[In, Out]):
         >>> InputTransform(len).batch(["a", "bc"])
         [1, 2]
         """
-        if isinstance(xs, Mapping | set | frozenset):  # (as `Map` refuses them: keys alone, or no order)
-            said = (
-                "whose iteration gives its keys alone: pass list(x.values()), x.items() or list(x)"
-                if isinstance(xs, Mapping)
-                else "which has no order (its hashes'): pass sorted(x), or list(x) where the order does not matter"
-            )
-            raise TypeError(f"{self!r}.batch takes a sequence of inputs, and was given {shown(xs)}, {said}")
+        why = unordered(xs)  # (as `Map` refuses them)
+        if why is not None:
+            raise TypeError(f"{self!r}.batch takes a sequence of inputs, and was given {shown(xs)}, {why}")
         return run(self, xs, site=caller_site())
 
     @final

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from monadl.fold._block import Block, Build, Immediate, call
-from monadl.fold._inputs import shown
+from monadl.fold._inputs import shown, unordered
 from monadl.layers import ArrayLayer
 from monadl.layers._layer import built_at
 from monadl.layers._operation import Operation
@@ -239,16 +239,9 @@ def _elements(block: Block[Any, Any], xs: Iterable[X]) -> Iterator[X]:
     its keys) and a set (its order is its hashes')."""
     kind = type(xs)
     if kind is not list and kind is not tuple:  # (the common inputs: no checks for them)
-        if isinstance(xs, Mapping):
-            raise TypeError(
-                f"{block!r} takes a sequence, and was given {shown(xs)}, whose iteration gives its keys alone: "
-                "pass list(x.values()), x.items() or list(x)"
-            )
-        if isinstance(xs, set | frozenset):  # (a dict's keys() and items() are sets in order: taken)
-            raise TypeError(
-                f"{block!r} takes a sequence, and was given {shown(xs)}, which has no order (its hashes'): "
-                "pass sorted(x), or list(x) where the order does not matter"
-            )
+        why = unordered(xs)
+        if why is not None:
+            raise TypeError(f"{block!r} takes a sequence, and was given {shown(xs)}, {why}")
     try:
         return iter(xs)
     except TypeError:

@@ -5,6 +5,7 @@ document, a list that contains itself)."""
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -35,3 +36,20 @@ def shown(x: object) -> str:
         return f"a {x.dtype} array of shape {x.shape}"
     text = reprlib.repr(x)
     return text if x is None else f"{text} ({a_type(x)})"
+
+
+def unordered(xs: object) -> str | None:
+    """Why ``xs``, given as a sequence, is not one, and what to pass: a
+    mapping (its iteration gives its keys alone: a JSON object sent to a
+    list's case by mistake would be read as its keys) or a set (its order is
+    its hashes'); None for anything else (a dict's keys() and items() are in
+    its order: taken).
+
+    >>> unordered([1]), unordered({1})
+    (None, "which has no order (its hashes'): pass sorted(x), or list(x) where the order does not matter")
+    """
+    if isinstance(xs, Mapping):
+        return "whose iteration gives its keys alone: pass list(x.values()), x.items() or list(x)"
+    if isinstance(xs, set | frozenset):
+        return "which has no order (its hashes'): pass sorted(x), or list(x) where the order does not matter"
+    return None
