@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from tests.runtime._device_cases import joint_reading_two_output_cells
 from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 from tests.test_namespaces import CASES, RNG, _value_and_grads
 
@@ -294,3 +295,18 @@ def test_every_primitive_gives_numpys_values_and_gradients_on_cupy(name: str) ->
     for h, d in zip(host_grads, grads):
         assert type(d) is cupy.ndarray
         np.testing.assert_allclose(cupy.asnumpy(d), h, rtol=1e-10, atol=1e-12)
+
+
+def test_a_joint_gather_of_two_output_cells_gives_the_hosts_finite_gradient_on_cupy() -> None:
+    """`joint_reading_two_output_cells` on CuPy, batched: the gradient NumPy
+    gives node by node (finite: each output of the joint gather narrowed to
+    the rows that reach it)."""
+    gradients: list[Any] = []
+    for asarray, batching in ((np.asarray, False), (cupy.asarray, True), (cupy.asarray, False)):
+        w, loss = joint_reading_two_output_cells(asarray)
+        with ml.settings(batching=batching), np.errstate(divide="ignore", invalid="ignore"):
+            gradients.append(anyio.run(ml.value_and_gradients, loss)[1][w])
+    host, batched, alone = gradients
+    assert np.isfinite(host).all() and type(batched) is cupy.ndarray
+    np.testing.assert_allclose(cupy.asnumpy(batched), host, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(cupy.asnumpy(alone), host, rtol=1e-12, atol=1e-14)

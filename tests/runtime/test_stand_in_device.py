@@ -34,6 +34,7 @@ from monadl.layers._site import PACKAGE_DIR
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched_records, batched_run
 from monadl.runtime.schedule import cuda as cuda_schedule
+from tests.runtime._device_cases import joint_reading_two_output_cells
 from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 
 DEVICE = "stand-in"
@@ -796,3 +797,30 @@ def test_a_row_read_twice_through_a_joint_with_a_member_without_delta_gets_both_
     assert list(got) == list(want) and set(want) == {w1, w2}
     for w in want:
         np.testing.assert_allclose(np.asarray(got[w]), np.asarray(want[w]), rtol=1e-12, atol=1e-12)
+
+
+def test_a_joint_gather_of_two_output_cells_sends_each_output_the_rows_that_read_it(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`joint_reading_two_output_cells` on the device: each output of the
+    joint gets the rows that reach it alone, and the weight's gradient is
+    finite and as node by node (the per-output narrowing's device path;
+    before it ran on NumPy's alone). `test_cuda` runs it on CuPy."""
+    from monadl.runtime.schedule import batched_groups
+
+    w, loss = joint_reading_two_output_cells(device.asarray)
+    with ml.settings(batching=False):
+        want = anyio.run(entry.gradients, loss)[1][w]
+    joints: list[Any] = []
+    made = batched_groups.Joint.__init__
+
+    def noted(self: Any, *args: Any) -> None:
+        made(self, *args)
+        joints.append(self)
+
+    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
+    with ml.settings(batching=True), np.errstate(divide="ignore", invalid="ignore"):
+        got = anyio.run(entry.gradients, loss)[1][w]
+    assert [len(j.groups) for j in joints] == [2, 2]  # (``h`` and ``r``: each from both producers' groups)
+    assert np.isfinite(np.asarray(want)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-14)
