@@ -76,7 +76,7 @@ def all_finite_deltas(deltas: Sequence[Any]) -> bool:
     for delta in deltas:
         kind = type(delta)
         if kind is Outer:
-            delta = delta.dense()
+            delta = _product(delta)
         elif kind is SparseRows:
             delta = delta.rows
         if type(delta) is np.ndarray or not is_array(delta):
@@ -96,7 +96,7 @@ def finite_delta(delta: Any) -> bool:
     operation's outputs' or a split's) holds no NaN and no infinity."""
     kind = type(delta)
     if kind is Outer:
-        return all_finite(delta.dense())
+        return all_finite(_product(delta))
     if kind is SparseRows:
         return all_finite(delta.rows)
     if kind is OutputsDelta:  # an operation's outputs' deltas (None: zero)
@@ -105,3 +105,11 @@ def finite_delta(delta: Any) -> bool:
         return all_finite(delta.to_dense())
     finite = getattr(delta, "finite", None)  # (a Fold batch's loom's deltas, by slot)
     return all_finite(delta) if finite is None else bool(finite())
+
+
+def _product(delta: Outer) -> Any:
+    """A weight's delta as factors, multiplied out to be checked: without
+    NumPy's warning of the infinity or NaN a factor may hold (NumPy 2.5 warns
+    of them in a product), which the check is there to find."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return delta.dense()
