@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from tests.runtime._device_cases import cells_reading_one_shared_cell
 
 
 def _gradient(loss: ml.ScalarLayer, weight: ml.Weight[Any, Any], batching: bool) -> tuple[float, Any]:
@@ -59,3 +60,23 @@ def test_operands_of_three_and_two_outputs_swapped_between_calls(loom: bool) -> 
     assert value == 59.0
     np.testing.assert_array_equal(grad, [[4.0, 6.0], [5.0, 7.0]])  # (before: [[3.5, 5.5], [4.5, 6.5]])
     np.testing.assert_array_equal(_gradient(loss, w, False)[1], grad)
+
+
+@pytest.mark.parametrize("reads", ["first output", "either output"])
+def test_calls_that_all_read_one_earlier_cells_outputs_run_as_one_group(
+    grouped: list[tuple[str, int]], reads: str
+) -> None:
+    """`cells_reading_one_shared_cell` (before: the shared node's value, an
+    `Outputs`, was taken for another library's array, and the 40 calls ran
+    one by one), with the gradients node by node: the encoder's weight's is
+    the sum of all 40 calls' shares. `test_stand_in_device` runs it on the
+    device's path."""
+    weights, loss = cells_reading_one_shared_cell(np.asarray, either=reads == "either output")
+    grads = {}
+    for batching in (False, True):
+        with ml.settings(batching=batching):
+            grads[batching] = anyio.run(ml.value_and_gradients, loss)
+    assert [n for name, n in grouped if "lambda" in name] == [40]  # (the decoder's; the encoder's node is one)
+    assert float(grads[True][0]) == pytest.approx(float(grads[False][0]), rel=1e-12)
+    for weight in weights:
+        np.testing.assert_allclose(grads[True][1][weight], grads[False][1][weight], rtol=1e-12, atol=1e-14)

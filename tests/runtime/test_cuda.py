@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from tests.runtime._device_cases import joint_reading_two_output_cells
+from tests.runtime._device_cases import cells_reading_one_shared_cell, joint_reading_two_output_cells
 from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 from tests.test_namespaces import CASES, RNG, _value_and_grads
 
@@ -310,3 +310,16 @@ def test_a_joint_gather_of_two_output_cells_gives_the_hosts_finite_gradient_on_c
     assert np.isfinite(host).all() and type(batched) is cupy.ndarray
     np.testing.assert_allclose(cupy.asnumpy(batched), host, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(cupy.asnumpy(alone), host, rtol=1e-12, atol=1e-14)
+
+
+def test_calls_that_all_read_one_earlier_cells_outputs_batch_on_cupy() -> None:
+    """`cells_reading_one_shared_cell` on CuPy, batched: NumPy's gradients node by node."""
+    host_weights, host_loss = cells_reading_one_shared_cell(np.asarray, either=True)
+    with ml.settings(batching=False):
+        want = anyio.run(ml.value_and_gradients, host_loss)[1]
+    weights, loss = cells_reading_one_shared_cell(cupy.asarray, either=True)
+    with ml.settings(batching=True):
+        got = anyio.run(ml.value_and_gradients, loss)[1]
+    for weight, host in zip(weights, host_weights):
+        assert type(got[weight]) is cupy.ndarray
+        np.testing.assert_allclose(cupy.asnumpy(got[weight]), want[host], rtol=1e-12, atol=1e-14)

@@ -34,7 +34,7 @@ from monadl.layers._site import PACKAGE_DIR
 from monadl.runtime import entry
 from monadl.runtime.schedule import batched_records, batched_run
 from monadl.runtime.schedule import cuda as cuda_schedule
-from tests.runtime._device_cases import joint_reading_two_output_cells
+from tests.runtime._device_cases import cells_reading_one_shared_cell, joint_reading_two_output_cells
 from tests.runtime._tree_lstm_reference import host_reference, loom_calls
 
 DEVICE = "stand-in"
@@ -824,3 +824,20 @@ def test_a_joint_gather_of_two_output_cells_sends_each_output_the_rows_that_read
     assert [len(j.groups) for j in joints] == [2, 2]  # (``h`` and ``r``: each from both producers' groups)
     assert np.isfinite(np.asarray(want)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-14)
+
+
+def test_calls_that_all_read_one_earlier_cells_outputs_run_as_one_group_on_the_device(
+    device: Any, alone: list[Program]
+) -> None:
+    """`cells_reading_one_shared_cell` on the device: the decoder's 40 calls
+    one group beside the encoder's outputs on the device (the encoder's
+    call alone runs node by node), with the gradients node by node."""
+    weights, loss = cells_reading_one_shared_cell(device.asarray, either=True)
+    with ml.settings(batching=False):
+        want = anyio.run(entry.gradients, loss)[1]
+    alone.clear()
+    with ml.settings(batching=True):
+        got = anyio.run(entry.gradients, loss)[1]
+    assert len(alone) == 1
+    for weight in weights:
+        np.testing.assert_allclose(np.asarray(got[weight]), np.asarray(want[weight]), rtol=1e-12, atol=1e-14)

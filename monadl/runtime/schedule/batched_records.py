@@ -139,9 +139,10 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
     made each member's by `cast_scalars`."""
     if not any(batched):  # the members compute the same thing: nothing to stack
         return False
-    if StackedOutputs in kinds:  # operation nodes' outputs: the kinds of their arrays
-        parts = {type(p) for a in operands if type(a) is StackedOutputs for p in a.parts}
-        kinds = (kinds - {StackedOutputs}) | parts
+    if StackedOutputs in kinds or Outputs in kinds:  # operation nodes' outputs: the kinds of their arrays
+        # (an `Outputs`: one node's that every member reads, as a shared weight)
+        parts = {type(p) for a in operands if type(a) in _OUTPUTS for p in (a if type(a) is Outputs else a.parts)}
+        kinds = (kinds - _OUTPUTS) | parts
     foreign = kinds - _HOST
     if foreign and (len(foreign) > 1 or kinds - NUMBERS - foreign):
         # (an operation's host integers, its indices, may go with one other library's arrays)
@@ -149,6 +150,9 @@ def batchable(op: Any, kinds: set[type], operands: list[Any], batched: list[bool
         if not indices or not all(host_integers(a) for a in operands if type(a) is np.ndarray):
             return False
     return True
+
+
+_OUTPUTS = frozenset({Outputs, StackedOutputs})
 
 
 def cast_scalars(args: list[Any], batched: list[bool], arity: int, scalars: list[bool | None], start: int = 0) -> bool:
