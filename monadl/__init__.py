@@ -21,7 +21,7 @@ from monadl.errors import (
     OperandError,
     ShapeError,
 )
-from monadl.fold._loom_block import loom
+from monadl.fold._loom_block import loom as _loom
 from monadl.gradcheck import check_grads, gradients, value_and_gradients
 from monadl.graph import render_graph, to_dot
 from monadl.layers import (
@@ -87,7 +87,8 @@ __version__ = "0.1.0"
 
 # Called without `with`, it warns that it changed nothing (monadl/_scope.py); the API page follows
 # the wrapper to the docstring in runtime/settings.py.
-settings = _entered_only("ml.settings")(_settings)
+settings = _entered_only("ml.settings(...)")(_settings)
+loom = _entered_only("ml.loom()")(_loom)  # (likewise: ``ml.loom()`` on a line of its own records nothing)
 
 __all__ = [
     "Array",

@@ -37,11 +37,11 @@ class Scope(Generic[T]):
     True
     """
 
-    __slots__ = ("_context", "_entered", "_line", "_name")
+    __slots__ = ("_call", "_context", "_entered", "_line")
 
-    def __init__(self, context: AbstractContextManager[T], name: str, line: tuple[str, int]) -> None:
+    def __init__(self, context: AbstractContextManager[T], call: str, line: tuple[str, int]) -> None:
         self._context = context
-        self._name = name
+        self._call = call
         self._line = line
         self._entered = False
 
@@ -62,12 +62,12 @@ class Scope(Generic[T]):
         of it, in silence)."""
         self._entered = True
         if not isinstance(self._context, ContextDecorator):
-            raise TypeError(f"{self._name}(...) is not a decorator: use it in a with block")
+            raise TypeError(f"{self._call} is not a decorator: use it in a with block")
         context = self._context
         if inspect.isgeneratorfunction(function) or inspect.isasyncgenfunction(function):
             raise TypeError(
-                f"{self._name}(...) over a generator function would be in force while the generator is made, not "
-                f"while it runs (its body runs at each next()); write `with {self._name}(...):` inside it"
+                f"{self._call} over a generator function would be in force while the generator is made, not "
+                f"while it runs (its body runs at each next()); write `with {self._call}:` inside it"
             )
         if not inspect.iscoroutinefunction(function):
             return context(function)
@@ -80,30 +80,31 @@ class Scope(Generic[T]):
         return cast(Callable[Q, R], scoped)
 
     def __repr__(self) -> str:
-        state = "entered" if self._entered else f"not in force: write `with {self._name}(...):`"
-        return f"<{self._name}(...) scope, {state}>"
+        state = "entered" if self._entered else f"not in force: write `with {self._call}:`"
+        return f"<{self._call} scope, {state}>"
 
     def __del__(self) -> None:
         if self._entered or sys.is_finalizing():
             return
         filename, line = self._line  # (where it was built: where it is dropped may be a later line, or none)
         warnings.warn_explicit(
-            f"{self._name}(...) was never entered, so it changed nothing: it acts only inside a with block "
-            f"(write `with {self._name}(...):` and indent what it is for)",
+            f"{self._call} was never entered, so it changed nothing: it acts only inside a with block "
+            f"(write `with {self._call}:` and indent what it is for)",
             UserWarning,
             filename,
             line,
         )
 
 
-def entered_only(name: str) -> Callable[[Callable[P, AbstractContextManager[T]]], Callable[P, Scope[T]]]:
-    """Wrap a context manager factory, published as ``name``, in a `Scope`."""
+def entered_only(call: str) -> Callable[[Callable[P, AbstractContextManager[T]]], Callable[P, Scope[T]]]:
+    """Wrap a context manager factory in a `Scope`; ``call``: how users call
+    it, as its messages say it (``ml.settings(...)``, ``ml.loom()``)."""
 
     def wrap(factory: Callable[P, AbstractContextManager[T]]) -> Callable[P, Scope[T]]:
         @wraps(factory)
         def build(*args: P.args, **kwargs: P.kwargs) -> Scope[T]:
             caller = sys._getframe(1)
-            return Scope(factory(*args, **kwargs), name, (caller.f_code.co_filename, caller.f_lineno))
+            return Scope(factory(*args, **kwargs), call, (caller.f_code.co_filename, caller.f_lineno))
 
         return build
 

@@ -1,5 +1,5 @@
 """A scope called without ``with`` says so: a user's ``ml.settings(check_finite=True)`` on a line of its
-own in a notebook cell, or ``ml.optim.using_default(adam)``, changed nothing, silently."""
+own in a notebook cell, ``ml.optim.using_default(adam)`` or ``ml.loom()``, changed nothing, silently."""
 
 from __future__ import annotations
 
@@ -31,6 +31,19 @@ def test_using_default_called_without_with_warns() -> None:
         scope = ml.optim.using_default(ml.optim.adam(1e-3))
         del scope  # (as a later cell's assignment drops it: the warning names the line that built it)
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+def test_a_loom_called_without_with_warns_at_its_line() -> None:
+    """``ml.loom()`` on a line of its own (a new user's) records no call: the
+    calls after it are nodes, as outside a block, and it says so."""
+    w = ml.Weight(np.ones((2, 2)))
+    cell = ml.operation(lambda h: ml.tanh(h @ w))
+    with pytest.warns(UserWarning, match=r"ml\.loom\(\) was never entered.*`with ml\.loom\(\):`") as caught:
+        line = sys._getframe().f_lineno + 1
+        ml.loom()
+        out = cell(ml.as_layer(np.ones((1, 2))))
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    assert anyio.run(out.predict).round(3).tolist() == [[0.964, 0.964]]
 
 
 def test_a_scope_entered_says_nothing_and_acts() -> None:

@@ -98,6 +98,8 @@ def loom() -> AbstractContextManager[None]:
     other (32 examples: 3.7x the time of no block), so make one block
     around the examples' calls, or none. A recorded call's output is read
     after the block: a graph run inside it that reads one is refused.
+    Called without ``with`` (on a line of its own), it records nothing and
+    warns so when it is dropped.
 
     >>> import anyio, numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((2, 2)))

@@ -24,7 +24,7 @@ def default_optimizer() -> GradientTransformation:
     return sgd(DEFAULT_LEARNING_RATE) if chosen is None else chosen
 
 
-@entered_only("ml.optim.using_default")
+@entered_only("ml.optim.using_default(...)")
 @contextmanager
 def using_default(optimizer: GradientTransformation) -> Iterator[None]:
     """Weights built inside the block default to ``optimizer``.
