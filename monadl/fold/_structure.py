@@ -155,14 +155,16 @@ class Record(Block[X, T]):
     """Each field of the input through its own block: ``Record(b1, b2)``
     takes a tuple ``(x1, x2)``; ``Record({"a": b1, "b": b2})`` (or
     ``Record([("a", b1), ("b", b2)])``) a mapping with those keys. The output is the tuple of the fields' outputs, in the
-    order the blocks are given.
+    order the blocks are given. A mapping's other keys are left unread (a
+    record's id, its source: as TF Fold's `Record`); a key missing is a
+    `KeyError` that names it and the keys given.
 
     >>> from monadl.fold import InputTransform
     >>> Record(InputTransform(len), InputTransform(abs))(("ab", -3))
     (2, 3)
     >>> Record({"n": InputTransform(len)})({"n": "abc"})
     (3,)
-    >>> Record([("b", InputTransform(len)), ("a", InputTransform(len))])({"a": "x", "b": "yz"})
+    >>> Record([("b", InputTransform(len)), ("a", InputTransform(len))])({"a": "x", "b": "yz", "id": 7})
     (2, 1)
 
     The tuple form is typed field by field up to four blocks, and as
