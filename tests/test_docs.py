@@ -127,3 +127,20 @@ def test_every_docstring_parses_as_the_api_pages_parse_it(caplog: pytest.LogCapt
             stack.extend(m for m in obj.members.values() if not m.is_alias)
     assert [r.getMessage() for r in caplog.records if r.name.startswith("griffe")] == []
     assert "monadl.dyna.array_run.ArrayRun" in seen
+
+
+def _anchor(heading: str) -> str:
+    """A Markdown heading's anchor, as GitHub and MkDocs make it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_to_sections_reach_a_heading() -> None:
+    """Every ``(#anchor)`` and ``(docs/page.md#anchor)`` link of the README
+    names a heading of its page (a renamed section leaves no dead link)."""
+    readme = ROOT / "README.md"
+    links = re.findall(r"\]\(((?:docs/[\w/]+\.md)?)#([\w\-]+)\)", readme.read_text())
+    assert len(links) > 20
+    for page, anchor in links:
+        text = (ROOT / page if page else readme).read_text()
+        headings = {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+        assert anchor in headings, f"README links to {page or 'README.md'}#{anchor}, which has no such heading"
