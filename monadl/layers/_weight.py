@@ -87,6 +87,8 @@ class Weight(Expr[D, G]):
     def __init__(self, data: Any, *, optimizer: GradientTransformation | None = None) -> None:
         from monadl import optim
 
+        if TRACING:
+            _refuse_made_in_a_trace()
         if isinstance(data, Expr):
             raise OperandError("Weight(...) takes plain data, not a Layer or a Weight")
         foreign = is_array(data) and not isinstance(data, np.ndarray)
@@ -341,3 +343,18 @@ def weight_sites(inputs: tuple[Any, ...]) -> str:
         if type(w) is Weight
     ]
     return "".join(sites[:3]) + (f"; and {len(sites) - 3} more weights" if len(sites) > 3 else "")
+
+
+def _refuse_made_in_a_trace() -> None:
+    """Refuse a weight made while this thread traces an operation: the trace
+    runs once per signature, so each trace would keep one hidden weight of
+    its own, which steps but which no model holds (``ml.save`` misses it),
+    where the unmarked function makes a fresh one per call."""
+    name = TRACING.get(get_ident())
+    if name is not None:
+        raise OperandError(
+            f"operation {name}: the cell made an ml.Weight while it was traced; a cell is traced once per "
+            "signature and later calls replay the trace, so that weight would be one hidden weight per trace, "
+            "not one per call, and no model would hold it (ml.save would miss it): make the weight outside the "
+            "cell (in your model's __init__) and close over it, or pass it as an argument"
+        )

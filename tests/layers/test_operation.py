@@ -328,8 +328,9 @@ def test_layers_from_outside_and_values_are_refused() -> None:
     async def reads(x: ml.ArrayLayer) -> ml.ArrayLayer:
         return x * float(np.sum(await x))
 
+    v = ml.Weight(np.ones(2))  # (made outside: a weight made in a cell is refused on its own)
     with pytest.raises(ml.OperandError, match="whose structure may depend on values, so it cannot be traced"):
-        ml.operation(lambda x: reads(ml.Weight(np.ones(2)) * x))(np.ones(2))
+        ml.operation(lambda x: reads(v * x))(np.ones(2))
 
     async def awaits(x: ml.ArrayLayer) -> ml.ArrayLayer:
         return x
@@ -1189,6 +1190,26 @@ def test_a_cell_that_evaluates_a_layer_while_traced_is_told_why_at_its_line() ->
     with pytest.raises(ml.OperandError, match=r"return it from the cell instead") as info:
         anyio.run(ml.sum(kept[0] * 2.0).predict)
     assert [n for n in info.value.__notes__ if n.startswith("monadl: in argument;")]
+
+
+def test_a_weight_made_in_a_cell_is_refused_at_its_line() -> None:
+    """A "lazy init" in a marked cell (a new user's, as some PyTorch code
+    does): each trace kept one hidden weight that trained and that no model
+    held (``ml.save`` missed it), where the unmarked function made a fresh
+    one per call. Refused while traced, with what to do; unmarked it runs."""
+
+    def scaled(h: ml.ArrayLayer, k: int) -> ml.ArrayLayer:
+        w = ml.Weight(np.ones((2, 2)))
+        return h @ w * float(k)
+
+    line = sys._getframe().f_lineno - 3
+    with pytest.raises(
+        ml.OperandError, match=r"operation \S*scaled: the cell made an ml\.Weight while it was traced"
+    ) as info:
+        ml.operation(scaled)(ml.as_layer(np.ones((1, 2))), 1)
+    assert any(f.lineno == line for f in traceback.extract_tb(info.value.__traceback__))
+    assert "make the weight outside the cell" in str(info.value)
+    assert anyio.run(ml.sum(scaled(ml.as_layer(np.ones((1, 2))), 2)).predict) == 8.0
 
 
 def _parts(xs: Any) -> list[Any]:
