@@ -239,6 +239,28 @@ class SparseRows:
             return -self + other
         return NotImplemented
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
+        """The table-sized array (`to_dense`), for NumPy: ``np.asarray(g)``,
+        ``np.allclose(g, h)`` and ``np.testing`` compare a user's gradients
+        as arrays (they made a 0-d object array of it, and compared
+        nothing). A device's rows stay there: CuPy refuses the conversion.
+
+        >>> g = SparseRows(np.array([1, 1]), np.ones((2, 2)), (3, 2))
+        >>> np.asarray(g).tolist(), np.allclose(g, g + 0.0), bool((g == np.asarray(g)).all())
+        ([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0]], True, True)
+        """
+        dense = self.to_dense()
+        if type(dense) is not np.ndarray:
+            raise TypeError(f"SparseRows of {type(dense).__name__} rows: call to_dense(), then that library's copy")
+        return dense if dtype is None else dense.astype(dtype, copy=False)
+
+    def __eq__(self, other: object) -> Any:
+        """Entry by entry, as the table-sized arrays' ``==`` (identity, before:
+        two equal gradients compared unequal)."""
+        return self.to_dense() == (other.to_dense() if isinstance(other, SparseRows) else other)
+
+    __hash__ = None  # type: ignore[assignment]  # (compared by value, as an array: not a key)
+
     def __repr__(self) -> str:
         return f"SparseRows(indices={self.indices!r}, rows={self.rows!r}, table_shape={self.table_shape!r})"
 

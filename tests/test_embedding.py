@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from hypothesis import given
@@ -154,3 +156,22 @@ async def test_a_table_of_no_columns_has_an_empty_gradient() -> None:
     table = ml.Weight(np.zeros((2, 0)))
     [g] = await ml.gradients(ml.sum(ml.embedding(table, np.array([0, 1, 1]))), [table])  # (reshape(g, (-1, 0)))
     assert np.asarray(g.to_dense() if hasattr(g, "to_dense") else g).shape == (2, 0)
+
+
+def test_an_embeddings_gradient_compares_as_the_table_sized_array() -> None:
+    """A user compared two runs' gradients of an embedding (`SparseRows`):
+    ``np.asarray`` made a 0-d object array, ``np.allclose`` raised and
+    ``==`` was identity, False for equal gradients. Now each sees the
+    table-sized array."""
+    table = ml.Weight(np.ones((5, 2)))
+
+    def gradient() -> Any:
+        return anyio.run(ml.value_and_gradients, ml.sum(ml.embedding(table, np.array([1, 1, 3]))))[1][table]
+
+    g, h = gradient(), gradient()
+    want = np.array([[0.0, 0.0], [2.0, 2.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    assert type(g) is SparseRows and g is not h
+    np.testing.assert_array_equal(np.asarray(g), want)
+    assert np.allclose(g, h) and np.array_equal(g, h) and bool((g == h).all())
+    np.testing.assert_allclose(g, want)
+    assert np.asarray(g, dtype=np.float32).dtype == np.float32
