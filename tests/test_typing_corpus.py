@@ -395,6 +395,18 @@ ACCEPT = {
         node.resolve_to(InputTransform(len))
         assert_type(node.batch(["a"]), list[int])
     """,
+    "fold_vector_takes_a_flat_sequence_or_an_array_from_its_context": """
+        from collections.abc import Sequence
+        from monadl.fold import Block, InputTransform, Vector
+
+        def one_hot(digit: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+            out: np.ndarray[Any, np.dtype[np.float64]] = np.eye(10)[digit]
+            return out
+
+        # (a new user's: the array a block before it gives was refused, Vector's input typed as a sequence alone)
+        assert_type(InputTransform(one_hot) >> Vector(10, np.float64), Block[int, ml.ArrayLayer])
+        assert_type(Vector(2), Vector[Sequence[float]])
+    """,
     "fold_rnn_step_passes_the_state_through_identity": """
         from collections.abc import Sequence
         from monadl.fold import Fold, Function, Identity, Record, Vector, Zeros
@@ -574,6 +586,10 @@ REJECT = {
     # Fold blocks: ``a >> b`` needs a's output to be b's input.
     "fold_ill_typed_composition": (
         "from monadl.fold import InputTransform, Vector\nupper = InputTransform(str.upper)\nVector(3) >> upper",
+        "operator",
+    ),
+    "fold_vector_after_a_block_of_strings": (  # (its input from the context: a sequence of numbers or an array)
+        "from monadl.fold import InputTransform, Vector\nInputTransform(str) >> Vector(3)",
         "operator",
     ),
     "fold_map_over_a_non_sequence": (

@@ -13,6 +13,7 @@ from typing import Any, Final, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import TypeVar as DefaultedTypeVar
 
 from monadl.fold._block import Block, Build, Immediate, call
 from monadl.fold._inputs import shown, unordered
@@ -25,6 +26,9 @@ from monadl.layers._site import caller_site
 X = TypeVar("X")
 Y = TypeVar("Y")
 S = TypeVar("S")
+V = DefaultedTypeVar("V", bound="Sequence[float] | npt.NDArray[Any]", default="Sequence[float]", contravariant=True)
+"""A `Vector`'s input: a flat sequence of numbers unless its context (the
+block before it in ``>>``) or an annotation says a NumPy array."""
 
 
 # ---- inputs to layers -----------------------------------------------------------------------------
@@ -91,7 +95,7 @@ class Scalar(Immediate[float, ArrayLayer]):
 
 
 @final
-class Vector(Immediate[Sequence[float], ArrayLayer]):
+class Vector(Immediate[V, ArrayLayer]):
     """Exactly ``size`` real numbers, in a flat sequence or a 1-D array, as a
     constant row of shape ``(1, size)``. A nested list or an array of another
     shape is refused, an ``(n, 1)`` or ``(1, n)`` array included: taking any
@@ -100,6 +104,9 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
     ``np.ravel(x)`` says a column is meant as a row. Numbers NumPy does not
     infer as real (strings, None, a list of bools: see `Scalar`) are
     refused with a `TypeError`, a wrong count or shape with a `ValueError`.
+    mypy types its input from the context: a sequence of numbers alone, an
+    array after a block that gives one (``InputTransform(one_hot) >>
+    Vector(10)``), or as annotated (``Vector[npt.NDArray[Any]](10)``).
 
     >>> import anyio
     >>> anyio.run(Vector(2, "float64")([1, 2]).predict)
@@ -118,8 +125,8 @@ class Vector(Immediate[Sequence[float], ArrayLayer]):
         self.dtype = np.dtype(dtype)
         self._site = caller_site()
 
-    def _output(self, x: Sequence[float]) -> ArrayLayer:
-        given: object = x  # (typed as it may come: an array is no Sequence to mypy)
+    def _output(self, x: V) -> ArrayLayer:
+        given: object = x
         try:
             numbers = np.asarray(x)  # (its dtype as NumPy infers it: a string or a None is no number then)
         except ValueError:  # (a ragged nesting)
