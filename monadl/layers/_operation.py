@@ -334,7 +334,9 @@ def operation(f: Callable[P, R]) -> Operation[P, R]:
     the cell branches on as an int or a string (each value its own trace). What ``f`` reads from
     elsewhere (a global, an attribute, the items of a dict, list or tuple
     that a partial or the closure holds: functions there too) is read once,
-    at its trace, as ``jax.jit`` reads it: change a weight's ``.data``
+    at its trace, as ``jax.jit`` reads it (a NumPy array so read is kept, not
+    copied: changed in place, later calls see its contents, as a layer's
+    data are read when it runs; rebound, they do not): change a weight's ``.data``
     outside ``f`` (reading or assigning it inside ``f`` is refused: ``f``
     uses the weight itself, read at each call), or pass a new weight as an
     argument. Mark a method per object, bound

@@ -1765,3 +1765,24 @@ async def test_a_dataclass_result_is_made_as_its_constructor_makes_it() -> None:
         assert type(swapped) is _Positional
         np.testing.assert_allclose(await swapped.h.predict(), [6.0, 12.0])
     assert _dataclasses.maker(_Positional) is _Positional
+
+
+_SCALE = np.ones((1, 3))
+
+
+def test_an_array_a_cell_reads_from_elsewhere_is_kept_not_copied() -> None:
+    """As documented (a new user asked): an array the cell reads from a
+    global is read at its trace and kept, so a change in place reaches later
+    calls, as a layer's data are read when it runs; a rebinding does not."""
+    global _SCALE
+
+    @ml.operation
+    def scaled(h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return h * _SCALE
+
+    x = ml.as_layer(np.ones((1, 3)))
+    assert anyio.run(scaled(x).predict).tolist() == [[1.0, 1.0, 1.0]]
+    _SCALE[:] = 2.0
+    assert anyio.run(scaled(x).predict).tolist() == [[2.0, 2.0, 2.0]]
+    _SCALE = np.full((1, 3), 3.0)
+    assert anyio.run(scaled(x).predict).tolist() == [[2.0, 2.0, 2.0]]
