@@ -261,6 +261,32 @@ async def test_examples_failing_together_raise_the_first_with_a_note_of_the_othe
         np.testing.assert_array_equal(w.data, [1.0, 2.0])  # nothing stepped
 
 
+@pytest.mark.parametrize("batching", [True, None, False])
+async def test_a_nodes_error_in_a_merged_run_says_which_example_built_it(batching: bool | None) -> None:
+    """An out-of-range token in one of 12 decoders whose graphs ran merged
+    (a new user's): the error named the lines, one for every example, and
+    not which; now the example whose graph held the node, as a step's error."""
+    table = ml.Weight(np.ones((5, 4)))
+    cell = ml.operation(lambda h, token: ml.tanh(h + ml.embedding(table, token)))
+
+    @ml.direct
+    async def decoder(tokens: list[int]) -> ml.ScalarLayer:
+        h: ml.ArrayLayer = ml.as_layer(np.zeros((1, 4)))
+        for token in tokens:
+            h = cell(h, np.array([token]))
+            await ml.values(h)
+        return ml.sum(h)
+
+    batch = [[1, 2, 3]] * 7 + [[1, 9, 2]] + [[0, 1, 4]] * 4
+    built = f"{__file__}:{_line_of('# DECODERS')}"
+    with ml.settings(batching=batching), pytest.raises(ml.IndexRangeError, match="index 9 out of range") as raised:
+        await ml.sum(ml.stack([decoder(tokens) for tokens in batch])).train()  # DECODERS
+    assert raised.value.__notes__ == [
+        f"monadl: raised in example 7 (from 0, in the order built) of 12 evaluated together, built at {built}"
+    ]
+    np.testing.assert_array_equal(table.data, np.ones((5, 4)))
+
+
 async def test_an_examples_error_says_which_example_raised_it() -> None:
     """Examples evaluated together run one function built at one line: a new
     user's 32 decoders, one raising, could not tell which from the traceback.

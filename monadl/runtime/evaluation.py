@@ -258,6 +258,7 @@ class Evaluation:
         "cuda_streams",
         "deadline",
         "effects",
+        "failed",
         "fork_threshold_s",
         "forked",
         "gradients",
@@ -295,6 +296,7 @@ class Evaluation:
         self.stride = 4  # nodes or records between two looks at the clock (`paced`)
         self.forked = False
         self.effects = False
+        self.failed: Any = None  # the node whose rule raised last (`compute`): which example's, a merged run notes
         self.gradients: dict[Weight[Any, Any], Any] | None = None
         self.unreached: list[Weight[Any, Any]] = []
         self.timings: list[Any] = []

@@ -181,6 +181,7 @@ def compute(ev: Evaluation, node: Any, count: bool) -> Record:
         else:
             out, vjps = op.rule(*args, *params) if params else op.rule(*args)
     except Exception as exc:  # (raised without a local: one would hold the error's traceback, which holds this frame)
+        ev.failed = node
         raise failed(exc, op, args, where(node), node._inputs)  # noqa: B904 - failed sets a new error's cause
     if not vjps:  # a rule without delta rules (stop_gradient): no delta flows through it
         needs = False

@@ -211,6 +211,31 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
     """Compute the parked graphs as one; returns the fibers to resume (the
     parked list is emptied)."""
     fibers, orders = parked.take()
+    try:
+        yield from _run_merged(ev, parked, orders)
+    except Exception as exc:
+        _note_example(ev, exc, fibers, orders)
+        raise
+    for fiber in fibers:  # past its Graph frame: the next frame reads its records
+        fiber.save(fiber.stack, None, None, None, False)
+    return fibers
+
+
+def _note_example(ev: Evaluation, error: Exception, fibers: list[F.Fiber], orders: list[list[Any]]) -> None:
+    """Note on an error of a merged run which example's graph held the node
+    that raised it (`Fiber.note_example`): the examples' graphs are built by
+    one function at one line, so the error's line alone could not tell them
+    apart (a new user's out-of-range token in one of 32 decoders)."""
+    node, ev.failed = ev.failed, None
+    if node is not None:
+        for fiber, order in zip(fibers, orders):
+            if node in order:
+                fiber.note_example(error)
+                return
+
+
+def _run_merged(ev: Evaluation, parked: Parked, orders: list[list[Any]]) -> Generator[Any, Any, None]:
+    """`run`'s computation of the parked graphs' union."""
     order, alike = merge(ev, orders)
     if order:
         batching = current_settings().batching
@@ -245,9 +270,6 @@ def run(ev: Evaluation, parked: Parked) -> Generator[Any, Any, list[F.Fiber]]:
             yield inline.CHECKPOINT
         if time.perf_counter() > ev.deadline:  # many small graphs add up too
             yield inline.CHECKPOINT
-    for fiber in fibers:  # past its Graph frame: the next frame reads its records
-        fiber.save(fiber.stack, None, None, None, False)
-    return fibers
 
 
 def merge(ev: Evaluation, orders: list[list[Any]]) -> tuple[list[Any], int]:
