@@ -96,7 +96,10 @@ def loom() -> AbstractContextManager[None]:
     shapes make small groups, so pad them to a few where that pays. A block is one node: blocks in each of many
     examples evaluated together (``@ml.direct``) do not batch with each
     other (32 examples: 3.7x the time of no block), so make one block
-    around the examples' calls, or none. A recorded call's output is read
+    around the examples' calls, or none; an ``@ml.direct`` example makes
+    its calls while it runs, after a block around the line that built it
+    has closed (that block records nothing): write none for direct style,
+    whose examples' nodes the runtime batches as they park. A recorded call's output is read
     after the block: a graph run inside it that reads one is refused.
     Called without ``with`` (on a line of its own), it records nothing and
     warns so when it is dropped.
