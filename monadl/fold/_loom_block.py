@@ -99,7 +99,10 @@ def loom() -> AbstractContextManager[None]:
     around the examples' calls, or none; an ``@ml.direct`` example makes
     its calls while it runs, after a block around the line that built it
     has closed (that block records nothing): write none for direct style,
-    whose examples' nodes the runtime batches as they park. A recorded call's output is read
+    whose examples' nodes the runtime batches as they park.
+    As one node, a block gives the event loop no turn among its calls: a
+    cancellation or a timeout (``anyio.move_on_after``) takes effect when
+    all of them have run (a new user's 2 ms timeout, batching off: 97 ms). A recorded call's output is read
     after the block: a graph run inside it that reads one is refused.
     Called without ``with`` (on a line of its own), it records nothing and
     warns so when it is dropped.
