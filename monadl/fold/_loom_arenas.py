@@ -153,6 +153,8 @@ class Arenas:
                     assert source is not None
                     virtual = operands[p][1][members]
                     mine.append((int(rows[members[0]]), self.at[source][virtual], distinct))
+                elif source is None:  # (the members' data, on a device too: the index copied over)
+                    mine.append((source, rows[index_for(rows, members)], distinct))
                 else:
                     mine.append((source, rows[members], distinct))
             yield plan.part(len(members), mine), mine, members

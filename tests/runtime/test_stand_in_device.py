@@ -841,3 +841,45 @@ def test_calls_that_all_read_one_earlier_cells_outputs_run_as_one_group_on_the_d
     assert len(alone) == 1
     for weight in weights:
         np.testing.assert_allclose(np.asarray(got[weight]), np.asarray(want[weight]), rtol=1e-12, atol=1e-14)
+
+
+def test_a_loom_group_split_by_its_operands_shapes_takes_its_data_rows_by_a_device_index(
+    device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loom's group whose calls read rows of two shapes at one position
+    (a 0-d output of one cell's calls, a (1, 3) output of another's) runs as
+    one call per pattern; each call's rows of data (a device's) were taken
+    by a host index (an independent review's). Values and gradients as node
+    by node."""
+    from monadl.fold import _loom_arenas
+
+    splits: list[int] = []
+    split = _loom_arenas.Arenas.split
+
+    def counted(self: Any, *args: Any) -> Any:
+        for call in split(self, *args):
+            splits.append(self.split_groups)
+            yield call
+
+    monkeypatch.setattr(_loom_arenas.Arenas, "split", counted)
+    rng = np.random.default_rng(4)
+    w = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
+    ones = device.asarray(np.ones((1, 3)))
+    total = ml.operation(lambda a, x: ml.sum(ml.relu(a * x)))
+    product = ml.operation(lambda a, x: ml.sigmoid(((a * ones) @ w) * x))
+
+    def data() -> ml.ArrayLayer:
+        return ml.as_layer(device.asarray(rng.standard_normal((1, 3))))
+
+    with ml.loom():
+        firsts = [(total if i % 2 else product)(data(), data()) for i in range(6)]  # (0-d, (1, 3), ...)
+        seconds = [total(first, data()) for first in firsts]
+    loss = ml.sum(ml.stack(seconds))
+    with ml.settings(batching=False):
+        want_value, want = anyio.run(entry.gradients, loss)
+    splits.clear()
+    with ml.settings(batching=True):
+        value, got = anyio.run(entry.gradients, loss)
+    assert splits  # (the case: a group split by its operands' shapes)
+    assert float(value) == pytest.approx(float(want_value), rel=1e-12)
+    np.testing.assert_allclose(np.asarray(got[w]), np.asarray(want[w]), rtol=1e-12, atol=1e-14)
