@@ -194,6 +194,22 @@ def grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+@pytest.fixture
+def joints(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The joint gathers (`batched_groups.Joint`) made from now on, in order."""
+    from monadl.runtime.schedule import batched_groups
+
+    made: list[Any] = []
+    init = batched_groups.Joint.__init__
+
+    def noted(self: Any, *args: Any) -> None:
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
+    return made
+
+
 def _benchmark_variant(
     weights: dict[str, Any], trees: list[Any], operation: bool, batching: bool
 ) -> tuple[float, dict[str, Any]]:
@@ -603,14 +619,12 @@ def test_host_integers_beside_a_nested_operations_device_outputs_are_a_device_er
 
 
 def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_device(
-    device: Any, monkeypatch: pytest.MonkeyPatch
+    device: Any, joints: list[Any]
 ) -> None:
     """On a device, an operand whose rows come from several groups is one
     index into their outputs concatenated, and its delta one scatter (each a
     launch on a GPU, where a gather group by group took two a group). Rows
     read twice add their deltas up; both give the gradients node by node."""
-    from monadl.runtime.schedule import batched_groups
-
     rng = np.random.default_rng(11)
     w = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
     v = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
@@ -624,14 +638,6 @@ def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_devi
     loss = ml.sum(ml.concatenate(mixed, axis=0) * ml.concatenate(a, axis=0))
     with ml.settings(batching=False):
         want_value, want = anyio.run(entry.gradients, loss)
-    joints: list[batched_groups.Joint] = []
-    made = batched_groups.Joint.__init__
-
-    def noted(self: batched_groups.Joint, *args: Any) -> None:
-        made(self, *args)
-        joints.append(self)
-
-    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
     with ml.settings(batching=True):
         value, grads = anyio.run(entry.gradients, loss)
     assert sorted((len(j.groups), j.unique) for j in joints) == [(2, False), (2, True)]
@@ -641,15 +647,11 @@ def test_a_gather_from_several_groups_reads_their_concatenation_once_on_the_devi
     assert all(j._full is None for j in joints)  # the delta's scatter dropped once every group took its rows
 
 
-def test_a_joint_gather_sends_no_delta_to_the_group_its_stopped_rows_read(
-    device: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_joint_gather_sends_no_delta_to_the_group_its_stopped_rows_read(device: Any, joints: list[Any]) -> None:
     """A joint's ``tanh`` group reads the online and the target network's
     products; only the online's rows get a delta (the target's feed
     ``stop_gradient``), and some of them none (read only): the target's
     weight gets no gradient, as node by node, and the others theirs."""
-    from monadl.runtime.schedule import batched_groups
-
     rng = np.random.default_rng(3)
     online = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
     target = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
@@ -660,14 +662,6 @@ def test_a_joint_gather_sends_no_delta_to_the_group_its_stopped_rows_read(
     loss = ml.Layer(ml.Do.gather([ml.sum(ml.stack(terms)).forward(), guesses[5].forward()]).map(lambda t: t[0]))
     with ml.settings(batching=False):
         want = anyio.run(entry.gradients, loss)[1]
-    joints: list[batched_groups.Joint] = []
-    made = batched_groups.Joint.__init__
-
-    def noted(self: batched_groups.Joint, *args: Any) -> None:
-        made(self, *args)
-        joints.append(self)
-
-    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
     with ml.settings(batching=True):
         got = anyio.run(entry.gradients, loss)[1]
     assert [len(j.groups) for j in joints] == [2]
@@ -762,13 +756,11 @@ def test_a_joint_gather_takes_fewer_device_calls_than_group_by_group(
 
 @pytest.mark.parametrize("stop", [True, False], ids=["stopped", "left-out"])
 def test_a_row_read_twice_through_a_joint_with_a_member_without_delta_gets_both_deltas(
-    device: Any, monkeypatch: pytest.MonkeyPatch, stop: bool
+    device: Any, joints: list[Any], stop: bool
 ) -> None:
     # A reviewer's case: a group reads tanh(a0) twice from a joint of two groups' rows, and a
     # member gets no delta; the narrowed source called the joint's rows unique, and `out[index] += d`
     # kept one of the two additions (w1's gradient 0.068 batched, 0.133 node by node).
-    from monadl.runtime.schedule import batched_groups
-
     rng = np.random.default_rng(3)
     w1 = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
     w2 = ml.Weight(device.asarray(rng.standard_normal((3, 3))))
@@ -783,14 +775,6 @@ def test_a_row_read_twice_through_a_joint_with_a_member_without_delta_gets_both_
         loss = ml.Layer(ml.Do.gather([ml.sum(ml.stack(terms)).forward(), s[4].forward()]).map(lambda t: t[0]))
     with ml.settings(batching=False):
         _, want = anyio.run(entry.gradients, loss)
-    joints: list[Any] = []
-    made = batched_groups.Joint.__init__
-
-    def noted(self: Any, *args: Any) -> None:
-        made(self, *args)
-        joints.append(self)
-
-    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
     with ml.settings(batching=True):
         _, got = anyio.run(entry.gradients, loss)
     assert joints and not joints[0].unique  # (the case: a joint whose rows repeat)
@@ -800,25 +784,15 @@ def test_a_row_read_twice_through_a_joint_with_a_member_without_delta_gets_both_
 
 
 def test_a_joint_gather_of_two_output_cells_sends_each_output_the_rows_that_read_it(
-    device: Any, monkeypatch: pytest.MonkeyPatch
+    device: Any, joints: list[Any]
 ) -> None:
     """`joint_reading_two_output_cells` on the device: each output of the
     joint gets the rows that reach it alone, and the weight's gradient is
     finite and as node by node (the per-output narrowing's device path;
     before it ran on NumPy's alone). `test_cuda` runs it on CuPy."""
-    from monadl.runtime.schedule import batched_groups
-
     w, loss = joint_reading_two_output_cells(device.asarray)
     with ml.settings(batching=False):
         want = anyio.run(entry.gradients, loss)[1][w]
-    joints: list[Any] = []
-    made = batched_groups.Joint.__init__
-
-    def noted(self: Any, *args: Any) -> None:
-        made(self, *args)
-        joints.append(self)
-
-    monkeypatch.setattr(batched_groups.Joint, "__init__", noted)
     with ml.settings(batching=True), np.errstate(divide="ignore", invalid="ignore"):
         got = anyio.run(entry.gradients, loss)[1][w]
     assert [len(j.groups) for j in joints] == [2, 2]  # (``h`` and ``r``: each from both producers' groups)
