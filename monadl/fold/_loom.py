@@ -213,7 +213,7 @@ class Loom:
             more._op, more._inputs, more._params, more._site = SLOT, inputs, (first + k, depth), site
             more._serial = _next_serial()
             slots.append(more)
-        if not rows and not kwargs and self.tries.get(op, 0) < MOST:  # (calls like it: straight-line code)
+        if not kwargs and self.tries.get(op, 0) < MOST:  # (calls like it: straight-line code)
             self.tries[op] = self.tries.get(op, 0) + 1
             learn(self, op, args, leaves, trace)
         return fill(tuple(slots), leaves)

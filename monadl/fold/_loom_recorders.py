@@ -12,8 +12,9 @@ Python source written for its structure (each field read by name, each
 nested value's type checked, each layer as one of this loom's slots, each
 array by its type, shape and dtype), compiled once per structure and bound to
 the loom, the trace and its key. A call it does not match (another type,
-length, shape or dtype, a layer that is not this loom's slot, such as a row of
-data given as ``ml.as_layer``, a closure that now holds other objects, a trace
+length, shape or dtype, a layer that is neither this loom's slot nor a row of
+NumPy data given as ``ml.as_layer`` (a `Vector`'s) of the shape and dtype it
+learned, a closure that now holds other objects, a trace
 the operation has since forgotten, a closed loom, another thread) gets `MISS`
 and takes `Loom.record`'s path, which records it or builds its node as
 before. So a recorder records the calls that path would record with this
@@ -43,6 +44,7 @@ from monadl.fold._loom_run import SLOT
 from monadl.layers._dataclasses import SLOTTED, fields
 from monadl.layers._layer import Layer, _new, _next_serial
 from monadl.layers._plans import same
+from monadl.layers._primitives import AS_LAYER
 from monadl.layers._recording import MISS
 from monadl.layers._site import PACKAGE_DIR
 
@@ -96,7 +98,7 @@ class _Structure(NamedTuple):
 
     arguments: int
     nested: tuple[tuple[str, type, int], ...]  # (per nested value: where it is read, its type, its length or -1)
-    leaves: tuple[tuple[str, type], ...]  # (per leaf: where it is read, its type: a layer or an array)
+    leaves: tuple[tuple[str, type], ...]  # (per leaf: where it is read, its type: a layer, an array or a `_Row`)
     used: tuple[int, ...]  # (the leaves the trace's program takes)
     outputs: int
     own_site: bool  # (each call's line is its site: an ``ml.loom()`` block's; else the operation's)
@@ -120,7 +122,7 @@ def learn(loom: Loom, op: Operation[Any, Any], args: tuple[Any, ...], leaves: li
     plan = op._plans.get(kinds)
     if plan is None or not op._planned or not same(plan.leaves(args), leaves) or len(leaves) > _LEAVES:
         return
-    if any(type(x) is Layer and x._inputs is not loom.inputs for x in leaves):
+    if any(type(x) is Layer and x._inputs is not loom.inputs and not _row(x) for x in leaves):
         return
     parts: list[tuple[str, type]] = []
     nested: list[tuple[str, type, int]] = []
@@ -131,8 +133,11 @@ def learn(loom: Loom, op: Operation[Any, Any], args: tuple[Any, ...], leaves: li
         return
     key, _, layers, fill, _ = loom.traces[id(trace)]
     used = trace.used
-    if any((j in layers) != (parts[i][1] is Layer) for j, i in enumerate(used)):
+    if any((j in layers) != (parts[i][1] is not np.ndarray) for j, i in enumerate(used)):
         return
+    # The group key's part for rows, as `Loom.record` makes it: which operands are rows, and each one's data.
+    rows = [(j, read[i]._inputs[0]) for j, i in enumerate(used) if parts[i][1] is _Row]
+    rowkey = (sum(1 << j for j, _ in rows), *[(type(x), x.shape, x.dtype) for _, x in rows]) if rows else ()
     live = op._live is not None
     structure = _Structure(
         len(args), tuple(nested), tuple(parts), used, trace.outputs, op._site is None, live, _result(trace)
@@ -142,8 +147,9 @@ def learn(loom: Loom, op: Operation[Any, Any], args: tuple[Any, ...], leaves: li
         if len(_COMPILED) >= _KEPT:
             _COMPILED.clear()
         make = _COMPILED[structure] = _compiled(structure, getattr(op, "__name__", "operation"))
-    arrays = [(x.shape, x.dtype) for x in leaves if type(x) is np.ndarray]
-    recorder = make(loom, op, trace, key, fill, [kind for _, kind, _ in nested], arrays, Group)
+    data = [x if kind is np.ndarray else x._inputs[0] for x, (_, kind) in zip(read, parts) if kind is not Layer]
+    arrays = [(x.shape, x.dtype) for x in data]
+    recorder = make(loom, op, trace, key, rowkey, fill, [kind for _, kind, _ in nested], arrays, Group)
     loom.recorders.setdefault(op, []).append(recorder)
 
 
@@ -155,7 +161,7 @@ def _walk(
     a layer or an array (a leaf a recorder checks); False for anything else."""
     kind = type(x)
     if kind is Layer or kind is np.ndarray:
-        parts.append((at, kind))
+        parts.append((at, _Row if kind is Layer and _row(x) else kind))
         read.append(x)
         return True
     if level >= _NESTED:
@@ -172,6 +178,17 @@ def _walk(
             for name in fields(kind)
         )
     return False
+
+
+@final
+class _Row:
+    """A leaf's kind in a recorder's structure: a row of NumPy data given
+    as a layer (``ml.as_layer(x)``, a `Vector`'s), which its group stacks."""
+
+
+def _row(x: Layer[Any, Any]) -> bool:
+    """Whether ``x`` is a row of NumPy data given as a layer (`_Row`)."""
+    return x._op is AS_LAYER and type(x._inputs[0]) is np.ndarray
 
 
 def _result(trace: Trace) -> str:
@@ -203,6 +220,7 @@ _GLOBALS: Final = {
     "MISS": MISS,
     "SLOTTED": SLOTTED,
     "SLOT": SLOT,
+    "AS_LAYER": AS_LAYER,
     "Layer": Layer,
     "ndarray": np.ndarray,
     "new": _new,
@@ -226,10 +244,11 @@ def _compiled(structure: _Structure, name: str) -> Callable[..., CallRecorder]:
 
 
 def _source(structure: _Structure) -> str:
-    """A recorder's maker, as source: ``make(loom, op, trace, key, fill,
-    kinds, arrays, Group)`` binds a loom, the operation, its trace and key,
-    the result's filler, the nested values' types, the arrays' shapes and
-    dtypes and the group type, and returns ``record(args)``: the call
+    """A recorder's maker, as source: ``make(loom, op, trace, key, rowkey,
+    fill, kinds, arrays, Group)`` binds a loom, the operation, its trace and
+    key, its rows' part of its groups' keys, the result's filler, the nested
+    values' types, the arrays' (and rows' data's) shapes and dtypes and the
+    group type, and returns ``record(args)``: the call
     recorded as `Loom.record` would, or `MISS`.
 
     >>> source = _source(_Structure(1, (), (("a0", Layer),), (0,), 1, False, False, "output"))
@@ -238,7 +257,7 @@ def _source(structure: _Structure) -> str:
     """
     count, nested, parts, used, outputs, own_site, live, result = structure  # (count: arguments)
     lines = [
-        "def make(loom, op, trace, key, fill, kinds, arrays, Group):",
+        "def make(loom, op, trace, key, rowkey, fill, kinds, arrays, Group):",
         "    maker = trace.template[1]",
         *(
             [f"    kind, ({''.join(f'store{k}, ' for k in range(outputs))}) = SLOTTED[maker]"]
@@ -250,7 +269,7 @@ def _source(structure: _Structure) -> str:
         "    seen, unchanged, op_site, evictions = op._seen, op._unchanged, op._site, op._evictions",
         "    appends = {}  # (per depth, its group's appends: no key made and hashed, no method looked up, per call)",
         *[f"    k{n} = kinds[{n}]" for n in range(len(nested))],
-        *[f"    (s{n}, d{n}) = arrays[{n}]" for n in range(sum(kind is np.ndarray for _, kind in parts))],
+        *[f"    (s{n}, d{n}) = arrays[{n}]" for n in range(sum(kind is not Layer for _, kind in parts))],
         "    def record(args):",
         *(["        nonlocal site, code, at"] if own_site else []),
         "        if loom.closed or get_ident() != thread or op._evictions != evictions:",
@@ -268,29 +287,37 @@ def _source(structure: _Structure) -> str:
         lines.append(f"            x{i} = {at}")
     array = 0
     for i, (_, kind) in enumerate(parts):
-        if kind is np.ndarray:
+        if kind is Layer:  # (one of this loom's slots: only they hold its inputs tuple)
+            lines.append(f"            if x{i}._inputs is not inputs:")
+        else:  # (an array, or a row's: a layer of NumPy data)
+            data = f"x{i}"
+            if kind is _Row:
+                lines += [f"            if x{i}._op is not AS_LAYER:", "                return MISS"]
+                data = f"x{i}._inputs[0]"
+                lines.append(f"            r{i} = {data}")
+                data = f"r{i}"
             lines.append(
-                f"            if type(x{i}) is not ndarray or x{i}.shape != s{array} or x{i}.dtype is not d{array}:"
+                f"            if type({data}) is not ndarray or {data}.shape != s{array} or {data}.dtype is not d{array}:"
             )
             array += 1
-        else:  # (one of this loom's slots: only they hold its inputs tuple)
-            lines.append(f"            if x{i}._inputs is not inputs:")
         lines.append("                return MISS")
     lines += ["            pass", "        except AttributeError:", "            return MISS"]
     if live:  # (a closure's cells: the plan holds while they hold the objects it was learned with)
         lines += ["        if op._seen is not seen or not unchanged():", "            return MISS"]
     slots = [i for i in used if parts[i][1] is Layer]
+    rows = any(parts[i][1] is _Row for i in used)  # (its group's key holds them: `Loom.record`'s)
     lines += [f"        p{i} = x{i}._params" for i in slots]  # (a slot's: its first row, its depth)
     lines.append("        depth = 0")
     for i in slots:
         lines += [f"        if p{i}[1] >= depth:", f"            depth = p{i}[1] + 1"]
     operands = [f"p{i}[0]" if parts[i][1] is Layer else f"x{i}" for i in used]
+    at = "(depth, key, *rowkey)" if rows else "(depth, key)"
     lines += [
         "        found = appends.get(depth)",
         "        if found is None:",
-        "            group = groups.get((depth, key))",
+        f"            group = groups.get({at})",
         "            if group is None:",
-        "                group = groups[(depth, key)] = Group(trace, key, depth, op_site)",
+        f"                group = groups[{at}] = Group(trace, key, depth, op_site)",
         "            found = appends[depth] = (group.sites.append, group.firsts.append,"
         " *[column.append for column in group.columns])",
         f"        (add_site, add_first, {''.join(f'c{p}, ' for p in range(len(used)))}) = found",

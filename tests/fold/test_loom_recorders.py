@@ -20,6 +20,7 @@ import monadl as ml
 from examples.tree_lstm import TreeLSTM, encode, init_weights, make_trees
 from monadl.fold import Function, Map, Reduce, Vector
 from monadl.fold._loom import Loom
+from monadl.layers._primitives import AS_LAYER
 from monadl.layers._recording import RECORDING
 
 
@@ -71,7 +72,13 @@ def same_groups(a: list[Any], b: list[Any]) -> None:
         for m_a, m_b in zip(members_a, members_b):
             assert len(m_a) == len(m_b)
             for x, y in zip(m_a, m_b):
+                x, y = data_of(x), data_of(y)
                 assert x is y or (type(x) is type(y) is np.ndarray and np.array_equal(x, y)) or x == y
+
+
+def data_of(operand: Any) -> Any:
+    """A member's operand, a row of data given as a layer by its data (each build makes its own layer)."""
+    return operand._inputs[0] if type(operand) is ml.Layer and operand._op is AS_LAYER else operand
 
 
 def value_and_grads(loss: ml.ScalarLayer, weights: list[ml.ArrayWeight]) -> tuple[float, list[Any]]:
@@ -238,7 +245,8 @@ def test_results_of_every_form_are_made_as_their_nodes_would_be(result: str) -> 
 
 
 def test_a_fold_batch_records_its_calls_by_recorders_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Fold batch's `Function` calls go through the loom's recorders."""
+    """A Fold batch's `Function` calls go through the loom's recorders, those
+    on a `Vector`'s rows too (each took the path, 1.6x a trial's build)."""
     w = ml.Weight(np.random.default_rng(0).normal(size=(3, 3)))
     cell = Function[ml.ArrayLayer, ml.ArrayLayer](lambda x: ml.tanh(x @ w))
     join = Function[tuple[ml.ArrayLayer, ml.ArrayLayer], ml.ArrayLayer](lambda ab: ml.sigmoid(ab[0] + ab[1]))
@@ -246,7 +254,7 @@ def test_a_fold_batch_records_its_calls_by_recorders_too(monkeypatch: pytest.Mon
     inputs = [[[0.1 * i, 0.2, -0.3]] * n for i, n in enumerate((2, 3, 5, 8, 8, 4))]
     with counted(monkeypatch) as calls:
         outs = model.batch(inputs)
-    assert calls[0] == 6 * 5 + 1  # (the cell's calls on rows, each a call of the path; the join's first)
+    assert calls[0] == 2 + 1  # (the cell's first two: a closure's plan is learned at its second call; the join's)
     got = anyio.run(ml.concatenate(outs, axis=0).predict)
     want = anyio.run(ml.concatenate([model(x) for x in inputs], axis=0).predict)
     np.testing.assert_allclose(got, want, rtol=1e-14)
@@ -353,3 +361,46 @@ def test_calls_a_recorder_cannot_read_are_recorded_by_the_path(case: str) -> Non
     with ml.loom():
         woven = build()
     np.testing.assert_allclose(anyio.run(woven.predict), anyio.run(build().predict), rtol=1e-14)
+
+
+def test_rows_of_data_given_as_layers_are_recorded_as_the_path_records_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row of data given as a layer (``ml.as_layer``, a `Vector`'s) is read
+    by a recorder as it reads an array, by its data's shape and dtype: the
+    same groups (keyed by the rows' shapes and dtypes), slots and values as
+    the path's. A row of another dtype or shape, or a slot in a row's place,
+    takes the path."""
+    rng = np.random.default_rng(3)
+    w, v = ml.Weight(rng.normal(size=(3, 2))), ml.Weight(rng.normal(size=(2, 2)))
+
+    @ml.operation
+    def cell(x: ml.ArrayLayer, h: ml.ArrayLayer) -> ml.ArrayLayer:
+        return ml.tanh(x @ w + h @ v)
+
+    def row(k: int, rows: int = 1) -> ml.ArrayLayer:
+        return ml.as_layer(np.full((rows, 3), 0.1 * k))
+
+    def build() -> list[ml.ArrayLayer]:
+        starts = [cell(row(k), ml.as_layer(np.zeros((1, 2)))) for k in range(4)]  # (rows both: a Fold's Zeros)
+        outs = [cell(row(k), h) for k, h in enumerate(starts)]  # (a row and a slot)
+        outs.append(cell(row(5, rows=2), outs[0]))  # (another shape: another group)
+        outs.append(cell(ml.as_layer(np.ones((1, 3))), outs[1]))  # (like the second kind)
+        outs.append(cell(outs[2] @ np.ones((2, 3)), outs[3]))  # (a layer built outside: a node)
+        return outs
+
+    build()  # (the cell traced: its plans learned)
+    with counted(monkeypatch) as calls:
+        fast, outs = groups_of(build)
+        assert calls[0] == 4  # (the first of each kind: two rows, a row and a slot, two rows' data, a node's input)
+    with unlearned(monkeypatch):
+        slow, _ = groups_of(build)
+    same_groups(fast, slow)
+    f64 = np.dtype(np.float64)
+    assert [(at[0], *at[2:]) for at, *_ in fast if len(at) > 2] == [  # (depth, which operands are rows, their data)
+        (0, 0b11, (np.ndarray, (1, 3), f64), (np.ndarray, (1, 2), f64)),
+        (1, 0b01, (np.ndarray, (1, 3), f64)),
+        (2, 0b01, (np.ndarray, (2, 3), f64)),
+        (2, 0b01, (np.ndarray, (1, 3), f64)),
+    ]
+    woven = anyio.run(ml.concatenate(outs, axis=0).predict)
+    plain = anyio.run(ml.concatenate(build(), axis=0).predict)
+    np.testing.assert_allclose(woven, plain, rtol=1e-14)
