@@ -37,6 +37,7 @@ def backprop(
     check_finite: bool,
     lock: AbstractContextManager[Any] | None = None,
     pace: Evaluation | None = None,
+    drop: bool = False,
 ) -> bool:
     """Send each record's summed delta to its operands, once, in the order given.
 
@@ -54,25 +55,30 @@ def backprop(
         pace: the evaluation whose deadline stops it early, once
             `time.perf_counter` passes it (looked at every `stride` records,
             fitted to their cost), so the caller can give the event loop a turn.
+        drop: a sweep's: each record's value and links to its operands go as
+            soon as it is back-propagated (every consumer is behind it), so a
+            large graph's arrays are freed a piece at a time, between the
+            event loop's turns, and not at once at the end (a 90,000-node
+            chain's: 34 ms with no turn).
 
     Returns:
         True if it stopped at the deadline (the iterator has records left).
     """
     if check_finite and np.geterr() != _QUIET:  # NumPy's warnings of what the check finds (errors under -W error)
         with np.errstate(all="ignore"):
-            return backprop(records, check_finite, lock, pace)
+            return backprop(records, check_finite, lock, pace, drop)
     if type(records) is tuple:  # a record or a few (the counted release, the pool): no chunks, no clock
-        _backprop(records, check_finite, lock)
+        _backprop(records, check_finite, lock, False)
         return False
     remaining = iter(records)
     if pace is None:
-        _backprop(list(remaining), check_finite, lock)
+        _backprop(list(remaining), check_finite, lock, drop)
         return False
     started = time.perf_counter()
     while True:  # in chunks, so that looking at the clock costs nothing per record
         stride = pace.stride
         chunk = list(islice(remaining, stride))
-        _backprop(chunk, check_finite, lock)
+        _backprop(chunk, check_finite, lock, drop)
         if len(chunk) < stride:
             return False
         now = time.perf_counter()
@@ -82,7 +88,9 @@ def backprop(
             return True
 
 
-def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractContextManager[Any] | None) -> None:
+def _backprop(
+    records: Sequence[Record], check_finite: bool, lock: AbstractContextManager[Any] | None, drop: bool
+) -> None:
     for rec in records:
         delta = rec.delta
         vjps = rec.vjps
@@ -137,6 +145,9 @@ def _backprop(records: Sequence[Record], check_finite: bool, lock: AbstractConte
                 i += 1
         rec.delta = None
         rec.vjps = None
+        if drop:
+            rec.value = None
+            rec.inputs = ()
 
 
 def _fit(delta: Any, value: Any) -> Any:

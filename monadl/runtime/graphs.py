@@ -17,7 +17,7 @@ from monadl.layers._outputs import finite_value
 from monadl.layers._site import site_text
 from monadl.runtime import frames as F
 from monadl.runtime.evaluation import Evaluation, Record, is_value
-from monadl.runtime.node import collect, compute
+from monadl.runtime.node import collecting, compute
 from monadl.runtime.schedule import batched, cuda, inline, pool
 from monadl.tape import Tape
 
@@ -34,7 +34,7 @@ def run(ev: Evaluation, frame: F.Graph, stack: list[Any]) -> Generator[Any, Any,
     records = ev.records
     order = frame.order
     if order is None:
-        order = frame.order = collect(ev, frame.roots)
+        order = frame.order = yield from collecting(ev, frame.roots)
         if not order:
             return None
         device = cuda.loaded() and cuda.on_device(records, order)  # (then groups, else streams: no threads)

@@ -9,7 +9,10 @@ text of the runtime lives here too, so every message reads the same.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from itertools import islice
 from operator import attrgetter
+from time import perf_counter
 from typing import Any, Final
 
 import numpy as np
@@ -31,8 +34,19 @@ from monadl.layers._program import Program
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight, weight_sites
 from monadl.runtime.evaluation import Evaluation, Record
+from monadl.runtime.requests import CHECKPOINT
 
-__all__ = ["all_finite", "collect", "compute", "describe", "failed", "host_integers", "one_library", "where"]
+__all__ = [
+    "all_finite",
+    "collect",
+    "collecting",
+    "compute",
+    "describe",
+    "failed",
+    "host_integers",
+    "one_library",
+    "where",
+]
 
 _PYTHON_NUMBERS: Final = frozenset({float, int, bool})
 _NUMPY_FLOATS: Final = frozenset({np.float16, np.float32, np.float64})
@@ -53,19 +67,43 @@ def collect(ev: Evaluation, roots: list[Any]) -> list[Any]:
     way get their records here. The walk stops at layers built from a ``Do``:
     what they need is evaluated when their ``Do`` runs.
     """
+    try:
+        next(collecting(ev, roots, False))
+    except StopIteration as done:
+        order: list[Any] = done.value
+        return order
+    raise AssertionError("a walk without turns yielded")
+
+
+PIECE: Final = 8192
+"""Nodes a paced walk (`collecting`) visits between two looks at the clock."""
+
+
+def collecting(ev: Evaluation, roots: list[Any], paced: bool = True) -> Generator[object, None, list[Any]]:
+    """`collect`, yielding `CHECKPOINT` between pieces of the walk once the
+    evaluation's deadline has passed (``paced``): a turn for the event loop
+    within a large graph's walk (a 90,000-node chain's took 34 ms)."""
     records = ev.records
     places = records.places  # (batched groups' members: computed, their records made when read)
     order = list(dict.fromkeys(roots))
     seen = set(order)
-    for node in order:  # the list grows while it is walked: breadth first
-        for x in node._inputs:
-            kind = type(x)
-            if kind is Layer:
-                if x not in seen and x not in records and x not in places:
-                    seen.add(x)
-                    order.append(x)
-            elif kind is Weight and x not in records:
-                ev.weight_record(x)
+    walking = iter(order)  # (a list's iterator goes on over what is appended while it walks: breadth first)
+    visited = 0
+    while True:
+        for node in islice(walking, PIECE):
+            for x in node._inputs:
+                kind = type(x)
+                if kind is Layer:
+                    if x not in seen and x not in records and x not in places:
+                        seen.add(x)
+                        order.append(x)
+                elif kind is Weight and x not in records:
+                    ev.weight_record(x)
+        visited += PIECE
+        if visited >= len(order):
+            break
+        if paced and perf_counter() > ev.deadline:
+            yield CHECKPOINT
     order.sort(key=_serial)
     ev.nodes += len(order)
     return order

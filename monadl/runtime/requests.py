@@ -1,6 +1,5 @@
 """What the interpreter (`monadl.runtime.interpret`) asks of its driver
-(`monadl.runtime.drive`), besides an awaitable to await in its own task and
-`monadl.runtime.schedule.inline.CHECKPOINT`."""
+(`monadl.runtime.drive`), besides an awaitable to await in its own task."""
 
 from __future__ import annotations
 
@@ -8,7 +7,10 @@ from typing import Any, Final
 
 from monadl.runtime import frames as F
 
-__all__ = ["NEXT", "Spawn", "Steps"]
+__all__ = ["CHECKPOINT", "NEXT", "Spawn", "Steps"]
+
+CHECKPOINT: Final = object()
+"""Yielded to the driver: give the event loop a turn, then resume."""
 
 NEXT: Final = object()
 """Yielded to the driver when no fiber can run: send back the next completion

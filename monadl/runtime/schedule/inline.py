@@ -28,11 +28,9 @@ from monadl.deltas import Outer
 from monadl.runtime.backward import backprop
 from monadl.runtime.evaluation import Evaluation, Record, Shared, UserRelease
 from monadl.runtime.node import compute
+from monadl.runtime.requests import CHECKPOINT
 
 __all__ = ["CHECKPOINT", "SUSPENDED", "forward", "release", "sweep", "sweep_notifying"]
-
-CHECKPOINT: Final = object()
-"""Yielded to the driver: give the event loop a turn, then resume."""
 
 SUSPENDED: Final = object()
 """`forward` met a layer built from a ``Do``: evaluate that first, then resume."""
@@ -74,7 +72,7 @@ def forward(ev: Evaluation, order: list[Any], start: int, resumed: bool) -> tupl
 def sweep(ev: Evaluation) -> Machine:
     """Back-propagate a pure evaluation in one reverse pass over its records."""
     records = reversed(ev.records.values())
-    while backprop(records, ev.check_finite, pace=ev):
+    while backprop(records, ev.check_finite, pace=ev, drop=True):
         yield CHECKPOINT
 
 
@@ -102,7 +100,7 @@ def sweep_notifying(ev: Evaluation) -> Machine:
     for i in sorted(final_after, reverse=True):
         stop = len(records) - i  # backwards[:stop] ends with records[i]
         segment = iter(backwards[start:stop])
-        while backprop(segment, ev.check_finite, pace=ev):
+        while backprop(segment, ev.check_finite, pace=ev, drop=True):
             yield CHECKPOINT
         start = stop
         for weight in final_after[i]:
@@ -113,7 +111,7 @@ def sweep_notifying(ev: Evaluation) -> Machine:
         if time.perf_counter() > ev.deadline:  # short segments never reach backprop's own look at the clock
             yield CHECKPOINT
     rest = iter(backwards[start:])
-    while backprop(rest, ev.check_finite, pace=ev):
+    while backprop(rest, ev.check_finite, pace=ev, drop=True):
         yield CHECKPOINT
 
 
