@@ -78,7 +78,10 @@ class ArrayProgram:
         arrays: for each batched functor, its array axes: argument position
             (from 0, an argument the rules give the functor) -> size. In every
             rule, a variable at an array position appears only at array
-            positions, at most once per item, and has one size at all of them.
+            positions, at most once per item, and has one size at all of them;
+            a constant at an array position is refused (write a variable and
+            an item that selects the entry: CKY's ``goal += constit(S, 0, N)
+            * start(S).``, not ``constit(0, 0, N)``).
         inputs: as for `monadl.dyna.Program`: functors a run may give none of.
     """
 
@@ -196,7 +199,7 @@ class ArrayProgram:
         >>> import anyio, monadl as ml
         >>> p = ArrayProgram([Rule(("s",), [("x", "I"), ("x", "I")])], arrays={"x": {0: 2}})
         >>> anyio.run(p.goal(("s",), weights={"x": ml.Weight(np.array([0.5, 0.25]))}).predict)
-        0.3125
+        np.float64(0.3125)
         """
 
         def check(bound: Mapping[Any, Source] | None) -> None:

@@ -144,7 +144,7 @@ def goal_layer(
     >>> w = Weight(np.array([1.0, 2.0]))
     >>> y = goal_layer(lambda values, stop: p.run(values, stop=stop), lambda run: run.chart[("y",)], ("y",), {("x", 0): 3.0, ("x", 1): 4.0}, {"w": w})
     >>> anyio.run(y.predict)
-    11.0
+    np.float64(11.0)
     """
     bound = dict(weights or {})
     fixed = dict(axioms or {})
@@ -156,12 +156,16 @@ def goal_layer(
         if computed and check is not None:
             check({**bound, **{f: np.asarray(t.data) for f, t in zip(functors, tapes) if f in computed}})
         values = dict(fixed)
+        dtypes = []
         for functor, tape in zip(functors, tapes):
             data = np.asarray(tape.data)
+            dtypes.append(data.dtype)
             for position in np.ndindex(data.shape):
                 values[(functor, *position)] = float(data[position])
         done = run(values, stop)
         result = value(done)
+        if dtypes and np.result_type(*dtypes).kind == "f":  # (the run's floats: a scalar of the weights' dtype)
+            result = np.result_type(*dtypes).type(result)
         if done.settled and not done.converged:  # (an early stop, with max_pops or stop, is the user's)
             raise NonFiniteError(
                 f"goal {goal}: the program's run reached no fixpoint: values went to infinity or NaN "

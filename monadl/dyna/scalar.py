@@ -258,7 +258,10 @@ class Program:
 
         ``weights`` binds functors to weights, layers or arrays (`Source`):
         the axiom ``f(i, j)`` is the entry ``[i, j]`` of ``weights[f]``'s value
-        for every entry of the array (zeros included). Its backward pass runs
+        for every entry of the array (zeros included; so an entry that stands
+        for no axiom, min-plus's missing edge, is the semiring's zero in a
+        layer, ``ml.where(mask, cost, np.inf)``, where a weight's data must
+        stay finite). Its backward pass runs
         the tape, only when a delta is wanted.
         ``options`` are `run`'s (`RunOptions`: ``max_pops``, ``tolerance``,
         ``priority``, ``stop``), given to each run; any other is refused here.
@@ -273,7 +276,7 @@ class Program:
         >>> import anyio, numpy as np, monadl as ml
         >>> w = ml.Weight(np.array([0.5, 0.25]))
         >>> anyio.run(parse("s += x(I) * x(I).").goal(("s",), weights={"x": w}).predict)
-        0.3125
+        np.float64(0.3125)
         """
         check_options(options, list(RunOptions.__annotations__), "Program.goal")
         _rank(self.semiring, options.get("priority"))  # (refused here, not at the first run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import anyio
 import numpy as np
@@ -135,3 +136,18 @@ def test_a_goals_options_are_its_runs_keywords(arrays: bool) -> None:
     program_type, options = (ArrayProgram, ArrayRunOptions) if arrays else (Program, RunOptions)
     run = inspect.signature(program_type.run).parameters.values()
     assert list(options.__annotations__) == [p.name for p in run if p.kind is p.KEYWORD_ONLY]
+
+
+@pytest.mark.parametrize("arrays", [False, True], ids=["item at a time", "batched"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_goals_value_is_a_scalar_of_its_weights_dtype(arrays: bool, dtype: type[np.floating[Any]]) -> None:
+    """As any scalar layer's (the README's "A value's NumPy type"): a goal
+    over float32 weights gave a Python float (a new user's trial)."""
+    rules = parse("s += x(I) * x(I).").rules
+    program = ArrayProgram(rules, REAL, arrays={"x": {0: 2}}) if arrays else Program(rules, REAL)
+    x = ml.Weight(np.array([0.1, 0.2], dtype), optimizer=ml.optim.sgd(0.1))
+    value: Any = anyio.run(program.goal(("s",), None, {"x": x}).predict)  # (typed float, as every scalar layer's)
+    assert type(value) is dtype and value == pytest.approx(0.05, rel=1e-6)
+    trained: Any = anyio.run(program.goal(("s",), None, {"x": x}).train)
+    assert type(trained) is dtype and x.data.dtype == dtype
+    np.testing.assert_allclose(x.data, np.array([0.1, 0.2]) * 0.8, rtol=1e-6)
