@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -52,7 +52,12 @@ def no_weights(model: object, call: str = "save", consequence: str = "the checkp
         "pass the object that holds the weights (a dict, list or tuple of them, a dataclass or any "
         "object whose attributes hold them: see ml.checkpoint.named_weights)"
     )
-    if isinstance(model, Layer):
+    if isinstance(model, Iterator):
+        text += (
+            "; an iterator (a generator, map or zip) is not walked into (reading it would use it up): pass a list "
+            "of what it gives"
+        )
+    elif isinstance(model, Layer):
         text += (
             "; a built Layer (a loss, a prediction) is not walked into (its weights belong to the model that "
             "built it): pass that model"

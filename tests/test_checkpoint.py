@@ -402,6 +402,9 @@ def test_a_model_without_weights_is_refused_and_nothing_is_written(tmp_path: Pat
     loss = ml.sum(ml.Weight(np.ones(2)) * 2.0)
     with pytest.raises(ml.CheckpointError, match=r"a Layer, holds no Weight.*a built Layer .* is not walked into"):
         ml.save(empty, loss)
+    weights = [ml.Weight(np.ones(2))]
+    with pytest.raises(ml.CheckpointError, match=r"a generator, holds no Weight.* not walked into .*pass a list"):
+        ml.save(empty, (w for w in weights))  # (a trial's: it held a weight, unread)
     assert not empty.exists()
     before = saved.read_bytes()
     with pytest.raises(ml.CheckpointError, match="holds no Weight"):
