@@ -28,6 +28,7 @@ from monadl.do import Do
 from monadl.dyna.syntax import Item
 from monadl.errors import NonFiniteError
 from monadl.layers import Expr, Layer, Weight
+from monadl.layers._site import site_text
 from monadl.runtime.drive import synchronous
 from monadl.runtime.settings import current_settings
 from monadl.tape import Tape
@@ -168,7 +169,8 @@ def goal_layer(
             result = np.result_type(*dtypes).type(result)
         if done.settled and not done.converged:  # (an early stop, with max_pops or stop, is the user's)
             raise NonFiniteError(
-                f"goal {goal}: the program's run reached no fixpoint: values went to infinity or NaN "
+                f"goal {goal} (its layer built at {site_text(made._site)}): the program's run reached no fixpoint: "
+                "values went to infinity or NaN "
                 f"(the goal's is {result}): the sum along a cycle of weight 1 or more diverges"
             )
         wanted = [t for t in tapes if t.backward is not None]
@@ -227,7 +229,8 @@ def goal_layer(
     def source(x: Source) -> Do[Tape[Any, Any]]:
         return x.forward() if isinstance(x, Expr) else Do.pure(Tape(np.asarray(x)))
 
-    return Layer(Do.gather(source(bound[f]) for f in functors).bind(where))
+    made: Layer[float, float] = Layer(Do.gather(source(bound[f]) for f in functors).bind(where))
+    return made
 
 
 def _within(seconds: float) -> Stop:

@@ -29,8 +29,9 @@ def test_a_goal_whose_run_diverged_is_an_error(arrays: bool) -> None:
         )
     else:
         goal = program.goal(("goal",), LEX_TOP, {"unary": ml.Weight(DIVERGENT)})
-    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(ml.NonFiniteError, match="no fixpoint"):
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(ml.NonFiniteError, match="no fixpoint") as info:
         anyio.run(goal.predict)
+    assert f"its layer built at {__file__}:" in str(info.value)  # (the user's line, as a layer's error names)
 
 
 def test_a_goal_stopped_early_gives_the_stopped_value() -> None:
