@@ -4,13 +4,11 @@ loom's general path for the calls on rows."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
 from benchmarks import fold_build
-from monadl.fold._loom import Loom
+from tests.fold.test_loom_recorders import counted
 
 
 def test_the_variants_agree_and_recorders_take_the_calls_on_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -18,20 +16,11 @@ def test_the_variants_agree_and_recorders_take_the_calls_on_rows(monkeypatch: py
     rng = np.random.default_rng(1)
     trees = [fold_build.make_tree(rng, 3) for _ in range(8)]
     assert fold_build.check(model, trees) <= 1e-12
-    paths = [0]
-    record = Loom.record
-
-    def counted(self: Loom, *args: Any) -> Any:
-        paths[0] += 1
-        return record(self, *args)
-
-    monkeypatch.setattr(Loom, "record", counted)
     nodes = sum(map(fold_build.size, trees))
     calls = 2 * nodes - len(trees)  # (a cell's call a leaf, an operator, and a child of each)
     counts = []
     for on in (True, False):
-        paths[0] = 0
-        with fold_build.recorders(on):
+        with counted(monkeypatch) as paths, fold_build.recorders(on):
             model.fold_loss(trees)
         counts.append(paths[0])
     assert counts[0] <= 6 and counts[1] == calls  # (the first calls of each structure; every call)
