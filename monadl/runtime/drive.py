@@ -39,7 +39,7 @@ from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each
 
-__all__ = ["abort", "drive", "drive_sync", "synchronous", "turn_if_due"]
+__all__ = ["abort", "before_commit", "drive", "drive_sync", "synchronous", "turn_if_due"]
 
 _synchronous: ContextVar[bool] = ContextVar("monadl_synchronous", default=False)
 
@@ -169,6 +169,21 @@ async def turn_if_due(ev: Evaluation) -> None:
         await _turn()
         _turns.last = now = time.perf_counter()
         ev.deadline = now + ev.yield_interval_s
+
+
+async def before_commit(ev: Evaluation) -> None:
+    """Raise a cancellation that came before a ``train()``'s commit, so that
+    it commits nothing: one asked for (`anyio.lowlevel.checkpoint_if_cancelled`),
+    and a deadline that has passed, even in a stretch of work shorter than
+    the yield interval, with no turn after it (a backward's last VJPs, fewer
+    than a look at the clock waits for: a new user's trial, a deadline at 60%
+    of a loom block's step, saw 3 of 3 steps commit and no timeout), which
+    only a turn delivers. Also the turn that is due (`turn_if_due`)."""
+    if time.perf_counter() > ev.deadline or anyio.current_time() >= anyio.current_effective_deadline():
+        await _turn()
+        _turns.last = time.perf_counter()
+        ev.deadline = _turns.last + ev.yield_interval_s
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 async def _turn() -> None:

@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager, suppress
 from math import prod
 from typing import Any, Final
 
-import anyio.lowlevel
 import numpy as np
 
 from monadl._namespace import namespace
@@ -26,7 +25,7 @@ from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
-from monadl.runtime.drive import abort, drive, drive_sync, turn_if_due
+from monadl.runtime.drive import abort, before_commit, drive, drive_sync, turn_if_due
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.interpret import evaluate
 from monadl.runtime.nested import refuse_inside_evaluation
@@ -82,7 +81,7 @@ async def train(root: Any) -> Any:
         value = await drive(ev, forward_backward(ev, root, scalar=True))
         if cuda.is_device_array(value):
             await cuda.ready()
-        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled train() changes nothing
+        await before_commit(ev)  # a cancelled train() changes nothing, a deadline passed in its last work too
         grads = ev.weight_gradients(factored=True)
         if not grads:
             raise NoGradientError(_no_gradient(root, value, ev.unreached), value)

@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 import monadl as ml
+from monadl.layers._layer import Layer
+from monadl.layers._primitives import Primitive
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.node import PIECE, collect, collecting
 from monadl.runtime.requests import CHECKPOINT
@@ -534,3 +536,35 @@ async def test_a_sweep_frees_each_records_value_as_it_passes() -> None:
     value_counted, grads_counted = await ml.value_and_gradients(counted)
     assert value == value_counted
     np.testing.assert_array_equal(grads[w], grads_counted[w])
+
+
+def _held_backward(x: np.ndarray) -> tuple[np.ndarray, tuple[Callable[[np.ndarray], np.ndarray]]]:
+    """An identity whose VJP holds the thread 0.2 s."""
+
+    def vjp(g: np.ndarray) -> np.ndarray:
+        time.sleep(0.2)
+        return g
+
+    return x, (vjp,)
+
+
+HELD_BACKWARD = Primitive("held_backward", _held_backward)
+
+
+async def test_a_deadline_that_passes_in_the_last_stretch_of_a_step_stops_it_before_the_commit() -> None:
+    # The backward's last VJPs, fewer than a look at the clock waits for, ran past the deadline:
+    # the commit went ahead and no timeout was seen (a new user's trial: a deadline at 60% of a
+    # loom block's step, batching off, 3 of 3 steps committed; 12 of 19 deadlines across such a
+    # step, batching on). A pure graph, its backward one sweep: the cheap nodes before the held
+    # one grow the stride between looks at the clock, and the held one is in the last stride.
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    h = Layer._make(HELD_BACKWARD, (w * 1.0,))
+    for _ in range(300):
+        h = h * 1.0
+    loss = ml.sum(h)
+    with anyio.move_on_after(0.05) as scope:
+        await loss.train()
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(w.data, np.ones(4))
+    await loss.train()  # (and one with no deadline steps)
+    assert not np.array_equal(w.data, np.ones(4))
