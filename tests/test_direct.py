@@ -1121,3 +1121,20 @@ def test_a_direct_call_that_awaits_a_layer_built_on_itself_is_refused_not_hung(b
         f"the evaluation cannot go on: the layer built from a Do at {__file__}:{line} waits for a layer built on "
         "itself (its bind or @ml.direct function reads a layer that holds it): a cycle"
     )
+
+
+async def test_a_layer_read_in_a_step_says_what_an_await_takes() -> None:
+    # A new user's `await ml.as_layer(x) @ w`: the await took the operand alone, the product was
+    # a layer, and its comparison two lines down was refused with no word of the await.
+    w = ml.Weight(np.eye(2))
+
+    @ml.direct
+    async def example(x: ml.Array) -> ml.ScalarLayer:
+        v = await ml.as_layer(x) @ w  # meant: await (ml.as_layer(x) @ w)
+        return ml.sum(w) if v[0, 0] > 0 else ml.sum(w * 2.0)
+
+    with pytest.raises(ml.OperandError, match=r"an await takes the nearest operand alone.*write await \(a @ w\)"):
+        await example(np.ones((1, 2))).train()
+    with pytest.raises(ml.OperandError) as outside:  # (outside a step: no such word)
+        bool(ml.as_layer(np.ones(2)))
+    assert "await takes" not in str(outside.value)

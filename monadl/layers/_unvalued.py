@@ -30,7 +30,23 @@ _NO_VALUE: Final = (
     "argument is data (a layer): pass what the cell branches on as an int, a string or another static "
     "argument (each value its own trace)"
 )
+_AWAITED: Final = (
+    "; here, in a step of an @ml.direct function, an await takes the nearest operand alone (await a @ w "
+    "awaits a, and the product is a layer): write await (a @ w)"
+)
 _NUMBER: Final = (int, float, complex, np.number)
+
+
+def _no_value(what: str, instead: str) -> str:
+    """`_NO_VALUE` for ``what``; inside a step of an ``@ml.direct`` function,
+    with what an ``await`` there takes (a new user's ``await ml.as_layer(x) @
+    w``, a layer, compared with a number two lines down)."""
+    from monadl.direct import inside_direct  # (at the error alone: monadl.direct imports the layers)
+
+    text = _NO_VALUE.format(what, instead)
+    return text + _AWAITED if inside_direct.get().live else text
+
+
 _SHAPED: Final = frozenset({"shape", "dtype", "ndim", "size"})
 _WEIGHTS_OWN: Final = frozenset({"data", "state", "optimizer"})
 _NO_ORDER: Final = (
@@ -45,7 +61,7 @@ class Unvalued:
     __slots__ = ()
 
     def __bool__(self) -> bool:  # (not NoReturn: see below)
-        raise OperandError(_NO_VALUE.format("its truth", ""))
+        raise OperandError(_no_value("its truth", ""))
 
     # Typed NoReturn, __bool__ made mypy take the code after `if layer:` or `assert layer` as
     # unreachable, and mypy --strict checked none of it; hidden, it did the same (Layer and Weight
@@ -69,16 +85,16 @@ class Unvalued:
             )
 
         def __lt__(self, other: object) -> NoReturn:
-            raise OperandError(_NO_VALUE.format("a comparison (<)", _NO_ORDER))
+            raise OperandError(_no_value("a comparison (<)", _NO_ORDER))
 
         def __le__(self, other: object) -> NoReturn:
-            raise OperandError(_NO_VALUE.format("a comparison (<=)", _NO_ORDER))
+            raise OperandError(_no_value("a comparison (<=)", _NO_ORDER))
 
         def __gt__(self, other: object) -> NoReturn:
-            raise OperandError(_NO_VALUE.format("a comparison (>)", _NO_ORDER))
+            raise OperandError(_no_value("a comparison (>)", _NO_ORDER))
 
         def __ge__(self, other: object) -> NoReturn:
-            raise OperandError(_NO_VALUE.format("a comparison (>=)", _NO_ORDER))
+            raise OperandError(_no_value("a comparison (>=)", _NO_ORDER))
 
         def __eq__(self, other: object) -> bool:
             """Identity (NotImplemented: Python compares identities), but for the
@@ -107,7 +123,7 @@ class Unvalued:
                 return repr(self)
             if type(self).__name__ == "Weight":
                 raise OperandError(f"a weight is formatted by its value: format weight.data (a format {spec!r})")
-            raise OperandError(_NO_VALUE.format(f"a format ({spec!r})", "format the value predict() gives; "))
+            raise OperandError(_no_value(f"a format ({spec!r})", "format the value predict() gives; "))
 
         def __getattr__(self, name: str) -> NoReturn:
             """Called only for an attribute a layer does not have: for its shape
@@ -164,4 +180,4 @@ class Unvalued:
 
     def _unread(self, what: str) -> NoReturn:
         """Refuse to read the value as ``what`` (a weight says where its value is)."""
-        raise OperandError(_NO_VALUE.format(what, ""))
+        raise OperandError(_no_value(what, ""))
