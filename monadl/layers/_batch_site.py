@@ -62,8 +62,8 @@ class BatchBuild:
         shown = self.shown
         if shown is None:
             block = self.block()
-            what = "a Fold block (since freed)" if block is None else repr(block)
-            shown = self.shown = f", built while {what}.batch at {site_text(self.site)} built input"
+            what = "a Fold block's batch (the block since freed)" if block is None else f"{block!r}.batch"
+            shown = self.shown = f", built while {what} at {site_text(self.site)} built input"
         return f"{shown} {bisect_right(self.starts, serial) - 1} (from 0) of {len(self.starts)}"
 
 

@@ -4,6 +4,7 @@ the same on nested calls and on the explicit stack, however deep."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import anyio
@@ -228,6 +229,25 @@ def test_an_error_when_the_graph_runs_names_the_input_of_the_batch_it_was_built_
         f", built while InputTransform(asarray) >> Function(<lambda>).batch at {batch} built input 2 (from 0) of 4"
     )
     assert table.data[5, 0] == 10.0  # nothing changed
+
+
+def test_an_error_of_a_batch_whose_block_is_freed_names_the_batch_of_a_block() -> None:
+    # A block made in a function and dropped before its batch ran: the message read "built while
+    # a Fold block (since freed).batch at ..." (a new user's trial).
+    table = ml.Weight(np.arange(40.0).reshape(20, 2))
+
+    def batch_of(ids: list[list[int]]) -> list[ml.ArrayLayer]:
+        block = InputTransform[list[int], Any](np.asarray) >> Function(lambda i: ml.embedding(table, i))
+        return block.batch(ids)  # the freed block's batch
+
+    outs = batch_of([[1, 2], [3, 25]])
+    gc.collect()
+    with pytest.raises(ml.IndexRangeError) as info:
+        anyio.run(ml.sum(ml.stack([ml.sum(o) for o in outs])).train)
+    batch = f"{__file__}:{_line_of('# the freed block' + chr(39) + 's batch')}"
+    assert str(info.value).endswith(
+        f", built while a Fold block's batch (the block since freed) at {batch} built input 1 (from 0) of 2"
+    ), str(info.value)
 
 
 def test_a_run_time_error_names_each_batch_it_was_built_for_outermost_first() -> None:
