@@ -15,7 +15,7 @@ import numpy as np
 from monadl._namespace import namespace
 from monadl.deltas import Outer
 
-__all__ = ["OuterRule", "by_rows", "factored", "factors_pay", "outer_rule", "product"]
+__all__ = ["OuterRule", "by_rows", "factored", "factors_pay", "form_of", "outer_rule", "product"]
 
 Value = Any
 
@@ -34,33 +34,54 @@ def product(x: Value, y: Value) -> Value:
       sgemm packs the whole weight before it multiplies, where gemv reads it
       once: float32 rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and
       1.7x the time of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x,
-      1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 rows
-      only (`benchmarks/transposed_products.py`, "by rows"). Each row is then
-      the one-row product, bit for bit;
+      1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 and 3
+      rows (1.2-1.7x), and for 2 to 5 times a transposed weight (1.4-4.4x, a
+      session's grid on the project's AMD EPYC VM: 512 x 1024 to 2048 x 512
+      weights; `benchmarks/transposed_products.py`, "by rows"). Each row is
+      then the one-row product, bit for bit;
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
       rows: 1.5-3.8x the time for 2 to 48 rows of weights of 512K elements,
-      1.5-2.4x for 4 to 48 rows of 128K; from about 64 rows on, for one row,
-      for smaller weights, or in float64, the plain product is as fast or
-      faster (`_slow_transposed`).
+      1.5-2.4x for 4 to 48 rows of 128K, 1.4-1.9x for 6 to 32 rows of 64K;
+      from about 64 rows on, for one row, for smaller weights, or in float64,
+      the plain product is as fast or faster (`_slow_transposed`).
     """
     if type(x) is np.ndarray and type(y) is np.ndarray and x.ndim == 2 and y.ndim == 2:
-        rows, inner = x.shape
-        if inner == 1 and y.shape[0] == 1:
+        form = form_of(x, y)
+        if form == "broadcast":
             return x * y
-        if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
+        if form == "rows":
             return by_rows(x, y)
-        if (
-            y.size >= _LARGE_WEIGHT
-            and 2 <= rows <= _FEW_ROWS
-            and x.dtype is _F32
-            and y.dtype is _F32
-            and y.strides[0] == 4  # (float32 columns side by side: a transposed C-ordered weight)
-            and _slow_transposed(rows, y)
-        ):
+        if form == "transposed":
             return np.ascontiguousarray((y.mT @ x.mT).mT)
     return x @ y
+
+
+def form_of(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> str:
+    """Which form `product` takes for the 2-D NumPy arrays ``x @ y``:
+    "broadcast", "rows" (`by_rows`), "transposed" (``(y.T @ x.T).T``) or
+    "plain".
+
+    >>> w = np.ones((1024, 512), np.float32)
+    >>> form_of(np.ones((8, 512), np.float32), w.T), form_of(np.ones((64, 512), np.float32), w.T)
+    ('transposed', 'plain')
+    """
+    rows, inner = x.shape
+    if inner == 1 and y.shape[0] == 1:
+        return "broadcast"
+    if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
+        return "rows"
+    if (
+        y.size >= _MID_WEIGHT
+        and 2 <= rows <= _FEW_ROWS
+        and x.dtype is _F32
+        and y.dtype is _F32
+        and y.strides[0] == 4  # (float32 columns side by side: a transposed C-ordered weight)
+        and _slow_transposed(rows, y)
+    ):
+        return "transposed"
+    return "plain"
 
 
 @final
@@ -115,20 +136,28 @@ def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
     """Whether ``rows`` rows (2 to `_BY_ROWS`) times the large matrix ``y`` of
     the rows' dtype go faster one gemv a row: with NumPy's OpenBLAS, float32
     up to 5 rows (up to 3 when ``y`` is a transposed weight, whose other form
-    is faster from 4), float64 for 2 (the grid of
-    `benchmarks/transposed_products.py`)."""
+    is faster from 4), float64 up to 3 (up to 5 times a transposed weight,
+    which float64 has no faster form for: 1.2-1.5x at 5 rows, 1.8-2.3x at 4;
+    the grid of `benchmarks/transposed_products.py`)."""
     if not _OPENBLAS:
         return False
     if y.dtype is _F32:
         return rows <= 5 if y.strides[1] == 4 else rows <= 3
-    return rows == 2 and y.dtype is _F64
+    if y.dtype is _F64:
+        return True if y.strides[0] == 8 else rows <= 3  # (a transposed weight: up to `_BY_ROWS`, the caller's)
+    return False
 
 
 def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
     """Whether sgemm's transposed kernel is the slow one for ``rows`` rows
     times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
     rows on; 4 to 7 when the product is at least 256 wide; 2 and 3 for
-    weights of 512K elements."""
+    weights of 512K elements. For weights of 64K to 128K elements (256 x
+    256), from 12 rows on, and 6 to 11 when the product is at least 256
+    wide (1.4-1.9x a 256 x 256 weight's delta of 6 to 32 rows; 4 rows, and 6
+    to 8 rows 128 wide, ran faster as they were)."""
+    if y.size < _LARGE_WEIGHT:
+        return rows >= 12 or (rows >= 6 and bool(y.shape[1] >= 256))
     if rows >= 8:
         return True
     if rows >= 4:
@@ -154,6 +183,7 @@ _OPENBLAS: Final = "openblas" in _numpy_blas().lower()
 do; arm64 macOS wheels call Accelerate, whose few-row products were not
 measured)."""
 _FEW_ROWS: Final = 48
+_MID_WEIGHT: Final = 1 << 16
 _LARGE_WEIGHT: Final = 1 << 17
 _HUGE_WEIGHT: Final = 1 << 19
 _FACTORED: Final = 1 << 16

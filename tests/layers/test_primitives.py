@@ -14,6 +14,7 @@ import pytest
 
 import monadl as ml
 from monadl.gradcheck import check_grads, check_grads_over_shapes
+from monadl.layers import _products
 from monadl.layers._primitives import PRIMITIVES
 
 
@@ -295,6 +296,36 @@ def test_few_rows_by_rows_from_any_layout(rows: int) -> None:
     mixed = product(wide[:, :1024].astype(np.float64), w)  # dtypes differ: the plain product's promotion
     assert mixed.dtype == np.float64
     np.testing.assert_allclose(mixed, wide[:, :1024].astype(np.float64) @ w, rtol=1e-12)
+
+
+@pytest.mark.skipif(not _products._OPENBLAS, reason="the few-row forms are NumPy's OpenBLAS's")
+def test_few_row_forms_of_the_grid() -> None:
+    """Where the grid of `benchmarks/transposed_products.py` found another form
+    faster: float64 rows times a transposed weight of 512K elements, 2 to 5 of
+    them (1.4-4.4x), and 2 or 3 times a plain one; float32 deltas of 6 or more
+    rows times a 256 x 256 weight's transpose (1.4-1.9x), 12 or more for one
+    128 wide; and where it did not."""
+    rng = np.random.default_rng(0)
+    for dtype, shape, rows, form in [
+        (np.float64, (512, 1024), 2, "rows"),
+        (np.float64, (512, 1024), 4, "rows"),
+        (np.float64, (512, 1024), 6, "plain"),
+        (np.float32, (256, 256), 4, "plain"),
+        (np.float32, (256, 256), 6, "transposed"),
+        (np.float32, (256, 256), 32, "transposed"),
+        (np.float32, (128, 512), 8, "plain"),
+        (np.float32, (128, 512), 12, "transposed"),
+        (np.float32, (128, 128), 16, "plain"),
+    ]:
+        w = rng.standard_normal(shape).astype(dtype)
+        g = rng.standard_normal((rows, shape[1])).astype(dtype)
+        assert _products.form_of(g, w.mT) == form, (dtype, shape, rows)
+        got, plain = _products.product(g, w.mT), g @ w.mT
+        assert got.flags.c_contiguous and got.dtype == dtype
+        np.testing.assert_allclose(got, plain, rtol=1e-4 if dtype == np.float32 else 1e-10, atol=1e-4)
+    x = rng.standard_normal((3, 512))
+    assert _products.form_of(x, rng.standard_normal((512, 1024))) == "rows"  # float64, plain: 2 and 3 rows
+    assert _products.form_of(rng.standard_normal((4, 512)), rng.standard_normal((512, 1024))) == "plain"
 
 
 def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
