@@ -1133,7 +1133,10 @@ async def test_a_layer_read_in_a_step_says_what_an_await_takes() -> None:
         v = await ml.as_layer(x) @ w  # meant: await (ml.as_layer(x) @ w)
         return ml.sum(w) if v[0, 0] > 0 else ml.sum(w * 2.0)
 
-    with pytest.raises(ml.OperandError, match=r"an await takes the nearest operand alone.*write await \(a @ w\)"):
+    with pytest.raises(
+        ml.OperandError,
+        match=r"await a layer for its value.*an await takes the nearest operand alone.*write await \(a @ w\)",
+    ):
         await example(np.ones((1, 2))).train()
     with pytest.raises(ml.OperandError) as outside:  # (outside a step: no such word)
         bool(ml.as_layer(np.ones(2)))

@@ -35,7 +35,8 @@ def product(x: Value, y: Value) -> Value:
       once: float32 rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and
       1.7x the time of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x,
       1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 and 3
-      rows (1.2-1.7x), and for 2 to 5 times a transposed weight (1.4-4.4x, a
+      rows (1.2-1.7x), and for 2 to 5 times a transposed weight (1.8-4.4x for
+      2 to 4 rows, 1.2-1.5x for 6: 5 was not in the grid; a
       session's grid on the project's AMD EPYC VM: 512 x 1024 to 2048 x 512
       weights; `benchmarks/transposed_products.py`, "by rows"). Each row is
       then the one-row product, bit for bit;
@@ -137,8 +138,9 @@ def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
     the rows' dtype go faster one gemv a row: with NumPy's OpenBLAS, float32
     up to 5 rows (up to 3 when ``y`` is a transposed weight, whose other form
     is faster from 4), float64 up to 3 (up to 5 times a transposed weight,
-    which float64 has no faster form for: 1.2-1.5x at 5 rows, 1.8-2.3x at 4;
-    the grid of `benchmarks/transposed_products.py`)."""
+    which float64 has no faster form for: 1.8-2.3x at 4 rows, 1.2-1.5x at 6,
+    5 between them and not measured; the grid of
+    `benchmarks/transposed_products.py`)."""
     if not _OPENBLAS:
         return False
     if y.dtype is _F32:
@@ -154,8 +156,10 @@ def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
     rows on; 4 to 7 when the product is at least 256 wide; 2 and 3 for
     weights of 512K elements. For weights of 64K to 128K elements (256 x
     256), from 12 rows on, and 6 to 11 when the product is at least 256
-    wide (1.4-1.9x a 256 x 256 weight's delta of 6 to 32 rows; 4 rows, and 6
-    to 8 rows 128 wide, ran faster as they were)."""
+    wide (1.4-1.9x a 256 x 256 weight's delta of 6 to 32 rows; its 4 rows,
+    and 6 to 8 rows of a product 128 wide, ran faster as they were; 3 and 4
+    rows of a product 512 wide ran faster by the other form, 2.2-2.3x, and
+    are left as they were: one shape of the grid)."""
     if y.size < _LARGE_WEIGHT:
         return rows >= 12 or (rows >= 6 and bool(y.shape[1] >= 256))
     if rows >= 8:

@@ -31,8 +31,9 @@ _NO_VALUE: Final = (
     "argument (each value its own trace)"
 )
 _AWAITED: Final = (
-    "; here, in a step of an @ml.direct function, an await takes the nearest operand alone (await a @ w "
-    "awaits a, and the product is a layer): write await (a @ w)"
+    "; here, in a step of an @ml.direct function, await a layer for its value (v = await layer), and an "
+    "await takes the nearest operand alone (await a @ w awaits a, and the product is a layer): write "
+    "await (a @ w)"
 )
 _NUMBER: Final = (int, float, complex, np.number)
 

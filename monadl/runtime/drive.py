@@ -178,8 +178,15 @@ async def before_commit(ev: Evaluation) -> None:
     the yield interval, with no turn after it (a backward's last VJPs, fewer
     than a look at the clock waits for: a new user's trial, a deadline at 60%
     of a loom block's step, saw 3 of 3 steps commit and no timeout), which
-    only a turn delivers. Also the turn that is due (`turn_if_due`)."""
-    if time.perf_counter() > ev.deadline or anyio.current_time() >= anyio.current_effective_deadline():
+    only a turn delivers: anyio's and trio's deadlines, and on asyncio a timer
+    that is due (``asyncio.timeout``'s). Also the turn that is due
+    (`turn_if_due`)."""
+    loop = asyncio._get_running_loop()  # (None on trio)
+    if (
+        time.perf_counter() > ev.deadline
+        or anyio.current_time() >= anyio.current_effective_deadline()
+        or (loop is not None and _timer_due(loop))
+    ):
         await _turn()
         _turns.last = time.perf_counter()
         ev.deadline = _turns.last + ev.yield_interval_s

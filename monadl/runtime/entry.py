@@ -85,7 +85,10 @@ async def train(root: Any) -> Any:
         grads = ev.weight_gradients(factored=True)
         if not grads:
             raise NoGradientError(_no_gradient(root, value, ev.unreached), value)
-        ready = await _prepare(ev, grads) if _long(grads) else None
+        ready: dict[Weight[Any, Any], Prepared] | None = None
+        if _long(grads):
+            ready = await _prepare(ev, grads)
+            await before_commit(ev)  # (a deadline passed in the last of the steps computed ahead)
         consume_gradients(grads, finite=settings.finite_steps, ready=ready)
     if settings.tune_process:
         process.fit_gc(ev.nodes)

@@ -562,9 +562,27 @@ async def test_a_deadline_that_passes_in_the_last_stretch_of_a_step_stops_it_bef
     for _ in range(300):
         h = h * 1.0
     loss = ml.sum(h)
-    with anyio.move_on_after(0.05) as scope:
-        await loss.train()
+    with ml.settings(yield_interval_s=10.0):  # (no turn is due by the interval: the deadline's look alone sees it)
+        with anyio.move_on_after(0.05) as scope:
+            await loss.train()
     assert scope.cancelled_caught
     np.testing.assert_array_equal(w.data, np.ones(4))
     await loss.train()  # (and one with no deadline steps)
     assert not np.array_equal(w.data, np.ones(4))
+
+
+async def test_asyncio_timeout_that_passes_in_the_last_stretch_of_a_step_stops_it_before_the_commit(
+    anyio_backend: str,
+) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("asyncio's own timeout")
+    import asyncio
+
+    w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
+    h = Layer._make(HELD_BACKWARD, (w * 1.0,))
+    for _ in range(300):
+        h = h * 1.0
+    with ml.settings(yield_interval_s=10.0), pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await ml.sum(h).train()
+    np.testing.assert_array_equal(w.data, np.ones(4))
