@@ -16,7 +16,8 @@ A reader's map (each module one concern; lower ones never import higher ones):
 * `interpret`: the iterative ``Do`` interpreter (fibers for parallel branches);
   `stepping`: how it steps a direct-style coroutine; `requests`: what it asks
   of its driver.
-* `drive`: running the interpreter on the event loop (awaits, turns, tasks).
+* `drive`: running the interpreter on the event loop (awaits, turns, tasks);
+  `turns`: when and how the event loop gets a turn, and the look before a commit.
 * `entry`: ``train`` / ``predict`` / ``gradients`` / ``run`` / ``acquire``.
 * `process`: everything that touches the whole process (malloc, GC, BLAS).
 """

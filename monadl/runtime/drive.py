@@ -14,7 +14,6 @@ leaves the interpreter cancels every spawned task and surfaces as itself.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
@@ -30,7 +29,6 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from monadl._unawaited import abandon_suspended
-from monadl.direct import inside_direct
 from monadl.layers._traced_now import refuse_evaluating
 from monadl.runtime.evaluation import READING, Evaluation
 from monadl.runtime.process import advance
@@ -38,8 +36,9 @@ from monadl.runtime.requests import NEXT, Spawn, Steps
 from monadl.runtime.schedule.inline import CHECKPOINT
 from monadl.runtime.settings import current_settings
 from monadl.runtime.stepping import step_each
+from monadl.runtime.turns import TURNS, take_turn
 
-__all__ = ["abort", "before_commit", "drive", "drive_sync", "synchronous", "turn_if_due"]
+__all__ = ["abort", "drive", "drive_sync", "synchronous"]
 
 _synchronous: ContextVar[bool] = ContextVar("monadl_synchronous", default=False)
 
@@ -53,22 +52,6 @@ def synchronous() -> bool:
 Machine = Generator[Any, Any, Any]
 
 
-@final
-class _Turns:
-    """When a driver last gave the event loop a turn (`time.perf_counter`),
-    across evaluations: a loop of short ones (``await loss.train()`` of a
-    fraction of a millisecond, again and again) never reaches one's own
-    deadline and, awaiting nothing that suspends, would starve the loop."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last = 0.0
-
-
-_turns: Final = _Turns()
-
-
 async def drive(ev: Evaluation, machine: Machine) -> Any:
     """Run ``machine`` (an interpreter generator of ``ev``) to its result."""
     refuse_evaluating()
@@ -76,9 +59,9 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
     pause = settings.pause_gc and settings.tune_process
     interval = ev.yield_interval_s
     now = time.perf_counter()
-    if now > _turns.last + interval:  # (before anything is computed: a cancellation changes nothing)
-        await _turn()
-        _turns.last = now = time.perf_counter()
+    if now > TURNS.last + interval:  # (before anything is computed: a cancellation changes nothing)
+        await take_turn()
+        TURNS.last = now = time.perf_counter()
     ev.deadline = now + interval
     exits = AsyncExitStack()
     tasks: TaskGroup | None = None
@@ -91,9 +74,9 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
         request = advance(machine.send, None, pause)
         while True:
             if request is CHECKPOINT:
-                await _turn()
-                _turns.last = time.perf_counter()
-                ev.deadline = _turns.last + interval
+                await take_turn()
+                TURNS.last = time.perf_counter()
+                ev.deadline = TURNS.last + interval
                 request = advance(machine.send, None, pause)
             elif type(request) is Spawn or type(request) is Steps:
                 if tasks is None:
@@ -114,8 +97,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     completion = done[1].receive_nowait()
                 except anyio.WouldBlock:
                     completion = await done[1].receive()
-                    _turns.last = time.perf_counter()
-                    ev.deadline = _turns.last + interval
+                    TURNS.last = time.perf_counter()
+                    ev.deadline = TURNS.last + interval
                 try:
                     request = advance(machine.send, completion, pause)
                 finally:
@@ -127,8 +110,8 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     request = advance(machine.throw, exc, pause)
                 else:
                     request = advance(machine.send, result, pause)
-                _turns.last = time.perf_counter()  # (an await that suspended, or not: as a turn)
-                ev.deadline = _turns.last + interval
+                TURNS.last = time.perf_counter()  # (an await that suspended, or not: as a turn)
+                ev.deadline = TURNS.last + interval
     except StopIteration as stop:
         return stop.value
     except BaseException as exc:
@@ -159,88 +142,6 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
             # whole evaluation (its records and arrays) until a full collection, which the tuned
             # collector runs rarely (a new user's failed steps: 60 of them held 4 GiB).
             failure = None
-
-
-async def turn_if_due(ev: Evaluation) -> None:
-    """A turn for the event loop if ``ev``'s is due: between pieces of work
-    done outside its machine (the commit's steps, `monadl.runtime.entry`)."""
-    now = time.perf_counter()
-    if now > ev.deadline:
-        await _turn()
-        _turns.last = now = time.perf_counter()
-        ev.deadline = now + ev.yield_interval_s
-
-
-async def before_commit(ev: Evaluation) -> None:
-    """Raise a cancellation that came before a ``train()``'s commit, so that
-    it commits nothing: one asked for (`anyio.lowlevel.checkpoint_if_cancelled`),
-    and a deadline that has passed, even in a stretch of work shorter than
-    the yield interval, with no turn after it (a backward's last VJPs, fewer
-    than a look at the clock waits for: a new user's trial, a deadline at 60%
-    of a loom block's step, saw 3 of 3 steps commit and no timeout), which
-    only a turn delivers: anyio's and trio's deadlines, and on asyncio a timer
-    that is due (``asyncio.timeout``'s). Also the turn that is due
-    (`turn_if_due`)."""
-    loop = asyncio._get_running_loop()  # (None on trio)
-    if (
-        time.perf_counter() > ev.deadline
-        or anyio.current_time() >= anyio.current_effective_deadline()
-        or (loop is not None and _timer_due(loop))
-    ):
-        await _turn()
-        _turns.last = time.perf_counter()
-        ev.deadline = _turns.last + ev.yield_interval_s
-    await anyio.lowlevel.checkpoint_if_cancelled()
-
-
-async def _turn() -> None:
-    """A turn for the event loop: other tasks run, and a timeout, a
-    cancellation or Ctrl-C takes effect here (it raises).
-
-    On asyncio a timer that came due while this task computed (a timeout's
-    deadline) joins the loop's queue behind this task's own wake-up: after
-    one turn the task went on, and the timeout's callback ran only after the
-    next piece of work, 5 ms of it or the commit (a step of 5-10 ms under an
-    expired deadline committed every time). Then, and only then, a second
-    turn lets it run first; trio looks at its deadlines before it wakes a
-    task.
-
-    Inside a step of an ``@ml.direct`` function (an ``ml.gradients`` there)
-    the turn is marked as the step's own wait (`monadl.direct.Step`): the
-    examples evaluated beside it wait for the step, as for one that awaits
-    nothing, whenever its turns come."""
-    loop = asyncio._get_running_loop()  # (None on trio, and cheaply so)
-    due = loop is not None and _timer_due(loop)
-    await _checkpoint()
-    if due:
-        await _checkpoint()
-
-
-async def _checkpoint() -> None:
-    """`anyio.lowlevel.checkpoint`, marked as the direct-style step's own
-    wait where one runs this (`_turn`)."""
-    step = inside_direct.get()  # (each send of a step sets one of its own: this one's)
-    step.own_turn = step.live
-    try:
-        await anyio.lowlevel.checkpoint()
-    finally:
-        step.own_turn = False  # (read as the send returned: past it, or raised before it yielded)
-
-
-def _timer_due(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether one of ``loop``'s timers is due: its earliest (asyncio's
-    timers are a heap), or, on a loop that keeps them elsewhere (uvloop),
-    whether the deadline of anyio's scopes around this task has passed.
-    False where a loop of its own keeps other things there (items with no
-    ``when()``): one turn, as before the second was added, and no error
-    from a private attribute of asyncio's."""
-    try:
-        scheduled: list[asyncio.TimerHandle] | None = getattr(loop, "_scheduled", None)
-        if scheduled is None:
-            return anyio.current_effective_deadline() <= anyio.current_time()
-        return bool(scheduled) and bool(scheduled[0].when() <= loop.time())
-    except Exception:
-        return False
 
 
 @final

@@ -25,13 +25,14 @@ from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
-from monadl.runtime.drive import abort, before_commit, drive, drive_sync, turn_if_due
+from monadl.runtime.drive import abort, drive, drive_sync
 from monadl.runtime.evaluation import Evaluation
 from monadl.runtime.interpret import evaluate
 from monadl.runtime.nested import refuse_inside_evaluation
 from monadl.runtime.node import where
 from monadl.runtime.schedule import cuda, inline, pool
 from monadl.runtime.settings import current_settings
+from monadl.runtime.turns import before_commit, turn_if_due
 
 __all__ = [
     "acquire",

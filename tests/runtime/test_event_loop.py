@@ -300,7 +300,7 @@ async def test_asyncio_timeout_that_passes_during_a_step_stops_it_at_the_next_tu
 
 def own_loop(scheduled: object) -> asyncio.AbstractEventLoop:
     """A loop of its own making that keeps other things in ``_scheduled``
-    (a stand-in: only what `_timer_due` reads)."""
+    (a stand-in: only what `timer_due` reads)."""
     return cast(asyncio.AbstractEventLoop, SimpleNamespace(_scheduled=scheduled, time=lambda: 0.0))
 
 
@@ -309,16 +309,16 @@ async def test_a_loop_whose_scheduled_items_are_not_asyncios_timers_gets_one_tur
 ) -> None:
     # The turn read the earliest of asyncio's private _scheduled timers with .when(): on a
     # loop keeping other things there, every step raised AttributeError.
-    from monadl.runtime import drive
+    from monadl.runtime import turns
 
     class Due:
         def when(self) -> float:
             return -1.0
 
-    assert drive._timer_due(own_loop([Due()]))  # (asyncio's way: a due timer)
+    assert turns.timer_due(own_loop([Due()]))  # (asyncio's way: a due timer)
     for scheduled in ([object()], [("when", 0.0)], 3, {"a": 1}):
-        assert drive._timer_due(own_loop(scheduled)) is False
-    monkeypatch.setattr(drive, "asyncio", SimpleNamespace(_get_running_loop=lambda: own_loop([object()])))
+        assert turns.timer_due(own_loop(scheduled)) is False
+    monkeypatch.setattr(turns, "asyncio", SimpleNamespace(_get_running_loop=lambda: own_loop([object()])))
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
     assert await turns_during(long_chain(w, 100).train) >= 2
     assert not np.array_equal(w.data, np.ones(4))
@@ -551,17 +551,22 @@ def _held_backward(x: np.ndarray) -> tuple[np.ndarray, tuple[Callable[[np.ndarra
 HELD_BACKWARD = Primitive("held_backward", _held_backward)
 
 
+def held_last(w: ml.ArrayWeight) -> ml.ScalarLayer:
+    """A pure graph whose backward's last VJP holds the thread 0.2 s, after
+    300 cheap ones: one sweep, the held VJP in its last stride of records."""
+    h = Layer._make(HELD_BACKWARD, (w * 1.0,))
+    for _ in range(300):
+        h = h * 1.0
+    return ml.sum(h)
+
+
 async def test_a_deadline_that_passes_in_the_last_stretch_of_a_step_stops_it_before_the_commit() -> None:
     # The backward's last VJPs, fewer than a look at the clock waits for, ran past the deadline:
     # the commit went ahead and no timeout was seen (a new user's trial: a deadline at 60% of a
     # loom block's step, batching off, 3 of 3 steps committed; 12 of 19 deadlines across such a
-    # step, batching on). A pure graph, its backward one sweep: the cheap nodes before the held
-    # one grow the stride between looks at the clock, and the held one is in the last stride.
+    # step, batching on).
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
-    h = Layer._make(HELD_BACKWARD, (w * 1.0,))
-    for _ in range(300):
-        h = h * 1.0
-    loss = ml.sum(h)
+    loss = held_last(w)
     with ml.settings(yield_interval_s=10.0):  # (no turn is due by the interval: the deadline's look alone sees it)
         with anyio.move_on_after(0.05) as scope:
             await loss.train()
@@ -579,10 +584,7 @@ async def test_asyncio_timeout_that_passes_in_the_last_stretch_of_a_step_stops_i
     import asyncio
 
     w = ml.Weight(np.ones(4), optimizer=ml.optim.sgd(0.01))
-    h = Layer._make(HELD_BACKWARD, (w * 1.0,))
-    for _ in range(300):
-        h = h * 1.0
     with ml.settings(yield_interval_s=10.0), pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
-            await ml.sum(h).train()
+            await held_last(w).train()
     np.testing.assert_array_equal(w.data, np.ones(4))
