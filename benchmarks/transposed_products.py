@@ -10,8 +10,10 @@ This prints, in one run:
 * the two forms' times over rows x weight shapes (one thread; ratio > 1: the
   form monadl takes is faster),
 * for two to eight rows times weights of 256K to 4M elements, one product
-  against one gemv a row, which monadl takes for 2-5 float32 rows (2-3 times
-  a transposed weight) and 2 float64 rows of weights from 512K elements, and
+  against one gemv a row, which monadl takes (`_products._rows_pay`) for
+  float32 2-5 rows of weights from 512K elements (2-3 times a transposed
+  one, 3 times a transposed one of 256K), and float64 2-3 rows of plain
+  weights from 512K, 2-6 rows of transposed ones from 512K, 3-6 from 256K, and
 * one training step of a float32 MLP (784 -> H -> H -> H -> 10, ReLU,
   cross-entropy, SGD) with the fast form on and off, rounds alternating.
 

@@ -28,18 +28,17 @@ def product(x: Value, y: Value) -> Value:
     * an inner size of one (a weight's delta from a single row): the broadcast
       product; OpenBLAS took 365 us for a 768 x 1 by 1 x 256 product that a
       multiplication does in 80 us (and 24 us for two rows);
-    * two to five rows times a weight of 512K elements or more: one
+    * two to six rows times a weight of 256K or 512K elements or more: one
       matrix-vector product a row (`by_rows`, where `_rows_pay`), with NumPy's
       OpenBLAS only (another BLAS may serve few rows well). For so few rows,
       sgemm packs the whole weight before it multiplies, where gemv reads it
       once: float32 rows times a 1024 x 1024 weight took 3.7x, 3.1x, 2.2x and
       1.7x the time of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x,
       1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 and 3
-      rows (1.2-1.7x), and for 2 to 5 times a transposed weight (1.8-4.4x for
-      2 to 4 rows, 1.2-1.5x for 6: 5 was not in the grid; a
-      session's grid on the project's AMD EPYC VM: 512 x 1024 to 2048 x 512
-      weights; `benchmarks/transposed_products.py`, "by rows"). Each row is
-      then the one-row product, bit for bit;
+      rows (1.2-1.7x), and for 2 to 6 times a transposed weight (1.8-4.4x for
+      2 to 4 rows, 1.2-1.5x for 6; 3 to 6 rows of a 512 x 512 one: 1.3-3.2x;
+      grids on the project's AMD EPYC VM, `benchmarks/transposed_products.py`,
+      "by rows"). Each row is then the one-row product, bit for bit;
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
@@ -71,7 +70,7 @@ def form_of(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> str:
     rows, inner = x.shape
     if inner == 1 and y.shape[0] == 1:
         return "broadcast"
-    if 2 <= rows <= _BY_ROWS and y.size >= _HUGE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
+    if 2 <= rows <= _BY_ROWS and y.size >= _WIDE_WEIGHT and x.dtype is y.dtype and _rows_pay(rows, y):
         return "rows"
     if (
         y.size >= _MID_WEIGHT
@@ -134,20 +133,31 @@ def by_rows(x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> np.ndarray[Any,
 
 
 def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
-    """Whether ``rows`` rows (2 to `_BY_ROWS`) times the large matrix ``y`` of
-    the rows' dtype go faster one gemv a row: with NumPy's OpenBLAS, float32
-    up to 5 rows (up to 3 when ``y`` is a transposed weight, whose other form
-    is faster from 4), float64 up to 3 (up to 5 times a transposed weight,
-    which float64 has no faster form for: 1.8-2.3x at 4 rows, 1.2-1.5x at 6,
-    5 between them and not measured; the grid of
-    `benchmarks/transposed_products.py`)."""
+    """Whether ``rows`` rows (2 to `_BY_ROWS`) times the matrix ``y`` of
+    `_WIDE_WEIGHT` elements or more, of the rows' dtype, go faster one gemv a
+    row, with NumPy's OpenBLAS (the grids of
+    `benchmarks/transposed_products.py`, "by rows", and of the thirty-first
+    and thirty-second sessions in `BENCHMARKS.md`):
+
+    * float32 times a weight of `_HUGE_WEIGHT` elements or more, up to 5
+      rows; up to 3 when ``y`` is a transposed weight, whose other form is
+      faster from 4; 3 rows times a transposed 512 x 512 (256K) weight too
+      (2.5-4.0x; its other form 1.9-2.9x, 2 rows 0.5x);
+    * float64 times a plain weight of `_HUGE_WEIGHT` elements or more, 2 or
+      3 rows (1.2-1.7x); times a transposed weight (for which float64 has no
+      faster form), 2 to 6 rows from `_HUGE_WEIGHT` elements (1.8-4.4x at 2
+      to 4 rows, 1.2-1.5x at 6), 3 to 6 rows from `_WIDE_WEIGHT` (512 x 512:
+      2.3-3.2x at 3, 1.8-2.1x at 4, 1.3x at 6; 2 rows 0.5x, 8 rows 1.0x)."""
     if not _OPENBLAS:
         return False
+    if y.dtype is not _F32 and y.dtype is not _F64:
+        return False
+    huge = y.size >= _HUGE_WEIGHT
+    if y.strides[0] != y.itemsize:  # (not a transposed C-ordered weight)
+        return huge and rows <= (5 if y.dtype is _F32 else 3)
     if y.dtype is _F32:
-        return rows <= 5 if y.strides[1] == 4 else rows <= 3
-    if y.dtype is _F64:
-        return True if y.strides[0] == 8 else rows <= 3  # (a transposed weight: up to `_BY_ROWS`, the caller's)
-    return False
+        return rows <= 3 if huge else rows == 3
+    return rows <= 6 if huge else rows >= 3
 
 
 def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
@@ -171,7 +181,7 @@ def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
 
 _F32: Final = np.dtype(np.float32)
 _F64: Final = np.dtype(np.float64)
-_BY_ROWS: Final = 5
+_BY_ROWS: Final = 6
 
 
 def _numpy_blas() -> str:
@@ -189,6 +199,7 @@ measured)."""
 _FEW_ROWS: Final = 48
 _MID_WEIGHT: Final = 1 << 16
 _LARGE_WEIGHT: Final = 1 << 17
+_WIDE_WEIGHT: Final = 1 << 18
 _HUGE_WEIGHT: Final = 1 << 19
 _FACTORED: Final = 1 << 16
 """The fewest elements of a matrix whose delta a weight keeps as factors: for

@@ -301,15 +301,25 @@ def test_few_rows_by_rows_from_any_layout(rows: int) -> None:
 @pytest.mark.skipif(not _products._OPENBLAS, reason="the few-row forms are NumPy's OpenBLAS's")
 def test_few_row_forms_of_the_grid() -> None:
     """Where the grid of `benchmarks/transposed_products.py` found another form
-    faster: float64 rows times a transposed weight of 512K elements, 2 to 5 of
-    them (1.4-4.4x), and 2 or 3 times a plain one; float32 deltas of 6 or more
-    rows times a 256 x 256 weight's transpose (1.4-1.9x), 12 or more for one
-    128 wide; and where it did not."""
+    faster: float64 rows times a transposed weight of 512K elements, 2 to 6 of
+    them (1.2-4.4x), of 256K, 3 to 6 (1.3-3.2x), and 2 or 3 times a plain
+    one of 512K; float32 3 rows times a transposed weight of 256K (2.5-4.0x);
+    float32 deltas of 6 or more rows times a 256 x 256 weight's transpose
+    (1.4-1.9x), 12 or more for one 128 wide; and where it did not."""
     rng = np.random.default_rng(0)
     for dtype, shape, rows, form in [
         (np.float64, (512, 1024), 2, "rows"),
         (np.float64, (512, 1024), 4, "rows"),
-        (np.float64, (512, 1024), 6, "plain"),
+        (np.float64, (512, 1024), 6, "rows"),
+        (np.float64, (512, 1024), 8, "plain"),
+        (np.float64, (512, 512), 2, "plain"),
+        (np.float64, (512, 512), 3, "rows"),
+        (np.float64, (512, 512), 6, "rows"),
+        (np.float64, (512, 512), 8, "plain"),
+        (np.float64, (256, 256), 4, "plain"),
+        (np.float32, (512, 512), 2, "plain"),
+        (np.float32, (512, 512), 3, "rows"),
+        (np.float32, (512, 512), 4, "transposed"),
         (np.float32, (256, 256), 4, "plain"),
         (np.float32, (256, 256), 6, "transposed"),
         (np.float32, (256, 256), 32, "transposed"),
@@ -326,6 +336,7 @@ def test_few_row_forms_of_the_grid() -> None:
     x = rng.standard_normal((3, 512))
     assert _products.form_of(x, rng.standard_normal((512, 1024))) == "rows"  # float64, plain: 2 and 3 rows
     assert _products.form_of(rng.standard_normal((4, 512)), rng.standard_normal((512, 1024))) == "plain"
+    assert _products.form_of(x, rng.standard_normal((512, 512))) == "plain"  # (plain and 256K: as fast)
 
 
 def test_a_dense_layer_s_input_delta_by_the_transposed_product() -> None:
