@@ -27,6 +27,11 @@ with it forced, alternating in one process, best of ``--steps`` steps:
   read by 200 calls of a marked decoder cell (each with its own row): the
   decoder's calls ran one by one until the twenty-ninth session (the
   encoder's node, shared by all, was taken for another library's array).
+* **few examples, large weight**: 4 and 6 examples, each 10 steps of
+  ``tanh(h @ W)`` through one weight of 256 x 256 or 512 x 512: groups of 4 to
+  6 products by a large weight paid until the thirty-second session, and
+  ran 1.1-1.55x the time of batching off; now a group of any primitive pays
+  from 8 (`MIN_GROUP`).
 
 Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
 for the figures in BENCHMARKS.md.
@@ -130,6 +135,23 @@ def shared_encoder(calls: int = 200, size: int = 256) -> Loss:
     return loss
 
 
+def few_examples(examples: int, size: int, dtype: type[np.floating[Any]] = np.float32, depth: int = 10) -> Loss:
+    rng = np.random.default_rng(2)
+    w = ml.Weight((rng.standard_normal((size, size)) / size**0.5).astype(dtype), optimizer=ml.optim.sgd(1e-4))
+    xs = [rng.standard_normal((1, size)).astype(dtype) for _ in range(examples)]
+
+    def loss() -> Any:
+        outs = []
+        for x in xs:
+            h: Any = ml.as_layer(x)
+            for _ in range(depth):
+                h = ml.tanh(h @ w)
+            outs.append(ml.sum(h))
+        return ml.sum(ml.stack(outs))
+
+    return loss
+
+
 def best(loss: Loss, steps: int, before: Loss | None = None) -> dict[bool | None, float]:
     """Seconds of the best training step, by ``batching`` setting; ``before``:
     a loss trained once before each timed step (under the same setting)."""
@@ -163,6 +185,16 @@ def main() -> None:
         ("small, large weights: 16 examples, MLP at 512", mlp(16, 512, lambda i: 10), None),
         ("a 256 x 256 layer scaled 300 times, each summed", scaled(), None),
         ("a marked encoder's outputs read by 200 decoder calls", shared_encoder(), None),
+    ]
+    cases += [
+        (
+            f"{n} examples x 10 steps through one {size}x{size}, {np.dtype(dtype).name}",
+            few_examples(n, size, dtype),
+            None,
+        )
+        for dtype in (np.float32, np.float64)
+        for size in (256, 512)
+        for n in (4, 6)
     ]
     print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
     print(f"# OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; best of {args.steps} steps, ms")

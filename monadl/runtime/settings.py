@@ -57,10 +57,10 @@ class Settings:
             16,384 elements or more (across control flow, a merge of fewer than 10
             examples' graphs alike (ending at one line, or a model's steps), and of 256 nodes), as does one
             whose widest level has one node; in a graph that batches, a group of marked cells
-            (`ml.operation`) batches from 2 members, of matrix products or
-            lookups that read a weight of 16,384 elements or more from 4, of
-            another op from 8, and not where each member is over 16,384
-            elements (of an elementwise op, its result: a large layer scaled by
+            (`ml.operation`) batches from 2 members, of another op from 8
+            (from 4, products whose members each multiply 2 rows or more by a
+            weight, 1,048,576 multiply-adds or more: one call packs the weight once),
+            and not where each member is over 16,384 elements (of an elementwise op, its result: a large layer scaled by
             many numbers runs node by node).
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming

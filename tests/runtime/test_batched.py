@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import anyio
@@ -342,8 +342,8 @@ def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
 
     doc = " ".join((Settings.__doc__ or "").split())
     assert f"fewer than {_batching.MIN_NODES} nodes" in doc and f"fewer than {MIN_MERGED} examples'" in doc
-    assert set(_batching.MIN_GROUP.values()) == {4} and f"from {_batching.DEFAULT_MIN_GROUP}" in doc
-    assert f"of {batched_rule.MIN_SHARED:,} elements or more from 4" in doc
+    assert f"from 2 members, of another op from {_batching.MIN_GROUP} (from {batched_rule.MIN_PACKED}," in doc
+    assert f"weight, {batched_rule.PACKED_WORK:,} multiply-adds or more" in doc
     assert f"unless {batched_rule.MIN_LARGE} of its nodes read a weight of {batched_rule.MIN_SHARED:,}" in doc
     assert f"over {_batching.MAX_MEMBER_SIZE:,} elements" in doc
 
@@ -831,13 +831,15 @@ def test_an_axis_out_of_range_inside_a_batched_cell_is_the_nodes_error() -> None
 
 
 @pytest.mark.parametrize("lift", ["weight", "as_layer", "transpose"])
-@pytest.mark.parametrize(("size", "members", "groups"), [(32, 2, 0), (32, 4, 0), (128, 3, 0), (128, 4, 32)])
-def test_few_products_by_a_small_weight_run_node_by_node_by_default(
+@pytest.mark.parametrize(("size", "members", "groups"), [(32, 2, 0), (32, 4, 0), (128, 4, 0), (128, 8, 48)])
+def test_few_products_run_node_by_node_by_default(
     caplog: pytest.LogCaptureFixture, size: int, members: int, groups: int, lift: str
 ) -> None:
     # A new user's attention over examples of different lengths (groups of 2 or 3 of each product by a
     # 32 x 32 weight) ran 1.6x slower under the cost rule than node by node: such groups paid from 2.
-    # Now products pay from 4 by a weight of MIN_SHARED elements or more, from 8 by a smaller one.
+    # Then products by a weight of MIN_SHARED elements or more paid from 4 (1.1-1.55x node by node's
+    # time at 4 to 7 members, a weight's delta from one product kept as factors); now all from 8 (with the
+    # tanh and the sum: 16 row counts, 3 groups each).
     rng = np.random.default_rng(0)
     w = ml.Weight(rng.standard_normal((size, size)) / size)
     xs = [rng.standard_normal((rows, size)) for rows in range(1, 1 + 128 // members) for _ in range(members)]
@@ -858,6 +860,61 @@ def test_few_products_by_a_small_weight_run_node_by_node_by_default(
         if groups
         else ("batched nothing" in ran[0])
     )
+
+
+@pytest.mark.parametrize(("examples", "batched"), [(6, False), (8, True)])
+def test_few_examples_through_a_large_weight_run_node_by_node_by_default(
+    caplog: pytest.LogCaptureFixture, examples: int, batched: bool
+) -> None:
+    # A new user's trial: 4 to 6 examples, each 10 steps of tanh(h @ W) through one 256 x 256 weight, ran
+    # 1.1-1.55x the time of batching off under the default rule (groups of 4 to 6 products paid). The graph
+    # is analysed (MIN_LARGE of its nodes read a large weight); its groups of 6 do not pay, those of 8 do.
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((256, 256)) / 16)
+    outs = []
+    for _ in range(examples):
+        h: Any = ml.as_layer(rng.standard_normal((1, 256)))
+        for _ in range(10):
+            h = ml.tanh(h @ w)
+        outs.append(ml.sum(h))
+    loss = ml.sum(ml.stack(outs))
+    batched_rule._verdicts.clear()
+    caplog.set_level(logging.DEBUG, logger="monadl.batching")
+    got = anyio.run(ml.gradients, loss, [w])
+    with ml.settings(batching=False):
+        want = anyio.run(ml.gradients, loss, [w])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-9, atol=1e-12)
+    (line,) = [r.getMessage() for r in caplog.records if "batched" in r.getMessage()]
+    if batched:
+        assert f"ran batched: {examples * 22} nodes in 22 groups" in line, line  # (and the as_layer, the sum)
+    else:
+        assert "batched nothing" in line and f"{examples * 22} in groups too small to pay (MIN_GROUP" in line, line
+
+
+@pytest.mark.parametrize(
+    ("counts", "lift", "groups"), [(range(4, 12), "weight", 8), (range(4, 12), "transpose", 8), ((2, 3), "weight", 0)]
+)
+def test_groups_of_four_products_of_several_rows_by_a_large_weight_pay(
+    caplog: pytest.LogCaptureFixture, counts: Sequence[int], lift: str, groups: int
+) -> None:
+    # A product of 2 rows or more packs its weight: a group of 4 packs it once (MIN_PACKED), where each
+    # member's product does PACKED_WORK multiply-adds or more (4 rows times 512 x 512); 2 rows do not.
+    rng = np.random.default_rng(0)
+    w = ml.Weight(rng.standard_normal((512, 512)) / 512)
+    shared: Any = {"weight": w, "transpose": w.T}[lift]
+    xs = [rng.standard_normal((rows, 512)) for rows in counts for _ in range(4)]
+    loss = ml.sum(ml.stack([ml.sum(ml.tanh(x @ shared)) for x in xs]))
+    batched_rule._verdicts.clear()
+    caplog.set_level(logging.DEBUG, logger="monadl.batching")
+    got = anyio.run(ml.gradients, loss, [w])
+    with ml.settings(batching=False):
+        want = anyio.run(ml.gradients, loss, [w])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-9, atol=1e-12)
+    (line,) = [r.getMessage() for r in caplog.records if "batched" in r.getMessage()]
+    if groups:
+        assert f"ran batched: {groups * 4} nodes in {groups} groups" in line, line  # (the products only)
+    else:
+        assert "batched nothing" in line, line
 
 
 def test_a_stacks_getters_are_one_tuple_cut_to_each_size() -> None:

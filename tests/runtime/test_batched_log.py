@@ -255,7 +255,7 @@ def test_nodes_of_one_signature_at_different_depths_are_said_to_be_so(caplog: py
 def test_groups_under_their_minimum_are_counted_apart(caplog: pytest.LogCaptureFixture) -> None:
     w = ml.Weight(np.ones((3, 3)))
     many = [ml.sum(ml.tanh(np.ones((2, 3)) @ w)) for _ in range(300)]
-    three = [ml.sum(ml.tanh(np.ones((4, 3)) @ w)) for _ in range(3)]  # (under DEFAULT_MIN_GROUP, 8; matmul's 4)
+    three = [ml.sum(ml.tanh(np.ones((4, 3)) @ w)) for _ in range(3)]  # (under MIN_GROUP, 8)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="monadl.batching"):
         anyio.run(ml.sum(ml.stack(many + three)).predict)
@@ -264,7 +264,7 @@ def test_groups_under_their_minimum_are_counted_apart(caplog: pytest.LogCaptureF
         "ran batched: 900 nodes in 3 groups, 11 one by one: 2 had no partner of their signature among the nodes"
         " ready with them (stack 1, sum 1); nodes run as one kernel only with nodes of one primitive (one trace of"
         " a marked operation) whose operands have equal shapes and dtypes and whose parameters are equal"
-        "; 9 in groups smaller than their rule's minimum (MIN_GROUP)"
+        "; 9 in groups too small to pay (MIN_GROUP; a group of marked operations pays from 2)"
     ), line
 
 

@@ -32,7 +32,7 @@ says which is the default, and why.
 Cost rule: batching is on where it pays. Whether a graph comes here at all is
 `monadl.runtime.schedule.batched_rule`'s (cheap checks, before any signature);
 here, a graph whose widest depth has one node runs as before, and a group
-smaller than its rule's minimum (`MIN_GROUP`) or whose members are coarse
+smaller than `MIN_GROUP` (a marked operation's: 2) or whose members are coarse
 (`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
 is not analysed again for 1, 2, 4, ... and at most `REPROBE` evaluations. Graphs that the fork rule
 sends to the worker pool are not batched (the hook sits on the inline path of
@@ -54,7 +54,6 @@ from monadl.runtime.node import PIECE
 from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_log import paid_nothing, ran
 from monadl.runtime.schedule.batched_rule import (
-    DEFAULT_MIN_GROUP,
     MAX_MEMBER_SIZE,
     MIN_ALIKE,
     MIN_GROUP,
@@ -75,7 +74,6 @@ if TYPE_CHECKING:
     from monadl.runtime.schedule.batched_groups import Groups
 
 __all__ = [
-    "DEFAULT_MIN_GROUP",
     "MAX_MEMBER_SIZE",
     "MIN_ALIKE",
     "MIN_GROUP",

@@ -16,8 +16,10 @@ analysis batches nothing again (`remember`): the check costs one lookup.
 
 from __future__ import annotations
 
+from math import prod
 from typing import TYPE_CHECKING, Any, Final
 
+from monadl.layers._layer import Layer
 from monadl.layers._program import Program
 from monadl.layers._weight import Weight
 from monadl.runtime.schedule.batched_log import FORCES, unbatched
@@ -31,7 +33,6 @@ __all__ = [
     "ALONE",
     "ALONE_WHY",
     "CHAIN",
-    "DEFAULT_MIN_GROUP",
     "FACTORED",
     "MAX_MEMBER_SIZE",
     "MIN_ALIKE",
@@ -39,13 +40,16 @@ __all__ = [
     "MIN_GROUP",
     "MIN_LARGE",
     "MIN_NODES",
+    "MIN_PACKED",
     "MIN_SHARED",
     "NOTHING_PAID",
+    "PACKED_WORK",
     "REPROBE",
+    "WEIGHT_READERS",
     "coarse",
-    "group_minimum",
     "large",
     "ops",
+    "packs",
     "paid",
     "remember",
     "worth_batching",
@@ -139,11 +143,10 @@ def ops(order: list[Any]) -> int:
 MIN_LARGE: Final = 8
 """A graph below `MIN_NODES` is analysed all the same where this many of its
 nodes read a weight of `MIN_SHARED` elements or more (`large`): each such
-product costs far more than a node's dispatch, and their groups pay from a
-few members (a new user's 10 sequences through a marked RNN cell of
-512 x 512 weights, 87 nodes: 2.2x faster batched; 16 examples of a 2-layer
-MLP at 512, 82 nodes: 1.5x). One that groups nothing is analysed again
-less and less often (`remember`)."""
+product costs far more than a node's dispatch (a new user's 10 sequences
+through a marked RNN cell of 512 x 512 weights, 87 nodes: 2.2x faster
+batched; 16 examples of a 2-layer MLP at 512, 82 nodes: 1.5x). One that
+groups nothing is analysed again less and less often (`remember`)."""
 
 
 def _small(key: tuple[Site, int], order: list[Any]) -> bool:
@@ -170,7 +173,7 @@ def large(order: list[Any]) -> int:
     count = 0
     for node in order:
         op = node._op
-        reads = op is not None and (op.name in MIN_GROUP or type(op.rule) is Program)
+        reads = op is not None and (op.name in WEIGHT_READERS or type(op.rule) is Program)
         if reads and any(_weight_of(x) is not None for x in node._inputs):
             count += 1
             if count >= MIN_LARGE:
@@ -231,39 +234,83 @@ def paid(key: tuple[Site, int]) -> None:
 
 
 # ---- per group ---------------------------------------------------------------------------------
-MIN_GROUP: Final = {"matmul": 4, "dense": 4, "embedding": 4}
-"""The smallest group that pays, by primitive, where it reads a weight of
-`MIN_SHARED` elements or more (as itself, ``ml.as_layer(w)``, its
-transpose or a reshape): a product by a large shared weight also
-replaces a weight-sized outer product per member by one product (a lookup,
-its rows' sums). Anything else, a product by a smaller weight too, pays from
-`DEFAULT_MIN_GROUP`. Measured (`OPENBLAS_NUM_THREADS=1`, 1 to 20 rows a
-member, the products' consumers left node by node): groups of 2 to 4
-products by one weight of 16 x 16 to 256 x 256 ran 0.66-0.97x node by
-node's speed when they paid from 2 (a new user's attention over examples
-of different lengths, groups of 2 or 3 of each product: 0.6x); with these
-minimums 0.89-1.07x, and groups of 8 ran 1.14-1.39x. The Tree-LSTM (every op
-a layer, H = 128: weights of 16,384 and 49,152 elements, levels of a few
-nodes deep in random trees) keeps its speed. Losses (``cross_entropy``,
-which paid from 2) pay from 8 too, as other row-wise ops: a loss a member,
-where groups are small, is cheaper than its stack."""
+MIN_GROUP: Final = 8
+"""The smallest group of one signature that pays, of any primitive (a
+marked operation's group: from 2, decided by its caller). Measured
+(`OPENBLAS_NUM_THREADS=1`) on this project's VM: a group costs about 40 us
+of stacking, splitting and gathering over its members' own work (forward
+and backward: 4 to 16 examples of ``tanh(h @ W)``, W of 4 x 4), and a member
+about 6 us against 11 us alone, so that from about 8 members a group pays
+where its kernel saves nothing. Groups of 2 to 4 products by a weight of 32
+x 32 to 256 x 256 ran 0.66-0.97x node by node's speed when they paid from 2
+(a new user's attention over examples of different lengths: 0.6x); groups
+of 8 ran 1.14-1.39x. Products and lookups by a weight of `MIN_SHARED`
+elements or more paid from 4 until the thirty-second session (a group
+replaced a weight-sized outer product per member by one product), though
+one product's delta to a weight of 64K elements or more had been kept as
+factors since (`monadl.layers._products.outer_rule`): 4 to 7 examples of
+``tanh(h @ W)`` through one weight of 256 x 256 or 512 x 512 then ran
+0.91-1.55x node by node's time (from 1.19x in float32), and with 8 as the
+minimum 0.97-1.03x; through 128 x 128 (no factors) 0.72-1.14x, and
+0.99-1.04x. Where each member multiplies 2 rows or more, a group packs
+the weight once for all (`packs`, `MIN_PACKED`): 128 examples of 1 to 32
+rows in groups of 4 or 6 of one row count through 512 x 512 ran 1.11x and
+1.17x faster than node by node (0.96-0.99x with 8 as the minimum), and
+0.97-1.03x through 128 x 128 and 256 x 256 (`benchmarks/small_groups.py`)."""
+
+
+MIN_PACKED: Final = 4
+"""The smallest group that pays of products whose members each multiply 2
+rows or more by one large weight (`packs`)."""
+
+PACKED_WORK: Final = 1 << 20
+"""Multiply-adds of a member's product (its rows times the weight's
+elements) from which a group of them pays from `MIN_PACKED`."""
+
+
+def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
+    """Whether a group of ``node``'s signature pays from `MIN_PACKED`
+    members: a product (``dense`` too) of 2 rows or more by a weight (or
+    ``ml.as_layer(w)``, its transpose, a reshape) of `PACKED_WORK`
+    multiply-adds or more. The BLAS packs the weight once for each call of
+    more than one row, so one call for the group saves a pack per member
+    (NumPy's OpenBLAS, one thread, a forward product and its delta to the
+    rows: 4 members of 4 rows times 512 x 512, float32 0.30 ms, float64
+    0.36 ms; of 2 rows, -0.04 to 0.07 ms; of 8 rows times 256 x 256,
+    0.03-0.11 ms; 1 row a member, a gemv that packs nothing: none). Read for
+    groups of `MIN_PACKED` to `MIN_GROUP` members only.
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.ones((512, 512)))
+    >>> packs(np.ones((4, 512)) @ w, {}, {}), packs(np.ones((2, 512)) @ w, {}, {}), packs(np.ones((4, 512)) @ w.T, {}, {})
+    (True, False, True)
+    """
+    inputs = node._inputs
+    if node._op.name not in FACTORED or len(inputs) < 2:
+        return False
+    weight = _weight_of(inputs[1])
+    if weight is None:
+        return False
+    x = inputs[0]
+    if type(x) is Layer:
+        place = where.get(x)
+        part = place[2] if place is not None else None
+        shape = part[1] if part is not None and len(part) == 3 else getattr(records[x].value, "shape", None)
+    else:
+        shape = getattr(x, "shape", None)
+    if shape is None or len(shape) < 2:
+        return False
+    rows: int = prod(shape[:-1])
+    return rows >= 2 and rows * int(weight.size) >= PACKED_WORK
+
+
+WEIGHT_READERS: Final = frozenset({"matmul", "dense", "embedding"})
+"""The primitives that read a weight (a product's matrix, a lookup's table)
+`large` counts."""
 
 MIN_SHARED: Final = 1 << 14
-"""Elements of the weight a product or lookup reads, from which its group
-pays from `MIN_GROUP`'s size."""
-
-DEFAULT_MIN_GROUP: Final = 8
-
-
-def group_minimum(node: Any) -> int:
-    """The smallest group of nodes of ``node``'s signature that pays (a
-    marked operation's: from 2, decided by its caller)."""
-    minimum = MIN_GROUP.get(node._op.name)
-    if minimum is not None:
-        for x in node._inputs:
-            if _weight_of(x) is not None:
-                return minimum
-    return DEFAULT_MIN_GROUP
+"""Elements of a weight from which a product or lookup that reads it counts
+as large (`large`, `MIN_LARGE`)."""
 
 
 _VIEWS: Final = frozenset({"as_layer", "transpose", "reshape"})

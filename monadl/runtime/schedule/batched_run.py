@@ -41,7 +41,16 @@ from monadl.runtime.schedule.batched_records import (
     stack,
     stack_index,
 )
-from monadl.runtime.schedule.batched_rule import ALONE, ALONE_WHY, FACTORED, MIN_FACTORED, coarse, group_minimum
+from monadl.runtime.schedule.batched_rule import (
+    ALONE,
+    ALONE_WHY,
+    FACTORED,
+    MIN_FACTORED,
+    MIN_GROUP,
+    MIN_PACKED,
+    coarse,
+    packs,
+)
 from monadl.runtime.schedule.batched_signature import number_key, signature
 
 if TYPE_CHECKING:
@@ -126,10 +135,12 @@ class Run:
         rule: Any = BATCHING_RULES.get(op.name) if op.name not in ALONE else None
         if op is OUTPUT:
             rule = batch_output
-        minimum = group_minimum(first)
+        minimum = MIN_GROUP
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
+        if MIN_PACKED <= n < minimum and packs(first, self.records, self.groups.where):
+            minimum = MIN_PACKED
         numbers_stack = numbers_stack and (op.elementwise or type(op.rule) is Program)  # (else by value)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
             if rule is None and n > 1:
