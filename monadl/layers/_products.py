@@ -36,14 +36,15 @@ def product(x: Value, y: Value) -> Value:
       1.7x the time of gemv row by row for 2, 3, 4 and 5 rows (W.T: 1.8x,
       1.8x for 2 and 3 rows, beside the next form); float64 gains for 2 and 3
       rows (1.2-1.7x), and for 2 to 6 times a transposed weight (1.8-4.4x for
-      2 to 4 rows, 1.2-1.5x for 6; 3 to 6 rows of a 512 x 512 one: 1.3-3.2x;
-      grids on the project's AMD EPYC VM, `benchmarks/transposed_products.py`,
-      "by rows"). Each row is then the one-row product, bit for bit;
+      2 to 4 rows, 1.2-1.5x for 6; 3 to 6 rows of a 512 x 512 one: 1.3-3.2x,
+      and 1.9-4.0x in float32; grids on the project's AMD EPYC VM,
+      `benchmarks/transposed_products.py`, "by rows"). Each row is then the
+      one-row product, bit for bit;
     * a float32 delta of a few rows times a large transposed weight (``g @
       w.T``, every layer's delta to its input): ``(w @ g.T).T``, made
       C-contiguous. The transposed-operand kernel of sgemm is slow for few
       rows: 1.5-3.8x the time for 2 to 48 rows of weights of 512K elements,
-      1.5-2.4x for 4 to 48 rows of 128K, 1.4-1.9x for 6 to 32 rows of 64K;
+      1.5-2.4x for 4 to 48 rows of 128K, 1.4-2.1x for 5 to 32 rows of 64K;
       from about 64 rows on, for one row, for smaller weights, or in float64,
       the plain product is as fast or faster (`_slow_transposed`).
     """
@@ -141,8 +142,9 @@ def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
 
     * float32 times a weight of `_HUGE_WEIGHT` elements or more, up to 5
       rows; up to 3 when ``y`` is a transposed weight, whose other form is
-      faster from 4; 3 rows times a transposed 512 x 512 (256K) weight too
-      (2.5-4.0x; its other form 1.9-2.9x, 2 rows 0.5x);
+      faster from 4; 3 to 6 rows times a transposed 512 x 512 (256K) weight
+      (3.5-4.0x at 3, 2.7x at 4, 1.9-2.5x at 5 and 6, where its other form
+      gave 1.9-2.7x, 2.3-2.9x, 1.5-1.8x; 2 rows 0.5x);
     * float64 times a plain weight of `_HUGE_WEIGHT` elements or more, 2 or
       3 rows (1.2-1.7x); times a transposed weight (for which float64 has no
       faster form), 2 to 6 rows from `_HUGE_WEIGHT` elements (1.8-4.4x at 2
@@ -156,7 +158,7 @@ def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
     if y.strides[0] != y.itemsize:  # (not a transposed C-ordered weight)
         return huge and rows <= (5 if y.dtype is _F32 else 3)
     if y.dtype is _F32:
-        return rows <= 3 if huge else rows == 3
+        return rows <= 3 if huge else 3 <= rows <= 6
     return rows <= 6 if huge else rows >= 3
 
 
@@ -165,13 +167,14 @@ def _slow_transposed(rows: int, y: np.ndarray[Any, Any]) -> bool:
     times ``y`` (the grid of `benchmarks/transposed_products.py`): from 8
     rows on; 4 to 7 when the product is at least 256 wide; 2 and 3 for
     weights of 512K elements. For weights of 64K to 128K elements (256 x
-    256), from 12 rows on, and 6 to 11 when the product is at least 256
-    wide (1.4-1.9x a 256 x 256 weight's delta of 6 to 32 rows; its 4 rows,
+    256), from 12 rows on, and 5 to 11 when the product is at least 256
+    wide (1.4-1.9x a 256 x 256 weight's delta of 6 to 32 rows, 1.8-2.1x of 5
+    rows in the thirty-second session's grid; its 4 rows,
     and 6 to 8 rows of a product 128 wide, ran faster as they were; 3 and 4
     rows of a product 512 wide ran faster by the other form, 2.2-2.3x, and
     are left as they were: one shape of the grid)."""
     if y.size < _LARGE_WEIGHT:
-        return rows >= 12 or (rows >= 6 and bool(y.shape[1] >= 256))
+        return rows >= 12 or (rows >= 5 and bool(y.shape[1] >= 256))
     if rows >= 8:
         return True
     if rows >= 4:

@@ -303,9 +303,9 @@ def test_few_row_forms_of_the_grid() -> None:
     """Where the grid of `benchmarks/transposed_products.py` found another form
     faster: float64 rows times a transposed weight of 512K elements, 2 to 6 of
     them (1.2-4.4x), of 256K, 3 to 6 (1.3-3.2x), and 2 or 3 times a plain
-    one of 512K; float32 3 rows times a transposed weight of 256K (2.5-4.0x);
-    float32 deltas of 6 or more rows times a 256 x 256 weight's transpose
-    (1.4-1.9x), 12 or more for one 128 wide; and where it did not."""
+    one of 512K; float32 3 to 6 rows times a transposed weight of 256K
+    (1.9-4.0x); float32 deltas of 5 or more rows times a 256 x 256 weight's
+    transpose (1.4-2.1x), 12 or more for one 128 wide; and where it did not."""
     rng = np.random.default_rng(0)
     for dtype, shape, rows, form in [
         (np.float64, (512, 1024), 2, "rows"),
@@ -319,7 +319,9 @@ def test_few_row_forms_of_the_grid() -> None:
         (np.float64, (256, 256), 4, "plain"),
         (np.float32, (512, 512), 2, "plain"),
         (np.float32, (512, 512), 3, "rows"),
-        (np.float32, (512, 512), 4, "transposed"),
+        (np.float32, (512, 512), 6, "rows"),
+        (np.float32, (512, 512), 8, "transposed"),
+        (np.float32, (256, 256), 5, "transposed"),
         (np.float32, (256, 256), 4, "plain"),
         (np.float32, (256, 256), 6, "transposed"),
         (np.float32, (256, 256), 32, "transposed"),
