@@ -30,8 +30,8 @@ with it forced, alternating in one process, best of ``--steps`` steps:
 * **few examples, large weight**: 4 and 6 examples, each 10 steps of
   ``tanh(h @ W)`` through one weight of 256 x 256 or 512 x 512: groups of 4 to
   6 products by a large weight paid until the thirty-second session, and
-  ran 1.1-1.55x the time of batching off; now a group of any primitive pays
-  from 8 (`MIN_GROUP`).
+  ran 1.11-1.35x the time of batching off; now a group of any primitive pays
+  from 8 (`MIN_GROUP`; products that pack a large weight from 4, `packs`).
 
 Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
 for the figures in BENCHMARKS.md.

@@ -12,7 +12,7 @@ This prints, in one run:
 * for two to eight rows times weights of 256K to 4M elements, one product
   against one gemv a row, which monadl takes (`_products._rows_pay`) for
   float32 2-5 rows of weights from 512K elements (2-3 times a transposed
-  one, 3 times a transposed one of 256K), and float64 2-3 rows of plain
+  one, 3-6 times a transposed one of 256K), and float64 2-3 rows of plain
   weights from 512K, 2-6 rows of transposed ones from 512K, 3-6 from 256K, and
 * one training step of a float32 MLP (784 -> H -> H -> H -> 10, ReLU,
   cross-entropy, SGD) with the fast form on and off, rounds alternating.

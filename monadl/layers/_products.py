@@ -148,15 +148,18 @@ def _rows_pay(rows: int, y: np.ndarray[Any, Any]) -> bool:
     * float64 times a plain weight of `_HUGE_WEIGHT` elements or more, 2 or
       3 rows (1.2-1.7x); times a transposed weight (for which float64 has no
       faster form), 2 to 6 rows from `_HUGE_WEIGHT` elements (1.8-4.4x at 2
-      to 4 rows, 1.2-1.5x at 6), 3 to 6 rows from `_WIDE_WEIGHT` (512 x 512:
+      to 4 rows, 1.2-1.5x at 6; 5 not measured), 3 to 6 rows from
+      `_WIDE_WEIGHT` (512 x 512, the one shape measured at that size:
       2.3-3.2x at 3, 1.8-2.1x at 4, 1.3x at 6; 2 rows 0.5x, 8 rows 1.0x)."""
     if not _OPENBLAS:
         return False
     if y.dtype is not _F32 and y.dtype is not _F64:
         return False
     huge = y.size >= _HUGE_WEIGHT
-    if y.strides[0] != y.itemsize:  # (not a transposed C-ordered weight)
+    if y.strides[1] == y.itemsize:  # (a plain C-ordered weight)
         return huge and rows <= (5 if y.dtype is _F32 else 3)
+    if y.strides[0] != y.itemsize:  # (neither: a strided view)
+        return huge and rows <= 3
     if y.dtype is _F32:
         return rows <= 3 if huge else 3 <= rows <= 6
     return rows <= 6 if huge else rows >= 3

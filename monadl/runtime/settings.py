@@ -59,7 +59,8 @@ class Settings:
             whose widest level has one node; in a graph that batches, a group of marked cells
             (`ml.operation`) batches from 2 members, of another op from 8
             (from 4, products whose members each multiply 2 rows or more by a
-            weight, 1,048,576 multiply-adds or more: one call packs the weight once),
+            weight of 262,144 elements or more, 1,048,576 multiply-adds or
+            more: one call packs the weight once),
             and not where each member is over 16,384 elements (of an elementwise op, its result: a large layer scaled by
             many numbers runs node by node).
         finite_steps: refuse an optimizer step that would write a NaN or an

@@ -43,6 +43,7 @@ __all__ = [
     "MIN_PACKED",
     "MIN_SHARED",
     "NOTHING_PAID",
+    "PACKED_WEIGHT",
     "PACKED_WORK",
     "REPROBE",
     "WEIGHT_READERS",
@@ -263,6 +264,10 @@ MIN_PACKED: Final = 4
 """The smallest group that pays of products whose members each multiply 2
 rows or more by one large weight (`packs`)."""
 
+PACKED_WEIGHT: Final = 1 << 18
+"""Elements of a weight from which `packs` counts its products (512 x 512,
+as measured; smaller weights' packs cost about what a group does)."""
+
 PACKED_WORK: Final = 1 << 20
 """Multiply-adds of a member's product (its rows times the weight's
 elements) from which a group of them pays from `MIN_PACKED`."""
@@ -271,14 +276,17 @@ elements) from which a group of them pays from `MIN_PACKED`."""
 def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
     """Whether a group of ``node``'s signature pays from `MIN_PACKED`
     members: a product (``dense`` too) of 2 rows or more by a weight (or
-    ``ml.as_layer(w)``, its transpose, a reshape) of `PACKED_WORK`
-    multiply-adds or more. The BLAS packs the weight once for each call of
-    more than one row, so one call for the group saves a pack per member
-    (NumPy's OpenBLAS, one thread, a forward product and its delta to the
-    rows: 4 members of 4 rows times 512 x 512, float32 0.30 ms, float64
-    0.36 ms; of 2 rows, -0.04 to 0.07 ms; of 8 rows times 256 x 256,
-    0.03-0.11 ms; 1 row a member, a gemv that packs nothing: none). Read for
-    groups of `MIN_PACKED` to `MIN_GROUP` members only.
+    ``ml.as_layer(w)``, its transpose, a reshape) of `PACKED_WEIGHT`
+    elements or more, `PACKED_WORK` multiply-adds or more. For each call of
+    more than one row OpenBLAS packs the weight, so one call for the group
+    saves a pack per member (NumPy's OpenBLAS, one thread, a forward product
+    and its delta to the rows: 4 members of 4 rows times 512 x 512, float32
+    0.30 ms, float64 0.36 ms; of 2 rows, -0.04 to 0.07 ms; 1 row a member,
+    a gemv that packs nothing: none; 8 rows times 256 x 256, 0.03-0.11 ms,
+    about a group's own cost). On a GPU a group saves its members' launches
+    as well. Read for groups of `MIN_PACKED` to ``MIN_GROUP - 1`` members
+    only; False where the rows' shape is not known without computing a
+    member's value.
 
     >>> import numpy as np, monadl as ml
     >>> w = ml.Weight(np.ones((512, 512)))
@@ -289,13 +297,16 @@ def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
     if node._op.name not in FACTORED or len(inputs) < 2:
         return False
     weight = _weight_of(inputs[1])
-    if weight is None:
+    if weight is None or weight.size < PACKED_WEIGHT:
         return False
     x = inputs[0]
     if type(x) is Layer:
         place = where.get(x)
-        part = place[2] if place is not None else None
-        shape = part[1] if part is not None and len(part) == 3 else getattr(records[x].value, "shape", None)
+        if place is None:  # (a node computed alone: its record holds its value)
+            shape = getattr(records[x].value, "shape", None)
+        else:  # (a member of an earlier group: its part of the signature, (kind, shape, dtype) for an array)
+            part = place[2]
+            shape = part[1] if len(part) == 3 and type(part[0]) is type and type(part[1]) is tuple else None
     else:
         shape = getattr(x, "shape", None)
     if shape is None or len(shape) < 2:
