@@ -60,7 +60,8 @@ class Settings:
             (`ml.operation`) batches from 2 members, of another op from 8
             (from 4, products whose members each multiply 2 rows or more by a
             weight of 262,144 elements or more, 1,048,576 multiply-adds or
-            more: one call packs the weight once),
+            more: one call packs the weight once; across control flow,
+            products and lookups by a weight of 16,384 elements or more),
             and not where each member is over 16,384 elements (of an elementwise op, its result: a large layer scaled by
             many numbers runs node by node).
         finite_steps: refuse an optimizer step that would write a NaN or an

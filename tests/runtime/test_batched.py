@@ -952,6 +952,42 @@ def test_products_of_an_earlier_group_s_members_pack_their_weight() -> None:
     assert packed == [True, True]  # (both groups of 4, their rows an earlier group's members)
 
 
+@pytest.mark.parametrize(("size", "batched"), [(128, [6, 6]), (64, [])])
+def test_merged_runs_batch_products_by_a_large_weight_from_four(
+    monkeypatch: pytest.MonkeyPatch, size: int, batched: list[int]
+) -> None:
+    # Across control flow (fibers' graphs merged), a group's delta to a weight is kept as factors, where a
+    # product alone makes a weight-sized one below 64K elements: groups of 4 to 7 products by a weight of
+    # MIN_SHARED elements or more batch there, as they did before the single graphs' rule went to 8.
+    rng = np.random.default_rng(0)
+    wg, w1, w2 = (ml.Weight(rng.standard_normal((size, size)) / size) for _ in range(3))
+
+    @ml.direct
+    async def example(i: int, x: Any) -> Any:
+        h = ml.tanh(x @ wg)
+        await ml.values(h)  # (the examples park here, and their graphs merge)
+        return ml.sum(ml.tanh(h @ (w1 if i % 2 else w2)))
+
+    xs = [rng.standard_normal((1, size)) for _ in range(12)]
+    seen: list[int] = []
+    group = batched_run.Run.group
+
+    def counting(self: Any, members: list[Any], numbers_stack: bool = True) -> None:
+        before = self.batches
+        group(self, members, numbers_stack)
+        if self.batches > before and members[0]._op.name == "matmul" and members[0]._inputs[1] in (w1, w2):
+            seen.append(len(members))
+
+    monkeypatch.setattr(batched_run.Run, "group", counting)
+    batched_rule._verdicts.clear()
+    got = anyio.run(ml.gradients, ml.sum(ml.stack([example(i, x) for i, x in enumerate(xs)])), [wg, w1, w2])
+    assert seen == batched
+    with ml.settings(batching=False):
+        want = anyio.run(ml.gradients, ml.sum(ml.stack([example(i, x) for i, x in enumerate(xs)])), [wg, w1, w2])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_a_stacks_getters_are_one_tuple_cut_to_each_size() -> None:
     # A tuple per group size held about n * n / 2 getters for groups of up to n members of varying
     # sizes (a soak test's finding); one grown tuple, cut, holds n.

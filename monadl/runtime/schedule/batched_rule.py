@@ -52,6 +52,7 @@ __all__ = [
     "ops",
     "packs",
     "paid",
+    "reads_large",
     "remember",
     "worth_batching",
 ]
@@ -257,7 +258,13 @@ minimum 0.97-1.03x; through 128 x 128 (no factors) 0.72-1.14x, and
 the weight once for all (`packs`, `MIN_PACKED`): 128 examples of 1 to 32
 rows in groups of 4 or 6 of one row count through 512 x 512 ran 1.11x and
 1.17x faster than node by node (0.96-0.99x with 8 as the minimum), and
-0.97-1.03x through 128 x 128 and 256 x 256 (`benchmarks/small_groups.py`)."""
+0.97-1.03x through 128 x 128 and 256 x 256 (`benchmarks/small_groups.py`).
+In the merged runs of fibers (across control flow), products and lookups
+by a weight of `MIN_SHARED` elements or more still pay from 4
+(`reads_large`): there a group's delta to its weight is kept as factors,
+where a product alone below 64K elements makes a weight-sized one; the
+gated network and the parser at batch 32 ran within 1-4% of the rule
+before so, and in direct style 0-12% slower with 8 for all (two runs)."""
 
 
 MIN_PACKED: Final = 4
@@ -313,6 +320,12 @@ def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
         return False
     rows: int = prod(shape[:-1])
     return rows >= 2 and rows * int(weight.size) >= PACKED_WORK
+
+
+def reads_large(node: Any) -> bool:
+    """Whether ``node`` is a product or lookup that reads a weight of
+    `MIN_SHARED` elements or more (as itself or a view of it)."""
+    return node._op.name in WEIGHT_READERS and any(_weight_of(x) is not None for x in node._inputs)
 
 
 WEIGHT_READERS: Final = frozenset({"matmul", "dense", "embedding"})

@@ -50,6 +50,7 @@ from monadl.runtime.schedule.batched_rule import (
     MIN_PACKED,
     coarse,
     packs,
+    reads_large,
 )
 from monadl.runtime.schedule.batched_signature import number_key, signature
 
@@ -139,7 +140,9 @@ class Run:
         if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
             rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
         n = len(members)
-        if MIN_PACKED <= n < minimum and packs(first, self.records, self.groups.where):
+        if MIN_PACKED <= n < minimum and (
+            packs(first, self.records, self.groups.where) or (self.groups.outer and reads_large(first))
+        ):
             minimum = MIN_PACKED
         numbers_stack = numbers_stack and (op.elementwise or type(op.rule) is Program)  # (else by value)
         if rule is None or (n < (2 if self.forced else minimum) and not (n == 1 and self._factors(first))):
