@@ -864,6 +864,19 @@ def test_few_products_run_node_by_node_by_default(
     )
 
 
+def _rule_line(caplog: pytest.LogCaptureFixture, loss: ml.ScalarLayer, w: ml.ArrayWeight) -> str:
+    """The cost rule's DEBUG line on ``loss``'s graph (no verdict kept from earlier tests), once the
+    gradient to ``w`` under the default rule equals batching off's to float64 rounding."""
+    batched_rule._verdicts.clear()
+    caplog.set_level(logging.DEBUG, logger="monadl.batching")
+    got = anyio.run(ml.gradients, loss, [w])
+    with ml.settings(batching=False):
+        want = anyio.run(ml.gradients, loss, [w])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-9, atol=1e-12)
+    (line,) = [r.getMessage() for r in caplog.records if "batched" in r.getMessage()]
+    return line
+
+
 @pytest.mark.parametrize(("examples", "batched"), [(6, False), (8, True)])
 def test_few_examples_through_a_large_weight_run_node_by_node_by_default(
     caplog: pytest.LogCaptureFixture, examples: int, batched: bool
@@ -880,13 +893,7 @@ def test_few_examples_through_a_large_weight_run_node_by_node_by_default(
             h = ml.tanh(h @ w)
         outs.append(ml.sum(h))
     loss = ml.sum(ml.stack(outs))
-    batched_rule._verdicts.clear()
-    caplog.set_level(logging.DEBUG, logger="monadl.batching")
-    got = anyio.run(ml.gradients, loss, [w])
-    with ml.settings(batching=False):
-        want = anyio.run(ml.gradients, loss, [w])
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-9, atol=1e-12)
-    (line,) = [r.getMessage() for r in caplog.records if "batched" in r.getMessage()]
+    line = _rule_line(caplog, loss, w)
     if batched:
         assert f"ran batched: {examples * 22} nodes in 22 groups" in line, line  # (and the as_layer, the sum)
     else:
@@ -913,13 +920,7 @@ def test_groups_of_four_products_of_several_rows_by_a_large_weight_pay(
     shared: Any = {"weight": w, "transpose": w.T}[lift]
     xs = [rng.standard_normal((rows, 512)) for rows in counts for _ in range(members)]
     loss = ml.sum(ml.stack([ml.sum(ml.tanh(x @ shared)) for x in xs]))
-    batched_rule._verdicts.clear()
-    caplog.set_level(logging.DEBUG, logger="monadl.batching")
-    got = anyio.run(ml.gradients, loss, [w])
-    with ml.settings(batching=False):
-        want = anyio.run(ml.gradients, loss, [w])
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-9, atol=1e-12)
-    (line,) = [r.getMessage() for r in caplog.records if "batched" in r.getMessage()]
+    line = _rule_line(caplog, loss, w)
     if groups:
         assert f"ran batched: {groups * members} nodes in {groups} groups" in line, line  # (the products only)
     else:
