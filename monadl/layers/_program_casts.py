@@ -81,7 +81,8 @@ def _signed(a: Any) -> Any:
 def casts_of(values: Sequence[Value], fixed: Sequence[Value]) -> Casts:
     """The `Casts` that made ``fixed`` of ``values`` (an operand cast is a new object)."""
     casts = tuple([None if f is v else f.dtype for v, f in zip(values, fixed)])
-    return None if casts.count(None) == len(casts) else casts
+    # (by identity: `casts.count(None)` compares by ==, and NumPy's float64 dtype == None)
+    return casts if any(c is not None for c in casts) else None
 
 
 def apply_casts(values: tuple[Value, ...], casts: tuple[Any, ...]) -> tuple[Value, ...]:

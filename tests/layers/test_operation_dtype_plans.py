@@ -149,3 +149,29 @@ def test_a_group_that_declined_declines_again_without_the_rule(
     logged = [r.getMessage() for r in caplog.records if "ran one by one" in r.getMessage()]
     assert len(logged) == 2 and logged[0] == logged[1]
     assert re.search(r"its step matmul at \S+:\d+ does not batch with these operands$", logged[0]), logged
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_cast_to_float64_is_kept_in_the_plan(batching: bool) -> None:
+    """A NumPy float32 base beside a float64 layer is cast to float64 at every
+    call, as unmarked: the plan kept it as no cast (NumPy's float64 dtype
+    compares equal to None), so later calls took log(base) in float32 for
+    the exponent's delta (a new user's: 6e-8 relative in a float64 gradient)."""
+    w = ml.Weight(np.array([[0.3]]))
+
+    def f(x: ml.ArrayLayer, t: Any) -> ml.ArrayLayer:
+        return t ** ml.tanh(x @ w)  # type: ignore[no-any-return]  # (t ** layer: NumPy's scalar's __pow__ is Any)
+
+    marked = ml.operation(f)
+    base = np.float64(np.float32(0.7))  # (the float32 base, in float64)
+    exact = base ** np.tanh(0.3) * np.log(base) * (1 - np.tanh(0.3) ** 2)
+
+    async def grad(g: Any, n: int) -> float:
+        terms = [ml.sum(g(ml.as_layer(np.ones((1, 1))), np.float32(0.7))) for _ in range(n)]
+        with ml.settings(batching=batching):
+            (dw,) = await ml.gradients(ml.sum(ml.stack(terms)), [w])
+        return float(np.asarray(dw)[0, 0]) / n
+
+    for n in (1, 2, 1, 12):  # (the first call takes the rule; the later ones its plan)
+        assert anyio.run(grad, marked, n) == pytest.approx(exact, rel=1e-13, abs=0)
+        assert anyio.run(grad, f, n) == pytest.approx(exact, rel=1e-13, abs=0)
