@@ -212,9 +212,11 @@ def _concatenate(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> Ba
 
 def _cross_entropy(args: tuple[Any, ...], batched: tuple[bool, ...], n: int) -> BatchResult | None:
     logits, _, labels, *options = args
-    if not batched[0] or not batched[2] or logits.ndim != 3:
+    if not batched[0] or logits.ndim != 3:
         return None
     xp = namespace(logits)
+    if not batched[2]:  # (one array of labels for all: a marked cell's constant)
+        labels = xp.broadcast_to(labels, (n, *labels.shape))
     if options:  # (weights shared by the members, or stacked where each has its own array)
         out, weighted = _weighted_cross_entropy(xp, logits, labels, *options)
         return out, (weighted,)

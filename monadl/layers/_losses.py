@@ -74,7 +74,11 @@ def cross_entropy(
             ``weight``), PyTorch's formula: the loss is ``(1 - e)`` times the
             weighted mean above plus ``e / classes`` times
             ``-sum_i sum_c weight[c] log_softmax(logits)[i, c]`` over the rows
-            counted, divided by the same sum of ``weight[labels[i]]``.
+            counted, divided by the same sum of ``weight[labels[i]]``. A
+            float argument of an `monadl.operation` passed here (a layer
+            while the cell is traced) makes the loss ``(1 - e)`` times the
+            loss of ``e = 0`` plus ``e`` times that of ``e = 1``, its value
+            not checked: calls with different values batch together.
 
     Where no row counts (every label ignored, or all the weights picked
     are 0) the mean is 0 / 0: the loss is NaN, as PyTorch's (with
@@ -104,6 +108,12 @@ def cross_entropy(
             f"cross_entropy: labels must be a 1-D integer array, got {classes.dtype}{list(classes.shape)}"
         )
     rows = namespace(classes).arange(classes.shape[0], device=classes.device)
+    e: Any = label_smoothing  # (typed a float; a marked cell's float argument is a layer while traced)
+    if isinstance(e, Expr):  # the loss is linear in e: (1 - e) of the plain loss plus e of the fully smoothed one
+        given = (rows, classes, _class_weights(weight), _ignored(ignore_index))
+        plain = apply_primitive("cross_entropy", (logits,), (*given, 0.0))
+        smoothed = apply_primitive("cross_entropy", (logits,), (*given, 1.0))
+        return cast(ScalarLayer, (1.0 - e) * plain + e * smoothed)
     if weight is None and ignore_index is None and not label_smoothing:
         return apply_primitive("cross_entropy", (logits,), (rows, classes))
     options = (_class_weights(weight), _ignored(ignore_index), _smoothing(label_smoothing))

@@ -339,3 +339,68 @@ def test_the_batching_rule_with_options_gives_each_members_rule(stacked_weights:
         value, (single,) = PRIMITIVES["cross_entropy"].rule(logits[i], rows, labels[i], weights[i], 1, 0.2)
         np.testing.assert_allclose(losses[i], value, rtol=1e-13)  # (member 2: NaN in both)
         np.testing.assert_allclose(got[i], single(g[i]), rtol=1e-13)
+
+
+@pytest.mark.parametrize("batching", [False, True, None])
+def test_label_smoothing_a_float_argument_of_a_marked_cell(batching: bool | None) -> None:
+    """A marked cell's float argument passed as ``label_smoothing`` (a layer
+    while the cell is traced) was refused as a branch on its value (a new
+    user's); now each call's loss is its own smoothing's, and calls of
+    different values batch together."""
+    logits, labels, options = logits_and_labels(OPTIONS["weight"], np.float64)
+    w = ml.Weight(logits)
+
+    @ml.operation
+    def cell(z: ml.ArrayLayer, e: float) -> ml.ScalarLayer:
+        return ml.cross_entropy(z, labels, label_smoothing=e, **options)
+
+    es = (0.0, 0.1, 0.25, 1.0)
+    expected = sum(reference(logits, labels, label_smoothing=e, **options) for e in es)
+    unmarked = ml.sum(ml.stack([ml.cross_entropy(w, labels, label_smoothing=e, **options) for e in es]))
+    with ml.settings(batching=batching):
+        value, grads = entry.gradients_sync(ml.sum(ml.stack([cell(w * 1.0, e) for e in es])))
+        _, unmarked_grads = entry.gradients_sync(unmarked)
+    assert float(value) == pytest.approx(expected, rel=1e-13)
+    np.testing.assert_allclose(grads[w], unmarked_grads[w], rtol=1e-12, atol=1e-15)
+    if batching:
+        ev = Evaluation(train=True)
+        with ml.settings(batching=True):
+            _batching.forward(ev, collect(ev, [ml.sum(ml.stack([cell(w * 1.0, e) for e in es]))]))
+        groups = [
+            np.shape(r.value)
+            for key, r in ev.records.items()
+            if type(key) is Record and r.node._op.name.startswith(cell.__name__ + "#")
+        ]
+        assert (4,) in groups  # the four calls as one kernel
+
+
+@pytest.mark.parametrize("name", ["smoothing", "weight"])
+def test_a_marked_cells_constant_labels_batch(name: str) -> None:
+    """Labels the cell closes over (one array for every call, not stacked)
+    were declined by the batching rule: the whole group ran call by call."""
+    logits, labels, options = logits_and_labels(OPTIONS[name], np.float64)
+    w = ml.Weight(logits)
+
+    @ml.operation
+    def cell(z: ml.ArrayLayer) -> ml.ScalarLayer:
+        return ml.cross_entropy(z, labels, **options)
+
+    def loss() -> ml.ScalarLayer:
+        return ml.sum(ml.stack([cell(w * float(k)) for k in range(1, 5)]))
+
+    results = []
+    for batching in (False, True):
+        with ml.settings(batching=batching):
+            results.append(entry.gradients_sync(loss()))
+    (value, grads), (batched_value, batched_grads) = results
+    assert float(batched_value) == pytest.approx(float(value), rel=1e-13)
+    np.testing.assert_allclose(batched_grads[w], grads[w], rtol=1e-12, atol=1e-15)
+    ev = Evaluation(train=True)
+    with ml.settings(batching=True):
+        _batching.forward(ev, collect(ev, [loss()]))
+    groups = [
+        np.shape(r.value)
+        for key, r in ev.records.items()
+        if type(key) is Record and r.node._op.name.startswith(cell.__name__ + "#")
+    ]
+    assert (4,) in groups  # the four calls as one kernel
