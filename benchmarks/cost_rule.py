@@ -32,6 +32,11 @@ with it forced, alternating in one process, best of ``--steps`` steps:
   6 products by a large weight paid until the thirty-second session, and
   ran 1.11-1.35x the time of batching off; now a group of any primitive pays
   from 8 (`MIN_GROUP`; products that pack a large weight from 4, `packs`).
+* **small marked cell**: 2 or 3 sequences of 50 calls of a marked
+  ``tanh(h @ W + x)`` (W of 16 x 16 or 128 x 128, Adam): groups of 2 calls
+  of any marked operation paid until the thirty-third session, 1.22x the
+  time of batching off at 16 (a new user's); now from 2 to 4 by the weights
+  a call reads and its program's steps (`marked_minimum`).
 
 Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
 for the figures in BENCHMARKS.md.
@@ -40,6 +45,7 @@ for the figures in BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import sys
@@ -152,6 +158,27 @@ def few_examples(examples: int, size: int, dtype: type[np.floating[Any]] = np.fl
     return loss
 
 
+def small_cell(sequences: int, size: int = 16, length: int = 50) -> Loss:
+    rng = np.random.default_rng(2)
+    table, w, out = (
+        ml.Weight(rng.standard_normal(shape) / size, optimizer=ml.optim.adam(1e-3))
+        for shape in ((30, size), (size, size), (size, 30))
+    )
+    cell = ml.operation(lambda h, x: ml.tanh(h @ w + x))
+    seqs = [rng.integers(30, size=length) for _ in range(sequences)]
+
+    def loss() -> Any:
+        terms = []
+        for s in seqs:
+            h: Any = ml.as_layer(np.zeros((1, size)))
+            for a, b in itertools.pairwise(s):
+                h = cell(h, ml.embedding(table, np.array([a])))
+                terms.append(ml.cross_entropy(h @ out, np.array([b])))
+        return ml.mean(ml.stack(terms))
+
+    return loss
+
+
 def best(loss: Loss, steps: int, before: Loss | None = None) -> dict[bool | None, float]:
     """Seconds of the best training step, by ``batching`` setting; ``before``:
     a loss trained once before each timed step (under the same setting)."""
@@ -185,6 +212,9 @@ def main() -> None:
         ("small, large weights: 16 examples, MLP at 512", mlp(16, 512, lambda i: 10), None),
         ("a 256 x 256 layer scaled 300 times, each summed", scaled(), None),
         ("a marked encoder's outputs read by 200 decoder calls", shared_encoder(), None),
+        ("2 sequences x 50 calls of a marked cell at 16", small_cell(2), None),
+        ("3 sequences x 50 calls of a marked cell at 16", small_cell(3), None),
+        ("2 sequences x 50 calls of a marked cell at 128", small_cell(2, 128), None),
     ]
     cases += [
         (

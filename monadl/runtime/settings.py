@@ -57,7 +57,9 @@ class Settings:
             16,384 elements or more (across control flow, a merge of fewer than 10
             examples' graphs alike (ending at one line, or a model's steps), and of 256 nodes), as does one
             whose widest level has one node; in a graph that batches, a group of marked cells
-            (`ml.operation`) batches from 2 members, of another op from 8
+            (`ml.operation`) batches from 2 members where the weights a call reads hold 32,768
+            elements or more, from 3 where 8,192 or more or its program has 6 steps or more, else
+            from 4; of another op from 8
             (from 4, products whose members each multiply 2 rows or more by a
             weight of 262,144 elements or more, 1,048,576 multiply-adds or
             more: one call packs the weight once; across control flow,

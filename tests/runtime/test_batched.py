@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
@@ -342,7 +343,12 @@ def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
 
     doc = " ".join((Settings.__doc__ or "").split())
     assert f"fewer than {_batching.MIN_NODES} nodes" in doc and f"fewer than {MIN_MERGED} examples'" in doc
-    assert f"from 2 members, of another op from {_batching.MIN_GROUP} (from {batched_rule.MIN_PACKED}," in doc
+    assert (
+        f"batches from 2 members where the weights a call reads hold {batched_rule.MARKED_WEIGHTS:,} elements or "
+        f"more, from 3 where {batched_rule.MARKED_SOME:,} or more or its program has {batched_rule.MARKED_STEPS} "
+        f"steps or more, else from {batched_rule.MIN_PACKED}; of another op from {_batching.MIN_GROUP} (from "
+        f"{batched_rule.MIN_PACKED}," in doc
+    )
     assert (
         f"weight of {batched_rule.PACKED_WEIGHT:,} elements or more, {batched_rule.PACKED_WORK:,} multiply-adds" in doc
     )
@@ -1048,3 +1054,48 @@ def test_a_small_graph_of_products_by_large_weights_is_batched_by_default(
         want = anyio.run(ml.gradients, loss, [w1, w2])
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "blocks", "sequences", "batched"),
+    [
+        (16, 1, 2, False),  # (a new user's: 1.22x the time of batching off when groups of 2 paid)
+        (16, 1, 3, False),
+        (16, 1, 4, True),
+        (16, 3, 3, True),  # (9 steps: MARKED_STEPS)
+        (64, 1, 3, False),
+        (96, 1, 3, True),  # (9,216 elements: MARKED_SOME)
+        (128, 1, 2, False),
+        (256, 1, 2, True),  # (65,536 elements: MARKED_WEIGHTS)
+    ],
+)
+def test_groups_of_a_marked_operations_calls_pay_from_two_to_four(
+    caplog: pytest.LogCaptureFixture, hidden: int, blocks: int, sequences: int, batched: bool
+) -> None:
+    # Sequences of 30 calls of a marked cell of `blocks` steps tanh(h @ W + x): a group of 2 calls pays
+    # where its weights hold MARKED_WEIGHTS elements or more, of 3 from MARKED_SOME or MARKED_STEPS steps.
+    rng = np.random.default_rng(2)
+    table = ml.Weight(rng.standard_normal((30, hidden)))
+    ws = [ml.Weight(rng.standard_normal((hidden, hidden)) / hidden) for _ in range(blocks)]
+    out = ml.Weight(rng.standard_normal((hidden, 30)) / hidden)
+
+    @ml.operation
+    def cell(h: ml.ArrayLayer, x: ml.ArrayLayer) -> ml.ArrayLayer:
+        for w in ws:
+            h = ml.tanh(h @ w + x)
+        return h
+
+    terms = []
+    for _ in range(sequences):
+        tokens = rng.integers(30, size=31)
+        h: Any = ml.as_layer(np.zeros((1, hidden)))
+        for a, b in itertools.pairwise(tokens):
+            h = cell(h, ml.embedding(table, np.array([a])))
+            terms.append(ml.cross_entropy(h @ out, np.array([b])))
+    line = _rule_line(caplog, ml.mean(ml.stack(terms)), ws[0])
+    calls = sequences * 30
+    if batched:  # (the lookups, ready together, are one group; then each step's calls)
+        assert f"ran batched: {2 * calls} nodes in 31 groups" in line, line
+    else:
+        assert f"ran batched: {calls} nodes in 1 groups" in line, line
+        assert "in groups too small to pay (MIN_GROUP; a marked operation's group from 2 to 4" in line, line

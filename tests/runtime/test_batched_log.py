@@ -264,7 +264,7 @@ def test_groups_under_their_minimum_are_counted_apart(caplog: pytest.LogCaptureF
         "ran batched: 900 nodes in 3 groups, 11 one by one: 2 had no partner of their signature among the nodes"
         " ready with them (stack 1, sum 1); nodes run as one kernel only with nodes of one primitive (one trace of"
         " a marked operation) whose operands have equal shapes and dtypes and whose parameters are equal"
-        "; 9 in groups too small to pay (MIN_GROUP; a group of marked operations pays from 2)"
+        "; 9 in groups too small to pay (MIN_GROUP; a marked operation's group from 2 to 4: marked_minimum)"
     ), line
 
 

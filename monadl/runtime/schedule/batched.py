@@ -32,7 +32,7 @@ says which is the default, and why.
 Cost rule: batching is on where it pays. Whether a graph comes here at all is
 `monadl.runtime.schedule.batched_rule`'s (cheap checks, before any signature);
 here, a graph whose widest depth has one node runs as before, and a group
-smaller than `MIN_GROUP` (a marked operation's: 2; products that pack a
+smaller than `MIN_GROUP` (a marked operation's: 2 to 4, `marked_minimum`; products that pack a
 large weight, and in merged runs any product by a large one: `MIN_PACKED`) or whose members are coarse
 (`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
 is not analysed again for 1, 2, 4, ... and at most `REPROBE` evaluations. Graphs that the fork rule

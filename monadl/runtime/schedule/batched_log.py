@@ -147,7 +147,9 @@ def _why_alone(alone: Alone, records: Any, where: Any) -> str:
             + _differ([n for n in single if _cell(n._op) == top[0][0]], records, where, labels[top[0][0]])
         )
     if alone.small:
-        said.append(f"{alone.small} in groups too small to pay (MIN_GROUP; a group of marked operations pays from 2)")
+        said.append(
+            f"{alone.small} in groups too small to pay (MIN_GROUP; a marked operation's group from 2 to 4: marked_minimum)"
+        )
     if alone.coarse:
         said.append(f"{alone.coarse} in groups of coarse members (MAX_MEMBER_SIZE), which batching would not speed")
     if alone.unsigned:

@@ -49,6 +49,7 @@ from monadl.runtime.schedule.batched_rule import (
     MIN_GROUP,
     MIN_PACKED,
     coarse,
+    marked_minimum,
     packs,
     reads_large,
 )
@@ -137,8 +138,8 @@ class Run:
         if op is OUTPUT:
             rule = batch_output
         minimum = MIN_GROUP
-        if type(op.rule) is Program:  # an operation: its program batches itself, and pays from two
-            rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), 2
+        if type(op.rule) is Program:  # an operation: its program batches itself, and pays from 2 to 4
+            rule, minimum = (op.rule.factored if self.groups.outer else op.rule.batch), marked_minimum(first)
         n = len(members)
         if MIN_PACKED <= n < minimum and (
             packs(first, self.records, self.groups.where) or (self.groups.outer and reads_large(first))
