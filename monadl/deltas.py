@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from math import prod
 from typing import Any, Final, cast, final
 
@@ -308,6 +309,37 @@ class Outer:
         return self
 
     __radd__ = __add__
+
+    def pieces(self, work: int) -> Generator[None, None, Any]:
+        """`dense`, as products of rows of about ``work`` multiply-adds each,
+        summed, pausing (a ``yield``) after each: a driver gives the event
+        loop its turns between them. Where the pieces fall depends on the
+        rows alone, so the sums round the same every run."""
+        xp = namespace(self.lefts[0])
+        step = max(1, work // (self.shape[0] * self.shape[1]))
+        out: Any = None
+        lefts: list[Any] = []
+        rights: list[Any] = []
+        rows = 0
+        pairs = zip(self.lefts, self.rights, strict=True)
+        for i, (left, right) in enumerate(pairs, 1):
+            for start in range(0, left.shape[0], step):  # (a piece: rows of several factors, or a part of one)
+                lefts.append(left[start : start + step])
+                rights.append(right[start : start + step])
+                rows += lefts[-1].shape[0]
+                if rows < step and i < len(self.lefts):
+                    continue
+                a, b = (lefts[0], rights[0]) if len(lefts) == 1 else (xp.concat(lefts), xp.concat(rights))
+                part = xp.matrix_transpose(a) @ b
+                if out is None:
+                    out = part
+                else:
+                    out += part
+                lefts, rights, rows = [], [], 0
+                yield
+        for other in self.others:
+            out = out + other
+        return out
 
     def dense(self) -> Any:
         """The summed delta, as one product of the stacked rows."""

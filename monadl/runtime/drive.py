@@ -84,7 +84,7 @@ async def drive(ev: Evaluation, machine: Machine) -> Any:
                     exits.push_async_callback(done[1].aclose)
                     exits.push_async_callback(done[0].aclose)
                     tasks = await exits.enter_async_context(anyio.create_task_group())
-                    stepper = _Stepper(tasks, done[0].send_nowait)
+                    stepper = _Stepper(tasks, done[0].send_nowait, ev)
                 assert done is not None and stepper is not None
                 if isinstance(request, Spawn):
                     tasks.start_soon(_complete, done[0], request.fiber, request.awaitable)
@@ -157,9 +157,15 @@ class _Stepper:
     evaluation ends (`close`): a task started every round cost two examples
     of 800 steps 10-15%."""
 
-    __slots__ = ("idle", "queue", "report", "running", "tasks")
+    __slots__ = ("ev", "idle", "queue", "report", "running", "tasks")
 
-    def __init__(self, tasks: TaskGroup, report: Callable[[tuple[Any, bool | None, Any]], None]) -> None:
+    def __init__(
+        self,
+        tasks: TaskGroup,
+        report: Callable[[tuple[Any, bool | None, Any]], None],
+        ev: Evaluation,
+    ) -> None:
+        self.ev = ev  # (whose deadline says when the steps give the event loop a turn)
         self.tasks = tasks
         self.report = report
         self.queue: deque[tuple[Any, Any, Any, Any]] = deque()
@@ -189,7 +195,7 @@ class _Stepper:
             while self.queue and not handed:
                 items = list(self.queue)
                 self.queue.clear()
-                await step_each(items, self.report, elsewhere)
+                await step_each(items, self.report, elsewhere, self.ev)
             if handed:
                 return
             self.running = False

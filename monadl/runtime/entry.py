@@ -17,7 +17,7 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import namespace
-from monadl.deltas import SparseRows
+from monadl.deltas import Outer, SparseRows
 from monadl.do import FORWARD, Do
 from monadl.errors import NoGradientError, ShapeError
 from monadl.layers._recording import RECORDING
@@ -86,6 +86,8 @@ async def train(root: Any) -> Any:
         grads = ev.weight_gradients(factored=True)
         if not grads:
             raise NoGradientError(_no_gradient(root, value, ev.unreached), value)
+        if await _multiplied_ahead(ev, grads):
+            await before_commit(ev)
         ready: dict[Weight[Any, Any], Prepared] | None = None
         if _long(grads):
             ready = await _prepare(ev, grads)
@@ -126,6 +128,37 @@ PREPARE_ELEMENTS: Final = 1 << 18
 """Weights of optimizers with state, in elements, from which a commit
 computes their steps ahead, with turns for the event loop between them (at
 Adam's 8 ns an element, about 2 ms)."""
+
+
+MULTIPLY_AHEAD: Final = 1 << 23
+"""Multiply-adds of a weight's delta kept as factors (its rows times its
+elements) from which a commit multiplies them ahead, in pieces of
+`MULTIPLY_PIECE`, with turns for the event loop between them: the merged runs
+of 1,024 direct-style examples, 17,583 rows of a 64 x 64 weight's factors,
+held it 45 ms in one commit."""
+
+MULTIPLY_PIECE: Final = 1 << 22
+
+
+async def _multiplied_ahead(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) -> bool:
+    """Whether some of ``grads`` were deltas kept as factors of `MULTIPLY_AHEAD`
+    multiply-adds or more, NumPy's, now multiplied (`Outer.pieces`, a turn
+    whenever one is due), for the commit to step by the products."""
+    done = False
+    for weight, grad in grads.items():
+        if type(grad) is Outer and type(grad.lefts[0]) is np.ndarray:
+            rows = sum([left.shape[0] for left in grad.lefts])
+            if rows * prod(grad.shape) >= MULTIPLY_AHEAD:
+                pieces = grad.pieces(MULTIPLY_PIECE)
+                while True:
+                    try:
+                        next(pieces)
+                    except StopIteration as product:
+                        grads[weight] = product.value
+                        break
+                    await turn_if_due(ev)
+                done = True
+    return done
 
 
 def _long(grads: dict[Weight[Any, Any], Any]) -> bool:

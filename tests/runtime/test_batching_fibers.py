@@ -233,9 +233,11 @@ def test_merged_graphs_are_batched(monkeypatch: pytest.MonkeyPatch) -> None:
 
     stepwise = batched.stepwise
 
-    def counting_steps(ev: Any, order: list[Any]) -> Generator[object, None, list[Any]]:  # (a graph's own, inline)
+    def counting_steps(
+        ev: Any, order: list[Any], shared: Any = None, levels: Any = None
+    ) -> Generator[object, None, list[Any]]:  # (a graph's own, inline, and a merged run's, with turns)
         groups.append(len(order))
-        left: list[Any] = yield from stepwise(ev, order)
+        left: list[Any] = yield from stepwise(ev, order, shared, levels)
         return left
 
     monkeypatch.setattr(batched, "forward", counting)

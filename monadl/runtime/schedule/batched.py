@@ -174,11 +174,13 @@ def _steps(
     return left
 
 
-def stepwise(ev: Evaluation, order: list[Any]) -> Generator[object, None, list[Any]]:
+def stepwise(
+    ev: Evaluation, order: list[Any], groups: Groups | None = None, levels: list[list[Any]] | None = None
+) -> Generator[object, None, list[Any]]:
     """`forward` of one graph, as the interpreter runs it: yielding `CHECKPOINT`
     after a level when the evaluation's deadline has passed (the driver then
     gives the event loop its turn, as between the inline loop's nodes)."""
-    return _steps(ev, order)
+    return _steps(ev, order, None, groups, levels)
 
 
 def _levels(

@@ -260,7 +260,10 @@ def _run_merged(ev: Evaluation, parked: Parked, orders: list[list[Any]]) -> Gene
             # One `Groups` for all runs: a later run's group reads an earlier one's
             # members by index (a parser's stack entries, computed steps before), and
             # its delta goes back in one scatter per group, not a view per member.
-            order = batched.forward(ev, order, None, parked.groups, heights(order))  # (it leaves none: no Do layers)
+            levels = heights(order)
+            if time.perf_counter() > ev.deadline:  # (the merge and its levels of a large batch's graphs)
+                yield inline.CHECKPOINT
+            order = yield from batched.stepwise(ev, order, parked.groups, levels)  # (it leaves none: no Do layers)
         index = 0
         while True:
             outcome, index = inline.forward(ev, order, index, True)
