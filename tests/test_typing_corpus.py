@@ -18,6 +18,7 @@ pytest.importorskip("mypy.api")
 PRELUDE = """\
 from typing import Any, assert_type
 import numpy as np
+import numpy.typing as npt
 import monadl as ml
 
 array = np.ones(3)
@@ -407,6 +408,17 @@ ACCEPT = {
         assert_type(InputTransform(one_hot) >> Vector(10, np.float64), Block[int, ml.ArrayLayer])
         assert_type(Vector(2), Vector[Sequence[float]])
     """,
+    "fold_scalar_and_vector_take_numpys_numbers_and_arrays": """
+        from monadl.fold import Scalar, Vector
+
+        # (a new user's: each ran, and mypy refused NumPy's scalars, Scalar's input typed a float)
+        row: npt.NDArray[np.float64] = np.ones(2)
+        assert_type(Scalar()(np.float32(1.0)), ml.ArrayLayer)
+        assert_type(Scalar()(np.int64(2)), ml.ArrayLayer)
+        assert_type(Vector[npt.NDArray[np.float64]](2)(row), ml.ArrayLayer)  # (an array named: a sequence by default)
+        assert_type(Vector[npt.NDArray[np.float64]](2).batch([row, row]), list[ml.ArrayLayer])
+        assert_type(Vector(2)([1.0, 2.0]), ml.ArrayLayer)
+    """,
     "fold_rnn_step_passes_the_state_through_identity": """
         from collections.abc import Sequence
         from monadl.fold import Fold, Function, Identity, Record, Vector, Zeros
@@ -598,6 +610,10 @@ REJECT = {
     ),
     "fold_record_field_mismatch": (
         "from monadl.fold import Record, Scalar, Vector\nRecord(Scalar(), Vector(2))((1.0, 'ab'))",
+        "arg-type",
+    ),
+    "fold_scalar_of_an_array": (  # (NumPy's real scalars are taken, an array is not: Vector(n)'s)
+        "from monadl.fold import Scalar\nScalar()(np.ones(2))",
         "arg-type",
     ),
     "fold_record_field_mismatch_against_an_annotation": (  # (it fell to the overload of any number of blocks)

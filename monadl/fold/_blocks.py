@@ -28,7 +28,11 @@ Y = TypeVar("Y")
 S = TypeVar("S")
 V = DefaultedTypeVar("V", bound="Sequence[float] | npt.NDArray[Any]", default="Sequence[float]", contravariant=True)
 """A `Vector`'s input: a flat sequence of numbers unless its context (the
-block before it in ``>>``) or an annotation says a NumPy array."""
+block before it in ``>>``) or an annotation says a NumPy array
+(``Vector[npt.NDArray[np.float64]](2)``)."""
+
+Real = float | np.floating[Any] | np.integer[Any]
+"""A `Scalar`'s input: a Python number or a NumPy real scalar (``np.float32(1.0)``)."""
 
 
 # ---- inputs to layers -----------------------------------------------------------------------------
@@ -61,7 +65,7 @@ def _hint(x: object) -> str:
 
 
 @final
-class Scalar(Immediate[float, ArrayLayer]):
+class Scalar(Immediate[Real, ArrayLayer]):
     """A real number (an int, a float, a NumPy real scalar) as a constant
     layer of shape ``(1,)`` (no gradient). Anything else is refused with a
     `TypeError`: None, a bool, a string, a sequence (``Vector(n)``'s).
@@ -82,7 +86,7 @@ class Scalar(Immediate[float, ArrayLayer]):
         self.dtype = np.dtype(dtype)
         self._site = caller_site()  # (its rows' line: where it was made, found once, as `Function`'s)
 
-    def _output(self, x: float) -> ArrayLayer:
+    def _output(self, x: Real) -> ArrayLayer:
         if type(x) is not float and not _is_real(x):  # (the usual input first: a float)
             raise TypeError(
                 f"{self!r} takes a real number (an int, a float, a NumPy real scalar), and was given {shown(x)}"

@@ -45,7 +45,8 @@ ACCEPT = {
         s = Scalar()
         assert_type(Record(s, s, s, s, s), Record[tuple[Any, ...], tuple[Any, ...]])
         assert_type(Record(s, s, s, s, s, Vector(2))((1.0, 2.0, 3.0, 4.0, 5.0, [6.0, 7.0])), tuple[Any, ...])
-        assert_type(Record(s, s, s, s), Record[tuple[float, float, float, float], tuple[ml.ArrayLayer, ml.ArrayLayer, ml.ArrayLayer, ml.ArrayLayer]])
+        R = float | np.floating[Any] | np.integer[Any]  # (Scalar's input: NumPy's real scalars too)
+        assert_type(Record(s, s, s, s), Record[tuple[R, R, R, R], tuple[ml.ArrayLayer, ml.ArrayLayer, ml.ArrayLayer, ml.ArrayLayer]])
     """,
     "a_block_of_ones_own_is_typed_with_build": """
         class Parsed(Block[str, int]):
