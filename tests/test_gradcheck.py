@@ -4,6 +4,8 @@ cell refuses data that its operators would compute on, so a user's correct cell 
 from __future__ import annotations
 
 import functools
+import gc
+import warnings
 from typing import Any
 
 import anyio
@@ -72,3 +74,25 @@ def test_gradients_are_data_so_a_penalty_through_them_trains_nothing_and_one_by_
     value, grads = anyio.run(ml.value_and_gradients, by_hand(x0))
     assert value == pytest.approx(want.item(), rel=1e-14)
     np.testing.assert_allclose(grads[w], tw.grad.numpy(), rtol=1e-13)
+
+
+def test_check_grads_of_a_model_that_awaits_says_to_await_and_leaves_no_coroutine_unawaited() -> None:
+    # A new user's check_grads of a direct-style model with a foreign await: the message said to run it
+    # inside an event loop (it was: check_grads is synchronous), and its coroutine was never awaited.
+    u = ml.Weight(np.ones(4))
+
+    @ml.direct
+    async def f(x: ml.ArrayLayer) -> ml.ScalarLayer:
+        (v,) = await ml.values(ml.sum(x * u))
+        await anyio.sleep(0.0001)  # (a foreign await)
+        return ml.sum(x * u) * (1.0 if v > 0 else 2.0)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match=r"ml.check_grads, gradients_sync and predict_sync are synchronous"):
+            ml.check_grads(lambda w: f(w * 1.0), np.ones(4))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        anyio.run(main)
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]

@@ -294,7 +294,14 @@ def drive_sync(ev: Evaluation, machine: Machine) -> Any:
     close: Callable[[], Any] | None = getattr(getattr(request, "awaitable", request), "close", None)
     if close is not None:
         close()
-    raise RuntimeError("this computation awaits something: run it inside an event loop with await")
+    for made in ev.coroutines:  # (an @ml.direct function's, begun or not: closed, not left 'never awaited')
+        made.coroutine.close()
+    ev.coroutines.clear()
+    raise RuntimeError(
+        "this computation awaits something (an @ml.direct function's step, or an awaited effect), and it is "
+        "evaluated with no event loop (ml.check_grads, gradients_sync and predict_sync are synchronous): "
+        "evaluate it with await inside an event loop (await ml.gradients(loss, weights), await layer.predict())"
+    )
 
 
 async def abort(ev: Evaluation, failure: BaseException | None = None) -> None:
