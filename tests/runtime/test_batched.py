@@ -22,7 +22,7 @@ from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched as _batching
-from monadl.runtime.schedule import batched_rule, batched_run
+from monadl.runtime.schedule import batched_marked, batched_rule, batched_run
 
 HERE = __file__
 Tree: TypeAlias = "int | tuple[Tree, Tree]"
@@ -344,8 +344,8 @@ def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
     doc = " ".join((Settings.__doc__ or "").split())
     assert f"fewer than {_batching.MIN_NODES} nodes" in doc and f"fewer than {MIN_MERGED} examples'" in doc
     assert (
-        f"batches from 2 members where the weights a call reads hold {batched_rule.MARKED_WEIGHTS:,} elements or "
-        f"more, from 3 where {batched_rule.MARKED_SOME:,} or more or its program has {batched_rule.MARKED_STEPS} "
+        f"batches from 2 members where the weights a call reads hold {batched_marked.MARKED_WEIGHTS:,} elements or "
+        f"more, from 3 where {batched_marked.MARKED_SOME:,} or more or its program has {batched_marked.MARKED_STEPS} "
         f"steps or more, else from {batched_rule.MIN_PACKED}; of another op from {_batching.MIN_GROUP} (from "
         f"{batched_rule.MIN_PACKED}," in doc
     )

@@ -31,6 +31,7 @@ from monadl.layers._weight import Weight
 from monadl.runtime.node import compute as compute_node
 from monadl.runtime.schedule.batched_groups import Groups
 from monadl.runtime.schedule.batched_log import declined, watching
+from monadl.runtime.schedule.batched_marked import marked_minimum
 from monadl.runtime.schedule.batched_operands import Operand
 from monadl.runtime.schedule.batched_records import (
     batchable,
@@ -49,7 +50,6 @@ from monadl.runtime.schedule.batched_rule import (
     MIN_GROUP,
     MIN_PACKED,
     coarse,
-    marked_minimum,
     packs,
     reads_large,
 )
