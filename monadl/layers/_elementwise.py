@@ -146,7 +146,14 @@ def _log(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
 
 def _sqrt(a: Value) -> tuple[Value, tuple[Vjp, ...]]:
     out = namespace(a).sqrt(a)
-    return out, (lambda g: g * 0.5 / out,)
+
+    def vjp(g: Value) -> Value:
+        # At 0 an infinity (0/0 where g is 0), as PyTorch's, which a relu or a mask before it takes out:
+        # without a warning (a new user's sqrt(relu(w)) warned, and failed under -W error, its gradient right).
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return g * 0.5 / out
+
+    return out, (vjp,)
 
 
 def _abs(a: Value) -> tuple[Value, tuple[Vjp, ...]]:

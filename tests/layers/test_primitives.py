@@ -419,9 +419,9 @@ def test_tanh_and_sigmoid_deltas_of_large_arrays_in_one_buffer_equal_the_closed_
 
 
 @pytest.mark.anyio
-@pytest.mark.filterwarnings("ignore:divide by zero encountered")  # (sqrt's delta at 0: infinite, as meant)
 async def test_an_infinite_delta_reaches_only_the_chosen_operand() -> None:
     # sqrt'(0) is infinite: times a 0/1 factor it was NaN for what relu, maximum and minimum did not choose.
+    # And without a warning (RuntimeWarnings are errors here): a new user's sqrt(relu(w)) warned, its gradient right.
     w = ml.Weight(np.array([-1.0, 2.0]))
     losses: list[ml.ScalarLayer] = [
         ml.sum(ml.sqrt(ml.relu(w))),
