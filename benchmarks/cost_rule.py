@@ -37,6 +37,14 @@ with it forced, alternating in one process, best of ``--steps`` steps:
   of any marked operation paid until the thirty-third session, 1.22x the
   time of batching off at 16 (a new user's); now from 2 to 4 by the weights
   a call reads and its program's steps (`marked_minimum`).
+* **RNN inputs**: 1,000 steps (300 at 512) of ``h = tanh(h @ U + b + xs[t] @ V)``: the
+  input products (one node in five) are ready together, the rest a chain.
+  They ran in one group, and the graph 1.05-1.19x the time of batching off
+  at H = 16 to 128 with 1 to 16 rows (a new user's, 3,000 steps at 128),
+  until the thirty-fourth session: now a graph whose groups hold under a
+  third of its nodes runs node by node (`BATCHED_SHARE`), unless a group
+  saves more than its dispatch (one-row products by a weight of 16K
+  elements or more, products that pack a weight of 512 x 512: kept, 0.8x).
 
 Run: ``python -m benchmarks.cost_rule`` (``--help``); ``OPENBLAS_NUM_THREADS=1``
 for the figures in BENCHMARKS.md.
@@ -179,6 +187,21 @@ def small_cell(sequences: int, size: int = 16, length: int = 50) -> Loss:
     return loss
 
 
+def rnn_inputs(size: int, rows: int, steps: int = 1000) -> Loss:
+    rng = np.random.default_rng(2)
+    u, v = (ml.Weight(rng.standard_normal((size, size)) / size**0.5, optimizer=ml.optim.sgd(1e-4)) for _ in range(2))
+    b = ml.Weight(np.zeros(size), optimizer=ml.optim.sgd(1e-4))
+    xs = rng.standard_normal((steps, rows, size))
+
+    def loss() -> Any:
+        h: Any = ml.as_layer(np.zeros((rows, size)))
+        for x in xs:
+            h = ml.tanh(h @ u + b + x @ v)
+        return ml.mean(h * h)
+
+    return loss
+
+
 def best(loss: Loss, steps: int, before: Loss | None = None) -> dict[bool | None, float]:
     """Seconds of the best training step, by ``batching`` setting; ``before``:
     a loss trained once before each timed step (under the same setting)."""
@@ -225,6 +248,14 @@ def main() -> None:
         for dtype in (np.float32, np.float64)
         for size in (256, 512)
         for n in (4, 6)
+    ]
+    cases += [
+        (
+            f"RNN inputs: {300 if size == 512 else 1000} steps at {size}, {rows} row(s)",
+            rnn_inputs(size, rows, 300 if size == 512 else 1000),
+            None,
+        )
+        for size, rows in ((16, 1), (64, 16), (128, 4), (128, 1), (512, 4))
     ]
     print(f"# {platform.machine()}, Python {platform.python_version()}, NumPy {np.__version__}")
     print(f"# OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; best of {args.steps} steps, ms")

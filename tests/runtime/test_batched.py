@@ -1097,5 +1097,56 @@ def test_groups_of_a_marked_operations_calls_pay_from_two_to_four(
     if batched:  # (the lookups, ready together, are one group; then each step's calls)
         assert f"ran batched: {2 * calls} nodes in 31 groups" in line, line
     else:
-        assert f"ran batched: {calls} nodes in 1 groups" in line, line
+        # (the lookups only: under a third of the graph, BATCHED_SHARE, so the next evaluations run node by node)
+        assert f"batched too little of it to pay (BATCHED_SHARE): {calls} of its" in line, line
         assert "in groups too small to pay (MIN_GROUP; a marked operation's group from 2 to 4" in line, line
+
+
+def _rnn_with_input_products(size: int, rows: int, steps: int = 300) -> tuple[Callable[[], Any], list[Any]]:
+    # Each step h = tanh(h @ U + b + xs[t] @ V): only the input products (one node in five) are ready together.
+    rng = np.random.default_rng(0)
+    u, v = (ml.Weight(rng.standard_normal((size, size)) / size) for _ in range(2))
+    b = ml.Weight(np.zeros(size))
+    xs = rng.standard_normal((steps, rows, size))
+
+    def loss() -> Any:
+        h: Any = ml.as_layer(np.zeros((rows, size)))
+        for x in xs:
+            h = ml.tanh(h @ u + b + x @ v)
+        return ml.mean(h * h)
+
+    return loss, [u, v, b]
+
+
+@pytest.mark.parametrize(("size", "rows", "again"), [(16, 1, False), (64, 4, False), (128, 1, True), (512, 4, True)])
+def test_a_graph_that_batched_too_little_of_itself_is_analysed_again_later(
+    caplog: pytest.LogCaptureFixture, size: int, rows: int, again: bool
+) -> None:
+    # A new user's RNN of 3,000 steps ran 5-18% slower batched: its input products, one node in five, ran in one
+    # group, and the analysis of the rest cost more than the group saved. Under a third of a graph batched, it
+    # runs node by node until analysed again, as one that batched nothing; unless its group saves more than
+    # dispatch: one-row products by a weight of 16K elements or more (gemv each, and a weight-sized outer product
+    # for its delta), or products that pack a weight of 512 x 512.
+    loss, weights = _rnn_with_input_products(size, rows, steps=60 if size == 512 else 300)
+    batched_rule._verdicts.clear()
+    batched_rule._unpaid.clear()
+    caplog.set_level(logging.DEBUG, logger="monadl.batching")
+    said: list[str] = []
+    runs = []
+    for _ in range(3):  # (analysed, analysed again at the next evaluation, then one left out)
+        runs.append(anyio.run(ml.gradients, loss(), weights))
+        said.append(caplog.text)
+        caplog.clear()
+    if again:
+        assert all("ran batched" in text for text in said), said
+    else:
+        steps = 60 if size == 512 else 300
+        for text, later in zip(said, (1, 2)):
+            assert f"batched too little of it to pay (BATCHED_SHARE): {steps} of its {5 * steps + 3:,} nodes" in text
+            assert "in 1 group(s): " in text and f"; analysed again {later} evaluation(s) later" in text
+        assert "ran batched" not in said[2] and "as when it was last judged" in said[2], said[2]
+    with ml.settings(batching=False):
+        want = anyio.run(ml.gradients, loss(), weights)
+    for got in runs:
+        for a, w in zip(got, want):
+            np.testing.assert_allclose(a, w, rtol=1e-9, atol=1e-12)

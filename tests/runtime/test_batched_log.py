@@ -190,7 +190,7 @@ def test_a_graph_that_batched_nothing_says_why(caplog: pytest.LogCaptureFixture)
         " with them (sum 151, multiply 150, stack 1); nodes run as one kernel only with nodes of one primitive"
         " (one trace of a marked operation) whose operands have equal shapes and dtypes and whose parameters are"
         f" equal; e.g. two sum nodes built at {at} and {at} differ in operand 0's shape: float64[1] against"
-        " float64[2]; not analysed again for "
+        " float64[2]; analysed again "
     ), line
     assert line.endswith(
         "; ml.settings(batching=True) would not batch them either: it groups nodes under their group's minimum,"

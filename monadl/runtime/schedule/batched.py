@@ -34,8 +34,9 @@ Cost rule: batching is on where it pays. Whether a graph comes here at all is
 here, a graph whose widest depth has one node runs as before, and a group
 smaller than `MIN_GROUP` (a marked operation's: 2 to 4, `marked_minimum`; products that pack a
 large weight, and in merged runs any product by a large one: `MIN_PACKED`) or whose members are coarse
-(`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing
-is not analysed again for 1, 2, 4, ... and at most `REPROBE` evaluations. Graphs that the fork rule
+(`MAX_MEMBER_SIZE`) runs node by node; a graph whose analysis batched nothing, or
+under a third of its nodes with no group that saves more than its members' dispatch (`BATCHED_SHARE`),
+is analysed again 1, 2, 4, ... and at most `REPROBE` evaluations later. Graphs that the fork rule
 sends to the worker pool are not batched (the hook sits on the inline path of
 `monadl.runtime.interpret`); on a GPU a graph that does not batch runs its
 branches on CUDA streams instead. ``Settings.batching``
@@ -55,11 +56,13 @@ from monadl.runtime.node import PIECE
 from monadl.runtime.schedule.batched_agenda import agenda
 from monadl.runtime.schedule.batched_log import paid_nothing, ran
 from monadl.runtime.schedule.batched_rule import (
+    BATCHED_SHARE,
     MAX_MEMBER_SIZE,
     MIN_ALIKE,
     MIN_GROUP,
     MIN_NODES,
     NOTHING_PAID,
+    PAID_LITTLE,
     REPROBE,
     paid,
     remember,
@@ -163,10 +166,14 @@ def _steps(
             run.level(level)
             if perf_counter() > ev.deadline:
                 yield CHECKPOINT
-    if not run.batches and not run.forced and order:  # nothing paid: skip the analysis next time
-        wait = remember((order[-1]._site, len(order)), False, NOTHING_PAID)
-        then = f"not analysed again for {wait} evaluation(s) (at most {REPROBE})"
-        paid_nothing(order, NOTHING_PAID, then, run.alone, run.records, run.groups.where)
+    little = not run.saving and run.batched * BATCHED_SHARE < len(order)
+    if little and not run.forced and order:  # nothing paid, or too little: skip the analysis next time
+        why = PAID_LITTLE if run.batches else NOTHING_PAID
+        wait = remember((order[-1]._site, len(order)), False, why)
+        then = f"analysed again {wait} evaluation(s) later (at most {REPROBE})"
+        if run.batches:
+            why = f"{why}: {run.batched:,} of its {len(order):,} nodes in {run.batches} group(s)"
+        paid_nothing(order, why, then, run.alone, run.records, run.groups.where)
     elif order:
         if run.batches:
             paid((order[-1]._site, len(order)))

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALONE",
     "ALONE_WHY",
+    "BATCHED_SHARE",
     "CHAIN",
     "FACTORED",
     "MAX_MEMBER_SIZE",
@@ -45,6 +46,7 @@ __all__ = [
     "NOTHING_PAID",
     "PACKED_WEIGHT",
     "PACKED_WORK",
+    "PAID_LITTLE",
     "REPROBE",
     "WEIGHT_READERS",
     "coarse",
@@ -54,6 +56,7 @@ __all__ = [
     "paid",
     "reads_large",
     "remember",
+    "saves_kernels",
     "worth_batching",
 ]
 
@@ -115,6 +118,20 @@ def worth_batching(ev: Evaluation, order: list[Any], alike: int = 1) -> bool:
 
 CHAIN: Final = "a chain (each node uses the one before: nothing to group)"
 NOTHING_PAID: Final = "its analysis batched nothing (no group of one signature ready together that pays)"
+PAID_LITTLE: Final = "its analysis batched too little of it to pay (BATCHED_SHARE)"
+
+BATCHED_SHARE: Final = 3
+"""A graph whose groups ran fewer than one in this many of its nodes is
+analysed again as one that batched nothing (`PAID_LITTLE`), unless one of
+its groups saves more than its members' dispatch (`saves_kernels`): the
+analysis costs every node about 2 us (its depth, its signature, its
+group's lookup), and a member of a group of small products saves about 4
+us. A new user's RNN of 3,000 steps, whose every step's input product
+(``xs[t] @ V``, 16 x 128 by 128 x 128) ran in one group beside the
+recurrence (one node in five), ran 5-18% slower than node by node; 1,000
+steps of ``tanh(h @ U + b + xs[t] @ V)`` with H = 16 to 256 and 4 or 16
+rows, 4-23%; with two input products a step (two in seven), up to 31%;
+with four (four in nine), -8% to 24% (`benchmarks/cost_rule.py`)."""
 
 
 def _advice(why: str) -> str:
@@ -222,7 +239,7 @@ def remember(key: tuple[Site, int], worth: bool, why: str) -> int:
         _verdicts.clear()
         _unpaid.clear()
     period = REPROBE
-    if why == NOTHING_PAID:  # (the first time: the next evaluation analyses it; each time again, twice as late)
+    if why != CHAIN:  # (the first time: the next evaluation analyses it; each time again, twice as late)
         last = _unpaid.get(key)  # (one read: another thread may drop it meanwhile)
         period = _unpaid[key] = 1 if last is None else min(2 * last, REPROBE)
     _verdicts[key] = (worth, 1, why, period)
@@ -306,7 +323,38 @@ def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
     weight = _weight_of(inputs[1])
     if weight is None or weight.size < PACKED_WEIGHT:
         return False
-    x = inputs[0]
+    rows = _rows(inputs[0], records, where)
+    return rows is not None and rows >= 2 and rows * int(weight.size) >= PACKED_WORK
+
+
+def saves_kernels(node: Any, records: Any, where: dict[Any, Any]) -> bool:
+    """Whether a group of ``node``'s signature that ran batched saves more
+    than its members' dispatch, so that a graph that batched less than
+    `BATCHED_SHARE` of its nodes pays all the same: a marked operation's
+    (each member its program's steps), or a product (``dense`` too) by a
+    weight of `MIN_SHARED` elements or more of one row a member (a gemv
+    each, and a weight-sized outer product for its delta: 1,000 steps of an
+    RNN whose input products alone batched, of one row by 128 x 128, ran
+    0.8x node by node's time) or that packs its weight (`packs`).
+
+    >>> import numpy as np, monadl as ml
+    >>> w = ml.Weight(np.ones((128, 128)))
+    >>> saves_kernels(np.ones(128) @ w, {}, {}), saves_kernels(np.ones((4, 128)) @ w, {}, {})
+    (True, False)
+    """
+    op = node._op
+    if type(op.rule) is Program:
+        return True
+    inputs = node._inputs
+    if op.name not in FACTORED or len(inputs) < 2 or _weight_of(inputs[1]) is None:
+        return False
+    rows = _rows(inputs[0], records, where)
+    return rows == 1 or packs(node, records, where)
+
+
+def _rows(x: Any, records: Any, where: dict[Any, Any]) -> int | None:
+    """The rows a product's left operand ``x`` multiplies (1 for a vector),
+    or None where its shape is not known without computing a member's value."""
     if type(x) is Layer:
         place = where.get(x)
         if place is None:  # (a node computed alone: its record holds its value)
@@ -316,10 +364,9 @@ def packs(node: Any, records: Any, where: dict[Any, Any]) -> bool:
             shape = part[1] if len(part) == 3 and type(part[0]) is type and type(part[1]) is tuple else None
     else:
         shape = getattr(x, "shape", None)
-    if shape is None or len(shape) < 2:
-        return False
-    rows: int = prod(shape[:-1])
-    return rows >= 2 and rows * int(weight.size) >= PACKED_WORK
+    if shape is None or not shape:
+        return None
+    return prod(shape[:-1]) if len(shape) >= 2 else 1
 
 
 def reads_large(node: Any) -> bool:

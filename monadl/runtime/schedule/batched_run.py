@@ -52,6 +52,7 @@ from monadl.runtime.schedule.batched_rule import (
     coarse,
     packs,
     reads_large,
+    saves_kernels,
 )
 from monadl.runtime.schedule.batched_signature import number_key, signature
 
@@ -66,7 +67,7 @@ class Run:
     """One scheduler run over one graph, and where each member's value sits
     in its group's output."""
 
-    __slots__ = ("alone", "batched", "batches", "ev", "forced", "groups", "records")
+    __slots__ = ("alone", "batched", "batches", "ev", "forced", "groups", "records", "saving")
 
     def __init__(self, ev: Evaluation, forced: bool, groups: Groups | None = None) -> None:
         self.ev = ev
@@ -74,6 +75,7 @@ class Run:
         self.forced = forced
         self.batches = 0  # groups that ran batched
         self.batched = 0  # and their members
+        self.saving = False  # whether a group saved more than its members' dispatch (`saves_kernels`)
         self.groups = Groups(ev.records) if groups is None else groups
         self.alone = watching()  # (what ran one by one and why: only while the log is on for DEBUG)
 
@@ -260,6 +262,8 @@ class Run:
         group_records(groups, members, result, operands, args, rule, tuple(batched), scalars_of)
         self.batches += 1
         self.batched += n
+        if not self.saving:
+            self.saving = saves_kernels(first, records, groups.where)
 
 
 _inputs = attrgetter("_inputs")
