@@ -65,7 +65,10 @@ class Settings:
             more: one call packs the weight once; across control flow,
             products and lookups by a weight of 16,384 elements or more),
             and not where each member is over 16,384 elements (of an elementwise op, its result: a large layer scaled by
-            many numbers runs node by node).
+            many numbers runs node by node). A graph whose groups hold under a third of its nodes, none of
+            them marked cells, one-row products by a weight of 16,384 elements or more or products that
+            pack a weight, runs node by node until analysed again, as one that batched nothing: 1, 2, 4, ...
+            and at most 32 evaluations later.
         finite_steps: refuse an optimizer step that would write a NaN or an
             infinity into a weight (``train()`` raises `NonFiniteError` naming
             the weight, and no weight changes), as a mixed-precision loss

@@ -22,7 +22,7 @@ from monadl.runtime import entry
 from monadl.runtime.evaluation import Evaluation, Record
 from monadl.runtime.node import collect
 from monadl.runtime.schedule import batched as _batching
-from monadl.runtime.schedule import batched_marked, batched_rule, batched_run
+from monadl.runtime.schedule import batched_marked, batched_rule, batched_run, batched_weights
 
 HERE = __file__
 Tree: TypeAlias = "int | tuple[Tree, Tree]"
@@ -346,13 +346,14 @@ def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
     assert (
         f"batches from 2 members where the weights a call reads hold {batched_marked.MARKED_WEIGHTS:,} elements or "
         f"more, from 3 where {batched_marked.MARKED_SOME:,} or more or its program has {batched_marked.MARKED_STEPS} "
-        f"steps or more, else from {batched_rule.MIN_PACKED}; of another op from {_batching.MIN_GROUP} (from "
-        f"{batched_rule.MIN_PACKED}," in doc
+        f"steps or more, else from {batched_weights.MIN_PACKED}; of another op from {_batching.MIN_GROUP} (from "
+        f"{batched_weights.MIN_PACKED}," in doc
     )
     assert (
-        f"weight of {batched_rule.PACKED_WEIGHT:,} elements or more, {batched_rule.PACKED_WORK:,} multiply-adds" in doc
+        f"weight of {batched_weights.PACKED_WEIGHT:,} elements or more, {batched_weights.PACKED_WORK:,} multiply-adds"
+        in doc
     )
-    assert f"unless {batched_rule.MIN_LARGE} of its nodes read a weight of {batched_rule.MIN_SHARED:,}" in doc
+    assert f"unless {batched_rule.MIN_LARGE} of its nodes read a weight of {batched_weights.MIN_SHARED:,}" in doc
     assert f"over {_batching.MAX_MEMBER_SIZE:,} elements" in doc
 
 
@@ -941,7 +942,7 @@ def test_products_of_an_earlier_group_s_members_pack_their_weight() -> None:
     hs = [ml.tanh(rng.standard_normal((4, 512))) for _ in range(8)]
     loss = ml.sum(ml.stack([ml.sum(h @ (w1 if i < 4 else w2)) for i, h in enumerate(hs)]))
     packed: list[bool] = []
-    packs = batched_rule.packs
+    packs = batched_weights.packs
 
     def seen(node: Any, records: Any, where: dict[Any, Any]) -> bool:
         got = packs(node, records, where)

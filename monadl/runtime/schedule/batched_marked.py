@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from monadl.layers._weight import Weight
-from monadl.runtime.schedule.batched_rule import MIN_PACKED
+from monadl.runtime.schedule.batched_weights import MIN_PACKED
 
 __all__ = ["MARKED_SOME", "MARKED_STEPS", "MARKED_WEIGHTS", "marked_minimum"]
 

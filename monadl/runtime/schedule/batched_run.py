@@ -42,19 +42,16 @@ from monadl.runtime.schedule.batched_records import (
     stack,
     stack_index,
 )
-from monadl.runtime.schedule.batched_rule import (
-    ALONE,
-    ALONE_WHY,
+from monadl.runtime.schedule.batched_rule import ALONE, ALONE_WHY, MIN_GROUP, coarse
+from monadl.runtime.schedule.batched_signature import number_key, signature
+from monadl.runtime.schedule.batched_weights import (
     FACTORED,
     MIN_FACTORED,
-    MIN_GROUP,
     MIN_PACKED,
-    coarse,
     packs,
     reads_large,
     saves_kernels,
 )
-from monadl.runtime.schedule.batched_signature import number_key, signature
 
 if TYPE_CHECKING:
     from monadl.runtime.evaluation import Evaluation
