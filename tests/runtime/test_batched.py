@@ -355,6 +355,8 @@ def test_the_settings_docs_state_the_cost_rule_as_it_is() -> None:
     )
     assert f"unless {batched_rule.MIN_LARGE} of its nodes read a weight of {batched_weights.MIN_SHARED:,}" in doc
     assert f"over {_batching.MAX_MEMBER_SIZE:,} elements" in doc
+    assert batched_rule.BATCHED_SHARE == 3 and "A graph whose groups hold under a third of its nodes" in doc
+    assert f"at most {batched_rule.REPROBE} evaluations later" in doc
 
 
 def test_small_graphs_and_coarse_members_are_left_alone() -> None:
