@@ -10,8 +10,9 @@ expert 0), and ``ml.values(h)`` as a statement was dropped silently, in an
 base of `monadl.direct.AwaitLayers`, refuses what a user would do to the
 values (an operator, a comparison, truth, a conversion, iteration, NumPy,
 an attribute), saying what was done and what to write; and, as a coroutine
-does, one dropped without being awaited warns (a RuntimeWarning) where it
-is dropped.
+does, one dropped without being awaited warns (a RuntimeWarning), at the
+line that called ``ml.values`` (where it is dropped is monadl's code or the
+collector's: a new user's warning named ``monadl/runtime/stepping.py``).
 
 No false warning: one whose await began does not warn (its evaluation
 cancelled or failed there too), nor one whose misuse raised already, nor
@@ -29,6 +30,8 @@ import types
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn
+
+from monadl.layers._site import Site, site_text
 
 __all__ = ["Unawaited", "abandon_raised", "abandon_suspended"]
 
@@ -53,9 +56,10 @@ class Unawaited:
     the module): the awaitable sets ``pending`` when made and clears it
     when its await begins."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "site")
 
     pending: bool
+    site: Site | None
 
     def __del__(self) -> None:
         try:
@@ -63,13 +67,16 @@ class Unawaited:
         except AttributeError:  # (never set: its __init__ refused its arguments)
             return
         if pending:
-            warnings.warn(
+            message = (
                 "ml.values(...) was never awaited, so it read nothing: write `(value,) = await "
-                "ml.values(layer)` (or `value = await layer`) inside the @ml.direct function",
-                RuntimeWarning,
-                stacklevel=2,
-                source=self,
+                "ml.values(layer)` (or `value = await layer`) inside the @ml.direct function"
             )
+            if self.site is None:
+                warnings.warn(message, RuntimeWarning, stacklevel=2, source=self)
+                return
+            # At the user's line that called ml.values (where it is dropped is monadl's, or the collector's).
+            filename, _, line = site_text(self.site).rpartition(":")
+            warnings.warn_explicit(message, RuntimeWarning, filename, int(line))
 
     def __repr__(self) -> str:
         return "<ml.values(...): an awaitable; await it for the values>"

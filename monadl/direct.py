@@ -53,6 +53,7 @@ from monadl._unawaited import Unawaited
 from monadl.do import DIRECT, Do
 from monadl.errors import OperandError
 from monadl.layers._layer import Array, Expr, Layer
+from monadl.layers._site import Site, caller_site
 from monadl.layers._traced_now import TRACING
 
 __all__ = ["direct", "read_only", "values"]
@@ -209,12 +210,13 @@ class AwaitLayers(Unawaited):
 
     __slots__ = ("layers", "single")
 
-    def __init__(self, layers: tuple[Expr[Any, Any], ...], single: bool) -> None:
+    def __init__(self, layers: tuple[Expr[Any, Any], ...], single: bool, site: Site | None = None) -> None:
         for layer in layers:
             if not isinstance(layer, Expr):
                 raise TypeError(f"values(...) takes layers and weights, got {type(layer).__name__}")
         self.layers = layers
         self.single = single
+        self.site = site  # (where ml.values was called, which its warning names if it is never awaited)
         self.pending = True
 
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -344,7 +346,7 @@ def values(*layers: Expr[Any, Any]) -> Awaitable[tuple[Any, ...]]:
             "could await it): read values in an @ml.direct function outside the cell and pass what the cell "
             "branches on as an int or a string argument (each value its own trace), or leave the cell unmarked"
         )
-    return AwaitLayers(layers, single=False)
+    return AwaitLayers(layers, single=False, site=caller_site())
 
 
 def direct(function: Callable[P, Coroutine[Any, Any, Expr[D, G]]]) -> Callable[P, Layer[D, G]]:

@@ -120,6 +120,23 @@ async def test_values_never_awaited_warn_at_the_line_that_dropped_them() -> None
     assert said == [f"{__file__}:{line[0]}: {_NEVER_AWAITED}"]
 
 
+async def test_values_never_awaited_and_held_to_the_end_warn_at_the_line_that_called_them() -> None:
+    # Held in a local, it is dropped when the function's frame ends, in monadl's code: the warning named
+    # monadl/runtime/stepping.py (a new user's), where the line that called ml.values is what to fix.
+    w = ml.Weight(np.array([1.0, -2.0]))
+    line: list[int] = []
+
+    @ml.direct
+    async def forgot() -> ml.ScalarLayer:
+        line.append(_line() + 1)
+        pending = ml.values(ml.sum(w))  # (lives to the frame's end)
+        return ml.sum(w * w) if pending is not None else ml.sum(w)
+
+    with never_awaited() as said:
+        assert await forgot().predict() == pytest.approx(5.0)
+    assert said == [f"{__file__}:{line[0]}: {_NEVER_AWAITED}"]
+
+
 async def test_values_awaited_or_given_up_by_a_cancellation_or_a_failure_do_not_warn() -> None:
     w = ml.Weight(np.array([1.0, 2.0]))
 
