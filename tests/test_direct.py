@@ -222,6 +222,22 @@ async def test_the_note_of_other_failures_tells_a_recursions_calls_apart() -> No
     np.testing.assert_array_equal(w.data, [1.0, 2.0])
 
 
+async def test_a_layer_built_from_a_do_alone_at_its_line_is_named_by_its_line_not_as_an_example() -> None:
+    # A loss of the model's layers, a constant and a black box, each built from a Do at its own line: the
+    # black box's error was noted "raised in example 1 (from 0, in the order built) of 2 evaluated together".
+    w = ml.Weight(np.ones(3))
+
+    def fails(_: Any) -> Any:
+        raise ValueError("the black box failed")
+
+    scale: ml.ScalarLayer = ml.Layer(ml.Do.pure(2.0).map(ml.Tape))
+    box: ml.ScalarLayer = ml.Layer(ml.sum(w).forward().map(fails))  # BOX
+    with pytest.raises(ValueError, match="the black box failed") as raised:
+        await (ml.sum(w) * scale * box).train()
+    assert raised.value.__notes__ == [f"monadl: raised in the layer built from a Do at {__file__}:{_line_of('# BOX')}"]
+    np.testing.assert_array_equal(w.data, np.ones(3))
+
+
 async def test_examples_failing_together_raise_the_first_with_a_note_of_the_others() -> None:
     # A new user's batch where two examples of 32 failed at one step raised the first's
     # error and said nothing of the second.

@@ -69,7 +69,10 @@ class Fiber:
         in the order they were built (``ml.stack([model(x) for x in
         batch])``: the batch's order, whichever of them ran first), and so
         for each example it runs inside of, the outermost first; None for
-        the root, or a branch of another kind."""
+        the root, or a branch of another kind. Examples are such layers built
+        at one line; one alone at its line (a black box beside the model's
+        layers) is named by its line only, not as an example (a new user's
+        loss of two was told of "example 1 of 2")."""
         from monadl.layers._site import site_text
 
         places: list[str] = []
@@ -78,16 +81,20 @@ class Fiber:
             join = fiber.join
             if fiber.stack and type(fiber.stack[0]) is FromDo and join.graph is not None:
                 node = fiber.stack[0].node
-                dos = [n for n in join.graph.order or () if n._op is None]
-                if node in dos:
+                alike = [n for n in join.graph.order or () if n._op is None and n._site == node._site]
+                if len(alike) > 1 and node in alike:
                     where = f"built at {site_text(node._site)}"
                     places.append(
-                        f"{dos.index(node)} (from 0, in the order built) of {len(dos)} evaluated together, {where}"
+                        f"example {alike.index(node)} (from 0, in the order built) of {len(alike)} evaluated "
+                        f"together, {where}"
                     )
+                elif node in alike:
+                    places.append(f"layer built from a Do at {site_text(node._site)}")
             fiber = join.fiber
         if not places:
             return None
-        return "example " + "; in its example ".join(reversed(places))
+        outer, *inner = reversed(places)
+        return ("the " if outer.startswith("layer") else "") + outer + "".join(f"; in its {p}" for p in inner)
 
     def note_example(self, error: BaseException) -> None:
         """Note on a user's error from a direct-style step, a bind or a map which
