@@ -906,3 +906,14 @@ def test_a_methods_wrong_argument_names_expr_as_users_call_it() -> None:
         assert pickle.loads(pickle.dumps(method)) is method  # (found where Expr is, as before the move)
     mean = pickle.loads(pickle.dumps(functools.partial(ml.Expr.mean, axis=0)))  # (one sent to a worker process)
     assert mean.func is ml.Expr.mean and mean.keywords == {"axis": 0}
+
+
+@pytest.mark.parametrize("data", [np.ones(3, complex), np.array(["a", "b"]), np.array([object(), 1.0])])
+def test_an_array_of_no_real_numbers_is_refused_saying_which_numbers_monadl_computes_with(data: Any) -> None:
+    # Complex data was refused with "monadl computes with numbers", which a new user found odd: complex are numbers.
+    with pytest.raises(ml.OperandError) as raised:
+        ml.sum(data)
+    assert str(raised.value) == (
+        f"sum: array operand has dtype {data.dtype}; monadl computes with real numbers (booleans, integers and "
+        "floats; not complex ones, nor objects or strings)"
+    )

@@ -14,6 +14,9 @@ from monadl.layers._unvalued import Unvalued
 __all__ = ["numbers_given", "operand"]
 
 _NUMERIC_KINDS: Final = frozenset("fiub")
+_REAL: Final = (
+    "monadl computes with real numbers (booleans, integers and floats; not complex ones, nor objects or strings)"
+)
 _JOIN: Final = " (join its layers with ml.stack or ml.concatenate)"
 _ITEMS: Final = "_monadl_items"
 """Where a refused list of layers keeps its items on the error: in a traced
@@ -27,14 +30,14 @@ def operand(x: object, op: str) -> Any:
         return x
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in _NUMERIC_KINDS:
-            raise OperandError(f"{op}: array operand has dtype {x.dtype}; monadl computes with numbers")
+            raise OperandError(f"{op}: array operand has dtype {x.dtype}; {_REAL}")
         return x
     if isinstance(x, (float, int, np.number, np.bool_)):
         return x
     if is_array(x):  # an array of another library (CuPy, array API ...)
         dtype = getattr(x, "dtype", None)
-        if not namespace(x).isdtype(dtype, ("numeric", "bool")):
-            raise OperandError(f"{op}: array operand has dtype {dtype}; monadl computes with numbers")
+        if not namespace(x).isdtype(dtype, ("bool", "integral", "real floating")):
+            raise OperandError(f"{op}: array operand has dtype {dtype}; {_REAL}")
         return x
     hint = ""
     if isinstance(x, (list, tuple)):  # (layers in it: a join, not an array of objects)
