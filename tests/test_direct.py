@@ -238,6 +238,26 @@ async def test_a_layer_built_from_a_do_alone_at_its_line_is_named_by_its_line_no
     np.testing.assert_array_equal(w.data, np.ones(3))
 
 
+@pytest.mark.parametrize("batching", [None, False])
+async def test_an_example_that_returns_no_layer_is_named_as_its_other_errors_are(batching: bool | None) -> None:
+    # One of 12 examples returned None after an await: the TypeError said so, without the note naming which
+    # example that every other error of a direct-style step has (a new user's).
+    w = ml.Weight(np.array([1.0, 2.0]), optimizer=ml.optim.sgd(0.1))
+
+    @ml.direct
+    async def example(k: int) -> Any:  # (Any: the mistake under test, which mypy rejects)
+        (v,) = await ml.values(ml.sum(w * float(k)))
+        return None if k == 7 else ml.sum(w) * v
+
+    with ml.settings(batching=batching), pytest.raises(TypeError, match=r"returned None; it must return") as raised:
+        await ml.sum(ml.stack([example(k) for k in range(12)])).train()  # RETURNS NONE
+    assert raised.value.__notes__ == [
+        f"monadl: raised in example 7 (from 0, in the order built) of 12 evaluated together, built at "
+        f"{__file__}:{_line_of('# RETURNS NONE')}"
+    ]
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+
+
 async def test_examples_failing_together_raise_the_first_with_a_note_of_the_others() -> None:
     # A new user's batch where two examples of 32 failed at one step raised the first's
     # error and said nothing of the second.

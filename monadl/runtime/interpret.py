@@ -231,7 +231,11 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                             sending, failure = (yield Passthrough(got)), None
                         except BaseException as exc:  # delivered to the coroutine, as the event loop would
                             sending, failure = None, exc
-                    cur = direct_next(frame, stack, done, got)
+                    try:
+                        cur = direct_next(frame, stack, done, got)
+                    except TypeError as exc:  # (it returned no layer: which example, as for its other errors)
+                        fiber.note_example(exc)
+                        raise
                     descending = True
                     continue
                 # Several fibers: the coroutine's foreign awaits must be made in the task
@@ -242,7 +246,11 @@ def evaluate(ev: Evaluation, root: Do[Any]) -> Machine:
                 stepping += 1
             elif t is F.Stepped:
                 done, got = val
-                cur = direct_next(frame.direct, stack, done, got)
+                try:
+                    cur = direct_next(frame.direct, stack, done, got)
+                except TypeError as exc:
+                    fiber.note_example(exc)
+                    raise
                 descending = True
                 continue
             elif t is F.DirectDone:
