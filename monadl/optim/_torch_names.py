@@ -62,7 +62,8 @@ def _refusal(name: str, parameters: tuple[str, ...], args: tuple[Any, ...], kwar
     accepted = frozenset(parameters)
     foreign = [k for k in kwargs if k not in accepted]
     prefix = (
-        f"{name}() got an unexpected keyword argument{'s' if len(foreign) > 1 else ''} {', '.join(map(repr, foreign))}"
+        f"{name}() got {'unexpected keyword arguments' if len(foreign) > 1 else 'an unexpected keyword argument'} "
+        f"{', '.join(map(repr, foreign))}"
     )
     notes: list[str] = []
     if args and not (isinstance(args[0], numbers.Number) or callable(args[0])):  # (PyTorch's Adam(params, lr=...))

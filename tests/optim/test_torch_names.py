@@ -23,7 +23,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     (
         "adam",
         {"lr": 2e-4, "betas": (0.5, 0.999)},
-        "adam() got an unexpected keyword arguments 'lr', 'betas' "
+        "adam() got unexpected keyword arguments 'lr', 'betas' "
         "(PyTorch's names); monadl's optimizers take optax's: ml.optim.adam(0.0002, b1=0.5, b2=0.999)",
     ),
     (
