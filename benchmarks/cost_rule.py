@@ -39,7 +39,7 @@ with it forced, alternating in one process, best of ``--steps`` steps:
   a call reads and its program's steps (`marked_minimum`).
 * **RNN inputs**: 1,000 steps (300 at 512) of ``h = tanh(h @ U + b + xs[t] @ V)``: the
   input products (one node in five) are ready together, the rest a chain.
-  They ran in one group, and the graph 1.05-1.19x the time of batching off
+  They ran in one group, and the graph 1.03-1.20x the time of batching off
   at H = 16 to 128 with 1 to 16 rows (a new user's, 3,000 steps at 128),
   until the thirty-fourth session: now a graph whose groups hold under a
   third of its nodes runs node by node (`BATCHED_SHARE`), unless a group

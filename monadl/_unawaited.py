@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-from monadl.layers._site import Site, site_text
+from monadl.layers._site import Site, site_place
 
 __all__ = ["Unawaited", "abandon_raised", "abandon_suspended"]
 
@@ -75,8 +75,7 @@ class Unawaited:
                 warnings.warn(message, RuntimeWarning, stacklevel=2, source=self)
                 return
             # At the user's line that called ml.values (where it is dropped is monadl's, or the collector's).
-            filename, _, line = site_text(self.site).rpartition(":")
-            warnings.warn_explicit(message, RuntimeWarning, filename, int(line))
+            warnings.warn_explicit(message, RuntimeWarning, *site_place(self.site))
 
     def __repr__(self) -> str:
         return "<ml.values(...): an awaitable; await it for the values>"

@@ -36,7 +36,7 @@ from typing import Any, Final, TypeVar
 
 from monadl.layers._layer import Expr, Layer
 from monadl.layers._primitives import shown
-from monadl.layers._site import site_text
+from monadl.layers._site import site_place
 from monadl.layers._weight import Weight
 
 __all__ = ["render_graph", "to_dot"]
@@ -227,15 +227,14 @@ def _slice_text(i: Any) -> str:
 
 
 def _short_site(layer: Layer[Any, Any]) -> str:
-    where = site_text(layer._site)
-    path, _, line = where.rpartition(":")
+    path, line = site_place(layer._site)
     return f"{os.path.basename(path)}:{line}"
 
 
 def _long_site(layer: Layer[Any, Any]) -> str:
-    where = site_text(layer._site)
-    path, _, line = where.rpartition(":")
-    source = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+    path, line = site_place(layer._site)
+    where = f"{path}:{line}"
+    source = linecache.getline(path, line).strip()
     return f"{where}: {source}" if source else where
 
 

@@ -14,7 +14,7 @@ import typing
 from types import CodeType
 from typing import TypeAlias
 
-__all__ = ["PACKAGE_DIR", "Site", "caller_site", "site_text"]
+__all__ = ["PACKAGE_DIR", "Site", "caller_site", "site_place", "site_text"]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """monadl's own directory: frames whose code is under it are never a user's site."""
@@ -46,6 +46,12 @@ def caller_site() -> Site:
 
 def site_text(site: Site) -> str:
     """``file:line`` of a site."""
+    filename, line = site_place(site)
+    return f"{filename}:{line}"
+
+
+def site_place(site: Site) -> tuple[str, int]:
+    """The file and line of a site (a warning's place, a graph's source line)."""
     code, offset = site
     line = next((n for start, end, n in code.co_lines() if start <= offset < end and n is not None), None)
-    return f"{code.co_filename}:{code.co_firstlineno if line is None else line}"
+    return code.co_filename, code.co_firstlineno if line is None else line

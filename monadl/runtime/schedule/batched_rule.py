@@ -117,9 +117,11 @@ group's lookup), and a member of a group of small products saves about 4
 us. A new user's RNN of 3,000 steps, whose every step's input product
 (``xs[t] @ V``, 16 x 128 by 128 x 128) ran in one group beside the
 recurrence (one node in five), ran 5-18% slower than node by node; 1,000
-steps of ``tanh(h @ U + b + xs[t] @ V)`` with H = 16 to 256 and 4 or 16
-rows, 4-23%; with two input products a step (two in seven), up to 31%;
-with four (four in nine), -8% to 24% (`benchmarks/cost_rule.py`)."""
+steps of ``tanh(h @ U + b + xs[t] @ V)`` with H = 16 to 128 and 1 to 16
+rows, 3-20% (`benchmarks/cost_rule.py`), now 0-4%; with two input products
+a step (two in seven) up to 12%. With four (four in nine, over the share)
+they still run 5-9% slower: small products of a few rows save about what
+stacking them costs."""
 
 
 def _advice(why: str) -> str:
