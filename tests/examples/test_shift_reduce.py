@@ -138,3 +138,15 @@ def test_the_parser_by_hand_steps_like_monadl() -> None:
         model.train(batch)
     for name, weight in by_hand.weights_of(parser).items():
         np.testing.assert_allclose(model.w[name], weight, rtol=1e-9, atol=1e-12)
+
+
+def test_the_benchmarks_analysis_cost_is_measured_where_merges_batch() -> None:
+    """`benchmarks/control_flow.py` reports the batching analysis' cost per
+    merged node: its instrument wraps the merged runs' forward. It wrapped
+    `batched.forward` after the merged runs had come to call
+    `batched.stepwise`, and reported 'none' for merges that batched."""
+    from benchmarks import control_flow
+
+    merge_us, analysis_us, runs, nodes = control_flow.costs(hidden=16, batch=32)
+    assert runs > 1 and nodes > 32 * runs / 2
+    assert merge_us > 0 and analysis_us > 0

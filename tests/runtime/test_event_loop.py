@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.deltas import Outer
+from monadl.deltas import PIECE_ROWS, PIECE_WEIGHT_ROWS, Outer
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry, turns
@@ -634,24 +634,53 @@ async def test_a_commits_delta_of_many_rows_kept_as_factors_is_multiplied_ahead_
     with ml.settings(batching=False):
         (want,) = await ml.gradients(loss, [w])
         await loss.train()
-    pieces = -(-400 // (entry.MULTIPLY_PIECE // (512 * 512)))
-    assert looks.count("_multiplied_ahead") == pieces
+    # (400 rows by a weight of 512 x 512: pieces of the weight's rows, each from all 400 rows)
+    step = max(entry.MULTIPLY_PIECE // (400 * 512), PIECE_WEIGHT_ROWS)
+    assert looks.count("_multiplied_ahead") == -(-512 // step) > 1
     np.testing.assert_allclose(w.data, before - 0.1 * np.asarray(want), rtol=1e-12, atol=1e-12)
 
 
-def test_factors_multiplied_in_pieces_are_their_product() -> None:
-    rng = np.random.default_rng(1)
-    d = Outer(rng.standard_normal((5, 3)), rng.standard_normal((5, 4))) + Outer(
-        rng.standard_normal((7, 3)), rng.standard_normal((7, 4))
-    )
-    d = d + np.ones((3, 4))
-    pieces = d.pieces(2 * 12)  # (2 rows a piece)
+def _paused(d: Outer, work: int) -> tuple[Any, int]:
+    """``d.pieces(work)`` driven to its end: the product, and how many times it paused."""
+    pieces = d.pieces(work)
     paused = 0
     while True:
         try:
             next(pieces)
             paused += 1
         except StopIteration as done:
-            np.testing.assert_allclose(done.value, d.dense(), rtol=1e-12)
-            break
-    assert paused == 6  # (12 rows, 2 a piece: the first factor's fifth row begins the second's first piece)
+            return done.value, paused
+
+
+def test_factors_multiplied_in_pieces_are_their_product() -> None:
+    rng = np.random.default_rng(1)
+    # Many rows by a small weight (3 x 4): products of PIECE_ROWS rows or more, summed.
+    d = Outer(rng.standard_normal((500, 3)), rng.standard_normal((500, 4))) + Outer(
+        rng.standard_normal((100, 3)), rng.standard_normal((100, 4))
+    )
+    d = d + np.ones((3, 4))
+    value, paused = _paused(d, PIECE_ROWS * 12)
+    np.testing.assert_allclose(value, d.dense(), rtol=1e-12)
+    assert paused == 3  # (600 rows, 256 a piece)
+    # Few rows by a large weight (300 x 4): pieces of the weight's rows, PIECE_WEIGHT_ROWS or more.
+    d = Outer(rng.standard_normal((5, 300)), rng.standard_normal((5, 4))) + Outer(
+        rng.standard_normal((7, 300)), rng.standard_normal((7, 4))
+    )
+    value, paused = _paused(d, 1)
+    np.testing.assert_allclose(value, d.dense(), rtol=1e-12)
+    assert paused == 3  # (300 of the weight's rows, 128 a piece)
+
+
+def test_a_large_weights_delta_of_few_rows_is_not_summed_row_by_row() -> None:
+    # A parser's merged runs at hidden size 1,024 kept a 3,072 x 1,024 weight's delta as 228 rows:
+    # pieces of 4M multiply-adds were products of one row each, 228 weight-sized sums, 1.3 s against
+    # one product's 9 ms. Pieces are now the weight's rows, each a product of all the rows.
+    rng = np.random.default_rng(2)
+    d = Outer(rng.standard_normal((40, 2048)).astype(np.float32), rng.standard_normal((40, 1024)).astype(np.float32))
+    d = d + Outer(
+        rng.standard_normal((24, 2048)).astype(np.float32), rng.standard_normal((24, 1024)).astype(np.float32)
+    )
+    value, paused = _paused(d, entry.MULTIPLY_PIECE)
+    assert value.dtype == np.float32
+    np.testing.assert_allclose(value, d.dense(), rtol=1e-5, atol=1e-4)
+    assert paused == -(-2048 // max(entry.MULTIPLY_PIECE // (64 * 1024), PIECE_WEIGHT_ROWS)) <= 4
