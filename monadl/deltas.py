@@ -345,7 +345,7 @@ class Outer:
         rows = left.shape[0]
         m, n = self.shape
         out: Any
-        by_rows = work // (m * n)
+        by_rows = work // max(m * n, 1)
         if by_rows >= PIECE_ROWS:
             # Many rows, a small weight: products of rows, a weight-sized sum for each of `PIECE_ROWS` rows or more.
             out = None
@@ -361,7 +361,7 @@ class Outer:
             # A large weight: the weight's rows, each from all the rows, one piece each (`PIECE_WEIGHT_ROWS` or more).
             # (Products of a few rows each summed: a weight-sized sum per piece, a 3,072 x 1,024 weight's delta of
             # 228 rows 150x the time of one product.)
-            step = max(work // (rows * n), PIECE_WEIGHT_ROWS)
+            step = max(work // max(rows * n, 1), PIECE_WEIGHT_ROWS)
             out = xp.empty(self.shape, dtype=xp.result_type(left.dtype, right.dtype))
             for start in range(0, m, step):
                 out[start : start + step] = xp.matrix_transpose(left[:, start : start + step]) @ right
