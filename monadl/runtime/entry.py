@@ -17,7 +17,7 @@ from typing import Any, Final
 import numpy as np
 
 from monadl._namespace import namespace
-from monadl.deltas import Outer, SparseRows
+from monadl.deltas import PIECE_ROWS, Outer, SparseRows
 from monadl.do import FORWARD, Do
 from monadl.errors import NoGradientError, ShapeError
 from monadl.layers._recording import RECORDING
@@ -135,7 +135,11 @@ MULTIPLY_AHEAD: Final = 1 << 23
 elements) from which a commit multiplies them ahead, in pieces of
 `MULTIPLY_PIECE`, with turns for the event loop between them: the merged runs
 of 1,024 direct-style examples, 17,583 rows of a 64 x 64 weight's factors,
-held it 45 ms in one commit."""
+held it 45 ms in one commit. Not a plain-SGD weight's delta of fewer than
+`PIECE_ROWS` rows: its commit adds the product into the weight's data in one
+pass (`monadl.optim._sgd.factored_step`), and one multiplied ahead took an
+MLP's step of 16 to 32 rows through 512 x 512 to 1,024 x 1,024 weights 1.7-2x
+as long."""
 
 MULTIPLY_PIECE: Final = 1 << 25
 """Multiply-adds of a piece of `MULTIPLY_AHEAD`'s products (`Outer.pieces`):
@@ -154,7 +158,9 @@ async def _multiplied_ahead(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) 
     for weight, grad in grads.items():
         if type(grad) is Outer and type(grad.lefts[0]) is np.ndarray:
             rows = sum([left.shape[0] for left in grad.lefts])
-            if rows * prod(grad.shape) >= MULTIPLY_AHEAD:
+            # (Plain SGD steps from a few rows' factors by one product into the weight's data, a pass
+            # over it: multiplied ahead, a product into a fresh array, read again to add, and checked.)
+            if rows * prod(grad.shape) >= MULTIPLY_AHEAD and (rows >= PIECE_ROWS or stateful(weight)):
                 pieces = grad.pieces(MULTIPLY_PIECE)
                 while True:
                     try:
