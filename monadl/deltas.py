@@ -55,16 +55,19 @@ _PART_ROWS: Final = 64
 product of its own); smaller parts are joined first."""
 
 PIECE_ROWS: Final = 256
-"""`Outer.pieces` sums products of this many rows or more (a sum the size
-of the weight for each): fewer rows a piece are taken as the weight's rows."""
+"""`Outer.pieces` takes this many rows a piece or all of them: a piece's
+block of the weight is added into the output once per piece, so about
+1/256 of its multiply-adds."""
 
-PIECE_WEIGHT_ROWS: Final = 128
-"""`Outer.pieces` takes this many of the weight's rows a piece or more: each
-piece reads all of the other factor again (the library packs it per
-product), which costs about what the product does below this. Measured on
-the project's VM, one thread, pieces of 32M multiply-adds against one
-product: 1.07-1.23x over weights of 512 x 512 to 4,096 x 4,096 and 64 to
-3,000 rows, the longest piece 0.6-6 ms."""
+PIECE_BLOCK: Final = 256
+"""`Outer.pieces` takes blocks of the weight of this many rows and columns
+or more (or all there are): each piece's product packs its factors again,
+which costs about what the product does in smaller blocks. Measured on the
+project's VM, one thread, float32, pieces of 64M multiply-adds against one
+product: 1.01-1.22x over weights of 64 x 64 to 4,096 x 4,096 and 64 to
+20,000 rows, the longest piece 1.5-5 ms (a 1 x 1,000,000 weight's, 15 ms).
+Pieces of a few rows each summed, as `Outer.pieces` cut them before, took
+150x as long for a 3,072 x 1,024 weight's delta of 228 rows."""
 
 
 def _joined_flat(parts: list[tuple[Any, Any]]) -> tuple[Any, Any]:
@@ -322,21 +325,23 @@ class Outer:
 
     __radd__ = __add__
 
-    def pieces(self, work: int) -> Generator[None, None, Any]:
-        """`dense`, in pieces of about ``work`` multiply-adds, pausing (a
-        ``yield``) after each: a driver gives the event loop its turns
-        between them. Where rows are many beside the weight, a piece is a
-        product of some of the rows (`PIECE_ROWS` or more), summed into the
-        first; where they are few, a piece is some of the weight's rows
-        (`PIECE_WEIGHT_ROWS` or more) from one product of all the rows, and
-        nothing is summed. Where the pieces fall depends on the shapes
-        alone, so the sums round the same every run.
+    def pieces(self, work: int) -> Generator[tuple[int, int, int], None, Any]:
+        """`dense`, in pieces of about ``work`` multiply-adds, pausing after
+        each (a ``yield`` of the piece's rows and block of the weight, its
+        rows and columns): a driver gives the event loop its turns between
+        them. NumPy's factors (the output is written by parts).
+
+        A piece is a block of the weight (`PIECE_BLOCK` rows and columns or
+        more, so that each piece's product packs enough of its factors)
+        from some of the rows (`PIECE_ROWS` or more, so that adding the
+        block into the output costs little beside it); fewer rows than
+        that are all taken at once, and a block is then written, not
+        summed. Where the pieces fall depends on the shapes alone, so the
+        sums round the same every run.
 
         >>> d = Outer(np.ones((4, 3)), np.ones((4, 2)))
-        >>> pieces = d.pieces(1)
-        >>> next(pieces)  # (one piece: the delta is smaller than a piece's least)
-        >>> next(pieces, None) is None
-        True
+        >>> list(d.pieces(1))  # (one piece: the delta is smaller than a piece's least)
+        [(4, 3, 2)]
         """
         lefts, rights = self.lefts, self.rights
         xp = namespace(lefts[0])
@@ -344,31 +349,28 @@ class Outer:
         right = rights[0] if len(rights) == 1 else xp.concat(rights)
         rows = left.shape[0]
         m, n = self.shape
-        out: Any
-        by_rows = work // max(m * n, 1)
-        if by_rows >= PIECE_ROWS:
-            # Many rows, a small weight: products of rows, a weight-sized sum for each of `PIECE_ROWS` rows or more.
-            out = None
-            step = by_rows
-            for start in range(0, rows, step):
-                part = xp.matrix_transpose(left[start : start + step]) @ right[start : start + step]
-                if out is None:
-                    out = part
-                else:
-                    out += part
-                yield
+        by_rows = max(1, min(rows, max(work // max(m * n, 1), PIECE_ROWS)))  # (rows a piece)
+        block = max(work // max(by_rows, 1), PIECE_BLOCK * PIECE_BLOCK)  # (a piece's block of the weight, in elements)
+        if block >= m * n:
+            tall, wide = max(m, 1), max(n, 1)
+        elif block >= min(m, PIECE_BLOCK) * n:
+            tall, wide = block // n, n
         else:
-            # A large weight: the weight's rows, each from all the rows, one piece each (`PIECE_WEIGHT_ROWS` or more).
-            # (Products of a few rows each summed: a weight-sized sum per piece, a 3,072 x 1,024 weight's delta of
-            # 228 rows 150x the time of one product.)
-            step = max(work // max(rows * n, 1), PIECE_WEIGHT_ROWS)
-            out = xp.empty(self.shape, dtype=xp.result_type(left.dtype, right.dtype))
-            for start in range(0, m, step):
-                out[start : start + step] = xp.matrix_transpose(left[:, start : start + step]) @ right
-                yield
-        for other in self.others:
-            out = out + other
-        return out
+            tall = min(m, PIECE_BLOCK)
+            wide = max(block // tall, min(n, PIECE_BLOCK))
+        out = xp.zeros(self.shape, dtype=xp.result_type(left.dtype, right.dtype))
+        for i in range(0, m, tall):
+            for j in range(0, n, wide):
+                for k in range(0, rows, by_rows):
+                    part = (
+                        xp.matrix_transpose(left[k : k + by_rows, i : i + tall]) @ right[k : k + by_rows, j : j + wide]
+                    )
+                    if k == 0:
+                        out[i : i + tall, j : j + wide] = part
+                    else:
+                        out[i : i + tall, j : j + wide] += part
+                    yield min(by_rows, rows - k), part.shape[0], part.shape[1]
+        return self._with_others(out)
 
     def dense(self) -> Any:
         """The summed delta, as one product of the stacked rows."""
@@ -376,7 +378,10 @@ class Outer:
         xp = namespace(lefts[0])
         if len(lefts) > 1:
             lefts, rights = [xp.concat(lefts)], [xp.concat(rights)]
-        out = xp.matrix_transpose(lefts[0]) @ rights[0]
+        return self._with_others(xp.matrix_transpose(lefts[0]) @ rights[0])
+
+    def _with_others(self, out: Any) -> Any:
+        """The product ``out`` (a new array) with ``others`` added."""
         for other in self.others:
             if type(out) is type(other) is np.ndarray and other.shape == out.shape and other.dtype == out.dtype:
                 out += other  # (the product is a new array: summed in it, not in a new one)

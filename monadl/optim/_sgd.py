@@ -71,6 +71,23 @@ def pooled_steps(
     return steps
 
 
+def steps_from_factors(weight: Weight[Any, Any], grad: Outer) -> bool:
+    """Whether plain SGD's step takes ``grad`` as its factors (`factored_step`):
+    the weight's data and every factor NumPy arrays of one dtype, and no
+    dense delta beside them (else the commit multiplies them first).
+
+    >>> w = Weight(np.zeros((3, 2)))
+    >>> d = Outer(np.ones((1, 3)), np.ones((1, 2)))
+    >>> steps_from_factors(w, d), steps_from_factors(w, d + np.ones((3, 2)))
+    (True, False)
+    """
+    old = weight._data
+    if grad.others or type(old) is not np.ndarray:
+        return False
+    dtype = old.dtype
+    return all(type(x) is np.ndarray and x.dtype == dtype for x in (*grad.lefts, *grad.rights))
+
+
 def factored_step(
     weight: Weight[Any, Any],
     grad: Outer,
@@ -99,16 +116,14 @@ def factored_step(
     Returns the new data, state and bound (None: not proven, the commit's
     check reads the data), or None: not this kind of step.
     """
-    old = weight._data
-    if grad.others or type(old) is not np.ndarray:
+    if not steps_from_factors(weight, grad):
         return None
+    old = weight._data
     if len(grad.lefts) == 1:
         left, right = grad.lefts[0], grad.rights[0]
     else:  # (merged runs of fibers: their rows, stacked)
         left, right = np.concatenate(grad.lefts), np.concatenate(grad.rights)
     dtype = old.dtype
-    if type(left) is not np.ndarray or type(right) is not np.ndarray or left.dtype != dtype or right.dtype != dtype:
-        return None
     known = weight._bound
     carried = known is not None and known[0] is old
     limit = float(np.finfo(dtype).max) / 4

@@ -23,6 +23,7 @@ from monadl.errors import NoGradientError, ShapeError
 from monadl.layers._recording import RECORDING
 from monadl.layers._site import site_text
 from monadl.layers._weight import Weight
+from monadl.optim._sgd import steps_from_factors
 from monadl.optim.apply import Prepared, consume_gradients, current, prepare, stateful
 from monadl.runtime import process
 from monadl.runtime.drive import abort, drive, drive_sync
@@ -135,19 +136,33 @@ MULTIPLY_AHEAD: Final = 1 << 23
 elements) from which a commit multiplies them ahead, in pieces of
 `MULTIPLY_PIECE`, with turns for the event loop between them: the merged runs
 of 1,024 direct-style examples, 17,583 rows of a 64 x 64 weight's factors,
-held it 45 ms in one commit. Not a plain-SGD weight's delta of fewer than
-`PIECE_ROWS` rows: its commit adds the product into the weight's data in one
-pass (`monadl.optim._sgd.factored_step`), and one multiplied ahead took an
-MLP's step of 16 to 32 rows through 512 x 512 to 1,024 x 1,024 weights 1.7-2x
-as long."""
+held it 45 ms in one commit. Not where the commit adds the product into the
+weight's data as it steps it (`_added_in_commit`)."""
 
-MULTIPLY_PIECE: Final = 1 << 25
+MULTIPLY_PIECE: Final = 1 << 26
 """Multiply-adds of a piece of `MULTIPLY_AHEAD`'s products (`Outer.pieces`):
-about 1-6 ms on the project's VM, one thread. (Pieces of 4M each made a
+about 1.5-5 ms on the project's VM, one thread, float32. (Pieces of 4M each made a
 weight-sized sum of a few rows' products: a parser's 3,072 x 1,024 weight's
 delta of 228 rows, 228 pieces, took 1.3 s against one product's 9 ms, and its
 batch of 32 sentences at hidden size 1,024 ran 1.5x faster than one by one,
 not 5x.)"""
+
+
+FACTORS_IN_COMMIT: Final = 1 << 27
+"""Multiply-adds of a plain-SGD weight's delta of fewer than `PIECE_ROWS`
+rows kept as factors up to which its commit takes it as they are
+(`_added_in_commit`): about 4 ms on the project's VM, one thread."""
+
+
+def _added_in_commit(weight: Weight[Any, Any], grad: Outer, rows: int, work: int) -> bool:
+    """Whether a commit adds ``grad``'s product into ``weight``'s data as it
+    steps it, one pass over the data (plain SGD from few rows' factors:
+    `monadl.optim._sgd.factored_step`): multiplied ahead, it is a product
+    into a fresh array, read again to add and to check, and an MLP's step of
+    16 to 32 rows through 512 x 512 to 1,024 x 1,024 weights took 1.7-2x as
+    long. Up to `FACTORS_IN_COMMIT`, the event loop's wait for that one
+    product."""
+    return rows < PIECE_ROWS and work <= FACTORS_IN_COMMIT and not stateful(weight) and steps_from_factors(weight, grad)
 
 
 async def _multiplied_ahead(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) -> bool:
@@ -158,9 +173,8 @@ async def _multiplied_ahead(ev: Evaluation, grads: dict[Weight[Any, Any], Any]) 
     for weight, grad in grads.items():
         if type(grad) is Outer and type(grad.lefts[0]) is np.ndarray:
             rows = sum([left.shape[0] for left in grad.lefts])
-            # (Plain SGD steps from a few rows' factors by one product into the weight's data, a pass
-            # over it: multiplied ahead, a product into a fresh array, read again to add, and checked.)
-            if rows * prod(grad.shape) >= MULTIPLY_AHEAD and (rows >= PIECE_ROWS or stateful(weight)):
+            work = rows * prod(grad.shape)
+            if work >= MULTIPLY_AHEAD and not _added_in_commit(weight, grad, rows, work):
                 pieces = grad.pieces(MULTIPLY_PIECE)
                 while True:
                     try:

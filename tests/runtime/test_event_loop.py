@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import monadl as ml
-from monadl.deltas import PIECE_ROWS, PIECE_WEIGHT_ROWS, Outer
+from monadl.deltas import PIECE_BLOCK, PIECE_ROWS, Outer
 from monadl.layers._layer import Layer
 from monadl.layers._primitives import Primitive
 from monadl.runtime import entry, turns
@@ -634,86 +634,98 @@ async def test_a_commits_delta_of_many_rows_kept_as_factors_is_multiplied_ahead_
     with ml.settings(batching=False):
         (want,) = await ml.gradients(loss, [w])
         await loss.train()
-    # (400 rows by a weight of 512 x 512: pieces of the weight's rows, each from all 400 rows)
-    step = max(entry.MULTIPLY_PIECE // (400 * 512), PIECE_WEIGHT_ROWS)
-    assert looks.count("_multiplied_ahead") == -(-512 // step) > 1
+    # (400 rows by the whole weight, 256 of them a piece: MULTIPLY_PIECE, 64M, is 256 rows by 512 x 512)
+    assert entry.MULTIPLY_PIECE == 256 * 512 * 512
+    assert looks.count("_multiplied_ahead") == 2
     np.testing.assert_allclose(w.data, before - 0.1 * np.asarray(want), rtol=1e-12, atol=1e-12)
 
 
-def _paused(d: Outer, work: int) -> tuple[Any, int]:
-    """``d.pieces(work)`` driven to its end: the product, and how many times it paused."""
+@pytest.mark.parametrize(
+    ("rows", "m", "n", "others"),
+    [
+        (20_000, 32, 32, False),  # many rows by a small weight: pieces of rows, summed
+        (300, 600, 700, True),  # a large weight: blocks of it, from 256 rows a piece
+        (100, 600, 700, False),  # few rows: all of them a piece, each block written once
+        (100, 1, 200_000, True),  # one row of the weight, many columns
+        (40, 3, 5, True),  # smaller than a piece
+        (0, 3, 5, True),  # no rows: zeros
+        (7, 1, 1, False),
+    ],
+)
+def test_factors_multiplied_in_pieces_are_their_product_in_pieces_of_bounded_work(
+    rows: int, m: int, n: int, others: bool
+) -> None:
+    # A commit's delta kept as factors is multiplied ahead in pieces, a turn for the event loop between
+    # them. Pieces of 4M multiply-adds were a few rows each, each product summed into a weight-sized
+    # array: a 3,072 x 1,024 weight's delta of 228 rows took 1.3 s against one product's 9 ms. Now a
+    # piece takes PIECE_ROWS rows or all there are, so that a block of the weight is added in once per
+    # that many rows, and each piece's work is bounded.
+    work = 1 << 22
+    rng = np.random.default_rng(rows + m + n)
+    half = rows // 2
+    d = Outer(rng.standard_normal((half, m)), rng.standard_normal((half, n)))
+    d = d + Outer(rng.standard_normal((rows - half, m)), rng.standard_normal((rows - half, n)))
+    if others:
+        d = d + rng.standard_normal((m, n)).astype(np.float32)
     pieces = d.pieces(work)
-    paused = 0
+    shapes: list[tuple[int, int, int]] = []
     while True:
         try:
-            next(pieces)
-            paused += 1
+            shapes.append(next(pieces))
         except StopIteration as done:
-            return done.value, paused
+            value = done.value
+            break
+    want = d.dense()
+    assert value.dtype == want.dtype == np.float64 and value.shape == (m, n)
+    np.testing.assert_allclose(value, want, rtol=1e-12, atol=1e-12)
+    assert sum(r * t * w for r, t, w in shapes) == rows * m * n
+    for r, t, w in shapes:
+        assert r * t * w <= max(work, PIECE_ROWS * PIECE_BLOCK * PIECE_BLOCK)
+    # (each entry of the weight written or summed into once per PIECE_ROWS rows at most)
+    assert sum(t * w for _, t, w in shapes) <= m * n * max(1, -(-rows // PIECE_ROWS))
 
 
-def test_factors_multiplied_in_pieces_are_their_product() -> None:
-    rng = np.random.default_rng(1)
-    # Many rows by a small weight (3 x 4): products of PIECE_ROWS rows or more, summed.
-    d = Outer(rng.standard_normal((500, 3)), rng.standard_normal((500, 4))) + Outer(
-        rng.standard_normal((100, 3)), rng.standard_normal((100, 4))
-    )
-    d = d + np.ones((3, 4))
-    value, paused = _paused(d, PIECE_ROWS * 12)
-    np.testing.assert_allclose(value, d.dense(), rtol=1e-12)
-    assert paused == 3  # (600 rows, 256 a piece)
-    # Few rows by a large weight (300 x 4): pieces of the weight's rows, PIECE_WEIGHT_ROWS or more.
-    d = Outer(rng.standard_normal((5, 300)), rng.standard_normal((5, 4))) + Outer(
-        rng.standard_normal((7, 300)), rng.standard_normal((7, 4))
-    )
-    value, paused = _paused(d, 1)
-    np.testing.assert_allclose(value, d.dense(), rtol=1e-12)
-    assert paused == 3  # (300 of the weight's rows, 128 a piece)
-
-
-def test_a_large_weights_delta_of_few_rows_is_not_summed_row_by_row() -> None:
-    # A parser's merged runs at hidden size 1,024 kept a 3,072 x 1,024 weight's delta as 228 rows:
-    # pieces of 4M multiply-adds were products of one row each, 228 weight-sized sums, 1.3 s against
-    # one product's 9 ms. Pieces are now the weight's rows, each a product of all the rows.
-    rng = np.random.default_rng(2)
-    d = Outer(rng.standard_normal((40, 2048)).astype(np.float32), rng.standard_normal((40, 1024)).astype(np.float32))
-    d = d + Outer(
-        rng.standard_normal((24, 2048)).astype(np.float32), rng.standard_normal((24, 1024)).astype(np.float32)
-    )
-    value, paused = _paused(d, entry.MULTIPLY_PIECE)
-    assert value.dtype == np.float32
-    np.testing.assert_allclose(value, d.dense(), rtol=1e-5, atol=1e-4)
-    assert paused == -(-2048 // max(entry.MULTIPLY_PIECE // (64 * 1024), PIECE_WEIGHT_ROWS)) <= 4
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    ("case", "ahead"),
+    [
+        ("sgd", False),  # added into the weight's data in the commit, one pass
+        ("adam", True),  # Adam needs the product: multiplied ahead, turns between its pieces
+        ("sgd, a dense delta beside", True),  # factored_step declines a dense delta beside the factors
+        ("sgd, long", True),  # more than FACTORS_IN_COMMIT: the commit would hold the event loop for it
+    ],
+)
 async def test_plain_sgd_steps_from_a_few_rows_factors_in_the_commit(
-    optimizer: str, monkeypatch: pytest.MonkeyPatch
+    case: str, ahead: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # 16 rows by a 1,024 x 1,024 weight: 16M multiply-adds kept as factors. Plain SGD's commit adds
     # their product into the weight's data in one pass (factored_step); multiplied ahead, a product
-    # into a fresh array read again to add, an MLP's step took 1.7-2x as long. Adam needs the
-    # product anyway: multiplied ahead, with turns between its pieces.
+    # into a fresh array read again to add, an MLP's step took 1.7-2x as long.
     rng = np.random.default_rng(3)
-    sgd = optimizer == "sgd"
+    sgd = case.startswith("sgd")
     w = ml.Weight(
         (rng.standard_normal((1024, 1024)) / 32).astype(np.float32),
         optimizer=ml.optim.sgd(0.1) if sgd else ml.optim.adam(0.1),
     )
-    x = rng.standard_normal((16, 1024)).astype(np.float32)
+    rows = 16
+    if case == "sgd, long":
+        rows = entry.FACTORS_IN_COMMIT // (1024 * 1024) + 1
+        assert rows < PIECE_ROWS
+    x = rng.standard_normal((rows, 1024)).astype(np.float32)
     multiplied: list[int] = []
     pieces = Outer.pieces
 
-    def counted(self: Outer, work: int) -> Generator[None, None, Any]:
+    def counted(self: Outer, work: int) -> Generator[tuple[int, int, int], None, Any]:
         multiplied.append(sum(left.shape[0] for left in self.lefts))
         return pieces(self, work)
 
     monkeypatch.setattr(Outer, "pieces", counted)
     loss = ml.sum(ml.tanh(x @ w))
+    if case == "sgd, a dense delta beside":
+        loss = loss + 1e-3 * ml.sum(w * w)
     before = w.data.copy()
     (want,) = await ml.gradients(loss, [w])
     await loss.train()
-    assert multiplied == ([] if sgd else [16])
+    assert multiplied == ([rows] if ahead else [])
     if sgd:
         np.testing.assert_allclose(w.data, before - 0.1 * np.asarray(want), rtol=1e-5, atol=1e-6)
     else:  # (Adam's first step: the rate times the gradient's sign, where it is not about 0)
