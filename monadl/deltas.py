@@ -350,7 +350,7 @@ class Outer:
         rows = left.shape[0]
         m, n = self.shape
         by_rows = max(1, min(rows, max(work // max(m * n, 1), PIECE_ROWS)))  # (rows a piece)
-        block = max(work // max(by_rows, 1), PIECE_BLOCK * PIECE_BLOCK)  # (a piece's block of the weight, in elements)
+        block = max(work // by_rows, PIECE_BLOCK * PIECE_BLOCK)  # (a piece's block of the weight, in elements)
         if block >= m * n:
             tall, wide = max(m, 1), max(n, 1)
         elif block >= min(m, PIECE_BLOCK) * n:

@@ -141,11 +141,11 @@ weight's data as it steps it (`_added_in_commit`)."""
 
 MULTIPLY_PIECE: Final = 1 << 26
 """Multiply-adds of a piece of `MULTIPLY_AHEAD`'s products (`Outer.pieces`):
-about 1.5-5 ms on the project's VM, one thread, float32. (Pieces of 4M each made a
-weight-sized sum of a few rows' products: a parser's 3,072 x 1,024 weight's
-delta of 228 rows, 228 pieces, took 1.3 s against one product's 9 ms, and its
-batch of 32 sentences at hidden size 1,024 ran 1.5x faster than one by one,
-not 5x.)"""
+about 1.5-5 ms on the project's VM, one thread, float32. (Pieces of 4M each
+made a weight-sized sum of a few rows' products: a parser's 3,072 x 1,024
+weight's delta of 228 rows, 228 pieces, took 1.3 s against one product's
+9 ms, and its batch of 32 sentences at hidden size 1,024 ran 1.5x faster
+than one by one, not 5x.)"""
 
 
 FACTORS_IN_COMMIT: Final = 1 << 27
